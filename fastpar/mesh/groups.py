@@ -1,0 +1,176 @@
+"""``ParallelMesh``: the process groups of a ``MeshLayout``, created on every rank.
+
+Every rank creates every group of every kind, in the same order (torch.distributed requires
+``new_group`` to be called collectively); identical rank lists share one group object, and a
+group spanning the whole world is the default group itself. Layers take the mesh (or one of
+its groups) as an argument: nothing here is stored in a module-level global.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from fastpar.mesh.layout import DEFAULT_ORDER, GROUP_KINDS, MeshLayout
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+class ParallelMesh:
+    """This rank's place in a TP / PP / DP / EP layout, with a process group for each kind.
+
+    Needs an initialised default process group (``torch.distributed.init_process_group`` or
+    ``fastpar.init``). Sizes: ``tp_size``, ``pp_size``, ``dp_size``, ``ep_size``,
+    ``expert_dp_size``; this rank's coordinates: ``tp_rank``, ``pp_rank``, ``dp_rank``,
+    ``ep_rank``, ``expert_dp_rank``; groups: ``tp_group``, ``pp_group``, ``dp_group``,
+    ``mp_group``, ``tp_dp_group``, ``ep_group``, ``expert_dp_group``, ``tp_ep_group`` and
+    ``embedding_group`` (None on ranks that hold no embedding). ``group(kind)`` and
+    ``ranks(kind)`` take any kind of ``fastpar.mesh.GROUP_KINDS``.
+    """
+
+    def __init__(
+        self,
+        tp: int = 1,
+        pp: int = 1,
+        ep: int = 1,
+        *,
+        order: str = DEFAULT_ORDER,
+        timeout: timedelta | None = None,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "ParallelMesh needs an initialised default process group: call "
+                "fastpar.init(tp=..., pp=..., ep=...) under torchrun, or "
+                "torch.distributed.init_process_group(...) first"
+            )
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.layout = MeshLayout(self.world_size, tp=tp, pp=pp, ep=ep, order=order)
+        self._groups: dict[str, dist.ProcessGroup | None] = {}
+        self._ranks: dict[str, list[int]] = {}
+        created: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        world = tuple(range(self.world_size))
+        for kind in GROUP_KINDS:
+            for ranks in self.layout.groups[kind]:
+                key = tuple(ranks)
+                if key not in created:
+                    if key == world:
+                        created[key] = dist.group.WORLD
+                    else:
+                        kwargs = {} if timeout is None else {"timeout": timeout}
+                        created[key] = dist.new_group(list(ranks), **kwargs)
+                if self.rank in ranks:
+                    self._groups[kind] = created[key]
+                    self._ranks[kind] = list(ranks)
+            self._groups.setdefault(kind, None)
+            self._ranks.setdefault(kind, [])
+
+        coords = self.layout.coords(self.rank)
+        self.tp_size, self.tp_rank = self.layout.tp, coords["tp"]
+        self.pp_size, self.pp_rank = self.layout.pp, coords["pp"]
+        self.dp_size, self.dp_rank = self.layout.dp, coords["dp"]
+        self.ep_size, self.ep_rank = self.layout.ep, coords["ep"]
+        self.expert_dp_size, self.expert_dp_rank = self.layout.expert_dp, coords["expert-dp"]
+
+    # -- groups -------------------------------------------------------------------------
+    def group(self, kind: str) -> dist.ProcessGroup | None:
+        """The process group of ``kind`` holding this rank (None for "embedding" off the ends)."""
+        if kind not in self._groups:
+            raise KeyError(f"unknown group kind {kind!r}; kinds are {list(GROUP_KINDS)}")
+        return self._groups[kind]
+
+    def ranks(self, kind: str) -> list[int]:
+        """Global ranks of this rank's group of ``kind`` ([] if it is in none)."""
+        if kind not in self._ranks:
+            raise KeyError(f"unknown group kind {kind!r}; kinds are {list(GROUP_KINDS)}")
+        return list(self._ranks[kind])
+
+    tp_group = property(lambda self: self._groups["tp"])
+    pp_group = property(lambda self: self._groups["pp"])
+    dp_group = property(lambda self: self._groups["dp"])
+    mp_group = property(lambda self: self._groups["mp"])
+    tp_dp_group = property(lambda self: self._groups["tp-dp"])
+    ep_group = property(lambda self: self._groups["ep"])
+    expert_dp_group = property(lambda self: self._groups["expert-dp"])
+    tp_ep_group = property(lambda self: self._groups["tp-ep"])
+    embedding_group = property(lambda self: self._groups["embedding"])
+
+    # -- pipeline neighbours ------------------------------------------------------------
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def next_rank(self) -> int | None:
+        """Global rank of the next pipeline stage (None on the last stage)."""
+        return None if self.is_last_stage else self._ranks["pp"][self.pp_rank + 1]
+
+    @property
+    def prev_rank(self) -> int | None:
+        """Global rank of the previous pipeline stage (None on the first stage)."""
+        return None if self.is_first_stage else self._ranks["pp"][self.pp_rank - 1]
+
+    def __repr__(self) -> str:
+        return (
+            f"ParallelMesh(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
+            f"pp={self.pp_rank}/{self.pp_size}, dp={self.dp_rank}/{self.dp_size}, "
+            f"ep={self.ep_rank}/{self.ep_size}, order={self.layout.order!r})"
+        )
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def init(
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    *,
+    order: str = DEFAULT_ORDER,
+    backend: str | None = None,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+) -> ParallelMesh:
+    """Initialise torch.distributed from torchrun's environment and build the mesh.
+
+    Reads RANK, WORLD_SIZE (and MASTER_ADDR / MASTER_PORT) as torchrun sets them; without them
+    it starts a one-rank world, so a script runs unchanged on a laptop. The layout is checked
+    before any process group exists. ``backend`` defaults to NCCL where CUDA is available, else
+    gloo; with NCCL the CUDA device is set from LOCAL_RANK. Every collective times out after
+    ``timeout`` instead of hanging.
+    """
+    if not dist.is_available():
+        raise RuntimeError("this torch build has no torch.distributed; install a build with it")
+    if dist.is_initialized():
+        return ParallelMesh(tp, pp, ep, order=order)
+    world_size = _env_int("WORLD_SIZE")
+    rank = _env_int("RANK")
+    if (world_size is None) != (rank is None):
+        raise RuntimeError(
+            "RANK and WORLD_SIZE must be set together (torchrun sets both); got "
+            f"RANK={os.environ.get('RANK')!r}, WORLD_SIZE={os.environ.get('WORLD_SIZE')!r}"
+        )
+    MeshLayout(world_size or 1, tp=tp, pp=pp, ep=ep, order=order)  # refuse a bad layout early
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(_env_int("LOCAL_RANK") or 0)
+    if world_size is None:
+        store = dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    return ParallelMesh(tp, pp, ep, order=order)

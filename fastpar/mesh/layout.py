@@ -1,0 +1,267 @@
+"""The pure rank layout: which ranks form each TP / PP / DP / EP group. No torch.distributed.
+
+Ranks are laid out on a grid whose axes are named by the ``order`` string, the first axis
+varying fastest (``"tp-ep-dp-pp"``: consecutive ranks share a pipeline stage and a data
+replica and differ in their tensor-parallel rank). A group of kind ``"tp"`` is a line along the
+tp axis; a group of kind ``"tp-dp"`` is a plane spanned by the tp and dp axes, and so on.
+
+Two grids share one order string, as in Megatron-Core's ``RankGenerator``:
+  * the dense grid  tp × 1 × dp × pp        (attention, dense MLP, embeddings);
+  * the expert grid tp × ep × dp/ep × pp    (expert weights: expert-tp = tp, expert-dp = dp / ep).
+The group lists produced here equal Megatron-Core's for the same sizes and order.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from functools import cached_property
+
+DIMENSIONS = ("tp", "ep", "dp", "pp")
+DEFAULT_ORDER = "tp-ep-dp-pp"
+
+#: The group kinds ``rank_groups`` returns, and what each is for.
+GROUP_KINDS = {
+    "tp": "tensor parallel: ranks that split one layer's weights",
+    "pp": "pipeline parallel: one rank per stage, first stage first",
+    "dp": "data parallel: replicas of the same dense weights",
+    "mp": "model parallel (tp × pp): one full copy of the model",
+    "tp-dp": "tensor × data parallel: ranks that hold one pipeline stage",
+    "embedding": "first and last pipeline stage (tied embedding / LM head); first only if pp = 1",
+    "ep": "expert parallel: ranks that split the experts of one MoE layer",
+    "expert-dp": "expert data parallel: replicas of the same experts (dp / ep ranks)",
+    "tp-ep": "expert tensor × expert parallel: ranks that hold one stage's experts",
+}
+
+
+def parse_order(order: str) -> tuple[str, ...]:
+    """Split and check an order string such as ``"tp-ep-dp-pp"``.
+
+    Every one of tp, ep, dp and pp must appear exactly once (the first varies fastest).
+    """
+    if not isinstance(order, str):
+        raise TypeError(f"order must be a string such as {DEFAULT_ORDER!r}, got {order!r}")
+    tokens = tuple(t.strip().lower() for t in order.split("-"))
+    unknown = [t for t in tokens if t not in DIMENSIONS]
+    if unknown:
+        hint = " (fastpar has no context parallelism)" if "cp" in unknown else ""
+        raise ValueError(
+            f"order {order!r} has unknown token(s) {unknown}{hint}; use each of "
+            f"{'/'.join(DIMENSIONS)} exactly once, e.g. {DEFAULT_ORDER!r}"
+        )
+    repeated = sorted({t for t in tokens if tokens.count(t) > 1})
+    if repeated:
+        raise ValueError(
+            f"order {order!r} repeats {repeated}; use each of {'/'.join(DIMENSIONS)} exactly "
+            f"once, e.g. {DEFAULT_ORDER!r}"
+        )
+    missing = [d for d in DIMENSIONS if d not in tokens]
+    if missing:
+        raise ValueError(
+            f"order {order!r} is missing {missing}; use each of {'/'.join(DIMENSIONS)} exactly "
+            f"once, e.g. {DEFAULT_ORDER!r}"
+        )
+    return tokens
+
+
+def grid_groups(sizes: dict[str, int], order: tuple[str, ...], axes: str) -> list[list[int]]:
+    """Groups spanned by ``axes`` (e.g. ``"tp-dp"``) on the grid ``sizes`` laid out by ``order``.
+
+    A rank's index is sum(coord[d] * stride[d]) with stride[d] the product of the sizes of the
+    axes before d in ``order``. One group per combination of the other axes' coordinates
+    (enumerated with the earliest axis fastest); inside a group, members are enumerated the
+    same way over the spanned axes, so every group lists its ranks in increasing order of the
+    spanned coordinates.
+    """
+    span = axes.split("-")
+    stride, acc = {}, 1
+    for d in order:
+        stride[d] = acc
+        acc *= sizes[d]
+    inside = [d for d in order if d in span]
+    outside = [d for d in order if d not in span]
+
+    def offsets(dims: list[str]) -> list[int]:
+        # itertools.product varies its last argument fastest, so feed the dims reversed.
+        ranges = [range(sizes[d]) for d in reversed(dims)]
+        return [
+            sum(c * stride[d] for c, d in zip(coords, reversed(dims), strict=True))
+            for coords in itertools.product(*ranges)
+        ]
+
+    members = offsets(inside)
+    return [[base + m for m in members] for base in offsets(outside)]
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """A checked parallel layout of ``world_size`` ranks.
+
+    Attributes:
+        world_size: number of ranks in the job.
+        tp: tensor-parallel size (also the expert tensor-parallel size).
+        pp: pipeline-parallel size (number of stages).
+        ep: expert-parallel size; must divide the data-parallel size.
+        order: axis order, first fastest; each of tp/ep/dp/pp once.
+    """
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    order: str = DEFAULT_ORDER
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "tp", "pp", "ep"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        tokens = parse_order(self.order)
+        object.__setattr__(self, "order", "-".join(tokens))
+        if self.world_size % (self.tp * self.pp):
+            works = [
+                d for d in range(1, self.world_size + 1) if self.world_size % (d * self.tp) == 0
+            ]
+            raise ValueError(
+                f"world_size {self.world_size} is not divisible by tp*pp = {self.tp}*{self.pp} "
+                f"= {self.tp * self.pp}; with tp={self.tp}, pp must be one of {works}, or use "
+                f"a world size that is a multiple of {self.tp * self.pp}"
+            )
+        dp = self.world_size // (self.tp * self.pp)
+        if dp % self.ep:
+            divisors = [e for e in range(1, dp + 1) if dp % e == 0]
+            raise ValueError(
+                f"data-parallel size {dp} (= world_size {self.world_size} / (tp*pp = "
+                f"{self.tp * self.pp})) is not divisible by ep {self.ep}; ep must be one of "
+                f"{divisors} (expert-dp = dp / ep)"
+            )
+        pp_last = tokens[-1] == "pp"
+        if not pp_last and self.pp > 1 and self.ep > 1:
+            raise ValueError(
+                f"order {self.order!r} does not end with 'pp' while pp={self.pp} and "
+                f"ep={self.ep}: the expert grid's data-parallel size ({dp // self.ep}) then "
+                f"differs from the dense grid's ({dp}) and their pipeline stages would not line "
+                f"up (Megatron-Core forbids this too); put 'pp' last, e.g. {DEFAULT_ORDER!r}, "
+                f"or use ep=1"
+            )
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: world_size / (tp * pp)."""
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def expert_dp(self) -> int:
+        """Expert data-parallel size: dp / ep."""
+        return self.dp // self.ep
+
+    @property
+    def dense_sizes(self) -> dict[str, int]:
+        return {"tp": self.tp, "ep": 1, "dp": self.dp, "pp": self.pp}
+
+    @property
+    def expert_sizes(self) -> dict[str, int]:
+        return {"tp": self.tp, "ep": self.ep, "dp": self.expert_dp, "pp": self.pp}
+
+    @cached_property
+    def groups(self) -> dict[str, list[list[int]]]:
+        """Every group kind of ``GROUP_KINDS`` → its list of groups (each a list of ranks)."""
+        tokens = tuple(self.order.split("-"))
+
+        def dense(axes: str) -> list[list[int]]:
+            return grid_groups(self.dense_sizes, tokens, axes)
+
+        def expert(axes: str) -> list[list[int]]:
+            return grid_groups(self.expert_sizes, tokens, axes)
+
+        pp_groups = dense("pp")
+        return {
+            "tp": dense("tp"),
+            "pp": pp_groups,
+            "dp": dense("dp"),
+            "mp": dense("tp-pp"),
+            "tp-dp": dense("tp-dp"),
+            "embedding": [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in pp_groups],
+            "ep": expert("ep"),
+            "expert-dp": expert("dp"),
+            "tp-ep": expert("tp-ep"),
+        }
+
+    def group_of(self, kind: str, rank: int) -> list[int]:
+        """The group of ``kind`` that holds ``rank`` (for "embedding": [] if rank is in none)."""
+        self._check_rank(rank)
+        if kind not in GROUP_KINDS:
+            raise KeyError(f"unknown group kind {kind!r}; kinds are {list(GROUP_KINDS)}")
+        for g in self.groups[kind]:
+            if rank in g:
+                return g
+        return []
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's position along each axis: its index inside its tp/pp/dp/ep/expert-dp group."""
+        self._check_rank(rank)
+        return {
+            "tp": self.group_of("tp", rank).index(rank),
+            "pp": self.group_of("pp", rank).index(rank),
+            "dp": self.group_of("dp", rank).index(rank),
+            "ep": self.group_of("ep", rank).index(rank),
+            "expert-dp": self.group_of("expert-dp", rank).index(rank),
+        }
+
+    def rank_at(self, *, tp: int = 0, pp: int = 0, dp: int = 0) -> int:
+        """The rank with these dense-grid coordinates (inverse of ``coords``)."""
+        sizes = self.dense_sizes
+        rank, stride = 0, 1
+        for d in self.order.split("-"):
+            c = {"tp": tp, "pp": pp, "dp": dp, "ep": 0}[d]
+            if not 0 <= c < sizes[d]:
+                raise ValueError(f"{d} coordinate {c} is outside [0, {sizes[d]})")
+            rank += c * stride
+            stride *= sizes[d]
+        return rank
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the world [0, {self.world_size})")
+
+    def describe(self) -> str:
+        """A readable text table: sizes, each rank's coordinates, then every group."""
+        lines = [
+            f"world_size={self.world_size}  tp={self.tp}  pp={self.pp}  dp={self.dp}  "
+            f"ep={self.ep}  expert-dp={self.expert_dp}  order={self.order}",
+            "",
+            f"{'rank':>4}  {'tp':>3} {'pp':>3} {'dp':>3} {'ep':>3} {'edp':>3}  stage",
+        ]
+        for r in range(self.world_size):
+            c = self.coords(r)
+            stage = "first" if c["pp"] == 0 else ""
+            if c["pp"] == self.pp - 1:
+                stage = "first+last" if self.pp == 1 else "last"
+            lines.append(
+                f"{r:>4}  {c['tp']:>3} {c['pp']:>3} {c['dp']:>3} {c['ep']:>3} "
+                f"{c['expert-dp']:>3}  {stage}"
+            )
+        for kind, what in GROUP_KINDS.items():
+            groups = self.groups[kind]
+            lines += ["", f"{kind} ({len(groups)} groups) — {what}"]
+            lines += [
+                "  " + " ".join(str(g) for g in groups[i : i + 8]) for i in range(0, len(groups), 8)
+            ]
+        return "\n".join(lines)
+
+
+def rank_groups(
+    world_size: int, *, tp: int = 1, pp: int = 1, ep: int = 1, order: str = DEFAULT_ORDER
+) -> dict[str, list[list[int]]]:
+    """Every parallel group of a layout, as lists of global ranks.
+
+    Keys: "tp", "pp", "dp", "mp", "tp-dp", "embedding", "ep", "expert-dp", "tp-ep" (see
+    ``GROUP_KINDS``). dp = world_size / (tp * pp); expert-dp = dp / ep. Raises ValueError for an
+    impossible layout, naming the numbers and what would work.
+
+    >>> g = rank_groups(16, tp=2, pp=4)
+    >>> g["dp"][:3], g["pp"][0]
+    ([[0, 2], [1, 3], [4, 6]], [0, 4, 8, 12])
+    """
+    layout = MeshLayout(world_size, tp=tp, pp=pp, ep=ep, order=order)
+    return {k: [list(g) for g in v] for k, v in layout.groups.items()}

@@ -1,0 +1,149 @@
+"""ParallelMesh on real gloo ranks: every group reduces over exactly the ranks rank_groups lists."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch.distributed as dist
+
+from fastpar.mesh import GROUP_KINDS, MeshLayout, ParallelMesh
+from fastpar.mesh.check import group_sums, members
+from fastpar.testing import RankError, run_ranks
+
+LAYOUTS = [
+    (4, dict(tp=2)),
+    (4, dict(pp=2, ep=2)),
+    (4, dict(tp=2, pp=2)),
+    (4, dict(ep=4)),
+    (8, dict(tp=2, pp=2, ep=2)),
+    (8, dict(tp=2, pp=4)),
+    (8, dict(pp=2, ep=4)),
+    (8, dict(tp=2, ep=2, order="tp-dp-ep-pp")),
+    (8, dict(tp=2, pp=2, order="pp-dp-tp-ep")),
+]
+
+
+@pytest.mark.parametrize("world,kw", LAYOUTS, ids=[f"w{w}-{kw}" for w, kw in LAYOUTS])
+def test_groups_reduce_over_listed_ranks(world, kw):
+    layout = MeshLayout(world, **kw)
+    results = run_ranks(
+        group_sums,
+        world,
+        kw.get("tp", 1),
+        kw.get("pp", 1),
+        kw.get("ep", 1),
+        kw.get("order", "tp-ep-dp-pp"),
+    )
+    for rank, res in enumerate(results):
+        for kind in GROUP_KINDS:
+            expected = layout.group_of(kind, rank)
+            ranks, bits = res[kind]
+            assert ranks == expected, (rank, kind)
+            assert (members(bits) if bits is not None else []) == expected, (rank, kind)
+        c = res["coords"]
+        assert {k: c[k] for k in ("tp", "pp", "dp", "ep", "expert-dp")} == layout.coords(rank)
+        pp_group = layout.group_of("pp", rank)
+        assert c["first"] == (pp_group[0] == rank) and c["last"] == (pp_group[-1] == rank)
+        i = pp_group.index(rank)
+        assert c["next"] == (pp_group[i + 1] if i + 1 < len(pp_group) else None)
+        assert c["prev"] == (pp_group[i - 1] if i > 0 else None)
+
+
+def _bad_mesh():
+    return ParallelMesh(tp=3)
+
+
+def test_mesh_refuses_bad_layout_on_ranks():
+    with pytest.raises(RankError, match=r"world_size 4 is not divisible by tp\*pp = 3\*1") as info:
+        run_ranks(_bad_mesh, 4)
+    assert isinstance(info.value.exception, ValueError)
+
+
+def test_mesh_needs_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="needs an initialised default process group"):
+        ParallelMesh()
+
+
+def _run_script(code, env_extra, timeout=120):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(env_extra)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_init_without_torchrun_is_one_rank_world():
+    out = _run_script(
+        """
+        import fastpar
+        mesh = fastpar.init()
+        print(mesh.world_size, mesh.tp_size, mesh.dp_size, mesh.is_first_stage, mesh.is_last_stage)
+        """,
+        {},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "1", "1", "True", "True"]
+
+
+def test_init_refuses_bad_layout_before_any_group():
+    out = _run_script(
+        """
+        import torch.distributed as dist, fastpar
+        try:
+            fastpar.init(tp=3)
+        except ValueError as e:
+            print("refused:", e, "| initialised:", dist.is_initialized())
+        """,
+        {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert "refused: world_size 4 is not divisible by tp*pp = 3*1" in out.stdout
+    assert "initialised: False" in out.stdout
+
+
+def test_init_half_set_environment_is_an_error():
+    out = _run_script("import fastpar\nfastpar.init()\n", {"RANK": "0"})
+    assert out.returncode != 0
+    assert "RANK and WORLD_SIZE must be set together" in out.stderr
+
+
+@pytest.mark.slow
+def test_init_under_torchrun(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch, torch.distributed as dist, fastpar
+            mesh = fastpar.init(tp=2, pp=2)
+            t = torch.tensor([2.0 ** mesh.rank])
+            dist.all_reduce(t, group=mesh.pp_group)
+            line = f"rank {mesh.rank} tp {mesh.tp_rank} pp {mesh.pp_rank} ppsum {int(t.item())}"
+            with open(f"{__file__}.{mesh.rank}.out", "w") as f:
+                f.write(line)
+            dist.destroy_process_group()
+            """
+        )
+    )
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    out = subprocess.run(
+        [*torchrun, "--standalone", "--nproc-per-node", "4", str(script)],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [(tmp_path / f"job.py.{r}.out").read_text() for r in range(4)]
+    # pp groups of 4 ranks, tp=2, pp=2: [0, 2] and [1, 3]; sums 2^0+2^2 = 5, 2^1+2^3 = 10
+    assert lines == [
+        "rank 0 tp 0 pp 0 ppsum 5",
+        "rank 1 tp 1 pp 0 ppsum 10",
+        "rank 2 tp 0 pp 1 ppsum 5",
+        "rank 3 tp 1 pp 1 ppsum 10",
+    ]

@@ -1,0 +1,222 @@
+"""The pure rank layout against Megatron-Core's published layouts and two independent oracles."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+
+from fastpar.mesh import GROUP_KINDS, MeshLayout, rank_groups
+
+ORDERS = ["-".join(p) for p in itertools.permutations(("tp", "ep", "dp", "pp"))]
+
+
+def numpy_oracle(world, tp, pp, ep, order):
+    """Groups by reshaping an arange, independent of fastpar's stride arithmetic.
+
+    The grid arange(world).reshape(sizes of the order, reversed) puts the first axis of the
+    order last, i.e. fastest. A group spanning some axes: move the other axes to the front
+    (later axes first so the earliest varies fastest), then flatten each group's block.
+    """
+    tokens = order.split("-")
+    dp = world // (tp * pp)
+
+    def groups(sizes, axes):
+        rev = list(reversed(tokens))
+        grid = np.arange(world).reshape([sizes[t] for t in rev])
+        span = axes.split("-")
+        outside = [rev.index(t) for t in rev if t not in span]
+        inside = [rev.index(t) for t in rev if t in span]
+        size = int(np.prod([sizes[t] for t in span]))
+        return grid.transpose(outside + inside).reshape(-1, size).tolist()
+
+    dense = {"tp": tp, "ep": 1, "dp": dp, "pp": pp}
+    expert = {"tp": tp, "ep": ep, "dp": dp // ep, "pp": pp}
+    out = {k: groups(dense, k) for k in ("tp", "pp", "dp")}
+    out["mp"] = groups(dense, "tp-pp")
+    out["tp-dp"] = groups(dense, "tp-dp")
+    out["embedding"] = [[g[0], g[-1]] if pp > 1 else [g[0]] for g in out["pp"]]
+    out["ep"] = groups(expert, "ep")
+    out["expert-dp"] = groups(expert, "dp")
+    out["tp-ep"] = groups(expert, "tp-ep")
+    return out
+
+
+def loop_oracle_default_order(world, tp, pp, ep):
+    """The pre-RankGenerator way of building Megatron's groups, written as explicit loops.
+
+    Only for the default order tp-(ep)-dp-pp: pipeline stages are contiguous blocks of
+    world/pp ranks; inside a stage, tp ranks are consecutive and dp ranks stride by tp.
+    """
+    dp, per_stage = world // (tp * pp), world // pp
+    edp = dp // ep
+    tp_g = [list(range(i, i + tp)) for i in range(0, world, tp)]
+    pp_g = [list(range(i, world, per_stage)) for i in range(per_stage)]
+    dp_g = [
+        list(range(s * per_stage + j, (s + 1) * per_stage, tp))
+        for s in range(pp)
+        for j in range(tp)
+    ]
+    tp_dp = [list(range(s * per_stage, (s + 1) * per_stage)) for s in range(pp)]
+    mp = [[s * per_stage + d * tp + k for s in range(pp) for k in range(tp)] for d in range(dp)]
+
+    # expert grid tp × ep × edp × pp, tp fastest
+    def r(k, e, d, s):
+        return k + tp * (e + ep * (d + edp * s))
+
+    ep_g = [
+        [r(k, e, d, s) for e in range(ep)] for s in range(pp) for d in range(edp) for k in range(tp)
+    ]
+    edp_g = [
+        [r(k, e, d, s) for d in range(edp)] for s in range(pp) for e in range(ep) for k in range(tp)
+    ]
+    tp_ep = [
+        [r(k, e, d, s) for e in range(ep) for k in range(tp)] for s in range(pp) for d in range(edp)
+    ]
+    emb = [[g[0], g[-1]] if pp > 1 else [g[0]] for g in pp_g]
+    return {
+        "tp": tp_g, "pp": pp_g, "dp": dp_g, "mp": mp, "tp-dp": tp_dp, "embedding": emb,
+        "ep": ep_g, "expert-dp": edp_g, "tp-ep": tp_ep,
+    }  # fmt: skip
+
+
+def test_megatron_docstring_example():
+    g = rank_groups(16, tp=2, pp=4)
+    assert g["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert g["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert g["pp"] == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    assert g["embedding"] == [[0, 12], [1, 13], [2, 14], [3, 15]]
+    assert g["mp"] == [[0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]]
+    assert set(g) == set(GROUP_KINDS)
+
+
+def test_expert_groups_by_hand():
+    # 8 ranks, tp=2, pp=2 -> dp=2, ep=2 -> expert-dp=1. Stage 0 holds ranks 0-3.
+    g = rank_groups(8, tp=2, pp=2, ep=2)
+    assert g["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g["expert-dp"] == [[r] for r in range(8)]
+    assert g["tp-ep"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert g["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g["embedding"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # 16 ranks, tp=1, pp=2, ep=2 -> dp=8, expert-dp=4
+    g = rank_groups(16, pp=2, ep=2)
+    assert g["ep"][:3] == [[0, 1], [2, 3], [4, 5]]
+    assert g["expert-dp"][:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert g["tp-ep"][0] == [0, 1]
+
+
+def test_pp1_embedding_is_first_rank_only():
+    g = rank_groups(4, tp=2)
+    assert g["embedding"] == [[0], [1], [2], [3]]
+    assert g["pp"] == [[0], [1], [2], [3]]
+
+
+# Megatron-Core's own layout test matrix (nodes × 8 GPUs, cp = 1) for tp, pp, ep.
+MEGATRON_CASES = [
+    (1, 1, 1, 1), (8, 8, 1, 1), (8, 2, 2, 1), (8, 2, 4, 1), (24, 8, 3, 1), (32, 2, 4, 1),
+    (64, 8, 8, 1), (64, 2, 1, 4), (128, 4, 8, 1), (128, 4, 8, 4), (256, 4, 8, 4),
+    (512, 4, 2, 8), (768, 4, 8, 1),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("world,tp,pp,ep", MEGATRON_CASES)
+def test_default_order_matches_loop_oracle(world, tp, pp, ep):
+    assert rank_groups(world, tp=tp, pp=pp, ep=ep) == loop_oracle_default_order(world, tp, pp, ep)
+
+
+def _random_layouts(n, seed=1234):
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        tp, pp, ep = rng.choice([1, 2, 3, 4, 8]), rng.choice([1, 2, 3, 4]), rng.choice([1, 2, 3, 4])
+        edp = rng.choice([1, 2, 3])
+        order = rng.choice(ORDERS)
+        if pp > 1 and ep > 1 and not order.endswith("pp"):
+            continue
+        world = tp * pp * ep * edp
+        if world <= 192:
+            out.append((world, tp, pp, ep, order))
+    return out
+
+
+RANDOM_LAYOUTS = _random_layouts(300)
+
+
+def test_random_layouts_properties():
+    checked = 0
+    for world, tp, pp, ep, order in RANDOM_LAYOUTS:
+        layout = MeshLayout(world, tp=tp, pp=pp, ep=ep, order=order)
+        groups = layout.groups
+        sizes = {"tp": tp, "pp": pp, "dp": layout.dp, "mp": tp * pp, "tp-dp": tp * layout.dp,
+                 "ep": ep, "expert-dp": layout.expert_dp, "tp-ep": tp * ep}  # fmt: skip
+        assert groups == numpy_oracle(world, tp, pp, ep, order), (world, tp, pp, ep, order)
+        for kind, size in sizes.items():
+            flat = sorted(r for g in groups[kind] for r in g)
+            assert flat == list(range(world)), f"{kind} does not partition {world} ranks"
+            assert all(len(g) == size for g in groups[kind]), (kind, size)
+        # embedding: one group per pipeline, its ends
+        assert len(groups["embedding"]) == len(groups["pp"])
+        # coordinates map back to the rank, and agree with the group positions
+        for rank in range(world):
+            c = layout.coords(rank)
+            assert layout.rank_at(tp=c["tp"], pp=c["pp"], dp=c["dp"]) == rank
+            assert layout.group_of("tp", rank)[c["tp"]] == rank
+        if order.startswith("tp"):
+            assert all(g == list(range(g[0], g[0] + tp)) for g in groups["tp"])
+        checked += 1
+    assert checked == 300
+
+
+@pytest.mark.parametrize("order", [o for o in ORDERS if o.endswith("pp")])
+def test_dense_and_expert_pipelines_agree_when_pp_last(order):
+    layout = MeshLayout(24, tp=2, pp=3, ep=2, order=order)
+    exp = numpy_oracle(24, 2, 3, 2, order)
+    assert layout.groups["pp"] == exp["pp"]
+    # every ep / expert-dp group lies inside one pipeline stage's tp-dp group
+    stage_of = {r: i for i, g in enumerate(layout.groups["tp-dp"]) for r in g}
+    for kind in ("ep", "expert-dp", "tp-ep"):
+        for g in layout.groups[kind]:
+            assert len({stage_of[r] for r in g}) == 1, (kind, g)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(world_size=12, tp=5), r"world_size 12 is not divisible by tp\*pp = 5\*1"),
+        (dict(world_size=16, tp=2, pp=3), r"not divisible by tp\*pp = 2\*3 = 6.*pp must be one of \[1, 2, 4, 8\]"),
+        (dict(world_size=16, tp=2, pp=2, ep=3), r"data-parallel size 4 .* not divisible by ep 3; ep must be one of \[1, 2, 4\]"),
+        (dict(world_size=8, order="tp-cp-dp-pp"), r"unknown token\(s\) \['cp'\] \(fastpar has no context parallelism\)"),
+        (dict(world_size=8, order="tp-xx-dp-pp"), r"unknown token\(s\) \['xx'\]"),
+        (dict(world_size=8, order="tp-dp-pp"), r"missing \['ep'\]"),
+        (dict(world_size=8, order="tp-dp-dp-pp"), r"repeats \['dp'\]"),
+        (dict(world_size=8, pp=2, ep=2, order="tp-pp-ep-dp"), r"does not end with 'pp' while pp=2 and ep=2.*expert grid's data-parallel size \(2\).*dense grid's \(4\)"),
+        (dict(world_size=0), r"world_size must be a positive integer, got 0"),
+        (dict(world_size=8, tp=-2), r"tp must be a positive integer, got -2"),
+    ],
+)  # fmt: skip
+def test_bad_layouts_raise_clear_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MeshLayout(**kwargs)
+    with pytest.raises(ValueError, match=match):
+        rank_groups(**kwargs)
+
+
+def test_pp_not_last_is_fine_without_ep():
+    # Megatron allows any order when ep = 1 (or pp = 1): dense and expert grids coincide.
+    g = rank_groups(8, tp=2, pp=2, order="tp-pp-ep-dp")
+    assert g["pp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    g = rank_groups(8, tp=2, ep=2, order="tp-dp-ep-pp")
+    assert g["ep"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_group_of_and_bad_rank():
+    layout = MeshLayout(8, tp=2, pp=2)
+    assert layout.group_of("dp", 5) == [5, 7]
+    assert layout.group_of("embedding", 5) == [1, 5]
+    with pytest.raises(ValueError, match=r"rank 8 is outside the world \[0, 8\)"):
+        layout.coords(8)
+    with pytest.raises(KeyError, match="unknown group kind 'cp'"):
+        layout.group_of("cp", 0)

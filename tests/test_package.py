@@ -1,0 +1,138 @@
+"""Packaging: import without Triton or a compiler, ``python -m fastpar.info``, backend selection."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from fastpar.ops import backend
+
+
+def _py(code, cwd=None):
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_import_does_not_import_triton_or_the_extension():
+    out = _py("import sys, fastpar; print('triton' in sys.modules, 'fastpar._C' in sys.modules)")
+    assert out.split() == ["False", "False"]
+
+
+def test_import_and_info_without_triton():
+    out = _py(
+        """
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name == "triton" or name.startswith("triton."):
+                    raise ImportError("triton blocked for this test")
+        sys.meta_path.insert(0, Block())
+        import fastpar
+        from fastpar.info import report
+        print(report())
+        """
+    )
+    assert "triton    not available (ImportError: triton blocked for this test)" in out
+
+
+def test_info_command_reports_versions():
+    out = subprocess.run(
+        [sys.executable, "-m", "fastpar.info"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    import torch
+
+    import fastpar
+
+    assert f"fastpar   {fastpar.__version__}" in out.stdout
+    assert f"torch     {torch.__version__}" in out.stdout
+    assert f"python    {sys.version.split()[0]}" in out.stdout
+    assert "extension fastpar._C " in out.stdout
+    assert "device    " in out.stdout
+
+
+def test_kernels_install_as_subpackage_only(tmp_path):
+    out = _py(
+        """
+        import importlib.util, fastpar.kernels
+        print(importlib.util.find_spec("kernels") is None, fastpar.kernels.__name__)
+        """,
+        cwd=tmp_path,  # away from the source tree, whose kernels/ folder would shadow the test
+    )
+    assert out.split() == ["True", "fastpar.kernels"]
+
+
+def test_backend_selection_rules(monkeypatch):
+    monkeypatch.delenv(backend.ENV_VAR, raising=False)
+    name = "test_only_op"
+    backend.register_op(name, ("triton", "reference"))
+    try:
+        assert backend.select(name, "cpu") == "reference"
+        expect_cuda = "triton" if backend.triton_status()[0] else "reference"
+        assert backend.select(name, "cuda") == expect_cuda
+        with backend.use_backend("reference"):
+            assert backend.select(name, "cuda") == "reference"
+        monkeypatch.setenv(backend.ENV_VAR, "reference")
+        assert backend.select(name, "cuda") == "reference"
+        monkeypatch.setenv(backend.ENV_VAR, "bogus")
+        with pytest.raises(ValueError, match="FASTPAR_BACKEND='bogus' is not one of"):
+            backend.select(name, "cpu")
+        monkeypatch.delenv(backend.ENV_VAR)
+        with (
+            pytest.raises(ValueError, match="has no 'extension' backend"),
+            backend.use_backend("extension"),
+        ):
+            backend.select(name, "cpu")
+        with pytest.raises(ValueError, match="must be drawn from"):
+            backend.register_op("bad", ("triton",))
+    finally:
+        backend._OPS.pop(name, None)
+
+
+@pytest.mark.skipif(not backend.triton_status()[0], reason="Triton is not installed here")
+def test_forcing_triton_on_cpu_is_allowed(monkeypatch):
+    monkeypatch.delenv(backend.ENV_VAR, raising=False)
+    backend.register_op("test_only_op2", ("triton", "reference"))
+    try:
+        with backend.use_backend("triton"):
+            assert backend.select("test_only_op2", "cpu") == "triton"
+    finally:
+        backend._OPS.pop("test_only_op2", None)
+
+
+def test_mesh_cli(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "fastpar.mesh", "--world-size", "16", "--tp", "2", "--pp", "4", "--json"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    import json
+
+    doc = json.loads(out.stdout)
+    assert doc["groups"]["pp"] == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    assert doc["sizes"] == {"tp": 2, "pp": 4, "dp": 2, "ep": 1, "expert-dp": 2}
+    assert doc["ranks"][5] == {"tp": 1, "pp": 1, "dp": 0, "ep": 0, "expert-dp": 0}
+    bad = subprocess.run(
+        [sys.executable, "-m", "fastpar.mesh", "--world-size", "12", "--tp", "5"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2
+    assert "error: world_size 12 is not divisible by tp*pp = 5*1" in bad.stderr
+    env = dict(os.environ)
+    chk = subprocess.run(
+        [sys.executable, "-m", "fastpar.mesh", "--world-size", "8", "--tp", "2", "--pp", "2", "--ep", "2", "--check"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert chk.returncode == 0, chk.stderr
+    assert "check ok: 8 gloo ranks created every group" in chk.stdout
