@@ -1,0 +1,29 @@
+"""Test tiers (see scripts/run_tests.sh):
+
+* ``interpreter``: Triton kernels on CPU tensors under TRITON_INTERPRET=1. The variable must be
+  set before Triton defines a kernel, so these run in their own pytest process; in any other
+  process they are skipped with that reason.
+* ``cuda``: needs an NVIDIA GPU; skipped with that reason elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    no_interp = pytest.mark.skip(
+        reason="interpreter tier: run with TRITON_INTERPRET=1 in its own process "
+        "(scripts/run_tests.sh does)"
+    )
+    no_cuda = pytest.mark.skip(reason="needs an NVIDIA GPU (GPU tier: pytest -m cuda)")
+    for item in items:
+        if "interpreter" in item.keywords and not INTERPRETING:
+            item.add_marker(no_interp)
+        if "cuda" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_cuda)
