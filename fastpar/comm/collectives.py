@@ -1,0 +1,196 @@
+"""Differentiable collectives for tensor and sequence parallelism.
+
+Each is a named ``torch.autograd.Function`` taking an explicit process group (None = the
+default group); the forward and backward communicate over that group only. With a group of
+size 1 every one of them is the identity.
+
+    function                  forward                       backward
+    copy_to_region            identity                      all-reduce
+    reduce_from_region        all-reduce                    identity
+    scatter_to_region         keep this rank's chunk (dim)  all-gather (dim)
+    gather_from_region        all-gather (dim)              keep this rank's chunk (dim)
+    all_gather_reduce_scatter all-gather (dim)              reduce-scatter (dim)
+    reduce_scatter_all_gather reduce-scatter (dim)          all-gather (dim)
+
+``scatter_to_sequence`` / ``gather_from_sequence`` are the scatter / gather pair along the
+sequence dimension (dim 0 by default, Megatron's [s, b, h] layout).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+Group = dist.ProcessGroup | None
+
+
+def group_size(group: Group) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def group_rank(group: Group) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def _check_divisible(x: torch.Tensor, dim: int, world: int, what: str) -> int:
+    dim = dim % x.dim()
+    if x.shape[dim] % world:
+        raise ValueError(
+            f"{what}: size {x.shape[dim]} of dim {dim} (shape {tuple(x.shape)}) is not divisible "
+            f"by the group size {world}; pad that dimension to a multiple of {world}"
+        )
+    return dim
+
+
+def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    if group_size(group) == 1:
+        return x
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    world = group_size(group)
+    if world == 1:
+        return x
+    dim = _check_divisible(x, dim, world, "split")
+    return x.chunk(world, dim=dim)[group_rank(group)].contiguous()
+
+
+def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    world = group_size(group)
+    if world == 1:
+        return x
+    dim = dim % x.dim()
+    src = x.movedim(dim, 0).contiguous()
+    out = torch.empty((world * src.shape[0], *src.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, src, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    world = group_size(group)
+    if world == 1:
+        return x
+    dim = _check_divisible(x, dim, world, "reduce-scatter")
+    src = x.movedim(dim, 0).contiguous()
+    out = torch.empty((src.shape[0] // world, *src.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, src, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+class CopyToRegion(torch.autograd.Function):
+    """Identity forward; all-reduce of the gradient backward (entering a TP region)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_reduce(grad, ctx.group), None
+
+
+class ReduceFromRegion(torch.autograd.Function):
+    """All-reduce forward; identity backward (leaving a TP region with partial sums)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class ScatterToRegion(torch.autograd.Function):
+    """Keep this rank's chunk along ``dim`` forward; all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class GatherFromRegion(torch.autograd.Function):
+    """All-gather along ``dim`` forward; keep this rank's chunk of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _split(grad, ctx.dim, ctx.group), None, None
+
+
+class AllGatherReduceScatter(torch.autograd.Function):
+    """All-gather along ``dim`` forward; reduce-scatter the gradient backward.
+
+    Sequence parallelism's entry into a column-parallel layer: every rank's full-sequence
+    gradient is a partial sum, which the reduce-scatter completes and re-shards.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+class ReduceScatterAllGather(torch.autograd.Function):
+    """Reduce-scatter along ``dim`` forward; all-gather the gradient backward.
+
+    Sequence parallelism's exit from a row-parallel layer (replaces its all-reduce).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+def copy_to_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    return CopyToRegion.apply(x, group)
+
+
+def reduce_from_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
+    return ReduceFromRegion.apply(x, group)
+
+
+def scatter_to_region(x: torch.Tensor, group: Group = None, dim: int = -1) -> torch.Tensor:
+    return ScatterToRegion.apply(x, dim, group)
+
+
+def gather_from_region(x: torch.Tensor, group: Group = None, dim: int = -1) -> torch.Tensor:
+    return GatherFromRegion.apply(x, dim, group)
+
+
+def scatter_to_sequence(x: torch.Tensor, group: Group = None, dim: int = 0) -> torch.Tensor:
+    return ScatterToRegion.apply(x, dim, group)
+
+
+def gather_from_sequence(x: torch.Tensor, group: Group = None, dim: int = 0) -> torch.Tensor:
+    return GatherFromRegion.apply(x, dim, group)
+
+
+def all_gather_reduce_scatter(x: torch.Tensor, group: Group = None, dim: int = 0) -> torch.Tensor:
+    return AllGatherReduceScatter.apply(x, dim, group)
+
+
+def reduce_scatter_all_gather(x: torch.Tensor, group: Group = None, dim: int = 0) -> torch.Tensor:
+    return ReduceScatterAllGather.apply(x, dim, group)

@@ -1,0 +1,18 @@
+"""Drop-in tensor-parallel modules mirroring ``torch.nn``."""
+
+from __future__ import annotations
+
+from fastpar.nn.embedding import VocabParallelEmbedding, VocabShard
+from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear
+from fastpar.nn.marks import ParamLayout, param_layout
+from fastpar.nn.parallelize import parallelize
+
+__all__ = [
+    "ColumnParallelLinear",
+    "ParamLayout",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "VocabShard",
+    "param_layout",
+    "parallelize",
+]

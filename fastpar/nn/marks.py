@@ -1,0 +1,41 @@
+"""Each parameter says how it is laid out across ranks: sharded (along which dim, over which
+group) or replicated (over which group). Gradient clipping and checkpointing read this mark
+to count every element exactly once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+_ATTR = "_fastpar_layout"
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """``kind`` "sharded": this rank holds a slice along ``dim`` of a tensor split over
+    ``group``; "replicated": every rank of ``group`` holds the same tensor.
+    ``full_size`` is the unpadded size along ``dim`` of the whole tensor (sharded only)."""
+
+    kind: Literal["sharded", "replicated"]
+    group: dist.ProcessGroup | None
+    dim: int | None = None
+    full_size: int | None = None
+
+
+def mark_sharded(
+    p: torch.nn.Parameter, dim: int, group: dist.ProcessGroup | None, full_size: int
+) -> None:
+    setattr(p, _ATTR, ParamLayout("sharded", group, dim, full_size))
+
+
+def mark_replicated(p: torch.nn.Parameter, group: dist.ProcessGroup | None) -> None:
+    setattr(p, _ATTR, ParamLayout("replicated", group))
+
+
+def param_layout(p: torch.Tensor) -> ParamLayout | None:
+    """The mark of ``p``, or None for a parameter fastpar did not create (plain torch.nn)."""
+    return getattr(p, _ATTR, None)
