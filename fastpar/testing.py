@@ -98,14 +98,18 @@ def _worker(
                     timeout=timedelta(seconds=timeout),
                 )
                 result = fn(*args, **kwargs)
-                conn.send(("ok", rank, result))
+                # plain pickle copies tensor data; multiprocessing's pickler would pass tensors
+                # through shared memory that dies with this process at os._exit
+                conn.send_bytes(pickle.dumps(("ok", rank, result)))
             except BaseException as exc:  # report everything, KeyboardInterrupt included
                 tb = traceback.format_exc()
                 try:
                     payload = pickle.dumps(exc)
                 except Exception:
                     payload = None
-                conn.send(("error", rank, (type(exc).__name__, str(exc), tb, payload)))
+                conn.send_bytes(
+                    pickle.dumps(("error", rank, (type(exc).__name__, str(exc), tb, payload)))
+                )
                 code = 1
             finally:
                 with contextlib.suppress(Exception):
@@ -232,7 +236,7 @@ def _collect(procs: list[Any], conns: list[Any], world: int, timeout: float, tmp
         for c in ready:
             rank = pending.pop(c)
             try:
-                status, _, payload = c.recv()
+                status, _, payload = pickle.loads(c.recv_bytes())
             except (EOFError, OSError):
                 procs[rank].join(timeout=1)
                 status = "error"

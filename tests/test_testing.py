@@ -152,3 +152,14 @@ def test_bad_arguments():
         run_ranks(_sum_ranks, 2, timeout=0)
     with pytest.raises(ValueError, match="GNU libgomp is not fork-safe"):
         run_ranks(_sum_ranks, 2, threads_per_rank=2)
+
+
+def _many_tensors():
+    return [torch.full((100, 100), float(dist.get_rank() + i)) for i in range(20)]
+
+
+def test_returned_tensors_survive_the_rank_exiting():
+    # tensors must be copied, not passed through shared memory that dies with the rank
+    for _ in range(5):
+        out = run_ranks(_many_tensors, 2)
+        assert [t[0, 0].item() for t in out[1]] == [float(1 + i) for i in range(20)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastpar.nn.embedding import VocabParallelEmbedding, VocabShard
 from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear
+from fastpar.nn.loss import VocabParallelCrossEntropy
 from fastpar.nn.marks import ParamLayout, param_layout
 from fastpar.nn.parallelize import parallelize
 
@@ -11,8 +12,9 @@ __all__ = [
     "ColumnParallelLinear",
     "ParamLayout",
     "RowParallelLinear",
+    "VocabParallelCrossEntropy",
     "VocabParallelEmbedding",
     "VocabShard",
-    "param_layout",
     "parallelize",
+    "param_layout",
 ]

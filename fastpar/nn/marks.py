@@ -39,3 +39,27 @@ def mark_replicated(p: torch.nn.Parameter, group: dist.ProcessGroup | None) -> N
 def param_layout(p: torch.Tensor) -> ParamLayout | None:
     """The mark of ``p``, or None for a parameter fastpar did not create (plain torch.nn)."""
     return getattr(p, _ATTR, None)
+
+
+_DUPLICATED = "_fastpar_duplicated_over"
+_EXPERT = "_fastpar_expert"
+
+
+def mark_duplicated(p: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """``p`` (whatever its TP layout) is held identically by every rank of ``group`` — e.g. a
+    word embedding tied between the first and last pipeline stage (the mesh's embedding group)."""
+    setattr(p, _DUPLICATED, (*getattr(p, _DUPLICATED, ()), group))
+
+
+def duplicated_over(p: torch.Tensor) -> tuple:
+    return getattr(p, _DUPLICATED, ())
+
+
+def mark_expert(p: torch.Tensor) -> None:
+    """``p`` belongs to an expert: replicated over the expert-data-parallel group, not the
+    data-parallel group."""
+    setattr(p, _EXPERT, True)
+
+
+def is_expert(p: torch.Tensor) -> bool:
+    return bool(getattr(p, _EXPERT, False))

@@ -1,0 +1,313 @@
+"""CPU tier: vocab-parallel cross-entropy on 1, 2 and 4 gloo ranks against F.cross_entropy.
+
+The oracle is torch on the full (gathered) logits, in float64 from the very values each rank
+holds (bf16 inputs are rounded once, then compared exactly in wider arithmetic):
+``F.cross_entropy(full, target, label_smoothing=α) + z·logsumexp(full)²``, backward on the full
+logits, the gradient padded and sliced into each rank's shard. Every case of one world size runs
+in one ``run_ranks`` call.
+
+Ranks return their tensors as ``pickle.dumps`` bytes: a tensor sent back as-is travels through
+torch's shared-memory reducer, whose file descriptor the parent may fetch after the rank has
+already exited (a flaky "exited without a result").
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fastpar.nn.loss import VocabParallelCrossEntropy
+from fastpar.ops.cross_entropy import vocab_parallel_cross_entropy
+from fastpar.testing import RankError, run_ranks
+
+GARBAGE = 1.0e4  # written into padding columns: must never reach the loss or the gradient
+
+
+@dataclass(frozen=True)
+class Case:
+    shape: tuple[int, ...] = (13,)
+    vocab: int = 128
+    reduction: str = "mean"
+    ignore_index: int = -100
+    n_ignored: int = 2
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    dtype: torch.dtype = torch.float32
+    scale: float = 3.0
+    padded: bool = False  # pass vocab_size explicitly (True whenever vocab % tp != 0)
+    seed: int = 0
+
+
+CASES = [
+    Case(),
+    Case(reduction="sum", seed=1),
+    Case(reduction="none", seed=2),
+    Case(vocab=123, padded=True, seed=3),
+    Case(vocab=123, padded=True, reduction="none", label_smoothing=0.1, z_loss=1e-3, seed=4),
+    Case(shape=(5, 7), vocab=123, padded=True, reduction="sum", label_smoothing=0.1, seed=5),
+    Case(shape=(5, 7), vocab=128, label_smoothing=0.1, z_loss=1e-3, seed=6),
+    Case(z_loss=1e-3, reduction="sum", seed=7),
+    Case(ignore_index=3, n_ignored=4, label_smoothing=0.2, seed=8),
+    Case(n_ignored=13, seed=9),  # every target ignored: mean is 0, gradient 0
+    Case(n_ignored=13, reduction="sum", z_loss=1e-3, seed=10),
+    Case(scale=1.0e4, seed=11),
+    Case(scale=1.0e4, vocab=123, padded=True, reduction="none", label_smoothing=0.1, seed=12),
+    Case(shape=(3, 2, 4), vocab=123, padded=True, dtype=torch.bfloat16, seed=13),
+    Case(vocab=123, padded=True, dtype=torch.bfloat16, label_smoothing=0.1, z_loss=1e-3, seed=14),
+    Case(vocab=128, dtype=torch.float16, reduction="none", seed=15),
+    Case(shape=(), vocab=123, padded=True, n_ignored=0, seed=16),  # one unbatched row
+    Case(shape=(1,), vocab=5, padded=True, reduction="sum", seed=17),  # a rank of only padding
+]
+
+# (loss rtol, gradient atol) per input dtype: the loss is accumulated in fp32 from exactly
+# representable inputs; the gradient is rounded once to the logits' dtype.
+TOL = {torch.float32: (2e-5, 2e-6), torch.bfloat16: (2e-5, 1e-2), torch.float16: (2e-5, 2e-3)}
+
+
+def _inputs(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(full logits [*shape, V] in case.dtype, target [*shape] int64, upstream gradient)."""
+    gen = torch.Generator().manual_seed(case.seed)
+    full = (torch.randn(*case.shape, case.vocab, generator=gen) * case.scale).to(case.dtype)
+    target = torch.randint(0, case.vocab, case.shape, generator=gen)
+    flat = target.view(-1)
+    ignored = torch.randperm(flat.numel(), generator=gen)[: case.n_ignored]
+    flat[ignored] = case.ignore_index
+    if case.reduction == "none":
+        upstream = torch.rand(case.shape, generator=gen) + 0.5
+    else:
+        upstream = torch.tensor(1.7)
+    return full, target, upstream
+
+
+def _shard(full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s columns of ``full`` padded to ``tp·ceil(V/tp)`` with GARBAGE."""
+    n_local = math.ceil(full.shape[-1] / tp)
+    pad = torch.full((*full.shape[:-1], n_local * tp - full.shape[-1]), GARBAGE, dtype=full.dtype)
+    return torch.cat([full, pad], dim=-1)[..., rank * n_local : (rank + 1) * n_local]
+
+
+def _expected(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, gradient of the full logits [*shape, V]) from torch in float64."""
+    full, target, upstream = _inputs(case)
+    x = full.double().requires_grad_()
+    x2, t = x.reshape(-1, case.vocab), target.reshape(-1)
+    rows = F.cross_entropy(
+        x2,
+        t,
+        ignore_index=case.ignore_index,
+        label_smoothing=case.label_smoothing,
+        reduction="none",
+    )
+    valid = t != case.ignore_index
+    rows = rows + case.z_loss * torch.logsumexp(x2, dim=-1).square() * valid
+    if case.reduction == "none":
+        loss = rows.reshape(case.shape)
+    elif case.reduction == "sum":
+        loss = rows.sum()
+    else:
+        loss = rows.sum() / valid.sum().clamp(min=1)
+    (loss * upstream.double()).sum().backward()
+    return loss.detach(), x.grad
+
+
+def _run_cases(cases: list[Case], group_size: int | None = None) -> bytes:
+    """On each rank: loss and shard gradient of every case (on subgroups when ``group_size``),
+    pickled."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    group, tp, tp_rank = None, world, rank
+    if group_size is not None:
+        subgroups = [
+            dist.new_group(list(range(s, s + group_size))) for s in range(0, world, group_size)
+        ]
+        group, tp, tp_rank = subgroups[rank // group_size], group_size, rank % group_size
+    out = []
+    for case in cases:
+        full, target, upstream = _inputs(case)
+        shard = _shard(full, tp, tp_rank).requires_grad_()
+        loss = vocab_parallel_cross_entropy(
+            shard,
+            target,
+            group=group,
+            ignore_index=case.ignore_index,
+            label_smoothing=case.label_smoothing,
+            reduction=case.reduction,
+            z_loss=case.z_loss,
+            vocab_size=case.vocab if case.padded else None,
+        )
+        (loss * upstream).sum().backward()
+        out.append((loss.detach(), shard.grad))
+    return pickle.dumps(out)
+
+
+def _ranks(*args) -> list:
+    return [pickle.loads(r) for r in run_ranks(_run_cases, *args)]
+
+
+def _check(case: Case, results: list, tp: int, case_index: int) -> None:
+    loss_rtol, grad_atol = TOL[case.dtype]
+    want_loss, want_grad = _expected(case)
+    n_local = math.ceil(case.vocab / tp)
+    pad = torch.zeros(*case.shape, n_local * tp - case.vocab, dtype=torch.float64)
+    want_grad = torch.cat([want_grad, pad], dim=-1)
+    for rank, per_case in enumerate(results):
+        loss, grad = per_case[case_index]
+        where = f"{case} tp={tp} rank={rank}"
+        assert loss.dtype == torch.float32, where
+        assert grad.dtype == case.dtype, where
+        assert loss.shape == want_loss.shape, where
+        assert torch.isfinite(loss).all() and torch.isfinite(grad).all(), where
+        torch.testing.assert_close(
+            loss.double(),
+            want_loss,
+            rtol=loss_rtol,
+            atol=loss_rtol,
+            msg=lambda m, w=where: f"{w}\n{m}",
+        )
+        want = want_grad[..., rank * n_local : (rank + 1) * n_local]
+        scale = max(1.0, want_grad.abs().max().item())
+        torch.testing.assert_close(
+            grad.double(),
+            want,
+            rtol=loss_rtol if case.dtype == torch.float32 else 1.6e-2,
+            atol=grad_atol * scale,
+            msg=lambda m, w=where: f"{w} gradient\n{m}",
+        )
+        padding_cols = [c for c in range(n_local) if rank * n_local + c >= case.vocab]
+        assert (grad[..., padding_cols] == 0).all(), f"{where}: padding columns got a gradient"
+
+
+def test_tp1_in_process_equals_cross_entropy():
+    """No process group at all: the op is F.cross_entropy (plus z-loss) on the whole vocab."""
+    results = [_run_cases_local(CASES)]
+    for i, case in enumerate(CASES):
+        _check(case, results, 1, i)
+
+
+def _run_cases_local(cases: list[Case]) -> list:
+    out = []
+    for case in cases:
+        full, target, upstream = _inputs(case)
+        x = full.clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(
+            x,
+            target,
+            ignore_index=case.ignore_index,
+            label_smoothing=case.label_smoothing,
+            reduction=case.reduction,
+            z_loss=case.z_loss,
+        )
+        (loss * upstream).sum().backward()
+        out.append((loss.detach(), x.grad))
+    return out
+
+
+def test_tp1_matches_torch_reductions_directly():
+    """Against F.cross_entropy's own reductions (not re-derived), odd shape [5, 7, V]."""
+    gen = torch.Generator().manual_seed(42)
+    x = torch.randn(5, 7, 123, generator=gen).requires_grad_()
+    t = torch.randint(0, 123, (5, 7), generator=gen)
+    t[0, :3] = -100
+    for reduction in ("mean", "sum", "none"):
+        for alpha in (0.0, 0.1):
+            got = vocab_parallel_cross_entropy(x, t, reduction=reduction, label_smoothing=alpha)
+            want = F.cross_entropy(
+                x.permute(0, 2, 1), t, reduction=reduction, label_smoothing=alpha
+            )
+            torch.testing.assert_close(got, want)
+            g_got = torch.autograd.grad(got.sum(), x)[0]
+            g_want = torch.autograd.grad(want.sum(), x)[0]
+            torch.testing.assert_close(g_got, g_want)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_parity_against_full_logits(tp):
+    results = _ranks(tp, CASES)
+    for i, case in enumerate(CASES):
+        _check(case, results, tp, i)
+
+
+def test_subgroups_of_two_in_a_world_of_four():
+    """``group`` is honoured: two independent TP groups of 2, neither talks to the other."""
+    cases = [CASES[4], CASES[6]]
+    results = _ranks(4, cases, 2)
+    for i, case in enumerate(cases):
+        _check(case, results[:2], 2, i)
+        _check(case, results[2:], 2, i)
+
+
+def test_module_forward_and_repr():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 50, generator=gen, requires_grad=True)
+    t = torch.randint(0, 50, (6,), generator=gen)
+    loss_fn = VocabParallelCrossEntropy(label_smoothing=0.1, reduction="sum")
+    torch.testing.assert_close(
+        loss_fn(x, t), F.cross_entropy(x, t, label_smoothing=0.1, reduction="sum")
+    )
+    assert "label_smoothing=0.1" in repr(loss_fn)
+    with pytest.raises(ValueError, match="reduction"):
+        VocabParallelCrossEntropy(reduction="avg")
+
+
+def test_bad_inputs_raise_clear_errors():
+    x = torch.randn(4, 10)
+    t = torch.randint(0, 10, (4,))
+    with pytest.raises(ValueError, match=r"logits \(4, 10\) must be target's shape \(5,\)"):
+        vocab_parallel_cross_entropy(x, torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="must be target's shape"):
+        vocab_parallel_cross_entropy(x[None], t)
+    with pytest.raises(TypeError, match=r"integer class ids.*torch.float32"):
+        vocab_parallel_cross_entropy(x, t.float())
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        vocab_parallel_cross_entropy(x.double(), t)
+    with pytest.raises(ValueError, match=r"reduction must be one of .* got 'avg'"):
+        vocab_parallel_cross_entropy(x, t, reduction="avg")
+    for alpha in (1.0, -0.1):
+        with pytest.raises(ValueError, match=rf"label_smoothing must be in \[0, 1\), got {alpha}"):
+            vocab_parallel_cross_entropy(x, t, label_smoothing=alpha)
+    with pytest.raises(ValueError, match="z_loss must be >= 0"):
+        vocab_parallel_cross_entropy(x, t, z_loss=-1.0)
+    with pytest.raises(
+        ValueError, match=r"vocab_size=11 does not fit shards of 10 columns on 1 ranks"
+    ):
+        vocab_parallel_cross_entropy(x, t, vocab_size=11)
+    for bad_id in (10, -1, 12345):
+        bad = t.clone()
+        bad[2] = bad_id
+        with pytest.raises(RuntimeError, match=r"target id is outside \[0, 10\).*ignore_index"):
+            vocab_parallel_cross_entropy(x, bad)
+    ok = t.clone()
+    ok[1] = -100  # ignore_index is not an out-of-range id
+    vocab_parallel_cross_entropy(x, ok)
+    vocab_parallel_cross_entropy(x, t.int())  # int32 ids are accepted
+
+
+def _padding_id_rejected() -> str:
+    """tp=2, V=7: shards of 4, global id 7 is padding, not a vocabulary entry."""
+    x = torch.randn(3, 4)
+    t = torch.tensor([0, 7, 6])
+    try:
+        vocab_parallel_cross_entropy(x, t, vocab_size=7)
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_padding_id_rejected_on_every_rank():
+    messages = run_ranks(_padding_id_rejected, 2)
+    assert all("outside [0, 7)" in m for m in messages), messages
+
+
+def test_rank_error_surfaces():
+    """A bad call on ranks is reported by the harness with the message intact."""
+
+    def bad():
+        return vocab_parallel_cross_entropy(torch.randn(2, 3), torch.zeros(2), reduction="mean")
+
+    with pytest.raises(RankError, match="integer class ids"):
+        run_ranks(bad, 2)
