@@ -1,4 +1,7 @@
 """Ops: autograd Functions and their functional API; each picks Triton, the extension or the
 pure-torch reference through ``fastpar.ops.backend.select``."""
 
-from fastpar.ops import cross_entropy  # noqa: F401  (registers vocab_parallel_cross_entropy)
+from fastpar.ops import (
+    cross_entropy,  # noqa: F401  (registers vocab_parallel_cross_entropy)
+    unscale_norm,  # noqa: F401  (registers unscale_norm)
+)

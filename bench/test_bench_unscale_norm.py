@@ -1,0 +1,140 @@
+"""Unscale + inf/NaN check + grad norm over many gradients: provider × (tensors, elements, dtype).
+
+Providers (all in place, ``inv_scale = 0.5`` as a 0-dim fp32 device tensor, and all ending
+with a 0-dim found_inf flag and the total norm on the device, no host sync):
+
+* ``torch_two_pass``: ``torch._amp_foreach_non_finite_check_and_unscale_`` then
+  ``torch._foreach_norm`` + stack + norm (what GradScaler.unscale_ + clip_grad_norm_ do);
+* ``fastpar``: ``unscale_and_norm`` (Triton on a GPU, the torch reference on a CPU) + sqrt;
+  it also returns max |g|, which the other providers do not compute;
+* ``loop``: a per-tensor Python loop of ``mul_`` + ``vector_norm``.
+
+Sizes: on a GPU 100 / 1,000 / 10,000 tensors × 10M / 100M / 1B elements, fp32 and bf16
+(combinations that do not fit in free memory are skipped); on a CPU 100 / 1,000 tensors × 1M /
+10M fp32 elements. Tensor sizes within a set are log-uniform (a few large, many small).
+
+``extra_info``: compulsory bytes (each grad read once and written once), bytes/s, on a GPU the
+fraction of peak HBM bandwidth (H200 4.8 TB/s, H100 3.35 TB/s), and ``time_vs_torch_two_pass``
+(median time / the torch_two_pass median of the same group; < 1 is faster). On a CPU compare
+these ratios, not absolute times. All providers of a size share one benchmark group.
+
+Run:  pytest bench/test_bench_unscale_norm.py --benchmark-json=bench/results/unscale_norm.json
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastpar.ops.unscale_norm import unscale_and_norm
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+PROVIDERS = ("torch_two_pass", "fastpar", "loop")  # torch first: the others' ratio needs it
+if CUDA:
+    SIZES = [
+        (t, e, d) for d in ("fp32", "bf16") for t in (100, 1000, 10000) for e in (1e7, 1e8, 1e9)
+    ]
+    ROUNDS, WARMUP = 10, 2
+else:
+    SIZES = [(t, e, "fp32") for t in (100, 1000) for e in (1e6, 1e7)]
+    ROUNDS, WARMUP = 5, 1
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PEAK_HBM = {"H200": 4.8e12, "H100": 3.35e12}  # bytes/s, by a substring of the device name
+CASES = [(p, *size) for size in SIZES for p in PROVIDERS]
+_MEDIANS: dict[str, float] = {}  # group -> torch_two_pass median
+
+
+def _peak_bandwidth() -> float | None:
+    if not CUDA:
+        return None
+    name = torch.cuda.get_device_name(0)
+    return next((bw for key, bw in PEAK_HBM.items() if key in name), None)
+
+
+def _sizes(n_tensors: int, total: int, seed: int = 0) -> list[int]:
+    """``n_tensors`` log-uniform sizes summing to ``total`` (each at least 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.exp(torch.rand(n_tensors, generator=gen, dtype=torch.float64) * 9.0)
+    sizes = (weights / weights.sum() * (total - n_tensors)).floor().long() + 1
+    sizes[0] += total - int(sizes.sum())
+    return sizes.tolist()
+
+
+def _make_grads(n_tensors: int, total: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    free = torch.cuda.mem_get_info()[0] if CUDA else None
+    need = total * torch.tensor([], dtype=dtype).element_size()
+    if free is not None and need * 1.3 > free:
+        pytest.skip(f"{need / 2**30:.1f} GiB of gradients do not fit in {free / 2**30:.1f} GiB")
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    return [
+        torch.randn(n, device=DEVICE, generator=gen).to(dtype) for n in _sizes(n_tensors, total)
+    ]
+
+
+def _torch_two_pass(grads: list[torch.Tensor], inv: torch.Tensor):
+    found = torch.zeros((), device=inv.device)
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+    return found, torch.linalg.vector_norm(torch.stack(norms))
+
+
+def _fastpar(grads: list[torch.Tensor], inv: torch.Tensor):
+    found, sumsq, _ = unscale_and_norm(grads, inv)
+    return found, sumsq.sqrt()
+
+
+def _loop(grads: list[torch.Tensor], inv: torch.Tensor):
+    norms = []
+    for g in grads:
+        g.mul_(inv)
+        norms.append(torch.linalg.vector_norm(g, dtype=torch.float32))
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    return (~torch.isfinite(total)).float(), total
+
+
+FNS = {"torch_two_pass": _torch_two_pass, "fastpar": _fastpar, "loop": _loop}
+
+
+@pytest.mark.parametrize(
+    ("provider", "n_tensors", "total", "dtype"),
+    CASES,
+    ids=[f"{p}-T{t}-E{int(e):.0e}-{d}".replace("+0", "") for p, t, e, d in CASES],
+)
+def test_unscale_norm(benchmark, provider, n_tensors, total, dtype):
+    total = int(total)
+    grads = _make_grads(n_tensors, total, DTYPES[dtype])
+    inv = torch.tensor(0.5, device=DEVICE)
+    fn = FNS[provider]
+    group = f"unscale_norm-{dtype}-T{n_tensors}-E{total:.0e}"
+
+    def run():
+        out = fn(grads, inv)
+        if CUDA:
+            torch.cuda.synchronize()
+        return out
+
+    found, norm = run()  # warm-up: compiles the kernel; checks the provider works
+    assert float(found) == 0.0 and float(norm) > 0.0
+    benchmark.group = group
+    moved = 2 * sum(g.numel() * g.element_size() for g in grads)  # read once + write once
+    benchmark.extra_info.update(
+        provider=provider,
+        n_tensors=n_tensors,
+        elements=total,
+        dtype=dtype,
+        device=torch.cuda.get_device_name(0) if CUDA else "cpu",
+        compulsory_bytes=moved,
+    )
+    # inv_scale 0.5 a call: ~15 calls stay far from fp32 / bf16 subnormals (values ~ 2^-15).
+    benchmark.pedantic(run, rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
+
+    median = benchmark.stats.stats.median
+    benchmark.extra_info["bytes_per_s"] = moved / median
+    peak = _peak_bandwidth()
+    if peak is not None:
+        benchmark.extra_info["hbm_fraction"] = moved / median / peak
+    if provider == "torch_two_pass":
+        _MEDIANS[group] = median
+    elif group in _MEDIANS:
+        benchmark.extra_info["time_vs_torch_two_pass"] = median / _MEDIANS[group]

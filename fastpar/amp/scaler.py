@@ -1,0 +1,170 @@
+"""Loss scalers for fp16 training: dynamic (Megatron-Core semantics, with hysteresis) and constant.
+
+bf16 has fp32's exponent range and needs no scaler.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Literal
+
+import torch
+
+Policy = Literal["raise", "warn", "ignore"]
+
+
+class LossScaleError(RuntimeError):
+    """Raised when steps keep overflowing at the minimum loss scale (policy "raise")."""
+
+
+def _as_flag(found_inf: bool | torch.Tensor, device: torch.device) -> torch.Tensor:
+    if isinstance(found_inf, torch.Tensor):
+        if found_inf.numel() != 1:
+            raise ValueError(
+                f"found_inf must be a bool or a 0-dim tensor, got shape {tuple(found_inf.shape)}"
+            )
+        return found_inf.reshape(()).to(device=device, dtype=torch.bool)
+    return torch.tensor(bool(found_inf), device=device)
+
+
+class ConstantLossScaler:
+    """A fixed loss scale; ``update`` does nothing."""
+
+    def __init__(self, scale: float = 1.0, *, device: torch.device | str | None = None) -> None:
+        if not scale > 0:
+            raise ValueError(f"scale must be positive, got {scale}")
+        self._scale = torch.tensor(float(scale), dtype=torch.float32, device=device)
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The current scale: a 0-dim fp32 tensor on the scaler's device."""
+        return self._scale
+
+    @property
+    def inv_scale(self) -> torch.Tensor:
+        return self._scale.reciprocal()
+
+    def update(self, found_inf: bool | torch.Tensor) -> None:
+        _as_flag(found_inf, self._scale.device)
+
+    def state_dict(self) -> dict:
+        return {"scale": self._scale.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._scale.copy_(torch.as_tensor(state["scale"]))
+
+
+class DynamicLossScaler:
+    """Dynamic loss scaling with hysteresis (Megatron-Core's semantics).
+
+    On an overflow step: the growth count resets and one unit of hysteresis is used; once
+    hysteresis is used up the scale is multiplied by ``backoff_factor`` (never below
+    ``min_scale``). After ``growth_interval`` consecutive clean steps the scale is multiplied by
+    ``growth_factor`` and hysteresis is restored. (A clean step does not restore hysteresis by
+    itself.) With ``hysteresis=1`` this is torch.amp.GradScaler's rule (plus the floor).
+
+    All state lives on ``device`` and ``update`` does not synchronise with the host, except for
+    the min-scale policy: ``on_min_scale`` says what happens when a step overflows while the
+    scale is already at ``min_scale`` and hysteresis is used up — "raise" (LossScaleError, the
+    default: training has diverged), "warn" (warn once and keep skipping steps), or "ignore".
+    "raise" and "warn" read one flag from the device per update (one host sync); "ignore" never
+    syncs.
+    """
+
+    def __init__(
+        self,
+        initial_scale: float = 2.0**32,
+        min_scale: float = 1.0,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        *,
+        on_min_scale: Policy = "raise",
+        device: torch.device | str | None = None,
+    ) -> None:
+        if not initial_scale > 0 or not min_scale > 0 or initial_scale < min_scale:
+            raise ValueError(
+                f"need initial_scale >= min_scale > 0, got initial_scale={initial_scale}, "
+                f"min_scale={min_scale}"
+            )
+        if not growth_factor > 1:
+            raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
+        if not 0 < backoff_factor < 1:
+            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
+        if growth_interval < 1 or hysteresis < 1:
+            raise ValueError(
+                f"growth_interval and hysteresis must be >= 1, got {growth_interval}, {hysteresis}"
+            )
+        if on_min_scale not in ("raise", "warn", "ignore"):
+            raise ValueError(
+                f"on_min_scale must be 'raise', 'warn' or 'ignore', got {on_min_scale!r}"
+            )
+        self.min_scale, self.growth_factor, self.backoff_factor = (
+            min_scale,
+            growth_factor,
+            backoff_factor,
+        )
+        self.growth_interval, self.hysteresis, self.on_min_scale = (
+            growth_interval,
+            hysteresis,
+            on_min_scale,
+        )
+        f32 = dict(dtype=torch.float32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
+        self._scale = torch.tensor(float(initial_scale), **f32)
+        self._growth_tracker = torch.tensor(0, **i64)
+        self._hysteresis_tracker = torch.tensor(hysteresis, **i64)
+        self._warned = False
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The current scale: a 0-dim fp32 tensor on the scaler's device."""
+        return self._scale
+
+    @property
+    def inv_scale(self) -> torch.Tensor:
+        return self._scale.reciprocal()
+
+    def update(self, found_inf: bool | torch.Tensor) -> None:
+        """Advance the state machine by one step; ``found_inf``: bool or 0-dim tensor."""
+        inf = _as_flag(found_inf, self._scale.device)
+        hyst_after = torch.where(inf, self._hysteresis_tracker - 1, self._hysteresis_tracker)
+        back_off = inf & (hyst_after <= 0)
+        stuck = back_off & (self._scale <= self.min_scale)
+        backed = torch.clamp(self._scale * self.backoff_factor, min=self.min_scale)
+        grown = self._growth_tracker + 1
+        grow = (~inf) & (grown >= self.growth_interval)
+        self._scale.copy_(
+            torch.where(
+                back_off, backed, torch.where(grow, self._scale * self.growth_factor, self._scale)
+            )
+        )
+        self._growth_tracker.copy_(torch.where(inf | grow, torch.zeros_like(grown), grown))
+        self._hysteresis_tracker.copy_(
+            torch.where(grow, torch.full_like(hyst_after, self.hysteresis), hyst_after.clamp(min=0))
+        )
+        if self.on_min_scale != "ignore" and bool(stuck):
+            msg = (
+                f"a step overflowed with the loss scale already at min_scale={self.min_scale}: the "
+                "gradients are inf/NaN whatever the scale (diverged training, a bad batch, or too "
+                "high a learning rate). Lower the learning rate or min_scale, check the data, or "
+                "pass on_min_scale='warn' to keep skipping such steps"
+            )
+            if self.on_min_scale == "raise":
+                raise LossScaleError(msg)
+            if not self._warned:
+                warnings.warn(msg, RuntimeWarning, stacklevel=2)
+                self._warned = True
+
+    def state_dict(self) -> dict:
+        return {
+            "scale": self._scale.clone(),
+            "growth_tracker": self._growth_tracker.clone(),
+            "hysteresis_tracker": self._hysteresis_tracker.clone(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self._scale.copy_(torch.as_tensor(state["scale"]))
+        self._growth_tracker.copy_(torch.as_tensor(state["growth_tracker"]))
+        self._hysteresis_tracker.copy_(torch.as_tensor(state["hysteresis_tracker"]))

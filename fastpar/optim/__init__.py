@@ -1,0 +1,7 @@
+"""Optimizers: fp32 master weights around any torch optimizer."""
+
+from __future__ import annotations
+
+from fastpar.optim.mixed_precision import MixedPrecisionOptimizer
+
+__all__ = ["MixedPrecisionOptimizer"]

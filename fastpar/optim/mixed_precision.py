@@ -1,0 +1,197 @@
+"""``MixedPrecisionOptimizer``: fp32 master weights around any torch optimizer.
+
+    model = model.half()                         # or .bfloat16()
+    opt = MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                  scaler=DynamicLossScaler(), max_grad_norm=1.0, mesh=mesh)
+    opt.scale_loss(loss).backward()
+    skipped, grad_norm = opt.step()              # 0-dim device tensors
+    opt.zero_grad()
+
+Each step: (1) one fused pass per dtype unscales the low-precision gradients into fp32 main
+gradients (fp32 parameters in place), raising a device flag on any inf/NaN and accumulating the
+sum of squares of the gradients this rank counts (see ``fastpar.amp.norm``); (2) one all-reduce
+over every rank taking part agrees on the flag and the norm; (3) the scaler updates; (4) unless
+the step overflowed, gradients are clipped and the wrapped optimizer steps on the fp32 masters;
+(5) the masters are copied back into the model's parameters.
+
+Skipping without a host sync: optimizers that accept a device ``found_inf`` (torch's fused
+Adam / AdamW / SGD, ``fused=True``) skip on the device. Any other optimizer needs the flag on
+the host: one ``.item()`` per step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fastpar.amp.norm import all_reduce_norm_and_inf, counts_on_this_rank
+from fastpar.amp.scaler import ConstantLossScaler, DynamicLossScaler
+from fastpar.ops.unscale_norm import clip_coefficient, unscale_and_norm
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+class MixedPrecisionOptimizer:
+    """Wraps ``optimizer`` (built on the model's parameters, before any step): fp16/bf16
+    parameters get fp32 master copies that the optimizer updates; fp32 parameters are updated
+    as they are. ``scaler`` None means no loss scaling (right for bf16 and fp32).
+
+    ``max_grad_norm``: clip to this global L2 norm (None: no clipping, the norm is still
+    returned). ``mesh`` / ``group``: which ranks take part, for counting each parameter once and
+    agreeing on overflow (see ``fastpar.amp.norm``); ``dp_replicated=False`` when gradients are
+    sharded over DP (ZeRO).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        scaler: DynamicLossScaler | ConstantLossScaler | None = None,
+        max_grad_norm: float | None = None,
+        mesh=None,
+        group: dist.ProcessGroup | None = None,
+        dp_replicated: bool = True,
+    ) -> None:
+        if optimizer.state:
+            raise ValueError(
+                "wrap the optimizer before its first step: it already holds state for the "
+                "model's parameters, which would not follow them to the fp32 masters"
+            )
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm}")
+        self.optimizer, self.scaler, self.max_grad_norm = optimizer, scaler, max_grad_norm
+        self.mesh, self.group, self.dp_replicated = mesh, group, dp_replicated
+        self.model_params: list[torch.Tensor] = []
+        self.masters: list[torch.Tensor] = []
+        for pg in optimizer.param_groups:
+            new = []
+            for p in pg["params"]:
+                if p.dtype in LOW_PRECISION:
+                    m = torch.nn.Parameter(
+                        p.detach().float().clone(), requires_grad=p.requires_grad
+                    )
+                elif p.dtype == torch.float32:
+                    m = p
+                else:
+                    raise TypeError(f"parameter of dtype {p.dtype}: expected fp32, fp16 or bf16")
+                self.model_params.append(p)
+                self.masters.append(m)
+                new.append(m)
+            pg["params"] = new
+        self._counts = [
+            counts_on_this_rank(p, mesh=mesh, group=group, dp_replicated=dp_replicated)
+            for p in self.model_params
+        ]
+        device = self.model_params[0].device if self.model_params else torch.device("cpu")
+        self._skipped = torch.zeros((), dtype=torch.int64, device=device)
+        self._fused_skip = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def skipped_steps(self) -> torch.Tensor:
+        """How many steps were skipped for inf/NaN gradients (a device tensor)."""
+        return self._skipped
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * scale`` (``loss`` unchanged without a scaler): call backward on this."""
+        return loss if self.scaler is None else loss * self.scaler.scale.to(loss.device)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p, m in zip(self.model_params, self.masters, strict=True):
+            if set_to_none:
+                p.grad = None
+                m.grad = None
+            else:
+                for t in {id(p): p, id(m): m}.values():
+                    if t.grad is not None:
+                        t.grad.zero_()
+
+    def _main_grads(self):
+        """Group (model grad, fp32 main grad) pairs into counted / uncounted lists."""
+        lists = {True: ([], []), False: ([], [])}
+        for p, m, counted in zip(self.model_params, self.masters, self._counts, strict=True):
+            if p.grad is None:
+                m.grad = None
+                continue
+            if m is not p:
+                if m.grad is None or m.grad.shape != m.shape:
+                    m.grad = torch.empty_like(m)
+            src, dst = lists[counted]
+            src.append(p.grad)
+            dst.append(m.grad)
+        return lists
+
+    @torch.no_grad()
+    def step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step. Returns (skipped: 0-dim bool tensor, grad_norm: 0-dim fp32 tensor); the norm
+        is that of the unscaled gradients before clipping, the same on every rank."""
+        device = self._skipped.device
+        inv_scale = (
+            self.scaler.inv_scale.to(device)
+            if self.scaler is not None
+            else torch.ones((), dtype=torch.float32, device=device)
+        )
+        found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        sumsq = torch.zeros((), dtype=torch.float32, device=device)
+        for counted, (src, dst) in self._main_grads().items():
+            # fp32 params: unscale in place (dst is src); low precision: into the fp32 main grad
+            same = [i for i, (s, d) in enumerate(zip(src, dst, strict=True)) if s is d]
+            other = [i for i in range(len(src)) if src[i] is not dst[i]]
+            for idx, out in ((same, False), (other, True)):
+                if not idx:
+                    continue
+                _, ss, _ = unscale_and_norm(
+                    [src[i] for i in idx],
+                    inv_scale,
+                    out=[dst[i] for i in idx] if out else None,
+                    found_inf=found_inf,
+                    norm=counted,
+                )
+                if counted:
+                    sumsq = sumsq + ss
+        found, norm = all_reduce_norm_and_inf(sumsq, found_inf, mesh=self.mesh, group=self.group)
+        if self.scaler is not None:
+            self.scaler.update(found > 0)
+        skipped = found > 0
+        self._skipped += skipped.long()
+        grads = [m.grad for m in self.masters if m.grad is not None]
+        if self.max_grad_norm is not None and grads:
+            torch._foreach_mul_(grads, clip_coefficient(norm, self.max_grad_norm))
+        if self._fused_skip:
+            self.optimizer.grad_scale = None
+            self.optimizer.found_inf = found
+            self.optimizer.step()
+        elif not bool(skipped):  # one host sync: this optimizer cannot skip on the device
+            self.optimizer.step()
+        for p, m in zip(self.model_params, self.masters, strict=True):
+            if m is not p:
+                p.copy_(m)
+        return skipped, norm
+
+    def state_dict(self) -> dict:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "masters": [m.detach().clone() for m in self.masters],
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+            "skipped_steps": self._skipped.clone(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["masters"]) != len(self.masters):
+            raise ValueError(
+                f"state has {len(state['masters'])} master tensors, this optimizer {len(self.masters)}"
+            )
+        with torch.no_grad():
+            for p, m, saved in zip(self.model_params, self.masters, state["masters"], strict=True):
+                if saved.shape != m.shape:
+                    raise ValueError(f"master shape {tuple(saved.shape)} != {tuple(m.shape)}")
+                m.copy_(saved)
+                if m is not p:
+                    p.copy_(m)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None and state["scaler"] is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        self._skipped.copy_(state["skipped_steps"])

@@ -1,0 +1,133 @@
+"""The global grad norm counts every parameter exactly once, for TP / PP / DP / EP layouts, and
+clipping gives what torch.nn.utils.clip_grad_norm_ gives on the single-process model."""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from _models import NANO_HEADS, NANO_PLAN, NanoGPT
+from _parity import assert_close, local_slice
+from fastpar import ParallelMesh, parallelize
+from fastpar.amp import clip_grad_norm_, global_grad_norm
+from fastpar.nn.marks import (
+    mark_duplicated,
+    mark_expert,
+    mark_replicated,
+    mark_sharded,
+    param_layout,
+)
+from fastpar.testing import run_ranks
+
+
+def _fused(name: str) -> int:
+    return 3 if fnmatch.fnmatchcase(name, "h.*.attn.c_attn.*") else 1
+
+
+def _nano_norm_and_clip(tp: int, dp: int) -> None:
+    mesh = ParallelMesh(tp=tp)
+    assert mesh.dp_size == dp
+    torch.manual_seed(0)
+    dense = NanoGPT()
+    par = parallelize(copy.deepcopy(dense), NANO_PLAN, mesh, heads=NANO_HEADS)
+    torch.manual_seed(1)  # same data on every DP replica: DP-reduced grads equal these
+    idx = torch.randint(0, 101, (2, 16))
+    tgt = torch.randint(0, 101, (2, 16))
+    for m in (dense, par):
+        F.cross_entropy(m(idx).flatten(0, 1), tgt.flatten()).backward()
+    want = torch.nn.utils.clip_grad_norm_(dense.parameters(), max_norm=1e9)  # just the norm
+    got = global_grad_norm(par.parameters(), mesh=mesh)
+    assert_close(got, want, "global L2 norm")
+    want_inf = torch.nn.utils.clip_grad_norm_(dense.parameters(), max_norm=1e9, norm_type="inf")
+    assert_close(
+        global_grad_norm(par.parameters(), mesh=mesh, norm_type=math.inf), want_inf, "inf norm"
+    )
+    # clipping to a third of the norm: the same clipped gradients as torch on the dense model
+    max_norm = float(want) / 3
+    torch.nn.utils.clip_grad_norm_(dense.parameters(), max_norm=max_norm)
+    clip_grad_norm_(par.parameters(), max_norm, mesh=mesh)
+    dense_params = dict(dense.named_parameters())
+    for name, p in par.named_parameters():
+        ref = dense_params[name].grad
+        expect = ref if param_layout(p) is None else local_slice(ref, p, _fused(name))
+        assert_close(p.grad, expect, f"clipped grad of {name}")
+
+
+@pytest.mark.parametrize("tp,world", [(1, 1), (2, 2), (4, 4), (2, 4)])
+def test_nano_gpt_norm_and_clipping_match_single_process(tp, world):
+    run_ranks(_nano_norm_and_clip, world, tp, world // tp)
+
+
+def _synthetic(tp: int, pp: int, ep: int) -> tuple[float, float]:
+    """Logical model per stage s: a vocab-sharded embedding tied between the first and last stage,
+    an unmarked norm weight, a column weight (sharded), a row bias (replicated over TP), and one
+    expert per EP rank (replicated over expert-dp). Gradients drawn from one seed everywhere."""
+    mesh = ParallelMesh(tp=tp, pp=pp, ep=ep)
+    torch.manual_seed(42)
+    emb = torch.randn(10, 4)
+    stages = [
+        {"ln": torch.randn(4), "col": torch.randn(8, 4), "bias": torch.randn(4),
+         "experts": [torch.randn(6, 4) for _ in range(ep)]}
+        for _ in range(pp)
+    ]  # fmt: skip
+    want = emb.pow(2).sum() + sum(
+        st["ln"].pow(2).sum() + st["col"].pow(2).sum() + st["bias"].pow(2).sum()
+        + sum(e.pow(2).sum() for e in st["experts"])
+        for st in stages
+    )  # fmt: skip
+    want_inf = max(
+        t.abs().max() for st in stages for t in [st["ln"], st["col"], st["bias"], *st["experts"]]
+    )
+    want_inf = max(want_inf, emb.abs().max())
+
+    def param(grad):
+        p = torch.nn.Parameter(torch.zeros_like(grad))
+        p.grad = grad.clone()
+        return p
+
+    st = stages[mesh.pp_rank]
+    params = []
+    if mesh.is_first_stage or mesh.is_last_stage:
+        e = param(emb.chunk(tp, 0)[mesh.tp_rank])
+        mark_sharded(e, 0, mesh.tp_group, 10)
+        if pp > 1:
+            mark_duplicated(e, mesh.embedding_group)
+        params.append(e)
+    params.append(param(st["ln"]))  # unmarked: replicated over TP
+    col = param(st["col"].chunk(tp, 0)[mesh.tp_rank])
+    mark_sharded(col, 0, mesh.tp_group, 8)
+    bias = param(st["bias"])
+    mark_replicated(bias, mesh.tp_group)
+    expert = param(st["experts"][mesh.ep_rank])
+    mark_expert(expert)
+    params += [col, bias, expert]
+    got = global_grad_norm(params, mesh=mesh)
+    got_inf = global_grad_norm(params, mesh=mesh, norm_type=math.inf)
+    assert_close(got, want.sqrt(), "synthetic L2 norm")
+    assert_close(got_inf, want_inf, "synthetic inf norm")
+    return float(got), float(got_inf)
+
+
+@pytest.mark.parametrize(
+    "world,tp,pp,ep", [(4, 2, 2, 1), (4, 1, 2, 2), (8, 2, 2, 2), (8, 1, 2, 4), (8, 2, 1, 2)]
+)
+def test_every_parameter_counted_once(world, tp, pp, ep):
+    out = run_ranks(_synthetic, world, tp, pp, ep)
+    assert len(set(out)) == 1  # identical on every rank
+
+
+def test_without_process_group():
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.tensor([3.0, 4.0, 0.0])
+    assert global_grad_norm([p]).item() == 5.0
+    norm = clip_grad_norm_([p], 1.0)
+    assert norm.item() == 5.0
+    assert_close(p.grad, torch.tensor([0.6, 0.8, 0.0]), "clipped", torch.float32)
+    with pytest.raises(ValueError, match="norm_type must be 2 or inf"):
+        global_grad_norm([p], norm_type=1.0)

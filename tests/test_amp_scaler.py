@@ -1,0 +1,122 @@
+"""The loss-scaler state machine, step by step, and against torch.amp.GradScaler's update rule."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from fastpar.amp import ConstantLossScaler, DynamicLossScaler, LossScaleError
+
+
+def test_megatron_defaults():
+    s = DynamicLossScaler()
+    assert s.scale.item() == 2.0**32 and s.scale.dtype == torch.float32
+    assert (s.min_scale, s.growth_factor, s.backoff_factor) == (1.0, 2.0, 0.5)
+    assert (s.growth_interval, s.hysteresis) == (1000, 2)
+
+
+def test_hysteresis_then_backoff_step_by_step():
+    s = DynamicLossScaler(initial_scale=1024.0, growth_interval=3, hysteresis=2)
+    trace = []
+    for inf in [True, True, True, False, False, False, True, False, False, False]:
+        s.update(inf)
+        trace.append(s.scale.item())
+    # 1st overflow uses hysteresis (no back-off); 2nd and 3rd back off; 3 clean steps grow and
+    # restore hysteresis, so the next single overflow is absorbed again
+    assert trace == [1024, 512, 256, 256, 256, 512, 512, 512, 512, 1024]
+
+
+def test_clean_steps_do_not_restore_hysteresis_until_growth():
+    s = DynamicLossScaler(initial_scale=64.0, growth_interval=4, hysteresis=2)
+    s.update(True)  # hysteresis 2 -> 1, no back-off
+    s.update(False)
+    s.update(False)
+    s.update(True)  # hysteresis 1 -> 0: back off (the clean steps did not restore it)
+    assert s.scale.item() == 32.0
+    # an overflow in the middle of a window resets the growth count
+    for _ in range(3):
+        s.update(False)
+    s.update(True)
+    for _ in range(3):
+        s.update(False)
+    assert s.scale.item() == 16.0  # one more back-off (hysteresis still used up), no growth yet
+    s.update(False)  # 4th clean step in a row: grow, restore hysteresis
+    assert s.scale.item() == 32.0
+    s.update(True)  # absorbed by the restored hysteresis
+    assert s.scale.item() == 32.0
+
+
+def test_min_scale_floor_and_policies():
+    s = DynamicLossScaler(initial_scale=4.0, min_scale=1.0, hysteresis=1, on_min_scale="ignore")
+    for _ in range(5):
+        s.update(True)
+    assert s.scale.item() == 1.0
+    s = DynamicLossScaler(initial_scale=2.0, min_scale=1.0, hysteresis=1)
+    s.update(True)  # 2 -> 1, fine
+    with pytest.raises(
+        LossScaleError, match=r"overflowed with the loss scale already at min_scale=1\.0"
+    ):
+        s.update(True)
+    s = DynamicLossScaler(initial_scale=1.0, min_scale=1.0, hysteresis=1, on_min_scale="warn")
+    with pytest.warns(RuntimeWarning, match="already at min_scale"):
+        s.update(True)
+    s.update(True)  # warns once only
+    assert s.scale.item() == 1.0
+
+
+def test_update_accepts_tensors_and_checks_them():
+    s = DynamicLossScaler(initial_scale=8.0, hysteresis=1)
+    s.update(torch.tensor(1.0))
+    assert s.scale.item() == 4.0
+    s.update(torch.tensor([0.0]))
+    with pytest.raises(ValueError, match=r"0-dim tensor, got shape \(2,\)"):
+        s.update(torch.zeros(2))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(initial_scale=0.5, min_scale=1.0), "need initial_scale >= min_scale > 0"),
+        (dict(growth_factor=1.0), "growth_factor must be > 1"),
+        (dict(backoff_factor=1.0), r"backoff_factor must be in \(0, 1\)"),
+        (dict(hysteresis=0), "must be >= 1"),
+        (dict(on_min_scale="explode"), "on_min_scale must be"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DynamicLossScaler(**kwargs)
+
+
+def test_matches_grad_scaler_rule_with_hysteresis_one():
+    """With hysteresis 1 the rule is GradScaler's: compare with torch's own update kernel."""
+    rng = random.Random(0)
+    ours = DynamicLossScaler(
+        initial_scale=2.0**16, min_scale=1e-30, growth_interval=5, hysteresis=1
+    )
+    scale = torch.tensor(2.0**16)
+    tracker = torch.tensor(0, dtype=torch.int32)
+    for _ in range(300):
+        inf = rng.random() < 0.15
+        ours.update(inf)
+        torch._amp_update_scale_(scale, tracker, torch.tensor(float(inf)), 2.0, 0.5, 5)
+        assert ours.scale.item() == scale.item()
+
+
+def test_state_dict_round_trip():
+    a = DynamicLossScaler(initial_scale=256.0, growth_interval=3)
+    for inf in (True, False, False):
+        a.update(inf)
+    b = DynamicLossScaler(growth_interval=3)
+    b.load_state_dict(a.state_dict())
+    for inf in (False, True, True, False):
+        a.update(inf)
+        b.update(inf)
+        assert a.scale.item() == b.scale.item()
+    c = ConstantLossScaler(128.0)
+    c.update(True)
+    assert c.scale.item() == 128.0 and c.inv_scale.item() == 1 / 128
+    with pytest.raises(ValueError, match="scale must be positive"):
+        ConstantLossScaler(0.0)
