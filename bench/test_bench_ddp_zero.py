@@ -1,0 +1,169 @@
+"""fastpar DDP / ZeRO-1 / ZeRO-2 against their PyTorch peers on CPU ranks (gloo), side by side.
+
+  DDP     vs torch.nn.parallel.DistributedDataParallel (gradient_as_bucket_view=True)
+  ZeRO-1  vs torch.distributed.optim.ZeroRedundancyOptimizer
+  ZeRO-2  vs FSDP2 fully_shard(reshard_after_forward=False), set_force_sum_reduction_for_comms(True)
+            (its AVG reduce-scatter is wrong on gloo)
+
+Inside the same ranks each pair alternates training steps (forward, backward, AdamW step) and
+reports median step times and the bytes each rank holds at the end of the last backward
+(optimizer state allocated) in parameters, gradients, fp32 masters and optimizer state, as
+visible from Python (torch's DDP gradients are views into its buckets, so those count; other
+internal communication buffers do not). The ratios peer / fastpar are the result; CPU absolute times are noise.
+Run:  pytest bench/test_bench_ddp_zero.py -s --benchmark-json=...
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fastpar.parallel import DistributedDataParallel
+from fastpar.testing import run_ranks
+from fastpar.zero import ZeroOptimizer
+
+HIDDEN, LAYERS, BATCH, ITERS = 512, 4, 64, 8
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(LAYERS):
+        layers += [nn.Linear(HIDDEN, HIDDEN), nn.GELU()]
+    return nn.Sequential(*layers)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _bytes(ts) -> int:
+    return sum(_local(t).numel() * _local(t).element_size() for t in ts if t is not None)
+
+
+def _state_bytes(opt) -> int:
+    inner = getattr(
+        opt, "optim", opt
+    )  # ZeroRedundancyOptimizer keeps the local optimizer in .optim
+    return _bytes(v for s in inner.state.values() for v in s.values() if torch.is_tensor(v))
+
+
+def _setup(kind: str):
+    model = _model()
+    if kind == "fastpar-ddp":
+        wrapped = DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        return (
+            wrapped,
+            opt,
+            lambda: (
+                _bytes(model.parameters())
+                + _bytes(p.grad for p in model.parameters())
+                + _state_bytes(opt)
+            ),
+        )
+    if kind == "torch-ddp":
+        wrapped = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        return (
+            wrapped,
+            opt,
+            lambda: (
+                _bytes(model.parameters())
+                + _bytes(p.grad for p in model.parameters())
+                + _state_bytes(opt)
+            ),
+        )
+    if kind in ("fastpar-zero1", "fastpar-zero2"):
+        opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), stage=int(kind[-1]))
+        return model, opt, lambda: opt.memory_bytes()["total"]
+    if kind == "torch-zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        wrapped = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4
+        )
+        return (
+            wrapped,
+            opt,
+            lambda: (
+                _bytes(model.parameters())
+                + _bytes(p.grad for p in model.parameters())
+                + _state_bytes(opt)
+            ),
+        )
+    if kind == "torch-fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, reshard_after_forward=False)
+        fully_shard(model, reshard_after_forward=False)
+        model.set_force_sum_reduction_for_comms(True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        return (
+            model,
+            opt,
+            lambda: (
+                _bytes(model.parameters())
+                + _bytes(p.grad for p in model.parameters())
+                + _state_bytes(opt)
+            ),
+        )
+    raise ValueError(kind)
+
+
+def _side_by_side(ours: str, theirs: str) -> dict:
+    rank = dist.get_rank()
+    setups = {k: _setup(k) for k in (ours, theirs)}
+    x = torch.randn(BATCH, HIDDEN, generator=torch.Generator().manual_seed(rank))
+    times = {k: [] for k in setups}
+    held = {}
+    for it in range(ITERS + 1):
+        for k, (model, opt, measure) in setups.items():
+            t0 = time.perf_counter()
+            loss = F.mse_loss(model(x), torch.zeros_like(x))
+            loss.backward()
+            if it == ITERS:  # after backward, state allocated: everything a step needs is live
+                held[k] = measure()
+            opt.step()
+            opt.zero_grad()
+            if isinstance(model, DistributedDataParallel):
+                model.zero_grad()
+            if it:  # the first step allocates optimizer state
+                times[k].append(time.perf_counter() - t0)
+    return {k: {"seconds": statistics.median(times[k]), "bytes": held[k]} for k in setups}
+
+
+PAIRS = [
+    ("fastpar-ddp", "torch-ddp"),
+    ("fastpar-zero1", "torch-zero1"),
+    ("fastpar-zero2", "torch-fsdp2"),
+]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("ours,theirs", PAIRS)
+def test_against_pytorch_peer(benchmark, world, ours, theirs):
+    benchmark.group = f"dp-{ours}-{world}"
+    res = benchmark.pedantic(
+        run_ranks, args=(_side_by_side, world, ours, theirs), rounds=1, iterations=1
+    )
+    t = {k: statistics.median(r[k]["seconds"] for r in res) for k in (ours, theirs)}
+    mem = {k: max(r[k]["bytes"] for r in res) for k in (ours, theirs)}
+    benchmark.extra_info.update(
+        seconds=t, bytes_per_rank=mem, peer_time_over_fastpar=t[theirs] / t[ours],
+        peer_bytes_over_fastpar=mem[theirs] / mem[ours],
+    )  # fmt: skip
+    print(
+        f"\nDP={world} {ours} vs {theirs}: step {t[ours] * 1e3:.1f} vs {t[theirs] * 1e3:.1f} ms "
+        f"(peer/fastpar {t[theirs] / t[ours]:.2f}); bytes/rank {mem[ours] / 2**20:.2f} vs "
+        f"{mem[theirs] / 2**20:.2f} MiB (peer/fastpar {mem[theirs] / mem[ours]:.2f})"
+    )

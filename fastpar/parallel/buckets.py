@@ -1,0 +1,191 @@
+"""Gradient buckets: parameters grouped into contiguous flat buffers, reduced as backward fills them.
+
+Parameters are taken in reverse registration order (roughly the order backward produces their
+gradients) and packed into buckets of at most ``bucket_size_mb``; a bucket never mixes dtypes
+or optimizer param groups, and its flat size is padded to a multiple of the data-parallel size
+so it splits into equal shards. A post-accumulate-grad hook per parameter counts how many of a
+bucket's parameters are ready; when the last one is, the bucket's collective starts
+asynchronously, overlapping the rest of backward. Buckets launch strictly in order (so every
+rank issues the same collectives in the same order), and a callback queued on the autograd
+engine waits for all of them when backward ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Bucket:
+    """Parameters ``params`` at ``offsets`` in a flat buffer of ``padded_numel`` elements."""
+
+    index: int
+    dtype: torch.dtype
+    group_index: int
+    params: list[torch.nn.Parameter] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    numel: int = 0
+    padded_numel: int = 0
+    ready: set = field(default_factory=set)
+    launched: bool = False
+    work: object = None
+    comm: object = None  # what the in-flight collective reads / writes, kept alive until finish
+
+    def view(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
+        p = self.params[i]
+        return buffer[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
+
+
+def build_buckets(
+    param_groups: list[list[torch.nn.Parameter]], bucket_size_mb: float, pad_to: int
+) -> list[Bucket]:
+    """Pack trainable parameters (reverse order, per param group and dtype) into buckets."""
+    if not bucket_size_mb > 0:
+        raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
+    cap = int(bucket_size_mb * 2**20)
+    buckets: list[Bucket] = []
+    open_: dict[tuple, Bucket] = {}
+    seen: set[int] = set()
+    flat = [(gi, p) for gi, group in enumerate(param_groups) for p in group]
+    for gi, p in reversed(flat):
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        key = (gi, p.dtype)
+        b = open_.get(key)
+        if b is not None and b.numel > 0 and (b.numel + p.numel()) * p.element_size() > cap:
+            b = None
+        if b is None:
+            b = Bucket(index=len(buckets), dtype=p.dtype, group_index=gi)
+            buckets.append(b)
+            open_[key] = b
+        b.params.append(p)
+        b.offsets.append(b.numel)
+        b.numel += p.numel()
+    for b in buckets:
+        b.padded_numel = math.ceil(b.numel / pad_to) * pad_to if b.numel else pad_to
+    return buckets
+
+
+class BucketReducer:
+    """Drives the per-parameter hooks and the in-order, asynchronous launch of each bucket.
+
+    ``launch(bucket)`` starts the bucket's collective and returns its work handle (or None);
+    ``finish(bucket)`` runs once the handle has completed. ``grad_target(bucket, i, grad)``
+    puts parameter i's fresh gradient where the bucket will reduce it.
+    """
+
+    def __init__(
+        self,
+        buckets: list[Bucket],
+        *,
+        launch: Callable[[Bucket], object],
+        finish: Callable[[Bucket], None],
+        grad_target: Callable[[Bucket, int, torch.nn.Parameter], None],
+        find_unused_parameters: bool = False,
+        names: dict[int, str] | None = None,
+    ) -> None:
+        self.buckets = buckets
+        self._launch, self._finish, self._grad_target = launch, finish, grad_target
+        self.find_unused_parameters = find_unused_parameters
+        self.names = names or {}
+        self.sync_enabled = True
+        self._callback_queued = False
+        self._next = 0
+        self._where = {}
+        for b in buckets:
+            for i, p in enumerate(b.params):
+                self._where[id(p)] = (b, i)
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._hook) for b in buckets for p in b.params
+        ]
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first backward after the block reduces them."""
+        previous, self.sync_enabled = self.sync_enabled, False
+        try:
+            yield
+        finally:
+            self.sync_enabled = previous
+
+    def _hook(self, p: torch.nn.Parameter) -> None:
+        b, i = self._where[id(p)]
+        self._grad_target(b, i, p)
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        b.ready.add(i)
+        if self.sync_enabled:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets):
+            b = self.buckets[self._next]
+            if len(b.ready) < len(b.params):
+                return
+            b.work = self._launch(b)
+            b.launched = True
+            self._next += 1
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        if not self.sync_enabled:
+            for b in self.buckets:
+                b.ready.clear()
+            return
+        missing = [(b, i) for b in self.buckets for i in range(len(b.params)) if i not in b.ready]
+        if missing and not self.find_unused_parameters:
+            names = [
+                self.names.get(id(b.params[i]), f"param {i} of bucket {b.index}")
+                for b, i in missing
+            ]
+            for b in self.buckets:
+                b.ready.clear()
+            self._next = 0
+            raise RuntimeError(
+                f"{len(missing)} parameter(s) received no gradient in this backward: "
+                f"{names[:8]}{' ...' if len(names) > 8 else ''}. Every rank must reduce the same "
+                "buckets; pass find_unused_parameters=True (their gradient counts as zero) or "
+                "remove the unused parameters from the model"
+            )
+        for b, i in missing:
+            self._grad_target(b, i, None)
+            b.ready.add(i)
+        self._launch_ready()
+        self.wait_all()
+
+    def wait_all(self) -> None:
+        """Wait for every launched bucket, run its finish step, reset for the next backward."""
+        for b in self.buckets:
+            if b.launched:
+                if b.work is not None:
+                    b.work.wait()
+                self._finish(b)
+            b.work, b.launched = None, False
+            b.ready.clear()
+        self._next = 0
+
+
+def payload_bytes(kind: str, numel: int, element_size: int, world: int) -> float:
+    """Bytes one rank sends for a collective over ``world`` ranks with ring algorithms:
+    all-reduce 2(N-1)/N·B, reduce-scatter and all-gather (N-1)/N·B, B the full buffer."""
+    full = numel * element_size
+    factor = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0}[kind]
+    return factor * (world - 1) / world * full if world > 1 else 0.0
+
+
+def global_rank_of(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    if group is None:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)

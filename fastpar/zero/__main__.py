@@ -1,0 +1,24 @@
+"""``python -m fastpar.zero --params 7.5e9 [--dp 1 8 64 ...]``: bytes per rank at ZeRO stages."""
+
+from __future__ import annotations
+
+import argparse
+
+from fastpar.zero.memory import estimate_memory
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m fastpar.zero", description=__doc__)
+    ap.add_argument("--params", type=float, required=True, help="number of parameters, e.g. 7.5e9")
+    ap.add_argument("--dp", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024])
+    ap.add_argument("--mode", choices=["paper", "fastpar"], default="paper")
+    args = ap.parse_args(argv)
+    print(f"GB per rank for {args.params:.3g} parameters ({args.mode} model, K = 12)")
+    print(f"{'DP':>6} {'baseline':>10} {'stage 1':>10} {'stage 2':>10} {'stage 3':>10}")
+    for n in args.dp:
+        row = [estimate_memory(args.params, n, s, mode=args.mode).total / 1e9 for s in range(4)]
+        print(f"{n:>6} " + " ".join(f"{v:>10.3g}" for v in row))
+
+
+if __name__ == "__main__":
+    main()

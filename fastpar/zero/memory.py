@@ -1,0 +1,96 @@
+"""Bytes per rank under ZeRO, planned (the paper's model or fastpar's real layout) and measured."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank: ``params``, ``grads``, ``optimizer`` (masters included) and ``total``."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def estimate_memory(
+    num_params: int | float,
+    dp_size: int,
+    stage: int,
+    *,
+    param_bytes: int = 2,
+    grad_bytes: int = 2,
+    optimizer_bytes: int = 12,
+    mode: str = "paper",
+    bucket_numels: list[int] | None = None,
+) -> MemoryEstimate:
+    """Bytes per rank for ``num_params`` parameters on ``dp_size`` ranks at ZeRO ``stage`` 0-3.
+
+    ``mode="paper"``: the ZeRO paper's model — Ψ parameters, 2-byte params and grads, K = 12
+    bytes of optimizer state (fp32 master, exp_avg, exp_avg_sq): baseline 16Ψ, stage 1
+    4Ψ + 12Ψ/N, stage 2 2Ψ + 14Ψ/N, stage 3 16Ψ/N.
+    ``mode="fastpar"``: fastpar's layout — each bucket padded to a multiple of N (pass the
+    bucket sizes, or one bucket of num_params), and an fp32 gradient shard beside the
+    low-precision full buffer (stage 1) or alone (stage 2/3).
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    if dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+    n = dp_size
+    if mode == "paper":
+        psi = float(num_params)
+        p, g, k = param_bytes * psi, grad_bytes * psi, optimizer_bytes * psi
+        if stage == 0:
+            return MemoryEstimate(p, g, k)
+        if stage == 1:
+            return MemoryEstimate(p, g, k / n)
+        if stage == 2:
+            return MemoryEstimate(p, g / n, k / n)
+        return MemoryEstimate(p / n, g / n, k / n)
+    if mode != "fastpar":
+        raise ValueError(f"mode must be 'paper' or 'fastpar', got {mode!r}")
+    numels = bucket_numels if bucket_numels is not None else [int(num_params)]
+    padded = sum(math.ceil(x / n) * n for x in numels)
+    shard = padded // n
+    k = optimizer_bytes * shard
+    if stage == 0:
+        return MemoryEstimate(
+            param_bytes * sum(numels), grad_bytes * sum(numels), optimizer_bytes * sum(numels)
+        )
+    if stage == 1:
+        return MemoryEstimate(param_bytes * padded, grad_bytes * padded + 4 * shard, k)
+    if stage == 2:
+        return MemoryEstimate(param_bytes * padded, 4 * shard, k)
+    return MemoryEstimate(param_bytes * shard, 4 * shard, k)
+
+
+def held_bytes(
+    params, optimizer: torch.optim.Optimizer | None = None, masters=()
+) -> dict[str, int]:
+    """Measured bytes a plain (stage-0) setup holds: parameters, their gradients, fp32 masters,
+    optimizer state tensors."""
+
+    def nbytes(ts) -> int:
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+    params = list(params)
+    state = []
+    if optimizer is not None:
+        state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    out = {
+        "params": nbytes(params),
+        "grads": nbytes(p.grad for p in params),
+        "masters": nbytes(m for m in masters if all(m is not p for p in params)),
+        "optimizer": nbytes(state),
+    }
+    out["total"] = sum(out.values())
+    return out

@@ -1,0 +1,356 @@
+"""``ZeroOptimizer``: ZeRO stages 1 and 2 over flat, padded buckets.
+
+    opt = ZeroOptimizer(FusedAdamW(model.parameters(), lr=3e-4), stage=2, mesh=mesh,
+                        scaler=DynamicLossScaler(), max_grad_norm=1.0)
+    opt.scale_loss(loss).backward()      # buckets reduce-scatter during backward
+    skipped, grad_norm = opt.step()      # update this rank's shard, all-gather the parameters
+    opt.zero_grad()
+
+Layout: parameters are packed into buckets (see ``fastpar.parallel.buckets``) whose flat size is
+padded to a multiple of the DP size N; the model's parameters become views into one flat
+parameter buffer per bucket, and DP rank r owns elements [r·S, (r+1)·S) of each, S = size / N.
+For its shards a rank holds the fp32 master copy (for fp32 parameters, the shard of the
+parameter buffer itself) and the optimizer state (stage 1 and 2) and the reduced gradient (fp32,
+shard-sized). Stage 1 also keeps full-size gradient buffers (the
+parameters' ``.grad`` are views into them); stage 2 does not: each bucket's gradient lives only
+from its first gradient until its reduce-scatter completes during backward (at most two buckets
+in flight), so gradient accumulation (several backward passes before ``step``) reduce-scatters
+every backward and sums the shards.
+
+Step: unscale + inf check + sum of squares over the shard in one fused pass (each element of a
+DP-sharded gradient is counted by exactly one rank; TP duplicates by the parameter marks), one
+all-reduce of [found_inf, sumsq] over every rank taking part, the scaler update, clipping, the
+wrapped optimizer's step on the fp32 master shards (skipped on the device for optimizers that
+take a ``found_inf``, else one host sync), then an all-gather of the updated parameters.
+
+Use it instead of ``DistributedDataParallel`` (it does the gradient reduction itself).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from fastpar.amp.norm import all_reduce_norm_and_inf, counts_on_this_rank
+from fastpar.amp.scaler import ConstantLossScaler, DynamicLossScaler
+from fastpar.ops.unscale_norm import clip_coefficient, unscale_and_norm
+from fastpar.parallel.buckets import (
+    Bucket,
+    BucketReducer,
+    build_buckets,
+    global_rank_of,
+    payload_bytes,
+)
+
+
+class ZeroOptimizer:
+    """ZeRO-1/2 around ``optimizer`` (built on the model's parameters, before any step).
+
+    ``stage``: 1 shards optimizer state and masters; 2 also shards gradients. ``mesh`` / ``group``:
+    the DP group is ``mesh.dp_group`` (or ``group``, None = the default group); with a mesh the
+    norm and the overflow flag are agreed over the whole world and parameters are counted by
+    their TP marks; without one, the DP group is the whole job. ``reduce_dtype`` (default fp32):
+    dtype of the reduce-scatter for low-precision gradients. Parameters are broadcast from the
+    first DP rank when wrapped.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        stage: int = 1,
+        mesh=None,
+        group: dist.ProcessGroup | None = None,
+        bucket_size_mb: float = 25.0,
+        scaler: DynamicLossScaler | ConstantLossScaler | None = None,
+        max_grad_norm: float | None = None,
+        reduce_dtype: torch.dtype | None = torch.float32,
+    ) -> None:
+        if stage not in (1, 2):
+            raise ValueError(f"stage must be 1 or 2 (ZeRO-3 is fastpar.zero.Zero3), got {stage!r}")
+        if optimizer.state:
+            raise ValueError("wrap the optimizer before its first step (it already holds state)")
+        if mesh is not None and group is not None:
+            raise ValueError("pass either mesh= or group=, not both")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm}")
+        self.optimizer, self.stage, self.mesh = optimizer, stage, mesh
+        self.scaler, self.max_grad_norm, self.reduce_dtype = scaler, max_grad_norm, reduce_dtype
+        self.group = mesh.dp_group if mesh is not None else group
+        init = dist.is_initialized()
+        self.dp_size = dist.get_world_size(self.group) if init else 1
+        self.dp_rank = dist.get_rank(self.group) if init else 0
+        self.comm_bytes = 0.0
+        groups = [list(g["params"]) for g in optimizer.param_groups]
+        params = [p for g in groups for p in g]
+        if self.dp_size > 1:
+            src = global_rank_of(self.group, 0)
+            with torch.no_grad():
+                for p in params:
+                    dist.broadcast(p.data, src=src, group=self.group)
+        self.buckets = build_buckets(groups, bucket_size_mb, pad_to=self.dp_size)
+        self.shard_size: dict[int, int] = {}
+        self.param_buf: dict[int, torch.Tensor] = {}
+        self.grad_buf: dict[int, torch.Tensor | None] = {}
+        self.shard_grad: dict[int, torch.Tensor] = {}
+        self.masters: dict[int, torch.nn.Parameter] = {}
+        self._finished: set[int] = set()
+        counted_views: list[tuple[torch.Tensor, bool]] = []
+        for b in self.buckets:
+            device = b.params[0].device
+            s = b.padded_numel // self.dp_size
+            lo = self.dp_rank * s
+            pbuf = torch.zeros(b.padded_numel, dtype=b.dtype, device=device)
+            with torch.no_grad():
+                for i, p in enumerate(b.params):
+                    view = b.view(pbuf, i)
+                    view.copy_(p.data)
+                    p.data = view
+            self.param_buf[b.index] = pbuf
+            self.shard_size[b.index] = s
+            self.shard_grad[b.index] = torch.zeros(s, dtype=torch.float32, device=device)
+            if b.dtype == torch.float32:  # the fp32 shard of the parameter buffer is the master
+                master = torch.nn.Parameter(pbuf[lo : lo + s])
+            else:
+                master = torch.nn.Parameter(pbuf[lo : lo + s].detach().float().clone())
+            master.grad = self.shard_grad[b.index]
+            self.masters[b.index] = master
+            self.grad_buf[b.index] = None
+            if stage == 1:
+                gbuf = torch.zeros(b.padded_numel, dtype=b.dtype, device=device)
+                self.grad_buf[b.index] = gbuf
+                for i, p in enumerate(b.params):
+                    p.grad = b.view(gbuf, i)
+            for i, p in enumerate(b.params):  # this rank's piece of each parameter, for the norm
+                a, z = max(b.offsets[i], lo), min(b.offsets[i] + p.numel(), lo + s)
+                if a < z:
+                    counted = (
+                        True
+                        if mesh is None
+                        else counts_on_this_rank(p, mesh=mesh, dp_replicated=False)
+                    )
+                    counted_views.append((self.shard_grad[b.index][a - lo : z - lo], counted))
+        self._counted = [v for v, c in counted_views if c]
+        self._uncounted = [v for v, c in counted_views if not c]
+        for gi, g in enumerate(optimizer.param_groups):
+            g["params"] = [self.masters[b.index] for b in self.buckets if b.group_index == gi]
+        self._fused_skip = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        device = params[0].device if params else torch.device("cpu")
+        self._skipped = torch.zeros((), dtype=torch.int64, device=device)
+        names = {id(p): f"param {i}" for i, p in enumerate(params)}
+        self.reducer = BucketReducer(
+            self.buckets,
+            launch=self._launch,
+            finish=self._finish,
+            grad_target=self._grad_target,
+            names=names,
+        )
+
+    # -- gradients --------------------------------------------------------------------------
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def skipped_steps(self) -> torch.Tensor:
+        return self._skipped
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.scaler is None else loss * self.scaler.scale.to(loss.device)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Stage 1: accumulate into the full gradient buffers without communicating. Stage 2
+        keeps no full buffers, so every backward reduce-scatters; this is then a no-op."""
+        if self.stage == 1:
+            with self.reducer.no_sync():
+                yield
+        else:
+            yield
+
+    def _grad_target(self, b: Bucket, i: int, p: torch.nn.Parameter | None) -> None:
+        gbuf = self.grad_buf[b.index]
+        if gbuf is None:  # stage 2: the bucket's buffer lives until its reduce-scatter ends
+            gbuf = self.grad_buf[b.index] = torch.zeros(
+                b.padded_numel, dtype=b.dtype, device=self.param_buf[b.index].device
+            )
+        view = b.view(gbuf, i)
+        param = b.params[i]
+        if p is None:  # no gradient this backward
+            if self.stage == 2 or param.grad is None or param.grad.data_ptr() != view.data_ptr():
+                view.zero_()
+            return
+        if p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+        p.grad = view if self.stage == 1 else None
+
+    def _launch(self, b: Bucket):
+        self._finished.discard(b.index)
+        if self.stage == 2:  # bound the live full-size buffers: finish the bucket before last
+            prev = self.buckets[b.index - 2] if b.index >= 2 else None
+            if prev is not None and prev.launched and prev.index not in self._finished:
+                if prev.work is not None:
+                    prev.work.wait()
+                self._finish(prev)
+        gbuf = self.grad_buf[b.index]
+        rd = self.reduce_dtype
+        comm = gbuf.to(rd) if rd is not None and rd != gbuf.dtype else gbuf
+        out = torch.empty(self.shard_size[b.index], dtype=comm.dtype, device=comm.device)
+        b.comm = (comm, out)
+        if self.dp_size == 1:
+            out.copy_(comm)
+            return None
+        self.comm_bytes += payload_bytes(
+            "reduce_scatter", comm.numel(), comm.element_size(), self.dp_size
+        )
+        return dist.reduce_scatter_tensor(out, comm, group=self.group, async_op=True)
+
+    def _finish(self, b: Bucket) -> None:
+        if b.index in self._finished:
+            return
+        self._finished.add(b.index)
+        _, out = b.comm
+        self.shard_grad[b.index].add_(out.float(), alpha=1.0 / self.dp_size)
+        b.comm = None
+        if self.stage == 2:
+            self.grad_buf[b.index] = None
+        else:  # reduced into the shard: the next backward starts the full buffer from zero
+            self.grad_buf[b.index].zero_()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the shard gradients (and stage 1's full buffers; ``set_to_none`` is ignored:
+        the buffers are reused)."""
+        for b in self.buckets:
+            self.shard_grad[b.index].zero_()
+            gbuf = self.grad_buf[b.index]
+            if self.stage == 1:
+                gbuf.zero_()  # in case a backward under no_sync left something behind
+                for i, p in enumerate(b.params):
+                    p.grad = b.view(gbuf, i)
+            else:
+                for p in b.params:
+                    p.grad = None
+
+    # -- the step ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (skipped: 0-dim bool tensor, grad_norm: 0-dim fp32 tensor before clipping)."""
+        self.reducer.wait_all()
+        device = self._skipped.device
+        inv = self.scaler.inv_scale.to(device) if self.scaler is not None else None
+        inv = inv if inv is not None else torch.ones((), dtype=torch.float32, device=device)
+        found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        sumsq = torch.zeros((), dtype=torch.float32, device=device)
+        if self._counted:
+            _, ss, _ = unscale_and_norm(self._counted, inv, found_inf=found_inf, norm=True)
+            sumsq = sumsq + ss
+        if self._uncounted:
+            unscale_and_norm(self._uncounted, inv, found_inf=found_inf, norm=False)
+        group = self.group if self.mesh is None else None
+        found, norm = all_reduce_norm_and_inf(sumsq, found_inf, mesh=self.mesh, group=group)
+        if self.scaler is not None:
+            self.scaler.update(found > 0)
+        skipped = found > 0
+        self._skipped += skipped.long()
+        grads = list(self.shard_grad.values())
+        if self.max_grad_norm is not None and grads:
+            torch._foreach_mul_(grads, clip_coefficient(norm, self.max_grad_norm))
+        for b in self.buckets:
+            self.masters[b.index].grad = self.shard_grad[b.index]
+        if self._fused_skip:
+            self.optimizer.grad_scale = None
+            self.optimizer.found_inf = found
+            self.optimizer.step()
+        elif not bool(skipped):  # one host sync: this optimizer cannot skip on the device
+            self.optimizer.step()
+        self._all_gather_params()
+        return skipped, norm
+
+    def _all_gather_params(self) -> None:
+        works = []
+        for b in self.buckets:
+            pbuf = self.param_buf[b.index]
+            master = self.masters[b.index].detach()
+            if self._aliases(b):
+                if self.dp_size == 1:
+                    continue
+                local = master.clone()  # the collective's input must not alias its output
+            else:
+                local = master.to(pbuf.dtype)
+                if self.dp_size == 1:
+                    pbuf.copy_(local)
+                    continue
+            self.comm_bytes += payload_bytes(
+                "all_gather", pbuf.numel(), pbuf.element_size(), self.dp_size
+            )
+            works.append(dist.all_gather_into_tensor(pbuf, local, group=self.group, async_op=True))
+        for w in works:
+            w.wait()
+
+    def _aliases(self, b: Bucket) -> bool:
+        m = self.masters[b.index]
+        return (
+            m.untyped_storage().data_ptr() == self.param_buf[b.index].untyped_storage().data_ptr()
+        )
+
+    # -- state ------------------------------------------------------------------------------
+    def layout_signature(self) -> list:
+        return [
+            (str(b.dtype), b.group_index, b.padded_numel, [p.numel() for p in b.params])
+            for b in self.buckets
+        ]
+
+    def state_dict(self) -> dict:
+        """This rank's shard: masters, the wrapped optimizer's state, the scaler, the layout."""
+        return {
+            "stage": self.stage,
+            "dp_size": self.dp_size,
+            "dp_rank": self.dp_rank,
+            "layout": self.layout_signature(),
+            "masters": [self.masters[b.index].detach().clone() for b in self.buckets],
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+            "skipped_steps": self._skipped.clone(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume on the same layout (same DP size and rank, same buckets); parameters are
+        rebuilt from the loaded masters."""
+        mine = (self.dp_size, self.dp_rank, self.layout_signature())
+        theirs = (state["dp_size"], state["dp_rank"], state["layout"])
+        if mine != theirs:
+            raise ValueError(
+                f"this ZeRO state was saved by DP rank {state['dp_rank']} of {state['dp_size']} "
+                f"with another bucket layout; it loads only into the same layout (this is rank "
+                f"{self.dp_rank} of {self.dp_size}). Reshard through a full checkpoint instead"
+            )
+        with torch.no_grad():
+            for b, saved in zip(self.buckets, state["masters"], strict=True):
+                self.masters[b.index].copy_(saved)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None and state["scaler"] is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        self._skipped.copy_(state["skipped_steps"])
+        self._all_gather_params()
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds between steps: params, grads (full buffers and shards),
+        fp32 masters, optimizer state."""
+
+        def nbytes(ts) -> int:
+            return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+        state = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        out = {
+            "params": nbytes(self.param_buf.values()),
+            "grads": nbytes(self.grad_buf.values()) + nbytes(self.shard_grad.values()),
+            "masters": nbytes(
+                m for b in self.buckets if not self._aliases(b) for m in [self.masters[b.index]]
+            ),
+            "optimizer": nbytes(state),
+        }
+        out["total"] = sum(out.values())
+        return out
