@@ -9,11 +9,10 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-
 from _models import NANO_HEADS, NANO_PLAN, NanoGPT
 from _parity import assert_close, local_slice
+
 from fastpar import ParallelMesh, parallelize
 from fastpar.amp import clip_grad_norm_, global_grad_norm
 from fastpar.nn.marks import (

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _parity import assert_close, local_slice
 from torch import nn
 
-from _parity import assert_close, local_slice
 from fastpar import ParallelMesh
 from fastpar.amp import DynamicLossScaler
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear, param_layout
@@ -126,6 +126,7 @@ def _tp_dp_skip(tp: int, pp: int) -> tuple:
         proj.weight.grad.view(-1)[-1] = float("inf")
     before = [p.detach().clone() for p in params]
     skipped, norm = opt.step()
+    assert not torch.isfinite(norm)  # every rank sees the inf in the global norm
     unchanged = all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
     # a clean step afterwards does change the weights
     opt.zero_grad()

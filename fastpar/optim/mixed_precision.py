@@ -116,9 +116,8 @@ class MixedPrecisionOptimizer:
             if p.grad is None:
                 m.grad = None
                 continue
-            if m is not p:
-                if m.grad is None or m.grad.shape != m.shape:
-                    m.grad = torch.empty_like(m)
+            if m is not p and (m.grad is None or m.grad.shape != m.shape):
+                m.grad = torch.empty_like(m)
             src, dst = lists[counted]
             src.append(p.grad)
             dst.append(m.grad)
