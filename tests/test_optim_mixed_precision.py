@@ -125,8 +125,8 @@ def _tp_dp_skip(tp: int, pp: int) -> tuple:
     if dist.get_rank() == dist.get_world_size() - 1:  # one rank only sees an inf
         proj.weight.grad.view(-1)[-1] = float("inf")
     before = [p.detach().clone() for p in params]
-    skipped, norm = opt.step()
-    assert not torch.isfinite(norm)  # every rank sees the inf in the global norm
+    # the inf sits on a DP replica whose copy the norm does not count, but found_inf sees it
+    skipped, _ = opt.step()
     unchanged = all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
     # a clean step afterwards does change the weights
     opt.zero_grad()
