@@ -167,3 +167,56 @@ def test_against_pytorch_peer(benchmark, world, ours, theirs):
         f"(peer/fastpar {t[theirs] / t[ours]:.2f}); bytes/rank {mem[ours] / 2**20:.2f} vs "
         f"{mem[theirs] / 2**20:.2f} MiB (peer/fastpar {mem[theirs] / mem[ours]:.2f})"
     )
+
+
+def _planned_vs_held(stage: int) -> dict:
+    """A real model (6-layer transformer encoder, fp32): bytes held per rank and bytes sent per
+    step, beside the planner (fastpar layout) and the paper's 2Ψ."""
+    from fastpar.zero import estimate_memory, held_bytes
+
+    torch.manual_seed(0)
+    model = nn.TransformerEncoder(nn.TransformerEncoderLayer(128, 4, 256, batch_first=True), 6)
+    psi = sum(p.numel() for p in model.parameters())
+    n = dist.get_world_size()
+    x = torch.randn(2, 16, 128)
+    if stage == 0:
+        ddp = DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model.parameters())
+        ddp(x).sum().backward()
+        opt.step()
+        held = held_bytes(model.parameters(), opt)
+        plan = estimate_memory(
+            psi, n, 0, param_bytes=4, grad_bytes=4, optimizer_bytes=8, mode="fastpar"
+        )
+        sent = ddp.comm_bytes
+    else:
+        opt = ZeroOptimizer(torch.optim.AdamW(model.parameters()), stage=stage)
+        model(x).sum().backward()
+        opt.step()
+        held = opt.memory_bytes()
+        numels = [b.numel for b in opt.buckets]
+        plan = estimate_memory(psi, n, stage, param_bytes=4, grad_bytes=4, optimizer_bytes=8,
+                               mode="fastpar", bucket_numels=numels)  # fmt: skip
+        sent = opt.comm_bytes
+    return {"psi": psi, "held": held, "plan_total": plan.total, "sent": sent}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_memory_and_traffic_planned_vs_measured(benchmark, stage):
+    world = 4
+    benchmark.group = "zero-memory-planned-vs-measured"
+    res = benchmark.pedantic(
+        run_ranks, args=(_planned_vs_held, world, stage), rounds=1, iterations=1
+    )
+    r = res[0]
+    two_psi = 2 * (world - 1) / world * r["psi"] * 4
+    benchmark.extra_info.update(
+        stage=stage, psi=r["psi"], held=r["held"], planned_total=r["plan_total"],
+        sent_bytes=r["sent"], two_psi_bytes=two_psi,
+    )  # fmt: skip
+    print(
+        f"\nstage {stage}, DP={world}, Ψ={r['psi']:,}: held {r['held']['total'] / 2**20:.2f} MiB "
+        f"(params {r['held']['params'] / 2**20:.2f}, grads {r['held']['grads'] / 2**20:.2f}, "
+        f"optimizer {r['held']['optimizer'] / 2**20:.2f}); planned {r['plan_total'] / 2**20:.2f} MiB; "
+        f"sent {r['sent'] / 2**20:.2f} MiB per step vs 2(N-1)/N·Ψ·4 B = {two_psi / 2**20:.2f} MiB"
+    )

@@ -15,7 +15,7 @@ from torch import nn
 from fastpar import ParallelMesh
 from fastpar.amp import DynamicLossScaler
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear, param_layout
-from fastpar.optim import MixedPrecisionOptimizer
+from fastpar.optim import FusedAdamW, MixedPrecisionOptimizer
 from fastpar.parallel import DistributedDataParallel
 from fastpar.testing import RankError, run_ranks
 from fastpar.zero import ZeroOptimizer
@@ -38,7 +38,7 @@ def _global_batch(step: int, micro: int, world: int):
 def _reference(steps: int, micro: int, world: int, opt_name: str, lr: float = 0.05):
     torch.manual_seed(0)
     model = _model()
-    opt = _make_opt(opt_name, model.parameters(), lr)
+    opt = _make_opt(opt_name, model.parameters(), lr, reference=True)
     losses = []
     for step in range(steps):
         x, y = _global_batch(step, micro, world)
@@ -50,9 +50,13 @@ def _reference(steps: int, micro: int, world: int, opt_name: str, lr: float = 0.
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
-def _make_opt(name: str, params, lr: float):
+def _make_opt(name: str, params, lr: float, reference: bool = False):
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if name == "fastpar-adamw":  # fastpar's fused AdamW; its oracle is torch's AdamW
+        if reference:
+            return torch.optim.AdamW(params, lr=lr * 0.2, weight_decay=0.01, foreach=False)
+        return FusedAdamW(params, lr=lr * 0.2, weight_decay=0.01)
     return torch.optim.AdamW(params, lr=lr * 0.2, weight_decay=0.01, fused=name == "adamw-fused")
 
 
@@ -101,6 +105,8 @@ CASES = [
     ("zero2", 2, 2, 25.0, "adamw-fused"),
     ("zero2", 4, 1, 1e-4, "sgd"),
     ("zero2", 4, 2, 2e-4, "adamw"),
+    ("zero1", 2, 1, 25.0, "fastpar-adamw"),
+    ("zero2", 4, 2, 1e-4, "fastpar-adamw"),
 ]
 
 
@@ -164,7 +170,7 @@ def test_fp16_overflow_on_one_rank_skips_everywhere(kind):
     assert scale == 512.0
 
 
-def _tp_dp(kind: str) -> list[float]:
+def _tp_dp(kind: str, fused: bool) -> list[float]:
     """TP = 2 inside, DP = 2 across: equals the dense model on the concatenated batch."""
     mesh = ParallelMesh(tp=2)
     torch.manual_seed(0)
@@ -175,16 +181,17 @@ def _tp_dp(kind: str) -> list[float]:
         nn.GELU(),
         RowParallelLinear.from_dense(dense[2], mesh=mesh),
     )
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    inner_cls = FusedAdamW if fused else torch.optim.AdamW
     if kind == "ddp":
         model = DistributedDataParallel(par, mesh=mesh, bucket_size_mb=1e-4)
         opt = MixedPrecisionOptimizer(
-            torch.optim.AdamW(par.parameters(), lr=1e-2), mesh=mesh, max_grad_norm=0.5
+            inner_cls(par.parameters(), lr=1e-2), mesh=mesh, max_grad_norm=0.5
         )
     else:
         model = par
         opt = ZeroOptimizer(
-            torch.optim.AdamW(par.parameters(), lr=1e-2),
+            inner_cls(par.parameters(), lr=1e-2),
             stage=int(kind[-1]),
             mesh=mesh,
             max_grad_norm=0.5,
@@ -209,9 +216,11 @@ def _tp_dp(kind: str) -> list[float]:
     return losses
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("kind", ["ddp", "zero1", "zero2"])
-def test_tp2_dp2(kind):
-    run_ranks(_tp_dp, 4, kind)
+def test_tp2_dp2(kind, fused):
+    """with fused=True the clipping coefficient is folded into FusedAdamW's pass"""
+    run_ranks(_tp_dp, 4, kind, fused)
 
 
 def _unused() -> None:

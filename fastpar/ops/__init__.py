@@ -2,6 +2,7 @@
 pure-torch reference through ``fastpar.ops.backend.select``."""
 
 from fastpar.ops import (
+    adamw,  # noqa: F401  (registers adamw)
     cross_entropy,  # noqa: F401  (registers vocab_parallel_cross_entropy)
     unscale_norm,  # noqa: F401  (registers unscale_norm)
 )

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from fastpar.amp.norm import all_reduce_norm_and_inf, counts_on_this_rank
 from fastpar.amp.scaler import ConstantLossScaler, DynamicLossScaler
 from fastpar.ops.unscale_norm import clip_coefficient, unscale_and_norm
+from fastpar.optim.fused_adamw import FusedAdamW
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -85,6 +86,7 @@ class MixedPrecisionOptimizer:
         device = self.model_params[0].device if self.model_params else torch.device("cpu")
         self._skipped = torch.zeros((), dtype=torch.int64, device=device)
         self._fused_skip = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        self._fused_clip = isinstance(optimizer, FusedAdamW)
 
     @property
     def param_groups(self):
@@ -157,11 +159,16 @@ class MixedPrecisionOptimizer:
         skipped = found > 0
         self._skipped += skipped.long()
         grads = [m.grad for m in self.masters if m.grad is not None]
-        if self.max_grad_norm is not None and grads:
-            torch._foreach_mul_(grads, clip_coefficient(norm, self.max_grad_norm))
+        coef = None
+        if self.max_grad_norm is not None:
+            coef = clip_coefficient(norm, self.max_grad_norm)
+            if not self._fused_clip and grads:
+                torch._foreach_mul_(grads, coef)
         if self._fused_skip:
             self.optimizer.grad_scale = None
             self.optimizer.found_inf = found
+            if self._fused_clip:  # clipping folded into the optimizer's own pass
+                self.optimizer.clip_coef = coef
             self.optimizer.step()
         elif not bool(skipped):  # one host sync: this optimizer cannot skip on the device
             self.optimizer.step()

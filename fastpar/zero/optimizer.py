@@ -37,6 +37,7 @@ import torch.distributed as dist
 from fastpar.amp.norm import all_reduce_norm_and_inf, counts_on_this_rank
 from fastpar.amp.scaler import ConstantLossScaler, DynamicLossScaler
 from fastpar.ops.unscale_norm import clip_coefficient, unscale_and_norm
+from fastpar.optim.fused_adamw import FusedAdamW
 from fastpar.parallel.buckets import (
     Bucket,
     BucketReducer,
@@ -138,6 +139,7 @@ class ZeroOptimizer:
         for gi, g in enumerate(optimizer.param_groups):
             g["params"] = [self.masters[b.index] for b in self.buckets if b.group_index == gi]
         self._fused_skip = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        self._fused_clip = isinstance(optimizer, FusedAdamW)
         device = params[0].device if params else torch.device("cpu")
         self._skipped = torch.zeros((), dtype=torch.int64, device=device)
         names = {id(p): f"param {i}" for i, p in enumerate(params)}
@@ -256,13 +258,18 @@ class ZeroOptimizer:
         skipped = found > 0
         self._skipped += skipped.long()
         grads = list(self.shard_grad.values())
-        if self.max_grad_norm is not None and grads:
-            torch._foreach_mul_(grads, clip_coefficient(norm, self.max_grad_norm))
+        coef = None
+        if self.max_grad_norm is not None:
+            coef = clip_coefficient(norm, self.max_grad_norm)
+            if not self._fused_clip and grads:
+                torch._foreach_mul_(grads, coef)
         for b in self.buckets:
             self.masters[b.index].grad = self.shard_grad[b.index]
         if self._fused_skip:
             self.optimizer.grad_scale = None
             self.optimizer.found_inf = found
+            if self._fused_clip:  # clipping folded into the optimizer's own pass
+                self.optimizer.clip_coef = coef
             self.optimizer.step()
         elif not bool(skipped):  # one host sync: this optimizer cannot skip on the device
             self.optimizer.step()

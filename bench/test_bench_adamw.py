@@ -1,0 +1,130 @@
+"""Fused AdamW over one flat shard: provider × size, one full mixed-precision optimizer step.
+
+Every provider does the same work on an fp32 master shard with an fp32 (still scaled) gradient:
+unscale (× 1/loss scale, inf check), clip (× clip coefficient), AdamW with weight decay, and a
+bf16 copy of the new parameter.
+
+* ``fastpar``: ``fastpar.ops.adamw.adamw_step_`` with inv_scale / clip_coef / found_inf /
+  param_lp: one pass (Triton on a GPU, the torch reference on a CPU);
+* ``torch_fused``: ``torch._amp_foreach_non_finite_check_and_unscale_``, ``torch._foreach_mul_``
+  (clip), ``torch.optim.AdamW(fused=True)``, then ``copy_`` into the bf16 copy;
+* ``torch_foreach``: the same with ``torch.optim.AdamW(foreach=True)``.
+
+The scale and clip coefficient are 1.0 so that repeated rounds see the same values (the work is
+the same). Sizes: 10M / 100M / 1B parameters on a GPU; 1M / 10M on a CPU (compare the providers'
+ratios within one group, not absolute times). ``extra_info``: compulsory bytes (30 a parameter:
+read p, g, m, v; write p, m, v and the bf16 copy) and, on an H100 / H200, the fraction of peak
+HBM bandwidth (3.35 / 4.8 TB/s) at the median time.
+
+Run:  pytest bench/test_bench_adamw.py --benchmark-json=bench/results/adamw.json
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastpar.ops.adamw import adamw_step_
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+if CUDA:
+    SIZES = [10_000_000, 100_000_000, 1_000_000_000]
+    ROUNDS, WARMUP = 20, 3
+else:
+    SIZES = [1_000_000, 10_000_000]
+    ROUNDS, WARMUP = 5, 1
+BYTES_PER_PARAM = 30
+PEAK_HBM = {"H200": 4.8e12, "H100": 3.35e12}  # bytes/s, by a substring of the device name
+HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def _peak_bandwidth() -> float | None:
+    if not CUDA:
+        return None
+    name = torch.cuda.get_device_name(0)
+    return next((bw for key, bw in PEAK_HBM.items() if key in name), None)
+
+
+def _sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def _step_fn(provider: str, numel: int):
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    param = torch.randn(numel, device=DEVICE, generator=gen)
+    grad = torch.randn(numel, device=DEVICE, generator=gen) * 1e-2
+    param_lp = param.to(torch.bfloat16)
+    inv_scale = torch.ones((), device=DEVICE)
+    clip_coef = torch.ones((), device=DEVICE)
+    found_inf = torch.zeros((), device=DEVICE)
+
+    if provider == "fastpar":
+        exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
+        step = torch.zeros((), device=DEVICE)
+        beta1, beta2 = HYPER["betas"]
+
+        def run():
+            step.add_(1)
+            adamw_step_(
+                param,
+                grad,
+                exp_avg,
+                exp_avg_sq,
+                lr=HYPER["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                eps=HYPER["eps"],
+                weight_decay=HYPER["weight_decay"],
+                step=step,
+                inv_scale=inv_scale,
+                clip_coef=clip_coef,
+                found_inf=found_inf,
+                param_lp=param_lp,
+            )
+
+        return run
+
+    param = torch.nn.Parameter(param)
+    param.grad = grad
+    kind = {"torch_fused": dict(fused=True), "torch_foreach": dict(foreach=True)}[provider]
+    try:
+        opt = torch.optim.AdamW([param], **HYPER, **kind)
+        opt.step()  # builds the state (and checks the device supports it)
+    except Exception as exc:
+        pytest.skip(f"torch.optim.AdamW({kind}) fails here: {type(exc).__name__}: {exc}")
+
+    def run():
+        torch._amp_foreach_non_finite_check_and_unscale_([grad], found_inf, inv_scale)
+        torch._foreach_mul_([grad], clip_coef)
+        opt.step()
+        param_lp.copy_(param.detach())
+
+    return run
+
+
+@pytest.mark.parametrize("numel", SIZES, ids=[f"N{n // 1_000_000}M" for n in SIZES])
+@pytest.mark.parametrize("provider", ["fastpar", "torch_fused", "torch_foreach"])
+def test_adamw_step(benchmark, provider, numel):
+    step = _step_fn(provider, numel)
+
+    def run():
+        step()
+        _sync()
+
+    run()  # warm-up: compiles the kernel
+    benchmark.group = f"adamw-N{numel // 1_000_000}M"
+    moved = BYTES_PER_PARAM * numel
+    benchmark.extra_info.update(
+        provider=provider,
+        numel=numel,
+        device=torch.cuda.get_device_name(0) if CUDA else "cpu",
+        compulsory_bytes=moved,
+    )
+    benchmark.pedantic(run, rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
+    median = benchmark.stats.stats.median
+    benchmark.extra_info["bytes_per_s"] = moved / median
+    peak = _peak_bandwidth()
+    if peak is not None:
+        benchmark.extra_info["hbm_fraction"] = moved / median / peak

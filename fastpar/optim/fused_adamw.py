@@ -1,0 +1,143 @@
+"""``FusedAdamW``: torch.optim.AdamW on ``fastpar.ops.adamw_step_multi_`` (one pass per group).
+
+    opt = FusedAdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    loss.backward(); opt.step(); opt.zero_grad()
+
+Each param group is one multi-tensor call per device (one Triton launch per dtype group on CUDA,
+the torch reference elsewhere). Same results as ``torch.optim.AdamW(foreach=False)``: bit for
+bit on a CPU.
+
+Mixed precision without a host sync, the protocol of torch's fused optimizers
+(``_step_supports_amp_scaling``): before ``step()`` the caller may set, as 0-dim device tensors,
+
+* ``found_inf``: nonzero skips the whole step on the device; the step counts do not advance;
+* ``grad_scale``: the loss scale; gradients are multiplied by ``1 / grad_scale`` in the kernel
+  (not divided: identical for the power-of-two scales of loss scalers);
+* ``clip_coef``: ``min(1, max_norm / (norm + eps))``, applied after unscaling.
+
+``torch.amp.GradScaler`` sets and deletes the first two around ``step()``;
+``fastpar.optim.MixedPrecisionOptimizer`` sets ``found_inf`` (and ``grad_scale = None``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from fastpar.ops.adamw import adamw_step_multi_
+
+
+class FusedAdamW(torch.optim.Optimizer):
+    """AdamW with decoupled weight decay over fp32 parameters (any shapes, any devices).
+
+    Per-parameter state: ``"step"`` (0-dim fp32 tensor on the parameter's device),
+    ``"exp_avg"``, ``"exp_avg_sq"`` (fp32, the parameter's shape), as torch.optim.AdamW.
+    Param groups may override ``lr``, ``betas``, ``eps``, ``weight_decay`` and ``maximize``.
+    Use fp32 parameters (for bf16/fp16 models wrap in ``MixedPrecisionOptimizer``, which keeps
+    fp32 masters).
+    """
+
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        maximize: bool = False,
+    ) -> None:
+        if isinstance(lr, torch.Tensor):
+            raise TypeError("lr must be a python float, not a tensor")
+        if not lr >= 0.0:
+            raise ValueError(f"invalid learning rate {lr}: must be >= 0")
+        if not eps >= 0.0:
+            raise ValueError(f"invalid eps {eps}: must be >= 0")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"invalid betas {betas}: each must lie in [0, 1)")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"invalid weight_decay {weight_decay}: must be >= 0")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
+        super().__init__(params, defaults)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The base class's, then every ``"step"`` moved to its parameter's device as fp32."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if state and "step" in state:
+                    state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+
+    def _amp_scalars(
+        self, device: torch.device
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """(inv_scale, clip_coef, found_inf) for ``device`` from the amp attributes, or None."""
+
+        def on(t: Any) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return t.to(device=device, dtype=torch.float32).reshape(())
+
+        grad_scale = on(getattr(self, "grad_scale", None))
+        inv_scale = None if grad_scale is None else torch.reciprocal(grad_scale)
+        return inv_scale, on(getattr(self, "clip_coef", None)), on(getattr(self, "found_inf", None))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One update of every parameter with a gradient; returns ``closure()`` if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            by_device: dict[torch.device, tuple[list, ...]] = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("FusedAdamW does not support sparse gradients")
+                if p.dtype != torch.float32:
+                    raise TypeError(
+                        f"FusedAdamW updates fp32 parameters, got {p.dtype}; keep fp32 masters "
+                        "(fastpar.optim.MixedPrecisionOptimizer) for a bf16/fp16 model"
+                    )
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                lists = by_device.setdefault(p.device, ([], [], [], [], []))
+                for lst, t in zip(
+                    lists,
+                    (p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"]),
+                    strict=True,
+                ):
+                    lst.append(t)
+            beta1, beta2 = group["betas"]
+            for device, (params, grads, exp_avgs, exp_avg_sqs, steps) in by_device.items():
+                inv_scale, clip_coef, found_inf = self._amp_scalars(device)
+                if found_inf is None:
+                    torch._foreach_add_(steps, 1.0)
+                else:
+                    torch._foreach_add_(steps, (found_inf == 0).to(torch.float32))
+                adamw_step_multi_(
+                    params,
+                    grads,
+                    exp_avgs,
+                    exp_avg_sqs,
+                    lr=group["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    steps=steps,
+                    inv_scale=inv_scale,
+                    clip_coef=clip_coef,
+                    found_inf=found_inf,
+                    maximize=group["maximize"],
+                )
+        return loss
