@@ -111,10 +111,8 @@ def _worker(
                     pickle.dumps(("error", rank, (type(exc).__name__, str(exc), tb, payload)))
                 )
                 code = 1
-            finally:
-                with contextlib.suppress(Exception):
-                    if dist.is_initialized():
-                        dist.destroy_process_group()
+            # no destroy_process_group: tearing gloo down while a slower peer still finishes
+            # its last collective can abort; os._exit closes every connection instead
     finally:
         with contextlib.suppress(Exception):
             conn.close()

@@ -129,6 +129,7 @@ def test_init_under_torchrun(tmp_path):
             line = f"rank {mesh.rank} tp {mesh.tp_rank} pp {mesh.pp_rank} ppsum {int(t.item())}"
             with open(f"{__file__}.{mesh.rank}.out", "w") as f:
                 f.write(line)
+            dist.barrier()  # nobody tears gloo down while a peer still talks to it
             dist.destroy_process_group()
             """
         )
