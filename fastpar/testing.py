@@ -135,6 +135,19 @@ def _kill(procs: list[Any]) -> None:
         p.join(timeout=5)
 
 
+_PREIMPORTED = False
+
+
+def _preimport() -> None:
+    """Import, once in the parent, what ranks would otherwise each import after the fork:
+    building any torch optimizer imports torch._dynamo (seconds per rank on a small machine)."""
+    global _PREIMPORTED
+    if not _PREIMPORTED:
+        _PREIMPORTED = True
+        with contextlib.suppress(Exception):
+            import torch._dynamo  # noqa: F401
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -180,6 +193,8 @@ def run_ranks(
             "starts an OpenMP thread pool hangs if the parent already used one (GNU libgomp is "
             "not fork-safe); use threads_per_rank=1 or start_method='spawn'"
         )
+    if start_method == "fork":
+        _preimport()
     ctx = mp.get_context(start_method)
     tmp = tempfile.mkdtemp(prefix="fastpar-ranks-")
     store_path = os.path.join(tmp, "store")
