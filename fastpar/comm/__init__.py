@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from fastpar.comm.collectives import (
     AllGatherReduceScatter,
+    AllToAll,
     CopyToRegion,
     GatherFromRegion,
     ReduceFromRegion,
     ReduceScatterAllGather,
     ScatterToRegion,
     all_gather_reduce_scatter,
+    all_to_all,
     copy_to_region,
     gather_from_region,
     gather_from_sequence,
@@ -23,12 +25,14 @@ from fastpar.comm.collectives import (
 
 __all__ = [
     "AllGatherReduceScatter",
+    "AllToAll",
     "CopyToRegion",
     "GatherFromRegion",
     "ReduceFromRegion",
     "ReduceScatterAllGather",
     "ScatterToRegion",
     "all_gather_reduce_scatter",
+    "all_to_all",
     "copy_to_region",
     "gather_from_region",
     "gather_from_sequence",

@@ -194,3 +194,39 @@ def all_gather_reduce_scatter(x: torch.Tensor, group: Group = None, dim: int = 0
 
 def reduce_scatter_all_gather(x: torch.Tensor, group: Group = None, dim: int = 0) -> torch.Tensor:
     return ReduceScatterAllGather.apply(x, dim, group)
+
+
+def _all_to_all(
+    x: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group: Group
+) -> torch.Tensor:
+    if group_size(group) == 1:
+        return x
+    x = x.contiguous()
+    rows = sum(out_splits) if out_splits is not None else x.shape[0]
+    out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all_single along dim 0 (rows ``in_splits[j]`` go to rank j; ``out_splits[j]``
+    arrive from rank j; None = equal splits); backward is the inverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits, in_splits, group: Group) -> torch.Tensor:
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        return _all_to_all(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_to_all(grad, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
+
+
+def all_to_all(
+    x: torch.Tensor,
+    group: Group = None,
+    out_splits: list[int] | None = None,
+    in_splits: list[int] | None = None,
+) -> torch.Tensor:
+    """Differentiable all-to-all of the rows of ``x`` (see ``AllToAll``)."""
+    return AllToAll.apply(x, out_splits, in_splits, group)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fastpar.moe.layer import MoE, moe_aux_loss
 from fastpar.nn.embedding import VocabParallelEmbedding, VocabShard
 from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fastpar.nn.loss import VocabParallelCrossEntropy
@@ -10,11 +11,13 @@ from fastpar.nn.parallelize import parallelize
 
 __all__ = [
     "ColumnParallelLinear",
+    "MoE",
     "ParamLayout",
     "RowParallelLinear",
     "VocabParallelCrossEntropy",
     "VocabParallelEmbedding",
     "VocabShard",
+    "moe_aux_loss",
     "parallelize",
     "param_layout",
 ]

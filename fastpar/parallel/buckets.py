@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -43,9 +43,13 @@ class Bucket:
 
 
 def build_buckets(
-    param_groups: list[list[torch.nn.Parameter]], bucket_size_mb: float, pad_to: int
+    param_groups: list[list[torch.nn.Parameter]],
+    bucket_size_mb: float,
+    pad_to: int | Sequence[int],
 ) -> list[Bucket]:
-    """Pack trainable parameters (reverse order, per param group and dtype) into buckets."""
+    """Pack trainable parameters (reverse order, per param group and dtype) into buckets whose
+    size is a multiple of ``pad_to`` (one value, or one per param group)."""
+    pads = [pad_to] * len(param_groups) if isinstance(pad_to, int) else list(pad_to)
     if not bucket_size_mb > 0:
         raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
     cap = int(bucket_size_mb * 2**20)
@@ -69,7 +73,8 @@ def build_buckets(
         b.offsets.append(b.numel)
         b.numel += p.numel()
     for b in buckets:
-        b.padded_numel = math.ceil(b.numel / pad_to) * pad_to if b.numel else pad_to
+        pad = pads[b.group_index]
+        b.padded_numel = math.ceil(b.numel / pad) * pad if b.numel else pad
     return buckets
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fastpar.nn.marks import is_expert
 from fastpar.parallel.buckets import (
     Bucket,
     BucketReducer,
@@ -57,16 +58,26 @@ class DistributedDataParallel(nn.Module):
             raise ValueError("pass either mesh= or group=, not both")
         self.module = module
         self.group = mesh.dp_group if mesh is not None else group
-        self.dp_size = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        # expert parameters (fastpar.nn.MoE) differ across the EP group: they are replicated,
+        # and reduced, over the expert-data-parallel group only
+        expert_group = mesh.expert_dp_group if mesh is not None else self.group
+        self._groups = [self.group, expert_group]
+        init = dist.is_initialized()
+        self._sizes = [dist.get_world_size(g) if init else 1 for g in self._groups]
+        self.dp_size = self._sizes[0]
         self.reduce_dtype = reduce_dtype
         self.comm_bytes = 0.0
-        if broadcast_parameters and self.dp_size > 1:
-            src = global_rank_of(self.group, 0)
+        dense = [p for p in module.parameters() if not is_expert(p)]
+        experts = [p for p in module.parameters() if is_expert(p)]
+        if broadcast_parameters:
             with torch.no_grad():
-                for t in [*module.parameters(), *module.buffers()]:
-                    dist.broadcast(t.data, src=src, group=self.group)
-        params = [p for p in module.parameters() if p.requires_grad]
-        self.buckets = build_buckets([params], bucket_size_mb, pad_to=1)
+                for tensors, g, n in ((dense + list(module.buffers()), self._groups[0], self._sizes[0]),
+                                      (experts, self._groups[1], self._sizes[1])):  # fmt: skip
+                    if n > 1:
+                        for t in tensors:
+                            dist.broadcast(t.data, src=global_rank_of(g, 0), group=g)
+        groups = [[p for p in dense if p.requires_grad], [p for p in experts if p.requires_grad]]
+        self.buckets = build_buckets(groups, bucket_size_mb, pad_to=1)
         self._buffers_flat: dict[int, torch.Tensor] = {}
         for b in self.buckets:
             buf = torch.zeros(b.padded_numel, dtype=b.dtype, device=b.params[0].device)
@@ -115,18 +126,19 @@ class DistributedDataParallel(nn.Module):
         p.grad = view
 
     def _launch(self, b: Bucket):
-        if self.dp_size == 1:
+        group, size = self._groups[b.group_index], self._sizes[b.group_index]
+        if size == 1:
             return None
         buf = self._buffers_flat[b.index]
         if self.reduce_dtype is not None and self.reduce_dtype != buf.dtype:
             comm = b.comm = buf.to(self.reduce_dtype)
         else:
             comm = buf
+        # the loss is averaged over the dense DP group; an expert's local gradient already sums
+        # the tokens of its EP group, so experts are also divided by the dense DP size
         comm.div_(self.dp_size)
-        self.comm_bytes += payload_bytes(
-            "all_reduce", comm.numel(), comm.element_size(), self.dp_size
-        )
-        return dist.all_reduce(comm, group=self.group, async_op=True)
+        self.comm_bytes += payload_bytes("all_reduce", comm.numel(), comm.element_size(), size)
+        return dist.all_reduce(comm, group=group, async_op=True)
 
     def _finish(self, b: Bucket) -> None:
         if b.comm is not None:

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from fastpar.amp.norm import all_reduce_norm_and_inf, counts_on_this_rank
 from fastpar.amp.scaler import ConstantLossScaler, DynamicLossScaler
+from fastpar.nn.marks import is_expert
 from fastpar.ops.unscale_norm import clip_coefficient, unscale_and_norm
 from fastpar.optim.fused_adamw import FusedAdamW
 from fastpar.parallel.buckets import (
@@ -85,14 +86,32 @@ class ZeroOptimizer:
         self.dp_size = dist.get_world_size(self.group) if init else 1
         self.dp_rank = dist.get_rank(self.group) if init else 0
         self.comm_bytes = 0.0
-        groups = [list(g["params"]) for g in optimizer.param_groups]
+        # expert parameters (fastpar.nn.MoE) are sharded over the expert-data-parallel group,
+        # everything else over the DP group: one bucket list per (param group, kind)
+        expert_group = mesh.expert_dp_group if mesh is not None else self.group
+        kinds = [(self.group, self.dp_size, self.dp_rank)]
+        kinds.append(
+            (
+                expert_group,
+                *(
+                    (dist.get_world_size(expert_group), dist.get_rank(expert_group))
+                    if init
+                    else (1, 0)
+                ),
+            )
+        )
+        groups, self._meta = [], []
+        for gi, g in enumerate(optimizer.param_groups):
+            for kind, (comm_group, size, rank) in enumerate(kinds):
+                groups.append([p for p in g["params"] if is_expert(p) == bool(kind)])
+                self._meta.append((gi, comm_group, size, rank))
         params = [p for g in groups for p in g]
-        if self.dp_size > 1:
-            src = global_rank_of(self.group, 0)
-            with torch.no_grad():
-                for p in params:
-                    dist.broadcast(p.data, src=src, group=self.group)
-        self.buckets = build_buckets(groups, bucket_size_mb, pad_to=self.dp_size)
+        with torch.no_grad():
+            for g, (_, comm_group, size, _) in zip(groups, self._meta, strict=True):
+                if size > 1:
+                    for p in g:
+                        dist.broadcast(p.data, src=global_rank_of(comm_group, 0), group=comm_group)
+        self.buckets = build_buckets(groups, bucket_size_mb, pad_to=[m[2] for m in self._meta])
         self.shard_size: dict[int, int] = {}
         self.param_buf: dict[int, torch.Tensor] = {}
         self.grad_buf: dict[int, torch.Tensor | None] = {}
@@ -102,8 +121,9 @@ class ZeroOptimizer:
         counted_views: list[tuple[torch.Tensor, bool]] = []
         for b in self.buckets:
             device = b.params[0].device
-            s = b.padded_numel // self.dp_size
-            lo = self.dp_rank * s
+            _, _, size, rank = self._meta[b.group_index]
+            s = b.padded_numel // size
+            lo = rank * s
             pbuf = torch.zeros(b.padded_numel, dtype=b.dtype, device=device)
             with torch.no_grad():
                 for i, p in enumerate(b.params):
@@ -137,7 +157,9 @@ class ZeroOptimizer:
         self._counted = [v for v, c in counted_views if c]
         self._uncounted = [v for v, c in counted_views if not c]
         for gi, g in enumerate(optimizer.param_groups):
-            g["params"] = [self.masters[b.index] for b in self.buckets if b.group_index == gi]
+            g["params"] = [
+                self.masters[b.index] for b in self.buckets if self._meta[b.group_index][0] == gi
+            ]
         self._fused_skip = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         self._fused_clip = isinstance(optimizer, FusedAdamW)
         device = params[0].device if params else torch.device("cpu")
@@ -202,19 +224,19 @@ class ZeroOptimizer:
         comm = gbuf.to(rd) if rd is not None and rd != gbuf.dtype else gbuf
         out = torch.empty(self.shard_size[b.index], dtype=comm.dtype, device=comm.device)
         b.comm = (comm, out)
-        if self.dp_size == 1:
+        _, group, size, _ = self._meta[b.group_index]
+        if size == 1:
             out.copy_(comm)
             return None
-        self.comm_bytes += payload_bytes(
-            "reduce_scatter", comm.numel(), comm.element_size(), self.dp_size
-        )
-        return dist.reduce_scatter_tensor(out, comm, group=self.group, async_op=True)
+        self.comm_bytes += payload_bytes("reduce_scatter", comm.numel(), comm.element_size(), size)
+        return dist.reduce_scatter_tensor(out, comm, group=group, async_op=True)
 
     def _finish(self, b: Bucket) -> None:
         if b.index in self._finished:
             return
         self._finished.add(b.index)
         _, out = b.comm
+        # averaged over the dense DP group (expert gradients already sum their EP group's tokens)
         self.shard_grad[b.index].add_(out.float(), alpha=1.0 / self.dp_size)
         b.comm = None
         if self.stage == 2:
@@ -280,20 +302,19 @@ class ZeroOptimizer:
         works = []
         for b in self.buckets:
             pbuf = self.param_buf[b.index]
+            _, group, size, _ = self._meta[b.group_index]
             master = self.masters[b.index].detach()
             if self._aliases(b):
-                if self.dp_size == 1:
+                if size == 1:
                     continue
                 local = master.clone()  # the collective's input must not alias its output
             else:
                 local = master.to(pbuf.dtype)
-                if self.dp_size == 1:
+                if size == 1:
                     pbuf.copy_(local)
                     continue
-            self.comm_bytes += payload_bytes(
-                "all_gather", pbuf.numel(), pbuf.element_size(), self.dp_size
-            )
-            works.append(dist.all_gather_into_tensor(pbuf, local, group=self.group, async_op=True))
+            self.comm_bytes += payload_bytes("all_gather", pbuf.numel(), pbuf.element_size(), size)
+            works.append(dist.all_gather_into_tensor(pbuf, local, group=group, async_op=True))
         for w in works:
             w.wait()
 

@@ -1,0 +1,207 @@
+"""``MoE``: a drop-in mixture-of-experts replacement for a transformer MLP block, with expert
+parallelism over the mesh's EP group.
+
+    moe = MoE(hidden_size=512, ffn_hidden_size=2048, num_experts=8, top_k=2, mesh=mesh)
+    y = moe(x)                         # [..., H] -> [..., H]
+    loss = task_loss + moe_aux_loss(model)
+
+Per forward: the router picks k experts per token; ``moe_permute`` groups token rows by expert
+([E, C, H] with capacity, [T·k, H] dropless); with EP > 1 an all-to-all sends each expert's rows
+to the rank that owns it (equal splits in capacity mode: no host sync; dropless first exchanges
+the per-expert counts, which costs one host sync for the split sizes); the local experts run as
+one batched matmul ([E_local, ep·C, H]) or over compact segments (dropless); the inverse
+all-to-all brings the outputs back and ``moe_unpermute`` combines them weighted by the router.
+
+Expert weights are initialised in full ([E, ...], the same random stream at every EP size) and
+sliced, so EP = n equals the single-process layer holding every expert. They are marked
+``expert`` (their gradients are reduced over the expert-data-parallel group, and counted once
+there by the global grad norm); the router is a dense, replicated parameter.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fastpar.comm import all_to_all, group_rank, group_size
+from fastpar.moe.router import TopKRouter
+from fastpar.nn.marks import mark_expert
+from fastpar.ops.moe_permute import moe_permute, moe_unpermute
+
+ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
+
+
+class MoE(nn.Module):
+    """Mixture of experts over ``num_experts`` two-layer MLPs (H -> F -> H).
+
+    Router options: ``top_k``, ``capacity_factor`` (None = dropless), ``min_capacity``,
+    ``drop_policy`` ("position" / "probs"), ``normalize_topk``, ``aux_loss_coef``,
+    ``z_loss_coef``, ``jitter`` (see ``fastpar.moe.router``). ``mesh`` (its ep group) or
+    ``ep_group`` (None = no expert parallelism). After a forward: ``aux_loss`` (load balancing +
+    z-loss, differentiable), ``stats`` (device tensors: ``counts`` [E] routed per expert,
+    ``num_dropped``).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_experts: int,
+        top_k: int = 2,
+        *,
+        capacity_factor: float | None = 1.25,
+        min_capacity: int = 4,
+        drop_policy: str = "position",
+        normalize_topk: bool | None = None,
+        aux_loss_coef: float = 1e-2,
+        z_loss_coef: float = 0.0,
+        jitter: float = 0.0,
+        activation: str = "gelu",
+        mesh=None,
+        ep_group: dist.ProcessGroup | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        if mesh is not None and ep_group is not None:
+            raise ValueError("pass either mesh= or ep_group=, not both")
+        self.ep_group = mesh.ep_group if mesh is not None else ep_group
+        self.ep = group_size(self.ep_group) if self.ep_group is not None else 1
+        if num_experts % self.ep:
+            raise ValueError(
+                f"num_experts {num_experts} is not divisible by the expert-parallel size {self.ep}; "
+                f"use a number of experts that is a multiple of {self.ep}"
+            )
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        self.num_experts, self.top_k = num_experts, top_k
+        self.num_local = num_experts // self.ep
+        self.activation = activation
+        self.router = TopKRouter(
+            hidden_size, num_experts, top_k,
+            capacity_factor=capacity_factor, min_capacity=min_capacity, drop_policy=drop_policy,
+            normalize_topk=normalize_topk, aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
+            jitter=jitter, device=device,
+        )  # fmt: skip
+        # full expert weights, each expert drawn like nn.Linear, then this rank's slice
+        w1 = torch.empty(num_experts, ffn_hidden_size, hidden_size, device=device, dtype=dtype)
+        b1 = torch.empty(num_experts, ffn_hidden_size, device=device, dtype=dtype)
+        w2 = torch.empty(num_experts, hidden_size, ffn_hidden_size, device=device, dtype=dtype)
+        b2 = torch.empty(num_experts, hidden_size, device=device, dtype=dtype)
+        with torch.no_grad():
+            for e in range(num_experts):
+                for w, b in ((w1[e], b1[e]), (w2[e], b2[e])):
+                    nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+                    bound = 1 / math.sqrt(w.shape[1])
+                    nn.init.uniform_(b, -bound, bound)
+        lo = group_rank(self.ep_group) * self.num_local if self.ep > 1 else 0
+        sl = slice(lo, lo + self.num_local)
+        # stored transposed for x @ w: w1 [E_local, H, F], w2 [E_local, F, H]
+        self.w1 = nn.Parameter(w1[sl].transpose(1, 2).contiguous())
+        self.b1 = nn.Parameter(b1[sl].clone())
+        self.w2 = nn.Parameter(w2[sl].transpose(1, 2).contiguous())
+        self.b2 = nn.Parameter(b2[sl].clone())
+        for p in (self.w1, self.b1, self.w2, self.b2):
+            mark_expert(p)
+        self.aux_loss: torch.Tensor | None = None
+        self.stats: dict[str, torch.Tensor] = {}
+
+    # -- expert compute ---------------------------------------------------------------------
+    def _experts_batched(self, x: torch.Tensor) -> torch.Tensor:
+        """x [E_local, N, H] -> [E_local, N, H]."""
+        act = ACTIVATIONS[self.activation]
+        h = act(torch.baddbmm(self.b1.unsqueeze(1), x, self.w1))
+        return torch.baddbmm(self.b2.unsqueeze(1), h, self.w2)
+
+    def _experts_segments(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x [N, H] grouped by local expert with ``counts`` rows each -> [N, H]."""
+        act = ACTIVATIONS[self.activation]
+        outs = []
+        for e, part in enumerate(x.split(counts)):
+            outs.append(act(part @ self.w1[e] + self.b1[e]) @ self.w2[e] + self.b2[e])
+        return torch.cat(outs) if outs else x
+
+    # -- forward ----------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"MoE expects input [..., {self.hidden_size}], got {tuple(x.shape)}")
+        shape = x.shape
+        tokens = x.reshape(-1, self.hidden_size)
+        routing = self.router(tokens)
+        permuted, info = moe_permute(
+            tokens, routing.expert_ids, self.num_experts, routing.capacity, routing.order
+        )
+        weights = self.router.combine_weights(routing, info.slots)
+        balance, z = self.router.aux_losses(routing, info.counts)
+        self.aux_loss = balance + z
+        self.stats = {"counts": info.counts, "num_dropped": info.num_dropped}
+        if info.capacity is not None:
+            out = self._capacity_path(permuted, info.capacity)
+        else:
+            out = self._dropless_path(permuted, info.counts)
+        y = moe_unpermute(out.to(permuted.dtype), weights.to(torch.float32), info)
+        return y.view(shape)
+
+    def _capacity_path(self, permuted: torch.Tensor, capacity: int) -> torch.Tensor:
+        """[E, C, H] -> expert outputs [E, C, H]; with EP, equal-split all-to-alls."""
+        e_loc, h = self.num_local, self.hidden_size
+        if self.ep == 1:
+            return self._experts_batched(permuted)
+        # rows for rank j's experts go to rank j: [ep·E_local·C, H] in, the same shape back
+        recv = all_to_all(permuted.reshape(-1, h), self.ep_group)
+        recv = (
+            recv.view(self.ep, e_loc, capacity, h)
+            .transpose(0, 1)
+            .reshape(e_loc, self.ep * capacity, h)
+        )
+        out = self._experts_batched(recv)
+        out = out.view(e_loc, self.ep, capacity, h).transpose(0, 1).reshape(-1, h)
+        return all_to_all(out, self.ep_group).view(self.num_experts, capacity, h)
+
+    def _dropless_path(self, permuted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """[T·k, H] expert-major -> expert outputs in the same layout; with EP, counts are
+        exchanged first (one host sync for the split sizes)."""
+        e_loc = self.num_local
+        if self.ep == 1:
+            return self._experts_segments(permuted, counts.tolist())
+        send = counts.view(self.ep, e_loc)
+        recv_counts = all_to_all(send.contiguous(), self.ep_group)  # [ep (source), E_local]
+        in_splits = send.sum(1).tolist()
+        recv_counts_host = recv_counts.tolist()
+        out_splits = [sum(r) for r in recv_counts_host]
+        recv = all_to_all(permuted, self.ep_group, out_splits, in_splits)
+        # received rows are grouped (source, local expert): regroup expert-major for compute
+        src_expert = [(s, e) for s in range(self.ep) for e in range(e_loc)]
+        starts, acc = {}, 0
+        for s, e in src_expert:
+            starts[s, e] = acc
+            acc += recv_counts_host[s][e]
+        index = [
+            i for e in range(e_loc) for s in range(self.ep)
+            for i in range(starts[s, e], starts[s, e] + recv_counts_host[s][e])
+        ]  # fmt: skip
+        idx = torch.tensor(index, dtype=torch.int64, device=permuted.device)
+        local_counts = [sum(recv_counts_host[s][e] for s in range(self.ep)) for e in range(e_loc)]
+        out = self._experts_segments(recv.index_select(0, idx), local_counts)
+        back = torch.empty_like(out).index_copy(0, idx, out)  # differentiable inverse regroup
+        return all_to_all(back, self.ep_group, in_splits, out_splits)
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden={self.hidden_size}, ffn={self.ffn_hidden_size}, experts={self.num_experts} "
+            f"({self.num_local} local, ep={self.ep}), top_k={self.top_k}, "
+            f"capacity_factor={self.router.capacity_factor}, policy={self.router.drop_policy}"
+        )
+
+
+def moe_aux_loss(model: nn.Module) -> torch.Tensor:
+    """Sum of the auxiliary losses of every MoE layer of ``model`` from its last forward."""
+    losses = [m.aux_loss for m in model.modules() if isinstance(m, MoE) and m.aux_loss is not None]
+    if not losses:
+        return torch.zeros(())
+    return torch.stack([loss.float() for loss in losses]).sum()
