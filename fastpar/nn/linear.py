@@ -112,10 +112,10 @@ class ColumnParallelLinear(nn.Module):
                 if master.bias is not None:
                     b = _pad_rows(master.bias, padded).chunk(world, dim=0)[rank]
         self.weight = nn.Parameter(w.clone())
-        mark_sharded(self.weight, 0, self.group, out_features)
+        mark_sharded(self.weight, 0, self.group, out_features, fused)
         if b is not None:
             self.bias = nn.Parameter(b.clone())
-            mark_sharded(self.bias, 0, self.group, out_features)
+            mark_sharded(self.bias, 0, self.group, out_features, fused)
         else:
             self.register_parameter("bias", None)
 

@@ -24,12 +24,20 @@ class ParamLayout:
     group: dist.ProcessGroup | None
     dim: int | None = None
     full_size: int | None = None
+    fused: int = 1
+    """Sharded only: the dim holds ``fused`` stacked blocks (q|k|v) and each rank keeps its
+    1/world of every block, so local row i is global row
+    ``(i // per) * (full_size // fused) + rank * per + i % per`` with ``per`` rows per block."""
 
 
 def mark_sharded(
-    p: torch.nn.Parameter, dim: int, group: dist.ProcessGroup | None, full_size: int
+    p: torch.nn.Parameter,
+    dim: int,
+    group: dist.ProcessGroup | None,
+    full_size: int,
+    fused: int = 1,
 ) -> None:
-    setattr(p, _ATTR, ParamLayout("sharded", group, dim, full_size))
+    setattr(p, _ATTR, ParamLayout("sharded", group, dim, full_size, fused))
 
 
 def mark_replicated(p: torch.nn.Parameter, group: dist.ProcessGroup | None) -> None:
