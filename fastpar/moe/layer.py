@@ -107,7 +107,7 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(w2[sl].transpose(1, 2).contiguous())
         self.b2 = nn.Parameter(b2[sl].clone())
         for p in (self.w1, self.b1, self.w2, self.b2):
-            mark_expert(p)
+            mark_expert(p, self.ep_group if self.ep > 1 else None, num_experts)
         self.aux_loss: torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] = {}
 

@@ -63,11 +63,27 @@ def duplicated_over(p: torch.Tensor) -> tuple:
     return getattr(p, _DUPLICATED, ())
 
 
-def mark_expert(p: torch.Tensor) -> None:
-    """``p`` belongs to an expert: replicated over the expert-data-parallel group, not the
-    data-parallel group."""
-    setattr(p, _EXPERT, True)
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Dim 0 of an expert parameter indexes experts: this rank holds experts
+    [rank · n, (rank + 1) · n) of ``num_experts``, split over ``group`` (the EP group; None
+    when there is no expert parallelism)."""
+
+    group: dist.ProcessGroup | None
+    num_experts: int
+
+
+def mark_expert(
+    p: torch.Tensor, group: dist.ProcessGroup | None = None, num_experts: int | None = None
+) -> None:
+    """``p`` belongs to experts (dim 0 = local experts): replicated over the
+    expert-data-parallel group, not the data-parallel group."""
+    setattr(p, _EXPERT, ExpertLayout(group, num_experts if num_experts is not None else p.shape[0]))
 
 
 def is_expert(p: torch.Tensor) -> bool:
-    return bool(getattr(p, _EXPERT, False))
+    return getattr(p, _EXPERT, None) is not None
+
+
+def expert_layout(p: torch.Tensor) -> ExpertLayout | None:
+    return getattr(p, _EXPERT, None)
