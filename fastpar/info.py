@@ -11,6 +11,15 @@ import fastpar
 from fastpar.ops import backend
 
 
+def _moe_transport() -> str:
+    from fastpar.moe.overlap import transport
+
+    try:
+        return transport()
+    except (RuntimeError, ValueError) as exc:
+        return f"error: {exc}"
+
+
 def report() -> str:
     """The text ``python -m fastpar.info`` prints."""
     _, triton_text = backend.triton_status()
@@ -31,7 +40,7 @@ def report() -> str:
         f"torch     {torch.__version__} (CUDA {torch.version.cuda or 'none'})",
         f"triton    {triton_text}",
         f"device    {device}",
-        f"extension fastpar._C {ext_text}",
+        f"extension fastpar._C {ext_text}; moe all-to-all: {_moe_transport()}",
         f"backends  distributed={'yes' if torch.distributed.is_available() else 'no'}"
         f" gloo={'yes' if torch.distributed.is_gloo_available() else 'no'}"
         f" nccl={'yes' if torch.distributed.is_nccl_available() else 'no'}",

@@ -20,7 +20,7 @@ fi
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
 
-stamp_key="$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT/scripts/setup.sh" | sha1sum | cut -c1-16)"
+stamp_key="$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT/scripts/setup.sh" "$ROOT"/csrc/* 2>/dev/null | sha1sum | cut -c1-16)"
 stamp="$VENV/.fastpar-setup-$stamp_key"
 if [ -f "$stamp" ] && python -c "import fastpar, torch" 2>/dev/null; then
     return 0 2>/dev/null || exit 0
@@ -41,6 +41,8 @@ else
             --index-url "${FASTPAR_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
 fi
 python -m pip install "setuptools>=69" ninja pybind11
+# builds the C++ extension fastpar._C too (about a minute: torch's headers are large); a machine
+# without a compiler still gets a working fastpar (FASTPAR_NO_EXTENSION=1 skips the build)
 python -m pip install --no-build-isolation -e "$ROOT[test,lint]"
 python -c "import torch, fastpar; print('fastpar setup: ok, fastpar', fastpar.__version__, 'torch', torch.__version__)"
 rm -f "$VENV"/.fastpar-setup-*

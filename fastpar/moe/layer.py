@@ -5,6 +5,9 @@ parallelism over the mesh's EP group.
     y = moe(x)                         # [..., H] -> [..., H]
     loss = task_loss + moe_aux_loss(model)
 
+Capacity mode uses fixed all-to-all splits, so every rank of the EP group must route the same
+number of tokens (fixed batch shapes); dropless mode handles uneven counts.
+
 Per forward: the router picks k experts per token; ``moe_permute`` groups token rows by expert
 ([E, C, H] with capacity, [T·k, H] dropless); with EP > 1 an all-to-all sends each expert's rows
 to the rank that owns it (equal splits in capacity mode: no host sync; dropless first exchanges
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastpar.comm import all_to_all, group_rank, group_size
+from fastpar.moe.overlap import CapacityChunks, DroplessChunks, OverlappedExperts
 from fastpar.moe.router import TopKRouter
 from fastpar.nn.marks import mark_expert
 from fastpar.ops.moe_permute import moe_permute, moe_unpermute
@@ -40,7 +44,9 @@ class MoE(nn.Module):
 
     Router options: ``top_k``, ``capacity_factor`` (None = dropless), ``min_capacity``,
     ``drop_policy`` ("position" / "probs"), ``normalize_topk``, ``aux_loss_coef``,
-    ``z_loss_coef``, ``jitter`` (see ``fastpar.moe.router``). ``mesh`` (its ep group) or
+    ``z_loss_coef``, ``jitter`` (see ``fastpar.moe.router``). ``overlap_chunks`` K > 1 splits
+    the token buffer into K chunks whose all-to-alls overlap the experts' compute
+    (``fastpar.moe.overlap``; K = 1 is the plain layer). ``mesh`` (its ep group) or
     ``ep_group`` (None = no expert parallelism). After a forward: ``aux_loss`` (load balancing +
     z-loss, differentiable), ``stats`` (device tensors: ``counts`` [E] routed per expert,
     ``num_dropped``).
@@ -61,6 +67,7 @@ class MoE(nn.Module):
         z_loss_coef: float = 0.0,
         jitter: float = 0.0,
         activation: str = "gelu",
+        overlap_chunks: int = 1,
         mesh=None,
         ep_group: dist.ProcessGroup | None = None,
         device=None,
@@ -76,6 +83,9 @@ class MoE(nn.Module):
                 f"num_experts {num_experts} is not divisible by the expert-parallel size {self.ep}; "
                 f"use a number of experts that is a multiple of {self.ep}"
             )
+        if not isinstance(overlap_chunks, int) or overlap_chunks < 1:
+            raise ValueError(f"overlap_chunks must be a positive integer, got {overlap_chunks!r}")
+        self.overlap_chunks = overlap_chunks
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
@@ -110,6 +120,9 @@ class MoE(nn.Module):
             mark_expert(p, self.ep_group if self.ep > 1 else None, num_experts)
         self.aux_loss: torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] = {}
+
+    def _expert_params(self) -> tuple[nn.Parameter, ...]:
+        return (self.w1, self.b1, self.w2, self.b2)
 
     # -- expert compute ---------------------------------------------------------------------
     def _experts_batched(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,6 +165,15 @@ class MoE(nn.Module):
         e_loc, h = self.num_local, self.hidden_size
         if self.ep == 1:
             return self._experts_batched(permuted)
+        if self.overlap_chunks > 1:
+            chunks = CapacityChunks(self.num_experts, capacity, h, self.ep, self.overlap_chunks)
+            return OverlappedExperts.apply(
+                permuted,
+                chunks,
+                lambda x, j: self._experts_batched(x),
+                self.ep_group,
+                *self._expert_params(),
+            )
         # rows for rank j's experts go to rank j: [ep·E_local·C, H] in, the same shape back
         recv = all_to_all(permuted.reshape(-1, h), self.ep_group)
         recv = (
@@ -174,6 +196,19 @@ class MoE(nn.Module):
         in_splits = send.sum(1).tolist()
         recv_counts_host = recv_counts.tolist()
         out_splits = [sum(r) for r in recv_counts_host]
+        if self.overlap_chunks > 1:
+            chunks = DroplessChunks(
+                counts.tolist(),
+                recv_counts_host,
+                self.hidden_size,
+                self.ep,
+                self.overlap_chunks,
+                permuted.device,
+            )
+            return OverlappedExperts.apply(
+                permuted, chunks, lambda x, j: self._experts_segments(x, chunks.seg[j]), self.ep_group,
+                *self._expert_params(),
+            )  # fmt: skip
         recv = all_to_all(permuted, self.ep_group, out_splits, in_splits)
         # received rows are grouped (source, local expert): regroup expert-major for compute
         src_expert = [(s, e) for s in range(self.ep) for e in range(e_loc)]

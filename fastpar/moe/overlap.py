@@ -1,0 +1,300 @@
+"""All-to-all overlapped with expert compute: the MoE layer's token buffer in K chunks.
+
+With K chunks the dispatch all-to-all of chunk i+1 and the combine all-to-all of chunk i-1 are in
+flight while the local experts compute chunk i; backward pipelines the same way (gradient rows
+travel to the experts in chunks, each chunk's expert backward runs while the next chunk's rows
+and the previous chunk's input gradients are on the wire).
+
+Transport: the C++ extension ``fastpar._C`` (ops ``fastpar::all_to_all_start`` / ``_wait``, which
+drive the backend's asynchronous ``alltoall_base`` from C++, and ``pack_chunk`` /
+``unpack_chunk``, CUDA kernels on GPUs) when it is built, else ``torch.distributed``'s
+``all_to_all_single(async_op=True)`` — the same algorithm, the same results. On CPUs the
+backend's worker threads move the bytes while the main thread computes; on GPUs NCCL runs on
+its own stream and ``wait`` orders the compute stream after it with events (no device-wide
+synchronisation). ``FASTPAR_MOE_TRANSPORT=python|extension`` forces one.
+
+Chunking: capacity mode splits every expert's C rows into K ranges (equal all-to-all splits, no
+host sync); dropless mode splits every expert's segment into K parts (sizes known on the host
+after the layer's count exchange). Each output row is computed exactly as in the plain layer;
+the weight gradients are summed over chunks, i.e. equal to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.distributed as dist
+
+from fastpar.ops import backend
+
+
+@functools.cache
+def _extension_ops() -> bool:
+    """Whether fastpar._C is built; registers the ops' fake (meta) implementations once, so
+    torch.compile and torch.library.opcheck can trace them."""
+    ok, _ = backend.extension_status()
+    if not (ok and hasattr(torch.ops.fastpar, "all_to_all_start")):
+        return False
+
+    @torch.library.register_fake("fastpar::pack_chunk")
+    def _pack_fake(full, c0, c1):
+        return full.new_empty((full.shape[0], c1 - c0, full.shape[2]))
+
+    @torch.library.register_fake("fastpar::unpack_chunk")
+    def _unpack_fake(full, chunk, c0):
+        return None
+
+    @torch.library.register_fake("fastpar::all_to_all_start")
+    def _start_fake(input, output_split_sizes, input_split_sizes, group_name):
+        rows = sum(output_split_sizes) if output_split_sizes else input.shape[0]
+        return input.new_empty((rows, *input.shape[1:])), 0
+
+    @torch.library.register_fake("fastpar::all_to_all")
+    def _sync_fake(input, output_split_sizes, input_split_sizes, group_name):
+        rows = sum(output_split_sizes) if output_split_sizes else input.shape[0]
+        return input.new_empty((rows, *input.shape[1:]))
+
+    return True
+
+
+def transport() -> str:
+    """ "extension" or "python": which all-to-all the overlapped MoE layer uses here."""
+    forced = os.environ.get("FASTPAR_MOE_TRANSPORT", "").strip().lower()
+    if forced == "python":
+        return "python"
+    if forced == "extension":
+        if not _extension_ops():
+            raise RuntimeError("FASTPAR_MOE_TRANSPORT=extension but fastpar._C is not built")
+        return "extension"
+    if forced:
+        raise ValueError(f"FASTPAR_MOE_TRANSPORT={forced!r} is not 'python' or 'extension'")
+    return "extension" if _extension_ops() else "python"
+
+
+class _Pending:
+    def __init__(self, out: torch.Tensor, ticket=None, work=None, keep=None):
+        self.out, self.ticket, self.work, self.keep = out, ticket, work, keep
+
+    def wait(self) -> torch.Tensor:
+        if self.ticket is not None:
+            torch.ops.fastpar.all_to_all_wait(self.ticket)
+        elif self.work is not None:
+            self.work.wait()
+        self.keep = None
+        return self.out
+
+
+def start_all_to_all(x: torch.Tensor, group, out_splits, in_splits) -> _Pending:
+    """Start an all-to-all of the rows of ``x``; ``.wait()`` returns the received rows."""
+    x = x.contiguous()
+    if transport() == "extension":
+        g = group if group is not None else dist.distributed_c10d._get_default_group()
+        out, ticket = torch.ops.fastpar.all_to_all_start(
+            x, out_splits or [], in_splits or [], g.group_name
+        )
+        return _Pending(out, ticket=ticket, keep=x)
+    rows = sum(out_splits) if out_splits is not None else x.shape[0]
+    out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    work = dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True)
+    return _Pending(out, work=work, keep=x)
+
+
+def _pack(buf: torch.Tensor, c0: int, c1: int) -> torch.Tensor:
+    if transport() == "extension":
+        return torch.ops.fastpar.pack_chunk(buf.contiguous(), c0, c1)
+    return buf.narrow(1, c0, c1 - c0).contiguous()
+
+
+def _unpack(buf: torch.Tensor, chunk: torch.Tensor, c0: int) -> None:
+    if transport() == "extension":
+        torch.ops.fastpar.unpack_chunk(buf, chunk.contiguous(), c0)
+    else:
+        buf.narrow(1, c0, chunk.shape[1]).copy_(chunk)
+
+
+def _split(n: int, k: int) -> list[int]:
+    """n rows in k parts, as equal as possible (the first parts one larger)."""
+    return [n // k + (1 if j < n % k else 0) for j in range(k)]
+
+
+class CapacityChunks:
+    """Chunks of an [E, C, H] buffer along C; equal all-to-all splits."""
+
+    def __init__(self, experts: int, capacity: int, hidden: int, ep: int, k: int):
+        self.e, self.c, self.h, self.ep, self.k = experts, capacity, hidden, ep, k
+        self.e_loc = experts // ep
+        sizes = _split(capacity, k)
+        self.bounds = [(sum(sizes[:j]), sum(sizes[: j + 1])) for j in range(k) if sizes[j]]
+        self.in_splits = self.out_splits = [None] * len(self.bounds)
+
+    def take(self, buf: torch.Tensor, j: int) -> torch.Tensor:
+        c0, c1 = self.bounds[j]
+        return _pack(buf, c0, c1).view(-1, self.h)
+
+    def put(self, buf: torch.Tensor, j: int, rows: torch.Tensor) -> None:
+        c0, c1 = self.bounds[j]
+        _unpack(buf, rows.view(self.e, c1 - c0, self.h), c0)
+
+    def to_compute(self, rows: torch.Tensor, j: int) -> torch.Tensor:
+        c0, c1 = self.bounds[j]
+        n = c1 - c0
+        return (
+            rows.view(self.ep, self.e_loc, n, self.h)
+            .transpose(0, 1)
+            .reshape(self.e_loc, self.ep * n, self.h)
+        )
+
+    def from_compute(self, out: torch.Tensor, j: int) -> torch.Tensor:
+        c0, c1 = self.bounds[j]
+        n = c1 - c0
+        return out.view(self.e_loc, self.ep, n, self.h).transpose(0, 1).reshape(-1, self.h)
+
+    def new_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(self.e, self.c, self.h, dtype=like.dtype, device=like.device)
+
+
+class DroplessChunks:
+    """Chunks of an expert-major [N, H] buffer: part j of every expert's segment."""
+
+    def __init__(
+        self, counts: list[int], recv_counts: list[list[int]], hidden: int, ep: int, k: int, device
+    ):
+        self.h, self.ep, self.k, self.n = hidden, ep, k, sum(counts)
+        e = len(counts)
+        self.e_loc = e // ep
+        starts = [sum(counts[:i]) for i in range(e)]
+        parts = [_split(c, k) for c in counts]
+        self.index, self.in_splits, self.out_splits, self.perm, self.seg = [], [], [], [], []
+        for j in range(k):
+            rows = []
+            for i in range(e):
+                a = starts[i] + sum(parts[i][:j])
+                rows.extend(range(a, a + parts[i][j]))
+            self.index.append(torch.tensor(rows, dtype=torch.int64, device=device))
+            self.in_splits.append(
+                [
+                    sum(parts[i][j] for i in range(r * self.e_loc, (r + 1) * self.e_loc))
+                    for r in range(ep)
+                ]
+            )
+            # what each source sends us for chunk j, per local expert
+            got = [
+                [_split(recv_counts[s][le], k)[j] for le in range(self.e_loc)] for s in range(ep)
+            ]
+            self.out_splits.append([sum(g) for g in got])
+            pos, acc = {}, 0
+            for s in range(ep):
+                for le in range(self.e_loc):
+                    pos[s, le] = acc
+                    acc += got[s][le]
+            order = [
+                i
+                for le in range(self.e_loc)
+                for s in range(ep)
+                for i in range(pos[s, le], pos[s, le] + got[s][le])
+            ]
+            self.perm.append(torch.tensor(order, dtype=torch.int64, device=device))
+            self.seg.append([sum(got[s][le] for s in range(ep)) for le in range(self.e_loc)])
+
+    def take(self, buf: torch.Tensor, j: int) -> torch.Tensor:
+        return buf.index_select(0, self.index[j])
+
+    def put(self, buf: torch.Tensor, j: int, rows: torch.Tensor) -> None:
+        buf.index_copy_(0, self.index[j], rows)
+
+    def to_compute(self, rows: torch.Tensor, j: int) -> torch.Tensor:
+        return rows.index_select(0, self.perm[j])
+
+    def from_compute(self, out: torch.Tensor, j: int) -> torch.Tensor:
+        return torch.empty_like(out).index_copy_(0, self.perm[j], out)
+
+    def new_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(self.n, self.h, dtype=like.dtype, device=like.device)
+
+
+class OverlappedExperts(torch.autograd.Function):
+    """permuted -> expert outputs in the same layout, with the all-to-alls of chunk i±1 in flight
+    while chunk i computes. ``compute(x, j)`` runs the local experts on chunk j (a differentiable
+    function of x and the expert parameters ``params``)."""
+
+    @staticmethod
+    def forward(ctx, permuted, chunks, compute, group, *params):
+        k = len(chunks.in_splits)
+        out = chunks.new_buffer(permuted)
+        saved = []
+        dispatch = [None] * k
+        combine = []
+        if k:
+            dispatch[0] = start_all_to_all(
+                chunks.take(permuted, 0), group, chunks.out_splits[0], chunks.in_splits[0]
+            )
+        for j in range(k):
+            if j + 1 < k:
+                dispatch[j + 1] = start_all_to_all(
+                    chunks.take(permuted, j + 1),
+                    group,
+                    chunks.out_splits[j + 1],
+                    chunks.in_splits[j + 1],
+                )
+            x = (
+                chunks.to_compute(dispatch[j].wait(), j)
+                .detach()
+                .requires_grad_(permuted.requires_grad)
+            )
+            dispatch[j] = None
+            with torch.enable_grad():
+                y = compute(x, j)
+            saved.append((x, y))
+            combine.append(
+                start_all_to_all(
+                    chunks.from_compute(y.detach(), j),
+                    group,
+                    chunks.in_splits[j],
+                    chunks.out_splits[j],
+                )
+            )
+        for j, pending in enumerate(combine):
+            chunks.put(out, j, pending.wait())
+        ctx.chunks, ctx.group, ctx.saved, ctx.params = chunks, group, saved, params
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        chunks, group, saved, params = ctx.chunks, ctx.group, ctx.saved, ctx.params
+        k = len(saved)
+        grad_in = chunks.new_buffer(grad_out)
+        grad_params = [None] * len(params)
+        pending = [None] * k
+        back = []
+        if k:
+            pending[0] = start_all_to_all(
+                chunks.take(grad_out, 0), group, chunks.out_splits[0], chunks.in_splits[0]
+            )
+        for j in range(k):
+            if j + 1 < k:
+                pending[j + 1] = start_all_to_all(
+                    chunks.take(grad_out, j + 1),
+                    group,
+                    chunks.out_splits[j + 1],
+                    chunks.in_splits[j + 1],
+                )
+            g_y = chunks.to_compute(pending[j].wait(), j)
+            pending[j] = None
+            x, y = saved[j]
+            needs = [x] if x.requires_grad else []
+            grads = torch.autograd.grad(y, [*needs, *params], g_y, allow_unused=True)
+            g_x = grads[0] if needs else torch.zeros_like(x)
+            for i, g in enumerate(grads[len(needs) :]):
+                if g is not None:
+                    grad_params[i] = g if grad_params[i] is None else grad_params[i] + g
+            back.append(
+                start_all_to_all(
+                    chunks.from_compute(g_x, j), group, chunks.in_splits[j], chunks.out_splits[j]
+                )
+            )
+        for j, p in enumerate(back):
+            chunks.put(grad_in, j, p.wait())
+        ctx.saved = None
+        return (grad_in, None, None, None, *grad_params)

@@ -1,0 +1,83 @@
+"""The overlapped MoE layer (K = 2, 4 chunks) equals the plain layer (K = 1): outputs and every
+gradient, EP = 2 and 4, capacity and dropless (uneven token counts), with the C++ extension's
+all-to-all and with torch.distributed's."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fastpar import ParallelMesh
+from fastpar.moe import MoE, overlap
+from fastpar.testing import RankError, RankTimeout, run_ranks
+
+TRANSPORTS = ["python"] + (["extension"] if overlap._extension_ops() else [])
+
+
+def _compare(capacity_factor, transport: str) -> dict:
+    os.environ["FASTPAR_MOE_TRANSPORT"] = transport
+    rank, ep = dist.get_rank(), dist.get_world_size()
+    mesh = ParallelMesh(ep=ep)
+    # dropless: every rank routes a different number of tokens, skewed towards some experts;
+    # capacity mode needs the same token count on every EP rank (static all-to-all splits)
+    tokens = 6 + 5 * rank if capacity_factor is None else 12
+    x = torch.randn(tokens, 16, generator=torch.Generator().manual_seed(rank))
+    x[: tokens // 2] += 3.0
+    g = torch.randn(tokens, 16, generator=torch.Generator().manual_seed(100 + rank))
+    results = {}
+    for k in (1, 2, 4):
+        torch.manual_seed(0)
+        moe = MoE(16, 24, 8, top_k=2, capacity_factor=capacity_factor, overlap_chunks=k, mesh=mesh)
+        xi = x.clone().requires_grad_()
+        y = moe(xi)
+        (y * g).sum().backward()
+        results[k] = [y.detach(), xi.grad, *[p.grad for p in moe.parameters()]]
+    # Every row goes through the same expert math; BLAS may block a chunk of M rows differently
+    # from the whole buffer (last-bit differences), and the weight gradients are summed chunk
+    # by chunk, so the comparison is at fp32 rounding, outputs tighter than gradients.
+    worst = 0.0
+    for k in (2, 4):
+        y, y1 = results[k][0], results[1][0]
+        torch.testing.assert_close(y, y1, rtol=1e-6, atol=1e-6)
+        worst = max(worst, (y - y1).abs().max().item())
+        for a, b in zip(results[k][1:], results[1][1:], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    return {"max_output_difference": worst}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("capacity_factor", [1.0, None], ids=["capacity", "dropless"])
+@pytest.mark.parametrize("ep", [2, 4])
+def test_overlapped_equals_plain(ep, capacity_factor, transport):
+    out = run_ranks(_compare, ep, capacity_factor, transport)
+    assert all(o["max_output_difference"] <= 1e-6 for o in out)
+
+
+def _error_mid_overlap(transport: str) -> None:
+    os.environ["FASTPAR_MOE_TRANSPORT"] = transport
+    mesh = ParallelMesh(ep=2)
+    torch.manual_seed(0)
+    moe = MoE(8, 8, 4, top_k=1, capacity_factor=1.0, overlap_chunks=2, mesh=mesh)
+    if dist.get_rank() == 1:
+
+        def boom(x):
+            raise FloatingPointError("expert compute failed on rank 1")
+
+        moe._experts_batched = boom
+    moe(torch.randn(10, 8))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_error_on_one_rank_reaches_the_caller_without_a_hang(transport):
+    with pytest.raises(RankError) as info:
+        run_ranks(_error_mid_overlap, 2, transport, timeout=60)
+    assert not isinstance(info.value, RankTimeout)
+    assert "expert compute failed on rank 1" in str(info.value)
+
+
+def test_bad_overlap_chunks():
+    with pytest.raises(ValueError, match="overlap_chunks must be a positive integer, got 0"):
+        MoE(8, 8, 4, overlap_chunks=0)
