@@ -1,0 +1,507 @@
+"""ZeRO-3 (``fastpar.zero.Zero3``) equals single-process training on the concatenated batch;
+fp16 overflow agreement, TP x DP, communication and memory accounting, resume and checkpoint
+pieces."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _parity import assert_close, local_slice
+from torch import nn
+
+from fastpar import ParallelMesh
+from fastpar.amp import DynamicLossScaler
+from fastpar.nn import ColumnParallelLinear, RowParallelLinear, param_layout
+from fastpar.nn.marks import mark_expert
+from fastpar.optim import FusedAdamW
+from fastpar.testing import run_ranks
+from fastpar.zero import Zero3, ZeroOptimizer, estimate_memory
+
+STEPS = 4
+D_IN, D_H, D_OUT = 7, 13, 5
+
+
+class Block(nn.Module):
+    """A residual MLP block (odd sizes: the flat buffers need padding)."""
+
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, h), nn.Linear(h, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.fc2(torch.tanh(self.fc1(x))))
+
+
+class Net(nn.Module):
+    """Root parameters (inp, head) around three wrapped blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D_IN, D_H)
+        self.blocks = nn.ModuleList(Block(D_H, 11) for _ in range(3))
+        self.head = nn.Linear(D_H, D_OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _global_batch(step: int, micro: int, world: int):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(micro, world, 3, D_IN, generator=g)  # [micro, rank, batch, features]
+    y = torch.randn(micro, world, 3, D_OUT, generator=g)
+    return x, y
+
+
+def _make_opt(name: str, params, reference: bool = False):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    if reference:
+        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01, foreach=False)
+    return FusedAdamW(params, lr=0.01, weight_decay=0.01)
+
+
+def _groups(net: nn.Module) -> list[dict]:
+    """Two param groups: matrices with weight decay, vectors without (and a smaller lr)."""
+    mats = [p for p in net.parameters() if p.dim() > 1]
+    vecs = [p for p in net.parameters() if p.dim() <= 1]
+    return [{"params": mats}, {"params": vecs, "weight_decay": 0.0, "lr": 0.02}]
+
+
+def _reference(
+    steps: int, micro: int, world: int, opt_name: str, clip: float | None = None, groups=False
+):
+    torch.manual_seed(0)
+    model = Net()
+    opt = _make_opt(opt_name, _groups(model) if groups else model.parameters(), reference=True)
+    losses = []
+    for step in range(steps):
+        x, y = _global_batch(step, micro, world)
+        loss = F.mse_loss(model(x.reshape(-1, D_IN)), y.reshape(-1, D_OUT))
+        opt.zero_grad()
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def _train(micro: int, opt_name: str, policy: dict, clip: float | None) -> tuple[list, list]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0 if rank == 0 else rank)  # wrapping broadcasts rank 0's parameters
+    net = Net()
+    policy = dict(policy)
+    if policy.pop("groups", False):
+        policy["param_groups"] = _groups(net)
+    if policy.pop("expert", False):  # without a mesh the expert-DP group is the DP group
+        for p in net.blocks[1].parameters():
+            mark_expert(p)
+    model = Zero3(
+        net,
+        lambda params: _make_opt(opt_name, params),
+        max_grad_norm=clip,
+        **policy,
+    )
+    losses = []
+    for step in range(STEPS):
+        x, y = _global_batch(step, micro, world)
+        total = torch.zeros(())
+        for m in range(micro):  # gradient accumulation: each backward reduce-scatters
+            loss = F.mse_loss(model(x[m, rank]), y[m, rank]) / micro
+            loss.backward()
+            total += loss.detach()
+        model.step()
+        model.zero_grad()
+        dist.all_reduce(total)
+        losses.append((total / world).item())
+        if step == 1:  # an inference forward between steps gathers and frees everything
+            with torch.no_grad():
+                model(x[0, rank])
+            assert model._gathered_bytes == 0
+    assert all(p.numel() == 0 for f in model._flats if f.sharded for p in f.bucket.params)
+    with model.summon_full_params():
+        params = [p.detach().clone() for p in net.parameters()]
+    return losses, params
+
+
+CASES = [
+    # world, micro, optimizer, wrap policy, clip
+    (2, 1, "sgd", {"wrap": (Block,)}, None),
+    (4, 1, "adamw", {"wrap": (Block,)}, 0.5),
+    (2, 2, "adamw", {"min_params": 100}, None),  # min_params: the Linear layers become units
+    (4, 2, "sgd", {"wrap": (Block,), "persist_below": 20}, None),  # biases/norms replicated
+    (4, 1, "adamw", {"wrap": (Block,), "persist_below": 20, "prefetch": False}, 0.5),
+    (2, 1, "adamw", {"wrap": (Block,), "groups": True, "expert": True}, 0.5),
+]
+
+
+@pytest.mark.parametrize("world,micro,opt_name,policy,clip", CASES)
+def test_training_equals_single_process(world, micro, opt_name, policy, clip):
+    ref_losses, ref_params = _reference(
+        STEPS, micro, world, opt_name, clip, groups=policy.get("groups", False)
+    )
+    for losses, params in run_ranks(_train, world, micro, opt_name, policy, clip):
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6
+        )
+        for p, q in zip(params, ref_params, strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def _full_params(model: Zero3) -> list[torch.Tensor]:
+    with model.summon_full_params():
+        return [p.detach().clone() for p in model.module.parameters()]
+
+
+def _fp16_overflow(opt_name: str) -> tuple:
+    """fp16 + dynamic loss scaling + an inf injected on one rank: everyone skips that step."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = Zero3(
+        Net().half(),
+        lambda params: _make_opt(opt_name, params),
+        wrap=(Block,),
+        persist_below=20,
+        scaler=DynamicLossScaler(initial_scale=1024.0, hysteresis=1),
+    )
+    skips, unchanged = [], []
+    for step in range(4):
+        x, y = _global_batch(step, 1, world)
+        before = _full_params(model)
+        loss = F.mse_loss(model(x[0, rank].half()).float(), y[0, rank])
+        model.scale_loss(loss).backward()
+        if step == 1 and rank == world - 1:  # corrupt this rank's shard after the reduction
+            model.shard_grads[-1].view(-1)[0] = float("inf")
+        skipped, _ = model.step()
+        model.zero_grad()
+        after = _full_params(model)
+        skips.append(bool(skipped))
+        unchanged.append(all(torch.equal(a, b) for a, b in zip(before, after, strict=True)))
+        assert all(torch.isfinite(p).all() for p in after)
+        assert all(p.dtype == torch.float16 for p in after)
+    return skips, unchanged, float(model.scaler.scale)
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])  # skipped on the device / by a host sync
+def test_fp16_overflow_on_one_rank_skips_everywhere(opt_name):
+    out = run_ranks(_fp16_overflow, 2, opt_name)
+    assert out[0] == out[1]
+    skips, unchanged, scale = out[0]
+    assert skips == [False, True, False, False]
+    assert unchanged == [False, True, False, False]
+    assert scale == 512.0
+
+
+def _bf16() -> tuple[list[float], dict]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = Zero3(Net().to(torch.bfloat16), lambda ps: _make_opt("adamw", ps), wrap=(Block,))
+    losses = []
+    for step in range(STEPS):
+        x, y = _global_batch(step, 1, world)
+        loss = F.mse_loss(model(x[0, rank].bfloat16()).float(), y[0, rank])
+        loss.backward()
+        model.step()
+        model.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append((total / world).item())
+    assert all(f.master.dtype == torch.float32 for f in model._flats)
+    assert all(f.shard.dtype == torch.bfloat16 for f in model._flats)
+    return losses, model.memory_bytes()
+
+
+def test_bf16_trains_like_fp32():
+    ref_losses, _ = _reference(STEPS, 1, 2, "adamw")
+    for losses, mem in run_ranks(_bf16, 2):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **TOL_BF16)
+        assert mem["masters"] == 2 * mem["params"]  # fp32 masters beside bf16 shards
+
+
+TOL_BF16 = dict(rtol=3e-2, atol=3e-2)
+
+
+def _tp_dp(fused: bool, persist_below: int) -> None:
+    """TP = 2 inside, DP = 2 across: ZeRO-3 over DP shards the TP-local tensors again."""
+    mesh = ParallelMesh(tp=2)
+    torch.manual_seed(0)
+    dense = nn.Sequential(
+        nn.Linear(8, 18), nn.GELU(), nn.Linear(18, 8), nn.GELU(), nn.Linear(8, 10), nn.GELU(),
+        nn.Linear(10, 8),
+    )  # fmt: skip
+    ref = copy.deepcopy(dense)
+    par = nn.Sequential(
+        *[
+            ColumnParallelLinear.from_dense(m, mesh=mesh)
+            if i % 4 == 0
+            else RowParallelLinear.from_dense(m, mesh=mesh)
+            if i % 4 == 2
+            else m
+            for i, m in enumerate(dense)
+        ]
+    )
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    inner = FusedAdamW if fused else torch.optim.AdamW
+    model = Zero3(
+        par,
+        lambda ps: inner(ps, lr=1e-2),
+        mesh=mesh,
+        wrap=(ColumnParallelLinear, RowParallelLinear),
+        persist_below=persist_below,
+        max_grad_norm=0.5,
+    )
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(2, 4, 8, generator=g), torch.randn(2, 4, 8, generator=g)
+        loss_ref = F.mse_loss(ref(x.reshape(-1, 8)), y.reshape(-1, 8))
+        opt_ref.zero_grad()
+        loss_ref.backward()
+        norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt_ref.step()
+        loss = F.mse_loss(model(x[mesh.dp_rank]), y[mesh.dp_rank])
+        loss.backward()
+        _, norm = model.step()
+        model.zero_grad()
+        assert_close(norm, norm_ref, f"grad norm at step {step}")
+    with model.summon_full_params():
+        for (name, p), q in zip(par.named_parameters(), ref.parameters(), strict=True):
+            expect = q.detach() if param_layout(p) is None else local_slice(q.detach(), p)
+            assert_close(p.detach(), expect, f"{name} after {STEPS} steps")
+
+
+@pytest.mark.parametrize("fused,persist_below", [(False, 0), (True, 0), (True, 10)])
+def test_tp2_dp2_equals_dense(fused, persist_below):
+    """persist_below=10 keeps the biases replicated (row biases are TP-duplicated too)."""
+    run_ranks(_tp_dp, 4, fused, persist_below)
+
+
+def _comm_and_memory(persist_below: int) -> dict:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = Zero3(
+        Net(),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+        wrap=(Block,),
+        persist_below=persist_below,
+    )
+    sent = []
+    for step in range(2):
+        before = dict(model.comm_bytes_by)
+        x, y = _global_batch(step, 1, world)
+        F.mse_loss(model(x[0, rank]), y[0, rank]).backward()
+        model.step()
+        model.zero_grad()
+        sent.append({k: model.comm_bytes_by[k] - before[k] for k in before})
+    torch.manual_seed(0)
+    net2 = Net()
+    z2 = ZeroOptimizer(torch.optim.AdamW(net2.parameters(), lr=1e-3), stage=2)
+    x, y = _global_batch(0, 1, world)
+    F.mse_loss(net2(x[0, rank]), y[0, rank]).backward()
+    z2.step()
+    z2.zero_grad()
+    return {
+        "sent": sent,
+        "padded": model.padded_numel(),
+        "padded_persistent": model.padded_numel(sharded=False),
+        "numels": model.flat_numels(),
+        "n_flats": len(model._flats),
+        "mem": model.memory_bytes(),
+        "mem_z2": z2.memory_bytes(),
+        "peak": model.peak_gathered_bytes,
+        "unit_bytes": [sum(f.full_bytes for f in u.flats if f.sharded) for u in model.units],
+    }
+
+
+@pytest.mark.parametrize("world,persist_below", [(2, 0), (4, 0), (4, 20)])
+def test_comm_bytes_and_memory(world, persist_below):
+    psi = sum(p.numel() for p in Net().parameters())
+    for r in run_ranks(_comm_and_memory, world, persist_below):
+        padded, n = r["padded"], world
+        for sent in r["sent"]:  # forward all-gather, backward all-gather, reduce-scatter (fp32)
+            for kind in ("all_gather_forward", "all_gather_backward", "reduce_scatter"):
+                assert sent[kind] == pytest.approx(padded * (n - 1) / n * 4)
+            total = (
+                sent["all_gather_forward"] + sent["all_gather_backward"] + sent["reduce_scatter"]
+            )
+            assert total == pytest.approx(3 * padded * (n - 1) / n * 4)
+            # persistent parameters: a ring all-reduce of their (unpadded) fp32 gradients
+            assert sent["all_reduce"] == pytest.approx(2 * (n - 1) / n * r["padded_persistent"] * 4)
+        if persist_below == 0:
+            assert r["padded_persistent"] == 0
+            assert padded - psi < n * r["n_flats"]  # padding only
+        mem, z2 = r["mem"], r["mem_z2"]
+        assert mem["params"] == padded // n * 4 + r["padded_persistent"] * 4
+        assert mem["total"] < z2["total"]
+        if persist_below == 0:
+            assert mem["params"] * n == z2["params"]  # params 1/N of ZeRO-2's (same padding)
+            plan = estimate_memory(psi, n, 3, param_bytes=4, grad_bytes=4, optimizer_bytes=8,
+                                   mode="fastpar", bucket_numels=r["numels"])  # fmt: skip
+            assert mem["params"] == plan.params
+            assert mem["grads"] == plan.grads
+            assert mem["optimizer"] - 4 * r["n_flats"] == plan.optimizer  # + one "step" each
+        # the root stays gathered; at most the running unit and the prefetched one beside it
+        root, *units = r["unit_bytes"]
+        assert max(units) <= r["peak"] <= root + 2 * max(units)
+
+
+def _resume() -> bool:
+    """Save the sharded state after 2 steps, continue 2 steps; a fresh Zero3 loading the
+    state continues bit-identically."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+
+    def build(seed: int):
+        torch.manual_seed(seed)
+        return Zero3(
+            Net().half(),
+            lambda ps: FusedAdamW(ps, lr=1e-2),
+            wrap=(Block,),
+            persist_below=20,
+            scaler=DynamicLossScaler(initial_scale=64.0, growth_interval=2),
+            max_grad_norm=1.0,
+        )
+
+    def run(model, steps):
+        losses = []
+        for step in steps:
+            x, y = _global_batch(step, 1, world)
+            loss = F.mse_loss(model(x[0, rank].half()).float(), y[0, rank])
+            model.scale_loss(loss).backward()
+            model.step()
+            model.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    model = build(0)
+    run(model, range(2))
+    state = copy.deepcopy(model.state_dict())
+    losses = run(model, range(2, 4))
+    model2 = build(1)  # another init: everything comes from the state
+    model2.load_state_dict(state)
+    losses2 = run(model2, range(2, 4))
+    same = all(
+        torch.equal(a, b) for a, b in zip(_full_params(model), _full_params(model2), strict=True)
+    )
+    return same and losses == losses2 and float(model.scaler.scale) == float(model2.scaler.scale)
+
+
+def test_state_dict_resumes_bit_identically():
+    assert run_ranks(_resume, 2) == [True, True]
+
+
+def _pieces(opt_name: str) -> bool:
+    """Export checkpoint pieces, rebuild full local tensors from every rank's pieces, load them
+    into a fresh Zero3 (other init), continue: identical to the original continuing."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+
+    def build(seed: int):
+        torch.manual_seed(seed)
+        net = Net()
+        shapes = [p.shape for p in net.parameters()]
+        model = Zero3(net, lambda ps: _make_opt(opt_name, ps), min_params=150, persist_below=20)
+        return model, shapes
+
+    def run(model, steps):
+        for step in steps:
+            x, y = _global_batch(step, 1, world)
+            F.mse_loss(model(x[0, rank]), y[0, rank]).backward()
+            model.step()
+            model.zero_grad()
+
+    model, shapes = build(0)
+    run(model, range(2))
+    index = {id(p): i for i, p in enumerate(model.module.parameters())}
+    mine = [
+        (index[id(p)], key, piece.clone(), a, z)
+        for p, key, piece, a, z in model.checkpoint_pieces()
+    ]
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    full: dict[tuple[int, str], torch.Tensor] = {}
+    count: dict[tuple[int, str], torch.Tensor] = {}
+    for pieces in everyone:
+        for i, key, piece, a, z in pieces:
+            n = 1 if key == "step" else shapes[i].numel()
+            full.setdefault((i, key), torch.zeros(n))[a:z] = piece
+            count.setdefault((i, key), torch.zeros(n, dtype=torch.int64))[a:z] += 1
+    # every element of every parameter and state is exported by exactly one DP rank
+    keys = (
+        {"param", "momentum_buffer"}
+        if opt_name == "sgd"
+        else {"param", "exp_avg", "exp_avg_sq", "step"}
+    )
+    assert {k for _, k in full} == keys
+    assert len(full) == len(shapes) * len(keys)
+    assert all(bool((c == 1).all()) for c in count.values())
+    run(model, range(2, 4))
+
+    model2, _ = build(1)
+    index2 = {id(p): i for i, p in enumerate(model2.module.parameters())}
+
+    def lookup(p, key):
+        t = full.get((index2[id(p)], key))
+        if t is None:
+            return None
+        return t.reshape(()) if key == "step" else t.reshape(shapes[index2[id(p)]])
+
+    model2.load_checkpoint_pieces(lookup)
+    run(model2, range(2, 4))
+    return all(
+        torch.equal(a, b) for a, b in zip(_full_params(model), _full_params(model2), strict=True)
+    )
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
+def test_checkpoint_pieces_round_trip(opt_name):
+    assert run_ranks(_pieces, 2, opt_name) == [True, True]
+
+
+def _wrong_layout() -> None:
+    model = Zero3(Net(), lambda ps: torch.optim.SGD(ps, lr=0.1), wrap=(Block,))
+    state = model.state_dict()
+    state["dp_rank"] = 1 - state["dp_rank"]
+    model.load_state_dict(state)
+
+
+def test_state_dict_refuses_another_layout():
+    from fastpar.testing import RankError
+
+    with pytest.raises(RankError, match="loads only into the same layout"):
+        run_ranks(_wrong_layout, 2)
+
+
+def test_bad_arguments():
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    with pytest.raises(ValueError, match=r"either wrap= .* or min_params="):
+        Zero3(Net(), sgd, wrap=(Block,), min_params=10)
+    with pytest.raises(ValueError, match="in no entry of param_groups"):
+        net = Net()
+        Zero3(net, sgd, param_groups=[{"params": list(net.head.parameters())}])
+    with pytest.raises(ValueError, match="max_grad_norm must be positive"):
+        Zero3(Net(), sgd, max_grad_norm=0.0)
+
+
+def test_single_process_without_process_group():
+    """World of one (no process group): a plain optimizer on the whole model."""
+    torch.manual_seed(0)
+    ref = Net()
+    torch.manual_seed(0)
+    model = Zero3(Net(), lambda ps: torch.optim.SGD(ps, lr=0.1), min_params=100)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(2):
+        x, y = _global_batch(step, 1, 1)
+        F.mse_loss(ref(x[0, 0]), y[0, 0]).backward()
+        opt.step()
+        opt.zero_grad()
+        F.mse_loss(model(x[0, 0]), y[0, 0]).backward()
+        model.step()
+        model.zero_grad()
+    for p, q in zip(_full_params(model), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, q.detach())
