@@ -127,9 +127,11 @@ class DistributedDataParallel(nn.Module):
 
     def _launch(self, b: Bucket):
         group, size = self._groups[b.group_index], self._sizes[b.group_index]
-        if size == 1:
-            return None
         buf = self._buffers_flat[b.index]
+        if size == 1:  # e.g. experts when EP = DP: nothing to reduce, still the DP average
+            if self.dp_size > 1:
+                buf.div_(self.dp_size)
+            return None
         if self.reduce_dtype is not None and self.reduce_dtype != buf.dtype:
             comm = b.comm = buf.to(self.reduce_dtype)
         else:

@@ -364,6 +364,70 @@ class ZeroOptimizer:
         self._skipped.copy_(state["skipped_steps"])
         self._all_gather_params()
 
+    # -- checkpoint protocol (fastpar.checkpoint) -------------------------------------------
+    def checkpoint_pieces(self) -> list:
+        """(model param, key, values, start, stop): for each parameter with elements in this
+        rank's shards, its slice [start, stop) of the fp32 master ("param"), of each
+        per-element state of the wrapped optimizer, and "step" ([0, 1))."""
+        from fastpar.checkpoint.pieces import state_pieces
+
+        out = []
+        for b in self.buckets:
+            s = self.shard_size[b.index]
+            lo = self._meta[b.group_index][3] * s
+            master = self.masters[b.index]
+            state = self.optimizer.state.get(master, {})
+            for i, p in enumerate(b.params):
+                off = b.offsets[i]
+                a, z = max(off, lo), min(off + p.numel(), lo + s)
+                if a >= z:
+                    continue
+                out.append((p, "param", master.detach()[a - lo : z - lo], a - off, z - off))
+                out += state_pieces(p, state, master.shape, slice(a - lo, z - lo), a - off)
+        return out
+
+    def load_checkpoint_pieces(self, lookup) -> None:
+        """Rebuild every parameter buffer, the fp32 master shards and the wrapped optimizer's
+        state from ``lookup(param, key)`` (whole local tensors, so each rank fills its full
+        parameter buffers itself: no collective). A shard's "step" is its first parameter's."""
+        from fastpar.checkpoint.pieces import keys_for
+
+        order = [q for g in self.optimizer.param_groups for q in g["params"]]
+        index = {id(q): i for i, q in enumerate(order)}
+        param_groups = self.optimizer.state_dict()["param_groups"]
+        state: dict[int, dict] = {}
+        with torch.no_grad():
+            for b in self.buckets:
+                s = self.shard_size[b.index]
+                lo = self._meta[b.group_index][3] * s
+                master, pbuf = self.masters[b.index], self.param_buf[b.index]
+                entry: dict = {}
+                for i, p in enumerate(b.params):
+                    off = b.offsets[i]
+                    a, z = max(off, lo), min(off + p.numel(), lo + s)
+                    value = lookup(p, "param")
+                    if value is not None:
+                        value = value.reshape(-1)
+                        b.view(pbuf, i).copy_(value.view(p.shape))
+                        if a < z:
+                            master[a - lo : z - lo].copy_(value[a - off : z - off])
+                    if a >= z:
+                        continue
+                    for key in keys_for(lookup, p, self.optimizer.state.get(master)):
+                        t = lookup(p, key)
+                        if t is None:
+                            continue
+                        if key == "step":
+                            entry.setdefault(key, t.reshape(()).clone())
+                            continue
+                        if key not in entry:
+                            entry[key] = torch.zeros(s, dtype=t.dtype, device=master.device)
+                        entry[key][a - lo : z - lo] = t.reshape(-1)[a - off : z - off]
+                if entry:
+                    state[index[id(master)]] = entry
+        if state:
+            self.optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds between steps: params, grads (full buffers and shards),
         fp32 masters, optimizer state."""

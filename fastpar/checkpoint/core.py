@@ -1,0 +1,402 @@
+"""``save`` and ``load``: sharded checkpoints that survive a crash and a change of layout.
+
+    names = dict(model.named_parameters())          # global names (pipeline: stage_param_names)
+    save("ckpt/step_100", model_params=names, optimizer=opt, mesh=mesh, step=100,
+         extra={"data_position": pos})
+    info = load("ckpt/step_100", model_params=names, optimizer=opt, mesh=mesh)
+    step, extra = info["step"], info["extra"]
+
+Every rank writes the pieces it holds, each tagged with its global tensor and the global
+elements it covers (computed from the parameter marks, see ``fastpar.checkpoint.state``).
+Duplicated data is written once when a mesh says who duplicates what: a TP-replicated or
+unmarked tensor by TP rank 0, a DP replica by DP rank 0 (expert-DP rank 0 for experts) —
+except the optimizer pieces of a DP-sharded optimizer (ZeRO), written by every DP rank. Without
+a mesh every rank writes everything; duplicates are dropped at load (pieces may overlap: the
+loader only requires that they cover every element). fp32 parameters are stored once (their
+optimizer "param" piece equals the model value); fp16/bf16 parameters store both the model
+value and the fp32 master.
+
+Loading rebuilds each global tensor this rank needs from all saved pieces, takes this rank's
+slice under the new layout, fills the model and hands the optimizer a ``lookup``; it works
+under any layout. Under the same layout the resumed run is bit-identical (RNG states too).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fastpar.checkpoint import format as fmt
+from fastpar.checkpoint.pieces import load_torch_optimizer_pieces, torch_optimizer_pieces
+from fastpar.checkpoint.reader import CheckpointReader
+from fastpar.checkpoint.rng import get_rng_state, set_rng_state
+from fastpar.checkpoint.state import (
+    SCALAR_KEYS,
+    PieceMapper,
+    _coords,
+    global_shape,
+    localize,
+    sharding,
+    writes_on_this_rank,
+)
+
+
+def stage_param_names(stage: nn.Module, start: int) -> dict[str, nn.Parameter]:
+    """Global names of a pipeline stage's parameters: ``build_stage`` numbers its blocks from 0
+    ("i.xxx"); the whole model numbers them from ``start`` (f"{start + i}.xxx")."""
+    out = {}
+    for name, p in stage.named_parameters():
+        head, _, rest = name.partition(".")
+        if not head.isdigit():
+            raise ValueError(f"parameter {name!r} is not inside a numbered block of the stage")
+        out[f"{start + int(head)}.{rest}" if rest else str(start + int(head))] = p
+    return out
+
+
+def layout_of(mesh) -> dict:
+    """The layout a checkpoint is saved under (compared at load to decide on RNG restore)."""
+    world = _coords(None)[1]
+    if mesh is None:
+        return {"world_size": world, "mesh": None}
+    sizes = {k: getattr(mesh, f"{k}_size") for k in ("tp", "pp", "dp", "ep")}
+    return {"world_size": world, "mesh": {**sizes, "order": mesh.layout.order}}
+
+
+def optimizer_pieces(optimizer) -> list:
+    """``checkpoint_pieces`` of ``optimizer`` (a torch optimizer or anything implementing it)."""
+    if optimizer is None:
+        return []
+    if hasattr(optimizer, "checkpoint_pieces"):
+        return optimizer.checkpoint_pieces()
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return torch_optimizer_pieces(optimizer)
+    raise TypeError(
+        f"{type(optimizer).__name__} is neither a torch optimizer nor implements "
+        f"checkpoint_pieces / load_checkpoint_pieces"
+    )
+
+
+def _dp_sharded(optimizer) -> bool:
+    """Whether the optimizer's pieces differ across DP ranks (ZeRO-like): true for anything
+    implementing the protocol itself, except a MixedPrecisionOptimizer over replicated data."""
+    from fastpar.optim.mixed_precision import MixedPrecisionOptimizer
+
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        return False
+    if isinstance(optimizer, MixedPrecisionOptimizer):
+        return not optimizer.dp_replicated
+    return True
+
+
+def _agree(ok: bool) -> bool:
+    """All ranks' ``ok``, agreed with one all-reduce (a barrier that also carries failure)."""
+    if not dist.is_initialized():
+        return ok
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _collect(model_params: Mapping[str, torch.Tensor], optimizer, mesh) -> tuple:
+    """This rank's pieces: (entries for the shard file, holds {name: [keys]}, tensors)."""
+    names: dict[int, str] = {}
+    for name, p in model_params.items():
+        names.setdefault(id(p), name)
+    mapper = PieceMapper()
+    entries: list[dict] = []
+    holds: dict[str, list[str]] = {}
+    tensors: dict[str, dict] = {}
+
+    def add(name: str, p: torch.Tensor, key: str, values, start: int, stop: int) -> None:
+        runs, vals = mapper(p, key, values, start, stop)
+        shape = [1] if key in SCALAR_KEYS else tensors[name]["shape"]
+        tensors[name]["keys"].setdefault(key, {"shape": shape, "dtype": str(vals.dtype)})
+        if vals.numel():
+            entries.append({"name": name, "key": key, "runs": runs, "values": vals})
+            if key not in holds.setdefault(name, []):
+                holds[name].append(key)
+
+    for name, p in model_params.items():
+        tensors[name] = {
+            "shape": global_shape(p),
+            "dtype": str(p.dtype),
+            "sharding": sharding(p),
+            "keys": {},
+        }
+        if writes_on_this_rank(p, mesh, dp_sharded=False):
+            add(name, p, "model", p.detach(), 0, p.numel())
+    dp_sharded = _dp_sharded(optimizer)
+    for p, key, values, start, stop in optimizer_pieces(optimizer):
+        name = names.get(id(p))
+        if name is None:
+            raise ValueError(
+                f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not in "
+                f"model_params: pass every trained parameter under its global name"
+            )
+        if key == "param" and p.dtype == torch.float32:
+            continue  # the fp32 master is the parameter itself: stored as "model"
+        if key == "model":
+            raise ValueError("'model' is a reserved checkpoint key")
+        if writes_on_this_rank(p, mesh, dp_sharded=dp_sharded):
+            add(name, p, key, values, start, stop)
+    return entries, holds, tensors
+
+
+def _merge_tensors(directory: str, world: int) -> tuple[dict, list[dict]]:
+    """Rank 0: merge every rank's sidecar into the metadata's tensor table and file list."""
+    import json
+
+    tensors: dict[str, dict] = {}
+    ranks = []
+    for r in range(world):
+        with open(os.path.join(directory, fmt.sidecar_file(r))) as f:
+            side = json.load(f)
+        path = os.path.join(directory, side["file"])
+        if os.path.getsize(path) != side["bytes"]:
+            raise fmt.CheckpointError(f"{path} changed size while the checkpoint was saved")
+        ranks.append({k: side[k] for k in ("rank", "file", "bytes", "sha256", "holds")})
+        for name, info in side["tensors"].items():
+            mine = tensors.setdefault(name, {**info, "keys": {}})
+            if mine["shape"] != info["shape"]:
+                raise fmt.CheckpointError(
+                    f"ranks disagree on the global shape of {name!r}: {mine['shape']} vs "
+                    f"{info['shape']} (rank {r}); the same name must mean the same tensor"
+                )
+            for key, kinfo in info["keys"].items():
+                mine["keys"].setdefault(key, kinfo)
+    return tensors, ranks
+
+
+def save(
+    path: str | os.PathLike,
+    *,
+    model_params: Mapping[str, torch.Tensor],
+    optimizer: Any = None,
+    mesh=None,
+    step: int,
+    extra: dict | None = None,
+    scaler=None,
+    rng: bool = True,
+    overwrite: bool = False,
+) -> str:
+    """Save a checkpoint to the directory ``path`` (collective: every rank calls it with its
+    own parameters under their global names). ``optimizer``: a torch optimizer,
+    ``MixedPrecisionOptimizer``, ``ZeroOptimizer`` or anything with ``checkpoint_pieces``;
+    ``scaler`` defaults to ``optimizer.scaler``; ``extra``: anything picklable (data position,
+    LR scheduler state), stored once from rank 0; ``rng``: store every rank's RNG states.
+    ``path`` must not exist unless ``overwrite``. Returns the absolute path. Needs a
+    filesystem every rank sees."""
+    rank, world = _coords(None)
+    final = os.path.abspath(os.fspath(path))
+    partial = final + fmt.PARTIAL_SUFFIX
+    if os.path.exists(final) and not overwrite:
+        raise FileExistsError(f"{final} exists; pass overwrite=True or save under a new name")
+    if scaler is None:
+        scaler = getattr(optimizer, "scaler", None)
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            if os.path.exists(partial):  # left by an earlier save that crashed
+                shutil.rmtree(partial)
+            os.makedirs(partial)
+        except BaseException as e:
+            error = e
+    if not _agree(error is None):
+        raise error or fmt.CheckpointError(f"rank 0 could not create {partial}")
+    layout = {
+        **layout_of(mesh),
+        "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+    }
+    try:
+        entries, holds, tensors = _collect(model_params, optimizer, mesh)
+        payload = {
+            "format": fmt.FORMAT,
+            "version": fmt.VERSION,
+            "rank": rank,
+            "pieces": entries,
+            "rng": get_rng_state() if rng else None,
+        }
+        size, sha = fmt.atomic_torch_save(payload, os.path.join(partial, fmt.rank_file(rank)))
+        side = {
+            "rank": rank,
+            "file": fmt.rank_file(rank),
+            "bytes": size,
+            "sha256": sha,
+            "holds": holds,
+            "tensors": tensors,
+        }
+        fmt.atomic_json(side, os.path.join(partial, fmt.sidecar_file(rank)))
+    except BaseException as e:
+        error = e
+    if not _agree(error is None):
+        raise error or fmt.CheckpointError(f"another rank failed to write its shard of {final}")
+    if rank == 0:
+        try:
+            _finish(partial, final, world, step, extra, scaler, optimizer, layout, overwrite)
+        except BaseException as e:
+            error = e
+    if not _agree(error is None):
+        raise error or fmt.CheckpointError(f"rank 0 failed to complete {final}")
+    return final
+
+
+def _finish(partial, final, world, step, extra, scaler, optimizer, layout, overwrite) -> None:
+    """Rank 0, once every shard is on disk: common record, metadata, marker, rename."""
+    tensors, ranks = _merge_tensors(partial, world)
+    skipped = getattr(optimizer, "skipped_steps", None)
+    common = {
+        "step": int(step),
+        "extra": extra,
+        "scaler": None if scaler is None else scaler.state_dict(),
+        "skipped_steps": None if skipped is None else int(skipped),
+    }
+    size, sha = fmt.atomic_torch_save(common, os.path.join(partial, fmt.COMMON))
+    meta = {
+        "format": fmt.FORMAT,
+        "version": fmt.VERSION,
+        "step": int(step),
+        "layout": layout,
+        "tensors": tensors,
+        "ranks": ranks,
+        "common": {"file": fmt.COMMON, "bytes": size, "sha256": sha},
+    }
+    _, meta_sha = fmt.atomic_json(meta, os.path.join(partial, fmt.METADATA))
+    fmt.write_marker(partial, meta_sha)
+    old = None
+    if os.path.exists(final):
+        if not overwrite:
+            raise FileExistsError(f"{final} appeared while saving")
+        old = final + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(partial, final)
+    fmt.fsync_dir(os.path.dirname(final))
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def verify(path: str | os.PathLike) -> dict:
+    """Check a checkpoint completely (marker, metadata, every file's size and sha256) and
+    return its metadata; raises ``CheckpointError`` naming the first problem."""
+    reader = CheckpointReader(os.fspath(path))
+    for entry in reader.meta["ranks"]:
+        fmt.read_verified(reader.path, entry)
+    fmt.read_verified(reader.path, reader.meta["common"])
+    return reader.meta
+
+
+class Lookup:
+    """``lookup(param, key)``: the whole LOCAL tensor of ``param`` for ``key`` under the
+    current layout (None if not saved); "param" is the fp32 value; "step" has shape [1].
+    ``keys(param)``: the keys saved for it."""
+
+    def __init__(self, reader: CheckpointReader, names: Mapping[int, str]) -> None:
+        self.reader, self.names = reader, names
+
+    def __call__(self, param: torch.Tensor, key: str) -> torch.Tensor | None:
+        name = self.names.get(id(param))
+        if name is None:
+            return None
+        keys = self.reader.tensors[name]["keys"]
+        if key == "param":
+            return localize(self.reader.value(name), param)
+        if key == "model" or key not in keys:
+            return None
+        full = self.reader.assemble(name, key)
+        if key in SCALAR_KEYS:
+            return full.reshape(1).clone()
+        return localize(full, param)
+
+    def keys(self, param: torch.Tensor) -> list[str]:
+        name = self.names.get(id(param))
+        if name is None:
+            return []
+        return ["param"] + [k for k in self.reader.tensors[name]["keys"] if k not in ("model",)]
+
+
+def check_model(reader: CheckpointReader, model_params: Mapping[str, torch.Tensor]) -> None:
+    """Raise unless every model tensor is in the checkpoint with the same global shape."""
+    for name, p in model_params.items():
+        info = reader.tensors.get(name)
+        if info is None:
+            some = ", ".join(list(reader.tensors)[:8])
+            raise fmt.CheckpointError(
+                f"model tensor {name!r} is absent from the checkpoint {reader.path} "
+                f"(it holds {len(reader.tensors)} tensors: {some}, ...)"
+            )
+        if list(info["shape"]) != global_shape(p):
+            raise fmt.CheckpointError(
+                f"shape mismatch for {name!r}: the checkpoint holds {info['shape']}, the model "
+                f"(global shape from its marks) {global_shape(p)}"
+            )
+
+
+def load_optimizer(optimizer, lookup) -> None:
+    """``optimizer.load_checkpoint_pieces(lookup)``, or the torch-optimizer version."""
+    if optimizer is None:
+        return
+    if hasattr(optimizer, "load_checkpoint_pieces"):
+        optimizer.load_checkpoint_pieces(lookup)
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        load_torch_optimizer_pieces(optimizer, lookup)
+    else:
+        raise TypeError(f"{type(optimizer).__name__} cannot load checkpoint pieces")
+
+
+def load(
+    path: str | os.PathLike | CheckpointReader,
+    *,
+    model_params: Mapping[str, torch.Tensor],
+    optimizer: Any = None,
+    mesh=None,
+    scaler=None,
+    rng: bool = True,
+) -> dict:
+    """Load a checkpoint into this rank's ``model_params`` (global names) and ``optimizer``,
+    under any layout. Restores the scaler (default ``optimizer.scaler``) and, when saved under
+    the same layout and ``rng``, this rank's RNG states. No collective. Returns {"step",
+    "extra", "rng_restored", "layout" (the saved one)}."""
+    reader = path if isinstance(path, CheckpointReader) else CheckpointReader(os.fspath(path))
+    check_model(reader, model_params)
+    names: dict[int, str] = {}
+    for name, p in model_params.items():
+        names.setdefault(id(p), name)
+    with torch.no_grad():
+        for name, p in model_params.items():
+            keys = reader.tensors[name]["keys"]
+            full = reader.assemble(name, "model") if "model" in keys else reader.value(name)
+            p.copy_(localize(full, p).to(p.dtype))
+    load_optimizer(optimizer, Lookup(reader, names))
+    common = reader.common()
+    if scaler is None:
+        scaler = getattr(optimizer, "scaler", None)
+    if scaler is not None and common["scaler"] is not None:
+        scaler.load_state_dict(common["scaler"])
+    skipped = getattr(optimizer, "skipped_steps", None)
+    if torch.is_tensor(skipped) and common["skipped_steps"] is not None:
+        skipped.fill_(common["skipped_steps"])
+    restored = False
+    rank = _coords(None)[0]
+    if rng and layout_of(mesh) == {k: reader.layout[k] for k in ("world_size", "mesh")}:
+        state = reader.rank_data(rank).get("rng")
+        if state is not None:
+            set_rng_state(state)
+            restored = True
+    reader.release()
+    return {
+        "step": common["step"],
+        "extra": common["extra"],
+        "rng_restored": restored,
+        "layout": reader.layout,
+    }

@@ -1,0 +1,116 @@
+"""The checkpoint-pieces protocol, and its implementation for a plain torch optimizer.
+
+An optimizer takes part in ``fastpar.checkpoint`` through two methods:
+
+* ``checkpoint_pieces() -> list[(param, key, values, start, stop)]``: for each model parameter
+  ``param`` (the ``nn.Parameter`` registered in the model) and state ``key`` — ``"param"`` (the
+  fp32 master value), ``"exp_avg"``, ... (any per-element state) and ``"step"`` (one element,
+  [0, 1)) — a 1-D tensor ``values`` holding elements [start, stop) of ``param``'s LOCAL tensor
+  flattened row-major.
+* ``load_checkpoint_pieces(lookup)``: ``lookup(param, key)`` returns the whole LOCAL tensor
+  (shape of ``param``; [1] for "step") in the new layout, or None; the optimizer copies what it
+  owns and refreshes the model's parameters. ``lookup.keys(param)`` (an extension of the
+  protocol) lists the keys saved for ``param``, so an optimizer with no state yet knows what to
+  create.
+
+``MixedPrecisionOptimizer`` and ``ZeroOptimizer`` implement the methods; for a torch optimizer
+the free functions below do the same over ``optimizer.state``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from fastpar.checkpoint.state import SCALAR_KEYS
+
+Piece = tuple[torch.nn.Parameter, str, torch.Tensor, int, int]
+DEFAULT_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+
+
+def state_pieces(
+    param: torch.Tensor, state: Mapping, values_shape: torch.Size, sl: slice, start: int
+) -> list[Piece]:
+    """Pieces of one optimizer state entry: per-element tensors (shape ``values_shape``) cut to
+    the flat slice ``sl`` (elements [start, start + len) of ``param``), and "step"."""
+    out: list[Piece] = []
+    stop = start + (sl.stop - sl.start)
+    for key, v in state.items():
+        if key in SCALAR_KEYS:
+            t = v.detach() if torch.is_tensor(v) else torch.tensor(float(v))
+            out.append((param, key, t.reshape(1), 0, 1))
+        elif torch.is_tensor(v) and v.shape == values_shape:
+            out.append((param, key, v.detach().reshape(-1)[sl], start, stop))
+        else:
+            shape = tuple(v.shape) if torch.is_tensor(v) else type(v).__name__
+            raise ValueError(
+                f"optimizer state {key!r} ({shape}) is neither per-element (shape "
+                f"{tuple(values_shape)}) nor one of {sorted(SCALAR_KEYS)}: fastpar.checkpoint "
+                f"cannot reshard it"
+            )
+    return out
+
+
+def keys_for(lookup: Callable, param: torch.Tensor, existing: Mapping | None = None) -> list[str]:
+    """The state keys to ask ``lookup`` for: ``lookup.keys(param)`` when provided, else the
+    keys already in ``existing`` state, else the usual ones."""
+    keys = getattr(lookup, "keys", None)
+    if keys is not None:
+        return [k for k in keys(param) if k != "param"]
+    if existing:
+        return list(existing)
+    return list(DEFAULT_KEYS)
+
+
+def torch_optimizer_pieces(
+    optimizer: torch.optim.Optimizer, model_of: Mapping[int, torch.Tensor] | None = None
+) -> list[Piece]:
+    """``checkpoint_pieces`` of a torch optimizer; ``model_of`` maps id(optimizer param) to the
+    model parameter it stands for (an fp32 master for an fp16 parameter), default itself."""
+    out: list[Piece] = []
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        for q in group["params"]:
+            if id(q) in seen:
+                continue
+            seen.add(id(q))
+            p = model_of.get(id(q), q) if model_of else q
+            out.append((p, "param", q.detach().reshape(-1), 0, q.numel()))
+            state = optimizer.state.get(q, {})
+            out += state_pieces(p, state, q.shape, slice(0, q.numel()), 0)
+    return out
+
+
+def load_torch_optimizer_pieces(
+    optimizer: torch.optim.Optimizer,
+    lookup: Callable,
+    model_of: Mapping[int, torch.Tensor] | None = None,
+) -> None:
+    """``load_checkpoint_pieces`` of a torch optimizer: copy "param" into its parameters and
+    rebuild its state (through ``optimizer.load_state_dict``, which places each tensor as the
+    optimizer wants it). Hyper-parameters (lr, ...) stay as they are. State is left untouched
+    when the lookup has none (an import of weights only)."""
+    param_groups = optimizer.state_dict()["param_groups"]
+    state: dict[int, dict] = {}
+    index, seen = 0, set()
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for q in group["params"]:
+                if id(q) in seen:
+                    continue
+                seen.add(id(q))
+                p = model_of.get(id(q), q) if model_of else q
+                value = lookup(p, "param")
+                if value is not None:
+                    q.copy_(value.reshape(q.shape))
+                entry = {}
+                for key in keys_for(lookup, p, optimizer.state.get(q)):
+                    t = lookup(p, key)
+                    if t is not None:
+                        entry[key] = t.reshape(()) if key in SCALAR_KEYS else t.reshape(q.shape)
+                if entry:
+                    state[index] = entry
+                index += 1
+    if state:
+        optimizer.load_state_dict({"state": state, "param_groups": param_groups})
