@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from fastpar.profiling import nvtx
+
 Group = dist.ProcessGroup | None
 
 
@@ -46,7 +48,8 @@ def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     if group_size(group) == 1:
         return x
     x = x.contiguous().clone()
-    dist.all_reduce(x, group=group)
+    with nvtx("all_reduce"):
+        dist.all_reduce(x, group=group)
     return x
 
 
@@ -65,7 +68,8 @@ def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     dim = dim % x.dim()
     src = x.movedim(dim, 0).contiguous()
     out = torch.empty((world * src.shape[0], *src.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, src, group=group)
+    with nvtx("all_gather"):
+        dist.all_gather_into_tensor(out, src, group=group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -76,7 +80,8 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     dim = _check_divisible(x, dim, world, "reduce-scatter")
     src = x.movedim(dim, 0).contiguous()
     out = torch.empty((src.shape[0] // world, *src.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, src, group=group)
+    with nvtx("reduce_scatter"):
+        dist.reduce_scatter_tensor(out, src, group=group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -204,7 +209,8 @@ def _all_to_all(
     x = x.contiguous()
     rows = sum(out_splits) if out_splits is not None else x.shape[0]
     out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    with nvtx("all_to_all"):
+        dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
     return out
 
 

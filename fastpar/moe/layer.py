@@ -119,6 +119,10 @@ class MoE(nn.Module):
         for p in (self.w1, self.b1, self.w2, self.b2):
             mark_expert(p, self.ep_group if self.ep > 1 else None, num_experts)
         self.aux_loss: torch.Tensor | None = None
+        # Set by a training loop (e.g. fastpar.train / the pipeline): the aux loss then enters
+        # backward through this layer's output, scaled like the main loss (1 / micro-batches,
+        # times the loss scale), so a stage needs no access to the final loss.
+        self.aux_loss_scale: float | torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] = {}
 
     def _expert_params(self) -> tuple[nn.Parameter, ...]:
@@ -158,6 +162,8 @@ class MoE(nn.Module):
         else:
             out = self._dropless_path(permuted, info.counts)
         y = moe_unpermute(out.to(permuted.dtype), weights.to(torch.float32), info)
+        if self.aux_loss_scale is not None and self.training:
+            y = _InjectAuxGrad.apply(y, self.aux_loss, self.aux_loss_scale)
         return y.view(shape)
 
     def _capacity_path(self, permuted: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -232,6 +238,21 @@ class MoE(nn.Module):
             f"({self.num_local} local, ep={self.ep}), top_k={self.top_k}, "
             f"capacity_factor={self.router.capacity_factor}, policy={self.router.drop_policy}"
         )
+
+
+class _InjectAuxGrad(torch.autograd.Function):
+    """Identity on ``y``; in backward, also sends ``scale`` as the gradient of ``aux_loss``."""
+
+    @staticmethod
+    def forward(ctx, y, aux_loss, scale):
+        ctx.scale = scale
+        ctx.aux_shape, ctx.aux_dtype = aux_loss.shape, aux_loss.dtype
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scale = torch.as_tensor(ctx.scale, dtype=ctx.aux_dtype, device=grad.device)
+        return grad, scale.expand(ctx.aux_shape).clone(), None
 
 
 def moe_aux_loss(model: nn.Module) -> torch.Tensor:

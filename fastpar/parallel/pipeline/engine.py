@@ -28,6 +28,7 @@ from torch import nn
 from fastpar.nn.marks import mark_duplicated
 from fastpar.parallel.pipeline.p2p import P2P
 from fastpar.parallel.pipeline.schedules import Schedule
+from fastpar.profiling import nvtx
 
 
 def tie_across_stages(param: torch.Tensor, mesh) -> None:
@@ -112,13 +113,14 @@ class PipelineEngine:
                 if not first and x.is_floating_point():
                     x.requires_grad_(True)
                 entry, nbytes = {"x": x, "rng": torch.get_rng_state()}, _nbytes(x)
-                if self.recompute:
-                    with torch.no_grad():
-                        out = self._run(x, ys[i] if last else None)
-                else:
-                    out, graph_bytes = self._run_counting(x, ys[i] if last else None)
-                    entry["out"] = out
-                    nbytes += graph_bytes
+                with nvtx(f"stage{mesh.pp_rank} forward mb{i}"):
+                    if self.recompute:
+                        with torch.no_grad():
+                            out = self._run(x, ys[i] if last else None)
+                    else:
+                        out, graph_bytes = self._run_counting(x, ys[i] if last else None)
+                        entry["out"] = out
+                        nbytes += graph_bytes
                 entry["bytes"] = nbytes
                 saved[i] = entry
                 live += nbytes
@@ -133,7 +135,8 @@ class PipelineEngine:
                 grad = None if last else self.p2p.recv(mesh.next_rank, device)
                 t0 = time.perf_counter()
                 sync = i == last_backward or self.no_sync is None
-                with contextlib.nullcontext() if sync else self.no_sync():
+                no_sync = contextlib.nullcontext() if sync else self.no_sync()
+                with nvtx(f"stage{mesh.pp_rank} backward mb{i}"), no_sync:
                     if self.recompute:
                         rng = torch.get_rng_state()
                         torch.set_rng_state(entry["rng"])

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from fastpar.profiling import nvtx
+
 _DTYPES = [
     torch.float32, torch.float16, torch.bfloat16, torch.float64,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
@@ -56,7 +58,8 @@ class P2P:
             )
         ops.append(dist.P2POp(dist.isend, t, peer))
         self.bytes_sent += t.numel() * t.element_size()
-        self._pending += [(w, t) for w in dist.batch_isend_irecv(ops)]
+        with nvtx(f"send to {peer}"):
+            self._pending += [(w, t) for w in dist.batch_isend_irecv(ops)]
 
     def recv(self, peer: int, device: torch.device) -> torch.Tensor:
         """Receive the next tensor from ``peer`` (waits for it)."""
@@ -68,8 +71,9 @@ class P2P:
             self._recv_meta[peer] = (tuple(h[2 : 2 + h[0]]), _DTYPES[h[1]])
         shape, dtype = self._recv_meta[peer]
         out = torch.empty(shape, dtype=dtype, device=device)
-        for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, out, peer)]):
-            w.wait()
+        with nvtx(f"recv from {peer}"):
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, out, peer)]):
+                w.wait()
         return out
 
     def wait_sends(self) -> None:
