@@ -18,10 +18,19 @@ sequence dimension (dim 0 by default, Megatron's [s, b, h] layout).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
 from fastpar.profiling import nvtx
+
+# torch 2.13 renamed these collectives; the old names are the ones every torch >= 2.4 has
+warnings.filterwarnings(
+    "ignore",
+    message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+    category=FutureWarning,
+)
 
 Group = dist.ProcessGroup | None
 

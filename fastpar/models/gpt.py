@@ -216,6 +216,9 @@ def build_gpt(cfg: GPTConfig, mesh=None) -> list[nn.Module]:
     tp = mesh.tp_size if mesh is not None else 1
     cfg.check(tp, mesh.pp_size if mesh is not None else 1, mesh.ep_size if mesh is not None else 1)
     embed = Embedding(cfg, mesh)
+    with torch.no_grad():  # GPT-2's 0.02 scale (nn.Embedding draws N(0, 1)); same on every layout
+        embed.tok.weight.mul_(0.02)
+        embed.pos.weight.mul_(0.02)
     blocks = [Block(cfg, i, mesh) for i in range(cfg.layers)]
     if cfg.tie_embeddings:
         weight = embed.tok.weight
