@@ -156,6 +156,7 @@ def run_ranks(
     backend: str = "gloo",
     start_method: str = "fork",
     threads_per_rank: int | None = None,
+    collective_timeout: float | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results in rank order.
@@ -164,6 +165,8 @@ def run_ranks(
     collectives time out with ``timeout``; RANK / WORLD_SIZE / LOCAL_RANK are set in its
     environment. ``start_method="spawn"`` is available when the caller already holds a process
     group or a CUDA context (forking those is unsafe); ``fn`` must then be importable.
+    ``collective_timeout`` (default: ``timeout``) bounds each collective separately, so a long
+    job can have a long ``timeout`` and still fail fast on a stuck collective.
     ``threads_per_rank`` is 1 for forked ranks (a forked OpenMP pool can hang: GNU libgomp is
     not fork-safe once the parent has used it) and cores / ranks for spawned ones.
     """
@@ -210,7 +213,7 @@ def run_ranks(
                     world_size,
                     backend,
                     store_path,
-                    timeout,
+                    timeout if collective_timeout is None else float(collective_timeout),
                     threads_per_rank,
                     child_end,
                     os.path.join(tmp, f"stack{rank}"),

@@ -38,6 +38,9 @@ from fastpar.parallel.pipeline import (
 )
 from fastpar.profiling import nvtx
 
+#: every collective fails after this long instead of hanging (a dead or stuck peer)
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("FASTPAR_COLLECTIVE_TIMEOUT", "300"))
+
 
 @dataclass
 class TrainConfig:
@@ -60,6 +63,7 @@ class TrainConfig:
     lr_schedule: str = "cosine"
     weight_decay: float = 0.1
     max_grad_norm: float = 1.0
+    loss_scale: float = 4096.0
     seed: int = 1234
     seq_len: int = 64
     hidden: int = 64
@@ -121,11 +125,19 @@ def embedded_corpus() -> bytes:
     """Text that ships with every Python: the Zen of Python and the sources (with their
     docstrings) of a few standard-library modules."""
     import argparse as m1
+    import ast
+    import codecs
+    import importlib.util
     import string as m2
     import textwrap as m3
-    import this
 
-    zen = "".join(this.d.get(c, c) for c in this.s)
+    # `import this` would print the Zen; read its (rot13) text from the module's source instead
+    with open(importlib.util.find_spec("this").origin) as f:
+        tree = ast.parse(f.read())
+    rot13 = next(
+        n.value.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "s"
+    )
+    zen = codecs.decode(rot13, "rot_13")
     return (zen + "\n" + "\n".join(inspect.getsource(m) for m in (m3, m2, m1))).encode()
 
 
@@ -194,7 +206,7 @@ class Trainer:
         self.stage_module = stage
         self.moes = [m for m in stage.modules() if isinstance(m, MoE)]
         scaler = (
-            DynamicLossScaler(initial_scale=2.0**16, device=device)
+            DynamicLossScaler(initial_scale=cfg.loss_scale, device=device)
             if cfg.precision == "fp16"
             else None
         )
@@ -232,11 +244,14 @@ class Trainer:
         self.model, self.opt, self.scaler = model, opt, scaler
         sched = (GPipe if cfg.schedule == "gpipe" else OneFOneB)(cfg.microbatches)
         self.engine = PipelineEngine(
-            model, mesh, sched,
+            model,
+            mesh,
+            sched,
             loss_fn=lambda logits, y: gpt_loss(logits.float(), y, self.model_cfg, mesh),
-            recompute=cfg.recompute, no_sync=no_sync, scale_loss=opt.scale_loss,
-            tied=[tied] if tied is not None else [],
-        )  # fmt: skip
+            recompute=cfg.recompute,
+            no_sync=no_sync,
+            scale_loss=opt.scale_loss,
+        )  # fmt: skip  (DDP / ZeRO sum the tied embedding's gradients themselves)
         self.tokens = load_tokens(cfg.data)
         self.step_count = 0
 
@@ -418,7 +433,9 @@ def launch(cfg: TrainConfig, timeout: float = 24 * 3600.0) -> list[dict]:
                 f"torchrun started {os.environ['WORLD_SIZE']} ranks but tp*pp*dp = {cfg.tp}*{cfg.pp}*"
                 f"{cfg.dp} = {cfg.world_size}; pass --dp {int(os.environ['WORLD_SIZE']) // (cfg.tp * cfg.pp)}"
             )
-        init(cfg.tp, cfg.pp, cfg.ep)
+        from datetime import timedelta
+
+        init(cfg.tp, cfg.pp, cfg.ep, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         return _rank_main(cfg)
     from fastpar.testing import run_ranks
 

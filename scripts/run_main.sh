@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The README's main job: set up (first run only), then show the most complete thing fastpar
-# does today: the parallel layout of a 16-rank job (TP=2, PP=4, EP=2), and then the same
-# groups created for real on 8 CPU ranks (gloo) and checked with an all-reduce in each.
+# The README's main job: set up (first run only), then train the default GPT on 8 CPU ranks with
+# every parallelism at once (DP 2 x TP 2 x PP 2, EP 2 MoE layers, ZeRO-1, 1F1B), showing the loss
+# fall, and prove a layout equal to the single-process model. Extra arguments go to the trainer.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 python -m fastpar.info
-python -m fastpar.mesh --world-size 16 --tp 2 --pp 4 --ep 2 "$@"
-python -m fastpar.mesh --world-size 8 --tp 2 --pp 2 --ep 2 --check
+echo
+python -m fastpar.train "$@"
+echo
+python -m fastpar.verify --tp 2 --pp 2 --dp 2 --ep 2 --zero 1 --steps 3

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastpar.nn.marks import is_expert
+from fastpar.nn.marks import duplicated_over, is_expert
 from fastpar.parallel.buckets import (
     Bucket,
     BucketReducer,
@@ -67,6 +67,7 @@ class DistributedDataParallel(nn.Module):
         self.dp_size = self._sizes[0]
         self.reduce_dtype = reduce_dtype
         self.comm_bytes = 0.0
+        self._pending_tied: list = []
         dense = [p for p in module.parameters() if not is_expert(p)]
         experts = [p for p in module.parameters() if is_expert(p)]
         if broadcast_parameters:
@@ -146,7 +147,18 @@ class DistributedDataParallel(nn.Module):
         if b.comm is not None:
             self._buffers_flat[b.index].copy_(b.comm)
             b.comm = None
+        # a parameter held on several pipeline stages (tied embedding, marked duplicated): its
+        # holders' gradients are summed in finish_grad_sync(), after the pipeline step (here,
+        # inside a stage's backward, the other stage may still be waiting for our gradients)
+        for i, p in enumerate(b.params):
+            for g in duplicated_over(p):
+                self._pending_tied.append((b.view(self._buffers_flat[b.index], i), g))
 
     def finish_grad_sync(self) -> None:
-        """Wait for every in-flight bucket (backward's end does this by itself)."""
+        """Wait for every in-flight bucket (backward's end does this by itself) and sum the
+        gradients of parameters shared between pipeline stages (the pipeline engine calls this
+        after its last backward)."""
         self.reducer.wait_all()
+        pending, self._pending_tied = self._pending_tied, []
+        for view, group in pending:
+            dist.all_reduce(view, group=group)

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from fastpar.amp.norm import all_reduce_norm_and_inf, counts_on_this_rank
 from fastpar.amp.scaler import ConstantLossScaler, DynamicLossScaler
-from fastpar.nn.marks import is_expert
+from fastpar.nn.marks import duplicated_over, is_expert
 from fastpar.ops.unscale_norm import clip_coefficient, unscale_and_norm
 from fastpar.optim.fused_adamw import FusedAdamW
 from fastpar.parallel.buckets import (
@@ -100,11 +100,19 @@ class ZeroOptimizer:
                 ),
             )
         )
-        groups, self._meta = [], []
+        groups, self._meta, self._dup_groups = [], [], {}
         for gi, g in enumerate(optimizer.param_groups):
             for kind, (comm_group, size, rank) in enumerate(kinds):
-                groups.append([p for p in g["params"] if is_expert(p) == bool(kind)])
+                mine = [p for p in g["params"] if is_expert(p) == bool(kind)]
+                groups.append([p for p in mine if not duplicated_over(p)])
                 self._meta.append((gi, comm_group, size, rank))
+                # a parameter held on several pipeline stages (a tied embedding) gets a bucket of
+                # its own: the same flat layout on every holder, so their shards can be summed
+                for p in mine:
+                    if duplicated_over(p):
+                        self._dup_groups[len(groups)] = duplicated_over(p)
+                        groups.append([p])
+                        self._meta.append((gi, comm_group, size, rank))
         params = [p for g in groups for p in g]
         with torch.no_grad():
             for g, (_, comm_group, size, _) in zip(groups, self._meta, strict=True):
@@ -263,6 +271,9 @@ class ZeroOptimizer:
     def step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (skipped: 0-dim bool tensor, grad_norm: 0-dim fp32 tensor before clipping)."""
         self.reducer.wait_all()
+        for b in self.buckets:  # tied copies: every holder adds the others' gradient shards
+            for g in self._dup_groups.get(b.group_index, ()):
+                dist.all_reduce(self.shard_grad[b.index], group=g)
         device = self._skipped.device
         inv = self.scaler.inv_scale.to(device) if self.scaler is not None else None
         inv = inv if inv is not None else torch.ones((), dtype=torch.float32, device=device)

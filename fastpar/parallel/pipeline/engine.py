@@ -11,8 +11,10 @@ loss that averages over the batch. With ``recompute=True`` a forward runs withou
 graph (only the stage input is stored) and is recomputed, under the same RNG state, right
 before its backward. With ``no_sync`` (e.g. ``ddp.no_sync``), gradients are reduced over data
 parallelism once, in the last micro-batch's backward. ``tied`` parameters (a word embedding on
-the first stage and the LM head on the last) have their gradients summed over the mesh's
-embedding group after the last backward, so both copies take identical steps.
+the first stage and the LM head on the last) have their ``.grad`` summed over the mesh's
+embedding group after the last backward, so both copies take identical steps — for plain
+optimizers; fastpar's DistributedDataParallel and ZeroOptimizer sum parameters marked by
+``tie_across_stages`` themselves (where their gradients live), so pass no ``tied`` with them.
 """
 
 from __future__ import annotations
@@ -155,6 +157,9 @@ class PipelineEngine:
                 if not first and entry["x"].requires_grad:
                     self.p2p.send(entry["x"].grad, mesh.prev_rank)
         self.p2p.wait_sends()
+        finish = getattr(self.stage, "finish_grad_sync", None)
+        if finish is not None:  # e.g. DDP's tied-embedding reduction, once every stage is done
+            finish()
         self._sync_tied()
         self.stats = {
             "busy_s": busy,

@@ -1,0 +1,170 @@
+"""``python -m fastpar.verify``: prove a layout equal to the single-process model.
+
+    python -m fastpar.verify --tp 2 --pp 2 --dp 2 --ep 2 --zero 1 --steps 3
+
+Trains the GPT of ``fastpar.train`` under the given layout (any of its flags: precision,
+schedule, micro-batches, ZeRO stage, sequence parallelism, MoE settings...) and the
+single-process reference from the same initialisation on the same data, then prints both losses
+per step and the largest parameter difference, and exits 0 only when they agree within the
+tolerance of the precision (fp32 is tight; bf16 / fp16 are loose).
+
+The reference does exactly the distributed run's math on one process: each data-parallel
+replica's micro-batches are run one by one (every micro-batch loss and MoE auxiliary loss
+weighted 1 / micro-batches, gradients accumulating in the model's dtype), the replicas'
+gradients are averaged in fp32, then one optimizer step (the same fused AdamW, clipping and
+loss scaling). Final parameters of the distributed run come back
+through a fastpar checkpoint exported to a plain state_dict, so resharding is checked too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import torch
+
+from fastpar.models.gpt import build_gpt, gpt_loss
+from fastpar.moe import MoE
+from fastpar.train import (
+    TrainConfig,
+    build_parser,
+    config_from,
+    global_batch,
+    launch,
+    load_tokens,
+    lr_at,
+)
+
+TOLERANCE = {  # (loss relative, parameter absolute)
+    "fp32": (1e-4, 2e-4),
+    "bf16": (3e-2, 3e-2),
+    "fp16": (1e-2, 1e-2),
+}
+
+
+def reference(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process training with the distributed run's math. Returns (losses, params)."""
+    from fastpar.amp import DynamicLossScaler
+    from fastpar.optim import FusedAdamW, MixedPrecisionOptimizer
+
+    model_cfg = cfg.model()
+    torch.manual_seed(cfg.seed)
+    model = torch.nn.Sequential(*build_gpt(model_cfg, None))
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
+    model = model.to(dtype)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    scaler = DynamicLossScaler(initial_scale=cfg.loss_scale) if cfg.precision == "fp16" else None
+    opt = MixedPrecisionOptimizer(
+        FusedAdamW([g for g in groups if g["params"]], lr=cfg.lr),
+        scaler=scaler,
+        max_grad_norm=cfg.max_grad_norm,
+    )
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    tokens = load_tokens(cfg.data)
+    params = list(model.parameters())
+    losses = []
+    for step in range(cfg.steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(cfg, step)
+        scale = scaler.scale if scaler is not None else 1.0
+        for m in moes:
+            m.aux_loss_scale = scale / cfg.microbatches
+        x, y = global_batch(tokens, step, cfg.batch_size, cfg.seq_len, cfg.seed)
+        total, acc = 0.0, [torch.zeros_like(p, dtype=torch.float32) for p in params]
+        # replica by replica, as the data-parallel ranks do: micro-batch gradients accumulate in
+        # the model's dtype, replicas are averaged in fp32 (the DP reduction)
+        for xd, yd in zip(x.chunk(cfg.dp), y.chunk(cfg.dp), strict=True):
+            opt.zero_grad()
+            for xc, yc in zip(xd.chunk(cfg.microbatches), yd.chunk(cfg.microbatches), strict=True):
+                loss = gpt_loss(model(xc).float(), yc, model_cfg) / cfg.microbatches
+                opt.scale_loss(loss).backward()
+                total += float(loss.detach()) / cfg.dp
+            for a, p in zip(acc, params, strict=True):
+                if p.grad is not None:
+                    a.add_(p.grad.float(), alpha=1.0 / cfg.dp)
+        for a, p in zip(acc, params, strict=True):
+            p.grad = a.to(p.dtype)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    params = {name: p.detach().float().clone() for name, p in model.named_parameters()}
+    return losses, params
+
+
+def _distributed(cfg: TrainConfig, directory: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    from fastpar import checkpoint
+
+    cfg.checkpoint_dir, cfg.save_every, cfg.quiet = directory, cfg.steps, True
+    records = launch(cfg)
+    path = os.path.join(directory, f"step_{cfg.steps:06d}")
+    out_file = os.path.join(directory, "export.pt")
+    checkpoint.export_state_dict(path, out_file)
+    state = torch.load(out_file, weights_only=True)
+    return [r["loss"] for r in records], {k: v.float() for k, v in state.items()}
+
+
+def compare(cfg: TrainConfig) -> tuple[bool, str]:
+    """Run both, return (agree, the report text)."""
+    loss_tol, param_tol = TOLERANCE[cfg.precision]
+    with tempfile.TemporaryDirectory(prefix="fastpar-verify-") as directory:
+        dist_losses, dist_params = _distributed(cfg, directory)
+    ref_losses, ref_params = reference(cfg)
+    lines = [
+        f"layout: dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp} (ep {cfg.ep}), ZeRO-{cfg.zero}, {cfg.precision}, "
+        f"{cfg.schedule} x {cfg.microbatches}{', recompute' if cfg.recompute else ''}"
+        f"{', sequence parallel' if cfg.sequence_parallel else ''}",
+        f"{'step':>5} {'distributed':>14} {'single-process':>15} {'rel. diff':>10}",
+    ]
+    ok = len(dist_losses) == len(ref_losses)
+    for i, (a, b) in enumerate(zip(dist_losses, ref_losses, strict=False)):
+        rel = abs(a - b) / max(abs(b), 1e-12)
+        ok &= rel <= loss_tol
+        lines.append(f"{i + 1:>5} {a:>14.6f} {b:>15.6f} {rel:>10.2e}")
+    missing = sorted(set(ref_params) - set(dist_params))
+    if missing:
+        ok = False
+        lines.append(f"parameters missing from the distributed checkpoint: {missing[:5]}")
+    worst, worst_name = 0.0, ""
+    for name, ref in ref_params.items():
+        got = dist_params.get(name)
+        if got is None:
+            continue
+        if got.shape != ref.shape:
+            ok = False
+            lines.append(f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}")
+            continue
+        d = (got - ref).abs().max().item() if ref.numel() else 0.0
+        if d > worst:
+            worst, worst_name = d, name
+    ok &= worst <= param_tol
+    lines.append(
+        f"largest parameter difference: {worst:.3e} ({worst_name or '-'}), tolerance {param_tol:.0e}"
+    )
+    lines.append(f"loss tolerance (relative): {loss_tol:.0e}")
+    lines.append("AGREE" if ok else "DISAGREE")
+    return ok, "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser("python -m fastpar.verify")
+    ap.set_defaults(steps=3)
+    args = ap.parse_args(argv)
+    cfg = config_from(args)
+    try:
+        cfg.check()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    ok, text = compare(cfg)
+    print(text)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""The training and verify commands end to end: several layouts on 8 CPU ranks, verify over a
+matrix of layouts, resume after an interruption, profiling, and the CLI's errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fastpar.train import TrainConfig, launch, main
+from fastpar.verify import compare
+
+SMALL = dict(steps=4, batch_size=8, seq_len=32, hidden=32, heads=4, layers=2, quiet=True)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(tp=2, pp=2, dp=2, ep=2, zero=1),
+        dict(tp=1, pp=4, dp=2, ep=1, moe_every=0, zero=2, schedule="gpipe", microbatches=4),
+        dict(tp=4, pp=1, dp=2, ep=2, zero=0, precision="bf16"),
+        dict(tp=2, pp=1, dp=4, ep=4, zero=3, experts=4),
+    ],
+    ids=["dp2-tp2-pp2-ep2-z1", "pp4-dp2-gpipe-z2", "tp4-dp2-ep2-bf16", "tp2-dp4-ep4-z3"],
+)
+def test_training_runs_and_the_loss_falls(layout):
+    cfg = TrainConfig(**{**SMALL, "steps": 8, **layout})
+    records = launch(cfg)
+    assert len(records) == 8
+    assert all(r["loss"] == r["loss"] for r in records)  # no NaN
+    assert records[-1]["loss"] < records[0]["loss"]
+
+
+VERIFY = [
+    dict(tp=2, pp=2, dp=2, ep=2, zero=1),
+    dict(tp=2, pp=2, dp=2, ep=2, zero=0, schedule="gpipe", recompute=True),
+    dict(tp=2, pp=1, dp=4, ep=2, zero=2, capacity_factor=2.0, overlap_chunks=2),
+    dict(tp=1, pp=1, dp=4, ep=4, zero=3),
+    dict(tp=4, pp=2, dp=1, ep=1, moe_every=0, zero=1, sequence_parallel=True),
+    dict(tp=2, pp=2, dp=2, ep=1, moe_every=0, zero=2, untied=True, precision="bf16"),
+    dict(tp=2, pp=2, dp=2, ep=2, zero=1, precision="fp16"),
+]
+
+
+@pytest.mark.parametrize("layout", VERIFY, ids=[str(i) for i in range(len(VERIFY))])
+def test_verify_agrees_with_single_process(layout):
+    cfg = TrainConfig(**{**SMALL, "steps": 3, **layout})
+    ok, text = compare(cfg)
+    assert ok, text
+    assert "AGREE" in text.splitlines()[-1]
+
+
+def test_resume_after_interruption_is_bit_identical(tmp_path):
+    base = dict(SMALL, tp=2, pp=2, dp=2, ep=2, zero=1, steps=6)
+    full = launch(TrainConfig(**base))
+    ckpt = str(tmp_path / "ckpt")
+    # "interrupted" after step 4: the run ends there (its ranks exit), a new run resumes
+    first = launch(TrainConfig(**{**base, "steps": 4, "checkpoint_dir": ckpt, "save_every": 2}))
+    resumed = launch(TrainConfig(**{**base, "checkpoint_dir": ckpt, "resume": True}))
+    assert [r["step"] for r in resumed] == [5, 6]
+    assert [r["loss"] for r in first] == [r["loss"] for r in full[:4]]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full[4:]]
+
+
+def test_resume_skips_a_half_written_checkpoint(tmp_path):
+    base = dict(SMALL, tp=1, pp=1, dp=2, ep=1, moe_every=0, zero=0, steps=4)
+    ckpt = tmp_path / "ckpt"
+    launch(TrainConfig(**{**base, "checkpoint_dir": str(ckpt), "save_every": 2}))
+    # a crash while saving step 4 left a directory without its completion marker
+    (ckpt / "step_000004" / "COMPLETE").unlink()
+    resumed = launch(TrainConfig(**{**base, "checkpoint_dir": str(ckpt), "resume": True}))
+    assert [r["step"] for r in resumed] == [3, 4]
+
+
+def test_profile_writes_chrome_traces(tmp_path):
+    out = tmp_path / "prof"
+    launch(
+        TrainConfig(
+            **{
+                **SMALL,
+                "tp": 1,
+                "pp": 2,
+                "dp": 1,
+                "ep": 1,
+                "moe_every": 0,
+                "steps": 2,
+                "profile": str(out),
+            }
+        )
+    )
+    traces = sorted(os.listdir(out))
+    assert traces == ["trace_rank0.json", "trace_rank1.json"]
+    doc = json.loads((out / traces[0]).read_text())
+    assert doc["traceEvents"]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--tp", "3"], "heads 4 are not divisible by tp 3"),
+        (
+            ["--ep", "4"],
+            "data-parallel size 2 (= world_size 8 / (tp*pp = 4)) is not divisible by ep 4",
+        ),
+        (["--tp", "4", "--heads", "6", "--hidden", "48"], "heads 6 are not divisible by tp 4"),
+        (["--batch-size", "6"], "batch_size 6 must split into dp=2 replicas of 2 micro-batches"),
+        (
+            ["--pp", "8", "--dp", "1", "--ep", "1", "--layers", "2"],
+            "the model has 4 pipeline blocks",
+        ),
+        (
+            ["--ep", "3", "--dp", "3", "--batch-size", "6", "--microbatches", "1"],
+            "num_experts 4 is not divisible by ep 3",
+        ),
+        (["--precision", "fp8"], "precision must be fp32, bf16 or fp16"),
+    ],
+)
+def test_cli_errors(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_verify_cli_exit_codes():
+    out = subprocess.run(
+        [sys.executable, "-m", "fastpar.verify", "--tp", "2", "--pp", "1", "--dp", "2", "--ep", "1",
+         "--moe-every", "0", "--steps", "2", "--layers", "2", "--hidden", "32", "--batch-size", "8"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip().endswith("AGREE")
+    bad = subprocess.run(
+        [sys.executable, "-m", "fastpar.verify", "--tp", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "error:" in bad.stderr
