@@ -24,10 +24,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fastpar.amp.norm import all_reduce_norm_and_inf, counts_on_this_rank
+from fastpar.amp.norm import counts_on_this_rank
 from fastpar.amp.scaler import ConstantLossScaler, DynamicLossScaler
-from fastpar.ops.unscale_norm import clip_coefficient, unscale_and_norm
-from fastpar.optim.fused_adamw import FusedAdamW
+from fastpar.amp.step import guarded_step, unscale_and_agree
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -85,8 +84,6 @@ class MixedPrecisionOptimizer:
         ]
         device = self.model_params[0].device if self.model_params else torch.device("cpu")
         self._skipped = torch.zeros((), dtype=torch.int64, device=device)
-        self._fused_skip = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-        self._fused_clip = isinstance(optimizer, FusedAdamW)
 
     @property
     def param_groups(self):
@@ -129,49 +126,20 @@ class MixedPrecisionOptimizer:
     def step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One step. Returns (skipped: 0-dim bool tensor, grad_norm: 0-dim fp32 tensor); the norm
         is that of the unscaled gradients before clipping, the same on every rank."""
-        device = self._skipped.device
-        inv_scale = (
-            self.scaler.inv_scale.to(device)
-            if self.scaler is not None
-            else torch.ones((), dtype=torch.float32, device=device)
-        )
-        found_inf = torch.zeros((), dtype=torch.float32, device=device)
-        sumsq = torch.zeros((), dtype=torch.float32, device=device)
+        passes = []
         for counted, (src, dst) in self._main_grads().items():
             # fp32 params: unscale in place (dst is src); low precision: into the fp32 main grad
             same = [i for i, (s, d) in enumerate(zip(src, dst, strict=True)) if s is d]
             other = [i for i in range(len(src)) if src[i] is not dst[i]]
-            for idx, out in ((same, False), (other, True)):
-                if not idx:
-                    continue
-                _, ss, _ = unscale_and_norm(
-                    [src[i] for i in idx],
-                    inv_scale,
-                    out=[dst[i] for i in idx] if out else None,
-                    found_inf=found_inf,
-                    norm=counted,
-                )
-                if counted:
-                    sumsq = sumsq + ss
-        found, norm = all_reduce_norm_and_inf(sumsq, found_inf, mesh=self.mesh, group=self.group)
-        if self.scaler is not None:
-            self.scaler.update(found > 0)
-        skipped = found > 0
-        self._skipped += skipped.long()
-        grads = [m.grad for m in self.masters if m.grad is not None]
-        coef = None
-        if self.max_grad_norm is not None:
-            coef = clip_coefficient(norm, self.max_grad_norm)
-            if not self._fused_clip and grads:
-                torch._foreach_mul_(grads, coef)
-        if self._fused_skip:
-            self.optimizer.grad_scale = None
-            self.optimizer.found_inf = found
-            if self._fused_clip:  # clipping folded into the optimizer's own pass
-                self.optimizer.clip_coef = coef
-            self.optimizer.step()
-        elif not bool(skipped):  # one host sync: this optimizer cannot skip on the device
-            self.optimizer.step()
+            passes.append(([src[i] for i in same], None, counted))
+            passes.append(([src[i] for i in other], [dst[i] for i in other], counted))
+        found, norm = unscale_and_agree(
+            passes, self.scaler, self._skipped.device, mesh=self.mesh, group=self.group
+        )
+        skipped = guarded_step(
+            self.optimizer, [m.grad for m in self.masters if m.grad is not None], found, norm,
+            scaler=self.scaler, max_grad_norm=self.max_grad_norm, skipped_counter=self._skipped,
+        )  # fmt: skip
         for p, m in zip(self.model_params, self.masters, strict=True):
             if m is not p:
                 p.copy_(m)

@@ -34,11 +34,10 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from fastpar.amp.norm import all_reduce_norm_and_inf, counts_on_this_rank
+from fastpar.amp.norm import counts_on_this_rank
 from fastpar.amp.scaler import ConstantLossScaler, DynamicLossScaler
+from fastpar.amp.step import guarded_step, unscale_and_agree
 from fastpar.nn.marks import duplicated_over, is_expert
-from fastpar.ops.unscale_norm import clip_coefficient, unscale_and_norm
-from fastpar.optim.fused_adamw import FusedAdamW
 from fastpar.parallel.buckets import (
     Bucket,
     BucketReducer,
@@ -168,8 +167,6 @@ class ZeroOptimizer:
             g["params"] = [
                 self.masters[b.index] for b in self.buckets if self._meta[b.group_index][0] == gi
             ]
-        self._fused_skip = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-        self._fused_clip = isinstance(optimizer, FusedAdamW)
         device = params[0].device if params else torch.device("cpu")
         self._skipped = torch.zeros((), dtype=torch.int64, device=device)
         names = {id(p): f"param {i}" for i, p in enumerate(params)}
@@ -274,38 +271,17 @@ class ZeroOptimizer:
         for b in self.buckets:  # tied copies: every holder adds the others' gradient shards
             for g in self._dup_groups.get(b.group_index, ()):
                 dist.all_reduce(self.shard_grad[b.index], group=g)
-        device = self._skipped.device
-        inv = self.scaler.inv_scale.to(device) if self.scaler is not None else None
-        inv = inv if inv is not None else torch.ones((), dtype=torch.float32, device=device)
-        found_inf = torch.zeros((), dtype=torch.float32, device=device)
-        sumsq = torch.zeros((), dtype=torch.float32, device=device)
-        if self._counted:
-            _, ss, _ = unscale_and_norm(self._counted, inv, found_inf=found_inf, norm=True)
-            sumsq = sumsq + ss
-        if self._uncounted:
-            unscale_and_norm(self._uncounted, inv, found_inf=found_inf, norm=False)
         group = self.group if self.mesh is None else None
-        found, norm = all_reduce_norm_and_inf(sumsq, found_inf, mesh=self.mesh, group=group)
-        if self.scaler is not None:
-            self.scaler.update(found > 0)
-        skipped = found > 0
-        self._skipped += skipped.long()
-        grads = list(self.shard_grad.values())
-        coef = None
-        if self.max_grad_norm is not None:
-            coef = clip_coefficient(norm, self.max_grad_norm)
-            if not self._fused_clip and grads:
-                torch._foreach_mul_(grads, coef)
+        found, norm = unscale_and_agree(
+            [(self._counted, None, True), (self._uncounted, None, False)],
+            self.scaler, self._skipped.device, mesh=self.mesh, group=group,
+        )  # fmt: skip
         for b in self.buckets:
             self.masters[b.index].grad = self.shard_grad[b.index]
-        if self._fused_skip:
-            self.optimizer.grad_scale = None
-            self.optimizer.found_inf = found
-            if self._fused_clip:  # clipping folded into the optimizer's own pass
-                self.optimizer.clip_coef = coef
-            self.optimizer.step()
-        elif not bool(skipped):  # one host sync: this optimizer cannot skip on the device
-            self.optimizer.step()
+        skipped = guarded_step(
+            self.optimizer, list(self.shard_grad.values()), found, norm,
+            scaler=self.scaler, max_grad_norm=self.max_grad_norm, skipped_counter=self._skipped,
+        )  # fmt: skip
         self._all_gather_params()
         return skipped, norm
 

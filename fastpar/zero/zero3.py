@@ -83,11 +83,10 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
-from fastpar.amp.norm import all_reduce_norm_and_inf, counts_on_this_rank
+from fastpar.amp.norm import counts_on_this_rank
 from fastpar.amp.scaler import ConstantLossScaler, DynamicLossScaler
+from fastpar.amp.step import guarded_step, unscale_and_agree
 from fastpar.nn.marks import is_expert
-from fastpar.ops.unscale_norm import clip_coefficient, unscale_and_norm
-from fastpar.optim.fused_adamw import FusedAdamW
 from fastpar.parallel.buckets import Bucket, BucketReducer, global_rank_of, payload_bytes
 
 # states of a flat buffer's full parameters
@@ -303,8 +302,6 @@ class Zero3(nn.Module):
             )
         if self.optimizer.state:
             raise ValueError("optimizer_factory must return an optimizer without state")
-        self._fused_skip = bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
-        self._fused_clip = isinstance(self.optimizer, FusedAdamW)
         device = all_params[0].device if all_params else torch.device("cpu")
         self._skipped = torch.zeros((), dtype=torch.int64, device=device)
 
@@ -619,37 +616,17 @@ class Zero3(nn.Module):
         """Returns (skipped: 0-dim bool tensor, grad_norm: 0-dim fp32 tensor before clipping).
         Communicates one 2-element all-reduce (world with a mesh, else the DP group)."""
         self.reducer.wait_all()
-        device = self._skipped.device
-        inv = self.scaler.inv_scale.to(device) if self.scaler is not None else None
-        inv = inv if inv is not None else torch.ones((), dtype=torch.float32, device=device)
-        found_inf = torch.zeros((), dtype=torch.float32, device=device)
-        sumsq = torch.zeros((), dtype=torch.float32, device=device)
-        if self._counted:
-            _, ss, _ = unscale_and_norm(self._counted, inv, found_inf=found_inf, norm=True)
-            sumsq = sumsq + ss
-        if self._uncounted:
-            unscale_and_norm(self._uncounted, inv, found_inf=found_inf, norm=False)
         group = self.group if self.mesh is None else None
-        found, norm = all_reduce_norm_and_inf(sumsq, found_inf, mesh=self.mesh, group=group)
-        if self.scaler is not None:
-            self.scaler.update(found > 0)
-        skipped = found > 0
-        self._skipped += skipped.long()
-        coef = None
-        if self.max_grad_norm is not None:
-            coef = clip_coefficient(norm, self.max_grad_norm)
-            if not self._fused_clip and self._flats:
-                torch._foreach_mul_([f.shard_grad for f in self._flats], coef)
+        found, norm = unscale_and_agree(
+            [(self._counted, None, True), (self._uncounted, None, False)],
+            self.scaler, self._skipped.device, mesh=self.mesh, group=group,
+        )  # fmt: skip
         for f in self._flats:
             f.master.grad = f.shard_grad
-        if self._fused_skip:
-            self.optimizer.grad_scale = None
-            self.optimizer.found_inf = found
-            if self._fused_clip:  # clipping folded into the optimizer's own pass
-                self.optimizer.clip_coef = coef
-            self.optimizer.step()
-        elif not bool(skipped):  # one host sync: this optimizer cannot skip on the device
-            self.optimizer.step()
+        skipped = guarded_step(
+            self.optimizer, [f.shard_grad for f in self._flats], found, norm,
+            scaler=self.scaler, max_grad_norm=self.max_grad_norm, skipped_counter=self._skipped,
+        )  # fmt: skip
         self._masters_to_shards()
         return skipped, norm
 

@@ -1,0 +1,82 @@
+"""The mixed-precision step shared by every fastpar optimizer wrapper (fp32 masters, ZeRO-1/2,
+ZeRO-3): one fused unscale + inf-check + norm pass, agreement over every rank, the scaler
+update, clipping, and the wrapped optimizer's step — skipped on the device when it can."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fastpar.amp.norm import all_reduce_norm_and_inf
+from fastpar.ops.unscale_norm import clip_coefficient, unscale_and_norm
+
+# (gradients, fp32 outputs or None for in place, whether they count in the norm)
+Pass = tuple[Sequence[torch.Tensor], Sequence[torch.Tensor] | None, bool]
+
+
+def unscale_and_agree(passes: Sequence[Pass], scaler, device, *, mesh=None, group=None):
+    """Unscale every gradient (by 1/scale; in place or into fp32 outputs), raise one flag on
+    any inf/NaN and sum the squares of the counted ones; then one all-reduce over every rank
+    taking part. Returns (found_inf 0-dim fp32 in {0, 1}, global norm 0-dim fp32)."""
+    inv = (
+        scaler.inv_scale.to(device)
+        if scaler is not None
+        else torch.ones((), dtype=torch.float32, device=device)
+    )
+    found_inf = torch.zeros((), dtype=torch.float32, device=device)
+    sumsq = torch.zeros((), dtype=torch.float32, device=device)
+    for grads, outs, counted in passes:
+        if grads:
+            _, ss, _ = unscale_and_norm(
+                list(grads), inv, out=outs, found_inf=found_inf, norm=counted
+            )
+            if counted:
+                sumsq = sumsq + ss
+    return all_reduce_norm_and_inf(sumsq, found_inf, mesh=mesh, group=group)
+
+
+def supports_device_skip(optimizer: torch.optim.Optimizer) -> bool:
+    """Optimizers that read a device ``found_inf`` (torch's fused ones, fastpar's FusedAdamW)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def supports_clip_coef(optimizer: torch.optim.Optimizer) -> bool:
+    from fastpar.optim.fused_adamw import FusedAdamW
+
+    return isinstance(optimizer, FusedAdamW)
+
+
+def guarded_step(
+    optimizer: torch.optim.Optimizer,
+    grads: Sequence[torch.Tensor],
+    found: torch.Tensor,
+    norm: torch.Tensor,
+    *,
+    scaler=None,
+    max_grad_norm: float | None = None,
+    skipped_counter: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Update the scaler, clip ``grads`` to ``max_grad_norm`` (folded into FusedAdamW's pass when
+    it is one), and step ``optimizer`` unless ``found``: on the device for optimizers that take
+    a ``found_inf``, else after one host sync. Returns ``skipped`` (0-dim bool tensor)."""
+    if scaler is not None:
+        scaler.update(found > 0)
+    skipped = found > 0
+    if skipped_counter is not None:
+        skipped_counter += skipped.long()
+    fused_clip = supports_clip_coef(optimizer)
+    coef = None
+    if max_grad_norm is not None:
+        coef = clip_coefficient(norm, max_grad_norm)
+        if not fused_clip and grads:
+            torch._foreach_mul_(list(grads), coef)
+    if supports_device_skip(optimizer):
+        optimizer.grad_scale = None
+        optimizer.found_inf = found
+        if fused_clip:
+            optimizer.clip_coef = coef
+        optimizer.step()
+    elif not bool(skipped):
+        optimizer.step()
+    return skipped
