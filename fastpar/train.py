@@ -294,6 +294,33 @@ class Trainer:
         }  # fmt: skip
 
 
+#: dense bf16 tensor-core peak FLOP/s by device name (for MFU)
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+
+
+def _global_param_count(trainer: Trainer) -> int:
+    """Parameters of the whole model, each counted once across the layout (one all-reduce)."""
+    from fastpar.amp.norm import counts_on_this_rank
+
+    mesh = trainer.mesh
+    n = sum(
+        p.numel() for p in trainer.stage_module.parameters() if counts_on_this_rank(p, mesh=mesh)
+    )
+    t = torch.tensor(float(n), device=trainer.device)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def _mfu(tokens_per_s: float, params: int, device: torch.device, world: int) -> float | None:
+    """Model FLOPs utilisation: 6 FLOPs per parameter per token (forward + backward) against the
+    GPUs' peak; None off CUDA or on a device not in PEAK_FLOPS."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+    return None if peak is None else 6 * params * tokens_per_s / (peak * world)
+
+
 def _memory_mib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -319,12 +346,13 @@ def run(cfg: TrainConfig) -> list[dict]:
     if cfg.resume and cfg.checkpoint_dir:
         start = _resume(trainer, cfg.checkpoint_dir, talk)
     tokens_per_step = cfg.batch_size * cfg.seq_len
+    total_params = _global_param_count(trainer)
     if talk:
         n = sum(p.numel() for p in trainer.stage_module.parameters())
         print(
             f"fastpar.train: world {cfg.world_size} = dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp} "
             f"(ep {cfg.ep}), ZeRO-{cfg.zero}, {cfg.precision}, {cfg.schedule} x {cfg.microbatches} "
-            f"micro-batches, {dist.get_backend()}; rank 0 holds {n:,} parameters",
+            f"micro-batches, {dist.get_backend()}; {total_params:,} parameters, rank 0 holds {n:,}",
             flush=True,
         )
     prof = _profiler(cfg, device) if cfg.profile else contextlib.nullcontext()
@@ -340,10 +368,12 @@ def run(cfg: TrainConfig) -> list[dict]:
             rec["max_mem_mib"] = float(mem)
             if talk and (rec["step"] % cfg.log_every == 0 or rec["step"] == cfg.steps):
                 tps = tokens_per_step / rec["seconds"]
+                mfu = _mfu(tps, total_params, device, cfg.world_size)
                 line = (
                     f"{_bar(rec['step'], cfg.steps)} step {rec['step']:>4}/{cfg.steps} | loss {rec['loss']:.4f} "
                     f"| lr {rec['lr']:.2e} | grad-norm {rec['grad_norm']:.3f} | {tps:,.0f} tok/s "
                     f"| mem {rec['max_mem_mib']:.0f} MiB/rank"
+                    + (f" | MFU {mfu:.1%}" if mfu is not None else "")
                     + (" | skipped" if rec["skipped"] else "")
                 )
                 print(line, flush=True)

@@ -138,3 +138,53 @@ def test_verify_cli_exit_codes():
         timeout=120,
     )
     assert bad.returncode == 2 and "error:" in bad.stderr
+
+
+def test_zero3_resume_is_bit_identical(tmp_path):
+    base = dict(SMALL, tp=1, pp=1, dp=2, ep=2, zero=3, steps=4)
+    full = launch(TrainConfig(**base))
+    ckpt = str(tmp_path / "ckpt")
+    launch(TrainConfig(**{**base, "steps": 2, "checkpoint_dir": ckpt, "save_every": 2}))
+    resumed = launch(TrainConfig(**{**base, "checkpoint_dir": ckpt, "resume": True}))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full[2:]]
+
+
+def test_data_file_and_global_parameter_count(tmp_path, capfd):
+    import torch
+
+    from fastpar.models.gpt import build_gpt
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    argv = [
+        "--steps",
+        "3",
+        "--data",
+        str(text),
+        "--batch-size",
+        "8",
+        "--seq-len",
+        "32",
+        "--layers",
+        "2",
+    ]
+    assert main(argv) == 0
+    out = capfd.readouterr().out  # the ranks are forked processes: capture file descriptors
+    cfg = TrainConfig(layers=2, seq_len=32)
+    model = torch.nn.Sequential(*build_gpt(cfg.model()))
+    n = sum(p.numel() for p in model.parameters())
+    assert f"{n:,} parameters" in out  # counted once across dp x tp x pp x ep
+    assert "step    3/3" in out
+
+
+@pytest.mark.slow
+def test_training_under_torchrun(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+         "-m", "fastpar.train", "--tp", "2", "--pp", "1", "--dp", "2", "--ep", "2", "--steps", "3",
+         "--batch-size", "8", "--seq-len", "32", "--layers", "2"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "world 4 = dp 2 x tp 2 x pp 1 (ep 2)" in out.stdout
+    assert "step    3/3" in out.stdout
