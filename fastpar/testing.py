@@ -97,10 +97,15 @@ def _worker(
                     world_size=world_size,
                     timeout=timedelta(seconds=timeout),
                 )
+                if world_size > 1:  # every pair connected before anyone may finish and exit
+                    dist.barrier()
                 result = fn(*args, **kwargs)
                 # plain pickle copies tensor data; multiprocessing's pickler would pass tensors
                 # through shared memory that dies with this process at os._exit
                 conn.send_bytes(pickle.dumps(("ok", rank, result)))
+                if world_size > 1:  # nobody exits while a peer still finishes its last collective
+                    with contextlib.suppress(Exception):
+                        dist.barrier()
             except BaseException as exc:  # report everything, KeyboardInterrupt included
                 tb = traceback.format_exc()
                 try:
