@@ -311,3 +311,16 @@ def test_bad_arguments():
         ZeroOptimizer(torch.optim.SGD(_model().parameters(), lr=0.1), stage=3)
     with pytest.raises(ValueError, match="bucket_size_mb must be positive"):
         DistributedDataParallel(_model(), bucket_size_mb=0)
+
+
+def _zero1_two_reductions() -> None:
+    model = _model()
+    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=1)
+    x = torch.randn(3, 7)
+    model(x).sum().backward()
+    model(x).sum().backward()  # reduces again without zero_grad: its shard would be double-counted
+
+
+def test_zero1_refuses_a_second_reduction_before_zero_grad():
+    with pytest.raises(RankError, match=r"accumulate micro-batches inside opt\.no_sync\(\)"):
+        run_ranks(_zero1_two_reductions, 2)

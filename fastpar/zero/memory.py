@@ -38,8 +38,8 @@ def estimate_memory(
     bytes of optimizer state (fp32 master, exp_avg, exp_avg_sq): baseline 16Ψ, stage 1
     4Ψ + 12Ψ/N, stage 2 2Ψ + 14Ψ/N, stage 3 16Ψ/N.
     ``mode="fastpar"``: fastpar's layout — each bucket padded to a multiple of N (pass the
-    bucket sizes, or one bucket of num_params), and an fp32 gradient shard beside the
-    low-precision full buffer (stage 1) or alone (stage 2/3).
+    bucket sizes, or one bucket of num_params), and an fp32 gradient shard beside a
+    low-precision full buffer (stage 1; inside it when gradients are fp32) or alone (stage 2/3).
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -66,8 +66,9 @@ def estimate_memory(
         return MemoryEstimate(
             param_bytes * sum(numels), grad_bytes * sum(numels), optimizer_bytes * sum(numels)
         )
-    if stage == 1:
-        return MemoryEstimate(param_bytes * padded, grad_bytes * padded + 4 * shard, k)
+    if stage == 1:  # fp32 gradients keep their reduced shard inside the full buffer
+        extra = 0 if grad_bytes == 4 else 4 * shard
+        return MemoryEstimate(param_bytes * padded, grad_bytes * padded + extra, k)
     if stage == 2:
         return MemoryEstimate(param_bytes * padded, 4 * shard, k)
     return MemoryEstimate(param_bytes * shard, 4 * shard, k)

@@ -11,7 +11,8 @@ padded to a multiple of the DP size N; the model's parameters become views into 
 parameter buffer per bucket, and DP rank r owns elements [r·S, (r+1)·S) of each, S = size / N.
 For its shards a rank holds the fp32 master copy (for fp32 parameters, the shard of the
 parameter buffer itself) and the optimizer state (stage 1 and 2) and the reduced gradient (fp32,
-shard-sized). Stage 1 also keeps full-size gradient buffers (the
+shard-sized; at stage 1 with fp32 gradients, the rank's own slice of the full gradient buffer).
+Stage 1 reduces once per step: accumulate micro-batches inside ``no_sync()``. Stage 1 also keeps full-size gradient buffers (the
 parameters' ``.grad`` are views into them); stage 2 does not: each bucket's gradient lives only
 from its first gradient until its reduce-scatter completes during backward (at most two buckets
 in flight), so gradient accumulation (several backward passes before ``step``) reduce-scatters
@@ -125,6 +126,8 @@ class ZeroOptimizer:
         self.shard_grad: dict[int, torch.Tensor] = {}
         self.masters: dict[int, torch.nn.Parameter] = {}
         self._finished: set[int] = set()
+        self._shard_in_gbuf: set[int] = set()  # stage 1, fp32: shard_grad is a view of grad_buf
+        self._holds_reduced: set[int] = set()
         counted_views: list[tuple[torch.Tensor, bool]] = []
         for b in self.buckets:
             device = b.params[0].device
@@ -152,6 +155,12 @@ class ZeroOptimizer:
                 self.grad_buf[b.index] = gbuf
                 for i, p in enumerate(b.params):
                     p.grad = b.view(gbuf, i)
+                if b.dtype == torch.float32 and reduce_dtype in (None, torch.float32):
+                    # the reduced fp32 shard lives in this rank's slice of the full buffer: no
+                    # second copy (ZeroRedundancyOptimizer's footprint)
+                    self.shard_grad[b.index] = gbuf[lo : lo + s]
+                    master.grad = self.shard_grad[b.index]
+                    self._shard_in_gbuf.add(b.index)
             for i, p in enumerate(b.params):  # this rank's piece of each parameter, for the norm
                 a, z = max(b.offsets[i], lo), min(b.offsets[i] + p.numel(), lo + s)
                 if a < z:
@@ -217,6 +226,12 @@ class ZeroOptimizer:
         p.grad = view if self.stage == 1 else None
 
     def _launch(self, b: Bucket):
+        if b.index in self._holds_reduced:
+            raise RuntimeError(
+                "ZeroOptimizer(stage=1): a second backward reached the gradient reduction before "
+                "zero_grad(); accumulate micro-batches inside opt.no_sync() (the last one outside "
+                "it), then step() and zero_grad()"
+            )
         self._finished.discard(b.index)
         if self.stage == 2:  # bound the live full-size buffers: finish the bucket before last
             prev = self.buckets[b.index - 2] if b.index >= 2 else None
@@ -242,8 +257,14 @@ class ZeroOptimizer:
         self._finished.add(b.index)
         _, out = b.comm
         # averaged over the dense DP group (expert gradients already sum their EP group's tokens)
-        self.shard_grad[b.index].add_(out.float(), alpha=1.0 / self.dp_size)
         b.comm = None
+        if b.index in self._shard_in_gbuf:  # the shard is a slice of the buffer being reset
+            reduced = out.float().div_(self.dp_size)
+            self.grad_buf[b.index].zero_()
+            self.shard_grad[b.index].copy_(reduced)
+            self._holds_reduced.add(b.index)
+            return
+        self.shard_grad[b.index].add_(out.float(), alpha=1.0 / self.dp_size)
         if self.stage == 2:
             self.grad_buf[b.index] = None
         else:  # reduced into the shard: the next backward starts the full buffer from zero
@@ -252,6 +273,7 @@ class ZeroOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the shard gradients (and stage 1's full buffers; ``set_to_none`` is ignored:
         the buffers are reused)."""
+        self._holds_reduced.clear()
         for b in self.buckets:
             self.shard_grad[b.index].zero_()
             gbuf = self.grad_buf[b.index]
@@ -425,7 +447,8 @@ class ZeroOptimizer:
         state = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
         out = {
             "params": nbytes(self.param_buf.values()),
-            "grads": nbytes(self.grad_buf.values()) + nbytes(self.shard_grad.values()),
+            "grads": nbytes(self.grad_buf.values())
+            + nbytes(g for i, g in self.shard_grad.items() if i not in self._shard_in_gbuf),
             "masters": nbytes(
                 m for b in self.buckets if not self._aliases(b) for m in [self.masters[b.index]]
             ),
