@@ -81,7 +81,12 @@ def _setup(kind: str):
             ),
         )
     if kind in ("fastpar-zero1", "fastpar-zero2"):
-        opt = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-4), stage=int(kind[-1]))
+        # like the peers: no per-step inf check / global norm (check_gradients=False)
+        opt = ZeroOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-4),
+            stage=int(kind[-1]),
+            check_gradients=False,
+        )
         return model, opt, lambda: opt.memory_bytes()["total"]
     if kind == "torch-zero1":
         from torch.distributed.optim import ZeroRedundancyOptimizer

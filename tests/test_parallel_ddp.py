@@ -315,7 +315,7 @@ def test_bad_arguments():
 
 def _zero1_two_reductions() -> None:
     model = _model()
-    opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=1)
+    _opt = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stage=1)  # its hooks reduce
     x = torch.randn(3, 7)
     model(x).sum().backward()
     model(x).sum().backward()  # reduces again without zero_grad: its shard would be double-counted
@@ -324,3 +324,33 @@ def _zero1_two_reductions() -> None:
 def test_zero1_refuses_a_second_reduction_before_zero_grad():
     with pytest.raises(RankError, match=r"accumulate micro-batches inside opt\.no_sync\(\)"):
         run_ranks(_zero1_two_reductions, 2)
+
+
+def _unchecked(stage: int) -> list:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = _model()
+    opt = ZeroOptimizer(
+        _make_opt("sgd", model.parameters(), 0.05), stage=stage, check_gradients=False
+    )
+    for step in range(STEPS):
+        x, y = _global_batch(step, 1, world)
+        F.mse_loss(model(x[0, rank]), y[0, rank]).backward()
+        _, norm = opt.step()
+        assert torch.isnan(norm)  # not computed
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_without_gradient_checks_trains_the_same(stage):
+    _, ref_params = _reference(STEPS, 1, 2, "sgd")
+    for params in run_ranks(_unchecked, 2, stage):
+        for p, q in zip(params, ref_params, strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    with pytest.raises(
+        ValueError, match="check_gradients=False needs scaler=None and max_grad_norm=None"
+    ):
+        ZeroOptimizer(
+            torch.optim.SGD(_model().parameters(), lr=0.1), max_grad_norm=1.0, check_gradients=False
+        )

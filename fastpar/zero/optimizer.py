@@ -55,8 +55,10 @@ class ZeroOptimizer:
     the DP group is ``mesh.dp_group`` (or ``group``, None = the default group); with a mesh the
     norm and the overflow flag are agreed over the whole world and parameters are counted by
     their TP marks; without one, the DP group is the whole job. ``reduce_dtype`` (default fp32):
-    dtype of the reduce-scatter for low-precision gradients. Parameters are broadcast from the
-    first DP rank when wrapped.
+    dtype of the reduce-scatter for low-precision gradients. ``check_gradients=False`` (only
+    without scaler and clipping) skips the per-step inf check and global norm — one pass over the
+    shards and one small all-reduce — and step() then returns a NaN norm. Parameters are
+    broadcast from the first DP rank when wrapped.
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class ZeroOptimizer:
         scaler: DynamicLossScaler | ConstantLossScaler | None = None,
         max_grad_norm: float | None = None,
         reduce_dtype: torch.dtype | None = torch.float32,
+        check_gradients: bool = True,
     ) -> None:
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2 (ZeRO-3 is fastpar.zero.Zero3), got {stage!r}")
@@ -81,6 +84,9 @@ class ZeroOptimizer:
             raise ValueError(f"max_grad_norm must be positive or None, got {max_grad_norm}")
         self.optimizer, self.stage, self.mesh = optimizer, stage, mesh
         self.scaler, self.max_grad_norm, self.reduce_dtype = scaler, max_grad_norm, reduce_dtype
+        if not check_gradients and (scaler is not None or max_grad_norm is not None):
+            raise ValueError("check_gradients=False needs scaler=None and max_grad_norm=None")
+        self.check_gradients = check_gradients
         self.group = mesh.dp_group if mesh is not None else group
         init = dist.is_initialized()
         self.dp_size = dist.get_world_size(self.group) if init else 1
@@ -294,10 +300,14 @@ class ZeroOptimizer:
             for g in self._dup_groups.get(b.group_index, ()):
                 dist.all_reduce(self.shard_grad[b.index], group=g)
         group = self.group if self.mesh is None else None
-        found, norm = unscale_and_agree(
-            [(self._counted, None, True), (self._uncounted, None, False)],
-            self.scaler, self._skipped.device, mesh=self.mesh, group=group,
-        )  # fmt: skip
+        if self.check_gradients:
+            found, norm = unscale_and_agree(
+                [(self._counted, None, True), (self._uncounted, None, False)],
+                self.scaler, self._skipped.device, mesh=self.mesh, group=group,
+            )  # fmt: skip
+        else:  # no scaler, no clipping, no inf check: no extra pass, no extra collective
+            found = torch.zeros((), device=self._skipped.device)
+            norm = torch.full((), float("nan"), device=self._skipped.device)
         for b in self.buckets:
             self.masters[b.index].grad = self.shard_grad[b.index]
         skipped = guarded_step(
