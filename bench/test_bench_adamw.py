@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _common import record_bandwidth
 
 from fastpar.ops.adamw import adamw_step_
 
@@ -35,15 +36,7 @@ else:
     SIZES = [1_000_000, 10_000_000]
     ROUNDS, WARMUP = 5, 1
 BYTES_PER_PARAM = 30
-PEAK_HBM = {"H200": 4.8e12, "H100": 3.35e12}  # bytes/s, by a substring of the device name
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-
-
-def _peak_bandwidth() -> float | None:
-    if not CUDA:
-        return None
-    name = torch.cuda.get_device_name(0)
-    return next((bw for key, bw in PEAK_HBM.items() if key in name), None)
 
 
 def _sync() -> None:
@@ -123,8 +116,4 @@ def test_adamw_step(benchmark, provider, numel):
         compulsory_bytes=moved,
     )
     benchmark.pedantic(run, rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
-    median = benchmark.stats.stats.median
-    benchmark.extra_info["bytes_per_s"] = moved / median
-    peak = _peak_bandwidth()
-    if peak is not None:
-        benchmark.extra_info["hbm_fraction"] = moved / median / peak
+    record_bandwidth(benchmark, moved)

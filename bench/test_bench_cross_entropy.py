@@ -23,6 +23,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from _common import record_bandwidth, record_peak_memory
 
 from fastpar.ops.cross_entropy import vocab_parallel_cross_entropy
 
@@ -35,14 +36,6 @@ if CUDA:
 else:
     SIZES = [(32768, 1024), (8192, 512)]
     ROUNDS, WARMUP = 5, 1
-PEAK_HBM = {"H200": 4.8e12, "H100": 3.35e12}  # bytes/s, by a substring of the device name
-
-
-def _peak_bandwidth() -> float | None:
-    if not CUDA:
-        return None
-    name = torch.cuda.get_device_name(0)
-    return next((bw for key, bw in PEAK_HBM.items() if key in name), None)
 
 
 @functools.cache
@@ -132,19 +125,8 @@ def test_cross_entropy(benchmark, provider, vocab, tokens, mode):
         device=torch.cuda.get_device_name(0) if CUDA else "cpu",
         compulsory_bytes=moved,
     )
-    if CUDA:
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        run()
-        benchmark.extra_info["peak_memory_bytes"] = torch.cuda.max_memory_allocated() - base
-    else:
-        benchmark.extra_info["peak_memory_bytes"] = None  # no allocator statistics on CPU
+    record_peak_memory(benchmark, run)
 
     benchmark.pedantic(run, rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
 
-    median = benchmark.stats.stats.median
-    benchmark.extra_info["bytes_per_s"] = moved / median
-    peak = _peak_bandwidth()
-    if peak is not None:
-        benchmark.extra_info["hbm_fraction"] = moved / median / peak
+    record_bandwidth(benchmark, moved)

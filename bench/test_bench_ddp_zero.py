@@ -22,51 +22,23 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _common import BATCH, HIDDEN, ITERS, mlp_model, visible_bytes
 from torch import nn
 
 from fastpar.parallel import DistributedDataParallel
 from fastpar.testing import run_ranks
 from fastpar.zero import ZeroOptimizer
 
-HIDDEN, LAYERS, BATCH, ITERS = 512, 4, 64, 8
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(LAYERS):
-        layers += [nn.Linear(HIDDEN, HIDDEN), nn.GELU()]
-    return nn.Sequential(*layers)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _bytes(ts) -> int:
-    return sum(_local(t).numel() * _local(t).element_size() for t in ts if t is not None)
-
-
-def _state_bytes(opt) -> int:
-    inner = getattr(
-        opt, "optim", opt
-    )  # ZeroRedundancyOptimizer keeps the local optimizer in .optim
-    return _bytes(v for s in inner.state.values() for v in s.values() if torch.is_tensor(v))
-
 
 def _setup(kind: str):
-    model = _model()
+    model = mlp_model()
     if kind == "fastpar-ddp":
         wrapped = DistributedDataParallel(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         return (
             wrapped,
             opt,
-            lambda: (
-                _bytes(model.parameters())
-                + _bytes(p.grad for p in model.parameters())
-                + _state_bytes(opt)
-            ),
+            lambda: visible_bytes(model, opt),
         )
     if kind == "torch-ddp":
         wrapped = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
@@ -74,11 +46,7 @@ def _setup(kind: str):
         return (
             wrapped,
             opt,
-            lambda: (
-                _bytes(model.parameters())
-                + _bytes(p.grad for p in model.parameters())
-                + _state_bytes(opt)
-            ),
+            lambda: visible_bytes(model, opt),
         )
     if kind in ("fastpar-zero1", "fastpar-zero2"):
         # like the peers: no per-step inf check / global norm (check_gradients=False)
@@ -98,11 +66,7 @@ def _setup(kind: str):
         return (
             wrapped,
             opt,
-            lambda: (
-                _bytes(model.parameters())
-                + _bytes(p.grad for p in model.parameters())
-                + _state_bytes(opt)
-            ),
+            lambda: visible_bytes(model, opt),
         )
     if kind == "torch-fsdp2":
         from torch.distributed.fsdp import fully_shard
@@ -116,11 +80,7 @@ def _setup(kind: str):
         return (
             model,
             opt,
-            lambda: (
-                _bytes(model.parameters())
-                + _bytes(p.grad for p in model.parameters())
-                + _state_bytes(opt)
-            ),
+            lambda: visible_bytes(model, opt),
         )
     raise ValueError(kind)
 

@@ -32,6 +32,7 @@ import math
 
 import pytest
 import torch
+from _common import record_bandwidth, record_peak_memory
 
 from fastpar.ops.moe_permute import _impl, moe_permute, moe_unpermute
 from fastpar.reference import moe_permute as ref
@@ -52,15 +53,7 @@ if CUDA:
 else:
     SIZES = [(2048, 256, 8, 2), (4096, 512, 16, 1)]
     ROUNDS, WARMUP = 15, 2  # a shared 2-core CI box is noisy: more rounds, compare minima too
-PEAK_HBM = {"H200": 4.8e12, "H100": 3.35e12}  # bytes/s, by a substring of the device name
 SIZE_IDS = [f"T{t}-H{h}-E{e}-k{k}" for t, h, e, k in SIZES]
-
-
-def _peak_bandwidth() -> float | None:
-    if not CUDA:
-        return None
-    name = torch.cuda.get_device_name(0)
-    return next((bw for key, bw in PEAK_HBM.items() if key in name), None)
 
 
 def _sync() -> None:
@@ -125,20 +118,9 @@ def _record(benchmark, run, moved: int, **info) -> None:
         compulsory_bytes=moved,
         **info,
     )
-    if CUDA:
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        run()
-        benchmark.extra_info["peak_memory_bytes"] = torch.cuda.max_memory_allocated() - base
-    else:
-        benchmark.extra_info["peak_memory_bytes"] = None  # no allocator statistics on CPU
+    record_peak_memory(benchmark, run)
     benchmark.pedantic(run, rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
-    median = benchmark.stats.stats.median
-    benchmark.extra_info["bytes_per_s"] = moved / median
-    peak = _peak_bandwidth()
-    if peak is not None:
-        benchmark.extra_info["hbm_fraction"] = moved / median / peak
+    record_bandwidth(benchmark, moved)
 
 
 def _permute_fn(provider: str, experts: int, capacity: int | None, ids: torch.Tensor):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _common import record_bandwidth
 
 from fastpar.ops.unscale_norm import unscale_and_norm
 
@@ -40,16 +41,8 @@ else:
     SIZES = [(t, e, "fp32") for t in (100, 1000) for e in (1e6, 1e7)]
     ROUNDS, WARMUP = 5, 1
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-PEAK_HBM = {"H200": 4.8e12, "H100": 3.35e12}  # bytes/s, by a substring of the device name
 CASES = [(p, *size) for size in SIZES for p in PROVIDERS]
 _MEDIANS: dict[str, float] = {}  # group -> torch_two_pass median
-
-
-def _peak_bandwidth() -> float | None:
-    if not CUDA:
-        return None
-    name = torch.cuda.get_device_name(0)
-    return next((bw for key, bw in PEAK_HBM.items() if key in name), None)
 
 
 def _sizes(n_tensors: int, total: int, seed: int = 0) -> list[int]:
@@ -129,11 +122,8 @@ def test_unscale_norm(benchmark, provider, n_tensors, total, dtype):
     # inv_scale 0.5 a call: ~15 calls stay far from fp32 / bf16 subnormals (values ~ 2^-15).
     benchmark.pedantic(run, rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
 
+    record_bandwidth(benchmark, moved)
     median = benchmark.stats.stats.median
-    benchmark.extra_info["bytes_per_s"] = moved / median
-    peak = _peak_bandwidth()
-    if peak is not None:
-        benchmark.extra_info["hbm_fraction"] = moved / median / peak
     if provider == "torch_two_pass":
         _MEDIANS[group] = median
     elif group in _MEDIANS:

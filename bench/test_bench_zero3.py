@@ -21,33 +21,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _common import BATCH, HIDDEN, ITERS, mlp_model, nbytes
 from torch import nn
 
 from fastpar.testing import run_ranks
 from fastpar.zero import Zero3, estimate_memory
 
-HIDDEN, LAYERS, BATCH, ITERS = 512, 4, 64, 8
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(LAYERS):
-        layers += [nn.Linear(HIDDEN, HIDDEN), nn.GELU()]
-    return nn.Sequential(*layers)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _bytes(ts) -> int:
-    return sum(_local(t).numel() * _local(t).element_size() for t in ts if t is not None)
-
 
 def _setup(kind: str):
     """(model, step(), zero_grad(), held bytes())."""
-    model = _model()
+    model = mlp_model()
     if kind == "fastpar-zero3":
         z = Zero3(model, lambda ps: torch.optim.AdamW(ps, lr=1e-4), wrap=(nn.Linear,))
         return z, z.step, z.zero_grad, lambda: z.memory_bytes()["total"]
@@ -63,7 +46,7 @@ def _setup(kind: str):
     def held() -> int:
         state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
         params = list(model.parameters())
-        return _bytes(params) + _bytes(p.grad for p in params) + _bytes(state)
+        return nbytes(params) + nbytes(p.grad for p in params) + nbytes(state)
 
     return model, opt.step, opt.zero_grad, held
 

@@ -1,0 +1,69 @@
+"""Helpers shared by the kernel benchmarks: peak HBM bandwidth by device, peak-memory and
+bandwidth-fraction records in ``benchmark.extra_info``."""
+
+from __future__ import annotations
+
+import torch
+
+CUDA = torch.cuda.is_available()
+PEAK_HBM = {"H200": 4.8e12, "H100": 3.35e12}  # bytes/s, by a substring of the device name
+
+
+def peak_bandwidth() -> float | None:
+    """Spec HBM bandwidth of GPU 0 (None off CUDA or for an unlisted device)."""
+    if not CUDA:
+        return None
+    name = torch.cuda.get_device_name(0)
+    return next((bw for key, bw in PEAK_HBM.items() if key in name), None)
+
+
+def record_peak_memory(benchmark, run) -> None:
+    """Run ``run`` once and record the extra GPU memory it allocated at peak (None on CPU)."""
+    if CUDA:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        run()
+        benchmark.extra_info["peak_memory_bytes"] = torch.cuda.max_memory_allocated() - base
+    else:
+        benchmark.extra_info["peak_memory_bytes"] = None  # no allocator statistics on CPU
+
+
+def record_bandwidth(benchmark, moved: int) -> None:
+    """After the timing: compulsory bytes per second, and as a fraction of peak HBM on a GPU."""
+    median = benchmark.stats.stats.median
+    benchmark.extra_info["bytes_per_s"] = moved / median
+    peak = peak_bandwidth()
+    if peak is not None:
+        benchmark.extra_info["hbm_fraction"] = moved / median / peak
+
+
+# -- data-parallel benchmarks: one model, bytes each rank holds ---------------------------------
+HIDDEN, LAYERS, BATCH, ITERS = 512, 4, 64, 8
+
+
+def mlp_model() -> torch.nn.Module:
+    """The 4 x Linear(512, 512) + GELU chain every data-parallel benchmark trains."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(LAYERS):
+        layers += [torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers)
+
+
+def nbytes(tensors) -> int:
+    """Bytes of the (local shards of the) tensors; DTensors count their local part."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def state_bytes(opt) -> int:
+    """Bytes of an optimizer's state (ZeroRedundancyOptimizer keeps its own in ``.optim``)."""
+    inner = getattr(opt, "optim", opt)
+    return nbytes(v for s in inner.state.values() for v in s.values() if torch.is_tensor(v))
+
+
+def visible_bytes(model: torch.nn.Module, opt) -> int:
+    """Parameters, their gradients and the optimizer state, as visible from Python."""
+    params = list(model.parameters())
+    return nbytes(params) + nbytes(p.grad for p in params) + state_bytes(opt)
