@@ -49,7 +49,20 @@ def _fused_slices(weight: torch.Tensor, fused: int, rank: int, world: int) -> to
     return torch.cat([b.chunk(world, dim=0)[rank] for b in blocks], dim=0)
 
 
-class ColumnParallelLinear(nn.Module):
+class _FromDense:
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, **kwargs):
+        """Shard an existing ``nn.Linear`` (every rank must pass the same weights)."""
+        return cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            _master=linear,
+            **kwargs,
+        )
+
+
+class ColumnParallelLinear(_FromDense, nn.Module):
     """y = x Aᵀ + b with A split by rows (output features) over the TP group.
 
     Shapes: input [..., in_features] (or [s/tp, ..., in_features] with sequence_parallel);
@@ -119,17 +132,6 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    @classmethod
-    def from_dense(cls, linear: nn.Linear, **kwargs) -> ColumnParallelLinear:
-        """Shard an existing ``nn.Linear`` (every rank must pass the same weights)."""
-        return cls(
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
-            _master=linear,
-            **kwargs,
-        )
-
     def forward(self, x: torch.Tensor):
         if x.shape[-1] != self.in_features:
             raise ValueError(
@@ -157,7 +159,7 @@ class ColumnParallelLinear(nn.Module):
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_FromDense, nn.Module):
     """y = x Aᵀ + b with A split by columns (input features) over the TP group.
 
     Shapes: input [..., in_features/tp] (``input_is_parallel=True``, e.g. the output of a
@@ -206,17 +208,6 @@ class RowParallelLinear(nn.Module):
             mark_replicated(self.bias, self.group)
         else:
             self.register_parameter("bias", None)
-
-    @classmethod
-    def from_dense(cls, linear: nn.Linear, **kwargs) -> RowParallelLinear:
-        """Shard an existing ``nn.Linear`` (every rank must pass the same weights)."""
-        return cls(
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
-            _master=linear,
-            **kwargs,
-        )
 
     def forward(self, x: torch.Tensor):
         expected = self.in_per_rank if self.input_is_parallel else self.in_features
