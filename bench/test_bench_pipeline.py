@@ -93,7 +93,9 @@ def _activation_memory(schedule: str, recompute: bool) -> int:
     mesh = ParallelMesh(pp=dist.get_world_size())
     stage, _ = build_stage(_mlp_blocks(), mesh.pp_size, mesh.pp_rank)
     sched = GPipe(8) if schedule == "gpipe" else OneFOneB(8)
-    engine = PipelineEngine(stage, mesh, sched, loss_fn=F.mse_loss, recompute=recompute)
+    engine = PipelineEngine(
+        stage, mesh, sched, loss_fn=F.mse_loss, recompute=recompute, measure_activations=True
+    )
     x = torch.randn(64, 256)
     engine.train_step(x, x)
     return engine.stats["peak_activation_bytes"]

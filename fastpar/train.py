@@ -363,10 +363,12 @@ def run(cfg: TrainConfig) -> list[dict]:
             records.append(rec)
             if p is not None:
                 p.step()
-            mem = torch.tensor(_memory_mib(device))
-            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-            rec["max_mem_mib"] = float(mem)
-            if talk and (rec["step"] % cfg.log_every == 0 or rec["step"] == cfg.steps):
+            log_step = rec["step"] % cfg.log_every == 0 or rec["step"] == cfg.steps
+            if log_step:  # the same on every rank: one small MAX all-reduce per logged step
+                mem = torch.tensor(_memory_mib(device), device=device)  # NCCL needs it on the GPU
+                dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+                rec["max_mem_mib"] = float(mem)
+            if talk and log_step:
                 tps = tokens_per_step / rec["seconds"]
                 mfu = _mfu(tps, total_params, device, cfg.world_size)
                 line = (

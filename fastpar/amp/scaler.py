@@ -67,8 +67,9 @@ class DynamicLossScaler:
     the min-scale policy: ``on_min_scale`` says what happens when a step overflows while the
     scale is already at ``min_scale`` and hysteresis is used up — "raise" (LossScaleError, the
     default: training has diverged), "warn" (warn once and keep skipping steps), or "ignore".
-    "raise" and "warn" read one flag from the device per update (one host sync); "ignore" never
-    syncs.
+    On a CPU the flag is read at once; on a GPU it is copied to pinned host memory without
+    waiting and looked at once the copy has landed, so the policy acts a step or two late but
+    never synchronises.
     """
 
     def __init__(
@@ -116,6 +117,7 @@ class DynamicLossScaler:
         self._growth_tracker = torch.tensor(0, **i64)
         self._hysteresis_tracker = torch.tensor(hysteresis, **i64)
         self._warned = False
+        self._pending: list = []  # (pinned flag, CUDA event) of recent updates, GPU only
 
     @property
     def scale(self) -> torch.Tensor:
@@ -144,18 +146,35 @@ class DynamicLossScaler:
         self._hysteresis_tracker.copy_(
             torch.where(grow, torch.full_like(hyst_after, self.hysteresis), hyst_after.clamp(min=0))
         )
-        if self.on_min_scale != "ignore" and bool(stuck):
-            msg = (
-                f"a step overflowed with the loss scale already at min_scale={self.min_scale}: the "
-                "gradients are inf/NaN whatever the scale (diverged training, a bad batch, or too "
-                "high a learning rate). Lower the learning rate or min_scale, check the data, or "
-                "pass on_min_scale='warn' to keep skipping such steps"
-            )
-            if self.on_min_scale == "raise":
-                raise LossScaleError(msg)
-            if not self._warned:
-                warnings.warn(msg, RuntimeWarning, stacklevel=2)
-                self._warned = True
+        if self.on_min_scale == "ignore":
+            return
+        if stuck.device.type == "cpu":
+            self._report(bool(stuck))
+            return
+        # on a GPU: copy the flag to pinned host memory without waiting, and look at it once the
+        # copy has landed (a step or two later) — the policy never stalls the device
+        host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        host.copy_(stuck, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending.append((host, event))
+        while self._pending and self._pending[0][1].query():
+            self._report(bool(self._pending.pop(0)[0]))
+
+    def _report(self, stuck: bool) -> None:
+        if not stuck:
+            return
+        msg = (
+            f"a step overflowed with the loss scale already at min_scale={self.min_scale}: the "
+            "gradients are inf/NaN whatever the scale (diverged training, a bad batch, or too "
+            "high a learning rate). Lower the learning rate or min_scale, check the data, or "
+            "pass on_min_scale='warn' to keep skipping such steps"
+        )
+        if self.on_min_scale == "raise":
+            raise LossScaleError(msg)
+        if not self._warned:
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            self._warned = True
 
     def state_dict(self) -> dict:
         return {

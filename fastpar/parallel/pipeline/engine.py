@@ -50,8 +50,9 @@ class PipelineEngine:
     ``loss_fn(output, target)`` is needed on the last stage. ``scale_loss`` (e.g. a mixed-precision
     optimizer's) multiplies each micro-batch loss before its backward. ``static_shapes``: whether
     activation shapes are the same for every micro-batch (agreed once). Statistics of the last
-    step are in ``stats``: busy and wall seconds, peak bytes of stored activations, peak
-    micro-batches in flight.
+    step are in ``stats``: busy and wall seconds, peak micro-batches in flight, and peak bytes of
+    stored activations (stage inputs; plus the tensors autograd saves when
+    ``measure_activations`` — a Python hook per saved tensor, so off by default).
     """
 
     def __init__(
@@ -66,12 +67,14 @@ class PipelineEngine:
         no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
         scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
         tied: Sequence[torch.Tensor] = (),
+        measure_activations: bool = False,
     ) -> None:
         if mesh.is_last_stage and loss_fn is None:
             raise ValueError("the last pipeline stage needs loss_fn(output, target)")
         self.stage, self.mesh, self.schedule = stage, mesh, schedule
         self.loss_fn, self.recompute, self.no_sync = loss_fn, recompute, no_sync
         self.scale_loss, self.tied = scale_loss, list(tied)
+        self.measure_activations = measure_activations
         self.p2p = P2P(mesh.prev_rank, mesh.next_rank, static_shapes=static_shapes)
         self.stats: dict[str, float] = {}
 
@@ -114,15 +117,19 @@ class PipelineEngine:
                 t0 = time.perf_counter()
                 if not first and x.is_floating_point():
                     x.requires_grad_(True)
-                entry, nbytes = {"x": x, "rng": torch.get_rng_state()}, _nbytes(x)
+                entry, nbytes = {"x": x}, _nbytes(x)
+                if self.recompute:  # the recomputed forward replays this RNG state
+                    entry["rng"] = torch.get_rng_state()
                 with nvtx(f"stage{mesh.pp_rank} forward mb{i}"):
                     if self.recompute:
                         with torch.no_grad():
                             out = self._run(x, ys[i] if last else None)
-                    else:
+                    elif self.measure_activations:
                         out, graph_bytes = self._run_counting(x, ys[i] if last else None)
                         entry["out"] = out
                         nbytes += graph_bytes
+                    else:
+                        entry["out"] = out = self._run(x, ys[i] if last else None)
                 entry["bytes"] = nbytes
                 saved[i] = entry
                 live += nbytes
