@@ -188,3 +188,17 @@ def test_training_under_torchrun(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "world 4 = dp 2 x tp 2 x pp 1 (ep 2)" in out.stdout
     assert "step    3/3" in out.stdout
+
+
+def test_mfu_arithmetic(monkeypatch):
+    import torch
+
+    from fastpar import train
+
+    assert train._mfu(1000.0, 10**9, torch.device("cpu"), 8) is None  # CPUs: not reported
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    # 6 FLOPs / parameter / token: 6e9 * 1e4 tokens/s over 2 GPUs of 989 TFLOP/s
+    got = train._mfu(1e4, 10**9, torch.device("cuda", 0), 2)
+    assert got == pytest.approx(6e9 * 1e4 / (2 * 989e12))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some GPU")
+    assert train._mfu(1e4, 10**9, torch.device("cuda", 0), 2) is None
