@@ -281,3 +281,27 @@ def test_deterministic_under_a_seed():
         return moe(x)
 
     assert torch.equal(run(), run())
+
+
+def _uneven_capacity(steps_before: int, overlap_chunks: int) -> str:
+    mesh = ParallelMesh(ep=2)
+    torch.manual_seed(0)
+    moe = MoE(8, 8, 4, top_k=1, capacity_factor=1.0, overlap_chunks=overlap_chunks, mesh=mesh)
+    for _ in range(steps_before):  # equal batches pass the check
+        moe(torch.randn(40, 8))
+    # 40 vs 60 tokens: capacities 10 vs 15 (10 vs 14 tokens would both hit min_capacity 4)
+    try:
+        moe(torch.randn(40 + 20 * dist.get_rank(), 8))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("steps_before,overlap_chunks", [(0, 1), (2, 1), (1, 2)])
+def test_uneven_tokens_in_capacity_mode_is_a_clear_error_on_every_rank(
+    steps_before, overlap_chunks
+):
+    messages = run_ranks(_uneven_capacity, 2, steps_before, overlap_chunks, timeout=60)
+    for m in messages:  # every rank raised (none left waiting in an all-to-all)
+        assert "routed [40, 60] tokens, giving capacities [10, 15]" in m
+        assert "capacity_factor=None" in m

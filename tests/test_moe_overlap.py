@@ -81,3 +81,17 @@ def test_error_on_one_rank_reaches_the_caller_without_a_hang(transport):
 def test_bad_overlap_chunks():
     with pytest.raises(ValueError, match="overlap_chunks must be a positive integer, got 0"):
         MoE(8, 8, 4, overlap_chunks=0)
+
+
+def test_chunk_sizes_cover_the_rows_and_taper_the_ends():
+    from fastpar.moe.overlap import _split
+
+    for n in range(0, 40):
+        for k in range(1, 9):
+            sizes = _split(n, k)
+            assert len(sizes) == k and sum(sizes) == n and min(sizes) >= 0, (n, k, sizes)
+    assert _split(512, 2) == [256, 256]
+    # k >= 3: first and last chunks half the middle ones, leftovers on the middle
+    assert _split(512, 4) == [85, 171, 171, 85]
+    assert _split(12, 3) == [3, 6, 3]
+    assert _split(100, 8) == [7, 15, 15, 14, 14, 14, 14, 7]

@@ -6,7 +6,8 @@ parallelism over the mesh's EP group.
     loss = task_loss + moe_aux_loss(model)
 
 Capacity mode uses fixed all-to-all splits, so every rank of the EP group must route the same
-number of tokens (fixed batch shapes); dropless mode handles uneven counts.
+number of tokens (fixed batch shapes; a mismatch is a clear error on every rank, checked on each
+forward over gloo and on the first over NCCL); dropless mode handles uneven counts.
 
 Per forward: the router picks k experts per token; ``moe_permute`` groups token rows by expert
 ([E, C, H] with capacity, [T·k, H] dropless); with EP > 1 an all-to-all sends each expert's rows
@@ -124,6 +125,7 @@ class MoE(nn.Module):
         # times the loss scale), so a stage needs no access to the final loss.
         self.aux_loss_scale: float | torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] = {}
+        self._capacity_checked = False
 
     def _expert_params(self) -> tuple[nn.Parameter, ...]:
         return (self.w1, self.b1, self.w2, self.b2)
@@ -158,6 +160,8 @@ class MoE(nn.Module):
         self.aux_loss = balance + z
         self.stats = {"counts": info.counts, "num_dropped": info.num_dropped}
         if info.capacity is not None:
+            if self.ep > 1:
+                self._check_same_capacity(tokens.shape[0], info.capacity, tokens.device)
             out = self._capacity_path(permuted, info.capacity)
         else:
             out = self._dropless_path(permuted, info.counts)
@@ -190,6 +194,31 @@ class MoE(nn.Module):
         out = self._experts_batched(recv)
         out = out.view(e_loc, self.ep, capacity, h).transpose(0, 1).reshape(-1, h)
         return all_to_all(out, self.ep_group).view(self.num_experts, capacity, h)
+
+    def _check_same_capacity(self, tokens: int, capacity: int, device: torch.device) -> None:
+        """Capacity mode's all-to-alls have fixed splits: every EP rank must hold the same
+        capacity (the same token count, in practice), or the transfers would not match (a crash
+        in gloo, a hang or garbage in NCCL). Checked with a two-number all-gather before the
+        first all-to-all: on every forward over a CPU (gloo) group, where it costs no device
+        sync, and on the first forward over NCCL, so the hot path stays free of host syncs.
+        Every rank sees the same numbers, so every rank raises the same error (no hang)."""
+        every_call = dist.get_backend(self.ep_group) == "gloo"
+        if self._capacity_checked and not every_call:
+            return
+        mine = torch.tensor([tokens, capacity], dtype=torch.int64, device=device)
+        got = [torch.empty_like(mine) for _ in range(self.ep)]
+        dist.all_gather(got, mine, group=self.ep_group)
+        all_tokens = [int(g[0]) for g in got]
+        capacities = [int(g[1]) for g in got]
+        if len(set(capacities)) > 1:
+            raise ValueError(
+                "MoE capacity mode with expert parallelism needs the same capacity on every rank "
+                f"of the expert-parallel group (fixed all-to-all splits); the EP ranks routed "
+                f"{all_tokens} tokens, giving capacities {capacities}. Give every rank the same "
+                "batch shape, or use dropless routing (capacity_factor=None), which handles uneven "
+                "token counts"
+            )
+        self._capacity_checked = True
 
     def _dropless_path(self, permuted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """[T·k, H] expert-major -> expert outputs in the same layout; with EP, counts are
