@@ -8,16 +8,18 @@ and reports hidden = (t_comm + t_compute - t_overlapped) / t_comm: 1 when the al
 entirely hidden behind compute, 0 when nothing overlaps. The expert MLP is sized so compute is
 at least as long as communication.
 
-Two more figures explain the result on a CPU, where gloo moves the bytes with the host's cores:
-  cores_busy    the CPU time all ranks spend during t_comm (every thread: the gloo workers
-                and TCP loops too), as a share of cores x t_comm. When every core is already
-                computing (ranks x compute threads >= cores, as on a 2-core machine with
-                EP = 2), that share of the all-to-all time cannot hide: it is work the cores
-                must still do. 1 - cores_busy bounds ``hidden`` there.
-  hidden_host_free  the same schedule with the experts replaced by a wait of the same length
-                that leaves the cores free (time.sleep, measured alone in the same run): the
-                situation of experts running on a GPU, where the host only launches them. It
-                shows what the schedule hides when compute does not compete with the transport.
+Each time is the slowest rank's median over the iterations (the EP group is as slow as its
+slowest rank). Two more figures explain the result on a CPU, where gloo moves the bytes with
+the host's cores:
+- cores_busy_fraction: the CPU time all ranks spend during t_comm (every thread, the gloo
+  workers and TCP loops too) as a share of cores x t_comm. When every core is already computing
+  (ranks x compute threads >= cores, as with EP = 2 on a 2-core machine), that share of the
+  all-to-all time cannot hide: it is work the same cores must still do, so 1 - cores_busy
+  bounds ``hidden`` there.
+- hidden_host_free_fraction: the same schedule with the experts replaced by a wait of the same
+  length that leaves the cores free (time.sleep, timed alone in the same run), the situation
+  of experts running on a GPU, where the host only launches them. It shows what the schedule
+  hides when the compute does not compete with the transport for the cores.
 On a GPU (one device, a one-rank NCCL group; the all-to-all is then a device copy) the same
 three timings are taken with the experts on the GPU.
 Run:  pytest bench/test_bench_moe_overlap.py -s --benchmark-json=...
@@ -136,8 +138,8 @@ def test_hidden_fraction(benchmark, k, transport):
     cores_busy = sum(r["comm_cpu"] for r in res) / (cores * t["comm"])
     info = {
         "hidden_fraction": _hidden(t, "compute", "overlapped"),
-        "hidden_host_free": _hidden(t, "wait", "host_free"),
-        "cores_busy_during_comm": cores_busy,
+        "hidden_host_free_fraction": _hidden(t, "wait", "host_free"),
+        "cores_busy_fraction": cores_busy,
         "compute_covers_comm": t["compute"] >= t["comm"],
     }
     benchmark.extra_info.update(seconds=t, k=k, transport=transport, ranks=ranks, cores=cores)
@@ -148,7 +150,7 @@ def test_hidden_fraction(benchmark, k, transport):
         f"{ms['compute']} ms, overlapped {ms['overlapped']} ms -> hidden "
         f"{info['hidden_fraction']:.0%} of the all-to-all time (bound with every core computing: "
         f"{max(0.0, 1 - cores_busy):.0%}); host-free experts: wait {ms['wait']} ms, "
-        f"overlapped {ms['host_free']} ms -> hidden {info['hidden_host_free']:.0%}"
+        f"overlapped {ms['host_free']} ms -> hidden {info['hidden_host_free_fraction']:.0%}"
     )
 
 
