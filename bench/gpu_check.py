@@ -148,6 +148,15 @@ def merge(parts: list[dict]) -> dict | None:
     return merged
 
 
+def _version(dist_name: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist_name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def _installed() -> bool:
     probe = "import fastpar.kernels, fastpar.info"
     return (
@@ -225,6 +234,7 @@ def main(argv: list[str]) -> int:
         "device": torch.cuda.get_device_name(0),
         "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "all"),
         "budget seconds": budget,
+        "liger-kernel (a baseline)": _version("liger-kernel"),
     }
     ok = True
     parts = []
