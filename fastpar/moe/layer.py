@@ -47,7 +47,10 @@ class MoE(nn.Module):
     ``drop_policy`` ("position" / "probs"), ``normalize_topk``, ``aux_loss_coef``,
     ``z_loss_coef``, ``jitter`` (see ``fastpar.moe.router``). ``overlap_chunks`` K > 1 splits
     the token buffer into K chunks whose all-to-alls overlap the experts' compute
-    (``fastpar.moe.overlap``; K = 1 is the plain layer). ``mesh`` (its ep group) or
+    (``fastpar.moe.overlap``; K = 1 is the plain layer). It pays where the transport does not
+    compete with the experts for the same processor: NCCL on GPUs, or gloo with spare CPU cores.
+    With every core computing (e.g. two CPU ranks on two cores) gloo's copies take cores from
+    the experts and K > 1 can be slower (``bench/test_bench_moe_overlap.py`` measures both). ``mesh`` (its ep group) or
     ``ep_group`` (None = no expert parallelism). After a forward: ``aux_loss`` (load balancing +
     z-loss, differentiable), ``stats`` (device tensors: ``counts`` [E] routed per expert,
     ``num_dropped``).

@@ -227,6 +227,30 @@ class DroplessChunks:
         return torch.zeros(self.n, self.h, dtype=like.dtype, device=like.device)
 
 
+def _pipelined(buf: torch.Tensor, chunks, group, work) -> torch.Tensor:
+    """Send ``buf``'s chunks to their experts, run ``work(rows, j)`` on what arrives for chunk j
+    and send its result back, into a new buffer in ``buf``'s layout. While chunk j is worked on,
+    chunk j+1 travels out and chunk j-1's result travels back."""
+    k = len(chunks.in_splits)
+    out = chunks.new_buffer(buf)
+
+    def send(j: int) -> _Pending:
+        return start_all_to_all(
+            chunks.take(buf, j), group, chunks.out_splits[j], chunks.in_splits[j]
+        )
+
+    outgoing = send(0) if k else None
+    returning = []
+    for j in range(k):
+        arriving, outgoing = outgoing, (send(j + 1) if j + 1 < k else None)
+        result = work(chunks.to_compute(arriving.wait(), j), j)
+        back = chunks.from_compute(result, j)
+        returning.append(start_all_to_all(back, group, chunks.in_splits[j], chunks.out_splits[j]))
+    for j, pending in enumerate(returning):
+        chunks.put(out, j, pending.wait())
+    return out
+
+
 class OverlappedExperts(torch.autograd.Function):
     """permuted -> expert outputs in the same layout, with the all-to-alls of chunk i±1 in flight
     while chunk i computes. ``compute(x, j)`` runs the local experts on chunk j (a differentiable
@@ -234,80 +258,33 @@ class OverlappedExperts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, permuted, chunks, compute, group, *params):
-        k = len(chunks.in_splits)
-        out = chunks.new_buffer(permuted)
         saved = []
-        dispatch = [None] * k
-        combine = []
-        if k:
-            dispatch[0] = start_all_to_all(
-                chunks.take(permuted, 0), group, chunks.out_splits[0], chunks.in_splits[0]
-            )
-        for j in range(k):
-            if j + 1 < k:
-                dispatch[j + 1] = start_all_to_all(
-                    chunks.take(permuted, j + 1),
-                    group,
-                    chunks.out_splits[j + 1],
-                    chunks.in_splits[j + 1],
-                )
-            x = (
-                chunks.to_compute(dispatch[j].wait(), j)
-                .detach()
-                .requires_grad_(permuted.requires_grad)
-            )
-            dispatch[j] = None
+
+        def forward_chunk(rows, j):
+            x = rows.detach().requires_grad_(permuted.requires_grad)
             with torch.enable_grad():
                 y = compute(x, j)
             saved.append((x, y))
-            combine.append(
-                start_all_to_all(
-                    chunks.from_compute(y.detach(), j),
-                    group,
-                    chunks.in_splits[j],
-                    chunks.out_splits[j],
-                )
-            )
-        for j, pending in enumerate(combine):
-            chunks.put(out, j, pending.wait())
+            return y.detach()
+
+        out = _pipelined(permuted, chunks, group, forward_chunk)
         ctx.chunks, ctx.group, ctx.saved, ctx.params = chunks, group, saved, params
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         chunks, group, saved, params = ctx.chunks, ctx.group, ctx.saved, ctx.params
-        k = len(saved)
-        grad_in = chunks.new_buffer(grad_out)
         grad_params = [None] * len(params)
-        pending = [None] * k
-        back = []
-        if k:
-            pending[0] = start_all_to_all(
-                chunks.take(grad_out, 0), group, chunks.out_splits[0], chunks.in_splits[0]
-            )
-        for j in range(k):
-            if j + 1 < k:
-                pending[j + 1] = start_all_to_all(
-                    chunks.take(grad_out, j + 1),
-                    group,
-                    chunks.out_splits[j + 1],
-                    chunks.in_splits[j + 1],
-                )
-            g_y = chunks.to_compute(pending[j].wait(), j)
-            pending[j] = None
+
+        def backward_chunk(g_y, j):
             x, y = saved[j]
             needs = [x] if x.requires_grad else []
             grads = torch.autograd.grad(y, [*needs, *params], g_y, allow_unused=True)
-            g_x = grads[0] if needs else torch.zeros_like(x)
             for i, g in enumerate(grads[len(needs) :]):
                 if g is not None:
                     grad_params[i] = g if grad_params[i] is None else grad_params[i] + g
-            back.append(
-                start_all_to_all(
-                    chunks.from_compute(g_x, j), group, chunks.in_splits[j], chunks.out_splits[j]
-                )
-            )
-        for j, p in enumerate(back):
-            chunks.put(grad_in, j, p.wait())
+            return grads[0] if needs else torch.zeros_like(x)
+
+        grad_in = _pipelined(grad_out, chunks, group, backward_chunk)
         ctx.saved = None
         return (grad_in, None, None, None, *grad_params)
