@@ -11,6 +11,26 @@ import torch
 from fastpar.amp.norm import all_reduce_norm_and_inf
 from fastpar.ops.unscale_norm import clip_coefficient, unscale_and_norm
 
+
+class OptimizerFront:
+    """What every fastpar optimizer wrapper shows a training loop: the wrapped optimizer's
+    ``param_groups``, the count of skipped steps and loss scaling. The class using it sets
+    ``optimizer``, ``scaler`` (or None) and ``_skipped`` (a 0-dim int64 device tensor)."""
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def skipped_steps(self) -> torch.Tensor:
+        """How many steps were skipped for inf/NaN gradients (a device tensor)."""
+        return self._skipped
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * scale`` (``loss`` unchanged without a scaler): call backward on this."""
+        return loss if self.scaler is None else loss * self.scaler.scale.to(loss.device)
+
+
 # (gradients, fp32 outputs or None for in place, whether they count in the norm)
 Pass = tuple[Sequence[torch.Tensor], Sequence[torch.Tensor] | None, bool]
 

@@ -26,12 +26,12 @@ import torch.distributed as dist
 
 from fastpar.amp.norm import counts_on_this_rank
 from fastpar.amp.scaler import ConstantLossScaler, DynamicLossScaler
-from fastpar.amp.step import guarded_step, unscale_and_agree
+from fastpar.amp.step import OptimizerFront, guarded_step, unscale_and_agree
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-class MixedPrecisionOptimizer:
+class MixedPrecisionOptimizer(OptimizerFront):
     """Wraps ``optimizer`` (built on the model's parameters, before any step): fp16/bf16
     parameters get fp32 master copies that the optimizer updates; fp32 parameters are updated
     as they are. ``scaler`` None means no loss scaling (right for bf16 and fp32).
@@ -84,19 +84,6 @@ class MixedPrecisionOptimizer:
         ]
         device = self.model_params[0].device if self.model_params else torch.device("cpu")
         self._skipped = torch.zeros((), dtype=torch.int64, device=device)
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def skipped_steps(self) -> torch.Tensor:
-        """How many steps were skipped for inf/NaN gradients (a device tensor)."""
-        return self._skipped
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss * scale`` (``loss`` unchanged without a scaler): call backward on this."""
-        return loss if self.scaler is None else loss * self.scaler.scale.to(loss.device)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p, m in zip(self.model_params, self.masters, strict=True):

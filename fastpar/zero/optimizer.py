@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from fastpar.amp.norm import counts_on_this_rank
 from fastpar.amp.scaler import ConstantLossScaler, DynamicLossScaler
-from fastpar.amp.step import guarded_step, unscale_and_agree
+from fastpar.amp.step import OptimizerFront, guarded_step, unscale_and_agree
 from fastpar.nn.marks import duplicated_over, is_expert
 from fastpar.parallel.buckets import (
     Bucket,
@@ -48,7 +48,7 @@ from fastpar.parallel.buckets import (
 )
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(OptimizerFront):
     """ZeRO-1/2 around ``optimizer`` (built on the model's parameters, before any step).
 
     ``stage``: 1 shards optimizer state and masters; 2 also shards gradients. ``mesh`` / ``group``:
@@ -194,17 +194,6 @@ class ZeroOptimizer:
         )
 
     # -- gradients --------------------------------------------------------------------------
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def skipped_steps(self) -> torch.Tensor:
-        return self._skipped
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss if self.scaler is None else loss * self.scaler.scale.to(loss.device)
-
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Stage 1: accumulate into the full gradient buffers without communicating. Stage 2

@@ -85,7 +85,7 @@ from torch.utils._pytree import tree_flatten
 
 from fastpar.amp.norm import counts_on_this_rank
 from fastpar.amp.scaler import ConstantLossScaler, DynamicLossScaler
-from fastpar.amp.step import guarded_step, unscale_and_agree
+from fastpar.amp.step import OptimizerFront, guarded_step, unscale_and_agree
 from fastpar.nn.marks import is_expert
 from fastpar.parallel.buckets import Bucket, BucketReducer, global_rank_of, payload_bytes
 
@@ -173,7 +173,7 @@ def _select_units(
     return sorted(chosen, key=lambda nm: order[id(nm[1])])
 
 
-class Zero3(nn.Module):
+class Zero3(OptimizerFront, nn.Module):
     """ZeRO-3 around ``module`` (see the module docstring for the layout and the schedule).
 
     ``optimizer_factory(params)`` builds the inner optimizer on the fp32 master shards: ``params``
@@ -529,20 +529,9 @@ class Zero3(nn.Module):
         return sum(v for k, v in self.comm_bytes_by.items() if k != "summon")
 
     @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def skipped_steps(self) -> torch.Tensor:
-        return self._skipped
-
-    @property
     def shard_grads(self) -> list[torch.Tensor]:
         """This rank's fp32 gradient shards, one per flat buffer ([S], or [padded] if persistent)."""
         return [f.shard_grad for f in self._flats]
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss if self.scaler is None else loss * self.scaler.scale.to(loss.device)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
