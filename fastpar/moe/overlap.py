@@ -16,8 +16,9 @@ synchronisation). ``FASTPAR_MOE_TRANSPORT=python|extension`` forces one.
 Chunking: capacity mode splits every expert's C rows into K ranges (the same splits on every
 rank, no host sync); dropless mode splits every expert's segment into K parts (sizes known on the
 host after the layer's count exchange). For K >= 3 the first and last chunks are half-size
-(``_split``), which shortens the two all-to-alls that nothing can hide. Each output row is computed exactly as in the plain layer;
-the weight gradients are summed over chunks, i.e. equal to fp32 rounding.
+(``_split``), which shortens the two all-to-alls that nothing can hide. Each output row is
+computed exactly as in the plain layer; the weight gradients are summed over chunks, i.e. equal
+to fp32 rounding.
 """
 
 from __future__ import annotations
