@@ -51,9 +51,9 @@ class MoE(nn.Module):
     compete with the experts for the same processor: NCCL on GPUs, or gloo with spare CPU cores.
     With every core computing (e.g. two CPU ranks on two cores) gloo's copies take cores from
     the experts and K > 1 can be slower (``bench/test_bench_moe_overlap.py`` measures both).
-    ``mesh`` (its ep group) or ``ep_group`` (None = no expert parallelism). After a forward: ``aux_loss`` (load balancing +
-    z-loss, differentiable), ``stats`` (device tensors: ``counts`` [E] routed per expert,
-    ``num_dropped``).
+    ``mesh`` (its ep group) or ``ep_group`` (None = no expert parallelism). After a forward:
+    ``aux_loss`` (load balancing + z-loss, differentiable), ``stats`` (device tensors:
+    ``counts`` [E] routed per expert, ``num_dropped``).
     """
 
     def __init__(
