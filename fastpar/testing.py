@@ -8,6 +8,7 @@
         return t
 
     results = run_ranks(check, 4, 2.0)      # one result per rank, in rank order
+    report = check_parallel(lambda: MyModel(), tp=2, dp=2, zero=1)   # your model, proven
 
 * Ranks are forked from the calling process (about 0.1 s for 8 ranks, against 2 s a rank for
   ``spawn``, which re-imports torch), so a test suite can afford dozens of multi-rank tests.
@@ -302,3 +303,12 @@ def _collect(procs: list[Any], conns: list[Any], world: int, timeout: float, tmp
             stacks,
         )
     return [results[r] for r in range(world)]
+
+
+def check_parallel(build_model: Callable[[], Any], plan=None, **kwargs: Any):
+    """Prove a parallel layout of your own model equal to the single-process model (logits,
+    loss, every gradient on every rank, the parameters after several AdamW steps); see
+    ``fastpar.parity`` for the arguments. Returns a ``fastpar.parity.CheckReport``."""
+    from fastpar.parity import check_parallel as _check
+
+    return _check(build_model, plan, **kwargs)

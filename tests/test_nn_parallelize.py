@@ -119,7 +119,9 @@ def test_plan_errors_without_process_group():
         parallelize(Llama(), {"nope.*": "column"})
     with pytest.raises(ValueError, match="style must be one of"):
         parallelize(Llama(), {"lm_head": "diagonal"})
-    with pytest.raises(TypeError, match=r"needs an Linear at 'norm', found RMSNorm"):
+    with pytest.raises(
+        TypeError, match=r"needs an nn.Linear or a Hugging Face Conv1D at 'norm', found RMSNorm"
+    ):
         parallelize(Llama(), {"norm": "column"})
     with pytest.raises(ValueError, match="heads pattern 'zzz' matches no module"):
         parallelize(Llama(), {"lm_head": "column"}, heads={"zzz": ["x"]})

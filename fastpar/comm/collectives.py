@@ -13,7 +13,8 @@ size 1 every one of them is the identity.
     reduce_scatter_all_gather reduce-scatter (dim)          all-gather (dim)
 
 ``scatter_to_sequence`` / ``gather_from_sequence`` are the scatter / gather pair along the
-sequence dimension (dim 0 by default, Megatron's [s, b, h] layout).
+sequence dimension (dim 0 by default, Megatron's [s, b, h] layout). ``all_reduce_grad(p,
+group)`` sums a replicated parameter's partial gradients over the group (a leaf hook).
 """
 
 from __future__ import annotations
@@ -208,6 +209,23 @@ def all_gather_reduce_scatter(x: torch.Tensor, group: Group = None, dim: int = 0
 
 def reduce_scatter_all_gather(x: torch.Tensor, group: Group = None, dim: int = 0) -> torch.Tensor:
     return ReduceScatterAllGather.apply(x, dim, group)
+
+
+def all_reduce_grad(param: torch.Tensor, group: Group = None):
+    """Make ``param``'s gradient the sum over ``group`` of every rank's contribution: a hook on
+    the leaf that all-reduces each backward's incoming gradient before it is accumulated into
+    ``.grad`` (so gradient accumulation, DDP / ZeRO hooks and clipping see the full gradient).
+
+    For a parameter replicated over ``group`` whose every use sees only this rank's share of a
+    split dimension (a per-head norm after a column-split projection). Returns the hook handle.
+    """
+    if not param.requires_grad:
+        raise ValueError("all_reduce_grad needs a parameter that requires grad")
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        return _all_reduce(grad, group)
+
+    return param.register_hook(hook)
 
 
 def _all_to_all(

@@ -8,6 +8,7 @@ the same seed, bit for bit, at any tensor-parallel size.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -49,10 +50,33 @@ def _fused_slices(weight: torch.Tensor, fused: int, rank: int, world: int) -> to
     return torch.cat([b.chunk(world, dim=0)[rank] for b in blocks], dim=0)
 
 
+def is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2): a linear layer whose weight is stored [in, out]."""
+    return (
+        type(module).__name__ == "Conv1D"
+        and hasattr(module, "nf")
+        and isinstance(getattr(module, "weight", None), torch.Tensor)
+        and module.weight.dim() == 2
+        and module.weight.shape[1] == module.nf
+    )
+
+
 class _FromDense:
     @classmethod
-    def from_dense(cls, linear: nn.Linear, **kwargs):
-        """Shard an existing ``nn.Linear`` (every rank must pass the same weights)."""
+    def from_dense(cls, linear: nn.Module, **kwargs):
+        """Shard an existing ``nn.Linear`` or Hugging Face ``Conv1D`` (every rank must pass the
+        same weights). A Conv1D keeps its [in, out] weight layout (``transposed=True``), so
+        parameter names and shapes stay those of the Hugging Face checkpoint."""
+        if is_conv1d(linear):
+            in_f, out_f = linear.weight.shape
+            bias = None if linear.bias is None else linear.bias.detach()
+            master = SimpleNamespace(weight=linear.weight.detach().t(), bias=bias)
+            return cls(in_f, out_f, bias is not None, _master=master, _transposed=True, **kwargs)
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(
+                f"{cls.__name__}.from_dense needs an nn.Linear or a Hugging Face Conv1D, found "
+                f"{type(linear).__name__}"
+            )
         return cls(
             linear.in_features,
             linear.out_features,
@@ -60,6 +84,10 @@ class _FromDense:
             _master=linear,
             **kwargs,
         )
+
+    def _weight(self) -> torch.Tensor:
+        """The weight as ``F.linear`` wants it, [out, in] (a view for a Conv1D layout)."""
+        return self.weight.t() if self.transposed else self.weight
 
 
 class ColumnParallelLinear(_FromDense, nn.Module):
@@ -93,11 +121,13 @@ class ColumnParallelLinear(_FromDense, nn.Module):
         device=None,
         dtype=None,
         _master: nn.Linear | None = None,
+        _transposed: bool = False,
     ) -> None:
         super().__init__()
         self.group = resolve_group(group, mesh)
         world, rank = group_size(self.group), group_rank(self.group)
         self.in_features, self.out_features = in_features, out_features
+        self.transposed = _transposed
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.sequence_dim, self.skip_bias_add, self.fused = sequence_dim, skip_bias_add, fused
         if out_features % fused:
@@ -124,8 +154,8 @@ class ColumnParallelLinear(_FromDense, nn.Module):
                 b = None
                 if master.bias is not None:
                     b = _pad_rows(master.bias, padded).chunk(world, dim=0)[rank]
-        self.weight = nn.Parameter(w.clone())
-        mark_sharded(self.weight, 0, self.group, out_features, fused)
+        self.weight = nn.Parameter(w.t().contiguous() if self.transposed else w.clone())
+        mark_sharded(self.weight, 1 if self.transposed else 0, self.group, out_features, fused)
         if b is not None:
             self.bias = nn.Parameter(b.clone())
             mark_sharded(self.bias, 0, self.group, out_features, fused)
@@ -142,7 +172,7 @@ class ColumnParallelLinear(_FromDense, nn.Module):
         else:
             x = copy_to_region(x, self.group)
         bias = None if self.skip_bias_add else self.bias
-        y = F.linear(x, self.weight, bias)
+        y = F.linear(x, self._weight(), bias)
         if self.gather_output:
             y = gather_from_region(y, self.group, dim=-1)
             if y.shape[-1] != self.out_features:
@@ -185,10 +215,12 @@ class RowParallelLinear(_FromDense, nn.Module):
         device=None,
         dtype=None,
         _master: nn.Linear | None = None,
+        _transposed: bool = False,
     ) -> None:
         super().__init__()
         self.group = resolve_group(group, mesh)
         world, rank = group_size(self.group), group_rank(self.group)
+        self.transposed = _transposed
         if in_features % world:
             raise ValueError(
                 f"RowParallelLinear: in_features {in_features} is not divisible by the "
@@ -201,8 +233,8 @@ class RowParallelLinear(_FromDense, nn.Module):
         master = _master or _master_linear(in_features, out_features, bias, device, dtype)
         with torch.no_grad():
             w = master.weight.chunk(world, dim=1)[rank]
-        self.weight = nn.Parameter(w.clone())
-        mark_sharded(self.weight, 1, self.group, in_features)
+        self.weight = nn.Parameter(w.t().contiguous() if self.transposed else w.clone())
+        mark_sharded(self.weight, 0 if self.transposed else 1, self.group, in_features)
         if master.bias is not None:
             self.bias = nn.Parameter(master.bias.detach().clone())
             mark_replicated(self.bias, self.group)
@@ -218,7 +250,7 @@ class RowParallelLinear(_FromDense, nn.Module):
             )
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.group, dim=-1)
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self._weight())
         if self.sequence_parallel:
             y = reduce_scatter_all_gather(y, self.group, self.sequence_dim)
         else:

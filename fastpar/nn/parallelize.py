@@ -1,86 +1,139 @@
-"""``parallelize``: make a plain PyTorch transformer tensor-parallel by a plan, without rewriting it.
+"""``parallelize``: make a plain PyTorch or Hugging Face transformer tensor-parallel, in place.
 
-    plan = {
+    model = fastpar.parallelize(model, mesh=mesh)            # a built-in plan (fastpar.nn.plans)
+    model = fastpar.parallelize(model, {                      # or your own
         "transformer.wte": "vocab",
         "*.attn.c_attn": ("column", {"fused": 3}),   # fused q|k|v: split each block by heads
         "*.attn.c_proj": "row",
         "*.mlp.c_fc": "column",
         "*.mlp.c_proj": "row",
-        "lm_head": ("column", {"gather_output": True}),
-    }
-    model = fastpar.parallelize(model, plan, mesh)   # or group=...
+        "lm_head": ("column", {"gather_output": True, "pad_output": True}),
+    }, mesh)
 
-Patterns are ``fnmatch`` patterns over ``model.named_modules()`` names; styles are "column",
-"row" and "vocab", optionally with keyword arguments for the fastpar layer. Attention modules
-that own a column-parallel projection keep fewer heads per rank: their head-count attributes
-(``num_heads``, ``n_head``, ``num_attention_heads``, ``num_key_value_heads``, ``n_kv_head``, or
-those named in ``heads=``) are divided by the TP size, and a count not divisible by it is an
-error. Parameters tied before (an embedding and its LM head) are tied again afterwards.
+Patterns are ``fnmatch`` patterns over ``model.named_modules()`` names. Styles:
+
+* "column" / "row": an ``nn.Linear`` or Hugging Face ``Conv1D`` (kept in its [in, out] layout)
+  becomes ``ColumnParallelLinear`` / ``RowParallelLinear`` (keyword arguments go to the layer);
+* "vocab": an ``nn.Embedding`` becomes ``VocabParallelEmbedding``;
+* "per_head": the module's parameters stay replicated over TP but see only this rank's heads
+  (a per-head norm after a column split): their gradient is all-reduced over TP;
+* "replicate": the module stays dense and must see only whole activations (checked).
+
+Correct by construction, checked before the model is used:
+
+1. Static checks: the style fits the module type; every ``Linear`` / ``Conv1D`` beside a
+   column-split one in the same parent is planned too (split ``q_proj`` with ``k_proj`` dense is
+   refused, naming them); head counts — from the module (``num_heads``, ``num_key_value_heads``,
+   ...) or its ``config`` (Hugging Face keeps them there) — divide the TP size.
+2. A data-flow probe (``fastpar.nn.probe``) runs the dense model once on a tiny input: every
+   parameter that meets a split activation is found. Such parameters get their gradient
+   all-reduced over TP ("per_head", found automatically and recorded), and the plan is refused
+   when they cannot be handled exactly (used on split and whole activations both; contracted
+   with a split value: a dense ``Linear`` after a split; a split value contracted with a whole
+   activation: ``q`` split but ``k`` dense).
+3. The parallel model's output on that input is compared with the dense model's (one forward on
+   every TP rank): a plan that changes the result is refused.
+
+Parameters tied before (an embedding and its LM head, BERT's decoder bias and the bare
+``cls.predictions.bias``) are tied again, sharded alike. Attention modules that own a column
+split keep fewer heads per rank: their head-count and width attributes (``HEAD_ATTRS``,
+``WIDTH_ATTRS``, and those named in ``heads=``) are divided by the TP size. The result is
+recorded on ``model.fastpar_plan`` (a ``PlanRecord``).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import inspect
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
-from fastpar.comm import group_size
+from fastpar.comm import all_reduce_grad, group_size
+from fastpar.nn import plans as _plans
 from fastpar.nn.embedding import VocabParallelEmbedding
-from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear, resolve_group
+from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear, is_conv1d, resolve_group
+from fastpar.nn.marks import mark_replicated
+from fastpar.nn.probe import FULL, SPLIT, ProbeFailed, ProbeReport, probe
 
 HEAD_ATTRS = ("num_heads", "n_head", "num_attention_heads", "num_key_value_heads", "n_kv_head")
-_STYLES = {
+WIDTH_ATTRS = ("split_size", "all_head_size")
+"""Widths of the split projections that attention modules reshape with (GPT-2, BERT)."""
+CONFIG_HEADS = ("num_attention_heads", "num_key_value_heads", "n_head")
+STYLES = ("column", "row", "vocab", "per_head", "replicate")
+_LAYERS = {
     "column": ColumnParallelLinear,
     "row": RowParallelLinear,
     "vocab": VocabParallelEmbedding,
 }
-_EXPECTS = {"column": nn.Linear, "row": nn.Linear, "vocab": nn.Embedding}
+_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+@dataclass
+class PlanRecord:
+    """What ``parallelize`` did: the style of every planned module, the parameters whose
+    gradient is all-reduced over TP (declared "per_head" or found by the probe), whether the
+    probe and the output check ran, and the output check's relative difference."""
+
+    tp_size: int
+    styles: dict[str, str]
+    grad_reduced: list[str] = field(default_factory=list)
+    found_by_probe: list[str] = field(default_factory=list)
+    probed: bool = False
+    output_rel_diff: float | None = None
+
+
+def _linear_like(m: nn.Module) -> bool:
+    return isinstance(m, nn.Linear) or is_conv1d(m)
 
 
 def _parse_style(pattern: str, style) -> tuple[str, dict]:
     name, kwargs = (style, {}) if isinstance(style, str) else style
-    if name not in _STYLES:
-        raise ValueError(f"plan[{pattern!r}] = {style!r}: style must be one of {sorted(_STYLES)}")
-    return name, dict(kwargs)
+    if name not in STYLES:
+        raise ValueError(f"plan[{pattern!r}] = {style!r}: style must be one of {list(STYLES)}")
+    kwargs = dict(kwargs)
+    if name in ("per_head", "replicate") and kwargs:
+        raise ValueError(f"plan[{pattern!r}]: style {name!r} takes no keyword arguments")
+    for bad in ("group", "mesh"):
+        if bad in kwargs:
+            raise ValueError(f"plan[{pattern!r}]: pass {bad}= to parallelize, not in the plan")
+    if kwargs.get("sequence_parallel"):
+        raise ValueError(
+            f"plan[{pattern!r}]: sequence_parallel is not supported by parallelize: the model's "
+            "own norms, dropout and residuals would have to act on sequence shards; use the "
+            "fastpar models (fastpar.models) for sequence parallelism"
+        )
+    return name, kwargs
 
 
-def _divide_heads(module: nn.Module, name: str, attrs, world: int) -> None:
-    for attr in attrs:
-        value = getattr(module, attr, None)
-        if not isinstance(value, int):
-            continue
-        if value % world:
-            raise ValueError(
-                f"module {name!r} has {attr}={value}, not divisible by the tensor-parallel size "
-                f"{world}: attention heads cannot be split evenly; use a TP size that divides {value}"
-            )
-        setattr(module, attr, value // world)
+def _check_type(name: str, module: nn.Module, style: str) -> None:
+    if style in ("column", "row") and not _linear_like(module):
+        raise TypeError(
+            f"plan style {style!r} needs an nn.Linear or a Hugging Face Conv1D at {name!r}, found "
+            f"{type(module).__name__}; plan its linear sub-modules instead"
+        )
+    if style == "vocab" and type(module) is not nn.Embedding:
+        raise TypeError(
+            f"plan style 'vocab' needs an nn.Embedding at {name!r}, found {type(module).__name__}"
+        )
+    if style in ("per_head", "replicate") and not any(True for _ in module.parameters()):
+        raise ValueError(f"plan style {style!r} at {name!r}: the module has no parameters")
 
 
-def parallelize(
-    model: nn.Module,
-    plan: Mapping[str, object],
-    mesh=None,
-    *,
-    group: dist.ProcessGroup | None = None,
-    heads: Mapping[str, list[str]] | None = None,
-) -> nn.Module:
-    """Swap the modules named by ``plan`` for their fastpar twins, in place; returns ``model``.
+def _splits_output(style: str, kwargs: dict) -> bool:
+    return style == "column" and not kwargs.get("gather_output", False)
 
-    ``heads`` maps module-name patterns to extra integer attributes to divide by the TP size
-    (say ``{"*.attn": ["n_head", "n_embd"]}`` for nanoGPT, whose attention reshapes with
-    ``n_embd``). Every rank must call this with identical weights (same seed or checkpoint).
-    A pattern that matches nothing is an error (a typo would otherwise leave a layer dense).
-    """
-    tp_group = resolve_group(group, mesh)
-    world = group_size(tp_group)
-    names = dict(model.named_modules())
+
+def _match(model: nn.Module, plan: Mapping[str, object], strict: bool) -> dict[str, tuple]:
+    names = [n for n, _ in model.named_modules() if n]
     chosen: dict[str, tuple[str, dict]] = {}
     for pattern, style in plan.items():
-        hits = [n for n in names if n and fnmatch.fnmatchcase(n, pattern)]
-        if not hits:
+        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not hits and strict:
             raise ValueError(
                 f"plan pattern {pattern!r} matches no module of {type(model).__name__}"
             )
@@ -91,56 +144,386 @@ def parallelize(
                     f"module {n!r} is matched by two plan entries with different styles"
                 )
             chosen[n] = parsed
+    return chosen
 
-    # remember which parameters were shared before swapping (tied embedding / LM head)
-    owners: dict[int, list[tuple[str, str]]] = {}
-    for mod_name, mod in names.items():
-        for p_name, p in mod.named_parameters(recurse=False):
-            owners.setdefault(id(p), []).append((mod_name, p_name))
 
-    new_modules: dict[str, nn.Module] = {}
-    for n, (style, kwargs) in chosen.items():
-        old = names[n]
-        if type(old) is not _EXPECTS[style]:
-            raise TypeError(
-                f"plan style {style!r} needs an {_EXPECTS[style].__name__} at {n!r}, found "
-                f"{type(old).__name__}"
-            )
-        new = _STYLES[style].from_dense(old, group=tp_group, **kwargs)
-        parent_name, _, attr = n.rpartition(".")
-        setattr(names[parent_name] if parent_name else model, attr, new)
-        new_modules[n] = new
+def _attention_like(name: str, module: nn.Module) -> bool:
+    return (
+        any(isinstance(getattr(module, a, None), int) for a in HEAD_ATTRS)
+        or "attention" in type(module).__name__.lower()
+        or "attn" in name.rpartition(".")[2].lower()
+    )
 
-    # attention heads: divide the head counts of modules that own a column-parallel projection
-    parents = {n.rpartition(".")[0] for n, (style, _) in chosen.items() if style == "column"}
-    for n in sorted(parents):
-        module = names[n] if n else model
-        extra = [
-            a for pat, attrs in (heads or {}).items() if fnmatch.fnmatchcase(n, pat) for a in attrs
+
+def _head_counts(module: nn.Module, model: nn.Module) -> dict[str, int]:
+    counts = {a: v for a in HEAD_ATTRS if isinstance(v := getattr(module, a, None), int)}
+    config = getattr(module, "config", None) or getattr(model, "config", None)
+    for key in CONFIG_HEADS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and f"config.{key}" not in counts:
+            counts[f"config.{key}"] = value
+    return counts
+
+
+def _static_checks(model, modules, chosen, world, heads) -> list[str]:
+    """Types, siblings and head counts. Returns the names of the attention-like parents."""
+    for n, (style, _) in chosen.items():
+        _check_type(n, modules[n], style)
+    split_parents = sorted(
+        {n.rpartition(".")[0] for n, (s, kw) in chosen.items() if _splits_output(s, kw)}
+    )
+    for parent in split_parents:
+        module = modules[parent] if parent else model
+        prefix = f"{parent}." if parent else ""
+        dense = [
+            prefix + c
+            for c, m in module.named_children()
+            if _linear_like(m) and prefix + c not in chosen
         ]
-        _divide_heads(module, n, (*HEAD_ATTRS, *dict.fromkeys(extra)), world)
+        if dense:
+            split = [prefix + c for c, _ in module.named_children() if prefix + c in chosen]
+            raise ValueError(
+                f"plan splits {split} but leaves {dense} in the same module {parent or '<model>'!r} "
+                f"dense: the projections of one attention/MLP block must be split together (plan "
+                f"{dense} as 'column' like the others, the output projection as 'row'), or "
+                f"mark them 'replicate' if they really see whole activations"
+            )
+    attention = []
+    for parent in split_parents:
+        module = modules[parent] if parent else model
+        if not _attention_like(parent, module):
+            continue
+        attention.append(parent)
+        for what, value in _head_counts(module, model).items():
+            if value % world:
+                divisors = [d for d in range(1, value + 1) if value % d == 0]
+                raise ValueError(
+                    f"module {parent!r} has {what}={value}, not divisible by the tensor-parallel "
+                    f"size {world}: attention heads cannot be split evenly; use a TP size in "
+                    f"{divisors}"
+                )
     for pat in heads or {}:
-        if not any(fnmatch.fnmatchcase(n, pat) for n in parents):
+        if not any(fnmatch.fnmatchcase(n, pat) for n in split_parents):
             raise ValueError(
                 f"heads pattern {pat!r} matches no module that owns a column projection"
             )
+    return attention
 
-    def _module(name: str) -> nn.Module:
-        return new_modules[name] if name in new_modules else names[name]
 
-    # re-tie parameters that were one tensor before
+def _example_inputs(model: nn.Module, example_inputs) -> tuple[tuple, dict] | None:
+    """(args, kwargs) for the probe: the caller's, or token ids for a language model."""
+    if example_inputs is not None:
+        if isinstance(example_inputs, Mapping):
+            return (), dict(example_inputs)
+        if isinstance(example_inputs, torch.Tensor):
+            return (example_inputs,), {}
+        return tuple(example_inputs), {}
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    g = torch.Generator().manual_seed(0)  # never the global stream: layouts must draw alike
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int):
+        limit = [
+            v
+            for k in ("max_position_embeddings", "n_positions")
+            if isinstance(v := getattr(config, k, None), int)
+        ]
+        ids = torch.randint(0, vocab, (2, min([8, *limit])), generator=g).to(device)
+        kwargs = {"input_ids": ids}
+        if "use_cache" in inspect.signature(model.forward).parameters:
+            kwargs["use_cache"] = False
+        return (), kwargs
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            return (torch.randint(0, m.num_embeddings, (2, 8), generator=g).to(device),), {}
+        if _linear_like(m):
+            w = m.weight
+            width = w.shape[0] if is_conv1d(m) else w.shape[1]
+            return (torch.randn(2, width, generator=g).to(device=device, dtype=w.dtype),), {}
+    return None
+
+
+def _first_tensor(out) -> torch.Tensor | None:
+    to_tuple = getattr(out, "to_tuple", None)
+    flat = tree_flatten(to_tuple() if callable(to_tuple) else out)[0]
+    return next((t for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+
+
+def _owners(modules: Mapping[str, nn.Module]) -> dict[int, list[tuple[str, str]]]:
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for mod_name, mod in modules.items():
+        for p_name, p in mod.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((mod_name, p_name))
+    return owners
+
+
+def _analyse(report: ProbeReport, chosen, modules, watched_owner) -> list[str]:
+    """Refuse what cannot be exact; return the parameters to all-reduce over TP."""
+    for where, source in report.mixed:
+        raise ValueError(
+            f"the plan splits {source!r} but its split output is contracted ({where}) with an "
+            f"activation that is not split: split every projection that feeds this op together "
+            f"(q_proj, k_proj and v_proj), or none of them"
+        )
+    for name, where in report.contracted.items():
+        raise ValueError(
+            f"parameter {name!r} is contracted with a split activation ({where}) but its module "
+            f"is not planned: plan {watched_owner[name]!r} as 'row' (it consumes a column split), "
+            f"or gather the column output (gather_output=True)"
+        )
+    reduced = []
+    for name, uses in report.uses.items():
+        owner = watched_owner[name]
+        declared = chosen.get(owner, ("",))[0]
+        if uses == {SPLIT, FULL}:
+            raise ValueError(
+                f"parameter {name!r} is used both on split activations (this rank's heads) and "
+                f"on whole ones: neither replicating nor reducing its gradient is exact; split "
+                f"its module differently or keep the whole block dense"
+            )
+        if SPLIT in uses:
+            if declared == "replicate":
+                raise ValueError(
+                    f"plan marks {owner!r} 'replicate' but its parameter {name!r} sees split "
+                    f"activations (this rank's heads only): plan it as 'per_head'"
+                )
+            reduced.append(name)
+    for owner, (style, _) in chosen.items():
+        if style == "per_head":
+            names = [n for n, o in watched_owner.items() if o == owner]
+            if not any(SPLIT in report.uses.get(n, ()) for n in names):
+                raise ValueError(
+                    f"plan marks {owner!r} 'per_head' but it never sees a split activation: "
+                    f"reducing its gradient over TP would multiply it by the TP size; drop the entry"
+                )
+    return reduced
+
+
+def _unprobed(chosen, modules, attention, watched_owner) -> list[str]:
+    """Without a probe: parameters inside an attention module that splits its heads must be
+    declared; returns the declared per_head ones."""
+    reduced = []
+    for name, owner in watched_owner.items():
+        style = chosen.get(owner, ("",))[0]
+        if style == "per_head":
+            reduced.append(name)
+            continue
+        inside = [a for a in attention if not a or owner == a or owner.startswith(a + ".")]
+        if inside and style != "replicate":
+            raise ValueError(
+                f"parameter {name!r} sits inside {inside[0]!r}, whose heads are split over TP, "
+                f"and may see only this rank's heads (a per-head norm gets a partial gradient). "
+                f"Plan {owner!r} as 'per_head' if it acts on the split heads or 'replicate' if it "
+                f"sees whole activations, or pass example_inputs= so the probe can tell"
+            )
+    return reduced
+
+
+def _swap(model, modules, chosen, tp_group) -> dict[str, nn.Module]:
+    new_modules = {}
+    for n, (style, kwargs) in chosen.items():
+        if style not in _LAYERS:
+            continue
+        new = _LAYERS[style].from_dense(modules[n], group=tp_group, **kwargs)
+        parent_name, _, attr = n.rpartition(".")
+        setattr(modules[parent_name] if parent_name else model, attr, new)
+        new_modules[n] = new
+    return new_modules
+
+
+def _retie(owners, modules, new_modules, model) -> None:
+    """Parameters that were one tensor before are one again: the sharded version wins (an
+    unplanned layer holding a tied copy of a split parameter is refused)."""
+
+    def module(name: str) -> nn.Module:
+        if name in new_modules:
+            return new_modules[name]
+        return modules[name] if name else model
+
     for shared in owners.values():
         if len(shared) < 2:
             continue
-        current = [getattr(_module(m), p) for m, p in shared]
-        first = current[0]
-        for (m, p), t in zip(shared[1:], current[1:], strict=True):
+        swapped = [(m, p) for m, p in shared if m in new_modules]
+        if not swapped:
+            continue
+        first_m, first_p = swapped[0]
+        first = getattr(module(first_m), first_p)
+        for m, p in shared:
+            t = getattr(module(m), p)
             if t is first:
                 continue
-            if t.shape != first.shape:
+            if m in new_modules:
+                if t.shape != first.shape:
+                    raise ValueError(
+                        f"{m}.{p} was tied to {first_m}.{first_p} but their sharded shapes differ "
+                        f"({tuple(t.shape)} vs {tuple(first.shape)}); shard both the same way "
+                        f"(pad_output=True on a column-split LM head matches a vocab embedding)"
+                    )
+            elif isinstance(module(m), (nn.Linear, nn.Embedding)) or is_conv1d(module(m)):
                 raise ValueError(
-                    f"{m}.{p} was tied to {shared[0][0]}.{shared[0][1]} but their sharded shapes "
-                    f"differ ({tuple(t.shape)} vs {tuple(first.shape)}); shard both the same way"
+                    f"{m}.{p} is tied to {first_m}.{first_p}, which the plan splits, but {m!r} "
+                    f"is not planned: plan it the same way (a tied LM head as 'column' with "
+                    f"pad_output=True)"
                 )
-            setattr(_module(m), p, first)
+            setattr(module(m), p, first)
+
+
+def _divide_heads(model, modules, chosen, heads, world) -> None:
+    parents = {n.rpartition(".")[0] for n, (s, kw) in chosen.items() if _splits_output(s, kw)}
+    for n in sorted(parents):
+        module = modules[n] if n else model
+        extra = [
+            a for pat, attrs in (heads or {}).items() if fnmatch.fnmatchcase(n, pat) for a in attrs
+        ]
+        for attr in dict.fromkeys((*HEAD_ATTRS, *WIDTH_ATTRS, *extra)):
+            value = getattr(module, attr, None)
+            if not isinstance(value, int):
+                if attr in extra:
+                    raise ValueError(f"heads: module {n!r} has no integer attribute {attr!r}")
+                continue
+            if value % world:
+                raise ValueError(
+                    f"module {n!r} has {attr}={value}, not divisible by the tensor-parallel size "
+                    f"{world}: attention heads cannot be split evenly; use a TP size that divides {value}"
+                )
+            setattr(module, attr, value // world)
+
+
+def _compare_outputs(dense: torch.Tensor, out, tp_group, world: int) -> float:
+    got = _first_tensor(out)
+    if got is None:
+        raise ValueError("the parallel model returned no floating tensor on the probe input")
+    if got.shape != dense.shape and got.shape[:-1] == dense.shape[:-1] and world > 1:
+        parts = [torch.empty_like(got) for _ in range(world)]
+        dist.all_gather(parts, got.contiguous(), group=tp_group)
+        got = torch.cat(parts, -1)[..., : dense.shape[-1]]
+    if got.shape != dense.shape:
+        raise ValueError(
+            f"the parallel model's output has shape {tuple(got.shape)} where the dense model's "
+            f"has {tuple(dense.shape)}: the plan changes the model"
+        )
+    scale = dense.abs().max().float().clamp(min=1e-6)
+    rel = ((got.float() - dense.float()).abs().max() / scale).reshape(1)
+    if world > 1:  # every rank decides alike
+        dist.all_reduce(rel, op=dist.ReduceOp.MAX, group=tp_group)
+    return float(rel)
+
+
+def parallelize(
+    model: nn.Module,
+    plan: Mapping[str, object] | None = None,
+    mesh=None,
+    *,
+    group: dist.ProcessGroup | None = None,
+    heads: Mapping[str, list[str]] | None = None,
+    example_inputs=None,
+    check: bool = True,
+    loss_parallel: bool = False,
+) -> nn.Module:
+    """Swap the modules named by ``plan`` (default: the built-in plan of the model's family)
+    for their fastpar twins, in place; returns ``model``. Every TP rank must call it with
+    identical weights (same seed or checkpoint) and identical ``example_inputs``.
+
+    ``heads`` maps module-name patterns to extra integer attributes to divide by the TP size
+    (say ``{"*.attn": ["n_embd"]}`` for nanoGPT, whose attention reshapes with ``n_embd``).
+    ``example_inputs`` (a tensor, a tuple of positional arguments or a dict of keyword
+    arguments) feeds the probe and the output check; by default token ids for a model with an
+    embedding, or a float batch for one that starts with a linear layer. ``check=False`` skips
+    both (then parameters inside split attention modules must be declared "per_head" or
+    "replicate"). ``loss_parallel``: a built-in plan leaves the logits split over the vocabulary
+    (for ``vocab_parallel_cross_entropy``) instead of gathering them.
+    A pattern of the caller's plan that matches nothing is an error (a typo would leave a
+    layer dense).
+    """
+    tp_group = resolve_group(group, mesh)
+    world = group_size(tp_group)
+    strict = plan is not None
+    if plan is None:
+        plan = _plans.builtin_plan(model, loss_parallel=loss_parallel)
+        if plan is None:
+            raise ValueError(
+                f"no built-in plan for {type(model).__name__} (model_type "
+                f"{_plans.model_type(model)!r}); built-in families: {_plans.supported()}. Pass a "
+                f"plan: {{'*.q_proj': 'column', ..., '*.o_proj': 'row'}}"
+            )
+    modules = dict(model.named_modules())
+    chosen = _match(model, plan, strict)
+    attention = _static_checks(model, modules, chosen, world, heads)
+
+    owners = _owners(modules)
+    layer_params = {
+        id(p) for n, (s, _) in chosen.items() if s in _LAYERS for p in modules[n].parameters()
+    }
+    watched, watched_owner = {}, {}
+    for mod_name, mod in modules.items():
+        for p_name, p in mod.named_parameters(recurse=False):
+            if id(p) not in layer_params and id(p) not in watched:
+                full = f"{mod_name}.{p_name}" if mod_name else p_name
+                watched[id(p)], watched_owner[full] = full, mod_name
+    declared_owner = {}  # a parameter belongs to the innermost per_head / replicate entry
+    for name, owner in watched_owner.items():
+        for n in chosen:
+            inside = owner == n or owner.startswith(n + ".")
+            deeper = len(n) > len(declared_owner.get(name, ""))
+            if chosen[n][0] in ("per_head", "replicate") and inside and deeper:
+                declared_owner[name] = n
+    watched_owner = {name: declared_owner.get(name, owner) for name, owner in watched_owner.items()}
+
+    inputs = _example_inputs(model, example_inputs) if check else None
+    record = PlanRecord(world, {n: s for n, (s, _) in chosen.items()})
+    dense_out = None
+    if inputs is not None:
+        styles = {
+            n: SPLIT if _splits_output(s, kw) else FULL
+            for n, (s, kw) in chosen.items()
+            if s in _LAYERS
+        }
+        try:
+            report, out = probe(model, *inputs, styles, watched)
+        except ProbeFailed as exc:
+            raise ValueError(
+                f"parallelize: the dense {type(model).__name__} failed on the probe input "
+                f"({exc}); pass example_inputs= that its forward accepts, "
+                "or check=False"
+            ) from exc
+        dense = _first_tensor(out)
+        dense_out = None if dense is None else dense.detach().clone()
+        reduced = _analyse(report, chosen, modules, watched_owner)
+        record.probed = True
+        record.found_by_probe = [
+            n for n in reduced if chosen.get(watched_owner[n], ("",))[0] != "per_head"
+        ]
+    else:
+        reduced = _unprobed(chosen, modules, attention, watched_owner)
+    record.grad_reduced = sorted(reduced)
+
+    new_modules = _swap(model, modules, chosen, tp_group)
+    _divide_heads(model, modules, chosen, heads, world)
+    _retie(owners, modules, new_modules, model)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name in reduced:
+        p = params[name]
+        mark_replicated(p, tp_group)
+        if p.requires_grad and world > 1:
+            all_reduce_grad(p, tp_group)
+
+    if dense_out is not None:
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                out = model(*inputs[0], **inputs[1])
+        finally:
+            model.train(was_training)
+        rel = _compare_outputs(dense_out, out, tp_group, world)
+        tol = _TOLERANCE.get(dense_out.dtype, 1e-4)
+        record.output_rel_diff = rel
+        if rel > tol:
+            raise ValueError(
+                f"parallelize: on the probe input the parallel model's output differs from the "
+                f"dense model's by {rel:.2e} (relative; tolerance {tol:.0e}): the plan changes what {type(model).__name__} computes "
+                "(a head count or width the model reads elsewhere? pass heads=)"
+            )
+    model.fastpar_plan = record
     return model

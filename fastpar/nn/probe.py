@@ -1,0 +1,194 @@
+"""Which replicated parameters see tensor-parallel-split activations: a data-flow probe.
+
+``parallelize`` runs the DENSE model once on a tiny input under a ``TorchFunctionMode`` that
+labels every tensor it sees:
+
+* ``split``: a value that, after the swap, each TP rank holds only a part of (its heads, its
+  columns): the output of a module planned "column" (without ``gather_output``) and everything
+  computed from it;
+* ``full``: an activation every TP rank holds whole — the model's inputs, the outputs of "row",
+  "vocab" and gathered "column" modules, and everything computed from them without a split value;
+* parameter-derived: computed only from watched (unplanned) parameters and constants.
+
+A watched parameter that enters an op together with a split value sees only this rank's share
+after the swap, so its gradient is a partial sum over the TP group; with a full value its
+gradient is complete. The probe records both kinds of use per parameter, and the ops where a
+split value meets a full activation in a contraction (``q`` split but ``k`` dense) or a watched
+parameter is contracted with a split value (a dense ``Linear`` after a split): those plans are
+wrong. Nothing communicates: the probe runs on one process, on the dense model, in eval mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+SPLIT, FULL = "split", "full"
+
+_CONTRACTIONS = {
+    "linear", "matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "addmv", "mv", "einsum",
+    "tensordot", "scaled_dot_product_attention", "conv1d", "conv2d", "embedding", "bilinear",
+    "__matmul__", "__rmatmul__",
+}  # fmt: skip
+
+
+@dataclass
+class ProbeReport:
+    """What the probe saw. ``uses[name]``: the kinds of value ({"split", "full"}) parameter
+    ``name`` met; ``contracted``: parameters contracted with a split value (name -> where);
+    ``mixed``: (where, split source) of contractions of a split value with a full activation."""
+
+    uses: dict[str, set[str]] = field(default_factory=dict)
+    contracted: dict[str, str] = field(default_factory=dict)
+    mixed: list[tuple[str, str]] = field(default_factory=list)
+    output_split: bool = False
+
+
+def _op_name(func) -> str:
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+class _Labeller(TorchFunctionMode):
+    def __init__(self, watched: Mapping[int, str], report: ProbeReport):
+        super().__init__()
+        self.watched, self.report = watched, report
+        self.labels: dict[int, tuple] = {}  # id -> (SPLIT, source) | (FULL,) | ("param", names)
+        self.keep: list[torch.Tensor] = []  # ids stay valid while the probe runs
+        self.suspended = 0
+        self.where: list[str] = []
+
+    def label(self, t: torch.Tensor, value: tuple) -> None:
+        self.labels[id(t)] = value
+        self.keep.append(t)
+
+    def _of(self, t: torch.Tensor) -> tuple | None:
+        name = self.watched.get(id(t))
+        if name is not None:
+            return ("param", frozenset([name]))
+        return self.labels.get(id(t))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.suspended:
+            return out
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        split_src, full, params = None, False, set()
+        for t in tensors:
+            lab = self._of(t)
+            if lab is None:
+                continue
+            if lab[0] == SPLIT:
+                split_src = split_src or lab[1]
+            elif lab[0] == FULL:
+                full = True
+            else:
+                params |= lab[1]
+        op = _op_name(func)
+        where = self.where[-1] if self.where else "<model>"
+        if split_src is not None or full:
+            for name in params:
+                self.report.uses.setdefault(name, set()).add(SPLIT if split_src else FULL)
+                if split_src and op in _CONTRACTIONS:
+                    self.report.contracted.setdefault(name, f"{op} in {where!r}")
+        if split_src is not None and full and op in _CONTRACTIONS:
+            self.report.mixed.append((f"{op} in {where!r}", split_src))
+        if split_src is not None:
+            value = (SPLIT, split_src)
+        elif full:
+            value = (FULL,)
+        elif params:
+            value = ("param", frozenset(params))
+        else:
+            return out
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        in_place = op.endswith("_") or op in ("__setitem__", "__iadd__", "__imul__")
+        if in_place and args and isinstance(args[0], torch.Tensor):
+            outs.append(args[0])  # in place: the destination takes the label
+        for t in outs:
+            self.label(t, value)
+        return out
+
+
+class ProbeFailed(RuntimeError):
+    """The model's own forward raised on the probe input (the cause is chained)."""
+
+
+def probe(
+    model: nn.Module,
+    inputs: tuple,
+    kwargs: Mapping,
+    styles: Mapping[str, str],
+    watched: Mapping[int, str],
+):
+    """Run ``model(*inputs, **kwargs)`` once under the labeller; returns (``ProbeReport``, the
+    model's output). ``styles`` maps planned module names to "split" (their output is split)
+    or "full"; ``watched`` maps id(parameter) to its name for the parameters no planned module
+    owns. Raises ``ProbeFailed`` when the model's forward raises."""
+    report = ProbeReport()
+    mode = _Labeller(watched, report)
+    modules = dict(model.named_modules())
+    names = {id(m): n for n, m in modules.items()}
+    handles = []
+
+    def enter(module, _args):
+        mode.where.append(names.get(id(module), type(module).__name__))
+        if names.get(id(module)) in styles:
+            mode.suspended += 1
+
+    def leave_planned(name: str) -> Callable:
+        def hook(module, _args, output):
+            mode.suspended -= 1
+            mode.where.pop()
+            value = (SPLIT, name) if styles[name] == SPLIT else (FULL,)
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor):
+                    mode.label(t, value)
+
+        return hook
+
+    def leave(module, _args, _output):
+        mode.where.pop()
+
+    for name, module in modules.items():
+        handles.append(module.register_forward_pre_hook(enter))
+        if name in styles:
+            handles.append(module.register_forward_hook(leave_planned(name), always_call=True))
+        else:
+            handles.append(module.register_forward_hook(leave, always_call=True))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), mode:
+            for t in tree_flatten((inputs, dict(kwargs)))[0]:
+                if isinstance(t, torch.Tensor):
+                    mode.label(t, (FULL,))
+            try:
+                out = model(*inputs, **kwargs)
+            except Exception as exc:
+                raise ProbeFailed(f"{type(exc).__name__}: {exc}") from exc
+            first = next(
+                (t for t in tree_flatten(_plain(out))[0] if isinstance(t, torch.Tensor)), None
+            )
+            report.output_split = (
+                first is not None and mode._of(first) is not None and (mode._of(first)[0] == SPLIT)
+            )
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
+    return report, out
+
+
+def _plain(out):
+    """A Hugging Face ModelOutput as a tuple of its fields (logits first), else ``out``."""
+    to_tuple = getattr(out, "to_tuple", None)
+    return to_tuple() if callable(to_tuple) else out

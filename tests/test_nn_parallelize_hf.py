@@ -1,0 +1,413 @@
+"""parallelize() on Hugging Face models with the built-in plans, and every refusal.
+
+Each family with a built-in plan (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE attention,
+GPT-2 with its Conv1D layers, BERT with its tied decoder bias), built by ``transformers`` from a
+small config: logits, loss and every gradient on every rank equal the dense model's at TP 2 and
+4; 5 AdamW steps under DDP, ZeRO-1, ZeRO-2 and Zero3 at DP2 and TP2xDP2 equal single-process
+training on the full batch. Then the plans that must be refused, with their messages.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from _hf import FAMILIES, VOCAB, build
+from _parity import assert_close, local_slice
+
+import fastpar
+from fastpar import ParallelMesh, parallelize
+from fastpar.nn import ColumnParallelLinear, RowParallelLinear, param_layout
+from fastpar.optim import FusedAdamW
+from fastpar.parallel import DistributedDataParallel
+from fastpar.testing import RankError, run_ranks
+from fastpar.zero import Zero3, ZeroOptimizer
+
+QK_NORMS = {"qwen3", "qwen3_moe"}
+
+
+def _batch(family: str, step: int, rows: int = 4, seq: int = 12):
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, VOCAB, (rows, seq), generator=g)
+    if family == "bert":  # masked LM: 3 labelled positions per row (replicas average alike)
+        labels = torch.full_like(ids, -100)
+        for r in range(rows):
+            pos = torch.randperm(seq, generator=g)[:3]
+            labels[r, pos] = ids[r, pos]
+        return ids, labels
+    return ids, ids
+
+
+def _expected_grad(p: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    layout = param_layout(p)
+    if layout is None or layout.kind == "replicated":
+        return ref
+    return local_slice(ref, p, layout.fused)
+
+
+def _same_on_every_rank(t: torch.Tensor, group, what: str) -> None:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    for r, other in enumerate(parts):
+        torch.testing.assert_close(other, t, rtol=0, atol=0, msg=f"{what} differs on rank {r}")
+
+
+def _one_step(family: str, tp: int) -> list:
+    dense = build(family)
+    par = copy.deepcopy(dense)
+    mesh = ParallelMesh(tp=tp)
+    parallelize(par, mesh=mesh)
+    ids, labels = _batch(family, 0)
+    out_d = dense(input_ids=ids, labels=labels)
+    out_p = par(input_ids=ids, labels=labels)
+    assert_close(out_p.logits, out_d.logits, "logits")
+    assert_close(out_p.loss, out_d.loss, "loss")
+    out_d.loss.backward()
+    out_p.loss.backward()
+    ref = dict(dense.named_parameters(remove_duplicate=False))
+    count = 0
+    for name, p in par.named_parameters(remove_duplicate=False):
+        assert p.grad is not None, f"{name} got no gradient"
+        assert_close(p.grad, _expected_grad(p, ref[name].grad), f"grad of {name}")
+        layout = param_layout(p)
+        if layout is None or layout.kind == "replicated":  # copies agree across the TP group
+            _same_on_every_rank(p.grad, mesh.tp_group, f"grad of replicated {name}")
+        count += 1
+    assert count == len(ref)
+    plan = par.fastpar_plan
+    return [plan.grad_reduced, plan.probed, plan.output_rel_diff]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_matches_dense(family, tp):
+    results = run_ranks(_one_step, tp, family, tp)
+    reduced, probed, rel = results[0]
+    assert probed and rel < 1e-5
+    if family in QK_NORMS:  # the per-head norms are found and reduced; nothing else is
+        assert reduced and all(n.endswith(("q_norm.weight", "k_norm.weight")) for n in reduced)
+        assert len(reduced) == 2 * 2  # 2 layers x (q_norm, k_norm)
+    else:
+        assert reduced == []
+
+
+def _decoder_layer(model) -> type:
+    return next(
+        type(m) for n, m in model.named_modules() if n.endswith(("layers.0", "h.0", "layer.0"))
+    )
+
+
+def _train(family: str, tp: int, wrapper: str, steps: int = 5):
+    """5 AdamW steps of the parallel model under ``wrapper``: (losses, this rank's params)."""
+    mesh = ParallelMesh(tp=tp)
+    model = parallelize(build(family), mesh=mesh)
+    rows = 4 // mesh.dp_size
+    losses = []
+
+    def local(step):
+        ids, labels = _batch(family, step)
+        sl = slice(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
+        return ids[sl], labels[sl]
+
+    if wrapper == "zero3":
+        engine = Zero3(
+            model, lambda ps: FusedAdamW(ps, lr=1e-2, weight_decay=0.01), mesh=mesh,
+            wrap=(_decoder_layer(model),),
+        )  # fmt: skip
+        for step in range(steps):
+            ids, labels = local(step)
+            loss = engine(input_ids=ids, labels=labels).loss
+            loss.backward()
+            engine.step()
+            engine.zero_grad()
+            losses.append(loss.detach())
+        with engine.summon_full_params():
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        return losses, params, model
+    if wrapper == "ddp":
+        forward = DistributedDataParallel(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    else:
+        forward = model
+        opt = ZeroOptimizer(
+            FusedAdamW(model.parameters(), lr=1e-2, weight_decay=0.01),
+            stage=int(wrapper[-1]), mesh=mesh,
+        )  # fmt: skip
+    for step in range(steps):
+        ids, labels = local(step)
+        loss = forward(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, model
+
+
+def _train_all(family: str, tp: int, reference) -> None:
+    ref_losses, ref_params = reference
+    for wrapper in ("ddp", "zero1", "zero2", "zero3"):
+        losses, params, model = _train(family, tp, wrapper)
+        # each replica's loss is the mean over its half; their average is the full batch's
+        mean = torch.stack(losses).clone()
+        dist.all_reduce(mean)
+        mean /= dist.get_world_size()
+        assert_close(mean, torch.stack(ref_losses), f"{wrapper}: losses")
+        marked = dict(model.named_parameters())
+        for name, value in params.items():
+            expect = _expected_grad(marked[name], ref_params[name])
+            # Adam normalises a gradient that is zero up to rounding (BERT's key bias) into
+            # lr-sized steps: after 5 steps compare parameters at 1e-4 (as fastpar.verify does)
+            torch.testing.assert_close(
+                value,
+                expect,
+                rtol=1e-4,
+                atol=1e-4,
+                msg=lambda m, n=name, w=wrapper: f"{w}: {n}: {m}",
+            )
+
+
+def _reference(family: str, steps: int = 5):
+    model = build(family)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    losses = []
+    for step in range(steps):
+        ids, labels = _batch(family, step)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2-dp2"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_training_under_every_data_parallel_wrapper(family, layout):
+    tp, world = (1, 2) if layout == "dp2" else (2, 4)
+    run_ranks(_train_all, world, family, tp, _reference(family), timeout=240)
+
+
+# -- refusals: checked before the model is used, each naming the value and the fix -----------
+def _raises(fn, world: int, *args) -> str:
+    with pytest.raises(RankError) as info:
+        run_ranks(fn, world, *args)
+    return str(info.value)
+
+
+def _readme_snippet_of_old() -> None:
+    parallelize(build("llama"), {"*.q_proj": "column", "*.o_proj": "row"}, ParallelMesh(tp=2))
+
+
+def test_splitting_q_without_k_and_v_is_refused():
+    msg = _raises(_readme_snippet_of_old, 2)
+    assert "leaves ['model.layers.0.self_attn.k_proj', 'model.layers.0.self_attn.v_proj']" in msg
+    assert "must be split together" in msg
+
+
+def _kv_heads_at_tp8() -> None:
+    parallelize(build("llama"), mesh=ParallelMesh(tp=8))
+
+
+def test_kv_heads_from_the_config_must_divide_tp():
+    # transformers 5 keeps head counts on config only: the check reads them there
+    msg = _raises(_kv_heads_at_tp8, 8)
+    assert "config.num_key_value_heads=4, not divisible by the tensor-parallel size 8" in msg
+    assert "use a TP size in [1, 2, 4]" in msg
+
+
+def _dense_linear_after_split() -> None:
+    plan = fastpar.nn.plans.builtin_plan(build("llama"))
+    plan["model.layers.*.mlp.down_proj"] = "replicate"  # consumes the split gate/up product
+    parallelize(build("llama"), plan, ParallelMesh(tp=2))
+
+
+def test_a_dense_linear_fed_by_a_split_is_refused():
+    msg = _raises(_dense_linear_after_split, 2)
+    assert "'model.layers.0.mlp.down_proj.weight' is contracted with a split activation" in msg
+    assert "plan 'model.layers.0.mlp.down_proj' as 'row'" in msg
+
+
+def _q_split_k_replicated() -> None:
+    plan = fastpar.nn.plans.builtin_plan(build("llama"))
+    plan["model.layers.*.self_attn.k_proj"] = "replicate"
+    plan["model.layers.*.self_attn.v_proj"] = "replicate"
+    parallelize(build("llama"), plan, ParallelMesh(tp=2))
+
+
+def test_split_queries_against_whole_keys_are_refused():
+    msg = _raises(_q_split_k_replicated, 2)
+    assert "contracted (matmul in 'model.layers.0.self_attn')" in msg
+    assert "split every projection that feeds this op together" in msg
+
+
+def _wrong_declarations(which: str) -> None:
+    family = "qwen3" if which == "replicate" else "llama"
+    plan = fastpar.nn.plans.builtin_plan(build(family))
+    if which == "replicate":
+        plan["model.layers.*.self_attn.q_norm"] = "replicate"
+    else:
+        plan["model.layers.*.input_layernorm"] = "per_head"
+    parallelize(build(family), plan, ParallelMesh(tp=2))
+
+
+def test_wrong_per_head_or_replicate_declarations_are_refused():
+    msg = _raises(_wrong_declarations, 2, "replicate")
+    assert "marks 'model.layers.0.self_attn.q_norm' 'replicate' but its parameter" in msg
+    assert "plan it as 'per_head'" in msg
+    msg = _raises(_wrong_declarations, 2, "per_head")
+    assert "'model.layers.0.input_layernorm' 'per_head' but it never sees a split" in msg
+
+
+class _SharedNorm(torch.nn.Module):
+    """One norm applied to the split heads and to the whole residual stream."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 16)
+        self.proj = torch.nn.Linear(16, 16)
+        self.norm = torch.nn.LayerNorm(4)
+
+    def forward(self, x):
+        h = self.norm(self.qkv(x).view(*x.shape[:-1], 4, 4)).flatten(-2)
+        return self.proj(h) + self.norm(x.view(*x.shape[:-1], 4, 4)).flatten(-2)
+
+
+def _shared_norm() -> None:
+    parallelize(_SharedNorm(), {"qkv": "column", "proj": "row"}, group=None)
+
+
+def test_a_parameter_on_split_and_whole_activations_is_refused():
+    msg = _raises(_shared_norm, 2)
+    assert re.search(r"'norm\.(weight|bias)' is used both on split activations", msg)
+
+
+def _unprobed(declare: bool):
+    mesh = ParallelMesh(tp=2)
+    plan = fastpar.nn.plans.builtin_plan(build("qwen3"))
+    if not declare:
+        del plan["model.layers.*.self_attn.q_norm"], plan["model.layers.*.self_attn.k_norm"]
+    model = parallelize(build("qwen3"), plan, mesh, check=False)
+    return model.fastpar_plan.grad_reduced
+
+
+def test_without_the_probe_per_head_parameters_must_be_declared():
+    msg = _raises(_unprobed, 2, False)
+    assert "'model.layers.0.self_attn.q_norm.weight' sits inside 'model.layers.0.self_attn'" in msg
+    assert "Plan 'model.layers.0.self_attn.q_norm' as 'per_head'" in msg
+    reduced = run_ranks(_unprobed, 2, True)[0]
+    assert len(reduced) == 4
+
+
+def _untied_head_left_dense() -> None:
+    plan = fastpar.nn.plans.builtin_plan(build("qwen3"))  # qwen3 here ties its embeddings
+    del plan["lm_head"]
+    parallelize(build("qwen3"), plan, ParallelMesh(tp=2))
+
+
+def test_a_tied_copy_left_dense_is_refused():
+    msg = _raises(_untied_head_left_dense, 2)
+    assert "lm_head.weight is tied to model.embed_tokens.weight, which the plan splits" in msg
+
+
+class _WidthReader(torch.nn.Module):
+    """Attention that derives its scale from an attribute parallelize cannot know about."""
+
+    def __init__(self, d=16, heads=4):
+        super().__init__()
+        self.num_heads, self.width = heads, d
+        self.q_proj, self.k_proj = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+        self.v_proj, self.o_proj = torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, self.num_heads, -1).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))  # fmt: skip
+        scale = (self.width // self.num_heads) ** -0.5  # width is not divided: scale changes
+        y = torch.softmax(q @ k.transpose(-1, -2) * scale, -1) @ v
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def _width_reader(extra) -> float:
+    torch.manual_seed(0)
+    model = parallelize(
+        _WidthReader(), {"[qkv]_proj": "column", "o_proj": "row"}, group=None,
+        example_inputs=torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(3)),
+        heads=extra,
+    )  # fmt: skip
+    return model.fastpar_plan.output_rel_diff
+
+
+def test_the_output_check_catches_what_the_static_checks_cannot():
+    msg = _raises(_width_reader, 2, None)
+    assert "the parallel model's output differs from the dense model's" in msg
+    assert "pass heads=" in msg
+    assert run_ranks(_width_reader, 2, {"": ["width"]})[0] < 1e-5  # declared: exact
+
+
+def _gpt2_as_linear() -> list:
+    """GPT-2 with its Conv1D layers converted to nn.Linear by hand (a user's old workaround):
+    split_size is found without heads=."""
+    dense = build("gpt2")
+    for block in dense.transformer.h:
+        for parent, attr in ((block.attn, "c_attn"), (block.attn, "c_proj"),
+                             (block.mlp, "c_fc"), (block.mlp, "c_proj")):  # fmt: skip
+            conv = getattr(parent, attr)
+            lin = torch.nn.Linear(*conv.weight.shape)
+            with torch.no_grad():
+                lin.weight.copy_(conv.weight.t())
+                lin.bias.copy_(conv.bias)
+            setattr(parent, attr, lin)
+    par = parallelize(copy.deepcopy(dense), mesh=ParallelMesh(tp=2))
+    ids, _ = _batch("gpt2", 0)
+    assert_close(par(input_ids=ids).logits, dense(input_ids=ids).logits, "logits")
+    return [type(par.transformer.h[0].attn.c_attn).__name__, par.transformer.h[0].attn.split_size]
+
+
+def test_gpt2_with_linear_layers_needs_no_heads_argument():
+    assert run_ranks(_gpt2_as_linear, 2)[0] == ["ColumnParallelLinear", 16]
+
+
+def _gpt2_conv1d_layout() -> list:
+    par = parallelize(build("gpt2"), mesh=ParallelMesh(tp=2))
+    attn = par.transformer.h[0].attn
+    assert isinstance(attn.c_attn, ColumnParallelLinear) and attn.c_attn.transposed
+    assert isinstance(attn.c_proj, RowParallelLinear) and attn.c_proj.transposed
+    lay_c, lay_r = param_layout(attn.c_attn.weight), param_layout(attn.c_proj.weight)
+    return [tuple(attn.c_attn.weight.shape), lay_c.dim, lay_c.fused, lay_r.dim, attn.num_heads]
+
+
+def test_gpt2_conv1d_keeps_the_hugging_face_layout():
+    # [in, out] as in the HF checkpoint: column splits shard dim 1 (fused q|k|v), rows dim 0
+    assert run_ranks(_gpt2_conv1d_layout, 2)[0] == [(32, 48), 1, 3, 0, 2]
+
+
+def _bert_ties() -> list:
+    par = parallelize(build("bert"), mesh=ParallelMesh(tp=2))
+    pred = par.cls.predictions
+    return [
+        pred.bias is pred.decoder.bias,
+        pred.decoder.weight is par.bert.embeddings.word_embeddings.weight,
+        tuple(pred.bias.shape),
+        param_layout(pred.bias).kind,
+    ]
+
+
+def test_bert_decoder_bias_is_sharded_with_its_module():
+    assert run_ranks(_bert_ties, 2)[0] == [True, True, (51,), "sharded"]
+
+
+def test_no_builtin_plan_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"no built-in plan for Sequential .*built-in families: "):
+        parallelize(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def test_plan_errors_name_the_fix():
+    with pytest.raises(ValueError, match="sequence_parallel is not supported by parallelize"):
+        parallelize(build("llama"), {"lm_head": ("column", {"sequence_parallel": True})})
+    with pytest.raises(ValueError, match="pass group= to parallelize, not in the plan"):
+        parallelize(build("llama"), {"lm_head": ("column", {"group": None})})
+    with pytest.raises(ValueError, match="style 'per_head' takes no keyword arguments"):
+        parallelize(build("qwen3"), {"*.q_norm": ("per_head", {"x": 1})})
