@@ -411,3 +411,52 @@ def test_plan_errors_name_the_fix():
         parallelize(build("llama"), {"lm_head": ("column", {"group": None})})
     with pytest.raises(ValueError, match="style 'per_head' takes no keyword arguments"):
         parallelize(build("qwen3"), {"*.q_norm": ("per_head", {"x": 1})})
+
+
+def _generate(family: str) -> list:
+    dense = build(family)
+    par = parallelize(copy.deepcopy(dense), mesh=ParallelMesh(tp=2))
+    ids, _ = _batch(family, 0, rows=2, seq=5)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    want, got = dense.generate(ids, **kw), par.generate(ids, **kw)  # KV cache with local heads
+    assert torch.equal(got, want), (got, want)
+    return got.tolist()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_generate_on_a_tensor_parallel_model(family):
+    out = run_ranks(_generate, 2, family)
+    assert out[0] == out[1] and len(out[0][0]) == 11
+
+
+def _readme_plan() -> dict:
+    import ast
+    import pathlib
+
+    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    start = text.index("model = fastpar.parallelize(model, {") + len(
+        "model = fastpar.parallelize(model, "
+    )
+    end = text.index("}, mesh)", start) + 1
+    source = "\n".join(line.split("  #")[0] for line in text[start:end].splitlines())
+    return ast.literal_eval(source)
+
+
+def _readme_snippet(plan: dict) -> list:
+    dense = build("qwen3")
+    par = parallelize(copy.deepcopy(dense), plan, ParallelMesh(tp=2))
+    ids, _ = _batch("qwen3", 0)
+    loss_d, loss_p = dense(input_ids=ids, labels=ids).loss, par(input_ids=ids, labels=ids).loss
+    assert_close(loss_p, loss_d, "loss")
+    loss_d.backward()
+    loss_p.backward()
+    ref = dict(dense.named_parameters())
+    for name, p in par.named_parameters():
+        assert_close(p.grad, _expected_grad(p, ref[name].grad), f"grad of {name}")
+    return par.fastpar_plan.found_by_probe
+
+
+def test_the_readme_plan_is_correct_for_qwen3():
+    plan = _readme_plan()
+    assert plan["model.layers.*.self_attn.[qkv]_proj"] == "column"
+    assert run_ranks(_readme_snippet, 2, plan)[0] == []  # every per-head norm was declared
