@@ -41,7 +41,7 @@ FAMILIES = {
             moe_intermediate_size=16,
             decoder_sparse_step=1,
             mlp_only_layers=[1],
-        ),  # fmt: skip
+        ),
     ),
     "gpt2": (
         "GPT2Config",
@@ -58,7 +58,7 @@ FAMILIES = {
             num_attention_heads=4,
             intermediate_size=48,
             max_position_embeddings=64,
-        ),  # fmt: skip
+        ),
     ),
 }
 

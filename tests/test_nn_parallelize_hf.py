@@ -430,16 +430,15 @@ def test_generate_on_a_tensor_parallel_model(family):
 
 
 def _readme_plan() -> dict:
+    """The plan of the README's "or a plan of your own" snippet, as written there."""
     import ast
     import pathlib
 
-    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
-    start = text.index("model = fastpar.parallelize(model, {") + len(
-        "model = fastpar.parallelize(model, "
-    )
-    end = text.index("}, mesh)", start) + 1
-    source = "\n".join(line.split("  #")[0] for line in text[start:end].splitlines())
-    return ast.literal_eval(source)
+    lines = (pathlib.Path(__file__).parents[1] / "README.md").read_text().splitlines()
+    first = next(i for i, line in enumerate(lines) if "# or a plan of your own" in line)
+    last = next(i for i in range(first, len(lines)) if lines[i].strip() == "},")
+    body = [line.split("  #")[0] for line in lines[first : last + 1]]
+    return ast.literal_eval("\n".join(body).strip().rstrip(","))
 
 
 def _readme_snippet(plan: dict) -> list:

@@ -5,10 +5,13 @@
                     mesh=mesh, step=step, extra={"data_position": pos})
     info = checkpoint.load(path, model_params=..., optimizer=opt, mesh=mesh)
     checkpoint.export_state_dict(path, "model.pt")       # one plain torch state_dict
+    checkpoint.export_hf(path, "hf_out", model.config)    # a Hugging Face directory
+    checkpoint.load_hf(model, "hf_dir")                   # each rank reads only its slices
 
 See ``fastpar.checkpoint.core`` (save / load), ``format`` (the on-disk format, atomicity,
 verification), ``state`` (local -> global index maps from the parameter marks) and ``pieces``
-(the optimizer protocol ``checkpoint_pieces`` / ``load_checkpoint_pieces``).
+(the optimizer protocol ``checkpoint_pieces`` / ``load_checkpoint_pieces``) and ``hf``
+(Hugging Face safetensors both ways; needs ``pip install fastpar[hf]``, imported lazily).
 """
 
 from __future__ import annotations
@@ -16,6 +19,15 @@ from __future__ import annotations
 from fastpar.checkpoint.core import Lookup, layout_of, load, save, stage_param_names, verify
 from fastpar.checkpoint.export import export_state_dict, import_state_dict
 from fastpar.checkpoint.format import CheckpointError
+from fastpar.checkpoint.hf import (
+    LoadStats,
+    ShardedSaveError,
+    export_hf,
+    gather_state,
+    guard_save_pretrained,
+    load_hf,
+    save_hf,
+)
 from fastpar.checkpoint.pieces import load_torch_optimizer_pieces, torch_optimizer_pieces
 from fastpar.checkpoint.reader import CheckpointReader
 
@@ -25,14 +37,21 @@ load_checkpoint_pieces = load_torch_optimizer_pieces
 __all__ = [
     "CheckpointError",
     "CheckpointReader",
+    "LoadStats",
     "Lookup",
+    "ShardedSaveError",
     "checkpoint_pieces",
+    "export_hf",
     "export_state_dict",
+    "gather_state",
+    "guard_save_pretrained",
     "import_state_dict",
     "layout_of",
     "load",
     "load_checkpoint_pieces",
+    "load_hf",
     "save",
+    "save_hf",
     "stage_param_names",
     "verify",
 ]

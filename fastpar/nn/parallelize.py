@@ -38,7 +38,9 @@ Parameters tied before (an embedding and its LM head, BERT's decoder bias and th
 ``cls.predictions.bias``) are tied again, sharded alike. Attention modules that own a column
 split keep fewer heads per rank: their head-count and width attributes (``HEAD_ATTRS``,
 ``WIDTH_ATTRS``, and those named in ``heads=``) are divided by the TP size. The result is
-recorded on ``model.fastpar_plan`` (a ``PlanRecord``).
+recorded on ``model.fastpar_plan`` (a ``PlanRecord``). Hugging Face's ``save_pretrained`` /
+``push_to_hub`` on the sharded model raise ``ShardedSaveError`` naming the supported route
+(``fastpar.checkpoint.save_hf``), instead of writing this rank's shards as the model.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from torch.utils._pytree import tree_flatten
 from fastpar.comm import all_reduce_grad, group_size
 from fastpar.nn import plans as _plans
 from fastpar.nn.embedding import VocabParallelEmbedding
+from fastpar.nn.guard import guard_save_pretrained
 from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear, is_conv1d, resolve_group
 from fastpar.nn.marks import mark_replicated
 from fastpar.nn.probe import FULL, SPLIT, ProbeFailed, ProbeReport, probe
@@ -525,5 +528,6 @@ def parallelize(
                 f"dense model's by {rel:.2e} (relative; tolerance {tol:.0e}): the plan changes what {type(model).__name__} computes "
                 "(a head count or width the model reads elsewhere? pass heads=)"
             )
+    guard_save_pretrained(model)  # HF's save_pretrained would write this rank's shards
     model.fastpar_plan = record
     return model
