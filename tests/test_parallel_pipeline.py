@@ -72,20 +72,39 @@ def batch(step: int, size: int = 24):
     return torch.randint(0, V, (size, T), generator=g), torch.randint(0, V, (size, T), generator=g)
 
 
-def _pipelined(schedule_name: str, m: int, recompute: bool, steps: int = 2) -> None:
+def _pipelined(
+    schedule_name: str,
+    m: int,
+    recompute: bool,
+    steps: int = 2,
+    *,
+    make=blocks,
+    size: int = 24,
+    costs=None,
+    measure: bool = False,
+    bytes_per_step=None,
+) -> int:
+    """``steps`` SGD steps of the blocks ``make()`` pipelined and unpipelined: the same loss and
+    gradients at every step; ``bytes_per_step(mesh)``: what this rank must send per step.
+    Returns the peak bytes of stored activations."""
     mesh = ParallelMesh(pp=dist.get_world_size())
-    dense = nn.Sequential(*blocks())
-    stage, (lo, hi) = build_stage(copy.deepcopy(list(dense)), mesh.pp_size, mesh.pp_rank)
+    dense = nn.Sequential(*make())
+    stage, (lo, hi) = build_stage(
+        copy.deepcopy(list(dense)), mesh.pp_size, mesh.pp_rank, costs=costs
+    )
     sched = GPipe(m) if schedule_name == "gpipe" else OneFOneB(m)
-    engine = PipelineEngine(stage, mesh, sched, loss_fn=loss_fn, recompute=recompute)
+    engine = PipelineEngine(
+        stage, mesh, sched, loss_fn=loss_fn, recompute=recompute, measure_activations=measure
+    )
     opt_d = torch.optim.SGD(dense.parameters(), lr=0.5)
     opt_s = torch.optim.SGD(stage.parameters(), lr=0.5)
     for step in range(steps):
-        x, y = batch(step)
+        x, y = batch(step, size)
         loss_d = loss_fn(dense(x), y)
         opt_d.zero_grad()
         loss_d.backward()
         opt_s.zero_grad()
+        sent = engine.p2p.bytes_sent
         loss_p = engine.train_step(
             x if mesh.is_first_stage else None, y if mesh.is_last_stage else None
         )
@@ -94,9 +113,12 @@ def _pipelined(schedule_name: str, m: int, recompute: bool, steps: int = 2) -> N
             stage.named_parameters(), nn.Sequential(*list(dense)[lo:hi]).parameters(), strict=True
         ):
             assert_close(p.grad, q.grad, f"grad of stage {mesh.pp_rank} {name} at step {step}")
+        if bytes_per_step is not None:
+            assert engine.p2p.bytes_sent - sent == bytes_per_step(mesh)
         opt_d.step()
         opt_s.step()
     assert engine.stats["max_in_flight"] == sched.max_in_flight(mesh.pp_size, mesh.pp_rank)
+    return engine.stats["peak_activation_bytes"]
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -302,3 +324,167 @@ def test_exception_on_one_stage_fails_every_rank_promptly():
         run_ranks(_exploding, 3, timeout=60)
     assert not isinstance(info.value, RankTimeout)
     assert info.value.rank == 1 and "stage 1 blew up" in str(info.value)
+
+
+# -- multi-tensor stage messages ------------------------------------------------------------
+
+
+class TupleEmbed(nn.Module):
+    """ids -> (hidden, side, positions int64, keep bool, scale float without grad, None)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok, self.side = nn.Embedding(V, H), nn.Embedding(V, H)
+
+    def forward(self, ids):
+        pos = torch.arange(ids.shape[1]).expand_as(ids)
+        scale = (1.0 + ids[:, :1, None].float() / V).detach()  # [B, 1, 1], requires no grad
+        return (self.tok(ids), self.side(ids), pos, ids % 3 != 0, scale, None)
+
+
+class TupleBlock(nn.Module):
+    """Uses every slot; updates hidden, passes side (a slot requiring grad) on unchanged."""
+
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.inner, self.pos = Block(dropout=dropout), nn.Embedding(T + 3, H)
+
+    def forward(self, msg):
+        h, side, pos, keep, scale, none = msg
+        assert none is None and pos.dtype == torch.int64 and keep.dtype == torch.bool
+        h = self.inner(h + self.pos(pos)) * scale + side * keep.unsqueeze(-1)
+        return (h, side, pos, keep, scale, none)
+
+
+class TupleHead(Head):
+    def forward(self, msg):
+        return super().forward(msg[0] + msg[1])
+
+
+def tuple_blocks(n: int = 4, dropout: float = 0.0) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [TupleEmbed()] + [TupleBlock(dropout) for _ in range(n)] + [TupleHead()]
+
+
+def _tuple_bytes(mesh) -> int:
+    """Bytes a rank sends per step of 12 samples: forward every slot but None; backward only
+    the gradients of hidden and side (the slots that required grad), nothing for the others."""
+    hidden = 12 * T * H * 4
+    forward = 2 * hidden + 12 * T * 8 + 12 * T * 1 + 12 * 4
+    return (0 if mesh.is_last_stage else forward) + (0 if mesh.is_first_stage else 2 * hidden)
+
+
+@pytest.mark.parametrize(
+    "pp, schedule, m, recompute, measure",
+    [
+        (2, "gpipe", 3, False, False),
+        (2, "1f1b", 4, True, False),
+        (4, "1f1b", 3, False, True),
+        (4, "gpipe", 2, True, False),
+    ],
+)
+def test_tuple_messages_equal_unpipelined(pp, schedule, m, recompute, measure):
+    peaks = run_ranks(
+        _pipelined, pp, schedule, m, recompute,
+        make=tuple_blocks, size=12, costs=[1] * 6, measure=measure, bytes_per_step=_tuple_bytes,
+    )  # fmt: skip
+    if measure:  # the tensors autograd saved are counted beyond the stored stage inputs
+        stored_input = 12 // m * T * H * 4 * 2 + 12 // m * T * (8 + 1) + 12 // m * 4
+        assert all(peak > stored_input for peak in peaks[1:])
+
+
+def _tuple_recompute_with_dropout() -> None:
+    """Recomputation of tuple stages replays each forward's RNG state (including the engine's
+    one extra forward that learns which output slots require grad): dropout masks match."""
+    mesh = ParallelMesh(pp=2)
+    grads = []
+    for recompute in (False, True):
+        stage, _ = build_stage(tuple_blocks(4, dropout=0.3), 2, mesh.pp_rank, costs=[1] * 6)
+        engine = PipelineEngine(stage, mesh, OneFOneB(4), loss_fn=loss_fn, recompute=recompute)
+        x, y = batch(0, 8)
+        torch.manual_seed(123)
+        engine.train_step(x, y)
+        torch.manual_seed(321)
+        engine.train_step(x, y)  # gradients accumulate over both steps
+        grads.append([p.grad.clone() for p in stage.parameters()])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_tuple_recompute_replays_dropout():
+    run_ranks(_tuple_recompute_with_dropout, 2)
+
+
+def _tuple_shapes(static: bool) -> None:
+    mesh = ParallelMesh(pp=2)
+    dense = nn.Sequential(*tuple_blocks(2))
+    stage, (lo, hi) = build_stage(copy.deepcopy(list(dense)), 2, mesh.pp_rank)
+    engine = PipelineEngine(stage, mesh, GPipe(2), loss_fn=loss_fn, static_shapes=static)
+    for size, seq in ((4, T), (6, T - 2)):  # the second step changes every slot's shape
+        g = torch.Generator().manual_seed(seq)
+        x, y = torch.randint(0, V, (size, seq), generator=g), torch.randint(0, V, (size, seq))
+        dense.zero_grad()
+        loss_d = loss_fn(dense(x), y)
+        loss_d.backward()
+        stage.zero_grad()
+        assert_close(engine.train_step(x, y), loss_d.detach(), f"loss at seq {seq}")
+        ref = nn.Sequential(*list(dense)[lo:hi])
+        for p, q in zip(stage.parameters(), ref.parameters(), strict=True):
+            assert_close(p.grad, q.grad, f"grad at seq {seq}")
+
+
+def test_tuple_shapes_may_vary_without_static_shapes():
+    run_ranks(_tuple_shapes, 2, False)
+
+
+def test_tuple_shape_change_under_static_shapes_is_a_clear_error():
+    with pytest.raises(RankError, match=r"changed from \(\(2, 5, 16\) torch.float32 requires_grad"):
+        run_ranks(_tuple_shapes, 2, True)
+
+
+class BadOutput(nn.Module):
+    def forward(self, ids):
+        return {"hidden": ids.float()}
+
+
+def _bad_output() -> None:
+    mesh = ParallelMesh(pp=2)
+    stage = nn.Sequential(BadOutput()) if mesh.is_first_stage else nn.Sequential(Head())
+    x, y = batch(0, 4)
+    PipelineEngine(stage, mesh, GPipe(2), loss_fn=loss_fn).train_step(x, y)
+
+
+def test_stage_output_not_a_tensor_or_tuple_is_a_clear_error():
+    with pytest.raises(RankError, match=r"must return a tensor or a tuple of tensors.*got dict"):
+        run_ranks(_bad_output, 2, timeout=60)
+
+
+def _tuple_inputs() -> None:
+    """The first stage's inputs may be a tuple: each tensor is split into micro-batches."""
+    mesh = ParallelMesh(pp=2)
+
+    class TwoInputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Embedding(V, H), nn.Embedding(V, H)
+
+        def forward(self, inputs):
+            return self.a(inputs[0]) + self.b(inputs[1])
+
+    torch.manual_seed(0)
+    dense = nn.Sequential(TwoInputs(), Block(), Head())
+    stage, (lo, hi) = build_stage(copy.deepcopy(list(dense)), 2, mesh.pp_rank, costs=[1] * 3)
+    engine = PipelineEngine(stage, mesh, OneFOneB(3), loss_fn=loss_fn)
+    (x, y), (x2, _) = batch(0, 6), batch(1, 6)
+    loss_d = loss_fn(dense((x, x2)), y)
+    loss_d.backward()
+    assert_close(engine.train_step((x, x2), y), loss_d.detach(), "loss")
+    ref = nn.Sequential(*list(dense)[lo:hi])
+    for p, q in zip(stage.parameters(), ref.parameters(), strict=True):
+        assert_close(p.grad, q.grad, "grad")
+    with pytest.raises(ValueError, match="inputs hold 5 samples, not divisible into 3"):
+        engine.train_step((x, x2[:5]), y)
+
+
+def test_first_stage_takes_a_tuple_of_inputs():
+    run_ranks(_tuple_inputs, 2)

@@ -1,4 +1,6 @@
-"""Pipeline parallelism: stage partitioning, GPipe (with recomputation) and 1F1B schedules."""
+"""Pipeline parallelism: stage partitioning, GPipe (with recomputation) and 1F1B schedules.
+Stage messages are a tensor or a tuple of tensors; ``fastpar.parallel.pipeline.hf`` turns a
+Hugging Face causal LM into pipeline blocks (transformers is imported only there)."""
 
 from __future__ import annotations
 

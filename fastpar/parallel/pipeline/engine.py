@@ -15,6 +15,15 @@ the first stage and the LM head on the last) have their ``.grad`` summed over th
 embedding group after the last backward, so both copies take identical steps — for plain
 optimizers; fastpar's DistributedDataParallel and ZeroOptimizer sum parameters marked by
 ``tie_across_stages`` themselves (where their gradients live), so pass no ``tied`` with them.
+
+Stage messages: a stage may return a tensor or a tuple of tensors (None allowed; integer and
+bool tensors too), e.g. hidden states with rotary cos / sin, position ids and a mask — the next
+stage receives the same tuple. In backward, gradients flow back only for the floating slots
+that required grad on the sending stage; the other slots get none and nothing is sent for them.
+The first stage's ``inputs`` may be a tuple too (each tensor split into micro-batches along
+dim 0). Under ``recompute`` the forward runs without grad, so which output slots will require
+grad is learnt once per engine: its first tuple-producing forward runs a second time with grad
+enabled (output and graph dropped at once, the RNG left as the first run left it).
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastpar.nn.marks import mark_duplicated
-from fastpar.parallel.pipeline.p2p import P2P
+from fastpar.parallel.pipeline.p2p import P2P, tuple_message
 from fastpar.parallel.pipeline.schedules import Schedule
 from fastpar.profiling import nvtx
 
@@ -77,11 +86,12 @@ class PipelineEngine:
         self.measure_activations = measure_activations
         self.p2p = P2P(mesh.prev_rank, mesh.next_rank, static_shapes=static_shapes)
         self.stats: dict[str, float] = {}
+        self._grad_flags: list[bool] | None = None  # tuple outputs under recompute, learnt once
 
     def train_step(
         self,
-        inputs: torch.Tensor | None = None,
-        targets: torch.Tensor | None = None,
+        inputs: torch.Tensor | tuple | None = None,
+        targets: torch.Tensor | tuple | None = None,
         *,
         broadcast_loss: bool = True,
     ) -> torch.Tensor | None:
@@ -94,14 +104,8 @@ class PipelineEngine:
             raise ValueError("the first pipeline stage needs the inputs")
         if last and targets is None:
             raise ValueError("the last pipeline stage needs the targets")
-        for name, t in (("inputs", inputs), ("targets", targets)):
-            if t is not None and t.shape[0] % m:
-                raise ValueError(
-                    f"{name} hold {t.shape[0]} samples, not divisible into {m} micro-batches; use a "
-                    f"batch size that is a multiple of {m} or another number of micro-batches"
-                )
-        xs = inputs.chunk(m) if first else None
-        ys = targets.chunk(m) if last else None
+        xs = None if inputs is None else _microbatches(inputs, m, "inputs")
+        ys = None if targets is None else _microbatches(targets, m, "targets")
         device = next(iter(self.stage.parameters()), torch.empty(0)).device
         saved: dict[int, dict] = {}
         losses: list[torch.Tensor] = []
@@ -115,15 +119,21 @@ class PipelineEngine:
             if kind == "F":
                 x = xs[i] if first else self.p2p.recv(mesh.prev_rank, device)
                 t0 = time.perf_counter()
-                if not first and x.is_floating_point():
-                    x.requires_grad_(True)
+                if not first and isinstance(x, torch.Tensor) and x.is_floating_point():
+                    x.requires_grad_(True)  # (tuple slots arrive flagged by their sender)
                 entry, nbytes = {"x": x}, _nbytes(x)
                 if self.recompute:  # the recomputed forward replays this RNG state
-                    entry["rng"] = torch.get_rng_state()
+                    entry["rng"] = _get_rng(device)
                 with nvtx(f"stage{mesh.pp_rank} forward mb{i}"):
                     if self.recompute:
                         with torch.no_grad():
                             out = self._run(x, ys[i] if last else None)
+                        if (
+                            not last
+                            and not isinstance(out, torch.Tensor)
+                            and self._grad_flags is None
+                        ):
+                            self._grad_flags = self._learn_grad_flags(x, device)
                     elif self.measure_activations:
                         out, graph_bytes = self._run_counting(x, ys[i] if last else None)
                         entry["out"] = out
@@ -137,32 +147,42 @@ class PipelineEngine:
                 busy += time.perf_counter() - t0
                 if last:
                     losses.append(out.detach())
-                else:
+                elif isinstance(out, torch.Tensor):
                     self.p2p.send(out, mesh.next_rank)
+                else:
+                    out = tuple_message(out)
+                    flags = self._grad_flags if self.recompute else _requires_grad(out)
+                    entry["slots"] = [j for j, f in enumerate(flags) if f]
+                    self.p2p.send(out, mesh.next_rank, requires_grad=flags)
             else:
                 entry = saved.pop(i)
-                grad = None if last else self.p2p.recv(mesh.next_rank, device)
+                slots = entry.get("slots")  # None: a single-tensor output
+                grad = None
+                if not last and (slots is None or slots):
+                    grad = self.p2p.recv(mesh.next_rank, device)
                 t0 = time.perf_counter()
                 sync = i == last_backward or self.no_sync is None
                 no_sync = contextlib.nullcontext() if sync else self.no_sync()
                 with nvtx(f"stage{mesh.pp_rank} backward mb{i}"), no_sync:
                     if self.recompute:
-                        rng = torch.get_rng_state()
-                        torch.set_rng_state(entry["rng"])
+                        rng = _get_rng(device)
+                        _set_rng(entry["rng"])
                         with torch.enable_grad():
                             out = self._run(entry["x"], ys[i] if last else None)
-                        torch.set_rng_state(rng)
+                        _set_rng(rng)
                     else:
                         out = entry["out"]
                     if last:
                         loss = self.scale_loss(out) if self.scale_loss is not None else out
                         loss.backward()
-                    else:
+                    elif slots is None:
                         torch.autograd.backward(out, grad)
+                    elif slots:
+                        torch.autograd.backward(_grad_outputs(out, slots), list(grad))
                 busy += time.perf_counter() - t0
                 live -= entry["bytes"]
-                if not first and entry["x"].requires_grad:
-                    self.p2p.send(entry["x"].grad, mesh.prev_rank)
+                if not first:
+                    self._send_input_grad(entry["x"])
         self.p2p.wait_sends()
         finish = getattr(self.stage, "finish_grad_sync", None)
         if finish is not None:  # e.g. DDP's tied-embedding reduction, once every stage is done
@@ -181,11 +201,30 @@ class PipelineEngine:
             loss = buf
         return loss
 
-    def _run(self, x: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
+    def _run(self, x, target):
         out = self.stage(x)
         if target is not None:
             out = self.loss_fn(out, target) / self.schedule.num_microbatches
         return out
+
+    def _send_input_grad(self, x) -> None:
+        """The gradient of this stage's input, to the previous stage: of the tensor if it
+        requires grad, or of each tuple slot that does (zeros for one the stage did not use)."""
+        if isinstance(x, torch.Tensor):
+            if x.requires_grad:
+                self.p2p.send(x.grad, self.mesh.prev_rank)
+        elif wanted := [t for t in x if t is not None and t.requires_grad]:
+            grads = tuple(torch.zeros_like(t) if t.grad is None else t.grad for t in wanted)
+            self.p2p.send(grads, self.mesh.prev_rank)
+
+    def _learn_grad_flags(self, x, device: torch.device) -> list[bool]:
+        """Which slots of this stage's tuple output require grad: the forward of ``x`` once
+        more with grad enabled, its output and graph dropped, the RNG left as it was."""
+        rng = _get_rng(device)
+        with torch.enable_grad():
+            flags = _requires_grad(tuple_message(self.stage(x)))
+        _set_rng(rng)
+        return flags
 
     def _run_counting(self, x, target) -> tuple[torch.Tensor, int]:
         """Forward keeping the graph; also the bytes autograd saved for backward."""
@@ -209,5 +248,55 @@ class PipelineEngine:
             dist.all_reduce(p.grad, group=mesh.embedding_group)
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def _get_rng(device: torch.device) -> tuple:
+    """The RNG state a forward draws from: the CPU generator's, and the device's on a GPU."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), device, cuda
+
+
+def _set_rng(state: tuple) -> None:
+    cpu, device, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
+
+
+def _nbytes(t) -> int:
+    if isinstance(t, tuple | list):
+        return sum(_nbytes(u) for u in t if u is not None)
     return t.numel() * t.element_size()
+
+
+def _microbatches(batch, m: int, name: str) -> list:
+    """``batch`` (a tensor or a tuple of tensors) split into ``m`` micro-batches along dim 0."""
+    parts = batch if isinstance(batch, tuple | list) else (batch,)
+    for t in parts:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"{name} must be a tensor or a tuple of tensors, got {type(t).__name__}"
+            )
+        if t.dim() == 0 or t.shape[0] % m:
+            raise ValueError(
+                f"{name} hold {t.shape[0] if t.dim() else 'no'} samples, not divisible into {m} micro-batches; use a "
+                f"batch size that is a multiple of {m} or another number of micro-batches"
+            )
+    if not isinstance(batch, tuple | list):
+        return list(batch.chunk(m))
+    return list(zip(*(t.chunk(m) for t in batch), strict=True))
+
+
+def _requires_grad(msg: tuple) -> list[bool]:
+    return [t is not None and t.requires_grad for t in msg]
+
+
+def _grad_outputs(out: tuple, slots: list[int]) -> list[torch.Tensor]:
+    """The output slots that receive a gradient; each must require grad (a recomputed forward
+    must produce what the first one announced)."""
+    lost = [j for j in slots if not (isinstance(out[j], torch.Tensor) and out[j].requires_grad)]
+    if lost:
+        raise RuntimeError(
+            f"stage output slots {lost} required grad when first sent but not in this backward "
+            "(the stage's output changed between its forward and its recomputation); a stage "
+            "must return the same kinds of tensors for every micro-batch"
+        )
+    return [out[j] for j in slots]

@@ -1,14 +1,19 @@
 """Point-to-point transfers between neighbouring pipeline stages (torch.distributed batched
 isend / irecv).
 
-Sends are posted and not waited on (their handles are kept until ``wait_sends``), so a stage
-never blocks on a send and neighbours cannot deadlock whatever the schedule; a receive is
-posted and waited for when its tensor is needed. Shapes and dtypes travel in a small header:
-with ``static_shapes`` (the default) once per direction — later messages must match it — else
-before every message.
+A message is one tensor, or a tuple of slots, each a tensor (any supported dtype, integers and
+bool included) or None. Sends are posted and not waited on (their handles are kept until
+``wait_sends``), so a stage never blocks on a send and neighbours cannot deadlock whatever the
+schedule; a receive is posted and waited for when its tensor is needed. Shapes and dtypes travel
+in a small header: with ``static_shapes`` (the default) once per direction — later messages must
+match it — else before every message. A tuple's header has one row per slot, which also says
+whether the slot requires grad: the receiver's copy of such a slot is a leaf that requires grad
+(and only those slots send a gradient back, see the engine).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -20,6 +25,46 @@ _DTYPES = [
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
 ]  # fmt: skip
 _MAX_DIMS = 8
+_HEADER = 2 + _MAX_DIMS  # one tensor: [ndim, dtype, shape...]; a tuple: [-1, slots, 0...]
+_SLOT = 3 + _MAX_DIMS  # one slot of a tuple: [ndim (-1: None), dtype, requires_grad, shape...]
+
+Message = torch.Tensor | tuple  # a tuple of torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class _Slots:
+    """What a tuple message holds: per slot None or (shape, dtype, requires_grad)."""
+
+    slots: tuple
+
+    def __str__(self) -> str:
+        def one(s) -> str:
+            return "None" if s is None else f"{s[0]} {s[1]}" + (" requires_grad" if s[2] else "")
+
+        return "(" + ", ".join(one(s) for s in self.slots) + ")"
+
+
+def _check(t: torch.Tensor) -> None:
+    if t.dim() > _MAX_DIMS or t.dtype not in _DTYPES:
+        raise ValueError(
+            f"pipeline messages support up to {_MAX_DIMS} dims and dtypes {_DTYPES}, got "
+            f"{tuple(t.shape)} {t.dtype}"
+        )
+
+
+def tuple_message(msg) -> tuple:
+    """``msg`` as a tuple message (a tuple or list of tensors and Nones), or a clear TypeError."""
+    if not isinstance(msg, tuple | list) or not all(
+        t is None or isinstance(t, torch.Tensor) for t in msg
+    ):
+        held = (
+            f" holding {[type(t).__name__ for t in msg]}" if isinstance(msg, tuple | list) else ""
+        )
+        raise TypeError(
+            "a pipeline stage must return a tensor or a tuple of tensors (None allowed), got "
+            f"{type(msg).__name__}{held}"
+        )
+    return tuple(msg)
 
 
 class P2P:
@@ -27,54 +72,124 @@ class P2P:
 
     def __init__(self, prev: int | None, next: int | None, *, static_shapes: bool = True) -> None:
         self.prev, self.next, self.static_shapes = prev, next, static_shapes
-        self._sent_meta: dict[int, tuple] = {}
-        self._recv_meta: dict[int, tuple] = {}
+        self._sent_meta: dict[int, object] = {}
+        self._recv_meta: dict[int, object] = {}
         self._pending: list = []
         self.bytes_sent = 0
 
     def _header(self, t: torch.Tensor) -> torch.Tensor:
-        if t.dim() > _MAX_DIMS or t.dtype not in _DTYPES:
-            raise ValueError(
-                f"pipeline messages support up to {_MAX_DIMS} dims and dtypes {_DTYPES}, got "
-                f"{tuple(t.shape)} {t.dtype}"
-            )
-        h = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+        _check(t)
+        h = torch.zeros(_HEADER, dtype=torch.int64)
         h[0], h[1] = t.dim(), _DTYPES.index(t.dtype)
         h[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
         return h.to(t.device)
 
-    def send(self, t: torch.Tensor, peer: int) -> None:
-        """Post the transfer of ``t`` to ``peer`` (not waited for)."""
-        t = t.detach().contiguous()
-        meta = (tuple(t.shape), t.dtype)
-        ops = []
+    def _header_ops(self, meta, peer: int, headers) -> list:
+        """The header sends (if this message needs them), after checking ``meta`` against the
+        first message's under static shapes."""
         if not self.static_shapes or peer not in self._sent_meta:
-            ops.append(dist.P2POp(dist.isend, self._header(t), peer))
             self._sent_meta[peer] = meta
-        elif self._sent_meta[peer] != meta:
+            return [dist.P2POp(dist.isend, h, peer) for h in headers()]
+        if self._sent_meta[peer] != meta:
             raise ValueError(
                 f"a pipeline message to rank {peer} changed from {self._sent_meta[peer]} to {meta};"
                 " pass static_shapes=False when activation shapes vary between micro-batches"
             )
-        ops.append(dist.P2POp(dist.isend, t, peer))
-        self.bytes_sent += t.numel() * t.element_size()
-        with nvtx(f"send to {peer}"):
-            self._pending += [(w, t) for w in dist.batch_isend_irecv(ops)]
+        return []
 
-    def recv(self, peer: int, device: torch.device) -> torch.Tensor:
-        """Receive the next tensor from ``peer`` (waits for it)."""
+    def _post(self, ops: list, peer: int, data: list[torch.Tensor]) -> None:
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in data)
+        if ops:
+            with nvtx(f"send to {peer}"):
+                self._pending += [(w, data) for w in dist.batch_isend_irecv(ops)]
+
+    def send(self, msg: Message, peer: int, *, requires_grad=None) -> None:
+        """Post the transfer of ``msg`` to ``peer`` (not waited for). For a tuple,
+        ``requires_grad`` (one bool per slot) overrides the slots' own flags, e.g. for an
+        output computed under ``torch.no_grad`` whose recomputation will require grad."""
+        if isinstance(msg, torch.Tensor):
+            t = msg.detach().contiguous()
+            ops = self._header_ops((tuple(t.shape), t.dtype), peer, lambda: [self._header(t)])
+            ops.append(dist.P2POp(dist.isend, t, peer))
+            self._post(ops, peer, [t])
+            return
+        msg = tuple_message(msg)
+        flags = [t is not None and t.requires_grad for t in msg]
+        if requires_grad is not None:
+            if len(requires_grad) != len(msg):
+                raise ValueError(
+                    f"got {len(requires_grad)} requires_grad flags for {len(msg)} slots"
+                )
+            flags = [bool(f) for f in requires_grad]
+        tensors = [None if t is None else t.detach().contiguous() for t in msg]
+        for j, (t, f) in enumerate(zip(tensors, flags, strict=True)):
+            if t is not None:
+                _check(t)
+            if f and (t is None or not t.is_floating_point()):
+                what = "None" if t is None else t.dtype
+                raise ValueError(f"slot {j} ({what}) cannot require grad: only floating slots can")
+        meta = _Slots(tuple(None if t is None else (tuple(t.shape), t.dtype, f)
+                            for t, f in zip(tensors, flags, strict=True)))  # fmt: skip
+        data = [t for t in tensors if t is not None and t.numel()]
+        ops = self._header_ops(meta, peer, lambda: self._tuple_headers(meta, tensors))
+        ops += [dist.P2POp(dist.isend, t, peer) for t in data]
+        self._post(ops, peer, data)
+
+    @staticmethod
+    def _tuple_headers(meta: _Slots, tensors: list) -> list[torch.Tensor]:
+        device = next((t.device for t in tensors if t is not None), torch.device("cpu"))
+        first = torch.zeros(_HEADER, dtype=torch.int64)
+        first[0], first[1] = -1, len(meta.slots)
+        rows = torch.zeros(len(meta.slots), _SLOT, dtype=torch.int64)
+        for row, s in zip(rows, meta.slots, strict=True):
+            if s is None:
+                row[0] = -1
+                continue
+            shape, dtype, flag = s
+            row[0], row[1], row[2] = len(shape), _DTYPES.index(dtype), int(flag)
+            row[3 : 3 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
+        return [first.to(device), rows.flatten().to(device)]
+
+    def _recv_header(self, peer: int, device: torch.device):
+        h = torch.empty(_HEADER, dtype=torch.int64, device=device)
+        self._wait_recv([h], peer)
+        h = h.tolist()
+        if h[0] >= 0:
+            return (tuple(h[2 : 2 + h[0]]), _DTYPES[h[1]])
+        rows = torch.empty(h[1] * _SLOT, dtype=torch.int64, device=device)
+        if h[1]:
+            self._wait_recv([rows], peer)
+        slots = []
+        for r in rows.view(h[1], _SLOT).tolist():
+            slots.append(None if r[0] < 0 else (tuple(r[3 : 3 + r[0]]), _DTYPES[r[1]], bool(r[2])))
+        return _Slots(tuple(slots))
+
+    @staticmethod
+    def _wait_recv(bufs: list[torch.Tensor], peer: int) -> None:
+        if bufs:
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, b, peer) for b in bufs]):
+                w.wait()
+
+    def recv(self, peer: int, device: torch.device) -> Message:
+        """Receive the next message from ``peer`` (waits for it): a tensor, or a tuple whose
+        slots that were sent requiring grad are leaves that require grad."""
         if not self.static_shapes or peer not in self._recv_meta:
-            h = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=device)
-            for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, h, peer)]):
-                w.wait()
-            h = h.tolist()
-            self._recv_meta[peer] = (tuple(h[2 : 2 + h[0]]), _DTYPES[h[1]])
-        shape, dtype = self._recv_meta[peer]
-        out = torch.empty(shape, dtype=dtype, device=device)
+            self._recv_meta[peer] = self._recv_header(peer, device)
+        meta = self._recv_meta[peer]
+        if not isinstance(meta, _Slots):
+            shape, dtype = meta
+            out = torch.empty(shape, dtype=dtype, device=device)
+            with nvtx(f"recv from {peer}"):
+                self._wait_recv([out], peer)
+            return out
+        msg = [None if s is None else torch.empty(s[0], dtype=s[1], device=device)
+               for s in meta.slots]  # fmt: skip
         with nvtx(f"recv from {peer}"):
-            for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, out, peer)]):
-                w.wait()
-        return out
+            self._wait_recv([t for t in msg if t is not None and t.numel()], peer)
+        for t, s in zip(msg, meta.slots, strict=True):
+            if s is not None and s[2]:
+                t.requires_grad_(True)
+        return tuple(msg)
 
     def wait_sends(self) -> None:
         for w, _ in self._pending:
