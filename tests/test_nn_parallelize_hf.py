@@ -459,3 +459,36 @@ def test_the_readme_plan_is_correct_for_qwen3():
     plan = _readme_plan()
     assert plan["model.layers.*.self_attn.[qkv]_proj"] == "column"
     assert run_ranks(_readme_snippet, 2, plan)[0] == []  # every per-head norm was declared
+
+
+class _SplitScale(torch.nn.Module):
+    """A learnable scale over a column output's features (not the layer's own bias)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 12), torch.nn.Linear(12, 8)
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 2.0, 12))
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)) * self.scale)
+
+
+def _split_scale() -> None:
+    parallelize(_SplitScale(), {"up": "column", "down": "row"})
+
+
+def test_a_parameter_on_the_split_features_is_refused():
+    msg = _raises(_split_scale, 2)
+    assert "parameter 'scale' acts elementwise on the split features of 'up'" in msg
+    assert "make it 'up''s own bias, or gather that output" in msg
+
+
+def _nano_without_width() -> None:
+    from _models import NANO_PLAN, NanoGPT
+
+    parallelize(NanoGPT(), NANO_PLAN)  # nanoGPT splits with n_embd: heads={"*.attn": ["n_embd"]}
+
+
+def test_a_model_that_breaks_after_the_swap_is_refused_inside_parallelize():
+    msg = _raises(_nano_without_width, 2)
+    assert "the parallel NanoGPT failed on the probe input where the dense one ran" in msg

@@ -275,6 +275,13 @@ def _analyse(report: ProbeReport, chosen, modules, watched_owner) -> list[str]:
             f"is not planned: plan {watched_owner[name]!r} as 'row' (it consumes a column split), "
             f"or gather the column output (gather_output=True)"
         )
+    for name, (where, source) in report.features.items():
+        raise ValueError(
+            f"parameter {name!r} acts elementwise on the split features of {source!r} ({where}): "
+            f"after the split each rank holds only its share of those features, so the whole "
+            f"parameter no longer fits; make it {source!r}'s own bias, or gather that output "
+            f"(gather_output=True)"
+        )
     reduced = []
     for name, uses in report.uses.items():
         owner = watched_owner[name]
@@ -517,6 +524,12 @@ def parallelize(
         try:
             with torch.no_grad():
                 out = model(*inputs[0], **inputs[1])
+        except Exception as exc:
+            raise ValueError(
+                f"parallelize: the parallel {type(model).__name__} failed on the probe input where "
+                f"the dense one ran ({type(exc).__name__}: {exc}): the plan changes the model (a "
+                "head count or width the model reads elsewhere? pass heads=)"
+            ) from exc
         finally:
             model.train(was_training)
         rel = _compare_outputs(dense_out, out, tp_group, world)

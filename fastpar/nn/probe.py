@@ -41,10 +41,13 @@ _CONTRACTIONS = {
 class ProbeReport:
     """What the probe saw. ``uses[name]``: the kinds of value ({"split", "full"}) parameter
     ``name`` met; ``contracted``: parameters contracted with a split value (name -> where);
-    ``mixed``: (where, split source) of contractions of a split value with a full activation."""
+    ``mixed``: (where, split source) of contractions of a split value with a full activation;
+    ``features``: parameters applied elementwise along the split features themselves (a bias or
+    scale of a column output's width: it would have to be split too), name -> (where, source)."""
 
     uses: dict[str, set[str]] = field(default_factory=dict)
     contracted: dict[str, str] = field(default_factory=dict)
+    features: dict[str, tuple[str, str]] = field(default_factory=dict)
     mixed: list[tuple[str, str]] = field(default_factory=list)
     output_split: bool = False
 
@@ -60,7 +63,9 @@ class _Labeller(TorchFunctionMode):
     def __init__(self, watched: Mapping[int, str], report: ProbeReport):
         super().__init__()
         self.watched, self.report = watched, report
-        self.labels: dict[int, tuple] = {}  # id -> (SPLIT, source) | (FULL,) | ("param", names)
+        # id -> (SPLIT, source, width of the last dim if it is still the split dim, else None)
+        #       | (FULL,) | ("param", names)
+        self.labels: dict[int, tuple] = {}
         self.keep: list[torch.Tensor] = []  # ids stay valid while the probe runs
         self.suspended = 0
         self.where: list[str] = []
@@ -81,17 +86,20 @@ class _Labeller(TorchFunctionMode):
         if self.suspended:
             return out
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        split_src, full, params = None, False, set()
+        split_src, full, params, widths, param_widths = None, False, set(), set(), {}
         for t in tensors:
             lab = self._of(t)
             if lab is None:
                 continue
             if lab[0] == SPLIT:
                 split_src = split_src or lab[1]
+                widths.add(lab[2])
             elif lab[0] == FULL:
                 full = True
             else:
                 params |= lab[1]
+                for name in lab[1]:
+                    param_widths.setdefault(name, set()).add(t.shape[-1] if t.dim() else None)
         op = _op_name(func)
         where = self.where[-1] if self.where else "<model>"
         if split_src is not None or full:
@@ -99,22 +107,26 @@ class _Labeller(TorchFunctionMode):
                 self.report.uses.setdefault(name, set()).add(SPLIT if split_src else FULL)
                 if split_src and op in _CONTRACTIONS:
                     self.report.contracted.setdefault(name, f"{op} in {where!r}")
+                elif split_src and widths & param_widths[name] - {None, 1}:
+                    self.report.features.setdefault(name, (f"{op} in {where!r}", split_src))
         if split_src is not None and full and op in _CONTRACTIONS:
             self.report.mixed.append((f"{op} in {where!r}", split_src))
-        if split_src is not None:
-            value = (SPLIT, split_src)
-        elif full:
-            value = (FULL,)
-        elif params:
-            value = ("param", frozenset(params))
-        else:
+        if split_src is None and not full and not params:
             return out
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         in_place = op.endswith("_") or op in ("__setitem__", "__iadd__", "__imul__")
         if in_place and args and isinstance(args[0], torch.Tensor):
             outs.append(args[0])  # in place: the destination takes the label
         for t in outs:
-            self.label(t, value)
+            if split_src is not None:
+                # the last dim is still the split one only through elementwise ops keeping it
+                (w,) = widths if len(widths) == 1 else (None,)
+                keeps = w is not None and op not in _CONTRACTIONS and t.dim() and t.shape[-1] == w
+                self.label(t, (SPLIT, split_src, w if keeps else None))
+            elif full:
+                self.label(t, (FULL,))
+            else:
+                self.label(t, ("param", frozenset(params)))
         return out
 
 
@@ -148,10 +160,12 @@ def probe(
         def hook(module, _args, output):
             mode.suspended -= 1
             mode.where.pop()
-            value = (SPLIT, name) if styles[name] == SPLIT else (FULL,)
             for t in tree_flatten(output)[0]:
-                if isinstance(t, torch.Tensor):
-                    mode.label(t, value)
+                if isinstance(t, torch.Tensor):  # split along the last dim (features)
+                    split = styles[name] == SPLIT
+                    mode.label(
+                        t, (SPLIT, name, t.shape[-1] if t.dim() else None) if split else (FULL,)
+                    )
 
         return hook
 
