@@ -21,7 +21,7 @@ from fastpar.checkpoint.state import (
 )
 
 
-# -- gathering a sharded model, -------------------------------
+# -- gathering a sharded model ----------------------------------------------------------
 def _named_tensors(model_or_named_params) -> dict[str, torch.Tensor]:
     """{first name: tensor} of each distinct tensor (a module: parameters and persistent
     buffers)."""
