@@ -1,12 +1,17 @@
-"""``python -m fastpar.train``: train a small GPT with DP x TP x PP x EP, ZeRO and mixed precision.
+"""``python -m fastpar.train``: train a GPT or a Llama with DP x TP x PP x EP, ZeRO and mixed precision.
 
     python -m fastpar.train                                   # defaults: 8 CPU ranks, every parallelism
     python -m fastpar.train --tp 2 --pp 2 --dp 2 --zero 1 --precision bf16 --steps 100
+    python -m fastpar.train --model llama --kv-heads 2 --qk-norm --tokenizer tok.json --data my.txt
     torchrun --nproc-per-node 8 -m fastpar.train --tp 2 --pp 2 --ep 2   # under torchrun: its ranks
 
 Without torchrun it starts the ranks itself on this machine (tp·pp·dp of them; gloo on CPUs,
-NCCL on GPUs). Data: ``--data`` (a text file, tokenised at byte level, or a ``.npy`` array of
-token ids), else an embedded corpus: text that ships with Python itself. Every step is
+NCCL on GPUs). Models: ``--model gpt`` (default) or ``llama`` (``fastpar.models.llama``: GQA,
+RoPE, SwiGLU, optional Qwen3 q/k-norm and Qwen2 q/k/v bias). Data (``fastpar.data``):
+``--data`` a text file (its bytes, or its ids under ``--tokenizer tokenizer.json``, which also
+sets the vocabulary size), a ``.npy`` array or a memory-mapped ``.bin`` file of token ids
+(``--data-dtype`` uint16 / uint32); else an embedded corpus: text that ships with Python itself.
+Every token id is checked against the vocabulary before any rank starts. Every step is
 deterministic given the seed: the same batch at the same step on any layout, which is what
 ``python -m fastpar.verify`` relies on.
 """
@@ -15,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import math
 import os
 import resource
@@ -26,8 +30,15 @@ from dataclasses import asdict, dataclass, fields
 import torch
 import torch.distributed as dist
 
+from fastpar.data import (
+    BIN_DTYPES,
+    check_token_ids,
+    global_batch,
+    load_tokens,
+    tokenizer_vocab_size,
+)
 from fastpar.mesh import MeshLayout, ParallelMesh
-from fastpar.models.gpt import GPTConfig, build_gpt, gpt_loss, untie_for_pipeline
+from fastpar.models import GPTConfig, LlamaConfig, build_model, lm_loss, untie_for_pipeline
 from fastpar.moe import MoE
 from fastpar.parallel.pipeline import (
     GPipe,
@@ -46,6 +57,7 @@ COLLECTIVE_TIMEOUT_S = float(os.environ.get("FASTPAR_COLLECTIVE_TIMEOUT", "300")
 class TrainConfig:
     """Everything a run needs (the CLI's flags)."""
 
+    model_type: str = "gpt"
     tp: int = 2
     pp: int = 2
     dp: int = 2
@@ -65,10 +77,17 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     loss_scale: float = 4096.0
     seed: int = 1234
+    vocab_size: int | None = None
     seq_len: int = 64
     hidden: int = 64
     heads: int = 4
     layers: int = 4
+    ffn: int | None = None
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    qk_norm: bool = False
+    attention_bias: bool = False
     moe_every: int = 2
     experts: int = 4
     top_k: int = 2
@@ -78,6 +97,8 @@ class TrainConfig:
     untied: bool = False
     norm: str = "rmsnorm"
     data: str | None = None
+    data_dtype: str = "uint16"
+    tokenizer: str | None = None
     checkpoint_dir: str | None = None
     save_every: int = 0
     resume: bool = False
@@ -89,17 +110,58 @@ class TrainConfig:
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
 
-    def model(self) -> GPTConfig:
-        return GPTConfig(
-            vocab_size=256, seq_len=self.seq_len, hidden=self.hidden, heads=self.heads,
-            layers=self.layers, moe_every=self.moe_every, num_experts=self.experts,
+    @property
+    def vocab(self) -> int:
+        """--vocab-size, else the tokenizer's vocabulary, else 256 (bytes)."""
+        if self.vocab_size is not None:
+            return self.vocab_size
+        return tokenizer_vocab_size(self.tokenizer) if self.tokenizer else 256
+
+    def model(self) -> GPTConfig | LlamaConfig:
+        shared = dict(
+            vocab_size=self.vocab, seq_len=self.seq_len, hidden=self.hidden, heads=self.heads,
+            layers=self.layers, ffn=self.ffn, moe_every=self.moe_every, num_experts=self.experts,
             top_k=self.top_k, capacity_factor=self.capacity_factor,
-            overlap_chunks=self.overlap_chunks, norm=self.norm,
-            tie_embeddings=not self.untied, sequence_parallel=self.sequence_parallel,
+            overlap_chunks=self.overlap_chunks, tie_embeddings=not self.untied,
+            sequence_parallel=self.sequence_parallel,
         )  # fmt: skip
+        if self.model_type == "llama":
+            return LlamaConfig(
+                kv_heads=self.kv_heads, head_dim=self.head_dim, rope_theta=self.rope_theta,
+                qk_norm=self.qk_norm, attention_bias=self.attention_bias, **shared,
+            )  # fmt: skip
+        return GPTConfig(norm=self.norm, **shared)
+
+    def _check_model_flags(self) -> None:
+        if self.model_type not in ("gpt", "llama"):
+            raise ValueError(f"model must be gpt or llama, got {self.model_type!r}")
+        defaults = TrainConfig()
+        if self.model_type == "gpt":
+            llama_only = ("kv_heads", "head_dim", "rope_theta", "qk_norm", "attention_bias")
+            for name in llama_only:
+                if getattr(self, name) != getattr(defaults, name):
+                    flag = "--" + name.replace("_", "-")
+                    raise ValueError(f"{flag} is a Llama option: add --model llama")
+        elif self.norm != "rmsnorm":
+            raise ValueError(f"--norm {self.norm} is a GPT option: the Llama uses RMSNorm")
+        if self.data_dtype not in BIN_DTYPES:
+            raise ValueError(
+                f"data_dtype must be one of {sorted(BIN_DTYPES)} (the ids of a .bin file), "
+                f"got {self.data_dtype!r}"
+            )
+        if self.tokenizer and self.vocab_size is not None:
+            n = tokenizer_vocab_size(self.tokenizer)
+            if self.vocab_size < n:
+                raise ValueError(
+                    f"--vocab-size {self.vocab_size} is smaller than the {n} tokens of "
+                    f"{self.tokenizer}: drop --vocab-size (it follows the tokenizer) or pass "
+                    f">= {n}"
+                )
 
     def check(self) -> None:
-        """Refuse an impossible run before any process group exists."""
+        """Refuse an impossible run before any process group exists (the data are checked by
+        ``load_data``)."""
+        self._check_model_flags()
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"precision must be fp32, bf16 or fp16, got {self.precision!r}")
         if self.zero not in (0, 1, 2, 3):
@@ -121,52 +183,19 @@ class TrainConfig:
 
 
 # -- data --------------------------------------------------------------------------------------
-def embedded_corpus() -> bytes:
-    """Text that ships with every Python: the Zen of Python and the sources (with their
-    docstrings) of a few standard-library modules."""
-    import argparse as m1
-    import ast
-    import codecs
-    import importlib.util
-    import string as m2
-    import textwrap as m3
-
-    # `import this` would print the Zen; read its (rot13) text from the module's source instead
-    with open(importlib.util.find_spec("this").origin) as f:
-        tree = ast.parse(f.read())
-    rot13 = next(
-        n.value.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "s"
-    )
-    zen = codecs.decode(rot13, "rot_13")
-    return (zen + "\n" + "\n".join(inspect.getsource(m) for m in (m3, m2, m1))).encode()
-
-
-def load_tokens(path: str | None) -> torch.Tensor:
-    """1-D int64 token ids: bytes of a text file, a .npy array, or the embedded corpus."""
-    if path is None:
-        data = embedded_corpus()
-    elif path.endswith(".npy"):
-        import numpy as np
-
-        return torch.from_numpy(np.load(path).astype("int64"))
-    else:
-        with open(path, "rb") as f:
-            data = f.read()
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
-
-
-def global_batch(tokens: torch.Tensor, step: int, batch: int, seq: int, seed: int):
-    """The mini-batch of ``step``: [batch, seq] inputs and next-token targets, the same on
-    every rank and every layout."""
-    if tokens.numel() < seq + 2:
-        raise ValueError(
-            f"the corpus has {tokens.numel()} tokens, fewer than seq_len + 2 = {seq + 2}"
-        )
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    starts = torch.randint(0, tokens.numel() - seq - 1, (batch,), generator=g)
-    idx = starts[:, None] + torch.arange(seq + 1)
-    rows = tokens[idx]
-    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+def load_data(cfg: TrainConfig, check: bool = True):
+    """This run's token ids (``fastpar.data.load_tokens``), every id checked against the
+    vocabulary unless ``check`` is False (one pass; the launcher checks once, before the ranks)."""
+    tokens = load_tokens(cfg.data, tokenizer=cfg.tokenizer, dtype=cfg.data_dtype)
+    if check:
+        source = cfg.data or "the embedded corpus"
+        if cfg.tokenizer and not (cfg.data or "").endswith((".npy", ".bin")):
+            source += f" (tokenised with {cfg.tokenizer})"
+        hint = ""
+        if (cfg.data or "").endswith(".bin"):
+            hint = f"; read as {cfg.data_dtype}: is --data-dtype the one the file was written with?"
+        check_token_ids(tokens, cfg.vocab, source, min_tokens=cfg.seq_len + 2, hint=hint)
+    return tokens
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -182,7 +211,7 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 class Trainer:
     """Builds this rank's stage, optimizer and pipeline engine; runs steps."""
 
-    def __init__(self, cfg: TrainConfig, mesh: ParallelMesh, device: torch.device):
+    def __init__(self, cfg: TrainConfig, mesh: ParallelMesh, device: torch.device, tokens=None):
         from fastpar.amp import DynamicLossScaler
         from fastpar.optim import FusedAdamW, MixedPrecisionOptimizer
         from fastpar.parallel import DistributedDataParallel
@@ -191,7 +220,8 @@ class Trainer:
         self.cfg, self.mesh, self.device = cfg, mesh, device
         self.model_cfg = cfg.model()
         torch.manual_seed(cfg.seed)
-        blocks = build_gpt(self.model_cfg, mesh)
+        blocks = build_model(self.model_cfg, mesh)
+        block_types = tuple({type(b) for b in blocks[1:-1]})  # what ZeRO-3 gathers one at a time
         tied = untie_for_pipeline(blocks, mesh)
         stage, (self.start, _) = build_stage(
             blocks, mesh.pp_size, mesh.pp_rank, costs=[1.0] * len(blocks)
@@ -235,11 +265,9 @@ class Trainer:
             )  # fmt: skip
             no_sync = opt.no_sync
         else:
-            from fastpar.models.gpt import Block
-
             model = opt = Zero3(
                 stage, lambda gs: FusedAdamW(gs, lr=cfg.lr), mesh=mesh, param_groups=groups,
-                wrap=(Block,), scaler=scaler, max_grad_norm=cfg.max_grad_norm,
+                wrap=block_types, scaler=scaler, max_grad_norm=cfg.max_grad_norm,
             )  # fmt: skip
         self.model, self.opt, self.scaler = model, opt, scaler
         sched = (GPipe if cfg.schedule == "gpipe" else OneFOneB)(cfg.microbatches)
@@ -247,12 +275,12 @@ class Trainer:
             model,
             mesh,
             sched,
-            loss_fn=lambda logits, y: gpt_loss(logits.float(), y, self.model_cfg, mesh),
+            loss_fn=lambda logits, y: lm_loss(logits.float(), y, self.model_cfg, mesh),
             recompute=cfg.recompute,
             no_sync=no_sync,
             scale_loss=opt.scale_loss,
         )  # fmt: skip  (DDP / ZeRO sum the tied embedding's gradients themselves)
-        self.tokens = load_tokens(cfg.data)
+        self.tokens = tokens if tokens is not None else load_data(cfg, check=False)
         self.step_count = 0
 
     @property
@@ -332,15 +360,16 @@ def _bar(done: int, total: int, width: int = 24) -> str:
     return "[" + "#" * filled + "." * (width - filled) + "]"
 
 
-def run(cfg: TrainConfig) -> list[dict]:
-    """Train on this rank (the default process group must exist). Returns the step records."""
+def run(cfg: TrainConfig, tokens=None) -> list[dict]:
+    """Train on this rank (the default process group must exist). Returns the step records.
+    ``tokens``: the run's data, already checked (None: load them, unchecked)."""
     mesh = ParallelMesh(cfg.tp, cfg.pp, cfg.ep)
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if dist.get_backend() == "nccl"
         else torch.device("cpu")
     )
-    trainer = Trainer(cfg, mesh, device)
+    trainer = Trainer(cfg, mesh, device, tokens)
     talk = dist.get_rank() == 0 and not cfg.quiet
     start = 0
     if cfg.resume and cfg.checkpoint_dir:
@@ -350,7 +379,7 @@ def run(cfg: TrainConfig) -> list[dict]:
     if talk:
         n = sum(p.numel() for p in trainer.stage_module.parameters())
         print(
-            f"fastpar.train: world {cfg.world_size} = dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp} "
+            f"fastpar.train: {cfg.model_type}, world {cfg.world_size} = dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp} "
             f"(ep {cfg.ep}), ZeRO-{cfg.zero}, {cfg.precision}, {cfg.schedule} x {cfg.microbatches} "
             f"micro-batches, {dist.get_backend()}; {total_params:,} parameters, rank 0 holds {n:,}",
             flush=True,
@@ -447,16 +476,20 @@ def _resume(trainer: Trainer, root: str, talk: bool) -> int:
 
 
 # -- launching ---------------------------------------------------------------------------------
-def _rank_main(cfg: TrainConfig) -> list[dict]:
+def _rank_main(cfg: TrainConfig, tokens=None) -> list[dict]:
     if dist.get_backend() == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
-    return run(cfg)
+    return run(cfg, tokens)
 
 
-def launch(cfg: TrainConfig, timeout: float = 24 * 3600.0) -> list[dict]:
+def launch(cfg: TrainConfig, timeout: float = 24 * 3600.0, tokens=None) -> list[dict]:
     """Run ``cfg`` on this machine: under torchrun on its ranks, else on ranks started here.
-    Returns rank 0's step records."""
+    Returns rank 0's step records. The data are loaded and every id checked first, before any
+    rank starts (under torchrun: before the process group); ``tokens`` passes data already
+    checked (``load_data``)."""
     cfg.check()
+    if tokens is None:
+        tokens = load_data(cfg)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         from fastpar.mesh import init
 
@@ -468,7 +501,7 @@ def launch(cfg: TrainConfig, timeout: float = 24 * 3600.0) -> list[dict]:
         from datetime import timedelta
 
         init(cfg.tp, cfg.pp, cfg.ep, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-        return _rank_main(cfg)
+        return _rank_main(cfg, tokens)
     from fastpar.testing import run_ranks
 
     if torch.cuda.is_available():
@@ -476,30 +509,54 @@ def launch(cfg: TrainConfig, timeout: float = 24 * 3600.0) -> list[dict]:
             raise ValueError(
                 f"{cfg.world_size} ranks need {cfg.world_size} GPUs, {torch.cuda.device_count()} visible"
             )
+        # spawned ranks load the data again (memory-mapped or re-tokenised), unchecked
         out = run_ranks(
             _rank_main, cfg.world_size, cfg, backend="nccl", start_method="spawn", timeout=timeout
         )
-    else:
-        out = run_ranks(_rank_main, cfg.world_size, cfg, timeout=timeout)
+    else:  # forked ranks share the parent's tokens
+        out = run_ranks(_rank_main, cfg.world_size, cfg, tokens, timeout=timeout)
     return out[0]
+
+
+#: flags whose default is None: (type, help)
+_OPTIONAL_FLAGS = {
+    "vocab_size": (int, "vocabulary size (default: the tokenizer's, else 256 bytes)"),
+    "ffn": (int, "MLP width (default: gpt 4·hidden, llama 8·hidden/3 rounded up to 64)"),
+    "kv_heads": (int, "llama: key/value heads for grouped-query attention (default: heads)"),
+    "head_dim": (int, "llama: width of a head (default: hidden / heads)"),
+    "capacity_factor": (float, "MoE capacity factor (default: dropless)"),
+    "data": (str, "a text file, a .npy or a .bin file of token ids (default: embedded corpus)"),
+    "tokenizer": (str, "a tokenizer.json (HF tokenizers) for text data; sets the vocabulary"),
+    "checkpoint_dir": (str, None),
+    "profile": (str, None),
+}
+_HELP = {
+    "model_type": "gpt or llama",
+    "data_dtype": "ids of a .bin file: uint16 or uint32",
+    "qk_norm": "llama: Qwen3-style RMSNorm on every query and key head",
+    "attention_bias": "llama: Qwen2-style q/k/v bias",
+    "rope_theta": "llama: RoPE base",
+}
 
 
 def build_parser(prog: str = "python -m fastpar.train") -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     defaults = TrainConfig()
     for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
+        flag = "--model" if f.name == "model_type" else "--" + f.name.replace("_", "-")
         value = getattr(defaults, f.name)
+        extra = f"{_HELP[f.name]} " if f.name in _HELP else ""
         if isinstance(value, bool):
-            ap.add_argument(flag, action="store_true", help=f"(default {value})")
-        elif f.name == "capacity_factor":
-            ap.add_argument(
-                flag, type=float, default=None, help="MoE capacity factor (default: dropless)"
-            )
-        elif f.name in ("data", "checkpoint_dir", "profile"):
-            ap.add_argument(flag, type=str, default=None)
+            ap.add_argument(flag, action="store_true", help=f"{extra}(default {value})")
+        elif f.name in _OPTIONAL_FLAGS:
+            kind, text = _OPTIONAL_FLAGS[f.name]
+            ap.add_argument(flag, type=kind, default=None, help=text)
         else:
-            ap.add_argument(flag, type=type(value), default=value, help=f"(default {value})")
+            ap.add_argument(
+                flag, dest=f.name, type=type(value), default=value,
+                metavar="{gpt,llama}" if f.name == "model_type" else None,
+                help=f"{extra}(default {value})",
+            )  # fmt: skip
     return ap
 
 
@@ -512,10 +569,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_from(args)
     try:
         cfg.check()
-    except ValueError as exc:
+        tokens = load_data(cfg)  # every id checked against the vocabulary, before any rank
+    except (ValueError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    records = launch(cfg)
+    records = launch(cfg, tokens=tokens)
     if records and not cfg.quiet and "RANK" not in os.environ:
         first, last = records[0]["loss"], records[-1]["loss"]
         print(

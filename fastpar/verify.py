@@ -2,8 +2,11 @@
 
     python -m fastpar.verify --tp 2 --pp 2 --dp 2 --ep 2 --zero 1 --steps 3
 
-Trains the GPT of ``fastpar.train`` under the given layout (any of its flags: precision,
-schedule, micro-batches, ZeRO stage, sequence parallelism, MoE settings...) and the
+    python -m fastpar.verify --model llama --kv-heads 2 --qk-norm --tp 2 --pp 2 --dp 2 --ep 2
+
+Trains the model of ``fastpar.train`` (``--model gpt`` or ``llama``) under the given layout (any
+of its flags: precision, schedule, micro-batches, ZeRO stage, sequence parallelism, MoE
+settings, data and tokenizer...) and the
 single-process reference from the same initialisation on the same data, then prints both losses
 per step and the largest parameter difference, and exits 0 only when they agree within the
 tolerance of the precision (fp32 is tight; bf16 / fp16 are loose).
@@ -24,7 +27,7 @@ import tempfile
 
 import torch
 
-from fastpar.models.gpt import build_gpt, gpt_loss
+from fastpar.models import build_model, lm_loss
 from fastpar.moe import MoE
 from fastpar.train import (
     TrainConfig,
@@ -32,7 +35,7 @@ from fastpar.train import (
     config_from,
     global_batch,
     launch,
-    load_tokens,
+    load_data,
     lr_at,
 )
 
@@ -43,14 +46,14 @@ TOLERANCE = {  # (loss relative, parameter absolute)
 }
 
 
-def reference(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(cfg: TrainConfig, tokens=None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process training with the distributed run's math. Returns (losses, params)."""
     from fastpar.amp import DynamicLossScaler
     from fastpar.optim import FusedAdamW, MixedPrecisionOptimizer
 
     model_cfg = cfg.model()
     torch.manual_seed(cfg.seed)
-    model = torch.nn.Sequential(*build_gpt(model_cfg, None))
+    model = torch.nn.Sequential(*build_model(model_cfg, None))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
     model = model.to(dtype)
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -66,7 +69,7 @@ def reference(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
         max_grad_norm=cfg.max_grad_norm,
     )
     moes = [m for m in model.modules() if isinstance(m, MoE)]
-    tokens = load_tokens(cfg.data)
+    tokens = load_data(cfg) if tokens is None else tokens
     params = list(model.parameters())
     losses = []
     for step in range(cfg.steps):
@@ -82,7 +85,7 @@ def reference(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
         for xd, yd in zip(x.chunk(cfg.dp), y.chunk(cfg.dp), strict=True):
             opt.zero_grad()
             for xc, yc in zip(xd.chunk(cfg.microbatches), yd.chunk(cfg.microbatches), strict=True):
-                loss = gpt_loss(model(xc).float(), yc, model_cfg) / cfg.microbatches
+                loss = lm_loss(model(xc).float(), yc, model_cfg) / cfg.microbatches
                 opt.scale_loss(loss).backward()
                 total += float(loss.detach()) / cfg.dp
             for a, p in zip(acc, params, strict=True):
@@ -97,11 +100,13 @@ def reference(cfg: TrainConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, params
 
 
-def _distributed(cfg: TrainConfig, directory: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _distributed(
+    cfg: TrainConfig, directory: str, tokens
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     from fastpar import checkpoint
 
     cfg.checkpoint_dir, cfg.save_every, cfg.quiet = directory, cfg.steps, True
-    records = launch(cfg)
+    records = launch(cfg, tokens=tokens)
     path = os.path.join(directory, f"step_{cfg.steps:06d}")
     out_file = os.path.join(directory, "export.pt")
     checkpoint.export_state_dict(path, out_file)
@@ -109,14 +114,17 @@ def _distributed(cfg: TrainConfig, directory: str) -> tuple[list[float], dict[st
     return [r["loss"] for r in records], {k: v.float() for k, v in state.items()}
 
 
-def compare(cfg: TrainConfig) -> tuple[bool, str]:
-    """Run both, return (agree, the report text)."""
+def compare(cfg: TrainConfig, tokens=None) -> tuple[bool, str]:
+    """Run both, return (agree, the report text). ``tokens``: the data, already checked
+    (``fastpar.train.load_data``; None: load and check them here)."""
     loss_tol, param_tol = TOLERANCE[cfg.precision]
+    cfg.check()
+    tokens = load_data(cfg) if tokens is None else tokens
     with tempfile.TemporaryDirectory(prefix="fastpar-verify-") as directory:
-        dist_losses, dist_params = _distributed(cfg, directory)
-    ref_losses, ref_params = reference(cfg)
+        dist_losses, dist_params = _distributed(cfg, directory, tokens)
+    ref_losses, ref_params = reference(cfg, tokens)
     lines = [
-        f"layout: dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp} (ep {cfg.ep}), ZeRO-{cfg.zero}, {cfg.precision}, "
+        f"{cfg.model_type}, layout: dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp} (ep {cfg.ep}), ZeRO-{cfg.zero}, {cfg.precision}, "
         f"{cfg.schedule} x {cfg.microbatches}{', recompute' if cfg.recompute else ''}"
         f"{', sequence parallel' if cfg.sequence_parallel else ''}",
         f"{'step':>5} {'distributed':>14} {'single-process':>15} {'rel. diff':>10}",
@@ -158,10 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_from(args)
     try:
         cfg.check()
-    except ValueError as exc:
+        tokens = load_data(cfg)  # every token id against the vocabulary, before any rank starts
+    except (ValueError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    ok, text = compare(cfg)
+    ok, text = compare(cfg, tokens)
     print(text)
     return 0 if ok else 1
 

@@ -23,8 +23,9 @@ SMALL = dict(steps=4, batch_size=8, seq_len=32, hidden=32, heads=4, layers=2, qu
         dict(tp=1, pp=4, dp=2, ep=1, moe_every=0, zero=2, schedule="gpipe", microbatches=4),
         dict(tp=4, pp=1, dp=2, ep=2, zero=0, precision="bf16"),
         dict(tp=2, pp=1, dp=4, ep=4, zero=3, experts=4),
+        dict(tp=2, pp=2, dp=2, ep=2, zero=1, model_type="llama", kv_heads=2, qk_norm=True),
     ],
-    ids=["dp2-tp2-pp2-ep2-z1", "pp4-dp2-gpipe-z2", "tp4-dp2-ep2-bf16", "tp2-dp4-ep4-z3"],
+    ids=["dp2-tp2-pp2-ep2-z1", "pp4-dp2-gpipe-z2", "tp4-dp2-ep2-bf16", "tp2-dp4-ep4-z3", "llama"],
 )
 def test_training_runs_and_the_loss_falls(layout):
     cfg = TrainConfig(**{**SMALL, "steps": 8, **layout})
@@ -51,6 +52,29 @@ def test_verify_agrees_with_single_process(layout):
     ok, text = compare(cfg)
     assert ok, text
     assert "AGREE" in text.splitlines()[-1]
+
+
+# the Llama over the same layouts: GQA everywhere, Qwen3 q/k-norm and Qwen2 q/k/v bias in turn
+# (a q/k-norm gradient left partial over TP, or a wrong key/value head split, shows in the
+# parameters after the steps)
+LLAMA = dict(model_type="llama", kv_heads=2, ffn=48)
+LLAMA_VARIANTS = [
+    dict(qk_norm=True),
+    dict(attention_bias=True, rope_theta=5e5),
+    dict(qk_norm=True),
+    dict(attention_bias=True),
+    dict(qk_norm=True, attention_bias=True, heads=8, kv_heads=4),  # tp 4: 4 key/value heads
+    dict(qk_norm=True, head_dim=12),
+    dict(attention_bias=True),
+]
+
+
+@pytest.mark.parametrize("i", range(len(VERIFY)), ids=[str(i) for i in range(len(VERIFY))])
+def test_llama_verify_agrees_with_single_process(i):
+    cfg = TrainConfig(**{**SMALL, "steps": 3, **VERIFY[i], **LLAMA, **LLAMA_VARIANTS[i]})
+    ok, text = compare(cfg)
+    assert ok, text
+    assert text.splitlines()[0].startswith("llama, layout")
 
 
 def test_resume_after_interruption_is_bit_identical(tmp_path):
@@ -116,6 +140,16 @@ def test_profile_writes_chrome_traces(tmp_path):
             "num_experts 4 is not divisible by ep 3",
         ),
         (["--precision", "fp8"], "precision must be fp32, bf16 or fp16"),
+        (["--qk-norm"], "--qk-norm is a Llama option: add --model llama"),
+        (["--kv-heads", "2"], "--kv-heads is a Llama option: add --model llama"),
+        (["--model", "bert"], "model must be gpt or llama, got 'bert'"),
+        (["--model", "llama", "--norm", "layernorm"], "--norm layernorm is a GPT option"),
+        (
+            ["--model", "llama", "--kv-heads", "2", "--tp", "4", "--pp", "1"],
+            "kv_heads 2 are not divisible by tp 4",
+        ),
+        (["--model", "llama", "--kv-heads", "3"], "kv_heads 3 must divide heads 4"),
+        (["--data-dtype", "int8"], "data_dtype must be one of ['uint16', 'uint32']"),
     ],
 )
 def test_cli_errors(argv, message, capsys):
@@ -202,3 +236,36 @@ def test_mfu_arithmetic(monkeypatch):
     assert got == pytest.approx(6e9 * 1e4 / (2 * 989e12))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some GPU")
     assert train._mfu(1e4, 10**9, torch.device("cuda", 0), 2) is None
+
+
+def test_llama_on_tokenizer_ids_from_a_bin_file(tmp_path, capfd):
+    tokenizers = pytest.importorskip("tokenizers")
+    import numpy as np
+    import torch
+
+    from fastpar.data import embedded_corpus
+    from fastpar.models import LlamaConfig, build_llama
+    from fastpar.tokenizer import main as tokenizer_main
+
+    tok = str(tmp_path / "tok.json")
+    assert tokenizer_main(["--vocab-size", "300", "--out", tok]) == 0
+    ids = tokenizers.Tokenizer.from_file(tok).encode(embedded_corpus().decode()).ids
+    np.array(ids, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    argv = ["--model", "llama", "--kv-heads", "2", "--qk-norm", "--tokenizer", tok,
+            "--data", str(tmp_path / "train.bin"), "--steps", "3", "--batch-size", "8",
+            "--seq-len", "32", "--layers", "2"]  # fmt: skip
+    assert main(argv) == 0
+    out = capfd.readouterr()
+    model = LlamaConfig(vocab_size=300, seq_len=32, hidden=64, heads=4, kv_heads=2, layers=2,
+                        qk_norm=True, tie_embeddings=True, moe_every=2)  # fmt: skip
+    n = sum(p.numel() for p in torch.nn.Sequential(*build_llama(model)).parameters())
+    assert "llama, world 8 = dp 2 x tp 2 x pp 2 (ep 2)" in out.out
+    assert f"{n:,} parameters" in out.out  # a 300-token vocabulary: the tokenizer's
+    assert "step    3/3" in out.out
+    assert "huggingface/tokenizers" not in out.err  # no fork-after-parallelism warning
+    # the same tokenizer on the text itself, proven equal to the single-process model
+    (tmp_path / "corpus.txt").write_text(embedded_corpus().decode())
+    cfg = TrainConfig(**{**SMALL, "steps": 2, **LLAMA, "tp": 2, "pp": 1, "dp": 2, "ep": 2},
+                      tokenizer=tok, data=str(tmp_path / "corpus.txt"))  # fmt: skip
+    ok, text = compare(cfg)
+    assert ok, text

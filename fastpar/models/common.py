@@ -1,0 +1,262 @@
+"""Pieces every fastpar decoder shares: the pipeline-block protocol's embedding and head, the
+pre-norm block, RMSNorm / LayerNorm, the MoE block, the checks that depend only on the layout,
+the tied-embedding split across pipeline stages and the vocab-parallel loss.
+
+A model is a list of pipeline blocks ``[Embedding, DecoderBlock x layers, Head]``: each takes
+and returns one tensor (ids [B, T] -> [B, T(/tp), H] -> ... -> logits [B·T, vocab / tp]), so
+``build_stage``, ``PipelineEngine``, DDP / ZeRO, checkpoints and the trainer work for any of them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastpar.comm import all_gather_reduce_scatter, copy_to_region, group_size, scatter_to_sequence
+from fastpar.moe import MoE
+from fastpar.nn import ColumnParallelLinear, VocabParallelEmbedding
+from fastpar.nn.functional import vocab_parallel_cross_entropy
+from fastpar.nn.marks import mark_sharded, param_layout
+
+
+def tp_group_of(mesh):
+    """The mesh's tensor-parallel group (None without a mesh: the default group, size 1 when
+    no process group exists)."""
+    return mesh.tp_group if mesh is not None else None
+
+
+def check_layout(cfg, tp: int, pp: int, ep: int) -> None:
+    """The checks every decoder config shares (``cfg`` has ffn_size, layers, moe_every,
+    num_experts, seq_len, sequence_parallel). Raises ValueError naming the value and the fix."""
+    if cfg.vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {cfg.vocab_size}")
+    if cfg.ffn_size % tp:
+        raise ValueError(
+            f"ffn {cfg.ffn_size} is not divisible by tp {tp}; use an ffn that is a multiple of {tp}"
+        )
+    if cfg.layers + 2 < pp:
+        raise ValueError(
+            f"the model has {cfg.layers + 2} pipeline blocks (embedding, {cfg.layers} layers, head) "
+            f"but pp={pp}: use pp <= {cfg.layers + 2} or more layers"
+        )
+    if cfg.moe_every and cfg.num_experts % ep:
+        raise ValueError(f"num_experts {cfg.num_experts} is not divisible by ep {ep}")
+    if ep > 1 and not cfg.moe_every:
+        raise ValueError(f"ep={ep} needs MoE layers: set moe_every (e.g. 2)")
+    if cfg.sequence_parallel and tp > 1 and cfg.seq_len % tp:
+        raise ValueError(f"sequence_parallel: seq_len {cfg.seq_len} is not divisible by tp {tp}")
+    if cfg.sequence_parallel and tp > 1 and cfg.moe_every:
+        raise ValueError(
+            "sequence_parallel with MoE blocks and tp > 1 is not supported: the experts and "
+            "router would see different tokens on each TP rank; drop one of the two"
+        )
+
+
+def is_moe_layer(cfg, layer: int) -> bool:
+    """Whether block ``layer`` (0-based) is a MoE block: every ``moe_every``-th one."""
+    return cfg.moe_every > 0 and (layer + 1) % cfg.moe_every == 0
+
+
+def moe_block(cfg, mesh=None) -> MoE:
+    """The MoE that replaces a block's MLP (experts over the mesh's EP group)."""
+    return MoE(
+        cfg.hidden, cfg.ffn_size, cfg.num_experts, cfg.top_k,
+        capacity_factor=cfg.capacity_factor, overlap_chunks=cfg.overlap_chunks, mesh=mesh,
+    )  # fmt: skip
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim as HF Llama computes it: normalise in fp32, cast back to the
+    input's dtype, then scale by ``weight``."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+class Norm(nn.Module):
+    """RMSNorm (``rms_norm``) or LayerNorm over the last dim [..., dim] -> same; ``eps``
+    defaults to 1e-6 (RMSNorm) or 1e-5 (LayerNorm, torch's default).
+
+    ``partial_grad``: this rank's weight gradient is a partial sum, because the rank sees only
+    part of what the weight is applied to (other TP ranks hold other tokens under sequence
+    parallelism, or other heads for a per-head q/k norm); copy_to_region then all-reduces the
+    weight's gradient over ``group`` in backward.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        kind: str = "rmsnorm",
+        *,
+        eps: float | None = None,
+        group=None,
+        partial_grad: bool = False,
+    ):
+        super().__init__()
+        if kind not in ("rmsnorm", "layernorm"):
+            raise ValueError(f"norm must be 'rmsnorm' or 'layernorm', got {kind!r}")
+        if eps is None:
+            eps = 1e-6 if kind == "rmsnorm" else 1e-5
+        self.kind, self.eps, self.group, self.partial_grad = kind, eps, group, partial_grad
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if kind == "layernorm" else None
+
+    def _full(self, p: torch.Tensor) -> torch.Tensor:
+        return copy_to_region(p, self.group) if self.partial_grad else p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self._full(self.weight)
+        if self.kind == "layernorm":
+            return F.layer_norm(x, (x.shape[-1],), w, self._full(self.bias), self.eps)
+        return rms_norm(x, w, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, {self.kind}, eps={self.eps}, partial={self.partial_grad}"
+
+
+class Embedding(nn.Module):
+    """ids [B, T] -> [B, T(/tp), H]: vocab-parallel tokens (+ learned positions when
+    ``learned_positions``); split along the sequence over TP under sequence parallelism."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden: int,
+        seq_len: int,
+        mesh=None,
+        *,
+        sequence_parallel: bool = False,
+        learned_positions: bool = False,
+    ):
+        super().__init__()
+        group = tp_group_of(mesh)
+        self.group, self.seq_len = group, seq_len
+        self.sp = sequence_parallel and group_size(group) > 1
+        self.tok = VocabParallelEmbedding(vocab_size, hidden, group=group)
+        self.pos = nn.Embedding(seq_len, hidden) if learned_positions else None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dim() != 2:
+            raise ValueError(f"the model expects token ids [batch, seq], got {tuple(ids.shape)}")
+        if ids.shape[1] > self.seq_len:
+            raise ValueError(
+                f"sequence of {ids.shape[1]} tokens is longer than seq_len {self.seq_len}"
+            )
+        x = self.tok(ids)
+        if self.pos is not None:
+            x = x + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        return scatter_to_sequence(x, self.group, dim=1) if self.sp else x
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm transformer block: x + attn(norm1(x)); x + mlp(norm2(x)). [B, T(/tp), H].
+
+    Built in this order (the random stream's order): norm1, ``attention(cfg, group, sp)``,
+    norm2, then ``mlp(cfg, group, sp)`` or, for a MoE layer (``cfg.is_moe(layer)``), the MoE.
+    ``norm``: keyword arguments of both ``Norm``s (kind, eps); ``sp``: sequence parallelism is
+    on (and tp > 1), so the norms' weight gradients are partial.
+    """
+
+    def __init__(self, cfg, layer: int, mesh, *, attention, mlp, norm: dict):
+        super().__init__()
+        group = tp_group_of(mesh)
+        sp = cfg.sequence_parallel and group_size(group) > 1
+        self.norm1 = Norm(cfg.hidden, **norm, group=group, partial_grad=sp)
+        self.attn = attention(cfg, group, sp)
+        self.norm2 = Norm(cfg.hidden, **norm, group=group, partial_grad=sp)
+        self.mlp = moe_block(cfg, mesh) if cfg.is_moe(layer) else mlp(cfg, group, sp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Head(nn.Module):
+    """[B, T(/tp), H] -> final norm -> logits [B·T, vocab / tp] (this rank's vocabulary shard).
+    ``weight`` [vocab / tp, H]: the embedding's (tied) or an untied ColumnParallelLinear's."""
+
+    def __init__(
+        self,
+        hidden: int,
+        weight: nn.Parameter,
+        mesh=None,
+        *,
+        norm: str = "rmsnorm",
+        eps: float | None = None,
+        sequence_parallel: bool = False,
+    ):
+        super().__init__()
+        group = tp_group_of(mesh)
+        self.group, self.sp = group, sequence_parallel and group_size(group) > 1
+        self.norm = Norm(hidden, norm, eps=eps, group=group, partial_grad=self.sp)
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x)
+        x = (
+            all_gather_reduce_scatter(x, self.group, dim=1)
+            if self.sp
+            else copy_to_region(x, self.group)
+        )
+        return F.linear(x, self.weight).flatten(0, 1)
+
+
+def mesh_sizes(mesh) -> tuple[int, int, int]:
+    """(tp, pp, ep) of the mesh; (1, 1, 1) without one."""
+    return (mesh.tp_size, mesh.pp_size, mesh.ep_size) if mesh is not None else (1, 1, 1)
+
+
+def build_decoder(
+    cfg, mesh, block, *, learned_positions: bool = False, norm: str = "rmsnorm", eps=None
+) -> list[nn.Module]:
+    """[Embedding, block(cfg, i, mesh) for i < cfg.layers, Head] after ``cfg.check``, drawn in
+    this order from the current random stream on every rank (same seed -> the same model at
+    any layout). Embeddings scaled to N(0, 0.02) (GPT-2's and HF's initializer_range); the head
+    is tied to the token embedding or an untied ColumnParallelLinear (vocabulary padded)."""
+    cfg.check(*mesh_sizes(mesh))
+    embed = Embedding(
+        cfg.vocab_size, cfg.hidden, cfg.seq_len, mesh,
+        sequence_parallel=cfg.sequence_parallel, learned_positions=learned_positions,
+    )  # fmt: skip
+    with torch.no_grad():  # nn.Embedding draws N(0, 1)
+        embed.tok.weight.mul_(0.02)
+        if embed.pos is not None:
+            embed.pos.weight.mul_(0.02)
+    blocks = [block(cfg, i, mesh) for i in range(cfg.layers)]
+    if cfg.tie_embeddings:
+        weight = embed.tok.weight
+    else:
+        weight = ColumnParallelLinear(
+            cfg.hidden, cfg.vocab_size, bias=False, pad_output=True, group=tp_group_of(mesh)
+        ).weight
+    head = Head(
+        cfg.hidden, weight, mesh, norm=norm, eps=eps, sequence_parallel=cfg.sequence_parallel
+    )
+    return [embed, *blocks, head]
+
+
+def untie_for_pipeline(blocks: list[nn.Module], mesh) -> nn.Parameter | None:
+    """With pp > 1 the embedding (first stage) and a tied head (last stage) live on different
+    ranks: give the head its own copy of the weight, marked and synced as tied. Returns the
+    tied parameter this rank holds (None if it holds neither end)."""
+    head, embed = blocks[-1], blocks[0]
+    if head.weight is not embed.tok.weight:
+        return None
+    if mesh is None or mesh.pp_size == 1:
+        return None
+    if mesh.is_last_stage:
+        copy = nn.Parameter(embed.tok.weight.detach().clone())
+        layout = param_layout(embed.tok.weight)
+        mark_sharded(copy, layout.dim, layout.group, layout.full_size)
+        head.weight = copy
+        return copy
+    return embed.tok.weight if mesh.is_first_stage else None
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, cfg, mesh=None) -> torch.Tensor:
+    """Mean vocab-parallel cross-entropy of logits [B·T, vocab / tp] against targets [B, T]
+    (``cfg.vocab_size`` is the true vocabulary: padded columns are ignored)."""
+    return vocab_parallel_cross_entropy(
+        logits, targets.reshape(-1), group=tp_group_of(mesh), vocab_size=cfg.vocab_size
+    )

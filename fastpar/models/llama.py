@@ -1,0 +1,240 @@
+"""A Llama-class decoder (Llama 2/3, Qwen2, Qwen3 shapes) built only from fastpar layers, as
+pipeline blocks with the same protocol as ``build_gpt``.
+
+    blocks = build_llama(LlamaConfig(...), mesh)   # [Embedding, Block x layers, Head]
+    logits = nn.Sequential(*blocks)(ids)           # one stage: [B·T, vocab / tp]
+    loss = llama_loss(logits, targets, cfg, mesh)  # vocab-parallel cross-entropy
+
+HF names both ways (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM): ``fastpar.models.llama_hf``.
+
+Layers: a vocab-parallel token embedding (no learned positions); attention with grouped-query
+heads split over TP: one ColumnParallelLinear computes q|k|v, its rows grouped by key/value
+head (each group holds that head's heads/kv_heads query heads, then its key, then its value
+head), so a contiguous TP slice is exactly one rank's query heads and their key/value heads;
+optional per-head q/k RMSNorm (Qwen3) and q/k/v bias (Qwen2); rotary position embeddings
+computed inside each attention block from the positions 0..T-1 (HF's rotate_half convention,
+cos/sin in fp32, then cast to the activations' dtype as HF does); causal SDPA; a
+RowParallelLinear output projection. A SwiGLU MLP (gate|up in one ColumnParallelLinear with two
+fused blocks, down a RowParallelLinear) or, every ``moe_every``-th block, a fastpar MoE.
+RMSNorm as HF computes it (fp32, then weight * x.to(dtype)). Every rank draws the full weights
+from the same seed and keeps its slices, so any layout equals the single-process model.
+
+Global parameter names (blocks numbered as in the list; ``L`` = layers):
+``0.tok.weight``; ``i.norm1.weight``, ``i.attn.qkv.weight`` (``.bias``), ``i.attn.q_norm.weight``,
+``i.attn.k_norm.weight``, ``i.attn.o.weight``, ``i.norm2.weight``, ``i.mlp.gate_up.weight``,
+``i.mlp.down.weight`` for i in 1..L; ``{L+1}.norm.weight``, ``{L+1}.weight`` (untied head).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastpar.comm import group_size
+from fastpar.models.common import (
+    DecoderBlock,
+    Norm,
+    build_decoder,
+    check_layout,
+    is_moe_layer,
+    lm_loss,
+)
+from fastpar.nn import ColumnParallelLinear, RowParallelLinear
+
+__all__ = ["Block", "LlamaConfig", "build_llama", "llama_loss"]
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Model shape and options of a Llama-class decoder."""
+
+    vocab_size: int = 256
+    """Tokens in the vocabulary (the embedding and LM head rows; padded to a multiple of TP)."""
+    seq_len: int = 64
+    """Longest sequence (HF's max_position_embeddings); RoPE needs no table, so it only bounds
+    the input length."""
+    hidden: int = 64
+    """Model width (HF hidden_size)."""
+    heads: int = 4
+    """Query heads (HF num_attention_heads); divisible by TP."""
+    kv_heads: int | None = None
+    """Key/value heads for grouped-query attention (HF num_key_value_heads); divides heads and
+    is divisible by TP. None: heads (multi-head attention)."""
+    head_dim: int | None = None
+    """Width of one head (even, for RoPE). None: hidden // heads."""
+    layers: int = 4
+    """Transformer blocks (HF num_hidden_layers)."""
+    ffn: int | None = None
+    """SwiGLU width (HF intermediate_size). None: 8·hidden/3 rounded up to a multiple of 64
+    (about the parameters of a 4·hidden GELU MLP)."""
+    rope_theta: float = 10000.0
+    """RoPE base: inverse frequencies theta^(-2i / head_dim)."""
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon (HF rms_norm_eps), for every norm including q/k-norm."""
+    qk_norm: bool = False
+    """Qwen3: RMSNorm over head_dim on every query and key head, before RoPE."""
+    attention_bias: bool = False
+    """Qwen2: bias on the q, k and v projections (not on the output projection)."""
+    tie_embeddings: bool = False
+    """The LM head shares the token embedding (HF tie_word_embeddings)."""
+    moe_every: int = 0
+    """Every n-th block's MLP is a fastpar MoE (0: none); the same MoE as the GPT's."""
+    num_experts: int = 4
+    """MoE experts (divisible by EP)."""
+    top_k: int = 2
+    """Experts per token."""
+    capacity_factor: float | None = None
+    """MoE capacity factor (None: dropless)."""
+    overlap_chunks: int = 1
+    """MoE all-to-all / expert-compute overlap chunks (1: none)."""
+    sequence_parallel: bool = False
+    """Split activations between blocks along the sequence over TP."""
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads if self.kv_heads is not None else self.heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden // self.heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn is not None:
+            return self.ffn
+        return 64 * math.ceil(8 * self.hidden / 3 / 64)
+
+    def is_moe(self, layer: int) -> bool:
+        return is_moe_layer(self, layer)
+
+    def check(self, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
+        """Raise ValueError naming the bad value and the fix, before anything is built."""
+        for name in ("vocab_size", "seq_len", "hidden", "heads", "layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.head_dim is None and self.hidden % self.heads:
+            raise ValueError(
+                f"hidden {self.hidden} is not divisible by heads {self.heads}: set head_dim "
+                f"(--head-dim) or use a hidden that is a multiple of {self.heads}"
+            )
+        if self.head_size < 2 or self.head_size % 2:
+            raise ValueError(
+                f"head_dim {self.head_size} must be even for rotary embeddings: set an even "
+                f"head_dim (--head-dim)"
+            )
+        kv = self.num_kv_heads
+        if kv < 1 or self.heads % kv:
+            raise ValueError(
+                f"kv_heads {kv} must divide heads {self.heads} (each key/value head serves "
+                f"heads / kv_heads query heads): use a kv_heads that divides {self.heads}"
+            )
+        if self.heads % tp:
+            raise ValueError(
+                f"heads {self.heads} are not divisible by tp {tp}; use a tp that divides {self.heads}"
+            )
+        if kv % tp:
+            raise ValueError(
+                f"kv_heads {kv} are not divisible by tp {tp}: every TP rank needs whole key/value "
+                f"heads; use a tp that divides {kv} or more kv_heads (--kv-heads)"
+            )
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
+        if self.norm_eps <= 0:
+            raise ValueError(f"norm_eps must be positive, got {self.norm_eps}")
+        check_layout(self, tp, pp, ep)
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """[head_dim / 2] fp32 inverse frequencies theta^(-2i / head_dim), as HF computes them."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[..., d] -> [-x[d/2:], x[:d/2]] (HF Llama's convention: halves, not interleaved pairs)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with RoPE, heads split over TP: [B, T(/tp), H] ->
+    same. This rank holds heads / tp query heads and kv_heads / tp key/value heads."""
+
+    def __init__(self, cfg: LlamaConfig, group, sp: bool):
+        super().__init__()
+        tp = group_size(group)
+        d, kv = cfg.head_size, cfg.num_kv_heads
+        self.head_dim, self.rep = d, cfg.heads // kv
+        self.kv_local = kv // tp
+        kw = dict(group=group, sequence_parallel=sp, sequence_dim=1)
+        # rows grouped by key/value head: [q x rep, k, v] per group (see the module docstring)
+        self.qkv = ColumnParallelLinear(
+            cfg.hidden, (cfg.heads + 2 * kv) * d, bias=cfg.attention_bias, **kw
+        )
+        self.o = RowParallelLinear(cfg.heads * d, cfg.hidden, bias=False, **kw)
+        if cfg.qk_norm:  # each rank normalises only its own heads: partial weight gradients
+            norm = dict(eps=cfg.norm_eps, group=group, partial_grad=tp > 1)
+            self.q_norm, self.k_norm = Norm(d, **norm), Norm(d, **norm)
+        else:
+            self.q_norm = self.k_norm = None
+        # fp32 on the host like HF's (moved once per device; not a buffer, so .to(dtype) keeps it)
+        self._inv_freq = rope_inv_freq(d, cfg.rope_theta)
+
+    def rope(self, t: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, head_dim] of positions 0..t-1, computed in fp32, in x's dtype."""
+        if self._inv_freq.device != x.device:
+            self._inv_freq = self._inv_freq.to(x.device)
+        freqs = torch.arange(t, device=x.device, dtype=torch.float)[:, None] * self._inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.qkv(x)
+        b, t, _ = y.shape
+        y = y.view(b, t, self.kv_local, self.rep + 2, self.head_dim)
+        q = y[:, :, :, : self.rep].reshape(b, t, self.kv_local * self.rep, self.head_dim)
+        k, v = y[:, :, :, self.rep], y[:, :, :, self.rep + 1]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # [B, heads, T, d]
+        cos, sin = self.rope(t, q)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if self.rep > 1:  # key/value head j serves query heads j·rep .. j·rep + rep - 1
+            k, v = k.repeat_interleave(self.rep, dim=1), v.repeat_interleave(self.rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate|up is one ColumnParallelLinear (fused=2)."""
+
+    def __init__(self, cfg: LlamaConfig, group, sp: bool):
+        super().__init__()
+        kw = dict(group=group, sequence_parallel=sp, sequence_dim=1)
+        self.gate_up = ColumnParallelLinear(cfg.hidden, 2 * cfg.ffn_size, bias=False, fused=2, **kw)
+        self.down = RowParallelLinear(cfg.ffn_size, cfg.hidden, bias=False, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(DecoderBlock):
+    """Pre-norm Llama block: x + attn(rmsnorm(x)); x + swiglu_or_moe(rmsnorm(x))."""
+
+    def __init__(self, cfg: LlamaConfig, layer: int, mesh=None):
+        super().__init__(cfg, layer, mesh, attention=Attention, mlp=MLP, norm={"eps": cfg.norm_eps})
+
+
+def build_llama(cfg: LlamaConfig, mesh=None) -> list[nn.Module]:
+    """Every block of the model: [Embedding, Block x cfg.layers, Head], drawn in this order from
+    the current random stream on every rank (same seed -> same model at any layout)."""
+    return build_decoder(cfg, mesh, Block, eps=cfg.norm_eps)
+
+
+#: mean vocab-parallel cross-entropy of logits [B·T, vocab / tp] against targets [B, T]
+llama_loss = lm_loss

@@ -1,0 +1,229 @@
+"""The fastpar Llama's weights and config under Hugging Face names, both ways.
+
+    hf_state = to_hf(state, cfg)          # fastpar global names -> LlamaForCausalLM / Qwen2 / Qwen3
+    config = hf_config(cfg)               # config.json content
+    cfg, state = from_hf(hf_state, config)
+    export_hf(to_hf(state, cfg), "out/", hf_config(cfg))   # fastpar.checkpoint: an HF directory
+
+``state`` holds full tensors under the global names of ``build_llama`` (a single-process
+model's ``named_parameters()``, or ``fastpar.checkpoint.export_state_dict`` of any layout).
+The HF family follows from the options: ``qwen3`` with qk_norm, ``qwen2`` with attention_bias
+(q/k/v bias, none on o_proj), else ``llama``. Nothing here imports transformers.
+
+Not mapped (clear errors): MoE blocks (fastpar's experts are two-layer GELU MLPs with biases
+behind its own router; no HF family has that layout yet); HF models with an o_proj or MLP
+bias, scaled RoPE (rope_type other than "default"), sliding-window attention, or an activation
+other than SiLU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from fastpar.models.llama import LlamaConfig
+
+__all__ = ["from_hf", "hf_config", "hf_model_type", "to_hf"]
+
+_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def hf_model_type(cfg: LlamaConfig) -> str:
+    """The HF family of ``cfg``: "qwen3" (qk_norm), "qwen2" (attention_bias) or "llama";
+    ValueError for what no HF family computes."""
+    if cfg.moe_every:
+        raise ValueError(
+            f"a model with MoE blocks (moe_every={cfg.moe_every}) has no HF export: fastpar's "
+            f"experts (two-layer GELU MLPs with biases behind fastpar's router) match no HF "
+            f"family's layout yet; export a dense model (moe_every=0)"
+        )
+    if cfg.qk_norm and cfg.attention_bias:
+        raise ValueError(
+            "qk_norm with attention_bias has no HF family: Qwen3 (q/k norm) puts its bias on "
+            "o_proj too, Qwen2 (q/k/v bias) has no q/k norm; drop one of the two"
+        )
+    return "qwen3" if cfg.qk_norm else "qwen2" if cfg.attention_bias else "llama"
+
+
+def hf_config(cfg: LlamaConfig, dtype: str = "float32") -> dict:
+    """config.json content for ``cfg`` (AutoConfig.for_model(**it) or from_dict reads it)."""
+    model_type = hf_model_type(cfg)
+    out = {
+        "architectures": [_ARCH[model_type]],
+        "model_type": model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden,
+        "intermediate_size": cfg.ffn_size,
+        "num_hidden_layers": cfg.layers,
+        "num_attention_heads": cfg.heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_size,
+        "max_position_embeddings": cfg.seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_theta": cfg.rope_theta,  # what transformers 4 reads
+        "hidden_act": "silu",
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_dropout": 0.0,
+        "dtype": dtype,
+    }
+    if model_type == "llama":
+        out.update(attention_bias=False, mlp_bias=False)
+    else:
+        out.update(use_sliding_window=False, sliding_window=None)
+        if model_type == "qwen3":
+            out["attention_bias"] = False
+    return out
+
+
+def _take(state: Mapping[str, torch.Tensor], name: str, used: set) -> torch.Tensor:
+    if name not in state:
+        raise KeyError(f"{name!r} is absent from the state dict")
+    used.add(name)
+    return state[name]
+
+
+def to_hf(state: Mapping[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+    """fastpar global names -> HF names (``lm_head.weight`` is the embedding itself when tied).
+    Raises for a missing tensor, a tensor of the wrong shape or one the mapping does not use."""
+    hf_model_type(cfg)
+    d, kv, rep = cfg.head_size, cfg.num_kv_heads, cfg.heads // cfg.num_kv_heads
+    used: set[str] = set()
+    out: dict[str, torch.Tensor] = {}
+
+    def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = _take(state, name, used)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {shape} for this config")
+        return t
+
+    out["model.embed_tokens.weight"] = take("0.tok.weight", (cfg.vocab_size, cfg.hidden))
+    for i in range(cfg.layers):
+        src, dst = f"{i + 1}.", f"model.layers.{i}."
+        out[dst + "input_layernorm.weight"] = take(src + "norm1.weight", (cfg.hidden,))
+        out[dst + "post_attention_layernorm.weight"] = take(src + "norm2.weight", (cfg.hidden,))
+        names = ["weight", "bias"] if cfg.attention_bias else ["weight"]
+        for kind in names:
+            shape = ((cfg.heads + 2 * kv) * d, cfg.hidden)[: 2 if kind == "weight" else 1]
+            grouped = take(src + f"attn.qkv.{kind}", shape).reshape(kv, rep + 2, d, -1)
+            rest = () if kind == "bias" else (cfg.hidden,)
+            attn = dst + "self_attn."
+            out[attn + f"q_proj.{kind}"] = grouped[:, :rep].reshape(cfg.heads * d, *rest)
+            out[attn + f"k_proj.{kind}"] = grouped[:, rep].reshape(kv * d, *rest)
+            out[attn + f"v_proj.{kind}"] = grouped[:, rep + 1].reshape(kv * d, *rest)
+        if cfg.qk_norm:
+            out[dst + "self_attn.q_norm.weight"] = take(src + "attn.q_norm.weight", (d,))
+            out[dst + "self_attn.k_norm.weight"] = take(src + "attn.k_norm.weight", (d,))
+        out[dst + "self_attn.o_proj.weight"] = take(
+            src + "attn.o.weight", (cfg.hidden, cfg.heads * d)
+        )
+        gate, up = take(src + "mlp.gate_up.weight", (2 * cfg.ffn_size, cfg.hidden)).chunk(2)
+        out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
+        out[dst + "mlp.down_proj.weight"] = take(
+            src + "mlp.down.weight", (cfg.hidden, cfg.ffn_size)
+        )
+    head = f"{cfg.layers + 1}."
+    out["model.norm.weight"] = take(head + "norm.weight", (cfg.hidden,))
+    if cfg.tie_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+        used.add(head + "weight")  # a pipeline's untied copy of the tied weight, if exported
+    else:
+        out["lm_head.weight"] = take(head + "weight", (cfg.vocab_size, cfg.hidden))
+    unused = sorted(set(state) - used)
+    if unused:
+        raise ValueError(
+            f"to_hf: {len(unused)} tensors of the state dict have no HF name under this config "
+            f"(first: {unused[:3]}); is the config the one the model was built with?"
+        )
+    return out
+
+
+def _refuse(config: Mapping, key: str, ok, why: str) -> None:
+    value = config.get(key)
+    if not ok(value):
+        raise ValueError(f"from_hf: {key}={value!r} is not supported: {why}")
+
+
+def from_hf(
+    hf_state: Mapping[str, torch.Tensor], hf_config_dict: Mapping
+) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """HF LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM weights and config.json
+    content -> (LlamaConfig, state under fastpar global names; the head's ``{L+1}.weight``
+    is the embedding itself when tied, as in ``state_dict()``). Raises for what fastpar's
+    Llama does not compute (see the module docstring) and for missing or unused tensors."""
+    c = dict(hf_config_dict)
+    model_type = c.get("model_type")
+    if model_type not in _ARCH:
+        raise ValueError(
+            f"from_hf: model_type {model_type!r} is not one of {sorted(_ARCH)} (the families "
+            f"fastpar's Llama maps)"
+        )
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(
+            f"from_hf: rope_type {rope_type!r} is not supported: fastpar's Llama computes "
+            f"default (unscaled) RoPE only"
+        )
+    _refuse(c, "hidden_act", lambda v: v in (None, "silu"), "the MLP is SwiGLU with SiLU")
+    _refuse(c, "mlp_bias", lambda v: not v, "fastpar's Llama MLP has no bias")
+    _refuse(c, "use_sliding_window", lambda v: not v, "attention is full (causal) only")
+    if model_type in ("llama", "qwen3"):
+        _refuse(c, "attention_bias", lambda v: not v, "fastpar has no o_proj bias")
+    heads = c["num_attention_heads"]
+    cfg = LlamaConfig(
+        vocab_size=c["vocab_size"],
+        seq_len=c.get("max_position_embeddings", 2048),
+        hidden=c["hidden_size"],
+        heads=heads,
+        kv_heads=c.get("num_key_value_heads") or heads,
+        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+        layers=c["num_hidden_layers"],
+        ffn=c["intermediate_size"],
+        rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        qk_norm=model_type == "qwen3",
+        attention_bias=model_type == "qwen2",
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+    )
+    cfg.check()
+    d, kv, rep = cfg.head_size, cfg.num_kv_heads, cfg.heads // cfg.num_kv_heads
+    used: set[str] = set()
+    state: dict[str, torch.Tensor] = {
+        "0.tok.weight": _take(hf_state, "model.embed_tokens.weight", used)
+    }
+    for i in range(cfg.layers):
+        src, dst = f"model.layers.{i}.", f"{i + 1}."
+        attn = src + "self_attn."
+        state[dst + "norm1.weight"] = _take(hf_state, src + "input_layernorm.weight", used)
+        state[dst + "norm2.weight"] = _take(hf_state, src + "post_attention_layernorm.weight", used)
+        for kind in ["weight", "bias"] if cfg.attention_bias else ["weight"]:
+            q = _take(hf_state, attn + f"q_proj.{kind}", used).reshape(kv, rep, d, -1)
+            k = _take(hf_state, attn + f"k_proj.{kind}", used).reshape(kv, 1, d, -1)
+            v = _take(hf_state, attn + f"v_proj.{kind}", used).reshape(kv, 1, d, -1)
+            grouped = torch.cat([q, k, v], dim=1)
+            shape = (-1, cfg.hidden) if kind == "weight" else (-1,)
+            state[dst + f"attn.qkv.{kind}"] = grouped.reshape(shape)
+        if cfg.qk_norm:
+            state[dst + "attn.q_norm.weight"] = _take(hf_state, attn + "q_norm.weight", used)
+            state[dst + "attn.k_norm.weight"] = _take(hf_state, attn + "k_norm.weight", used)
+        state[dst + "attn.o.weight"] = _take(hf_state, attn + "o_proj.weight", used)
+        gate = _take(hf_state, src + "mlp.gate_proj.weight", used)
+        up = _take(hf_state, src + "mlp.up_proj.weight", used)
+        state[dst + "mlp.gate_up.weight"] = torch.cat([gate, up])
+        state[dst + "mlp.down.weight"] = _take(hf_state, src + "mlp.down_proj.weight", used)
+    head = f"{cfg.layers + 1}."
+    state[head + "norm.weight"] = _take(hf_state, "model.norm.weight", used)
+    if cfg.tie_embeddings:  # the head's alias of the embedding, as in the model's state_dict()
+        used.add("lm_head.weight")
+        state[head + "weight"] = state["0.tok.weight"]
+    else:
+        state[head + "weight"] = _take(hf_state, "lm_head.weight", used)
+    unused = sorted(k for k in set(hf_state) - used if not k.endswith("rotary_emb.inv_freq"))
+    if unused:
+        raise ValueError(
+            f"from_hf: {len(unused)} tensors have no fastpar name (first: {unused[:3]}); the "
+            f"checkpoint holds weights fastpar's Llama does not compute"
+        )
+    return cfg, state

@@ -1,0 +1,297 @@
+"""The fastpar Llama against Hugging Face's own models (LlamaForCausalLM, Qwen3ForCausalLM,
+Qwen2ForCausalLM: logits and every gradient, weights mapped both ways, export_hf ->
+from_pretrained) and against its single-process self under tensor / sequence parallelism
+(initial weights, logits, loss and every gradient on every rank, q/k-norm included)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from _parity import assert_close, local_slice
+
+from fastpar import ParallelMesh
+from fastpar.checkpoint import export_hf, import_state_dict
+from fastpar.comm import gather_from_region
+from fastpar.models import LlamaConfig, build_llama, from_hf, hf_config, llama_loss, to_hf
+from fastpar.nn.marks import param_layout
+from fastpar.testing import run_ranks
+
+# odd sizes everywhere: vocab not a multiple of TP, head_dim != hidden / heads, ffn odd
+VARIANTS = {
+    "llama-gqa-untied": dict(
+        vocab_size=101, hidden=40, heads=4, kv_heads=2, head_dim=12, ffn=58, rope_theta=5e5,
+        norm_eps=1e-5,
+    ),
+    "qwen3-qknorm-tied": dict(
+        vocab_size=97, hidden=36, heads=6, kv_heads=2, ffn=50, qk_norm=True, tie_embeddings=True,
+        rope_theta=1e6,
+    ),
+    "qwen2-bias-mqa": dict(
+        vocab_size=89, hidden=48, heads=4, kv_heads=1, head_dim=10, ffn=70, attention_bias=True,
+    ),
+}  # fmt: skip
+HF_TYPE = {"llama-gqa-untied": "llama", "qwen3-qknorm-tied": "qwen3", "qwen2-bias-mqa": "qwen2"}
+
+
+def _perturb_(model: torch.nn.Module, seed: int) -> None:
+    """Norm weights start at one and biases at the layer's init: move them, so that a swapped
+    or missing norm / bias shows in the logits and gradients."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+
+
+def _fastpar_model(cfg: LlamaConfig, seed: int = 0) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*build_llama(cfg))
+    _perturb_(model, seed + 1)
+    return model
+
+
+def _hf_model(cfg_dict: dict):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model(**cfg_dict)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return model.float().eval()
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_logits_and_every_gradient_equal_hf(name):
+    cfg = LlamaConfig(layers=2, seq_len=16, **VARIANTS[name])
+    ours = _fastpar_model(cfg)
+    config = hf_config(cfg)
+    assert config["model_type"] == HF_TYPE[name]
+    hf = _hf_model(config)
+    assert type(hf).__name__ == config["architectures"][0]
+    state = {k: v.detach().clone() for k, v in ours.named_parameters()}
+    hf.load_state_dict(to_hf(state, cfg), strict=True)
+    if cfg.tie_embeddings:  # HF re-ties after load: one tensor, no stray copy
+        assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    torch.manual_seed(5)
+    ids = torch.randint(0, cfg.vocab_size, (3, 13))
+    targets = torch.randint(0, cfg.vocab_size, (3, 13))
+    logits = ours(ids)
+    want = hf(ids).logits
+    torch.testing.assert_close(logits.view(3, 13, -1), want, rtol=1e-5, atol=2e-5)
+    loss = llama_loss(logits, targets, cfg)
+    want_loss = torch.nn.functional.cross_entropy(want.flatten(0, 1), targets.flatten())
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    loss.backward()
+    want_loss.backward()
+    ours_grads = to_hf({k: p.grad for k, p in ours.named_parameters()}, cfg)
+    hf_params = dict(hf.named_parameters(remove_duplicate=False))
+    assert set(ours_grads) == set(hf_params)
+    for k, g in ours_grads.items():
+        torch.testing.assert_close(g, hf_params[k].grad, rtol=1e-4, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_from_hf_loads_an_hf_model(name):
+    cfg = LlamaConfig(layers=2, seq_len=16, **VARIANTS[name])
+    torch.manual_seed(3)
+    hf = _hf_model(hf_config(cfg))
+    _perturb_(hf, 4)
+    hf_state = {k: v.detach() for k, v in hf.state_dict().items()}
+    got_cfg, state = from_hf(hf_state, hf.config.to_dict())
+    assert hf_config(got_cfg) == hf_config(cfg)
+    model = torch.nn.Sequential(*build_llama(got_cfg))
+    model.load_state_dict(state, strict=True)
+    ids = torch.randint(0, cfg.vocab_size, (2, 11))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).view(2, 11, -1), hf(ids).logits, rtol=1e-5, atol=2e-5)
+    back = to_hf(state, got_cfg)  # and back again: the same tensors under the same names
+    assert set(back) == set(hf_state)
+    for k, v in back.items():
+        assert torch.equal(v, hf_state[k]), k
+
+
+@pytest.mark.parametrize("name", ["qwen3-qknorm-tied", "llama-gqa-untied"])
+def test_export_hf_loads_with_from_pretrained(name, tmp_path):
+    pytest.importorskip("safetensors")
+    transformers = pytest.importorskip("transformers")
+    cfg = LlamaConfig(layers=2, seq_len=16, **VARIANTS[name])
+    ours = _fastpar_model(cfg)
+    state = {k: v.detach() for k, v in ours.named_parameters()}
+    export_hf(to_hf(state, cfg), tmp_path, hf_config(cfg))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).view(2, 9, -1), hf(ids).logits, rtol=1e-5, atol=2e-5)
+
+
+def test_hf_mapping_refuses_what_it_cannot_map():
+    with pytest.raises(ValueError, match=r"MoE blocks \(moe_every=2\) has no HF export"):
+        to_hf({}, LlamaConfig(moe_every=2))
+    with pytest.raises(ValueError, match="qk_norm with attention_bias has no HF family"):
+        hf_config(LlamaConfig(qk_norm=True, attention_bias=True))
+    cfg = LlamaConfig(layers=1, seq_len=8, hidden=16, heads=2, vocab_size=11)
+    torch.manual_seed(0)
+    state = {k: v.detach() for k, v in torch.nn.Sequential(*build_llama(cfg)).named_parameters()}
+    with pytest.raises(ValueError, match=r"1.attn.qkv.weight: shape \(48, 16\), expected"):
+        to_hf(state, dataclasses.replace(cfg, kv_heads=1))
+    with pytest.raises(ValueError, match=r"have no HF name.*\['9.extra'\]"):
+        to_hf({**state, "9.extra": torch.zeros(1)}, cfg)
+    hf_state, config = to_hf(state, cfg), hf_config(cfg)
+    bad = {
+        "rope_type 'llama3' is not supported": {
+            "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}
+        },
+        "mlp_bias=True is not supported": {"mlp_bias": True},
+        "attention_bias=True is not supported: fastpar has no o_proj bias": {
+            "attention_bias": True
+        },
+        "hidden_act='gelu' is not supported": {"hidden_act": "gelu"},
+        "model_type 'gpt2' is not one of": {"model_type": "gpt2"},
+    }
+    for message, change in bad.items():
+        with pytest.raises(ValueError, match=message):
+            from_hf(hf_state, {**config, **change})
+    with pytest.raises(ValueError, match="use_sliding_window=True is not supported"):
+        from_hf(hf_state, {**config, "model_type": "qwen2", "use_sliding_window": True})
+    with pytest.raises(ValueError, match=r"1 tensors have no fastpar name.*mlp.gate_proj.bias"):
+        from_hf({**hf_state, "model.layers.0.mlp.gate_proj.bias": torch.zeros(1)}, config)
+    with pytest.raises(KeyError, match=r"model\.norm\.weight"):
+        from_hf({k: v for k, v in hf_state.items() if k != "model.norm.weight"}, config)
+
+
+@pytest.mark.parametrize(
+    "kwargs,tp,message",
+    [
+        (dict(heads=4, kv_heads=3), 1, "kv_heads 3 must divide heads 4"),
+        (dict(heads=4, kv_heads=2), 4, "kv_heads 2 are not divisible by tp 4"),
+        (dict(heads=6, hidden=48), 4, "heads 6 are not divisible by tp 4"),
+        (dict(hidden=30, heads=4), 1, "hidden 30 is not divisible by heads 4: set head_dim"),
+        (dict(hidden=32, heads=4, head_dim=7), 1, "head_dim 7 must be even"),
+        (dict(ffn=50), 4, "ffn 50 is not divisible by tp 4"),
+        (dict(rope_theta=0.0), 1, "rope_theta must be positive"),
+    ],
+)
+def test_config_errors_name_the_value_and_the_fix(kwargs, tp, message):
+    with pytest.raises(ValueError, match=message):
+        LlamaConfig(**kwargs).check(tp=tp)
+
+
+def test_default_ffn_is_swiglu_sized():
+    # 8/3 of the width, rounded up to a multiple of 64: 8 * 64 / 3 = 170.7 -> 192
+    assert LlamaConfig(hidden=64).ffn_size == 192
+    assert LlamaConfig(hidden=96).ffn_size == 256
+
+
+# -- tensor / sequence parallel: every rank against the single-process model -----------------
+def _gathered_logits(logits: torch.Tensor, cfg: LlamaConfig, mesh) -> torch.Tensor:
+    full = gather_from_region(logits, mesh.tp_group, dim=-1)
+    return full[:, : cfg.vocab_size]
+
+
+def _local(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    layout = param_layout(p)
+    if layout is None or layout.kind == "replicated":
+        return full
+    return local_slice(full, p, layout.fused)
+
+
+def _single_process(cfg: LlamaConfig):
+    """In this (rank-less) process: the initial weights, moved weights, a batch, and the
+    logits, loss and gradients of the single-process model."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*build_llama(cfg))
+    initial = {k: v.detach().clone() for k, v in model.named_parameters()}
+    _perturb_(model, 1)
+    state = {k: v.detach().clone() for k, v in model.named_parameters()}
+    torch.manual_seed(7)
+    ids = torch.randint(0, cfg.vocab_size, (3, cfg.seq_len))
+    targets = torch.randint(0, cfg.vocab_size, (3, cfg.seq_len))
+    logits = model(ids)
+    loss = llama_loss(logits, targets, cfg)
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    return initial, state, (ids, targets), (logits.detach(), loss.detach(), grads)
+
+
+def _tp_parity(cfg: LlamaConfig, tp: int, initial, state, batch, want) -> None:
+    mesh = ParallelMesh(tp=tp)
+    torch.manual_seed(0)
+    par = torch.nn.Sequential(*build_llama(cfg, mesh))
+    params = dict(par.named_parameters())
+    assert list(params) == list(initial)
+    for name, p in params.items():  # every rank drew the full weights and kept its slice
+        assert torch.equal(p.detach(), _local(initial[name], p)), f"initial {name}"
+    import_state_dict(state, params)  # the moved norms and biases, by global name
+    (ids, targets), (ref_logits, ref_loss, ref_grads) = batch, want
+    logits = par(ids)
+    assert_close(_gathered_logits(logits, cfg, mesh), ref_logits, "logits")
+    loss = llama_loss(logits, targets, cfg, mesh)
+    assert_close(loss, ref_loss, "loss")
+    loss.backward()
+    for name, p in params.items():
+        assert p.grad is not None, f"no gradient for {name}"
+        expect = _local(ref_grads[name], p)
+        assert_close(p.grad, expect, f"grad of {name} on TP rank {mesh.tp_rank}")
+
+
+TP_CASES = {
+    "qknorm-gqa-tp2": (dict(qk_norm=True), 2),
+    "qknorm-sp-tp2": (dict(qk_norm=True, sequence_parallel=True), 2),
+    "bias-sp-untied-tp2": (dict(attention_bias=True, sequence_parallel=True), 2),
+    "qknorm-bias-tied-tp4": (
+        dict(qk_norm=True, attention_bias=True, tie_embeddings=True, heads=8, kv_heads=4),
+        4,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(TP_CASES))
+def test_tensor_parallel_equals_single_process_on_every_rank(case):
+    kwargs, tp = TP_CASES[case]
+    base = dict(vocab_size=53, seq_len=8, hidden=24, heads=4, kv_heads=2, head_dim=6, ffn=20)
+    cfg = LlamaConfig(layers=2, **{**base, **kwargs})
+    run_ranks(_tp_parity, tp, cfg, tp, *_single_process(cfg))
+
+
+def _hf_weights_at_tp(cfg_dict, hf_state, ids, want, tp):
+    mesh = ParallelMesh(tp=tp)
+    cfg, state = from_hf(hf_state, cfg_dict)
+    par = torch.nn.Sequential(*build_llama(cfg, mesh))
+    import_state_dict(state, dict(par.named_parameters()))
+    with torch.no_grad():
+        got = _gathered_logits(par(ids), cfg, mesh).view(want.shape)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+
+
+def test_hf_weights_load_into_a_tensor_parallel_model():
+    cfg = LlamaConfig(layers=2, seq_len=12, **VARIANTS["qwen3-qknorm-tied"])
+    torch.manual_seed(2)
+    hf = _hf_model(hf_config(cfg))
+    _perturb_(hf, 3)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12))
+    with torch.no_grad():
+        want = hf(ids).logits
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    run_ranks(_hf_weights_at_tp, 2, hf.config.to_dict(), state, ids, want, 2)
+
+
+def test_a_trained_checkpoint_of_any_layout_exports_to_hf(tmp_path):
+    from fastpar.checkpoint import export_state_dict
+    from fastpar.train import TrainConfig, launch
+
+    cfg = TrainConfig(
+        model_type="llama", tp=2, pp=2, dp=2, ep=1, moe_every=0, kv_heads=2, qk_norm=True,
+        steps=2, batch_size=8, seq_len=16, hidden=32, layers=2, quiet=True,
+        checkpoint_dir=str(tmp_path), save_every=2,
+    )  # fmt: skip
+    launch(cfg)
+    state = export_state_dict(tmp_path / "step_000002")
+    model_cfg = cfg.model()
+    head = f"{model_cfg.layers + 1}.weight"  # the last stage's copy of the tied embedding
+    assert torch.equal(state[head], state["0.tok.weight"])
+    hf = _hf_model(hf_config(model_cfg))
+    hf.load_state_dict(to_hf(state, model_cfg), strict=True)
+    ours = torch.nn.Sequential(*build_llama(model_cfg))
+    ours.load_state_dict(state, strict=True)
+    ids = torch.randint(0, model_cfg.vocab_size, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).view(2, 16, -1), hf(ids).logits, rtol=1e-5, atol=2e-5)
