@@ -198,7 +198,7 @@ def _rank(build_model, plan, tp, zero, steps, seed, batch, loss, lr, weight_deca
     model.zero_grad()
     value = loss(model, first)
     value.backward()
-    loss_diff = abs(float(value) - ref_loss) / (1.0 + abs(ref_loss))
+    loss_diff = abs(float(value.detach()) - ref_loss) / (1.0 + abs(ref_loss))
     worst_grad = (0.0, "")
     for name, p in model.named_parameters(remove_duplicate=False):
         expect = ref_grads.get(name)
@@ -336,37 +336,6 @@ def check_parallel(
 
 
 # -- python -m fastpar.verify --hf-config config.json -------------------------------------------
-def hf_model_builder(path: str) -> Callable[[], nn.Module]:
-    """A zero-argument builder of the Hugging Face model a ``config.json`` describes (random
-    init; its ``architectures`` entry picks the head, else a causal LM)."""
-    import json
-
-    try:
-        import transformers
-    except ImportError as exc:
-        raise ImportError("--hf-config needs transformers: pip install 'fastpar[hf]'") from exc
-    try:
-        with open(path) as f:
-            raw = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"--hf-config {path!r}: cannot read a JSON config ({exc})") from exc
-    if "model_type" not in raw:
-        raise ValueError(f"--hf-config {path!r} has no 'model_type' (say \"llama\")")
-    kwargs = {k: v for k, v in raw.items() if k not in ("model_type", "transformers_version")}
-    config = transformers.AutoConfig.for_model(raw["model_type"], **kwargs)
-    arch = (raw.get("architectures") or [None])[0]
-    cls = getattr(transformers, arch, None) if arch else None
-    if cls is None:
-        cls = transformers.AutoModelForCausalLM
-
-    def build() -> nn.Module:
-        if hasattr(cls, "from_config"):
-            return cls.from_config(config)
-        return cls(config)
-
-    return build
-
-
 def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
@@ -390,7 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     try:
-        build = hf_model_builder(args.hf_config)
+        from fastpar.models.hf import model_builder
+
+        build = model_builder(args.hf_config)
         rows = args.batch_size if args.batch_size is not None else 4 * args.dp
         if rows % args.dp:
             raise ValueError(f"--batch-size {rows} is not divisible by --dp {args.dp}")

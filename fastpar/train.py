@@ -99,6 +99,7 @@ class TrainConfig:
     data: str | None = None
     data_dtype: str = "uint16"
     tokenizer: str | None = None
+    hf_config: str | None = None
     checkpoint_dir: str | None = None
     save_every: int = 0
     resume: bool = False
@@ -107,14 +108,23 @@ class TrainConfig:
     quiet: bool = False
 
     @property
+    def model_name(self) -> str:
+        """What trains: "gpt", "llama", or "hf:<config path>"."""
+        return f"hf:{self.hf_config}" if self.hf_config else self.model_type
+
+    @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
 
     @property
     def vocab(self) -> int:
-        """--vocab-size, else the tokenizer's vocabulary, else 256 (bytes)."""
+        """--vocab-size, else the --hf-config model's, else the tokenizer's, else 256 (bytes)."""
         if self.vocab_size is not None:
             return self.vocab_size
+        if self.hf_config:
+            from fastpar.models.hf import read_config_json
+
+            return int(read_config_json(self.hf_config)["vocab_size"])
         return tokenizer_vocab_size(self.tokenizer) if self.tokenizer else 256
 
     def model(self) -> GPTConfig | LlamaConfig:
@@ -136,7 +146,9 @@ class TrainConfig:
         if self.model_type not in ("gpt", "llama"):
             raise ValueError(f"model must be gpt or llama, got {self.model_type!r}")
         defaults = TrainConfig()
-        if self.model_type == "gpt":
+        if self.hf_config:
+            self._check_hf(defaults)
+        elif self.model_type == "gpt":
             llama_only = ("kv_heads", "head_dim", "rope_theta", "qk_norm", "attention_bias")
             for name in llama_only:
                 if getattr(self, name) != getattr(defaults, name):
@@ -157,6 +169,58 @@ class TrainConfig:
                     f"{self.tokenizer}: drop --vocab-size (it follows the tokenizer) or pass "
                     f">= {n}"
                 )
+
+    def _check_hf(self, defaults: TrainConfig) -> None:
+        """--hf-config: the model is the config's; fastpar-model flags do not apply."""
+        from fastpar.models.hf import DECODERS, is_masked_lm, load_config
+
+        own = ("model_type", "kv_heads", "head_dim", "qk_norm", "attention_bias", "ffn", "untied")
+        for name in own:
+            if getattr(self, name) != getattr(defaults, name):
+                flag = "--model" if name == "model_type" else "--" + name.replace("_", "-")
+                raise ValueError(
+                    f"{flag} does not apply with --hf-config (the config sets the model)"
+                )
+        if self.ep > 1:
+            raise ValueError(
+                f"--ep {self.ep} with --hf-config: a Hugging Face MoE block stays replicated over "
+                "TP and is not expert-parallel here; use --ep 1"
+            )
+        if self.sequence_parallel:
+            raise ValueError("--sequence-parallel is not supported with --hf-config")
+        config = load_config(self.hf_config)
+        if self.vocab_size is not None and self.vocab_size != config.vocab_size:
+            raise ValueError(
+                f"--vocab-size {self.vocab_size} differs from the config's vocab_size "
+                f"{config.vocab_size}: drop --vocab-size"
+            )
+        if self.tokenizer and tokenizer_vocab_size(self.tokenizer) > config.vocab_size:
+            raise ValueError(
+                f"{self.tokenizer} has {tokenizer_vocab_size(self.tokenizer)} tokens, more than "
+                f"the config's vocab_size {config.vocab_size}: use a matching tokenizer"
+            )
+        limit = getattr(config, "max_position_embeddings", None) or getattr(
+            config, "n_positions", None
+        )
+        if isinstance(limit, int) and self.seq_len > limit:
+            raise ValueError(f"--seq-len {self.seq_len} exceeds the config's {limit} positions")
+        for key in ("num_attention_heads", "num_key_value_heads", "n_head"):
+            heads = getattr(config, key, None)
+            if isinstance(heads, int) and heads % self.tp:
+                raise ValueError(
+                    f"--tp {self.tp} does not divide the config's {key}={heads}: use a TP size "
+                    f"that divides it"
+                )
+        if self.pp > 1 and (config.model_type not in DECODERS or is_masked_lm(config)):
+            raise ValueError(
+                f"--pp {self.pp} with a {config.model_type} model: pipeline stages split the "
+                f"decoder families {list(DECODERS)}; use --pp 1"
+            )
+        layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0)
+        if self.pp > layers + 2:
+            raise ValueError(
+                f"--pp {self.pp} exceeds the {layers + 2} pipeline blocks of the model"
+            )
 
     def check(self) -> None:
         """Refuse an impossible run before any process group exists (the data are checked by
@@ -179,7 +243,8 @@ class TrainConfig:
             )
         if self.zero == 3 and self.pp > 1:
             raise ValueError("zero=3 with pp > 1 is not supported: use zero <= 2 with pipelines")
-        self.model().check(self.tp, self.pp, self.ep)
+        if not self.hf_config:
+            self.model().check(self.tp, self.pp, self.ep)
 
 
 # -- data --------------------------------------------------------------------------------------
@@ -196,6 +261,17 @@ def load_data(cfg: TrainConfig, check: bool = True):
             hint = f"; read as {cfg.data_dtype}: is --data-dtype the one the file was written with?"
         check_token_ids(tokens, cfg.vocab, source, min_tokens=cfg.seq_len + 2, hint=hint)
     return tokens
+
+
+def batch_of(cfg: TrainConfig, tokens, step: int, hf=None):
+    """The global batch of ``step``: next-token targets, or for a masked LM (BERT through
+    --hf-config) masked inputs and their targets (-100 where nothing is predicted)."""
+    x, y = global_batch(tokens, step, cfg.batch_size, cfg.seq_len, cfg.seed)
+    if hf is not None and hf.masked:
+        from fastpar.models.hf import masked_lm_batch
+
+        x, y = masked_lm_batch(x, step, cfg.seed, hf.mask_id)
+    return x, y
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -218,21 +294,31 @@ class Trainer:
         from fastpar.zero import Zero3, ZeroOptimizer
 
         self.cfg, self.mesh, self.device = cfg, mesh, device
-        self.model_cfg = cfg.model()
+        self.hf = None
         torch.manual_seed(cfg.seed)
-        blocks = build_model(self.model_cfg, mesh)
-        block_types = tuple({type(b) for b in blocks[1:-1]})  # what ZeRO-3 gathers one at a time
-        tied = untie_for_pipeline(blocks, mesh)
+        if cfg.hf_config:  # a Hugging Face model: built-in TP plan, decoder pipeline blocks
+            from fastpar.models.hf import hf_blocks, load_config
+
+            self.hf = hf_blocks(load_config(cfg.hf_config), mesh)
+            self.model_cfg = self.hf  # holds vocab_size for the loss
+            blocks, block_types, tied = self.hf.blocks, self.hf.block_types, None
+        else:
+            self.model_cfg = cfg.model()
+            blocks = build_model(self.model_cfg, mesh)
+            block_types = tuple({type(b) for b in blocks[1:-1]})  # ZeRO-3 gathers one at a time
+            tied = untie_for_pipeline(blocks, mesh)
         stage, (self.start, _) = build_stage(
             blocks, mesh.pp_size, mesh.pp_rank, costs=[1.0] * len(blocks)
         )
-        del blocks
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
             cfg.precision
         ]
         stage = stage.to(device=device, dtype=dtype)
-        if tied is not None:  # Module.to converts parameters in place: `tied` is still ours
+        if self.hf is not None:  # after the cast: the last stage copies the cast weight
+            self.hf.tie(blocks, mesh)
+        elif tied is not None:  # Module.to converts parameters in place: `tied` is still ours
             tie_across_stages(tied, mesh)
+        del blocks
         self.stage_module = stage
         self.moes = [m for m in stage.modules() if isinstance(m, MoE)]
         scaler = (
@@ -275,7 +361,9 @@ class Trainer:
             model,
             mesh,
             sched,
-            loss_fn=lambda logits, y: lm_loss(logits.float(), y, self.model_cfg, mesh),
+            loss_fn=lambda logits, y: lm_loss(
+                logits.flatten(0, -2).float(), y, self.model_cfg, mesh
+            ),
             recompute=cfg.recompute,
             no_sync=no_sync,
             scale_loss=opt.scale_loss,
@@ -289,9 +377,12 @@ class Trainer:
         return opt.optimizer.param_groups if hasattr(opt, "optimizer") else opt.param_groups
 
     def named_parameters(self) -> dict[str, torch.nn.Parameter]:
-        """This rank's parameters under the single-process model's names."""
+        """This rank's parameters under the single-process model's names (Hugging Face's with
+        --hf-config)."""
         from fastpar.checkpoint import stage_param_names
 
+        if self.hf is not None:
+            return self.hf.names(self.stage_module)
         return stage_param_names(self.stage_module, self.start)
 
     def step(self) -> dict:
@@ -302,7 +393,7 @@ class Trainer:
         scale = self.scaler.scale if self.scaler is not None else 1.0
         for m in self.moes:  # aux losses enter backward like the main loss of a micro-batch
             m.aux_loss_scale = scale / cfg.microbatches
-        x, y = global_batch(self.tokens, self.step_count, cfg.batch_size, cfg.seq_len, cfg.seed)
+        x, y = batch_of(cfg, self.tokens, self.step_count, self.hf)
         per = cfg.batch_size // mesh.dp_size
         rows = slice(mesh.dp_rank * per, (mesh.dp_rank + 1) * per)
         x, y = x[rows].to(self.device), y[rows].to(self.device)
@@ -379,7 +470,7 @@ def run(cfg: TrainConfig, tokens=None) -> list[dict]:
     if talk:
         n = sum(p.numel() for p in trainer.stage_module.parameters())
         print(
-            f"fastpar.train: {cfg.model_type}, world {cfg.world_size} = dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp} "
+            f"fastpar.train: {cfg.model_name}, world {cfg.world_size} = dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp} "
             f"(ep {cfg.ep}), ZeRO-{cfg.zero}, {cfg.precision}, {cfg.schedule} x {cfg.microbatches} "
             f"micro-batches, {dist.get_backend()}; {total_params:,} parameters, rank 0 holds {n:,}",
             flush=True,
@@ -527,6 +618,12 @@ _OPTIONAL_FLAGS = {
     "capacity_factor": (float, "MoE capacity factor (default: dropless)"),
     "data": (str, "a text file, a .npy or a .bin file of token ids (default: embedded corpus)"),
     "tokenizer": (str, "a tokenizer.json (HF tokenizers) for text data; sets the vocabulary"),
+    "ep": (int, "expert-parallel size (default 2; 1 with --hf-config)"),
+    "hf_config": (
+        str,
+        "a Hugging Face config.json: train that model (random init) with its "
+        "family's built-in plan instead of the GPT / Llama",
+    ),
     "checkpoint_dir": (str, None),
     "profile": (str, None),
 }
@@ -561,7 +658,10 @@ def build_parser(prog: str = "python -m fastpar.train") -> argparse.ArgumentPars
 
 
 def config_from(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+    values = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
+    if values["ep"] is None:  # the default: expert parallelism for fastpar's MoE models only
+        values["ep"] = 1 if values["hf_config"] else TrainConfig.ep
+    return TrainConfig(**values)
 
 
 def main(argv: list[str] | None = None) -> int:

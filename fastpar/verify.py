@@ -3,6 +3,7 @@
     python -m fastpar.verify --tp 2 --pp 2 --dp 2 --ep 2 --zero 1 --steps 3
 
     python -m fastpar.verify --model llama --kv-heads 2 --qk-norm --tp 2 --pp 2 --dp 2 --ep 2
+    python -m fastpar.verify --hf-config config.json --tp 2 --dp 2 --zero 1   # your HF model
 
 Trains the model of ``fastpar.train`` (``--model gpt`` or ``llama``) under the given layout (any
 of its flags: precision, schedule, micro-batches, ZeRO stage, sequence parallelism, MoE
@@ -31,9 +32,9 @@ from fastpar.models import build_model, lm_loss
 from fastpar.moe import MoE
 from fastpar.train import (
     TrainConfig,
+    batch_of,
     build_parser,
     config_from,
-    global_batch,
     launch,
     load_data,
     lr_at,
@@ -51,9 +52,16 @@ def reference(cfg: TrainConfig, tokens=None) -> tuple[list[float], dict[str, tor
     from fastpar.amp import DynamicLossScaler
     from fastpar.optim import FusedAdamW, MixedPrecisionOptimizer
 
-    model_cfg = cfg.model()
     torch.manual_seed(cfg.seed)
-    model = torch.nn.Sequential(*build_model(model_cfg, None))
+    hf = None
+    if cfg.hf_config:  # the Hugging Face model itself, unsharded (its own modules)
+        from fastpar.models.hf import hf_blocks, load_config
+
+        hf = model_cfg = hf_blocks(load_config(cfg.hf_config), None)
+        model = torch.nn.Sequential(*hf.blocks)
+    else:
+        model_cfg = cfg.model()
+        model = torch.nn.Sequential(*build_model(model_cfg, None))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
     model = model.to(dtype)
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -78,14 +86,15 @@ def reference(cfg: TrainConfig, tokens=None) -> tuple[list[float], dict[str, tor
         scale = scaler.scale if scaler is not None else 1.0
         for m in moes:
             m.aux_loss_scale = scale / cfg.microbatches
-        x, y = global_batch(tokens, step, cfg.batch_size, cfg.seq_len, cfg.seed)
+        x, y = batch_of(cfg, tokens, step, hf)
         total, acc = 0.0, [torch.zeros_like(p, dtype=torch.float32) for p in params]
         # replica by replica, as the data-parallel ranks do: micro-batch gradients accumulate in
         # the model's dtype, replicas are averaged in fp32 (the DP reduction)
         for xd, yd in zip(x.chunk(cfg.dp), y.chunk(cfg.dp), strict=True):
             opt.zero_grad()
             for xc, yc in zip(xd.chunk(cfg.microbatches), yd.chunk(cfg.microbatches), strict=True):
-                loss = lm_loss(model(xc).float(), yc, model_cfg) / cfg.microbatches
+                logits = model(xc).flatten(0, -2).float()
+                loss = lm_loss(logits, yc, model_cfg) / cfg.microbatches
                 opt.scale_loss(loss).backward()
                 total += float(loss.detach()) / cfg.dp
             for a, p in zip(acc, params, strict=True):
@@ -96,7 +105,8 @@ def reference(cfg: TrainConfig, tokens=None) -> tuple[list[float], dict[str, tor
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    params = {name: p.detach().float().clone() for name, p in model.named_parameters()}
+    named = hf.names(model) if hf is not None else dict(model.named_parameters())
+    params = {name: p.detach().float().clone() for name, p in named.items()}
     return losses, params
 
 
@@ -124,7 +134,7 @@ def compare(cfg: TrainConfig, tokens=None) -> tuple[bool, str]:
         dist_losses, dist_params = _distributed(cfg, directory, tokens)
     ref_losses, ref_params = reference(cfg, tokens)
     lines = [
-        f"{cfg.model_type}, layout: dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp} (ep {cfg.ep}), ZeRO-{cfg.zero}, {cfg.precision}, "
+        f"{cfg.model_name}, layout: dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp} (ep {cfg.ep}), ZeRO-{cfg.zero}, {cfg.precision}, "
         f"{cfg.schedule} x {cfg.microbatches}{', recompute' if cfg.recompute else ''}"
         f"{', sequence parallel' if cfg.sequence_parallel else ''}",
         f"{'step':>5} {'distributed':>14} {'single-process':>15} {'rel. diff':>10}",
@@ -160,6 +170,9 @@ def compare(cfg: TrainConfig, tokens=None) -> tuple[bool, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--hf-config" or a.startswith("--hf-config=") for a in argv):
+        return _main_hf(argv)
     ap = build_parser("python -m fastpar.verify")
     ap.set_defaults(steps=3)
     args = ap.parse_args(argv)
@@ -173,6 +186,44 @@ def main(argv: list[str] | None = None) -> int:
     ok, text = compare(cfg, tokens)
     print(text)
     return 0 if ok else 1
+
+
+def _main_hf(argv: list[str]) -> int:
+    """--hf-config: a Hugging Face model, proven twice. First ``check_parallel`` (tp x dp, the
+    ZeRO stage): logits, loss and every gradient on every rank on one batch, then the
+    parameters after AdamW steps. Then the training command itself (any of its flags, pp
+    included) beside the single-process model, as for the GPT. Exit 0 only if both agree."""
+    from fastpar import parity
+    from fastpar.testing import RankError
+
+    ap = build_parser("python -m fastpar.verify")
+    ap.set_defaults(steps=3, batch_size=8, seq_len=16)
+    args = ap.parse_args(argv)
+    cfg = config_from(args)
+    try:
+        cfg.check()
+        tokens = load_data(cfg)
+    except (ValueError, ImportError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    ok = True
+    if cfg.pp == 1:
+        flags = ["--hf-config", cfg.hf_config, "--tp", str(cfg.tp), "--dp", str(cfg.dp)]
+        flags += ["--zero", str(cfg.zero), "--steps", str(cfg.steps), "--seed", str(cfg.seed)]
+        code = parity.main(flags)
+        if code == 2:
+            return 2
+        ok &= code == 0
+    else:
+        print("check_parallel: skipped at pp > 1 (it runs tp x dp); the trainer run below has pp")
+    print()
+    try:
+        agree, text = compare(cfg, tokens)
+    except RankError as exc:
+        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print("training command:", text, sep="\n")
+    return 0 if ok and agree else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,166 @@
+"""Hugging Face models for ``fastpar.train --hf-config`` and ``fastpar.verify --hf-config``.
+
+    config = load_config("config.json")                   # any family with a built-in plan
+    parts = hf_blocks(config, mesh)                        # parallelized, split into blocks
+    stage, (start, _) = build_stage(parts.blocks, mesh.pp_size, mesh.pp_rank)
+
+The model is drawn from the config (random init, the current random stream: the same seed on
+every rank gives the same model), made tensor-parallel with its family's built-in plan
+(``fastpar.parallelize``, the logits left split over the vocabulary for the vocab-parallel
+cross-entropy) and cut into pipeline blocks: decoder families (Llama, Mistral, Qwen2, Qwen3,
+Mixtral, Qwen3-MoE) by ``fastpar.parallel.pipeline.hf`` (any pp), other families (GPT-2, BERT)
+as one block (pp = 1). Causal LMs train on next-token prediction; masked LMs (BERT) on a fixed
+number of masked positions per row (``masked_lm_batch``). transformers is imported when needed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fastpar.nn import parallelize
+
+DECODERS = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
+"""Families the pipeline helper splits by layer (``fastpar.parallel.pipeline.hf``)."""
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError("--hf-config needs transformers: pip install 'fastpar[hf]'") from exc
+    return transformers
+
+
+def read_config_json(path: str) -> dict:
+    """The JSON of a config file, with a clear error for a missing file or bad JSON."""
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--hf-config {path!r}: cannot read a JSON config ({exc})") from exc
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise ValueError(f"--hf-config {path!r} has no 'model_type' (say \"llama\")")
+    return raw
+
+
+def load_config(path: str):
+    """The transformers config a ``config.json`` describes."""
+    raw = read_config_json(path)
+    kwargs = {k: v for k, v in raw.items() if k not in ("model_type", "transformers_version")}
+    config = _transformers().AutoConfig.for_model(raw["model_type"], **kwargs)
+    if "architectures" in raw:
+        config.architectures = raw["architectures"]
+    return config
+
+
+def model_class(config):
+    """The class of ``config.architectures[0]``; else the family's masked LM for an encoder
+    (BERT: it has one and ``is_decoder`` is False), else its causal LM."""
+    transformers = _transformers()
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    if cls is not None:
+        return cls
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    masked = MODEL_FOR_MASKED_LM_MAPPING_NAMES.get(config.model_type)
+    if masked and not getattr(config, "is_decoder", False):
+        return getattr(transformers, masked)
+    return transformers.AutoModelForCausalLM
+
+
+def is_masked_lm(config) -> bool:
+    return model_class(config).__name__.endswith("ForMaskedLM")
+
+
+def build(config) -> nn.Module:
+    """The dense model of ``config`` (random init from the current random stream), in fp32."""
+    cls = model_class(config)
+    return (cls.from_config(config) if hasattr(cls, "from_config") else cls(config)).float()
+
+
+def model_builder(path: str) -> Callable[[], nn.Module]:
+    """A zero-argument builder of the (dense, random-init) model of a ``config.json``."""
+    config = load_config(path)
+    return lambda: build(config)
+
+
+class WholeModel(nn.Module):
+    """One pipeline block holding the whole model: token ids [B, T] -> logits [B, T, V(/tp)]."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        kwargs = {"use_cache": False} if not is_masked_lm(self.model.config) else {}
+        return self.model(input_ids=ids, **kwargs).logits
+
+
+@dataclass
+class HFParts:
+    """``blocks`` (pipeline blocks), ``block_types`` (ZeRO-3's units), ``vocab_size``,
+    ``masked`` (a masked LM), ``names(stage)`` (this stage's parameters under HF names) and
+    ``tie(blocks, mesh)`` (call after build_stage and the dtype cast; returns the tied copy)."""
+
+    blocks: list[nn.Module]
+    block_types: tuple[type, ...]
+    vocab_size: int
+    masked: bool
+    names: Callable[[nn.Module], dict[str, nn.Parameter]]
+    tie: Callable[[list[nn.Module], object], nn.Parameter | None]
+    mask_id: int = -1
+
+
+def hf_blocks(config, mesh) -> HFParts:
+    """Build, parallelize and cut the model of ``config`` for this rank's mesh."""
+    from fastpar.parallel.pipeline import hf as pipe
+
+    model = build(config)
+    if mesh is not None:
+        model = parallelize(model, mesh=mesh, loss_parallel=True)
+    vocab = int(config.vocab_size)
+    masked = is_masked_lm(config)
+    if config.model_type in DECODERS and not masked:
+        blocks = pipe.hf_decoder_blocks(model)
+        return HFParts(
+            blocks, (type(blocks[1]),), vocab, masked,
+            lambda stage: dict(pipe.hf_named_parameters(stage)), pipe.hf_tie_across_stages,
+        )  # fmt: skip
+    if mesh is not None and mesh.pp_size > 1:
+        raise ValueError(
+            f"--pp {mesh.pp_size} with a {config.model_type} model: pipeline stages split the "
+            f"decoder families {list(DECODERS)} only; use --pp 1"
+        )
+    layers = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    units = (type(max(layers, key=len)[0]),) if layers else ()
+    return HFParts(
+        [WholeModel(model)], units, vocab, masked,
+        lambda stage: dict(next(iter(stage)).model.named_parameters()), lambda blocks, mesh: None,
+        mask_token_id(config),
+    )  # fmt: skip
+
+
+def masked_lm_batch(x: torch.Tensor, step: int, seed: int, mask_id: int, fraction: float = 0.15):
+    """BERT-style masked LM on token rows ``x`` [B, T]: the same number of positions in every
+    row (so replicas and micro-batches average alike) become ``mask_id``; the targets hold the
+    original ids there and -100 elsewhere."""
+    g = torch.Generator().manual_seed(seed * 7_919 + step)
+    rows, seq = x.shape
+    k = max(1, round(fraction * seq))
+    pos = torch.rand(rows, seq, generator=g).argsort(dim=1)[:, :k]
+    inputs, targets = x.clone(), torch.full_like(x, -100)
+    targets.scatter_(1, pos, x.gather(1, pos))
+    inputs.scatter_(1, pos, mask_id)
+    return inputs, targets
+
+
+def mask_token_id(config) -> int:
+    """``config.mask_token_id`` if set, else the last id of the vocabulary."""
+    value = getattr(config, "mask_token_id", None)
+    return int(value) if isinstance(value, int) else int(config.vocab_size) - 1

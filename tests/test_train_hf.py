@@ -1,0 +1,117 @@
+"""``fastpar.train --hf-config`` and ``fastpar.verify --hf-config``: a Hugging Face model from its
+config.json trained through the training command (built-in TP plan, decoder pipeline stages,
+every data-parallel wrapper) equals single-process training of the HF model itself; the
+checkpoint exports to an HF directory that transformers loads with the trained weights."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from _hf import config as hf_config
+from _hf import transformers
+
+from fastpar import checkpoint
+from fastpar.train import TrainConfig, launch, main
+from fastpar.verify import compare, reference
+from fastpar.verify import main as verify_main
+
+SMALL = dict(steps=3, batch_size=8, seq_len=16, quiet=True, ep=1)
+
+
+def _config_file(tmp_path, family: str, **overrides) -> str:
+    path = tmp_path / f"{family}.json"
+    cfg = hf_config(family, vocab_size=300, **overrides)  # the byte corpus: ids < 256
+    path.write_text(json.dumps(cfg.to_dict()))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "family, layout",
+    [
+        ("qwen3", dict(tp=2, pp=2, dp=2, zero=1)),  # tied embeddings across stages, q/k-norm
+        ("llama", dict(tp=2, pp=2, dp=2, zero=0, schedule="gpipe", microbatches=4)),
+        ("mixtral", dict(tp=2, pp=2, dp=1, zero=2, recompute=True)),
+        ("llama", dict(tp=2, pp=1, dp=2, zero=3)),
+        ("gpt2", dict(tp=2, pp=1, dp=2, zero=2)),  # Conv1D, one block
+        ("bert", dict(tp=2, pp=1, dp=2, zero=1)),  # masked LM
+        ("qwen2", dict(tp=2, pp=2, dp=1, zero=1, precision="bf16")),
+    ],
+    ids=[
+        "qwen3-tp2pp2dp2-z1",
+        "llama-gpipe-z0",
+        "mixtral-recompute-z2",
+        "llama-z3",
+        "gpt2",
+        "bert-mlm",
+        "qwen2-bf16",
+    ],
+)
+def test_training_command_equals_single_process(tmp_path, family, layout):
+    cfg = TrainConfig(**{**SMALL, **layout, "hf_config": _config_file(tmp_path, family)})
+    ok, text = compare(cfg)
+    assert ok, text
+    assert text.startswith("hf:") and text.endswith("AGREE")
+
+
+def test_checkpoint_exports_to_a_directory_transformers_loads(tmp_path):
+    path = _config_file(tmp_path, "qwen3")
+    cfg = TrainConfig(**{**SMALL, "tp": 2, "pp": 2, "dp": 2, "hf_config": path})
+    _, ref = reference(cfg)
+    cfg.checkpoint_dir, cfg.save_every = str(tmp_path / "ckpt"), cfg.steps
+    launch(cfg)
+    out = str(tmp_path / "hf")
+    with open(path) as f:
+        config = transformers.AutoConfig.for_model(**json.load(f))
+    checkpoint.export_hf(os.path.join(cfg.checkpoint_dir, "step_000003"), out, config)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    got = dict(hf.named_parameters())
+    assert set(got) == set(ref)
+    for name, value in ref.items():  # the distributed run's weights are the reference's
+        torch.testing.assert_close(got[name].detach(), value, rtol=2e-4, atol=2e-4, msg=name)
+    dense = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    dense.load_state_dict(ref, strict=False)
+    dense.tie_weights()
+    ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, dense(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_loss_falls_through_the_cli(tmp_path, capfd):
+    path = _config_file(tmp_path, "llama")
+    argv = ["--hf-config", path, "--tp", "2", "--pp", "2", "--dp", "1", "--steps", "6"]
+    assert main([*argv, "--seq-len", "16", "--batch-size", "4", "--lr", "1e-2"]) == 0
+    out = capfd.readouterr().out  # rank 0 prints from its own process
+    assert "fastpar.train: hf:" in out and "ep 1" in out
+    first, last = (float(x) for x in out.split("done: loss ")[1].split(" over")[0].split(" -> "))
+    assert last < first
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--ep", "2"], "--ep 2 with --hf-config: a Hugging Face MoE block stays replicated"),
+        (["--model", "llama"], "--model does not apply with --hf-config"),
+        (["--tp", "8", "--dp", "1", "--pp", "1"], "--tp 8 does not divide the config's"),
+        (["--seq-len", "100"], "--seq-len 100 exceeds the config's 64 positions"),
+        (["--vocab-size", "512"], "--vocab-size 512 differs from the config's vocab_size 300"),
+        (["--sequence-parallel"], "--sequence-parallel is not supported with --hf-config"),
+    ],
+)
+def test_cli_errors(tmp_path, capsys, extra, message):
+    assert main(["--hf-config", _config_file(tmp_path, "llama"), *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_pipeline_of_a_non_decoder_is_refused(tmp_path, capsys):
+    assert main(["--hf-config", _config_file(tmp_path, "gpt2"), "--pp", "2"]) == 2
+    assert "pipeline stages split the decoder families" in capsys.readouterr().err
+
+
+def test_verify_cli_runs_both_checks(tmp_path, capsys):
+    path = _config_file(tmp_path, "qwen3")
+    assert verify_main(["--hf-config", path, "--tp", "2", "--dp", "2", "--pp", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("AGREE") == 2 and "per-head" in out and "training command:" in out
