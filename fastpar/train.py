@@ -525,7 +525,7 @@ def _save(trainer: Trainer, root: str, step: int, talk: bool) -> None:
     with ctx:
         checkpoint.save(
             path, model_params=trainer.named_parameters(), optimizer=trainer.opt, mesh=trainer.mesh,
-            step=step, extra={"step": step}, overwrite=True,
+            step=step, extra={"step": step, "config": asdict(trainer.cfg)}, overwrite=True,
         )  # fmt: skip
     if talk:
         print(f"checkpoint: {path}", flush=True)

@@ -1,0 +1,198 @@
+"""``python -m fastpar.export``: a training checkpoint -> a Hugging Face directory, checked.
+
+    python -m fastpar.export ckpt/step_000030 hf_out --check --generate 12 --prompt "Beautiful is"
+
+Reads the run's settings saved with the checkpoint (``fastpar.train`` stores them), gathers the
+global tensors from whatever layout saved them (``fastpar.checkpoint.export_state_dict``), maps
+a ``--model llama`` run to its Hugging Face family (``fastpar.models.llama_hf``: Llama, Qwen2,
+Qwen3, Qwen3-MoE or Mixtral) or takes an ``--hf-config`` run's names as they are, and writes
+safetensors + config.json (``fastpar.checkpoint.export_hf``), plus the run's tokenizer.
+
+``--check`` loads the directory with ``transformers.AutoModelForCausalLM.from_pretrained`` and
+compares its logits with fastpar's own single-process model holding the checkpoint's weights
+(exit 1 if they differ). ``--generate N`` decodes N tokens greedily with both and prints the
+text (exit 1 if the tokens differ). Needs the hf extra (``pip install fastpar[hf]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from dataclasses import fields
+
+import torch
+
+TOLERANCE = 1e-4
+"""Largest |HF logit - fastpar logit| accepted (fp32; both run the same math, in other orders)."""
+
+
+def run_config(path: str):
+    """The ``TrainConfig`` saved with a training checkpoint."""
+    from fastpar.checkpoint import CheckpointReader
+    from fastpar.train import TrainConfig
+
+    saved = (CheckpointReader(path).common().get("extra") or {}).get("config")
+    if not isinstance(saved, dict):
+        raise ValueError(
+            f"{path} holds no training settings (it was not written by fastpar.train, or by an "
+            f"older fastpar): export its tensors with fastpar.checkpoint.export_hf instead"
+        )
+    known = {f.name for f in fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in saved.items() if k in known})
+
+
+def fastpar_model(cfg, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """fastpar's own single-process model of the run, holding ``state``'s weights; maps token
+    ids [B, T] to logits [B, T, V]."""
+    from fastpar.checkpoint import import_state_dict
+
+    if cfg.hf_config:
+        from fastpar.models.hf import build, load_config
+
+        model = build(load_config(cfg.hf_config))
+        import_state_dict(state, dict(model.named_parameters()))
+        return _Logits(model, hf=True)
+    from fastpar.models import build_model
+
+    model = torch.nn.Sequential(*build_model(cfg.model(), None))
+    import_state_dict(state, dict(model.named_parameters()))
+    return _Logits(model, hf=False)
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, hf: bool):
+        super().__init__()
+        self.model, self.hf = model, hf
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.hf:
+            return self.model(input_ids=ids).logits
+        return self.model(ids).view(*ids.shape, -1)
+
+
+def export(path: str, out_dir: str, tokenizer: str | None = None) -> tuple:
+    """Write the HF directory; returns (run config, global fastpar state, HF config dict)."""
+    from fastpar.checkpoint import export_hf, export_state_dict
+
+    cfg = run_config(path)
+    state = export_state_dict(path)
+    if cfg.hf_config:
+        from fastpar.models.hf import load_config
+
+        config = load_config(cfg.hf_config)
+        export_hf(state, out_dir, config)
+        config = config.to_dict()
+    elif cfg.model_type == "llama":
+        from fastpar.models.llama_hf import hf_config, to_hf
+
+        model_cfg = cfg.model()
+        config = hf_config(model_cfg)
+        export_hf(to_hf(state, model_cfg), out_dir, config)
+    else:
+        raise ValueError(
+            f"{path} is a --model {cfg.model_type} run: the GPT (learned positions, GELU, "
+            f"bias-free fused attention) has no Hugging Face family; train --model llama or "
+            f"--hf-config to export"
+        )
+    tokenizer = tokenizer or cfg.tokenizer
+    if tokenizer:
+        shutil.copyfile(tokenizer, os.path.join(out_dir, "tokenizer.json"))
+        with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
+    return cfg, state, config
+
+
+def _prompt_ids(cfg, prompt: str, tokenizer: str | None) -> torch.Tensor:
+    if tokenizer:
+        from fastpar.data import load_tokenizer
+
+        ids = load_tokenizer(tokenizer).encode(prompt).ids
+    else:
+        ids = list(prompt.encode())
+    if not ids:
+        raise ValueError(f"the prompt {prompt!r} encodes to no tokens")
+    return torch.tensor([ids])
+
+
+def _greedy(model: torch.nn.Module, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """n greedy tokens without a cache (fastpar's model recomputes the prefix each time)."""
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids
+
+
+def check(out_dir: str, cfg, state, prompt: str, generate: int, tokenizer: str | None) -> bool:
+    """Logits of the exported directory (through transformers) against fastpar's model, and
+    optionally greedy generation by both. Prints what it finds; returns whether they agree."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out_dir, attn_implementation="eager")
+    hf.eval()
+    ours = fastpar_model(cfg, state).eval()
+    ids = _prompt_ids(cfg, prompt, tokenizer)
+    if ids.shape[1] + generate > cfg.seq_len:
+        raise ValueError(
+            f"prompt ({ids.shape[1]} tokens) + --generate {generate} exceeds the run's seq_len "
+            f"{cfg.seq_len}: use a shorter prompt or fewer tokens"
+        )
+    with torch.no_grad():
+        diff = float((hf(ids).logits - ours(ids)).abs().max())
+    ok = diff <= TOLERANCE
+    print(
+        f"transformers {type(hf).__name__} from {out_dir}: max |HF logit - fastpar logit| = "
+        f"{diff:.2e} over {ids.shape[1]} tokens (tolerance {TOLERANCE:.0e}): "
+        + ("equal" if ok else "DIFFERENT")
+    )
+    if generate:
+        kw = dict(max_new_tokens=generate, do_sample=False, pad_token_id=0)
+        got = hf.generate(ids, **kw)
+        want = _greedy(ours, ids, generate)
+        same = torch.equal(got, want)
+        ok &= same
+        text = _decode(got[0].tolist(), tokenizer)
+        print(f"generated by transformers ({generate} tokens, greedy): {text!r}")
+        print("fastpar's own greedy decoding: " + ("the same tokens" if same else "DIFFERENT"))
+    return ok
+
+
+def _decode(ids: list[int], tokenizer: str | None) -> str:
+    if tokenizer:
+        from fastpar.data import load_tokenizer
+
+        return load_tokenizer(tokenizer).decode(ids)
+    return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fastpar.checkpoint import CheckpointError
+
+    ap = argparse.ArgumentParser(
+        prog="python -m fastpar.export", description=__doc__.splitlines()[0]
+    )
+    ap.add_argument("checkpoint", help="a checkpoint directory written by fastpar.train")
+    ap.add_argument("out_dir", help="the Hugging Face directory to write")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's)")
+    ap.add_argument("--check", action="store_true", help="load with transformers, compare logits")
+    ap.add_argument(
+        "--generate", type=int, default=0, help="greedy tokens to decode (with --check)"
+    )
+    ap.add_argument("--prompt", default="Beautiful is better than", help="text to start from")
+    args = ap.parse_args(argv)
+    try:
+        cfg, state, _ = export(args.checkpoint, args.out_dir, args.tokenizer)
+        print(f"exported {args.checkpoint} -> {args.out_dir}")
+        if not args.check:
+            return 0
+        tokenizer = args.tokenizer or cfg.tokenizer
+        return 0 if check(args.out_dir, cfg, state, args.prompt, args.generate, tokenizer) else 1
+    except (ValueError, ImportError, OSError, CheckpointError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""``python -m fastpar.export``: a training checkpoint of any layout -> an HF directory that
+transformers loads with fastpar's logits and greedy tokens."""
+
+from __future__ import annotations
+
+import json
+
+from _hf import config as hf_config
+from _hf import transformers
+
+from fastpar import checkpoint
+from fastpar.export import main as export_main
+from fastpar.tokenizer import main as tokenizer_main
+from fastpar.train import TrainConfig, launch
+
+SMALL = dict(steps=2, batch_size=8, seq_len=32, hidden=32, heads=4, layers=2, quiet=True)
+
+
+def _train(tmp_path, **kw) -> str:
+    cfg = TrainConfig(**{**SMALL, **kw, "checkpoint_dir": str(tmp_path / "ckpt"), "save_every": 2})
+    launch(cfg)
+    return str(tmp_path / "ckpt" / "step_000002")
+
+
+def test_llama_run_exports_and_matches(tmp_path, capsys):
+    tok = str(tmp_path / "tok.json")
+    assert tokenizer_main(["--vocab-size", "300", "--out", tok]) == 0
+    path = _train(
+        tmp_path, model_type="llama", tokenizer=tok, tp=2, pp=2, dp=2, ep=1, moe_every=0,
+        kv_heads=2, qk_norm=True,
+    )  # fmt: skip
+    out = str(tmp_path / "hf")
+    assert export_main([path, out, "--check", "--generate", "5", "--prompt", "Simple is"]) == 0
+    text = capsys.readouterr().out
+    assert "transformers Qwen3ForCausalLM" in text and ": equal" in text
+    assert "fastpar's own greedy decoding: the same tokens" in text
+    with open(f"{out}/config.json") as f:
+        assert json.load(f)["model_type"] == "qwen3"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)  # the run's tokenizer came along
+    assert tokenizer("Simple is")["input_ids"]
+
+
+def test_hf_config_run_exports_under_its_own_names(tmp_path, capsys):
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps(hf_config("llama", vocab_size=300).to_dict()))
+    ckpt = _train(tmp_path, hf_config=str(path), tp=2, pp=2, dp=1, ep=1)
+    assert export_main([ckpt, str(tmp_path / "hf"), "--check"]) == 0
+    assert "LlamaForCausalLM" in capsys.readouterr().out
+
+
+def test_errors(tmp_path, capsys):
+    gpt = _train(tmp_path, tp=1, pp=1, dp=1, ep=1, moe_every=0)
+    assert export_main([gpt, str(tmp_path / "hf")]) == 2
+    assert "the GPT (learned positions" in capsys.readouterr().err
+    bare = str(tmp_path / "bare")
+    import torch
+
+    p = torch.nn.Parameter(torch.ones(3))
+    checkpoint.save(bare, model_params={"w": p}, step=0)
+    assert export_main([bare, str(tmp_path / "hf2")]) == 2
+    assert "holds no training settings" in capsys.readouterr().err
