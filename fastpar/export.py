@@ -73,10 +73,24 @@ class _Logits(torch.nn.Module):
         return self.model(ids).view(*ids.shape, -1)
 
 
+def resolve(path: str) -> str:
+    """``path`` itself if it is a checkpoint, else the newest complete checkpoint under it (a
+    run's --checkpoint-dir)."""
+    from fastpar.train import latest_checkpoint
+
+    if os.path.isfile(os.path.join(path, "metadata.json")):
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise ValueError(f"{path} is neither a checkpoint nor a directory holding a complete one")
+    return latest
+
+
 def export(path: str, out_dir: str, tokenizer: str | None = None) -> tuple:
     """Write the HF directory; returns (run config, global fastpar state, HF config dict)."""
     from fastpar.checkpoint import export_hf, export_state_dict
 
+    path = resolve(path)
     cfg = run_config(path)
     state = export_state_dict(path)
     if cfg.hf_config:
@@ -130,7 +144,11 @@ def check(out_dir: str, cfg, state, prompt: str, generate: int, tokenizer: str |
     optionally greedy generation by both. Prints what it finds; returns whether they agree."""
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(out_dir, attn_implementation="eager")
+    # eager attention and experts: transformers' fused CPU expert kernels need widths that are
+    # multiples of 4 elements; the check compares math, not kernels
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        out_dir, attn_implementation="eager", experts_implementation="eager"
+    )
     hf.eval()
     ours = fastpar_model(cfg, state).eval()
     ids = _prompt_ids(cfg, prompt, tokenizer)
@@ -173,7 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m fastpar.export", description=__doc__.splitlines()[0]
     )
-    ap.add_argument("checkpoint", help="a checkpoint directory written by fastpar.train")
+    ap.add_argument(
+        "checkpoint",
+        help="a checkpoint written by fastpar.train, or its --checkpoint-dir (the newest one)",
+    )
     ap.add_argument("out_dir", help="the Hugging Face directory to write")
     ap.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the run's)")
     ap.add_argument("--check", action="store_true", help="load with transformers, compare logits")
@@ -183,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", default="Beautiful is better than", help="text to start from")
     args = ap.parse_args(argv)
     try:
-        cfg, state, _ = export(args.checkpoint, args.out_dir, args.tokenizer)
-        print(f"exported {args.checkpoint} -> {args.out_dir}")
+        path = resolve(args.checkpoint)
+        cfg, state, _ = export(path, args.out_dir, args.tokenizer)
+        print(f"exported {path} -> {args.out_dir}")
         if not args.check:
             return 0
         tokenizer = args.tokenizer or cfg.tokenizer

@@ -83,6 +83,7 @@ class TrainConfig:
     heads: int = 4
     layers: int = 4
     ffn: int | None = None
+    moe_ffn: int | None = None
     kv_heads: int | None = None
     head_dim: int | None = None
     rope_theta: float = 10000.0
@@ -138,6 +139,7 @@ class TrainConfig:
         if self.model_type == "llama":
             return LlamaConfig(
                 kv_heads=self.kv_heads, head_dim=self.head_dim, rope_theta=self.rope_theta,
+                moe_ffn=self.moe_ffn,
                 qk_norm=self.qk_norm, attention_bias=self.attention_bias, **shared,
             )  # fmt: skip
         return GPTConfig(norm=self.norm, **shared)
@@ -149,7 +151,14 @@ class TrainConfig:
         if self.hf_config:
             self._check_hf(defaults)
         elif self.model_type == "gpt":
-            llama_only = ("kv_heads", "head_dim", "rope_theta", "qk_norm", "attention_bias")
+            llama_only = (
+                "kv_heads",
+                "head_dim",
+                "rope_theta",
+                "qk_norm",
+                "attention_bias",
+                "moe_ffn",
+            )
             for name in llama_only:
                 if getattr(self, name) != getattr(defaults, name):
                     flag = "--" + name.replace("_", "-")
@@ -174,7 +183,16 @@ class TrainConfig:
         """--hf-config: the model is the config's; fastpar-model flags do not apply."""
         from fastpar.models.hf import DECODERS, is_masked_lm, load_config
 
-        own = ("model_type", "kv_heads", "head_dim", "qk_norm", "attention_bias", "ffn", "untied")
+        own = (
+            "model_type",
+            "kv_heads",
+            "head_dim",
+            "qk_norm",
+            "attention_bias",
+            "ffn",
+            "moe_ffn",
+            "untied",
+        )
         for name in own:
             if getattr(self, name) != getattr(defaults, name):
                 flag = "--model" if name == "model_type" else "--" + name.replace("_", "-")
@@ -613,6 +631,7 @@ def launch(cfg: TrainConfig, timeout: float = 24 * 3600.0, tokens=None) -> list[
 _OPTIONAL_FLAGS = {
     "vocab_size": (int, "vocabulary size (default: the tokenizer's, else 256 bytes)"),
     "ffn": (int, "MLP width (default: gpt 4·hidden, llama 8·hidden/3 rounded up to 64)"),
+    "moe_ffn": (int, "llama: width of each expert (default: --ffn)"),
     "kv_heads": (int, "llama: key/value heads for grouped-query attention (default: heads)"),
     "head_dim": (int, "llama: width of a head (default: hidden / heads)"),
     "capacity_factor": (float, "MoE capacity factor (default: dropless)"),

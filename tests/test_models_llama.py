@@ -1,7 +1,9 @@
 """The fastpar Llama against Hugging Face's own models (LlamaForCausalLM, Qwen3ForCausalLM,
-Qwen2ForCausalLM: logits and every gradient, weights mapped both ways, export_hf ->
-from_pretrained) and against its single-process self under tensor / sequence parallelism
-(initial weights, logits, loss and every gradient on every rank, q/k-norm included)."""
+Qwen2ForCausalLM, and with MoE blocks Qwen3MoeForCausalLM and MixtralForCausalLM: logits, loss
+and every gradient, weights mapped both ways, export_hf -> from_pretrained, from a checkpoint
+trained at dp x tp x pp x ep too) and against its single-process self under tensor / sequence
+parallelism (initial weights, logits, loss and every gradient on every rank, q/k-norm
+included)."""
 
 from __future__ import annotations
 
@@ -31,18 +33,42 @@ VARIANTS = {
     "qwen2-bias-mqa": dict(
         vocab_size=89, hidden=48, heads=4, kv_heads=1, head_dim=10, ffn=70, attention_bias=True,
     ),
+    # MoE: layer 1 of 2 sparse (decoder_sparse_step 2), expert width != dense width
+    "qwen3moe-every2-gqa": dict(
+        vocab_size=83, hidden=36, heads=6, kv_heads=2, ffn=50, qk_norm=True, moe_every=2,
+        num_experts=4, top_k=2, moe_ffn=22, rope_theta=1e6,
+    ),
+    "qwen3moe-raw-top3-tied": dict(
+        vocab_size=79, hidden=32, heads=4, kv_heads=1, head_dim=10, ffn=40, qk_norm=True,
+        moe_every=1, num_experts=6, top_k=3, moe_ffn=18, norm_topk_prob=False,
+        tie_embeddings=True,
+    ),
+    "mixtral-gqa": dict(
+        vocab_size=91, hidden=40, heads=4, kv_heads=2, head_dim=12, moe_every=1, num_experts=4,
+        top_k=2, moe_ffn=26, norm_eps=1e-5,
+    ),
 }  # fmt: skip
-HF_TYPE = {"llama-gqa-untied": "llama", "qwen3-qknorm-tied": "qwen3", "qwen2-bias-mqa": "qwen2"}
+HF_TYPE = {
+    "llama-gqa-untied": "llama",
+    "qwen3-qknorm-tied": "qwen3",
+    "qwen2-bias-mqa": "qwen2",
+    "qwen3moe-every2-gqa": "qwen3_moe",
+    "qwen3moe-raw-top3-tied": "qwen3_moe",
+    "mixtral-gqa": "mixtral",
+}
 
 
 def _perturb_(model: torch.nn.Module, seed: int) -> None:
     """Norm weights start at one and biases at the layer's init: move them, so that a swapped
-    or missing norm / bias shows in the logits and gradients."""
+    or missing norm / bias shows in the logits and gradients. Routers (HF draws them from
+    N(0, 0.02), near-uniform routing) are moved too, so the experts' choice matters."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.3 * torch.randn(p.shape, generator=g))
+            elif "router" in name or name.endswith("mlp.gate.weight"):
+                p.add_(0.5 * torch.randn(p.shape, generator=g))
 
 
 def _fastpar_model(cfg: LlamaConfig, seed: int = 0) -> torch.nn.Sequential:
@@ -53,9 +79,14 @@ def _fastpar_model(cfg: LlamaConfig, seed: int = 0) -> torch.nn.Sequential:
 
 
 def _hf_model(cfg_dict: dict):
+    """HF's model of the config, with its eager attention and experts (the plain per-expert
+    loop; HF's default grouped_mm experts need widths that are multiples of 16 bytes on CPUs,
+    and are what the from_pretrained tests below run)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.AutoConfig.for_model(**cfg_dict)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", experts_implementation="eager"
+    )
     return model.float().eval()
 
 
@@ -124,10 +155,23 @@ def test_export_hf_loads_with_from_pretrained(name, tmp_path):
 
 
 def test_hf_mapping_refuses_what_it_cannot_map():
-    with pytest.raises(ValueError, match=r"MoE blocks \(moe_every=2\) has no HF export"):
-        to_hf({}, LlamaConfig(moe_every=2))
-    with pytest.raises(ValueError, match="qk_norm with attention_bias has no HF family"):
-        hf_config(LlamaConfig(qk_norm=True, attention_bias=True))
+    refused = {
+        r"capacity_factor=1.25 has no HF export: HF's MoE models .* drop no tokens": dict(
+            qk_norm=True, moe_every=2, capacity_factor=1.25
+        ),
+        r"moe_every=2 without qk_norm has no HF family: Mixtral has a MoE in every block; use "
+        r"moe_every=1 \(Mixtral\) or qk_norm=True": dict(moe_every=2),
+        "MoE blocks with attention_bias have no HF family": dict(moe_every=1, attention_bias=True),
+        "norm_topk_prob=False without qk_norm has no HF family: Mixtral always": dict(
+            moe_every=1, norm_topk_prob=False
+        ),
+        "qk_norm with attention_bias has no HF family": dict(qk_norm=True, attention_bias=True),
+    }
+    for message, kwargs in refused.items():
+        with pytest.raises(ValueError, match=message):
+            hf_config(LlamaConfig(**kwargs))
+        with pytest.raises(ValueError, match=message):
+            to_hf({}, LlamaConfig(**kwargs))
     cfg = LlamaConfig(layers=1, seq_len=8, hidden=16, heads=2, vocab_size=11)
     torch.manual_seed(0)
     state = {k: v.detach() for k, v in torch.nn.Sequential(*build_llama(cfg)).named_parameters()}
@@ -156,6 +200,31 @@ def test_hf_mapping_refuses_what_it_cannot_map():
         from_hf({**hf_state, "model.layers.0.mlp.gate_proj.bias": torch.zeros(1)}, config)
     with pytest.raises(KeyError, match=r"model\.norm\.weight"):
         from_hf({k: v for k, v in hf_state.items() if k != "model.norm.weight"}, config)
+    hf_moe = {}
+    for qk_norm in (True, False):  # Qwen3-MoE, Mixtral: each maps back to its own config
+        moe = dataclasses.replace(
+            cfg, qk_norm=qk_norm, moe_every=1, num_experts=2, top_k=1, moe_ffn=4, ffn=4,
+            kv_heads=2, head_dim=8,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        weights = {
+            k: v.detach() for k, v in torch.nn.Sequential(*build_llama(moe)).named_parameters()
+        }
+        hf_moe[qk_norm] = to_hf(weights, moe), hf_config(moe)
+        assert from_hf(*hf_moe[qk_norm])[0] == moe
+    (qwen3_moe, qwen3_moe_config), (mixtral, mixtral_config) = hf_moe[True], hf_moe[False]
+    bad_moe = {
+        r"mlp_only_layers=\[0\] is not supported: fastpar's Llama places its MoE blocks by "
+        "decoder_sparse_step": (qwen3_moe, {**qwen3_moe_config, "mlp_only_layers": [0]}),
+        "router_jitter_noise=0.1 is not supported": (
+            mixtral,
+            {**mixtral_config, "router_jitter_noise": 0.1},
+        ),
+        "sliding_window=8 is not supported": (mixtral, {**mixtral_config, "sliding_window": 8}),
+    }
+    for message, (weights, config_dict) in bad_moe.items():
+        with pytest.raises(ValueError, match=message):
+            from_hf(weights, config_dict)
 
 
 @pytest.mark.parametrize(
@@ -168,6 +237,9 @@ def test_hf_mapping_refuses_what_it_cannot_map():
         (dict(hidden=32, heads=4, head_dim=7), 1, "head_dim 7 must be even"),
         (dict(ffn=50), 4, "ffn 50 is not divisible by tp 4"),
         (dict(rope_theta=0.0), 1, "rope_theta must be positive"),
+        (dict(moe_every=1, num_experts=4, top_k=5), 1, r"top_k 5 must be in \[1, num_experts=4\]"),
+        (dict(moe_every=-1), 1, "moe_every must be >= 0"),
+        (dict(moe_every=2, moe_ffn=0), 1, "moe_ffn must be >= 1"),
     ],
 )
 def test_config_errors_name_the_value_and_the_fix(kwargs, tp, message):
@@ -237,6 +309,7 @@ TP_CASES = {
     "qknorm-gqa-tp2": (dict(qk_norm=True), 2),
     "qknorm-sp-tp2": (dict(qk_norm=True, sequence_parallel=True), 2),
     "bias-sp-untied-tp2": (dict(attention_bias=True, sequence_parallel=True), 2),
+    "qknorm-moe-tp2": (dict(qk_norm=True, moe_every=2, moe_ffn=14), 2),  # experts over all TP
     "qknorm-bias-tied-tp4": (
         dict(qk_norm=True, attention_bias=True, tie_embeddings=True, heads=8, kv_heads=4),
         4,
@@ -274,24 +347,45 @@ def test_hf_weights_load_into_a_tensor_parallel_model():
     run_ranks(_hf_weights_at_tp, 2, hf.config.to_dict(), state, ids, want, 2)
 
 
-def test_a_trained_checkpoint_of_any_layout_exports_to_hf(tmp_path):
+TRAINED = {  # (TrainConfig options, the HF class from_pretrained must build)
+    "qwen3-moe": (dict(qk_norm=True, moe_every=2, ep=2), "Qwen3MoeForCausalLM"),
+    "mixtral": (dict(moe_every=1, ep=2, untied=True), "MixtralForCausalLM"),
+    "qwen3-dense": (dict(qk_norm=True, moe_every=0, ep=1), "Qwen3ForCausalLM"),
+}
+
+
+@pytest.mark.parametrize("family", list(TRAINED))
+def test_a_checkpoint_trained_at_dp_tp_pp_ep_exports_to_hf(family, tmp_path):
+    """Trained at dp 2 x tp 2 x pp 2 (x ep 2: MoE experts split over EP; the tied embedding's
+    copy on the last stage), exported, written as an HF directory and loaded by transformers'
+    from_pretrained (its default experts implementation): the same logits as the
+    single-process fastpar model holding the checkpoint's weights."""
+    pytest.importorskip("safetensors")
+    transformers = pytest.importorskip("transformers")
     from fastpar.checkpoint import export_state_dict
     from fastpar.train import TrainConfig, launch
 
+    options, arch = TRAINED[family]
+    ckpt = tmp_path / "ckpt"
     cfg = TrainConfig(
-        model_type="llama", tp=2, pp=2, dp=2, ep=1, moe_every=0, kv_heads=2, qk_norm=True,
-        steps=2, batch_size=8, seq_len=16, hidden=32, layers=2, quiet=True,
-        checkpoint_dir=str(tmp_path), save_every=2,
+        model_type="llama", tp=2, pp=2, dp=2, kv_heads=2, steps=2, batch_size=8,
+        seq_len=16, hidden=32, layers=2, ffn=48, quiet=True, checkpoint_dir=str(ckpt),
+        save_every=2, **options,
     )  # fmt: skip
     launch(cfg)
-    state = export_state_dict(tmp_path / "step_000002")
+    state = export_state_dict(ckpt / "step_000002")
     model_cfg = cfg.model()
-    head = f"{model_cfg.layers + 1}.weight"  # the last stage's copy of the tied embedding
-    assert torch.equal(state[head], state["0.tok.weight"])
-    hf = _hf_model(hf_config(model_cfg))
-    hf.load_state_dict(to_hf(state, model_cfg), strict=True)
+    if model_cfg.tie_embeddings:  # the last stage's copy of the tied embedding
+        assert torch.equal(state[f"{model_cfg.layers + 1}.weight"], state["0.tok.weight"])
+    export_hf(to_hf(state, model_cfg), tmp_path / "hf", hf_config(model_cfg))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", attn_implementation="eager"
+    )
+    assert type(hf).__name__ == arch
     ours = torch.nn.Sequential(*build_llama(model_cfg))
     ours.load_state_dict(state, strict=True)
-    ids = torch.randint(0, model_cfg.vocab_size, (2, 16))
+    ids = torch.randint(
+        0, model_cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).view(2, 16, -1), hf(ids).logits, rtol=1e-5, atol=2e-5)

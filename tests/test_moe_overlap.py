@@ -1,6 +1,8 @@
 """The overlapped MoE layer (K = 2, 4 chunks) equals the plain layer (K = 1): outputs and every
 gradient, EP = 2 and 4, capacity and dropless (uneven token counts), with the C++ extension's
-all-to-all and with torch.distributed's."""
+all-to-all and with torch.distributed's; the chunked path on one rank for both expert kinds
+(GELU MLP and gated SwiGLU; tests/test_moe_gated.py checks the gated experts under EP and
+overlap against a per-token reference)."""
 
 from __future__ import annotations
 
@@ -97,14 +99,14 @@ def test_chunk_sizes_cover_the_rows_and_taper_the_ends():
     assert _split(100, 8) == [7, 15, 15, 14, 14, 14, 14, 7]
 
 
-def _overlap_on_one_rank(transport: str, device: str) -> float:
+def _overlap_on_one_rank(transport: str, device: str, expert: str) -> float:
     """One rank (the all-to-all is a copy to itself): the chunked path with its pack / unpack
     ops, async collectives and, on a GPU, NCCL's stream ordered by events, against the experts
     called directly. Outputs and every gradient."""
     os.environ["FASTPAR_MOE_TRANSPORT"] = transport
     torch.manual_seed(0)
     e, c, h = 4, 12, 16
-    moe = MoE(h, 24, e, top_k=1, capacity_factor=1.0).to(device)
+    moe = MoE(h, 24, e, top_k=1, capacity_factor=1.0, expert=expert).to(device)
     params = moe._expert_params()
     permuted = torch.randn(e, c, h, device=device, requires_grad=True)
     grad_out = torch.randn(e, c, h, device=device)
@@ -124,15 +126,17 @@ def _overlap_on_one_rank(transport: str, device: str) -> float:
     return worst
 
 
+@pytest.mark.parametrize("expert", ["mlp", "swiglu"])
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_chunked_path_on_one_rank_equals_the_experts(transport):
-    assert run_ranks(_overlap_on_one_rank, 1, transport, "cpu")[0] <= 1e-6
+def test_chunked_path_on_one_rank_equals_the_experts(transport, expert):
+    assert run_ranks(_overlap_on_one_rank, 1, transport, "cpu", expert)[0] <= 1e-6
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("expert", ["mlp", "swiglu"])
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_chunked_path_on_one_gpu_equals_the_experts(transport):
+def test_chunked_path_on_one_gpu_equals_the_experts(transport, expert):
     out = run_ranks(
-        _overlap_on_one_rank, 1, transport, "cuda", backend="nccl", start_method="spawn"
+        _overlap_on_one_rank, 1, transport, "cuda", expert, backend="nccl", start_method="spawn"
     )
     assert out[0] <= 1e-6

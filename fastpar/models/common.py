@@ -31,7 +31,7 @@ def check_layout(cfg, tp: int, pp: int, ep: int) -> None:
     num_experts, seq_len, sequence_parallel). Raises ValueError naming the value and the fix."""
     if cfg.vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {cfg.vocab_size}")
-    if cfg.ffn_size % tp:
+    if cfg.ffn_size % tp and cfg.moe_every != 1:  # moe_every 1: no dense MLP to split
         raise ValueError(
             f"ffn {cfg.ffn_size} is not divisible by tp {tp}; use an ffn that is a multiple of {tp}"
         )
@@ -58,11 +58,13 @@ def is_moe_layer(cfg, layer: int) -> bool:
     return cfg.moe_every > 0 and (layer + 1) % cfg.moe_every == 0
 
 
-def moe_block(cfg, mesh=None) -> MoE:
-    """The MoE that replaces a block's MLP (experts over the mesh's EP group)."""
+def moe_block(cfg, mesh=None, *, ffn: int | None = None, **options) -> MoE:
+    """The MoE that replaces a block's MLP (experts over the mesh's EP group): ``ffn`` wide
+    (default ``cfg.ffn_size``); ``options`` go to ``MoE`` (e.g. ``expert="swiglu"``)."""
     return MoE(
-        cfg.hidden, cfg.ffn_size, cfg.num_experts, cfg.top_k,
+        cfg.hidden, ffn if ffn is not None else cfg.ffn_size, cfg.num_experts, cfg.top_k,
         capacity_factor=cfg.capacity_factor, overlap_chunks=cfg.overlap_chunks, mesh=mesh,
+        **options,
     )  # fmt: skip
 
 
@@ -153,19 +155,20 @@ class DecoderBlock(nn.Module):
     """Pre-norm transformer block: x + attn(norm1(x)); x + mlp(norm2(x)). [B, T(/tp), H].
 
     Built in this order (the random stream's order): norm1, ``attention(cfg, group, sp)``,
-    norm2, then ``mlp(cfg, group, sp)`` or, for a MoE layer (``cfg.is_moe(layer)``), the MoE.
-    ``norm``: keyword arguments of both ``Norm``s (kind, eps); ``sp``: sequence parallelism is
-    on (and tp > 1), so the norms' weight gradients are partial.
+    norm2, then ``mlp(cfg, group, sp)`` or, for a MoE layer (``cfg.is_moe(layer)``),
+    ``moe(cfg, mesh)`` (default ``moe_block``: the GPT's GELU experts). ``norm``: keyword
+    arguments of both ``Norm``s (kind, eps); ``sp``: sequence parallelism is on (and tp > 1), so
+    the norms' weight gradients are partial.
     """
 
-    def __init__(self, cfg, layer: int, mesh, *, attention, mlp, norm: dict):
+    def __init__(self, cfg, layer: int, mesh, *, attention, mlp, norm: dict, moe=moe_block):
         super().__init__()
         group = tp_group_of(mesh)
         sp = cfg.sequence_parallel and group_size(group) > 1
         self.norm1 = Norm(cfg.hidden, **norm, group=group, partial_grad=sp)
         self.attn = attention(cfg, group, sp)
         self.norm2 = Norm(cfg.hidden, **norm, group=group, partial_grad=sp)
-        self.mlp = moe_block(cfg, mesh) if cfg.is_moe(layer) else mlp(cfg, group, sp)
+        self.mlp = moe(cfg, mesh) if cfg.is_moe(layer) else mlp(cfg, group, sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))

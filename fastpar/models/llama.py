@@ -5,7 +5,8 @@ pipeline blocks with the same protocol as ``build_gpt``.
     logits = nn.Sequential(*blocks)(ids)           # one stage: [B·T, vocab / tp]
     loss = llama_loss(logits, targets, cfg, mesh)  # vocab-parallel cross-entropy
 
-HF names both ways (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM): ``fastpar.models.llama_hf``.
+HF names both ways (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, and with MoE blocks
+Qwen3MoeForCausalLM / MixtralForCausalLM): ``fastpar.models.llama_hf``.
 
 Layers: a vocab-parallel token embedding (no learned positions); attention with grouped-query
 heads split over TP: one ColumnParallelLinear computes q|k|v, its rows grouped by key/value
@@ -15,14 +16,20 @@ optional per-head q/k RMSNorm (Qwen3) and q/k/v bias (Qwen2); rotary position em
 computed inside each attention block from the positions 0..T-1 (HF's rotate_half convention,
 cos/sin in fp32, then cast to the activations' dtype as HF does); causal SDPA; a
 RowParallelLinear output projection. A SwiGLU MLP (gate|up in one ColumnParallelLinear with two
-fused blocks, down a RowParallelLinear) or, every ``moe_every``-th block, a fastpar MoE.
+fused blocks, down a RowParallelLinear) or, every ``moe_every``-th block, a fastpar MoE of
+SwiGLU experts without biases (``MoE(expert="swiglu")``, ``moe_ffn`` wide, experts split over
+EP, not over TP) behind a top-k softmax router: in dropless mode the MoE block of Qwen3-MoE
+(``norm_topk_prob``) and Mixtral. Its load-balancing loss (``aux_loss``) joins fastpar's
+training loss; the forward is HF's.
 RMSNorm as HF computes it (fp32, then weight * x.to(dtype)). Every rank draws the full weights
 from the same seed and keeps its slices, so any layout equals the single-process model.
 
 Global parameter names (blocks numbered as in the list; ``L`` = layers):
 ``0.tok.weight``; ``i.norm1.weight``, ``i.attn.qkv.weight`` (``.bias``), ``i.attn.q_norm.weight``,
 ``i.attn.k_norm.weight``, ``i.attn.o.weight``, ``i.norm2.weight``, ``i.mlp.gate_up.weight``,
-``i.mlp.down.weight`` for i in 1..L; ``{L+1}.norm.weight``, ``{L+1}.weight`` (untied head).
+``i.mlp.down.weight`` for i in 1..L (a MoE block instead: ``i.mlp.router.weight`` [E, H],
+``i.mlp.w1`` [E, H, 2·moe_ffn] (x @ w1 = gate | up), ``i.mlp.w2`` [E, moe_ffn, H]);
+``{L+1}.norm.weight``, ``{L+1}.weight`` (untied head).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from fastpar.models.common import (
     check_layout,
     is_moe_layer,
     lm_loss,
+    moe_block,
 )
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear
 
@@ -82,13 +90,20 @@ class LlamaConfig:
     tie_embeddings: bool = False
     """The LM head shares the token embedding (HF tie_word_embeddings)."""
     moe_every: int = 0
-    """Every n-th block's MLP is a fastpar MoE (0: none); the same MoE as the GPT's."""
+    """Blocks i with (i + 1) % moe_every == 0 (0-based) replace their MLP with a MoE of SwiGLU
+    experts (0: none); HF Qwen3-MoE's decoder_sparse_step (Mixtral: 1)."""
     num_experts: int = 4
     """MoE experts (divisible by EP)."""
     top_k: int = 2
-    """Experts per token."""
+    """Experts per token (HF num_experts_per_tok)."""
+    moe_ffn: int | None = None
+    """Each expert's SwiGLU width (HF moe_intermediate_size; Mixtral's intermediate_size).
+    None: ffn."""
+    norm_topk_prob: bool = True
+    """Renormalise each token's k routing weights to sum to one (HF Qwen3-MoE norm_topk_prob;
+    Mixtral always does). False: the raw softmax probabilities."""
     capacity_factor: float | None = None
-    """MoE capacity factor (None: dropless)."""
+    """MoE capacity factor (None: dropless, as HF's MoE models are)."""
     overlap_chunks: int = 1
     """MoE all-to-all / expert-compute overlap chunks (1: none)."""
     sequence_parallel: bool = False
@@ -107,6 +122,10 @@ class LlamaConfig:
         if self.ffn is not None:
             return self.ffn
         return 64 * math.ceil(8 * self.hidden / 3 / 64)
+
+    @property
+    def moe_ffn_size(self) -> int:
+        return self.moe_ffn if self.moe_ffn is not None else self.ffn_size
 
     def is_moe(self, layer: int) -> bool:
         return is_moe_layer(self, layer)
@@ -145,6 +164,15 @@ class LlamaConfig:
             raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
         if self.norm_eps <= 0:
             raise ValueError(f"norm_eps must be positive, got {self.norm_eps}")
+        if self.moe_every < 0:
+            raise ValueError(f"moe_every must be >= 0 (0: no MoE blocks), got {self.moe_every}")
+        if self.moe_every and self.moe_ffn_size < 1:
+            raise ValueError(f"moe_ffn must be >= 1, got {self.moe_ffn}")
+        if self.moe_every and not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"top_k {self.top_k} must be in [1, num_experts={self.num_experts}]: use fewer "
+                f"experts per token or more experts"
+            )
         check_layout(self, tp, pp, ep)
 
 
@@ -223,11 +251,21 @@ class MLP(nn.Module):
         return self.down(F.silu(gate) * up)
 
 
+def moe(cfg: LlamaConfig, mesh=None) -> nn.Module:
+    """A Llama MoE block: SwiGLU experts (no biases) ``moe_ffn`` wide, the router
+    renormalising the top-k weights when ``norm_topk_prob``."""
+    return moe_block(
+        cfg, mesh, ffn=cfg.moe_ffn_size, expert="swiglu", normalize_topk=cfg.norm_topk_prob
+    )
+
+
 class Block(DecoderBlock):
     """Pre-norm Llama block: x + attn(rmsnorm(x)); x + swiglu_or_moe(rmsnorm(x))."""
 
     def __init__(self, cfg: LlamaConfig, layer: int, mesh=None):
-        super().__init__(cfg, layer, mesh, attention=Attention, mlp=MLP, norm={"eps": cfg.norm_eps})
+        super().__init__(
+            cfg, layer, mesh, attention=Attention, mlp=MLP, norm={"eps": cfg.norm_eps}, moe=moe
+        )
 
 
 def build_llama(cfg: LlamaConfig, mesh=None) -> list[nn.Module]:

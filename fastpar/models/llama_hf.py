@@ -1,6 +1,6 @@
 """The fastpar Llama's weights and config under Hugging Face names, both ways.
 
-    hf_state = to_hf(state, cfg)          # fastpar global names -> LlamaForCausalLM / Qwen2 / Qwen3
+    hf_state = to_hf(state, cfg)          # fastpar names -> Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral
     config = hf_config(cfg)               # config.json content
     cfg, state = from_hf(hf_state, config)
     export_hf(to_hf(state, cfg), "out/", hf_config(cfg))   # fastpar.checkpoint: an HF directory
@@ -8,12 +8,20 @@
 ``state`` holds full tensors under the global names of ``build_llama`` (a single-process
 model's ``named_parameters()``, or ``fastpar.checkpoint.export_state_dict`` of any layout).
 The HF family follows from the options: ``qwen3`` with qk_norm, ``qwen2`` with attention_bias
-(q/k/v bias, none on o_proj), else ``llama``. Nothing here imports transformers.
+(q/k/v bias, none on o_proj), else ``llama``; with MoE blocks (``moe_every``) ``qwen3_moe``
+with qk_norm (``decoder_sparse_step`` = moe_every: both make block i sparse when
+(i + 1) % n == 0; dense blocks ``intermediate_size`` = ffn, experts ``moe_intermediate_size``
+= moe_ffn; ``norm_topk_prob``), else ``mixtral`` (a MoE in every block, experts
+``intermediate_size`` = moe_ffn, weights always renormalised). A MoE block's router is HF's
+``mlp.gate.weight`` [E, H]; its experts are HF's fused ``mlp.experts.gate_up_proj``
+[E, 2F, H] (gate rows, then up rows) = ``w1`` transposed and ``mlp.experts.down_proj``
+[E, H, F] = ``w2`` transposed. Nothing here imports transformers.
 
-Not mapped (clear errors): MoE blocks (fastpar's experts are two-layer GELU MLPs with biases
-behind its own router; no HF family has that layout yet); HF models with an o_proj or MLP
-bias, scaled RoPE (rope_type other than "default"), sliding-window attention, or an activation
-other than SiLU.
+Not mapped (clear errors): MoE models with a capacity factor (HF's MoE models drop no
+tokens), MoE blocks that are not in every layer without qk_norm, or with a q/k/v bias, and
+Mixtral without renormalised weights; HF models with an o_proj or MLP bias, scaled RoPE
+(rope_type other than "default"), sliding-window attention, an activation other than SiLU,
+Qwen3-MoE ``mlp_only_layers`` or Mixtral router jitter.
 """
 
 from __future__ import annotations
@@ -26,24 +34,50 @@ from fastpar.models.llama import LlamaConfig
 
 __all__ = ["from_hf", "hf_config", "hf_model_type", "to_hf"]
 
-_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
 
 
 def hf_model_type(cfg: LlamaConfig) -> str:
-    """The HF family of ``cfg``: "qwen3" (qk_norm), "qwen2" (attention_bias) or "llama";
-    ValueError for what no HF family computes."""
-    if cfg.moe_every:
-        raise ValueError(
-            f"a model with MoE blocks (moe_every={cfg.moe_every}) has no HF export: fastpar's "
-            f"experts (two-layer GELU MLPs with biases behind fastpar's router) match no HF "
-            f"family's layout yet; export a dense model (moe_every=0)"
-        )
+    """The HF family of ``cfg``: "qwen3" (qk_norm), "qwen2" (attention_bias) or "llama"; with
+    MoE blocks "qwen3_moe" (qk_norm) or "mixtral". ValueError for what no HF family computes."""
     if cfg.qk_norm and cfg.attention_bias:
         raise ValueError(
             "qk_norm with attention_bias has no HF family: Qwen3 (q/k norm) puts its bias on "
             "o_proj too, Qwen2 (q/k/v bias) has no q/k norm; drop one of the two"
         )
-    return "qwen3" if cfg.qk_norm else "qwen2" if cfg.attention_bias else "llama"
+    if not cfg.moe_every:
+        return "qwen3" if cfg.qk_norm else "qwen2" if cfg.attention_bias else "llama"
+    if cfg.capacity_factor is not None:
+        raise ValueError(
+            f"a MoE model with capacity_factor={cfg.capacity_factor} has no HF export: HF's MoE "
+            f"models (Qwen3-MoE, Mixtral) drop no tokens, so they would compute another "
+            f"function; train it dropless (capacity_factor=None)"
+        )
+    if cfg.qk_norm:
+        return "qwen3_moe"
+    if cfg.attention_bias:
+        raise ValueError(
+            "MoE blocks with attention_bias have no HF family: Mixtral has no q/k/v bias and "
+            "Qwen3-MoE needs qk_norm; drop attention_bias"
+        )
+    if cfg.moe_every != 1:
+        raise ValueError(
+            f"moe_every={cfg.moe_every} without qk_norm has no HF family: Mixtral has a MoE in "
+            f"every block; use moe_every=1 (Mixtral) or qk_norm=True (Qwen3-MoE, whose "
+            f"decoder_sparse_step is moe_every)"
+        )
+    if not cfg.norm_topk_prob:
+        raise ValueError(
+            "norm_topk_prob=False without qk_norm has no HF family: Mixtral always renormalises "
+            "the top-k routing weights; set norm_topk_prob=True, or qk_norm=True (Qwen3-MoE)"
+        )
+    return "mixtral"
 
 
 def hf_config(cfg: LlamaConfig, dtype: str = "float32") -> dict:
@@ -68,12 +102,24 @@ def hf_config(cfg: LlamaConfig, dtype: str = "float32") -> dict:
         "attention_dropout": 0.0,
         "dtype": dtype,
     }
+    moe = dict(num_experts_per_tok=cfg.top_k, output_router_logits=False)
     if model_type == "llama":
         out.update(attention_bias=False, mlp_bias=False)
+    elif model_type == "mixtral":
+        out.update(
+            moe, intermediate_size=cfg.moe_ffn_size, num_local_experts=cfg.num_experts,
+            sliding_window=None, router_jitter_noise=0.0,
+        )  # fmt: skip
     else:
         out.update(use_sliding_window=False, sliding_window=None)
-        if model_type == "qwen3":
+        if model_type != "qwen2":
             out["attention_bias"] = False
+        if model_type == "qwen3_moe":
+            out.update(
+                moe, num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_ffn_size,
+                decoder_sparse_step=cfg.moe_every, mlp_only_layers=[],
+                norm_topk_prob=cfg.norm_topk_prob,
+            )  # fmt: skip
     return out
 
 
@@ -118,6 +164,14 @@ def to_hf(state: Mapping[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torc
         out[dst + "self_attn.o_proj.weight"] = take(
             src + "attn.o.weight", (cfg.hidden, cfg.heads * d)
         )
+        if cfg.is_moe(i):
+            e, f = cfg.num_experts, cfg.moe_ffn_size
+            out[dst + "mlp.gate.weight"] = take(src + "mlp.router.weight", (e, cfg.hidden))
+            w1 = take(src + "mlp.w1", (e, cfg.hidden, 2 * f))
+            out[dst + "mlp.experts.gate_up_proj"] = w1.transpose(1, 2).contiguous()
+            w2 = take(src + "mlp.w2", (e, f, cfg.hidden))
+            out[dst + "mlp.experts.down_proj"] = w2.transpose(1, 2).contiguous()
+            continue
         gate, up = take(src + "mlp.gate_up.weight", (2 * cfg.ffn_size, cfg.hidden)).chunk(2)
         out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up
         out[dst + "mlp.down_proj.weight"] = take(
@@ -145,11 +199,35 @@ def _refuse(config: Mapping, key: str, ok, why: str) -> None:
         raise ValueError(f"from_hf: {key}={value!r} is not supported: {why}")
 
 
+def _moe_options(c: Mapping, model_type: str) -> dict:
+    """LlamaConfig's MoE fields from a Qwen3-MoE or Mixtral config.json (none for the others)."""
+    if model_type == "mixtral":
+        _refuse(c, "sliding_window", lambda v: v is None, "attention is full (causal) only")
+        _refuse(c, "router_jitter_noise", lambda v: not v, "fastpar's Llama MoE has no jitter")
+        return dict(  # intermediate_size, the experts' width, is also ffn (no dense blocks)
+            moe_every=1, num_experts=c["num_local_experts"], top_k=c["num_experts_per_tok"],
+            moe_ffn=c["intermediate_size"], norm_topk_prob=True,
+        )  # fmt: skip
+    # Qwen3-MoE's num_experts is an alias: transformers 5 writes it as num_local_experts
+    experts = c.get("num_experts") or c.get("num_local_experts")
+    if model_type != "qwen3_moe" or not experts:
+        return {}
+    _refuse(
+        c, "mlp_only_layers", lambda v: not v,
+        "fastpar's Llama places its MoE blocks by decoder_sparse_step (moe_every) alone",
+    )  # fmt: skip
+    return dict(
+        moe_every=c.get("decoder_sparse_step", 1), num_experts=experts,
+        top_k=c["num_experts_per_tok"], moe_ffn=c["moe_intermediate_size"],
+        norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+    )  # fmt: skip
+
+
 def from_hf(
     hf_state: Mapping[str, torch.Tensor], hf_config_dict: Mapping
 ) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    """HF LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM weights and config.json
-    content -> (LlamaConfig, state under fastpar global names; the head's ``{L+1}.weight``
+    """HF LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / Qwen3MoeForCausalLM /
+    MixtralForCausalLM weights and config.json content -> (LlamaConfig, state under fastpar global names; the head's ``{L+1}.weight``
     is the embedding itself when tied, as in ``state_dict()``). Raises for what fastpar's
     Llama does not compute (see the module docstring) and for missing or unused tensors."""
     c = dict(hf_config_dict)
@@ -169,9 +247,10 @@ def from_hf(
     _refuse(c, "hidden_act", lambda v: v in (None, "silu"), "the MLP is SwiGLU with SiLU")
     _refuse(c, "mlp_bias", lambda v: not v, "fastpar's Llama MLP has no bias")
     _refuse(c, "use_sliding_window", lambda v: not v, "attention is full (causal) only")
-    if model_type in ("llama", "qwen3"):
+    if model_type != "qwen2":
         _refuse(c, "attention_bias", lambda v: not v, "fastpar has no o_proj bias")
     heads = c["num_attention_heads"]
+    moe = _moe_options(c, model_type)
     cfg = LlamaConfig(
         vocab_size=c["vocab_size"],
         seq_len=c.get("max_position_embeddings", 2048),
@@ -183,9 +262,10 @@ def from_hf(
         ffn=c["intermediate_size"],
         rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
         norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         attention_bias=model_type == "qwen2",
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        **moe,
     )
     cfg.check()
     d, kv, rep = cfg.head_size, cfg.num_kv_heads, cfg.heads // cfg.num_kv_heads
@@ -209,6 +289,14 @@ def from_hf(
             state[dst + "attn.q_norm.weight"] = _take(hf_state, attn + "q_norm.weight", used)
             state[dst + "attn.k_norm.weight"] = _take(hf_state, attn + "k_norm.weight", used)
         state[dst + "attn.o.weight"] = _take(hf_state, attn + "o_proj.weight", used)
+        if cfg.is_moe(i):
+            mlp = src + "mlp."
+            state[dst + "mlp.router.weight"] = _take(hf_state, mlp + "gate.weight", used)
+            gate_up = _take(hf_state, mlp + "experts.gate_up_proj", used)
+            state[dst + "mlp.w1"] = gate_up.transpose(1, 2).contiguous()
+            down = _take(hf_state, mlp + "experts.down_proj", used)
+            state[dst + "mlp.w2"] = down.transpose(1, 2).contiguous()
+            continue
         gate = _take(hf_state, src + "mlp.gate_proj.weight", used)
         up = _take(hf_state, src + "mlp.up_proj.weight", used)
         state[dst + "mlp.gate_up.weight"] = torch.cat([gate, up])

@@ -16,8 +16,16 @@ the per-expert counts, which costs one host sync for the split sizes); the local
 one batched matmul ([E_local, ep·C, H]) or over compact segments (dropless); the inverse
 all-to-all brings the outputs back and ``moe_unpermute`` combines them weighted by the router.
 
-Expert weights are initialised in full ([E, ...], the same random stream at every EP size) and
-sliced, so EP = n equals the single-process layer holding every expert. They are marked
+Experts (``expert=``): "mlp" (the default) is ``act(x W1 + b1) W2 + b2`` (GELU unless
+``activation``); "swiglu" is the gated, bias-free expert of Llama-class MoE models (Mixtral,
+Qwen3-MoE): ``(silu(x W_gate) * (x W_up)) W_down``, with gate | up fused in one matrix ``w1``
+([E_local, H, 2F]: columns [0, F) gate, [F, 2F) up) and ``w2`` = W_down [E_local, F, H]. Every
+path (capacity / dropless, batched / segments, overlapped K chunks, EP all-to-all) runs the
+same two functions, ``_experts_batched`` and ``_experts_segments``.
+
+Expert weights are initialised in full ([E, ...], the same random stream at every EP size, each
+expert's matrices drawn like ``nn.Linear``'s) and sliced, so EP = n equals the single-process
+layer holding every expert. They are marked
 ``expert`` (their gradients are reduced over the expert-data-parallel group, and counted once
 there by the global grad norm); the router is a dense, replicated parameter.
 """
@@ -38,10 +46,16 @@ from fastpar.nn.marks import mark_expert
 from fastpar.ops.moe_permute import moe_permute, moe_unpermute
 
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
+EXPERTS = ("mlp", "swiglu")
 
 
 class MoE(nn.Module):
     """Mixture of experts over ``num_experts`` two-layer MLPs (H -> F -> H).
+
+    ``expert``: "mlp" (``act(x W1 + b1) W2 + b2``, ``activation`` default "gelu") or "swiglu"
+    (``(silu(x W_gate) * (x W_up)) W_down``, no biases; ``activation`` must be left unset or
+    "silu"). Parameters: ``w1`` [E_local, H, F] ("swiglu": [E_local, H, 2F], gate | up),
+    ``w2`` [E_local, F, H], and for "mlp" ``b1`` [E_local, F], ``b2`` [E_local, H].
 
     Router options: ``top_k``, ``capacity_factor`` (None = dropless), ``min_capacity``,
     ``drop_policy`` ("position" / "probs"), ``normalize_topk``, ``aux_loss_coef``,
@@ -70,7 +84,8 @@ class MoE(nn.Module):
         aux_loss_coef: float = 1e-2,
         z_loss_coef: float = 0.0,
         jitter: float = 0.0,
-        activation: str = "gelu",
+        expert: str = "mlp",
+        activation: str | None = None,
         overlap_chunks: int = 1,
         mesh=None,
         ep_group: dist.ProcessGroup | None = None,
@@ -90,37 +105,37 @@ class MoE(nn.Module):
         if not isinstance(overlap_chunks, int) or overlap_chunks < 1:
             raise ValueError(f"overlap_chunks must be a positive integer, got {overlap_chunks!r}")
         self.overlap_chunks = overlap_chunks
+        if expert not in EXPERTS:
+            raise ValueError(f"expert must be one of {EXPERTS}, got {expert!r}")
+        self.gated = expert == "swiglu"
+        if self.gated and activation not in (None, "silu"):
+            raise ValueError(
+                f"expert='swiglu' experts are gated by SiLU; activation={activation!r} does not "
+                f"apply to them: drop activation= (or use expert='mlp' for a {activation} MLP)"
+            )
+        if activation is None:
+            activation = "silu" if self.gated else "gelu"
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.num_experts, self.top_k = num_experts, top_k
         self.num_local = num_experts // self.ep
-        self.activation = activation
+        self.expert, self.activation = expert, activation
         self.router = TopKRouter(
             hidden_size, num_experts, top_k,
             capacity_factor=capacity_factor, min_capacity=min_capacity, drop_policy=drop_policy,
             normalize_topk=normalize_topk, aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
             jitter=jitter, device=device,
         )  # fmt: skip
-        # full expert weights, each expert drawn like nn.Linear, then this rank's slice
-        w1 = torch.empty(num_experts, ffn_hidden_size, hidden_size, device=device, dtype=dtype)
-        b1 = torch.empty(num_experts, ffn_hidden_size, device=device, dtype=dtype)
-        w2 = torch.empty(num_experts, hidden_size, ffn_hidden_size, device=device, dtype=dtype)
-        b2 = torch.empty(num_experts, hidden_size, device=device, dtype=dtype)
-        with torch.no_grad():
-            for e in range(num_experts):
-                for w, b in ((w1[e], b1[e]), (w2[e], b2[e])):
-                    nn.init.kaiming_uniform_(w, a=math.sqrt(5))
-                    bound = 1 / math.sqrt(w.shape[1])
-                    nn.init.uniform_(b, -bound, bound)
+        full = _init_experts(num_experts, hidden_size, ffn_hidden_size, self.gated, device, dtype)
         lo = group_rank(self.ep_group) * self.num_local if self.ep > 1 else 0
         sl = slice(lo, lo + self.num_local)
-        # stored transposed for x @ w: w1 [E_local, H, F], w2 [E_local, F, H]
-        self.w1 = nn.Parameter(w1[sl].transpose(1, 2).contiguous())
-        self.b1 = nn.Parameter(b1[sl].clone())
-        self.w2 = nn.Parameter(w2[sl].transpose(1, 2).contiguous())
-        self.b2 = nn.Parameter(b2[sl].clone())
-        for p in (self.w1, self.b1, self.w2, self.b2):
+        # matrices stored transposed for x @ w: w1 [E_local, H, F or 2F], w2 [E_local, F, H]
+        self.w1 = nn.Parameter(full["w1"][sl].transpose(1, 2).contiguous())
+        self.b1 = nn.Parameter(full["b1"][sl].clone()) if "b1" in full else None
+        self.w2 = nn.Parameter(full["w2"][sl].transpose(1, 2).contiguous())
+        self.b2 = nn.Parameter(full["b2"][sl].clone()) if "b2" in full else None
+        for p in self._expert_params():
             mark_expert(p, self.ep_group if self.ep > 1 else None, num_experts)
         self.aux_loss: torch.Tensor | None = None
         # Set by a training loop (e.g. fastpar.train / the pipeline): the aux loss then enters
@@ -131,21 +146,31 @@ class MoE(nn.Module):
         self._capacity_checked = False
 
     def _expert_params(self) -> tuple[nn.Parameter, ...]:
-        return (self.w1, self.b1, self.w2, self.b2)
+        return tuple(p for p in (self.w1, self.b1, self.w2, self.b2) if p is not None)
 
     # -- expert compute ---------------------------------------------------------------------
+    def _hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """The first matrix's output [..., F or 2F] -> the second's input [..., F]."""
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return ACTIVATIONS[self.activation](h)
+
     def _experts_batched(self, x: torch.Tensor) -> torch.Tensor:
         """x [E_local, N, H] -> [E_local, N, H]."""
-        act = ACTIVATIONS[self.activation]
-        h = act(torch.baddbmm(self.b1.unsqueeze(1), x, self.w1))
+        if self.gated:
+            return torch.bmm(self._hidden(torch.bmm(x, self.w1)), self.w2)
+        h = self._hidden(torch.baddbmm(self.b1.unsqueeze(1), x, self.w1))
         return torch.baddbmm(self.b2.unsqueeze(1), h, self.w2)
 
     def _experts_segments(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [N, H] grouped by local expert with ``counts`` rows each -> [N, H]."""
-        act = ACTIVATIONS[self.activation]
         outs = []
         for e, part in enumerate(x.split(counts)):
-            outs.append(act(part @ self.w1[e] + self.b1[e]) @ self.w2[e] + self.b2[e])
+            if self.gated:
+                outs.append(self._hidden(part @ self.w1[e]) @ self.w2[e])
+            else:
+                outs.append(self._hidden(part @ self.w1[e] + self.b1[e]) @ self.w2[e] + self.b2[e])
         return torch.cat(outs) if outs else x
 
     # -- forward ----------------------------------------------------------------------------
@@ -266,10 +291,33 @@ class MoE(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"hidden={self.hidden_size}, ffn={self.ffn_hidden_size}, experts={self.num_experts} "
+            f"hidden={self.hidden_size}, ffn={self.ffn_hidden_size}, expert={self.expert}, "
+            f"experts={self.num_experts} "
             f"({self.num_local} local, ep={self.ep}), top_k={self.top_k}, "
             f"capacity_factor={self.router.capacity_factor}, policy={self.router.drop_policy}"
         )
+
+
+def _init_experts(
+    num_experts: int, hidden: int, ffn: int, gated: bool, device, dtype
+) -> dict[str, torch.Tensor]:
+    """Every expert's weights in nn.Linear's [out, in] layout, drawn expert by expert from the
+    current random stream like ``nn.Linear``'s (Kaiming-uniform, biases U(±1/sqrt(in))):
+    "mlp" w1 [E, F, H], b1 [E, F], w2 [E, H, F], b2 [E, H] (per expert: w1, b1, w2, b2);
+    gated w1 [E, 2F, H] (gate rows, then up rows), w2 [E, H, F], no biases."""
+    shapes = {"w1": (2 * ffn if gated else ffn, hidden), "w2": (hidden, ffn)}
+    full = {n: torch.empty(num_experts, *s, device=device, dtype=dtype) for n, s in shapes.items()}
+    if not gated:
+        full["b1"] = torch.empty(num_experts, ffn, device=device, dtype=dtype)
+        full["b2"] = torch.empty(num_experts, hidden, device=device, dtype=dtype)
+    with torch.no_grad():
+        for e in range(num_experts):
+            for w, b in (("w1", "b1"), ("w2", "b2")):
+                nn.init.kaiming_uniform_(full[w][e], a=math.sqrt(5))
+                if b in full:
+                    bound = 1 / math.sqrt(full[w].shape[2])
+                    nn.init.uniform_(full[b][e], -bound, bound)
+    return full
 
 
 class _InjectAuxGrad(torch.autograd.Function):

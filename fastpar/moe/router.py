@@ -22,6 +22,15 @@ Auxiliary losses (0-dim, differentiable):
 * router z-loss ``z_loss_coef · mean_t(logsumexp(logits_t)²)`` (ST-MoE).
 
 Optional multiplicative input jitter (Switch) in training. Everything stays on the device.
+
+Hugging Face's Llama-class MoE routers, side by side: Mixtral and Qwen3-MoE take the softmax
+over all experts in fp32, then top-k, drop nothing, and renormalise the k weights (Mixtral
+always, Qwen3-MoE when ``norm_topk_prob``) — this router in dropless mode
+(``capacity_factor=None``) with ``normalize_topk`` set alike. In fp32 the two compute the same
+numbers. In bf16 / fp16 they round differently: HF computes the gate logits in the activations'
+dtype (this router in fp32) and Qwen3-MoE casts the weights back to it before combining
+(fastpar combines in fp32). Their load-balancing loss (only with ``output_router_logits``) is
+k times this one's, over all layers' tokens pooled.
 """
 
 from __future__ import annotations
