@@ -517,7 +517,8 @@ def run(cfg: TrainConfig, tokens=None) -> list[dict]:
                     + (" | skipped" if rec["skipped"] else "")
                 )
                 print(line, flush=True)
-            if cfg.checkpoint_dir and cfg.save_every and rec["step"] % cfg.save_every == 0:
+            every = cfg.save_every and rec["step"] % cfg.save_every == 0
+            if cfg.checkpoint_dir and (every or rec["step"] == cfg.steps):  # the last step always
                 _save(trainer, cfg.checkpoint_dir, rec["step"], talk)
     if cfg.profile:
         os.makedirs(cfg.profile, exist_ok=True)

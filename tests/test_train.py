@@ -269,3 +269,12 @@ def test_llama_on_tokenizer_ids_from_a_bin_file(tmp_path, capfd):
                       tokenizer=tok, data=str(tmp_path / "corpus.txt"))  # fmt: skip
     ok, text = compare(cfg)
     assert ok, text
+
+
+def test_the_last_step_is_always_saved(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    cfg = dict(SMALL, tp=1, pp=1, dp=2, ep=1, moe_every=0, steps=3)
+    launch(TrainConfig(**cfg, checkpoint_dir=str(ckpt)))  # no --save-every
+    assert sorted(os.listdir(ckpt)) == ["step_000003"]
+    launch(TrainConfig(**{**cfg, "steps": 5}, checkpoint_dir=str(tmp_path / "b"), save_every=2))
+    assert sorted(os.listdir(tmp_path / "b")) == ["step_000002", "step_000004", "step_000005"]
