@@ -492,3 +492,18 @@ def _nano_without_width() -> None:
 def test_a_model_that_breaks_after_the_swap_is_refused_inside_parallelize():
     msg = _raises(_nano_without_width, 2)
     assert "the parallel NanoGPT failed on the probe input where the dense one ran" in msg
+
+
+def _save_pretrained(tmp: str) -> str:
+    from fastpar.nn.guard import ShardedSaveError
+
+    model = parallelize(build("llama"), mesh=ParallelMesh(tp=2))
+    with pytest.raises(ShardedSaveError) as info:
+        model.save_pretrained(tmp)
+    return str(info.value)
+
+
+def test_save_pretrained_on_a_parallelized_model_refuses(tmp_path):
+    msg = run_ranks(_save_pretrained, 2, str(tmp_path / "out"))[0]
+    assert "Save it with fastpar.checkpoint.save_hf(model, out_dir, mesh=mesh)" in msg
+    assert not (tmp_path / "out").exists()  # nothing written
