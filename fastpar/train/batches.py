@@ -1,0 +1,48 @@
+"""What each step trains on: the run's token ids, the global batch of a step, the learning rate."""
+
+from __future__ import annotations
+
+import math
+
+from fastpar.data import (
+    check_token_ids,
+    global_batch,
+    load_tokens,
+)
+from fastpar.train.config import TrainConfig
+
+
+# -- data --------------------------------------------------------------------------------------
+def load_data(cfg: TrainConfig, check: bool = True):
+    """This run's token ids (``fastpar.data.load_tokens``), every id checked against the
+    vocabulary unless ``check`` is False (one pass; the launcher checks once, before the ranks)."""
+    tokens = load_tokens(cfg.data, tokenizer=cfg.tokenizer, dtype=cfg.data_dtype)
+    if check:
+        source = cfg.data or "the embedded corpus"
+        if cfg.tokenizer and not (cfg.data or "").endswith((".npy", ".bin")):
+            source += f" (tokenised with {cfg.tokenizer})"
+        hint = ""
+        if (cfg.data or "").endswith(".bin"):
+            hint = f"; read as {cfg.data_dtype}: is --data-dtype the one the file was written with?"
+        check_token_ids(tokens, cfg.vocab, source, min_tokens=cfg.seq_len + 2, hint=hint)
+    return tokens
+
+
+def batch_of(cfg: TrainConfig, tokens, step: int, hf=None):
+    """The global batch of ``step``: next-token targets, or for a masked LM (BERT through
+    --hf-config) masked inputs and their targets (-100 where nothing is predicted)."""
+    x, y = global_batch(tokens, step, cfg.batch_size, cfg.seq_len, cfg.seed)
+    if hf is not None and hf.masked:
+        from fastpar.models.hf import masked_lm_batch
+
+        x, y = masked_lm_batch(x, step, cfg.seed, hf.mask_id)
+    return x, y
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))

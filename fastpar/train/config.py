@@ -1,0 +1,293 @@
+"""The training run's settings (``TrainConfig``), their checks before any rank starts, and the
+command line that fills them."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+
+from fastpar.data import (
+    BIN_DTYPES,
+    tokenizer_vocab_size,
+)
+from fastpar.mesh import MeshLayout
+from fastpar.models import GPTConfig, LlamaConfig
+
+DESCRIPTION = (
+    "Train a GPT, a Llama or a Hugging Face model with DP x TP x PP x EP, ZeRO and mixed precision."
+)
+
+#: every collective fails after this long instead of hanging (a dead or stuck peer)
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("FASTPAR_COLLECTIVE_TIMEOUT", "300"))
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs (the CLI's flags)."""
+
+    model_type: str = "gpt"
+    tp: int = 2
+    pp: int = 2
+    dp: int = 2
+    ep: int = 2
+    zero: int = 1
+    precision: str = "fp32"
+    microbatches: int = 2
+    schedule: str = "1f1b"
+    recompute: bool = False
+    steps: int = 30
+    batch_size: int = 16
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup: int = 5
+    lr_schedule: str = "cosine"
+    weight_decay: float = 0.1
+    max_grad_norm: float = 1.0
+    loss_scale: float = 4096.0
+    seed: int = 1234
+    vocab_size: int | None = None
+    seq_len: int = 64
+    hidden: int = 64
+    heads: int = 4
+    layers: int = 4
+    ffn: int | None = None
+    moe_ffn: int | None = None
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    qk_norm: bool = False
+    attention_bias: bool = False
+    moe_every: int = 2
+    experts: int = 4
+    top_k: int = 2
+    capacity_factor: float | None = None
+    overlap_chunks: int = 1
+    sequence_parallel: bool = False
+    untied: bool = False
+    norm: str = "rmsnorm"
+    data: str | None = None
+    data_dtype: str = "uint16"
+    tokenizer: str | None = None
+    hf_config: str | None = None
+    checkpoint_dir: str | None = None
+    save_every: int = 0
+    resume: bool = False
+    profile: str | None = None
+    log_every: int = 1
+    quiet: bool = False
+
+    @property
+    def model_name(self) -> str:
+        """What trains: "gpt", "llama", or "hf:<config path>"."""
+        return f"hf:{self.hf_config}" if self.hf_config else self.model_type
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def vocab(self) -> int:
+        """--vocab-size, else the --hf-config model's, else the tokenizer's, else 256 (bytes)."""
+        if self.vocab_size is not None:
+            return self.vocab_size
+        if self.hf_config:
+            from fastpar.models.hf import read_config_json
+
+            return int(read_config_json(self.hf_config)["vocab_size"])
+        return tokenizer_vocab_size(self.tokenizer) if self.tokenizer else 256
+
+    def model(self) -> GPTConfig | LlamaConfig:
+        shared = dict(
+            vocab_size=self.vocab, seq_len=self.seq_len, hidden=self.hidden, heads=self.heads,
+            layers=self.layers, ffn=self.ffn, moe_every=self.moe_every, num_experts=self.experts,
+            top_k=self.top_k, capacity_factor=self.capacity_factor,
+            overlap_chunks=self.overlap_chunks, tie_embeddings=not self.untied,
+            sequence_parallel=self.sequence_parallel,
+        )  # fmt: skip
+        if self.model_type == "llama":
+            return LlamaConfig(
+                kv_heads=self.kv_heads, head_dim=self.head_dim, rope_theta=self.rope_theta,
+                moe_ffn=self.moe_ffn,
+                qk_norm=self.qk_norm, attention_bias=self.attention_bias, **shared,
+            )  # fmt: skip
+        return GPTConfig(norm=self.norm, **shared)
+
+    def _check_model_flags(self) -> None:
+        if self.model_type not in ("gpt", "llama"):
+            raise ValueError(f"model must be gpt or llama, got {self.model_type!r}")
+        defaults = TrainConfig()
+        if self.hf_config:
+            self._check_hf(defaults)
+        elif self.model_type == "gpt":
+            llama_only = (
+                "kv_heads",
+                "head_dim",
+                "rope_theta",
+                "qk_norm",
+                "attention_bias",
+                "moe_ffn",
+            )
+            for name in llama_only:
+                if getattr(self, name) != getattr(defaults, name):
+                    flag = "--" + name.replace("_", "-")
+                    raise ValueError(f"{flag} is a Llama option: add --model llama")
+        elif self.norm != "rmsnorm":
+            raise ValueError(f"--norm {self.norm} is a GPT option: the Llama uses RMSNorm")
+        if self.data_dtype not in BIN_DTYPES:
+            raise ValueError(
+                f"data_dtype must be one of {sorted(BIN_DTYPES)} (the ids of a .bin file), "
+                f"got {self.data_dtype!r}"
+            )
+        if self.tokenizer and self.vocab_size is not None:
+            n = tokenizer_vocab_size(self.tokenizer)
+            if self.vocab_size < n:
+                raise ValueError(
+                    f"--vocab-size {self.vocab_size} is smaller than the {n} tokens of "
+                    f"{self.tokenizer}: drop --vocab-size (it follows the tokenizer) or pass "
+                    f">= {n}"
+                )
+
+    def _check_hf(self, defaults: TrainConfig) -> None:
+        """--hf-config: the model is the config's; fastpar-model flags do not apply."""
+        from fastpar.models.hf import DECODERS, is_masked_lm, load_config
+
+        own = (
+            "model_type",
+            "kv_heads",
+            "head_dim",
+            "qk_norm",
+            "attention_bias",
+            "ffn",
+            "moe_ffn",
+            "untied",
+        )
+        for name in own:
+            if getattr(self, name) != getattr(defaults, name):
+                flag = "--model" if name == "model_type" else "--" + name.replace("_", "-")
+                raise ValueError(
+                    f"{flag} does not apply with --hf-config (the config sets the model)"
+                )
+        if self.ep > 1:
+            raise ValueError(
+                f"--ep {self.ep} with --hf-config: a Hugging Face MoE block stays replicated over "
+                "TP and is not expert-parallel here; use --ep 1"
+            )
+        if self.sequence_parallel:
+            raise ValueError("--sequence-parallel is not supported with --hf-config")
+        config = load_config(self.hf_config)
+        if self.vocab_size is not None and self.vocab_size != config.vocab_size:
+            raise ValueError(
+                f"--vocab-size {self.vocab_size} differs from the config's vocab_size "
+                f"{config.vocab_size}: drop --vocab-size"
+            )
+        if self.tokenizer and tokenizer_vocab_size(self.tokenizer) > config.vocab_size:
+            raise ValueError(
+                f"{self.tokenizer} has {tokenizer_vocab_size(self.tokenizer)} tokens, more than "
+                f"the config's vocab_size {config.vocab_size}: use a matching tokenizer"
+            )
+        limit = getattr(config, "max_position_embeddings", None) or getattr(
+            config, "n_positions", None
+        )
+        if isinstance(limit, int) and self.seq_len > limit:
+            raise ValueError(f"--seq-len {self.seq_len} exceeds the config's {limit} positions")
+        for key in ("num_attention_heads", "num_key_value_heads", "n_head"):
+            heads = getattr(config, key, None)
+            if isinstance(heads, int) and heads % self.tp:
+                raise ValueError(
+                    f"--tp {self.tp} does not divide the config's {key}={heads}: use a TP size "
+                    f"that divides it"
+                )
+        if self.pp > 1 and (config.model_type not in DECODERS or is_masked_lm(config)):
+            raise ValueError(
+                f"--pp {self.pp} with a {config.model_type} model: pipeline stages split the "
+                f"decoder families {list(DECODERS)}; use --pp 1"
+            )
+        layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0)
+        if self.pp > layers + 2:
+            raise ValueError(
+                f"--pp {self.pp} exceeds the {layers + 2} pipeline blocks of the model"
+            )
+
+    def check(self) -> None:
+        """Refuse an impossible run before any process group exists (the data are checked by
+        ``load_data``)."""
+        self._check_model_flags()
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"precision must be fp32, bf16 or fp16, got {self.precision!r}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero}")
+        if self.schedule not in ("gpipe", "1f1b"):
+            raise ValueError(f"schedule must be gpipe or 1f1b, got {self.schedule!r}")
+        if min(self.tp, self.pp, self.dp, self.ep, self.microbatches, self.steps) < 1:
+            raise ValueError("tp, pp, dp, ep, microbatches and steps must all be >= 1")
+        MeshLayout(self.world_size, tp=self.tp, pp=self.pp, ep=self.ep)
+        per_rank = self.batch_size // self.dp
+        if self.batch_size % self.dp or per_rank % self.microbatches:
+            raise ValueError(
+                f"batch_size {self.batch_size} must split into dp={self.dp} replicas of "
+                f"{self.microbatches} micro-batches each (a multiple of {self.dp * self.microbatches})"
+            )
+        if self.zero == 3 and self.pp > 1:
+            raise ValueError("zero=3 with pp > 1 is not supported: use zero <= 2 with pipelines")
+        if not self.hf_config:
+            self.model().check(self.tp, self.pp, self.ep)
+
+
+#: flags whose default is None: (type, help)
+_OPTIONAL_FLAGS = {
+    "vocab_size": (int, "vocabulary size (default: the tokenizer's, else 256 bytes)"),
+    "ffn": (int, "MLP width (default: gpt 4·hidden, llama 8·hidden/3 rounded up to 64)"),
+    "moe_ffn": (int, "llama: width of each expert (default: --ffn)"),
+    "kv_heads": (int, "llama: key/value heads for grouped-query attention (default: heads)"),
+    "head_dim": (int, "llama: width of a head (default: hidden / heads)"),
+    "capacity_factor": (float, "MoE capacity factor (default: dropless)"),
+    "data": (str, "a text file, a .npy or a .bin file of token ids (default: embedded corpus)"),
+    "tokenizer": (str, "a tokenizer.json (HF tokenizers) for text data; sets the vocabulary"),
+    "ep": (int, "expert-parallel size (default 2; 1 with --hf-config)"),
+    "hf_config": (
+        str,
+        "a Hugging Face config.json: train that model (random init) with its "
+        "family's built-in plan instead of the GPT / Llama",
+    ),
+    "checkpoint_dir": (str, None),
+    "profile": (str, None),
+}
+_HELP = {
+    "model_type": "gpt or llama",
+    "data_dtype": "ids of a .bin file: uint16 or uint32",
+    "qk_norm": "llama: Qwen3-style RMSNorm on every query and key head",
+    "attention_bias": "llama: Qwen2-style q/k/v bias",
+    "rope_theta": "llama: RoPE base",
+}
+
+
+def build_parser(prog: str = "python -m fastpar.train") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog=prog,
+        description="Train a GPT, a Llama or a Hugging Face model with DP x TP x PP x EP, ZeRO and mixed precision.",
+    )
+    defaults = TrainConfig()
+    for f in fields(TrainConfig):
+        flag = "--model" if f.name == "model_type" else "--" + f.name.replace("_", "-")
+        value = getattr(defaults, f.name)
+        extra = f"{_HELP[f.name]} " if f.name in _HELP else ""
+        if isinstance(value, bool):
+            ap.add_argument(flag, action="store_true", help=f"{extra}(default {value})")
+        elif f.name in _OPTIONAL_FLAGS:
+            kind, text = _OPTIONAL_FLAGS[f.name]
+            ap.add_argument(flag, type=kind, default=None, help=text)
+        else:
+            ap.add_argument(
+                flag, dest=f.name, type=type(value), default=value,
+                metavar="{gpt,llama}" if f.name == "model_type" else None,
+                help=f"{extra}(default {value})",
+            )  # fmt: skip
+    return ap
+
+
+def config_from(args: argparse.Namespace) -> TrainConfig:
+    values = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
+    if values["ep"] is None:  # the default: expert parallelism for fastpar's MoE models only
+        values["ep"] = 1 if values["hf_config"] else TrainConfig.ep
+    return TrainConfig(**values)
