@@ -72,7 +72,13 @@ class TrainConfig:
     hf_config: str | None = None
     checkpoint_dir: str | None = None
     save_every: int = 0
+    keep_last: int = 0
     resume: bool = False
+    allow_fresh: bool = False
+    allow_other_run: bool = False
+    collective_timeout: float = COLLECTIVE_TIMEOUT_S
+    max_skipped_steps: int = 20
+    debug_checks: bool = False
     profile: str | None = None
     log_every: int = 1
     quiet: bool = False
@@ -254,6 +260,16 @@ _OPTIONAL_FLAGS = {
     "profile": (str, None),
 }
 _HELP = {
+    "keep_last": "keep only the newest N checkpoints (0: keep all)",
+    "allow_fresh": "with --resume: start from step 0 when --checkpoint-dir holds no usable "
+    "checkpoint (default: an error)",
+    "allow_other_run": "write into a --checkpoint-dir that holds another run's checkpoints",
+    "collective_timeout": "seconds any collective of any process group may wait before the "
+    "job fails (a stuck or dead rank)",
+    "max_skipped_steps": "fp16: end the run after this many consecutive skipped (overflowing) "
+    "steps",
+    "debug_checks": "cross-rank input checks that cost a collective per call (shapes into TP "
+    "layers, cross-entropy targets); also FASTPAR_DEBUG_CHECKS=1",
     "model_type": "gpt or llama",
     "data_dtype": "ids of a .bin file: uint16 or uint32",
     "qk_norm": "llama: Qwen3-style RMSNorm on every query and key head",
