@@ -425,3 +425,24 @@ def test_missing_file_uncovered_tensor_absent_name_shape_mismatch(tmp_path, monk
     _tiny_checkpoint(path2)
     with pytest.raises(CheckpointError, match=r"pieces of 'weight' \(model\) do not cover it"):
         _load_into_fresh(path2)
+
+
+# -- a tied copy is one global tensor -----------------------------------------------------------
+def test_a_marked_tied_copy_is_saved_and_loaded_as_the_tensor_it_copies(tmp_path):
+    """A pipeline's last stage lists its copy of the tied embedding under its own name
+    ("5.weight", "lm_head.weight"); the checkpoint holds it once, as the embedding."""
+    torch.manual_seed(0)
+    embed = nn.Parameter(torch.randn(5, 3))
+    path = str(tmp_path / "c")
+    checkpoint.save(path, model_params={"0.tok.weight": embed}, step=1)  # pp = 1
+    copy = nn.Parameter(torch.zeros(5, 3))
+    checkpoint.mark_tied_copy(copy, "0.tok.weight")
+    checkpoint.load(path, model_params={"5.weight": copy})  # the last stage at pp = 2
+    assert torch.equal(copy, embed)
+    again = str(tmp_path / "d")
+    checkpoint.save(again, model_params={"5.weight": copy}, step=1)
+    assert list(checkpoint.verify(again)["tensors"]) == ["0.tok.weight"]
+    fresh = nn.Parameter(torch.zeros(5, 3))
+    checkpoint.mark_tied_copy(fresh, "0.tok.weight")
+    checkpoint.import_state_dict(checkpoint.export_state_dict(again), {"lm_head.weight": fresh})
+    assert torch.equal(fresh, embed)

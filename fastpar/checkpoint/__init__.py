@@ -9,14 +9,18 @@
     checkpoint.load_hf(model, "hf_dir")                   # each rank reads only its slices
 
 See ``fastpar.checkpoint.core`` (save / load), ``format`` (the on-disk format, atomicity,
-verification), ``state`` (local -> global index maps from the parameter marks) and ``pieces``
-(the optimizer protocol ``checkpoint_pieces`` / ``load_checkpoint_pieces``) and ``hf``
-(Hugging Face safetensors both ways; needs ``pip install fastpar[hf]``, imported lazily).
+verification, one save's shards only), ``state`` (local -> global index maps from the parameter
+marks; ``mark_tied_copy``: a pipeline's copy of a tied embedding saved as the embedding),
+``pieces`` (the optimizer protocol ``checkpoint_pieces`` / ``load_checkpoint_pieces``),
+``directory`` (a directory of ``step_<N>`` checkpoints: numeric order, judging, pruning),
+``lock`` (one writer per directory) and ``hf`` (Hugging Face safetensors both ways; needs
+``pip install fastpar[hf]``, imported lazily).
 """
 
 from __future__ import annotations
 
 from fastpar.checkpoint.core import Lookup, layout_of, load, save, stage_param_names, verify
+from fastpar.checkpoint.directory import latest_checkpoint
 from fastpar.checkpoint.export import export_state_dict, import_state_dict
 from fastpar.checkpoint.format import CheckpointError
 from fastpar.checkpoint.hf import (
@@ -28,8 +32,10 @@ from fastpar.checkpoint.hf import (
     load_hf,
     save_hf,
 )
+from fastpar.checkpoint.lock import DirectoryLock, LockHeld
 from fastpar.checkpoint.pieces import load_torch_optimizer_pieces, torch_optimizer_pieces
 from fastpar.checkpoint.reader import CheckpointReader
+from fastpar.checkpoint.state import mark_tied_copy
 
 checkpoint_pieces = torch_optimizer_pieces
 load_checkpoint_pieces = load_torch_optimizer_pieces
@@ -37,7 +43,9 @@ load_checkpoint_pieces = load_torch_optimizer_pieces
 __all__ = [
     "CheckpointError",
     "CheckpointReader",
+    "DirectoryLock",
     "LoadStats",
+    "LockHeld",
     "Lookup",
     "ShardedSaveError",
     "checkpoint_pieces",
@@ -46,10 +54,12 @@ __all__ = [
     "gather_state",
     "guard_save_pretrained",
     "import_state_dict",
+    "latest_checkpoint",
     "layout_of",
     "load",
     "load_checkpoint_pieces",
     "load_hf",
+    "mark_tied_copy",
     "save",
     "save_hf",
     "stage_param_names",

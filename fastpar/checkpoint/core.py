@@ -24,7 +24,9 @@ under any layout. Under the same layout the resumed run is bit-identical (RNG st
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,6 +42,7 @@ from fastpar.checkpoint.state import (
     SCALAR_KEYS,
     PieceMapper,
     _coords,
+    global_names,
     global_shape,
     localize,
     sharding,
@@ -49,7 +52,9 @@ from fastpar.checkpoint.state import (
 
 def stage_param_names(stage: nn.Module, start: int) -> dict[str, nn.Parameter]:
     """Global names of a pipeline stage's parameters: ``build_stage`` numbers its blocks from 0
-    ("i.xxx"); the whole model numbers them from ``start`` (f"{start + i}.xxx")."""
+    ("i.xxx"); the whole model numbers them from ``start`` (f"{start + i}.xxx"). A tied copy
+    (``mark_tied_copy``: the last stage's LM head at pp > 1) keeps its stage name here; ``save``
+    and ``load`` map it to the tensor it copies."""
     out = {}
     for name, p in stage.named_parameters():
         head, _, rest = name.partition(".")
@@ -96,22 +101,29 @@ def _dp_sharded(optimizer) -> bool:
 
 def _agree(ok: bool) -> bool:
     """All ranks' ``ok``, agreed with one all-reduce (a barrier that also carries failure)."""
+    return _agree_token(ok, 0)[0]
+
+
+def _agree_token(ok: bool, token: int) -> tuple[bool, int]:
+    """(every rank's ``ok``, the largest ``token``: rank 0's when the others pass 0), one
+    all-reduce."""
     if not dist.is_initialized():
-        return ok
+        return ok, token
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if dist.get_backend() == "nccl"
         else torch.device("cpu")
     )
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    flag = torch.tensor([0 if ok else 1, token], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return not bool(flag[0].item()), int(flag[1].item())
 
 
 def _collect(model_params: Mapping[str, torch.Tensor], optimizer, mesh) -> tuple:
     """This rank's pieces: (entries for the shard file, holds {name: [keys]}, tensors)."""
+    pairs = global_names(model_params)
     names: dict[int, str] = {}
-    for name, p in model_params.items():
+    for name, p in pairs:
         names.setdefault(id(p), name)
     mapper = PieceMapper()
     entries: list[dict] = []
@@ -127,7 +139,7 @@ def _collect(model_params: Mapping[str, torch.Tensor], optimizer, mesh) -> tuple
             if key not in holds.setdefault(name, []):
                 holds[name].append(key)
 
-    for name, p in model_params.items():
+    for name, p in pairs:
         tensors[name] = {
             "shape": global_shape(p),
             "dtype": str(p.dtype),
@@ -153,8 +165,9 @@ def _collect(model_params: Mapping[str, torch.Tensor], optimizer, mesh) -> tuple
     return entries, holds, tensors
 
 
-def _merge_tensors(directory: str, world: int) -> tuple[dict, list[dict]]:
-    """Rank 0: merge every rank's sidecar into the metadata's tensor table and file list."""
+def _merge_tensors(directory: str, world: int, ident: dict) -> tuple[dict, list[dict]]:
+    """Rank 0: merge every rank's sidecar into the metadata's tensor table and file list;
+    refuse a sidecar of another save (``ident``: this save's run_id and save_id)."""
     import json
 
     tensors: dict[str, dict] = {}
@@ -162,10 +175,12 @@ def _merge_tensors(directory: str, world: int) -> tuple[dict, list[dict]]:
     for r in range(world):
         with open(os.path.join(directory, fmt.sidecar_file(r))) as f:
             side = json.load(f)
+        fmt.check_same_save(directory, f"rank {r}'s shard", side, ident)
         path = os.path.join(directory, side["file"])
         if os.path.getsize(path) != side["bytes"]:
             raise fmt.CheckpointError(f"{path} changed size while the checkpoint was saved")
-        ranks.append({k: side[k] for k in ("rank", "file", "bytes", "sha256", "holds")})
+        keep = ("rank", "file", "bytes", "sha256", "holds", *fmt.IDENTITY)
+        ranks.append({k: side[k] for k in keep})
         for name, info in side["tensors"].items():
             mine = tensors.setdefault(name, {**info, "keys": {}})
             if mine["shape"] != info["shape"]:
@@ -189,14 +204,17 @@ def save(
     scaler=None,
     rng: bool = True,
     overwrite: bool = False,
+    run_id: str | None = None,
 ) -> str:
     """Save a checkpoint to the directory ``path`` (collective: every rank calls it with its
     own parameters under their global names). ``optimizer``: a torch optimizer,
     ``MixedPrecisionOptimizer``, ``ZeroOptimizer`` or anything with ``checkpoint_pieces``;
     ``scaler`` defaults to ``optimizer.scaler``; ``extra``: anything picklable (data position,
     LR scheduler state), stored once from rank 0; ``rng``: store every rank's RNG states.
-    ``path`` must not exist unless ``overwrite``. Returns the absolute path. Needs a
-    filesystem every rank sees."""
+    ``path`` must not exist unless ``overwrite``. ``run_id``: the training run's identity,
+    recorded with every rank's shard (with a random id of this save, agreed across ranks):
+    rank 0 refuses to complete a checkpoint holding another save's shard, and readers refuse
+    one whose shards disagree. Returns the absolute path. Needs a filesystem every rank sees."""
     rank, world = _coords(None)
     final = os.path.abspath(os.fspath(path))
     partial = final + fmt.PARTIAL_SUFFIX
@@ -212,8 +230,10 @@ def save(
             os.makedirs(partial)
         except BaseException as e:
             error = e
-    if not _agree(error is None):
+    ok, save_id = _agree_token(error is None, secrets.randbits(62) + 1 if rank == 0 else 0)
+    if not ok:
         raise error or fmt.CheckpointError(f"rank 0 could not create {partial}")
+    ident = {"run_id": run_id, "save_id": save_id}
     layout = {
         **layout_of(mesh),
         "optimizer": type(optimizer).__name__ if optimizer is not None else None,
@@ -226,6 +246,7 @@ def save(
             "rank": rank,
             "pieces": entries,
             "rng": get_rng_state() if rng else None,
+            **ident,
         }
         size, sha = fmt.atomic_torch_save(payload, os.path.join(partial, fmt.rank_file(rank)))
         side = {
@@ -235,6 +256,7 @@ def save(
             "sha256": sha,
             "holds": holds,
             "tensors": tensors,
+            **ident,
         }
         fmt.atomic_json(side, os.path.join(partial, fmt.sidecar_file(rank)))
     except BaseException as e:
@@ -243,7 +265,7 @@ def save(
         raise error or fmt.CheckpointError(f"another rank failed to write its shard of {final}")
     if rank == 0:
         try:
-            _finish(partial, final, world, step, extra, scaler, optimizer, layout, overwrite)
+            _finish(partial, final, world, step, extra, scaler, optimizer, layout, overwrite, ident)
         except BaseException as e:
             error = e
     if not _agree(error is None):
@@ -251,9 +273,9 @@ def save(
     return final
 
 
-def _finish(partial, final, world, step, extra, scaler, optimizer, layout, overwrite) -> None:
+def _finish(partial, final, world, step, extra, scaler, optimizer, layout, overwrite, ident):
     """Rank 0, once every shard is on disk: common record, metadata, marker, rename."""
-    tensors, ranks = _merge_tensors(partial, world)
+    tensors, ranks = _merge_tensors(partial, world, ident)
     skipped = getattr(optimizer, "skipped_steps", None)
     common = {
         "step": int(step),
@@ -266,6 +288,8 @@ def _finish(partial, final, world, step, extra, scaler, optimizer, layout, overw
         "format": fmt.FORMAT,
         "version": fmt.VERSION,
         "step": int(step),
+        **ident,
+        "saved_at": time.time(),
         "layout": layout,
         "tensors": tensors,
         "ranks": ranks,
@@ -287,12 +311,17 @@ def _finish(partial, final, world, step, extra, scaler, optimizer, layout, overw
 
 
 def verify(path: str | os.PathLike) -> dict:
-    """Check a checkpoint completely (marker, metadata, every file's size and sha256) and
-    return its metadata; raises ``CheckpointError`` naming the first problem."""
+    """Check a checkpoint completely (marker, metadata, every file's size and sha256, every
+    shard of one save: the same run and save id) and return its metadata; raises
+    ``CheckpointError`` naming the first problem."""
     reader = CheckpointReader(os.fspath(path))
-    for entry in reader.meta["ranks"]:
-        fmt.read_verified(reader.path, entry)
-    fmt.read_verified(reader.path, reader.meta["common"])
+    try:
+        for rank in range(len(reader.meta["ranks"])):
+            reader.rank_data(rank)  # read, checksummed, its run and save id checked
+            reader.release_files()
+        fmt.read_verified(reader.path, reader.meta["common"])
+    finally:
+        reader.release()
     return reader.meta
 
 
@@ -368,12 +397,13 @@ def load(
     the same layout and ``rng``, this rank's RNG states. No collective. Returns {"step",
     "extra", "rng_restored", "layout" (the saved one)}."""
     reader = path if isinstance(path, CheckpointReader) else CheckpointReader(os.fspath(path))
-    check_model(reader, model_params)
+    pairs = global_names(model_params)
+    check_model(reader, dict(pairs))
     names: dict[int, str] = {}
-    for name, p in model_params.items():
+    for name, p in pairs:
         names.setdefault(id(p), name)
     with torch.no_grad():
-        for name, p in model_params.items():
+        for name, p in pairs:
             keys = reader.tensors[name]["keys"]
             full = reader.assemble(name, "model") if "model" in keys else reader.value(name)
             p.copy_(localize(full, p).to(p.dtype))

@@ -11,7 +11,7 @@ import torch
 from fastpar.checkpoint.core import load_optimizer
 from fastpar.checkpoint.format import CheckpointError, atomic_torch_save
 from fastpar.checkpoint.reader import CheckpointReader
-from fastpar.checkpoint.state import global_shape, localize
+from fastpar.checkpoint.state import global_names, global_shape, localize
 
 
 def export_state_dict(
@@ -61,7 +61,8 @@ def import_state_dict(
         state = file_or_state
     else:
         state = torch.load(os.fspath(file_or_state), map_location="cpu", weights_only=True)
-    for name, p in model_params.items():
+    pairs = global_names(model_params)  # a tied copy reads the tensor it copies
+    for name, p in pairs:
         if name not in state:
             raise CheckpointError(f"model tensor {name!r} is absent from the state_dict")
         if list(state[name].shape) != global_shape(p):
@@ -70,10 +71,10 @@ def import_state_dict(
                 f"the model (global shape from its marks) {global_shape(p)}"
             )
     names: dict[int, str] = {}
-    for name, p in model_params.items():
+    for name, p in pairs:
         names.setdefault(id(p), name)
     with torch.no_grad():
-        for name, p in model_params.items():
+        for name, p in pairs:
             p.copy_(localize(state[name], p).to(p.dtype))
     load_optimizer(optimizer, _WeightsLookup(state, names))
 

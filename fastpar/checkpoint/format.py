@@ -9,8 +9,13 @@ A checkpoint is a directory::
       common.pt                       rank 0: step, extra, scaler, skipped steps
       metadata.json                   rank 0: every global tensor (name, shape, dtype, how it
                                       was sharded, saved keys), the layout, every file's
-                                      size and sha256
+                                      size and sha256, the run id and save id
       COMPLETE                        written last: the sha256 of metadata.json
+
+Every shard file, its sidecar and the metadata carry the training run's id (``run_id``, None
+outside a training run) and a random id of the save agreed by all ranks (``save_id``): a
+checkpoint whose shards come from two saves (two runs writing one directory) is never
+completed, and is refused by every reader if it exists.
 
 Every file is written to a temporary name, fsync'ed and renamed; the whole directory is built
 as ``<path>.partial`` and renamed to ``<path>`` only after the marker, so a crash at any
@@ -31,10 +36,24 @@ import torch
 FORMAT, VERSION = "fastpar-checkpoint", 1
 MARKER, METADATA, COMMON = "COMPLETE", "metadata.json", "common.pt"
 PARTIAL_SUFFIX = ".partial"
+IDENTITY = ("run_id", "save_id")
+"""The keys naming the save a shard belongs to (in each shard, sidecar and rank entry)."""
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is incomplete, corrupted, or does not fit the model it is loaded into."""
+
+
+def check_same_save(directory: str, what: str, record: dict, ident: dict) -> None:
+    """Raise unless ``record`` (a shard, sidecar or rank entry) names the save ``ident``."""
+    got = {k: record.get(k) for k in IDENTITY}
+    want = {k: ident.get(k) for k in IDENTITY}
+    if got != want:
+        raise CheckpointError(
+            f"checkpoint {directory}: {what} comes from another save (run {got['run_id']!r}, "
+            f"save {got['save_id']}) than the checkpoint (run {want['run_id']!r}, save "
+            f"{want['save_id']}): two runs wrote into one checkpoint directory; refusing it"
+        )
 
 
 def rank_file(rank: int) -> str:
@@ -179,6 +198,8 @@ def read_metadata(directory: str) -> dict:
             f"checkpoint {directory} has format version {meta['version']}; this fastpar reads "
             f"up to {VERSION}"
         )
+    for entry in meta["ranks"]:
+        check_same_save(directory, f"the shard {entry['file']}", entry, meta)
     for entry in [*meta["ranks"], meta["common"]]:
         path = os.path.join(directory, entry["file"])
         if not os.path.exists(path):

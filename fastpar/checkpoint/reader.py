@@ -10,10 +10,12 @@ import torch
 
 from fastpar.checkpoint.format import (
     CheckpointError,
+    check_same_save,
     load_bytes,
     read_metadata,
     read_verified,
 )
+from fastpar.checkpoint.lock import hold_for_reading
 from fastpar.checkpoint.state import decode_runs
 
 
@@ -31,11 +33,18 @@ class CheckpointReader:
 
     ``tensors``: {global name: {"shape", "dtype", "sharding", "keys": {key: {"shape",
     "dtype"}}}}; ``layout``: how it was saved; ``assemble(name, key)``: the global tensor.
+    Until ``release()`` it holds a shared lock on the checkpoint, so ``--keep-last`` pruning
+    never deletes it while it is read.
     """
 
     def __init__(self, path: str) -> None:
         self.path = os.path.abspath(path)
-        self.meta = read_metadata(self.path)
+        self._hold = hold_for_reading(self.path)
+        try:
+            self.meta = read_metadata(self.path)
+        except BaseException:
+            self.release()
+            raise
         self.tensors: dict[str, dict] = self.meta["tensors"]
         self.layout: dict = self.meta["layout"]
         self._files: dict[int, dict] = {}
@@ -48,6 +57,7 @@ class CheckpointReader:
         if rank not in self._files:
             entry = self.meta["ranks"][rank]
             raw = load_bytes(read_verified(self.path, entry))
+            check_same_save(self.path, f"the shard {entry['file']}", raw, self.meta)
             pieces: dict[tuple[str, str], list] = {}
             for p in raw["pieces"]:
                 pieces.setdefault((p["name"], p["key"]), []).append((p["runs"], p["values"]))
@@ -108,7 +118,14 @@ class CheckpointReader:
         keys = self.tensors[name]["keys"]
         return self.assemble(name, "param" if "param" in keys else "model").float()
 
-    def release(self) -> None:
-        """Drop cached files and tensors."""
+    def release_files(self) -> None:
+        """Drop the parsed shard files (kept for ``assemble``)."""
         self._files.clear()
-        self._full.clear()
+
+    def release(self) -> None:
+        """Drop cached files and tensors, and the read lock."""
+        for cache in ("_files", "_full"):
+            getattr(self, cache, {}).clear()
+        if self._hold is not None:
+            self._hold.close()
+            self._hold = None

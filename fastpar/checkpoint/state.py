@@ -25,6 +25,27 @@ from fastpar.nn.marks import expert_layout, is_expert, param_layout
 SCALAR_KEYS = frozenset({"step"})
 """State keys that are one value per parameter (global shape [1]), not one per element."""
 
+_TIED_NAME = "_fastpar_checkpoint_name"
+
+
+def mark_tied_copy(p: torch.Tensor, name: str) -> None:
+    """``p`` is this rank's copy of the global tensor ``name`` (the last pipeline stage's copy
+    of a word embedding tied to the LM head): checkpoints save and load it as ``name``, whatever
+    name the caller lists it under, so one global tensor serves every pipeline layout."""
+    setattr(p, _TIED_NAME, name)
+
+
+def checkpoint_name(name: str, p: torch.Tensor) -> str:
+    """The global name ``p`` is saved and loaded under: its ``mark_tied_copy`` name, else
+    ``name``."""
+    return getattr(p, _TIED_NAME, name)
+
+
+def global_names(model_params) -> list[tuple[str, torch.Tensor]]:
+    """``model_params`` ({name: tensor}) as (checkpoint name, tensor) pairs (tied copies under
+    the name of the tensor they copy)."""
+    return [(checkpoint_name(name, p), p) for name, p in model_params.items()]
+
 
 def _coords(group) -> tuple[int, int]:
     """(rank, size) of this process in ``group`` (None = the default group); (0, 1) without

@@ -242,7 +242,11 @@ def build_decoder(
 def untie_for_pipeline(blocks: list[nn.Module], mesh) -> nn.Parameter | None:
     """With pp > 1 the embedding (first stage) and a tied head (last stage) live on different
     ranks: give the head its own copy of the weight, marked and synced as tied. Returns the
-    tied parameter this rank holds (None if it holds neither end)."""
+    tied parameter this rank holds (None if it holds neither end). Checkpoints save and load
+    the copy as the embedding itself ("0.tok.weight", block 0's name in
+    ``stage_param_names``), so one tensor serves every pipeline layout."""
+    from fastpar.checkpoint.state import mark_tied_copy
+
     head, embed = blocks[-1], blocks[0]
     if head.weight is not embed.tok.weight:
         return None
@@ -252,6 +256,7 @@ def untie_for_pipeline(blocks: list[nn.Module], mesh) -> nn.Parameter | None:
         copy = nn.Parameter(embed.tok.weight.detach().clone())
         layout = param_layout(embed.tok.weight)
         mark_sharded(copy, layout.dim, layout.group, layout.full_size)
+        mark_tied_copy(copy, "0.tok.weight")
         head.weight = copy
         return copy
     return embed.tok.weight if mesh.is_first_stage else None

@@ -264,7 +264,8 @@ def hf_named_parameters(blocks: Iterable[nn.Module]) -> Iterator[tuple[str, nn.P
     """(name, parameter) of a stage (or any blocks from ``hf_decoder_blocks``) under the HF
     model's own names, e.g. ``model.layers.3.self_attn.q_proj.weight``. A weight shared by two
     blocks of the stage is listed once, under its first name (as ``model.named_parameters()``
-    does); the last stage's copy of a tied embedding is ``lm_head.weight``."""
+    does); the last stage's copy of a tied embedding is ``lm_head.weight`` (which checkpoints
+    save and load as ``model.embed_tokens.weight``: see ``hf_tie_across_stages``)."""
     seen: set[int] = set()
     blocks = getattr(blocks, "module", blocks)  # a stage wrapped by DistributedDataParallel
     for block in blocks:
@@ -279,13 +280,21 @@ def hf_named_parameters(blocks: Iterable[nn.Module]) -> Iterator[tuple[str, nn.P
                 yield name, p
 
 
+def _name_in(block: nn.Module, p: nn.Parameter) -> str:
+    return next(name for name, q in block.named_parameters() if q is p)
+
+
 def hf_tie_across_stages(blocks: list[nn.Module], mesh) -> nn.Parameter | None:
     """Tied word embeddings (``lm_head.weight is model.embed_tokens.weight``) with pp > 1: the
     last stage's head gets its own copy of the weight (the same TP layout mark), and both ends
     are tied with ``tie_across_stages`` (marked duplicated over the embedding group, the copy set
     from the first stage). Returns the tied parameter this rank holds — pass it as
     ``PipelineEngine(..., tied=[p])`` for a plain optimizer — or None (untied, pp = 1, or a
-    middle stage). Call on every rank, once, after ``build_stage``."""
+    middle stage). Call on every rank, once, after ``build_stage``. The copy is marked as the
+    embedding's (``fastpar.checkpoint.state.mark_tied_copy``): a checkpoint holds one
+    ``model.embed_tokens.weight`` whatever the pipeline layout."""
+    from fastpar.checkpoint.state import mark_tied_copy
+
     embed, head = blocks[0], blocks[-1]
     if not isinstance(embed, HFEmbedding) or not isinstance(head, HFHead):
         raise TypeError("hf_tie_across_stages takes the full block list from hf_decoder_blocks")
@@ -302,6 +311,7 @@ def hf_tie_across_stages(blocks: list[nn.Module], mesh) -> nn.Parameter | None:
             mark_sharded(tied, layout.dim, layout.group, layout.full_size, layout.fused)
         elif layout is not None:
             mark_replicated(tied, layout.group)
+        mark_tied_copy(tied, _name_in(embed, weight))
         lm_head.weight = tied
     else:
         return None
