@@ -84,8 +84,7 @@ def tokenizer_vocab_size(path: str) -> int:
 
 
 def _read_text(path: str) -> str:
-    with open(path, "rb") as f:
-        data = f.read()
+    data = _read_bytes(path)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -130,23 +129,45 @@ def _memmap_bin(path: str, dtype: str) -> np.ndarray:
             f"pass the --data-dtype it was written with"
         )
     if size == 0:
-        raise ValueError(f"{path} is empty")
+        raise ValueError(f"{path} is empty (0 bytes): pass a .bin file of token ids")
     return np.memmap(path, dtype=BIN_DTYPES[dtype], mode="r")
 
 
 def _load_npy(path: str) -> np.ndarray:
-    arr = np.load(path, mmap_mode="r")
+    try:
+        arr = np.load(path, mmap_mode="r")
+    except ValueError as exc:  # not a .npy file, or one of Python objects (pickled)
+        raise ValueError(
+            f"{path} is not a .npy array of token ids numpy can memory-map ({exc}): save the ids "
+            f"with np.save(path, ids) from an integer array"
+        ) from exc
     if not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(
             f"{path} holds {arr.dtype} values, not integer token ids: save the ids with an "
             f"integer dtype (e.g. np.uint16 / np.int32)"
         )
-    return arr.reshape(-1)
+    if arr.ndim != 1:
+        raise ValueError(
+            f"{path} holds a {arr.ndim}-D array of shape {arr.shape}, not one stream of token "
+            f"ids: save a 1-D array (e.g. np.save(path, ids.reshape(-1)) if its rows follow each "
+            f"other in the text)"
+        )
+    return arr
+
+
+def _read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        data = f.read()
+    if not data:
+        raise ValueError(f"{path} is empty (0 bytes): pass a text file with the training text")
+    return data
 
 
 def load_tokens(path: str | None = None, *, tokenizer: str | None = None, dtype: str = "uint16"):
     """1-D token ids (see ``Tokens``): a text file's bytes (or its ids under ``tokenizer``), a
     .npy array, a .bin file of ``dtype`` ids, or the embedded corpus (``path`` None)."""
+    if path is not None and os.path.isdir(path):
+        raise ValueError(f"data path {path!r} is a directory: pass one file of text or token ids")
     if path is not None and not os.path.isfile(path):
         raise ValueError(f"data file {path!r} does not exist")
     if path is not None and path.endswith(".npy"):
@@ -156,11 +177,7 @@ def load_tokens(path: str | None = None, *, tokenizer: str | None = None, dtype:
     if tokenizer is not None:
         text = embedded_corpus().decode() if path is None else _read_text(path)
         return encode_text(text, tokenizer)
-    if path is None:
-        data = embedded_corpus()
-    else:
-        with open(path, "rb") as f:
-            data = f.read()
+    data = embedded_corpus() if path is None else _read_bytes(path)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
@@ -172,9 +189,10 @@ def check_token_ids(
     One pass over the ids (a memory-mapped file is streamed)."""
     n = len(tokens)
     if n < min_tokens:
+        fix = f"use more data or --seq-len {n - 2} or less" if n > 2 else "use more data"
         raise ValueError(
             f"{source}: {n} tokens, fewer than the {min_tokens} one sequence needs "
-            f"(seq_len + 2): use more data or a shorter --seq-len"
+            f"(seq_len + 2): {fix}"
         )
     if isinstance(tokens, torch.Tensor):
         lo, hi = int(tokens.min()), int(tokens.max())
@@ -187,6 +205,26 @@ def check_token_ids(
             f"{source}: the largest token id is {hi} but the vocabulary has {vocab_size} tokens "
             f"(ids 0..{vocab_size - 1}); pass --vocab-size {hi + 1} or more, or the --tokenizer "
             f"the data was made with{hint}"
+        )
+
+
+def check_bin_width(tokens: np.ndarray, source: str, chunk: int = 1 << 20) -> None:
+    """Raise ValueError when uint16 ids look like uint32 ids read two halves at a time: every
+    second id 0 (the high halves) and the others not all 0. Stops at the first chunk of ids
+    where a second id is not 0 (at once for real uint16 data)."""
+    n = len(tokens) // 2 * 2
+    if n < 64:
+        return
+    low_seen = False
+    for start in range(0, n, chunk):
+        pairs = np.asarray(tokens[start : min(start + chunk, n)]).reshape(-1, 2)
+        if pairs[:, 1].any():
+            return
+        low_seen = low_seen or bool(pairs[:, 0].any())
+    if low_seen:
+        raise ValueError(
+            f"{source}: every second uint16 id is 0, as when uint32 ids are read as uint16 "
+            f"(their high halves): pass --data-dtype uint32"
         )
 
 

@@ -19,11 +19,17 @@
   carrying its traceback; the other ranks are killed at once rather than left waiting.
 * A run that outlives ``timeout`` seconds kills every rank and raises ``RankTimeout`` with the
   Python stack of each rank still running, so a hang fails in seconds and shows where it hangs.
+  An error names the ranks that never answered (alive, but stopped or stuck).
+* Ranks never outlive the caller: on Linux each rank is killed when the caller ends, even by
+  SIGKILL (``PR_SET_PDEATHSIG``), and shows as ``fastpar-rank<N>`` in ps / top. A SIGTERM or
+  SIGINT to the caller during the run goes to every rank (a rank may catch it to stop cleanly; a
+  second one kills the ranks); once the ranks are gone it takes its usual effect in the caller.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import faulthandler
 import multiprocessing as mp
 import os
@@ -32,6 +38,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -63,6 +70,70 @@ class RankTimeout(RankError, TimeoutError):
     """``run_ranks`` ran past its timeout; the message holds each live rank's stack."""
 
 
+_PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
+
+
+def _bind_to_parent(parent_pid: int, name: str) -> None:
+    """Linux: this process is killed when its parent ends, however it ends, and ``ps`` / ``top``
+    show it as ``name``. A no-op elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before the death signal was armed
+        os._exit(1)
+
+
+def _default_signals() -> None:
+    """A forked rank inherits the caller's Python signal handlers: give it the defaults back."""
+    for sig, handler in (
+        (signal.SIGTERM, signal.SIG_DFL),
+        (signal.SIGINT, signal.default_int_handler),
+    ):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, handler)
+
+
+class _Forwarder:
+    """While ranks run, SIGTERM / SIGINT to the caller go to every live rank; a second one kills
+    them. ``restore`` puts the caller's handlers back, then delivers the first signal received
+    to the caller, so that it takes its usual effect once the ranks are gone. Installed only in
+    the main thread, and not for a signal the caller ignores."""
+
+    def __init__(self, procs: list[Any]) -> None:
+        self.procs, self.received, self.old = procs, [], {}
+        self.owner = os.getpid()  # a forked rank runs this handler until it resets its own
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            old = signal.getsignal(sig)
+            if old is not None and old is not signal.SIG_IGN:
+                self.old[sig] = old
+                signal.signal(sig, self._forward)
+
+    def _forward(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self.owner:
+            return
+        self.received.append(signum)
+        self.send(signum if len(self.received) == 1 else signal.SIGKILL)
+
+    def send(self, signum: int) -> None:
+        for p in self.procs:
+            if p.pid and p.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signum)
+
+    def restore(self) -> None:
+        for sig, old in self.old.items():
+            signal.signal(sig, old)
+        if self.received:
+            signal.raise_signal(self.received[0])
+
+
 def _worker(
     fn: Callable[..., Any],
     rank: int,
@@ -73,11 +144,14 @@ def _worker(
     threads: int,
     conn: Any,
     stack_path: str,
+    parent_pid: int,
     args: tuple,
     kwargs: dict,
 ) -> None:
     code = 0
     try:
+        _bind_to_parent(parent_pid, f"fastpar-rank{rank}")
+        _default_signals()
         with open(stack_path, "w") as stack_file:
             faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
             try:
@@ -131,6 +205,20 @@ def _read(path: str) -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+def process_status(pid: int) -> tuple[str, int] | None:
+    """Linux: (state letter of /proc/<pid>/stat, e.g. "R", "S", "T" stopped, "Z" zombie; the
+    parent's pid), or None when there is no such process (or no /proc)."""
+    fields = _read(f"/proc/{pid}/stat").rpartition(")")[2].split()
+    return (fields[0], int(fields[1])) if len(fields) > 1 else None
+
+
+def _state(pid: int | None) -> str:
+    status = process_status(pid) if pid else None
+    if status is not None and status[0] in "Tt":
+        return "its process is stopped: SIGSTOP or a debugger"
+    return "its process is running or waiting"
 
 
 def _kill(procs: list[Any]) -> None:
@@ -202,13 +290,14 @@ def run_ranks(
             "starts an OpenMP thread pool hangs if the parent already used one (GNU libgomp is "
             "not fork-safe); use threads_per_rank=1 or start_method='spawn'"
         )
-    if start_method == "fork":
-        _preimport()
     ctx = mp.get_context(start_method)
+    procs, conns = [], []
     tmp = tempfile.mkdtemp(prefix="fastpar-ranks-")
     store_path = os.path.join(tmp, "store")
-    procs, conns = [], []
+    forwarder = _Forwarder(procs)
     try:
+        if start_method == "fork":
+            _preimport()
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=False)
             p = ctx.Process(
@@ -223,6 +312,7 @@ def run_ranks(
                     threads_per_rank,
                     child_end,
                     os.path.join(tmp, f"stack{rank}"),
+                    os.getpid(),
                     args,
                     kwargs,
                 ),
@@ -233,12 +323,15 @@ def run_ranks(
             child_end.close()
             procs.append(p)
             conns.append(parent_end)
+        if forwarder.received:  # it came while ranks were starting: every rank gets it now
+            forwarder.send(forwarder.received[0])
         return _collect(procs, conns, world_size, timeout, tmp)
     finally:
         _kill(procs)
         for c in conns:
             c.close()
         shutil.rmtree(tmp, ignore_errors=True)
+        forwarder.restore()
 
 
 def _collect(procs: list[Any], conns: list[Any], world: int, timeout: float, tmp: str) -> list:
@@ -278,8 +371,11 @@ def _collect(procs: list[Any], conns: list[Any], world: int, timeout: float, tmp
             with contextlib.suppress(Exception):
                 exc = pickle.loads(blob)
         others = "".join(f"\n  rank {r}: {p[0]}: {p[1]}" for r, p in errors[1:])
+        silent = [r for r in sorted(pending.values()) if procs[r].is_alive()]
+        unanswered = "".join(f"\nno answer from rank {r} ({_state(procs[r].pid)})" for r in silent)
         text = (
-            f"rank {rank} of {world} raised {name}: {msg}\n--- traceback on rank {rank} ---\n{tb}"
+            f"rank {rank} of {world} raised {name}: {msg}{unanswered}\n"
+            f"--- traceback on rank {rank} ---\n{tb}"
         )
         if others:
             text += f"\n--- also failed (often as a consequence) ---{others}"
@@ -292,7 +388,8 @@ def _collect(procs: list[Any], conns: list[Any], world: int, timeout: float, tmp
                     os.kill(procs[r].pid, signal.SIGUSR1)
         time.sleep(0.3)
         stacks = "".join(
-            f"\n--- stack of rank {r} ---\n{_read(os.path.join(tmp, f'stack{r}')) or '(none)'}"
+            f"\n--- stack of rank {r} ({_state(procs[r].pid)}) ---\n"
+            f"{_read(os.path.join(tmp, f'stack{r}')) or '(none)'}"
             for r in live
         )
         raise RankTimeout(

@@ -13,8 +13,8 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup.sh"
 cd "$ROOT"
-if [ -n "${FASTPAR_RUN_DIR:-}" ]; then
-    RUN="$FASTPAR_RUN_DIR"
+if [ -n "${FASTPAR_RUN_DIR:-}" ]; then  # a new run directory inside it each time
+    RUN="$FASTPAR_RUN_DIR/run-$(date +%Y%m%d-%H%M%S)"
     mkdir -p "$RUN"
 else
     RUN="$(mktemp -d -t fastpar-main-XXXXXX)"

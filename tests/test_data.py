@@ -11,6 +11,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from _no_ranks import forbid_ranks
 
 from fastpar import data
 from fastpar.tokenizer import main as tokenizer_main
@@ -39,10 +40,10 @@ def test_bin_files_are_memory_mapped_and_batches_are_windows_of_them(tmp_path, d
 
 
 def test_npy_files(tmp_path):
-    ids = np.array([[5, 1, 7], [2, 9, 3]], dtype=np.int32)
+    ids = np.array([5, 1, 7, 2, 9, 3], dtype=np.int32)
     np.save(tmp_path / "ids.npy", ids)
     tokens = data.load_tokens(str(tmp_path / "ids.npy"))
-    assert np.array_equal(np.asarray(tokens), [5, 1, 7, 2, 9, 3])
+    assert isinstance(tokens, np.memmap) and np.array_equal(np.asarray(tokens), ids)
     np.save(tmp_path / "f.npy", np.ones(4, dtype=np.float32))
     with pytest.raises(ValueError, match=r"holds float32 values, not integer token ids"):
         data.load_tokens(str(tmp_path / "f.npy"))
@@ -69,6 +70,73 @@ def test_bad_files_are_refused_with_the_fix(tmp_path):
     (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
     with pytest.raises(ValueError, match=r"not UTF-8 text \(bad byte at offset 3\)"):
         data.load_tokens(str(tmp_path / "latin1.txt"), tokenizer=str(tmp_path / "none.json"))
+
+
+def _object_npy(path):
+    np.save(path, np.array([1, "a"], dtype=object), allow_pickle=True)
+
+
+def _wide_bin(path):  # uint32 ids, to be read as uint16
+    (np.arange(1000, dtype=np.uint32) % 200).tofile(path)
+
+
+#: a data file, how it is written, and the one-line error the command gives before any rank
+BAD_DATA = [
+    ("empty.txt", lambda p: p.write_bytes(b""), "empty.txt is empty (0 bytes): pass a text file"),
+    ("empty.bin", lambda p: p.write_bytes(b""), "empty.bin is empty (0 bytes): pass a .bin file"),
+    ("odd.bin", lambda p: p.write_bytes(b"\x01" * 1001),
+     "odd.bin has 1001 bytes, not a whole number of uint16 ids (2 bytes each): pass the "
+     "--data-dtype it was written with"),
+    ("wide.bin", _wide_bin, "wide.bin: every second uint16 id is 0, as when uint32 ids are read "
+     "as uint16 (their high halves): pass --data-dtype uint32"),
+    ("rows.npy", lambda p: np.save(p, np.ones((20, 100), dtype=np.int32)),
+     "rows.npy holds a 2-D array of shape (20, 100), not one stream of token ids: save a 1-D "
+     "array"),
+    ("one.npy", lambda p: np.save(p, np.array(5)), "one.npy holds a 0-D array of shape ()"),
+    ("float.npy", lambda p: np.save(p, np.arange(1000, dtype=np.float64) + 0.5),
+     "float.npy holds float64 values, not integer token ids"),
+    ("objects.npy", _object_npy, "objects.npy is not a .npy array of token ids numpy can "
+     "memory-map"),
+    ("text.npy", lambda p: p.write_text("not an array"), "text.npy is not a .npy array of token "
+     "ids numpy can memory-map"),
+    ("folder", lambda p: p.mkdir(), "is a directory: pass one file of text or token ids"),
+    ("short.txt", lambda p: p.write_text("hi"), "short.txt: 2 tokens, fewer than the 66 one "
+     "sequence needs (seq_len + 2): use more data"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,write,message", BAD_DATA, ids=[b[0] for b in BAD_DATA])
+def test_bad_data_is_refused_before_any_rank(name, write, message, tmp_path, monkeypatch, capsys):
+    from fastpar.train import main
+
+    forbid_ranks(monkeypatch)
+    write(tmp_path / name)
+    assert main([*SMALL_RUN, "--data", str(tmp_path / name)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_a_wide_bin_read_with_its_dtype_and_a_real_uint16_bin_pass(tmp_path):
+    _wide_bin(tmp_path / "wide.bin")
+    tokens = data.load_tokens(str(tmp_path / "wide.bin"), dtype="uint32")
+    assert tokens.tolist() == [i % 200 for i in range(1000)]
+    ids = np.arange(1000, dtype=np.uint16) % 200  # every second id is 0 in no chunk
+    ids[1::2] = 0
+    ids[-1] = 3  # but the last pair's is not: the check reads on to the last chunk
+    data.check_bin_width(ids, "x.bin", chunk=64)
+    with pytest.raises(ValueError, match=r"every second uint16 id is 0"):
+        data.check_bin_width(ids[:-2], "x.bin", chunk=64)
+
+
+def test_a_sequence_longer_than_the_data_is_refused(capsys, monkeypatch):
+    from fastpar.train import main, memory
+
+    forbid_ranks(monkeypatch)
+    monkeypatch.setattr(memory, "_ram_available", lambda: 2**50)  # the data, not the memory
+    n = len(data.load_tokens())  # the embedded corpus
+    assert main([*SMALL_RUN, "--seq-len", str(n)]) == 2
+    assert (f"the embedded corpus: {n} tokens, fewer than the {n + 2} one sequence needs "
+            f"(seq_len + 2): use more data or --seq-len {n - 2} or less") in capsys.readouterr().err  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -113,19 +181,14 @@ def test_text_with_a_tokenizer_encodes_as_the_library_does(tokenizer_file, tmp_p
         data.load_tokenizer(str(tmp_path / "absent.json"))
 
 
-def _no_ranks(*args, **kwargs):
-    raise AssertionError("a rank was started before the data were checked")
-
-
 @pytest.mark.parametrize("command", ["train", "verify"])
 def test_out_of_vocabulary_ids_fail_before_any_rank_starts(command, tmp_path, monkeypatch, capsys):
-    import fastpar.testing
     from fastpar import train, verify
 
-    monkeypatch.setattr(fastpar.testing, "run_ranks", _no_ranks)
+    forbid_ranks(monkeypatch)
     main = train.main if command == "train" else verify.main
-    ids = np.full(1000, 7, dtype=np.uint16)
-    ids[123] = 300
+    ids = np.full(10_000, 7, dtype=np.uint16)  # one bad id among 10k, far from the start
+    ids[9_876] = 300
     path = tmp_path / "train.bin"
     ids.tofile(path)
     assert main([*SMALL_RUN, "--data", str(path)]) == 2
@@ -143,7 +206,9 @@ def test_out_of_vocabulary_ids_fail_before_any_rank_starts(command, tmp_path, mo
     short = tmp_path / "short.bin"
     np.arange(10, dtype=np.uint16).tofile(short)
     assert main([*SMALL_RUN, "--data", str(short)]) == 2
-    assert "10 tokens, fewer than the 66 one sequence needs" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "10 tokens, fewer than the 66 one sequence needs (seq_len + 2): use more data" in err
+    assert "or --seq-len 8 or less" in err
 
 
 def test_vocab_size_follows_the_tokenizer(tokenizer_file, capsys):

@@ -6,11 +6,14 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from fastpar.mesh import GROUP_KINDS, MeshLayout, ParallelMesh
+import fastpar
+from fastpar.mesh import GROUP_KINDS, MeshLayout, ParallelMesh, group_timeout
 from fastpar.mesh.check import group_sums, members
 from fastpar.testing import RankError, run_ranks
 
@@ -123,10 +126,13 @@ def test_init_under_torchrun(tmp_path):
         textwrap.dedent(
             """
             import torch, torch.distributed as dist, fastpar
-            mesh = fastpar.init(tp=2, pp=2)
+            from fastpar.mesh import GROUP_KINDS, group_timeout
+            mesh = fastpar.init(tp=2, pp=2, timeout=42)
             t = torch.tensor([2.0 ** mesh.rank])
             dist.all_reduce(t, group=mesh.pp_group)
             line = f"rank {mesh.rank} tp {mesh.tp_rank} pp {mesh.pp_rank} ppsum {int(t.item())}"
+            groups = [group_timeout()] + [mesh.group(k) and group_timeout(mesh.group(k)) for k in GROUP_KINDS]
+            line += " timeouts " + str(sorted({g.total_seconds() for g in groups if g is not None}))
             with open(f"{__file__}.{mesh.rank}.out", "w") as f:
                 f.write(line)
             dist.barrier()  # nobody tears gloo down while a peer still talks to it
@@ -142,9 +148,74 @@ def test_init_under_torchrun(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [(tmp_path / f"job.py.{r}.out").read_text() for r in range(4)]
     # pp groups of 4 ranks, tp=2, pp=2: [0, 2] and [1, 3]; sums 2^0+2^2 = 5, 2^1+2^3 = 10
-    assert lines == [
-        "rank 0 tp 0 pp 0 ppsum 5",
-        "rank 1 tp 1 pp 0 ppsum 10",
-        "rank 2 tp 0 pp 1 ppsum 5",
-        "rank 3 tp 1 pp 1 ppsum 10",
+    assert lines == [  # and the world and every group time out after the 42 s given to init
+        "rank 0 tp 0 pp 0 ppsum 5 timeouts [42.0]",
+        "rank 1 tp 1 pp 0 ppsum 10 timeouts [42.0]",
+        "rank 2 tp 0 pp 1 ppsum 5 timeouts [42.0]",
+        "rank 3 tp 1 pp 1 ppsum 10 timeouts [42.0]",
     ]
+
+
+# -- one collective timeout for every group ----------------------------------------------------
+def _group_timeouts(timeout):
+    mesh = ParallelMesh(tp=2, pp=2, timeout=timeout)  # world 4: mp = tp x pp spans the world
+    seconds = {
+        kind: group_timeout(mesh.group(kind)).total_seconds()
+        for kind in GROUP_KINDS
+        if mesh.group(kind) is not None
+    }
+    return mesh.timeout.total_seconds(), seconds
+
+
+@pytest.mark.parametrize("given,expected", [(33, 33.0), (None, 77.0)], ids=["given", "inherited"])
+def test_every_group_gets_the_mesh_timeout(given, expected):
+    # the default group times out after 77 s; the mesh after `given` s, or the default group's
+    for mesh_timeout, seconds in run_ranks(_group_timeouts, 4, given, collective_timeout=77):
+        assert mesh_timeout == expected
+        assert set(seconds) >= set(GROUP_KINDS) - {"embedding"}
+        assert seconds == {kind: expected for kind in seconds}
+
+
+def _sub_group_timeout():
+    mesh = ParallelMesh(tp=2)  # no timeout given: the default group's 2 s
+    if mesh.rank != 0:  # rank 1, rank 0's tp peer, never joins (it waits in the final barrier)
+        return None
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=mesh.tp_group)
+    except RuntimeError as e:
+        return time.monotonic() - t0, str(e)
+    return time.monotonic() - t0, "no error"
+
+
+def test_a_stuck_peer_times_out_a_sub_group_collective():
+    waited, error = run_ranks(_sub_group_timeout, 4, timeout=60, collective_timeout=2)[0]
+    assert "Timed out" in error
+    assert 1.5 < waited < 10  # the mesh's 2 s, not torch's 30 min
+
+
+def test_timeout_must_be_positive_seconds_or_a_timedelta():
+    with pytest.raises(
+        ValueError, match=r"timeout must be a positive, finite number of seconds, got 0"
+    ):
+        fastpar.init(timeout=0)
+    with pytest.raises(
+        TypeError, match=r"timeout must be a datetime\.timedelta or a number of seconds"
+    ):
+        fastpar.init(timeout="5")
+    assert not dist.is_initialized()
+
+
+def test_init_sets_one_timeout_for_the_world_and_every_group():
+    out = _run_script(
+        """
+        import fastpar
+        from fastpar.mesh import group_timeout, GROUP_KINDS
+        mesh = fastpar.init(timeout=7)
+        print(group_timeout().total_seconds(), mesh.timeout.total_seconds(),
+              sorted({group_timeout(mesh.group(k)).total_seconds() for k in GROUP_KINDS}))
+        """,
+        {},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["7.0", "7.0", "[7.0]"]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -12,6 +14,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from _procs import alive, children, kill_all
 
 from fastpar.mesh.check import group_sums
 from fastpar.testing import RankError, RankTimeout, run_ranks
@@ -163,3 +166,101 @@ def test_returned_tensors_survive_the_rank_exiting():
     for _ in range(5):
         out = run_ranks(_many_tensors, 2)
         assert [t[0, 0].item() for t in out[1]] == [float(1 + i) for i in range(20)]
+
+
+# -- ranks never outlive the caller; signals; ranks that never answer ---------------------------
+linux_only = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc are Linux's"
+)
+
+
+def _stop_rank_two():
+    if dist.get_rank() == 2:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.all_reduce(torch.ones(1))
+
+
+@linux_only
+def test_error_names_the_rank_that_never_answered():
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_ranks(_stop_rank_two, 3, timeout=60, collective_timeout=2)
+    assert time.monotonic() - t0 < 30
+    assert "no answer from rank 2 (its process is stopped: SIGSTOP or a debugger)" in str(
+        info.value
+    )
+    assert info.value.rank in (0, 1)
+
+
+def _rank_pids(parent: int, world: int, deadline: float) -> dict[str, int]:
+    """{"fastpar-rank<N>": pid} of ``parent``'s children, once all ``world`` of them run."""
+    while time.monotonic() < deadline:
+        ranks = {n: p for p, (n, _) in children(parent).items() if n.startswith("fastpar-rank")}
+        if len(ranks) == world:
+            return ranks
+        time.sleep(0.1)
+    raise AssertionError(f"the ranks of {parent} did not appear: {children(parent)}")
+
+
+_SLEEPER = """
+import sys, time, signal, torch.distributed as dist
+from fastpar.testing import run_ranks
+
+def work(path):
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+    open(f"{path}.ready{dist.get_rank()}", "w").close()
+    while not stop:
+        time.sleep(0.05)
+    with open(f"{path}.{dist.get_rank()}", "w") as f:
+        f.write("stopped cleanly")
+    return dist.get_rank()
+
+if sys.argv[2] == "catch":  # a caller that handles SIGTERM itself gets the results
+    signal.signal(signal.SIGTERM, lambda *a: print("caller saw SIGTERM", flush=True))
+print(run_ranks(work, 2, sys.argv[1], timeout=120), flush=True)
+"""
+
+
+@contextlib.contextmanager
+def _sleeper(tmp_path, mode):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SLEEPER, str(tmp_path / "flag"), mode],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    pids = {}
+    try:
+        pids = _rank_pids(proc.pid, 2, time.monotonic() + 60)
+        yield proc, pids
+    finally:
+        kill_all([*pids.values(), proc.pid])
+        proc.wait(timeout=30)
+
+
+@linux_only
+def test_ranks_die_with_the_caller_even_by_sigkill(tmp_path):
+    with _sleeper(tmp_path, "default") as (proc, pids):
+        assert sorted(pids) == ["fastpar-rank0", "fastpar-rank1"]
+        proc.kill()
+        proc.wait(timeout=30)
+        assert alive(pids.values()) == []
+
+
+@linux_only
+@pytest.mark.parametrize("mode", ["default", "catch"])
+def test_sigterm_reaches_every_rank_then_the_caller(tmp_path, mode):
+    with _sleeper(tmp_path, mode) as (proc, pids):
+        deadline = time.monotonic() + 60  # both ranks wait in their loop, SIGTERM handled
+        while not all((tmp_path / f"flag.ready{r}").exists() for r in (0, 1)):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        for rank in (0, 1):  # each rank got the signal and finished its work
+            assert (tmp_path / f"flag.{rank}").read_text() == "stopped cleanly"
+        if mode == "default":  # once the ranks are gone, SIGTERM ends the caller as usual
+            assert proc.returncode == -signal.SIGTERM, err[-2000:]
+        else:  # the caller's own handler ran, after the ranks returned their results
+            assert proc.returncode == 0, err[-2000:]
+            assert out.split("\n")[-3:] == ["caller saw SIGTERM", "[0, 1]", ""]
+        assert alive(pids.values()) == []

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from _no_ranks import forbid_ranks
 
 from fastpar.train import TrainConfig, launch, main
 from fastpar.verify import compare
@@ -152,9 +153,11 @@ def test_profile_writes_chrome_traces(tmp_path):
         (["--data-dtype", "int8"], "data_dtype must be one of ['uint16', 'uint32']"),
     ],
 )
-def test_cli_errors(argv, message, capsys):
+def test_cli_errors(argv, message, capsys, monkeypatch):
+    forbid_ranks(monkeypatch)  # every error comes before any rank starts
     assert main(argv) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_verify_cli_exit_codes():
@@ -275,6 +278,16 @@ def test_the_last_step_is_always_saved(tmp_path):
     ckpt = tmp_path / "ckpt"
     cfg = dict(SMALL, tp=1, pp=1, dp=2, ep=1, moe_every=0, steps=3)
     launch(TrainConfig(**cfg, checkpoint_dir=str(ckpt)))  # no --save-every
-    assert sorted(os.listdir(ckpt)) == ["step_000003"]
+    assert sorted(n for n in os.listdir(ckpt) if n.startswith("step_")) == ["step_000003"]
     launch(TrainConfig(**{**cfg, "steps": 5}, checkpoint_dir=str(tmp_path / "b"), save_every=2))
-    assert sorted(os.listdir(tmp_path / "b")) == ["step_000002", "step_000004", "step_000005"]
+    saved = sorted(n for n in os.listdir(tmp_path / "b") if n.startswith("step_"))
+    assert saved == ["step_000002", "step_000004", "step_000005"]
+
+
+def test_the_cosine_floor_follows_the_learning_rate():
+    from fastpar.train import lr_at
+
+    cfg = TrainConfig(lr=1e-4, warmup=0, steps=10)
+    assert lr_at(cfg, 10) == pytest.approx(1e-5)  # lr / 10 at the end
+    assert lr_at(TrainConfig(lr=1e-4, min_lr=0.0, warmup=0, steps=10), 10) == pytest.approx(0.0)
+    assert lr_at(TrainConfig(), 10**6) == pytest.approx(3e-4)  # the old default: 3e-3 / 10

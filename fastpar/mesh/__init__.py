@@ -2,12 +2,22 @@
 
 ``rank_groups`` is the pure layout (no torch.distributed); ``ParallelMesh`` creates the process
 groups of that layout on an initialised default group; ``init`` also initialises
-torch.distributed from torchrun's environment.
+torch.distributed from torchrun's environment. Every group gets one collective timeout
+(``DEFAULT_TIMEOUT`` unless given; ``group_timeout`` reads a group's).
 """
 
 from __future__ import annotations
 
 from fastpar.mesh.groups import ParallelMesh, init
 from fastpar.mesh.layout import GROUP_KINDS, MeshLayout, rank_groups
+from fastpar.mesh.timeout import DEFAULT_TIMEOUT, group_timeout
 
-__all__ = ["GROUP_KINDS", "MeshLayout", "ParallelMesh", "init", "rank_groups"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "GROUP_KINDS",
+    "MeshLayout",
+    "ParallelMesh",
+    "group_timeout",
+    "init",
+    "rank_groups",
+]

@@ -3,7 +3,8 @@
 Every rank creates every group of every kind, in the same order (torch.distributed requires
 ``new_group`` to be called collectively); identical rank lists share one group object, and a
 group spanning the whole world is the default group itself. Layers take the mesh (or one of
-its groups) as an argument: nothing here is stored in a module-level global.
+its groups) as an argument: nothing here is stored in a module-level global. Every group gets
+the mesh's one collective timeout (``fastpar.mesh.timeout``).
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ import torch
 import torch.distributed as dist
 
 from fastpar.mesh.layout import DEFAULT_ORDER, GROUP_KINDS, MeshLayout
-
-DEFAULT_TIMEOUT = timedelta(minutes=10)
+from fastpar.mesh.timeout import DEFAULT_TIMEOUT, as_timeout, group_timeout
 
 
 class ParallelMesh:
@@ -29,6 +29,10 @@ class ParallelMesh:
     ``mp_group``, ``tp_dp_group``, ``ep_group``, ``expert_dp_group``, ``tp_ep_group`` and
     ``embedding_group`` (None on ranks that hold no embedding). ``group(kind)`` and
     ``ranks(kind)`` take any kind of ``fastpar.mesh.GROUP_KINDS``.
+
+    ``timeout`` (a timedelta or seconds) bounds every collective of every group of the mesh: a
+    peer that does not answer within it makes the collective raise instead of hanging. Default:
+    the default group's own timeout, so the whole mesh shares one. ``timeout`` is the value used.
     """
 
     def __init__(
@@ -38,7 +42,7 @@ class ParallelMesh:
         ep: int = 1,
         *,
         order: str = DEFAULT_ORDER,
-        timeout: timedelta | None = None,
+        timeout: timedelta | float | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -49,6 +53,10 @@ class ParallelMesh:
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         self.layout = MeshLayout(self.world_size, tp=tp, pp=pp, ep=ep, order=order)
+        world_timeout = group_timeout()
+        if timeout is None:
+            timeout = world_timeout or DEFAULT_TIMEOUT
+        self.timeout = as_timeout(timeout)
         self._groups: dict[str, dist.ProcessGroup | None] = {}
         self._ranks: dict[str, list[int]] = {}
         created: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
@@ -57,11 +65,10 @@ class ParallelMesh:
             for ranks in self.layout.groups[kind]:
                 key = tuple(ranks)
                 if key not in created:
-                    if key == world:
+                    if key == world and world_timeout == self.timeout:
                         created[key] = dist.group.WORLD
-                    else:
-                        kwargs = {} if timeout is None else {"timeout": timeout}
-                        created[key] = dist.new_group(list(ranks), **kwargs)
+                    else:  # every group its own timeout= (torch's default is 30 min)
+                        created[key] = dist.new_group(list(ranks), timeout=self.timeout)
                 if self.rank in ranks:
                     self._groups[kind] = created[key]
                     self._ranks[kind] = list(ranks)
@@ -142,20 +149,23 @@ def init(
     *,
     order: str = DEFAULT_ORDER,
     backend: str | None = None,
-    timeout: timedelta = DEFAULT_TIMEOUT,
+    timeout: timedelta | float | None = None,
 ) -> ParallelMesh:
     """Initialise torch.distributed from torchrun's environment and build the mesh.
 
     Reads RANK, WORLD_SIZE (and MASTER_ADDR / MASTER_PORT) as torchrun sets them; without them
     it starts a one-rank world, so a script runs unchanged on a laptop. The layout is checked
     before any process group exists. ``backend`` defaults to NCCL where CUDA is available, else
-    gloo; with NCCL the CUDA device is set from LOCAL_RANK. Every collective times out after
-    ``timeout`` instead of hanging.
+    gloo; with NCCL the CUDA device is set from LOCAL_RANK. Every collective of the default
+    group and of every mesh group times out after ``timeout`` (a timedelta or seconds; default
+    ``fastpar.mesh.DEFAULT_TIMEOUT``, 10 minutes) instead of hanging. If torch.distributed is
+    already initialised, only the mesh's groups take ``timeout`` (default: the default group's).
     """
     if not dist.is_available():
         raise RuntimeError("this torch build has no torch.distributed; install a build with it")
     if dist.is_initialized():
-        return ParallelMesh(tp, pp, ep, order=order)
+        return ParallelMesh(tp, pp, ep, order=order, timeout=timeout)
+    timeout = as_timeout(DEFAULT_TIMEOUT if timeout is None else timeout)
     world_size = _env_int("WORLD_SIZE")
     rank = _env_int("RANK")
     if (world_size is None) != (rank is None):
@@ -173,4 +183,4 @@ def init(
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
     else:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
-    return ParallelMesh(tp, pp, ep, order=order)
+    return ParallelMesh(tp, pp, ep, order=order, timeout=timeout)

@@ -25,9 +25,11 @@ from fastpar.train.cli import main
 from fastpar.train.config import COLLECTIVE_TIMEOUT_S, TrainConfig, build_parser, config_from
 from fastpar.train.launch import launch
 from fastpar.train.loop import run
+from fastpar.train.stop import RunStopped
 
 __all__ = [
     "COLLECTIVE_TIMEOUT_S",
+    "RunStopped",
     "TrainConfig",
     "Trainer",
     "batch_of",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from fastpar.data import (
+    check_bin_width,
     check_token_ids,
     global_batch,
     load_tokens,
@@ -25,6 +26,8 @@ def load_data(cfg: TrainConfig, check: bool = True):
         if (cfg.data or "").endswith(".bin"):
             hint = f"; read as {cfg.data_dtype}: is --data-dtype the one the file was written with?"
         check_token_ids(tokens, cfg.vocab, source, min_tokens=cfg.seq_len + 2, hint=hint)
+        if (cfg.data or "").endswith(".bin") and cfg.data_dtype == "uint16":
+            check_bin_width(tokens, source)
     return tokens
 
 
@@ -45,4 +48,5 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     if cfg.lr_schedule == "constant":
         return cfg.lr
     progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+    floor = cfg.lr_floor
+    return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * min(1.0, progress)))

@@ -1,58 +1,302 @@
-"""Saving and resuming a run's checkpoints."""
+"""A run's checkpoints in ``--checkpoint-dir``: one writer at a time, a run id, resume that names
+what it skips, changed settings refused or warned, ``--keep-last``.
+
+``run`` calls, on every rank: ``start = open_checkpoints(trainer, talk)`` before the first step,
+``_save(trainer, root, step, talk)`` at each save and ``close_checkpoints(trainer)`` at the end
+(a ``finally``). ``open_checkpoints``: global rank 0 takes the directory's lock
+(``fastpar.checkpoint.lock``: a live holder is refused, named; a dead one's is taken over) and
+decides, the other ranks follow:
+
+* ``--resume``: the newest checkpoint of this directory's run that verifies in full; each newer
+  one skipped is named with why (incomplete, corrupted: which file, another run's). Nothing
+  usable is an error unless ``--allow-fresh``. The run id is the checkpoint's; settings are
+  compared with the checkpoint's (``compare_settings``); ``--steps`` below its step is an error.
+* a fresh run: a new run id; a directory holding another run's checkpoints is refused unless
+  ``--allow-other-run``.
+
+"This directory's run" is the last lock holder's (the lock file outlives its run), else the run
+of the most recently saved complete checkpoint. Every checkpoint carries the run id (in each
+rank's shard, see ``fastpar.checkpoint.format``) and the run's settings. The lock is released
+after the final step's checkpoint or by ``close_checkpoints``.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
+import sys
+import time
 from dataclasses import asdict
 
+import torch.distributed as dist
+
+from fastpar.checkpoint.core import _agree
+from fastpar.checkpoint.directory import latest_checkpoint, prune, scan, step_dir
+from fastpar.checkpoint.format import CheckpointError
+from fastpar.checkpoint.lock import DirectoryLock, describe
 from fastpar.train.build import Trainer
+
+__all__ = ["close_checkpoints", "compare_settings", "latest_checkpoint", "open_checkpoints"]
+
+#: resuming with another value is REFUSED: these define the parameters (their set, their shapes
+#: or what they compute), so the checkpoint's weights would go into another model (or fail on a
+#: shape, with a less helpful message). Also refused: another vocabulary, another --hf-config
+#: content, and --seq-len for the GPT (its learned position table).
+REFUSED = ("model_type", "hidden", "heads", "layers", "ffn", "moe_ffn", "kv_heads", "head_dim",
+           "qk_norm", "attention_bias", "moe_every", "experts", "untied", "norm")  # fmt: skip
+#: resuming with another value WARNS: the checkpoint still fits (fp32 masters, optimizer state,
+#: scaler) and the change may be meant (a lower LR after a spike, another precision on other
+#: hardware, a larger batch), but the run no longer continues the trajectory it was on (the
+#: seed and the batch size choose the data; the rest change the updates). The layout (tp, pp,
+#: dp, ep, zero, micro-batches, schedule) changes freely: checkpoints reshard exactly.
+WARNED = ("seed", "batch_size", "precision", "lr", "min_lr", "warmup", "lr_schedule",
+          "weight_decay", "max_grad_norm", "loss_scale", "seq_len", "rope_theta", "top_k",
+          "capacity_factor", "data", "data_dtype", "tokenizer")  # fmt: skip
+
+
+def _flag(name: str) -> str:
+    return "--model" if name == "model_type" else "--" + name.replace("_", "-")
+
+
+def _warn(text: str) -> None:
+    print(f"warning: {text}", file=sys.stderr, flush=True)
+
+
+def _model_record(cfg) -> dict:
+    """What defines the model beyond the flags: the vocabulary, the --hf-config content."""
+    from fastpar.models.hf import read_config_json
+
+    hf = read_config_json(cfg.hf_config) if cfg.hf_config else None
+    if hf is not None:
+        hf = {k: v for k, v in hf.items() if k not in ("transformers_version", "_name_or_path")}
+    return {"vocab": cfg.vocab, "hf_config": hf}
+
+
+def compare_settings(saved: dict, cfg) -> tuple[list[str], list[str]]:
+    """(refused, warned) differences between a checkpoint's ``extra`` and the run's ``cfg``,
+    each "--flag OLD -> NEW" (see ``REFUSED`` / ``WARNED`` for which is which and why)."""
+    old, now = saved.get("config") or {}, asdict(cfg)
+    refused_fields = REFUSED + (
+        ("seq_len",) if cfg.model_type == "gpt" and not cfg.hf_config else ()
+    )
+
+    def diff(names):
+        return [f"{_flag(n)} {old[n]} -> {now[n]}" for n in names if n in old and old[n] != now[n]]
+
+    refused = [] if cfg.hf_config else diff(refused_fields)
+    warned = diff(n for n in WARNED if n not in refused_fields)
+    model = saved.get("model") or {}
+    if model.get("vocab") is not None and model["vocab"] != cfg.vocab:
+        refused.append(f"vocabulary {model['vocab']} -> {cfg.vocab}")
+    if cfg.hf_config and "hf_config" in model:
+        was, new = model["hf_config"] or {}, _model_record(cfg)["hf_config"]
+        keys = sorted(k for k in set(was) | set(new) if was.get(k) != new.get(k))
+        refused += [f"--hf-config {k}: {was.get(k)!r} -> {new.get(k)!r}" for k in keys]
+    return refused, warned
+
+
+def _new_run_id() -> str:
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(4)}"
+
+
+def _choose(root: str, our_run: str | None, entries) -> tuple[str | None, list[str]]:
+    """(the newest usable checkpoint of ``our_run``, the newer ones skipped with why)."""
+    from fastpar.checkpoint import verify
+
+    skipped = []
+    for e in reversed(entries):
+        why = {"incomplete": "incomplete", "corrupted": "corrupted"}.get(e.status)
+        if why is None and our_run is not None and e.run_id != our_run:
+            why = f"another run's (run {e.run_id!r}, this directory's run is {our_run!r})"
+        if why is None:
+            try:
+                verify(e.path)
+                return e.path, skipped
+            except CheckpointError as err:
+                why, e.reason = "corrupted", str(err).split(": ", 1)[-1]
+        skipped.append(f"{e.name}: {why}" + (f" ({e.reason})" if e.reason else ""))
+    return None, skipped
+
+
+def _plan_resume(trainer: Trainer, previous: dict | None, entries) -> tuple[str, str | None]:
+    """Rank 0: (run id, checkpoint to load or None) for --resume; prints what it skips."""
+    from fastpar.checkpoint import CheckpointReader
+
+    cfg, root = trainer.cfg, trainer.cfg.checkpoint_dir
+    our_run = (previous or {}).get("last_run")
+    if our_run is None:  # no lock record: the run of the most recently saved checkpoint
+        done = [e for e in entries if e.status == "complete"]
+        our_run = max(done, key=lambda e: e.saved_at).run_id if done else None
+    path, skipped = _choose(root, our_run, entries)
+    for line in skipped:
+        _warn(f"--resume: skipping {os.path.join(root, line)}")
+    if path is None:
+        what = f" ({'; '.join(skipped)})" if skipped else ""
+        if not cfg.allow_fresh:
+            raise CheckpointError(
+                f"--resume: {root} holds no usable checkpoint{what}; pass --allow-fresh to "
+                f"start from step 0, or drop --resume"
+            )
+        _warn(
+            f"--resume: no usable checkpoint in {root}{what}; starting from step 0 (--allow-fresh)"
+        )
+        return our_run or _new_run_id(), None
+    reader = CheckpointReader(path)
+    try:
+        common = reader.common()
+    finally:
+        reader.release()
+    extra, step = common.get("extra") or {}, int(common["step"])
+    refused, warned = compare_settings(extra, cfg)
+    if refused:
+        raise CheckpointError(
+            f"--resume: {path} was saved with another model ({'; '.join(refused)}); resume "
+            f"with the checkpoint's settings, or start a new run in another --checkpoint-dir"
+        )
+    if warned:
+        _warn(f"--resume from {path} with changed settings: {'; '.join(warned)} (the run goes "
+              "on, but not as the saved run would have)")  # fmt: skip
+    if cfg.steps < step:
+        raise CheckpointError(
+            f"--steps {cfg.steps} is below the step {step} of {path}: pass --steps above "
+            f"{step} to train on from there"
+        )
+    return extra.get("run_id") or our_run or _new_run_id(), path
+
+
+def _plan_fresh(trainer: Trainer, entries) -> str:
+    """Rank 0: a new run id; refuses a directory holding another run's checkpoints."""
+    cfg, root = trainer.cfg, trainer.cfg.checkpoint_dir
+    theirs = [e for e in entries if not e.path.endswith(".partial")]
+    if theirs:
+        runs = sorted({str(e.run_id) for e in theirs if e.status == "complete"})
+        what = f"{len(theirs)} checkpoints, {theirs[0].name} to {theirs[-1].name}" + (
+            f", of run {', '.join(runs)}" if runs else ""
+        )
+        if not cfg.allow_other_run:
+            raise CheckpointError(
+                f"--checkpoint-dir {root} holds another run's checkpoints ({what}): pass "
+                f"--resume to continue that run, --allow-other-run to write beside them, or use "
+                f"an empty directory"
+            )
+        _warn(f"{root} holds another run's checkpoints ({what}); writing beside them "
+              "(--allow-other-run)")  # fmt: skip
+    return _new_run_id()
+
+
+def _plan(trainer: Trainer) -> tuple[str, str | None]:
+    """Rank 0: take the lock, then decide (run id, checkpoint to load)."""
+    cfg = trainer.cfg
+    lock = DirectoryLock(cfg.checkpoint_dir, None)
+    previous = lock.acquire()
+    trainer._checkpoint_lock = lock
+    try:
+        if lock.taken_over:
+            _warn(f"{cfg.checkpoint_dir}: taking over the lock of {describe(previous)}, which "
+                  "ended without releasing it")  # fmt: skip
+        entries = scan(cfg.checkpoint_dir)
+        if cfg.resume:
+            run_id, path = _plan_resume(trainer, previous, entries)
+        else:
+            run_id, path = _plan_fresh(trainer, entries), None
+        lock.update(run_id=run_id)
+    except BaseException:
+        close_checkpoints(trainer)
+        raise
+    return run_id, path
+
+
+def open_checkpoints(trainer: Trainer, talk: bool) -> int:
+    """Every rank, before the first step: lock the checkpoint directory, fix the run id and
+    resume (see the module's docstring). Returns the step to start from (0 without
+    --checkpoint-dir). Raises ``CheckpointError`` on every rank when the run must not go on."""
+    cfg = trainer.cfg
+    if not cfg.checkpoint_dir:
+        return 0
+    if getattr(trainer, "_checkpoints_open", None) is not None:
+        return trainer._checkpoints_open
+    decision: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            decision[0] = ("ok", *_plan(trainer))
+        except Exception as e:  # the others wait in the broadcast: tell them, whatever it is
+            text = (
+                str(e)
+                if isinstance(e, CheckpointError)
+                else f"--checkpoint-dir {cfg.checkpoint_dir}: {type(e).__name__}: {e}"
+            )
+            decision[0] = ("error", text, None)
+    dist.broadcast_object_list(decision, src=0)
+    status, first, path = decision[0]
+    if status == "error":
+        raise CheckpointError(first)
+    trainer.run_id = first
+    start = _load(trainer, path, talk) if path else 0
+    trainer._checkpoints_open = start
+    return start
+
+
+def _load(trainer: Trainer, path: str, talk: bool) -> int:
+    from fastpar import checkpoint
+
+    error = None
+    ctx = trainer.model.summon_full_params() if trainer.cfg.zero == 3 else contextlib.nullcontext()
+    try:
+        with ctx:
+            info = checkpoint.load(
+                path, model_params=trainer.named_parameters(), optimizer=trainer.opt,
+                mesh=trainer.mesh,
+            )  # fmt: skip
+    except Exception as e:
+        error = e
+    if not _agree(error is None):
+        raise error or CheckpointError(f"another rank failed to load {path}")
+    trainer.step_count = int(info["step"])
+    if talk:
+        done = (
+            "; --steps reached: nothing to train" if trainer.step_count >= trainer.cfg.steps else ""
+        )
+        print(f"resume: {path} (step {trainer.step_count}, run {trainer.run_id}){done}", flush=True)
+    return trainer.step_count
 
 
 def _save(trainer: Trainer, root: str, step: int, talk: bool) -> None:
     from fastpar import checkpoint
 
-    path = os.path.join(root, f"step_{step:06d}")
-    ctx = trainer.model.summon_full_params() if trainer.cfg.zero == 3 else contextlib.nullcontext()
+    open_checkpoints(trainer, talk)  # a no-op when run() opened them before the first step
+    lock, error = getattr(trainer, "_checkpoint_lock", None), None
+    if lock is not None:
+        try:
+            lock.check()
+        except CheckpointError as e:
+            error = e
+    if not _agree(error is None):
+        raise error or CheckpointError(f"rank 0 lost the lock on {root}")
+    cfg, path = trainer.cfg, step_dir(root, step)
+    extra = {"step": step, "config": asdict(cfg), "run_id": trainer.run_id,
+             "model": _model_record(cfg)}  # fmt: skip
+    ctx = trainer.model.summon_full_params() if cfg.zero == 3 else contextlib.nullcontext()
     with ctx:
         checkpoint.save(
             path, model_params=trainer.named_parameters(), optimizer=trainer.opt, mesh=trainer.mesh,
-            step=step, extra={"step": step, "config": asdict(trainer.cfg)}, overwrite=True,
+            step=step, extra=extra, overwrite=True, run_id=trainer.run_id,
         )  # fmt: skip
     if talk:
         print(f"checkpoint: {path}", flush=True)
+    if lock is not None and cfg.keep_last > 0:
+        deleted, busy = prune(root, cfg.keep_last, run_id=trainer.run_id, protect=path)
+        if talk and deleted:
+            print(f"checkpoint: --keep-last {cfg.keep_last} deleted {len(deleted)}", flush=True)
+        for p in busy:
+            _warn(f"--keep-last: kept {p}: it is being read")
+    if step >= cfg.steps:
+        close_checkpoints(trainer)
 
 
-def latest_checkpoint(root: str) -> str | None:
-    from fastpar import checkpoint
-
-    if not os.path.isdir(root):
-        return None
-    for name in sorted(os.listdir(root), reverse=True):
-        path = os.path.join(root, name)
-        if name.startswith("step_") and not name.endswith(".partial"):
-            try:
-                checkpoint.verify(path)
-                return path
-            except Exception:
-                continue
-    return None
-
-
-def _resume(trainer: Trainer, root: str, talk: bool) -> int:
-    from fastpar import checkpoint
-
-    path = latest_checkpoint(root)
-    if path is None:
-        if talk:
-            print(f"resume: no complete checkpoint in {root}; starting from step 0", flush=True)
-        return 0
-    ctx = trainer.model.summon_full_params() if trainer.cfg.zero == 3 else contextlib.nullcontext()
-    with ctx:
-        info = checkpoint.load(
-            path, model_params=trainer.named_parameters(), optimizer=trainer.opt, mesh=trainer.mesh
-        )
-    trainer.step_count = int(info["step"])
-    if talk:
-        print(f"resume: {path} (step {trainer.step_count})", flush=True)
-    return trainer.step_count
+def close_checkpoints(trainer: Trainer) -> None:
+    """Every rank, at the end of the run (idempotent): rank 0 releases the directory's lock."""
+    lock = getattr(trainer, "_checkpoint_lock", None)
+    if lock is not None:
+        lock.release()
+        trainer._checkpoint_lock = None

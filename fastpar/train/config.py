@@ -13,13 +13,30 @@ from fastpar.data import (
 )
 from fastpar.mesh import MeshLayout
 from fastpar.models import GPTConfig, LlamaConfig
+from fastpar.train.checks import (
+    LR_SCHEDULES,
+    TIMEOUT_ENV,
+    check_ranges,
+    flag,
+    infer_dp,
+    torchrun_world_size,
+)
+from fastpar.train.memory import check_memory
 
 DESCRIPTION = (
     "Train a GPT, a Llama or a Hugging Face model with DP x TP x PP x EP, ZeRO and mixed precision."
 )
 
+
+def _seconds(raw: str) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        return float("nan")  # refused by TrainConfig.check, which names the variable
+
+
 #: every collective fails after this long instead of hanging (a dead or stuck peer)
-COLLECTIVE_TIMEOUT_S = float(os.environ.get("FASTPAR_COLLECTIVE_TIMEOUT", "300"))
+COLLECTIVE_TIMEOUT_S = _seconds(os.environ.get(TIMEOUT_ENV, "300"))
 
 
 @dataclass
@@ -39,7 +56,7 @@ class TrainConfig:
     steps: int = 30
     batch_size: int = 16
     lr: float = 3e-3
-    min_lr: float = 3e-4
+    min_lr: float | None = None
     warmup: int = 5
     lr_schedule: str = "cosine"
     weight_decay: float = 0.1
@@ -89,6 +106,11 @@ class TrainConfig:
         return f"hf:{self.hf_config}" if self.hf_config else self.model_type
 
     @property
+    def lr_floor(self) -> float:
+        """Where the cosine schedule ends: --min-lr, else --lr / 10."""
+        return self.lr / 10 if self.min_lr is None else self.min_lr
+
+    @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
 
@@ -136,8 +158,7 @@ class TrainConfig:
             )
             for name in llama_only:
                 if getattr(self, name) != getattr(defaults, name):
-                    flag = "--" + name.replace("_", "-")
-                    raise ValueError(f"{flag} is a Llama option: add --model llama")
+                    raise ValueError(f"{flag(name)} is a Llama option: add --model llama")
         elif self.norm != "rmsnorm":
             raise ValueError(f"--norm {self.norm} is a GPT option: the Llama uses RMSNorm")
         if self.data_dtype not in BIN_DTYPES:
@@ -170,9 +191,8 @@ class TrainConfig:
         )
         for name in own:
             if getattr(self, name) != getattr(defaults, name):
-                flag = "--model" if name == "model_type" else "--" + name.replace("_", "-")
                 raise ValueError(
-                    f"{flag} does not apply with --hf-config (the config sets the model)"
+                    f"{flag(name)} does not apply with --hf-config (the config sets the model)"
                 )
         if self.ep > 1:
             raise ValueError(
@@ -216,8 +236,10 @@ class TrainConfig:
             )
 
     def check(self) -> None:
-        """Refuse an impossible run before any process group exists (the data are checked by
-        ``load_data``)."""
+        """Refuse an impossible run before any process group exists: one ValueError line naming
+        the value and the fix (the data are checked by ``load_data``; the world size under
+        torchrun by ``check_world_size``)."""
+        check_ranges(self)
         self._check_model_flags()
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"precision must be fp32, bf16 or fp16, got {self.precision!r}")
@@ -225,8 +247,6 @@ class TrainConfig:
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero}")
         if self.schedule not in ("gpipe", "1f1b"):
             raise ValueError(f"schedule must be gpipe or 1f1b, got {self.schedule!r}")
-        if min(self.tp, self.pp, self.dp, self.ep, self.microbatches, self.steps) < 1:
-            raise ValueError("tp, pp, dp, ep, microbatches and steps must all be >= 1")
         MeshLayout(self.world_size, tp=self.tp, pp=self.pp, ep=self.ep)
         per_rank = self.batch_size // self.dp
         if self.batch_size % self.dp or per_rank % self.microbatches:
@@ -238,6 +258,7 @@ class TrainConfig:
             raise ValueError("zero=3 with pp > 1 is not supported: use zero <= 2 with pipelines")
         if not self.hf_config:
             self.model().check(self.tp, self.pp, self.ep)
+            check_memory(self)  # activations that clearly do not fit this machine
 
 
 #: flags whose default is None: (type, help)
@@ -245,12 +266,14 @@ _OPTIONAL_FLAGS = {
     "vocab_size": (int, "vocabulary size (default: the tokenizer's, else 256 bytes)"),
     "ffn": (int, "MLP width (default: gpt 4·hidden, llama 8·hidden/3 rounded up to 64)"),
     "moe_ffn": (int, "llama: width of each expert (default: --ffn)"),
+    "min_lr": (float, "where the cosine schedule ends (default: --lr / 10)"),
     "kv_heads": (int, "llama: key/value heads for grouped-query attention (default: heads)"),
     "head_dim": (int, "llama: width of a head (default: hidden / heads)"),
     "capacity_factor": (float, "MoE capacity factor (default: dropless)"),
     "data": (str, "a text file, a .npy or a .bin file of token ids (default: embedded corpus)"),
     "tokenizer": (str, "a tokenizer.json (HF tokenizers) for text data; sets the vocabulary"),
     "ep": (int, "expert-parallel size (default 2; 1 with --hf-config)"),
+    "dp": (int, "data-parallel size (default 2; under torchrun WORLD_SIZE / (tp*pp))"),
     "hf_config": (
         str,
         "a Hugging Face config.json: train that model (random init) with its "
@@ -266,11 +289,12 @@ _HELP = {
     "allow_other_run": "write into a --checkpoint-dir that holds another run's checkpoints",
     "collective_timeout": "seconds any collective of any process group may wait before the "
     "job fails (a stuck or dead rank)",
-    "max_skipped_steps": "fp16: end the run after this many consecutive skipped (overflowing) "
-    "steps",
+    "max_skipped_steps": "end the run after this many consecutive steps skipped for inf/NaN "
+    "gradients (the fp16 loss scaler's, or a non-finite gradient norm)",
     "debug_checks": "cross-rank input checks that cost a collective per call (shapes into TP "
     "layers, cross-entropy targets); also FASTPAR_DEBUG_CHECKS=1",
     "model_type": "gpt or llama",
+    "lr_schedule": "after the warm-up: " + "; ".join(f"{k}: {v}" for k, v in LR_SCHEDULES.items()),
     "data_dtype": "ids of a .bin file: uint16 or uint32",
     "qk_norm": "llama: Qwen3-style RMSNorm on every query and key head",
     "attention_bias": "llama: Qwen2-style q/k/v bias",
@@ -281,29 +305,34 @@ _HELP = {
 def build_parser(prog: str = "python -m fastpar.train") -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog=prog,
-        description="Train a GPT, a Llama or a Hugging Face model with DP x TP x PP x EP, ZeRO and mixed precision.",
+        description=DESCRIPTION,
     )
     defaults = TrainConfig()
     for f in fields(TrainConfig):
-        flag = "--model" if f.name == "model_type" else "--" + f.name.replace("_", "-")
         value = getattr(defaults, f.name)
         extra = f"{_HELP[f.name]} " if f.name in _HELP else ""
         if isinstance(value, bool):
-            ap.add_argument(flag, action="store_true", help=f"{extra}(default {value})")
+            ap.add_argument(flag(f.name), action="store_true", help=f"{extra}(default {value})")
         elif f.name in _OPTIONAL_FLAGS:
             kind, text = _OPTIONAL_FLAGS[f.name]
-            ap.add_argument(flag, type=kind, default=None, help=text)
+            ap.add_argument(flag(f.name), type=kind, default=None, help=text)
         else:
             ap.add_argument(
-                flag, dest=f.name, type=type(value), default=value,
+                flag(f.name), dest=f.name, type=type(value), default=value,
                 metavar="{gpt,llama}" if f.name == "model_type" else None,
                 help=f"{extra}(default {value})",
             )  # fmt: skip
     return ap
 
 
-def config_from(args: argparse.Namespace) -> TrainConfig:
+def config_from(args: argparse.Namespace, world: int | None = None) -> TrainConfig:
+    """The TrainConfig of parsed flags. ``world``: the job's world size (default: torchrun's
+    WORLD_SIZE, None when self-started); --dp left out is ``world / (tp * pp)`` under torchrun,
+    else 2. Never raises: ``TrainConfig.check`` and ``check_world_size`` judge the result."""
     values = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
     if values["ep"] is None:  # the default: expert parallelism for fastpar's MoE models only
         values["ep"] = 1 if values["hf_config"] else TrainConfig.ep
+    if values["dp"] is None:
+        world = torchrun_world_size() if world is None else world
+        values["dp"] = infer_dp(values["tp"], values["pp"], world, TrainConfig.dp)
     return TrainConfig(**values)

@@ -8,8 +8,10 @@ import torch
 import torch.distributed as dist
 
 from fastpar.train.batches import load_data
-from fastpar.train.config import COLLECTIVE_TIMEOUT_S, TrainConfig
+from fastpar.train.config import TrainConfig
 from fastpar.train.loop import run
+from fastpar.train.peers import end_stopped_siblings
+from fastpar.train.stop import RunStopped, StopSignals
 
 
 # -- launching ---------------------------------------------------------------------------------
@@ -23,23 +25,26 @@ def launch(cfg: TrainConfig, timeout: float = 24 * 3600.0, tokens=None) -> list[
     """Run ``cfg`` on this machine: under torchrun on its ranks, else on ranks started here.
     Returns rank 0's step records. The data are loaded and every id checked first, before any
     rank starts (under torchrun: before the process group); ``tokens`` passes data already
-    checked (``load_data``)."""
+    checked (``load_data``). Every group's collectives time out after ``cfg.collective_timeout``
+    seconds (under torchrun, a rank whose collective failed ends its stopped siblings:
+    ``fastpar.train.peers``). Ranks started here die with this process; a SIGTERM / SIGINT to it reaches every
+    rank, which finish their step and save it (``fastpar.train.loop.run``): the ``RunStopped``
+    they raise is raised here (a second signal kills them at once)."""
     cfg.check()
     if tokens is None:
         tokens = load_data(cfg)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         from fastpar.mesh import init
+        from fastpar.train.checks import check_world_size
 
-        if int(os.environ["WORLD_SIZE"]) != cfg.world_size:
-            raise ValueError(
-                f"torchrun started {os.environ['WORLD_SIZE']} ranks but tp*pp*dp = {cfg.tp}*{cfg.pp}*"
-                f"{cfg.dp} = {cfg.world_size}; pass --dp {int(os.environ['WORLD_SIZE']) // (cfg.tp * cfg.pp)}"
-            )
-        from datetime import timedelta
-
-        init(cfg.tp, cfg.pp, cfg.ep, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-        return _rank_main(cfg, tokens)
-    from fastpar.testing import run_ranks
+        check_world_size(cfg, int(os.environ["WORLD_SIZE"]))  # one line; the hint fits --ep
+        init(cfg.tp, cfg.pp, cfg.ep, timeout=cfg.collective_timeout)
+        try:
+            return _rank_main(cfg, tokens)
+        except RuntimeError:  # a failed collective: a stopped sibling would hold torchrun 30 s
+            end_stopped_siblings()
+            raise
+    from fastpar.testing import RankError, run_ranks
 
     if torch.cuda.is_available():
         if torch.cuda.device_count() < cfg.world_size:
@@ -47,9 +52,19 @@ def launch(cfg: TrainConfig, timeout: float = 24 * 3600.0, tokens=None) -> list[
                 f"{cfg.world_size} ranks need {cfg.world_size} GPUs, {torch.cuda.device_count()} visible"
             )
         # spawned ranks load the data again (memory-mapped or re-tokenised), unchecked
-        out = run_ranks(
-            _rank_main, cfg.world_size, cfg, backend="nccl", start_method="spawn", timeout=timeout
-        )
+        args, how = (cfg,), dict(backend="nccl", start_method="spawn")
     else:  # forked ranks share the parent's tokens
-        out = run_ranks(_rank_main, cfg.world_size, cfg, tokens, timeout=timeout)
+        args, how = (cfg, tokens), {}
+    # run_ranks forwards a signal to the ranks, then hands it back to this handler, which only
+    # notes it: the ranks' RunStopped says what happened
+    with StopSignals():
+        try:
+            out = run_ranks(
+                _rank_main, cfg.world_size, *args, timeout=timeout,
+                collective_timeout=cfg.collective_timeout, **how,
+            )  # fmt: skip
+        except RankError as err:
+            if isinstance(err.exception, RunStopped):
+                raise err.exception from None
+            raise
     return out[0]

@@ -1,0 +1,247 @@
+"""Checks of a run's flags before any rank starts: each value's range, the words a flag takes,
+the flags that need --checkpoint-dir, and the world size under torchrun (whose hint is a layout
+that itself passes every check). Each failure is one ValueError line naming the value and the
+fix; the model's own shape checks are ``GPTConfig.check`` / ``LlamaConfig.check``."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+#: --lr-schedule: what comes after the warm-up
+LR_SCHEDULES = {
+    "cosine": "cosine decay from --lr to --min-lr over the remaining steps",
+    "constant": "--lr to the end",
+}
+
+#: integer flags: the smallest value and what it means
+AT_LEAST = {
+    "tp": (1, ""),
+    "pp": (1, ""),
+    "dp": (1, ""),
+    "ep": (1, ""),
+    "microbatches": (1, ""),
+    "steps": (1, ""),
+    "batch_size": (1, ""),
+    "seq_len": (1, ""),
+    "hidden": (1, ""),
+    "heads": (1, ""),
+    "layers": (1, ""),
+    "experts": (1, ""),
+    "top_k": (1, ""),
+    "overlap_chunks": (1, " (1: no overlap)"),
+    "log_every": (1, " (1: every step)"),
+    "max_skipped_steps": (1, ""),
+    "moe_every": (0, " (0: no MoE blocks)"),
+    "warmup": (0, " (0: no warm-up)"),
+    "save_every": (0, " (0: only the last step)"),
+    "keep_last": (0, " (0: keep every checkpoint)"),
+}
+#: integer flags whose default None means "follow another flag": at least 1 when given
+OPTIONAL_AT_LEAST_1 = ("ffn",)
+#: float flags that must be finite and > 0, or finite and >= 0
+POSITIVE = ("lr", "max_grad_norm", "collective_timeout")
+NON_NEGATIVE = ("min_lr", "weight_decay")
+#: flags that only mean something with --checkpoint-dir
+NEED_CHECKPOINT_DIR = ("resume", "save_every", "keep_last", "allow_fresh", "allow_other_run")
+#: the seed enters the batch generator as seed * 1_000_003 + step (a 64-bit seed)
+SEED_LIMIT = 2**43
+#: the longest --collective-timeout (datetime.timedelta overflows near 8.6e13 s)
+TIMEOUT_LIMIT = 1e9
+#: the fp16 loss scaler's floor, and the largest fp32 value
+LOSS_SCALE_RANGE = (1.0, 3.4028234663852886e38)
+TIMEOUT_ENV = "FASTPAR_COLLECTIVE_TIMEOUT"
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a TrainConfig field."""
+    return "--model" if name == "model_type" else "--" + name.replace("_", "-")
+
+
+def _number(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _timeout_from_env(value: float) -> bool:
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return False
+    try:
+        return float(raw) == value or math.isnan(value)
+    except ValueError:
+        return True
+
+
+def check_ranges(cfg) -> None:
+    """Every numeric flag within its range, every word one the run knows."""
+    for name, (low, meaning) in AT_LEAST.items():
+        if getattr(cfg, name) < low:
+            raise ValueError(f"{flag(name)} {getattr(cfg, name)} must be >= {low}{meaning}")
+    for name in OPTIONAL_AT_LEAST_1:
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            raise ValueError(f"{flag(name)} {value} must be >= 1 (or left out: its default)")
+    for name in POSITIVE:
+        value = getattr(cfg, name)
+        if not (math.isfinite(value) and value > 0):
+            if name == "collective_timeout" and _timeout_from_env(value):
+                raise ValueError(
+                    f"{TIMEOUT_ENV}={os.environ[TIMEOUT_ENV]!r} is not a positive number of "
+                    f"seconds: set it to one (e.g. 300), or pass --collective-timeout SECONDS"
+                )
+            raise ValueError(f"{flag(name)} {_number(value)} must be a positive finite number")
+    if cfg.collective_timeout > TIMEOUT_LIMIT:
+        raise ValueError(
+            f"--collective-timeout {cfg.collective_timeout:g} exceeds {TIMEOUT_LIMIT:g} seconds: "
+            f"pass a timeout a stuck rank is worth waiting for (default 300)"
+        )
+    low, high = LOSS_SCALE_RANGE
+    if not low <= cfg.loss_scale <= high:
+        raise ValueError(
+            f"--loss-scale {_number(cfg.loss_scale)} must be in [{low:g}, {high:.4g}] (the fp16 "
+            f"loss scaler's floor and fp32's largest value), e.g. 4096"
+        )
+    for name in NON_NEGATIVE:
+        value = getattr(cfg, name)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{flag(name)} {_number(value)} must be a finite number >= 0")
+    if not math.isfinite(cfg.rope_theta):
+        raise ValueError(f"--rope-theta {cfg.rope_theta} must be a finite number (e.g. 10000)")
+    cf = cfg.capacity_factor
+    if cf is not None and not (math.isfinite(cf) and cf > 0):
+        raise ValueError(
+            f"--capacity-factor {_number(cf)} must be a positive finite number (e.g. 1.25), or "
+            f"left out for dropless routing"
+        )
+    if cfg.moe_every and cfg.top_k > cfg.experts:
+        raise ValueError(
+            f"--top-k {cfg.top_k} exceeds --experts {cfg.experts}: each token picks top_k "
+            f"distinct experts; use --top-k <= {cfg.experts} or more --experts"
+        )
+    if not -SEED_LIMIT <= cfg.seed <= SEED_LIMIT:
+        raise ValueError(f"--seed {cfg.seed} is out of range: use a seed in ±{SEED_LIMIT}")
+    _check_schedule(cfg)
+    _check_paths(cfg)
+
+
+def _check_schedule(cfg) -> None:
+    if cfg.lr_schedule not in LR_SCHEDULES:
+        words = "; ".join(f"{k}: {v}" for k, v in LR_SCHEDULES.items())
+        raise ValueError(
+            f"--lr-schedule {cfg.lr_schedule!r} is not a schedule fastpar knows: pass one of "
+            f"{' or '.join(LR_SCHEDULES)} ({words})"
+        )
+    if cfg.lr_schedule == "cosine" and cfg.min_lr is not None and cfg.min_lr > cfg.lr:
+        raise ValueError(
+            f"--min-lr {cfg.min_lr:g} is above --lr {cfg.lr:g}: the cosine schedule would raise "
+            f"the rate; pass a --min-lr <= {cfg.lr:g} (e.g. {cfg.lr / 10:g}), or --lr-schedule "
+            f"constant"
+        )
+
+
+def check_devices(cfg) -> None:
+    """Self-started ranks on GPUs need one GPU each."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() < cfg.world_size:
+        raise ValueError(
+            f"{cfg.world_size} ranks need {cfg.world_size} GPUs, {torch.cuda.device_count()} "
+            f"visible: use a layout of at most {torch.cuda.device_count()} ranks, or torchrun "
+            f"over several machines"
+        )
+
+
+def _check_paths(cfg) -> None:
+    """The flags that need --checkpoint-dir have it; the directories are not files."""
+    if not cfg.checkpoint_dir:
+        for name in NEED_CHECKPOINT_DIR:
+            value = getattr(cfg, name)
+            if value:
+                given = flag(name) if value is True else f"{flag(name)} {value}"
+                raise ValueError(
+                    f"{given} needs --checkpoint-dir DIR (where the run's checkpoints are "
+                    f"written and read): add it, or drop {flag(name)}"
+                )
+    for name in ("checkpoint_dir", "profile"):
+        path = getattr(cfg, name)
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"{flag(name)} {path} is a file, not a directory: pass a directory")
+
+
+# -- the world size under torchrun --------------------------------------------------------------
+def torchrun_world_size() -> int | None:
+    """WORLD_SIZE when this process is a torchrun rank (RANK and WORLD_SIZE set), else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def infer_dp(tp: int, pp: int, world: int | None, default: int) -> int:
+    """--dp when it is not given: world / (tp * pp) under torchrun (when that divides; else the
+    world-size check explains), else ``default``."""
+    if world is None or tp < 1 or pp < 1 or world % (tp * pp):
+        return default
+    return world // (tp * pp)
+
+
+def _passes(cfg) -> bool:
+    try:
+        cfg.check()
+    except ValueError:
+        return False
+    return True
+
+
+def _nearest(divisors: list[int], value: int) -> list[int]:
+    """``divisors`` in the order to try them instead of ``value``: itself, then the smaller
+    ones (nearest first), then the larger ones."""
+    return sorted(divisors, key=lambda d: (d != value, d > value, abs(d - value)))
+
+
+def _fitting(cfg, world: int) -> dict | None:
+    """The first layout of ``world`` ranks, each of tp, pp, ep as near the given one as it
+    can be, with which ``cfg`` passes every check; None if none does."""
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    for tp in _nearest(divisors, cfg.tp):
+        for pp in _nearest([d for d in divisors if (world // tp) % d == 0], cfg.pp):
+            dp = world // (tp * pp)
+            for ep in _nearest([e for e in range(1, dp + 1) if dp % e == 0], cfg.ep):
+                layout = dict(tp=tp, pp=pp, dp=dp, ep=ep)
+                if _passes(dataclasses.replace(cfg, **layout)):
+                    return layout
+    return None
+
+
+def check_world_size(cfg, world: int) -> None:
+    """Under torchrun: raise ValueError (one line) unless tp * pp * dp is the ``world`` torchrun
+    started and ep divides dp, with the flags that make it fit (a layout that passes every
+    check, --ep included)."""
+    check_ranges(cfg)  # tp, pp, dp, ep >= 1 first
+    if cfg.world_size == world and cfg.dp % cfg.ep == 0:
+        return
+    dp = world // (cfg.tp * cfg.pp) if world % (cfg.tp * cfg.pp) == 0 else None
+    if dp is None:
+        what = (
+            f"torchrun started {world} ranks, not a multiple of tp*pp = {cfg.tp}*{cfg.pp} = "
+            f"{cfg.tp * cfg.pp}"
+        )
+    elif cfg.world_size != world:
+        what = (
+            f"torchrun started {world} ranks but tp*pp*dp = {cfg.tp}*{cfg.pp}*{cfg.dp} = "
+            f"{cfg.world_size}"
+        )
+    else:
+        what = f"torchrun started {world} ranks: dp = {dp}, which ep {cfg.ep} does not divide"
+    layout = _fitting(cfg, world)
+    if layout is None:
+        raise ValueError(
+            f"{what}; no tp x pp x dp layout of {world} ranks fits this model and batch: start "
+            f"another number of ranks (--nproc-per-node x --nnodes)"
+        )
+    changed = " ".join(f"--{k} {v}" for k, v in layout.items() if k == "dp" or v != getattr(cfg, k))
+    # the given layout as it is, on the number of ranks it makes
+    other = f", or start {cfg.world_size} ranks" if _passes(cfg) else ""
+    raise ValueError(
+        f"{what}: pass {changed} (--dp may be left out: it follows the world size){other}"
+    )

@@ -1,0 +1,17 @@
+"""``forbid_ranks``: make any start of training ranks a test failure (for checks that must come
+before any rank starts)."""
+
+from __future__ import annotations
+
+
+def _started(*args, **kwargs):
+    raise AssertionError("a rank was started: the check did not come before the ranks")
+
+
+def forbid_ranks(monkeypatch) -> None:
+    """Fail the test if the command launches its run or starts a rank."""
+    import fastpar.testing
+    import fastpar.train.cli
+
+    monkeypatch.setattr(fastpar.testing, "run_ranks", _started)
+    monkeypatch.setattr(fastpar.train.cli, "launch", _started)
