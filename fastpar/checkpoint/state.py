@@ -20,25 +20,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fastpar.nn.marks import expert_layout, is_expert, param_layout
+from fastpar.nn.marks import expert_layout, is_expert, mark_tied_copy, param_layout, tied_name
 
 SCALAR_KEYS = frozenset({"step"})
 """State keys that are one value per parameter (global shape [1]), not one per element."""
 
-_TIED_NAME = "_fastpar_checkpoint_name"
-
-
-def mark_tied_copy(p: torch.Tensor, name: str) -> None:
-    """``p`` is this rank's copy of the global tensor ``name`` (the last pipeline stage's copy
-    of a word embedding tied to the LM head): checkpoints save and load it as ``name``, whatever
-    name the caller lists it under, so one global tensor serves every pipeline layout."""
-    setattr(p, _TIED_NAME, name)
+__all__ = ["mark_tied_copy"]  # re-exported: the mark lives with the other marks
 
 
 def checkpoint_name(name: str, p: torch.Tensor) -> str:
     """The global name ``p`` is saved and loaded under: its ``mark_tied_copy`` name, else
     ``name``."""
-    return getattr(p, _TIED_NAME, name)
+    return tied_name(p) or name
 
 
 def global_names(model_params) -> list[tuple[str, torch.Tensor]]:

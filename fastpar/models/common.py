@@ -17,7 +17,7 @@ from fastpar.comm import all_gather_reduce_scatter, copy_to_region, group_size, 
 from fastpar.moe import MoE
 from fastpar.nn import ColumnParallelLinear, VocabParallelEmbedding
 from fastpar.nn.functional import vocab_parallel_cross_entropy
-from fastpar.nn.marks import mark_sharded, param_layout
+from fastpar.nn.marks import mark_sharded, mark_tied_copy, param_layout
 
 
 def tp_group_of(mesh):
@@ -245,7 +245,6 @@ def untie_for_pipeline(blocks: list[nn.Module], mesh) -> nn.Parameter | None:
     tied parameter this rank holds (None if it holds neither end). Checkpoints save and load
     the copy as the embedding itself ("0.tok.weight", block 0's name in
     ``stage_param_names``), so one tensor serves every pipeline layout."""
-    from fastpar.checkpoint.state import mark_tied_copy
 
     head, embed = blocks[-1], blocks[0]
     if head.weight is not embed.tok.weight:

@@ -87,3 +87,18 @@ def is_expert(p: torch.Tensor) -> bool:
 
 def expert_layout(p: torch.Tensor) -> ExpertLayout | None:
     return getattr(p, _EXPERT, None)
+
+
+_TIED_NAME = "_fastpar_checkpoint_name"
+
+
+def mark_tied_copy(p: torch.Tensor, name: str) -> None:
+    """``p`` is this rank's copy of the global tensor ``name`` (the last pipeline stage's copy
+    of a word embedding tied to the LM head): checkpoints save and load it as ``name``, whatever
+    name the caller lists it under, so one global tensor serves every pipeline layout."""
+    setattr(p, _TIED_NAME, name)
+
+
+def tied_name(p: torch.Tensor) -> str | None:
+    """The global name ``mark_tied_copy`` gave ``p``, or None."""
+    return getattr(p, _TIED_NAME, None)
