@@ -34,11 +34,11 @@ from fastpar.train import (
     TrainConfig,
     batch_of,
     build_parser,
-    config_from,
     launch,
     load_data,
     lr_at,
 )
+from fastpar.train.cli import prepare, refuse
 
 TOLERANCE = {  # (loss relative, parameter absolute)
     "fp32": (1e-4, 2e-4),
@@ -175,14 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         return _main_hf(argv)
     ap = build_parser("python -m fastpar.verify")
     ap.set_defaults(steps=3)
-    args = ap.parse_args(argv)
-    cfg = config_from(args)
-    try:
-        cfg.check()
-        tokens = load_data(cfg)  # every token id against the vocabulary, before any rank starts
+    try:  # the training command's checks: flags, devices, data (every id), memory
+        cfg, tokens = prepare(ap.parse_args(argv))
     except (ValueError, ImportError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return refuse(exc)
     ok, text = compare(cfg, tokens)
     print(text)
     return 0 if ok else 1
@@ -198,14 +194,10 @@ def _main_hf(argv: list[str]) -> int:
 
     ap = build_parser("python -m fastpar.verify")
     ap.set_defaults(steps=3, batch_size=8, seq_len=16)
-    args = ap.parse_args(argv)
-    cfg = config_from(args)
     try:
-        cfg.check()
-        tokens = load_data(cfg)
+        cfg, tokens = prepare(ap.parse_args(argv))
     except (ValueError, ImportError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return refuse(exc)
     ok = True
     if cfg.pp == 1:
         flags = ["--hf-config", cfg.hf_config, "--tp", str(cfg.tp), "--dp", str(cfg.dp)]
