@@ -37,7 +37,7 @@ Correct by construction, checked before the model is used:
 Parameters tied before (an embedding and its LM head, BERT's decoder bias and the bare
 ``cls.predictions.bias``) are tied again, sharded alike. Attention modules that own a column
 split keep fewer heads per rank: their head-count and width attributes (``HEAD_ATTRS``,
-``WIDTH_ATTRS``, and those named in ``heads=``) are divided by the TP size. The result is
+``WIDTH_ATTRS`` of ``fastpar.nn.plan``, and those named in ``heads=``) are divided by the TP size. The result is
 recorded on ``model.fastpar_plan`` (a ``PlanRecord``). Hugging Face's ``save_pretrained`` /
 ``push_to_hub`` on the sharded model raise ``ShardedSaveError`` naming the supported route
 (``fastpar.checkpoint.save_hf``), instead of writing this rank's shards as the model.
@@ -61,13 +61,16 @@ from fastpar.nn.embedding import VocabParallelEmbedding
 from fastpar.nn.guard import guard_save_pretrained
 from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear, is_conv1d, resolve_group
 from fastpar.nn.marks import mark_replicated
+from fastpar.nn.plan import (
+    HEAD_ATTRS,
+    WIDTH_ATTRS,
+    linear_like,
+    match,
+    splits_output,
+    static_checks,
+)
 from fastpar.nn.probe import FULL, SPLIT, ProbeFailed, ProbeReport, probe
 
-HEAD_ATTRS = ("num_heads", "n_head", "num_attention_heads", "num_key_value_heads", "n_kv_head")
-WIDTH_ATTRS = ("split_size", "all_head_size")
-"""Widths of the split projections that attention modules reshape with (GPT-2, BERT)."""
-CONFIG_HEADS = ("num_attention_heads", "num_key_value_heads", "n_head")
-STYLES = ("column", "row", "vocab", "per_head", "replicate")
 _LAYERS = {
     "column": ColumnParallelLinear,
     "row": RowParallelLinear,
@@ -88,129 +91,6 @@ class PlanRecord:
     found_by_probe: list[str] = field(default_factory=list)
     probed: bool = False
     output_rel_diff: float | None = None
-
-
-def _linear_like(m: nn.Module) -> bool:
-    return isinstance(m, nn.Linear) or is_conv1d(m)
-
-
-def _parse_style(pattern: str, style) -> tuple[str, dict]:
-    name, kwargs = (style, {}) if isinstance(style, str) else style
-    if name not in STYLES:
-        raise ValueError(f"plan[{pattern!r}] = {style!r}: style must be one of {list(STYLES)}")
-    kwargs = dict(kwargs)
-    if name in ("per_head", "replicate") and kwargs:
-        raise ValueError(f"plan[{pattern!r}]: style {name!r} takes no keyword arguments")
-    for bad in ("group", "mesh"):
-        if bad in kwargs:
-            raise ValueError(f"plan[{pattern!r}]: pass {bad}= to parallelize, not in the plan")
-    if kwargs.get("sequence_parallel"):
-        raise ValueError(
-            f"plan[{pattern!r}]: sequence_parallel is not supported by parallelize: the model's "
-            "own norms, dropout and residuals would have to act on sequence shards; use the "
-            "fastpar models (fastpar.models) for sequence parallelism"
-        )
-    return name, kwargs
-
-
-def _check_type(name: str, module: nn.Module, style: str) -> None:
-    if style in ("column", "row") and not _linear_like(module):
-        raise TypeError(
-            f"plan style {style!r} needs an nn.Linear or a Hugging Face Conv1D at {name!r}, found "
-            f"{type(module).__name__}; plan its linear sub-modules instead"
-        )
-    if style == "vocab" and type(module) is not nn.Embedding:
-        raise TypeError(
-            f"plan style 'vocab' needs an nn.Embedding at {name!r}, found {type(module).__name__}"
-        )
-    if style in ("per_head", "replicate") and not any(True for _ in module.parameters()):
-        raise ValueError(f"plan style {style!r} at {name!r}: the module has no parameters")
-
-
-def _splits_output(style: str, kwargs: dict) -> bool:
-    return style == "column" and not kwargs.get("gather_output", False)
-
-
-def _match(model: nn.Module, plan: Mapping[str, object], strict: bool) -> dict[str, tuple]:
-    names = [n for n, _ in model.named_modules() if n]
-    chosen: dict[str, tuple[str, dict]] = {}
-    for pattern, style in plan.items():
-        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
-        if not hits and strict:
-            raise ValueError(
-                f"plan pattern {pattern!r} matches no module of {type(model).__name__}"
-            )
-        parsed = _parse_style(pattern, style)
-        for n in hits:
-            if n in chosen and chosen[n] != parsed:
-                raise ValueError(
-                    f"module {n!r} is matched by two plan entries with different styles"
-                )
-            chosen[n] = parsed
-    return chosen
-
-
-def _attention_like(name: str, module: nn.Module) -> bool:
-    return (
-        any(isinstance(getattr(module, a, None), int) for a in HEAD_ATTRS)
-        or "attention" in type(module).__name__.lower()
-        or "attn" in name.rpartition(".")[2].lower()
-    )
-
-
-def _head_counts(module: nn.Module, model: nn.Module) -> dict[str, int]:
-    counts = {a: v for a in HEAD_ATTRS if isinstance(v := getattr(module, a, None), int)}
-    config = getattr(module, "config", None) or getattr(model, "config", None)
-    for key in CONFIG_HEADS:
-        value = getattr(config, key, None)
-        if isinstance(value, int) and f"config.{key}" not in counts:
-            counts[f"config.{key}"] = value
-    return counts
-
-
-def _static_checks(model, modules, chosen, world, heads) -> list[str]:
-    """Types, siblings and head counts. Returns the names of the attention-like parents."""
-    for n, (style, _) in chosen.items():
-        _check_type(n, modules[n], style)
-    split_parents = sorted(
-        {n.rpartition(".")[0] for n, (s, kw) in chosen.items() if _splits_output(s, kw)}
-    )
-    for parent in split_parents:
-        module = modules[parent] if parent else model
-        prefix = f"{parent}." if parent else ""
-        dense = [
-            prefix + c
-            for c, m in module.named_children()
-            if _linear_like(m) and prefix + c not in chosen
-        ]
-        if dense:
-            split = [prefix + c for c, _ in module.named_children() if prefix + c in chosen]
-            raise ValueError(
-                f"plan splits {split} but leaves {dense} in the same module {parent or '<model>'!r} "
-                f"dense: the projections of one attention/MLP block must be split together (plan "
-                f"{dense} as 'column' like the others, the output projection as 'row'), or "
-                f"mark them 'replicate' if they really see whole activations"
-            )
-    attention = []
-    for parent in split_parents:
-        module = modules[parent] if parent else model
-        if not _attention_like(parent, module):
-            continue
-        attention.append(parent)
-        for what, value in _head_counts(module, model).items():
-            if value % world:
-                divisors = [d for d in range(1, value + 1) if value % d == 0]
-                raise ValueError(
-                    f"module {parent!r} has {what}={value}, not divisible by the tensor-parallel "
-                    f"size {world}: attention heads cannot be split evenly; use a TP size in "
-                    f"{divisors}"
-                )
-    for pat in heads or {}:
-        if not any(fnmatch.fnmatchcase(n, pat) for n in split_parents):
-            raise ValueError(
-                f"heads pattern {pat!r} matches no module that owns a column projection"
-            )
-    return attention
 
 
 def _example_inputs(model: nn.Module, example_inputs) -> tuple[tuple, dict] | None:
@@ -240,7 +120,7 @@ def _example_inputs(model: nn.Module, example_inputs) -> tuple[tuple, dict] | No
     for m in model.modules():
         if isinstance(m, nn.Embedding):
             return (torch.randint(0, m.num_embeddings, (2, 8), generator=g).to(device),), {}
-        if _linear_like(m):
+        if linear_like(m):
             w = m.weight
             width = w.shape[0] if is_conv1d(m) else w.shape[1]
             return (torch.randn(2, width, generator=g).to(device=device, dtype=w.dtype),), {}
@@ -380,7 +260,7 @@ def _retie(owners, modules, new_modules, model) -> None:
 
 
 def _divide_heads(model, modules, chosen, heads, world) -> None:
-    parents = {n.rpartition(".")[0] for n, (s, kw) in chosen.items() if _splits_output(s, kw)}
+    parents = {n.rpartition(".")[0] for n, (s, kw) in chosen.items() if splits_output(s, kw)}
     for n in sorted(parents):
         module = modules[n] if n else model
         extra = [
@@ -458,8 +338,8 @@ def parallelize(
                 f"plan: {{'*.q_proj': 'column', ..., '*.o_proj': 'row'}}"
             )
     modules = dict(model.named_modules())
-    chosen = _match(model, plan, strict)
-    attention = _static_checks(model, modules, chosen, world, heads)
+    chosen = match(model, plan, strict)
+    attention = static_checks(model, modules, chosen, world, heads)
 
     owners = _owners(modules)
     layer_params = {
@@ -485,7 +365,7 @@ def parallelize(
     dense_out = None
     if inputs is not None:
         styles = {
-            n: SPLIT if _splits_output(s, kw) else FULL
+            n: SPLIT if splits_output(s, kw) else FULL
             for n, (s, kw) in chosen.items()
             if s in _LAYERS
         }
