@@ -37,7 +37,8 @@ Correct by construction, checked before the model is used:
 Parameters tied before (an embedding and its LM head, BERT's decoder bias and the bare
 ``cls.predictions.bias``) are tied again, sharded alike. Attention modules that own a column
 split keep fewer heads per rank: their head-count and width attributes (``HEAD_ATTRS``,
-``WIDTH_ATTRS`` of ``fastpar.nn.plan``, and those named in ``heads=``) are divided by the TP size. The result is
+``WIDTH_ATTRS`` of ``fastpar.nn.plan``, and those named in ``heads=``) are divided by the TP
+size. The result is
 recorded on ``model.fastpar_plan`` (a ``PlanRecord``). Hugging Face's ``save_pretrained`` /
 ``push_to_hub`` on the sharded model raise ``ShardedSaveError`` naming the supported route
 (``fastpar.checkpoint.save_hf``), instead of writing this rank's shards as the model.
