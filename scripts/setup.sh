@@ -31,7 +31,7 @@ if python -c "import torch" 2>/dev/null; then
     echo "fastpar setup: keeping torch $(python -c 'import torch; print(torch.__version__)')"
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     echo "fastpar setup: NVIDIA GPU found, installing the default (CUDA) torch"
-    python -m pip install "torch>=2.4"
+    python -m pip install "torch>=2.13"
 else
     echo "fastpar setup: no GPU, installing the CPU build of torch $TORCH_CPU_VERSION"
     # The '+cpu' local version only matches a CPU wheel (a local file or PyTorch's CPU index);

@@ -120,3 +120,71 @@ def test_state_dict_round_trip():
     assert c.scale.item() == 128.0 and c.inv_scale.item() == 1 / 128
     with pytest.raises(ValueError, match="scale must be positive"):
         ConstantLossScaler(0.0)
+
+
+FP32_MAX = torch.finfo(torch.float32).max
+
+
+@pytest.mark.parametrize("growth_factor,start", [(2.0, 2.0**16), (3.0, 1.0)])
+def test_a_long_clean_streak_stops_at_the_largest_finite_scale(growth_factor, start):
+    """growth_interval=1 and 300 clean steps: the scale climbs to the last finite multiple
+    (2^127; 3^80 for growth 3, since 3^81 > fp32 max) and stays there, step for step with
+    torch's own update kernel (which refuses a growth to inf)."""
+    ours = DynamicLossScaler(
+        initial_scale=start, growth_factor=growth_factor, growth_interval=1, hysteresis=1
+    )
+    scale = torch.tensor(start)
+    tracker = torch.tensor(0, dtype=torch.int32)
+    for _ in range(300):
+        ours.update(False)
+        torch._amp_update_scale_(scale, tracker, torch.tensor(0.0), growth_factor, 0.5, 1)
+        assert ours.scale.item() == scale.item()
+    top = 2.0**127 if growth_factor == 2.0 else float(torch.tensor(3.0, dtype=torch.float64) ** 80)
+    assert torch.isfinite(ours.scale)
+    assert ours.scale.item() == pytest.approx(top, rel=1e-6)
+    assert ours.scale.item() * growth_factor > FP32_MAX  # one more growth would be inf
+
+
+def test_backs_off_after_an_overflow_at_the_limit():
+    s = DynamicLossScaler(initial_scale=2.0**120, growth_interval=2, hysteresis=2)
+    for _ in range(40):
+        s.update(False)
+    assert s.scale.item() == 2.0**127
+    s.update(True)  # absorbed by hysteresis
+    assert s.scale.item() == 2.0**127
+    s.update(True)
+    assert s.scale.item() == 2.0**126
+    s.update(True)
+    assert s.scale.item() == 2.0**125
+    for _ in range(6):  # grows back to the limit and no further
+        s.update(False)
+    assert s.scale.item() == 2.0**127
+
+
+def test_scales_must_be_finite_in_fp32():
+    for bad in (float("inf"), 1e39, float("nan")):  # 1e39 is inf once stored as fp32
+        with pytest.raises(ValueError, match=r"initial_scale must be positive and finite in fp32"):
+            DynamicLossScaler(initial_scale=bad)
+        with pytest.raises(ValueError, match=r"min_scale must be positive and finite in fp32"):
+            DynamicLossScaler(min_scale=bad)
+        with pytest.raises(ValueError, match=r"^scale must be positive and finite in fp32"):
+            ConstantLossScaler(bad)
+    DynamicLossScaler(initial_scale=FP32_MAX)  # the largest finite value itself is fine
+
+
+def test_an_infinite_scale_from_a_checkpoint_comes_back_finite_and_backs_off():
+    """A checkpoint of a scaler that had grown to inf (before the limit existed)."""
+    state = DynamicLossScaler(hysteresis=1).state_dict()
+    state["scale"] = torch.tensor(float("inf"))
+    s = DynamicLossScaler(hysteresis=1)
+    with pytest.warns(RuntimeWarning, match=r"loaded loss scale is inf; using 1\.7014e\+38"):
+        s.load_state_dict(state)
+    assert s.scale.item() == 2.0**127
+    s.update(True)
+    assert s.scale.item() == 2.0**126
+    for bad in (float("nan"), 0.0, -4.0):
+        state["scale"] = torch.tensor(bad)
+        with pytest.raises(ValueError, match="the loaded loss scale must be positive and finite"):
+            s.load_state_dict(state)
+    with pytest.raises(ValueError, match="the loaded loss scale must be positive and finite"):
+        ConstantLossScaler(4.0).load_state_dict({"scale": float("nan")})

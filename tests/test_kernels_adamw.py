@@ -9,7 +9,10 @@ both torch.lerp branches, int64 and fp32 step tensors, a large step (β^t by rep
 per-tensor steps, and the found_inf skip (1 and NaN: nothing written).
 
 Tolerances: exp_avg and exp_avg_sq must be bit-identical to torch (the kernel uses torch's fma
-order); the param is compared within 1e-6 relative, because the kernel takes an IEEE square root
+order) wherever ``tl.fma`` rounds once, as on every GPU and in the interpreter of Triton >= 3.9;
+the interpreter of Triton 3.8 and older emulates it as ``x * y + z``, rounding twice, and there
+(found by running an fma whose two roundings differ) they are compared within 1e-6 of their
+scale instead (a few ulps: one extra rounding per fma per step); the param is compared within 1e-6 relative, because the kernel takes an IEEE square root
 and torch's CPU ``sqrt`` is not correctly rounded (one value in five is one ulp off), which moves
 the param by at most an ulp now and then. fp16 copies must equal ``param.half()`` exactly; the
 interpreter stores bf16 by truncation, so bf16 copies are compared within one ulp (exactly on a
@@ -21,6 +24,8 @@ and a shard of more than 2^31 elements (int64 offsets).
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -49,6 +54,32 @@ def _assert_param(got: torch.Tensor, want: torch.Tensor) -> None:
 def _assert_exact(got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.dtype == want.dtype and got.shape == want.shape
     assert torch.equal(got, want), f"{int((got != want).sum())} of {got.numel()} differ"
+
+
+@functools.cache
+def _fma_rounds_once() -> bool:
+    """Whether ``tl.fma`` rounds once here: fma(a, a, -(1 + 2^-11)) with a = 1 + 2^-12 is
+    2^-24 exactly, but 0 when a·a is first rounded to fp32 (1 + 2^-11, a tie to even)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(a_ptr, c_ptr, out_ptr):
+        tl.store(out_ptr, tl.fma(tl.load(a_ptr), tl.load(a_ptr), tl.load(c_ptr)))
+
+    out = torch.zeros(1)
+    probe[(1,)](torch.tensor([1 + 2.0**-12]), torch.tensor([-(1 + 2.0**-11)]), out)
+    return out.item() == 2.0**-24
+
+
+def _assert_moments(got: torch.Tensor, want: torch.Tensor) -> None:
+    """exp_avg / exp_avg_sq of an interpreted kernel: exact where ``tl.fma`` rounds once."""
+    if _fma_rounds_once():
+        _assert_exact(got, want)
+        return
+    assert got.dtype == want.dtype and got.shape == want.shape
+    scale = float(want.abs().max()) if want.numel() else 0.0
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * scale)
 
 
 def _assert_copy(lp: torch.Tensor, p: torch.Tensor, exact: bool) -> None:
@@ -122,8 +153,8 @@ def test_flat_kernel_interpreted(numel, case):
     oracle = _torch_adamw(p0, grads, beta1=beta1, weight_decay=wd, maximize=maximize)
     for res in (want, oracle):
         _assert_param(got[0], res[0])
-        _assert_exact(got[1], res[1])
-        _assert_exact(got[2], res[2])
+        _assert_moments(got[1], res[1])
+        _assert_moments(got[2], res[2])
     if lp_dtype is not None:
         _assert_copy(got[3], got[0], exact=False)
 
@@ -154,15 +185,15 @@ def test_inv_scale_clip_and_large_step_interpreted():
     with backend.use_backend("reference"):
         want = _run_flat(p0, grads, device="cpu", **kw)
     _assert_param(got[0], want[0])
-    _assert_exact(got[1], want[1])
-    _assert_exact(got[2], want[2])
+    _assert_moments(got[1], want[1])
+    _assert_moments(got[2], want[2])
     # the first update against torch AdamW fed pre-multiplied grads (torch starts at step 1)
     with backend.use_backend("triton"):
         got1 = _run_flat(p0, grads[:1], device="cpu", **{**kw, "steps_from": 0})
     oracle = _torch_adamw(p0, grads[:1], beta1=0.9, weight_decay=0.1, pre=lambda g: g * inv * clip)
     _assert_param(got1[0], oracle[0])
-    _assert_exact(got1[1], oracle[1])
-    _assert_exact(got1[2], oracle[2])
+    _assert_moments(got1[1], oracle[1])
+    _assert_moments(got1[2], oracle[2])
 
 
 def _multi_setup(device):
@@ -220,8 +251,8 @@ def test_multi_tensor_kernel_interpreted():
     for res in (got, got_op):
         for i in range(len(sizes)):
             _assert_param(res[0][i], want[0][i])
-            _assert_exact(res[1][i], want[1][i])
-            _assert_exact(res[2][i], want[2][i])
+            _assert_moments(res[1][i], want[1][i])
+            _assert_moments(res[2][i], want[2][i])
             if lp_dtypes[i] is not None:
                 _assert_copy(res[3][i], res[0][i], exact=False)
     # tensor 0 against torch AdamW (from step 1)
@@ -270,8 +301,8 @@ def test_fused_adamw_triton_interpreted():
                 o.step()
     for a, b in zip(ours, theirs, strict=True):
         _assert_param(a.detach(), b.detach())
-        _assert_exact(opt.state[a]["exp_avg"], ref_opt.state[b]["exp_avg"])
-        _assert_exact(opt.state[a]["exp_avg_sq"], ref_opt.state[b]["exp_avg_sq"])
+        _assert_moments(opt.state[a]["exp_avg"], ref_opt.state[b]["exp_avg"])
+        _assert_moments(opt.state[a]["exp_avg_sq"], ref_opt.state[b]["exp_avg_sq"])
         assert int(opt.state[a]["step"]) == 3
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import fastpar
 from fastpar.nn.loss import VocabParallelCrossEntropy
 from fastpar.ops.cross_entropy import vocab_parallel_cross_entropy
 from fastpar.testing import RankError, run_ranks
@@ -311,3 +312,93 @@ def test_rank_error_surfaces():
 
     with pytest.raises(RankError, match="integer class ids"):
         run_ranks(bad, 2)
+
+
+# ---------------------------------------------------------------- ranks that disagree
+
+
+def _disagreeing_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    full = torch.randn(6, 99, generator=gen) * 3
+    return full, torch.randint(0, 99, (6,), generator=gen)
+
+
+def _disagreeing_calls(group_size: int) -> bytes:
+    """On each rank, vocab-parallel CE calls in which the ranks of a group pass inconsistent
+    inputs (debug checks off: the free checks), then a consistent one; every call's loss or
+    error message, pickled. V = 99 on groups of ``group_size``: shards of 50 | 49 + 1 pad."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = [dist.new_group(list(range(s, s + group_size))) for s in range(0, world, group_size)]
+    group, r = groups[rank // group_size], rank % group_size
+    second_group = rank >= group_size
+    full, target = _disagreeing_inputs()
+    padded = _shard(full, 2, r)  # [6, 50]: the documented layout
+    unpadded = full[:, :50] if r == 0 else full[:, 50:]  # [6, 50] | [6, 49]: what a user did
+    flipped = target.flip(0) if r == 1 else target
+    one_ignored = target.clone()
+    if r == 1:
+        one_ignored[2] = -100
+
+    calls = {
+        "widths": lambda: vocab_parallel_cross_entropy(unpadded, target, group=group),
+        "widths, vocab_size given": lambda: vocab_parallel_cross_entropy(
+            unpadded, target, group=group, vocab_size=99
+        ),
+        "targets": lambda: vocab_parallel_cross_entropy(
+            padded, flipped, group=group, vocab_size=99
+        ),
+        "one row ignored on one rank": lambda: vocab_parallel_cross_entropy(
+            padded, one_ignored, group=group, vocab_size=99
+        ),
+        "ignore_index": lambda: vocab_parallel_cross_entropy(
+            padded, target, group=group, vocab_size=99, ignore_index=-100 - r
+        ),
+        "consistent": lambda: vocab_parallel_cross_entropy(
+            padded, target, group=group, vocab_size=99
+        ),
+    }
+    if second_group:  # only the second group disagrees: the first is not disturbed by it
+        calls = {"second group widths": calls["widths"], "consistent": calls["consistent"]}
+    out = {}
+    with fastpar.debug_checks(False):  # the free checks alone (the suite may run with them on)
+        for name, call in calls.items():
+            try:
+                out[name] = call()
+            except ValueError as exc:
+                out[name] = str(exc)
+    return pickle.dumps(out)
+
+
+def test_ranks_that_disagree_raise_on_every_rank_naming_the_values():
+    results = [pickle.loads(r) for r in run_ranks(_disagreeing_calls, 2, 2, timeout=120)]
+    true_loss = F.cross_entropy(*_disagreeing_inputs())
+    msgs = results[0]
+    for name, msg in msgs.items():  # the same error on both ranks
+        assert name == "consistent" or results[1][name] == msg, name
+    assert msgs["widths"] == (
+        "vocab_parallel_cross_entropy: the 2 ranks of the group disagree: shard width "
+        "(logits.shape[-1]) 50 on rank 0, 49 on rank 1; vocab_size 100 on rank 0, 98 on rank 1; "
+        "every rank must hold ceil(vocab_size / tp) columns (pad the last shard and pass "
+        "vocab_size=) and the same target ids"
+    )
+    assert (
+        "shard width (logits.shape[-1]) 50 on rank 0, 49 on rank 1; every rank"
+        in (msgs["widths, vocab_size given"])
+    )
+    for name in ("targets", "one row ignored on one rank"):
+        assert msgs[name].startswith(
+            "vocab_parallel_cross_entropy: the 2 ranks of the group disagree: target ids digest "
+        ), msgs[name]
+        assert "on rank 0, digest" in msgs[name] and "shard width" not in msgs[name]
+    assert "ignore_index -100 on rank 0, -101 on rank 1" in msgs["ignore_index"]
+    for r in results:  # after all of that the group still computes the right loss
+        torch.testing.assert_close(r["consistent"], true_loss)
+
+
+def test_a_disagreeing_subgroup_names_global_ranks_and_leaves_the_other_alone():
+    results = [pickle.loads(r) for r in run_ranks(_disagreeing_calls, 4, 2, timeout=120)]
+    true_loss = F.cross_entropy(*_disagreeing_inputs())
+    for r in results:
+        torch.testing.assert_close(r["consistent"], true_loss)
+    for r in results[2:]:
+        assert "50 on rank 0 (global 2), 49 on rank 1 (global 3)" in r["second group widths"]

@@ -30,20 +30,25 @@ def test_import_does_not_import_triton_or_the_extension():
 
 
 def test_import_and_info_without_triton():
+    """As if Triton were not installed. The blocker raises ModuleNotFoundError, what a missing
+    module raises: torch >= 2.14 probes ``importlib.util.find_spec("triton")`` while it is
+    imported and treats that error (only that one) as "not installed"."""
     out = _py(
         """
         import sys
         class Block:
             def find_spec(self, name, path=None, target=None):
                 if name == "triton" or name.startswith("triton."):
-                    raise ImportError("triton blocked for this test")
+                    raise ModuleNotFoundError("triton blocked for this test", name=name)
         sys.meta_path.insert(0, Block())
         import fastpar
         from fastpar.info import report
         print(report())
+        print("triton" in sys.modules)
         """
     )
-    assert "triton    not available (ImportError: triton blocked for this test)" in out
+    assert "triton    not available (ModuleNotFoundError: triton blocked for this test)" in out
+    assert out.split()[-1] == "False"
 
 
 def test_info_command_reports_versions():
@@ -136,3 +141,46 @@ def test_mesh_cli(tmp_path):
     )  # fmt: skip
     assert chk.returncode == 0, chk.stderr
     assert "check ok: 8 gloo ranks created every group" in chk.stdout
+
+
+def test_version_warnings_outside_the_tested_range():
+    from fastpar.info import version_warnings
+
+    assert version_warnings({"torch": "2.13.0+cpu", "triton": "3.9.0"}) == []
+    assert version_warnings({"torch": "2.14.1+cu130", "triton": "3.8.0"}) == []
+    assert version_warnings({"torch": "2.13.0", "triton": None}) == []  # Triton is optional
+    lines = version_warnings({"torch": "2.12.1", "triton": "3.10.0"})
+    assert lines == [
+        "warning   torch 2.12.1 is outside the range fastpar is tested on, torch 2.13 to 2.14: "
+        "install one of those if anything fails",
+        "warning   triton 3.10.0 is outside the range fastpar is tested on, triton 3.8 to 3.9: "
+        "install one of those if anything fails",
+    ]
+    assert len(version_warnings({"torch": "2.15.0.dev20270101", "triton": "nightly"})) == 2
+
+
+def test_info_warns_about_an_untested_torch():
+    out = _py(
+        """
+        import torch
+        torch.__version__ = "2.12.0"
+        from fastpar.info import report
+        print(report())
+        """
+    )
+    assert (
+        "\nwarning   torch 2.12.0 is outside the range fastpar is tested on, torch 2.13 to" in out
+    )
+
+
+def test_pyproject_requires_the_oldest_tested_versions():
+    """The lower bounds in pyproject.toml are the oldest releases in fastpar.info.TESTED."""
+    import re
+    from pathlib import Path
+
+    from fastpar.info import TESTED
+
+    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    for name, ((major, minor), _) in TESTED.items():
+        found = re.findall(rf'"{name}>=([0-9.]+)[";]', text)
+        assert found == [f"{major}.{minor}"], (name, found)

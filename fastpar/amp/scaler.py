@@ -1,6 +1,8 @@
 """Loss scalers for fp16 training: dynamic (Megatron-Core semantics, with hysteresis) and constant.
 
-bf16 has fp32's exponent range and needs no scaler.
+bf16 has fp32's exponent range and needs no scaler. Every scale stays a finite fp32 number:
+a growth that would overflow is refused (torch.amp.GradScaler's rule), so an infinite scale,
+which no back-off could bring back, never arises.
 """
 
 from __future__ import annotations
@@ -17,6 +19,34 @@ class LossScaleError(RuntimeError):
     """Raised when steps keep overflowing at the minimum loss scale (policy "raise")."""
 
 
+FP32_MAX = torch.finfo(torch.float32).max
+LARGEST_POWER_OF_TWO = 2.0**127  # what an infinite scale from a checkpoint is brought back to
+
+
+def _check_scale(name: str, value: float) -> None:
+    """``value`` must be positive and finite once stored as fp32."""
+    if not 0 < value <= FP32_MAX:  # NaN fails too
+        raise ValueError(
+            f"{name} must be positive and finite in fp32 (at most {FP32_MAX:.4e}), got {value}"
+        )
+
+
+def _loaded_scale(value) -> torch.Tensor:
+    """A checkpoint's scale as fp32; +inf (saved by a scaler that could overflow) comes back as
+    2^127 with a warning, a NaN or non-positive scale is an error."""
+    scale = torch.as_tensor(value, dtype=torch.float32).reshape(())
+    if torch.isposinf(scale):
+        warnings.warn(
+            f"the loaded loss scale is inf; using {LARGEST_POWER_OF_TWO:.4e} (2^127) instead, "
+            "from which it backs off at the next overflow",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return torch.tensor(LARGEST_POWER_OF_TWO)
+    _check_scale("the loaded loss scale", float(scale))
+    return scale
+
+
 def _as_flag(found_inf: bool | torch.Tensor, device: torch.device) -> torch.Tensor:
     if isinstance(found_inf, torch.Tensor):
         if found_inf.numel() != 1:
@@ -31,8 +61,7 @@ class ConstantLossScaler:
     """A fixed loss scale; ``update`` does nothing."""
 
     def __init__(self, scale: float = 1.0, *, device: torch.device | str | None = None) -> None:
-        if not scale > 0:
-            raise ValueError(f"scale must be positive, got {scale}")
+        _check_scale("scale", float(scale))
         self._scale = torch.tensor(float(scale), dtype=torch.float32, device=device)
 
     @property
@@ -51,7 +80,7 @@ class ConstantLossScaler:
         return {"scale": self._scale.clone()}
 
     def load_state_dict(self, state: dict) -> None:
-        self._scale.copy_(torch.as_tensor(state["scale"]))
+        self._scale.copy_(_loaded_scale(state["scale"]))
 
 
 class DynamicLossScaler:
@@ -60,8 +89,9 @@ class DynamicLossScaler:
     On an overflow step: the growth count resets and one unit of hysteresis is used; once
     hysteresis is used up the scale is multiplied by ``backoff_factor`` (never below
     ``min_scale``). After ``growth_interval`` consecutive clean steps the scale is multiplied by
-    ``growth_factor`` and hysteresis is restored. (A clean step does not restore hysteresis by
-    itself.) With ``hysteresis=1`` this is torch.amp.GradScaler's rule (plus the floor).
+    ``growth_factor`` and hysteresis is restored, unless the grown scale would overflow fp32:
+    then the scale stays (the window still restarts). (A clean step does not restore hysteresis
+    by itself.) With ``hysteresis=1`` this is torch.amp.GradScaler's rule (plus the floor).
 
     All state lives on ``device`` and ``update`` does not synchronise with the host, except for
     the min-scale policy: ``on_min_scale`` says what happens when a step overflows while the
@@ -84,7 +114,9 @@ class DynamicLossScaler:
         on_min_scale: Policy = "raise",
         device: torch.device | str | None = None,
     ) -> None:
-        if not initial_scale > 0 or not min_scale > 0 or initial_scale < min_scale:
+        _check_scale("initial_scale", float(initial_scale))
+        _check_scale("min_scale", float(min_scale))
+        if initial_scale < min_scale:
             raise ValueError(
                 f"need initial_scale >= min_scale > 0, got initial_scale={initial_scale}, "
                 f"min_scale={min_scale}"
@@ -137,11 +169,9 @@ class DynamicLossScaler:
         backed = torch.clamp(self._scale * self.backoff_factor, min=self.min_scale)
         grown = self._growth_tracker + 1
         grow = (~inf) & (grown >= self.growth_interval)
-        self._scale.copy_(
-            torch.where(
-                back_off, backed, torch.where(grow, self._scale * self.growth_factor, self._scale)
-            )
-        )
+        larger = self._scale * self.growth_factor
+        larger = torch.where(torch.isfinite(larger), larger, self._scale)  # never inf
+        self._scale.copy_(torch.where(back_off, backed, torch.where(grow, larger, self._scale)))
         self._growth_tracker.copy_(torch.where(inf | grow, torch.zeros_like(grown), grown))
         self._hysteresis_tracker.copy_(
             torch.where(grow, torch.full_like(hyst_after, self.hysteresis), hyst_after.clamp(min=0))
@@ -184,6 +214,6 @@ class DynamicLossScaler:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self._scale.copy_(torch.as_tensor(state["scale"]))
+        self._scale.copy_(_loaded_scale(state["scale"]))
         self._growth_tracker.copy_(torch.as_tensor(state["growth_tracker"]))
         self._hysteresis_tracker.copy_(torch.as_tensor(state["hysteresis_tracker"]))

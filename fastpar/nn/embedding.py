@@ -10,7 +10,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from fastpar import debug
 from fastpar.comm import group_rank, group_size, reduce_from_region
+from fastpar.comm.checks import check_same, digest
 from fastpar.nn.linear import resolve_group
 from fastpar.nn.marks import mark_sharded
 
@@ -122,6 +124,14 @@ class VocabParallelEmbedding(nn.Module):
         if self.check_ids:
             check_ids(ids, self.num_embeddings)
         s = self.shard
+        if s.world > 1 and debug.enabled():  # see fastpar.debug: one small all-gather
+            check_same(
+                f"VocabParallelEmbedding({self.num_embeddings}, {self.embedding_dim})",
+                {"ids shape": tuple(ids.shape), "ids": digest(ids)},
+                self.group,
+                ids.device,
+                "every rank of a tensor-parallel group must look up the same token ids",
+            )
         if s.world == 1:
             return F.embedding(ids, self.weight, self.padding_idx)
         outside = (ids < s.start) | (ids >= s.start + s.valid)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from fastpar import debug
 from fastpar.comm import (
     all_gather_reduce_scatter,
     copy_to_region,
@@ -25,6 +26,7 @@ from fastpar.comm import (
     reduce_scatter_all_gather,
     scatter_to_region,
 )
+from fastpar.comm.checks import check_same
 from fastpar.nn.marks import mark_replicated, mark_sharded
 
 
@@ -61,6 +63,11 @@ def is_conv1d(module: nn.Module) -> bool:
     )
 
 
+_SAME_BATCH = (
+    "every rank of a tensor-parallel group must pass the same shapes (the same micro-batch)"
+)
+
+
 class _FromDense:
     @classmethod
     def from_dense(cls, linear: nn.Module, **kwargs):
@@ -84,6 +91,13 @@ class _FromDense:
             _master=linear,
             **kwargs,
         )
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        """Debug checks (``fastpar.debug``): every rank of the group passes the same shape."""
+        if debug.enabled():
+            name = f"{type(self).__name__}({self.in_features}, {self.out_features})"
+            fields = {"input shape": tuple(x.shape), "input dtype": x.dtype}
+            check_same(name, fields, self.group, x.device, _SAME_BATCH)
 
     def _weight(self) -> torch.Tensor:
         """The weight as ``F.linear`` wants it, [out, in] (a view for a Conv1D layout)."""
@@ -167,6 +181,7 @@ class ColumnParallelLinear(_FromDense, nn.Module):
             raise ValueError(
                 f"ColumnParallelLinear expects input [..., {self.in_features}], got {tuple(x.shape)}"
             )
+        self._check_input(x)
         if self.sequence_parallel:
             x = all_gather_reduce_scatter(x, self.group, self.sequence_dim)
         else:
@@ -248,6 +263,7 @@ class RowParallelLinear(_FromDense, nn.Module):
                 f"RowParallelLinear expects input [..., {expected}] "
                 f"(input_is_parallel={self.input_is_parallel}), got {tuple(x.shape)}"
             )
+        self._check_input(x)
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.group, dim=-1)
         y = F.linear(x, self._weight())

@@ -18,7 +18,9 @@ class VocabParallelCrossEntropy(nn.Module):
     ``nn.CrossEntropyLoss`` on the full logits plus ``z_loss · logsumexp²`` per row.
     ``vocab_size``: the global vocabulary when the shards carry padding (default: ``V_local·tp``).
     ``group``: the tensor-parallel group (default: the world); the forward all-gathers ``[N, 4]``
-    fp32 statistics over it and the backward communicates nothing.
+    fp32 statistics over it and the backward communicates nothing. Ranks whose shard widths or
+    targets differ raise the same ``ValueError`` on every rank (see ``fastpar.debug`` for the
+    checks of shapes, behind ``fastpar.debug_checks``).
     """
 
     def __init__(

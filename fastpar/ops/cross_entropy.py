@@ -9,7 +9,17 @@ Forward: one local pass per row (Triton kernel on CUDA, torch reference on CPU) 
 statistics ``[N, 4]``; ONE ``all_gather_into_tensor`` over ``group`` exchanges them (``16·N``
 bytes sent per rank, nothing when the group has one rank); every rank then forms the same
 per-row log-sum-exp and loss. Backward communicates nothing: it recomputes the softmax of its
-own shard from the saved logits and per-row max and log-sum-exp. No ``.item()`` or host synchronisation anywhere.
+own shard from the saved logits and per-row max and log-sum-exp. No ``.item()`` or host
+synchronisation anywhere.
+
+Cross-rank checks. Free, always on: two header rows ride along in that all-gather (32 bytes per
+rank) carrying this rank's shard width, ``vocab_size``, ``ignore_index`` and a digest of its
+targets (``fastpar.comm.checks.digest``); when the ranks disagree (shards of 50 and 49 columns,
+targets that differ across the group) every rank raises a ``ValueError`` naming each rank's
+value, on CPU tensors at once, on a GPU as an asynchronous device assertion (no host sync; run
+with the debug checks for the named values). Different row counts cannot ride along (the
+gather itself would abort): with ``fastpar.debug_checks`` on, a 16-byte all-reduce before it
+compares shapes, dtypes, targets and options and raises on every rank (see ``fastpar.debug``).
 """
 
 from __future__ import annotations
@@ -20,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fastpar import debug
+from fastpar.comm.checks import check_same, digest, raise_if_disagree
 from fastpar.ops import backend
 from fastpar.reference import cross_entropy as ref
 
@@ -48,14 +60,84 @@ def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _gather_stats(stats: torch.Tensor, tp: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """All-gather the ``[N, 4]`` stats of every rank of ``group`` into ``[tp, N, 4]``."""
+HEADER_ROWS = 2  # [N, 4] stats + 2 rows: (width, vocab_size, ignore_index, target digest)
+_HEADER_FIELDS = ("shard width (logits.shape[-1])", "vocab_size", "ignore_index", "target ids")
+_PIECE = 1 << 24  # 48-bit integers travel as two 24-bit halves, exact in fp32
+_HINT = (
+    "every rank must hold ceil(vocab_size / tp) columns (pad the last shard and pass "
+    "vocab_size=) and the same target ids"
+)
+
+
+def _header(n_local: int, vocab_size: int, ignore_index: int, target: torch.Tensor) -> torch.Tensor:
+    """This rank's fp32 ``[2, 4]`` header rows: every field as two exact 24-bit halves."""
+    host = []
+    for value in (n_local, vocab_size, ignore_index):
+        value &= _PIECE * _PIECE - 1
+        host += [float(value // _PIECE), float(value % _PIECE)]
+    head = torch.tensor(host, dtype=torch.float32)
+    if target.device.type == "cuda":  # no host sync: an asynchronous copy from pinned memory
+        head = head.pin_memory().to(target.device, non_blocking=True)
+    else:
+        head = head.to(target.device)
+    d = digest(target)
+    tail = torch.stack([d // _PIECE, d % _PIECE]).to(torch.float32)
+    return torch.cat([head, tail]).view(HEADER_ROWS, 4)
+
+
+def _check_headers(headers: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """Raise on every rank when the gathered ``[tp, 8]`` headers differ (see the module doc)."""
+    bad = (headers != headers[0]).any()
+    if headers.device.type != "cpu":
+        torch._assert_async(
+            ~bad,
+            "vocab_parallel_cross_entropy: the ranks of the group disagree on the shard width, "
+            f"vocab_size, ignore_index or target ids; {_HINT} (FASTPAR_DEBUG_CHECKS=1 names them)",
+        )
+        return
+    if not bool(bad):
+        return
+    values = []
+    for row in headers.tolist():
+        ints = [int(row[i]) * _PIECE + int(row[i + 1]) for i in range(0, 8, 2)]
+        ints[2] -= _PIECE * _PIECE if ints[2] >= _PIECE * _PIECE // 2 else 0  # sign
+        values.append([str(v) for v in ints[:3]] + [f"digest {ints[3]:#014x}"])
+    per_rank = {name: [v[i] for v in values] for i, name in enumerate(_HEADER_FIELDS)}
+    raise_if_disagree("vocab_parallel_cross_entropy", per_rank, group, _HINT)
+
+
+def _gather_stats(
+    stats: torch.Tensor, header: torch.Tensor | None, tp: int, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """All-gather the ``[N, 4]`` stats (and header rows) of every rank of ``group``; check the
+    headers agree; return the stats as ``[tp, N, 4]``."""
     if tp == 1:
         return stats.unsqueeze(0)
     n = stats.shape[0]
-    out = torch.empty((tp * n, 4), dtype=stats.dtype, device=stats.device)  # gloo: concatenated
-    dist.all_gather_into_tensor(out, stats.contiguous(), group=group)
-    return out.view(tp, n, 4)
+    send = torch.cat([stats, header])
+    out = torch.empty((tp * (n + HEADER_ROWS), 4), dtype=stats.dtype, device=stats.device)
+    dist.all_gather_into_tensor(out, send, group=group)  # gloo: concatenated
+    out = out.view(tp, n + HEADER_ROWS, 4)
+    _check_headers(out[:, n:].reshape(tp, 4 * HEADER_ROWS), group)
+    return out[:, :n]
+
+
+def _check_fit(n_local: int, tp: int, vocab_size: int) -> None:
+    if not (n_local - 1) * tp < vocab_size <= n_local * tp:
+        raise ValueError(
+            f"vocab_size={vocab_size} does not fit shards of {n_local} columns on {tp} ranks: "
+            f"each rank must hold ceil(vocab_size / tp) columns, i.e. vocab_size in "
+            f"({(n_local - 1) * tp}, {n_local * tp}]"
+        )
+
+
+def _check_ids(target: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
+    torch._assert_async(
+        ~bad.any(),
+        f"vocab_parallel_cross_entropy: a target id is outside [0, {vocab_size}) and is not "
+        f"ignore_index={ignore_index}; ids must index the global vocabulary",
+    )
 
 
 class VocabParallelCrossEntropyFunction(torch.autograd.Function):
@@ -84,7 +166,11 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
         vocab_start = rank * n_local
         n_valid = max(0, min(n_local, vocab_size - vocab_start))
         stats = impl.local_stats(logits, target, vocab_start, n_valid, ignore_index)
-        gathered = _gather_stats(stats, tp, group)
+        header = _header(n_local, vocab_size, ignore_index, target) if tp > 1 else None
+        gathered = _gather_stats(stats, header, tp, group)  # raises on every rank on mismatch
+        # after the gather, so that every rank sees the same widths and targets and raises alike
+        _check_fit(n_local, tp, vocab_size)
+        _check_ids(target, vocab_size, ignore_index)
         row_max, log_s, target_logit, logit_sum = ref.combine_stats(gathered)
         valid = target != ignore_index
         loss = ref.row_loss(
@@ -184,26 +270,36 @@ def vocab_parallel_cross_entropy(
     the global vocabulary). ``reduction``: "mean" over non-ignored rows (0 when all are ignored),
     "sum", or "none" (shape of ``target``, 0 at ignored rows). The loss is always fp32; the
     gradient has the logits' dtype.
+
+    Every rank of ``group`` raises the same ``ValueError`` when their shard widths,
+    ``vocab_size``, ``ignore_index`` or targets differ (always checked, at no extra
+    collective), or, with ``fastpar.debug_checks`` on, their shapes, dtypes or options.
     """
     _check(logits, target, reduction, label_smoothing, z_loss)
     tp, rank = _group_info(group)
     n_local = logits.shape[-1]
     if vocab_size is None:
         vocab_size = n_local * tp
-    elif not ((n_local - 1) * tp < vocab_size <= n_local * tp):
-        raise ValueError(
-            f"vocab_size={vocab_size} does not fit shards of {n_local} columns on {tp} ranks: "
-            f"each rank must hold ceil(vocab_size / tp) columns, i.e. vocab_size in "
-            f"({(n_local - 1) * tp}, {n_local * tp}]"
-        )
     flat_logits = logits.reshape(-1, n_local).contiguous()
     flat_target = target.reshape(-1).long()
-    bad = (flat_target != ignore_index) & ((flat_target < 0) | (flat_target >= vocab_size))
-    torch._assert_async(
-        ~bad.any(),
-        f"vocab_parallel_cross_entropy: a target id is outside [0, {vocab_size}) and is not "
-        f"ignore_index={ignore_index}; ids must index the global vocabulary",
-    )
+    if tp > 1 and debug.enabled():  # one small all-reduce: catches what the free check can't
+        check_same(
+            "vocab_parallel_cross_entropy",
+            {
+                "logits shape": tuple(logits.shape),
+                "logits dtype": logits.dtype,
+                "vocab_size": vocab_size,
+                "ignore_index": ignore_index,
+                "target ids": digest(flat_target),
+                "label_smoothing": float(label_smoothing),
+                "z_loss": float(z_loss),
+                "reduction": reduction,
+            },
+            group,
+            logits.device,
+            "every rank of the tensor-parallel group must pass the same rows (the same "
+            "micro-batch), shard widths of ceil(vocab_size / tp) and the same options",
+        )
     loss = VocabParallelCrossEntropyFunction.apply(
         flat_logits,
         flat_target,

@@ -7,6 +7,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from fastpar.debug import debug_checks
 from fastpar.mesh import ParallelMesh
 from fastpar.models import build_model, lm_loss, untie_for_pipeline
 from fastpar.moe import MoE
@@ -33,6 +34,8 @@ class Trainer:
         from fastpar.zero import Zero3, ZeroOptimizer
 
         self.cfg, self.mesh, self.device = cfg, mesh, device
+        if cfg.debug_checks:  # cross-rank input checks in this rank (also FASTPAR_DEBUG_CHECKS=1)
+            debug_checks(True)
         self.hf = None
         torch.manual_seed(cfg.seed)
         if cfg.hf_config:  # a Hugging Face model: built-in TP plan, decoder pipeline blocks
