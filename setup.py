@@ -7,6 +7,7 @@ nothing to build and fastpar installs as pure Python (every op then has a Python
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -30,6 +31,16 @@ def _extension_modules() -> tuple[list, dict]:
 
     with_cuda = bool(cu) and torch.version.cuda is not None and shutil.which("nvcc") is not None
     sources = cpp + (cu if with_cuda else [])
+    stems = [Path(s).stem for s in sources]
+    clashes = sorted({s for s in stems if stems.count(s) > 1})
+    if clashes:  # one object file per stem: ninja refuses two rules for csrc/<stem>.o
+        raise SystemExit(f"fastpar: csrc sources share a file stem {clashes}: rename one of each")
+    if with_cuda and not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+        # no GPU to ask for its architecture (a build machine): Ampere and Hopper
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+    # the torch the extension is built against: fastpar refuses to load it under another one
+    build_info = {"torch": torch.__version__, "cuda": with_cuda}
+    (ROOT / "fastpar" / "_C_build.json").write_text(json.dumps(build_info) + "\n")
     macros = [("FASTPAR_WITH_CUDA", "1")] if with_cuda else []
     kind = cpp_extension.CUDAExtension if with_cuda else cpp_extension.CppExtension
     ext = kind(
@@ -48,6 +59,7 @@ ext_modules, cmdclass = _extension_modules()
 setup(
     packages=packages,
     package_dir={"fastpar.kernels": "kernels"},
+    package_data={"fastpar": ["_C_build.json"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -1,5 +1,5 @@
 // Binding for the chunk pack / unpack ops (validation only; the copies are torch ops on CPU
-// and the kernels of pack.cu on CUDA, launched on the current stream).
+// and the kernels of pack_kernels.cu on CUDA, launched on the current stream).
 #include <torch/extension.h>
 #include <torch/library.h>
 

@@ -105,7 +105,7 @@ def test_pack_unpack_ops():
     "hidden,offset", [(64, 0), (3, 0), (64, 1)], ids=["16B-words", "odd-rows", "misaligned"]
 )
 def test_pack_unpack_cuda_kernels(dtype, hidden, offset):
-    """pack.cu on the GPU equals slicing, for rows of 16-byte words, odd row widths and a
+    """pack_kernels.cu on the GPU equals slicing, for rows of 16-byte words, odd row widths and a
     buffer whose address is not 16-byte aligned (the byte-copy path)."""
     if not torch.ops.fastpar.pack_chunk.default.has_kernel_for_dispatch_key("CUDA"):
         pytest.fail("fastpar._C was built without its CUDA kernels on a machine with a GPU")
@@ -202,3 +202,13 @@ def test_error_on_one_rank_reaches_the_caller_without_a_hang():
         run_ranks(_peer_dies, 2, timeout=60)
     assert not isinstance(info.value, RankTimeout)
     assert "rank 1 failed before the all-to-all" in str(info.value)
+
+
+def test_csrc_sources_have_distinct_stems():
+    """One object file per source stem: a .cpp and a .cu of the same stem (pack.cpp / pack.cu)
+    make ninja refuse the CUDA build ("multiple rules generate csrc/pack.o")."""
+    import pathlib
+
+    csrc = pathlib.Path(__file__).parents[1] / "csrc"
+    stems = [p.stem for p in csrc.glob("**/*") if p.suffix in (".cpp", ".cu")]
+    assert stems and len(stems) == len(set(stems)), sorted(stems)
