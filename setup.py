@@ -27,9 +27,12 @@ def _extension_modules() -> tuple[list, dict]:
         print("fastpar: FASTPAR_NO_EXTENSION=1, skipping the C++/CUDA extension")
         return [], {}
     import torch
-    from torch.utils import cpp_extension
 
     with_cuda = bool(cu) and torch.version.cuda is not None and shutil.which("nvcc") is not None
+    if with_cuda:
+        _find_cuda_home()
+    from torch.utils import cpp_extension  # reads CUDA_HOME when imported
+
     sources = cpp + (cu if with_cuda else [])
     stems = [Path(s).stem for s in sources]
     clashes = sorted({s for s in stems if stems.count(s) > 1})
@@ -50,6 +53,24 @@ def _extension_modules() -> tuple[list, dict]:
         extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]},  # the C++ standard: torch's own
     )
     return [ext], {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)}
+
+
+def _find_cuda_home() -> None:
+    """torch guesses the CUDA toolkit from ``which nvcc`` (its grandparent directory); where
+    that holds no CUDA headers (nvcc a wrapper script or a symlink elsewhere), point CUDA_HOME at
+    a directory that does."""
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return
+    nvcc = shutil.which("nvcc")
+    guesses = [Path(nvcc).parent.parent, Path(os.path.realpath(nvcc)).parent.parent]
+    guesses += [Path("/usr/local/cuda")]
+    if (guesses[0] / "include" / "cuda_runtime_api.h").exists():
+        return
+    for home in guesses[1:]:
+        if (home / "include" / "cuda_runtime_api.h").exists():
+            os.environ["CUDA_HOME"] = str(home)
+            print(f"fastpar: CUDA_HOME={home} (the CUDA headers nvcc's own directory lacks)")
+            return
 
 
 packages = find_packages(include=["fastpar", "fastpar.*"])
