@@ -17,38 +17,56 @@ computes garbage. Two kinds of check guard against that:
   one 16-byte all-reduce and one host sync per call (about 0.15 ms on 2 gloo ranks of a CPU),
   plus an all-gather of the summaries when they differ.
 
-Turn the debug checks on with the environment variable ``FASTPAR_DEBUG_CHECKS=1`` (read at
-every call; ``0`` or unset is off), with ``fastpar.debug_checks(True)`` for the whole process
-(it overrides the variable; ``debug_checks(None)`` hands control back to it), for a block
-with ``with fastpar.debug_checks():``, or with the trainer's ``--debug-checks``.
+Turn the debug checks on with ``fastpar.debug_checks(True)`` for the whole process (it
+overrides the variable; ``debug_checks(None)`` hands control back to it), for a block with
+``with fastpar.debug_checks():``, with the trainer's ``--debug-checks``, or with the environment
+variable ``FASTPAR_DEBUG_CHECKS=1`` (``0`` or unset is off). The variable is read once per
+process, at the first check (and again in a forked child), not at every call
+(``fastpar.switches``): after changing it in a running process, call ``refresh()``.
 """
 
 from __future__ import annotations
 
-import os
+from fastpar.switches import Setting, Switch
 
 ENV_VAR = "FASTPAR_DEBUG_CHECKS"
 _ON = ("1", "true", "yes", "on")
 _OFF = ("", "0", "false", "no", "off")
-_override: bool | None = None
 
 
-def enabled() -> bool:
-    """Whether the debug checks run: ``debug_checks(...)`` if it was called, else the env var."""
-    if _override is not None:
-        return _override
-    raw = os.environ.get(ENV_VAR, "").strip().lower()
-    if raw in _ON:
+def _parse(raw: str | None) -> bool:
+    word = (raw or "").strip().lower()
+    if word in _ON:
         return True
-    if raw in _OFF:
+    if word in _OFF:
         return False
     raise ValueError(
-        f"{ENV_VAR}={os.environ[ENV_VAR]!r} is not 1 or 0; set {ENV_VAR}=1 to turn the "
-        "cross-rank debug checks on, or unset it"
+        f"{ENV_VAR}={raw!r} is not 1 or 0; set {ENV_VAR}=1 to turn the cross-rank debug checks "
+        "on, or unset it"
     )
 
 
-class debug_checks:  # lower case, like torch.autograd.set_grad_enabled
+def _check(value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"debug_checks takes True, False or None, got {value!r}")
+    return value
+
+
+SWITCH = Switch(ENV_VAR, _parse, _check)
+
+
+def enabled() -> bool:
+    """Whether the debug checks run: ``debug_checks(...)`` if it was called, else the variable
+    (read once per process)."""
+    return SWITCH.get()
+
+
+def refresh() -> None:
+    """Read ``FASTPAR_DEBUG_CHECKS`` again at the next check (after changing ``os.environ``)."""
+    SWITCH.refresh()
+
+
+class debug_checks(Setting):  # lower case, like torch.autograd.set_grad_enabled
     """Turn the cross-rank debug checks on (``True``) or off (``False``) for this process, or
     hand the choice back to ``FASTPAR_DEBUG_CHECKS`` (``None``). As a context manager it
     restores the previous setting on exit::
@@ -58,16 +76,7 @@ class debug_checks:  # lower case, like torch.autograd.set_grad_enabled
             loss = model(batch)
     """
 
+    SWITCH = SWITCH
+
     def __init__(self, enabled: bool | None = True) -> None:
-        global _override
-        if enabled is not None and not isinstance(enabled, bool):
-            raise TypeError(f"debug_checks takes True, False or None, got {enabled!r}")
-        self.previous = _override
-        _override = enabled
-
-    def __enter__(self) -> debug_checks:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        global _override
-        _override = self.previous
+        super().__init__(enabled)

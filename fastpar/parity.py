@@ -282,7 +282,7 @@ def check_parallel(
     """Run the layout (``tp * dp`` CPU ranks) beside the single-process model; see the module
     docstring. ``build_model()`` must build the same model every time it is called under the
     same seed (it is called under ``torch.manual_seed(seed)``). Returns a ``CheckReport``."""
-    from fastpar.testing import run_ranks
+    from fastpar.launch import run_ranks
 
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0, 1, 2 or 3, got {zero}")
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    from fastpar.testing import RankError
+    from fastpar.launch import RankError
 
     ap = argparse.ArgumentParser(
         prog="python -m fastpar.verify --hf-config",

@@ -12,11 +12,12 @@ single-process reference from the same initialisation on the same data, then pri
 per step and the largest parameter difference, and exits 0 only when they agree within the
 tolerance of the precision (fp32 is tight; bf16 / fp16 are loose).
 
-The reference does exactly the distributed run's math on one process: each data-parallel
-replica's micro-batches are run one by one (every micro-batch loss and MoE auxiliary loss
-weighted 1 / micro-batches, gradients accumulating in the model's dtype), the replicas'
-gradients are averaged in fp32, then one optimizer step (the same fused AdamW, clipping and
-loss scaling). Final parameters of the distributed run come back
+The reference is built by the trainer's own code (``fastpar.train.build.build`` without a mesh:
+the same model, precision, optimizer groups, fused AdamW, clipping, loss scaler, loss and MoE
+set-up), so it cannot drift from the trainer, and does exactly the distributed run's math on
+one process: each data-parallel replica's micro-batches are run one by one (every micro-batch
+loss and MoE auxiliary loss weighted 1 / micro-batches, gradients accumulating in the model's
+dtype), the replicas' gradients are averaged in fp32, then one optimizer step. Final parameters of the distributed run come back
 through a fastpar checkpoint exported to a plain state_dict, so resharding is checked too.
 """
 
@@ -28,8 +29,8 @@ import tempfile
 
 import torch
 
-from fastpar.models import build_model, lm_loss
-from fastpar.moe import MoE
+from fastpar import checkpoint, parity
+from fastpar.launch import RankError
 from fastpar.train import (
     TrainConfig,
     batch_of,
@@ -38,6 +39,7 @@ from fastpar.train import (
     load_data,
     lr_at,
 )
+from fastpar.train.build import build
 from fastpar.train.cli import prepare, refuse
 
 TOLERANCE = {  # (loss relative, parameter absolute)
@@ -48,53 +50,27 @@ TOLERANCE = {  # (loss relative, parameter absolute)
 
 
 def reference(cfg: TrainConfig, tokens=None) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Single-process training with the distributed run's math. Returns (losses, params)."""
-    from fastpar.amp import DynamicLossScaler
-    from fastpar.optim import FusedAdamW, MixedPrecisionOptimizer
-
-    torch.manual_seed(cfg.seed)
-    hf = None
-    if cfg.hf_config:  # the Hugging Face model itself, unsharded (its own modules)
-        from fastpar.models.hf import hf_blocks, load_config
-
-        hf = model_cfg = hf_blocks(load_config(cfg.hf_config), None)
-        model = torch.nn.Sequential(*hf.blocks)
-    else:
-        model_cfg = cfg.model()
-        model = torch.nn.Sequential(*build_model(model_cfg, None))
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
-    model = model.to(dtype)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    scaler = DynamicLossScaler(initial_scale=cfg.loss_scale) if cfg.precision == "fp16" else None
-    opt = MixedPrecisionOptimizer(
-        FusedAdamW([g for g in groups if g["params"]], lr=cfg.lr),
-        scaler=scaler,
-        max_grad_norm=cfg.max_grad_norm,
-    )
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    """Single-process training with the distributed run's math. Returns (losses, params).
+    The model, its precision, the optimizer (groups, clipping, loss scaler), the loss and the
+    MoE auxiliary-loss scale are the trainer's own (``fastpar.train.build.build`` without a
+    mesh); only the step is written here, replica by replica."""
+    parts = build(cfg, None, torch.device("cpu"))
+    model, opt = parts.module, parts.opt
     tokens = load_data(cfg) if tokens is None else tokens
     params = list(model.parameters())
     losses = []
     for step in range(cfg.steps):
-        for g in opt.param_groups:
+        for g in parts.param_groups:
             g["lr"] = lr_at(cfg, step)
-        scale = scaler.scale if scaler is not None else 1.0
-        for m in moes:
-            m.aux_loss_scale = scale / cfg.microbatches
-        x, y = batch_of(cfg, tokens, step, hf)
+        parts.update_aux_scale()
+        x, y = batch_of(cfg, tokens, step, parts.hf)
         total, acc = 0.0, [torch.zeros_like(p, dtype=torch.float32) for p in params]
         # replica by replica, as the data-parallel ranks do: micro-batch gradients accumulate in
         # the model's dtype, replicas are averaged in fp32 (the DP reduction)
         for xd, yd in zip(x.chunk(cfg.dp), y.chunk(cfg.dp), strict=True):
             opt.zero_grad()
             for xc, yc in zip(xd.chunk(cfg.microbatches), yd.chunk(cfg.microbatches), strict=True):
-                logits = model(xc).flatten(0, -2).float()
-                loss = lm_loss(logits, yc, model_cfg) / cfg.microbatches
+                loss = parts.loss_fn(model(xc), yc) / cfg.microbatches
                 opt.scale_loss(loss).backward()
                 total += float(loss.detach()) / cfg.dp
             for a, p in zip(acc, params, strict=True):
@@ -105,7 +81,7 @@ def reference(cfg: TrainConfig, tokens=None) -> tuple[list[float], dict[str, tor
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    named = hf.names(model) if hf is not None else dict(model.named_parameters())
+    named = parts.hf.names(model) if parts.hf is not None else dict(model.named_parameters())
     params = {name: p.detach().float().clone() for name, p in named.items()}
     return losses, params
 
@@ -113,8 +89,6 @@ def reference(cfg: TrainConfig, tokens=None) -> tuple[list[float], dict[str, tor
 def _distributed(
     cfg: TrainConfig, directory: str, tokens
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    from fastpar import checkpoint
-
     cfg.checkpoint_dir, cfg.save_every, cfg.quiet = directory, cfg.steps, True
     records = launch(cfg, tokens=tokens)
     path = os.path.join(directory, f"step_{cfg.steps:06d}")
@@ -189,9 +163,6 @@ def _main_hf(argv: list[str]) -> int:
     ZeRO stage): logits, loss and every gradient on every rank on one batch, then the
     parameters after AdamW steps. Then the training command itself (any of its flags, pp
     included) beside the single-process model, as for the GPT. Exit 0 only if both agree."""
-    from fastpar import parity
-    from fastpar.testing import RankError
-
     ap = build_parser("python -m fastpar.verify")
     ap.set_defaults(steps=3, batch_size=8, seq_len=16)
     try:

@@ -4,7 +4,9 @@
 #   interpreter tier:  Triton kernels under TRITON_INTERPRET=1, in its own process (the
 #                      variable must be set before any kernel is defined).
 #   GPU tier:          pytest -m cuda, run by hand or by bench/gpu_check.py on a GPU machine.
-# Extra arguments go to the CPU-tier pytest run.
+# Extra arguments go to the CPU-tier pytest run. Switches (the README's table lists every one):
+# FASTPAR_DEBUG_CHECKS (on here for the CPU tier), FASTPAR_TEST_TIMEOUT (run_ranks' default
+# timeout, seconds), and setup.sh's.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup.sh"

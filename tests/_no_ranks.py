@@ -10,8 +10,15 @@ def _started(*args, **kwargs):
 
 def forbid_ranks(monkeypatch) -> None:
     """Fail the test if the command launches its run or starts a rank."""
+    import importlib
+
+    import fastpar.launch
     import fastpar.testing
     import fastpar.train.cli
 
+    # the module (fastpar.train re-exports the function launch under the same name)
+    train_launch = importlib.import_module("fastpar.train.launch")
     monkeypatch.setattr(fastpar.testing, "run_ranks", _started)
+    monkeypatch.setattr(fastpar.launch, "run_ranks", _started)
+    monkeypatch.setattr(train_launch, "run_ranks", _started)
     monkeypatch.setattr(fastpar.train.cli, "launch", _started)

@@ -16,6 +16,17 @@ import torch
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@pytest.fixture(autouse=True)
+def _switches_follow_the_environment(monkeypatch):
+    """fastpar reads each FASTPAR_* switch once per process: after a test that changed one,
+    undo the change and read the variables again, so no cached value leaks into later tests."""
+    yield
+    from fastpar import switches
+
+    monkeypatch.undo()
+    switches.refresh_all()
+
+
 def pytest_collection_modifyitems(config, items):
     no_interp = pytest.mark.skip(
         reason="interpreter tier: run with TRITON_INTERPRET=1 in its own process "

@@ -10,42 +10,15 @@ from __future__ import annotations
 
 import pickle
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import fastpar
-from fastpar import debug
 from fastpar.comm.checks import check_same, digest
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from fastpar.ops.cross_entropy import vocab_parallel_cross_entropy
 from fastpar.testing import run_ranks
-
-
-def test_switch_env_var_call_and_block(monkeypatch):
-    monkeypatch.setattr(debug, "_override", None)
-    monkeypatch.delenv(debug.ENV_VAR, raising=False)
-    assert not debug.enabled()
-    for raw, want in (("1", True), ("true", True), (" ON ", True), ("0", False), ("", False)):
-        monkeypatch.setenv(debug.ENV_VAR, raw)
-        assert debug.enabled() is want, raw
-    monkeypatch.setenv(debug.ENV_VAR, "maybe")
-    with pytest.raises(ValueError, match=r"FASTPAR_DEBUG_CHECKS='maybe' is not 1 or 0; set"):
-        debug.enabled()
-    monkeypatch.setenv(debug.ENV_VAR, "0")
-    with fastpar.debug_checks():  # a block overrides the variable, then restores
-        assert debug.enabled()
-        with fastpar.debug_checks(False):
-            assert not debug.enabled()
-        assert debug.enabled()
-    assert not debug.enabled()
-    fastpar.debug_checks(True)  # a plain call: from now on
-    assert debug.enabled()
-    fastpar.debug_checks(None)  # back to the variable
-    assert not debug.enabled()
-    with pytest.raises(TypeError, match="debug_checks takes True, False or None, got 'yes'"):
-        fastpar.debug_checks("yes")
 
 
 def _linears():

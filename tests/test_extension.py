@@ -212,3 +212,27 @@ def test_csrc_sources_have_distinct_stems():
     csrc = pathlib.Path(__file__).parents[1] / "csrc"
     stems = [p.stem for p in csrc.glob("**/*") if p.suffix in (".cpp", ".cu")]
     assert stems and len(stems) == len(set(stems)), sorted(stems)
+
+
+def test_an_extension_built_for_another_torch_is_not_loaded(tmp_path, monkeypatch):
+    """Loading fastpar._C built against torch 2.13 under torch 2.14 crashed the process
+    (SIGSEGV): setup.py records the torch it built against and the loader refuses a mismatch."""
+    import json
+
+    import torch
+
+    from fastpar.ops import backend
+
+    info = tmp_path / "_C_build.json"
+    monkeypatch.setattr(backend, "BUILD_INFO", info)
+    try:
+        info.write_text(json.dumps({"torch": "0.0.1", "cuda": False}))
+        backend.extension_status.cache_clear()
+        ok, text = backend.extension_status()
+        assert not ok
+        assert f"built against torch 0.0.1, this is torch {torch.__version__}; rebuild" in text
+        info.write_text(json.dumps({"torch": torch.__version__, "cuda": False}))
+        backend.extension_status.cache_clear()
+        assert backend.extension_status()[1] != text  # the same torch: no refusal for that
+    finally:
+        backend.extension_status.cache_clear()  # the real status for later tests

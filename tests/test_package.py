@@ -78,33 +78,6 @@ def test_kernels_install_as_subpackage_only(tmp_path):
     assert out.split() == ["True", "fastpar.kernels"]
 
 
-def test_backend_selection_rules(monkeypatch):
-    monkeypatch.delenv(backend.ENV_VAR, raising=False)
-    name = "test_only_op"
-    backend.register_op(name, ("triton", "reference"))
-    try:
-        assert backend.select(name, "cpu") == "reference"
-        expect_cuda = "triton" if backend.triton_status()[0] else "reference"
-        assert backend.select(name, "cuda") == expect_cuda
-        with backend.use_backend("reference"):
-            assert backend.select(name, "cuda") == "reference"
-        monkeypatch.setenv(backend.ENV_VAR, "reference")
-        assert backend.select(name, "cuda") == "reference"
-        monkeypatch.setenv(backend.ENV_VAR, "bogus")
-        with pytest.raises(ValueError, match="FASTPAR_BACKEND='bogus' is not one of"):
-            backend.select(name, "cpu")
-        monkeypatch.delenv(backend.ENV_VAR)
-        with (
-            pytest.raises(ValueError, match="has no 'extension' backend"),
-            backend.use_backend("extension"),
-        ):
-            backend.select(name, "cpu")
-        with pytest.raises(ValueError, match="must be drawn from"):
-            backend.register_op("bad", ("triton",))
-    finally:
-        backend._OPS.pop(name, None)
-
-
 @pytest.mark.skipif(not backend.triton_status()[0], reason="Triton is not installed here")
 def test_forcing_triton_on_cpu_is_allowed(monkeypatch):
     monkeypatch.delenv(backend.ENV_VAR, raising=False)

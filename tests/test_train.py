@@ -230,15 +230,15 @@ def test_training_under_torchrun(tmp_path):
 def test_mfu_arithmetic(monkeypatch):
     import torch
 
-    from fastpar.train import loop
+    from fastpar.train import metrics
 
-    assert loop._mfu(1000.0, 10**9, torch.device("cpu"), 8) is None  # CPUs: not reported
+    assert metrics.mfu(1000.0, 10**9, torch.device("cpu"), 8) is None  # CPUs: not reported
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     # 6 FLOPs / parameter / token: 6e9 * 1e4 tokens/s over 2 GPUs of 989 TFLOP/s
-    got = loop._mfu(1e4, 10**9, torch.device("cuda", 0), 2)
+    got = metrics.mfu(1e4, 10**9, torch.device("cuda", 0), 2)
     assert got == pytest.approx(6e9 * 1e4 / (2 * 989e12))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some GPU")
-    assert loop._mfu(1e4, 10**9, torch.device("cuda", 0), 2) is None
+    assert metrics.mfu(1e4, 10**9, torch.device("cuda", 0), 2) is None
 
 
 def test_llama_on_tokenizer_ids_from_a_bin_file(tmp_path, capfd):

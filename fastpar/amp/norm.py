@@ -1,7 +1,8 @@
 """The global gradient norm and inf agreement, counting every parameter exactly once.
 
-A parameter's local gradient enters the norm on this rank only if this rank is the first
-(group rank 0) of every group over which that very tensor is duplicated:
+A parameter's local gradient enters the norm on this rank only if this rank holds the
+reference copy of that very tensor (``fastpar.mesh.placement.holds_reference_copy``): it is the
+first (group rank 0) of every group over which the tensor is duplicated:
 
   * plain torch parameters (LayerNorm weights, ...) and fastpar parameters marked replicated
     (row-parallel biases) are duplicated over the tensor-parallel group;
@@ -22,11 +23,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from fastpar.nn.marks import duplicated_over, is_expert, param_layout
-
-
-def _rank_in(group) -> int:
-    return dist.get_rank(group) if dist.is_initialized() else 0
+from fastpar.mesh.placement import holds_reference_copy
 
 
 def counts_on_this_rank(
@@ -37,17 +34,7 @@ def counts_on_this_rank(
     Without a mesh, ``group`` (None = the default group) is the group over which every
     parameter is either sharded (marked) or replicated (unmarked or marked replicated).
     """
-    tp = mesh.tp_group if mesh is not None else group
-    layout = param_layout(p)
-    groups = []
-    if layout is None:
-        groups.append(tp)
-    elif layout.kind == "replicated":
-        groups.append(layout.group)
-    groups += duplicated_over(p)
-    if mesh is not None and dp_replicated:
-        groups.append(mesh.expert_dp_group if is_expert(p) else mesh.dp_group)
-    return all(_rank_in(g) == 0 for g in groups)
+    return holds_reference_copy(p, mesh, group=group, data_parallel=dp_replicated)
 
 
 def reduction_group(mesh=None, group=None):

@@ -4,18 +4,22 @@ update, clipping, and the wrapped optimizer's step — skipped on the device whe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
 from fastpar.amp.norm import all_reduce_norm_and_inf
+from fastpar.amp.protocols import FusedAmpStep
 from fastpar.ops.unscale_norm import clip_coefficient, unscale_and_norm
 
 
 class OptimizerFront:
     """What every fastpar optimizer wrapper shows a training loop: the wrapped optimizer's
     ``param_groups``, the count of skipped steps and loss scaling. The class using it sets
-    ``optimizer``, ``scaler`` (or None) and ``_skipped`` (a 0-dim int64 device tensor)."""
+    ``optimizer``, ``scaler`` (or None) and ``_skipped`` (a 0-dim int64 device tensor), and
+    defines ``step() -> (skipped, grad_norm)`` and ``zero_grad``: ``fastpar.amp.AmpOptimizer``."""
 
     @property
     def param_groups(self):
@@ -57,14 +61,28 @@ def unscale_and_agree(passes: Sequence[Pass], scaler, device, *, mesh=None, grou
 
 
 def supports_device_skip(optimizer: torch.optim.Optimizer) -> bool:
-    """Optimizers that read a device ``found_inf`` (torch's fused ones, fastpar's FusedAdamW)."""
+    """Optimizers that read a device ``found_inf`` attribute (torch's fused ones, fastpar's
+    FusedAdamW): torch's protocol, announced by ``_step_supports_amp_scaling``."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
-def supports_clip_coef(optimizer: torch.optim.Optimizer) -> bool:
-    from fastpar.optim.fused_adamw import FusedAdamW
-
-    return isinstance(optimizer, FusedAdamW)
+@contextlib.contextmanager
+def amp_attributes(optimizer: torch.optim.Optimizer, **values: Any) -> Iterator[None]:
+    """Set ``values`` as attributes of ``optimizer`` for the block (torch's protocol for its
+    fused optimizers, as ``torch.amp.GradScaler`` speaks it), then put back what was there
+    before: nothing is left on the optimizer, even when its step raises."""
+    own = vars(optimizer)
+    missing = object()
+    saved = {name: own.get(name, missing) for name in values}
+    own.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is missing:
+                own.pop(name, None)
+            else:
+                own[name] = value
 
 
 def guarded_step(
@@ -77,26 +95,26 @@ def guarded_step(
     max_grad_norm: float | None = None,
     skipped_counter: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Update the scaler, clip ``grads`` to ``max_grad_norm`` (folded into FusedAdamW's pass when
-    it is one), and step ``optimizer`` unless ``found``: on the device for optimizers that take
-    a ``found_inf``, else after one host sync. Returns ``skipped`` (0-dim bool tensor)."""
+    """Update the scaler, clip ``grads`` to ``max_grad_norm`` (folded into the optimizer's pass
+    when it is a ``FusedAmpStep``, such as FusedAdamW), and step ``optimizer`` unless ``found``:
+    on the device for optimizers that take a ``found_inf``, else after one host sync. Leaves no
+    attribute on ``optimizer``. Returns ``skipped`` (0-dim bool tensor)."""
     if scaler is not None:
         scaler.update(found > 0)
     skipped = found > 0
     if skipped_counter is not None:
         skipped_counter += skipped.long()
-    fused_clip = supports_clip_coef(optimizer)
+    fused = isinstance(optimizer, FusedAmpStep)
     coef = None
     if max_grad_norm is not None:
         coef = clip_coefficient(norm, max_grad_norm)
-        if not fused_clip and grads:
+        if not fused and grads:
             torch._foreach_mul_(list(grads), coef)
-    if supports_device_skip(optimizer):
-        optimizer.grad_scale = None
-        optimizer.found_inf = found
-        if fused_clip:
-            optimizer.clip_coef = coef
-        optimizer.step()
+    if fused:
+        optimizer.amp_step(found_inf=found, clip_coef=coef)
+    elif supports_device_skip(optimizer):
+        with amp_attributes(optimizer, grad_scale=None, found_inf=found):
+            optimizer.step()
     elif not bool(skipped):
         optimizer.step()
     return skipped

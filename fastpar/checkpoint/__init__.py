@@ -11,10 +11,11 @@
 See ``fastpar.checkpoint.core`` (save / load), ``format`` (the on-disk format, atomicity,
 verification, one save's shards only), ``state`` (local -> global index maps from the parameter
 marks; ``mark_tied_copy``: a pipeline's copy of a tied embedding saved as the embedding),
-``pieces`` (the optimizer protocol ``checkpoint_pieces`` / ``load_checkpoint_pieces``),
 ``directory`` (a directory of ``step_<N>`` checkpoints: numeric order, judging, pruning),
 ``lock`` (one writer per directory) and ``hf`` (Hugging Face safetensors both ways; needs
-``pip install fastpar[hf]``, imported lazily).
+``pip install fastpar[hf]``, imported lazily). An optimizer takes part through the protocol
+of ``fastpar.optim.pieces`` (``checkpoint_pieces`` / ``load_checkpoint_pieces``); the two
+functions of those names here implement it for a torch optimizer.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ from fastpar.checkpoint.hf import (
     save_hf,
 )
 from fastpar.checkpoint.lock import DirectoryLock, LockHeld
-from fastpar.checkpoint.pieces import load_torch_optimizer_pieces, torch_optimizer_pieces
 from fastpar.checkpoint.reader import CheckpointReader
 from fastpar.checkpoint.state import mark_tied_copy
+from fastpar.optim.pieces import load_torch_optimizer_pieces, torch_optimizer_pieces
 
 checkpoint_pieces = torch_optimizer_pieces
 load_checkpoint_pieces = load_torch_optimizer_pieces

@@ -34,19 +34,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fastpar.amp.protocols import AmpOptimizer
 from fastpar.checkpoint import format as fmt
-from fastpar.checkpoint.pieces import load_torch_optimizer_pieces, torch_optimizer_pieces
 from fastpar.checkpoint.reader import CheckpointReader
 from fastpar.checkpoint.rng import get_rng_state, set_rng_state
 from fastpar.checkpoint.state import (
     SCALAR_KEYS,
     PieceMapper,
-    _coords,
     global_names,
     global_shape,
     localize,
     sharding,
     writes_on_this_rank,
+)
+from fastpar.mesh.ranks import group_rank, group_size
+from fastpar.optim.pieces import (
+    CheckpointPieces,
+    ReplicatedPieces,
+    load_torch_optimizer_pieces,
+    torch_optimizer_pieces,
 )
 
 
@@ -66,7 +72,7 @@ def stage_param_names(stage: nn.Module, start: int) -> dict[str, nn.Parameter]:
 
 def layout_of(mesh) -> dict:
     """The layout a checkpoint is saved under (compared at load to decide on RNG restore)."""
-    world = _coords(None)[1]
+    world = group_size(None)
     if mesh is None:
         return {"world_size": world, "mesh": None}
     sizes = {k: getattr(mesh, f"{k}_size") for k in ("tp", "pp", "dp", "ep")}
@@ -77,7 +83,7 @@ def optimizer_pieces(optimizer) -> list:
     """``checkpoint_pieces`` of ``optimizer`` (a torch optimizer or anything implementing it)."""
     if optimizer is None:
         return []
-    if hasattr(optimizer, "checkpoint_pieces"):
+    if isinstance(optimizer, CheckpointPieces):
         return optimizer.checkpoint_pieces()
     if isinstance(optimizer, torch.optim.Optimizer):
         return torch_optimizer_pieces(optimizer)
@@ -89,14 +95,20 @@ def optimizer_pieces(optimizer) -> list:
 
 def _dp_sharded(optimizer) -> bool:
     """Whether the optimizer's pieces differ across DP ranks (ZeRO-like): true for anything
-    implementing the protocol itself, except a MixedPrecisionOptimizer over replicated data."""
-    from fastpar.optim.mixed_precision import MixedPrecisionOptimizer
-
+    implementing the protocol itself, unless it says its pieces are replicated over DP
+    (``ReplicatedPieces``: a MixedPrecisionOptimizer over replicated data)."""
     if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
         return False
-    if isinstance(optimizer, MixedPrecisionOptimizer):
+    if isinstance(optimizer, ReplicatedPieces):
         return not optimizer.dp_replicated
     return True
+
+
+def _amp_state(optimizer) -> tuple:
+    """(scaler, skipped_steps) of an ``AmpOptimizer`` (fastpar's wrappers), else (None, None)."""
+    if isinstance(optimizer, AmpOptimizer):
+        return optimizer.scaler, optimizer.skipped_steps
+    return None, None
 
 
 def _agree(ok: bool) -> bool:
@@ -215,13 +227,13 @@ def save(
     recorded with every rank's shard (with a random id of this save, agreed across ranks):
     rank 0 refuses to complete a checkpoint holding another save's shard, and readers refuse
     one whose shards disagree. Returns the absolute path. Needs a filesystem every rank sees."""
-    rank, world = _coords(None)
+    rank, world = group_rank(None), group_size(None)
     final = os.path.abspath(os.fspath(path))
     partial = final + fmt.PARTIAL_SUFFIX
     if os.path.exists(final) and not overwrite:
         raise FileExistsError(f"{final} exists; pass overwrite=True or save under a new name")
     if scaler is None:
-        scaler = getattr(optimizer, "scaler", None)
+        scaler = _amp_state(optimizer)[0]
     error: BaseException | None = None
     if rank == 0:
         try:
@@ -276,7 +288,7 @@ def save(
 def _finish(partial, final, world, step, extra, scaler, optimizer, layout, overwrite, ident):
     """Rank 0, once every shard is on disk: common record, metadata, marker, rename."""
     tensors, ranks = _merge_tensors(partial, world, ident)
-    skipped = getattr(optimizer, "skipped_steps", None)
+    skipped = _amp_state(optimizer)[1]
     common = {
         "step": int(step),
         "extra": extra,
@@ -375,7 +387,7 @@ def load_optimizer(optimizer, lookup) -> None:
     """``optimizer.load_checkpoint_pieces(lookup)``, or the torch-optimizer version."""
     if optimizer is None:
         return
-    if hasattr(optimizer, "load_checkpoint_pieces"):
+    if isinstance(optimizer, CheckpointPieces):
         optimizer.load_checkpoint_pieces(lookup)
     elif isinstance(optimizer, torch.optim.Optimizer):
         load_torch_optimizer_pieces(optimizer, lookup)
@@ -409,15 +421,15 @@ def load(
             p.copy_(localize(full, p).to(p.dtype))
     load_optimizer(optimizer, Lookup(reader, names))
     common = reader.common()
+    saved_scaler, skipped = _amp_state(optimizer)
     if scaler is None:
-        scaler = getattr(optimizer, "scaler", None)
+        scaler = saved_scaler
     if scaler is not None and common["scaler"] is not None:
         scaler.load_state_dict(common["scaler"])
-    skipped = getattr(optimizer, "skipped_steps", None)
     if torch.is_tensor(skipped) and common["skipped_steps"] is not None:
         skipped.fill_(common["skipped_steps"])
     restored = False
-    rank = _coords(None)[0]
+    rank = group_rank(None)
     if rng and layout_of(mesh) == {k: reader.layout[k] for k in ("world_size", "mesh")}:
         state = reader.rank_data(rank).get("rng")
         if state is not None:

@@ -18,14 +18,18 @@ by a gather of the new layout's indices (``localize``).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from fastpar.nn.marks import expert_layout, is_expert, mark_tied_copy, param_layout, tied_name
+from fastpar.mesh.placement import (
+    expert_layout,
+    holds_reference_copy,
+    mark_tied_copy,
+    param_layout,
+    tied_name,
+)
+from fastpar.mesh.ranks import group_rank, group_size
+from fastpar.optim.pieces import SCALAR_KEYS
 
-SCALAR_KEYS = frozenset({"step"})
-"""State keys that are one value per parameter (global shape [1]), not one per element."""
-
-__all__ = ["mark_tied_copy"]  # re-exported: the mark lives with the other marks
+__all__ = ["SCALAR_KEYS", "mark_tied_copy"]  # re-exported: they live in the layers below
 
 
 def checkpoint_name(name: str, p: torch.Tensor) -> str:
@@ -40,14 +44,6 @@ def global_names(model_params) -> list[tuple[str, torch.Tensor]]:
     return [(checkpoint_name(name, p), p) for name, p in model_params.items()]
 
 
-def _coords(group) -> tuple[int, int]:
-    """(rank, size) of this process in ``group`` (None = the default group); (0, 1) without
-    an initialised process group."""
-    if not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
 def _dim_maps(p: torch.Tensor) -> tuple[list[torch.Tensor], list[int], dict]:
     """Per dim: local index -> global index (-1 = padding); the global shape; a description."""
     shape = list(p.shape)
@@ -57,7 +53,7 @@ def _dim_maps(p: torch.Tensor) -> tuple[list[torch.Tensor], list[int], dict]:
     layout = param_layout(p)
     if layout is not None and layout.kind == "sharded":
         d, full, fused = layout.dim, layout.full_size, layout.fused
-        rank, world = _coords(layout.group)
+        rank, world = group_rank(layout.group), group_size(layout.group)
         n = shape[d]
         i = torch.arange(n, dtype=torch.int64)
         if fused > 1:
@@ -74,7 +70,7 @@ def _dim_maps(p: torch.Tensor) -> tuple[list[torch.Tensor], list[int], dict]:
     if ex is not None:
         if desc["kind"] == "sharded" and desc["dim"] == 0:
             raise ValueError("an expert parameter cannot also be sharded along dim 0")
-        rank, world = (0, 1) if ex.group is None else _coords(ex.group)
+        rank, world = (0, 1) if ex.group is None else (group_rank(ex.group), group_size(ex.group))
         n = shape[0]
         if n * world != ex.num_experts:
             raise ValueError(
@@ -180,19 +176,11 @@ class PieceMapper:
 
 
 def writes_on_this_rank(p: torch.Tensor, mesh, *, dp_sharded: bool) -> bool:
-    """Whether this rank writes its copy of ``p`` (or of its optimizer pieces): the first rank
-    of every group over which that very data is duplicated — the TP group for unmarked and
-    replicated parameters, the DP (expert-DP) group unless ``dp_sharded`` (ZeRO). Without a
+    """Whether this rank writes its copy of ``p`` (or of its optimizer pieces): the rank that
+    holds the reference copy (``fastpar.mesh.placement``) over the TP group for unmarked and
+    replicated parameters and the DP (expert-DP) group unless ``dp_sharded`` (ZeRO). Without a
     mesh every rank writes (duplicates are dropped at load). Tied copies marked with
     ``mark_duplicated`` are written by each holder (they may have different global names)."""
     if mesh is None:
         return True
-    layout = param_layout(p)
-    groups = []
-    if layout is None:
-        groups.append(mesh.tp_group)
-    elif layout.kind == "replicated":
-        groups.append(layout.group)
-    if not dp_sharded:
-        groups.append(mesh.expert_dp_group if is_expert(p) else mesh.dp_group)
-    return all(_coords(g)[0] == 0 for g in groups)
+    return holds_reference_copy(p, mesh, data_parallel=not dp_sharded, duplicates=False)

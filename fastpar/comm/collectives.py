@@ -24,6 +24,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from fastpar.mesh.ranks import Group, group_rank, group_size
 from fastpar.profiling import nvtx
 
 # torch 2.13 renamed these collectives; the old names are the ones every torch >= 2.4 has
@@ -32,16 +33,6 @@ warnings.filterwarnings(
     message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
     category=FutureWarning,
 )
-
-Group = dist.ProcessGroup | None
-
-
-def group_size(group: Group) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
-
-
-def group_rank(group: Group) -> int:
-    return dist.get_rank(group) if dist.is_initialized() else 0
 
 
 def _check_divisible(x: torch.Tensor, dim: int, world: int, what: str) -> int:

@@ -4,6 +4,11 @@
 groups of that layout on an initialised default group; ``init`` also initialises
 torch.distributed from torchrun's environment. Every group gets one collective timeout
 (``DEFAULT_TIMEOUT`` unless given; ``group_timeout`` reads a group's).
+
+The bottom layer every other package asks: ``fastpar.mesh.placement`` (the parameter marks and
+the one rule of which groups replicate a parameter, so which rank holds its reference copy) and
+``fastpar.mesh.ranks`` (this process's rank in a group). Only its command line (``__main__``)
+imports another fastpar package.
 """
 
 from __future__ import annotations

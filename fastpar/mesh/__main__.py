@@ -16,8 +16,8 @@ from fastpar.mesh.layout import DEFAULT_ORDER, GROUP_KINDS, MeshLayout
 
 
 def _check(layout: MeshLayout) -> int:
+    from fastpar.launch import run_ranks
     from fastpar.mesh.check import group_sums, members
-    from fastpar.testing import run_ranks
 
     t0 = time.perf_counter()
     results = run_ranks(

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastpar.comm import all_gather_reduce_scatter, copy_to_region, group_size, scatter_to_sequence
+from fastpar.mesh.placement import mark_sharded, mark_tied_copy, param_layout
 from fastpar.moe import MoE
 from fastpar.nn import ColumnParallelLinear, VocabParallelEmbedding
 from fastpar.nn.functional import vocab_parallel_cross_entropy
-from fastpar.nn.marks import mark_sharded, mark_tied_copy, param_layout
 
 
 def tp_group_of(mesh):

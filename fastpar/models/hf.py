@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from fastpar.nn import parallelize
+from fastpar.parallel.pipeline import hf as pipe
 
 DECODERS = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
 """Families the pipeline helper splits by layer (``fastpar.parallel.pipeline.hf``)."""
@@ -119,8 +120,6 @@ class HFParts:
 
 def hf_blocks(config, mesh) -> HFParts:
     """Build, parallelize and cut the model of ``config`` for this rank's mesh."""
-    from fastpar.parallel.pipeline import hf as pipe
-
     model = build(config)
     if mesh is not None:
         model = parallelize(model, mesh=mesh, loss_parallel=True)

@@ -40,9 +40,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastpar.comm import all_to_all, group_rank, group_size
+from fastpar.mesh.placement import mark_expert
 from fastpar.moe.overlap import CapacityChunks, DroplessChunks, OverlappedExperts
 from fastpar.moe.router import TopKRouter
-from fastpar.nn.marks import mark_expert
 from fastpar.ops.moe_permute import moe_permute, moe_unpermute
 
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}

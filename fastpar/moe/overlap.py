@@ -11,7 +11,10 @@ drive the backend's asynchronous ``alltoall_base`` from C++, and ``pack_chunk`` 
 ``all_to_all_single(async_op=True)`` — the same algorithm, the same results. On CPUs the
 backend's worker threads move the bytes while the main thread computes; on GPUs NCCL runs on
 its own stream and ``wait`` orders the compute stream after it with events (no device-wide
-synchronisation). ``FASTPAR_MOE_TRANSPORT=python|extension`` forces one.
+synchronisation). ``fastpar.moe.set_transport("python" | "extension")`` forces one (for the
+process, or for a block as a context manager; ``None``: back to the default), as does
+``FASTPAR_MOE_TRANSPORT=python|extension``, read once per process (``fastpar.switches``).
+The transport is chosen once per layer call, not per chunk.
 
 Chunking: capacity mode splits every expert's C rows into K ranges (the same splits on every
 rank, no host sync); dropless mode splits every expert's segment into K parts (sizes known on the
@@ -24,12 +27,24 @@ to fp32 rounding.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.distributed as dist
 
 from fastpar.ops import backend
+from fastpar.switches import Setting, Switch, choice
+
+TRANSPORTS = ("python", "extension")
+TRANSPORT_ENV = "FASTPAR_MOE_TRANSPORT"
+
+
+def _check_transport(name: str) -> str:
+    if name not in TRANSPORTS:
+        raise ValueError(f"transport {name!r} is not 'python' or 'extension'")
+    return name
+
+
+_TRANSPORT = Switch(TRANSPORT_ENV, choice(TRANSPORT_ENV, TRANSPORTS, auto=None), _check_transport)
 
 
 @functools.cache
@@ -61,17 +76,28 @@ def _extension_ops() -> bool:
     return True
 
 
+class set_transport(Setting):  # lower case: a call and a context manager, like debug_checks
+    """Force the overlapped MoE layer's all-to-all onto ``name``: "python"
+    (``torch.distributed``) or "extension" (``fastpar._C``); ``None``: back to
+    ``FASTPAR_MOE_TRANSPORT``, else the extension when it is built. For the rest of the process,
+    or, as a context manager, only inside the block."""
+
+    SWITCH = _TRANSPORT
+
+
 def transport() -> str:
     """ "extension" or "python": which all-to-all the overlapped MoE layer uses here."""
-    forced = os.environ.get("FASTPAR_MOE_TRANSPORT", "").strip().lower()
+    forced = _TRANSPORT.get()
     if forced == "python":
         return "python"
     if forced == "extension":
         if not _extension_ops():
-            raise RuntimeError("FASTPAR_MOE_TRANSPORT=extension but fastpar._C is not built")
+            where = "set_transport" if _TRANSPORT.overridden else f"{TRANSPORT_ENV}=extension"
+            raise RuntimeError(
+                f"{where} asks for the extension transport, but fastpar._C is not built: build "
+                "it (pip install -e .) or use the python transport"
+            )
         return "extension"
-    if forced:
-        raise ValueError(f"FASTPAR_MOE_TRANSPORT={forced!r} is not 'python' or 'extension'")
     return "extension" if _extension_ops() else "python"
 
 
@@ -88,10 +114,11 @@ class _Pending:
         return self.out
 
 
-def start_all_to_all(x: torch.Tensor, group, out_splits, in_splits) -> _Pending:
-    """Start an all-to-all of the rows of ``x``; ``.wait()`` returns the received rows."""
+def start_all_to_all(x: torch.Tensor, group, out_splits, in_splits, kind: str) -> _Pending:
+    """Start an all-to-all of the rows of ``x`` over ``kind`` (``transport()``'s answer);
+    ``.wait()`` returns the received rows."""
     x = x.contiguous()
-    if transport() == "extension":
+    if kind == "extension":
         g = group if group is not None else dist.distributed_c10d._get_default_group()
         out, ticket = torch.ops.fastpar.all_to_all_start(
             x, out_splits or [], in_splits or [], g.group_name
@@ -103,14 +130,14 @@ def start_all_to_all(x: torch.Tensor, group, out_splits, in_splits) -> _Pending:
     return _Pending(out, work=work, keep=x)
 
 
-def _pack(buf: torch.Tensor, c0: int, c1: int) -> torch.Tensor:
-    if transport() == "extension":
+def _pack(buf: torch.Tensor, c0: int, c1: int, kind: str) -> torch.Tensor:
+    if kind == "extension":
         return torch.ops.fastpar.pack_chunk(buf.contiguous(), c0, c1)
     return buf.narrow(1, c0, c1 - c0).contiguous()
 
 
-def _unpack(buf: torch.Tensor, chunk: torch.Tensor, c0: int) -> None:
-    if transport() == "extension":
+def _unpack(buf: torch.Tensor, chunk: torch.Tensor, c0: int, kind: str) -> None:
+    if kind == "extension":
         torch.ops.fastpar.unpack_chunk(buf, chunk.contiguous(), c0)
     else:
         buf.narrow(1, c0, chunk.shape[1]).copy_(chunk)
@@ -134,10 +161,12 @@ def _split(n: int, k: int) -> list[int]:
 
 
 class CapacityChunks:
-    """Chunks of an [E, C, H] buffer along C; equal all-to-all splits."""
+    """Chunks of an [E, C, H] buffer along C; equal all-to-all splits. ``transport`` is chosen
+    once, here (one layer call)."""
 
     def __init__(self, experts: int, capacity: int, hidden: int, ep: int, k: int):
         self.e, self.c, self.h, self.ep, self.k = experts, capacity, hidden, ep, k
+        self.transport = transport()
         self.e_loc = experts // ep
         sizes = _split(capacity, k)
         self.bounds = [(sum(sizes[:j]), sum(sizes[: j + 1])) for j in range(k) if sizes[j]]
@@ -145,11 +174,11 @@ class CapacityChunks:
 
     def take(self, buf: torch.Tensor, j: int) -> torch.Tensor:
         c0, c1 = self.bounds[j]
-        return _pack(buf, c0, c1).view(-1, self.h)
+        return _pack(buf, c0, c1, self.transport).view(-1, self.h)
 
     def put(self, buf: torch.Tensor, j: int, rows: torch.Tensor) -> None:
         c0, c1 = self.bounds[j]
-        _unpack(buf, rows.view(self.e, c1 - c0, self.h), c0)
+        _unpack(buf, rows.view(self.e, c1 - c0, self.h), c0, self.transport)
 
     def to_compute(self, rows: torch.Tensor, j: int) -> torch.Tensor:
         c0, c1 = self.bounds[j]
@@ -170,12 +199,14 @@ class CapacityChunks:
 
 
 class DroplessChunks:
-    """Chunks of an expert-major [N, H] buffer: part j of every expert's segment."""
+    """Chunks of an expert-major [N, H] buffer: part j of every expert's segment. ``transport``
+    is chosen once, here (one layer call)."""
 
     def __init__(
         self, counts: list[int], recv_counts: list[list[int]], hidden: int, ep: int, k: int, device
     ):
         self.h, self.ep, self.k, self.n = hidden, ep, k, sum(counts)
+        self.transport = transport()
         e = len(counts)
         self.e_loc = e // ep
         starts = [sum(counts[:i]) for i in range(e)]
@@ -237,8 +268,9 @@ def _pipelined(buf: torch.Tensor, chunks, group, work) -> torch.Tensor:
 
     def send(j: int) -> _Pending:
         return start_all_to_all(
-            chunks.take(buf, j), group, chunks.out_splits[j], chunks.in_splits[j]
-        )
+            chunks.take(buf, j), group, chunks.out_splits[j], chunks.in_splits[j],
+            chunks.transport,
+        )  # fmt: skip
 
     outgoing = send(0) if k else None
     returning = []
@@ -246,7 +278,11 @@ def _pipelined(buf: torch.Tensor, chunks, group, work) -> torch.Tensor:
         arriving, outgoing = outgoing, (send(j + 1) if j + 1 < k else None)
         result = work(chunks.to_compute(arriving.wait(), j), j)
         back = chunks.from_compute(result, j)
-        returning.append(start_all_to_all(back, group, chunks.in_splits[j], chunks.out_splits[j]))
+        returning.append(
+            start_all_to_all(
+                back, group, chunks.in_splits[j], chunks.out_splits[j], chunks.transport
+            )
+        )
     for j, pending in enumerate(returning):
         chunks.put(out, j, pending.wait())
     return out

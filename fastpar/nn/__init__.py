@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from fastpar.mesh.placement import ParamLayout, param_layout
 from fastpar.moe.layer import MoE, moe_aux_loss
 from fastpar.nn.embedding import VocabParallelEmbedding, VocabShard
 from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fastpar.nn.loss import VocabParallelCrossEntropy
-from fastpar.nn.marks import ParamLayout, param_layout
 from fastpar.nn.parallelize import parallelize
 
 __all__ = [

@@ -13,8 +13,8 @@ from torch import nn
 from fastpar import debug
 from fastpar.comm import group_rank, group_size, reduce_from_region
 from fastpar.comm.checks import check_same, digest
+from fastpar.mesh.placement import mark_sharded
 from fastpar.nn.linear import resolve_group
-from fastpar.nn.marks import mark_sharded
 
 
 @dataclass(frozen=True)

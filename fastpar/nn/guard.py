@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from fastpar.comm import group_size
-from fastpar.nn.marks import expert_layout, param_layout
+from fastpar.mesh.placement import expert_layout, param_layout
 
 
 class ShardedSaveError(RuntimeError):

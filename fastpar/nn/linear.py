@@ -27,7 +27,7 @@ from fastpar.comm import (
     scatter_to_region,
 )
 from fastpar.comm.checks import check_same
-from fastpar.nn.marks import mark_replicated, mark_sharded
+from fastpar.mesh.placement import mark_replicated, mark_sharded
 
 
 def resolve_group(group: dist.ProcessGroup | None, mesh) -> dist.ProcessGroup | None:

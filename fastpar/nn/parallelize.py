@@ -57,11 +57,11 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from fastpar.comm import all_reduce_grad, group_size
+from fastpar.mesh.placement import mark_replicated
 from fastpar.nn import plans as _plans
 from fastpar.nn.embedding import VocabParallelEmbedding
 from fastpar.nn.guard import guard_save_pretrained
 from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear, is_conv1d, resolve_group
-from fastpar.nn.marks import mark_replicated
 from fastpar.nn.plan import (
     HEAD_ATTRS,
     WIDTH_ATTRS,

@@ -1,9 +1,10 @@
 """Which implementation an op runs: a Triton kernel, the C++ extension, or the torch reference.
 
-Rule (``select``): an override wins (``FASTPAR_BACKEND=triton|reference`` in the environment,
-or the ``use_backend`` context manager); otherwise CUDA tensors take Triton when it imports and
-everything else takes the pure-torch reference. Forcing Triton on CPU tensors is how CI runs
-every kernel under ``TRITON_INTERPRET=1``.
+Rule (``select``): an override wins (``use_backend(name)``: for the process, or for a block as a
+context manager; else ``FASTPAR_BACKEND=triton|extension|reference`` in the environment, read
+once per process, see ``fastpar.switches``: ``refresh()`` reads it again); otherwise CUDA tensors
+take Triton when it imports and everything else takes the pure-torch reference. Forcing Triton
+on CPU tensors is how CI runs every kernel under ``TRITON_INTERPRET=1``.
 
 Ops register themselves with ``register_op`` so ``python -m fastpar.info`` can list them.
 Triton and the extension are probed lazily, on first use, never at ``import fastpar``.
@@ -11,16 +12,25 @@ Triton and the extension are probed lazily, on first use, never at ``import fast
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
-import os
-from collections.abc import Iterator
+import json
 from dataclasses import dataclass
+from pathlib import Path
+
+from fastpar.switches import Setting, Switch, choice
 
 BACKENDS = ("triton", "extension", "reference")
 ENV_VAR = "FASTPAR_BACKEND"
-_override: list[str] = []
+
+
+def _check(name: str) -> str:
+    if name not in (*BACKENDS, "auto"):
+        raise ValueError(f"backend {name!r} is not one of auto/{'/'.join(BACKENDS)}")
+    return name
+
+
+SWITCH = Switch(ENV_VAR, choice(ENV_VAR, BACKENDS), _check)
 
 
 @dataclass(frozen=True)
@@ -61,9 +71,18 @@ def triton_status() -> tuple[bool, str]:
     return True, getattr(triton, "__version__", "unknown version")
 
 
+BUILD_INFO = Path(__file__).parents[1] / "_C_build.json"
+"""Written by setup.py when it builds fastpar._C: the torch version it was built against."""
+
+
 @functools.cache
 def extension_status() -> tuple[bool, str]:
-    """(built, a short description) for the C++/CUDA extension ``fastpar._C``."""
+    """(built, a short description) for the C++/CUDA extension ``fastpar._C``. An extension
+    built against another torch than the one running is not loaded (its C++ ABI may differ: it
+    can crash the process): setup.py records the torch it built against in _C_build.json."""
+    mismatch = _built_for_another_torch()
+    if mismatch:
+        return False, mismatch
     try:
         importlib.import_module("fastpar._C")
     except Exception as exc:
@@ -71,25 +90,38 @@ def extension_status() -> tuple[bool, str]:
     return True, "built"
 
 
-def _forced() -> str | None:
-    name = _override[-1] if _override else os.environ.get(ENV_VAR, "").strip().lower() or None
-    if name in (None, "auto"):
-        return None
-    if name not in BACKENDS:
-        raise ValueError(f"{ENV_VAR}={name!r} is not one of auto/{'/'.join(BACKENDS)}")
-    return name
+def _built_for_another_torch() -> str | None:
+    import torch
 
-
-@contextlib.contextmanager
-def use_backend(name: str) -> Iterator[None]:
-    """Force every op inside the block onto ``name`` ("triton", "extension", "reference", "auto")."""
-    if name not in (*BACKENDS, "auto"):
-        raise ValueError(f"backend {name!r} is not one of auto/{'/'.join(BACKENDS)}")
-    _override.append(name)
     try:
-        yield
-    finally:
-        _override.pop()
+        built = json.loads(BUILD_INFO.read_text()).get("torch")
+    except (OSError, ValueError):
+        return None  # no record (an older build): try to load it
+    if built and built != torch.__version__:
+        return (
+            f"not loaded: built against torch {built}, this is torch {torch.__version__}; "
+            f"rebuild it (bash scripts/setup.sh, or pip install --no-build-isolation -e .)"
+        )
+    return None
+
+
+def _forced() -> str | None:
+    name = SWITCH.get()
+    return None if name == "auto" else name
+
+
+class use_backend(Setting):  # lower case: a call and a context manager, like debug_checks
+    """Force every op onto ``name`` ("triton", "extension", "reference"; "auto": the rule
+    above, whatever ``FASTPAR_BACKEND`` says): for the rest of the process, or, as a context
+    manager, only inside the block. ``use_backend(None)`` hands the choice back to the
+    variable."""
+
+    SWITCH = SWITCH
+
+
+def refresh() -> None:
+    """Read ``FASTPAR_BACKEND`` again at the next op (after changing ``os.environ``)."""
+    SWITCH.refresh()
 
 
 def select(op: str, device_type: str) -> str:

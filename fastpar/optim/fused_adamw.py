@@ -15,8 +15,9 @@ Mixed precision without a host sync, the protocol of torch's fused optimizers
   (not divided: identical for the power-of-two scales of loss scalers);
 * ``clip_coef``: ``min(1, max_norm / (norm + eps))``, applied after unscaling.
 
-``torch.amp.GradScaler`` sets and deletes the first two around ``step()``;
-``fastpar.optim.MixedPrecisionOptimizer`` sets ``found_inf`` (and ``grad_scale = None``).
+``torch.amp.GradScaler`` sets and deletes the first two around ``step()``. fastpar's wrappers
+(``fastpar.amp.step.guarded_step``) pass them as arguments instead: ``amp_step(found_inf=,
+inv_scale=, clip_coef=)`` (the ``fastpar.amp.FusedAmpStep`` protocol) reads no attribute.
 """
 
 from __future__ import annotations
@@ -72,27 +73,42 @@ class FusedAdamW(torch.optim.Optimizer):
                 if state and "step" in state:
                     state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
 
-    def _amp_scalars(
-        self, device: torch.device
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """(inv_scale, clip_coef, found_inf) for ``device`` from the amp attributes, or None."""
-
-        def on(t: Any) -> torch.Tensor | None:
-            if t is None:
-                return None
-            return t.to(device=device, dtype=torch.float32).reshape(())
-
-        grad_scale = on(getattr(self, "grad_scale", None))
-        inv_scale = None if grad_scale is None else torch.reciprocal(grad_scale)
-        return inv_scale, on(getattr(self, "clip_coef", None)), on(getattr(self, "found_inf", None))
-
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One update of every parameter with a gradient; returns ``closure()`` if given."""
+        """One update of every parameter with a gradient, under the amp attributes when set
+        (module docstring); returns ``closure()`` if given."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._update(
+            found_inf=getattr(self, "found_inf", None),
+            grad_scale=getattr(self, "grad_scale", None),
+            clip_coef=getattr(self, "clip_coef", None),
+        )
+        return loss
+
+    @torch.no_grad()
+    def amp_step(
+        self,
+        *,
+        found_inf: torch.Tensor | None = None,
+        inv_scale: torch.Tensor | None = None,
+        clip_coef: torch.Tensor | None = None,
+    ) -> None:
+        """One update with the mixed-precision scalars as arguments (0-dim tensors or None):
+        skipped on the device where ``found_inf`` is nonzero, gradients multiplied by
+        ``inv_scale`` then ``clip_coef``. Reads no amp attribute."""
+        self._update(found_inf=found_inf, inv_scale=inv_scale, clip_coef=clip_coef)
+
+    def _update(
+        self,
+        *,
+        found_inf: Any = None,
+        grad_scale: Any = None,
+        inv_scale: Any = None,
+        clip_coef: Any = None,
+    ) -> None:
         for group in self.param_groups:
             by_device: dict[torch.device, tuple[list, ...]] = {}
             for p in group["params"]:
@@ -119,11 +135,13 @@ class FusedAdamW(torch.optim.Optimizer):
                     lst.append(t)
             beta1, beta2 = group["betas"]
             for device, (params, grads, exp_avgs, exp_avg_sqs, steps) in by_device.items():
-                inv_scale, clip_coef, found_inf = self._amp_scalars(device)
-                if found_inf is None:
+                inv, clip, found = _on(device, inv_scale, clip_coef, found_inf)
+                if grad_scale is not None:
+                    inv = torch.reciprocal(_on(device, grad_scale)[0])
+                if found is None:
                     torch._foreach_add_(steps, 1.0)
                 else:
-                    torch._foreach_add_(steps, (found_inf == 0).to(torch.float32))
+                    torch._foreach_add_(steps, (found == 0).to(torch.float32))
                 adamw_step_multi_(
                     params,
                     grads,
@@ -135,9 +153,15 @@ class FusedAdamW(torch.optim.Optimizer):
                     eps=group["eps"],
                     weight_decay=group["weight_decay"],
                     steps=steps,
-                    inv_scale=inv_scale,
-                    clip_coef=clip_coef,
-                    found_inf=found_inf,
+                    inv_scale=inv,
+                    clip_coef=clip,
+                    found_inf=found,
                     maximize=group["maximize"],
                 )
-        return loss
+
+
+def _on(device: torch.device, *scalars: Any) -> list[torch.Tensor | None]:
+    """Each scalar as a 0-dim fp32 tensor on ``device`` (None stays None)."""
+    return [
+        None if t is None else t.to(device=device, dtype=torch.float32).reshape(()) for t in scalars
+    ]

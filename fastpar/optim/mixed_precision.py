@@ -27,6 +27,7 @@ import torch.distributed as dist
 from fastpar.amp.norm import counts_on_this_rank
 from fastpar.amp.scaler import ConstantLossScaler, DynamicLossScaler
 from fastpar.amp.step import OptimizerFront, guarded_step, unscale_and_agree
+from fastpar.optim.pieces import load_torch_optimizer_pieces, torch_optimizer_pieces
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -157,20 +158,16 @@ class MixedPrecisionOptimizer(OptimizerFront):
             self.scaler.load_state_dict(state["scaler"])
         self._skipped.copy_(state["skipped_steps"])
 
-    # -- checkpoint protocol (fastpar.checkpoint) -------------------------------------------
+    # -- checkpoint protocol (fastpar.optim.pieces) -----------------------------------------
     def checkpoint_pieces(self) -> list:
         """(model param, key, values, start, stop) for every parameter: "param" (the fp32
         master), the wrapped optimizer's per-element state and "step"; whole local tensors."""
-        from fastpar.checkpoint.pieces import torch_optimizer_pieces
-
         model_of = {id(m): p for p, m in zip(self.model_params, self.masters, strict=True)}
         return torch_optimizer_pieces(self.optimizer, model_of)
 
     def load_checkpoint_pieces(self, lookup) -> None:
         """Fill the masters and the wrapped optimizer's state from ``lookup(param, key)``
         (whole local tensors), then copy the masters into the model's parameters."""
-        from fastpar.checkpoint.pieces import load_torch_optimizer_pieces
-
         model_of = {id(m): p for p, m in zip(self.model_params, self.masters, strict=True)}
         load_torch_optimizer_pieces(self.optimizer, lookup, model_of)
         with torch.no_grad():

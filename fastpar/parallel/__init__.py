@@ -1,7 +1,9 @@
-"""Data parallelism (bucketed, overlapped all-reduce); ZeRO lives in ``fastpar.zero``."""
+"""Data parallelism (bucketed, overlapped all-reduce) and the ``GradSync`` protocol the pipeline
+engine drives it through; ZeRO lives in ``fastpar.zero``."""
 
 from __future__ import annotations
 
 from fastpar.parallel.ddp import DistributedDataParallel
+from fastpar.parallel.protocols import GradSync
 
-__all__ = ["DistributedDataParallel"]
+__all__ = ["DistributedDataParallel", "GradSync"]

@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 
 @dataclass
@@ -188,9 +187,3 @@ def payload_bytes(kind: str, numel: int, element_size: int, world: int) -> float
     full = numel * element_size
     factor = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0}[kind]
     return factor * (world - 1) / world * full if world > 1 else 0.0
-
-
-def global_rank_of(group: dist.ProcessGroup | None, group_rank: int) -> int:
-    if group is None:
-        return group_rank
-    return dist.get_global_rank(group, group_rank)

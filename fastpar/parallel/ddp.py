@@ -21,14 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastpar.nn.marks import duplicated_over, is_expert
-from fastpar.parallel.buckets import (
-    Bucket,
-    BucketReducer,
-    build_buckets,
-    global_rank_of,
-    payload_bytes,
-)
+from fastpar.mesh.placement import data_parallel_groups, duplicated_over, is_expert
+from fastpar.mesh.ranks import global_rank, group_size
+from fastpar.parallel.buckets import Bucket, BucketReducer, build_buckets, payload_bytes
 
 
 class DistributedDataParallel(nn.Module):
@@ -57,13 +52,11 @@ class DistributedDataParallel(nn.Module):
         if mesh is not None and group is not None:
             raise ValueError("pass either mesh= or group=, not both")
         self.module = module
-        self.group = mesh.dp_group if mesh is not None else group
         # expert parameters (fastpar.nn.MoE) differ across the EP group: they are replicated,
         # and reduced, over the expert-data-parallel group only
-        expert_group = mesh.expert_dp_group if mesh is not None else self.group
-        self._groups = [self.group, expert_group]
-        init = dist.is_initialized()
-        self._sizes = [dist.get_world_size(g) if init else 1 for g in self._groups]
+        self._groups = list(data_parallel_groups(mesh, group))
+        self.group = self._groups[0]
+        self._sizes = [group_size(g) for g in self._groups]
         self.dp_size = self._sizes[0]
         self.reduce_dtype = reduce_dtype
         self.comm_bytes = 0.0
@@ -76,7 +69,7 @@ class DistributedDataParallel(nn.Module):
                                       (experts, self._groups[1], self._sizes[1])):  # fmt: skip
                     if n > 1:
                         for t in tensors:
-                            dist.broadcast(t.data, src=global_rank_of(g, 0), group=g)
+                            dist.broadcast(t.data, src=global_rank(g, 0), group=g)
         groups = [[p for p in dense if p.requires_grad], [p for p in experts if p.requires_grad]]
         self.buckets = build_buckets(groups, bucket_size_mb, pad_to=1)
         self._buffers_flat: dict[int, torch.Tensor] = {}

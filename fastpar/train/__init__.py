@@ -13,13 +13,24 @@ sets the vocabulary size), a ``.npy`` array or a memory-mapped ``.bin`` file of 
 (``--data-dtype`` uint16 / uint32); else an embedded corpus: text that ships with Python itself.
 Every token id is checked against the vocabulary before any rank starts. Every step is
 deterministic given the seed: the same batch at the same step on any layout, which is what
-``python -m fastpar.verify`` relies on.
+``python -m fastpar.verify`` relies on. Steps between logged steps (``--log-every N``) and save
+steps make no host sync.
+
+Components, one module each: ``config`` (``TrainConfig``, the parser), ``checks`` (every flag's
+range, the world size under torchrun), ``memory`` (activations against this machine),
+``batches`` (data, the batch of a step, the learning rate), ``build`` (the model's blocks,
+parameter groups, loss scaler, data-parallel wrapper and optimizer for a mesh, or for none:
+``fastpar.verify``'s single-process reference is built by the same code; ``Trainer``), ``loop``
+(``run``: steps and sync points), ``metrics`` (numbers read at sync points, progress, MFU),
+``stop`` (preemption and divergence, alike on every rank), ``checkpointing`` (the checkpoint
+directory), ``peers`` (stopped torchrun siblings), ``launch`` (torchrun's ranks, or ranks
+started by ``fastpar.launch.run_ranks``), ``cli`` (the command).
 """
 
 from __future__ import annotations
 
 from fastpar.train.batches import batch_of, load_data, lr_at
-from fastpar.train.build import Trainer
+from fastpar.train.build import Parts, Trainer
 from fastpar.train.checkpointing import latest_checkpoint
 from fastpar.train.cli import main
 from fastpar.train.config import COLLECTIVE_TIMEOUT_S, TrainConfig, build_parser, config_from
@@ -29,6 +40,7 @@ from fastpar.train.stop import RunStopped
 
 __all__ = [
     "COLLECTIVE_TIMEOUT_S",
+    "Parts",
     "RunStopped",
     "TrainConfig",
     "Trainer",

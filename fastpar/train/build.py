@@ -1,16 +1,30 @@
-"""``Trainer``: this rank's model stage, data-parallel wrapper, optimizer and pipeline engine."""
+"""What a run trains, built one way for the trainer and for ``fastpar.verify``'s reference.
+
+``build(cfg, mesh, device)``: the model's blocks for this rank (its pipeline stage; the whole
+model when ``mesh`` is None, the single-process reference), cast to the run's precision, with
+its tied weights, the optimizer's parameter groups (weight decay on matrices only), the fp16
+loss scaler, the data-parallel wrapper and optimizer (``mesh`` None: the same mixed-precision
+AdamW on one process), the loss, and the MoE layers' auxiliary-loss scale. ``Trainer``: those
+parts of one rank, the pipeline engine, and a step.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+from torch import nn
 
+from fastpar.amp import DynamicLossScaler
+from fastpar.checkpoint import stage_param_names
 from fastpar.debug import debug_checks
 from fastpar.mesh import ParallelMesh
 from fastpar.models import build_model, lm_loss, untie_for_pipeline
 from fastpar.moe import MoE
+from fastpar.optim import FusedAdamW, MixedPrecisionOptimizer
+from fastpar.parallel import DistributedDataParallel
 from fastpar.parallel.pipeline import (
     GPipe,
     OneFOneB,
@@ -21,135 +35,207 @@ from fastpar.parallel.pipeline import (
 from fastpar.profiling import nvtx
 from fastpar.train.batches import batch_of, load_data, lr_at
 from fastpar.train.config import TrainConfig
+from fastpar.zero import Zero3, ZeroOptimizer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Parts:
+    """One rank's share of a run (``mesh`` None: the whole model on one process).
+
+    ``module``: the stage's blocks (``nn.Sequential``, numbered from 0; block ``start`` of the
+    whole model is its first); ``model``: what the engine runs (``module``, or its DDP / ZeRO-3
+    wrapper); ``opt``: the optimizer wrapper (``step() -> (skipped, norm)``, ``scale_loss``,
+    ``param_groups``); ``no_sync``: the wrapper's gradient-accumulation context, if any;
+    ``loss_fn(logits, targets)``: the mean loss of a micro-batch; ``aux_scale``: the 0-dim
+    tensor every MoE layer scales its auxiliary loss's gradient by (``update_aux_scale``)."""
+
+    cfg: TrainConfig
+    module: nn.Sequential
+    start: int
+    hf: object | None
+    model_cfg: object
+    model: nn.Module
+    opt: object
+    scaler: DynamicLossScaler | None
+    no_sync: Callable | None
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    moes: list[MoE]
+    aux_scale: torch.Tensor
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.opt.param_groups
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters under the single-process model's names (Hugging Face's with
+        --hf-config)."""
+        if self.hf is not None:
+            return self.hf.names(self.module)
+        return stage_param_names(self.module, self.start)
+
+    def update_aux_scale(self) -> None:
+        """Before a step: the MoE auxiliary losses enter backward like the main loss of a
+        micro-batch (1 / micro-batches, times the loss scale). A device op, no host sync; a
+        constant without a loss scaler."""
+        if self.scaler is not None:
+            torch.div(self.scaler.scale, self.cfg.microbatches, out=self.aux_scale)
+
+
+def _blocks(cfg: TrainConfig, mesh: ParallelMesh | None):
+    """(blocks of the whole model, built for ``mesh``; the HF parts or None; the model's
+    config; ZeRO-3's gather units; this rank's tied embedding or None)."""
+    if cfg.hf_config:  # a Hugging Face model: built-in TP plan, decoder pipeline blocks
+        from fastpar.models.hf import hf_blocks, load_config  # transformers: imported on use
+
+        hf = hf_blocks(load_config(cfg.hf_config), mesh)
+        return hf.blocks, hf, hf, hf.block_types, None  # the HF parts hold vocab_size
+    model_cfg = cfg.model()
+    blocks = build_model(model_cfg, mesh)
+    block_types = tuple({type(b) for b in blocks[1:-1]})  # ZeRO-3 gathers one at a time
+    return blocks, None, model_cfg, block_types, untie_for_pipeline(blocks, mesh)
+
+
+def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW's groups: weight decay on matrices (dim >= 2), none on vectors; empty ones left
+    out."""
+    decay = [p for p in module.parameters() if p.dim() >= 2]
+    no_decay = [p for p in module.parameters() if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def _optimizer(cfg, stage, groups, mesh, scaler, block_types):
+    """(what the engine runs, the optimizer wrapper, its no_sync or None) for the ZeRO stage;
+    ``mesh`` None: the plain module and the mixed-precision AdamW of one process."""
+    adamw = lambda gs: FusedAdamW(gs, lr=cfg.lr)  # noqa: E731
+    clip = cfg.max_grad_norm
+    if mesh is None:
+        return (
+            stage,
+            MixedPrecisionOptimizer(adamw(groups), scaler=scaler, max_grad_norm=clip),
+            None,
+        )
+    if cfg.zero == 0:  # DDP / ZeRO sum the tied embedding's gradients themselves
+        model = DistributedDataParallel(stage, mesh=mesh, reduce_dtype=torch.float32)
+        opt = MixedPrecisionOptimizer(adamw(groups), scaler=scaler, max_grad_norm=clip, mesh=mesh)
+        return model, opt, model.no_sync
+    if cfg.zero in (1, 2):
+        opt = ZeroOptimizer(
+            adamw(groups), stage=cfg.zero, mesh=mesh, scaler=scaler, max_grad_norm=clip
+        )
+        return stage, opt, opt.no_sync
+    model = Zero3(
+        stage, adamw, mesh=mesh, param_groups=groups, wrap=block_types, scaler=scaler,
+        max_grad_norm=clip,
+    )  # fmt: skip
+    return model, model, None
+
+
+def build(cfg: TrainConfig, mesh: ParallelMesh | None, device: torch.device) -> Parts:
+    """This rank's parts of ``cfg`` (see the module's docstring); ``mesh`` None: the whole
+    model on one process. The same seed gives the same weights on any layout."""
+    torch.manual_seed(cfg.seed)
+    blocks, hf, model_cfg, block_types, tied = _blocks(cfg, mesh)
+    pp_size, pp_rank = (mesh.pp_size, mesh.pp_rank) if mesh is not None else (1, 0)
+    stage, (start, _) = build_stage(blocks, pp_size, pp_rank, costs=[1.0] * len(blocks))
+    stage = stage.to(device=device, dtype=DTYPES[cfg.precision])
+    if mesh is not None and hf is not None:  # after the cast: the last stage copies the weight
+        hf.tie(blocks, mesh)
+    elif tied is not None:  # Module.to converts parameters in place: `tied` is still ours
+        tie_across_stages(tied, mesh)
+    scaler = (
+        DynamicLossScaler(initial_scale=cfg.loss_scale, device=device)
+        if cfg.precision == "fp16"
+        else None
+    )
+    groups = param_groups(stage, cfg.weight_decay)
+    model, opt, no_sync = _optimizer(cfg, stage, groups, mesh, scaler, block_types)
+    moes = [m for m in stage.modules() if isinstance(m, MoE)]
+    aux_scale = torch.full((), 1.0 / cfg.microbatches, dtype=torch.float32, device=device)
+    for m in moes:  # read by each layer's backward: updated in place, never reassigned
+        m.aux_loss_scale = aux_scale
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return lm_loss(logits.flatten(0, -2).float(), targets, model_cfg, mesh)
+
+    return Parts(
+        cfg, stage, start, hf, model_cfg, model, opt, scaler, no_sync, loss_fn, moes, aux_scale
+    )
 
 
 # -- one rank ----------------------------------------------------------------------------------
 class Trainer:
-    """Builds this rank's stage, optimizer and pipeline engine; runs steps."""
+    """This rank's parts (``build``), its pipeline engine and data; ``step()`` trains one step
+    without a host sync (see ``step``)."""
 
     def __init__(self, cfg: TrainConfig, mesh: ParallelMesh, device: torch.device, tokens=None):
-        from fastpar.amp import DynamicLossScaler
-        from fastpar.optim import FusedAdamW, MixedPrecisionOptimizer
-        from fastpar.parallel import DistributedDataParallel
-        from fastpar.zero import Zero3, ZeroOptimizer
-
         self.cfg, self.mesh, self.device = cfg, mesh, device
         if cfg.debug_checks:  # cross-rank input checks in this rank (also FASTPAR_DEBUG_CHECKS=1)
             debug_checks(True)
-        self.hf = None
-        torch.manual_seed(cfg.seed)
-        if cfg.hf_config:  # a Hugging Face model: built-in TP plan, decoder pipeline blocks
-            from fastpar.models.hf import hf_blocks, load_config
-
-            self.hf = hf_blocks(load_config(cfg.hf_config), mesh)
-            self.model_cfg = self.hf  # holds vocab_size for the loss
-            blocks, block_types, tied = self.hf.blocks, self.hf.block_types, None
-        else:
-            self.model_cfg = cfg.model()
-            blocks = build_model(self.model_cfg, mesh)
-            block_types = tuple({type(b) for b in blocks[1:-1]})  # ZeRO-3 gathers one at a time
-            tied = untie_for_pipeline(blocks, mesh)
-        stage, (self.start, _) = build_stage(
-            blocks, mesh.pp_size, mesh.pp_rank, costs=[1.0] * len(blocks)
-        )
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
-            cfg.precision
-        ]
-        stage = stage.to(device=device, dtype=dtype)
-        if self.hf is not None:  # after the cast: the last stage copies the cast weight
-            self.hf.tie(blocks, mesh)
-        elif tied is not None:  # Module.to converts parameters in place: `tied` is still ours
-            tie_across_stages(tied, mesh)
-        del blocks
-        self.stage_module = stage
-        self.moes = [m for m in stage.modules() if isinstance(m, MoE)]
-        scaler = (
-            DynamicLossScaler(initial_scale=cfg.loss_scale, device=device)
-            if cfg.precision == "fp16"
-            else None
-        )
-        decay = [p for p in stage.parameters() if p.dim() >= 2]
-        no_decay = [p for p in stage.parameters() if p.dim() < 2]
-        groups = [
-            {"params": decay, "weight_decay": cfg.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        groups = [g for g in groups if g["params"]]
-        no_sync = None
-        if cfg.zero == 0:
-            model = DistributedDataParallel(stage, mesh=mesh, reduce_dtype=torch.float32)
-            opt = MixedPrecisionOptimizer(
-                FusedAdamW(groups, lr=cfg.lr),
-                scaler=scaler,
-                max_grad_norm=cfg.max_grad_norm,
-                mesh=mesh,
-            )
-            no_sync = model.no_sync
-        elif cfg.zero in (1, 2):
-            model = stage
-            opt = ZeroOptimizer(
-                FusedAdamW(groups, lr=cfg.lr), stage=cfg.zero, mesh=mesh, scaler=scaler,
-                max_grad_norm=cfg.max_grad_norm,
-            )  # fmt: skip
-            no_sync = opt.no_sync
-        else:
-            model = opt = Zero3(
-                stage, lambda gs: FusedAdamW(gs, lr=cfg.lr), mesh=mesh, param_groups=groups,
-                wrap=block_types, scaler=scaler, max_grad_norm=cfg.max_grad_norm,
-            )  # fmt: skip
-        self.model, self.opt, self.scaler = model, opt, scaler
+        self.parts = parts = build(cfg, mesh, device)
+        self.stage_module, self.start, self.hf = parts.module, parts.start, parts.hf
+        self.model_cfg, self.model, self.opt = parts.model_cfg, parts.model, parts.opt
+        self.scaler, self.moes = parts.scaler, parts.moes
         sched = (GPipe if cfg.schedule == "gpipe" else OneFOneB)(cfg.microbatches)
         self.engine = PipelineEngine(
-            model,
-            mesh,
-            sched,
-            loss_fn=lambda logits, y: lm_loss(
-                logits.flatten(0, -2).float(), y, self.model_cfg, mesh
-            ),
-            recompute=cfg.recompute,
-            no_sync=no_sync,
-            scale_loss=opt.scale_loss,
-        )  # fmt: skip  (DDP / ZeRO sum the tied embedding's gradients themselves)
+            parts.model, mesh, sched, loss_fn=parts.loss_fn, recompute=cfg.recompute,
+            no_sync=parts.no_sync, scale_loss=parts.opt.scale_loss,
+        )  # fmt: skip
         self.tokens = tokens if tokens is not None else load_data(cfg, check=False)
         self.step_count = 0
 
     @property
-    def param_groups(self):
-        opt = self.opt
-        return opt.optimizer.param_groups if hasattr(opt, "optimizer") else opt.param_groups
+    def param_groups(self) -> list[dict]:
+        return self.parts.param_groups
 
     def named_parameters(self) -> dict[str, torch.nn.Parameter]:
         """This rank's parameters under the single-process model's names (Hugging Face's with
         --hf-config)."""
-        from fastpar.checkpoint import stage_param_names
+        return self.parts.named_parameters()
 
-        if self.hf is not None:
-            return self.hf.names(self.stage_module)
-        return stage_param_names(self.stage_module, self.start)
+    def _batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This data-parallel replica's rows of the global batch of ``step``, on the device
+        (from pinned memory without waiting, on a GPU)."""
+        cfg, mesh = self.cfg, self.mesh
+        x, y = batch_of(cfg, self.tokens, step, self.hf)
+        per = cfg.batch_size // mesh.dp_size
+        rows = slice(mesh.dp_rank * per, (mesh.dp_rank + 1) * per)
+        x, y = x[rows], y[rows]
+        if self.device.type == "cuda":
+            return (
+                x.pin_memory().to(self.device, non_blocking=True),
+                y.pin_memory().to(self.device, non_blocking=True),
+            )
+        return x, y
 
     def step(self) -> dict:
+        """One training step; no host sync: the record's ``loss`` (this rank's, None off the
+        last pipeline stage; not yet averaged over data parallelism), ``grad_norm`` and
+        ``skipped`` are 0-dim device tensors, turned into numbers on the steps that read them
+        (``fastpar.train.metrics.resolve``). ``seconds``: the host's time in the step."""
         cfg, mesh = self.cfg, self.mesh
         lr = lr_at(cfg, self.step_count)
         for g in self.param_groups:
             g["lr"] = lr
-        scale = self.scaler.scale if self.scaler is not None else 1.0
-        for m in self.moes:  # aux losses enter backward like the main loss of a micro-batch
-            m.aux_loss_scale = scale / cfg.microbatches
-        x, y = batch_of(cfg, self.tokens, self.step_count, self.hf)
-        per = cfg.batch_size // mesh.dp_size
-        rows = slice(mesh.dp_rank * per, (mesh.dp_rank + 1) * per)
-        x, y = x[rows].to(self.device), y[rows].to(self.device)
+        self.parts.update_aux_scale()
+        x, y = self._batch(self.step_count)
         t0 = time.perf_counter()
         loss = self.engine.train_step(
-            x if mesh.is_first_stage else None, y if mesh.is_last_stage else None
+            x if mesh.is_first_stage else None,
+            y if mesh.is_last_stage else None,
+            broadcast_loss=False,
         )
         with nvtx("optimizer step"):
             skipped, norm = self.opt.step()
         self.opt.zero_grad()
-        loss = loss.detach().float().clone()
-        dist.all_reduce(loss, group=mesh.dp_group)
         self.step_count += 1
         return {
-            "step": self.step_count, "loss": float(loss) / mesh.dp_size, "lr": lr,
-            "grad_norm": float(norm), "skipped": bool(skipped), "seconds": time.perf_counter() - t0,
+            "step": self.step_count, "lr": lr, "seconds": time.perf_counter() - t0,
+            "loss": None if loss is None else loss.detach().float(), "grad_norm": norm,
+            "skipped": skipped,
         }  # fmt: skip

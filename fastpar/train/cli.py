@@ -10,7 +10,7 @@ import sys
 from dataclasses import asdict
 
 from fastpar.checkpoint import CheckpointError
-from fastpar.testing import RankError
+from fastpar.launch import RankError
 from fastpar.train.batches import load_data
 from fastpar.train.checks import check_devices, check_world_size, torchrun_world_size
 from fastpar.train.config import build_parser, config_from

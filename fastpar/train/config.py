@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from fastpar.data import (
     BIN_DTYPES,
@@ -35,8 +35,16 @@ def _seconds(raw: str) -> float:
         return float("nan")  # refused by TrainConfig.check, which names the variable
 
 
-#: every collective fails after this long instead of hanging (a dead or stuck peer)
-COLLECTIVE_TIMEOUT_S = _seconds(os.environ.get(TIMEOUT_ENV, "300"))
+#: every collective fails after this long instead of hanging (a dead or stuck peer), unless
+#: FASTPAR_COLLECTIVE_TIMEOUT or --collective-timeout says otherwise
+COLLECTIVE_TIMEOUT_S = 300.0
+
+
+def default_collective_timeout() -> float:
+    """--collective-timeout's default: FASTPAR_COLLECTIVE_TIMEOUT seconds, read when a
+    TrainConfig (or the parser) is made, not at import; else ``COLLECTIVE_TIMEOUT_S``."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    return COLLECTIVE_TIMEOUT_S if raw is None else _seconds(raw)
 
 
 @dataclass
@@ -93,7 +101,7 @@ class TrainConfig:
     resume: bool = False
     allow_fresh: bool = False
     allow_other_run: bool = False
-    collective_timeout: float = COLLECTIVE_TIMEOUT_S
+    collective_timeout: float = field(default_factory=default_collective_timeout)
     max_skipped_steps: int = 20
     debug_checks: bool = False
     profile: str | None = None
@@ -288,7 +296,7 @@ _HELP = {
     "checkpoint (default: an error)",
     "allow_other_run": "write into a --checkpoint-dir that holds another run's checkpoints",
     "collective_timeout": "seconds any collective of any process group may wait before the "
-    "job fails (a stuck or dead rank)",
+    f"job fails (a stuck or dead rank; default {TIMEOUT_ENV}, else {COLLECTIVE_TIMEOUT_S:g})",
     "max_skipped_steps": "end the run after this many consecutive steps skipped for inf/NaN "
     "gradients (the fp16 loss scaler's, or a non-finite gradient norm)",
     "debug_checks": "cross-rank input checks that cost a collective per call (shapes into TP "

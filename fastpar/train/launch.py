@@ -1,4 +1,5 @@
-"""``launch``: run a config on this machine: under torchrun on its ranks, else on ranks started here."""
+"""``launch``: run a config on this machine: under torchrun on its ranks, else on ranks started
+here by the rank launcher (``fastpar.launch.run_ranks``, the one the CLIs and tests use)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import os
 import torch
 import torch.distributed as dist
 
+from fastpar.launch import RankError, run_ranks
+from fastpar.mesh import init
 from fastpar.train.batches import load_data
+from fastpar.train.checks import check_world_size
 from fastpar.train.config import TrainConfig
 from fastpar.train.loop import run
 from fastpar.train.peers import end_stopped_siblings
@@ -34,9 +38,6 @@ def launch(cfg: TrainConfig, timeout: float = 24 * 3600.0, tokens=None) -> list[
     if tokens is None:
         tokens = load_data(cfg)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        from fastpar.mesh import init
-        from fastpar.train.checks import check_world_size
-
         check_world_size(cfg, int(os.environ["WORLD_SIZE"]))  # one line; the hint fits --ep
         init(cfg.tp, cfg.pp, cfg.ep, timeout=cfg.collective_timeout)
         try:
@@ -44,8 +45,6 @@ def launch(cfg: TrainConfig, timeout: float = 24 * 3600.0, tokens=None) -> list[
         except RuntimeError:  # a failed collective: a stopped sibling would hold torchrun 30 s
             end_stopped_siblings()
             raise
-    from fastpar.testing import RankError, run_ranks
-
     if torch.cuda.is_available():
         if torch.cuda.device_count() < cfg.world_size:
             raise ValueError(

@@ -1,12 +1,21 @@
 """``run``: train on this rank: steps, progress lines, metrics, profiling, checkpoints, and
-stopping alike on every rank (preemption, divergence: ``fastpar.train.stop``)."""
+stopping alike on every rank (preemption, divergence: ``fastpar.train.stop``).
+
+Host syncs only at sync points: logged steps (every ``--log-every``, and the last) and save
+steps. A step in between reads nothing on the host and makes no collective of its own: its
+loss, gradient norm and skipped flag stay on the device until the next sync point, which reads
+them all at once (``fastpar.train.metrics.resolve``), agrees over every rank on a stop (a
+signal received, a divergence in any step since the last sync point) and on the peak memory
+(one all-reduce), prints, saves, and stops. A SIGTERM / SIGINT is acted on at the next sync
+point; a divergence found there stops the run before anything is saved.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import math
 import os
-import resource
+import time
 
 import torch
 import torch.distributed as dist
@@ -16,44 +25,8 @@ from fastpar.mesh import ParallelMesh
 from fastpar.train.build import Trainer
 from fastpar.train.checkpointing import _save, close_checkpoints, open_checkpoints
 from fastpar.train.config import TrainConfig
+from fastpar.train.metrics import global_param_count, memory_mib, mfu, progress_line, resolve
 from fastpar.train.stop import RunStopped, StopSignals, agree, signal_name, weights_fit
-
-#: dense bf16 tensor-core peak FLOP/s by device name (for MFU)
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
-
-
-def _global_param_count(trainer: Trainer) -> int:
-    """Parameters of the whole model, each counted once across the layout (one all-reduce)."""
-    from fastpar.amp.norm import counts_on_this_rank
-
-    mesh = trainer.mesh
-    n = sum(
-        p.numel() for p in trainer.stage_module.parameters() if counts_on_this_rank(p, mesh=mesh)
-    )
-    t = torch.tensor(float(n), device=trainer.device)
-    dist.all_reduce(t)
-    return int(t.item())
-
-
-def _mfu(tokens_per_s: float, params: int, device: torch.device, world: int) -> float | None:
-    """Model FLOPs utilisation: 6 FLOPs per parameter per token (forward + backward) against the
-    GPUs' peak; None off CUDA or on a device not in PEAK_FLOPS."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-    return None if peak is None else 6 * params * tokens_per_s / (peak * world)
-
-
-def _memory_mib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-def _bar(done: int, total: int, width: int = 24) -> str:
-    filled = int(width * done / max(1, total))
-    return "[" + "#" * filled + "." * (width - filled) + "]"
 
 
 def run(cfg: TrainConfig, tokens=None) -> list[dict]:
@@ -82,7 +55,7 @@ def run(cfg: TrainConfig, tokens=None) -> list[dict]:
 def _train(cfg: TrainConfig, trainer: Trainer, signals: StopSignals) -> list[dict]:
     talk = dist.get_rank() == 0 and not cfg.quiet
     start = open_checkpoints(trainer, talk)  # lock, run id, resume; 0 without --checkpoint-dir
-    total_params = _global_param_count(trainer)
+    total_params = global_param_count(trainer.stage_module, trainer.mesh, trainer.device)
     if talk:
         n = sum(p.numel() for p in trainer.stage_module.parameters())
         print(
@@ -97,51 +70,21 @@ def _train(cfg: TrainConfig, trainer: Trainer, signals: StopSignals) -> list[dic
 def _steps(
     cfg: TrainConfig, trainer: Trainer, start: int, total_params: int, talk: bool, signals
 ) -> list[dict]:
-    device = trainer.device
-    tokens_per_step = cfg.batch_size * cfg.seq_len
-    prof = _profiler(cfg, device) if cfg.profile else contextlib.nullcontext()
-    records, streak = [], 0
+    prof = _profiler(cfg, trainer.device) if cfg.profile else contextlib.nullcontext()
+    sync = SyncPoint(cfg, trainer, signals, talk, total_params)
+    records: list[dict] = []
+    pending: list[dict] = []  # the steps since the last sync point, their numbers on the device
     with prof as p:
         for _ in range(start, cfg.steps):
             rec = trainer.step()
             records.append(rec)
+            pending.append(rec)
             if p is not None:
                 p.step()
-            step = rec["step"]
-            signum, bad_loss, skipped = agree(
-                signals.received, not math.isfinite(rec["loss"]), rec["skipped"], device
-            )
-            streak = streak + 1 if skipped else 0
-            diverged = _divergence(cfg, trainer, step, rec, bad_loss, streak)
-            log_step = step % cfg.log_every == 0 or step == cfg.steps or diverged is not None
-            if log_step:  # the same on every rank: one small MAX all-reduce per logged step
-                mem = torch.tensor(_memory_mib(device), device=device)  # NCCL needs it on the GPU
-                dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-                rec["max_mem_mib"] = float(mem)
-            if talk and log_step:
-                tps = tokens_per_step / rec["seconds"]
-                mfu = _mfu(tps, total_params, device, cfg.world_size)
-                line = (
-                    f"{_bar(step, cfg.steps)} step {step:>4}/{cfg.steps} | loss {rec['loss']:.4f} "
-                    f"| lr {rec['lr']:.2e} | grad-norm {rec['grad_norm']:.3f} | {tps:,.0f} tok/s "
-                    f"| mem {rec['max_mem_mib']:.0f} MiB/rank"
-                    + (f" | MFU {mfu:.1%}" if mfu is not None else "")
-                    + (" | skipped" if rec["skipped"] else "")
-                )
-                print(line, flush=True)
-            if diverged is not None:
-                raise diverged
-            preempted = bool(signum) and step < cfg.steps
-            every = cfg.save_every and step % cfg.save_every == 0
-            saved = None
-            if cfg.checkpoint_dir and (every or step == cfg.steps or preempted):
-                _check_weights(cfg, trainer, step)
-                _save(trainer, cfg.checkpoint_dir, step, talk)  # the last step always
-                saved = step_dir(cfg.checkpoint_dir, step)
-            if preempted:
-                name = signal_name(signum)
-                where = f"checkpoint {saved}" if saved else "no checkpoint (no --checkpoint-dir)"
-                raise RunStopped(f"stopped by {name} after step {step}; {where}", step, name, saved)
+            logged = rec["step"] % cfg.log_every == 0 or rec["step"] == cfg.steps
+            if logged or _saves(cfg, rec["step"]):
+                sync(pending, logged)
+                pending = []
     if cfg.profile:
         os.makedirs(cfg.profile, exist_ok=True)
         path = os.path.join(cfg.profile, f"trace_rank{dist.get_rank()}.json")
@@ -151,28 +94,88 @@ def _steps(
     return records
 
 
-def _divergence(cfg, trainer: Trainer, step: int, rec: dict, bad_loss: bool, streak: int):
-    """The ``RunStopped`` to raise (alike on every rank: the flags are agreed), or None: for a
-    non-finite loss (fp32 / bf16; fp16's scaler skips such steps and backs off), or for
-    ``max_skipped_steps`` skipped steps in a row."""
-    unsaved = f"step {step} not saved; lower --lr or resume from an earlier checkpoint"
-    if bad_loss and cfg.precision != "fp16":
-        return RunStopped(
-            f"diverged at step {step}: the loss is {rec['loss']} ({cfg.precision}, --lr "
-            f"{cfg.lr:g}); {unsaved}",
-            step,
-            "non-finite loss",
+class SyncPoint:
+    """A logged or save step: the numbers of the steps since the last one, the agreement (stop
+    signal, divergence, memory), the progress line, the checkpoint; raises ``RunStopped``."""
+
+    def __init__(self, cfg, trainer: Trainer, signals, talk: bool, total_params: int) -> None:
+        self.cfg, self.trainer, self.signals, self.talk = cfg, trainer, signals, talk
+        self.total_params, self.watch = total_params, Divergence(cfg, trainer)
+        self.since = time.perf_counter()
+
+    def __call__(self, pending: list[dict], logged: bool) -> None:
+        cfg, trainer, device = self.cfg, self.trainer, self.trainer.device
+        rec, step = pending[-1], pending[-1]["step"]
+        resolve(pending, trainer.mesh, device)
+        seconds = time.perf_counter() - self.since
+        diverged = self.watch.scan(pending)
+        signum, any_diverged, mem = agree(
+            self.signals.received, diverged is not None, memory_mib(device), device
         )
-    if cfg.max_skipped_steps > 0 and streak >= cfg.max_skipped_steps:
-        scale = f", loss scale now {float(trainer.scaler.scale):g}" if trainer.scaler else ""
-        return RunStopped(
-            f"diverged at step {step}: {streak} steps in a row (steps {step - streak + 1}-{step}) "
-            f"skipped for inf/NaN gradients{scale} (--max-skipped-steps {cfg.max_skipped_steps}); "
-            f"{unsaved}",
-            step,
-            "skipped steps",
-        )
-    return None
+        if any_diverged and diverged is None:  # (the numbers are alike on every rank)
+            diverged = RunStopped(f"diverged by step {step} on another rank", step, "divergence")
+        if logged or diverged is not None:
+            rec["max_mem_mib"] = mem
+            if self.talk:
+                tps = cfg.batch_size * cfg.seq_len * len(pending) / max(seconds, 1e-9)
+                mfu_value = mfu(tps, self.total_params, device, cfg.world_size)
+                print(progress_line(cfg, rec, tps, mfu_value), flush=True)
+        if diverged is not None:
+            raise diverged
+        preempted = bool(signum) and step < cfg.steps
+        saved = None
+        if _saves(cfg, step) or (cfg.checkpoint_dir and preempted):
+            _check_weights(cfg, trainer, step)
+            _save(trainer, cfg.checkpoint_dir, step, self.talk)  # the last step always
+            saved = step_dir(cfg.checkpoint_dir, step)
+        if preempted:
+            name = signal_name(signum)
+            where = f"checkpoint {saved}" if saved else "no checkpoint (no --checkpoint-dir)"
+            raise RunStopped(f"stopped by {name} after step {step}; {where}", step, name, saved)
+        self.since = time.perf_counter()
+
+
+def _saves(cfg, step: int) -> bool:
+    """Whether ``step`` is saved (with --checkpoint-dir): every --save-every, and the last."""
+    every = bool(cfg.save_every) and step % cfg.save_every == 0
+    return bool(cfg.checkpoint_dir) and (every or step == cfg.steps)
+
+
+class Divergence:
+    """Watches the resolved steps for divergence: a non-finite loss (fp32 / bf16; fp16's scaler
+    skips such steps and backs off), or ``max_skipped_steps`` skipped steps in a row (counted
+    across sync points)."""
+
+    def __init__(self, cfg, trainer: Trainer) -> None:
+        self.cfg, self.trainer, self.streak = cfg, trainer, 0
+
+    def scan(self, records: list[dict]) -> RunStopped | None:
+        """The ``RunStopped`` of the first diverged step of ``records`` (its numbers resolved),
+        or None."""
+        cfg, last = self.cfg, records[-1]["step"]
+        for rec in records:
+            step = rec["step"]
+            self.streak = self.streak + 1 if rec["skipped"] else 0
+            unsaved = f"step {step} not saved" if step == last else f"steps {step}-{last} not saved"
+            unsaved += "; lower --lr or resume from an earlier checkpoint"
+            if not math.isfinite(rec["loss"]) and cfg.precision != "fp16":
+                return RunStopped(
+                    f"diverged at step {step}: the loss is {rec['loss']} ({cfg.precision}, --lr "
+                    f"{cfg.lr:g}); {unsaved}",
+                    last,
+                    "non-finite loss",
+                )
+            if cfg.max_skipped_steps > 0 and self.streak >= cfg.max_skipped_steps:
+                scaler = self.trainer.scaler
+                scale = f", loss scale now {float(scaler.scale):g}" if scaler else ""
+                return RunStopped(
+                    f"diverged at step {step}: {self.streak} steps in a row (steps "
+                    f"{step - self.streak + 1}-{step}) skipped for inf/NaN gradients{scale} "
+                    f"(--max-skipped-steps {cfg.max_skipped_steps}); {unsaved}",
+                    last,
+                    "skipped steps",
+                )
+        return None
 
 
 def _check_weights(cfg, trainer: Trainer, step: int) -> None:

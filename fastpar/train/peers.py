@@ -16,7 +16,7 @@ import os
 import signal
 import sys
 
-from fastpar.testing import process_status
+from fastpar.launch import process_status
 
 
 def _environ(pid: int) -> dict[str, str]:

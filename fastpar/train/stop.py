@@ -1,8 +1,11 @@
 """Ending a run early, alike on every rank: preemption (SIGTERM / SIGINT) and divergence.
 
-A signal only raises a flag: the rank finishes its step, then one small all-reduce per step
-(``agree``) tells every rank whether any rank was signalled, whether the loss is finite and
-whether the step was skipped, so that all ranks stop after the same step for the same cause.
+A signal only raises a flag: the rank goes on to the next sync point of ``fastpar.train.loop``
+(a logged step, every ``--log-every``, or a save step), where one small all-reduce (``agree``)
+tells every rank whether any rank was signalled or found a divergence in the steps since the
+last sync point (their losses and skipped flags, read there), so that all ranks stop after the
+same step for the same cause. With ``--log-every 1`` (the default) that is the step the signal
+came in; with ``--log-every N`` it can be up to N - 1 steps later.
 """
 
 from __future__ import annotations
@@ -63,14 +66,14 @@ class StopSignals:
 
 
 def agree(
-    signum: int, loss_bad: bool, skipped: bool, device: torch.device
-) -> tuple[int, bool, bool]:
+    signum: int, diverged: bool, mem_mib: float, device: torch.device
+) -> tuple[int, bool, float]:
     """One MAX all-reduce over the default group: (the largest signal number any rank received,
-    0 for none; whether any rank's loss is non-finite; whether any rank skipped the step)."""
-    flags = torch.tensor([float(signum), float(loss_bad), float(skipped)], device=device)
+    0 for none; whether any rank found a divergence; the largest peak memory in MiB)."""
+    flags = torch.tensor([float(signum), float(diverged), float(mem_mib)], device=device)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    sig, bad, skip = flags.tolist()
-    return int(sig), bad > 0, skip > 0
+    sig, bad, mem = flags.tolist()
+    return int(sig), bad > 0, mem
 
 
 def weights_fit(tensors, dtype: torch.dtype, device: torch.device) -> bool:

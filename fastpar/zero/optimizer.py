@@ -38,14 +38,10 @@ import torch.distributed as dist
 from fastpar.amp.norm import counts_on_this_rank
 from fastpar.amp.scaler import ConstantLossScaler, DynamicLossScaler
 from fastpar.amp.step import OptimizerFront, guarded_step, unscale_and_agree
-from fastpar.nn.marks import duplicated_over, is_expert
-from fastpar.parallel.buckets import (
-    Bucket,
-    BucketReducer,
-    build_buckets,
-    global_rank_of,
-    payload_bytes,
-)
+from fastpar.mesh.placement import data_parallel_groups, duplicated_over, is_expert
+from fastpar.mesh.ranks import global_rank, group_rank, group_size
+from fastpar.optim.pieces import keys_for, state_pieces
+from fastpar.parallel.buckets import Bucket, BucketReducer, build_buckets, payload_bytes
 
 
 class ZeroOptimizer(OptimizerFront):
@@ -87,25 +83,14 @@ class ZeroOptimizer(OptimizerFront):
         if not check_gradients and (scaler is not None or max_grad_norm is not None):
             raise ValueError("check_gradients=False needs scaler=None and max_grad_norm=None")
         self.check_gradients = check_gradients
-        self.group = mesh.dp_group if mesh is not None else group
-        init = dist.is_initialized()
-        self.dp_size = dist.get_world_size(self.group) if init else 1
-        self.dp_rank = dist.get_rank(self.group) if init else 0
-        self.comm_bytes = 0.0
         # expert parameters (fastpar.nn.MoE) are sharded over the expert-data-parallel group,
         # everything else over the DP group: one bucket list per (param group, kind)
-        expert_group = mesh.expert_dp_group if mesh is not None else self.group
+        dense_group, expert_group = data_parallel_groups(mesh, group)
+        self.group = dense_group
+        self.dp_size, self.dp_rank = group_size(self.group), group_rank(self.group)
+        self.comm_bytes = 0.0
         kinds = [(self.group, self.dp_size, self.dp_rank)]
-        kinds.append(
-            (
-                expert_group,
-                *(
-                    (dist.get_world_size(expert_group), dist.get_rank(expert_group))
-                    if init
-                    else (1, 0)
-                ),
-            )
-        )
+        kinds.append((expert_group, group_size(expert_group), group_rank(expert_group)))
         groups, self._meta, self._dup_groups = [], [], {}
         for gi, g in enumerate(optimizer.param_groups):
             for kind, (comm_group, size, rank) in enumerate(kinds):
@@ -124,7 +109,7 @@ class ZeroOptimizer(OptimizerFront):
             for g, (_, comm_group, size, _) in zip(groups, self._meta, strict=True):
                 if size > 1:
                     for p in g:
-                        dist.broadcast(p.data, src=global_rank_of(comm_group, 0), group=comm_group)
+                        dist.broadcast(p.data, src=global_rank(comm_group, 0), group=comm_group)
         self.buckets = build_buckets(groups, bucket_size_mb, pad_to=[m[2] for m in self._meta])
         self.shard_size: dict[int, int] = {}
         self.param_buf: dict[int, torch.Tensor] = {}
@@ -372,13 +357,11 @@ class ZeroOptimizer(OptimizerFront):
         self._skipped.copy_(state["skipped_steps"])
         self._all_gather_params()
 
-    # -- checkpoint protocol (fastpar.checkpoint) -------------------------------------------
+    # -- checkpoint protocol (fastpar.optim.pieces) -----------------------------------------
     def checkpoint_pieces(self) -> list:
         """(model param, key, values, start, stop): for each parameter with elements in this
         rank's shards, its slice [start, stop) of the fp32 master ("param"), of each
         per-element state of the wrapped optimizer, and "step" ([0, 1))."""
-        from fastpar.checkpoint.pieces import state_pieces
-
         out = []
         for b in self.buckets:
             s = self.shard_size[b.index]
@@ -398,8 +381,6 @@ class ZeroOptimizer(OptimizerFront):
         """Rebuild every parameter buffer, the fp32 master shards and the wrapped optimizer's
         state from ``lookup(param, key)`` (whole local tensors, so each rank fills its full
         parameter buffers itself: no collective). A shard's "step" is its first parameter's."""
-        from fastpar.checkpoint.pieces import keys_for
-
         order = [q for g in self.optimizer.param_groups for q in g["params"]]
         index = {id(q): i for i, q in enumerate(order)}
         param_groups = self.optimizer.state_dict()["param_groups"]

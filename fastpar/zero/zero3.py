@@ -16,7 +16,7 @@ unit, the wrapper itself. A parameter belongs to the innermost unit containing i
 Layout: each unit's trainable parameters are packed (registration order) into flat buffers, one
 per (param group, dense/expert, dtype, persistent), padded to a multiple of the size N of the
 group that shards them: ``mesh.dp_group`` (or ``group``) for dense parameters, the
-expert-data-parallel group for parameters marked ``fastpar.nn.marks.mark_expert`` (their
+expert-data-parallel group for parameters marked ``fastpar.mesh.placement.mark_expert`` (their
 gradients are still divided by the dense DP size, as in ``ZeroOptimizer``). DP rank r holds
 elements [r·S, (r+1)·S), S = padded / N, of every flat buffer: the low-precision parameter
 shard, the fp32 master shard (for fp32 parameters they are one tensor), the optimizer state and
@@ -86,8 +86,10 @@ from torch.utils._pytree import tree_flatten
 from fastpar.amp.norm import counts_on_this_rank
 from fastpar.amp.scaler import ConstantLossScaler, DynamicLossScaler
 from fastpar.amp.step import OptimizerFront, guarded_step, unscale_and_agree
-from fastpar.nn.marks import is_expert
-from fastpar.parallel.buckets import Bucket, BucketReducer, global_rank_of, payload_bytes
+from fastpar.mesh.placement import data_parallel_groups, is_expert
+from fastpar.mesh.ranks import global_rank, group_rank, group_size
+from fastpar.optim.pieces import KeyedLookup
+from fastpar.parallel.buckets import Bucket, BucketReducer, payload_bytes
 
 # states of a flat buffer's full parameters
 _FREE = "free"  # params point at an empty tensor, full storage has 0 bytes
@@ -214,15 +216,9 @@ class Zero3(OptimizerFront, nn.Module):
             raise ValueError(f"persist_below must be >= 0, got {persist_below}")
         self.module, self.mesh, self.scaler = module, mesh, scaler
         self.max_grad_norm, self.reduce_dtype, self.prefetch = max_grad_norm, reduce_dtype, prefetch
-        self.group = mesh.dp_group if mesh is not None else group
-        init = dist.is_initialized()
-        self.dp_size = dist.get_world_size(self.group) if init else 1
-        self.dp_rank = dist.get_rank(self.group) if init else 0
-        expert_group = mesh.expert_dp_group if mesh is not None else self.group
-        self._kinds = [
-            (g, dist.get_world_size(g) if init else 1, dist.get_rank(g) if init else 0)
-            for g in (self.group, expert_group)
-        ]
+        self.group, expert_group = data_parallel_groups(mesh, group)
+        self.dp_size, self.dp_rank = group_size(self.group), group_rank(self.group)
+        self._kinds = [(g, group_size(g), group_rank(g)) for g in (self.group, expert_group)]
         self.comm_bytes_by = dict.fromkeys(
             ("all_gather_forward", "all_gather_backward", "reduce_scatter", "all_reduce", "summon"),
             0.0,
@@ -252,7 +248,7 @@ class Zero3(OptimizerFront, nn.Module):
             for tensors, (g, size, _) in ((dense, self._kinds[0]), (experts, self._kinds[1])):
                 if size > 1:
                     for t in tensors:
-                        dist.broadcast(t.data, src=global_rank_of(g, 0), group=g)
+                        dist.broadcast(t.data, src=global_rank(g, 0), group=g)
 
         # -- units and flat buffers --------------------------------------------------------
         subunits = _select_units(module, wrap, min_params)
@@ -709,13 +705,13 @@ class Zero3(OptimizerFront, nn.Module):
         for f in self._flats:
             b, lo, s = f.bucket, f.lo, f.shard_len
             state = self.optimizer.state[f.master]
-            saved_keys = getattr(lookup, "keys", None)  # protocol extension: the keys saved
+            keyed = isinstance(lookup, KeyedLookup)  # it lists the keys saved
             for i, p in enumerate(b.params):
                 off, numel = b.offsets[i], f.shapes[i].numel()
                 a, z = max(off, lo), min(off + numel, lo + s)
                 keys = ["param", *state.keys(), *_STATE_KEYS]
-                if saved_keys is not None:
-                    keys = ["param", *saved_keys(p)]
+                if keyed:
+                    keys = ["param", *lookup.keys(p)]
                 for key in dict.fromkeys(keys):
                     t = lookup(p, key)
                     if t is None:

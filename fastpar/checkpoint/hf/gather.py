@@ -14,11 +14,11 @@ from fastpar.checkpoint.hf._common import DEFAULT_SHARD_SIZE, Rename, _targets
 from fastpar.checkpoint.hf.export import export_hf
 from fastpar.checkpoint.state import (
     PieceMapper,
-    _coords,
     decode_runs,
     global_shape,
     writes_on_this_rank,
 )
+from fastpar.mesh.ranks import group_rank, group_size
 
 
 # -- gathering a sharded model ----------------------------------------------------------
@@ -35,7 +35,7 @@ def gather_state(model_or_named_params, *, mesh=None, dst: int = 0) -> dict | No
     first holder of duplicated data sends it. Without a process group: the model's own
     tensors (sharded ones still reassembled from their marks)."""
     named = _named_tensors(model_or_named_params)
-    rank, world = _coords(None)
+    rank, world = group_rank(None), group_size(None)
     if world > 1:
         everyone: list = [None] * world
         dist.all_gather_object(everyone, list(named))

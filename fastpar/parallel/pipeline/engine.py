@@ -36,21 +36,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastpar.nn.marks import mark_duplicated
+from fastpar.mesh.placement import mark_duplicated
+from fastpar.mesh.ranks import global_rank
 from fastpar.parallel.pipeline.p2p import P2P, tuple_message
 from fastpar.parallel.pipeline.schedules import Schedule
+from fastpar.parallel.protocols import GradSync
 from fastpar.profiling import nvtx
 
 
 def tie_across_stages(param: torch.Tensor, mesh) -> None:
-    """Declare ``param`` shared by the first and last stage (held on both): copy the first
-    stage's value to the last, and mark it duplicated over the embedding group so the global
-    grad norm counts it once. Call on both stages, in the same order."""
-    if mesh.pp_size == 1 or mesh.embedding_group is None:
+    """Declare ``param`` shared by the first and last stage (held on both): mark it duplicated
+    over the embedding group (``fastpar.mesh.placement``: the grad norm counts it once, on the
+    group's first rank) and copy that first rank's value — the first stage's — to the last.
+    Call on both stages, in the same order."""
+    group = mesh.embedding_group
+    if mesh.pp_size == 1 or group is None:
         return
-    mark_duplicated(param, mesh.embedding_group)
+    mark_duplicated(param, group)
     with torch.no_grad():
-        dist.broadcast(param.data, src=mesh.ranks("embedding")[0], group=mesh.embedding_group)
+        dist.broadcast(param.data, src=global_rank(group, 0), group=group)
 
 
 class PipelineEngine:
@@ -184,9 +188,8 @@ class PipelineEngine:
                 if not first:
                     self._send_input_grad(entry["x"])
         self.p2p.wait_sends()
-        finish = getattr(self.stage, "finish_grad_sync", None)
-        if finish is not None:  # e.g. DDP's tied-embedding reduction, once every stage is done
-            finish()
+        if isinstance(self.stage, GradSync):  # e.g. DDP's tied-embedding sum, every stage done
+            self.stage.finish_grad_sync()
         self._sync_tied()
         self.stats = {
             "busy_s": busy,

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastpar.nn.marks import mark_replicated, mark_sharded, mark_tied_copy, param_layout
+from fastpar.mesh.placement import mark_replicated, mark_sharded, mark_tied_copy, param_layout
 from fastpar.parallel.pipeline.engine import tie_across_stages
 
 # model_type -> which masks its model forward builds: "causal" (one causal mask for every layer),
@@ -291,7 +291,7 @@ def hf_tie_across_stages(blocks: list[nn.Module], mesh) -> nn.Parameter | None:
     from the first stage). Returns the tied parameter this rank holds — pass it as
     ``PipelineEngine(..., tied=[p])`` for a plain optimizer — or None (untied, pp = 1, or a
     middle stage). Call on every rank, once, after ``build_stage``. The copy is marked as the
-    embedding's (``fastpar.nn.marks.mark_tied_copy``): a checkpoint holds one
+    embedding's (``fastpar.mesh.placement.mark_tied_copy``): a checkpoint holds one
     ``model.embed_tokens.weight`` whatever the pipeline layout."""
 
     embed, head = blocks[0], blocks[-1]

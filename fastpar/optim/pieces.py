@@ -1,6 +1,6 @@
 """The checkpoint-pieces protocol, and its implementation for a plain torch optimizer.
 
-An optimizer takes part in ``fastpar.checkpoint`` through two methods:
+An optimizer takes part in ``fastpar.checkpoint`` through two methods (``CheckpointPieces``):
 
 * ``checkpoint_pieces() -> list[(param, key, values, start, stop)]``: for each model parameter
   ``param`` (the ``nn.Parameter`` registered in the model) and state ``key`` — ``"param"`` (the
@@ -9,24 +9,57 @@ An optimizer takes part in ``fastpar.checkpoint`` through two methods:
   flattened row-major.
 * ``load_checkpoint_pieces(lookup)``: ``lookup(param, key)`` returns the whole LOCAL tensor
   (shape of ``param``; [1] for "step") in the new layout, or None; the optimizer copies what it
-  owns and refreshes the model's parameters. ``lookup.keys(param)`` (an extension of the
-  protocol) lists the keys saved for ``param``, so an optimizer with no state yet knows what to
-  create.
+  owns and refreshes the model's parameters. A ``KeyedLookup`` also lists the keys saved for
+  ``param`` (``lookup.keys(param)``), so an optimizer with no state yet knows what to create.
 
-``MixedPrecisionOptimizer`` and ``ZeroOptimizer`` implement the methods; for a torch optimizer
-the free functions below do the same over ``optimizer.state``.
+Whether a checkpoint writes an optimizer's pieces from every DP rank or from DP rank 0 only:
+pieces differ across DP ranks (ZeRO) unless the optimizer says otherwise (``ReplicatedPieces``:
+``dp_replicated``, as ``MixedPrecisionOptimizer`` does).
+
+``MixedPrecisionOptimizer``, ``ZeroOptimizer`` and ``Zero3`` implement the methods; for a torch
+optimizer the free functions below do the same over ``optimizer.state``. The protocol lives
+here, below ``fastpar.zero`` and ``fastpar.checkpoint``, which both use it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Protocol, runtime_checkable
 
 import torch
 
-from fastpar.checkpoint.state import SCALAR_KEYS
+SCALAR_KEYS = frozenset({"step"})
+"""State keys that are one value per parameter (global shape [1]), not one per element."""
 
 Piece = tuple[torch.nn.Parameter, str, torch.Tensor, int, int]
 DEFAULT_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+
+
+@runtime_checkable
+class KeyedLookup(Protocol):
+    """``lookup(param, key)`` -> the whole LOCAL tensor of ``key`` for ``param``, or None; and
+    ``lookup.keys(param)``: the keys saved for ``param``."""
+
+    def __call__(self, param: torch.Tensor, key: str) -> torch.Tensor | None: ...
+
+    def keys(self, param: torch.Tensor) -> list[str]: ...
+
+
+@runtime_checkable
+class CheckpointPieces(Protocol):
+    """An optimizer (or wrapper) that saves and loads its own state as pieces (module docstring)."""
+
+    def checkpoint_pieces(self) -> list[Piece]: ...
+
+    def load_checkpoint_pieces(self, lookup: Callable) -> None: ...
+
+
+@runtime_checkable
+class ReplicatedPieces(Protocol):
+    """A pieces provider that says whether its pieces are the same on every data-parallel
+    replica (then DP rank 0 alone writes them)."""
+
+    dp_replicated: bool
 
 
 def state_pieces(
@@ -55,12 +88,21 @@ def state_pieces(
 def keys_for(lookup: Callable, param: torch.Tensor, existing: Mapping | None = None) -> list[str]:
     """The state keys to ask ``lookup`` for: ``lookup.keys(param)`` when provided, else the
     keys already in ``existing`` state, else the usual ones."""
-    keys = getattr(lookup, "keys", None)
-    if keys is not None:
-        return [k for k in keys(param) if k != "param"]
+    if isinstance(lookup, KeyedLookup):
+        return [k for k in lookup.keys(param) if k != "param"]
     if existing:
         return list(existing)
     return list(DEFAULT_KEYS)
+
+
+def _params(optimizer: torch.optim.Optimizer, model_of: Mapping[int, torch.Tensor] | None):
+    """(optimizer param, the model parameter it stands for), each parameter once, in order."""
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        for q in group["params"]:
+            if id(q) not in seen:
+                seen.add(id(q))
+                yield q, model_of.get(id(q), q) if model_of else q
 
 
 def torch_optimizer_pieces(
@@ -69,16 +111,10 @@ def torch_optimizer_pieces(
     """``checkpoint_pieces`` of a torch optimizer; ``model_of`` maps id(optimizer param) to the
     model parameter it stands for (an fp32 master for an fp16 parameter), default itself."""
     out: list[Piece] = []
-    seen: set[int] = set()
-    for group in optimizer.param_groups:
-        for q in group["params"]:
-            if id(q) in seen:
-                continue
-            seen.add(id(q))
-            p = model_of.get(id(q), q) if model_of else q
-            out.append((p, "param", q.detach().reshape(-1), 0, q.numel()))
-            state = optimizer.state.get(q, {})
-            out += state_pieces(p, state, q.shape, slice(0, q.numel()), 0)
+    for q, p in _params(optimizer, model_of):
+        out.append((p, "param", q.detach().reshape(-1), 0, q.numel()))
+        state = optimizer.state.get(q, {})
+        out += state_pieces(p, state, q.shape, slice(0, q.numel()), 0)
     return out
 
 
@@ -93,24 +129,17 @@ def load_torch_optimizer_pieces(
     when the lookup has none (an import of weights only)."""
     param_groups = optimizer.state_dict()["param_groups"]
     state: dict[int, dict] = {}
-    index, seen = 0, set()
     with torch.no_grad():
-        for group in optimizer.param_groups:
-            for q in group["params"]:
-                if id(q) in seen:
-                    continue
-                seen.add(id(q))
-                p = model_of.get(id(q), q) if model_of else q
-                value = lookup(p, "param")
-                if value is not None:
-                    q.copy_(value.reshape(q.shape))
-                entry = {}
-                for key in keys_for(lookup, p, optimizer.state.get(q)):
-                    t = lookup(p, key)
-                    if t is not None:
-                        entry[key] = t.reshape(()) if key in SCALAR_KEYS else t.reshape(q.shape)
-                if entry:
-                    state[index] = entry
-                index += 1
+        for index, (q, p) in enumerate(_params(optimizer, model_of)):
+            value = lookup(p, "param")
+            if value is not None:
+                q.copy_(value.reshape(q.shape))
+            entry = {}
+            for key in keys_for(lookup, p, optimizer.state.get(q)):
+                t = lookup(p, key)
+                if t is not None:
+                    entry[key] = t.reshape(()) if key in SCALAR_KEYS else t.reshape(q.shape)
+            if entry:
+                state[index] = entry
     if state:
         optimizer.load_state_dict({"state": state, "param_groups": param_groups})

@@ -1,0 +1,56 @@
+"""What optimizers declare to the mixed-precision step and to the code that drives them.
+
+* ``FusedAmpStep``: an optimizer that takes the step's mixed-precision scalars as arguments and
+  applies them on the device inside its own update (``fastpar.optim.FusedAdamW``), so the step
+  needs no host sync, no separate clipping pass and no attribute left on the optimizer.
+* ``AmpOptimizer``: what fastpar's optimizer wrappers (``MixedPrecisionOptimizer``,
+  ``ZeroOptimizer``, ``Zero3``) show a training loop and a checkpoint: loss scaling, a step that
+  returns ``(skipped, grad_norm)`` as device tensors, the count of skipped steps, the scaler.
+
+Both are ``runtime_checkable``: code asks ``isinstance(opt, FusedAmpStep)`` instead of naming
+a class of another package. Torch's own fused optimizers keep torch's protocol (attributes
+``found_inf`` / ``grad_scale`` set around ``step()``, announced by
+``_step_supports_amp_scaling``), which ``fastpar.amp.step`` speaks too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class FusedAmpStep(Protocol):
+    """``amp_step(found_inf=, inv_scale=, clip_coef=)``: one update of every parameter with a
+    gradient, where each argument is a 0-dim device tensor or None (not applied): a nonzero
+    ``found_inf`` skips the whole update on the device (step counts do not advance); gradients
+    are multiplied by ``inv_scale``, then by ``clip_coef``. Nothing is read from or left on the
+    optimizer's attributes."""
+
+    def amp_step(
+        self,
+        *,
+        found_inf: torch.Tensor | None = None,
+        inv_scale: torch.Tensor | None = None,
+        clip_coef: torch.Tensor | None = None,
+    ) -> None: ...
+
+
+@runtime_checkable
+class AmpOptimizer(Protocol):
+    """An optimizer wrapper as a training loop drives it: ``scale_loss(loss).backward()``,
+    ``skipped, grad_norm = step()`` (0-dim device tensors: no host sync), ``zero_grad()``;
+    ``scaler`` (a loss scaler or None) and ``skipped_steps`` (a device tensor) are what a
+    checkpoint saves with it."""
+
+    scaler: Any
+
+    @property
+    def skipped_steps(self) -> torch.Tensor: ...
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor: ...
+
+    def step(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...

@@ -1,0 +1,232 @@
+"""``run_ranks``: start N ranks on this machine, collect their results, or raise the first
+rank's error (``RankError``) or, past the timeout, every live rank's stack (``RankTimeout``)."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable
+from multiprocessing.connection import wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fastpar.launch.procs import Forwarder, kill, read_file, state
+from fastpar.launch.worker import worker
+
+#: seconds ``run_ranks`` waits without ``timeout=`` (and without FASTPAR_TEST_TIMEOUT)
+DEFAULT_TIMEOUT_S = 90.0
+TIMEOUT_ENV = "FASTPAR_TEST_TIMEOUT"
+
+
+def default_timeout() -> float:
+    """``run_ranks``'s timeout when none is given: FASTPAR_TEST_TIMEOUT seconds (read at each
+    ``run_ranks`` call, not at import), else ``DEFAULT_TIMEOUT_S``."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None or not raw.strip():
+        return DEFAULT_TIMEOUT_S
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(
+            f"{TIMEOUT_ENV}={raw!r} is not a number of seconds: set it to one (e.g. 300), or "
+            "pass run_ranks(timeout=...)"
+        ) from None
+
+
+class RankError(RuntimeError):
+    """An exception raised on one rank of ``run_ranks``.
+
+    Attributes: ``rank``; ``exception`` (the original exception, or None if it could not be
+    pickled); ``remote_traceback`` (the formatted traceback on that rank).
+    """
+
+    def __init__(self, message: str, rank: int, exception: BaseException | None, tb: str):
+        super().__init__(message)
+        self.rank = rank
+        self.exception = exception
+        self.remote_traceback = tb
+
+
+class RankTimeout(RankError, TimeoutError):
+    """``run_ranks`` ran past its timeout; the message holds each live rank's stack."""
+
+
+_PREIMPORTED = False
+
+
+def _preimport() -> None:
+    """Import, once in the parent, what ranks would otherwise each import after the fork:
+    building any torch optimizer imports torch._dynamo (seconds per rank on a small machine)."""
+    global _PREIMPORTED
+    if not _PREIMPORTED:
+        _PREIMPORTED = True
+        with contextlib.suppress(Exception):
+            import torch._dynamo  # noqa: F401
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float | None = None,
+    backend: str = "gloo",
+    start_method: str = "fork",
+    threads_per_rank: int | None = None,
+    collective_timeout: float | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results in rank order.
+
+    Each rank has an initialised default process group (``backend``, gloo by default) whose
+    collectives time out with ``timeout``; RANK / WORLD_SIZE / LOCAL_RANK are set in its
+    environment. ``start_method="spawn"`` is available when the caller already holds a process
+    group or a CUDA context (forking those is unsafe); ``fn`` must then be importable.
+    ``collective_timeout`` (default: ``timeout``) bounds each collective separately, so a long
+    job can have a long ``timeout`` and still fail fast on a stuck collective.
+    ``threads_per_rank`` is 1 for forked ranks (a forked OpenMP pool can hang: GNU libgomp is
+    not fork-safe once the parent has used it) and cores / ranks for spawned ones.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    timeout = default_timeout() if timeout is None else float(timeout)
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive (seconds), got {timeout}")
+    if start_method == "fork":
+        if dist.is_available() and dist.is_initialized():
+            raise RuntimeError(
+                "run_ranks(start_method='fork') cannot fork a process that holds a process "
+                "group; destroy it first or pass start_method='spawn'"
+            )
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            raise RuntimeError(
+                "run_ranks(start_method='fork') cannot fork a process with a CUDA context; "
+                "pass start_method='spawn'"
+            )
+    if threads_per_rank is None:
+        threads_per_rank = (
+            1 if start_method == "fork" else max(1, (os.cpu_count() or 1) // world_size)
+        )
+    elif threads_per_rank > 1 and start_method == "fork":
+        raise ValueError(
+            f"threads_per_rank={threads_per_rank} with start_method='fork': a forked rank that "
+            "starts an OpenMP thread pool hangs if the parent already used one (GNU libgomp is "
+            "not fork-safe); use threads_per_rank=1 or start_method='spawn'"
+        )
+    ctx = mp.get_context(start_method)
+    procs, conns = [], []
+    tmp = tempfile.mkdtemp(prefix="fastpar-ranks-")
+    store_path = os.path.join(tmp, "store")
+    forwarder = Forwarder(procs)
+    try:
+        if start_method == "fork":
+            _preimport()
+        for rank in range(world_size):
+            parent_end, child_end = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=worker,
+                args=(
+                    fn,
+                    rank,
+                    world_size,
+                    backend,
+                    store_path,
+                    timeout if collective_timeout is None else float(collective_timeout),
+                    threads_per_rank,
+                    child_end,
+                    os.path.join(tmp, f"stack{rank}"),
+                    os.getpid(),
+                    args,
+                    kwargs,
+                ),
+                name=f"fastpar-rank{rank}",
+                daemon=True,
+            )
+            p.start()
+            child_end.close()
+            procs.append(p)
+            conns.append(parent_end)
+        if forwarder.received:  # it came while ranks were starting: every rank gets it now
+            forwarder.send(forwarder.received[0])
+        return _collect(procs, conns, world_size, timeout, tmp)
+    finally:
+        kill(procs)
+        for c in conns:
+            c.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        forwarder.restore()
+
+
+def _collect(procs: list[Any], conns: list[Any], world: int, timeout: float, tmp: str) -> list:
+    deadline = time.monotonic() + timeout
+    results: dict[int, Any] = {}
+    errors: list[tuple[int, tuple]] = []
+    pending = {c: r for r, c in enumerate(conns)}
+    grace_end = None
+    while pending:
+        now = time.monotonic()
+        if grace_end is not None and now >= grace_end:
+            break
+        limit = deadline if grace_end is None else min(deadline, grace_end)
+        if now >= limit:
+            break
+        ready = wait(list(pending), timeout=limit - now)
+        for c in ready:
+            rank = pending.pop(c)
+            try:
+                status, _, payload = pickle.loads(c.recv_bytes())
+            except (EOFError, OSError):
+                procs[rank].join(timeout=1)
+                status = "error"
+                code = procs[rank].exitcode
+                what = f"signal {-code}" if code is not None and code < 0 else f"code {code}"
+                payload = ("ProcessDied", f"rank {rank} exited ({what}) without a result", "", None)
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append((rank, payload))
+                if grace_end is None:  # give the others a moment to report their own errors
+                    grace_end = time.monotonic() + 1.0
+    if errors:
+        rank, (name, msg, tb, blob) = errors[0]
+        exc = None
+        if blob is not None:
+            with contextlib.suppress(Exception):
+                exc = pickle.loads(blob)
+        others = "".join(f"\n  rank {r}: {p[0]}: {p[1]}" for r, p in errors[1:])
+        silent = [r for r in sorted(pending.values()) if procs[r].is_alive()]
+        unanswered = "".join(f"\nno answer from rank {r} ({state(procs[r].pid)})" for r in silent)
+        text = (
+            f"rank {rank} of {world} raised {name}: {msg}{unanswered}\n"
+            f"--- traceback on rank {rank} ---\n{tb}"
+        )
+        if others:
+            text += f"\n--- also failed (often as a consequence) ---{others}"
+        raise RankError(text, rank, exc, tb) from exc
+    if pending:  # timed out: ask each live rank for its stack, then kill everything
+        live = sorted(pending.values())
+        for r in live:
+            if procs[r].is_alive() and procs[r].pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(procs[r].pid, signal.SIGUSR1)
+        time.sleep(0.3)
+        stacks = "".join(
+            f"\n--- stack of rank {r} ({state(procs[r].pid)}) ---\n"
+            f"{read_file(os.path.join(tmp, f'stack{r}')) or '(none)'}"
+            for r in live
+        )
+        raise RankTimeout(
+            f"ranks {live} of {world} did not finish within {timeout:g} s (the others did); "
+            f"raise timeout= or FASTPAR_TEST_TIMEOUT if the work is just slow{stacks}",
+            live[0],
+            None,
+            stacks,
+        )
+    return [results[r] for r in range(world)]

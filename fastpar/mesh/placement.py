@@ -1,0 +1,165 @@
+"""Where each parameter lives: the marks fastpar puts on parameters, and the one rule that says
+over which groups a parameter is replicated (and so which rank holds its reference copy).
+
+Marks (attributes on the tensor; a parameter fastpar did not create carries none):
+
+* ``mark_sharded`` / ``mark_replicated`` (``ParamLayout``): this rank holds a slice along a dim
+  of a tensor split over a group, or the same tensor as every rank of a group;
+* ``mark_expert`` (``ExpertLayout``): dim 0 indexes experts split over the EP group; replicated
+  over the expert-data-parallel group instead of the data-parallel one;
+* ``mark_duplicated``: the tensor is held identically by every rank of a group (a word embedding
+  tied between the first and last pipeline stage);
+* ``mark_tied_copy``: the tensor is this rank's copy of the global tensor of another name.
+
+``replica_groups(p, mesh)`` lists the groups over each of which every rank holds this very
+tensor: the tensor-parallel group for an unmarked parameter (a LayerNorm weight), the mark's
+group for a replicated one, each ``mark_duplicated`` group, and the data-parallel group that
+replicates it (``data_parallel_group``: expert-DP for experts). Rank 0 of every one of them holds
+the reference copy (``holds_reference_copy``): the global grad norm counts the gradient there,
+a checkpoint writes it from there, and the data-parallel wrappers broadcast from there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from fastpar.mesh.ranks import Group, group_rank
+
+_ATTR = "_fastpar_layout"
+_DUPLICATED = "_fastpar_duplicated_over"
+_EXPERT = "_fastpar_expert"
+_TIED_NAME = "_fastpar_checkpoint_name"
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """``kind`` "sharded": this rank holds a slice along ``dim`` of a tensor split over
+    ``group``; "replicated": every rank of ``group`` holds the same tensor.
+    ``full_size`` is the unpadded size along ``dim`` of the whole tensor (sharded only)."""
+
+    kind: Literal["sharded", "replicated"]
+    group: dist.ProcessGroup | None
+    dim: int | None = None
+    full_size: int | None = None
+    fused: int = 1
+    """Sharded only: the dim holds ``fused`` stacked blocks (q|k|v) and each rank keeps its
+    1/world of every block, so local row i is global row
+    ``(i // per) * (full_size // fused) + rank * per + i % per`` with ``per`` rows per block."""
+
+
+def mark_sharded(
+    p: torch.nn.Parameter,
+    dim: int,
+    group: dist.ProcessGroup | None,
+    full_size: int,
+    fused: int = 1,
+) -> None:
+    setattr(p, _ATTR, ParamLayout("sharded", group, dim, full_size, fused))
+
+
+def mark_replicated(p: torch.nn.Parameter, group: dist.ProcessGroup | None) -> None:
+    setattr(p, _ATTR, ParamLayout("replicated", group))
+
+
+def param_layout(p: torch.Tensor) -> ParamLayout | None:
+    """The mark of ``p``, or None for a parameter fastpar did not create (plain torch.nn)."""
+    return getattr(p, _ATTR, None)
+
+
+def mark_duplicated(p: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """``p`` (whatever its TP layout) is held identically by every rank of ``group`` — e.g. a
+    word embedding tied between the first and last pipeline stage (the mesh's embedding group)."""
+    setattr(p, _DUPLICATED, (*getattr(p, _DUPLICATED, ()), group))
+
+
+def duplicated_over(p: torch.Tensor) -> tuple:
+    return getattr(p, _DUPLICATED, ())
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Dim 0 of an expert parameter indexes experts: this rank holds experts
+    [rank · n, (rank + 1) · n) of ``num_experts``, split over ``group`` (the EP group; None
+    when there is no expert parallelism)."""
+
+    group: dist.ProcessGroup | None
+    num_experts: int
+
+
+def mark_expert(
+    p: torch.Tensor, group: dist.ProcessGroup | None = None, num_experts: int | None = None
+) -> None:
+    """``p`` belongs to experts (dim 0 = local experts): replicated over the
+    expert-data-parallel group, not the data-parallel group."""
+    setattr(p, _EXPERT, ExpertLayout(group, num_experts if num_experts is not None else p.shape[0]))
+
+
+def is_expert(p: torch.Tensor) -> bool:
+    return getattr(p, _EXPERT, None) is not None
+
+
+def expert_layout(p: torch.Tensor) -> ExpertLayout | None:
+    return getattr(p, _EXPERT, None)
+
+
+def mark_tied_copy(p: torch.Tensor, name: str) -> None:
+    """``p`` is this rank's copy of the global tensor ``name`` (the last pipeline stage's copy
+    of a word embedding tied to the LM head): checkpoints save and load it as ``name``, whatever
+    name the caller lists it under, so one global tensor serves every pipeline layout."""
+    setattr(p, _TIED_NAME, name)
+
+
+def tied_name(p: torch.Tensor) -> str | None:
+    """The global name ``mark_tied_copy`` gave ``p``, or None."""
+    return getattr(p, _TIED_NAME, None)
+
+
+# -- who holds a copy -------------------------------------------------------------------------
+def data_parallel_groups(mesh=None, group: Group = None) -> tuple[Group, Group]:
+    """(dense, expert): the groups data parallelism replicates dense and expert parameters
+    over, and reduces their gradients over — the mesh's dp and expert-dp groups, or ``group``
+    (None = the default group) for both without a mesh."""
+    if mesh is not None:
+        return mesh.dp_group, mesh.expert_dp_group
+    return group, group
+
+
+def data_parallel_group(p: torch.Tensor, mesh=None, group: Group = None) -> Group:
+    """The group data parallelism replicates ``p`` over (``data_parallel_groups``)."""
+    return data_parallel_groups(mesh, group)[is_expert(p)]
+
+
+def replica_groups(
+    p: torch.Tensor,
+    mesh=None,
+    *,
+    group: Group = None,
+    data_parallel: bool = True,
+    duplicates: bool = True,
+) -> list[Group]:
+    """The groups over each of which every rank holds this very tensor ``p``: the TP group
+    (``mesh.tp_group``, else ``group``) for an unmarked parameter, the mark's group for a
+    replicated one (none for a sharded one), each ``mark_duplicated`` group unless
+    ``duplicates=False``, and, with a mesh and ``data_parallel``, ``data_parallel_group(p)``
+    (pass ``data_parallel=False`` where the data is sharded over DP: ZeRO)."""
+    layout = param_layout(p)
+    groups: list[Group] = []
+    if layout is None:
+        groups.append(mesh.tp_group if mesh is not None else group)
+    elif layout.kind == "replicated":
+        groups.append(layout.group)
+    if duplicates:
+        groups += duplicated_over(p)
+    if mesh is not None and data_parallel:
+        groups.append(data_parallel_group(p, mesh))
+    return groups
+
+
+def holds_reference_copy(p: torch.Tensor, mesh=None, **kwargs) -> bool:
+    """Whether this rank is rank 0 of every one of ``replica_groups(p, mesh, **kwargs)``: the
+    one rank, among all that hold this data, that counts or writes it."""
+    return all(group_rank(g) == 0 for g in replica_groups(p, mesh, **kwargs))

@@ -1,0 +1,106 @@
+"""guarded_step: skips and clips through the optimizer's declared protocol and leaves nothing on
+it (a stale ``found_inf`` or ``clip_coef`` would silently skip or scale every later plain step)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastpar.amp import AmpOptimizer, FusedAmpStep
+from fastpar.amp.step import amp_attributes, guarded_step
+from fastpar.optim import FusedAdamW, MixedPrecisionOptimizer
+
+AMP_ATTRIBUTES = {"found_inf", "grad_scale", "clip_coef"}
+
+
+def _params(seed: int = 0) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(5, 3, generator=g)) for _ in range(2)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    return params
+
+
+OPTIMIZERS = {
+    "FusedAdamW": lambda ps: FusedAdamW(ps, lr=0.1),
+    "torch AdamW fused": lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=True),
+    "torch SGD": lambda ps: torch.optim.SGD(ps, lr=0.1),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("found", [0.0, 1.0])
+def test_guarded_step_leaves_no_attribute_and_skips_on_found(name, found):
+    params = _params()
+    opt = OPTIMIZERS[name](params)
+    before = set(vars(opt))
+    start = [p.detach().clone() for p in params]
+    norm = torch.tensor(4.0)
+    skipped = guarded_step(opt, [p.grad for p in params], torch.tensor(found), norm,
+                           max_grad_norm=1.0)  # fmt: skip
+    assert set(vars(opt)) == before
+    assert not AMP_ATTRIBUTES & set(vars(opt))
+    assert bool(skipped) == bool(found)
+    moved = [not torch.equal(p.detach(), s) for p, s in zip(params, start, strict=True)]
+    assert moved == [not found] * len(params)
+
+
+def test_a_plain_step_after_a_skipped_guarded_step_is_a_full_step():
+    """FusedAdamW stepped by guarded_step (found_inf=1, clipping to 1e-3), then plainly: the
+    plain step equals torch's AdamW's first step on the unclipped gradients."""
+    params = _params()
+    opt = FusedAdamW(params, lr=0.1, weight_decay=0.01)
+    guarded_step(opt, [p.grad for p in params], torch.tensor(1.0), torch.tensor(5.0),
+                 max_grad_norm=1e-3)  # fmt: skip
+    opt.step()
+    ref = _params()
+    torch.optim.AdamW(ref, lr=0.1, weight_decay=0.01, foreach=False).step()
+    for p, r in zip(params, ref, strict=True):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=0, atol=0)
+
+
+def test_attributes_set_before_are_put_back_even_when_the_step_raises():
+    class Failing(torch.optim.SGD):
+        _step_supports_amp_scaling = True
+
+        def step(self, closure=None):
+            assert self.found_inf is not None and self.grad_scale is None  # set for the step
+            raise RuntimeError("step failed")
+
+    params = _params()
+    opt = Failing(params, lr=0.1)
+    mine = torch.tensor(7.0)
+    opt.found_inf = mine
+    with pytest.raises(RuntimeError, match="step failed"):
+        guarded_step(opt, [p.grad for p in params], torch.tensor(0.0), torch.tensor(1.0))
+    assert opt.found_inf is mine and "grad_scale" not in vars(opt)
+    with amp_attributes(opt, clip_coef=1):
+        assert opt.clip_coef == 1
+    assert "clip_coef" not in vars(opt)
+
+
+def test_amp_step_takes_its_scalars_as_arguments():
+    """amp_step(found_inf=0, inv_scale, clip_coef): torch's AdamW on grad * inv_scale * clip."""
+    params = _params()
+    opt = FusedAdamW(params, lr=0.1)
+    opt.found_inf = torch.tensor(1.0)  # an attribute: amp_step must not read it
+    inv, coef = torch.tensor(0.25), torch.tensor(0.5)
+    opt.amp_step(found_inf=torch.tensor(0.0), inv_scale=inv, clip_coef=coef)
+    ref = _params()
+    for r in ref:
+        r.grad = r.grad * inv * coef
+    torch.optim.AdamW(ref, lr=0.1, foreach=False).step()
+    for p, r in zip(params, ref, strict=True):
+        torch.testing.assert_close(p.detach(), r.detach())
+    start = [p.detach().clone() for p in params]
+    opt.amp_step(found_inf=torch.tensor(1.0))
+    assert all(torch.equal(p.detach(), s) for p, s in zip(params, start, strict=True))
+
+
+def test_who_declares_what():
+    params = _params()
+    assert isinstance(FusedAdamW(params), FusedAmpStep)
+    assert not isinstance(torch.optim.AdamW(params, fused=True), FusedAmpStep)
+    wrapped = MixedPrecisionOptimizer(torch.optim.SGD(params, lr=0.1))
+    assert isinstance(wrapped, AmpOptimizer)
+    assert not isinstance(torch.optim.SGD(params, lr=0.1), AmpOptimizer)
