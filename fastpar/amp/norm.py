@@ -14,6 +14,20 @@ first (group rank 0) of every group over which the tensor is duplicated:
 Sharded parameters (column/row weights, vocab shards, distinct experts, distinct pipeline stages)
 count on every rank. The local sums of squares are then summed over every rank taking part (the
 world, or ``group``), so every rank gets the same total and the same clipping coefficient.
+
+DTensor gradients (``torch.distributed.fsdp.fully_shard`` over fastpar's TP layers, or
+torch's own DTensor TP) count by their placements over their DeviceMesh — a Shard dim on
+every rank, a Replicate dim on its rank 0 only — and by fastpar's rule above over every
+replica group the DeviceMesh does not span (FSDP2 over dp: the TP group of a replicated or
+unmarked parameter); only the local tensors enter the sums, so each element of the whole
+mesh counts once. ``fully_shard`` drops fastpar's marks with the parameters it replaces: put
+them back with ``fastpar.mesh.restore_marks`` (a norm over DTensor gradients whose
+parameters carry no mark at all while TP > 1 raises, naming it).
+
+``torch.nn.utils.clip_grad_norm_`` is wrong in that composition (FSDP2 + fastpar TP): its
+DTensor arithmetic reduces over the FSDP mesh only, so each TP rank gets the norm of its own
+shards (plus every replicated parameter whole) — a different, too small norm per TP rank and
+so a different clipping coefficient. Use this module's ``clip_grad_norm_`` with the mesh.
 """
 
 from __future__ import annotations
@@ -23,7 +37,9 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from fastpar.mesh.placement import holds_reference_copy
+from fastpar.mesh.bridge import is_dtensor
+from fastpar.mesh.placement import holds_reference_copy, is_expert, param_layout, replica_groups
+from fastpar.mesh.ranks import group_rank, group_size
 
 
 def counts_on_this_rank(
@@ -33,8 +49,75 @@ def counts_on_this_rank(
 
     Without a mesh, ``group`` (None = the default group) is the group over which every
     parameter is either sharded (marked) or replicated (unmarked or marked replicated).
+    A DTensor gradient (or parameter) counts by its placements and by the replica groups its
+    DeviceMesh does not span (``dtensor_counts_on_this_rank``).
     """
+    dt = p.grad if is_dtensor(p.grad) else p
+    if is_dtensor(dt):
+        return dtensor_counts_on_this_rank(
+            p, dt, mesh=mesh, group=group, dp_replicated=dp_replicated
+        )
     return holds_reference_copy(p, mesh, group=group, data_parallel=dp_replicated)
+
+
+def _members(group) -> set[int]:
+    return set(dist.get_process_group_ranks(dist.group.WORLD if group is None else group))
+
+
+def dtensor_counts_on_this_rank(
+    p: torch.Tensor, dt, *, mesh=None, group=None, dp_replicated: bool = True
+) -> bool:
+    """Whether the local tensor of the DTensor ``dt`` (``p``'s gradient) counts here: this rank
+    is coordinate 0 of each Replicate dim of ``dt``'s DeviceMesh, and group rank 0 of each of
+    ``p``'s replica groups (``fastpar.mesh.placement.replica_groups``) that the DeviceMesh does
+    not span. A Partial placement (a gradient not yet reduced) raises."""
+    device_mesh = dt.device_mesh
+    for dim, placement in enumerate(dt.placements):
+        if placement.is_partial():
+            raise ValueError(
+                f"a gradient is a DTensor with placements {tuple(dt.placements)}: a Partial "
+                f"gradient is not reduced yet; reduce it (dt.redistribute(..., Replicate())) "
+                f"before taking the norm"
+            )
+        if placement.is_replicate() and device_mesh.get_local_rank(dim) != 0:
+            return False
+    spanned = set(device_mesh.mesh.reshape(-1).tolist())
+    me = dist.get_rank()
+    for g in replica_groups(p, mesh, group=group, data_parallel=dp_replicated):
+        members = _members(g)
+        inside = members & spanned
+        if inside == {me}:
+            if group_rank(g) != 0:
+                return False
+        elif inside != members:
+            raise ValueError(
+                f"a DTensor gradient's DeviceMesh spans ranks {sorted(spanned)}, which cut its "
+                f"parameter's replica group {sorted(members)}; build the DeviceMesh from the "
+                f"fastpar mesh (mesh.to_device_mesh()) so each of its dims is a whole group"
+            )
+    return True
+
+
+def _check_marks_survived(params: list[torch.Tensor], *, mesh, group) -> None:
+    """Under FSDP2 + fastpar TP every parameter is a new DTensor without fastpar's marks: with
+    none marked at all, TP-sharded weights would count as replicated (silently too small)."""
+    tp = mesh.tp_size if mesh is not None else group_size(group)
+    dts = [p.grad for p in params if is_dtensor(p.grad)]
+    if tp == 1 or not dts or any(param_layout(p) is not None or is_expert(p) for p in params):
+        return
+    tp_group = mesh.tp_group if mesh is not None else group
+    if all(_members(tp_group) <= set(d.device_mesh.mesh.reshape(-1).tolist()) for d in dts):
+        return  # the DTensors span TP themselves (torch's own tensor parallelism)
+    raise ValueError(
+        f"the gradients are DTensors over a DeviceMesh that does not span the tensor-parallel "
+        f"group (size {tp}) and no parameter carries a fastpar mark: fully_shard dropped them; "
+        f"call fastpar.mesh.restore_marks(dict_of_params_before_fully_shard, model) after it"
+    )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (a view: writing it writes the DTensor), else ``t``."""
+    return t.to_local() if is_dtensor(t) else t
 
 
 def reduction_group(mesh=None, group=None):
@@ -69,15 +152,16 @@ def global_grad_norm(
     dp_replicated: bool = True,
 ) -> torch.Tensor:
     """The norm of all gradients of the logical (unsharded, undeduplicated) model: a 0-dim
-    fp32 tensor, identical on every rank. ``norm_type`` 2 or inf. Communicates over the world
-    (with a mesh) or ``group``; no host sync."""
+    fp32 tensor (plain, not a DTensor), identical on every rank. ``norm_type`` 2 or inf.
+    Communicates over the world (with a mesh) or ``group``; no host sync. DTensor gradients
+    (FSDP2) count once over the whole mesh (see the module docstring)."""
+    params = [p for p in params if p.grad is not None]
+    _check_marks_survived(params, mesh=mesh, group=group)
     grads_counted, grads = [], []
     for p in params:
-        if p.grad is None:
-            continue
-        grads.append(p.grad)
+        grads.append(_local(p.grad))
         if counts_on_this_rank(p, mesh=mesh, group=group, dp_replicated=dp_replicated):
-            grads_counted.append(p.grad)
+            grads_counted.append(grads[-1])
     device = grads[0].device if grads else torch.device("cpu")
     if norm_type == float("inf"):
         local = torch.zeros((), dtype=torch.float32, device=device)
@@ -106,12 +190,18 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Like torch.nn.utils.clip_grad_norm_, for a sharded model: every rank computes the same
     global norm and scales its local gradients by min(1, max_norm / (norm + eps)). Returns the
-    norm (before clipping)."""
+    norm (before clipping).
+
+    Also for FSDP2 (``fully_shard``) over fastpar's TP layers, whose gradients are DTensors
+    sharded over dp: pass the fastpar mesh, and ``fastpar.mesh.restore_marks`` after
+    ``fully_shard``. ``torch.nn.utils.clip_grad_norm_`` is wrong there: it computes a norm per
+    TP rank (each rank's own shards), not the model's (see the module docstring)."""
     params = [p for p in params if p.grad is not None]
     norm = global_grad_norm(
         params, norm_type=norm_type, mesh=mesh, group=group, dp_replicated=dp_replicated
     )
     coef = torch.clamp(max_norm / (norm + eps), max=1.0)
     if params:
-        torch._foreach_mul_([p.grad for p in params], coef.to(params[0].grad.device))
+        grads = [_local(p.grad) for p in params]
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
     return norm

@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from fastpar.mesh import bridge
 from fastpar.mesh.layout import DEFAULT_ORDER, GROUP_KINDS, MeshLayout
 from fastpar.mesh.timeout import DEFAULT_TIMEOUT, as_timeout, group_timeout
 
@@ -43,6 +44,7 @@ class ParallelMesh:
         *,
         order: str = DEFAULT_ORDER,
         timeout: timedelta | float | None = None,
+        _provided: dict[tuple[int, ...], dist.ProcessGroup | None] | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -65,7 +67,9 @@ class ParallelMesh:
             for ranks in self.layout.groups[kind]:
                 key = tuple(ranks)
                 if key not in created:
-                    if key == world and world_timeout == self.timeout:
+                    if _provided is not None and key in _provided:  # from_device_mesh
+                        created[key] = _provided[key]
+                    elif key == world and world_timeout == self.timeout:
                         created[key] = dist.group.WORLD
                     else:  # every group its own timeout= (torch's default is 30 min)
                         created[key] = dist.new_group(list(ranks), timeout=self.timeout)
@@ -81,6 +85,29 @@ class ParallelMesh:
         self.dp_size, self.dp_rank = self.layout.dp, coords["dp"]
         self.ep_size, self.ep_rank = self.layout.ep, coords["ep"]
         self.expert_dp_size, self.expert_dp_rank = self.layout.expert_dp, coords["expert-dp"]
+
+    # -- torch DeviceMesh ------------------------------------------------------------------
+    def to_device_mesh(self, device_type: str | None = None, *, dense: bool = False):
+        """A torch ``DeviceMesh`` of this layout whose dims' process groups ARE this mesh's
+        (nothing is created): dims "pp", "dp", "tp" in the order's reverse (slowest first:
+        ``("pp", "dp", "tp")`` for "tp-ep-dp-pp"); with ep > 1 (unless ``dense``) the expert
+        grid "pp", "edp", "ep", "tp" (dp = edp × ep). ``device_type`` defaults to "cuda" under
+        NCCL, else "cpu". See ``fastpar.mesh.bridge``."""
+        return bridge.to_device_mesh(self, device_type, dense=dense)
+
+    @classmethod
+    def from_device_mesh(
+        cls, device_mesh, *, timeout: timedelta | float | None = None
+    ) -> ParallelMesh:
+        """The ParallelMesh of a torch ``DeviceMesh`` over the whole world (say
+        ``init_device_mesh("cuda", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))``), its
+        dims named among "pp", "dp", "edp", "ep", "tp" in any order (the order string is the
+        dims from fastest to slowest). The groups along the DeviceMesh's dims are used as this
+        mesh's groups of those kinds (they keep their own timeouts); the other kinds (mp,
+        tp-dp, embedding, ...) are created with ``timeout`` as in ``ParallelMesh(...)``.
+        Collective: every rank must call it."""
+        kwargs, provided = bridge.layout_of_device_mesh(device_mesh)
+        return cls(**kwargs, timeout=timeout, _provided=provided)
 
     # -- groups -------------------------------------------------------------------------
     def group(self, kind: str) -> dist.ProcessGroup | None:

@@ -163,3 +163,17 @@ def holds_reference_copy(p: torch.Tensor, mesh=None, **kwargs) -> bool:
     """Whether this rank is rank 0 of every one of ``replica_groups(p, mesh, **kwargs)``: the
     one rank, among all that hold this data, that counts or writes it."""
     return all(group_rank(g) == 0 for g in replica_groups(p, mesh, **kwargs))
+
+
+_MARKS = (_ATTR, _DUPLICATED, _EXPERT, _TIED_NAME)
+
+
+def copy_marks(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """Put every fastpar mark of ``src`` on ``dst`` (a wrapper's replacement of the same
+    parameter, e.g. FSDP2's DTensor parameter); returns whether ``src`` carried any."""
+    found = False
+    for attr in _MARKS:
+        if hasattr(src, attr):
+            setattr(dst, attr, getattr(src, attr))
+            found = True
+    return found

@@ -27,16 +27,19 @@ from fastpar.comm import (
     scatter_to_region,
 )
 from fastpar.comm.checks import check_same
+from fastpar.mesh.bridge import tensor_parallel_group
 from fastpar.mesh.placement import mark_replicated, mark_sharded
 
 
 def resolve_group(group: dist.ProcessGroup | None, mesh) -> dist.ProcessGroup | None:
-    """The tensor-parallel group: ``mesh.tp_group`` if a mesh is given, else ``group``
-    (None = the default group)."""
+    """The tensor-parallel group: that of ``mesh`` if one is given (a ``ParallelMesh``'s
+    ``tp_group``, or a torch ``DeviceMesh``'s "tp" dim: ``fastpar.mesh.bridge``), else
+    ``group`` (None = the default group)."""
     if mesh is not None:
-        if group is not None and group is not mesh.tp_group:
+        tp_group = tensor_parallel_group(mesh)
+        if group is not None and group is not tp_group:
             raise ValueError("pass either group= or mesh=, not both")
-        return mesh.tp_group
+        return tp_group
     return group
 
 

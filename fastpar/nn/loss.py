@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fastpar.nn.linear import resolve_group
 from fastpar.ops.cross_entropy import vocab_parallel_cross_entropy
 
 
@@ -17,7 +18,8 @@ class VocabParallelCrossEntropy(nn.Module):
     returns the fp32 loss (scalar, or the shape of ``target`` for ``reduction="none"``), equal to
     ``nn.CrossEntropyLoss`` on the full logits plus ``z_loss · logsumexp²`` per row.
     ``vocab_size``: the global vocabulary when the shards carry padding (default: ``V_local·tp``).
-    ``group``: the tensor-parallel group (default: the world); the forward all-gathers ``[N, 4]``
+    ``group``: the tensor-parallel group (default: the world; or ``mesh=``, a ParallelMesh or a
+    torch DeviceMesh with a "tp" dim, as the layers take it); the forward all-gathers ``[N, 4]``
     fp32 statistics over it and the backward communicates nothing. Ranks whose shard widths or
     targets differ raise the same ``ValueError`` on every rank (see ``fastpar.debug`` for the
     checks of shapes, behind ``fastpar.debug_checks``).
@@ -32,6 +34,7 @@ class VocabParallelCrossEntropy(nn.Module):
         *,
         vocab_size: int | None = None,
         group: dist.ProcessGroup | None = None,
+        mesh=None,
     ) -> None:
         super().__init__()
         if reduction not in ("mean", "sum", "none"):
@@ -45,7 +48,7 @@ class VocabParallelCrossEntropy(nn.Module):
         self.reduction = reduction
         self.z_loss = z_loss
         self.vocab_size = vocab_size
-        self.group = group
+        self.group = resolve_group(group, mesh)
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(
