@@ -3,9 +3,10 @@
 * ``FusedAmpStep``: an optimizer that takes the step's mixed-precision scalars as arguments and
   applies them on the device inside its own update (``fastpar.optim.FusedAdamW``), so the step
   needs no host sync, no separate clipping pass and no attribute left on the optimizer.
-* ``AmpOptimizer``: what fastpar's optimizer wrappers (``MixedPrecisionOptimizer``,
-  ``ZeroOptimizer``, ``Zero3``) show a training loop and a checkpoint: loss scaling, a step that
-  returns ``(skipped, grad_norm)`` as device tensors, the count of skipped steps, the scaler.
+* ``AmpOptimizer``: what fastpar's optimizer wrappers (``MixedPrecisionOptimizer``, and every
+  data-parallel wrapper: ``fastpar.parallel.Replicate`` / ``Shard``, ``ZeroOptimizer``,
+  ``Zero3``) show a training loop and a checkpoint: loss scaling, a step that returns
+  ``(skipped, grad_norm)`` as device tensors, the count of skipped steps, the scaler.
 
 Both are ``runtime_checkable``: code asks ``isinstance(opt, FusedAmpStep)`` instead of naming
 a class of another package. Torch's own fused optimizers keep torch's protocol (attributes

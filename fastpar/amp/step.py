@@ -1,6 +1,7 @@
-"""The mixed-precision step shared by every fastpar optimizer wrapper (fp32 masters, ZeRO-1/2,
-ZeRO-3): one fused unscale + inf-check + norm pass, agreement over every rank, the scaler
-update, clipping, and the wrapped optimizer's step — skipped on the device when it can."""
+"""The mixed-precision step shared by every fastpar optimizer wrapper (``MixedPrecisionOptimizer``
+and the data-parallel family, stages 0-3): one fused unscale + inf-check + norm pass, agreement
+over every rank, the scaler update, clipping, and the wrapped optimizer's step — skipped on the
+device when it can."""
 
 from __future__ import annotations
 

@@ -32,7 +32,10 @@ there by the global grad norm); the router is a dense, replicated parameter.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -47,6 +50,25 @@ from fastpar.ops.moe_permute import moe_permute, moe_unpermute
 
 ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
 EXPERTS = ("mlp", "swiglu")
+
+_AUX_LOSS_SCALE: contextvars.ContextVar[float | torch.Tensor | None] = contextvars.ContextVar(
+    "fastpar_moe_aux_loss_scale", default=None
+)
+
+
+@contextlib.contextmanager
+def aux_loss_scale(scale: float | torch.Tensor | None) -> Iterator[None]:
+    """Inside the block, every ``MoE`` whose own ``aux_loss_scale`` is None sends its auxiliary
+    loss into backward scaled by ``scale`` (None: not at all), as if ``scale · aux_loss`` were
+    added to the loss. What a pipeline engine sets around its forwards: the weight of one
+    micro-batch's loss (1 / micro-batches, times the loss scale), so no stage needs the final
+    loss. Forwards read it; a scale tensor is read again by the backward, so keep it unchanged
+    until then."""
+    token = _AUX_LOSS_SCALE.set(scale)
+    try:
+        yield
+    finally:
+        _AUX_LOSS_SCALE.reset(token)
 
 
 class MoE(nn.Module):
@@ -138,9 +160,10 @@ class MoE(nn.Module):
         for p in self._expert_params():
             mark_expert(p, self.ep_group if self.ep > 1 else None, num_experts)
         self.aux_loss: torch.Tensor | None = None
-        # Set by a training loop (e.g. fastpar.train / the pipeline): the aux loss then enters
-        # backward through this layer's output, scaled like the main loss (1 / micro-batches,
-        # times the loss scale), so a stage needs no access to the final loss.
+        # Set by a training loop, or by ``aux_loss_scale(...)`` around the forward (the
+        # pipeline engine does): the aux loss then enters backward through this layer's output,
+        # scaled like the main loss (1 / micro-batches, times the loss scale), so a stage needs
+        # no access to the final loss. This layer's own value, when set, wins.
         self.aux_loss_scale: float | torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] = {}
         self._capacity_checked = False
@@ -194,8 +217,11 @@ class MoE(nn.Module):
         else:
             out = self._dropless_path(permuted, info.counts)
         y = moe_unpermute(out.to(permuted.dtype), weights.to(torch.float32), info)
-        if self.aux_loss_scale is not None and self.training:
-            y = _InjectAuxGrad.apply(y, self.aux_loss, self.aux_loss_scale)
+        scale = self.aux_loss_scale
+        if scale is None:
+            scale = _AUX_LOSS_SCALE.get()
+        if scale is not None and self.training:
+            y = _InjectAuxGrad.apply(y, self.aux_loss, scale)
         return y.view(shape)
 
     def _capacity_path(self, permuted: torch.Tensor, capacity: int) -> torch.Tensor:

@@ -1,13 +1,15 @@
 """Gradient buckets: parameters grouped into contiguous flat buffers, reduced as backward fills them.
 
-Parameters are taken in reverse registration order (roughly the order backward produces their
-gradients) and packed into buckets of at most ``bucket_size_mb``; a bucket never mixes dtypes
-or optimizer param groups, and its flat size is padded to a multiple of the data-parallel size
-so it splits into equal shards. A post-accumulate-grad hook per parameter counts how many of a
-bucket's parameters are ready; when the last one is, the bucket's collective starts
+``build_buckets`` packs each list of parameters into buckets (a bucket never mixes lists or
+dtypes): in reverse registration order (roughly the order backward produces their gradients)
+under a size cap for DDP / ZeRO-1/2, or in registration order without a cap for a ZeRO-3 unit.
+A bucket's flat size is padded to a multiple of its ``pad_to`` (the size of the group that
+shards it) so it splits into equal shards. A post-accumulate-grad hook per parameter counts how
+many of a bucket's parameters are ready; when the last one is, the bucket's collective starts
 asynchronously, overlapping the rest of backward. Buckets launch strictly in order (so every
 rank issues the same collectives in the same order), and a callback queued on the autograd
-engine waits for all of them when backward ends.
+engine waits for all of them when backward ends. With ``bound`` k, launching bucket i first
+finishes bucket i - k (at most k full-size gradient buffers alive: ZeRO-2 and ZeRO-3).
 """
 
 from __future__ import annotations
@@ -20,57 +22,68 @@ from dataclasses import dataclass, field
 import torch
 
 
-@dataclass
+@dataclass(eq=False)
 class Bucket:
-    """Parameters ``params`` at ``offsets`` in a flat buffer of ``padded_numel`` elements."""
+    """Parameters ``params`` (local shapes ``shapes``) at ``offsets`` of a flat buffer of
+    ``padded_numel`` elements; ``group_index``: which input list they came from. The rest is the
+    reducer's state for the backward in progress."""
 
     index: int
     dtype: torch.dtype
     group_index: int
     params: list[torch.nn.Parameter] = field(default_factory=list)
+    shapes: list[torch.Size] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     numel: int = 0
     padded_numel: int = 0
     ready: set = field(default_factory=set)
     launched: bool = False
+    finished: bool = False
     work: object = None
     comm: object = None  # what the in-flight collective reads / writes, kept alive until finish
 
     def view(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
-        p = self.params[i]
-        return buffer[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
+        """Parameter i's slice of a [padded_numel] buffer, in the parameter's (local) shape."""
+        off, shape = self.offsets[i], self.shapes[i]
+        return buffer[off : off + shape.numel()].view(shape)
+
+    def add(self, p: torch.nn.Parameter) -> None:
+        self.params.append(p)
+        self.shapes.append(p.shape)
+        self.offsets.append(self.numel)
+        self.numel += p.numel()
 
 
 def build_buckets(
     param_groups: list[list[torch.nn.Parameter]],
-    bucket_size_mb: float,
+    bucket_size_mb: float | None,
     pad_to: int | Sequence[int],
+    *,
+    reverse: bool = True,
 ) -> list[Bucket]:
-    """Pack trainable parameters (reverse order, per param group and dtype) into buckets whose
-    size is a multiple of ``pad_to`` (one value, or one per param group)."""
+    """Pack trainable parameters (per list and dtype; reverse order unless ``reverse=False``)
+    into buckets of at most ``bucket_size_mb`` (None: no cap) whose size is a multiple of
+    ``pad_to`` (one value, or one per list)."""
     pads = [pad_to] * len(param_groups) if isinstance(pad_to, int) else list(pad_to)
-    if not bucket_size_mb > 0:
+    if bucket_size_mb is not None and not bucket_size_mb > 0:
         raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
-    cap = int(bucket_size_mb * 2**20)
+    cap = None if bucket_size_mb is None else int(bucket_size_mb * 2**20)
     buckets: list[Bucket] = []
     open_: dict[tuple, Bucket] = {}
     seen: set[int] = set()
     flat = [(gi, p) for gi, group in enumerate(param_groups) for p in group]
-    for gi, p in reversed(flat):
+    for gi, p in reversed(flat) if reverse else flat:
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
         key = (gi, p.dtype)
         b = open_.get(key)
-        if b is not None and b.numel > 0 and (b.numel + p.numel()) * p.element_size() > cap:
-            b = None
-        if b is None:
+        full = cap is not None and (b.numel + p.numel()) * p.element_size() > cap if b else False
+        if b is None or (b.numel > 0 and full):
             b = Bucket(index=len(buckets), dtype=p.dtype, group_index=gi)
             buckets.append(b)
             open_[key] = b
-        b.params.append(p)
-        b.offsets.append(b.numel)
-        b.numel += p.numel()
+        b.add(p)
     for b in buckets:
         pad = pads[b.group_index]
         b.padded_numel = math.ceil(b.numel / pad) * pad if b.numel else pad
@@ -81,8 +94,10 @@ class BucketReducer:
     """Drives the per-parameter hooks and the in-order, asynchronous launch of each bucket.
 
     ``launch(bucket)`` starts the bucket's collective and returns its work handle (or None);
-    ``finish(bucket)`` runs once the handle has completed. ``grad_target(bucket, i, grad)``
-    puts parameter i's fresh gradient where the bucket will reduce it.
+    ``finish(bucket)`` runs once the handle has completed. ``grad_target(bucket, i, param)``
+    puts parameter i's fresh gradient where the bucket will reduce it (``param`` None: the
+    parameter got no gradient in this backward and ``find_unused_parameters`` is on). ``bound``:
+    finish bucket i - bound before launching bucket i.
     """
 
     def __init__(
@@ -91,14 +106,16 @@ class BucketReducer:
         *,
         launch: Callable[[Bucket], object],
         finish: Callable[[Bucket], None],
-        grad_target: Callable[[Bucket, int, torch.nn.Parameter], None],
+        grad_target: Callable[[Bucket, int, torch.nn.Parameter | None], None],
         find_unused_parameters: bool = False,
         names: dict[int, str] | None = None,
+        bound: int | None = None,
     ) -> None:
         self.buckets = buckets
         self._launch, self._finish, self._grad_target = launch, finish, grad_target
         self.find_unused_parameters = find_unused_parameters
         self.names = names or {}
+        self.bound = bound
         self.sync_enabled = True
         self._callback_queued = False
         self._next = 0
@@ -138,9 +155,22 @@ class BucketReducer:
             b = self.buckets[self._next]
             if len(b.ready) < len(b.params):
                 return
+            if self.bound is not None and b.index >= self.bound:
+                self.finish(self.buckets[b.index - self.bound])
+            b.finished = False
             b.work = self._launch(b)
             b.launched = True
             self._next += 1
+
+    def finish(self, b: Bucket) -> None:
+        """Wait for bucket ``b``'s collective and run its finish step, once."""
+        if not b.launched or b.finished:
+            return
+        if b.work is not None:
+            b.work.wait()
+            b.work = None
+        b.finished = True
+        self._finish(b)
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
@@ -172,10 +202,7 @@ class BucketReducer:
     def wait_all(self) -> None:
         """Wait for every launched bucket, run its finish step, reset for the next backward."""
         for b in self.buckets:
-            if b.launched:
-                if b.work is not None:
-                    b.work.wait()
-                self._finish(b)
+            self.finish(b)
             b.work, b.launched = None, False
             b.ready.clear()
         self._next = 0

@@ -3,9 +3,11 @@
 ``build(cfg, mesh, device)``: the model's blocks for this rank (its pipeline stage; the whole
 model when ``mesh`` is None, the single-process reference), cast to the run's precision, with
 its tied weights, the optimizer's parameter groups (weight decay on matrices only), the fp16
-loss scaler, the data-parallel wrapper and optimizer (``mesh`` None: the same mixed-precision
-AdamW on one process), the loss, and the MoE layers' auxiliary-loss scale. ``Trainer``: those
-parts of one rank, the pipeline engine, and a step.
+loss scaler, the data-parallel wrapper of the ZeRO stage — ``Replicate`` or ``Shard``, which
+also owns the optimizer step (``mesh`` None: the same mixed-precision AdamW on one process) —
+and the loss. ``Trainer``: those parts of one rank, the pipeline engine, and a step. The
+engine weighs the MoE layers' auxiliary losses like a micro-batch's loss; the single-process
+reference, which has no engine, sets that weight on its MoE layers (``update_aux_scale``).
 """
 
 from __future__ import annotations
@@ -17,14 +19,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fastpar.amp import DynamicLossScaler
+from fastpar.amp import AmpOptimizer, DynamicLossScaler
 from fastpar.checkpoint import stage_param_names
 from fastpar.debug import debug_checks
 from fastpar.mesh import ParallelMesh
 from fastpar.models import build_model, lm_loss, untie_for_pipeline
 from fastpar.moe import MoE
 from fastpar.optim import FusedAdamW, MixedPrecisionOptimizer
-from fastpar.parallel import DistributedDataParallel
+from fastpar.parallel import DataParallel, Replicate, Shard
 from fastpar.parallel.pipeline import (
     GPipe,
     OneFOneB,
@@ -35,7 +37,6 @@ from fastpar.parallel.pipeline import (
 from fastpar.profiling import nvtx
 from fastpar.train.batches import batch_of, load_data, lr_at
 from fastpar.train.config import TrainConfig
-from fastpar.zero import Zero3, ZeroOptimizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -45,11 +46,14 @@ class Parts:
     """One rank's share of a run (``mesh`` None: the whole model on one process).
 
     ``module``: the stage's blocks (``nn.Sequential``, numbered from 0; block ``start`` of the
-    whole model is its first); ``model``: what the engine runs (``module``, or its DDP / ZeRO-3
-    wrapper); ``opt``: the optimizer wrapper (``step() -> (skipped, norm)``, ``scale_loss``,
-    ``param_groups``); ``no_sync``: the wrapper's gradient-accumulation context, if any;
-    ``loss_fn(logits, targets)``: the mean loss of a micro-batch; ``aux_scale``: the 0-dim
-    tensor every MoE layer scales its auxiliary loss's gradient by (``update_aux_scale``)."""
+    whole model is its first); ``model``: what the engine runs (``module`` wrapped in the
+    data-parallel wrapper; ``module`` itself without a mesh); ``opt``: the optimizer wrapper
+    (``fastpar.amp.AmpOptimizer``: ``step() -> (skipped, norm)``, ``scale_loss``,
+    ``param_groups``; with a mesh the wrapper itself); ``no_sync``: the wrapper's
+    gradient-accumulation context (None without a mesh); ``loss_fn(logits, targets)``: the mean
+    loss of a micro-batch; ``aux_scale``: without a mesh, the 0-dim tensor every MoE layer
+    scales its auxiliary loss's gradient by (``update_aux_scale``; with a mesh the engine sets
+    the weight, and this is None)."""
 
     cfg: TrainConfig
     module: nn.Sequential
@@ -57,12 +61,12 @@ class Parts:
     hf: object | None
     model_cfg: object
     model: nn.Module
-    opt: object
+    opt: AmpOptimizer
     scaler: DynamicLossScaler | None
     no_sync: Callable | None
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     moes: list[MoE]
-    aux_scale: torch.Tensor
+    aux_scale: torch.Tensor | None
 
     @property
     def param_groups(self) -> list[dict]:
@@ -76,10 +80,11 @@ class Parts:
         return stage_param_names(self.module, self.start)
 
     def update_aux_scale(self) -> None:
-        """Before a step: the MoE auxiliary losses enter backward like the main loss of a
-        micro-batch (1 / micro-batches, times the loss scale). A device op, no host sync; a
-        constant without a loss scaler."""
-        if self.scaler is not None:
+        """Without a mesh (the single-process reference), before a step: the MoE auxiliary
+        losses enter backward like the main loss of a micro-batch (1 / micro-batches, times the
+        loss scale), the weight ``PipelineEngine`` sets for a distributed run. A device op, no
+        host sync; a constant without a loss scaler."""
+        if self.scaler is not None and self.aux_scale is not None:
             torch.div(self.scaler.scale, self.cfg.microbatches, out=self.aux_scale)
 
 
@@ -110,30 +115,21 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def _optimizer(cfg, stage, groups, mesh, scaler, block_types):
-    """(what the engine runs, the optimizer wrapper, its no_sync or None) for the ZeRO stage;
+    """(what the engine runs, the optimizer wrapper): the data-parallel wrapper of the ZeRO
+    stage, which owns the optimizer step and sums the tied embedding's gradients itself;
     ``mesh`` None: the plain module and the mixed-precision AdamW of one process."""
     adamw = lambda gs: FusedAdamW(gs, lr=cfg.lr)  # noqa: E731
     clip = cfg.max_grad_norm
     if mesh is None:
-        return (
-            stage,
-            MixedPrecisionOptimizer(adamw(groups), scaler=scaler, max_grad_norm=clip),
-            None,
-        )
-    if cfg.zero == 0:  # DDP / ZeRO sum the tied embedding's gradients themselves
-        model = DistributedDataParallel(stage, mesh=mesh, reduce_dtype=torch.float32)
-        opt = MixedPrecisionOptimizer(adamw(groups), scaler=scaler, max_grad_norm=clip, mesh=mesh)
-        return model, opt, model.no_sync
-    if cfg.zero in (1, 2):
-        opt = ZeroOptimizer(
-            adamw(groups), stage=cfg.zero, mesh=mesh, scaler=scaler, max_grad_norm=clip
-        )
-        return stage, opt, opt.no_sync
-    model = Zero3(
-        stage, adamw, mesh=mesh, param_groups=groups, wrap=block_types, scaler=scaler,
-        max_grad_norm=clip,
-    )  # fmt: skip
-    return model, model, None
+        return stage, MixedPrecisionOptimizer(adamw(groups), scaler=scaler, max_grad_norm=clip)
+    common = dict(mesh=mesh, param_groups=groups, scaler=scaler, max_grad_norm=clip)
+    if cfg.zero == 0:
+        model: DataParallel = Replicate(stage, adamw, **common)
+    elif cfg.zero in (1, 2):
+        model = Shard(stage, adamw, stage=cfg.zero, **common)
+    else:  # ZeRO-3 gathers one transformer block at a time
+        model = Shard(stage, adamw, stage=3, wrap=block_types, **common)
+    return model, model
 
 
 def build(cfg: TrainConfig, mesh: ParallelMesh | None, device: torch.device) -> Parts:
@@ -154,11 +150,14 @@ def build(cfg: TrainConfig, mesh: ParallelMesh | None, device: torch.device) -> 
         else None
     )
     groups = param_groups(stage, cfg.weight_decay)
-    model, opt, no_sync = _optimizer(cfg, stage, groups, mesh, scaler, block_types)
+    model, opt = _optimizer(cfg, stage, groups, mesh, scaler, block_types)
+    no_sync = None if mesh is None else model.no_sync
     moes = [m for m in stage.modules() if isinstance(m, MoE)]
-    aux_scale = torch.full((), 1.0 / cfg.microbatches, dtype=torch.float32, device=device)
-    for m in moes:  # read by each layer's backward: updated in place, never reassigned
-        m.aux_loss_scale = aux_scale
+    aux_scale = None
+    if mesh is None:  # no engine: the layers read this weight (updated in place, never reassigned)
+        aux_scale = torch.full((), 1.0 / cfg.microbatches, dtype=torch.float32, device=device)
+        for m in moes:
+            m.aux_loss_scale = aux_scale
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return lm_loss(logits.flatten(0, -2).float(), targets, model_cfg, mesh)
@@ -184,7 +183,7 @@ class Trainer:
         sched = (GPipe if cfg.schedule == "gpipe" else OneFOneB)(cfg.microbatches)
         self.engine = PipelineEngine(
             parts.model, mesh, sched, loss_fn=parts.loss_fn, recompute=cfg.recompute,
-            no_sync=parts.no_sync, scale_loss=parts.opt.scale_loss,
+            grad_sync=parts.model, scale_loss=parts.opt.scale_loss,
         )  # fmt: skip
         self.tokens = tokens if tokens is not None else load_data(cfg, check=False)
         self.step_count = 0
@@ -222,7 +221,6 @@ class Trainer:
         lr = lr_at(cfg, self.step_count)
         for g in self.param_groups:
             g["lr"] = lr
-        self.parts.update_aux_scale()
         x, y = self._batch(self.step_count)
         t0 = time.perf_counter()
         loss = self.engine.train_step(

@@ -262,8 +262,6 @@ class TrainConfig:
                 f"batch_size {self.batch_size} must split into dp={self.dp} replicas of "
                 f"{self.microbatches} micro-batches each (a multiple of {self.dp * self.microbatches})"
             )
-        if self.zero == 3 and self.pp > 1:
-            raise ValueError("zero=3 with pp > 1 is not supported: use zero <= 2 with pipelines")
         if not self.hf_config:
             self.model().check(self.tp, self.pp, self.ep)
             check_memory(self)  # activations that clearly do not fit this machine

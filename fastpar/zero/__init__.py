@@ -1,4 +1,6 @@
-"""ZeRO: sharded optimizer state (stage 1), gradients (stage 2), and the memory planner."""
+"""ZeRO under its historical names — ``ZeroOptimizer`` (stages 1, 2, around an optimizer) and
+``Zero3`` (stage 3, around a module), both ``fastpar.parallel.Shard`` — and the memory planner
+(``estimate_memory``: the paper's model or fastpar's layout; ``held_bytes``: measured)."""
 
 from __future__ import annotations
 

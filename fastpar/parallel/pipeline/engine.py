@@ -9,12 +9,20 @@ The mini-batch is split into m micro-batches along dim 0; each micro-batch's los
 m, so the accumulated gradients and the returned loss equal the unpipelined model's for a
 loss that averages over the batch. With ``recompute=True`` a forward runs without keeping its
 graph (only the stage input is stored) and is recomputed, under the same RNG state, right
-before its backward. With ``no_sync`` (e.g. ``ddp.no_sync``), gradients are reduced over data
-parallelism once, in the last micro-batch's backward. ``tied`` parameters (a word embedding on
-the first stage and the LM head on the last) have their ``.grad`` summed over the mesh's
-embedding group after the last backward, so both copies take identical steps — for plain
-optimizers; fastpar's DistributedDataParallel and ZeroOptimizer sum parameters marked by
+before its backward. A data-parallel stage (``fastpar.parallel.GradSync``: ``Replicate``,
+``Shard``, ``DistributedDataParallel``, or ``grad_sync=`` for one that is not the stage, e.g. a
+``ZeroOptimizer``) reduces its gradients once, in the last micro-batch's backward (the others
+run inside its ``no_sync()``; an explicit ``no_sync`` callable overrides), and its
+``finish_grad_sync()`` runs after the last backward of every micro-batch. ``tied`` parameters
+(a word embedding on the first stage and the LM head on the last) have their ``.grad`` summed
+over the mesh's embedding group after the last backward, so both copies take identical steps —
+for plain optimizers; fastpar's data-parallel wrappers sum parameters marked by
 ``tie_across_stages`` themselves (where their gradients live), so pass no ``tied`` with them.
+
+Mixture of experts: around every forward (and recomputation) the engine sets the weight of one
+micro-batch's loss, ``scale_loss(1) / micro-batches``, as ``fastpar.moe.layer.aux_loss_scale``:
+each ``fastpar.moe.MoE`` of the stage then adds its auxiliary loss to backward with the weight
+of the main loss (``moe_aux_loss=False``: left to the caller).
 
 Stage messages: a stage may return a tensor or a tuple of tensors (None allowed; integer and
 bool tensors too), e.g. hidden states with rotary cos / sin, position ids and a mask — the next
@@ -38,6 +46,7 @@ from torch import nn
 
 from fastpar.mesh.placement import mark_duplicated
 from fastpar.mesh.ranks import global_rank
+from fastpar.moe.layer import aux_loss_scale
 from fastpar.parallel.pipeline.p2p import P2P, tuple_message
 from fastpar.parallel.pipeline.schedules import Schedule
 from fastpar.parallel.protocols import GradSync
@@ -61,7 +70,11 @@ class PipelineEngine:
     """Executes ``schedule`` for ``stage`` (this rank's blocks) over the mesh's pipeline group.
 
     ``loss_fn(output, target)`` is needed on the last stage. ``scale_loss`` (e.g. a mixed-precision
-    optimizer's) multiplies each micro-batch loss before its backward. ``static_shapes``: whether
+    optimizer's) multiplies each micro-batch loss before its backward. ``grad_sync``: the
+    data-parallel wrapper whose gradients the backward passes fill (default: the stage, when it
+    is one); ``no_sync``: a context for all micro-batches but the last (default: the
+    wrapper's). ``moe_aux_loss``: weigh MoE auxiliary losses like a micro-batch's loss (module
+    docstring). ``static_shapes``: whether
     activation shapes are the same for every micro-batch (agreed once). Statistics of the last
     step are in ``stats``: busy and wall seconds, peak micro-batches in flight, and peak bytes of
     stored activations (stage inputs; plus the tensors autograd saves when
@@ -81,11 +94,18 @@ class PipelineEngine:
         scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
         tied: Sequence[torch.Tensor] = (),
         measure_activations: bool = False,
+        grad_sync: GradSync | None = None,
+        moe_aux_loss: bool = True,
     ) -> None:
         if mesh.is_last_stage and loss_fn is None:
             raise ValueError("the last pipeline stage needs loss_fn(output, target)")
+        if grad_sync is None and isinstance(stage, GradSync):
+            grad_sync = stage
+        if no_sync is None and grad_sync is not None:
+            no_sync = grad_sync.no_sync
         self.stage, self.mesh, self.schedule = stage, mesh, schedule
         self.loss_fn, self.recompute, self.no_sync = loss_fn, recompute, no_sync
+        self.grad_sync, self.moe_aux_loss = grad_sync, moe_aux_loss
         self.scale_loss, self.tied = scale_loss, list(tied)
         self.measure_activations = measure_activations
         self.p2p = P2P(mesh.prev_rank, mesh.next_rank, static_shapes=static_shapes)
@@ -113,12 +133,42 @@ class PipelineEngine:
         device = next(iter(self.stage.parameters()), torch.empty(0)).device
         saved: dict[int, dict] = {}
         losses: list[torch.Tensor] = []
-        live = peak = 0
-        busy = 0.0
         t_step = time.perf_counter()
         steps = self.schedule.steps(mesh.pp_size, mesh.pp_rank)
         last_backward = max(i for kind, i in steps if kind == "B")
+        moe = aux_loss_scale(self._aux_scale(device) if self.moe_aux_loss else None)
+        with moe:
+            busy, peak = self._run_steps(steps, xs, ys, device, saved, losses, last_backward)
+        self.p2p.wait_sends()
+        if self.grad_sync is not None:  # e.g. DDP's tied-embedding sum, every stage done
+            self.grad_sync.finish_grad_sync()
+        self._sync_tied()
+        self.stats = {
+            "busy_s": busy,
+            "wall_s": time.perf_counter() - t_step,
+            "peak_activation_bytes": peak,
+            "max_in_flight": self.schedule.max_in_flight(mesh.pp_size, mesh.pp_rank),
+        }
+        loss = torch.stack(losses).sum() if last else None
+        if broadcast_loss and mesh.pp_size > 1:
+            buf = loss.clone() if last else torch.zeros((), device=device)
+            dist.broadcast(buf, src=mesh.ranks("pp")[-1], group=mesh.pp_group)
+            loss = buf
+        return loss
 
+    def _aux_scale(self, device: torch.device) -> torch.Tensor:
+        """The weight of one micro-batch's loss in backward: ``scale_loss(1) / m`` (0-dim fp32,
+        on the device: no host sync)."""
+        one = torch.ones((), dtype=torch.float32, device=device)
+        scaled = self.scale_loss(one) if self.scale_loss is not None else one
+        return torch.div(scaled.float(), self.schedule.num_microbatches)
+
+    def _run_steps(self, steps, xs, ys, device, saved, losses, last_backward) -> tuple:
+        """The schedule's forwards and backwards; returns (busy seconds, peak stored bytes)."""
+        mesh = self.mesh
+        first, last = mesh.is_first_stage, mesh.is_last_stage
+        live = peak = 0
+        busy = 0.0
         for kind, i in steps:
             if kind == "F":
                 x = xs[i] if first else self.p2p.recv(mesh.prev_rank, device)
@@ -187,22 +237,7 @@ class PipelineEngine:
                 live -= entry["bytes"]
                 if not first:
                     self._send_input_grad(entry["x"])
-        self.p2p.wait_sends()
-        if isinstance(self.stage, GradSync):  # e.g. DDP's tied-embedding sum, every stage done
-            self.stage.finish_grad_sync()
-        self._sync_tied()
-        self.stats = {
-            "busy_s": busy,
-            "wall_s": time.perf_counter() - t_step,
-            "peak_activation_bytes": peak,
-            "max_in_flight": self.schedule.max_in_flight(mesh.pp_size, mesh.pp_rank),
-        }
-        loss = torch.stack(losses).sum() if last else None
-        if broadcast_loss and mesh.pp_size > 1:
-            buf = loss.clone() if last else torch.zeros((), device=device)
-            dist.broadcast(buf, src=mesh.ranks("pp")[-1], group=mesh.pp_group)
-            loss = buf
-        return loss
+        return busy, peak
 
     def _run(self, x, target):
         out = self.stage(x)

@@ -39,6 +39,7 @@ from torch import nn
 
 from fastpar.mesh.placement import mark_replicated, mark_sharded, mark_tied_copy, param_layout
 from fastpar.parallel.pipeline.engine import tie_across_stages
+from fastpar.parallel.protocols import DataParallel
 
 # model_type -> which masks its model forward builds: "causal" (one causal mask for every layer),
 # "sliding_window" (one mask for every layer: sliding if config.sliding_window is set), or
@@ -267,7 +268,8 @@ def hf_named_parameters(blocks: Iterable[nn.Module]) -> Iterator[tuple[str, nn.P
     does); the last stage's copy of a tied embedding is ``lm_head.weight`` (which checkpoints
     save and load as ``model.embed_tokens.weight``: see ``hf_tie_across_stages``)."""
     seen: set[int] = set()
-    blocks = getattr(blocks, "module", blocks)  # a stage wrapped by DistributedDataParallel
+    if isinstance(blocks, DataParallel) and blocks.module is not None:  # a wrapped stage
+        blocks = blocks.module
     for block in blocks:
         if not isinstance(block, HFEmbedding | HFDecoderLayer | HFHead):
             raise TypeError(

@@ -1,0 +1,215 @@
+"""``FlatShard``: one flat buffer of parameters — its layout, its padding, the range this rank
+owns, and the collectives over it. Every data-parallel stage is built on it (``Replicate``:
+stage 0; ``Shard``: stages 1, 2, 3).
+
+A flat holds parameters p_0 .. p_k-1 back to back (``bucket.offsets``), padded to ``padded``
+elements, a multiple of the size N of the group that shards it. Sharded, rank r of the group
+owns elements [lo, lo + S) = [r·S, (r+1)·S), S = padded / N; replicated (stage 0, ZeRO-3's
+persistent parameters), every rank owns all of it (lo = 0, S = padded). Offsets are Python
+integers (no 2^31 limit: DeepSpeed #3429).
+
+Tensors (None where a stage keeps none; dtype = the parameters'):
+
+* ``full`` [padded], dtype: the parameters are views into it (ZeRO-3: storage allocated only
+  while gathered; a gradient-sync-only DDP leaves the parameters alone and keeps none);
+* ``shard`` [S], dtype, ZeRO-3 only: this rank's part between gathers;
+* ``master`` [S] fp32, what the optimizer updates (for fp32 parameters a view of full / shard);
+* ``grad`` [padded], dtype: where autograd accumulates (kept between steps at stages 0 and 1,
+  the parameters' ``.grad`` are views into it; alive only during backward at stages 2 and 3);
+* ``reduced`` [S] fp32: the data-parallel gradient the step reads.
+
+Reductions, two rules: ``in_place`` (stage 0, DDP's): ``grad`` is divided by the DP size and
+all-reduced where it is, so ``.grad`` holds the average, and a backward outside ``no_sync``
+after another adds to it; accumulating (ZeRO): ``grad`` is reduce-scattered (replicated flats:
+all-reduced) and ``reduced += result / dp``, then ``grad`` is cleared. On gloo, whose
+reduce-scatter clones its input and all-reduces the clone, the flat all-reduces ``grad`` in place
+(the same bytes on the wire, without the copies) and reads its own range; its all-gather copies
+through a temporary, so the flat broadcasts each rank's range in place instead. ``comm_bytes``
+counts the ring model of the collective the algorithm needs either way (reduce-scatter and
+all-gather: (N-1)/N of the buffer; all-reduce: 2(N-1)/N).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fastpar.mesh.ranks import Group, global_rank
+from fastpar.parallel.buckets import Bucket, payload_bytes
+
+# states of a ZeRO-3 flat's full parameters
+FREE = "free"  # params point at empty tensors, full storage has 0 bytes
+RESHARDED = "resharded"  # after forward: params keep their views, full storage has 0 bytes
+GATHERING = "gathering"  # all-gather in flight
+GATHERED = "gathered"
+
+
+class Owned(NamedTuple):
+    """Elements [start, stop) of parameter ``index`` of a flat (flattened, local shape) that this
+    rank owns; they sit at [shard_start, shard_stop) of the flat's shard."""
+
+    index: int
+    start: int
+    stop: int
+    shard_start: int
+    shard_stop: int
+
+    @property
+    def first(self) -> bool:
+        """Whether this rank owns the parameter's element 0 (the one that writes its "step")."""
+        return self.start == 0
+
+    @property
+    def in_shard(self) -> slice:
+        return slice(self.shard_start, self.shard_stop)
+
+
+class _Works:
+    """Several work handles waited as one."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
+@dataclass(eq=False)
+class FlatShard:
+    """One flat buffer (module docstring): ``bucket`` (layout, reducer state), the ``group`` of
+    ``size`` ranks sharding it (this rank ``rank``), ``sharded`` or replicated, the optimizer
+    ``param_group``, ``expert`` (sharded over the expert-data-parallel group), the ZeRO-3
+    ``unit``, the groups it is ``tied`` over (a parameter held on several pipeline stages), and
+    ``counts`` (the owner's bytes-sent counters)."""
+
+    bucket: Bucket
+    group: Group
+    size: int
+    rank: int
+    sharded: bool
+    counts: dict[str, float]
+    param_group: int = 0
+    expert: bool = False
+    unit: int = 0
+    tied: tuple = ()
+    in_place: bool = False
+    grad_persistent: bool = False
+    reduced_in_grad: bool = False  # ZeRO-1, fp32: ``reduced`` is grad[lo:lo+S]
+    full: torch.Tensor | None = None
+    shard: torch.Tensor | None = None
+    master: nn.Parameter | None = None
+    reduced: torch.Tensor | None = None
+    grad: torch.Tensor | None = None
+    grad_views: list[torch.Tensor] = field(default_factory=list)  # kept ``grad``: the .grad
+    # a backward wrote ``grad`` since it was last cleared; the ZeRO-1 shard already holds a
+    # reduction (until zero_grad); stage 0: a reduction reached ``grad``, its tied sum is due
+    dirty: bool = False
+    holds_reduced: bool = False
+    tied_pending: bool = False
+    # ZeRO-3: the full parameters' state, the gather in flight, the empty stand-ins
+    state: str = GATHERED
+    work: object = None
+    empties: list[torch.Tensor] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.gloo = dist.is_initialized() and dist.get_backend(self.group) == "gloo"
+
+    # -- layout ----------------------------------------------------------------------------
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return self.bucket.params
+
+    @property
+    def shapes(self) -> list[torch.Size]:
+        return self.bucket.shapes
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.bucket.dtype
+
+    @property
+    def padded(self) -> int:
+        return self.bucket.padded_numel
+
+    @property
+    def shard_len(self) -> int:
+        return self.padded // self.size if self.sharded else self.padded
+
+    @property
+    def lo(self) -> int:
+        return self.rank * self.shard_len if self.sharded else 0
+
+    @property
+    def full_bytes(self) -> int:
+        return self.padded * self.bucket.dtype.itemsize
+
+    @property
+    def mine(self) -> slice:
+        """This rank's range of a [padded] buffer."""
+        return slice(self.lo, self.lo + self.shard_len)
+
+    def view(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter i's slice of a [padded] buffer, in the parameter's (local) shape."""
+        return self.bucket.view(buffer, i)
+
+    def owned(self) -> Iterator[Owned]:
+        """Each parameter's part in this rank's range, in order (all of them when replicated)."""
+        lo, hi = self.lo, self.lo + self.shard_len
+        for i, shape in enumerate(self.shapes):
+            off = self.bucket.offsets[i]
+            a, z = max(off, lo), min(off + shape.numel(), hi)
+            if a < z:
+                yield Owned(i, a - off, z - off, a - lo, z - lo)
+
+    def aliased(self) -> bool:
+        """Whether the fp32 master is the parameters' own storage (fp32 parameters)."""
+        base = self.shard if self.shard is not None else self.full
+        if base is None or self.master is None:
+            return False
+        return self.master.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+
+    # -- collectives ---------------------------------------------------------------------------
+    def _count(self, kind: str, key: str, numel: int, element_size: int) -> None:
+        self.counts[key] += payload_bytes(kind, numel, element_size, self.size)
+
+    def all_reduce(self, t: torch.Tensor, key: str = "all_reduce"):
+        """Start an in-place all-reduce (sum) of ``t`` over the group; None for one rank."""
+        if self.size == 1:
+            return None
+        self._count("all_reduce", key, t.numel(), t.element_size())
+        return dist.all_reduce(t, group=self.group, async_op=True)
+
+    def reduce(self, comm: torch.Tensor):
+        """Start summing the full gradient ``comm`` [padded] over the group, so that
+        ``comm[self.mine]`` ends up holding this rank's part of the sum (sharded: a
+        reduce-scatter, in place; replicated: an all-reduce). Returns the work or None."""
+        if not self.sharded:
+            return self.all_reduce(comm)
+        if self.size == 1:
+            return None
+        self._count("reduce_scatter", "reduce_scatter", comm.numel(), comm.element_size())
+        if self.gloo:
+            return dist.all_reduce(comm, group=self.group, async_op=True)
+        return dist.reduce_scatter_tensor(comm[self.mine], comm, group=self.group, async_op=True)
+
+    def gather(self, key: str):
+        """Start the all-gather of ``full`` from each rank's range ``full[self.mine]`` (in
+        place; the caller has written its own range). Returns the work or None."""
+        if self.size == 1:
+            return None
+        full = self.full
+        self._count("all_gather", key, full.numel(), full.element_size())
+        if self.gloo:
+            s = self.shard_len
+            return _Works([
+                dist.broadcast(full[r * s : (r + 1) * s], src=global_rank(self.group, r),
+                               group=self.group, async_op=True)
+                for r in range(self.size)
+            ])  # fmt: skip
+        return dist.all_gather_into_tensor(full, full[self.mine], group=self.group, async_op=True)

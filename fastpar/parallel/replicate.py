@@ -1,0 +1,200 @@
+"""The family's two wrappers, one constructor shape:
+
+    model = Replicate(model, optimizer_factory, mesh=mesh, ...)           # stage 0 (DDP)
+    model = Shard(model, optimizer_factory, stage=1 | 2 | 3, mesh=mesh, ...)   # ZeRO
+    loss = loss_fn(model(x), y)
+    model.scale_loss(loss).backward()     # buckets reduce as backward runs
+    skipped, grad_norm = model.step()     # 0-dim device tensors: no host sync
+    model.zero_grad()
+
+``optimizer_factory(params)`` builds the inner optimizer on the fp32 masters (one tensor per
+flat, the same values as the parameters): ``params`` is a list of masters, or, with
+``param_groups`` (a list of dicts whose "params" are the module's parameters, other keys passed
+through), a list of dicts in the same order. Every other argument is the same at every stage:
+
+* ``mesh`` / ``group``: the DP group is ``mesh.dp_group`` (expert parameters: the mesh's
+  expert-DP group), or ``group`` (None = the default group); with a mesh the norm and the
+  overflow flag are agreed over the world and parameters are counted by their TP marks;
+* ``scaler`` (a loss scaler or None), ``max_grad_norm`` (clip to this global norm);
+* ``reduce_dtype``: dtype of the gradient collectives (default fp32; None: the gradients');
+* ``find_unused_parameters``: parameters without a gradient in a backward count as zero
+  instead of raising; ``check_gradients=False`` (no scaler, no clipping): no inf check and no
+  norm (step returns a NaN norm), one pass and one all-reduce fewer;
+* ``bucket_size_mb`` (stages 0-2; default 25): the bucket capacity; ZeRO-3 buckets by unit;
+* ``broadcast_parameters``: start from the first rank's parameters and buffers;
+* ZeRO-3 only: ``wrap`` (module types) or ``min_params`` (the unit policy), ``persist_below``
+  (parameters with fewer elements stay replicated), ``prefetch`` (overlap the next unit's
+  gather with this one's compute).
+
+What every stage provides is the ``fastpar.parallel.DataParallel`` protocol (``no_sync``,
+``finish_grad_sync``, ``step``, ``zero_grad``, ``scale_loss``, ``comm_bytes``,
+``memory_bytes``, checkpoint pieces, ``state_dict``, ``summon_full_params``); the stages differ
+only in where tensors live (``fastpar.parallel.family``). ``optimizer_factory=None``
+(``Replicate`` only): gradient synchronisation alone, ``DistributedDataParallel``'s job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fastpar.parallel.family import FlatDataParallel, MakeOptimizer
+from fastpar.parallel.units import Units
+
+OptimizerFactory = Callable[[list], torch.optim.Optimizer]
+
+
+def parameter_groups(
+    module: nn.Module, factory: OptimizerFactory | None, param_groups: list[dict] | None
+) -> tuple[list[list[nn.Parameter]], MakeOptimizer | None]:
+    """(the module's parameters per optimizer group, how to build the optimizer on the masters
+    of each group) for ``factory`` and ``param_groups``."""
+    if param_groups is None:
+        groups, extra = [list(dict.fromkeys(module.parameters()))], [{}]
+    else:
+        groups = [list(g["params"]) for g in param_groups]
+        extra = [{k: v for k, v in g.items() if k != "params"} for g in param_groups]
+        listed = {id(p) for g in groups for p in g}
+        missing = [p for p in module.parameters() if p.requires_grad and id(p) not in listed]
+        if missing:
+            raise ValueError(
+                f"{len(missing)} trainable parameter(s) are in no entry of param_groups; "
+                "list every parameter of the model once"
+            )
+    if factory is None:
+        return groups, None
+    if param_groups is None:
+        return groups, lambda masters: factory(masters[0])
+    return groups, lambda masters: factory(
+        [{"params": ms, **e} for ms, e in zip(masters, extra, strict=True)]
+    )
+
+
+class Replicate(FlatDataParallel, nn.Module):
+    """Stage 0: every rank holds the whole model, its gradients, masters and optimizer state;
+    gradients are all-reduced in place (``.grad`` holds the DP average when backward returns).
+    Arguments: the module docstring."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer_factory: OptimizerFactory | None = None,
+        *,
+        mesh=None,
+        group: dist.ProcessGroup | None = None,
+        param_groups: list[dict] | None = None,
+        scaler=None,
+        max_grad_norm: float | None = None,
+        reduce_dtype: torch.dtype | None = torch.float32,
+        find_unused_parameters: bool = False,
+        check_gradients: bool = True,
+        bucket_size_mb: float = 25.0,
+        broadcast_parameters: bool = True,
+    ) -> None:
+        nn.Module.__init__(self)
+        self.module = module
+        groups, make = parameter_groups(module, optimizer_factory, param_groups)
+        self._setup(
+            module, groups, make, stage=0, mesh=mesh, group=group,
+            bucket_size_mb=bucket_size_mb, reduce_dtype=reduce_dtype, scaler=scaler,
+            max_grad_norm=max_grad_norm, find_unused_parameters=find_unused_parameters,
+            check_gradients=check_gradients, broadcast_parameters=broadcast_parameters,
+        )  # fmt: skip
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs) -> dict:
+        """With an optimizer: the training state (``FlatDataParallel.state_dict``); for
+        gradient synchronisation only, the module's (nn.Module's)."""
+        if self.optimizer is None:
+            return nn.Module.state_dict(self, *args, **kwargs)
+        return FlatDataParallel.state_dict(self)
+
+    def load_state_dict(self, state: dict, strict: bool = True, **kwargs):  # type: ignore[override]
+        if self.optimizer is None:
+            return nn.Module.load_state_dict(self, state, strict=strict, **kwargs)
+        return FlatDataParallel.load_state_dict(self, state)
+
+
+class Shard(FlatDataParallel, nn.Module):
+    """ZeRO stage 1 (optimizer state and masters sharded), 2 (gradients too) or 3 (parameters
+    too, gathered per unit around its forward and backward). Arguments: the module docstring.
+    Between steps at stage 3 the parameters are empty tensors: read them inside
+    ``summon_full_params()``."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer_factory: OptimizerFactory,
+        *,
+        stage: int = 3,
+        mesh=None,
+        group: dist.ProcessGroup | None = None,
+        param_groups: list[dict] | None = None,
+        scaler=None,
+        max_grad_norm: float | None = None,
+        reduce_dtype: torch.dtype | None = torch.float32,
+        find_unused_parameters: bool = False,
+        check_gradients: bool = True,
+        bucket_size_mb: float | None = None,
+        broadcast_parameters: bool = True,
+        wrap: Sequence[type] | None = None,
+        min_params: int | None = None,
+        persist_below: int = 0,
+        prefetch: bool = True,
+    ) -> None:
+        nn.Module.__init__(self)
+        if stage not in (1, 2, 3):
+            raise ValueError(f"stage must be 1, 2 or 3 (stage 0 is Replicate), got {stage!r}")
+        stage3 = dict(wrap=wrap, min_params=min_params, persist_below=persist_below or None)
+        if stage != 3 and any(v is not None for v in stage3.values()):
+            given = sorted(k for k, v in stage3.items() if v is not None)
+            raise ValueError(f"{given} are ZeRO-3's unit policy: pass them with stage=3 only")
+        if stage == 3 and bucket_size_mb is not None:
+            raise ValueError("bucket_size_mb is for stages 1-2: ZeRO-3 buckets by unit (wrap=)")
+        self.module = module
+        groups, make = parameter_groups(module, optimizer_factory, param_groups)
+        units = Units(self, module, wrap, min_params, prefetch) if stage == 3 else None
+        self._setup(
+            module, groups, make, stage=stage, mesh=mesh, group=group,
+            bucket_size_mb=25.0 if bucket_size_mb is None else bucket_size_mb,
+            reduce_dtype=reduce_dtype, scaler=scaler, max_grad_norm=max_grad_norm,
+            find_unused_parameters=find_unused_parameters, check_gradients=check_gradients,
+            broadcast_parameters=broadcast_parameters, units=units, persist_below=persist_below,
+        )  # fmt: skip
+
+    def forward(self, *args, **kwargs):
+        """Run the wrapped module (stage 3: the root unit is gathered around it)."""
+        if self._units is None:
+            return self.module(*args, **kwargs)
+        self._units.before_forward(0)
+        out = self.module(*args, **kwargs)
+        self._units.after_forward(0, out)
+        return out
+
+    # -- ZeRO-3's counters ---------------------------------------------------------------------
+    @property
+    def units(self):
+        return [] if self._units is None else self._units.units
+
+    @property
+    def peak_gathered_bytes(self) -> int:
+        """Largest total of full parameter buffers alive at once (stage 3)."""
+        return 0 if self._units is None else self._units.peak_gathered_bytes
+
+    @property
+    def _gathered_bytes(self) -> int:
+        return 0 if self._units is None else self._units.gathered_bytes
+
+    def flat_numels(self, sharded: bool = True) -> list[int]:
+        """Unpadded element counts of the (sharded or replicated) flats, for
+        ``fastpar.zero.estimate_memory(..., bucket_numels=...)``."""
+        return [f.bucket.numel for f in self.flats if f.sharded == sharded]
+
+    def padded_numel(self, sharded: bool = True) -> int:
+        """Ψ_padded: elements of the (sharded or replicated) flats, padding included."""
+        return sum(f.padded for f in self.flats if f.sharded == sharded)
