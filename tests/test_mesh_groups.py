@@ -113,6 +113,32 @@ def test_init_refuses_bad_layout_before_any_group():
     assert "initialised: False" in out.stdout
 
 
+def test_init_under_plain_python_points_at_torchrun_and_run_ranks():
+    out = _run_script(
+        """
+        import torch.distributed as dist, fastpar
+        try:
+            fastpar.init(tp=2)
+        except RuntimeError as e:
+            print("refused:", e, "| initialised:", dist.is_initialized())
+        """,
+        {},
+    )
+    assert out.returncode == 0, out.stderr
+    assert "needs 2 or more ranks" in out.stdout
+    assert "torchrun --nproc-per-node 2" in out.stdout
+    assert "fastpar.launch.run_ranks(fn, 2)" in out.stdout
+    assert "pp must be one of []" not in out.stdout
+    assert "initialised: False" in out.stdout
+
+
+def test_a_layout_no_pipeline_size_fixes_names_no_empty_list():
+    from fastpar.mesh.layout import MeshLayout
+
+    with pytest.raises(ValueError, match=r"with tp=4, use a world size that is a multiple of 4"):
+        MeshLayout(2, tp=4)
+
+
 def test_init_half_set_environment_is_an_error():
     out = _run_script("import fastpar\nfastpar.init()\n", {"RANK": "0"})
     assert out.returncode != 0

@@ -200,6 +200,13 @@ def init(
             "RANK and WORLD_SIZE must be set together (torchrun sets both); got "
             f"RANK={os.environ.get('RANK')!r}, WORLD_SIZE={os.environ.get('WORLD_SIZE')!r}"
         )
+    if world_size is None and tp * pp * ep > 1:
+        raise RuntimeError(
+            f"fastpar.init(tp={tp}, pp={pp}, ep={ep}) needs {tp * pp * ep} or more ranks, but this "
+            "is one process with no RANK / WORLD_SIZE: start the script with torchrun "
+            f"(torchrun --nproc-per-node {tp * pp * ep} script.py), or run a function on ranks of "
+            f"this machine with fastpar.launch.run_ranks(fn, {tp * pp * ep})"
+        )
     MeshLayout(world_size or 1, tp=tp, pp=pp, ep=ep, order=order)  # refuse a bad layout early
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -122,10 +122,11 @@ class MeshLayout:
             works = [
                 d for d in range(1, self.world_size + 1) if self.world_size % (d * self.tp) == 0
             ]
+            fits = f"pp must be one of {works}, or use" if works else "use"
             raise ValueError(
                 f"world_size {self.world_size} is not divisible by tp*pp = {self.tp}*{self.pp} "
-                f"= {self.tp * self.pp}; with tp={self.tp}, pp must be one of {works}, or use "
-                f"a world size that is a multiple of {self.tp * self.pp}"
+                f"= {self.tp * self.pp}; with tp={self.tp}, {fits} a world size that is a "
+                f"multiple of {self.tp * self.pp}"
             )
         dp = self.world_size // (self.tp * self.pp)
         if dp % self.ep:
