@@ -14,7 +14,9 @@ marks; ``mark_tied_copy``: a pipeline's copy of a tied embedding saved as the em
 ``directory`` (a directory of ``step_<N>`` checkpoints: numeric order, judging, pruning),
 ``lock`` (one writer per directory), ``dcp`` (torch.distributed.checkpoint through DTensors
 built from the marks: ``to_dtensor_state_dict`` / ``from_dtensor_state_dict``) and ``hf``
-(Hugging Face safetensors both ways; needs ``pip install fastpar[hf]``, imported lazily). An optimizer takes part through the protocol
+(Hugging Face safetensors both ways; needs ``pip install fastpar[hf]``, imported lazily),
+``spans`` (which records of which file a loading rank needs), ``cli`` (``python -m
+fastpar.checkpoint info|verify|export``). An optimizer takes part through the protocol
 of ``fastpar.optim.pieces`` (``checkpoint_pieces`` / ``load_checkpoint_pieces``); the two
 functions of those names here implement it for a torch optimizer.
 

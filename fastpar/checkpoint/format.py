@@ -9,7 +9,8 @@ A checkpoint is a directory::
       common.pt                       rank 0: step, extra, scaler, skipped steps
       metadata.json                   rank 0: every global tensor (name, shape, dtype, how it
                                       was sharded, saved keys), the layout, every file's
-                                      size and sha256, the run id and save id
+                                      size and sha256, which pieces each file holds
+                                      (``spans``), the run id and save id
       COMPLETE                        written last: the sha256 of metadata.json
 
 Every shard file, its sidecar and the metadata carry the training run's id (``run_id``, None
@@ -24,10 +25,14 @@ moment leaves either no ``<path>`` or a complete one.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import io
 import json
 import os
+import sys
+import zipfile
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -141,13 +146,16 @@ def write_marker(directory: str, metadata_sha256: str) -> None:
     )
 
 
-def read_verified(directory: str, entry: dict) -> bytes:
-    """The bytes of the file described by ``entry`` ({file, bytes, sha256}), checked."""
+def read_verified(directory: str, entry: dict, count: Callable[[int], None] | None = None) -> bytes:
+    """The bytes of the file described by ``entry`` ({file, bytes, sha256}), checked;
+    ``count(n)`` is told how many bytes were read."""
     path = os.path.join(directory, entry["file"])
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint {directory}: file {entry['file']} is missing")
     with open(path, "rb") as f:
         data = f.read()
+    if count is not None:
+        count(len(data))
     if len(data) != entry["bytes"]:
         raise CheckpointError(
             f"checkpoint {directory}: {entry['file']} has {len(data)} bytes, the metadata "
@@ -215,3 +223,157 @@ def read_metadata(directory: str) -> dict:
 
 def load_bytes(data: bytes, *, weights_only: bool = True) -> Any:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
+
+
+class _CountingReader(io.RawIOBase):
+    """A read-only file that tells ``count(n)`` the bytes it reads from disk. With ``pages``
+    (a dict kept by the caller), reads go through a cache of ``PAGE``-byte pages, so the
+    parsers that read a zip's directory and pickle twice read the disk once."""
+
+    PAGE = 1024
+
+    def __init__(self, path: str, count: Callable[[int], None], pages: dict | None) -> None:
+        self.f, self.count, self.pages = open(path, "rb"), count, pages  # noqa: SIM115
+        self.pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        if whence == 1:
+            offset += self.pos
+        elif whence == 2:
+            offset += os.fstat(self.f.fileno()).st_size
+        self.pos = offset
+        return offset
+
+    def tell(self) -> int:
+        return self.pos
+
+    def _page(self, i: int) -> bytes:
+        if i not in self.pages:
+            self.f.seek(i * self.PAGE)
+            self.pages[i] = self.f.read(self.PAGE)
+            self.count(len(self.pages[i]))
+        return self.pages[i]
+
+    def readinto(self, b) -> int:
+        view = memoryview(b).cast("B")
+        if self.pages is None:
+            self.f.seek(self.pos)
+            n = self.f.readinto(view) or 0
+            self.count(n)
+        else:
+            n = 0
+            while n < len(view):
+                i, at = divmod(self.pos + n, self.PAGE)
+                chunk = self._page(i)[at : at + len(view) - n]
+                if not chunk:
+                    break
+                view[n : n + len(chunk)] = chunk
+                n += len(chunk)
+        self.pos += n
+        return n
+
+    def close(self) -> None:
+        self.f.close()
+        super().close()
+
+
+class RecordFile:
+    """A shard file (``torch.save``: a zip archive of records) read in part, record by record.
+
+    Opening reads the zip's central directory; ``index()`` the pickled object (its data.pkl
+    record, CRC-32 checked) with every tensor on the meta device; ``read(tensors)`` the records
+    behind such meta tensors, each checked against the CRC-32 the zip holds for it. Only what is
+    asked for is read, and ``count(n)`` is told every byte. ``checkable`` is False when the
+    writer stored no CRC-32s (``torch.serialization.set_crc32_options(False)``) or another byte
+    order: read such a file whole (``read_verified``) instead.
+    """
+
+    def __init__(self, directory: str, entry: dict, count: Callable[[int], None]) -> None:
+        self.directory, self.name, self.count = directory, entry["file"], count
+        self.path = os.path.join(directory, self.name)
+        self._pages: dict[int, bytes] | None = {}  # the directory and index, until index()
+        with self._open() as f:
+            try:
+                with zipfile.ZipFile(f) as z:
+                    infos = z.infolist()
+            except (zipfile.BadZipFile, OSError, ValueError) as e:
+                raise self._corrupted(f"is not a readable torch file ({e})") from e
+        self._infos = sorted(infos, key=lambda i: i.header_offset)
+        self._starts = [i.header_offset for i in self._infos]
+        named = {
+            i.filename.rsplit("/", 1)[-1]: i for i in self._infos if "/data/" not in i.filename
+        }
+        if "data.pkl" not in named:
+            raise self._corrupted("is not a torch.save file (no data.pkl record)")
+        self._pickle, self._order = named["data.pkl"], named.get("byteorder")
+        self.checkable = self._pickle.CRC != 0 and sys.byteorder == "little"
+
+    def _open(self, cached: bool = True) -> _CountingReader:
+        if not os.path.exists(self.path):
+            raise CheckpointError(f"checkpoint {self.directory}: file {self.name} is missing")
+        return _CountingReader(self.path, self.count, self._pages if cached else None)
+
+    def _corrupted(self, what: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {self.directory}: {self.name} {what}: it is corrupted")
+
+    def _record(self, f, info: zipfile.ZipInfo, offset: int | None = None) -> bytes:
+        """The bytes of record ``info`` (data at ``offset``, else after its local header),
+        CRC-32 checked."""
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise self._corrupted(f"holds a compressed record {info.filename}")
+        if offset is None:
+            f.seek(info.header_offset)
+            head = f.read(30)
+            if len(head) != 30 or head[:4] != b"PK\x03\x04":
+                raise self._corrupted(f"has a broken header for {info.filename}")
+            offset = info.header_offset + 30 + int.from_bytes(head[26:28], "little")
+            offset += int.from_bytes(head[28:30], "little")
+        f.seek(offset)
+        data = f.read(info.file_size)
+        if len(data) != info.file_size or (self.checkable and zlib.crc32(data) != info.CRC):
+            raise CheckpointError(
+                f"checkpoint {self.directory}: CRC-32 mismatch for {self.name} (record "
+                f"{info.filename}): the file is corrupted"
+            )
+        return data
+
+    def index(self) -> Any:
+        """The file's object, every tensor on the meta device (its data not read)."""
+        with self._open() as f:
+            if self._order is not None and self._record(f, self._order) != b"little":
+                self.checkable = False
+            self._record(f, self._pickle)
+            f.seek(0)
+            try:
+                return torch.load(f, map_location="meta", weights_only=True)
+            except (RuntimeError, EOFError, ValueError, OSError, AttributeError) as e:
+                raise self._corrupted(f"has an unreadable index ({e})") from e
+            finally:
+                self._pages = None  # later reads are records, read once each
+
+    def read(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The CPU tensors behind meta tensors of ``index()``, their records CRC-32 checked."""
+        out = []
+        with self._open(cached=False) as f:
+            for t in tensors:
+                storage = t.untyped_storage()
+                if storage.nbytes() == 0:
+                    out.append(torch.empty(t.shape, dtype=t.dtype))
+                    continue
+                offset = getattr(storage, "_checkpoint_offset", None)
+                if offset is None:  # a torch that does not say where records lie
+                    raise self._corrupted("gives no record offsets to read it in part")
+                info = self._infos[bisect.bisect_right(self._starts, offset) - 1]
+                if info.file_size != storage.nbytes():
+                    raise self._corrupted(f"holds a record {info.filename} of another size")
+                data = bytearray(self._record(f, info, offset))
+                real = torch.empty(0, dtype=t.dtype)
+                storage = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
+                out.append(real.set_(storage, t.storage_offset(), t.shape, t.stride()))
+        return out
