@@ -175,7 +175,7 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m fastpar.checkpoint",
         description="Inspect, check or export a fastpar checkpoint.",
-        epilog=__doc__.split("\n\n", 2)[2],
+        epilog=__doc__.split("\n\n", 2)[2].replace("``", ""),  # plain text, no reST
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = ap.add_subparsers(dest="command", required=True, metavar="info|verify|export")
