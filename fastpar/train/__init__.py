@@ -21,10 +21,13 @@ range, the world size under torchrun), ``memory`` (activations against this mach
 ``batches`` (data, the batch of a step, the learning rate), ``build`` (the model's blocks,
 parameter groups, loss scaler, data-parallel wrapper and optimizer for a mesh, or for none:
 ``fastpar.verify``'s single-process reference is built by the same code; ``Trainer``), ``loop``
-(``run``: steps and sync points), ``metrics`` (numbers read at sync points, progress, MFU),
+(``run``: steps and sync points), ``metrics`` (numbers read at sync points, progress,
+MFU with attention FLOPs, the JSONL / TensorBoard records),
 ``stop`` (preemption and divergence, alike on every rank), ``checkpointing`` (the checkpoint
-directory), ``peers`` (stopped torchrun siblings), ``launch`` (torchrun's ranks, or ranks
-started by ``fastpar.launch.run_ranks``), ``cli`` (the command).
+directory, each checkpoint with its resolved settings), ``compile`` (``--compile``: each block
+under ``torch.compile``), ``peers`` (stopped torchrun siblings), ``launch`` (torchrun's ranks,
+or ranks started by ``fastpar.launch.run_ranks``), ``cli`` (the command: its flags and
+``--config FILE``).
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ from __future__ import annotations
 from fastpar.train.batches import batch_of, load_data, lr_at
 from fastpar.train.build import Parts, Trainer
 from fastpar.train.checkpointing import latest_checkpoint
-from fastpar.train.cli import main
-from fastpar.train.config import COLLECTIVE_TIMEOUT_S, TrainConfig, build_parser, config_from
+from fastpar.train.cli import build_parser, main
+from fastpar.train.config import COLLECTIVE_TIMEOUT_S, TrainConfig, config_from
 from fastpar.train.launch import launch
 from fastpar.train.loop import run
 from fastpar.train.stop import RunStopped

@@ -14,6 +14,9 @@ decides, the other ranks follow:
 * a fresh run: a new run id; a directory holding another run's checkpoints is refused unless
   ``--allow-other-run``.
 
+Each checkpoint directory also holds the run's resolved settings as ``train_config.json``
+(``CONFIG_FILE``, written by global rank 0 after the save; itself a ``--config`` file).
+
 "This directory's run" is the last lock holder's (the lock file outlives its run), else the run
 of the most recently saved complete checkpoint. Every checkpoint carries the run id (in each
 rank's shard, see ``fastpar.checkpoint.format``) and the run's settings. The lock is released
@@ -23,6 +26,7 @@ after the final step's checkpoint or by ``close_checkpoints``.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import sys
@@ -37,7 +41,17 @@ from fastpar.checkpoint.format import CheckpointError
 from fastpar.checkpoint.lock import DirectoryLock, describe
 from fastpar.train.build import Trainer
 
-__all__ = ["close_checkpoints", "compare_settings", "latest_checkpoint", "open_checkpoints"]
+__all__ = [
+    "CONFIG_FILE",
+    "close_checkpoints",
+    "compare_settings",
+    "latest_checkpoint",
+    "open_checkpoints",
+    "write_config_file",
+]
+
+#: the run's resolved settings (every TrainConfig field) in each checkpoint directory
+CONFIG_FILE = "train_config.json"
 
 #: resuming with another value is REFUSED: these define the parameters (their set, their shapes
 #: or what they compute), so the checkpoint's weights would go into another model (or fail on a
@@ -94,6 +108,15 @@ def compare_settings(saved: dict, cfg) -> tuple[list[str], list[str]]:
         keys = sorted(k for k in set(was) | set(new) if was.get(k) != new.get(k))
         refused += [f"--hf-config {k}: {was.get(k)!r} -> {new.get(k)!r}" for k in keys]
     return refused, warned
+
+
+def write_config_file(cfg, path: str) -> None:
+    """``cfg``'s resolved settings as a JSON ``--config`` file (written whole, then renamed)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(asdict(cfg), f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
 
 
 def _new_run_id() -> str:
@@ -282,6 +305,8 @@ def _save(trainer: Trainer, root: str, step: int, talk: bool) -> None:
             path, model_params=trainer.named_parameters(), optimizer=trainer.opt, mesh=trainer.mesh,
             step=step, extra=extra, overwrite=True, run_id=trainer.run_id,
         )  # fmt: skip
+    if dist.get_rank() == 0:
+        write_config_file(cfg, os.path.join(path, CONFIG_FILE))
     if talk:
         print(f"checkpoint: {path}", flush=True)
     if lock is not None and cfg.keep_last > 0:

@@ -1,23 +1,308 @@
-"""``python -m fastpar.train``: the command. Every flag, the data and (under torchrun) the world
-size are checked before any rank starts or any process group exists: a bad run ends with one
-``error:`` line (one per machine under torchrun: its local rank 0 says it) and exit code 2."""
+"""``python -m fastpar.train``: the command, its flags (``build_parser``: every flag with its
+help and allowed values) and ``--config FILE`` (TOML or JSON; the flags on the command line
+override it). Every flag, the data and (under torchrun) the world size are checked before any
+rank starts or any process group exists: a bad run ends with one ``error:`` line (one per
+machine under torchrun: its local rank 0 says it) and exit code 2."""
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import json
 import os
 import sys
-from dataclasses import asdict
+import typing
+from dataclasses import asdict, fields
 
 from fastpar.checkpoint import CheckpointError
+from fastpar.data import BIN_DTYPES
 from fastpar.launch import RankError
 from fastpar.train.batches import load_data
-from fastpar.train.checks import check_devices, check_world_size, torchrun_world_size
-from fastpar.train.config import build_parser, config_from
+from fastpar.train.checks import (
+    LR_SCHEDULES,
+    TIMEOUT_ENV,
+    check_devices,
+    check_world_size,
+    flag,
+    torchrun_world_size,
+)
+from fastpar.train.config import COLLECTIVE_TIMEOUT_S, DESCRIPTION, TrainConfig, config_from
 from fastpar.train.launch import launch
 from fastpar.train.memory import WARN_FRACTION, estimate
 
+#: every flag's help; "(default X)" is added for a flag whose default is not None
+_HELP = {
+    "model_type": "the model: fastpar's GPT, or its Llama (GQA, RoPE, SwiGLU, RMSNorm)",
+    "tp": "tensor-parallel size: ranks that split every layer's matrices",
+    "pp": "pipeline-parallel size: ranks that split the layers into stages",
+    "dp": "data-parallel size (default 2; under torchrun WORLD_SIZE / (tp*pp)); "
+    "world size = tp*pp*dp",
+    "ep": "expert-parallel size, a divisor of dp: ranks that split each MoE layer's experts "
+    "(default 2; 1 with --hf-config)",
+    "zero": "ZeRO stage over data parallelism: 0 replicated, 1 optimizer state sharded, 2 and "
+    "gradients, 3 and parameters",
+    "precision": "parameters and activations (fp32 master weights for bf16 / fp16; fp16 adds "
+    "a dynamic loss scaler)",
+    "microbatches": "NUMBER of micro-batches each replica splits its share of --batch-size "
+    "into (not a micro-batch size, as Megatron's --micro-batch-size is)",
+    "schedule": "pipeline schedule",
+    "recompute": "recompute each micro-batch's activations in backward instead of keeping them",
+    "steps": "optimizer steps to train (Megatron: --train-iters)",
+    "batch_size": "GLOBAL batch in sequences, over every replica and micro-batch (Megatron: "
+    "--global-batch-size; torchtitan's batch size is per replica)",
+    "lr": "peak learning rate (AdamW)",
+    "min_lr": "where the cosine schedule ends (default: --lr / 10; Megatron's is 0)",
+    "warmup": "linear warm-up steps from 0 to --lr",
+    "lr_schedule": "after the warm-up: " + "; ".join(f"{k}: {v}" for k, v in LR_SCHEDULES.items()),
+    "weight_decay": "AdamW weight decay, on matrices only",
+    "max_grad_norm": "clip the global gradient norm to this",
+    "loss_scale": "fp16: the loss scaler's first scale (Megatron's is 2^32)",
+    "seed": "weights and data: the same seed gives the same run on any layout",
+    "vocab_size": "vocabulary size (default: the tokenizer's, else 256 bytes)",
+    "seq_len": "tokens per sequence",
+    "hidden": "model width",
+    "heads": "attention heads",
+    "layers": "transformer blocks",
+    "ffn": "MLP width (default: gpt 4*hidden, llama 8*hidden/3 rounded up to 64)",
+    "moe_ffn": "llama: width of each expert (default: --ffn)",
+    "kv_heads": "llama: key/value heads for grouped-query attention (default: --heads)",
+    "head_dim": "llama: width of a head (default: hidden / heads)",
+    "rope_theta": "llama: RoPE base",
+    "qk_norm": "llama: Qwen3-style RMSNorm on every query and key head",
+    "attention_bias": "llama: Qwen2-style q/k/v bias",
+    "moe_every": "every N-th block's MLP is a mixture of experts (0: no MoE blocks)",
+    "experts": "experts per MoE layer",
+    "top_k": "experts each token is routed to",
+    "capacity_factor": "MoE capacity factor: tokens over capacity are dropped (default: dropless)",
+    "overlap_chunks": "MoE: split the all-to-all into K chunks overlapped with expert GEMMs "
+    "(1: no overlap)",
+    "sequence_parallel": "split activations between blocks along the sequence over TP",
+    "untied": "an LM head of its own instead of the embedding's weight",
+    "norm": "gpt: the normalisation layers",
+    "data": "a text file, a .npy or a .bin file of token ids (default: an embedded corpus)",
+    "data_dtype": "ids of a .bin file",
+    "tokenizer": "a tokenizer.json (Hugging Face tokenizers) for text data; sets the vocabulary",
+    "hf_config": "a Hugging Face config.json: train that model (random init) with its "
+    "family's built-in plan instead of the GPT / Llama",
+    "checkpoint_dir": "where checkpoints (step_N directories, each with its train_config.json) "
+    "are written and resumed from; the last step is always saved",
+    "save_every": "also save every N steps (0: only the last step)",
+    "keep_last": "keep only the newest N checkpoints (0: keep all)",
+    "resume": "continue from the newest usable checkpoint in --checkpoint-dir",
+    "allow_fresh": "with --resume: start from step 0 when --checkpoint-dir holds no usable "
+    "checkpoint (default: an error)",
+    "allow_other_run": "write into a --checkpoint-dir that holds another run's checkpoints",
+    "collective_timeout": "seconds any collective of any process group may wait before the "
+    f"job fails (a stuck or dead rank; default {TIMEOUT_ENV}, else {COLLECTIVE_TIMEOUT_S:g})",
+    "max_skipped_steps": "end the run after this many consecutive steps skipped for inf/NaN "
+    "gradients (the fp16 loss scaler's, or a non-finite gradient norm)",
+    "debug_checks": "cross-rank input checks that cost a collective per call (shapes into TP "
+    "layers, cross-entropy targets); also FASTPAR_DEBUG_CHECKS=1",
+    "profile": "write a torch.profiler Chrome/Perfetto trace per rank to DIR/trace_rank<R>.json",
+    "profile_steps": "with --profile: record only steps A to B, both included (e.g. 3:5; "
+    "default: every step); the trace marks each as ProfilerStep#N",
+    "log_every": "print and record a line every N steps, and the last (steps in between make "
+    "no host sync)",
+    "quiet": "print nothing but errors and warnings (the profiler's own lines included)",
+    "metrics_file": "append one JSON object per logged step to this file (step, loss, lr, "
+    "grad_norm, tokens/s, MFU, memory, skipped, elapsed; a run from step 0 starts it afresh)",
+    "tensorboard": "write the logged steps' numbers as TensorBoard scalars to DIR (needs "
+    "pip install fastpar[tensorboard])",
+    "peak_tflops": "one device's peak TFLOP/s for MFU (default: known GPUs' dense bf16 peak; "
+    "none on CPUs, so no MFU there)",
+    "compile": "torch.compile each transformer block (the inductor backend; CPUs included)",
+}
+#: the words a flag takes, shown as its metavar (checked by TrainConfig.check, whose error
+#: names the fix)
+_WORDS = {
+    "model_type": ("gpt", "llama"),
+    "precision": ("fp32", "bf16", "fp16"),
+    "zero": (0, 1, 2, 3),
+    "schedule": ("gpipe", "1f1b"),
+    "lr_schedule": tuple(LR_SCHEDULES),
+    "norm": ("rmsnorm", "layernorm"),
+    "data_dtype": tuple(sorted(BIN_DTYPES)),
+}
+#: flags whose default is None (or follows another flag): their types
+_OPTIONAL = {"vocab_size": int, "ffn": int, "moe_ffn": int, "min_lr": float, "kv_heads": int,
+             "head_dim": int, "capacity_factor": float, "data": str, "tokenizer": str,
+             "ep": int, "dp": int, "hf_config": str, "checkpoint_dir": str, "profile": str,
+             "profile_steps": str, "metrics_file": str, "tensorboard": str,
+             "peak_tflops": float}  # fmt: skip
+_METAVARS = {"checkpoint_dir": "DIR", "profile": "DIR", "tensorboard": "DIR", "profile_steps":
+             "A:B", "metrics_file": "FILE", "data": "FILE", "tokenizer": "FILE",
+             "hf_config": "FILE", "peak_tflops": "TFLOPS",
+             "collective_timeout": "SECONDS"}  # fmt: skip
+_GROUPS = {
+    "layout": ("tp", "pp", "dp", "ep", "zero", "microbatches", "schedule", "recompute",
+               "sequence_parallel", "overlap_chunks"),
+    "model": ("model_type", "hf_config", "vocab_size", "seq_len", "hidden", "heads", "layers",
+              "ffn", "moe_ffn", "kv_heads", "head_dim", "rope_theta", "qk_norm",
+              "attention_bias", "norm", "untied", "moe_every", "experts", "top_k",
+              "capacity_factor"),
+    "training": ("steps", "batch_size", "precision", "lr", "min_lr", "warmup", "lr_schedule",
+                 "weight_decay", "max_grad_norm", "loss_scale", "seed", "compile"),
+    "data": ("data", "data_dtype", "tokenizer"),
+    "checkpoints": ("checkpoint_dir", "save_every", "keep_last", "resume", "allow_fresh",
+                    "allow_other_run"),
+    "output": ("log_every", "quiet", "metrics_file", "tensorboard", "peak_tflops", "profile",
+               "profile_steps"),
+    "failures": ("collective_timeout", "max_skipped_steps", "debug_checks"),
+}  # fmt: skip
+EPILOG = """\
+config files:
+  --config FILE reads flags from a TOML (.toml) or JSON file: keys are the flags' names
+  (batch_size or batch-size; model for --model). Flags on the command line override it. An
+  unknown key is an error naming the nearest flag. Every checkpoint directory holds the
+  run's resolved settings as train_config.json, itself a --config file.
 
+where fastpar's flags differ from Megatron-LM and torchtitan:
+  --batch-size     the GLOBAL batch in sequences (Megatron --global-batch-size; torchtitan
+                   counts per data-parallel replica)
+  --microbatches   a COUNT of micro-batches per replica and step, not their size (Megatron
+                   --micro-batch-size is a size, the count follows from it)
+  --tp --pp --dp --ep   sizes (Megatron --tensor-model-parallel-size and so on); --dp may be
+                   left out under torchrun
+  --zero N         the ZeRO stage (Megatron --use-distributed-optimizer is about stage 1)
+  --steps          optimizer steps (Megatron --train-iters)
+  --min-lr         defaults to --lr / 10 (Megatron 0); --loss-scale starts at 4096 (Megatron 2^32)
+"""
+
+
+class TrainParser(argparse.ArgumentParser):
+    """The command's parser: ``--config FILE`` is read first (its values become the
+    defaults), wherever it stands, so the flags on the command line override it."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        argv = sys.argv[1:] if args is None else list(args)
+        path = config_file_path(argv)
+        if path is not None:
+            self.set_defaults(**read_config_file(path))
+        return super().parse_known_args(argv, namespace)
+
+
+def build_parser(prog: str = "python -m fastpar.train") -> argparse.ArgumentParser:
+    ap = TrainParser(
+        prog=prog, description=DESCRIPTION, epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    ap.add_argument(
+        "--config", metavar="FILE", default=None,
+        help="read flags from a TOML or JSON file; flags given here override it",
+    )  # fmt: skip
+    defaults, kinds = TrainConfig(), {f.name: f for f in fields(TrainConfig)}
+    placed = [(ap.add_argument_group(title), names) for title, names in _GROUPS.items()]
+    rest = tuple(n for n in kinds if not any(n in names for _, names in placed))
+    for where, names in [*placed, (ap, rest)]:
+        for name in names:
+            value, text, words = getattr(defaults, name), _HELP[name], _WORDS.get(name)
+            metavar = "{" + ",".join(map(str, words)) + "}" if words else _METAVARS.get(name)
+            if isinstance(value, bool):
+                where.add_argument(flag(name), action=argparse.BooleanOptionalAction,
+                                   default=False, help=text)  # fmt: skip
+            elif name in _OPTIONAL:
+                where.add_argument(
+                    flag(name), dest=name, type=_OPTIONAL[name], default=None,
+                    metavar=metavar, help=text,
+                )  # fmt: skip
+            else:
+                where.add_argument(
+                    flag(name), dest=name, type=type(value), default=value, metavar=metavar,
+                    help=text if "default" in text else f"{text} (default {value})",
+                )  # fmt: skip
+    return ap
+
+
+# -- --config FILE ----------------------------------------------------------------------------
+#: a config file's keys: each field's name, its flag's name without the dashes, and "model"
+_KEYS = {**{f.name: f.name for f in fields(TrainConfig)},
+         **{flag(f.name)[2:]: f.name for f in fields(TrainConfig)}}  # fmt: skip
+
+
+def config_file_path(argv: list[str]) -> str | None:
+    """The FILE of ``--config FILE`` (or ``--config=FILE``) in ``argv``, the last one given."""
+    path = None
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        if arg == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+    return path
+
+
+def _load(path: str) -> dict:
+    """The table of a .toml (tomllib) or .json file; ValueError naming the file."""
+    kind = "toml" if path.endswith(".toml") else "json" if path.endswith(".json") else None
+    if kind is None:
+        raise ValueError(f"--config {path}: name a .toml or a .json file")
+    try:
+        if kind == "json":
+            with open(path) as f:
+                raw = json.load(f)
+        else:
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10
+                import tomli as tomllib  # type: ignore[no-redef]
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+    except (OSError, ValueError) as exc:  # JSONDecodeError, TOMLDecodeError are ValueErrors
+        raise ValueError(f"--config {path}: cannot read it as {kind.upper()} ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise ValueError(f"--config {path}: the file must hold a table of flags, not a list")
+    return raw
+
+
+def _flat(raw: dict) -> dict:
+    """Tables ([layout], [model], ...: any name) merged into one level."""
+    out: dict = {}
+    for key, value in raw.items():
+        out.update(_flat(value) if isinstance(value, dict) else {key: value})
+    return out
+
+
+def _typed(path: str, key: str, value, kind):
+    """``value`` as the field's type (an int is a float too), or ValueError."""
+    args = typing.get_args(kind)
+    if value is None and type(None) in args:
+        return None
+    base = next((a for a in args if a is not type(None)), kind) if args else kind
+    if base is bool:
+        ok = isinstance(value, bool)
+    else:
+        numeric = (base,) if base is not float else (int, float)
+        ok = isinstance(value, numeric) and not isinstance(value, bool)
+    if not ok:
+        raise ValueError(
+            f"--config {path}: {key} = {value!r} must be {base.__name__}"
+            + (" or null" if value is None else "")
+        )
+    return float(value) if base is float else value
+
+
+def read_config_file(path: str) -> dict:
+    """The flags of a TOML or JSON file as {field: value}: keys are the flags' names
+    (``batch_size`` or ``batch-size``; ``model`` for --model). An unknown key or a value of the
+    wrong type is a ValueError naming the key (and the nearest flag)."""
+    hints = typing.get_type_hints(TrainConfig)
+    values = {}
+    for key, value in _flat(_load(path)).items():
+        name = _KEYS.get(key)
+        if name is None:
+            near = difflib.get_close_matches(key, list(_KEYS), n=1, cutoff=0.6)
+            hint = (
+                f"did you mean {_KEYS[near[0]]} ({flag(_KEYS[near[0]])})?"
+                if near
+                else "the keys are the flags' names (python -m fastpar.train --help)"
+            )
+            raise ValueError(f"--config {path}: unknown key {key!r}: {hint}")
+        values[name] = _typed(path, key, value, hints[name])
+    return values
+
+
+# -- the command -------------------------------------------------------------------------------
 def _says() -> bool:
     """Whether this process reports a refused run: all but torchrun's local ranks > 0."""
     return os.environ.get("LOCAL_RANK", "0") == "0"
@@ -56,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         records = launch(cfg, tokens=tokens)
     except RankError as exc:  # a refusal on the ranks (a checkpoint directory, a plan): one line
-        if isinstance(exc.exception, (CheckpointError, ValueError)):
+        if isinstance(exc.exception, (CheckpointError, ValueError, ImportError)):
             return refuse(exc.exception)
         raise
     if records and not cfg.quiet and "RANK" not in os.environ:

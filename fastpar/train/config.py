@@ -4,6 +4,8 @@ command line that fills them."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import math
 import os
 from dataclasses import dataclass, field, fields
 
@@ -14,7 +16,6 @@ from fastpar.data import (
 from fastpar.mesh import MeshLayout
 from fastpar.models import GPTConfig, LlamaConfig
 from fastpar.train.checks import (
-    LR_SCHEDULES,
     TIMEOUT_ENV,
     check_ranges,
     flag,
@@ -105,8 +106,13 @@ class TrainConfig:
     max_skipped_steps: int = 20
     debug_checks: bool = False
     profile: str | None = None
+    profile_steps: str | None = None
     log_every: int = 1
     quiet: bool = False
+    metrics_file: str | None = None
+    tensorboard: str | None = None
+    peak_tflops: float | None = None
+    compile: bool = False
 
     @property
     def model_name(self) -> str:
@@ -243,11 +249,47 @@ class TrainConfig:
                 f"--pp {self.pp} exceeds the {layers + 2} pipeline blocks of the model"
             )
 
+    @property
+    def profile_window(self) -> tuple[int, int]:
+        """(first, last) step --profile records, both included (1-based, as the log line
+        counts): --profile-steps A:B, else every step."""
+        if self.profile_steps is None:
+            return 1, self.steps
+        first, last = (int(v) for v in self.profile_steps.split(":"))
+        return first, last
+
+    def _check_outputs(self) -> None:
+        """--profile-steps, --peak-tflops, --metrics-file and --tensorboard."""
+        if self.profile_steps is not None:
+            what = f"--profile-steps {self.profile_steps!r}"
+            if not self.profile:
+                raise ValueError(f"{what} needs --profile DIR (where the traces go): add it")
+            parts = self.profile_steps.split(":")
+            if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+                raise ValueError(f"{what} must be A:B, two step numbers (e.g. 3:5)")
+            first, last = self.profile_window
+            if not 1 <= first <= last <= self.steps:
+                raise ValueError(
+                    f"{what} must satisfy 1 <= A <= B <= --steps {self.steps} (steps A to B "
+                    f"are recorded, both included)"
+                )
+        peak = self.peak_tflops
+        if peak is not None and not (math.isfinite(peak) and peak > 0):
+            raise ValueError(f"--peak-tflops {peak:g} must be a positive finite number (TFLOP/s)")
+        if self.metrics_file and os.path.isdir(self.metrics_file):
+            raise ValueError(f"--metrics-file {self.metrics_file} is a directory: pass a file")
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ImportError(
+                "--tensorboard needs the tensorboard package, which is not installed: "
+                "pip install fastpar[tensorboard]"
+            )
+
     def check(self) -> None:
         """Refuse an impossible run before any process group exists: one ValueError line naming
         the value and the fix (the data are checked by ``load_data``; the world size under
         torchrun by ``check_world_size``)."""
         check_ranges(self)
+        self._check_outputs()
         self._check_model_flags()
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"precision must be fp32, bf16 or fp16, got {self.precision!r}")
@@ -265,70 +307,6 @@ class TrainConfig:
         if not self.hf_config:
             self.model().check(self.tp, self.pp, self.ep)
             check_memory(self)  # activations that clearly do not fit this machine
-
-
-#: flags whose default is None: (type, help)
-_OPTIONAL_FLAGS = {
-    "vocab_size": (int, "vocabulary size (default: the tokenizer's, else 256 bytes)"),
-    "ffn": (int, "MLP width (default: gpt 4·hidden, llama 8·hidden/3 rounded up to 64)"),
-    "moe_ffn": (int, "llama: width of each expert (default: --ffn)"),
-    "min_lr": (float, "where the cosine schedule ends (default: --lr / 10)"),
-    "kv_heads": (int, "llama: key/value heads for grouped-query attention (default: heads)"),
-    "head_dim": (int, "llama: width of a head (default: hidden / heads)"),
-    "capacity_factor": (float, "MoE capacity factor (default: dropless)"),
-    "data": (str, "a text file, a .npy or a .bin file of token ids (default: embedded corpus)"),
-    "tokenizer": (str, "a tokenizer.json (HF tokenizers) for text data; sets the vocabulary"),
-    "ep": (int, "expert-parallel size (default 2; 1 with --hf-config)"),
-    "dp": (int, "data-parallel size (default 2; under torchrun WORLD_SIZE / (tp*pp))"),
-    "hf_config": (
-        str,
-        "a Hugging Face config.json: train that model (random init) with its "
-        "family's built-in plan instead of the GPT / Llama",
-    ),
-    "checkpoint_dir": (str, None),
-    "profile": (str, None),
-}
-_HELP = {
-    "keep_last": "keep only the newest N checkpoints (0: keep all)",
-    "allow_fresh": "with --resume: start from step 0 when --checkpoint-dir holds no usable "
-    "checkpoint (default: an error)",
-    "allow_other_run": "write into a --checkpoint-dir that holds another run's checkpoints",
-    "collective_timeout": "seconds any collective of any process group may wait before the "
-    f"job fails (a stuck or dead rank; default {TIMEOUT_ENV}, else {COLLECTIVE_TIMEOUT_S:g})",
-    "max_skipped_steps": "end the run after this many consecutive steps skipped for inf/NaN "
-    "gradients (the fp16 loss scaler's, or a non-finite gradient norm)",
-    "debug_checks": "cross-rank input checks that cost a collective per call (shapes into TP "
-    "layers, cross-entropy targets); also FASTPAR_DEBUG_CHECKS=1",
-    "model_type": "gpt or llama",
-    "lr_schedule": "after the warm-up: " + "; ".join(f"{k}: {v}" for k, v in LR_SCHEDULES.items()),
-    "data_dtype": "ids of a .bin file: uint16 or uint32",
-    "qk_norm": "llama: Qwen3-style RMSNorm on every query and key head",
-    "attention_bias": "llama: Qwen2-style q/k/v bias",
-    "rope_theta": "llama: RoPE base",
-}
-
-
-def build_parser(prog: str = "python -m fastpar.train") -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog=prog,
-        description=DESCRIPTION,
-    )
-    defaults = TrainConfig()
-    for f in fields(TrainConfig):
-        value = getattr(defaults, f.name)
-        extra = f"{_HELP[f.name]} " if f.name in _HELP else ""
-        if isinstance(value, bool):
-            ap.add_argument(flag(f.name), action="store_true", help=f"{extra}(default {value})")
-        elif f.name in _OPTIONAL_FLAGS:
-            kind, text = _OPTIONAL_FLAGS[f.name]
-            ap.add_argument(flag(f.name), type=kind, default=None, help=text)
-        else:
-            ap.add_argument(
-                flag(f.name), dest=f.name, type=type(value), default=value,
-                metavar="{gpt,llama}" if f.name == "model_type" else None,
-                help=f"{extra}(default {value})",
-            )  # fmt: skip
-    return ap
 
 
 def config_from(args: argparse.Namespace, world: int | None = None) -> TrainConfig:

@@ -7,7 +7,11 @@ loss, gradient norm and skipped flag stay on the device until the next sync poin
 them all at once (``fastpar.train.metrics.resolve``), agrees over every rank on a stop (a
 signal received, a divergence in any step since the last sync point) and on the peak memory
 (one all-reduce), prints, saves, and stops. A SIGTERM / SIGINT is acted on at the next sync
-point; a divergence found there stops the run before anything is saved.
+point; a divergence found there stops the run before anything is saved. A logged step's
+numbers go to rank 0's progress line and, with --metrics-file / --tensorboard, to a JSON line
+and TensorBoard scalars (``fastpar.train.metrics``). --profile records the steps of
+--profile-steps (all by default) under a ``torch.profiler`` schedule, each in a
+``ProfilerStep#N`` range, N the step's number.
 """
 
 from __future__ import annotations
@@ -24,8 +28,18 @@ from fastpar.checkpoint.directory import step_dir
 from fastpar.mesh import ParallelMesh
 from fastpar.train.build import Trainer
 from fastpar.train.checkpointing import _save, close_checkpoints, open_checkpoints
+from fastpar.train.compile import compile_blocks
 from fastpar.train.config import TrainConfig
-from fastpar.train.metrics import global_param_count, memory_mib, mfu, progress_line, resolve
+from fastpar.train.metrics import (
+    MetricsWriter,
+    flops_per_token,
+    memory_mib,
+    metrics_row,
+    param_counts,
+    progress_line,
+    reserved_mib,
+    resolve,
+)
 from fastpar.train.stop import RunStopped, StopSignals, agree, signal_name, weights_fit
 
 
@@ -46,6 +60,8 @@ def run(cfg: TrainConfig, tokens=None) -> list[dict]:
             else torch.device("cpu")
         )
         trainer = Trainer(cfg, mesh, device, tokens)
+        if cfg.compile:
+            compile_blocks(trainer.stage_module)
         try:
             return _train(cfg, trainer, signals)
         finally:
@@ -55,7 +71,8 @@ def run(cfg: TrainConfig, tokens=None) -> list[dict]:
 def _train(cfg: TrainConfig, trainer: Trainer, signals: StopSignals) -> list[dict]:
     talk = dist.get_rank() == 0 and not cfg.quiet
     start = open_checkpoints(trainer, talk)  # lock, run id, resume; 0 without --checkpoint-dir
-    total_params = global_param_count(trainer.stage_module, trainer.mesh, trainer.device)
+    counts = param_counts(trainer.stage_module, trainer.mesh, trainer.device)
+    total_params = counts["total"]
     if talk:
         n = sum(p.numel() for p in trainer.stage_module.parameters())
         print(
@@ -64,17 +81,25 @@ def _train(cfg: TrainConfig, trainer: Trainer, signals: StopSignals) -> list[dic
             f"micro-batches, {dist.get_backend()}; {total_params:,} parameters, rank 0 holds {n:,}",
             flush=True,
         )
-    return _steps(cfg, trainer, start, total_params, talk, signals)
+    writer = MetricsWriter(cfg, resumed=start > 0) if dist.get_rank() == 0 else None
+    try:
+        return _steps(cfg, trainer, start, flops_per_token(cfg, counts), talk, signals, writer)
+    finally:
+        if writer is not None:
+            writer.close()
 
 
 def _steps(
-    cfg: TrainConfig, trainer: Trainer, start: int, total_params: int, talk: bool, signals
+    cfg: TrainConfig, trainer: Trainer, start: int, flops: float, talk: bool, signals, writer
 ) -> list[dict]:
-    prof = _profiler(cfg, trainer.device) if cfg.profile else contextlib.nullcontext()
-    sync = SyncPoint(cfg, trainer, signals, talk, total_params)
+    profiling = bool(cfg.profile) and start < cfg.profile_window[1]  # (resumed past it: no)
+    prof = _profiler(cfg, trainer.device) if profiling else contextlib.nullcontext()
+    sync = SyncPoint(cfg, trainer, signals, talk, flops, writer, start)
     records: list[dict] = []
     pending: list[dict] = []  # the steps since the last sync point, their numbers on the device
     with prof as p:
+        while p is not None and p.step_num <= start:
+            p.step()  # the profiler's step N is the run's step N (0: before the first)
         for _ in range(start, cfg.steps):
             rec = trainer.step()
             records.append(rec)
@@ -85,12 +110,13 @@ def _steps(
             if logged or _saves(cfg, rec["step"]):
                 sync(pending, logged)
                 pending = []
-    if cfg.profile:
-        os.makedirs(cfg.profile, exist_ok=True)
-        path = os.path.join(cfg.profile, f"trace_rank{dist.get_rank()}.json")
-        p.export_chrome_trace(path)
-        if talk:
-            print(f"profile: Chrome/Perfetto traces in {cfg.profile}/trace_rank*.json", flush=True)
+    if profiling and talk:
+        first, last = cfg.profile_window
+        print(
+            f"profile: steps {max(first, start + 1)}-{last}, Chrome/Perfetto traces in "
+            f"{cfg.profile}/trace_rank*.json",
+            flush=True,
+        )
     return records
 
 
@@ -98,10 +124,12 @@ class SyncPoint:
     """A logged or save step: the numbers of the steps since the last one, the agreement (stop
     signal, divergence, memory), the progress line, the checkpoint; raises ``RunStopped``."""
 
-    def __init__(self, cfg, trainer: Trainer, signals, talk: bool, total_params: int) -> None:
+    def __init__(self, cfg, trainer: Trainer, signals, talk: bool, flops: float, writer,
+                 start: int) -> None:  # fmt: skip
         self.cfg, self.trainer, self.signals, self.talk = cfg, trainer, signals, talk
-        self.total_params, self.watch = total_params, Divergence(cfg, trainer)
-        self.since = time.perf_counter()
+        self.flops, self.writer, self.watch = flops, writer, Divergence(cfg, trainer)
+        self.start, self.skipped = start, 0  # skipped since the last logged step
+        self.began = self.since = time.perf_counter()
 
     def __call__(self, pending: list[dict], logged: bool) -> None:
         cfg, trainer, device = self.cfg, self.trainer, self.trainer.device
@@ -114,12 +142,19 @@ class SyncPoint:
         )
         if any_diverged and diverged is None:  # (the numbers are alike on every rank)
             diverged = RunStopped(f"diverged by step {step} on another rank", step, "divergence")
+        self.skipped += sum(bool(r["skipped"]) for r in pending)
         if logged or diverged is not None:
             rec["max_mem_mib"] = mem
+            row = metrics_row(
+                cfg, pending, seconds=seconds, elapsed=time.perf_counter() - self.began,
+                steps_run=step - self.start, flops=self.flops, device=device,
+                mem=(mem, reserved_mib(device)), skipped_steps=self.skipped,
+            )  # fmt: skip
+            self.skipped = 0
+            if self.writer is not None:
+                self.writer.write(row)
             if self.talk:
-                tps = cfg.batch_size * cfg.seq_len * len(pending) / max(seconds, 1e-9)
-                mfu_value = mfu(tps, self.total_params, device, cfg.world_size)
-                print(progress_line(cfg, rec, tps, mfu_value), flush=True)
+                print(progress_line(cfg, row), flush=True)
         if diverged is not None:
             raise diverged
         preempted = bool(signum) and step < cfg.steps
@@ -195,7 +230,24 @@ def _check_weights(cfg, trainer: Trainer, step: int) -> None:
 
 
 def _profiler(cfg: TrainConfig, device: torch.device):
+    """A ``torch.profiler.profile`` whose step N is the run's step N (``_steps`` steps it to
+    ``start + 1`` first): waits until step A - 1 of --profile-steps A:B, warms up in it, records
+    steps A to B and writes this rank's trace to ``DIR/trace_rank<R>.json`` (also when the run
+    stops inside the window). Under --quiet Kineto's own log lines are off
+    (``KINETO_LOG_LEVEL``, unless set)."""
+    if cfg.quiet:
+        os.environ.setdefault("KINETO_LOG_LEVEL", "99")  # read at this process's first profile
+    first, last = cfg.profile_window
     acts = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(activities=acts, record_shapes=False)
+    path = os.path.join(cfg.profile, f"trace_rank{dist.get_rank()}.json")
+
+    def export(prof) -> None:
+        os.makedirs(cfg.profile, exist_ok=True)
+        prof.export_chrome_trace(path)
+
+    schedule = torch.profiler.schedule(wait=first - 1, warmup=1, active=last - first + 1, repeat=1)
+    return torch.profiler.profile(
+        activities=acts, schedule=schedule, on_trace_ready=export, record_shapes=False
+    )

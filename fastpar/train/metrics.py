@@ -1,18 +1,49 @@
 """A run's numbers, read on the steps that need them: the losses, gradient norms and skipped
 flags of the steps since the last read (``resolve``: one host sync), the memory, the progress
-line, tokens per second and MFU."""
+line, tokens per second, FLOPs per token and MFU, and the row of a logged step (``MetricsWriter``
+writes it as a JSON line and TensorBoard scalars).
+
+MFU (model FLOPs utilisation) counts, per token, forward + backward (PaLM, appendix B; the
+convention torchtitan uses)::
+
+    flops_per_token = 6 * N + 12 * L * H * Q * S
+
+``N``: the parameters a token's matmuls use, each counted once across the layout: every
+parameter except the input embedding tables (token and position: a lookup, no matmul), plus
+the LM head's matmul (vocab x hidden) when it is tied to the token embedding; of each fastpar
+MoE layer's experts only the top_k / num_experts share a token visits (the router in full; a
+Hugging Face MoE's experts count in full). ``12 * L * H * Q * S``: attention's two
+sequence-length matmuls (Q K^T and the weighted sum of V) over ``L`` layers of ``H`` heads of
+width ``Q`` at sequence length ``S``, for the full S x S score matrix (non-causal counting: no
+halving for the causal mask, as PaLM and torchtitan). Activation recompute is not counted (that
+would be hardware FLOPs utilisation). MFU = flops_per_token x global tokens/s / (peak x
+devices): the peak is ``--peak-tflops`` (per device), else the dense bf16 tensor-core peak of a
+known GPU (``PEAK_FLOPS``); elsewhere (a CPU) MFU is None, never a guess.
+"""
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import resource
+import time
 
 import torch
 import torch.distributed as dist
 
 from fastpar.amp.norm import counts_on_this_rank
 
-#: dense bf16 tensor-core peak FLOP/s by device name (for MFU)
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+#: dense (no sparsity) bf16 tensor-core peak FLOP/s by device name, for MFU; the first key that
+#: is part of torch.cuda.get_device_name() wins (so "H100 PCIe" before "H100")
+PEAK_FLOPS = {
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H100": 989e12,
+    "H200": 989e12,
+    "A100": 312e12,
+}
+TENSORBOARD_HINT = "pip install fastpar[tensorboard]"
 
 
 def resolve(records: list[dict], mesh, device: torch.device) -> None:
@@ -38,22 +69,97 @@ def resolve(records: list[dict], mesh, device: torch.device) -> None:
         r["skipped"] = values[2 * k + i] > 0
 
 
+def _is_embedding(module: torch.nn.Module) -> bool:
+    from fastpar.nn import VocabParallelEmbedding
+
+    return isinstance(module, (torch.nn.Embedding, VocabParallelEmbedding))
+
+
+def param_counts(module: torch.nn.Module, mesh, device: torch.device) -> dict[str, int]:
+    """Parameters of the whole model, each counted once across the layout (one all-reduce):
+    ``total``; ``embedding`` (of embedding tables); ``experts`` (of fastpar MoE layers' experts,
+    the router left out)."""
+    from fastpar.moe import MoE
+
+    embedding, experts = set(), set()
+    for m in module.modules():
+        if _is_embedding(m):
+            embedding.update(id(p) for p in m.parameters())
+        elif isinstance(m, MoE):
+            router = {id(p) for p in m.router.parameters()}
+            experts.update(id(p) for p in m.parameters() if id(p) not in router)
+    counts = [0.0, 0.0, 0.0]
+    for p in module.parameters():
+        if counts_on_this_rank(p, mesh=mesh):
+            counts[0] += p.numel()
+            counts[1] += p.numel() if id(p) in embedding else 0
+            counts[2] += p.numel() if id(p) in experts else 0
+    t = torch.tensor(counts, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    total, emb, exp = (int(v) for v in t.tolist())
+    return {"total": total, "embedding": emb, "experts": exp}
+
+
 def global_param_count(module: torch.nn.Module, mesh, device: torch.device) -> int:
     """Parameters of the whole model, each counted once across the layout (one all-reduce)."""
-    n = sum(p.numel() for p in module.parameters() if counts_on_this_rank(p, mesh=mesh))
-    t = torch.tensor(float(n), device=device)
-    dist.all_reduce(t)
-    return int(t.item())
+    return param_counts(module, mesh, device)["total"]
 
 
-def mfu(tokens_per_s: float, params: int, device: torch.device, world: int) -> float | None:
-    """Model FLOPs utilisation: 6 FLOPs per parameter per token (forward + backward) against the
-    GPUs' peak; None off CUDA or on a device not in PEAK_FLOPS."""
+def model_shape(cfg) -> dict:
+    """What the FLOPs count needs beyond the parameters: layers, heads, head width, hidden,
+    whether the LM head is tied to the embedding; and MoE's top_k / num_experts."""
+    if cfg.hf_config:
+        from fastpar.models.hf import load_config
+
+        c = load_config(cfg.hf_config)
+        heads = c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        return dict(layers=c.num_hidden_layers, heads=heads, head_dim=head_dim,
+                    hidden=c.hidden_size, tied=bool(getattr(c, "tie_word_embeddings", False)),
+                    expert_share=1.0)  # fmt: skip
+    head_dim = cfg.head_dim if cfg.model_type == "llama" and cfg.head_dim else None
+    return dict(layers=cfg.layers, heads=cfg.heads, head_dim=head_dim or cfg.hidden // cfg.heads,
+                hidden=cfg.hidden, tied=not cfg.untied,
+                expert_share=cfg.top_k / cfg.experts)  # fmt: skip
+
+
+def flops_per_token(cfg, counts: dict[str, int]) -> float:
+    """Training FLOPs per token (forward + backward): 6 N + 12 L H Q S (the module's
+    docstring says what N counts)."""
+    shape = model_shape(cfg)
+    n = counts["total"] - counts["embedding"] - counts["experts"] * (1 - shape["expert_share"])
+    if shape["tied"]:
+        n += cfg.vocab * shape["hidden"]
+    attention = 12 * shape["layers"] * shape["heads"] * shape["head_dim"] * cfg.seq_len
+    return 6.0 * n + attention
+
+
+def peak_flops(device: torch.device, peak_tflops: float | None = None) -> float | None:
+    """One device's peak FLOP/s: ``peak_tflops`` (TFLOP/s) when given, else a known GPU's
+    dense bf16 peak (``PEAK_FLOPS``), else None."""
+    if peak_tflops is not None:
+        return peak_tflops * 1e12
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    peak = next((v for k, v in PEAK_FLOPS.items() if k in name), None)
-    return None if peak is None else 6 * params * tokens_per_s / (peak * world)
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def mfu(
+    tokens_per_s: float,
+    params: int,
+    device: torch.device,
+    world: int,
+    *,
+    flops_per_token: float | None = None,
+    peak_tflops: float | None = None,
+) -> float | None:
+    """Model FLOPs utilisation: ``flops_per_token`` (default 6 per parameter) x global
+    ``tokens_per_s`` against ``world`` devices' peak (``peak_flops``); None when no peak is
+    known (a CPU without ``peak_tflops``)."""
+    peak = peak_flops(device, peak_tflops)
+    per_token = 6.0 * params if flops_per_token is None else flops_per_token
+    return None if peak is None else per_token * tokens_per_s / (peak * world)
 
 
 def memory_mib(device: torch.device) -> float:
@@ -63,18 +169,141 @@ def memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def reserved_mib(device: torch.device, mesh=None) -> float | None:
+    """The largest peak of memory reserved by torch's CUDA caching allocator over the ranks
+    (one MAX all-reduce); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    t = torch.tensor([torch.cuda.max_memory_reserved(device) / 2**20], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def memory_kind(device: torch.device) -> str:
+    """What ``memory_mib`` measures: "cuda" (peak allocated by tensors) or "rss" (the
+    process's peak resident set: torch itself included)."""
+    return "cuda" if device.type == "cuda" else "rss"
+
+
+def _clock(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "?"
+    s = round(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
 def bar(done: int, total: int, width: int = 24) -> str:
     filled = int(width * done / max(1, total))
     return "[" + "#" * filled + "." * (width - filled) + "]"
 
 
-def progress_line(cfg, rec: dict, tokens_per_s: float, mfu_value: float | None) -> str:
-    """Rank 0's line for a logged step."""
-    step = rec["step"]
+def _memory_text(row: dict) -> str:
+    if row["mem_kind"] == "cuda":
+        return (
+            f"mem {row['mem_mib']:.0f} MiB alloc / {row['mem_reserved_mib'] or 0:.0f} MiB "
+            "reserved (peak/rank)"
+        )
+    return f"mem {row['mem_mib']:.0f} MiB RSS (peak/rank)"
+
+
+def progress_line(cfg, row: dict) -> str:
+    """Rank 0's line for a logged step (``row``: ``metrics_row``'s)."""
+    step = row["step"]
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row["time"]))
+    loss = "nan" if row["loss"] is None else f"{row['loss']:.4f}"
+    norm = "nan" if row["grad_norm"] is None else f"{row['grad_norm']:.3f}"
     return (
-        f"{bar(step, cfg.steps)} step {step:>4}/{cfg.steps} | loss {rec['loss']:.4f} "
-        f"| lr {rec['lr']:.2e} | grad-norm {rec['grad_norm']:.3f} | {tokens_per_s:,.0f} tok/s "
-        f"| mem {rec['max_mem_mib']:.0f} MiB/rank"
-        + (f" | MFU {mfu_value:.1%}" if mfu_value is not None else "")
-        + (" | skipped" if rec["skipped"] else "")
+        f"{stamp} {bar(step, cfg.steps)} step {step:>4}/{cfg.steps} | loss {loss} "
+        f"| lr {row['lr']:.2e} | grad-norm {norm} | {row['tokens_per_s']:,.0f} tok/s "
+        f"({row['tokens_per_s_per_device']:,.0f}/device) | {_memory_text(row)}"
+        + (f" | MFU {row['mfu']:.1%}" if row["mfu"] is not None else "")
+        + f" | elapsed {_clock(row['elapsed_s'])} | ETA {_clock(row['eta_s'])}"
+        + (" | skipped" if row["skipped"] else "")
     )
+
+
+def _finite(x: float) -> float | None:
+    """JSON has no NaN / inf: a non-finite number is written as null."""
+    return x if math.isfinite(x) else None
+
+
+def metrics_row(cfg, pending: list[dict], *, seconds: float, elapsed: float, steps_run: int,
+                flops: float, device: torch.device, mem: tuple[float, float | None],
+                skipped_steps: int) -> dict:  # fmt: skip
+    """The numbers of a logged step (the last of ``pending``, the steps since the last sync
+    point, resolved): what the progress line prints and the JSONL / TensorBoard record.
+    ``seconds``: their wall time; ``elapsed``: since the run's first step, ``steps_run`` steps
+    ago; ``flops``: FLOPs per token; ``mem``: (peak MiB per rank, CUDA reserved MiB or None);
+    ``skipped_steps``: steps skipped since the last logged step, this one included."""
+    rec = pending[-1]
+    tps = cfg.batch_size * cfg.seq_len * len(pending) / max(seconds, 1e-9)
+    per_step = elapsed / max(steps_run, 1)
+    return {
+        "step": rec["step"],
+        "steps": cfg.steps,
+        "loss": _finite(rec["loss"]),
+        "lr": rec["lr"],
+        "grad_norm": _finite(rec["grad_norm"]),
+        "tokens_per_s": tps,
+        "tokens_per_s_per_device": tps / cfg.world_size,
+        "flops_per_token": flops,
+        "mfu": mfu(
+            tps, 0, device, cfg.world_size, flops_per_token=flops, peak_tflops=cfg.peak_tflops
+        ),
+        "mem_kind": memory_kind(device),
+        "mem_mib": mem[0],
+        "mem_reserved_mib": mem[1],
+        "skipped": bool(rec["skipped"]),
+        "skipped_steps": skipped_steps,
+        "time": time.time(),
+        "elapsed_s": elapsed,
+        "eta_s": per_step * (cfg.steps - rec["step"]),
+    }
+
+
+def open_tensorboard(log_dir: str):
+    """A ``torch.utils.tensorboard.SummaryWriter`` (needs the ``tensorboard`` package)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        raise ImportError(
+            f"--tensorboard needs the tensorboard package ({exc}): {TENSORBOARD_HINT}"
+        ) from exc
+    return SummaryWriter(log_dir=log_dir)
+
+
+#: the row's numbers TensorBoard plots, under "train/<name>"
+SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_device", "mfu",
+           "mem_mib", "mem_reserved_mib", "skipped_steps")  # fmt: skip
+
+
+class MetricsWriter:
+    """Rank 0's records of logged steps: one JSON object a line in ``--metrics-file``
+    (truncated by a run from step 0, appended to by a resumed one) and scalars under
+    ``--tensorboard DIR``. A no-op when neither is set."""
+
+    def __init__(self, cfg, resumed: bool) -> None:
+        self.file = self.tb = None
+        if cfg.metrics_file:
+            parent = os.path.dirname(os.path.abspath(cfg.metrics_file))
+            os.makedirs(parent, exist_ok=True)
+            self.file = open(cfg.metrics_file, "a" if resumed else "w")  # noqa: SIM115
+        if cfg.tensorboard:
+            self.tb = open_tensorboard(cfg.tensorboard)
+
+    def write(self, row: dict) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(row, allow_nan=False) + "\n")
+            self.file.flush()
+        if self.tb is not None:
+            for name in SCALARS:
+                if row.get(name) is not None:
+                    self.tb.add_scalar(f"train/{name}", row[name], row["step"])
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+        self.file = self.tb = None

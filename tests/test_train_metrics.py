@@ -1,0 +1,165 @@
+"""The trainer's metrics: the JSONL schema of --metrics-file (one object per logged step), the
+FLOPs per token counted by hand (6 N + 12 L H Q S), MFU only where a peak is known or given,
+memory labelled with what it measures, the progress line's timestamp / elapsed / ETA, and
+TensorBoard scalars (or a clear error without the package)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from _no_ranks import forbid_ranks
+
+from fastpar.models import build_model
+from fastpar.train import TrainConfig, launch, main, metrics
+
+#: 2 ranks (dp 2), dense, a step in milliseconds
+TINY = dict(tp=1, pp=1, dp=2, ep=1, moe_every=0, steps=4, log_every=2, batch_size=4, seq_len=16,
+            hidden=32, heads=2, layers=2, warmup=0, lr_schedule="constant")  # fmt: skip
+KEYS = {"step", "steps", "loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_device",
+        "flops_per_token", "mfu", "mem_kind", "mem_mib", "mem_reserved_mib", "skipped",
+        "skipped_steps", "time", "elapsed_s", "eta_s"}  # fmt: skip
+
+
+def _flops_by_hand(cfg: TrainConfig) -> float:
+    """6 N + 12 L H Q S, N: every distinct parameter of the single-process model but the token
+    and position tables, plus the tied LM head's vocab x hidden matmul."""
+    blocks = build_model(cfg.model(), None)
+    params = {id(p): p for b in blocks for p in b.parameters()}
+    total = sum(p.numel() for p in params.values())
+    tables = blocks[0].tok.weight.numel() + blocks[0].pos.weight.numel()
+    n = total - tables + cfg.vocab * cfg.hidden  # tied: the head reuses the token table
+    return 6 * n + 12 * cfg.layers * cfg.heads * (cfg.hidden // cfg.heads) * cfg.seq_len
+
+
+def test_jsonl_schema_and_numbers(tmp_path, capfd):
+    path = tmp_path / "run.jsonl"
+    cfg = TrainConfig(**TINY, metrics_file=str(path), peak_tflops=2.0)
+    before = time.time()
+    records = launch(cfg)
+    out = capfd.readouterr().out
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 4]  # logged steps only (--log-every 2, the last)
+    by_step = {r["step"]: r for r in records}
+    for row in rows:
+        assert set(row) == KEYS
+        assert row["steps"] == 4 and row["skipped"] is False and row["skipped_steps"] == 0
+        assert row["loss"] == by_step[row["step"]]["loss"] and math.isfinite(row["loss"])
+        assert row["lr"] == pytest.approx(cfg.lr) and row["grad_norm"] > 0
+        assert row["tokens_per_s"] == pytest.approx(2 * row["tokens_per_s_per_device"])
+        assert row["flops_per_token"] == _flops_by_hand(cfg)
+        peak = 2.0e12 * 2  # --peak-tflops 2 on each of the 2 ranks
+        assert row["mfu"] == pytest.approx(row["flops_per_token"] * row["tokens_per_s"] / peak)
+        assert row["mem_kind"] == "rss" and row["mem_reserved_mib"] is None
+        assert 50 < row["mem_mib"] < 1e5  # the process's peak RSS, torch included
+        assert before <= row["time"] <= time.time()
+    assert 0 < rows[0]["elapsed_s"] < rows[1]["elapsed_s"]
+    assert rows[0]["eta_s"] > 0 and rows[1]["eta_s"] == 0
+    # the progress line: a timestamp, memory with its kind, MFU, elapsed and ETA
+    lines = [ln for ln in out.splitlines() if "step    " in ln]
+    assert len(lines) == 2, out
+    stamp = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \["
+    for line in lines:
+        assert re.match(stamp, line), line
+        assert "MiB RSS (peak/rank)" in line and "MFU " in line
+        assert re.search(r"elapsed \d+:\d\d:\d\d \| ETA \d+:\d\d:\d\d", line), line
+
+
+def test_a_resumed_run_appends_and_a_fresh_one_starts_afresh(tmp_path):
+    path, ckpt = tmp_path / "run.jsonl", tmp_path / "ckpt"
+    common = dict(TINY, log_every=1, metrics_file=str(path), checkpoint_dir=str(ckpt), quiet=True)
+    launch(TrainConfig(**{**common, "steps": 2}))
+    launch(TrainConfig(**{**common, "steps": 3}, resume=True))
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3]
+    path.write_text('{"step": 99}\n')
+    launch(TrainConfig(**{**common, "steps": 1, "checkpoint_dir": str(tmp_path / "other")}))
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1]
+
+
+def test_mfu_needs_a_known_or_given_peak(monkeypatch):
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert metrics.mfu(1e4, 10**9, cpu, 8) is None  # a CPU: no guess
+    assert metrics.mfu(1e4, 0, cpu, 4, flops_per_token=2e9, peak_tflops=0.5) == pytest.approx(
+        2e9 * 1e4 / (4 * 0.5e12)
+    )
+    for name, peak in [("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12),
+                       ("NVIDIA H100 PCIe", 756e12), ("NVIDIA A100-SXM4-80GB", 312e12)]:  # fmt: skip
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
+        got = metrics.mfu(1e4, 0, gpu, 2, flops_per_token=3e9)
+        assert got == pytest.approx(3e9 * 1e4 / (2 * peak)), name
+        given = metrics.mfu(1e4, 0, gpu, 2, flops_per_token=3e9, peak_tflops=100.0)
+        assert given == pytest.approx(3e9 * 1e4 / (2 * 100e12))  # --peak-tflops wins
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some GPU")
+    assert metrics.mfu(1e4, 10**9, gpu, 2) is None
+
+
+def test_flops_count_llama_gqa_and_moe_by_hand():
+    """A Llama with its own head width, untied, with MoE blocks: only top_k / experts of the
+    experts count, the router in full; no embedding table; the untied head in full."""
+    cfg = TrainConfig(model_type="llama", hidden=32, heads=4, head_dim=16, kv_heads=2, layers=2,
+                      moe_every=2, experts=4, top_k=1, untied=True, seq_len=16)  # fmt: skip
+    blocks = build_model(cfg.model(), None)
+    params = {id(p): p for b in blocks for p in b.parameters()}
+    moe = blocks[2].mlp
+    experts = sum(p.numel() for n, p in moe.named_parameters() if not n.startswith("router"))
+    n = sum(p.numel() for p in params.values()) - blocks[0].tok.weight.numel() - experts * 3 / 4
+    counts = {"total": sum(p.numel() for p in params.values()),
+              "embedding": blocks[0].tok.weight.numel(), "experts": experts}  # fmt: skip
+    assert metrics.flops_per_token(cfg, counts) == 6 * n + 12 * 2 * 4 * 16 * 16
+
+
+def test_tensorboard_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb, path = tmp_path / "tb", tmp_path / "run.jsonl"
+    launch(TrainConfig(**TINY, tensorboard=str(tb), metrics_file=str(path), quiet=True))
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    loss = acc.Scalars("train/loss")
+    assert [e.step for e in loss] == [2, 4]
+    assert [e.value for e in loss] == pytest.approx([r["loss"] for r in rows])
+    assert "train/tokens_per_s" in acc.Tags()["scalars"]
+    assert "train/mfu" not in acc.Tags()["scalars"]  # a CPU without --peak-tflops: none
+
+
+def test_missing_tensorboard_is_one_clear_error(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name)
+    )
+    forbid_ranks(monkeypatch)
+    argv = ["--tp", "1", "--pp", "1", "--dp", "1", "--ep", "1", "--tensorboard", str(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --tensorboard") and "pip install fastpar[tensorboard]" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_fastpar_imports_without_tensorboard():
+    """``import fastpar`` (and the trainer) never needs the tensorboard package; opening a
+    writer without it names the extra to install."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'tensorboard': raise ImportError('blocked ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import fastpar, fastpar.train, fastpar.train.metrics as m\n"
+        "try:\n"
+        "    m.open_tensorboard('unused')\n"
+        "except ImportError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "refused:" in out.stdout and "pip install fastpar[tensorboard]" in out.stdout

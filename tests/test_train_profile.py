@@ -1,0 +1,93 @@
+"""--profile with --profile-steps A:B: only steps A to B recorded, each in a ProfilerStep#N range
+(N the run's step), fastpar's named ranges visible in a CPU trace (record_function), the flag's
+checks, and --quiet silencing the profiler's own lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from _no_ranks import forbid_ranks
+
+from fastpar.profiling import nvtx
+from fastpar.train import TrainConfig, launch, main
+
+#: 2 ranks (pp 2), dense
+TINY = dict(tp=1, pp=2, dp=1, ep=1, moe_every=0, steps=4, batch_size=4, seq_len=16, hidden=32,
+            heads=2, layers=2, quiet=True)  # fmt: skip
+
+
+def _names(path) -> list[str]:
+    return [e.get("name", "") for e in json.loads(path.read_text())["traceEvents"]]
+
+
+def test_profile_steps_records_only_that_window(tmp_path):
+    out = tmp_path / "prof"
+    launch(TrainConfig(**TINY, profile=str(out), profile_steps="2:3"))
+    assert sorted(os.listdir(out)) == ["trace_rank0.json", "trace_rank1.json"]
+    for rank in (0, 1):
+        names = _names(out / f"trace_rank{rank}.json")
+        steps = sorted({n for n in names if n.startswith("ProfilerStep#")})
+        assert steps == ["ProfilerStep#2", "ProfilerStep#3"], steps
+        # fastpar's own ranges, as record_function on a CPU
+        assert f"stage{rank} forward mb0" in names and f"stage{rank} backward mb1" in names
+        assert "optimizer step" in names
+        assert names.count("optimizer step") == 2  # steps 2 and 3, nothing of steps 1 and 4
+
+
+def test_profile_without_steps_records_every_step(tmp_path):
+    out = tmp_path / "prof"
+    launch(TrainConfig(**{**TINY, "steps": 2, "pp": 1}, profile=str(out)))
+    names = _names(out / "trace_rank0.json")
+    assert sorted({n for n in names if n.startswith("ProfilerStep#")}) == [
+        "ProfilerStep#1",
+        "ProfilerStep#2",
+    ]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--profile-steps", "1:2"], "--profile-steps '1:2' needs --profile DIR"),
+        (["--profile", "P", "--profile-steps", "3"], "must be A:B, two step numbers"),
+        (["--profile", "P", "--profile-steps", "a:b"], "must be A:B, two step numbers"),
+        (["--profile", "P", "--profile-steps", "0:2"], "must satisfy 1 <= A <= B <= --steps 30"),
+        (["--profile", "P", "--profile-steps", "5:4"], "must satisfy 1 <= A <= B"),
+        (["--profile", "P", "--profile-steps", "2:31"], "must satisfy 1 <= A <= B <= --steps 30"),
+        (["--peak-tflops", "0"], "--peak-tflops 0 must be a positive finite number"),
+        (["--peak-tflops", "nan"], "--peak-tflops nan must be a positive finite number"),
+    ],
+)
+def test_profile_flag_errors(argv, message, capsys, monkeypatch, tmp_path):
+    forbid_ranks(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_quiet_silences_the_profiler(tmp_path):
+    argv = ["--tp", "1", "--pp", "1", "--dp", "1", "--ep", "1", "--moe-every", "0", "--steps",
+            "2", "--batch-size", "2", "--seq-len", "8", "--hidden", "16", "--heads", "2",
+            "--layers", "1", "--profile", str(tmp_path / "p"), "--profile-steps", "2:2"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    run = [sys.executable, "-m", "fastpar.train", *argv]
+    loud = subprocess.run(run, capture_output=True, text=True, timeout=120, env=env)
+    quiet = subprocess.run([*run, "--quiet"], capture_output=True, text=True, timeout=120, env=env)
+    assert loud.returncode == 0 and quiet.returncode == 0, loud.stderr[-2000:]
+    assert "profile: steps 2-2" in loud.stdout
+    assert (quiet.stdout, quiet.stderr) == ("", "")
+    assert os.path.getsize(tmp_path / "p" / "trace_rank0.json") > 0
+
+
+def test_named_ranges_are_record_functions_while_profiling():
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=cpu) as prof, nvtx("fastpar test range"):
+        torch.ones(4).sum()
+    assert "fastpar test range" in {e.key for e in prof.key_averages()}
+    with nvtx("outside any profiler"):  # a no-op
+        pass
