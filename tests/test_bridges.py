@@ -75,6 +75,9 @@ def _device_mesh_round_trip() -> None:
     back = ParallelMesh.from_device_mesh(dm)
     assert (back.ep_size, back.dp_size) == (2, 2)
     assert back.ranks("dp") == moe_mesh.ranks("dp") and back.ep_group is moe_mesh.ep_group
+    from fastpar.moe import MoE
+
+    assert MoE(4, 8, 4, mesh=dm).ep_group is moe_mesh.ep_group  # a DeviceMesh's "ep" dim
 
     # clear errors, naming the fix
     with pytest.raises(ValueError, match="context parallelism"):

@@ -43,7 +43,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastpar.comm import all_to_all, group_rank, group_size
+from fastpar.mesh.bridge import mesh_group
 from fastpar.mesh.placement import mark_expert
+from fastpar.moe import grouped
+from fastpar.moe.dispatch import ep_combine, ep_dispatch
 from fastpar.moe.overlap import CapacityChunks, DroplessChunks, OverlappedExperts
 from fastpar.moe.router import TopKRouter
 from fastpar.ops.moe_permute import moe_permute, moe_unpermute
@@ -69,6 +72,30 @@ def aux_loss_scale(scale: float | torch.Tensor | None) -> Iterator[None]:
         yield
     finally:
         _AUX_LOSS_SCALE.reset(token)
+
+
+def current_aux_loss_scale() -> float | torch.Tensor | None:
+    """The weight ``aux_loss_scale(...)`` set around this forward (None outside one). A compiled
+    forward cannot read it (dynamo does not trace context variables): code that compiles a
+    block reads it eagerly and sets it on the layers as their own ``aux_loss_scale`` for the call
+    (``fastpar.train.compile``)."""
+    return _AUX_LOSS_SCALE.get()
+
+
+EAGER_ONLY = ("_check_same_capacity", "_dropless_overlapped")
+"""MoE methods run eagerly inside a compiled model (``torch.compiler.disable``): the capacity
+check's host reads of an all-gather, and the overlapped dropless path's host-built chunks; each
+is one isolated graph break."""
+
+
+def _eager_only_once() -> None:
+    """Wrap ``EAGER_ONLY`` in ``torch.compiler.disable`` when the first MoE is built. Applying it
+    at import would import torch._dynamo, and with it Triton, on ``import fastpar``."""
+    if getattr(MoE, "_eager_only_done", False):
+        return
+    for name in EAGER_ONLY:
+        setattr(MoE, name, torch.compiler.disable(getattr(MoE, name)))
+    MoE._eager_only_done = True
 
 
 class MoE(nn.Module):
@@ -115,9 +142,10 @@ class MoE(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
+        _eager_only_once()
         if mesh is not None and ep_group is not None:
             raise ValueError("pass either mesh= or ep_group=, not both")
-        self.ep_group = mesh.ep_group if mesh is not None else ep_group
+        self.ep_group = mesh_group(mesh, "ep") if mesh is not None else ep_group  # or DeviceMesh
         self.ep = group_size(self.ep_group) if self.ep_group is not None else 1
         if num_experts % self.ep:
             raise ValueError(
@@ -186,10 +214,22 @@ class MoE(nn.Module):
         h = self._hidden(torch.baddbmm(self.b1.unsqueeze(1), x, self.w1))
         return torch.baddbmm(self.b2.unsqueeze(1), h, self.w2)
 
-    def _experts_segments(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x [N, H] grouped by local expert with ``counts`` rows each -> [N, H]."""
+    def _experts_segments(self, x: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
+        """x [N, H] grouped by local expert with ``counts`` [E_local] rows each -> [N, H].
+
+        Traced (``torch.compile``) or on a GPU: two grouped matmuls over the device ``counts``
+        (``fastpar.moe.grouped``: no host sync, no graph break). Eagerly on a CPU, where reading
+        ``counts`` costs no device sync: one expert at a time (each expert's rows stay in cache
+        through both matmuls; the same numbers as the grouped path, bit for bit)."""
+        if torch.compiler.is_compiling() or x.device.type != "cpu":
+            if not isinstance(counts, torch.Tensor):
+                counts = torch.tensor(counts, dtype=torch.int64, device=x.device)
+            offs = grouped.offsets(counts)
+            h = self._hidden(grouped.grouped_linear(x, self.w1, self.b1, offs))
+            return grouped.grouped_linear(h, self.w2, self.b2, offs)
+        sizes = counts.tolist() if isinstance(counts, torch.Tensor) else counts
         outs = []
-        for e, part in enumerate(x.split(counts)):
+        for e, part in enumerate(x.split(sizes)):
             if self.gated:
                 outs.append(self._hidden(part @ self.w1[e]) @ self.w2[e])
             else:
@@ -275,45 +315,34 @@ class MoE(nn.Module):
         self._capacity_checked = True
 
     def _dropless_path(self, permuted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """[T·k, H] expert-major -> expert outputs in the same layout; with EP, counts are
-        exchanged first (one host sync for the split sizes)."""
-        e_loc = self.num_local
+        """[T·k, H] expert-major -> expert outputs in the same layout. EP = 1: grouped matmuls
+        over the device ``counts``, no host sync. EP > 1: ``ep_dispatch`` / ``ep_combine``
+        (custom ops; the split sizes are read on the host once, inside the dispatch op, so a
+        compiled graph does not break there)."""
         if self.ep == 1:
-            return self._experts_segments(permuted, counts.tolist())
-        send = counts.view(self.ep, e_loc)
-        recv_counts = all_to_all(send.contiguous(), self.ep_group)  # [ep (source), E_local]
-        in_splits = send.sum(1).tolist()
-        recv_counts_host = recv_counts.tolist()
-        out_splits = [sum(r) for r in recv_counts_host]
+            return self._experts_segments(permuted, counts)
         if self.overlap_chunks > 1:
-            chunks = DroplessChunks(
-                counts.tolist(),
-                recv_counts_host,
-                self.hidden_size,
-                self.ep,
-                self.overlap_chunks,
-                permuted.device,
-            )
-            return OverlappedExperts.apply(
-                permuted, chunks, lambda x, j: self._experts_segments(x, chunks.seg[j]), self.ep_group,
-                *self._expert_params(),
-            )  # fmt: skip
-        recv = all_to_all(permuted, self.ep_group, out_splits, in_splits)
-        # received rows are grouped (source, local expert): regroup expert-major for compute
-        src_expert = [(s, e) for s in range(self.ep) for e in range(e_loc)]
-        starts, acc = {}, 0
-        for s, e in src_expert:
-            starts[s, e] = acc
-            acc += recv_counts_host[s][e]
-        index = [
-            i for e in range(e_loc) for s in range(self.ep)
-            for i in range(starts[s, e], starts[s, e] + recv_counts_host[s][e])
-        ]  # fmt: skip
-        idx = torch.tensor(index, dtype=torch.int64, device=permuted.device)
-        local_counts = [sum(recv_counts_host[s][e] for s in range(self.ep)) for e in range(e_loc)]
-        out = self._experts_segments(recv.index_select(0, idx), local_counts)
-        back = torch.empty_like(out).index_copy(0, idx, out)  # differentiable inverse regroup
-        return all_to_all(back, self.ep_group, in_splits, out_splits)
+            return self._dropless_overlapped(permuted, counts)
+        rows, recv_counts, route = ep_dispatch(permuted, counts, self.ep_group)
+        return ep_combine(self._experts_segments(rows, recv_counts.sum(0)), route)
+
+    def _dropless_overlapped(self, permuted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The chunked (overlapped) dropless path: its chunk index lists are built on the host
+        from the exchanged counts, so ``torch.compile`` runs it eagerly (one graph break)."""
+        send = counts.view(self.ep, self.num_local)
+        recv_counts = all_to_all(send.contiguous(), self.ep_group)  # [ep (source), E_local]
+        chunks = DroplessChunks(
+            counts.tolist(),
+            recv_counts.tolist(),
+            self.hidden_size,
+            self.ep,
+            self.overlap_chunks,
+            permuted.device,
+        )
+        return OverlappedExperts.apply(
+            permuted, chunks, lambda x, j: self._experts_segments(x, chunks.seg[j]), self.ep_group,
+            *self._expert_params(),
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return (

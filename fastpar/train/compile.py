@@ -24,14 +24,7 @@ import torch
 from torch import nn
 
 from fastpar.moe import MoE
-
-
-def _engine_aux_scale():
-    """The auxiliary-loss weight a pipeline engine set around this forward, or None."""
-    from fastpar.moe import layer
-
-    var = getattr(layer, "_AUX_LOSS_SCALE", None)
-    return None if var is None else var.get()
+from fastpar.moe.layer import current_aux_loss_scale
 
 
 def _with_aux_scale(compiled, moes: list[MoE]):
@@ -39,7 +32,7 @@ def _with_aux_scale(compiled, moes: list[MoE]):
 
     @functools.wraps(compiled)
     def forward(*args, **kwargs):
-        scale, unset = _engine_aux_scale(), [m for m in moes if m.aux_loss_scale is None]
+        scale, unset = current_aux_loss_scale(), [m for m in moes if m.aux_loss_scale is None]
         if scale is None or not unset:
             return compiled(*args, **kwargs)
         for m in unset:

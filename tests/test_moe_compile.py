@@ -1,0 +1,214 @@
+"""``torch.compile`` of the MoE layer and of a model built like the trainer's default equals eager:
+outputs, the aux loss and every gradient (fp32). Graphs are counted with dynamo's compile counter
+(frames = graph breaks + 1).
+
+* EP = 1, dropless and capacity: one graph (``fullgraph=True``); no recompile when the routing
+  changes (no host-dependent specialisation).
+* EP = 2 over gloo, dropless with uneven token counts: one graph with ``fullgraph=True``
+  (inductor; the dispatch op's received-row count is an unbacked size) or with
+  ``capture_dynamic_output_shape_ops``; otherwise dynamo breaks only at the dispatch op
+  (``fastpar.moe.dispatch``). The overlapped path (``overlap_chunks > 1``) runs eagerly inside
+  the compiled layer (``torch.compiler.disable``).
+* EP = 2, capacity: breaks only at the same-capacity check (an all-gather read on the host).
+
+Every layer sets ``aux_loss_scale`` as ``fastpar.train`` does: a layer that reads the
+``aux_loss_scale(...)`` context variable instead breaks the graph there (dynamo cannot trace
+``ContextVar.get``). Inductor compiles are slow on two cores: the models are tiny, and the
+aot_eager backend (dynamo + AOT autograd + the ops' fake implementations) covers most cases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch._dynamo
+import torch.distributed as dist
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from fastpar import ParallelMesh
+from fastpar.models import build_model, lm_loss
+from fastpar.moe import MoE, grouped
+from fastpar.testing import run_ranks
+from fastpar.train.config import TrainConfig
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "compile_threads", 1)  # no worker pool (2 cores)
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _eager_and_compiled(module: nn.Module, xs, backend: str, fullgraph: bool):
+    """[(eager results, compiled results)] for each input of ``xs``, and the compile counter.
+    Results: output, aux loss, input grad, every parameter grad."""
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(module, backend=counter, fullgraph=fullgraph)
+
+    def run(f, x, g):
+        module.zero_grad(set_to_none=True)
+        x = x.clone().requires_grad_()
+        y = f(x)
+        (y * g).sum().backward()
+        aux = module.aux_loss.detach() if isinstance(module, MoE) else torch.zeros(())
+        return [y.detach(), aux, x.grad, *[p.grad for p in module.parameters()]]
+
+    pairs = []
+    for i, x in enumerate(xs):
+        g = torch.randn(x.shape, generator=torch.Generator().manual_seed(100 + i))
+        pairs.append((run(module, x, g), run(compiled, x, g)))
+    return pairs, counter
+
+
+def _assert_equal_results(pairs) -> None:
+    for want, got in pairs:
+        assert len(want) == len(got)
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            torch.testing.assert_close(a, b, msg=lambda m, i=i: f"result {i}: {m}", **TOL)
+
+
+def _inputs(n: int, shape, skew: float = 2.0, seed: int = 0):
+    """``n`` inputs, the first half of the tokens shifted (uneven expert loads)."""
+    xs = []
+    for i in range(n):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(seed + i))
+        x[..., : shape[-2] // 2, :] += skew * (i + 1)
+        xs.append(x)
+    return xs
+
+
+def _layer(expert: str, capacity_factor, **kw) -> MoE:
+    torch.manual_seed(0)
+    moe = MoE(8, 12, 4, 2, capacity_factor=capacity_factor, expert=expert, z_loss_coef=1e-3, **kw)
+    moe.aux_loss_scale = 0.5
+    return moe
+
+
+# -- the grouped linear op ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k,m", [(8, 16), (5, 3)])  # 16-byte strides (torch._grouped_mm), odd
+@pytest.mark.parametrize("bias", [True, False])
+def test_grouped_linear_equals_per_group_matmuls(k, m, bias):
+    counts = [3, 0, 6, 2]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(sum(counts), k, generator=gen, requires_grad=True)
+    w = torch.randn(len(counts), k, m, generator=gen, requires_grad=True)
+    b = torch.randn(len(counts), m, generator=gen, requires_grad=True) if bias else None
+    offs = grouped.offsets(torch.tensor(counts))
+    parts = x.split(counts)
+    want = torch.cat([p @ w[e] + (b[e] if bias else 0) for e, p in enumerate(parts)])
+    g = torch.randn(want.shape, generator=gen)
+    params = [x, w] + ([b] if bias else [])
+    want_grads = torch.autograd.grad(want, params, g)
+    for f in (grouped.grouped_linear, grouped._op):  # eager Function, compile-time custom op
+        y = f(x, w, b, offs)
+        torch.testing.assert_close(y, want, rtol=0, atol=0)
+        for a, e in zip(torch.autograd.grad(y, params, g), want_grads, strict=True):
+            torch.testing.assert_close(a, e, **TOL)
+    torch.library.opcheck(grouped._op, (x, w, b, offs))
+
+
+# -- EP = 1 -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("expert", ["mlp", "swiglu"])
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_layer_one_graph_equals_eager(expert, capacity_factor):
+    pairs, counter = _eager_and_compiled(
+        _layer(expert, capacity_factor), _inputs(3, (3, 7, 8)), "aot_eager", fullgraph=True
+    )
+    _assert_equal_results(pairs)
+    assert counter.frame_count == 1
+
+
+def test_trainer_default_model_shape_one_graph_equals_eager():
+    """The trainer's default model config (GPT, every 2nd block a dropless top-2 MoE over 4
+    experts), shrunk to 2 layers / width 32 / 16 tokens for time; one graph."""
+    cfg = dataclasses.replace(TrainConfig().model(), layers=2, hidden=32, seq_len=16)
+    assert cfg.capacity_factor is None and cfg.moe_every == 2
+    torch.manual_seed(0)
+    model = nn.Sequential(*build_model(cfg))
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.aux_loss_scale = 0.25
+    ids = [torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(i)) for i in range(2)]  # fmt: skip
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(lambda t: lm_loss(model(t), t, cfg), backend=counter, fullgraph=True)
+    for t in ids:
+        results = []
+        for f in (lambda t: lm_loss(model(t), t, cfg), step):
+            model.zero_grad(set_to_none=True)
+            loss = f(t)
+            loss.backward()
+            results.append([loss.detach(), *[p.grad for p in model.parameters()]])
+        _assert_equal_results([tuple(results)])
+    assert counter.frame_count == 1
+
+
+# -- EP = 2 over gloo -------------------------------------------------------------------------
+
+
+def _ep_compiled(capacity_factor, backend: str, fullgraph: bool, overlap_chunks: int = 1):
+    """On each EP rank: eager vs compiled over two routings; returns (compiled frames, the
+    graph-break reasons torch._dynamo.explain reports for one call)."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = 1
+    rank = dist.get_rank()
+    moe = _layer("mlp", capacity_factor, mesh=ParallelMesh(ep=2), overlap_chunks=overlap_chunks)
+    tokens = 5 + 3 * rank if capacity_factor is None else 6  # dropless: uneven per rank
+    xs = _inputs(2, (2, tokens, 8), seed=10 * rank)
+    explained = torch._dynamo.explain(moe)(xs[0])
+    reasons = [b.reason.splitlines()[0] + " " + b.reason for b in explained.break_reasons]
+    torch._dynamo.reset()
+    pairs, counter = _eager_and_compiled(moe, xs, backend, fullgraph)
+    _assert_equal_results(pairs)
+    return counter.frame_count, reasons
+
+
+def _one_cause(results, *words: str) -> None:
+    for _, reasons in results:
+        assert reasons, "expected a graph break"
+        for r in reasons:
+            assert all(w in r for w in words), r
+
+
+def test_ep2_dropless_inductor_fullgraph_equals_eager():
+    """fullgraph=True lets dynamo keep the dispatch op's data-dependent row count (an unbacked
+    size): one graph for both routings."""
+    out = run_ranks(_ep_compiled, 2, None, "inductor", True, timeout=300)
+    assert [frames for frames, _ in out] == [1, 1]
+
+
+def test_ep2_dropless_without_fullgraph_breaks_only_at_the_dispatch():
+    out = run_ranks(_ep_compiled, 2, None, "aot_eager", False, timeout=120)
+    _one_cause(out, "Dynamic shape operator", "fastpar.moe_ep_dispatch")
+
+
+def _ep_capture_dynamic_shapes():
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        return _ep_compiled(None, "aot_eager", False)
+
+
+def test_ep2_dropless_one_graph_when_dynamic_output_shapes_are_captured():
+    out = run_ranks(_ep_capture_dynamic_shapes, 2, timeout=120)
+    assert [frames for frames, _ in out] == [1, 1]
+
+
+def test_ep2_dropless_overlapped_runs_eagerly_inside_the_compiled_layer():
+    out = run_ranks(_ep_compiled, 2, None, "aot_eager", False, 2, timeout=120)
+    _one_cause(out, "torch.compiler.disable", "_dropless_overlapped")
+
+
+def test_ep2_capacity_breaks_only_at_the_capacity_check():
+    out = run_ranks(_ep_compiled, 2, 1.0, "aot_eager", False, timeout=120)
+    _one_cause(out, "torch.compiler.disable", "_check_same_capacity")
