@@ -1,6 +1,7 @@
 """``python -m fastpar.verify``: prove a layout equal to the single-process model.
 
     python -m fastpar.verify --tp 2 --pp 2 --dp 2 --ep 2 --zero 1 --steps 3
+    python -m fastpar.verify --pp 2 --dp 2 --schedule interleaved --virtual-stages 2 --eval-every 2
 
     python -m fastpar.verify --model llama --kv-heads 2 --qk-norm --tp 2 --pp 2 --dp 2 --ep 2
     python -m fastpar.verify --hf-config config.json --tp 2 --dp 2 --zero 1   # your HF model
@@ -9,7 +10,7 @@ Trains the model of ``fastpar.train`` (``--model gpt`` or ``llama``) under the g
 of its flags: precision, schedule, micro-batches, ZeRO stage, sequence parallelism, MoE
 settings, data and tokenizer...) and the
 single-process reference from the same initialisation on the same data, then prints both losses
-per step and the largest parameter difference, and exits 0 only when they agree within the
+per step (and both validation losses with --eval-every) and the largest parameter difference, and exits 0 only when they agree within the
 tolerance of the precision (fp32 is tight; bf16 / fp16 are loose).
 
 The reference is built by the trainer's own code (``fastpar.train.build.build`` without a mesh:
@@ -39,8 +40,10 @@ from fastpar.train import (
     load_data,
     lr_at,
 )
+from fastpar.train.batches import eval_batch, split_tokens
 from fastpar.train.build import build
 from fastpar.train.cli import prepare, refuse
+from fastpar.train.loop import evaluates_at
 
 TOLERANCE = {  # (loss relative, parameter absolute)
     "fp32": (1e-4, 2e-4),
@@ -49,14 +52,38 @@ TOLERANCE = {  # (loss relative, parameter absolute)
 }
 
 
-def reference(cfg: TrainConfig, tokens=None) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _val_loss(cfg: TrainConfig, parts, held) -> float:
+    """The validation loss on one process: every held-out batch, replica by replica and
+    micro-batch by micro-batch (the distributed run's averaging), the model in eval mode."""
+    model, total = parts.module, 0.0
+    model.eval()
+    with torch.no_grad():
+        for j in range(cfg.eval_batches):
+            x, y = eval_batch(cfg, held, j, parts.hf)
+            for xd, yd in zip(x.chunk(cfg.dp), y.chunk(cfg.dp), strict=True):
+                for xc, yc in zip(
+                    xd.chunk(cfg.microbatches), yd.chunk(cfg.microbatches), strict=True
+                ):
+                    loss = parts.loss_fn(model(xc), yc).float()
+                    total += float(loss) / (cfg.microbatches * cfg.dp * cfg.eval_batches)
+    model.train()
+    return total
+
+
+def reference(
+    cfg: TrainConfig, tokens=None, val_losses: dict | None = None, norms: list | None = None
+):
     """Single-process training with the distributed run's math. Returns (losses, params).
     The model, its precision, the optimizer (groups, clipping, loss scaler), the loss and the
     MoE auxiliary-loss scale are the trainer's own (``fastpar.train.build.build`` without a
-    mesh); only the step is written here, replica by replica."""
+    mesh); only the step is written here, replica by replica. Training reads the trainer's
+    split of the data (``split_tokens``); with --eval-every, ``val_losses`` (a dict) receives
+    {step: validation loss} at the trainer's evaluation steps; ``norms`` (a list) each step's
+    gradient norm before clipping."""
     parts = build(cfg, None, torch.device("cpu"))
     model, opt = parts.module, parts.opt
     tokens = load_data(cfg) if tokens is None else tokens
+    tokens, held = split_tokens(cfg, tokens)
     params = list(model.parameters())
     losses = []
     for step in range(cfg.steps):
@@ -78,9 +105,13 @@ def reference(cfg: TrainConfig, tokens=None) -> tuple[list[float], dict[str, tor
                     a.add_(p.grad.float(), alpha=1.0 / cfg.dp)
         for a, p in zip(acc, params, strict=True):
             p.grad = a.to(p.dtype)
-        opt.step()
+        _, norm = opt.step()
         opt.zero_grad()
         losses.append(total)
+        if norms is not None:
+            norms.append(float(norm))
+        if val_losses is not None and evaluates_at(cfg, step + 1):
+            val_losses[step + 1] = _val_loss(cfg, parts, held)
     named = parts.hf.names(model) if parts.hf is not None else dict(model.named_parameters())
     params = {name: p.detach().float().clone() for name, p in named.items()}
     return losses, params
@@ -95,7 +126,9 @@ def _distributed(
     out_file = os.path.join(directory, "export.pt")
     checkpoint.export_state_dict(path, out_file)
     state = torch.load(out_file, weights_only=True)
-    return [r["loss"] for r in records], {k: v.float() for k, v in state.items()}
+    vals = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+    losses = [(r["loss"], r["grad_norm"]) for r in records]
+    return losses, {k: v.float() for k, v in state.items()}, vals
 
 
 def compare(cfg: TrainConfig, tokens=None) -> tuple[bool, str]:
@@ -105,19 +138,33 @@ def compare(cfg: TrainConfig, tokens=None) -> tuple[bool, str]:
     cfg.check()
     tokens = load_data(cfg) if tokens is None else tokens
     with tempfile.TemporaryDirectory(prefix="fastpar-verify-") as directory:
-        dist_losses, dist_params = _distributed(cfg, directory, tokens)
-    ref_losses, ref_params = reference(cfg, tokens)
+        dist_losses, dist_params, dist_vals = _distributed(cfg, directory, tokens)
+    ref_vals: dict[int, float] = {}
+    ref_norms: list[float] = []
+    ref_losses, ref_params = reference(cfg, tokens, ref_vals, ref_norms)
+    chunks = f" (v={cfg.virtual_stages})" if cfg.virtual_stages > 1 else ""
     lines = [
         f"{cfg.model_name}, layout: dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp} (ep {cfg.ep}), ZeRO-{cfg.zero}, {cfg.precision}, "
-        f"{cfg.schedule} x {cfg.microbatches}{', recompute' if cfg.recompute else ''}"
+        f"{cfg.schedule}{chunks} x {cfg.microbatches}{', recompute' if cfg.recompute else ''}"
         f"{', sequence parallel' if cfg.sequence_parallel else ''}",
-        f"{'step':>5} {'distributed':>14} {'single-process':>15} {'rel. diff':>10}",
+        f"{'step':>5} {'distributed':>14} {'single-process':>15} {'rel. diff':>10}"
+        f" {'grad-norm dist.':>15} {'single':>10}",
     ]
     ok = len(dist_losses) == len(ref_losses)
-    for i, (a, b) in enumerate(zip(dist_losses, ref_losses, strict=False)):
+    for i, ((a, na), b, nb) in enumerate(zip(dist_losses, ref_losses, ref_norms, strict=False)):
         rel = abs(a - b) / max(abs(b), 1e-12)
         ok &= rel <= loss_tol
-        lines.append(f"{i + 1:>5} {a:>14.6f} {b:>15.6f} {rel:>10.2e}")
+        # the norm before clipping: a gradient reduced twice or lost moves it (AdamW would not)
+        ok &= na == nb or abs(na - nb) <= loss_tol * max(abs(nb), 1e-12)
+        lines.append(f"{i + 1:>5} {a:>14.6f} {b:>15.6f} {rel:>10.2e} {na:>15.6f} {nb:>10.6f}")
+    if ref_vals or dist_vals:
+        ok &= sorted(ref_vals) == sorted(dist_vals)
+        lines.append(f"{'step':>5} {'val_loss dist.':>14} {'single-process':>15} {'rel. diff':>10}")
+        for step, b in ref_vals.items():
+            a = dist_vals.get(step, float("nan"))
+            rel = abs(a - b) / max(abs(b), 1e-12)
+            ok &= rel <= loss_tol
+            lines.append(f"{step:>5} {a:>14.6f} {b:>15.6f} {rel:>10.2e}")
     missing = sorted(set(ref_params) - set(dist_params))
     if missing:
         ok = False

@@ -28,7 +28,38 @@ def load_data(cfg: TrainConfig, check: bool = True):
         check_token_ids(tokens, cfg.vocab, source, min_tokens=cfg.seq_len + 2, hint=hint)
         if (cfg.data or "").endswith(".bin") and cfg.data_dtype == "uint16":
             check_bin_width(tokens, source)
+        check_split(cfg, tokens)
     return tokens
+
+
+def split_tokens(cfg: TrainConfig, tokens):
+    """(training ids, held-out ids): with --eval-every the last ``--eval-split`` fraction of the
+    token ids (rounded down, in file order) is held out for validation and training reads only
+    the ids before it; without it training reads every id and nothing is held out (None)."""
+    if not cfg.eval_every:
+        return tokens, None
+    cut = len(tokens) - int(len(tokens) * cfg.eval_split)
+    return tokens[:cut], tokens[cut:]
+
+
+def check_split(cfg: TrainConfig, tokens) -> None:
+    """Both parts of --eval-split hold a sequence (seq_len + 2 ids), or a ValueError."""
+    train, held = split_tokens(cfg, tokens)
+    if held is None:
+        return
+    need = cfg.seq_len + 2
+    if len(held) < need or len(train) < need:
+        raise ValueError(
+            f"--eval-split {cfg.eval_split:g} of {len(tokens)} token ids leaves {len(train)} for "
+            f"training and {len(held)} held out; each part needs seq_len + 2 = {need}: use more "
+            "data, a shorter --seq-len or another --eval-split"
+        )
+
+
+def eval_batch(cfg: TrainConfig, held, j: int, hf=None):
+    """The j-th validation batch (of ``--eval-batches``), drawn from the held-out ids with the
+    training batches' rule: the same batches at every evaluation and on every layout."""
+    return batch_of(cfg, held, j, hf)
 
 
 def batch_of(cfg: TrainConfig, tokens, step: int, hf=None):

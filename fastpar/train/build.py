@@ -28,14 +28,14 @@ from fastpar.moe import MoE
 from fastpar.optim import FusedAdamW, MixedPrecisionOptimizer
 from fastpar.parallel import DataParallel, Replicate, Shard
 from fastpar.parallel.pipeline import (
-    GPipe,
-    OneFOneB,
     PipelineEngine,
     build_stage,
+    build_virtual_stages,
+    make_schedule,
     tie_across_stages,
 )
 from fastpar.profiling import nvtx
-from fastpar.train.batches import batch_of, load_data, lr_at
+from fastpar.train.batches import batch_of, eval_batch, load_data, lr_at, split_tokens
 from fastpar.train.config import TrainConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -46,7 +46,8 @@ class Parts:
     """One rank's share of a run (``mesh`` None: the whole model on one process).
 
     ``module``: the stage's blocks (``nn.Sequential``, numbered from 0; block ``start`` of the
-    whole model is its first); ``model``: what the engine runs (``module`` wrapped in the
+    whole model is its first; with --schedule interleaved a ``VirtualStages`` whose blocks
+    carry the whole model's numbers, ``start`` 0); ``model``: what the engine runs (``module`` wrapped in the
     data-parallel wrapper; ``module`` itself without a mesh); ``opt``: the optimizer wrapper
     (``fastpar.amp.AmpOptimizer``: ``step() -> (skipped, norm)``, ``scale_loss``,
     ``param_groups``; with a mesh the wrapper itself); ``no_sync``: the wrapper's
@@ -117,12 +118,17 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
 def _optimizer(cfg, stage, groups, mesh, scaler, block_types):
     """(what the engine runs, the optimizer wrapper): the data-parallel wrapper of the ZeRO
     stage, which owns the optimizer step and sums the tied embedding's gradients itself;
-    ``mesh`` None: the plain module and the mixed-precision AdamW of one process."""
+    ``mesh`` None: the plain module and the mixed-precision AdamW of one process. Interleaved:
+    the engine runs only this rank's last backward outside no_sync, which gives the other
+    chunks' parameters no gradient: they count as what no_sync accumulated
+    (``find_unused_parameters``), so each is reduced once."""
     adamw = lambda gs: FusedAdamW(gs, lr=cfg.lr)  # noqa: E731
     clip = cfg.max_grad_norm
     if mesh is None:
         return stage, MixedPrecisionOptimizer(adamw(groups), scaler=scaler, max_grad_norm=clip)
     common = dict(mesh=mesh, param_groups=groups, scaler=scaler, max_grad_norm=clip)
+    if cfg.virtual_stages > 1:
+        common["find_unused_parameters"] = True
     if cfg.zero == 0:
         model: DataParallel = Replicate(stage, adamw, **common)
     elif cfg.zero in (1, 2):
@@ -138,7 +144,12 @@ def build(cfg: TrainConfig, mesh: ParallelMesh | None, device: torch.device) -> 
     torch.manual_seed(cfg.seed)
     blocks, hf, model_cfg, block_types, tied = _blocks(cfg, mesh)
     pp_size, pp_rank = (mesh.pp_size, mesh.pp_rank) if mesh is not None else (1, 0)
-    stage, (start, _) = build_stage(blocks, pp_size, pp_rank, costs=[1.0] * len(blocks))
+    costs = [1.0] * len(blocks)
+    if mesh is not None and cfg.virtual_stages > 1:  # chunks keep the whole model's numbers
+        stage, _ = build_virtual_stages(blocks, pp_size, pp_rank, cfg.virtual_stages, costs=costs)
+        start = 0
+    else:
+        stage, (start, _) = build_stage(blocks, pp_size, pp_rank, costs=costs)
     stage = stage.to(device=device, dtype=DTYPES[cfg.precision])
     if mesh is not None and hf is not None:  # after the cast: the last stage copies the weight
         hf.tie(blocks, mesh)
@@ -180,12 +191,14 @@ class Trainer:
         self.stage_module, self.start, self.hf = parts.module, parts.start, parts.hf
         self.model_cfg, self.model, self.opt = parts.model_cfg, parts.model, parts.opt
         self.scaler, self.moes = parts.scaler, parts.moes
-        sched = (GPipe if cfg.schedule == "gpipe" else OneFOneB)(cfg.microbatches)
+        sched = make_schedule(cfg.schedule, cfg.microbatches, cfg.virtual_stages)
+        stage = parts.model if cfg.virtual_stages == 1 else parts.module  # chunks: run directly
         self.engine = PipelineEngine(
-            parts.model, mesh, sched, loss_fn=parts.loss_fn, recompute=cfg.recompute,
+            stage, mesh, sched, loss_fn=parts.loss_fn, recompute=cfg.recompute,
             grad_sync=parts.model, scale_loss=parts.opt.scale_loss,
         )  # fmt: skip
-        self.tokens = tokens if tokens is not None else load_data(cfg, check=False)
+        tokens = tokens if tokens is not None else load_data(cfg, check=False)
+        self.tokens, self.held_out = split_tokens(cfg, tokens)  # (held_out None: no eval)
         self.step_count = 0
 
     @property
@@ -197,11 +210,15 @@ class Trainer:
         --hf-config)."""
         return self.parts.named_parameters()
 
-    def _batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This data-parallel replica's rows of the global batch of ``step``, on the device
-        (from pinned memory without waiting, on a GPU)."""
+    def _batch(self, step: int, held_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """This data-parallel replica's rows of the global batch of ``step`` (``held_out``: of
+        validation batch ``step``), on the device (from pinned memory without waiting, on a
+        GPU)."""
         cfg, mesh = self.cfg, self.mesh
-        x, y = batch_of(cfg, self.tokens, step, self.hf)
+        if held_out:
+            x, y = eval_batch(cfg, self.held_out, step, self.hf)
+        else:
+            x, y = batch_of(cfg, self.tokens, step, self.hf)
         per = cfg.batch_size // mesh.dp_size
         rows = slice(mesh.dp_rank * per, (mesh.dp_rank + 1) * per)
         x, y = x[rows], y[rows]
@@ -237,3 +254,21 @@ class Trainer:
             "loss": None if loss is None else loss.detach().float(), "grad_norm": norm,
             "skipped": skipped,
         }  # fmt: skip
+
+    def evaluate(self) -> float:
+        """The validation loss: the mean over ``--eval-batches`` held-out batches of the
+        mini-batch loss, pipelined forward-only (``PipelineEngine.eval_step``) and averaged
+        over data parallelism; the same number on every rank (one host sync)."""
+        mesh, total = self.mesh, None
+        for j in range(self.cfg.eval_batches):
+            x, y = self._batch(j, held_out=True)
+            with nvtx(f"eval batch {j}"):
+                loss = self.engine.eval_step(
+                    x if mesh.is_first_stage else None, y if mesh.is_last_stage else None
+                )  # (broadcast over the pipeline)
+            total = loss.float() if total is None else total + loss.float()
+        total = total / self.cfg.eval_batches
+        if mesh.dp_size > 1:
+            torch.distributed.all_reduce(total, group=mesh.dp_group)
+            total = total / mesh.dp_size
+        return float(total)

@@ -32,6 +32,13 @@ from fastpar.train.memory import WARN_FRACTION, estimate
 
 #: every flag's help; "(default X)" is added for a flag whose default is not None
 _HELP = {
+    "virtual_stages": "--schedule interleaved: model chunks per pipeline rank (virtual stages, "
+    "placed round-robin; --microbatches a multiple of --pp)",
+    "eval_every": "every N steps (and the last), the validation loss of --eval-batches held-out "
+    "batches, pipelined forward-only, as val_loss in the log line and metrics (0: never)",
+    "eval_batches": "batches of --batch-size sequences per evaluation",
+    "eval_split": "with --eval-every: the fraction of the token ids held out at the END of the "
+    "data for validation; training then reads only the ids before it",
     "model_type": "the model: fastpar's GPT, or its Llama (GQA, RoPE, SwiGLU, RMSNorm)",
     "tp": "tensor-parallel size: ranks that split every layer's matrices",
     "pp": "pipeline-parallel size: ranks that split the layers into stages",
@@ -45,7 +52,8 @@ _HELP = {
     "a dynamic loss scaler)",
     "microbatches": "NUMBER of micro-batches each replica splits its share of --batch-size "
     "into (not a micro-batch size, as Megatron's --micro-batch-size is)",
-    "schedule": "pipeline schedule",
+    "schedule": "pipeline schedule (interleaved: Megatron's interleaved 1F1B over "
+    "--virtual-stages model chunks per rank)",
     "recompute": "recompute each micro-batch's activations in backward instead of keeping them",
     "steps": "optimizer steps to train (Megatron: --train-iters)",
     "batch_size": "GLOBAL batch in sequences, over every replica and micro-batch (Megatron: "
@@ -118,7 +126,7 @@ _WORDS = {
     "model_type": ("gpt", "llama"),
     "precision": ("fp32", "bf16", "fp16"),
     "zero": (0, 1, 2, 3),
-    "schedule": ("gpipe", "1f1b"),
+    "schedule": ("gpipe", "1f1b", "interleaved"),
     "lr_schedule": tuple(LR_SCHEDULES),
     "norm": ("rmsnorm", "layernorm"),
     "data_dtype": tuple(sorted(BIN_DTYPES)),
@@ -134,8 +142,8 @@ _METAVARS = {"checkpoint_dir": "DIR", "profile": "DIR", "tensorboard": "DIR", "p
              "hf_config": "FILE", "peak_tflops": "TFLOPS",
              "collective_timeout": "SECONDS"}  # fmt: skip
 _GROUPS = {
-    "layout": ("tp", "pp", "dp", "ep", "zero", "microbatches", "schedule", "recompute",
-               "sequence_parallel", "overlap_chunks"),
+    "layout": ("tp", "pp", "dp", "ep", "zero", "microbatches", "schedule", "virtual_stages",
+               "recompute", "sequence_parallel", "overlap_chunks"),
     "model": ("model_type", "hf_config", "vocab_size", "seq_len", "hidden", "heads", "layers",
               "ffn", "moe_ffn", "kv_heads", "head_dim", "rope_theta", "qk_norm",
               "attention_bias", "norm", "untied", "moe_every", "experts", "top_k",
@@ -145,6 +153,7 @@ _GROUPS = {
     "data": ("data", "data_dtype", "tokenizer"),
     "checkpoints": ("checkpoint_dir", "save_every", "keep_last", "resume", "allow_fresh",
                     "allow_other_run"),
+    "evaluation": ("eval_every", "eval_batches", "eval_split"),
     "output": ("log_every", "quiet", "metrics_file", "tensorboard", "peak_tflops", "profile",
                "profile_steps"),
     "failures": ("collective_timeout", "max_skipped_steps", "debug_checks"),

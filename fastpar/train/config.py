@@ -15,6 +15,7 @@ from fastpar.data import (
 )
 from fastpar.mesh import MeshLayout
 from fastpar.models import GPTConfig, LlamaConfig
+from fastpar.parallel.pipeline.schedules import SCHEDULES
 from fastpar.train.checks import (
     TIMEOUT_ENV,
     check_ranges,
@@ -61,6 +62,7 @@ class TrainConfig:
     precision: str = "fp32"
     microbatches: int = 2
     schedule: str = "1f1b"
+    virtual_stages: int = 1
     recompute: bool = False
     steps: int = 30
     batch_size: int = 16
@@ -113,6 +115,9 @@ class TrainConfig:
     tensorboard: str | None = None
     peak_tflops: float | None = None
     compile: bool = False
+    eval_every: int = 0
+    eval_batches: int = 4
+    eval_split: float = 0.1
 
     @property
     def model_name(self) -> str:
@@ -284,6 +289,55 @@ class TrainConfig:
                 "pip install fastpar[tensorboard]"
             )
 
+    def _check_schedule(self) -> None:
+        """--schedule, --virtual-stages and the evaluation flags."""
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}"
+            )
+        v = self.virtual_stages
+        if self.schedule != "interleaved":
+            if v != 1:
+                raise ValueError(
+                    f"--virtual-stages {v} needs --schedule interleaved (got {self.schedule})"
+                )
+        else:
+            if self.pp < 2:
+                raise ValueError(
+                    "--schedule interleaved needs --pp 2 or more (model chunks go round the "
+                    "pipeline ranks); use --schedule 1f1b at --pp 1"
+                )
+            if self.microbatches % self.pp:
+                raise ValueError(
+                    f"--schedule interleaved needs --microbatches ({self.microbatches}) to be a "
+                    f"multiple of --pp {self.pp} (micro-batches run in groups of pp); use "
+                    f"--microbatches {self.microbatches + (-self.microbatches) % self.pp}"
+                )
+            if self.zero == 3:
+                raise ValueError(
+                    "--schedule interleaved with --zero 3 is not supported (ZeRO-3 gathers "
+                    "around the whole stage's forward, model chunks run one by one); use --zero "
+                    "0, 1 or 2"
+                )
+            if self.hf_config:
+                raise ValueError(
+                    "--schedule interleaved with --hf-config is not supported yet; use "
+                    "--schedule 1f1b or gpipe"
+                )
+            blocks = self.layers + 2  # embedding, layers, head
+            if blocks < self.pp * v:
+                raise ValueError(
+                    f"--pp {self.pp} x --virtual-stages {v} needs {self.pp * v} model chunks of "
+                    f"at least one block, but the model has {blocks} blocks (embedding, "
+                    f"{self.layers} layers, head): use --virtual-stages <= {blocks // self.pp} "
+                    f"or --layers >= {self.pp * v - 2}"
+                )
+        if not 0.0 < self.eval_split < 1.0:
+            raise ValueError(
+                f"--eval-split {self.eval_split:g} must be a fraction strictly between 0 and 1 "
+                "(e.g. 0.1: the last 10% of the token ids are held out)"
+            )
+
     def check(self) -> None:
         """Refuse an impossible run before any process group exists: one ValueError line naming
         the value and the fix (the data are checked by ``load_data``; the world size under
@@ -295,8 +349,7 @@ class TrainConfig:
             raise ValueError(f"precision must be fp32, bf16 or fp16, got {self.precision!r}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero}")
-        if self.schedule not in ("gpipe", "1f1b"):
-            raise ValueError(f"schedule must be gpipe or 1f1b, got {self.schedule!r}")
+        self._check_schedule()
         MeshLayout(self.world_size, tp=self.tp, pp=self.pp, ep=self.ep)
         per_rank = self.batch_size // self.dp
         if self.batch_size % self.dp or per_rank % self.microbatches:

@@ -7,7 +7,9 @@ loss, gradient norm and skipped flag stay on the device until the next sync poin
 them all at once (``fastpar.train.metrics.resolve``), agrees over every rank on a stop (a
 signal received, a divergence in any step since the last sync point) and on the peak memory
 (one all-reduce), prints, saves, and stops. A SIGTERM / SIGINT is acted on at the next sync
-point; a divergence found there stops the run before anything is saved. A logged step's
+point; a divergence found there stops the run before anything is saved. With --eval-every N, every N-th step
+(and the last) also measures the validation loss (``Trainer.evaluate``: pipelined forward-only
+over held-out batches) and is logged, ``val_loss`` in its line and row. A logged step's
 numbers go to rank 0's progress line and, with --metrics-file / --tensorboard, to a JSON line
 and TensorBoard scalars (``fastpar.train.metrics``). --profile records the steps of
 --profile-steps (all by default) under a ``torch.profiler`` schedule, each in a
@@ -75,9 +77,10 @@ def _train(cfg: TrainConfig, trainer: Trainer, signals: StopSignals) -> list[dic
     total_params = counts["total"]
     if talk:
         n = sum(p.numel() for p in trainer.stage_module.parameters())
+        chunks = f" (v={cfg.virtual_stages})" if cfg.virtual_stages > 1 else ""
         print(
             f"fastpar.train: {cfg.model_name}, world {cfg.world_size} = dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp} "
-            f"(ep {cfg.ep}), ZeRO-{cfg.zero}, {cfg.precision}, {cfg.schedule} x {cfg.microbatches} "
+            f"(ep {cfg.ep}), ZeRO-{cfg.zero}, {cfg.precision}, {cfg.schedule}{chunks} x {cfg.microbatches} "
             f"micro-batches, {dist.get_backend()}; {total_params:,} parameters, rank 0 holds {n:,}",
             flush=True,
         )
@@ -104,9 +107,12 @@ def _steps(
             rec = trainer.step()
             records.append(rec)
             pending.append(rec)
+            evaluated = evaluates_at(cfg, rec["step"])
+            if evaluated:  # forward-only over held-out batches, on every rank (a host sync)
+                rec["val_loss"] = trainer.evaluate()
             if p is not None:
                 p.step()
-            logged = rec["step"] % cfg.log_every == 0 or rec["step"] == cfg.steps
+            logged = rec["step"] % cfg.log_every == 0 or rec["step"] == cfg.steps or evaluated
             if logged or _saves(cfg, rec["step"]):
                 sync(pending, logged)
                 pending = []
@@ -168,6 +174,12 @@ class SyncPoint:
             where = f"checkpoint {saved}" if saved else "no checkpoint (no --checkpoint-dir)"
             raise RunStopped(f"stopped by {name} after step {step}; {where}", step, name, saved)
         self.since = time.perf_counter()
+
+
+def evaluates_at(cfg, step: int) -> bool:
+    """Whether ``step`` measures the validation loss: every --eval-every, and the last (a
+    logged step: its line and metrics row carry ``val_loss``)."""
+    return bool(cfg.eval_every) and (step % cfg.eval_every == 0 or step == cfg.steps)
 
 
 def _saves(cfg, step: int) -> bool:

@@ -219,7 +219,12 @@ def progress_line(cfg, row: dict) -> str:
         + (f" | MFU {row['mfu']:.1%}" if row["mfu"] is not None else "")
         + f" | elapsed {_clock(row['elapsed_s'])} | ETA {_clock(row['eta_s'])}"
         + (" | skipped" if row["skipped"] else "")
+        + (f" | val_loss {_num(row['val_loss'])}" if "val_loss" in row else "")
     )
+
+
+def _num(x: float | None) -> str:
+    return "nan" if x is None else f"{x:.4f}"
 
 
 def _finite(x: float) -> float | None:
@@ -238,7 +243,8 @@ def metrics_row(cfg, pending: list[dict], *, seconds: float, elapsed: float, ste
     rec = pending[-1]
     tps = cfg.batch_size * cfg.seq_len * len(pending) / max(seconds, 1e-9)
     per_step = elapsed / max(steps_run, 1)
-    return {
+    val = {"val_loss": _finite(rec["val_loss"])} if "val_loss" in rec else {}
+    return val | {
         "step": rec["step"],
         "steps": cfg.steps,
         "loss": _finite(rec["loss"]),
@@ -274,7 +280,7 @@ def open_tensorboard(log_dir: str):
 
 #: the row's numbers TensorBoard plots, under "train/<name>"
 SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_device", "mfu",
-           "mem_mib", "mem_reserved_mib", "skipped_steps")  # fmt: skip
+           "mem_mib", "mem_reserved_mib", "skipped_steps", "val_loss")  # fmt: skip
 
 
 class MetricsWriter:

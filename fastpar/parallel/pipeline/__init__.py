@@ -1,22 +1,44 @@
-"""Pipeline parallelism: stage partitioning, GPipe (with recomputation) and 1F1B schedules.
-Stage messages are a tensor or a tuple of tensors; ``fastpar.parallel.pipeline.hf`` turns a
-Hugging Face causal LM into pipeline blocks (transformers is imported only there)."""
+"""Pipeline parallelism: stage partitioning (contiguous, or round-robin model chunks), GPipe
+(with recomputation), 1F1B, interleaved 1F1B (virtual stages) and forward-only (evaluation)
+schedules — schedules are data, one engine runs them all. Stage messages are a tensor or a
+tuple of tensors; ``fastpar.parallel.pipeline.hf`` turns a Hugging Face causal LM into
+pipeline blocks (transformers is imported only there)."""
 
 from __future__ import annotations
 
 from fastpar.parallel.pipeline.engine import PipelineEngine, tie_across_stages
 from fastpar.parallel.pipeline.p2p import P2P
-from fastpar.parallel.pipeline.partition import block_costs, build_stage, partition
-from fastpar.parallel.pipeline.schedules import GPipe, OneFOneB, Schedule
+from fastpar.parallel.pipeline.partition import (
+    VirtualStages,
+    block_costs,
+    build_stage,
+    build_virtual_stages,
+    partition,
+)
+from fastpar.parallel.pipeline.schedules import (
+    SCHEDULES,
+    ForwardOnly,
+    GPipe,
+    Interleaved,
+    OneFOneB,
+    Schedule,
+    make_schedule,
+)
 
 __all__ = [
     "P2P",
+    "SCHEDULES",
+    "ForwardOnly",
     "GPipe",
+    "Interleaved",
     "OneFOneB",
     "PipelineEngine",
     "Schedule",
+    "VirtualStages",
     "block_costs",
     "build_stage",
+    "build_virtual_stages",
+    "make_schedule",
     "partition",
     "tie_across_stages",
 ]

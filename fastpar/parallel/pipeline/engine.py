@@ -1,4 +1,4 @@
-"""``PipelineEngine``: run a schedule's steps for this rank's stage.
+"""``PipelineEngine``: run a schedule's steps for this rank's stage (or model chunks).
 
     stage, _ = build_stage(blocks, mesh.pp_size, mesh.pp_rank)
     engine = PipelineEngine(stage, mesh, OneFOneB(8), loss_fn=F.cross_entropy)
@@ -32,6 +32,18 @@ The first stage's ``inputs`` may be a tuple too (each tensor split into micro-ba
 dim 0). Under ``recompute`` the forward runs without grad, so which output slots will require
 grad is learnt once per engine: its first tuple-producing forward runs a second time with grad
 enabled (output and graph dropped at once, the RNG left as the first run left it).
+
+Interleaved schedules (``Interleaved(m, v)``): the stage is this rank's v model chunks — a
+``VirtualStages`` (``build_virtual_stages``), a list of modules, or a data-parallel wrapper
+around a ``VirtualStages`` — run chunk by chunk; every (virtual stage, direction) has its own
+P2P tag (``fastpar.parallel.pipeline.runner``). Only this rank's last backward runs outside
+``no_sync``: a data-parallel wrapper then reduces every chunk's accumulated gradient once, so it
+needs ``find_unused_parameters=True`` (the other chunks' parameters get no gradient in that
+backward; ZeRO-2 reduces every backward, zeros for the other chunks). ZeRO-3 wrappers gather
+around their own forward, which chunks bypass: refused.
+
+Evaluation: ``eval_step(inputs, targets)`` runs the schedule's ``forward_only()`` (no backward,
+no graph, the modules in eval mode, P2P channels of its own) and returns the mean loss.
 """
 
 from __future__ import annotations
@@ -47,10 +59,12 @@ from torch import nn
 from fastpar.mesh.placement import mark_duplicated
 from fastpar.mesh.ranks import global_rank
 from fastpar.moe.layer import aux_loss_scale
-from fastpar.parallel.pipeline.p2p import P2P, tuple_message
+from fastpar.parallel.pipeline.p2p import P2P
+from fastpar.parallel.pipeline.runner import StepRunner
 from fastpar.parallel.pipeline.schedules import Schedule
 from fastpar.parallel.protocols import GradSync
-from fastpar.profiling import nvtx
+
+EVAL_TAG = 1 << 16  # eval's channels: tags offset by this (its own P2P, its own headers)
 
 
 def tie_across_stages(param: torch.Tensor, mesh) -> None:
@@ -66,8 +80,34 @@ def tie_across_stages(param: torch.Tensor, mesh) -> None:
         dist.broadcast(param.data, src=global_rank(group, 0), group=group)
 
 
-class PipelineEngine:
-    """Executes ``schedule`` for ``stage`` (this rank's blocks) over the mesh's pipeline group.
+def _chunks_of(stage: nn.Module | Sequence[nn.Module], v: int) -> list:
+    """The v modules the engine runs: the stage itself when v == 1, else its chunks."""
+    if v == 1 and isinstance(stage, nn.Module) and not isinstance(stage, nn.ModuleList):
+        return [stage]
+    if isinstance(stage, list | tuple | nn.ModuleList):
+        chunks = list(stage)
+    elif hasattr(stage, "chunks"):
+        chunks = list(stage.chunks)
+    elif isinstance(getattr(stage, "module", None), nn.Module) and hasattr(stage.module, "chunks"):
+        if getattr(stage, "stage", None) == 3:
+            raise ValueError(
+                "an interleaved schedule with a ZeRO-3 wrapper: its gathers run around the "
+                "wrapper's forward, which model chunks bypass; use ZeRO 0, 1 or 2"
+            )
+        chunks = list(stage.module.chunks)
+    else:
+        chunks = [stage]
+    if len(chunks) != v:
+        raise ValueError(
+            f"the schedule runs {v} model chunks per rank but the stage holds {len(chunks)}; "
+            "build the stage with build_virtual_stages(..., virtual_stages) for the same v"
+        )
+    return chunks
+
+
+class PipelineEngine(StepRunner):
+    """Executes ``schedule`` for ``stage`` (this rank's blocks, or its model chunks for an
+    interleaved schedule) over the mesh's pipeline group.
 
     ``loss_fn(output, target)`` is needed on the last stage. ``scale_loss`` (e.g. a mixed-precision
     optimizer's) multiplies each micro-batch loss before its backward. ``grad_sync``: the
@@ -83,7 +123,7 @@ class PipelineEngine:
 
     def __init__(
         self,
-        stage: nn.Module,
+        stage: nn.Module | Sequence[nn.Module],
         mesh,
         schedule: Schedule,
         *,
@@ -99,6 +139,14 @@ class PipelineEngine:
     ) -> None:
         if mesh.is_last_stage and loss_fn is None:
             raise ValueError("the last pipeline stage needs loss_fn(output, target)")
+        if not schedule.has_backward:
+            raise ValueError(
+                f"{type(schedule).__name__} has no backward: give the engine a training "
+                "schedule and call eval_step (it runs the schedule's forward_only())"
+            )
+        schedule.check(mesh.pp_size)
+        v = schedule.virtual_stages
+        self.chunks = _chunks_of(stage, v)
         if grad_sync is None and isinstance(stage, GradSync):
             grad_sync = stage
         if no_sync is None and grad_sync is not None:
@@ -108,9 +156,28 @@ class PipelineEngine:
         self.grad_sync, self.moe_aux_loss = grad_sync, moe_aux_loss
         self.scale_loss, self.tied = scale_loss, list(tied)
         self.measure_activations = measure_activations
-        self.p2p = P2P(mesh.prev_rank, mesh.next_rank, static_shapes=static_shapes)
+        prev, nxt = mesh.prev_rank, mesh.next_rank
+        if v > 1:  # the last rank's chunk c feeds rank 0's chunk c + 1: the ring closes
+            ring, r, p = mesh.ranks("pp"), mesh.pp_rank, mesh.pp_size
+            prev, nxt = ring[(r - 1) % p], ring[(r + 1) % p]
+        self.p2p = P2P(prev, nxt, static_shapes=static_shapes)
+        self._eval_p2p = P2P(prev, nxt, static_shapes=static_shapes)
         self.stats: dict[str, float] = {}
-        self._grad_flags: list[bool] | None = None  # tuple outputs under recompute, learnt once
+        self._grad_flags: dict[int, list[bool]] = {}  # per chunk, tuple outputs under recompute
+
+    def _device(self) -> torch.device:
+        params = (p for c in self.chunks for p in c.parameters())
+        return next(params, torch.empty(0)).device
+
+    def _split(self, inputs, targets, m: int):
+        mesh = self.mesh
+        if mesh.is_first_stage and inputs is None:
+            raise ValueError("the first pipeline stage needs the inputs")
+        if mesh.is_last_stage and targets is None:
+            raise ValueError("the last pipeline stage needs the targets")
+        xs = None if inputs is None else _microbatches(inputs, m, "inputs")
+        ys = None if targets is None else _microbatches(targets, m, "targets")
+        return xs, ys
 
     def train_step(
         self,
@@ -122,23 +189,16 @@ class PipelineEngine:
         """One mini-batch: forwards and backwards per the schedule; gradients accumulate in the
         parameters' ``.grad``. Returns the mini-batch loss (a 0-dim tensor; on every stage with
         ``broadcast_loss``, else only on the last)."""
-        mesh, m = self.mesh, self.schedule.num_microbatches
-        first, last = mesh.is_first_stage, mesh.is_last_stage
-        if first and inputs is None:
-            raise ValueError("the first pipeline stage needs the inputs")
-        if last and targets is None:
-            raise ValueError("the last pipeline stage needs the targets")
-        xs = None if inputs is None else _microbatches(inputs, m, "inputs")
-        ys = None if targets is None else _microbatches(targets, m, "targets")
-        device = next(iter(self.stage.parameters()), torch.empty(0)).device
-        saved: dict[int, dict] = {}
+        mesh = self.mesh
+        xs, ys = self._split(inputs, targets, self.schedule.num_microbatches)
+        device = self._device()
+        saved: dict[tuple[int, int], dict] = {}
         losses: list[torch.Tensor] = []
         t_step = time.perf_counter()
-        steps = self.schedule.steps(mesh.pp_size, mesh.pp_rank)
-        last_backward = max(i for kind, i in steps if kind == "B")
+        actions = self.schedule.actions(mesh.pp_size, mesh.pp_rank)
         moe = aux_loss_scale(self._aux_scale(device) if self.moe_aux_loss else None)
         with moe:
-            busy, peak = self._run_steps(steps, xs, ys, device, saved, losses, last_backward)
+            busy, peak = self._run_steps(actions, xs, ys, device, saved, losses)
         self.p2p.wait_sends()
         if self.grad_sync is not None:  # e.g. DDP's tied-embedding sum, every stage done
             self.grad_sync.finish_grad_sync()
@@ -149,9 +209,45 @@ class PipelineEngine:
             "peak_activation_bytes": peak,
             "max_in_flight": self.schedule.max_in_flight(mesh.pp_size, mesh.pp_rank),
         }
-        loss = torch.stack(losses).sum() if last else None
+        return self._loss(losses, device, broadcast_loss)
+
+    @torch.no_grad()
+    def eval_step(
+        self,
+        inputs: torch.Tensor | tuple | None = None,
+        targets: torch.Tensor | tuple | None = None,
+        *,
+        broadcast_loss: bool = True,
+    ) -> torch.Tensor | None:
+        """The mini-batch's loss without backward: the schedule's ``forward_only()`` (the same
+        micro-batches and chunks), the modules in eval mode (restored after), no graph and no
+        gradient touched. Returns the mean loss (0-dim; on every stage with ``broadcast_loss``,
+        else only on the last)."""
+        mesh, sched = self.mesh, self.schedule.forward_only()
+        xs, ys = self._split(inputs, targets, sched.num_microbatches)
+        device = self._device()
+        modes = [(mod, mod.training) for c in self.chunks for mod in c.modules()]
+        losses: list[torch.Tensor] = []
+        t0 = time.perf_counter()
+        try:
+            for mod, _ in modes:
+                mod.training = False
+            actions = sched.actions(mesh.pp_size, mesh.pp_rank)
+            busy, _ = self._run_steps(
+                actions, xs, ys, device, {}, losses, p2p=self._eval_p2p, train=False
+            )
+            self._eval_p2p.wait_sends()
+        finally:
+            for mod, mode in modes:
+                mod.training = mode
+        self.eval_stats = {"busy_s": busy, "wall_s": time.perf_counter() - t0}
+        return self._loss(losses, device, broadcast_loss)
+
+    def _loss(self, losses, device, broadcast_loss: bool):
+        mesh = self.mesh
+        loss = torch.stack(losses).sum() if mesh.is_last_stage else None
         if broadcast_loss and mesh.pp_size > 1:
-            buf = loss.clone() if last else torch.zeros((), device=device)
+            buf = loss.clone() if mesh.is_last_stage else torch.zeros((), device=device)
             dist.broadcast(buf, src=mesh.ranks("pp")[-1], group=mesh.pp_group)
             loss = buf
         return loss
@@ -163,119 +259,6 @@ class PipelineEngine:
         scaled = self.scale_loss(one) if self.scale_loss is not None else one
         return torch.div(scaled.float(), self.schedule.num_microbatches)
 
-    def _run_steps(self, steps, xs, ys, device, saved, losses, last_backward) -> tuple:
-        """The schedule's forwards and backwards; returns (busy seconds, peak stored bytes)."""
-        mesh = self.mesh
-        first, last = mesh.is_first_stage, mesh.is_last_stage
-        live = peak = 0
-        busy = 0.0
-        for kind, i in steps:
-            if kind == "F":
-                x = xs[i] if first else self.p2p.recv(mesh.prev_rank, device)
-                t0 = time.perf_counter()
-                if not first and isinstance(x, torch.Tensor) and x.is_floating_point():
-                    x.requires_grad_(True)  # (tuple slots arrive flagged by their sender)
-                entry, nbytes = {"x": x}, _nbytes(x)
-                if self.recompute:  # the recomputed forward replays this RNG state
-                    entry["rng"] = _get_rng(device)
-                with nvtx(f"stage{mesh.pp_rank} forward mb{i}"):
-                    if self.recompute:
-                        with torch.no_grad():
-                            out = self._run(x, ys[i] if last else None)
-                        if (
-                            not last
-                            and not isinstance(out, torch.Tensor)
-                            and self._grad_flags is None
-                        ):
-                            self._grad_flags = self._learn_grad_flags(x, device)
-                    elif self.measure_activations:
-                        out, graph_bytes = self._run_counting(x, ys[i] if last else None)
-                        entry["out"] = out
-                        nbytes += graph_bytes
-                    else:
-                        entry["out"] = out = self._run(x, ys[i] if last else None)
-                entry["bytes"] = nbytes
-                saved[i] = entry
-                live += nbytes
-                peak = max(peak, live)
-                busy += time.perf_counter() - t0
-                if last:
-                    losses.append(out.detach())
-                elif isinstance(out, torch.Tensor):
-                    self.p2p.send(out, mesh.next_rank)
-                else:
-                    out = tuple_message(out)
-                    flags = self._grad_flags if self.recompute else _requires_grad(out)
-                    entry["slots"] = [j for j, f in enumerate(flags) if f]
-                    self.p2p.send(out, mesh.next_rank, requires_grad=flags)
-            else:
-                entry = saved.pop(i)
-                slots = entry.get("slots")  # None: a single-tensor output
-                grad = None
-                if not last and (slots is None or slots):
-                    grad = self.p2p.recv(mesh.next_rank, device)
-                t0 = time.perf_counter()
-                sync = i == last_backward or self.no_sync is None
-                no_sync = contextlib.nullcontext() if sync else self.no_sync()
-                with nvtx(f"stage{mesh.pp_rank} backward mb{i}"), no_sync:
-                    if self.recompute:
-                        rng = _get_rng(device)
-                        _set_rng(entry["rng"])
-                        with torch.enable_grad():
-                            out = self._run(entry["x"], ys[i] if last else None)
-                        _set_rng(rng)
-                    else:
-                        out = entry["out"]
-                    if last:
-                        loss = self.scale_loss(out) if self.scale_loss is not None else out
-                        loss.backward()
-                    elif slots is None:
-                        torch.autograd.backward(out, grad)
-                    elif slots:
-                        torch.autograd.backward(_grad_outputs(out, slots), list(grad))
-                busy += time.perf_counter() - t0
-                live -= entry["bytes"]
-                if not first:
-                    self._send_input_grad(entry["x"])
-        return busy, peak
-
-    def _run(self, x, target):
-        out = self.stage(x)
-        if target is not None:
-            out = self.loss_fn(out, target) / self.schedule.num_microbatches
-        return out
-
-    def _send_input_grad(self, x) -> None:
-        """The gradient of this stage's input, to the previous stage: of the tensor if it
-        requires grad, or of each tuple slot that does (zeros for one the stage did not use)."""
-        if isinstance(x, torch.Tensor):
-            if x.requires_grad:
-                self.p2p.send(x.grad, self.mesh.prev_rank)
-        elif wanted := [t for t in x if t is not None and t.requires_grad]:
-            grads = tuple(torch.zeros_like(t) if t.grad is None else t.grad for t in wanted)
-            self.p2p.send(grads, self.mesh.prev_rank)
-
-    def _learn_grad_flags(self, x, device: torch.device) -> list[bool]:
-        """Which slots of this stage's tuple output require grad: the forward of ``x`` once
-        more with grad enabled, its output and graph dropped, the RNG left as it was."""
-        rng = _get_rng(device)
-        with torch.enable_grad():
-            flags = _requires_grad(tuple_message(self.stage(x)))
-        _set_rng(rng)
-        return flags
-
-    def _run_counting(self, x, target) -> tuple[torch.Tensor, int]:
-        """Forward keeping the graph; also the bytes autograd saved for backward."""
-        counted = [0]
-
-        def pack(t):
-            counted[0] += _nbytes(t)
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = self._run(x, target)
-        return out, counted[0]
-
     def _sync_tied(self) -> None:
         mesh = self.mesh
         if not self.tied or mesh.pp_size == 1 or mesh.embedding_group is None:
@@ -284,25 +267,6 @@ class PipelineEngine:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=mesh.embedding_group)
-
-
-def _get_rng(device: torch.device) -> tuple:
-    """The RNG state a forward draws from: the CPU generator's, and the device's on a GPU."""
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), device, cuda
-
-
-def _set_rng(state: tuple) -> None:
-    cpu, device, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state(cuda, device)
-
-
-def _nbytes(t) -> int:
-    if isinstance(t, tuple | list):
-        return sum(_nbytes(u) for u in t if u is not None)
-    return t.numel() * t.element_size()
 
 
 def _microbatches(batch, m: int, name: str) -> list:
@@ -321,20 +285,3 @@ def _microbatches(batch, m: int, name: str) -> list:
     if not isinstance(batch, tuple | list):
         return list(batch.chunk(m))
     return list(zip(*(t.chunk(m) for t in batch), strict=True))
-
-
-def _requires_grad(msg: tuple) -> list[bool]:
-    return [t is not None and t.requires_grad for t in msg]
-
-
-def _grad_outputs(out: tuple, slots: list[int]) -> list[torch.Tensor]:
-    """The output slots that receive a gradient; each must require grad (a recomputed forward
-    must produce what the first one announced)."""
-    lost = [j for j in slots if not (isinstance(out[j], torch.Tensor) and out[j].requires_grad)]
-    if lost:
-        raise RuntimeError(
-            f"stage output slots {lost} required grad when first sent but not in this backward "
-            "(the stage's output changed between its forward and its recomputation); a stage "
-            "must return the same kinds of tensors for every micro-batch"
-        )
-    return [out[j] for j in slots]

@@ -9,6 +9,12 @@ in a small header: with ``static_shapes`` (the default) once per direction — l
 match it — else before every message. A tuple's header has one row per slot, which also says
 whether the slot requires grad: the receiver's copy of such a slot is a leaf that requires grad
 (and only those slots send a gradient back, see the engine).
+
+Channels: every transfer carries a ``tag`` (default 0); messages between two ranks pair in
+posting order per tag, and shapes are agreed per (peer, tag). The engine gives every
+(virtual stage, direction) its own tag, so with several model chunks per rank activations and
+gradients that share a pair of ranks never cross (gloo matches by tag; NCCL ignores tags and
+pairs in posting order, which the engine's one-chunk schedules keep).
 """
 
 from __future__ import annotations
@@ -84,15 +90,16 @@ class P2P:
         h[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
         return h.to(t.device)
 
-    def _header_ops(self, meta, peer: int, headers) -> list:
+    def _header_ops(self, meta, peer: int, headers, tag: int = 0) -> list:
         """The header sends (if this message needs them), after checking ``meta`` against the
-        first message's under static shapes."""
-        if not self.static_shapes or peer not in self._sent_meta:
-            self._sent_meta[peer] = meta
-            return [dist.P2POp(dist.isend, h, peer) for h in headers()]
-        if self._sent_meta[peer] != meta:
+        first message's on this channel under static shapes."""
+        key = (peer, tag)
+        if not self.static_shapes or key not in self._sent_meta:
+            self._sent_meta[key] = meta
+            return [dist.P2POp(dist.isend, h, peer, tag=tag) for h in headers()]
+        if self._sent_meta[key] != meta:
             raise ValueError(
-                f"a pipeline message to rank {peer} changed from {self._sent_meta[peer]} to {meta};"
+                f"a pipeline message to rank {peer} changed from {self._sent_meta[key]} to {meta};"
                 " pass static_shapes=False when activation shapes vary between micro-batches"
             )
         return []
@@ -103,14 +110,15 @@ class P2P:
             with nvtx(f"send to {peer}"):
                 self._pending += [(w, data) for w in dist.batch_isend_irecv(ops)]
 
-    def send(self, msg: Message, peer: int, *, requires_grad=None) -> None:
+    def send(self, msg: Message, peer: int, *, requires_grad=None, tag: int = 0) -> None:
         """Post the transfer of ``msg`` to ``peer`` (not waited for). For a tuple,
         ``requires_grad`` (one bool per slot) overrides the slots' own flags, e.g. for an
         output computed under ``torch.no_grad`` whose recomputation will require grad."""
         if isinstance(msg, torch.Tensor):
             t = msg.detach().contiguous()
-            ops = self._header_ops((tuple(t.shape), t.dtype), peer, lambda: [self._header(t)])
-            ops.append(dist.P2POp(dist.isend, t, peer))
+            meta = (tuple(t.shape), t.dtype)
+            ops = self._header_ops(meta, peer, lambda: [self._header(t)], tag)
+            ops.append(dist.P2POp(dist.isend, t, peer, tag=tag))
             self._post(ops, peer, [t])
             return
         msg = tuple_message(msg)
@@ -131,8 +139,8 @@ class P2P:
         meta = _Slots(tuple(None if t is None else (tuple(t.shape), t.dtype, f)
                             for t, f in zip(tensors, flags, strict=True)))  # fmt: skip
         data = [t for t in tensors if t is not None and t.numel()]
-        ops = self._header_ops(meta, peer, lambda: self._tuple_headers(meta, tensors))
-        ops += [dist.P2POp(dist.isend, t, peer) for t in data]
+        ops = self._header_ops(meta, peer, lambda: self._tuple_headers(meta, tensors), tag)
+        ops += [dist.P2POp(dist.isend, t, peer, tag=tag) for t in data]
         self._post(ops, peer, data)
 
     @staticmethod
@@ -150,42 +158,44 @@ class P2P:
             row[3 : 3 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
         return [first.to(device), rows.flatten().to(device)]
 
-    def _recv_header(self, peer: int, device: torch.device):
+    def _recv_header(self, peer: int, device: torch.device, tag: int):
         h = torch.empty(_HEADER, dtype=torch.int64, device=device)
-        self._wait_recv([h], peer)
+        self._wait_recv([h], peer, tag)
         h = h.tolist()
         if h[0] >= 0:
             return (tuple(h[2 : 2 + h[0]]), _DTYPES[h[1]])
         rows = torch.empty(h[1] * _SLOT, dtype=torch.int64, device=device)
         if h[1]:
-            self._wait_recv([rows], peer)
+            self._wait_recv([rows], peer, tag)
         slots = []
         for r in rows.view(h[1], _SLOT).tolist():
             slots.append(None if r[0] < 0 else (tuple(r[3 : 3 + r[0]]), _DTYPES[r[1]], bool(r[2])))
         return _Slots(tuple(slots))
 
     @staticmethod
-    def _wait_recv(bufs: list[torch.Tensor], peer: int) -> None:
+    def _wait_recv(bufs: list[torch.Tensor], peer: int, tag: int = 0) -> None:
         if bufs:
-            for w in dist.batch_isend_irecv([dist.P2POp(dist.irecv, b, peer) for b in bufs]):
+            ops = [dist.P2POp(dist.irecv, b, peer, tag=tag) for b in bufs]
+            for w in dist.batch_isend_irecv(ops):
                 w.wait()
 
-    def recv(self, peer: int, device: torch.device) -> Message:
-        """Receive the next message from ``peer`` (waits for it): a tensor, or a tuple whose
-        slots that were sent requiring grad are leaves that require grad."""
-        if not self.static_shapes or peer not in self._recv_meta:
-            self._recv_meta[peer] = self._recv_header(peer, device)
-        meta = self._recv_meta[peer]
+    def recv(self, peer: int, device: torch.device, *, tag: int = 0) -> Message:
+        """Receive the next message from ``peer`` on channel ``tag`` (waits for it): a tensor,
+        or a tuple whose slots that were sent requiring grad are leaves that require grad."""
+        key = (peer, tag)
+        if not self.static_shapes or key not in self._recv_meta:
+            self._recv_meta[key] = self._recv_header(peer, device, tag)
+        meta = self._recv_meta[key]
         if not isinstance(meta, _Slots):
             shape, dtype = meta
             out = torch.empty(shape, dtype=dtype, device=device)
             with nvtx(f"recv from {peer}"):
-                self._wait_recv([out], peer)
+                self._wait_recv([out], peer, tag)
             return out
         msg = [None if s is None else torch.empty(s[0], dtype=s[1], device=device)
                for s in meta.slots]  # fmt: skip
         with nvtx(f"recv from {peer}"):
-            self._wait_recv([t for t in msg if t is not None and t.numel()], peer)
+            self._wait_recv([t for t in msg if t is not None and t.numel()], peer, tag)
         for t, s in zip(msg, meta.slots, strict=True):
             if s is not None and s[2]:
                 t.requires_grad_(True)

@@ -62,3 +62,56 @@ def build_stage(
     ranges = partition(costs, num_stages)
     start, end = ranges[stage]
     return nn.Sequential(*blocks[start:end]), (start, end)
+
+
+class VirtualStages(nn.Module):
+    """A rank's model chunks for an interleaved schedule: ``chunks[c]`` (an ``nn.Sequential``)
+    is virtual stage ``c * p + rank``, blocks ``ranges[c]`` of the whole model. The blocks are
+    registered under their number in the whole model ("7.attn.qkv.weight"), so
+    ``stage_param_names(module, 0)`` and checkpoints see the whole model's names. The engine
+    runs the chunks one by one; calling this module itself is an error."""
+
+    def __init__(self, blocks: Sequence[nn.Module], ranges: Sequence[tuple[int, int]]) -> None:
+        super().__init__()
+        self.ranges = [tuple(r) for r in ranges]
+        for start, end in self.ranges:
+            for k in range(start, end):
+                self.add_module(str(k), blocks[k])
+        # plain list: the blocks are registered once, above, under their global numbers
+        self.chunks = [nn.Sequential(*blocks[s:e]) for s, e in self.ranges]
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(
+            "a VirtualStages module holds non-contiguous model chunks: run it with "
+            "PipelineEngine and an Interleaved schedule (each chunk is .chunks[c])"
+        )
+
+
+def build_virtual_stages(
+    blocks: Sequence[nn.Module] | nn.Sequential,
+    num_stages: int,
+    stage: int,
+    virtual_stages: int,
+    *,
+    costs: Sequence[float] | None = None,
+) -> tuple[VirtualStages, list[tuple[int, int]]]:
+    """This rank's ``virtual_stages`` chunks: the blocks cut into ``num_stages * virtual_stages``
+    contiguous ranges of balanced cost, placed round-robin (rank r holds ranges r, r + p, ...
+    — Megatron's placement: the first chunk of rank 0 starts the model, the last chunk of the
+    last rank ends it). Returns the chunks and their [start, end) ranges."""
+    blocks = list(blocks)
+    costs = block_costs(blocks) if costs is None else list(costs)
+    if len(costs) != len(blocks):
+        raise ValueError(f"got {len(costs)} costs for {len(blocks)} blocks")
+    if virtual_stages < 1:
+        raise ValueError(f"virtual_stages must be >= 1, got {virtual_stages}")
+    total = num_stages * virtual_stages
+    if len(blocks) < total:
+        raise ValueError(
+            f"the model has {len(blocks)} blocks but pp {num_stages} x {virtual_stages} virtual "
+            f"stages needs {total} chunks of at least one block each; use fewer virtual stages "
+            f"(at most {len(blocks) // num_stages}) or a model with more blocks"
+        )
+    ranges = partition(costs, total)
+    mine = ranges[stage::num_stages]
+    return VirtualStages(blocks, mine), mine

@@ -1,17 +1,25 @@
-"""Pipeline schedules as lists of steps, with a per-rank text timeline.
+"""Pipeline schedules as data: per-rank ordered lists of steps, with a simulator and a per-rank
+text timeline. A new schedule is a new order, not a new engine.
 
-A step is ("F", i) — forward of micro-batch i on this stage — or ("B", i) — its backward.
-Communication is implied: a forward receives from the previous stage and sends to the next,
-a backward receives the output gradient from the next stage and sends the input gradient back.
-``print(OneFOneB(8).timeline(4))`` draws the schedule; ``python -m fastpar.parallel.pipeline``
-prints both schedules and the bubble table.
+A step is ``(kind, i)`` — ``("F", i)``: forward of micro-batch i on this rank's stage,
+``("B", i)``: its backward — or, for a schedule whose ranks hold ``v > 1`` model chunks
+(virtual stages, ``Interleaved``), ``(kind, i, c)`` for chunk c of this rank. ``actions``
+gives every schedule's steps as ``(kind, i, c)``. Chunks are placed round-robin: rank r holds
+virtual stages ``r, r + p, r + 2p, ...`` (chunk c is virtual stage ``c * p + r``).
+Communication is implied: a forward receives from the previous virtual stage and sends to the
+next (the last rank's chunk c feeds rank 0's chunk c + 1), a backward receives the output
+gradient from the next virtual stage and sends the input gradient back.
+``print(Interleaved(8, 2).timeline(4))`` draws a schedule; ``python -m
+fastpar.parallel.pipeline`` prints every schedule and the bubble table.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-Step = tuple[str, int]
+Step = tuple  # ("F" | "B", micro-batch) or ("F" | "B", micro-batch, chunk)
+Action = tuple[str, int, int]
 
 
 @dataclass(frozen=True)
@@ -19,6 +27,8 @@ class Schedule:
     """``num_microbatches`` micro-batches per mini-batch."""
 
     num_microbatches: int
+    virtual_stages: ClassVar[int] = 1  # model chunks per rank
+    has_backward: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
@@ -29,71 +39,93 @@ class Schedule:
     def steps(self, num_stages: int, stage: int) -> list[Step]:
         raise NotImplementedError
 
+    def actions(self, num_stages: int, stage: int) -> list[Action]:
+        """This rank's steps as ``(kind, micro-batch, chunk)``."""
+        return [(s[0], s[1], s[2] if len(s) > 2 else 0) for s in self.steps(num_stages, stage)]
+
+    def check(self, num_stages: int) -> None:
+        """Raise ValueError when this schedule cannot run on ``num_stages`` ranks."""
+
+    def forward_only(self) -> ForwardOnly:
+        """The forward-only schedule (evaluation) of the same micro-batches and chunks."""
+        return ForwardOnly(self.num_microbatches, self.virtual_stages)
+
     def max_in_flight(self, num_stages: int, stage: int) -> int:
-        """Most micro-batches whose forward ran but whose backward has not, on this stage."""
+        """Most (micro-batch, chunk) forwards that ran but whose backward has not, on this
+        rank (over all its chunks)."""
         live = peak = 0
-        for kind, _ in self.steps(num_stages, stage):
+        for kind, _, _ in self.actions(num_stages, stage):
             live += 1 if kind == "F" else -1
             peak = max(peak, live)
         return peak
 
     def simulate(self, num_stages: int, forward: float = 1.0, backward: float = 2.0):
-        """Start time of every step with uniform costs: a step starts when this stage is free
-        and its input is ready (F(i) after F(i) on the stage before; B(i) after B(i) on the
-        stage after). Returns ({(stage, step): start}, makespan)."""
-        order = [self.steps(num_stages, s) for s in range(num_stages)]
-        pos = [0] * num_stages
-        free = [0.0] * num_stages
-        done: dict[tuple[int, Step], float] = {}
-        start: dict[tuple[int, Step], float] = {}
+        """Start time of every step with uniform costs per step (``forward`` / ``backward``
+        for one chunk's forward / backward of one micro-batch): a step starts when this rank
+        is free and its input is ready (F on virtual stage s after F on s - 1; B on s after B
+        on s + 1 and after its own F). Returns ({(rank, action): start}, makespan)."""
+        p, v = num_stages, self.virtual_stages
+        order = [self.actions(p, r) for r in range(p)]
+        pos, free = [0] * p, [0.0] * p
+        done: dict[tuple[int, Action], float] = {}
+        start: dict[tuple[int, Action], float] = {}
         remaining = sum(len(o) for o in order)
         while remaining:
             progressed = False
-            for s in range(num_stages):
-                if pos[s] == len(order[s]):
+            for r in range(p):
+                if pos[r] == len(order[r]):
                     continue
-                kind, i = step = order[s][pos[s]]
-                dep = (s - 1, ("F", i)) if kind == "F" else (s + 1, ("B", i))
+                kind, i, c = act = order[r][pos[r]]
+                s = c * p + r + (-1 if kind == "F" else 1)  # the virtual stage it depends on
                 ready = 0.0
-                if 0 <= dep[0] < num_stages:
+                if 0 <= s < p * v:
+                    dep = (s % p, (kind, i, s // p))
                     if dep not in done:
                         continue
                     ready = done[dep]
                 if kind == "B":
-                    ready = max(ready, done[(s, ("F", i))])
-                t0 = max(free[s], ready)
-                start[(s, step)] = t0
-                free[s] = done[(s, step)] = t0 + (forward if kind == "F" else backward)
-                pos[s] += 1
+                    ready = max(ready, done[(r, ("F", i, c))])
+                t0 = max(free[r], ready)
+                start[(r, act)] = t0
+                free[r] = done[(r, act)] = t0 + (forward if kind == "F" else backward)
+                pos[r] += 1
                 remaining -= 1
                 progressed = True
-            if not progressed:  # pragma: no cover - a schedule bug, not a user error
-                raise RuntimeError(f"{type(self).__name__} deadlocks at positions {pos}")
+            if not progressed:
+                raise RuntimeError(f"{self!r} deadlocks on {p} stages at positions {pos}")
         return start, max(free)
 
     def bubble_fraction(
         self, num_stages: int, forward: float = 1.0, backward: float = 2.0
     ) -> float:
-        """Idle fraction of each stage under uniform costs (equal on every stage)."""
+        """Idle fraction of each rank under uniform costs (equal on every rank)."""
         _, makespan = self.simulate(num_stages, forward, backward)
-        busy = self.num_microbatches * (forward + backward)
+        acts = self.actions(num_stages, 0)
+        busy = sum(forward if k == "F" else backward for k, _, _ in acts)
         return 1.0 - busy / makespan
 
+    def theory(self, num_stages: int) -> float:
+        """The textbook bubble fraction: (p - 1) / (v * m + p - 1)."""
+        return (num_stages - 1) / (self.virtual_stages * self.num_microbatches + num_stages - 1)
+
     def timeline(self, num_stages: int, forward: int = 1, backward: int = 2) -> str:
-        """A per-rank text timeline: one column per time unit, F/B with the micro-batch id,
-        '.' for idle."""
+        """A per-rank text timeline: one column per time unit, F/B with the micro-batch id
+        (and ``.c``, the chunk, when ranks hold several), '.' for idle."""
         start, makespan = self.simulate(num_stages, forward, backward)
-        width = len(str(self.num_microbatches - 1)) + 1
-        lines = [f"{type(self).__name__}, {self.num_microbatches} micro-batches, {num_stages} stages "
-                 f"(F={forward}, B={backward} time units; bubble "
+        v = self.virtual_stages
+        width = len(str(self.num_microbatches - 1)) + 1 + (len(str(v - 1)) + 1 if v > 1 else 0)
+        chunks = f" x {v} chunks" if v > 1 else ""
+        lines = [f"{type(self).__name__}, {self.num_microbatches} micro-batches, {num_stages} stages"
+                 f"{chunks} (F={forward}, B={backward} time units per step; bubble "
                  f"{self.bubble_fraction(num_stages, forward, backward):.0%})"]  # fmt: skip
-        for s in range(num_stages):
+        for r in range(num_stages):
             cells = ["." * width] * int(makespan)
-            for (stage, (kind, i)), t0 in start.items():
-                if stage == s:
+            for (rank, (kind, i, c)), t0 in start.items():
+                if rank == r:
+                    label = f"{kind}{i}" + (f".{c}" if v > 1 else "")
                     for u in range(int(t0), int(t0) + (forward if kind == "F" else backward)):
-                        cells[u] = f"{kind}{i}".ljust(width)
-            lines.append(f"rank {s}: " + " ".join(cells))
+                        cells[u] = label.ljust(width)
+            lines.append(f"rank {r}: " + " ".join(cells))
         return "\n".join(lines)
 
 
@@ -122,3 +154,112 @@ class OneFOneB(Schedule):
             b += 1
         out += [("B", i) for i in range(b, m)]
         return out
+
+
+def _check_interleaved(m: int, v: int, p: int | None, name: str) -> None:
+    """``p`` None: only what does not depend on the pipeline size."""
+    if not isinstance(v, int) or v < 1:
+        raise ValueError(f"virtual_stages must be a positive integer, got {v!r}")
+    if p is None or v == 1:
+        return
+    if p == 1:
+        raise ValueError(
+            f"{name} with {v} virtual stages needs pp > 1 (one rank would send its chunks' "
+            "activations to itself); use virtual_stages=1 or a pipeline of 2 or more ranks"
+        )
+    if m % p:
+        raise ValueError(
+            f"{name} with {v} virtual stages needs the micro-batches ({m}) to be a multiple of "
+            f"the pipeline size {p} (Megatron's interleaved order runs them in groups of p); "
+            f"use {m + (-m) % p} micro-batches or virtual_stages=1"
+        )
+
+
+def _chunk_order(m: int, p: int, v: int, backward: bool) -> list[tuple[int, int]]:
+    """Megatron-Core's interleaved order of (micro-batch, chunk): micro-batches in groups of
+    p; within a group every chunk in turn (forward 0..v-1; backward v-1..0), so the k-th step
+    runs chunk (k // p) % v of micro-batch (k // (p v)) p + k % p."""
+    out = []
+    for g0 in range(0, m, p):
+        group = range(g0, min(g0 + p, m))
+        for c in range(v):
+            out += [(i, v - 1 - c if backward else c) for i in group]
+    return out
+
+
+@dataclass(frozen=True)
+class Interleaved(Schedule):
+    """Interleaved 1F1B (Megatron-Core's ``forward_backward_pipelining_with_interleaving``):
+    each rank holds ``virtual_stages`` (v) model chunks, placed round-robin (rank r: virtual
+    stages r, r + p, ...). Rank r runs ``(p - r - 1) * 2 + (v - 1) * p`` warm-up forwards (all
+    ``v * m`` when m == p), then one forward / one backward, then the remaining backwards, in
+    the order of ``_chunk_order``. Needs m a multiple of p (at p > 1). Bubble
+    (p - 1) / (v m + p - 1); up to about ``(1 + (p - 1) / (v p)) p`` chunk-forwards in
+    flight on rank 0 (more activations than 1F1B, each 1/v as large)."""
+
+    virtual_stages: int = 2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_interleaved(self.num_microbatches, self.virtual_stages, None, "Interleaved")
+
+    def check(self, num_stages: int) -> None:
+        _check_interleaved(self.num_microbatches, self.virtual_stages, num_stages, "Interleaved")
+
+    def warmup(self, num_stages: int, stage: int) -> int:
+        p, m, v = num_stages, self.num_microbatches, self.virtual_stages
+        if m == p:
+            return m * v
+        return min((p - stage - 1) * 2 + (v - 1) * p, m * v)
+
+    def steps(self, num_stages: int, stage: int) -> list[Step]:
+        self.check(num_stages)
+        p, m, v = num_stages, self.num_microbatches, self.virtual_stages
+        fwd = [("F", i, c) for i, c in _chunk_order(m, p, v, backward=False)]
+        bwd = [("B", i, c) for i, c in _chunk_order(m, p, v, backward=True)]
+        warm = self.warmup(p, stage)
+        out: list[Step] = fwd[:warm]
+        for k in range(m * v - warm):
+            out += [fwd[warm + k], bwd[k]]
+        return out + bwd[m * v - warm :]
+
+
+@dataclass(frozen=True)
+class ForwardOnly(Schedule):
+    """Forwards only, no backward (evaluation): micro-batch by micro-batch, or with
+    ``virtual_stages`` > 1 chunks per rank in the interleaved order of ``Interleaved``'s
+    forwards (the same groups of p micro-batches; m a multiple of p)."""
+
+    virtual_stages: int = 1
+    has_backward: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_interleaved(self.num_microbatches, self.virtual_stages, None, "ForwardOnly")
+
+    def check(self, num_stages: int) -> None:
+        _check_interleaved(self.num_microbatches, self.virtual_stages, num_stages, "ForwardOnly")
+
+    def steps(self, num_stages: int, stage: int) -> list[Step]:
+        self.check(num_stages)
+        m, v = self.num_microbatches, self.virtual_stages
+        if v == 1:
+            return [("F", i) for i in range(m)]
+        return [("F", i, c) for i, c in _chunk_order(m, num_stages, v, backward=False)]
+
+
+#: the schedules by their command-line names
+SCHEDULES = {"gpipe": GPipe, "1f1b": OneFOneB, "interleaved": Interleaved}
+
+
+def make_schedule(name: str, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """The schedule called ``name`` (``SCHEDULES``); ``virtual_stages`` only for interleaved."""
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {name!r}")
+    if name == "interleaved":
+        return Interleaved(num_microbatches, virtual_stages)
+    if virtual_stages != 1:
+        raise ValueError(
+            f"virtual_stages {virtual_stages} needs the interleaved schedule, not {name}"
+        )
+    return SCHEDULES[name](num_microbatches)

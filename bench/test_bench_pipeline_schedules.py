@@ -1,0 +1,214 @@
+"""Pipeline schedules side by side: the bubble of GPipe, 1F1B and interleaved 1F1B (v = 2, 4)
+measured on CPU ranks beside theory, peak activation memory per rank, and step time against
+torch.distributed.pipelining's ScheduleInterleaved1F1B.
+
+* Bubble: compute per micro-batch is a fixed cost, not CPU work (2 cores cannot run 4 ranks'
+  matmuls without contention): each rank's stage forward sleeps FORWARD_S and its backward
+  2 * FORWARD_S, split evenly over its v chunks (a chunk sleeps FORWARD_S / v, 2 FORWARD_S / v),
+  so every schedule does the same work per rank. The engine's ``stats`` give the busy seconds
+  (inside forwards and backwards); the wall is the step's makespan, from a barrier before it
+  to a barrier after it (the same on every rank); idle = 1 - busy / wall, the median of 3
+  steps, averaged over ranks, beside (p - 1) / (v m + p - 1).
+* Activation memory: a 16-block MLP chain (h = 256, batch 64, m = 8, p = 4), the peak bytes of
+  stored activations per rank (stage inputs + tensors autograd saved), every schedule.
+* Peer: the same 8-block MLP chain cut into p * 2 chunks, fastpar's Interleaved(8, 2) and
+  torch's ScheduleInterleaved1F1B(n_microbatches=8) on the same ranks, median step time, ratio.
+Run:  pytest bench/test_bench_pipeline_schedules.py -s --benchmark-json=...
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fastpar import ParallelMesh
+from fastpar.parallel.pipeline import (
+    GPipe,
+    Interleaved,
+    OneFOneB,
+    PipelineEngine,
+    build_stage,
+    build_virtual_stages,
+)
+from fastpar.testing import run_ranks
+
+#: one rank's stage forward (backward 2x); FASTPAR_BENCH_FORWARD_S overrides it. Each
+#: action also pays a gloo p2p latency (~0.2-0.3 ms on 2 loaded cores) that sits on the
+#: critical path of the steady phase: it counts as idle, relatively more the shorter a
+#: chunk's work (v = 4 at 8 ms splits the work into 2 ms forwards), so longer costs measure
+#: the schedule's own bubble more closely
+FORWARD_S = float(os.environ.get("FASTPAR_BENCH_FORWARD_S", "0.008"))
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(2 * ctx.seconds)
+        return g, None
+
+
+class SleepChunk(nn.Module):
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds, self.w = seconds, nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return _Sleep.apply(x * self.w, self.seconds)
+
+
+def _schedule(name: str, m: int, v: int):
+    return (
+        {"gpipe": GPipe, "1f1b": OneFOneB}[name](m)
+        if name != "interleaved"
+        else (Interleaved(m, v))
+    )
+
+
+def _bubble(name: str, m: int, v: int) -> float:
+    mesh = ParallelMesh(pp=dist.get_world_size())
+    sched = _schedule(name, m, v)
+    chunks = [SleepChunk(FORWARD_S / v) for _ in range(v)]
+    stage = chunks if v > 1 else chunks[0]
+    engine = PipelineEngine(stage, mesh, sched, loss_fn=lambda out, y: (out - y).pow(2).mean())
+    x = torch.randn(m * 2, 8)
+    idle = []
+    for _ in range(3):  # the makespan of a step: from a barrier to a barrier after it
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.train_step(x, x)
+        dist.barrier()
+        idle.append(1 - engine.stats["busy_s"] / (time.perf_counter() - t0))
+    return statistics.median(idle)
+
+
+CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4)]
+
+
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("name,v", CASES, ids=[f"{n}-v{v}" for n, v in CASES])
+def test_bubble_against_theory(benchmark, name, v, p):
+    benchmark.group = f"pipeline-schedule-bubble-p{p}"
+    rows = {}
+
+    def measure():
+        for m in (p, 2 * p, 4 * p):
+            rows[m] = run_ranks(_bubble, p, name, m, v)
+
+    benchmark.pedantic(measure, rounds=1, iterations=1)
+    label = name + (f" v={v}" if v > 1 else "")
+    lines = [f"\n{label}, p={p}:   m   measured idle   theory (p-1)/(vm+p-1)   measured/theory"]
+    table = {}
+    for m, idle in rows.items():
+        theory = _schedule(name, m, v).theory(p)
+        got = statistics.mean(idle)
+        table[m] = {"measured": got, "theory": theory, "ratio": got / theory, "per_rank": idle}
+        lines.append(f"{' ' * 16}{m:>3}   {got:>13.3f}   {theory:>21.3f}   {got / theory:>15.2f}")
+    benchmark.extra_info["bubble"] = table
+    print("\n".join(lines))
+
+
+def _mlp_blocks(n: int = 16, h: int = 256):
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h)) for _ in range(n)]
+
+
+def _stage_for(mesh, name: str, v: int, n: int):
+    if v > 1:
+        return build_virtual_stages(_mlp_blocks(n), mesh.pp_size, mesh.pp_rank, v)[0]
+    return build_stage(_mlp_blocks(n), mesh.pp_size, mesh.pp_rank)[0]
+
+
+def _activation_memory(name: str, v: int, recompute: bool) -> int:
+    mesh = ParallelMesh(pp=dist.get_world_size())
+    engine = PipelineEngine(
+        _stage_for(mesh, name, v, 16), mesh, _schedule(name, 8, v), loss_fn=F.mse_loss,
+        recompute=recompute, measure_activations=True,
+    )  # fmt: skip
+    x = torch.randn(64, 256)
+    engine.train_step(x, x)
+    return engine.stats["peak_activation_bytes"]
+
+
+MEMORY = [("gpipe", 1, False), ("gpipe", 1, True), ("1f1b", 1, False), ("interleaved", 2, False),
+          ("interleaved", 4, False), ("interleaved", 2, True)]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name,v,recompute", MEMORY, ids=[f"{n}-v{v}{'-recompute' if r else ''}" for n, v, r in MEMORY]
+)
+def test_activation_memory_per_rank(benchmark, name, v, recompute):
+    benchmark.group = "pipeline-schedule-activation-memory"
+    peaks = benchmark.pedantic(
+        run_ranks, args=(_activation_memory, 4, name, v, recompute), rounds=1, iterations=1
+    )
+    benchmark.extra_info.update(peak_bytes_per_rank=peaks)
+    label = name + (f" v={v}" if v > 1 else "") + (" + recompute" if recompute else "")
+    print(f"\n{label:<26} p=4 m=8: peak stored activations per rank (KiB) "
+          f"{[b // 1024 for b in peaks]}")  # fmt: skip
+
+
+def _vs_torch(iters: int, v: int = 2, m: int = 8) -> dict:
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    mesh = ParallelMesh(pp=dist.get_world_size())
+    p, r = mesh.pp_size, mesh.pp_rank
+    x = torch.randn(64, 256)
+    n = 8 if p * v <= 8 else p * v
+    ours = PipelineEngine(
+        _stage_for(mesh, "interleaved", v, n), mesh, Interleaved(m, v), loss_fn=F.mse_loss
+    )
+    theirs_chunks = _stage_for(mesh, "interleaved", v, n).chunks
+    stages = [
+        PipelineStage(chunk, c * p + r, p * v, torch.device("cpu"))
+        for c, chunk in enumerate(theirs_chunks)
+    ]
+    theirs = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=F.mse_loss)
+
+    def step_theirs():
+        if mesh.is_first_stage:
+            theirs.step(x)
+        elif mesh.is_last_stage:
+            theirs.step(target=x)
+        else:
+            theirs.step()
+
+    times = {"fastpar": [], "torch": []}
+    for it in range(iters + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        ours.train_step(x, x, broadcast_loss=False)
+        dist.barrier()
+        t1 = time.perf_counter()
+        step_theirs()
+        dist.barrier()
+        t2 = time.perf_counter()
+        if it:
+            times["fastpar"].append(t1 - t0)
+            times["torch"].append(t2 - t1)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_against_torch_interleaved_1f1b(benchmark, p):
+    benchmark.group = "pipeline-vs-torch-interleaved"
+    res = benchmark.pedantic(run_ranks, args=(_vs_torch, p, 5), rounds=1, iterations=1)
+    t = {k: statistics.median(r[k] for r in res) for k in ("fastpar", "torch")}
+    benchmark.extra_info.update(seconds=t, torch_over_fastpar=t["torch"] / t["fastpar"])
+    print(
+        f"\ninterleaved v=2 p={p} m=8: fastpar {t['fastpar'] * 1e3:.1f} ms, "
+        f"torch ScheduleInterleaved1F1B {t['torch'] * 1e3:.1f} ms "
+        f"(torch/fastpar {t['torch'] / t['fastpar']:.2f})"
+    )

@@ -1,0 +1,211 @@
+"""Interleaved 1F1B (v model chunks per rank, placed round-robin) equals the unpipelined model:
+losses and every gradient, pp 2 and 4, v 2 and 4, m = p, 2p, 3p, with and without
+recomputation, tensor and tuple messages; the schedule's order, bubble and errors."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from _parity import assert_close
+from test_parallel_pipeline import batch, blocks, loss_fn, tuple_blocks
+from torch import nn
+
+from fastpar import ParallelMesh
+from fastpar.parallel.pipeline import (
+    GPipe,
+    Interleaved,
+    OneFOneB,
+    PipelineEngine,
+    build_virtual_stages,
+    make_schedule,
+)
+from fastpar.testing import RankError, run_ranks
+
+
+def _interleaved(v: int, m: int, recompute: bool, n: int, make=blocks, size: int = 24) -> list:
+    """Two SGD steps pipelined over v chunks per rank and unpipelined: the same loss, and every
+    chunk parameter's gradient equals the whole model's parameter of the same global name."""
+    mesh = ParallelMesh(pp=dist.get_world_size())
+    dense = nn.Sequential(*make(n))
+    chunks, ranges = build_virtual_stages(
+        copy.deepcopy(list(dense)), mesh.pp_size, mesh.pp_rank, v, costs=[1] * len(dense)
+    )
+    engine = PipelineEngine(chunks, mesh, Interleaved(m, v), loss_fn=loss_fn, recompute=recompute)
+    ref = dict(dense.named_parameters())
+    opt_d = torch.optim.SGD(dense.parameters(), lr=0.5)
+    opt_s = torch.optim.SGD(chunks.parameters(), lr=0.5)
+    for step in range(2):
+        x, y = batch(step, size)
+        loss_d = loss_fn(dense(x), y)
+        opt_d.zero_grad()
+        loss_d.backward()
+        opt_s.zero_grad()
+        loss_p = engine.train_step(x, y)
+        assert_close(loss_p, loss_d.detach(), f"loss at step {step}")
+        for name, p in chunks.named_parameters():
+            assert_close(p.grad, ref[name].grad, f"grad of {name} at step {step}")
+        opt_d.step()
+        opt_s.step()
+    assert engine.stats["max_in_flight"] == Interleaved(m, v).max_in_flight(
+        mesh.pp_size, mesh.pp_rank
+    )
+    return ranges
+
+
+@pytest.mark.parametrize(
+    "pp, v, m, recompute",
+    [
+        (2, 2, 2, False),
+        (2, 2, 4, True),
+        (2, 2, 6, False),
+        (2, 4, 4, False),
+        (2, 4, 6, True),
+        (4, 2, 4, False),
+        (4, 2, 8, True),
+        (4, 2, 12, False),
+    ],
+)
+def test_interleaved_equals_unpipelined(pp, v, m, recompute):
+    n = pp * v - 2 + (1 if m == 6 else 0)  # exactly p*v blocks, or one more (uneven chunks)
+    ranges = run_ranks(_interleaved, pp, v, m, recompute, n)
+    # round-robin placement: rank r holds chunks r, r + p, ...: together every block once
+    flat = sorted(r for rank in ranges for r in rank)
+    assert flat[0][0] == 0 and flat[-1][1] == n + 2
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(flat))
+    assert all(ranges[r][c] == flat[c * pp + r] for r in range(pp) for c in range(v))
+
+
+def test_interleaved_tuple_messages_equal_unpipelined():
+    run_ranks(_interleaved, 2, 2, 4, True, 4, make=tuple_blocks, size=12)
+
+
+def test_interleaved_order_is_megatrons():
+    # Megatron-Core's interleaved order: the k-th forward runs chunk (k // p) % v of
+    # micro-batch (k // (p v)) p + k % p; warm-up (p - r - 1) * 2 + (v - 1) * p forwards
+    p, v, m = 4, 2, 8
+    for r in range(p):
+        steps = Interleaved(m, v).steps(p, r)
+        fwd = [(i, c) for kind, i, c in steps if kind == "F"]
+        assert fwd == [((k // (p * v)) * p + k % p, (k // p) % v) for k in range(m * v)]
+        bwd = [(i, c) for kind, i, c in steps if kind == "B"]
+        assert bwd == [((k // (p * v)) * p + k % p, v - 1 - (k // p) % v) for k in range(m * v)]
+        warm = next(k for k, s in enumerate(steps) if s[0] == "B") - 1
+        assert warm == min((p - r - 1) * 2 + (v - 1) * p, m * v)
+    for p in (2, 4):
+        for v in (2, 4):
+            for m in (p, 2 * p, 4 * p):
+                sched = Interleaved(m, v)
+                assert sched.bubble_fraction(p) == pytest.approx((p - 1) / (v * m + p - 1))
+                assert sched.bubble_fraction(p) < OneFOneB(m).bubble_fraction(p)
+
+
+def test_interleaved_timeline_and_schedule_names():
+    text = Interleaved(4, 2).timeline(2)
+    assert text.splitlines()[1].startswith("rank 0: F0.0 F1.0 F0.1 F1.1 F2.0")
+    assert isinstance(make_schedule("interleaved", 4, 2), Interleaved)
+    assert isinstance(make_schedule("gpipe", 4), GPipe)
+    with pytest.raises(ValueError, match="virtual_stages 2 needs the interleaved schedule"):
+        make_schedule("1f1b", 4, 2)
+
+
+def test_impossible_combinations_are_clear_errors():
+    with pytest.raises(ValueError, match=r"micro-batches \(6\) to be a multiple of the pipeline"):
+        Interleaved(6, 2).steps(4, 0)
+    with pytest.raises(ValueError, match="needs pp > 1"):
+        Interleaved(4, 2).check(1)
+    with pytest.raises(ValueError, match="virtual_stages must be a positive integer"):
+        Interleaved(4, 0)
+    with pytest.raises(ValueError, match=r"needs 8 chunks of at least one block each"):
+        build_virtual_stages(blocks(4), 4, 0, 2)
+
+
+def _wrong_chunks() -> None:
+    mesh = ParallelMesh(pp=2)
+    chunks, _ = build_virtual_stages(blocks(4), 2, mesh.pp_rank, 3)
+    PipelineEngine(chunks, mesh, Interleaved(4, 2), loss_fn=loss_fn)
+
+
+def test_chunk_count_must_match_the_schedule():
+    with pytest.raises(RankError, match="runs 2 model chunks per rank but the stage holds 3"):
+        run_ranks(_wrong_chunks, 2)
+
+
+# -- composed with the data-parallel family, through the trainer -------------------------------
+def _pp_dp_interleaved() -> None:
+    """PP 2 x DP 2, two chunks a rank under fastpar's DDP: every bucket is reduced exactly once
+    (in the last backward; the other chunks' accumulated gradients count as theirs) and every
+    gradient equals the whole model's."""
+    from fastpar.parallel import DistributedDataParallel
+
+    mesh = ParallelMesh(pp=2)
+    dense = nn.Sequential(*blocks(4))
+    chunks, _ = build_virtual_stages(copy.deepcopy(list(dense)), 2, mesh.pp_rank, 2)
+    ddp = DistributedDataParallel(chunks, mesh=mesh, find_unused_parameters=True)
+    calls = []
+    original = ddp.reducer._launch
+    ddp.reducer._launch = lambda b: (calls.append(b.index), original(b))[1]
+    engine = PipelineEngine(chunks, mesh, Interleaved(4, 2), loss_fn=loss_fn, grad_sync=ddp)
+    x, y = batch(0, 16)
+    loss_fn(dense(x), y).backward()
+    half = slice(mesh.dp_rank * 8, mesh.dp_rank * 8 + 8)
+    engine.train_step(x[half], y[half])
+    assert sorted(calls) == list(range(len(ddp.buckets))), "each bucket reduced once"
+    ref = dict(dense.named_parameters())
+    for name, p in chunks.named_parameters():
+        assert_close(p.grad, ref[name].grad, f"grad {name}")
+
+
+def test_pp_x_dp_interleaved_reduces_every_gradient_once():
+    run_ranks(_pp_dp_interleaved, 4)
+
+
+SMALL = dict(steps=3, batch_size=8, seq_len=16, hidden=32, heads=4, layers=2, quiet=True)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(tp=2, pp=2, dp=2, ep=2, zero=1, virtual_stages=2, microbatches=2),
+        dict(tp=1, pp=4, dp=1, ep=1, zero=0, virtual_stages=2, microbatches=4, layers=6,
+             recompute=True),
+        dict(tp=1, pp=2, dp=2, ep=2, zero=2, virtual_stages=3, microbatches=4, layers=4),
+    ],
+    ids=["tp2-pp2-dp2-ep2-z1-v2", "pp4-z0-v2-recompute", "pp2-dp2-ep2-z2-v3"],
+)  # fmt: skip
+def test_verify_interleaved_agrees_with_single_process(layout):
+    """The trainer's interleaved run (losses, grad norms, parameters after the steps through a
+    checkpoint) equals the single-process model, composed with TP, DP, EP and ZeRO."""
+    from fastpar.train import TrainConfig
+    from fastpar.verify import compare
+
+    ok, text = compare(TrainConfig(**{**SMALL, **layout, "schedule": "interleaved"}))
+    assert ok, text
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--virtual-stages", "2"], "--virtual-stages 2 needs --schedule interleaved"),
+        (["--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "3",
+          "--batch-size", "12"], "needs --microbatches (3) to be a multiple of --pp 2"),
+        (["--schedule", "interleaved", "--virtual-stages", "4", "--layers", "4"],
+         "--pp 2 x --virtual-stages 4 needs 8 model chunks"),
+        (["--schedule", "interleaved", "--virtual-stages", "2", "--zero", "3"],
+         "--schedule interleaved with --zero 3 is not supported"),
+        (["--schedule", "interleaved", "--pp", "1", "--dp", "4"], "needs --pp 2 or more"),
+        (["--schedule", "zb"], "schedule must be one of gpipe, 1f1b, interleaved"),
+    ],
+)  # fmt: skip
+def test_cli_refuses_impossible_interleaved_runs(argv, message, capsys, monkeypatch):
+    from _no_ranks import forbid_ranks
+
+    from fastpar.train import main
+
+    forbid_ranks(monkeypatch)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
