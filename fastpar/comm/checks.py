@@ -134,8 +134,21 @@ def check_same(
 
     ``fields``: ints, floats, strings, dtypes, shapes, or 0-dim int64 device tensors (digests).
     ``what`` names the call site; it must read the same on every rank (no rank ids in it).
-    Nothing happens on a group of one rank.
+    Nothing happens on a group of one rank. Inside compiled code (``torch.compile``) the check
+    runs eagerly, as one graph break: dynamo cannot trace its host-side packing.
     """
+    if torch.compiler.is_compiling():
+        global _EAGER_CHECK
+        if _EAGER_CHECK is None:  # made at first use: torch.compiler.disable imports dynamo
+            _EAGER_CHECK = torch.compiler.disable(_check_same)
+        return _EAGER_CHECK(what, fields, group, device, hint)
+    return _check_same(what, fields, group, device, hint)
+
+
+_EAGER_CHECK = None
+
+
+def _check_same(what, fields, group, device, hint) -> None:
     world = group_size(group)
     if world == 1:
         return
