@@ -1,11 +1,16 @@
 """Mixture of experts: top-k routers with capacity and the expert-parallel MoE layer.
 
+``update_expert_bias(model, group)``: the aux-loss-free balancing step of every router of
+``model`` built with ``expert_bias=True`` (once per optimizer step; ``group``: the
+data-parallel group).
+
 ``set_transport("python" | "extension" | None)``: which all-to-all the overlapped layer
 (``overlap_chunks > 1``) uses (``FASTPAR_MOE_TRANSPORT``'s API; ``transport()`` says which runs).
 """
 
 from __future__ import annotations
 
+from fastpar.moe.balance import update_expert_bias
 from fastpar.moe.layer import MoE, moe_aux_loss
 from fastpar.moe.overlap import set_transport, transport
 from fastpar.moe.router import Routing, TopKRouter, capacity_for
@@ -18,4 +23,5 @@ __all__ = [
     "moe_aux_loss",
     "set_transport",
     "transport",
+    "update_expert_bias",
 ]

@@ -106,11 +106,18 @@ class MoE(nn.Module):
     "silu"). Parameters: ``w1`` [E_local, H, F] ("swiglu": [E_local, H, 2F], gate | up),
     ``w2`` [E_local, F, H], and for "mlp" ``b1`` [E_local, F], ``b2`` [E_local, H].
 
-    Router options: ``top_k``, ``capacity_factor`` (None = dropless), ``min_capacity``,
-    ``drop_policy`` ("position" / "probs"), ``normalize_topk``, ``aux_loss_coef``,
-    ``z_loss_coef``, ``jitter`` (see ``fastpar.moe.router``). ``overlap_chunks`` K > 1 splits
-    the token buffer into K chunks whose all-to-alls overlap the experts' compute
-    (``fastpar.moe.overlap``; K = 1 is the plain layer). It pays where the transport does not
+    Router options (see ``fastpar.moe.router``, whose docstring sets fastpar's defaults beside
+    Megatron-Core's and DeepSeek-V3's): ``top_k``, ``score`` ("softmax" / "sigmoid"),
+    ``normalize_topk``, ``scaling_factor``, ``num_groups`` / ``group_topk`` /
+    ``group_score_topk`` (group-limited top-k), ``expert_bias`` / ``bias_update_rate``
+    (aux-loss-free balancing: call ``fastpar.moe.update_expert_bias(model, group)`` once per
+    optimizer step), ``capacity_factor`` (None = dropless), ``min_capacity`` (None = none),
+    ``drop_policy`` ("position" / "probs" / "weights"), ``drop_weights`` ("renormalise" /
+    "keep"), ``aux_loss`` ("micro_batch" / "sequence" / None: a batch-first input [B, S, H]
+    gives the sequences), ``aux_loss_coef``, ``z_loss_coef``, ``jitter``.
+
+    ``overlap_chunks`` K > 1 splits the token buffer into K chunks whose all-to-alls overlap the
+    experts' compute (``fastpar.moe.overlap``; K = 1 is the plain layer). It pays where the transport does not
     compete with the experts for the same processor: NCCL on GPUs, or gloo with spare CPU cores.
     With every core computing (e.g. two CPU ranks on two cores) gloo's copies take cores from
     the experts and K > 1 can be slower (``bench/test_bench_moe_overlap.py`` measures both).
@@ -127,9 +134,18 @@ class MoE(nn.Module):
         top_k: int = 2,
         *,
         capacity_factor: float | None = 1.25,
-        min_capacity: int = 4,
+        min_capacity: int | None = 4,
         drop_policy: str = "position",
+        drop_weights: str = "renormalise",
         normalize_topk: bool | None = None,
+        score: str = "softmax",
+        scaling_factor: float | None = None,
+        num_groups: int | None = None,
+        group_topk: int | None = None,
+        group_score_topk: int | None = None,
+        expert_bias: bool = False,
+        bias_update_rate: float = 1e-3,
+        aux_loss: str | None = "micro_batch",
         aux_loss_coef: float = 1e-2,
         z_loss_coef: float = 0.0,
         jitter: float = 0.0,
@@ -175,7 +191,10 @@ class MoE(nn.Module):
             hidden_size, num_experts, top_k,
             capacity_factor=capacity_factor, min_capacity=min_capacity, drop_policy=drop_policy,
             normalize_topk=normalize_topk, aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
-            jitter=jitter, device=device,
+            jitter=jitter, device=device, drop_weights=drop_weights, score=score,
+            scaling_factor=scaling_factor, num_groups=num_groups, group_topk=group_topk,
+            group_score_topk=group_score_topk, expert_bias=expert_bias,
+            bias_update_rate=bias_update_rate, aux_loss=aux_loss,
         )  # fmt: skip
         full = _init_experts(num_experts, hidden_size, ffn_hidden_size, self.gated, device, dtype)
         lo = group_rank(self.ep_group) * self.num_local if self.ep > 1 else 0
@@ -242,7 +261,7 @@ class MoE(nn.Module):
             raise ValueError(f"MoE expects input [..., {self.hidden_size}], got {tuple(x.shape)}")
         shape = x.shape
         tokens = x.reshape(-1, self.hidden_size)
-        routing = self.router(tokens)
+        routing = self.router(tokens, seq_len=shape[-2] if x.dim() >= 3 else None)
         permuted, info = moe_permute(
             tokens, routing.expert_ids, self.num_experts, routing.capacity, routing.order
         )

@@ -1,36 +1,90 @@
-"""Top-k routers with capacity: Switch (k = 1), GShard (k = 2), top-k in general.
+"""Top-k routers with capacity: Switch (k = 1), GShard (k = 2), DeepSeek-V3, top-k in general.
 
-The gate is a linear layer computed in fp32 (logits [T, E], softmax in fp32). Each token picks
-its k most probable experts. Capacity per expert C = max(min_capacity, ceil(k·T/E·factor)), or
-dropless (``capacity_factor=None``). Which pairs an over-full expert keeps is the drop policy:
+The gate is a linear layer computed in fp32 (logits [T, E]). Scores (``score``): "softmax" over
+the experts (the default) or "sigmoid" per expert (DeepSeek-V3). Selection: each token picks the
+k experts with the highest score, plus ``expert_bias`` when aux-loss-free balancing is on (the
+bias steers the choice only; the weights use the unbiased scores), limited to its
+``group_topk`` best of ``num_groups`` expert groups when group-limited (``fastpar.moe.balance``).
+Capacity per expert C = max(min_capacity, ceil(k·T/E·factor)), or dropless
+(``capacity_factor=None``). Which pairs an over-full expert keeps is the drop policy:
 
 * "position": the earliest tokens, every token's first choice before any second choice
   (GShard);
-* "probs": the most probable (token, choice) pairs first.
+* "probs": the (token, choice) pairs with the highest score first (full-softmax probability);
+* "weights": the pairs with the highest combine weight first (the renormalised, scaled top-k
+  weight: Megatron's "probs").
 
-Combine weights are the chosen probabilities, renormalised over the choices a token keeps
-(``normalize_topk``, default: when k > 1; Switch keeps the raw top-1 probability).
+Combine weights: the chosen scores, renormalised to sum 1 (``normalize_topk``, default: when
+k > 1; Switch keeps the raw top-1 probability) — over the choices a token keeps
+(``drop_weights="renormalise"``) or over all k before dropping (``"keep"``, Megatron) — then
+times ``scaling_factor`` (DeepSeek-V3's ``routed_scaling_factor``; None: 1).
 
-Auxiliary losses (0-dim, differentiable):
+Auxiliary losses (0-dim, differentiable), with P the softmax (sigmoid: the scores normalised
+to sum 1 per token):
 
-* load balancing ``aux_loss_coef · E · Σ_i f_i · P_i`` — f_i the fraction of the T·k routing
-  choices sent to expert i (before capacity), P_i the mean router probability of expert i. It is
-  1·coef at perfect balance and E·coef when everything goes to one expert. For k = 1 this is the
-  Switch Transformer loss. Conventions differ: DeepSpeed's top-2 gate uses the first choices only
-  for f_i (same E·Σ scale); the GShard paper's formula averages over experts instead of summing
-  and has no factor E, i.e. it is this loss divided by E² (so its coefficient must be E² larger).
+* load balancing (``aux_loss``): "micro_batch" ``aux_loss_coef · E · Σ_i f_i · P_i`` — f_i the
+  fraction of the T·k routing choices sent to expert i (before capacity), P_i the mean of P over
+  the tokens; 1·coef at perfect balance, E·coef when everything goes to one expert (for k = 1
+  the Switch Transformer loss). "sequence": the same per sequence (``seq_len`` tokens,
+  batch-first), averaged over sequences (DeepSeek-V3's sequence-wise loss, Megatron's
+  "seq_aux_loss"). None: no balancing loss (e.g. aux-loss-free balancing alone). Conventions
+  differ: DeepSpeed's top-2 gate uses the first choices only for f_i (same E·Σ scale); the GShard
+  paper's formula averages over experts, no factor E: this loss / E² (coefficient E² larger).
 * router z-loss ``z_loss_coef · mean_t(logsumexp(logits_t)²)`` (ST-MoE).
 
-Optional multiplicative input jitter (Switch) in training. Everything stays on the device.
+Aux-loss-free balancing (``expert_bias=True``): a persistent fp32 buffer ``expert_bias`` [E]
+(saved in ``state_dict`` and checkpoints, kept fp32 by ``.to(dtype)``). Every training forward
+with grad enabled adds the tokens it routed (choices per expert, before capacity) to the
+buffer ``tokens_per_expert``; ``update_expert_bias(group)`` (or
+``fastpar.moe.update_expert_bias(model, group)`` for every router of a model, one all-reduce)
+sums them over the data-parallel group, moves the bias by ``bias_update_rate ·
+sign(mean load − load)`` and resets the counts: call it once per optimizer step. Eval forwards
+and forwards under ``no_grad`` (a pipeline's recompute pass) count nothing; a recomputation
+with grad (non-reentrant checkpointing) counts a micro-batch twice, which leaves the sign
+unchanged when every micro-batch is recomputed.
 
-Hugging Face's Llama-class MoE routers, side by side: Mixtral and Qwen3-MoE take the softmax
-over all experts in fp32, then top-k, drop nothing, and renormalise the k weights (Mixtral
-always, Qwen3-MoE when ``norm_topk_prob``) — this router in dropless mode
-(``capacity_factor=None``) with ``normalize_topk`` set alike. In fp32 the two compute the same
-numbers. In bf16 / fp16 they round differently: HF computes the gate logits in the activations'
-dtype (this router in fp32) and Qwen3-MoE casts the weights back to it before combining
-(fastpar combines in fp32). Their load-balancing loss (only with ``output_router_logits``) is
-k times this one's, over all layers' tokens pooled.
+fastpar's defaults beside Megatron-Core's (``megatron/core/transformer/moe``) and Hugging
+Face's DeepSeek-V3 (``DeepseekV3TopkRouter``), and how to get theirs here:
+
+=====================  =========================  =========================  ====================
+question               fastpar default            Megatron-Core              fastpar option
+=====================  =========================  =========================  ====================
+scores                 softmax over E             softmax (pre-softmax off:  ``score="sigmoid"``
+                                                  softmax of the top-k        (DeepSeek-V3)
+                                                  logits = renormalised)
+renormalise top-k      k > 1                      softmax: yes (no with       ``normalize_topk``
+                                                  pre-softmax); sigmoid: k>1
+weights after a drop   renormalised over the      pre-drop weights, the      ``drop_weights=
+                       surviving choices          dropped choice zeroed       "keep"``
+"probs" drop ranks by  full-softmax probability   renormalised, scaled       ``drop_policy=
+                                                  top-k weight                "weights"``
+"position" drop        choice-major: first        per expert, a top-k over   (choice-major
+                       choices before seconds     a 0/1 map: ties, any        only)
+                                                  choice rank
+minimum capacity       4                          none                       ``min_capacity=None``
+group score            sum of the top-2 scores    sum of the top             ``group_score_topk``
+                       of a group (HF, paper)     k/group_topk scores        (None: 2)
+bias update counts     choices before capacity    choices kept after         —
+                                                  capacity
+f_i of the aux loss    the actual choices         an unbiased, ungrouped     —
+                       (bias, groups)             top-k of the scores
+aux loss               on (coef 1e-2)             off                        ``aux_loss=None``
+=====================  =========================  =========================  ====================
+
+Hugging Face: Mixtral and Qwen3-MoE take the softmax over all experts in fp32, then top-k,
+drop nothing, and renormalise the k weights (Mixtral always, Qwen3-MoE when ``norm_topk_prob``)
+— this router in dropless mode (``capacity_factor=None``) with ``normalize_topk`` set alike.
+DeepSeek-V3: ``score="sigmoid", expert_bias=True, num_groups=n_group, group_topk=topk_group,
+normalize_topk=norm_topk_prob, scaling_factor=routed_scaling_factor, capacity_factor=None``
+(``e_score_correction_bias`` is ``expert_bias``; HF masks the unselected groups with 0, this
+router with −inf, which differs only when every biased score of the kept groups is negative);
+DeepSeek-V2's "group_limited_greedy" (a group scores its best expert) is ``group_score_topk=1``.
+In fp32 they compute the same numbers. In bf16 / fp16 they round differently: HF computes the
+gate logits in the activations' dtype (this router in fp32) and Qwen3-MoE casts the weights
+back to it before combining (fastpar combines in fp32). Their load-balancing loss (only with
+``output_router_logits``) is k times this one's, over all layers' tokens pooled.
+
+Optional multiplicative input jitter (Switch) in training. Everything stays on the device.
 """
 
 from __future__ import annotations
@@ -39,19 +93,27 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-DROP_POLICIES = ("position", "probs")
+from fastpar.moe import balance
+
+DROP_POLICIES = ("position", "probs", "weights")
+DROP_WEIGHTS = ("renormalise", "keep")
+SCORES = ("softmax", "sigmoid")
+AUX_LOSSES = ("micro_batch", "sequence", None)
 
 
 @dataclass
 class Routing:
     """A router's decision for T tokens.
 
-    ``expert_ids [T, k]`` int64, ``probs [T, k]`` fp32 chosen probabilities (not yet renormalised),
-    ``order`` [T·k] processing order of the choice-major pairs for the "probs" policy (None:
-    natural order), ``capacity`` C or None, ``router_probs [T, E]`` fp32, ``logits [T, E]``.
+    ``expert_ids [T, k]`` int64, ``probs [T, k]`` fp32 chosen scores (unbiased, not yet
+    renormalised), ``order`` [T·k] processing order of the choice-major pairs for the "probs" /
+    "weights" policies (None: natural order), ``capacity`` C or None, ``router_probs [T, E]``
+    fp32 scores (softmax probabilities or sigmoid scores), ``logits [T, E]``, ``seq_len``: the
+    tokens per sequence the forward was told (None: unknown).
     """
 
     expert_ids: torch.Tensor
@@ -60,19 +122,31 @@ class Routing:
     capacity: int | None
     router_probs: torch.Tensor
     logits: torch.Tensor
+    seq_len: int | None = None
 
 
 def capacity_for(
-    num_tokens: int, num_experts: int, top_k: int, factor: float | None, minimum: int
+    num_tokens: int, num_experts: int, top_k: int, factor: float | None, minimum: int | None
 ) -> int | None:
-    """C = max(minimum, ceil(k · T / E · factor)); None when ``factor`` is None (dropless)."""
+    """C = max(minimum, ceil(k · T / E · factor)); None when ``factor`` is None (dropless);
+    ``minimum`` None or 0: no minimum (Megatron)."""
     if factor is None:
         return None
-    return max(minimum, math.ceil(top_k * num_tokens / num_experts * factor))
+    return max(minimum or 0, math.ceil(top_k * num_tokens / num_experts * factor))
 
 
 class TopKRouter(nn.Module):
-    """Linear gate [E, H] in fp32 and top-k choice. ``forward(x [T, H]) -> Routing``."""
+    """Linear gate [E, H] in fp32 and top-k choice. ``forward(x [T, H], seq_len=None) ->
+    Routing`` (``seq_len``: tokens per sequence, batch-first; needed by ``aux_loss="sequence"``).
+
+    Options (defaults: today's fastpar router): ``score`` "softmax" | "sigmoid";
+    ``normalize_topk`` (None: k > 1); ``scaling_factor`` (None: 1); ``num_groups`` /
+    ``group_topk`` / ``group_score_topk`` (group-limited top-k; None: off / 2);
+    ``expert_bias`` + ``bias_update_rate`` (aux-loss-free balancing, 1e-3 as in Megatron);
+    ``capacity_factor`` (None: dropless), ``min_capacity`` (None / 0: none), ``drop_policy``
+    "position" | "probs" | "weights", ``drop_weights`` "renormalise" | "keep"; ``aux_loss``
+    "micro_batch" | "sequence" | None with ``aux_loss_coef``; ``z_loss_coef``; ``jitter``.
+    """
 
     def __init__(
         self,
@@ -81,34 +155,48 @@ class TopKRouter(nn.Module):
         top_k: int = 2,
         *,
         capacity_factor: float | None = 1.25,
-        min_capacity: int = 4,
+        min_capacity: int | None = 4,
         drop_policy: str = "position",
+        drop_weights: str = "renormalise",
         normalize_topk: bool | None = None,
+        score: str = "softmax",
+        scaling_factor: float | None = None,
+        num_groups: int | None = None,
+        group_topk: int | None = None,
+        group_score_topk: int | None = None,
+        expert_bias: bool = False,
+        bias_update_rate: float = 1e-3,
+        aux_loss: str | None = "micro_batch",
         aux_loss_coef: float = 1e-2,
         z_loss_coef: float = 0.0,
         jitter: float = 0.0,
         device=None,
     ) -> None:
         super().__init__()
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
-        if capacity_factor is not None and not capacity_factor > 0:
-            raise ValueError(
-                f"capacity_factor must be positive or None (dropless), got {capacity_factor}"
-            )
-        if drop_policy not in DROP_POLICIES:
-            raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
-        if min_capacity < 1:
-            raise ValueError(f"min_capacity must be >= 1, got {min_capacity}")
+        _check_options(num_experts, top_k, capacity_factor, min_capacity, drop_policy,
+                       drop_weights, score, scaling_factor, bias_update_rate, aux_loss)  # fmt: skip
+        self.group_score_topk = _check_groups(
+            num_experts, top_k, num_groups, group_topk, group_score_topk
+        )
         self.num_experts, self.top_k = num_experts, top_k
         self.capacity_factor, self.min_capacity = capacity_factor, min_capacity
-        self.drop_policy = drop_policy
+        self.drop_policy, self.drop_weights = drop_policy, drop_weights
         self.normalize_topk = top_k > 1 if normalize_topk is None else normalize_topk
+        self.score, self.scaling_factor = score, scaling_factor
+        self.num_groups, self.group_topk = num_groups, group_topk
+        self.bias_update_rate, self.aux_loss = bias_update_rate, aux_loss
         self.aux_loss_coef, self.z_loss_coef, self.jitter = aux_loss_coef, z_loss_coef, jitter
         gate = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=torch.float32)
         self.weight = nn.Parameter(gate.weight.detach())
+        if expert_bias:
+            zeros = torch.zeros(num_experts, dtype=torch.float32, device=device)
+            self.register_buffer("expert_bias", zeros)
+            counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+            self.register_buffer("tokens_per_expert", counts, persistent=False)
+        else:
+            self.expert_bias = None
 
-    def forward(self, x: torch.Tensor) -> Routing:
+    def forward(self, x: torch.Tensor, seq_len: int | None = None) -> Routing:
         if x.dim() != 2:
             raise ValueError(f"router expects tokens [T, H], got {tuple(x.shape)}")
         h = x.float()
@@ -116,33 +204,163 @@ class TopKRouter(nn.Module):
             noise = torch.empty_like(h).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
             h = h * noise
         logits = F.linear(h, self.weight.float())
-        router_probs = torch.softmax(logits, dim=-1)
-        probs, ids = torch.topk(router_probs, self.top_k, dim=-1)
+        if self.score == "softmax":
+            router_probs = torch.softmax(logits, dim=-1)
+        else:
+            router_probs = torch.sigmoid(logits)
+        if self.expert_bias is None and self.num_groups is None:
+            probs, ids = torch.topk(router_probs, self.top_k, dim=-1)
+        else:
+            ids = self._select(router_probs)
+            probs = router_probs.gather(1, ids)
+        if self.expert_bias is not None and self.training and torch.is_grad_enabled():
+            with torch.no_grad():
+                flat = ids.reshape(-1)
+                self.tokens_per_expert.index_add_(0, flat, torch.ones_like(flat))
         t = x.shape[0]
         order = None
-        if self.drop_policy == "probs":
-            flat = probs.t().reshape(-1)  # choice-major pairs j·T + t
+        if self.drop_policy != "position":
+            ranked = probs if self.drop_policy == "probs" else self._topk_weights(probs)
+            flat = ranked.t().reshape(-1)  # choice-major pairs j·T + t
             order = torch.sort(flat, descending=True, stable=True).indices
         capacity = capacity_for(
             t, self.num_experts, self.top_k, self.capacity_factor, self.min_capacity
         )
-        return Routing(ids, probs, order, capacity, router_probs, logits)
+        return Routing(ids, probs, order, capacity, router_probs, logits, seq_len)
+
+    def _select(self, router_probs: torch.Tensor) -> torch.Tensor:
+        """Expert ids [T, k] by the selection scores: the scores plus the expert bias, top-k
+        inside each token's best groups when group-limited."""
+        sel = router_probs.detach()
+        if self.expert_bias is not None:
+            sel = sel + self.expert_bias.float()
+        if self.num_groups is None:
+            return torch.topk(sel, self.top_k, dim=-1).indices
+        return balance.group_limited_topk(
+            sel, self.top_k, self.num_groups, self.group_topk, self.group_score_topk
+        )
+
+    def _topk_weights(self, probs: torch.Tensor) -> torch.Tensor:
+        """Pre-drop combine weights [T, k]: renormalised over the k choices (when
+        ``normalize_topk``), times ``scaling_factor``."""
+        w = probs
+        if self.normalize_topk:
+            w = w / w.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(w.dtype).tiny)
+        if self.scaling_factor is not None:
+            w = w * self.scaling_factor
+        return w
 
     def combine_weights(self, routing: Routing, slots: torch.Tensor) -> torch.Tensor:
         """[T, k] weights of each kept choice (dropped choices weigh 0)."""
         kept = (slots >= 0).to(routing.probs.dtype)
+        if self.drop_weights == "keep":
+            return self._topk_weights(routing.probs) * kept
         w = routing.probs * kept
         if self.normalize_topk:
             w = w / w.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(w.dtype).tiny)
+        if self.scaling_factor is not None:
+            w = w * self.scaling_factor
         return w
 
     def aux_losses(
         self, routing: Routing, counts: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(load-balancing loss, z-loss), both already multiplied by their coefficients."""
-        t = routing.router_probs.shape[0]
-        f = counts.to(torch.float32) / max(1, t * self.top_k)
-        p = routing.router_probs.mean(dim=0)
-        balance = self.aux_loss_coef * self.num_experts * (f * p).sum()
-        z = self.z_loss_coef * torch.logsumexp(routing.logits, dim=-1).square().mean()
-        return balance, z
+        """(load-balancing loss, z-loss), both already multiplied by their coefficients.
+        ``counts [E]``: the routing choices per expert before capacity (micro-batch loss)."""
+        p = balance.balance_scores(routing.router_probs, self.score)
+        if self.aux_loss == "micro_batch":
+            bal = balance.load_balancing_loss(p, counts, self.top_k, self.aux_loss_coef)
+        elif self.aux_loss == "sequence":
+            if routing.seq_len is None:
+                raise ValueError(
+                    "aux_loss='sequence' needs the sequence length: call the router with "
+                    "seq_len=S, or the MoE layer with a batch-first input [B, S, H]"
+                )
+            bal = balance.sequence_balancing_loss(
+                p, routing.expert_ids, routing.seq_len, self.aux_loss_coef
+            )
+        else:
+            bal = p.new_zeros(())
+        return bal, balance.z_loss(routing.logits, self.z_loss_coef)
+
+    @torch.no_grad()
+    def update_expert_bias(self, group: dist.ProcessGroup | None = None) -> None:
+        """Aux-loss-free balancing step: sum ``tokens_per_expert`` over ``group`` (the
+        data-parallel group; None: this process), ``expert_bias += bias_update_rate ·
+        sign(mean load − load)``, reset the counts. Collective over ``group``."""
+        if self.expert_bias is None:
+            raise ValueError("update_expert_bias needs a router built with expert_bias=True")
+        balance.update_expert_bias(self, group)
+
+    def _apply(self, fn, recurse=True):
+        """Module.to / .half / .cuda: ``expert_bias`` moves but stays fp32 (a bf16 bias would
+        round away updates of 1e-3)."""
+        bias = self._buffers.get("expert_bias")
+        super()._apply(fn, recurse)
+        new = self._buffers.get("expert_bias")
+        if bias is not None and new is not None and new.dtype != torch.float32:
+            self._buffers["expert_bias"] = bias.to(device=new.device, dtype=torch.float32)
+        return self
+
+    def extra_repr(self) -> str:
+        extra = [f"score={self.score}"]
+        if self.num_groups is not None:
+            extra.append(f"groups={self.group_topk}/{self.num_groups}")
+        if self.expert_bias is not None:
+            extra.append(f"expert_bias(rate={self.bias_update_rate})")
+        if self.scaling_factor is not None:
+            extra.append(f"scaling_factor={self.scaling_factor}")
+        return f"experts={self.num_experts}, top_k={self.top_k}, " + ", ".join(extra)
+
+
+def _check_options(num_experts, top_k, capacity_factor, min_capacity, drop_policy, drop_weights,
+                   score, scaling_factor, bias_update_rate, aux_loss) -> None:  # fmt: skip
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ValueError(
+            f"capacity_factor must be positive or None (dropless), got {capacity_factor}"
+        )
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
+    if drop_weights not in DROP_WEIGHTS:
+        raise ValueError(f"drop_weights must be one of {DROP_WEIGHTS}, got {drop_weights!r}")
+    if min_capacity is not None and min_capacity < 0:
+        raise ValueError(f"min_capacity must be >= 0 or None (no minimum), got {min_capacity}")
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    if scaling_factor is not None and not scaling_factor > 0:
+        raise ValueError(f"scaling_factor must be positive or None, got {scaling_factor}")
+    if not bias_update_rate > 0:
+        raise ValueError(f"bias_update_rate must be positive, got {bias_update_rate}")
+    if aux_loss not in AUX_LOSSES:
+        raise ValueError(f"aux_loss must be one of {AUX_LOSSES}, got {aux_loss!r}")
+
+
+def _check_groups(num_experts, top_k, num_groups, group_topk, group_score_topk) -> int | None:
+    """Validates group-limited routing; returns the experts summed per group score."""
+    if num_groups is None and group_topk is None:
+        if group_score_topk is not None:
+            raise ValueError("group_score_topk needs num_groups= and group_topk=")
+        return None
+    if num_groups is None or group_topk is None:
+        raise ValueError(
+            f"group-limited routing needs both num_groups and group_topk, got "
+            f"num_groups={num_groups}, group_topk={group_topk}"
+        )
+    if num_groups < 1 or num_experts % num_groups:
+        raise ValueError(
+            f"num_groups must divide num_experts={num_experts}, got num_groups={num_groups}"
+        )
+    per_group = num_experts // num_groups
+    if not 1 <= group_topk <= num_groups:
+        raise ValueError(f"group_topk must be in [1, num_groups={num_groups}], got {group_topk}")
+    if top_k > group_topk * per_group:
+        raise ValueError(
+            f"top_k={top_k} exceeds the {group_topk * per_group} experts of {group_topk} groups "
+            f"of {per_group}: raise group_topk"
+        )
+    m = min(2, per_group) if group_score_topk is None else group_score_topk
+    if not 1 <= m <= per_group:
+        raise ValueError(f"group_score_topk must be in [1, {per_group}], got {group_score_topk}")
+    return m

@@ -1,0 +1,109 @@
+"""Load balancing for ``TopKRouter``: group-limited top-k, auxiliary losses, expert bias.
+
+* ``group_limited_topk``: experts split into ``num_groups`` equal groups (device- / node-limited
+  routing, DeepSeek-V2/V3); a group's score is the sum of its best ``group_score_topk`` selection
+  scores; a token keeps its ``group_topk`` best groups and picks its k experts inside them.
+* ``load_balancing_loss`` (micro-batch: the Switch loss over all T tokens) and
+  ``sequence_balancing_loss`` (DeepSeek-V3's sequence-wise loss, Megatron's "seq_aux_loss": the
+  same loss per sequence, averaged over sequences); ``z_loss`` (ST-MoE).
+* ``update_expert_bias``: aux-loss-free balancing (DeepSeek-V3, arXiv 2408.15664): the bias of
+  each router moves by ``rate · sign(mean load − load)`` from the load its training forwards
+  counted since the last update, summed over ``group`` (the ranks holding replicas of the
+  router: the data-parallel group) so every replica keeps the same bias; one all-reduce for all
+  routers of a model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def group_limited_topk(
+    sel: torch.Tensor, top_k: int, num_groups: int, group_topk: int, group_score_topk: int
+) -> torch.Tensor:
+    """Expert ids ``[T, k]`` (best first) chosen by ``sel [T, E]`` inside each token's
+    ``group_topk`` best groups of ``E / num_groups`` consecutive experts."""
+    t, e = sel.shape
+    grouped = sel.view(t, num_groups, e // num_groups)
+    group_scores = grouped.topk(group_score_topk, dim=-1).values.sum(dim=-1)  # [T, G]
+    groups = group_scores.topk(group_topk, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+    keep = keep.unsqueeze(-1).expand_as(grouped).reshape(t, e)
+    return sel.masked_fill(~keep, float("-inf")).topk(top_k, dim=-1).indices
+
+
+def balance_scores(router_probs: torch.Tensor, score: str) -> torch.Tensor:
+    """The per-token distribution the balancing losses average: the softmax itself, or the
+    sigmoid scores normalised to sum 1 over the experts (DeepSeek-V3, Megatron)."""
+    if score == "softmax":
+        return router_probs
+    return router_probs / (router_probs.sum(dim=-1, keepdim=True) + 1e-20)
+
+
+def load_balancing_loss(
+    p: torch.Tensor, counts: torch.Tensor, top_k: int, coef: float
+) -> torch.Tensor:
+    """``coef · E · Σ_i f_i · P_i`` over all T tokens: ``p [T, E]``, ``counts [E]`` routing
+    choices per expert (before capacity), f_i = counts_i / (T·k), P_i the mean of ``p``."""
+    t, e = p.shape
+    f = counts.to(torch.float32) / max(1, t * top_k)
+    return coef * e * (f * p.mean(dim=0)).sum()
+
+
+def sequence_balancing_loss(
+    p: torch.Tensor, expert_ids: torch.Tensor, seq_len: int, coef: float
+) -> torch.Tensor:
+    """The load-balancing loss of each sequence, averaged over the ``T / seq_len`` sequences:
+    tokens are rows ``b·S .. (b+1)·S − 1`` of sequence b (batch-first ``[B, S]`` flattened)."""
+    t, e = p.shape
+    k = expert_ids.shape[1]
+    if seq_len < 1 or t % seq_len:
+        raise ValueError(
+            f"aux_loss='sequence' needs whole sequences: {t} tokens are not a multiple of the "
+            f"sequence length {seq_len}; pass the batch as [B, S, H] (batch-first)"
+        )
+    b = t // seq_len
+    ids = expert_ids.reshape(b, seq_len * k)
+    counts = torch.zeros(b, e, dtype=torch.float32, device=p.device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    f = counts / (seq_len * k)
+    pbar = p.reshape(b, seq_len, e).mean(dim=1)
+    return coef * e * (f * pbar).sum(dim=-1).mean()
+
+
+def z_loss(logits: torch.Tensor, coef: float) -> torch.Tensor:
+    """``coef · mean_t(logsumexp(logits_t)²)``."""
+    return coef * torch.logsumexp(logits, dim=-1).square().mean()
+
+
+@torch.no_grad()
+def bias_step(bias: torch.Tensor, load: torch.Tensor, rate: float) -> None:
+    """``bias += rate · sign(mean(load) − load)`` in place (``load [E]`` summed over ranks)."""
+    load = load.to(torch.float32)
+    bias.add_(torch.sign(load.mean() - load), alpha=rate)
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None = None) -> int:
+    """Update the expert bias of every router of ``model`` that has one, from the tokens its
+    training forwards routed since the last update, then reset those counts. ``group``: the
+    ranks that hold replicas of these routers and route different tokens (the data-parallel
+    group, ``mesh.dp_group``; None: this process alone); the counts are summed over it with one
+    all-reduce, so every replica computes the same bias. Call it once per optimizer step on
+    every rank of ``group`` (collective). Returns the number of routers updated."""
+    routers = [
+        m
+        for m in model.modules()
+        if getattr(m, "expert_bias", None) is not None and hasattr(m, "tokens_per_expert")
+    ]
+    if not routers:
+        return 0
+    load = torch.cat([r.tokens_per_expert for r in routers])
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(load, group=group)
+    for r, n in zip(routers, load.split([r.num_experts for r in routers]), strict=True):
+        bias_step(r.expert_bias, n, r.bias_update_rate)
+        r.tokens_per_expert.zero_()
+    return len(routers)
