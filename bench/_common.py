@@ -67,3 +67,37 @@ def visible_bytes(model: torch.nn.Module, opt) -> int:
     """Parameters, their gradients and the optimizer state, as visible from Python."""
     params = list(model.parameters())
     return nbytes(params) + nbytes(p.grad for p in params) + state_bytes(opt)
+
+
+def pipelines_side_by_side(mesh, ours, theirs, x: torch.Tensor, iters: int) -> dict[str, float]:
+    """Median step times of a fastpar ``PipelineEngine`` (``ours``) and a
+    torch.distributed.pipelining schedule (``theirs``) on the same ranks, alternating steps,
+    each between barriers; the first step of each is a warm-up. ``x`` is the input and the
+    target (an MSE loss)."""
+    import statistics
+    import time
+
+    import torch.distributed as dist
+
+    def step_theirs():
+        if mesh.is_first_stage:
+            theirs.step(x)
+        elif mesh.is_last_stage:
+            theirs.step(target=x)
+        else:
+            theirs.step()
+
+    times: dict[str, list[float]] = {"fastpar": [], "torch": []}
+    for it in range(iters + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        ours.train_step(x, x, broadcast_loss=False)
+        dist.barrier()
+        t1 = time.perf_counter()
+        step_theirs()
+        dist.barrier()
+        t2 = time.perf_counter()
+        if it:
+            times["fastpar"].append(t1 - t0)
+            times["torch"].append(t2 - t1)
+    return {k: statistics.median(v) for k, v in times.items()}

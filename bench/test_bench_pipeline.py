@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _common import pipelines_side_by_side
 from torch import nn
 
 from fastpar import ParallelMesh
@@ -128,28 +129,7 @@ def _vs_torch(schedule: str, iters: int) -> dict:
     cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
     theirs = cls(pstage, n_microbatches=m, loss_fn=F.mse_loss)
 
-    def step_theirs():
-        if mesh.is_first_stage:
-            theirs.step(x)
-        elif mesh.is_last_stage:
-            theirs.step(target=x)
-        else:
-            theirs.step()
-
-    times = {"fastpar": [], "torch": []}
-    for it in range(iters + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
-        ours.train_step(x, x, broadcast_loss=False)
-        dist.barrier()
-        t1 = time.perf_counter()
-        step_theirs()
-        dist.barrier()
-        t2 = time.perf_counter()
-        if it:
-            times["fastpar"].append(t1 - t0)
-            times["torch"].append(t2 - t1)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return pipelines_side_by_side(mesh, ours, theirs, x, iters)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
