@@ -145,7 +145,7 @@ def compare(cfg: TrainConfig, tokens=None) -> tuple[bool, str]:
     chunks = f" (v={cfg.virtual_stages})" if cfg.virtual_stages > 1 else ""
     lines = [
         f"{cfg.model_name}, layout: dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp} (ep {cfg.ep}), ZeRO-{cfg.zero}, {cfg.precision}, "
-        f"{cfg.schedule}{chunks} x {cfg.microbatches}{', recompute' if cfg.recompute else ''}"
+        f"{cfg.schedule}{chunks} x {cfg.microbatches}{f', recompute {cfg.recompute_policy}' if cfg.recompute else ''}"
         f"{', sequence parallel' if cfg.sequence_parallel else ''}",
         f"{'step':>5} {'distributed':>14} {'single-process':>15} {'rel. diff':>10}"
         f" {'grad-norm dist.':>15} {'single':>10}",

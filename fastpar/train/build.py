@@ -8,6 +8,9 @@ also owns the optimizer step (``mesh`` None: the same mixed-precision AdamW on o
 and the loss. ``Trainer``: those parts of one rank, the pipeline engine, and a step. The
 engine weighs the MoE layers' auxiliary losses like a micro-batch's loss; the single-process
 reference, which has no engine, sets that weight on its MoE layers (``update_aux_scale``).
+A selective ``--recompute`` (attention, mlp, every:K) checkpoints regions of the decoder layers
+(``fastpar.parallel.pipeline.recompute``) on the ranks; the reference keeps every activation,
+so ``fastpar.verify`` compares against the plain model. ``full`` is the engine's own.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from fastpar.parallel.pipeline import (
     make_schedule,
     tie_across_stages,
 )
+from fastpar.parallel.pipeline.recompute import apply_recompute
 from fastpar.profiling import nvtx
 from fastpar.train.batches import batch_of, eval_batch, load_data, lr_at, split_tokens
 from fastpar.train.config import TrainConfig
@@ -143,6 +147,8 @@ def build(cfg: TrainConfig, mesh: ParallelMesh | None, device: torch.device) -> 
     model on one process. The same seed gives the same weights on any layout."""
     torch.manual_seed(cfg.seed)
     blocks, hf, model_cfg, block_types, tied = _blocks(cfg, mesh)
+    if mesh is not None:  # a selective --recompute (the reference keeps every activation)
+        apply_recompute(blocks[1:-1], cfg.recompute_policy)
     pp_size, pp_rank = (mesh.pp_size, mesh.pp_rank) if mesh is not None else (1, 0)
     costs = [1.0] * len(blocks)
     if mesh is not None and cfg.virtual_stages > 1:  # chunks keep the whole model's numbers
@@ -194,7 +200,7 @@ class Trainer:
         sched = make_schedule(cfg.schedule, cfg.microbatches, cfg.virtual_stages)
         stage = parts.model if cfg.virtual_stages == 1 else parts.module  # chunks: run directly
         self.engine = PipelineEngine(
-            stage, mesh, sched, loss_fn=parts.loss_fn, recompute=cfg.recompute,
+            stage, mesh, sched, loss_fn=parts.loss_fn, recompute=cfg.recompute is True,
             grad_sync=parts.model, scale_loss=parts.opt.scale_loss,
         )  # fmt: skip
         tokens = tokens if tokens is not None else load_data(cfg, check=False)

@@ -54,7 +54,9 @@ _HELP = {
     "into (not a micro-batch size, as Megatron's --micro-batch-size is)",
     "schedule": "pipeline schedule (interleaved: Megatron's interleaved 1F1B over "
     "--virtual-stages model chunks per rank)",
-    "recompute": "recompute each micro-batch's activations in backward instead of keeping them",
+    "recompute": "recompute activations in backward instead of keeping them: full (--recompute "
+    "alone: each micro-batch's whole stage, the pipeline engine's), attention or mlp (that "
+    "sub-module of every block), every:K (every K-th block whole), none (--no-recompute)",
     "steps": "optimizer steps to train (Megatron: --train-iters)",
     "batch_size": "GLOBAL batch in sequences, over every replica and micro-batch (Megatron: "
     "--global-batch-size; torchtitan's batch size is per replica)",
@@ -206,7 +208,19 @@ def build_parser(prog: str = "python -m fastpar.train") -> argparse.ArgumentPars
         for name in names:
             value, text, words = getattr(defaults, name), _HELP[name], _WORDS.get(name)
             metavar = "{" + ",".join(map(str, words)) + "}" if words else _METAVARS.get(name)
-            if isinstance(value, bool):
+            if name == "recompute":  # a policy; the word alone is full, as it always was
+                where.add_argument(
+                    flag(name),
+                    dest=name,
+                    nargs="?",
+                    const=True,
+                    default=False,
+                    metavar="{none,full,attention,mlp,every:K}",
+                    help=text,
+                )
+                where.add_argument("--no-recompute", dest=name, action="store_const",
+                                   const=False, help="--recompute none")  # fmt: skip
+            elif isinstance(value, bool):
                 where.add_argument(flag(name), action=argparse.BooleanOptionalAction,
                                    default=False, help=text)  # fmt: skip
             elif name in _OPTIONAL:
@@ -277,6 +291,8 @@ def _typed(path: str, key: str, value, kind):
     args = typing.get_args(kind)
     if value is None and type(None) in args:
         return None
+    if str in args and isinstance(value, str):  # --recompute: a bool or a policy's name
+        return value
     base = next((a for a in args if a is not type(None)), kind) if args else kind
     if base is bool:
         ok = isinstance(value, bool)

@@ -15,6 +15,7 @@ from fastpar.data import (
 )
 from fastpar.mesh import MeshLayout
 from fastpar.models import GPTConfig, LlamaConfig
+from fastpar.parallel.pipeline.recompute import RecomputePolicy
 from fastpar.parallel.pipeline.schedules import SCHEDULES
 from fastpar.train.checks import (
     TIMEOUT_ENV,
@@ -63,7 +64,7 @@ class TrainConfig:
     microbatches: int = 2
     schedule: str = "1f1b"
     virtual_stages: int = 1
-    recompute: bool = False
+    recompute: bool | str = False
     steps: int = 30
     batch_size: int = 16
     lr: float = 3e-3
@@ -118,6 +119,17 @@ class TrainConfig:
     eval_every: int = 0
     eval_batches: int = 4
     eval_split: float = 0.1
+
+    def __post_init__(self) -> None:
+        # --recompute's policy: False (none), True (full: the engine's), or a selective one
+        # ("attention", "mlp", "every:K"); the words "none" and "full" become the bools
+        if isinstance(self.recompute, str) and self.recompute.strip().lower() in ("none", "full"):
+            self.recompute = self.recompute.strip().lower() == "full"
+
+    @property
+    def recompute_policy(self) -> RecomputePolicy:
+        """--recompute as a ``RecomputePolicy`` (ValueError naming a bad one)."""
+        return RecomputePolicy.parse(self.recompute)
 
     @property
     def model_name(self) -> str:
@@ -350,6 +362,7 @@ class TrainConfig:
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero}")
         self._check_schedule()
+        RecomputePolicy.parse(self.recompute)  # a bad --recompute: ValueError naming it
         MeshLayout(self.world_size, tp=self.tp, pp=self.pp, ep=self.ep)
         per_rank = self.batch_size // self.dp
         if self.batch_size % self.dp or per_rank % self.microbatches:

@@ -98,7 +98,7 @@ def activation_bytes(cfg) -> tuple[int, int] | None:
     for s, (start, end) in enumerate(partition([1.0] * (model.layers + 2), pp)):
         held = sum(layer[i - 1] for i in range(max(start, 1), min(end, model.layers + 1))) * size
         held += head if end == model.layers + 2 else 0
-        if cfg.recompute:
+        if cfg.recompute is True:  # full; a selective policy is counted as none (an upper bound)
             kept = 0 if s == 0 else model.hidden / sp * size  # stage 0's input is the token ids
             peaks.append(held + (_in_flight(cfg, s) - 1) * kept)
         else:

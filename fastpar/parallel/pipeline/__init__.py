@@ -1,5 +1,5 @@
 """Pipeline parallelism: stage partitioning (contiguous, or round-robin model chunks), GPipe
-(with recomputation), 1F1B, interleaved 1F1B (virtual stages) and forward-only (evaluation)
+(with recomputation: the whole stage, or selectively per block, ``recompute``), 1F1B, interleaved 1F1B (virtual stages) and forward-only (evaluation)
 schedules — schedules are data, one engine runs them all. Stage messages are a tensor or a
 tuple of tensors; ``fastpar.parallel.pipeline.hf`` turns a Hugging Face causal LM into
 pipeline blocks (transformers is imported only there)."""
@@ -15,6 +15,7 @@ from fastpar.parallel.pipeline.partition import (
     build_virtual_stages,
     partition,
 )
+from fastpar.parallel.pipeline.recompute import RecomputePolicy, apply_recompute, checkpoint_module
 from fastpar.parallel.pipeline.schedules import (
     SCHEDULES,
     ForwardOnly,
@@ -33,11 +34,14 @@ __all__ = [
     "Interleaved",
     "OneFOneB",
     "PipelineEngine",
+    "RecomputePolicy",
     "Schedule",
     "VirtualStages",
+    "apply_recompute",
     "block_costs",
     "build_stage",
     "build_virtual_stages",
+    "checkpoint_module",
     "make_schedule",
     "partition",
     "tie_across_stages",

@@ -9,7 +9,8 @@ The mini-batch is split into m micro-batches along dim 0; each micro-batch's los
 m, so the accumulated gradients and the returned loss equal the unpipelined model's for a
 loss that averages over the batch. With ``recompute=True`` a forward runs without keeping its
 graph (only the stage input is stored) and is recomputed, under the same RNG state, right
-before its backward. A data-parallel stage (``fastpar.parallel.GradSync``: ``Replicate``,
+before its backward (selective recompute — attention, MLP or every k-th block — lives in the
+blocks instead: ``fastpar.parallel.pipeline.recompute``). A data-parallel stage (``fastpar.parallel.GradSync``: ``Replicate``,
 ``Shard``, ``DistributedDataParallel``, or ``grad_sync=`` for one that is not the stage, e.g. a
 ``ZeroOptimizer``) reduces its gradients once, in the last micro-batch's backward (the others
 run inside its ``no_sync()``; an explicit ``no_sync`` callable overrides), and its

@@ -1,0 +1,156 @@
+"""Selective activation recompute: which parts of each transformer block keep their activations.
+
+    policy = RecomputePolicy.parse("attention")    # none | full | attention | mlp | every:K
+    apply_recompute(blocks[1:-1], policy)          # the decoder layers, before partitioning
+
+Policies:
+
+* ``none``: every activation is kept (no recompute).
+* ``full``: the pipeline engine's own mechanism (``PipelineEngine(recompute=True)``): a stage's
+  forward runs without a graph, only its input is kept, and the whole stage is recomputed under
+  the saved RNG state right before its backward. Nothing is done to the blocks.
+* ``attention`` / ``mlp``: inside every block, the attention (``attn`` / ``self_attn``) or the
+  MLP / MoE (``mlp``) sub-module is checkpointed: only its input is kept, its inner activations
+  are recomputed in backward.
+* ``every:K``: the whole of every K-th decoder layer (layers 0, K, 2K, ... of the model) is
+  checkpointed; the others keep everything.
+
+Mechanism: ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` around the chosen
+module's ``forward`` (patched on the instance, as ``--compile`` patches it: parameter names,
+module hooks and checkpoints are unchanged). Not the engine's mechanism, which works on a whole
+stage (it keeps only the stage input and replays the stage); a part of a block needs autograd's
+saved-tensor hooks, which the non-reentrant checkpoint gives: the recomputation runs when
+backward first needs one of the region's saved tensors, with the CPU and device RNG state of
+the first forward restored (same dropout masks), and only the recomputed *saved tensors* are
+used — the recomputed graph is never backwarded. So a MoE layer inside the region injects its
+auxiliary-loss gradient once (the first forward's ``_InjectAuxGrad`` node), and its ``stats``
+and ``aux_loss`` attributes are restored after the recomputation (``_keep_moe_state``: what the
+step's last forward set, as without recompute). Under ``torch.no_grad()``
+(evaluation, the engine's ``full`` forwards) the region runs plainly.
+
+Compositions: every schedule (the regions live inside the blocks, the engine is unchanged);
+TP / SP layers and EP all-to-alls (each rank recomputes the same regions in the same backward
+order, so collectives pair); ZeRO-3 (a unit's parameters are regathered when the first gradient
+reaches the unit's outputs and freed once all of them have a gradient, so a region recomputed
+inside the unit's backward sees full values); ``--compile`` (dynamo traces the checkpoint as a
+higher-order op; apply the policy before compiling).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from fastpar.moe import MoE
+
+ATTENTION_NAMES = ("attn", "self_attn")
+MLP_NAMES = ("mlp", "block_sparse_moe", "feed_forward")
+POLICIES = "none, full, attention, mlp or every:K (K >= 1)"
+
+
+@dataclass(frozen=True)
+class RecomputePolicy:
+    """``kind``: "none", "full", "attention", "mlp" or "every"; ``every``: K of "every:K"."""
+
+    kind: str = "none"
+    every: int = 0
+
+    @classmethod
+    def parse(cls, value: str | bool | RecomputePolicy | None) -> RecomputePolicy:
+        """A policy from its text ("every:2"), a bool (True: full, False: none) or None."""
+        if isinstance(value, RecomputePolicy):
+            return value
+        if value is None or value is False:
+            return cls("none")
+        if value is True:
+            return cls("full")
+        text = str(value).strip().lower()
+        if text in ("none", "full", "attention", "mlp"):
+            return cls(text)
+        if text.startswith("every:"):
+            k = text.split(":", 1)[1]
+            if k.isdigit() and int(k) >= 1:
+                return cls("every", int(k))
+        raise ValueError(f"--recompute {value!r}: use {POLICIES}")
+
+    @property
+    def selective(self) -> bool:
+        """Whether the policy checkpoints regions inside the blocks (not none, not full)."""
+        return self.kind in ("attention", "mlp", "every")
+
+    def __str__(self) -> str:
+        return f"every:{self.every}" if self.kind == "every" else self.kind
+
+
+def _child(block: nn.Module, names: Sequence[str], what: str) -> nn.Module:
+    for name in names:
+        child = getattr(block, name, None)
+        if isinstance(child, nn.Module):
+            return child
+    raise ValueError(
+        f"recompute {what}: block {type(block).__name__} has no {what} sub-module (looked for "
+        f"{', '.join(names)}); use --recompute every:K or full for this model"
+    )
+
+
+def checkpoint_module(module: nn.Module) -> nn.Module:
+    """Checkpoint ``module``'s forward in place (``torch.utils.checkpoint``, non-reentrant, RNG
+    state preserved); a no-op under no_grad and for a module already checkpointed. Refused for a
+    module whose forward is already compiled (compile after applying the policy)."""
+    if getattr(module, "_fastpar_recompute", False):
+        return module
+    if getattr(module, "_fastpar_compiled", False):
+        raise ValueError(
+            f"{type(module).__name__} is already compiled: apply the recompute policy before "
+            "torch.compile (fastpar.train compiles after building)"
+        )
+    inner = module.forward
+    moes = [m for m in module.modules() if isinstance(m, MoE)]
+    kw = {"context_fn": lambda: (contextlib.nullcontext(), _keep_moe_state(moes))} if moes else {}
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **kw, **kwargs)
+
+    module.forward = forward
+    module._fastpar_recompute = True
+    return module
+
+
+@contextlib.contextmanager
+def _keep_moe_state(moes: list[MoE]) -> Iterator[None]:
+    """Around a recomputation: the MoE layers' ``aux_loss`` and ``stats`` are put back as the
+    last first-forward left them (a recomputation in backward, e.g. of micro-batch 0 after
+    micro-batch 3's forward, must not replace what the step reports)."""
+    kept = [(m, m.aux_loss, m.stats) for m in moes]
+    try:
+        yield
+    finally:
+        for m, aux, stats in kept:
+            m.aux_loss, m.stats = aux, stats
+
+
+def apply_recompute(
+    layers: Sequence[nn.Module], policy: str | bool | RecomputePolicy
+) -> list[nn.Module]:
+    """Apply a selective ``policy`` to ``layers`` (the model's decoder layers, all of them, in
+    order: "every:K" counts from the first). Returns the modules checkpointed; none for "none"
+    and "full" (the engine's). Raises ValueError naming a block without the sub-module."""
+    policy = RecomputePolicy.parse(policy)
+    if not policy.selective:
+        return []
+    if policy.kind == "every":
+        chosen = [b for i, b in enumerate(layers) if i % policy.every == 0]
+    elif policy.kind == "attention":
+        chosen = [_child(b, ATTENTION_NAMES, "attention") for b in layers]
+    else:
+        chosen = [_child(b, MLP_NAMES, "mlp") for b in layers]
+    return [checkpoint_module(m) for m in chosen]
