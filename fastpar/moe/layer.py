@@ -16,12 +16,16 @@ the per-expert counts, which costs one host sync for the split sizes); the local
 one batched matmul ([E_local, ep·C, H]) or over compact segments (dropless); the inverse
 all-to-all brings the outputs back and ``moe_unpermute`` combines them weighted by the router.
 
-Experts (``expert=``): "mlp" (the default) is ``act(x W1 + b1) W2 + b2`` (GELU unless
-``activation``); "swiglu" is the gated, bias-free expert of Llama-class MoE models (Mixtral,
-Qwen3-MoE): ``(silu(x W_gate) * (x W_up)) W_down``, with gate | up fused in one matrix ``w1``
-([E_local, H, 2F]: columns [0, F) gate, [F, 2F) up) and ``w2`` = W_down [E_local, F, H]. Every
-path (capacity / dropless, batched / segments, overlapped K chunks, EP all-to-all) runs the
-same two functions, ``_experts_batched`` and ``_experts_segments``.
+Experts (``expert=``, ``activation=``, ``bias=``; ``fastpar.moe.experts`` has the kinds, the
+storage and its HF mapping): "mlp" (the default) is ``act(x W1 + b1) W2 + b2`` (GELU unless
+``activation``); "glu" is gated, ``(act(x W_gate) * (x W_up)) W_down`` (SiLU unless
+``activation``; "gelu": GeGLU), biases optional; "swiglu" is glu + SiLU + no biases, the
+expert of Llama-class MoE models (Mixtral, Qwen2/3-MoE), with gate | up fused in one matrix
+``w1`` ([E_local, H, 2F]: columns [0, F) gate, [F, 2F) up) and ``w2`` = W_down
+[E_local, F, H]. Every path (capacity / dropless, batched / segments, overlapped K chunks, EP
+all-to-all) runs the same two functions, ``_experts_batched`` and ``_experts_segments``.
+Shared experts (``shared_ffn_hidden_size``, ``shared_gate``): one dense FFN of the same kind on
+every token, added to the routed output (optionally gated by ``sigmoid(x W_g)``, Qwen2-MoE).
 
 Expert weights are initialised in full ([E, ...], the same random stream at every EP size, each
 expert's matrices drawn like ``nn.Linear``'s) and sliced, so EP = n equals the single-process
@@ -34,25 +38,20 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from fastpar.comm import all_to_all, group_rank, group_size
 from fastpar.mesh.bridge import mesh_group
 from fastpar.mesh.placement import mark_expert
-from fastpar.moe import grouped
+from fastpar.moe import experts
 from fastpar.moe.dispatch import ep_combine, ep_dispatch
 from fastpar.moe.overlap import CapacityChunks, DroplessChunks, OverlappedExperts
 from fastpar.moe.router import TopKRouter
 from fastpar.ops.moe_permute import moe_permute, moe_unpermute
-
-ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
-EXPERTS = ("mlp", "swiglu")
 
 _AUX_LOSS_SCALE: contextvars.ContextVar[float | torch.Tensor | None] = contextvars.ContextVar(
     "fastpar_moe_aux_loss_scale", default=None
@@ -101,10 +100,15 @@ def _eager_only_once() -> None:
 class MoE(nn.Module):
     """Mixture of experts over ``num_experts`` two-layer MLPs (H -> F -> H).
 
-    ``expert``: "mlp" (``act(x W1 + b1) W2 + b2``, ``activation`` default "gelu") or "swiglu"
-    (``(silu(x W_gate) * (x W_up)) W_down``, no biases; ``activation`` must be left unset or
-    "silu"). Parameters: ``w1`` [E_local, H, F] ("swiglu": [E_local, H, 2F], gate | up),
-    ``w2`` [E_local, F, H], and for "mlp" ``b1`` [E_local, F], ``b2`` [E_local, H].
+    ``expert``: "mlp" (``act(x W1 + b1) W2 + b2``, ``activation`` default "gelu", ``bias``
+    default True), "glu" (``(act(x W_gate + b_gate) * (x W_up + b_up)) W_down + b_down``,
+    ``activation`` default "silu", ``bias`` default False) or "swiglu" (glu with SiLU and no
+    biases; ``activation`` must be left unset or "silu"). ``activation``: "gelu", "gelu_tanh",
+    "relu", "silu". Parameters: ``w1`` [E_local, H, F] (gated: [E_local, H, 2F], gate | up),
+    ``w2`` [E_local, F, H], with ``bias`` ``b1`` [E_local, F or 2F], ``b2`` [E_local, H].
+    ``shared_ffn_hidden_size`` Fs: a shared expert of the same kind, Fs wide, on every token,
+    added to the output (``shared``: dense parameters, not expert-parallel); ``shared_gate``
+    scales it by ``sigmoid(shared_gate(x))`` (``shared_gate``: ``nn.Linear(H, 1, bias=False)``).
 
     Router options (see ``fastpar.moe.router``, whose docstring sets fastpar's defaults beside
     Megatron-Core's and DeepSeek-V3's): ``top_k``, ``score`` ("softmax" / "sigmoid"),
@@ -151,6 +155,9 @@ class MoE(nn.Module):
         jitter: float = 0.0,
         expert: str = "mlp",
         activation: str | None = None,
+        bias: bool | None = None,
+        shared_ffn_hidden_size: int | None = None,
+        shared_gate: bool = False,
         overlap_chunks: int = 1,
         mesh=None,
         ep_group: dist.ProcessGroup | None = None,
@@ -171,22 +178,16 @@ class MoE(nn.Module):
         if not isinstance(overlap_chunks, int) or overlap_chunks < 1:
             raise ValueError(f"overlap_chunks must be a positive integer, got {overlap_chunks!r}")
         self.overlap_chunks = overlap_chunks
-        if expert not in EXPERTS:
-            raise ValueError(f"expert must be one of {EXPERTS}, got {expert!r}")
-        self.gated = expert == "swiglu"
-        if self.gated and activation not in (None, "silu"):
-            raise ValueError(
-                f"expert='swiglu' experts are gated by SiLU; activation={activation!r} does not "
-                f"apply to them: drop activation= (or use expert='mlp' for a {activation} MLP)"
-            )
-        if activation is None:
-            activation = "silu" if self.gated else "gelu"
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+        self.gated, activation, bias = experts.resolve(expert, activation, bias)
+        if shared_gate and shared_ffn_hidden_size is None:
+            raise ValueError("shared_gate=True needs shared experts: set shared_ffn_hidden_size")
+        if shared_ffn_hidden_size is not None and shared_ffn_hidden_size < 1:
+            raise ValueError(f"shared_ffn_hidden_size must be >= 1, got {shared_ffn_hidden_size}")
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.num_experts, self.top_k = num_experts, top_k
         self.num_local = num_experts // self.ep
-        self.expert, self.activation = expert, activation
+        self.expert, self.activation, self.bias = expert, activation, bias
+        self.shared_ffn_hidden_size = shared_ffn_hidden_size
         self.router = TopKRouter(
             hidden_size, num_experts, top_k,
             capacity_factor=capacity_factor, min_capacity=min_capacity, drop_policy=drop_policy,
@@ -196,7 +197,9 @@ class MoE(nn.Module):
             group_score_topk=group_score_topk, expert_bias=expert_bias,
             bias_update_rate=bias_update_rate, aux_loss=aux_loss,
         )  # fmt: skip
-        full = _init_experts(num_experts, hidden_size, ffn_hidden_size, self.gated, device, dtype)
+        full = experts.init_experts(
+            num_experts, hidden_size, ffn_hidden_size, self.gated, bias, device, dtype
+        )
         lo = group_rank(self.ep_group) * self.num_local if self.ep > 1 else 0
         sl = slice(lo, lo + self.num_local)
         # matrices stored transposed for x @ w: w1 [E_local, H, F or 2F], w2 [E_local, F, H]
@@ -206,6 +209,14 @@ class MoE(nn.Module):
         self.b2 = nn.Parameter(full["b2"][sl].clone()) if "b2" in full else None
         for p in self._expert_params():
             mark_expert(p, self.ep_group if self.ep > 1 else None, num_experts)
+        # shared experts: dense (the same on every EP and TP rank), drawn after the routed ones
+        self.shared = self.shared_gate = None
+        if shared_ffn_hidden_size is not None:
+            self.shared = experts.SharedExperts(
+                hidden_size, shared_ffn_hidden_size, self.gated, activation, bias, device, dtype
+            )
+            if shared_gate:
+                self.shared_gate = nn.Linear(hidden_size, 1, bias=False, device=device, dtype=dtype)
         self.aux_loss: torch.Tensor | None = None
         # Set by a training loop, or by ``aux_loss_scale(...)`` around the forward (the
         # pipeline engine does): the aux loss then enters backward through this layer's output,
@@ -221,39 +232,18 @@ class MoE(nn.Module):
     # -- expert compute ---------------------------------------------------------------------
     def _hidden(self, h: torch.Tensor) -> torch.Tensor:
         """The first matrix's output [..., F or 2F] -> the second's input [..., F]."""
-        if self.gated:
-            gate, up = h.chunk(2, dim=-1)
-            return F.silu(gate) * up
-        return ACTIVATIONS[self.activation](h)
+        return experts.hidden(h, self.gated, self.activation)
 
     def _experts_batched(self, x: torch.Tensor) -> torch.Tensor:
         """x [E_local, N, H] -> [E_local, N, H]."""
-        if self.gated:
-            return torch.bmm(self._hidden(torch.bmm(x, self.w1)), self.w2)
-        h = self._hidden(torch.baddbmm(self.b1.unsqueeze(1), x, self.w1))
-        return torch.baddbmm(self.b2.unsqueeze(1), h, self.w2)
+        return experts.batched(x, self.w1, self.b1, self.w2, self.b2, self.gated, self.activation)
 
     def _experts_segments(self, x: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
-        """x [N, H] grouped by local expert with ``counts`` [E_local] rows each -> [N, H].
-
-        Traced (``torch.compile``) or on a GPU: two grouped matmuls over the device ``counts``
-        (``fastpar.moe.grouped``: no host sync, no graph break). Eagerly on a CPU, where reading
-        ``counts`` costs no device sync: one expert at a time (each expert's rows stay in cache
-        through both matmuls; the same numbers as the grouped path, bit for bit)."""
-        if torch.compiler.is_compiling() or x.device.type != "cpu":
-            if not isinstance(counts, torch.Tensor):
-                counts = torch.tensor(counts, dtype=torch.int64, device=x.device)
-            offs = grouped.offsets(counts)
-            h = self._hidden(grouped.grouped_linear(x, self.w1, self.b1, offs))
-            return grouped.grouped_linear(h, self.w2, self.b2, offs)
-        sizes = counts.tolist() if isinstance(counts, torch.Tensor) else counts
-        outs = []
-        for e, part in enumerate(x.split(sizes)):
-            if self.gated:
-                outs.append(self._hidden(part @ self.w1[e]) @ self.w2[e])
-            else:
-                outs.append(self._hidden(part @ self.w1[e] + self.b1[e]) @ self.w2[e] + self.b2[e])
-        return torch.cat(outs) if outs else x
+        """x [N, H] grouped by local expert with ``counts`` [E_local] rows each -> [N, H]
+        (``fastpar.moe.experts.segments``: grouped matmuls traced or on a GPU, a per-expert
+        loop eagerly on a CPU)."""
+        w = (self.w1, self.b1, self.w2, self.b2)
+        return experts.segments(x, counts, *w, self.gated, self.activation)
 
     # -- forward ----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -276,6 +266,11 @@ class MoE(nn.Module):
         else:
             out = self._dropless_path(permuted, info.counts)
         y = moe_unpermute(out.to(permuted.dtype), weights.to(torch.float32), info)
+        if self.shared is not None:
+            shared = self.shared(tokens)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(tokens)) * shared
+            y = y + shared.to(y.dtype)
         scale = self.aux_loss_scale
         if scale is None:
             scale = _AUX_LOSS_SCALE.get()
@@ -369,29 +364,8 @@ class MoE(nn.Module):
             f"experts={self.num_experts} "
             f"({self.num_local} local, ep={self.ep}), top_k={self.top_k}, "
             f"capacity_factor={self.router.capacity_factor}, policy={self.router.drop_policy}"
+            + ("" if self.expert != "glu" else f", activation={self.activation}")
         )
-
-
-def _init_experts(
-    num_experts: int, hidden: int, ffn: int, gated: bool, device, dtype
-) -> dict[str, torch.Tensor]:
-    """Every expert's weights in nn.Linear's [out, in] layout, drawn expert by expert from the
-    current random stream like ``nn.Linear``'s (Kaiming-uniform, biases U(±1/sqrt(in))):
-    "mlp" w1 [E, F, H], b1 [E, F], w2 [E, H, F], b2 [E, H] (per expert: w1, b1, w2, b2);
-    gated w1 [E, 2F, H] (gate rows, then up rows), w2 [E, H, F], no biases."""
-    shapes = {"w1": (2 * ffn if gated else ffn, hidden), "w2": (hidden, ffn)}
-    full = {n: torch.empty(num_experts, *s, device=device, dtype=dtype) for n, s in shapes.items()}
-    if not gated:
-        full["b1"] = torch.empty(num_experts, ffn, device=device, dtype=dtype)
-        full["b2"] = torch.empty(num_experts, hidden, device=device, dtype=dtype)
-    with torch.no_grad():
-        for e in range(num_experts):
-            for w, b in (("w1", "b1"), ("w2", "b2")):
-                nn.init.kaiming_uniform_(full[w][e], a=math.sqrt(5))
-                if b in full:
-                    bound = 1 / math.sqrt(full[w].shape[2])
-                    nn.init.uniform_(full[b][e], -bound, bound)
-    return full
 
 
 class _InjectAuxGrad(torch.autograd.Function):
