@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from fastpar.amp.norm import counts_on_this_rank
+from fastpar.mesh.placement import is_expert
 
 #: dense (no sparsity) bf16 tensor-core peak FLOP/s by device name, for MFU; the first key that
 #: is part of torch.cuda.get_device_name() wins (so "H100 PCIe" before "H100")
@@ -78,16 +79,15 @@ def _is_embedding(module: torch.nn.Module) -> bool:
 def param_counts(module: torch.nn.Module, mesh, device: torch.device) -> dict[str, int]:
     """Parameters of the whole model, each counted once across the layout (one all-reduce):
     ``total``; ``embedding`` (of embedding tables); ``experts`` (of fastpar MoE layers' experts,
-    the router left out)."""
+    the router and shared experts left out)."""
     from fastpar.moe import MoE
 
     embedding, experts = set(), set()
     for m in module.modules():
         if _is_embedding(m):
             embedding.update(id(p) for p in m.parameters())
-        elif isinstance(m, MoE):
-            router = {id(p) for p in m.router.parameters()}
-            experts.update(id(p) for p in m.parameters() if id(p) not in router)
+        elif isinstance(m, MoE):  # routed experts only: not the router, not shared experts
+            experts.update(id(p) for p in m.parameters() if is_expert(p))
     counts = [0.0, 0.0, 0.0]
     for p in module.parameters():
         if counts_on_this_rank(p, mesh=mesh):
