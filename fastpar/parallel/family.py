@@ -240,14 +240,21 @@ class FlatDataParallel(OptimizerFront):
             dist.all_reduce(t, group=g)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The next backward accumulates from zero. Gradients live in this wrapper's buffers,
-        zeroed and reused in place at every stage (``set_to_none`` changes nothing): between
-        steps a parameter's ``.grad`` is a zeroed view at stages 0 and 1, None at 2 and 3."""
+        """The next backward accumulates from zero, at every stage. Gradients live in this
+        wrapper's buffers, reused in place. ``set_to_none`` (default): between steps every
+        ``.grad`` is None, and the next backward's first gradient of each parameter is copied
+        into its view (no pass zeroing the buffer, as torch's DDP does with
+        ``gradient_as_bucket_view``); False: at stages 0 and 1 each ``.grad`` is its zeroed
+        view (stages 2, 3 keep no full gradients: None)."""
         for f in self.flats:
             f.holds_reduced = False
             if f.reduced is not None and not f.in_place:
                 f.reduced.zero_()
-            if f.grad_persistent:
+            if f.grad_persistent and set_to_none:  # each view is overwritten before it is read
+                for p in f.params:
+                    p.grad = None
+                f.dirty = True  # stale until then: a later zero_grad(False) clears it
+            elif f.grad_persistent:
                 if f.dirty:
                     f.grad.zero_()
                 f.dirty = False
