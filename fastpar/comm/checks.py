@@ -137,6 +137,8 @@ def check_same(
     Nothing happens on a group of one rank. Inside compiled code (``torch.compile``) the check
     runs eagerly, as one graph break: dynamo cannot trace its host-side packing.
     """
+    if group_size(group) == 1:
+        return
     if torch.compiler.is_compiling():
         global _EAGER_CHECK
         if _EAGER_CHECK is None:  # made at first use: torch.compiler.disable imports dynamo
@@ -150,8 +152,6 @@ _EAGER_CHECK = None
 
 def _check_same(what, fields, group, device, hint) -> None:
     world = group_size(group)
-    if world == 1:
-        return
     slots = [zlib.crc32(f"{what}|{'|'.join(fields)}".encode())]
     on_device = []
     for value in fields.values():

@@ -76,8 +76,8 @@ drop nothing, and renormalise the k weights (Mixtral always, Qwen3-MoE when ``no
 — this router in dropless mode (``capacity_factor=None``) with ``normalize_topk`` set alike.
 DeepSeek-V3: ``score="sigmoid", expert_bias=True, num_groups=n_group, group_topk=topk_group,
 normalize_topk=norm_topk_prob, scaling_factor=routed_scaling_factor, capacity_factor=None``
-(``e_score_correction_bias`` is ``expert_bias``; HF masks the unselected groups with 0, this
-router with −inf, which differs only when every biased score of the kept groups is negative);
+(``e_score_correction_bias`` is ``expert_bias``; both mask the unselected groups with −inf,
+as transformers 5.24 does; ``fastpar.moe.hf.moe_from_hf`` converts such a block);
 DeepSeek-V2's "group_limited_greedy" (a group scores its best expert) is ``group_score_topk=1``.
 In fp32 they compute the same numbers. In bf16 / fp16 they round differently: HF computes the
 gate logits in the activations' dtype (this router in fp32) and Qwen3-MoE casts the weights

@@ -1,0 +1,319 @@
+"""Hugging Face MoE blocks <-> ``fastpar.moe.MoE``: load a transformers block into an
+expert-parallel layer with the same outputs and gradients, and export it back with HF's names.
+
+    from fastpar.moe.hf import moe_from_hf, moe_to_hf_state_dict
+    moe = moe_from_hf(model.model.layers[3].mlp, mesh=mesh)   # this EP rank's experts
+    y = moe(x)                                                 # = block(x) on the same tokens
+    sd = moe_to_hf_state_dict(moe, prefix="model.layers.3.mlp.")  # full, gathered over EP
+
+Supported blocks (transformers 5, fused experts ``experts.gate_up_proj`` [E, 2F, H] gate rows
+then up rows, ``experts.down_proj`` [E, H, F]; router ``gate.weight`` [E, H]):
+
+==========================  =====================================================================
+HF block                    ``MoE`` settings it becomes (always ``expert="glu"``, no biases,
+                            dropless ``capacity_factor=None``, ``aux_loss=None``)
+==========================  =====================================================================
+``MixtralSparseMoeBlock``   softmax over E (fp32), top-k, ``normalize_topk=True``
+``Qwen3MoeSparseMoeBlock``  softmax, top-k, ``normalize_topk=norm_topk_prob``
+``Qwen2MoeSparseMoeBlock``  as Qwen3-MoE, plus ``shared_expert`` (width
+                            ``shared_expert_intermediate_size``) gated by ``shared_expert_gate``
+``DeepseekV3MoE``           ``score="sigmoid"``, ``expert_bias=True`` (``gate.e_score_correction_
+                            bias``), ``num_groups=n_group``, ``group_topk=topk_group``,
+                            ``group_score_topk=2``, ``normalize_topk=norm_topk_prob``,
+                            ``scaling_factor=routed_scaling_factor``, ``shared_experts`` (width
+                            ``moe_intermediate_size · n_shared_experts``, no gate)
+==========================  =====================================================================
+
+Every setting is read from the block itself (``gate.top_k``, ``gate.norm_topk_prob``, ...), the
+activation by probing ``experts.act_fn`` against ``fastpar.moe.experts.ACTIVATIONS`` (bit-exact
+on a grid, in fp32 and fp64: "silu"/"swish", "gelu", "gelu_pytorch_tanh", "relu"). What the layer
+cannot compute exactly is refused with a ``ValueError`` naming the setting: another block class,
+an unknown activation (e.g. "gelu_new"), Mixtral's ``router_jitter_noise > 0`` (HF scales the
+experts' input too, in place; fastpar's jitter touches the router only), a shared expert whose
+activation differs from the routed ones, extra parameters (biases) on the experts or the gate,
+DeepSeek groups that do not split the experts into groups of two or more.
+
+Mapping (fastpar stores the transposes for ``x @ w``; ``fastpar.moe.experts.to_hf`` /
+``from_hf``): ``router.weight`` = ``gate.weight``; ``w1`` = ``gate_up_proj.transpose(1, 2)``,
+``w2`` = ``down_proj.transpose(1, 2)``, each EP rank taking experts ``[r·E/ep, (r+1)·E/ep)``;
+``router.expert_bias`` = ``gate.e_score_correction_bias``; shared ``shared.w1`` =
+``cat(gate_proj.weight, up_proj.weight).t()``, ``shared.w2`` = ``down_proj.weight.t()``,
+``shared_gate.weight`` = ``shared_expert_gate.weight``.
+
+Tokens: each EP rank feeds its own tokens (any count: dropless). Gradients: the experts'
+(``w1``, ``w2``, expert-marked) already hold every EP rank's tokens; the router, shared expert and
+shared gate are dense (replicated) and hold this rank's tokens — summed over the ranks (the
+data-parallel reduction does it) they equal HF's gradient on the whole batch.
+
+Numerics beside HF (transformers 5.24): DeepSeek-V3 masks the groups it drops with −inf as this
+router does, and divides the top-k weights by ``sum + 1e-20`` where this router clamps the sum
+at the smallest normal float (the same in fp32 unless every chosen score is below ~1e-13).
+HF's ``topk(sorted=False)`` and its per-expert ``index_add_`` sum the k outputs in another
+order than ``moe_unpermute``: rounding only.
+
+Precision: in fp32 the numbers match HF to rounding (the tests: outputs and every gradient
+within rtol = atol = 1e-6 at EP 1 and 2). In bf16 / fp16 they round differently, by construction
+rather than by setting: this router always computes the logits and softmax in fp32 (HF Mixtral /
+Qwen compute the logits in the activations' dtype and Qwen casts the weights back before
+combining), and the combine runs in fp32 (the tests: bf16 outputs within two bf16 ulps).
+
+The converted layer consumes no random numbers (built under ``torch.random.fork_rng``) and takes
+the block's train / eval mode. ``moe_to_hf_state_dict`` returns the block's state-dict keys
+(with ``prefix``): at EP 1 detached views of the layer's tensors (no copy; ``.contiguous()``
+them for safetensors); at EP > 1 the experts gathered over the EP group (collective: call on
+every EP rank), or with ``gather=False`` this rank's slice ``[E_local, ...]`` of each expert
+tensor (experts ``[r·E_local, (r+1)·E_local)``) under the same keys. The router weight is
+exported in the experts' dtype (DeepSeek-V3: fp32, as HF keeps it). The family is the one
+``moe_from_hf`` recorded (``moe.hf_family``) or ``family=``; a layer holding parameters the
+family's block lacks (or lacking ones it has) is refused rather than exported in part. Only
+weights are exported: the routing settings belong to the HF config (``num_experts_per_tok``,
+``norm_topk_prob``, ``n_group``, ...), which the table above maps.
+
+transformers is imported by nothing here (a block is duck-typed by its class name), so
+``import fastpar`` never needs it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fastpar.comm import group_rank
+from fastpar.moe import experts
+from fastpar.moe.layer import MoE
+
+FAMILIES = {
+    "MixtralSparseMoeBlock": "mixtral",
+    "Qwen3MoeSparseMoeBlock": "qwen3_moe",
+    "Qwen2MoeSparseMoeBlock": "qwen2_moe",
+    "DeepseekV3MoE": "deepseek_v3",
+}
+"""HF block class name -> family (subclasses are recognised through their MRO)."""
+
+OPTIONS = ("aux_loss", "aux_loss_coef", "z_loss_coef", "bias_update_rate", "overlap_chunks")
+"""``MoE`` options ``moe_from_hf`` passes on: ones that leave the forward unchanged (the HF
+block computes no loss; ``aux_loss`` defaults to None here)."""
+
+
+def hf_family(block: nn.Module) -> str:
+    """The family of an HF MoE block ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3");
+    ValueError for any other module."""
+    for cls in type(block).__mro__:
+        if cls.__name__ in FAMILIES:
+            return FAMILIES[cls.__name__]
+    raise ValueError(
+        f"moe_from_hf supports the Hugging Face blocks {sorted(FAMILIES)}; got "
+        f"{type(block).__name__}. Other blocks need their own mapping onto fastpar.nn.MoE"
+    )
+
+
+def _activation(act_fn: nn.Module, where: str) -> str:
+    """The fastpar activation computing exactly what ``act_fn`` computes (bit for bit)."""
+    grid = torch.linspace(-8.0, 8.0, 4097)
+    for name, fn in experts.ACTIVATIONS.items():
+        if all(torch.equal(act_fn(g), fn(g)) for g in (grid, grid.double())):
+            return name
+    raise ValueError(
+        f"{where} activation {type(act_fn).__name__} (config hidden_act) is none of fastpar's "
+        f"exact activations {sorted(experts.ACTIVATIONS)} (HF names: silu / swish, gelu, "
+        f"gelu_pytorch_tanh, relu); approximations such as gelu_new are refused"
+    )
+
+
+def _only_params(module: nn.Module, names: set[str], where: str) -> None:
+    got = {n for n, _ in module.named_parameters()}
+    if got != names:
+        raise ValueError(
+            f"{where} has parameters {sorted(got)}; fastpar maps exactly {sorted(names)} "
+            f"(no biases): {sorted(got - names) or sorted(names - got)} cannot be represented"
+        )
+
+
+def _mlp_width(mlp: nn.Module, act: str, where: str) -> int:
+    """Width of a dense HF SwiGLU MLP (gate_proj / up_proj / down_proj, no biases)."""
+    _only_params(mlp, {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}, where)
+    if _activation(mlp.act_fn, where) != act:
+        raise ValueError(
+            f"{where} activation differs from the routed experts' ({act}); fastpar's shared "
+            "expert uses the routed experts' activation"
+        )
+    return mlp.gate_proj.weight.shape[0]
+
+
+def _settings(block: nn.Module, family: str) -> dict:
+    """MoE constructor arguments of ``block`` (validated: refuses what MoE cannot compute)."""
+    gate, ex = block.gate, block.experts
+    _only_params(ex, {"gate_up_proj", "down_proj"}, f"{family} experts")
+    _only_params(gate, {"weight"}, f"{family} gate")
+    e, f2, h = ex.gate_up_proj.shape
+    if gate.weight.shape != (e, h) or ex.down_proj.shape != (e, h, f2 // 2):
+        raise ValueError(
+            f"{family} block shapes disagree: gate.weight {tuple(gate.weight.shape)}, "
+            f"gate_up_proj {tuple(ex.gate_up_proj.shape)}, down_proj {tuple(ex.down_proj.shape)}"
+        )
+    act = _activation(ex.act_fn, f"{family} experts")
+    kw = dict(
+        hidden_size=h, ffn_hidden_size=f2 // 2, num_experts=e, top_k=int(gate.top_k),
+        expert="glu", activation=act, bias=False, capacity_factor=None, min_capacity=None,
+        aux_loss=None,
+    )  # fmt: skip
+    if family == "mixtral":
+        jitter = getattr(block, "jitter_noise", 0.0) or 0.0
+        if jitter > 0:
+            raise ValueError(
+                f"Mixtral router_jitter_noise={jitter} is not supported: HF multiplies the "
+                "experts' input (in place) by the noise too, fastpar's jitter= only the router's; "
+                "set router_jitter_noise=0"
+            )
+        kw["normalize_topk"] = True
+    elif family in ("qwen3_moe", "qwen2_moe"):
+        kw["normalize_topk"] = bool(gate.norm_topk_prob)
+    if family == "qwen2_moe":
+        kw["shared_ffn_hidden_size"] = _mlp_width(
+            block.shared_expert, act, "qwen2_moe shared_expert"
+        )
+        _only_params(block.shared_expert_gate, {"weight"}, "qwen2_moe shared_expert_gate")
+        kw["shared_gate"] = True
+    if family == "deepseek_v3":
+        if gate.num_group is None or gate.topk_group is None:
+            raise ValueError(
+                f"DeepSeek-V3 n_group={gate.num_group}, topk_group={gate.topk_group}: HF's router "
+                "needs both (set n_group=1, topk_group=1 for no group limit)"
+            )
+        groups, topk_group = int(gate.num_group), int(gate.topk_group)
+        if e % groups or e // groups < 2:
+            raise ValueError(
+                f"DeepSeek-V3 n_group={groups} must split the {e} experts into equal groups of at "
+                f"least 2 (HF scores a group by its top-2 experts)"
+            )
+        width = _mlp_width(block.shared_experts, act, "deepseek_v3 shared_experts")
+        kw.update(
+            score="sigmoid", expert_bias=True, num_groups=groups, group_topk=topk_group,
+            group_score_topk=2, normalize_topk=bool(gate.norm_topk_prob),
+            scaling_factor=float(gate.routed_scaling_factor),
+            shared_ffn_hidden_size=width or None,
+        )  # fmt: skip
+    return kw
+
+
+@torch.no_grad()
+def moe_from_hf(block: nn.Module, *, mesh=None, ep_group=None, **options) -> MoE:
+    """A ``MoE`` computing what the HF ``block`` computes (see the module docstring); with
+    ``mesh`` (its EP group) or ``ep_group``, this rank holds its slice of the experts.
+    ``options``: any of ``OPTIONS`` (e.g. ``aux_loss="micro_batch"`` to train with fastpar's
+    balancing loss); anything else is refused (it would change the forward)."""
+    bad = sorted(set(options) - set(OPTIONS))
+    if bad:
+        raise TypeError(f"moe_from_hf does not take {bad}; it passes on only {list(OPTIONS)}")
+    family = hf_family(block)
+    kw = {**_settings(block, family), **options}
+    ex = block.experts
+    device, dtype = ex.gate_up_proj.device, ex.gate_up_proj.dtype
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        moe = MoE(**kw, mesh=mesh, ep_group=ep_group, device=device, dtype=dtype)
+    lo = group_rank(moe.ep_group) * moe.num_local if moe.ep > 1 else 0
+    sl = slice(lo, lo + moe.num_local)
+    w1, w2 = experts.from_hf(ex.gate_up_proj, ex.down_proj)
+    moe.w1.copy_(w1[sl])
+    moe.w2.copy_(w2[sl])
+    moe.router.weight.copy_(block.gate.weight)
+    if family == "deepseek_v3":
+        moe.router.expert_bias.copy_(block.gate.e_score_correction_bias)
+    shared = {"qwen2_moe": "shared_expert", "deepseek_v3": "shared_experts"}.get(family)
+    if moe.shared is not None:
+        mlp = getattr(block, shared)
+        moe.shared.w1.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t())
+        moe.shared.w2.copy_(mlp.down_proj.weight.t())
+    if moe.shared_gate is not None:
+        moe.shared_gate.weight.copy_(block.shared_expert_gate.weight)
+    moe.hf_family = family
+    moe.train(block.training)
+    return moe
+
+
+def _family_of(moe: MoE) -> str:
+    family = getattr(moe, "hf_family", None)
+    if family is not None:
+        return family
+    if moe.router.expert_bias is not None:
+        return "deepseek_v3"
+    if moe.shared_gate is not None:
+        return "qwen2_moe"
+    if moe.shared is None:
+        return "mixtral"
+    raise ValueError("a layer with an ungated shared expert and no expert bias: pass family=")
+
+
+def _check_layout(moe: MoE, family: str) -> None:
+    """The layer holds exactly the parameters the family's block has (nothing dropped)."""
+    want = {  # family: (shared expert, shared gate, expert bias); None: either
+        "mixtral": (False, False, False),
+        "qwen3_moe": (False, False, False),
+        "qwen2_moe": (True, True, False),
+        "deepseek_v3": (None, False, True),
+    }[family]
+    have = (moe.shared is not None, moe.shared_gate is not None, moe.router.expert_bias is not None)
+    for name, w, h in zip(
+        ("shared experts", "shared_gate", "expert_bias"), want, have, strict=True
+    ):
+        if w is not None and w != h:
+            raise ValueError(
+                f"a {family} block {'has' if w else 'has no'} {name}; this layer "
+                f"{'has' if h else 'has no'} {name}: pass the family that matches the layer"
+            )
+
+
+def _gather(w: torch.Tensor, moe: MoE) -> torch.Tensor:
+    """[E_local, ...] -> [E, ...] over the EP group (collective)."""
+    group = moe.ep_group.get_group() if hasattr(moe.ep_group, "get_group") else moe.ep_group
+    w = w.contiguous()
+    out = w.new_empty((moe.ep * w.shape[0], *w.shape[1:]))
+    dist.all_gather_into_tensor(out, w, group=group)
+    return out
+
+
+@torch.no_grad()
+def moe_to_hf_state_dict(
+    moe: MoE, *, family: str | None = None, prefix: str = "", gather: bool = True
+) -> dict[str, torch.Tensor]:
+    """The HF block's state dict (keys with ``prefix``) from ``moe``. ``family``: one of
+    ``FAMILIES``' values (default: the one ``moe_from_hf`` recorded, else inferred from the
+    layer: expert bias -> deepseek_v3, gated shared expert -> qwen2_moe, none -> mixtral /
+    qwen3_moe names). EP > 1: the experts gathered over the EP group (collective), or this
+    rank's slice with ``gather=False``."""
+    family = family or _family_of(moe)
+    if family not in FAMILIES.values():
+        raise ValueError(f"family must be one of {sorted(FAMILIES.values())}, got {family!r}")
+    if not moe.gated or moe.bias:
+        raise ValueError(
+            "HF MoE blocks have gated experts without biases (expert='swiglu' / 'glu', "
+            f"bias=False); this layer has expert={moe.expert!r}, bias={moe.bias}"
+        )
+    _check_layout(moe, family)
+    gate_up, down = experts.to_hf(moe.w1.detach(), moe.w2.detach())
+    if moe.ep > 1 and gather:
+        gate_up, down = _gather(gate_up, moe), _gather(down, moe)
+    router = moe.router.weight.detach()
+    sd = {
+        "gate.weight": router if family == "deepseek_v3" else router.to(moe.w1.dtype),
+        "experts.gate_up_proj": gate_up,
+        "experts.down_proj": down,
+    }
+    if family == "deepseek_v3":
+        sd["gate.e_score_correction_bias"] = moe.router.expert_bias.detach()
+    shared = {"qwen2_moe": "shared_expert", "deepseek_v3": "shared_experts"}.get(family)
+    if shared is not None:
+        if moe.shared is not None:
+            w1, w2 = moe.shared.w1.detach(), moe.shared.w2.detach()
+        else:  # DeepSeek n_shared_experts = 0: HF holds zero-width projections
+            h = moe.hidden_size
+            w1, w2 = moe.w1.new_empty(h, 0), moe.w1.new_empty(0, h)
+        fs = w2.shape[0]
+        sd[f"{shared}.gate_proj.weight"] = w1[:, :fs].t()
+        sd[f"{shared}.up_proj.weight"] = w1[:, fs:].t()
+        sd[f"{shared}.down_proj.weight"] = w2.t()
+    if family == "qwen2_moe":
+        sd["shared_expert_gate.weight"] = moe.shared_gate.weight.detach()
+    return {prefix + k: v for k, v in sd.items()}

@@ -1,0 +1,247 @@
+"""Hugging Face MoE blocks loaded into ``MoE`` through ``fastpar.moe.hf`` (fp32, random init;
+the expected values come from the HF modules themselves):
+
+- Mixtral, Qwen3-MoE (``norm_topk_prob`` on and off), Qwen2-MoE (gated shared expert) and a
+  DeepSeek-V3 block (sigmoid, group-limited top-k, nonzero ``e_score_correction_bias``,
+  ``routed_scaling_factor``, shared experts) at EP 1 and EP 2: output and input gradient on each
+  rank's tokens against HF on the same tokens; router, expert and shared-expert gradients against
+  HF's on the whole batch (experts: this rank's slice; dense parameters: summed over the ranks);
+- the export ``moe_to_hf_state_dict(moe_from_hf(block))`` equals the block's state dict
+  (gathered over EP, and the per-rank slice with ``gather=False``);
+- bf16 blocks (rounding only) and DeepSeek-V3 without shared experts;
+- refusals of what MoE cannot compute exactly, and of exports that would drop parameters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fastpar import ParallelMesh
+from fastpar.mesh import placement
+from fastpar.moe.hf import moe_from_hf, moe_to_hf_state_dict
+from fastpar.testing import run_ranks
+
+H, FFN = 8, 6
+TOL = 1e-6
+COUNTS = (11, 14)  # tokens of EP rank 0, 1 (dropless: uneven)
+
+FAMILIES = {  # name: (module, class, config class, config kwargs)
+    "mixtral": ("mixtral", "MixtralSparseMoeBlock", "MixtralConfig",
+                dict(intermediate_size=FFN, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeSparseMoeBlock", "Qwen3MoeConfig",
+                  dict(moe_intermediate_size=FFN, num_experts=4, num_experts_per_tok=2,
+                       norm_topk_prob=True)),
+    "qwen3_moe-raw": ("qwen3_moe", "Qwen3MoeSparseMoeBlock", "Qwen3MoeConfig",
+                      dict(moe_intermediate_size=FFN, num_experts=4, num_experts_per_tok=2,
+                           norm_topk_prob=False)),
+    "qwen2_moe": ("qwen2_moe", "Qwen2MoeSparseMoeBlock", "Qwen2MoeConfig",
+                  dict(moe_intermediate_size=FFN, num_experts=4, num_experts_per_tok=2,
+                       shared_expert_intermediate_size=5, norm_topk_prob=False)),
+    "deepseek_v3": ("deepseek_v3", "DeepseekV3MoE", "DeepseekV3Config",
+                    dict(moe_intermediate_size=FFN, n_routed_experts=8, num_experts_per_tok=3,
+                         n_group=4, topk_group=2, n_shared_experts=2, routed_scaling_factor=2.5,
+                         norm_topk_prob=True)),
+}  # fmt: skip
+
+
+def _block(family: str, **overrides):
+    transformers = pytest.importorskip("transformers")
+    import importlib
+
+    module, cls, cfg_cls, kw = FAMILIES[family]
+    try:
+        mod = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    except ImportError:
+        pytest.skip(f"this transformers has no {module}")
+    if not hasattr(mod, cls):
+        pytest.skip(f"this transformers has no {cls}")
+    kw = {"hidden_size": H, "hidden_act": "silu", **kw, **overrides}
+    cfg = getattr(transformers, cfg_cls)(**kw)
+    block = getattr(mod, cls)(cfg)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # HF leaves the fused experts uninitialised and routers at zero
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+        bias = getattr(block.gate, "e_score_correction_bias", None)
+        if bias is not None:  # nonzero, of the scores' size: it changes selections
+            bias.copy_(0.3 * torch.randn(bias.shape, generator=gen))
+    return block
+
+
+def _tokens(rank: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(10 + rank)
+    x = torch.randn(1, t, H, generator=gen)
+    x[:, : t // 2] += 1.0  # skewed towards some experts
+    return x, torch.randn(1, t, H, generator=gen)
+
+
+def _hf_grads(block, family: str) -> dict[str, torch.Tensor]:
+    """HF's gradients in fastpar's names and layout (written out here, not taken from hf.py)."""
+    g = {
+        "router.weight": block.gate.weight.grad,
+        "w1": block.experts.gate_up_proj.grad.transpose(1, 2),
+        "w2": block.experts.down_proj.grad.transpose(1, 2),
+    }
+    mlp = getattr(block, "shared_experts", None) or getattr(block, "shared_expert", None)
+    if mlp is not None:
+        g["shared.w1"] = torch.cat([mlp.gate_proj.weight.grad, mlp.up_proj.weight.grad]).t()
+        g["shared.w2"] = mlp.down_proj.weight.grad.t()
+    if hasattr(block, "shared_expert_gate"):
+        g["shared_gate.weight"] = block.shared_expert_gate.weight.grad
+    return g
+
+
+def _close(a, b, what):
+    torch.testing.assert_close(a, b, rtol=TOL, atol=TOL, msg=lambda m: f"{what}: {m}")
+
+
+def _parity(family: str, ep: int) -> None:
+    rank = dist.get_rank() if ep > 1 else 0
+    block = _block(family)
+    moe = moe_from_hf(block, mesh=ParallelMesh(ep=ep) if ep > 1 else None)
+    counts = COUNTS[:ep] if ep > 1 else (sum(COUNTS),)
+    data = [_tokens(r, t) for r, t in enumerate(counts)]
+    # HF on the whole batch (every rank's tokens)
+    x_all = torch.cat([x for x, _ in data], dim=1).requires_grad_()
+    y_hf = block(x_all)
+    (y_hf * torch.cat([g for _, g in data], dim=1)).sum().backward()
+    want = _hf_grads(block, family)
+    # fastpar on this rank's tokens
+    x, g = data[rank]
+    x = x.clone().requires_grad_()
+    y = moe(x)
+    (y * g).sum().backward()
+    off, t = sum(counts[:rank]), counts[rank]
+    _close(y, y_hf[:, off : off + t].detach(), "output")
+    _close(x.grad, x_all.grad[:, off : off + t], "input grad")
+    grads = {n: p.grad for n, p in moe.named_parameters()}
+    assert set(grads) == set(want), (sorted(grads), sorted(want))
+    lo, n = rank * moe.num_local, moe.num_local
+    for name, got in grads.items():
+        p = dict(moe.named_parameters())[name]
+        if placement.is_expert(p):  # already every rank's tokens
+            _close(got, want[name][lo : lo + n], f"grad {name}")
+        else:  # dense: this rank's tokens; the DP reduction sums the ranks
+            if ep > 1:
+                got = got.clone()
+                dist.all_reduce(got)
+            _close(got, want[name], f"grad {name}")
+    # the export: HF's names and values (gathered over EP, or this rank's slice)
+    sd = block.state_dict()
+    out = moe_to_hf_state_dict(moe)
+    assert sorted(out) == sorted(sd)
+    for k, v in sd.items():
+        assert out[k].shape == v.shape and out[k].dtype == v.dtype, k
+        assert torch.equal(out[k], v), k
+    if ep > 1:
+        mine = moe_to_hf_state_dict(moe, gather=False, prefix="mlp.")
+        for k, v in sd.items():
+            expected = v[lo : lo + n] if k.startswith("experts.") else v
+            assert torch.equal(mine["mlp." + k], expected), k
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_hf_block_parity_ep1(family):
+    _parity(family, 1)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_hf_block_parity_ep2(family):
+    _block(family)  # skips here when transformers lacks the block
+    run_ranks(_parity, 2, family, 2)
+
+
+def test_deepseek_settings_and_bias_change_the_selection():
+    """The DeepSeek-V3 block becomes sigmoid + bias + groups + scaling; its bias and its group
+    limit each change HF's own choice of experts on these tokens (so both paths are tested)."""
+    block = _block("deepseek_v3")
+    moe = moe_from_hf(block)
+    r = moe.router
+    assert (r.score, r.num_groups, r.group_topk, r.scaling_factor) == ("sigmoid", 4, 2, 2.5)
+    assert torch.equal(r.expert_bias, block.gate.e_score_correction_bias)
+    assert moe.shared.ffn_hidden_size == 2 * FFN
+    x = _tokens(0, 25)[0]
+    with torch.no_grad():
+        ids = block.gate(x)[2].sort(-1).values
+        block.gate.e_score_correction_bias.zero_()
+        unbiased = block.gate(x)[2].sort(-1).values
+        block.gate.topk_group = block.gate.num_group
+        ungrouped = block.gate(x)[2].sort(-1).values
+    assert not torch.equal(ids, unbiased)
+    assert not torch.equal(unbiased, ungrouped)
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+def test_deepseek_without_shared_experts():
+    """``n_shared_experts=0``: HF holds zero-width shared projections (adding zero); the layer
+    has no shared expert, and the export gives back the zero-width tensors."""
+    block = _block("deepseek_v3", n_shared_experts=0)
+    moe = moe_from_hf(block)
+    assert moe.shared is None
+    x = _tokens(0, 25)[0]
+    with torch.no_grad():
+        _close(moe(x), block(x), "output")
+    out = moe_to_hf_state_dict(moe)
+    assert sorted(out) == sorted(block.state_dict())
+    for k, v in block.state_dict().items():
+        assert torch.equal(out[k], v), k
+
+
+def test_export_refuses_a_layer_the_family_cannot_hold():
+    moe = moe_from_hf(_block("qwen2_moe"))
+    with pytest.raises(ValueError, match="a mixtral block has no shared experts; this layer has"):
+        moe_to_hf_state_dict(moe, family="mixtral")
+    with pytest.raises(ValueError, match="a deepseek_v3 block has no shared_gate"):
+        moe_to_hf_state_dict(moe, family="deepseek_v3")
+    assert "shared_expert_gate.weight" in moe_to_hf_state_dict(moe)
+
+
+def test_conversion_draws_no_random_numbers_and_keeps_the_mode():
+    block = _block("mixtral").eval()
+    state = torch.get_rng_state()
+    moe = moe_from_hf(block)
+    assert torch.equal(state, torch.get_rng_state())
+    assert not moe.training and moe.router.capacity_factor is None
+    assert moe_from_hf(block, aux_loss="micro_batch").router.aux_loss == "micro_batch"
+
+
+def test_refuses_what_moe_cannot_compute():
+    with pytest.raises(ValueError, match=r"router_jitter_noise=0\.1 is not supported"):
+        moe_from_hf(_block("mixtral", router_jitter_noise=0.1))
+    with pytest.raises(ValueError, match="approximations such as gelu_new are refused"):
+        moe_from_hf(_block("qwen3_moe", hidden_act="gelu_new"))
+    with pytest.raises(ValueError, match="groups of at least 2"):
+        moe_from_hf(_block("deepseek_v3", n_group=8, topk_group=4))
+    with pytest.raises(ValueError, match="supports the Hugging Face blocks"):
+        moe_from_hf(torch.nn.Linear(H, H))
+    with pytest.raises(TypeError, match="does not take \\['capacity_factor'\\]"):
+        moe_from_hf(_block("mixtral"), capacity_factor=1.25)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_bf16_block_rounds_within_two_ulps_and_exports_exactly(family):
+    """In bf16 the numbers differ by rounding only (this router computes in fp32, HF's Mixtral
+    gate in bf16; DeepSeek's gate is fp32 in both), and the export is exact."""
+    block = _block(family).to(torch.bfloat16)
+    if family == "deepseek_v3":
+        block.gate.float()  # as HF builds it: an fp32 router inside a bf16 model
+    moe = moe_from_hf(block)
+    assert moe.w1.dtype == torch.bfloat16 and moe.router.weight.dtype == torch.float32
+    x = _tokens(0, 25)[0].bfloat16()
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x), block(x), rtol=2**-6, atol=2**-6)
+    out = moe_to_hf_state_dict(moe)
+    for k, v in block.state_dict().items():
+        assert out[k].dtype == v.dtype and torch.equal(out[k], v), k
+
+
+def test_import_needs_no_transformers():
+    import subprocess
+    import sys
+
+    code = "import sys, fastpar, fastpar.moe.hf; assert 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
