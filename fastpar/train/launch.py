@@ -41,10 +41,16 @@ def launch(cfg: TrainConfig, timeout: float = 24 * 3600.0, tokens=None) -> list[
         check_world_size(cfg, int(os.environ["WORLD_SIZE"]))  # one line; the hint fits --ep
         init(cfg.tp, cfg.pp, cfg.ep, timeout=cfg.collective_timeout)
         try:
-            return _rank_main(cfg, tokens)
+            records = _rank_main(cfg, tokens)
         except RuntimeError:  # a failed collective: a stopped sibling would hold torchrun 30 s
             end_stopped_siblings()
             raise
+        # every rank is past its last collective, then the groups close in order: a process
+        # exiting with live gloo groups while a peer closes its connections can abort
+        # ("terminate called without an active exception")
+        dist.barrier()
+        dist.destroy_process_group()
+        return records
     if torch.cuda.is_available():
         if torch.cuda.device_count() < cfg.world_size:
             raise ValueError(
