@@ -1,18 +1,26 @@
-"""Pipeline schedules side by side: the bubble of GPipe, 1F1B and interleaved 1F1B (v = 2, 4)
-measured on CPU ranks beside theory, peak activation memory per rank, and step time against
-torch.distributed.pipelining's ScheduleInterleaved1F1B.
+"""Pipeline schedules side by side: the bubble of GPipe, 1F1B, interleaved 1F1B (v = 2, 4) and
+zero-bubble ZB-H1 measured on CPU ranks beside theory, peak activation memory per rank, and
+step time against torch.distributed.pipelining's ScheduleInterleaved1F1B and
+ScheduleInterleavedZeroBubble.
 
 * Bubble: compute per micro-batch is a fixed cost, not CPU work (2 cores cannot run 4 ranks'
   matmuls without contention): each rank's stage forward sleeps FORWARD_S and its backward
   2 * FORWARD_S, split evenly over its v chunks (a chunk sleeps FORWARD_S / v, 2 FORWARD_S / v),
-  so every schedule does the same work per rank. The engine's ``stats`` give the busy seconds
+  so every schedule does the same work per rank. ZB-H1 splits each backward into B (input
+  gradient) and W (weight gradient), so the fixed cost is split too, half each: the chunk's
+  activation path sleeps FORWARD_S in backward (it runs in B; on the first stage, whose input
+  needs no gradient, in W) and a node on the path to a second weight only sleeps FORWARD_S (it
+  runs in W); unsplit, one backward runs both, 2 FORWARD_S as before. ZB-H1's theory: (p - 1) / (3 m + p - 1) (unit
+  costs F = B = W; 1F1B's (p - 1) / (m + p - 1) is the same costs unsplit). The engine's ``stats`` give the busy seconds
   (inside forwards and backwards); the wall is the step's makespan, from a barrier before it
   to a barrier after it (the same on every rank); idle = 1 - busy / wall, the median of 3
   steps, averaged over ranks, beside (p - 1) / (v m + p - 1).
 * Activation memory: a 16-block MLP chain (h = 256, batch 64, m = 8, p = 4), the peak bytes of
   stored activations per rank (stage inputs + tensors autograd saved), every schedule.
 * Peer: the same 8-block MLP chain cut into p * 2 chunks, fastpar's Interleaved(8, 2) and
-  torch's ScheduleInterleaved1F1B(n_microbatches=8) on the same ranks, median step time, ratio.
+  torch's ScheduleInterleaved1F1B(n_microbatches=8) on the same ranks, median step time, ratio;
+  and cut into p stages, fastpar's ZeroBubbleH1(8) beside torch's ScheduleInterleavedZeroBubble
+  (one stage per rank: torch's closest zero-bubble schedule to ZB-H1).
 Run:  pytest bench/test_bench_pipeline_schedules.py -s --benchmark-json=...
 """
 
@@ -35,6 +43,7 @@ from fastpar.parallel.pipeline import (
     Interleaved,
     OneFOneB,
     PipelineEngine,
+    ZeroBubbleH1,
     build_stage,
     build_virtual_stages,
 )
@@ -49,15 +58,31 @@ FORWARD_S = float(os.environ.get("FASTPAR_BENCH_FORWARD_S", "0.008"))
 
 
 class _Sleep(torch.autograd.Function):
+    """Forward sleeps ``seconds``, backward ``back`` (default twice as long)."""
+
     @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
+    def forward(ctx, x, seconds, back=None):
+        ctx.back = 2 * seconds if back is None else back
         time.sleep(seconds)
         return x * 1.0
 
     @staticmethod
     def backward(ctx, g):
-        time.sleep(2 * ctx.seconds)
+        time.sleep(ctx.back)
+        return g, None, None
+
+
+class _SleepInBackward(torch.autograd.Function):
+    """Identity; its backward sleeps ``seconds``."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(ctx.seconds)
         return g, None
 
 
@@ -70,18 +95,31 @@ class SleepChunk(nn.Module):
         return _Sleep.apply(x * self.w, self.seconds)
 
 
+class SplitSleepChunk(SleepChunk):
+    """Forward ``seconds``; backward ``seconds`` on the activation path (B; on the first stage,
+    whose input needs no gradient, it lies on the path to ``w`` only, so it runs in W) and
+    ``seconds`` on the path to ``v`` only (W): 2 ``seconds`` when the backward is not split."""
+
+    def __init__(self, seconds: float):
+        super().__init__(seconds)
+        self.v = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        h = _Sleep.apply(x * self.w, self.seconds, self.seconds)
+        return h * _SleepInBackward.apply(self.v, self.seconds)
+
+
 def _schedule(name: str, m: int, v: int):
-    return (
-        {"gpipe": GPipe, "1f1b": OneFOneB}[name](m)
-        if name != "interleaved"
-        else (Interleaved(m, v))
-    )
+    if name == "interleaved":
+        return Interleaved(m, v)
+    return {"gpipe": GPipe, "1f1b": OneFOneB, "zb-h1": ZeroBubbleH1}[name](m)
 
 
 def _bubble(name: str, m: int, v: int) -> float:
     mesh = ParallelMesh(pp=dist.get_world_size())
     sched = _schedule(name, m, v)
-    chunks = [SleepChunk(FORWARD_S / v) for _ in range(v)]
+    kind = SplitSleepChunk if sched.splits_backward else SleepChunk
+    chunks = [kind(FORWARD_S / v) for _ in range(v)]
     stage = chunks if v > 1 else chunks[0]
     engine = PipelineEngine(stage, mesh, sched, loss_fn=lambda out, y: (out - y).pow(2).mean())
     x = torch.randn(m * 2, 8)
@@ -95,7 +133,7 @@ def _bubble(name: str, m: int, v: int) -> float:
     return statistics.median(idle)
 
 
-CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4)]
+CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb-h1", 1)]
 
 
 @pytest.mark.parametrize("p", [2, 4])
@@ -110,13 +148,16 @@ def test_bubble_against_theory(benchmark, name, v, p):
 
     benchmark.pedantic(measure, rounds=1, iterations=1)
     label = name + (f" v={v}" if v > 1 else "")
-    lines = [f"\n{label}, p={p}:   m   measured idle   theory (p-1)/(vm+p-1)   measured/theory"]
+    lines = [f"\n{label}, p={p}:   m   measured idle   theory   measured/theory   1F1B theory"]
     table = {}
     for m, idle in rows.items():
         theory = _schedule(name, m, v).theory(p)
         got = statistics.mean(idle)
-        table[m] = {"measured": got, "theory": theory, "ratio": got / theory, "per_rank": idle}
-        lines.append(f"{' ' * 16}{m:>3}   {got:>13.3f}   {theory:>21.3f}   {got / theory:>15.2f}")
+        one = OneFOneB(m).theory(p)
+        table[m] = {"measured": got, "theory": theory, "ratio": got / theory, "per_rank": idle,
+                    "1f1b_theory": one}  # fmt: skip
+        lines.append(f"{' ' * 16}{m:>3}   {got:>13.3f}   {theory:>6.3f}   {got / theory:>15.2f}"
+                     f"   {one:>11.3f}")  # fmt: skip
     benchmark.extra_info["bubble"] = table
     print("\n".join(lines))
 
@@ -144,7 +185,7 @@ def _activation_memory(name: str, v: int, recompute: bool) -> int:
 
 
 MEMORY = [("gpipe", 1, False), ("gpipe", 1, True), ("1f1b", 1, False), ("interleaved", 2, False),
-          ("interleaved", 4, False), ("interleaved", 2, True)]  # fmt: skip
+          ("interleaved", 4, False), ("interleaved", 2, True), ("zb-h1", 1, False)]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -190,5 +231,32 @@ def test_against_torch_interleaved_1f1b(benchmark, p):
     print(
         f"\ninterleaved v=2 p={p} m=8: fastpar {t['fastpar'] * 1e3:.1f} ms, "
         f"torch ScheduleInterleaved1F1B {t['torch'] * 1e3:.1f} ms "
+        f"(torch/fastpar {t['torch'] / t['fastpar']:.2f})"
+    )
+
+
+def _vs_torch_zb(iters: int, m: int = 8) -> dict:
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleavedZeroBubble
+
+    mesh = ParallelMesh(pp=dist.get_world_size())
+    p, r = mesh.pp_size, mesh.pp_rank
+    x = torch.randn(64, 256)
+    ours = PipelineEngine(
+        _stage_for(mesh, "zb-h1", 1, 8), mesh, ZeroBubbleH1(m), loss_fn=F.mse_loss
+    )
+    stage = PipelineStage(_stage_for(mesh, "zb-h1", 1, 8), r, p, torch.device("cpu"))
+    theirs = ScheduleInterleavedZeroBubble([stage], n_microbatches=m, loss_fn=F.mse_loss)
+    return pipelines_side_by_side(mesh, ours, theirs, x, iters)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_against_torch_zero_bubble(benchmark, p):
+    benchmark.group = "pipeline-vs-torch-zero-bubble"
+    res = benchmark.pedantic(run_ranks, args=(_vs_torch_zb, p, 5), rounds=1, iterations=1)
+    t = {k: statistics.median(r[k] for r in res) for k in ("fastpar", "torch")}
+    benchmark.extra_info.update(seconds=t, torch_over_fastpar=t["torch"] / t["fastpar"])
+    print(
+        f"\nzb-h1 p={p} m=8: fastpar {t['fastpar'] * 1e3:.1f} ms, "
+        f"torch ScheduleInterleavedZeroBubble {t['torch'] * 1e3:.1f} ms "
         f"(torch/fastpar {t['torch'] / t['fastpar']:.2f})"
     )

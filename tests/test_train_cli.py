@@ -30,7 +30,7 @@ def test_every_flag_has_help_and_words_are_listed():
         action = actions[f.name]
         assert action.help and len(action.help) > 10, f.name
     text = ap.format_help()
-    for shown in ("{gpt,llama}", "{fp32,bf16,fp16}", "{0,1,2,3}", "{gpipe,1f1b,interleaved}",
+    for shown in ("{gpt,llama}", "{fp32,bf16,fp16}", "{0,1,2,3}", "{gpipe,1f1b,interleaved,zb-h1}",
                   "{cosine,constant}", "{rmsnorm,layernorm}", "{uint16,uint32}"):  # fmt: skip
         assert shown in text, shown
     for markup in ("``", ":class:", ":func:", ":mod:", ".. "):

@@ -53,7 +53,8 @@ _HELP = {
     "microbatches": "NUMBER of micro-batches each replica splits its share of --batch-size "
     "into (not a micro-batch size, as Megatron's --micro-batch-size is)",
     "schedule": "pipeline schedule (interleaved: Megatron's interleaved 1F1B over "
-    "--virtual-stages model chunks per rank)",
+    "--virtual-stages model chunks per rank; zb-h1: zero-bubble ZB-H1, each backward split into "
+    "input and weight gradients, at 1F1B's activation memory)",
     "recompute": "recompute activations in backward instead of keeping them: full (--recompute "
     "alone: each micro-batch's whole stage, the pipeline engine's), attention or mlp (that "
     "sub-module of every block), every:K (every K-th block whole), none (--no-recompute)",
@@ -128,7 +129,7 @@ _WORDS = {
     "model_type": ("gpt", "llama"),
     "precision": ("fp32", "bf16", "fp16"),
     "zero": (0, 1, 2, 3),
-    "schedule": ("gpipe", "1f1b", "interleaved"),
+    "schedule": ("gpipe", "1f1b", "interleaved", "zb-h1"),
     "lr_schedule": tuple(LR_SCHEDULES),
     "norm": ("rmsnorm", "layernorm"),
     "data_dtype": tuple(sorted(BIN_DTYPES)),

@@ -308,6 +308,21 @@ class TrainConfig:
                 f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}"
             )
         v = self.virtual_stages
+        if self.schedule == "zb-h1":
+            if self.recompute:
+                raise ValueError(
+                    "--schedule zb-h1 with --recompute is not supported (the weight-gradient "
+                    "pass needs the forward's graph); drop --recompute or use --schedule 1f1b"
+                )
+            if self.zero == 3:
+                raise ValueError(
+                    "--schedule zb-h1 with --zero 3 is not supported (ZeRO-3's gathers follow "
+                    "one backward per forward); use --zero 0, 1 or 2, or --schedule 1f1b"
+                )
+            if self.hf_config:
+                raise ValueError(
+                    "--schedule zb-h1 with --hf-config is not supported yet; use --schedule 1f1b"
+                )
         if self.schedule != "interleaved":
             if v != 1:
                 raise ValueError(

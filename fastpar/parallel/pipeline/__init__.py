@@ -1,5 +1,6 @@
 """Pipeline parallelism: stage partitioning (contiguous, or round-robin model chunks), GPipe
-(with recomputation: the whole stage, or selectively per block, ``recompute``), 1F1B, interleaved 1F1B (virtual stages) and forward-only (evaluation)
+(with recomputation: the whole stage, or selectively per block, ``recompute``), 1F1B, interleaved 1F1B (virtual stages), zero-bubble ZB-H1 (backward split into input and weight
+gradients) and forward-only (evaluation)
 schedules — schedules are data, one engine runs them all. Stage messages are a tensor or a
 tuple of tensors; ``fastpar.parallel.pipeline.hf`` turns a Hugging Face causal LM into
 pipeline blocks (transformers is imported only there)."""
@@ -23,6 +24,7 @@ from fastpar.parallel.pipeline.schedules import (
     Interleaved,
     OneFOneB,
     Schedule,
+    ZeroBubbleH1,
     make_schedule,
 )
 
@@ -37,6 +39,7 @@ __all__ = [
     "RecomputePolicy",
     "Schedule",
     "VirtualStages",
+    "ZeroBubbleH1",
     "apply_recompute",
     "block_costs",
     "build_stage",

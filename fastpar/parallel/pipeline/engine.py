@@ -43,6 +43,11 @@ needs ``find_unused_parameters=True`` (the other chunks' parameters get no gradi
 backward; ZeRO-2 reduces every backward, zeros for the other chunks). ZeRO-3 wrappers gather
 around their own forward, which chunks bypass: refused.
 
+Zero bubble (``ZeroBubbleH1``): each backward runs as B (the input gradient, sent back at
+once) and, later, W (the weight gradients, ``fastpar.parallel.pipeline.zb``); the last W runs
+outside ``no_sync``, so a data-parallel wrapper still reduces every gradient once. Refused with
+recompute and with ZeRO-3.
+
 Evaluation: ``eval_step(inputs, targets)`` runs the schedule's ``forward_only()`` (no backward,
 no graph, the modules in eval mode, P2P channels of its own) and returns the mean loss.
 """
@@ -146,6 +151,8 @@ class PipelineEngine(StepRunner):
                 "schedule and call eval_step (it runs the schedule's forward_only())"
             )
         schedule.check(mesh.pp_size)
+        if schedule.splits_backward:
+            _check_split(stage, grad_sync, recompute)
         v = schedule.virtual_stages
         self.chunks = _chunks_of(stage, v)
         if grad_sync is None and isinstance(stage, GradSync):
@@ -268,6 +275,21 @@ class PipelineEngine(StepRunner):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=mesh.embedding_group)
+
+
+def _check_split(stage, grad_sync, recompute: bool) -> None:
+    """What a split backward (zero bubble) cannot run with: one-line errors naming the fix."""
+    if recompute:
+        raise ValueError(
+            "zb-h1 with recompute: the weight-gradient pass needs the forward's graph, which "
+            "recomputation drops; use --schedule 1f1b (or gpipe) with recompute, or no recompute"
+        )
+    for w in (stage, grad_sync):
+        if getattr(w, "stage", None) == 3:
+            raise ValueError(
+                "zb-h1 with ZeRO-3: its parameter gathers follow one backward per forward, which "
+                "the B/W split breaks; use ZeRO 0, 1 or 2, or --schedule 1f1b"
+            )
 
 
 def _microbatches(batch, m: int, name: str) -> list:

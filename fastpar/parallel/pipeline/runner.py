@@ -1,5 +1,7 @@
 """The step loop of ``PipelineEngine``: one schedule's actions ``(kind, micro-batch, chunk)``
-for this rank, forwards and backwards, over the engine's P2P channels.
+for this rank, forwards and backwards, over the engine's P2P channels. A schedule that splits
+its backward (zero bubble) runs "B" as the input gradient only and "W" as the weight
+gradients (``fastpar.parallel.pipeline.zb``); the last W then counts as the last backward.
 
 Virtual stage ``s = chunk * p + rank`` receives its input from virtual stage s - 1 on tag
 ``2 s`` and its output gradient from s + 1 on tag ``2 s + 1`` (``act_tag`` / ``grad_tag``);
@@ -17,6 +19,7 @@ import time
 import torch
 
 from fastpar.parallel.pipeline.p2p import tuple_message
+from fastpar.parallel.pipeline.zb import SplitBackward
 from fastpar.profiling import nvtx
 
 
@@ -41,7 +44,8 @@ class StepRunner:
         mesh, nv = self.mesh, len(self.chunks)
         p, r = mesh.pp_size, mesh.pp_rank
         last_vs = p * nv - 1
-        backwards = [k for k, a in enumerate(actions) if a[0] == "B"]
+        split = self.schedule.splits_backward  # "B": input grad only; "W": weight grads
+        backwards = [k for k, a in enumerate(actions) if a[0] == ("W" if split else "B")]
         last_backward = backwards[-1] if backwards else -1
         live = peak = 0
         busy = 0.0
@@ -76,6 +80,27 @@ class StepRunner:
                     flags = self._grad_flags[c] if self.recompute else _requires_grad(out)
                     entry["slots"] = [j for j, f in enumerate(flags) if f]
                     p2p.send(out, p2p.next, requires_grad=flags, tag=act_tag(s + 1))
+            elif kind == "W":
+                entry = saved.pop((i, c))
+                t0 = time.perf_counter()
+                sync = k == last_backward or self.no_sync is None
+                no_sync = contextlib.nullcontext() if sync else self.no_sync()
+                with nvtx(f"stage{r} weight grad {label}"), no_sync:
+                    entry.pop("split").weights()
+                busy += time.perf_counter() - t0
+                live -= entry["bytes"]
+            elif split:
+                entry = saved[(i, c)]
+                slots = entry.get("slots")
+                grad = None
+                if not last and (slots is None or slots):
+                    grad = p2p.recv(p2p.next, device, tag=grad_tag(s))
+                t0 = time.perf_counter()
+                with nvtx(f"stage{r} input grad {label}"):
+                    dx = self._backward_input(entry, grad, slots, last)
+                busy += time.perf_counter() - t0
+                if not first and dx is not None:
+                    p2p.send(dx, p2p.prev, tag=grad_tag(s - 1))
             else:
                 entry = saved.pop((i, c))
                 slots = entry.get("slots")  # None: a single-tensor output
@@ -132,6 +157,30 @@ class StepRunner:
             torch.autograd.backward(out, grad)
         elif slots:
             torch.autograd.backward(_grad_outputs(out, slots), list(grad))
+
+    def _backward_input(self, entry: dict, grad, slots, last: bool):
+        """B of a split backward: the input gradient to send back (a tensor, a tuple of the
+        slots that require grad, or None); the W half is kept in ``entry["split"]``."""
+        out = entry.pop("out")
+        if last:
+            roots = [self.scale_loss(out) if self.scale_loss is not None else out]
+            grads = [None]
+        elif slots is None:
+            roots, grads = [out], [grad]
+        elif slots:
+            roots, grads = _grad_outputs(out, slots), list(grad)
+        else:  # no output slot requires grad: nothing flows back
+            roots, grads = [], []
+        x = entry["x"]
+        single = isinstance(x, torch.Tensor)
+        wanted = [x] if single else [t for t in x if t is not None]
+        wanted = [t for t in wanted if t.requires_grad]
+        entry["split"] = split = SplitBackward(roots, grads, wanted)
+        got = split.input_grads()
+        got = [torch.zeros_like(t) if g is None else g for t, g in zip(wanted, got, strict=True)]
+        if not wanted:
+            return None
+        return got[0] if single else tuple(got)
 
     def _run(self, c: int, x, target):
         out = self.chunks[c](x)

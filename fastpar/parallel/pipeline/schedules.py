@@ -8,7 +8,9 @@ gives every schedule's steps as ``(kind, i, c)``. Chunks are placed round-robin:
 virtual stages ``r, r + p, r + 2p, ...`` (chunk c is virtual stage ``c * p + r``).
 Communication is implied: a forward receives from the previous virtual stage and sends to the
 next (the last rank's chunk c feeds rank 0's chunk c + 1), a backward receives the output
-gradient from the next virtual stage and sends the input gradient back.
+gradient from the next virtual stage and sends the input gradient back. A schedule that
+``splits_backward`` (``ZeroBubbleH1``) has three kinds: ``"B"`` computes only the input
+gradient (sent back at once), ``("W", i)`` later the weight gradients of micro-batch i.
 ``print(Interleaved(8, 2).timeline(4))`` draws a schedule; ``python -m
 fastpar.parallel.pipeline`` prints every schedule and the bubble table.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-Step = tuple  # ("F" | "B", micro-batch) or ("F" | "B", micro-batch, chunk)
+Step = tuple  # ("F" | "B" | "W", micro-batch) or ("F" | "B", micro-batch, chunk)
 Action = tuple[str, int, int]
 
 
@@ -29,6 +31,7 @@ class Schedule:
     num_microbatches: int
     virtual_stages: ClassVar[int] = 1  # model chunks per rank
     has_backward: ClassVar[bool] = True
+    splits_backward: ClassVar[bool] = False  # steps "B" (input grad) and "W" (weight grad)
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
@@ -54,16 +57,24 @@ class Schedule:
         """Most (micro-batch, chunk) forwards that ran but whose backward has not, on this
         rank (over all its chunks)."""
         live = peak = 0
+        frees = "W" if self.splits_backward else "B"  # a split backward frees at W
         for kind, _, _ in self.actions(num_stages, stage):
-            live += 1 if kind == "F" else -1
+            live += 1 if kind == "F" else -1 if kind == frees else 0
             peak = max(peak, live)
         return peak
+
+    def cost(self, kind: str, forward: float, backward: float) -> float:
+        """A step's uniform cost: a split backward's B and W each take half of ``backward``."""
+        if kind == "F":
+            return forward
+        return backward / 2 if self.splits_backward else backward
 
     def simulate(self, num_stages: int, forward: float = 1.0, backward: float = 2.0):
         """Start time of every step with uniform costs per step (``forward`` / ``backward``
         for one chunk's forward / backward of one micro-batch): a step starts when this rank
         is free and its input is ready (F on virtual stage s after F on s - 1; B on s after B
-        on s + 1 and after its own F). Returns ({(rank, action): start}, makespan)."""
+        on s + 1 and after its own F; W after its own B, B and W each half of ``backward``
+        when the schedule splits it). Returns ({(rank, action): start}, makespan)."""
         p, v = num_stages, self.virtual_stages
         order = [self.actions(p, r) for r in range(p)]
         pos, free = [0] * p, [0.0] * p
@@ -78,7 +89,9 @@ class Schedule:
                 kind, i, c = act = order[r][pos[r]]
                 s = c * p + r + (-1 if kind == "F" else 1)  # the virtual stage it depends on
                 ready = 0.0
-                if 0 <= s < p * v:
+                if kind == "W":
+                    ready = done[(r, ("B", i, c))]
+                elif 0 <= s < p * v:
                     dep = (s % p, (kind, i, s // p))
                     if dep not in done:
                         continue
@@ -87,7 +100,7 @@ class Schedule:
                     ready = max(ready, done[(r, ("F", i, c))])
                 t0 = max(free[r], ready)
                 start[(r, act)] = t0
-                free[r] = done[(r, act)] = t0 + (forward if kind == "F" else backward)
+                free[r] = done[(r, act)] = t0 + self.cost(kind, forward, backward)
                 pos[r] += 1
                 remaining -= 1
                 progressed = True
@@ -101,7 +114,7 @@ class Schedule:
         """Idle fraction of each rank under uniform costs (equal on every rank)."""
         _, makespan = self.simulate(num_stages, forward, backward)
         acts = self.actions(num_stages, 0)
-        busy = sum(forward if k == "F" else backward for k, _, _ in acts)
+        busy = sum(self.cost(k, forward, backward) for k, _, _ in acts)
         return 1.0 - busy / makespan
 
     def theory(self, num_stages: int) -> float:
@@ -110,20 +123,22 @@ class Schedule:
 
     def timeline(self, num_stages: int, forward: int = 1, backward: int = 2) -> str:
         """A per-rank text timeline: one column per time unit, F/B with the micro-batch id
-        (and ``.c``, the chunk, when ranks hold several), '.' for idle."""
+        (and ``.c``, the chunk, when ranks hold several), W for a split backward's weight
+        gradient, '.' for idle."""
         start, makespan = self.simulate(num_stages, forward, backward)
         v = self.virtual_stages
         width = len(str(self.num_microbatches - 1)) + 1 + (len(str(v - 1)) + 1 if v > 1 else 0)
         chunks = f" x {v} chunks" if v > 1 else ""
+        costs = f"B=W={backward / 2:g}" if self.splits_backward else f"B={backward}"
         lines = [f"{type(self).__name__}, {self.num_microbatches} micro-batches, {num_stages} stages"
-                 f"{chunks} (F={forward}, B={backward} time units per step; bubble "
+                 f"{chunks} (F={forward}, {costs} time units per step; bubble "
                  f"{self.bubble_fraction(num_stages, forward, backward):.0%})"]  # fmt: skip
         for r in range(num_stages):
             cells = ["." * width] * int(makespan)
             for (rank, (kind, i, c)), t0 in start.items():
                 if rank == r:
                     label = f"{kind}{i}" + (f".{c}" if v > 1 else "")
-                    for u in range(int(t0), int(t0) + (forward if kind == "F" else backward)):
+                    for u in range(int(t0), int(t0 + self.cost(kind, forward, backward))):
                         cells[u] = label.ljust(width)
             lines.append(f"rank {r}: " + " ".join(cells))
         return "\n".join(lines)
@@ -154,6 +169,61 @@ class OneFOneB(Schedule):
             b += 1
         out += [("B", i) for i in range(b, m)]
         return out
+
+
+class ZeroBubbleH1(Schedule):
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B's order of
+    forwards and input-gradient backwards (B), each micro-batch's weight gradient (W) deferred
+    into what would be bubble. The order is what a list scheduler gives with unit costs
+    (F = B = W): a rank runs its next F or B (1F1B's order) as soon as its input is ready, a
+    pending W (oldest first) while it waits, and a W first whenever another F would hold more
+    than ``min(p, m)`` micro-batches (F done, W not) — 1F1B's peak, on its first stage; the
+    remaining W last. Steady state F, B, W on every rank; bubble (p - 1)(F + B - W) against
+    1F1B's (p - 1)(F + B + W): ``theory``."""
+
+    splits_backward: ClassVar[bool] = True
+
+    def steps(self, num_stages: int, stage: int) -> list[Step]:
+        return _zb_h1(num_stages, self.num_microbatches)[stage]
+
+    def theory(self, num_stages: int) -> float:
+        """Unit costs F = B = W, m >= p: idle (p - 1) units per rank against 3 m busy."""
+        p = num_stages
+        return (p - 1) / (3 * self.num_microbatches + p - 1)
+
+
+def _zb_h1(p: int, m: int) -> list[list[Step]]:
+    fb = [[s for s in OneFOneB(m).steps(p, r)] for r in range(p)]
+    limit = min(p, m)
+    out: list[list[Step]] = [[] for _ in range(p)]
+    done: dict[tuple, int] = {}  # (rank, kind, i) -> finish time
+    pos, pending, live, t = [0] * p, [[] for _ in range(p)], [0] * p, 0
+    while any(pos[r] < len(fb[r]) or pending[r] for r in range(p)):
+        now = []
+        for r in range(p):
+            step = fb[r][pos[r]] if pos[r] < len(fb[r]) else None
+            if step is not None:
+                kind, i = step
+                dep = (r - 1, "F", i) if kind == "F" else (r + 1, "B", i)
+                ready = (dep[0] < 0 or dep[0] >= p or done.get(dep, t + 1) <= t) and (
+                    kind == "F" or done.get((r, "F", i), t + 1) <= t
+                )
+                if ready and not (kind == "F" and live[r] >= limit):
+                    pos[r] += 1
+                    live[r] += kind == "F"
+                    if kind == "B":
+                        pending[r].append(i)
+                    now.append((r, kind, i))
+                    continue
+            if pending[r]:
+                i = pending[r].pop(0)
+                live[r] -= 1
+                now.append((r, "W", i))
+        for r, kind, i in now:
+            out[r].append((kind, i))
+            done[(r, kind, i)] = t + 1
+        t += 1
+    return out
 
 
 def _check_interleaved(m: int, v: int, p: int | None, name: str) -> None:
@@ -249,7 +319,12 @@ class ForwardOnly(Schedule):
 
 
 #: the schedules by their command-line names
-SCHEDULES = {"gpipe": GPipe, "1f1b": OneFOneB, "interleaved": Interleaved}
+SCHEDULES = {
+    "gpipe": GPipe,
+    "1f1b": OneFOneB,
+    "interleaved": Interleaved,
+    "zb-h1": ZeroBubbleH1,
+}
 
 
 def make_schedule(name: str, num_microbatches: int, virtual_stages: int = 1) -> Schedule:

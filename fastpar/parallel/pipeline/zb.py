@@ -1,0 +1,140 @@
+"""A stage's backward split in two (zero-bubble schedules): B, the gradient of the stage input
+(on the critical path), and W, the weight gradients (deferred).
+
+The autograd graph of one micro-batch, from its roots (the stage output, or the loss) down:
+``R`` is the set of nodes on a path from a root to a stage input that requires grad. B runs
+``torch.autograd.grad(roots, stage_inputs, retain_graph=True)``: every node of R once, nothing
+else (no ``.grad`` touched, no hook of a parameter fires). A node of R with an edge out of R
+towards a parameter (an ``AddmmBackward`` of a linear layer: the edge to its weight) is an
+*intermediate*: a pre-hook stores the gradient it received in B. W then runs, per
+intermediate, its backward again restricted to the edges out of R (``autograd.grad`` from
+``GradientEdge(node, i)`` to the edges into its weight-side children: the ``x^T g`` matmul, not
+``g W``), and last one ``torch.autograd.backward`` from those children (and from the roots
+outside R) into the parameters: every parameter's ``AccumulateGrad`` runs once, so its
+post-accumulate-grad hooks (the data-parallel reducers') fire once per micro-batch.
+
+Exactness: nodes outside R never run in B, nodes of R other than intermediates never run in
+W, so a collective (``fastpar.comm``'s Functions take one activation, never a weight) runs
+once per micro-batch, in B or in W. Two things are refused with an error rather than computed
+twice or wrongly: an intermediate that is a custom autograd Function not known to be
+re-runnable (its backward might communicate or free its context), and a weight-side child
+reached from two nodes of R (a parameter used twice in one stage), whose per-intermediate
+gradients would count a path twice.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+#: custom autograd Functions whose backward may run twice over one graph (pure, no collective,
+#: context kept): by the forward class's name
+RERUNNABLE = {"_GroupedLinear"}
+
+
+def _node(t: torch.Tensor):
+    return get_gradient_edge(t).node
+
+
+def _closure(roots, targets) -> set:
+    """Nodes reachable from ``roots`` that reach a node of ``targets`` (iterative DFS)."""
+    reach: dict = {}
+    stack = [(n, False) for n in roots if n is not None]
+    while stack:
+        n, expanded = stack.pop()
+        if n in reach and not expanded:
+            continue
+        kids = [c for c, _ in n.next_functions if c is not None]
+        if not expanded:
+            reach[n] = None
+            stack.append((n, True))
+            stack += [(c, False) for c in kids if c not in reach]
+        else:
+            reach[n] = n in targets or any(reach.get(c) for c in kids)
+    return {n for n, ok in reach.items() if ok}
+
+
+class SplitBackward:
+    """One micro-batch's backward, split: ``input_grads()`` (B) then ``weights()`` (W)."""
+
+    def __init__(self, roots, grads, inputs) -> None:
+        self.roots, self.grads = list(roots), list(grads)
+        self.inputs = list(inputs)
+        self.captured: dict = {}
+
+    def input_grads(self) -> list:
+        """B: the gradients of ``inputs`` (None for one that got none)."""
+        root_nodes = [_node(t) for t in self.roots]
+        r_set = _closure(root_nodes, {_node(t) for t in self.inputs}) if self.inputs else set()
+        self.r_set = r_set
+        children: dict = {}  # weight-side child edge -> the node of R it hangs from
+        hooks = []
+        for n in r_set:
+            out_edges = [(c, k) for c, k in n.next_functions if c is not None and c not in r_set]
+            if not out_edges:
+                continue
+            _check_rerunnable(n)
+            for c, k in out_edges:
+                if children.setdefault((c, k), n) is not n:
+                    raise ValueError(
+                        "zb-h1: a parameter is used at two places of one stage's graph (its "
+                        f"gradient node {c.name()} has two parents on the activation path); "
+                        "the weight-gradient split cannot separate them: use --schedule 1f1b"
+                    )
+            self.captured[n] = [(c, k) for c, k in out_edges]
+            hooks.append(n.register_prehook(self._capture(n)))
+        self.grad_in: dict = {}
+        try:
+            if r_set:
+                got = torch.autograd.grad(
+                    self.roots, self.inputs, self.grads, retain_graph=True, allow_unused=True
+                )
+            else:
+                got = [None] * len(self.inputs)
+        finally:
+            for h in hooks:
+                h.remove()
+        return list(got)
+
+    def _capture(self, n):
+        def hook(grad_outputs):
+            self.grad_in[n] = grad_outputs
+
+        return hook
+
+    def weights(self) -> None:
+        """W: the weight gradients, accumulated into ``.grad`` (hooks fire once each)."""
+        edges, grads = [], []
+        for n, out_edges in self.captured.items():
+            got = self.grad_in.get(n)
+            if got is None:
+                continue
+            outs = [(GradientEdge(n, i), g) for i, g in enumerate(got) if g is not None]
+            if not outs:
+                continue
+            kids = [GradientEdge(c, k) for c, k in out_edges]
+            res = torch.autograd.grad(
+                [e for e, _ in outs], kids, [g for _, g in outs], allow_unused=True
+            )
+            for e, g in zip(kids, res, strict=True):
+                if g is not None:
+                    edges.append(e)
+                    grads.append(g)
+        for t, g in zip(self.roots, self.grads, strict=True):
+            if _node(t) not in self.r_set:  # a root off the activation path: all of it is W
+                edges.append(get_gradient_edge(t))
+                grads.append(torch.ones_like(t) if g is None else g)
+        if edges:
+            torch.autograd.backward(edges, grads)
+        self.captured = self.grad_in = {}
+        self.roots = self.grads = []
+
+
+def _check_rerunnable(n) -> None:
+    cls = getattr(n, "_forward_cls", None)
+    if cls is not None and cls.__name__ not in RERUNNABLE:
+        raise ValueError(
+            f"zb-h1: the custom autograd Function {cls.__name__} takes a weight and an "
+            "activation; its backward would run in both the B and the W pass (a collective "
+            "or freed context twice): use --schedule 1f1b for this model"
+        )

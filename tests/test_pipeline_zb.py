@@ -1,0 +1,258 @@
+"""Zero-bubble ZB-H1 (backward split into B, the input gradient, and W, the weight gradients)
+equals the unpipelined model: losses and every gradient at pp 2 and 4, m = p and 2p, on plain
+Linear stacks, GPT-style blocks and tuple messages, through the trainer with TP, DP + ZeRO-1 and
+MoE over EP (each gradient reduced once, each TP collective run once); the order and errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from _parity import assert_close
+from test_parallel_pipeline import batch, blocks, loss_fn, tuple_blocks
+from torch import nn
+
+from fastpar import ParallelMesh
+from fastpar.parallel.pipeline import (
+    OneFOneB,
+    PipelineEngine,
+    ZeroBubbleH1,
+    build_stage,
+    make_schedule,
+)
+from fastpar.parallel.pipeline.zb import SplitBackward
+from fastpar.testing import RankError, run_ranks
+
+CASES = [(p, m) for p in (2, 4) for m in (p, 2 * p)]
+
+
+@pytest.mark.parametrize("p, m", [*CASES, (4, 3), (3, 7)])
+def test_order(p, m):
+    """Per stage: every micro-batch once as F, B, W in that order; B on stage s after B on
+    s + 1 (the simulator's dependency: it runs without deadlock); no more micro-batches in
+    flight (F done, W not) than 1F1B's peak, min(p, m)."""
+    sched = ZeroBubbleH1(m)
+    for s in range(p):
+        steps = sched.steps(p, s)
+        assert sorted(steps) == sorted((k, i) for k in "FBW" for i in range(m))
+        for i in range(m):
+            assert steps.index(("F", i)) < steps.index(("B", i)) < steps.index(("W", i))
+        fb = [st for st in steps if st[0] != "W"]
+        assert fb == OneFOneB(m).steps(p, s)  # 1F1B's order of F and B
+        assert sched.max_in_flight(p, s) <= OneFOneB(m).max_in_flight(p, 0)
+    start, _ = sched.simulate(p)
+    for s in range(p - 1):
+        for i in range(m):
+            assert start[(s, ("B", i, 0))] >= start[(s + 1, ("B", i, 0))] + 1
+    if m < p:  # too few micro-batches for a steady state: still never worse than 1F1B
+        assert sched.bubble_fraction(p) < OneFOneB(m).bubble_fraction(p)
+    else:
+        assert sched.bubble_fraction(p) == pytest.approx(sched.theory(p))
+        assert sched.bubble_fraction(p) <= OneFOneB(m).bubble_fraction(p) / 2 + 1e-9
+    assert "W0" in sched.timeline(p)
+
+
+def _mlp(n: int, h: int = 12) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(h, 2 * h), nn.Tanh(), nn.Linear(2 * h, h)) for _ in range(n)]
+
+
+def _parity(m: int, make, name: str, n: int) -> float:
+    """Two SGD steps of ``name`` pipelined and unpipelined: loss and every gradient equal."""
+    mesh = ParallelMesh(pp=dist.get_world_size())
+    dense = nn.Sequential(*make(n))
+    stage, (lo, hi) = build_stage(copy.deepcopy(list(dense)), mesh.pp_size, mesh.pp_rank)
+    lf = nn.functional.mse_loss if make is _mlp else loss_fn
+    engine = PipelineEngine(stage, mesh, make_schedule(name, m), loss_fn=lf)
+    ref = list(nn.Sequential(*list(dense)[lo:hi]).parameters())
+    opt_d = torch.optim.SGD(dense.parameters(), lr=0.5)
+    opt_s = torch.optim.SGD(stage.parameters(), lr=0.5)
+    hits = {id(q): 0 for q in stage.parameters()}
+    for q in stage.parameters():
+        q.register_post_accumulate_grad_hook(lambda q: hits.__setitem__(id(q), hits[id(q)] + 1))
+    for step in range(2):
+        if make is not _mlp:
+            x, y = batch(step, 4 * m)
+        else:
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(4 * m, 12, generator=g), torch.randn(4 * m, 12, generator=g)
+        loss_d = lf(dense(x), y)
+        opt_d.zero_grad()
+        loss_d.backward()
+        opt_s.zero_grad()
+        loss_p = engine.train_step(x, y)
+        assert_close(loss_p, loss_d.detach(), f"loss at step {step}")
+        for (pname, q), r in zip(stage.named_parameters(), ref, strict=True):
+            assert_close(q.grad, r.grad, f"grad of {pname} at step {step}")
+        opt_d.step()
+        opt_s.step()
+    assert set(hits.values()) == {2 * m}  # every parameter's hook: once per micro-batch
+    return engine.stats["max_in_flight"]
+
+
+@pytest.mark.parametrize("p, m", CASES)
+@pytest.mark.parametrize("model", ["linear", "gpt-blocks", "tuple-messages"])
+def test_equals_unpipelined(p, m, model):
+    make, n = {"linear": (_mlp, 2 * p), "gpt-blocks": (blocks, 2 * p - 2)}.get(
+        model, (tuple_blocks, 2 * p - 2)
+    )
+    peaks = run_ranks(_parity, p, m, make, "zb-h1", n)
+    assert max(peaks) == min(p, m)  # 1F1B's peak (its first stage)
+
+
+def test_split_backward_single_process():
+    """B returns the input grad and touches no .grad; W fills every .grad once, exactly."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 7), nn.GELU(), nn.LayerNorm(7), nn.Linear(7, 3))
+    x = torch.randn(4, 5, requires_grad=True)
+    out = net(x)
+    g = torch.randn_like(out)
+    ref = torch.autograd.grad(out, [x, *net.parameters()], g, retain_graph=True)
+    split = SplitBackward([out], [g], [x])
+    (dx,) = split.input_grads()
+    assert all(q.grad is None for q in net.parameters())
+    split.weights()
+    assert_close(dx, ref[0], "input grad")
+    for q, r in zip(net.parameters(), ref[1:], strict=True):
+        assert_close(q.grad, r, "weight grad")
+
+
+def test_refuses_a_parameter_used_twice():
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+    h = x @ lin.weight  # weight used twice, one AccumulateGrad reached from two matmuls
+    out = h @ lin.weight
+    with pytest.raises(ValueError, match="used at two places"):
+        SplitBackward([out], [torch.ones_like(out)], [x]).input_grads()
+
+
+def _refuse_recompute():
+    mesh = ParallelMesh(pp=dist.get_world_size())
+    PipelineEngine(nn.Linear(2, 2), mesh, ZeroBubbleH1(2), loss_fn=loss_fn, recompute=True)
+
+
+def test_refuses_recompute():
+    with pytest.raises(RankError, match="zb-h1 with recompute"):
+        run_ranks(_refuse_recompute, 2)
+
+
+def _dp_bytes(name: str, zero: int) -> tuple[float, float]:
+    """PP 2 x DP 2 under the family's Replicate (ZeRO-0) or Shard (ZeRO-1/2): the bytes the
+    wrapper sent in one step, and the loss; under Replicate each rank's gradients equal the
+    whole model's (the DP average; ZeRO-1/2 keep only their shard reduced)."""
+    from fastpar.parallel import Replicate, Shard
+
+    mesh = ParallelMesh(pp=2)
+    dense = nn.Sequential(*blocks(2))
+    stage, (lo, hi) = build_stage(copy.deepcopy(list(dense)), 2, mesh.pp_rank)
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    dp = Shard(stage, sgd, stage=zero, mesh=mesh) if zero else Replicate(stage, sgd, mesh=mesh)
+    engine = PipelineEngine(dp, mesh, make_schedule(name, 4), loss_fn=loss_fn)
+    x, y = batch(0, 16)
+    loss_fn(dense(x), y).backward()
+    half = slice(mesh.dp_rank * 8, mesh.dp_rank * 8 + 8)
+    sent = dp.comm_bytes
+    loss = engine.train_step(x[half], y[half])
+    if zero == 0:
+        for (pname, q), r in zip(
+            stage.named_parameters(), nn.Sequential(*list(dense)[lo:hi]).parameters(), strict=True
+        ):
+            assert_close(q.grad, r.grad, f"grad of {pname}")
+    return dp.comm_bytes - sent, float(loss)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_dp_reduces_every_gradient_once(zero):
+    """The wrapper sends exactly what it sends under 1F1B: each gradient reduced once."""
+    zb = run_ranks(_dp_bytes, 4, "zb-h1", zero)
+    ref = run_ranks(_dp_bytes, 4, "1f1b", zero)
+    assert [b for b, _ in zb] == [b for b, _ in ref] and all(b > 0 for b, _ in zb)
+    assert [loss for _, loss in zb] == pytest.approx([loss for _, loss in ref], rel=1e-6)
+
+
+SMALL = dict(steps=2, batch_size=8, seq_len=16, hidden=32, heads=4, layers=2, quiet=True)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(tp=1, pp=2, dp=2, ep=1, zero=1, microbatches=4),
+        dict(tp=2, pp=2, dp=1, ep=1, zero=0, microbatches=2),
+        dict(tp=1, pp=2, dp=2, ep=2, zero=1, microbatches=2, moe_every=2),
+        dict(tp=1, pp=4, dp=1, ep=1, zero=0, microbatches=8, layers=2),
+    ],
+    ids=["pp2-dp2-z1-m4", "tp2-pp2-m2", "pp2-dp2-ep2-z1-moe", "pp4-m8"],
+)
+def test_verify_zb_agrees_with_single_process(layout):
+    """The trainer's zb-h1 run (losses, grad norms — a gradient reduced twice moves it — and
+    the parameters after the steps) equals the single-process model: DP + ZeRO-1, TP (its
+    collectives run once, in B or W), MoE experts over EP."""
+    from fastpar.train import TrainConfig
+    from fastpar.verify import compare
+
+    ok, text = compare(TrainConfig(**{**SMALL, **layout, "schedule": "zb-h1"}))
+    assert ok, text
+
+
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        (dict(recompute=True), "zb-h1 with --recompute"),
+        (dict(zero=3, dp=2), "zb-h1 with --zero 3"),
+        (dict(virtual_stages=2), "needs --schedule interleaved"),
+    ],
+)
+def test_config_refusals(flags, match):
+    from fastpar.train import TrainConfig
+
+    cfg = TrainConfig(**{**SMALL, "pp": 2, "schedule": "zb-h1", **flags})
+    with pytest.raises(ValueError, match=match):
+        cfg.check()
+
+
+def _tp_collectives(name: str) -> tuple[int, float]:
+    """TP 2 x PP 2 blocks (Column/RowParallelLinear): how many all-reduces one step runs (the
+    forward's and the backward's), and the loss."""
+    from fastpar.comm import collectives
+
+    mesh = ParallelMesh(tp=2, pp=2)
+    stage, _ = build_stage(blocks(2, tp_mesh=mesh), 2, mesh.pp_rank)
+    engine = PipelineEngine(stage, mesh, make_schedule(name, 4), loss_fn=loss_fn)
+    calls, original = [0], collectives._all_reduce
+    collectives._all_reduce = lambda *a: (calls.__setitem__(0, calls[0] + 1), original(*a))[1]
+    try:
+        loss = engine.train_step(*batch(0, 8))
+    finally:
+        collectives._all_reduce = original
+    return calls[0], float(loss)
+
+
+def test_tp_collectives_run_once():
+    """No TP collective runs in both B and W: the same count as 1F1B's."""
+    zb, ref = run_ranks(_tp_collectives, 4, "zb-h1"), run_ranks(_tp_collectives, 4, "1f1b")
+    assert [c for c, _ in zb] == [c for c, _ in ref] and all(c > 0 for c, _ in zb)
+    assert [x for _, x in zb] == pytest.approx([x for _, x in ref], rel=1e-6)
+
+
+class _WeightTimesX(torch.autograd.Function):
+    """A custom Function of an activation and a weight (its backward could communicate)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w, g * x
+
+
+def test_refuses_a_custom_function_of_a_weight():
+    w = nn.Parameter(torch.ones(3))
+    x = torch.randn(2, 3, requires_grad=True)
+    out = _WeightTimesX.apply(x, w)
+    with pytest.raises(ValueError, match="custom autograd Function _WeightTimesX"):
+        SplitBackward([out], [torch.ones_like(out)], [x]).input_grads()
