@@ -37,3 +37,23 @@ def local_slice(full: torch.Tensor, param: torch.Tensor, fused: int = 1) -> torc
 
 def assert_close(actual, expected, what: str, dtype=torch.float32) -> None:
     torch.testing.assert_close(actual, expected, msg=lambda m: f"{what}: {m}", **TOL[dtype])
+
+
+def moe_rank_references(ref, xs, gs) -> tuple[list, list, list]:
+    """The single-process MoE ``ref`` on each EP rank's tokens ``xs[r]`` with output gradient
+    ``gs[r]`` (its aux loss added): per rank (outputs, input grads, router grads). ``ref``'s
+    gradients are then left holding the sum over every rank's tokens without the aux loss —
+    what each expert's gradient is under EP (every rank's tokens reach every expert)."""
+    outs, x_grads, router_grads = [], [], []
+    for x, g in zip(xs, gs, strict=True):
+        ref.zero_grad()
+        xr = x.clone().requires_grad_()
+        y = ref(xr)
+        (y * g).sum().add(ref.aux_loss).backward()
+        outs.append(y.detach())
+        x_grads.append(xr.grad)
+        router_grads.append(ref.router.weight.grad.clone())
+    ref.zero_grad()
+    for x, g in zip(xs, gs, strict=True):
+        (ref(x) * g).sum().backward()
+    return outs, x_grads, router_grads

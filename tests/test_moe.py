@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _parity import assert_close
+from _parity import assert_close, moe_rank_references
 from torch import nn
 
 from fastpar import ParallelMesh
@@ -134,19 +134,7 @@ def _ep_parity(num_experts: int, capacity_factor, top_k: int, policy: str) -> No
     moe = MoE(12, 20, num_experts, mesh=mesh, **kw)
     xs = [torch.randn(3, 7, 12, generator=torch.Generator().manual_seed(10 + r)) for r in range(ep)]
     gs = [torch.randn(3, 7, 12, generator=torch.Generator().manual_seed(20 + r)) for r in range(ep)]
-    outs, x_grads, router_grads = [], [], []
-    for x, g in zip(xs, gs, strict=True):
-        ref.zero_grad()
-        xr = x.clone().requires_grad_()
-        y = ref(xr)
-        (y * g).sum().add(ref.aux_loss).backward()
-        outs.append(y.detach())
-        x_grads.append(xr.grad)
-        router_grads.append(ref.router.weight.grad.clone())
-    # expert grads: every rank's tokens contribute to every expert
-    ref.zero_grad()
-    for x, g in zip(xs, gs, strict=True):
-        (ref(x) * g).sum().backward()
+    outs, x_grads, router_grads = moe_rank_references(ref, xs, gs)  # experts: all tokens
     xp = xs[rank].clone().requires_grad_()
     y = moe(xp)
     (y * gs[rank]).sum().add(moe.aux_loss).backward()

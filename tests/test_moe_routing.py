@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _parity import assert_close
+from _parity import assert_close, moe_rank_references
 
 from fastpar import ParallelMesh
 from fastpar.moe import MoE, TopKRouter, capacity_for
@@ -360,18 +360,7 @@ def _ep_parity_all_modes() -> None:
         gs = [
             torch.randn(2, 6, H, generator=torch.Generator().manual_seed(20 + r)) for r in range(ep)
         ]
-        outs, x_grads, router_grads = [], [], []
-        for x, g in zip(xs, gs, strict=True):
-            ref.zero_grad()
-            xr = x.clone().requires_grad_()
-            y = ref(xr)
-            (y * g).sum().add(ref.aux_loss).backward()
-            outs.append(y.detach())
-            x_grads.append(xr.grad)
-            router_grads.append(ref.router.weight.grad.clone())
-        ref.zero_grad()
-        for x, g in zip(xs, gs, strict=True):
-            (ref(x) * g).sum().backward()
+        outs, x_grads, router_grads = moe_rank_references(ref, xs, gs)  # experts: all tokens
         xp = xs[rank].clone().requires_grad_()
         y = moe(xp)
         (y * gs[rank]).sum().add(moe.aux_loss).backward()
