@@ -25,6 +25,27 @@ file format that needs contiguous tensors copies once, as ``fastpar.models.llama
 The storage stays transposed against HF's so existing checkpoints and state dicts keep their
 shapes.
 
+Dropless experts (``segments``: rows grouped by expert, ``counts`` rows each) run one of three
+paths, chosen for every layer by ``set_segments_impl(impl)`` (it returns the previous choice;
+``get_segments_impl()`` reads it):
+
+- ``"auto"`` (default) = ``"grouped"``: two ``fastpar.moe.grouped.grouped_linear`` calls, one
+  grouped matmul each (``torch._grouped_mm``; its per-group loop where the dtype or strides do
+  not suit it); on a GPU no host sync. On CPU, fp32, forward + backward it took 0.4-0.8x the
+  loop's time at E_local 4/8, H 256/512, F 512/1024, 2k-8k rows, balanced or skewed counts
+  (``bench/test_bench_moe_grouped.py``, ``bench/results/cpu-moe-grouped-2026-12-01.json``).
+- ``"padded"``: each expert's rows zero-padded to the largest count C, then ``batched`` (one
+  ``torch.bmm`` per matrix over [E, C, H]) and the real rows gathered back; any dtype and
+  strides. As fast as grouped on CPU when the counts are balanced, 1.5-2x the loop when skewed
+  (E · C rows computed: up to E times the work and memory).
+- ``"loop"``: one expert at a time, two matmuls each (the CPU eager path before; no CPU size
+  measured favours it: kept as the plain reference).
+
+"padded" and "loop" read ``counts`` on the host (a device sync on a GPU). Under
+``torch.compile`` the grouped path is traced whatever the choice (no host reads, one graph).
+The paths agree to rounding: the matmuls bit for bit in fp32, the activation to 1 ulp (it runs
+over differently sized tensors; ``tests/test_moe_grouped_gemm.py``).
+
 Shared experts (``MoE(shared_ffn_hidden_size=Fs, shared_gate=)``): one dense FFN of the routed
 experts' kind, ``Fs`` wide, run on every token and added to the routed output (DeepSeek-V2/V3:
 a width of ``moe_intermediate_size · n_shared_experts``, no gate); with ``shared_gate`` its
@@ -133,26 +154,70 @@ def batched(x, w1, b1, w2, b2, gated: bool, activation: str) -> torch.Tensor:
     return _affine_batched(hidden(_affine_batched(x, w1, b1), gated, activation), w2, b2)
 
 
-def segments(x, counts, w1, b1, w2, b2, gated: bool, activation: str) -> torch.Tensor:
-    """x [N, H] grouped by expert with ``counts`` [E] rows each -> [N, H].
+SEGMENTS_IMPLS = ("auto", "grouped", "padded", "loop")
+_segments = {"impl": "auto"}
 
-    Traced (``torch.compile``) or on a GPU: two grouped matmuls over the device ``counts``
-    (``fastpar.moe.grouped``: no host sync, no graph break). Eagerly on a CPU, where reading
-    ``counts`` costs no device sync: one expert at a time (each expert's rows stay in cache
-    through both matmuls; the same numbers as the grouped path, bit for bit)."""
-    if torch.compiler.is_compiling() or x.device.type != "cpu":
-        if not isinstance(counts, torch.Tensor):
-            counts = torch.tensor(counts, dtype=torch.int64, device=x.device)
-        offs = grouped.offsets(counts)
-        h = hidden(grouped.grouped_linear(x, w1, b1, offs), gated, activation)
-        return grouped.grouped_linear(h, w2, b2, offs)
-    sizes = counts.tolist() if isinstance(counts, torch.Tensor) else counts
+
+def set_segments_impl(impl: str) -> str:
+    """Force the path of the eager dropless experts (``segments``) for every layer; returns
+    the previous choice, so ``old = set_segments_impl("padded"); ...; set_segments_impl(old)``
+    restores it. One of ``SEGMENTS_IMPLS`` (see the module docstring)."""
+    if impl not in SEGMENTS_IMPLS:
+        raise ValueError(f"segments impl must be one of {SEGMENTS_IMPLS}, got {impl!r}")
+    old, _segments["impl"] = _segments["impl"], impl
+    return old
+
+
+def get_segments_impl() -> str:
+    """The path ``set_segments_impl`` last chose ("auto" unless forced)."""
+    return _segments["impl"]
+
+
+def _sizes(counts) -> list[int]:
+    return counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
+
+
+def _segments_grouped(x, counts, w1, b1, w2, b2, gated, activation):
+    if not isinstance(counts, torch.Tensor):
+        counts = torch.tensor(counts, dtype=torch.int64, device=x.device)
+    offs = grouped.offsets(counts)
+    h = hidden(grouped.grouped_linear(x, w1, b1, offs), gated, activation)
+    return grouped.grouped_linear(h, w2, b2, offs)
+
+
+def _segments_loop(x, sizes, w1, b1, w2, b2, gated, activation):
     outs = []
     for e, part in enumerate(x.split(sizes)):
         h = part @ w1[e] if b1 is None else part @ w1[e] + b1[e]
         h = hidden(h, gated, activation)
         outs.append(h @ w2[e] if b2 is None else h @ w2[e] + b2[e])
     return torch.cat(outs) if outs else x
+
+
+def _segments_padded(x, sizes, w1, b1, w2, b2, gated, activation):
+    """Each expert's rows zero-padded to the largest count ``C``: one ``batched`` over
+    [E, C, H], the real rows gathered back (padding rows get no gradient)."""
+    width = max(sizes, default=0)
+    if width == 0:
+        return _segments_loop(x, sizes, w1, b1, w2, b2, gated, activation)
+    n, experts = x.shape[0], len(sizes)
+    counts = torch.tensor(sizes, dtype=torch.int64, device=x.device)
+    starts = torch.cumsum(counts, 0) - counts
+    base = torch.arange(experts, device=x.device) * width - starts
+    dest = torch.arange(n, device=x.device) + base.repeat_interleave(counts, output_size=n)
+    xp = x.new_zeros(experts * width, x.shape[1]).index_copy(0, dest, x)
+    y = batched(xp.view(experts, width, -1), w1, b1, w2, b2, gated, activation)
+    return y.reshape(experts * width, -1).index_select(0, dest)
+
+
+def segments(x, counts, w1, b1, w2, b2, gated: bool, activation: str) -> torch.Tensor:
+    """x [N, H] grouped by expert with ``counts`` [E] (tensor or list) rows each -> [N, H],
+    by the path ``set_segments_impl`` chose (module docstring); traced: always grouped."""
+    impl = _segments["impl"]
+    if torch.compiler.is_compiling() or impl in ("auto", "grouped"):
+        return _segments_grouped(x, counts, w1, b1, w2, b2, gated, activation)
+    run = _segments_padded if impl == "padded" else _segments_loop
+    return run(x, _sizes(counts), w1, b1, w2, b2, gated, activation)
 
 
 class SharedExperts(nn.Module):
