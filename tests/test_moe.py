@@ -174,6 +174,7 @@ def _dp_ep_training(kind: str) -> list[float]:
     mesh = ParallelMesh(ep=2)  # world 4: dp 4, ep 2, expert-dp 2; world 2: expert-dp 1
     torch.manual_seed(0)
     ref = TinyMoEModel()
+    ref.moe.aux_loss_scale = 1.0 / world  # its aux loss weighs like the loss it belongs to
     torch.manual_seed(0)
     opt_r = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
     if kind == "ddp":
@@ -196,7 +197,8 @@ def _dp_ep_training(kind: str) -> list[float]:
             torch.randint(0, 31, (world, 2, 6), generator=g),
             torch.randint(0, 31, (world, 2, 6), generator=g),
         )
-        # reference: the mean over ranks of each rank's (task + aux) loss
+        # reference: the mean over ranks of each rank's (task + aux) loss (the aux losses
+        # reach backward by themselves; adding their detached values makes the loss comparable)
         loss_r = (
             sum(
                 F.cross_entropy(ref(idx[r]).flatten(0, 1), tgt[r].flatten()) + moe_aux_loss(ref)

@@ -115,7 +115,7 @@ def _layer(kind, capacity_factor, shared: bool, gate: bool, mesh=None, dtype=F64
     return MoE(
         H, FFN, E, K, expert=expert, activation=act, bias=bias, capacity_factor=capacity_factor,
         min_capacity=None, shared_ffn_hidden_size=SHARED if shared else None, shared_gate=gate,
-        mesh=mesh, dtype=dtype, overlap_chunks=chunks,
+        mesh=mesh, dtype=dtype, overlap_chunks=chunks, aux_loss_in_backward=False,
     )  # fmt: skip
 
 
@@ -328,7 +328,7 @@ def _from_hf(block, mesh=None) -> MoE:
     down_proj); shared.w1 = cat(gate_proj, up_proj).t(), shared.w2 = down_proj.t()."""
     moe = MoE(
         H, FFN, E, K, expert="swiglu", capacity_factor=None, normalize_topk=False,
-        shared_ffn_hidden_size=SHARED, shared_gate=True, mesh=mesh,
+        shared_ffn_hidden_size=SHARED, shared_gate=True, mesh=mesh, aux_loss=None,
     )  # fmt: skip
     lo, n = (dist.get_rank() * moe.num_local, moe.num_local) if mesh else (0, E)
     w1, w2 = experts.from_hf(block.experts.gate_up_proj, block.experts.down_proj)

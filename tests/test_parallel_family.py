@@ -199,12 +199,11 @@ def test_zero3_under_a_pipeline_with_tied_embeddings(layout):
 H, M = 6, 2  # width, micro-batches
 
 
-def _moe_net() -> nn.Sequential:
+def _moe_net(aux_in_backward: bool = True) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(H, H), MoE(H, 8, 4, top_k=2, capacity_factor=None, aux_loss_coef=0.5),
-        nn.Linear(H, H),
-    )  # fmt: skip
+    moe = MoE(H, 8, 4, top_k=2, capacity_factor=None, aux_loss_coef=0.5,
+              aux_loss_in_backward=aux_in_backward)  # fmt: skip
+    return nn.Sequential(nn.Linear(H, H), moe, nn.Linear(H, H))
 
 
 def _engine_aux_weight() -> list:
@@ -215,7 +214,7 @@ def _engine_aux_weight() -> list:
     g = torch.Generator().manual_seed(2)
     x, y = torch.randn(4, 3, H, generator=g), torch.randn(4, 3, H, generator=g)
     scale = lambda t: t * 8.0  # noqa: E731
-    dense = _moe_net()
+    dense = _moe_net(aux_in_backward=False)  # the aux loss is added to the loss by hand
     for xi, yi in zip(x.chunk(M), y.chunk(M), strict=True):
         loss = F.mse_loss(dense(xi), yi) / M
         scale(loss + moe_aux_loss(dense) / M).backward()

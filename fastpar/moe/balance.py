@@ -11,6 +11,12 @@
   counted since the last update, summed over ``group`` (the ranks holding replicas of the
   router: the data-parallel group) so every replica keeps the same bias; one all-reduce for all
   routers of a model.
+
+``group`` (the losses) / ``token_group`` (a router's): the TP group a sequence-parallel layer's
+tokens are split over (``fastpar.moe.tp``); the statistics are then summed over it —
+``reduce_from_region``: all-reduce forward, identity backward, since every rank's copy of
+the loss sends its gradient only to its own tokens — so the loss is the one of the whole
+sequence, the same on every rank. None: the tokens are all here.
 """
 
 from __future__ import annotations
@@ -18,6 +24,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from fastpar.comm import group_size, reduce_from_region
+
+
+def _world(group) -> int:
+    return 1 if group is None else group_size(group)
 
 
 def group_limited_topk(
@@ -43,20 +55,27 @@ def balance_scores(router_probs: torch.Tensor, score: str) -> torch.Tensor:
 
 
 def load_balancing_loss(
-    p: torch.Tensor, counts: torch.Tensor, top_k: int, coef: float
+    p: torch.Tensor, counts: torch.Tensor, top_k: int, coef: float, group=None
 ) -> torch.Tensor:
     """``coef · E · Σ_i f_i · P_i`` over all T tokens: ``p [T, E]``, ``counts [E]`` routing
-    choices per expert (before capacity), f_i = counts_i / (T·k), P_i the mean of ``p``."""
+    choices per expert (before capacity), f_i = counts_i / (T·k), P_i the mean of ``p``
+    (over the tokens of every rank of ``group``, module docstring)."""
     t, e = p.shape
-    f = counts.to(torch.float32) / max(1, t * top_k)
-    return coef * e * (f * p.mean(dim=0)).sum()
+    if _world(group) == 1:
+        f = counts.to(torch.float32) / max(1, t * top_k)
+        return coef * e * (f * p.mean(dim=0)).sum()
+    total = t * _world(group)
+    f = reduce_from_region(counts.to(torch.float32), group) / max(1, total * top_k)
+    return coef * e * (f * (reduce_from_region(p.sum(dim=0), group) / total)).sum()
 
 
 def sequence_balancing_loss(
-    p: torch.Tensor, expert_ids: torch.Tensor, seq_len: int, coef: float
+    p: torch.Tensor, expert_ids: torch.Tensor, seq_len: int, coef: float, group=None
 ) -> torch.Tensor:
     """The load-balancing loss of each sequence, averaged over the ``T / seq_len`` sequences:
-    tokens are rows ``b·S .. (b+1)·S − 1`` of sequence b (batch-first ``[B, S]`` flattened)."""
+    tokens are rows ``b·S .. (b+1)·S − 1`` of sequence b (batch-first ``[B, S]`` flattened;
+    with ``group``, this rank's chunk of every sequence: each sequence is ``seq_len`` × the
+    group's size long)."""
     t, e = p.shape
     k = expert_ids.shape[1]
     if seq_len < 1 or t % seq_len:
@@ -68,14 +87,22 @@ def sequence_balancing_loss(
     ids = expert_ids.reshape(b, seq_len * k)
     counts = torch.zeros(b, e, dtype=torch.float32, device=p.device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
-    f = counts / (seq_len * k)
-    pbar = p.reshape(b, seq_len, e).mean(dim=1)
+    if _world(group) == 1:
+        f = counts / (seq_len * k)
+        pbar = p.reshape(b, seq_len, e).mean(dim=1)
+        return coef * e * (f * pbar).sum(dim=-1).mean()
+    length = seq_len * _world(group)
+    f = reduce_from_region(counts, group) / (length * k)
+    pbar = reduce_from_region(p.reshape(b, seq_len, e).sum(dim=1), group) / length
     return coef * e * (f * pbar).sum(dim=-1).mean()
 
 
-def z_loss(logits: torch.Tensor, coef: float) -> torch.Tensor:
-    """``coef · mean_t(logsumexp(logits_t)²)``."""
-    return coef * torch.logsumexp(logits, dim=-1).square().mean()
+def z_loss(logits: torch.Tensor, coef: float, group=None) -> torch.Tensor:
+    """``coef · mean_t(logsumexp(logits_t)²)`` (over every rank of ``group``'s tokens)."""
+    sq = torch.logsumexp(logits, dim=-1).square()
+    if _world(group) == 1:
+        return coef * sq.mean()
+    return coef * reduce_from_region(sq.sum(), group) / (sq.shape[0] * _world(group))
 
 
 @torch.no_grad()
@@ -83,6 +110,20 @@ def bias_step(bias: torch.Tensor, load: torch.Tensor, rate: float) -> None:
     """``bias += rate · sign(mean(load) − load)`` in place (``load [E]`` summed over ranks)."""
     load = load.to(torch.float32)
     bias.add_(torch.sign(load.mean() - load), alpha=rate)
+
+
+def _sum_over_token_groups(routers: list, load: torch.Tensor) -> None:
+    """Sequence-parallel routers saw only their TP rank's tokens: sum their counts (rows of
+    ``load``, in place) over each router's ``token_group`` too, one all-reduce per group."""
+    spans, lo = [], 0
+    for r in routers:
+        spans.append((getattr(r, "token_group", None), lo, lo + r.num_experts))
+        lo += r.num_experts
+    for g in {id(g): g for g, _, _ in spans if _world(g) > 1}.values():
+        rows = torch.cat([torch.arange(a, b) for h, a, b in spans if h is g]).to(load.device)
+        part = load.index_select(0, rows)
+        dist.all_reduce(part, group=g)
+        load.index_copy_(0, rows, part)
 
 
 @torch.no_grad()
@@ -103,6 +144,7 @@ def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None = None)
     load = torch.cat([r.tokens_per_expert for r in routers])
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(load, group=group)
+    _sum_over_token_groups(routers, load)
     for r, n in zip(routers, load.split([r.num_experts for r in routers]), strict=True):
         bias_step(r.expert_bias, n, r.bias_update_rate)
         r.tokens_per_expert.zero_()

@@ -3,7 +3,8 @@ parallelism over the mesh's EP group.
 
     moe = MoE(hidden_size=512, ffn_hidden_size=2048, num_experts=8, top_k=2, mesh=mesh)
     y = moe(x)                         # [..., H] -> [..., H]
-    loss = task_loss + moe_aux_loss(model)
+    loss = task_loss                   # the aux loss reaches backward through y by itself
+    log(moe_aux_loss(model))           # its value (detached once it is in backward)
 
 Capacity mode uses fixed all-to-all splits, so every rank of the EP group must route the same
 number of tokens (fixed batch shapes; a mismatch is a clear error on every rank, checked on each
@@ -44,17 +45,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastpar.comm import all_to_all, group_rank, group_size
+from fastpar.comm import (
+    all_reduce_grad,
+    all_to_all,
+    gather_from_sequence,
+    group_rank,
+    group_size,
+    scatter_to_sequence,
+)
 from fastpar.mesh.bridge import mesh_group
-from fastpar.mesh.placement import mark_expert
-from fastpar.moe import experts
+from fastpar.mesh.placement import mark_expert, mark_sharded
+from fastpar.moe import experts, tp
 from fastpar.moe.dispatch import ep_combine, ep_dispatch
 from fastpar.moe.overlap import CapacityChunks, DroplessChunks, OverlappedExperts
 from fastpar.moe.router import TopKRouter
 from fastpar.ops.moe_permute import moe_permute, moe_unpermute
 
-_AUX_LOSS_SCALE: contextvars.ContextVar[float | torch.Tensor | None] = contextvars.ContextVar(
-    "fastpar_moe_aux_loss_scale", default=None
+_UNSET = object()
+_AUX_LOSS_SCALE: contextvars.ContextVar = contextvars.ContextVar(
+    "fastpar_moe_aux_loss_scale", default=_UNSET
 )
 
 
@@ -74,11 +83,13 @@ def aux_loss_scale(scale: float | torch.Tensor | None) -> Iterator[None]:
 
 
 def current_aux_loss_scale() -> float | torch.Tensor | None:
-    """The weight ``aux_loss_scale(...)`` set around this forward (None outside one). A compiled
+    """The weight ``aux_loss_scale(...)`` set around this forward (None outside one, or inside
+    ``aux_loss_scale(None)``). A compiled
     forward cannot read it (dynamo does not trace context variables): code that compiles a
     block reads it eagerly and sets it on the layers as their own ``aux_loss_scale`` for the call
     (``fastpar.train.compile``)."""
-    return _AUX_LOSS_SCALE.get()
+    scale = _AUX_LOSS_SCALE.get()
+    return None if scale is _UNSET else scale
 
 
 EAGER_ONLY = ("_check_same_capacity", "_dropless_overlapped")
@@ -120,12 +131,31 @@ class MoE(nn.Module):
     "keep"), ``aux_loss`` ("micro_batch" / "sequence" / None: a batch-first input [B, S, H]
     gives the sequences), ``aux_loss_coef``, ``z_loss_coef``, ``jitter``.
 
+    The auxiliary loss reaches backward by itself (as Megatron-Core's aux-loss auto-scaler
+    does): in training mode the layer sends ``scale`` as the gradient of its ``aux_loss``
+    through its output, so a layer used in any loop trains its router without the caller
+    adding anything. ``scale`` is, first found: the layer's ``aux_loss_scale`` attribute (what
+    ``fastpar.train`` sets: 1 / micro-batches × the loss scale), the ``aux_loss_scale(...)``
+    block around the forward (what the pipeline engine sets; ``aux_loss_scale(None)``: not
+    at all), else 1 — right for ``loss.backward()`` on an unscaled loss; with gradient
+    accumulation or loss scaling set ``moe.aux_loss_scale`` to the same weight as the loss.
+    ``aux_loss_in_backward=False`` turns the last default off: the caller then adds
+    ``moe_aux_loss(model)`` (differentiable) to the loss. Once sent to backward, ``aux_loss``
+    and ``moe_aux_loss`` hold detached values (for logging): adding them to the loss, as
+    older fastpar code did, changes nothing and cannot count the aux loss twice.
+
     ``overlap_chunks`` K > 1 splits the token buffer into K chunks whose all-to-alls overlap the
     experts' compute (``fastpar.moe.overlap``; K = 1 is the plain layer). It pays where the transport does not
     compete with the experts for the same processor: NCCL on GPUs, or gloo with spare CPU cores.
     With every core computing (e.g. two CPU ranks on two cores) gloo's copies take cores from
     the experts and K > 1 can be slower (``bench/test_bench_moe_overlap.py`` measures both).
-    ``mesh`` (its ep group) or ``ep_group`` (None = no expert parallelism). After a forward:
+    ``mesh`` (its ep and tp groups) or ``ep_group`` / ``tp_group`` (None = no expert / tensor
+    parallelism). At TP > 1 (``fastpar.moe.tp``): by default every TP rank holds the same
+    tokens and experts; ``expert_tp=True`` splits each expert's FFN over TP (``w1`` / ``b1``
+    by columns, ``w2`` by rows, marked sharded); ``sequence_parallel=True`` takes this rank's
+    chunk of the sequence along ``sequence_dim`` (1: [B, S/tp, H]) and returns the same chunk
+    — routed locally (tokens split over TP; dropless only) or, with ``expert_tp``, gathered
+    over TP first. After a forward:
     ``aux_loss`` (load balancing + z-loss, differentiable), ``stats`` (device tensors:
     ``counts`` [E] routed per expert, ``num_dropped``).
     """
@@ -159,17 +189,28 @@ class MoE(nn.Module):
         shared_ffn_hidden_size: int | None = None,
         shared_gate: bool = False,
         overlap_chunks: int = 1,
+        aux_loss_in_backward: bool = True,
+        sequence_parallel: bool = False,
+        expert_tp: bool = False,
+        sequence_dim: int = 1,
         mesh=None,
         ep_group: dist.ProcessGroup | None = None,
+        tp_group: dist.ProcessGroup | None = None,
         device=None,
         dtype=None,
     ) -> None:
         super().__init__()
         _eager_only_once()
-        if mesh is not None and ep_group is not None:
-            raise ValueError("pass either mesh= or ep_group=, not both")
+        if mesh is not None and (ep_group is not None or tp_group is not None):
+            raise ValueError("pass either mesh= or ep_group= / tp_group=, not both")
         self.ep_group = mesh_group(mesh, "ep") if mesh is not None else ep_group  # or DeviceMesh
         self.ep = group_size(self.ep_group) if self.ep_group is not None else 1
+        self.tp_group = mesh_group(mesh, "tp") if mesh is not None else tp_group
+        self.tp = group_size(self.tp_group) if self.tp_group is not None else 1
+        self.tp_layout = tp.layout_of(self.tp, sequence_parallel, expert_tp)
+        tp.check(self.tp_layout, self.tp, ffn_hidden_size, capacity_factor, overlap_chunks)
+        self.sequence_parallel, self.expert_tp = sequence_parallel, expert_tp
+        self.sequence_dim = sequence_dim
         if num_experts % self.ep:
             raise ValueError(
                 f"num_experts {num_experts} is not divisible by the expert-parallel size {self.ep}; "
@@ -203,12 +244,24 @@ class MoE(nn.Module):
         lo = group_rank(self.ep_group) * self.num_local if self.ep > 1 else 0
         sl = slice(lo, lo + self.num_local)
         # matrices stored transposed for x @ w: w1 [E_local, H, F or 2F], w2 [E_local, F, H]
-        self.w1 = nn.Parameter(full["w1"][sl].transpose(1, 2).contiguous())
-        self.b1 = nn.Parameter(full["b1"][sl].clone()) if "b1" in full else None
-        self.w2 = nn.Parameter(full["w2"][sl].transpose(1, 2).contiguous())
+        w1, w2 = full["w1"][sl].transpose(1, 2), full["w2"][sl].transpose(1, 2)
+        b1 = full["b1"][sl] if "b1" in full else None
+        if self.tp_layout == "expert_tp":  # F split over TP (``fastpar.moe.tp``)
+            r, n = group_rank(self.tp_group), self.tp
+            w1, w2 = tp.shard_ffn(w1, 2, r, n, self.gated), tp.shard_ffn(w2, 1, r, n, False)
+            b1 = None if b1 is None else tp.shard_ffn(b1, 1, r, n, self.gated)
+        self.w1 = nn.Parameter(w1.contiguous())
+        self.b1 = nn.Parameter(b1.clone()) if b1 is not None else None
+        self.w2 = nn.Parameter(w2.contiguous())
         self.b2 = nn.Parameter(full["b2"][sl].clone()) if "b2" in full else None
         for p in self._expert_params():
             mark_expert(p, self.ep_group if self.ep > 1 else None, num_experts)
+        if self.tp_layout == "expert_tp":
+            width, fused = (2, 2) if self.gated else (1, 1)
+            mark_sharded(self.w1, 2, self.tp_group, width * ffn_hidden_size, fused)
+            mark_sharded(self.w2, 1, self.tp_group, ffn_hidden_size)
+            if self.b1 is not None:
+                mark_sharded(self.b1, 1, self.tp_group, width * ffn_hidden_size, fused)
         # shared experts: dense (the same on every EP and TP rank), drawn after the routed ones
         self.shared = self.shared_gate = None
         if shared_ffn_hidden_size is not None:
@@ -223,8 +276,13 @@ class MoE(nn.Module):
         # scaled like the main loss (1 / micro-batches, times the loss scale), so a stage needs
         # no access to the final loss. This layer's own value, when set, wins.
         self.aux_loss_scale: float | torch.Tensor | None = None
+        self.aux_loss_in_backward = aux_loss_in_backward
         self.stats: dict[str, torch.Tensor] = {}
         self._capacity_checked = False
+        if self.tp_layout == "sequence":  # every parameter sees this rank's tokens only
+            self.router.token_group = self.tp_group
+            for p in self.parameters():
+                all_reduce_grad(p, self.tp_group)
 
     def _expert_params(self) -> tuple[nn.Parameter, ...]:
         return tuple(p for p in (self.w1, self.b1, self.w2, self.b2) if p is not None)
@@ -235,21 +293,46 @@ class MoE(nn.Module):
         return experts.hidden(h, self.gated, self.activation)
 
     def _experts_batched(self, x: torch.Tensor) -> torch.Tensor:
-        """x [E_local, N, H] -> [E_local, N, H]."""
-        return experts.batched(x, self.w1, self.b1, self.w2, self.b2, self.gated, self.activation)
+        """x [E_local, N, H] -> [E_local, N, H] (expert TP: ``fastpar.moe.tp``)."""
+        if self.tp_layout != "expert_tp":
+            w = (self.w1, self.b1, self.w2, self.b2)
+            return experts.batched(x, *w, self.gated, self.activation)
+        x = tp.enter(x, self.tp_group)
+        out = experts.batched(x, self.w1, self.b1, self.w2, None, self.gated, self.activation)
+        out = tp.leave(out, self.tp_group)
+        return out if self.b2 is None else out + self.b2.unsqueeze(1)
 
     def _experts_segments(self, x: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
         """x [N, H] grouped by local expert with ``counts`` [E_local] rows each -> [N, H]
         (``fastpar.moe.experts.segments``: grouped matmuls traced or on a GPU, a per-expert
         loop eagerly on a CPU)."""
-        w = (self.w1, self.b1, self.w2, self.b2)
-        return experts.segments(x, counts, *w, self.gated, self.activation)
+        if self.tp_layout != "expert_tp":
+            w = (self.w1, self.b1, self.w2, self.b2)
+            return experts.segments(x, counts, *w, self.gated, self.activation)
+        x = tp.enter(x, self.tp_group)
+        w = (self.w1, self.b1, self.w2, None)
+        out = tp.leave(experts.segments(x, counts, *w, self.gated, self.activation), self.tp_group)
+        return tp.add_row_bias(out, self.b2, counts)
 
     # -- forward ----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"MoE expects input [..., {self.hidden_size}], got {tuple(x.shape)}")
+        if self.tp_layout == "expert_tp" and self.sequence_parallel:
+            x = gather_from_sequence(x, self.tp_group, self.sequence_dim)
+            y = self._forward(x)
+            return scatter_to_sequence(y, self.tp_group, self.sequence_dim)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        batch_first = x.dim() == 3 and self.sequence_dim % 3 == 1
+        if self.tp_layout == "sequence" and self.router.aux_loss == "sequence" and not batch_first:
+            raise ValueError(
+                "aux_loss='sequence' with sequence parallelism needs batch-first input "
+                f"[B, S/tp, H] split along dim 1, got {tuple(x.shape)} split along dim "
+                f"{self.sequence_dim}"
+            )
         tokens = x.reshape(-1, self.hidden_size)
         routing = self.router(tokens, seq_len=shape[-2] if x.dim() >= 3 else None)
         permuted, info = moe_permute(
@@ -271,12 +354,20 @@ class MoE(nn.Module):
             if self.shared_gate is not None:
                 shared = torch.sigmoid(self.shared_gate(tokens)) * shared
             y = y + shared.to(y.dtype)
-        scale = self.aux_loss_scale
-        if scale is None:
-            scale = _AUX_LOSS_SCALE.get()
-        if scale is not None and self.training:
+        scale = self._aux_scale()
+        if scale is not None and self.training and torch.is_grad_enabled():
             y = _InjectAuxGrad.apply(y, self.aux_loss, scale)
+            self.aux_loss = self.aux_loss.detach()  # in backward already: a value to log
         return y.view(shape)
+
+    def _aux_scale(self) -> float | torch.Tensor | None:
+        """The weight this forward's aux loss enters backward with (class docstring)."""
+        if self.aux_loss_scale is not None:
+            return self.aux_loss_scale
+        scale = _AUX_LOSS_SCALE.get()
+        if scale is not _UNSET:
+            return scale
+        return 1.0 if self.aux_loss_in_backward else None
 
     def _capacity_path(self, permuted: torch.Tensor, capacity: int) -> torch.Tensor:
         """[E, C, H] -> expert outputs [E, C, H]; with EP, equal-split all-to-alls."""
@@ -384,7 +475,9 @@ class _InjectAuxGrad(torch.autograd.Function):
 
 
 def moe_aux_loss(model: nn.Module) -> torch.Tensor:
-    """Sum of the auxiliary losses of every MoE layer of ``model`` from its last forward."""
+    """Sum of the auxiliary losses of every MoE layer of ``model`` from its last forward:
+    differentiable for the layers that left it to the caller (``aux_loss_in_backward=False``,
+    eval mode), a detached value for those that sent it to backward themselves."""
     losses = [m.aux_loss for m in model.modules() if isinstance(m, MoE) and m.aux_loss is not None]
     if not losses:
         return torch.zeros(())

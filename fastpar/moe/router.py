@@ -186,6 +186,9 @@ class TopKRouter(nn.Module):
         self.num_groups, self.group_topk = num_groups, group_topk
         self.bias_update_rate, self.aux_loss = bias_update_rate, aux_loss
         self.aux_loss_coef, self.z_loss_coef, self.jitter = aux_loss_coef, z_loss_coef, jitter
+        # the TP group this router's tokens are split over (a sequence-parallel MoE sets it:
+        # ``fastpar.moe.tp``); its aux statistics and expert-bias counts are summed over it
+        self.token_group: dist.ProcessGroup | None = None
         gate = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=torch.float32)
         self.weight = nn.Parameter(gate.weight.detach())
         if expert_bias:
@@ -268,8 +271,9 @@ class TopKRouter(nn.Module):
         """(load-balancing loss, z-loss), both already multiplied by their coefficients.
         ``counts [E]``: the routing choices per expert before capacity (micro-batch loss)."""
         p = balance.balance_scores(routing.router_probs, self.score)
+        group = self.token_group
         if self.aux_loss == "micro_batch":
-            bal = balance.load_balancing_loss(p, counts, self.top_k, self.aux_loss_coef)
+            bal = balance.load_balancing_loss(p, counts, self.top_k, self.aux_loss_coef, group)
         elif self.aux_loss == "sequence":
             if routing.seq_len is None:
                 raise ValueError(
@@ -277,11 +281,11 @@ class TopKRouter(nn.Module):
                     "seq_len=S, or the MoE layer with a batch-first input [B, S, H]"
                 )
             bal = balance.sequence_balancing_loss(
-                p, routing.expert_ids, routing.seq_len, self.aux_loss_coef
+                p, routing.expert_ids, routing.seq_len, self.aux_loss_coef, group
             )
         else:
             bal = p.new_zeros(())
-        return bal, balance.z_loss(routing.logits, self.z_loss_coef)
+        return bal, balance.z_loss(routing.logits, self.z_loss_coef, group)
 
     @torch.no_grad()
     def update_expert_bias(self, group: dist.ProcessGroup | None = None) -> None:
