@@ -18,12 +18,15 @@ the same model, precision, optimizer groups, fused AdamW, clipping, loss scaler,
 set-up), so it cannot drift from the trainer, and does exactly the distributed run's math on
 one process: each data-parallel replica's micro-batches are run one by one (every micro-batch
 loss and MoE auxiliary loss weighted 1 / micro-batches, gradients accumulating in the model's
-dtype), the replicas' gradients are averaged in fp32, then one optimizer step. Final parameters of the distributed run come back
-through a fastpar checkpoint exported to a plain state_dict, so resharding is checked too.
+dtype), the replicas' gradients are averaged in fp32, then one optimizer step and (with
+--expert-bias) the expert-bias update from every replica's routed tokens. Final parameters (and
+expert biases) of the distributed run come back through a fastpar checkpoint exported to a
+plain state_dict, so resharding is checked too.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import tempfile
@@ -79,7 +82,9 @@ def reference(
     mesh); only the step is written here, replica by replica. Training reads the trainer's
     split of the data (``split_tokens``); with --eval-every, ``val_losses`` (a dict) receives
     {step: validation loss} at the trainer's evaluation steps; ``norms`` (a list) each step's
-    gradient norm before clipping."""
+    gradient norm before clipping. ``params`` holds what a checkpoint of the trainer holds:
+    the parameters and, with --expert-bias, every router's ``expert_bias`` (updated after each
+    step from the tokens of every replica, as the trainer's all-reduce over DP sums them)."""
     parts = build(cfg, None, torch.device("cpu"))
     model, opt = parts.module, parts.opt
     tokens = load_data(cfg) if tokens is None else tokens
@@ -105,14 +110,15 @@ def reference(
                     a.add_(p.grad.float(), alpha=1.0 / cfg.dp)
         for a, p in zip(acc, params, strict=True):
             p.grad = a.to(p.dtype)
-        _, norm = opt.step()
+        skipped, norm = opt.step()
+        parts.update_expert_bias(skipped, None)  # the trainer's bias step (counts: every replica)
         opt.zero_grad()
         losses.append(total)
         if norms is not None:
             norms.append(float(norm))
         if val_losses is not None and evaluates_at(cfg, step + 1):
             val_losses[step + 1] = _val_loss(cfg, parts, held)
-    named = parts.hf.names(model) if parts.hf is not None else dict(model.named_parameters())
+    named = parts.checkpoint_tensors()  # parameters, and the routers' expert biases
     params = {name: p.detach().float().clone() for name, p in named.items()}
     return losses, params
 
@@ -155,7 +161,9 @@ def compare(cfg: TrainConfig, tokens=None) -> tuple[bool, str]:
         rel = abs(a - b) / max(abs(b), 1e-12)
         ok &= rel <= loss_tol
         # the norm before clipping: a gradient reduced twice or lost moves it (AdamW would not)
-        ok &= na == nb or abs(na - nb) <= loss_tol * max(abs(nb), 1e-12)
+        # (a step both skipped for inf/NaN gradients: both norms non-finite, NaN included)
+        skipped = not math.isfinite(na) and not math.isfinite(nb)
+        ok &= skipped or na == nb or abs(na - nb) <= loss_tol * max(abs(nb), 1e-12)
         lines.append(f"{i + 1:>5} {a:>14.6f} {b:>15.6f} {rel:>10.2e} {na:>15.6f} {nb:>10.6f}")
     if ref_vals or dist_vals:
         ok &= sorted(ref_vals) == sorted(dist_vals)

@@ -32,8 +32,10 @@ from fastpar.models.common import (
     check_layout,
     is_moe_layer,
     lm_loss,
+    moe_block,
     untie_for_pipeline,
 )
+from fastpar.models.llama import check_routing, routing_options
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear
 
 __all__ = [
@@ -54,7 +56,11 @@ class GPTConfig:
     vocab_size: tokens (256 for byte-level text). seq_len: context length. hidden: model width.
     heads: attention heads (divisible by TP). layers: transformer blocks. ffn: MLP width
     (default 4·hidden). moe_every: every n-th block is MoE (0: none). num_experts, top_k,
-    capacity_factor (None: dropless), overlap_chunks: MoE options. norm: "rmsnorm" or
+    capacity_factor (None: dropless), overlap_chunks: MoE options; router_score,
+    routed_scaling_factor, router_groups, router_group_topk, expert_bias, bias_update_rate,
+    shared_expert_ffn, shared_expert_gate, aux_loss, aux_loss_coef, z_loss_coef: the MoE
+    routing options, as ``LlamaConfig`` documents them (GELU experts, shared ones alike).
+    norm: "rmsnorm" or
     "layernorm". tie_embeddings: LM head shares the embedding. sequence_parallel: split
     activations along the sequence over TP between blocks.
     """
@@ -70,6 +76,17 @@ class GPTConfig:
     top_k: int = 2
     capacity_factor: float | None = None
     overlap_chunks: int = 1
+    router_score: str = "softmax"
+    routed_scaling_factor: float | None = None
+    router_groups: int | None = None
+    router_group_topk: int | None = None
+    expert_bias: bool = False
+    bias_update_rate: float = 1e-3
+    shared_expert_ffn: int | None = None
+    shared_expert_gate: bool = False
+    aux_loss: str | None = "micro_batch"
+    aux_loss_coef: float = 1e-2
+    z_loss_coef: float = 0.0
     norm: str = "rmsnorm"
     tie_embeddings: bool = True
     sequence_parallel: bool = False
@@ -91,6 +108,7 @@ class GPTConfig:
             )
         if self.norm not in ("rmsnorm", "layernorm"):
             raise ValueError(f"norm must be 'rmsnorm' or 'layernorm', got {self.norm!r}")
+        check_routing(self)
         check_layout(self, tp, pp, ep)
 
 
@@ -126,11 +144,19 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
+def moe(cfg: GPTConfig, mesh=None) -> nn.Module:
+    """A GPT MoE block: GELU experts with biases, the config's routing options
+    (``fastpar.models.llama.routing_options``)."""
+    return moe_block(cfg, mesh, **routing_options(cfg))
+
+
 class Block(DecoderBlock):
     """Pre-norm GPT block: x + attn(norm(x)); x + mlp_or_moe(norm(x))."""
 
     def __init__(self, cfg: GPTConfig, layer: int, mesh=None):
-        super().__init__(cfg, layer, mesh, attention=Attention, mlp=MLP, norm={"kind": cfg.norm})
+        super().__init__(
+            cfg, layer, mesh, attention=Attention, mlp=MLP, norm={"kind": cfg.norm}, moe=moe
+        )
 
 
 def build_gpt(cfg: GPTConfig, mesh=None) -> list[nn.Module]:

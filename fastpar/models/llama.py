@@ -19,7 +19,12 @@ RowParallelLinear output projection. A SwiGLU MLP (gate|up in one ColumnParallel
 fused blocks, down a RowParallelLinear) or, every ``moe_every``-th block, a fastpar MoE of
 SwiGLU experts without biases (``MoE(expert="swiglu")``, ``moe_ffn`` wide, experts split over
 EP, not over TP) behind a top-k softmax router: in dropless mode the MoE block of Qwen3-MoE
-(``norm_topk_prob``) and Mixtral. Its load-balancing loss (``aux_loss``) joins fastpar's
+(``norm_topk_prob``) and Mixtral. DeepSeek-V3-style routing by the config's routing fields
+(``check_routing`` validates them, ``routing_options`` passes them to ``MoE``): sigmoid scores,
+a routed scaling factor, group-limited top-k, aux-loss-free balancing (``expert_bias``; the
+trainer calls ``fastpar.moe.update_expert_bias`` after each optimizer step), shared experts
+(optionally gated), the load-balancing loss per micro-batch or per sequence, or none, and the
+router z-loss. Its load-balancing loss (``aux_loss``) joins fastpar's
 training loss; the forward is HF's.
 RMSNorm as HF computes it (fp32, then weight * x.to(dtype)). Every rank draws the full weights
 from the same seed and keeps its slices, so any layout equals the single-process model.
@@ -28,7 +33,10 @@ Global parameter names (blocks numbered as in the list; ``L`` = layers):
 ``0.tok.weight``; ``i.norm1.weight``, ``i.attn.qkv.weight`` (``.bias``), ``i.attn.q_norm.weight``,
 ``i.attn.k_norm.weight``, ``i.attn.o.weight``, ``i.norm2.weight``, ``i.mlp.gate_up.weight``,
 ``i.mlp.down.weight`` for i in 1..L (a MoE block instead: ``i.mlp.router.weight`` [E, H],
-``i.mlp.w1`` [E, H, 2·moe_ffn] (x @ w1 = gate | up), ``i.mlp.w2`` [E, moe_ffn, H]);
+``i.mlp.w1`` [E, H, 2·moe_ffn] (x @ w1 = gate | up), ``i.mlp.w2`` [E, moe_ffn, H]; with shared
+experts ``i.mlp.shared.w1`` [H, 2·shared_expert_ffn], ``i.mlp.shared.w2``, gated
+``i.mlp.shared_gate.weight`` [1, H]; with expert_bias the fp32 buffer
+``i.mlp.router.expert_bias`` [E]);
 ``{L+1}.norm.weight``, ``{L+1}.weight`` (untied head).
 """
 
@@ -53,7 +61,7 @@ from fastpar.models.common import (
 )
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["Block", "LlamaConfig", "build_llama", "llama_loss"]
+__all__ = ["Block", "LlamaConfig", "build_llama", "check_routing", "llama_loss", "routing_options"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,36 @@ class LlamaConfig:
     Mixtral always does). False: the raw softmax probabilities."""
     capacity_factor: float | None = None
     """MoE capacity factor (None: dropless, as HF's MoE models are)."""
+    router_score: str = "softmax"
+    """MoE router scores: "softmax" over the experts, or "sigmoid" per expert (DeepSeek-V3)."""
+    routed_scaling_factor: float | None = None
+    """Multiplies the routed experts' combine weights (DeepSeek-V3 routed_scaling_factor;
+    None: 1)."""
+    router_groups: int | None = None
+    """Group-limited routing: the experts split into this many equal groups (DeepSeek-V3
+    n_group; divides num_experts); needs router_group_topk. None: off."""
+    router_group_topk: int | None = None
+    """Group-limited routing: each token picks its experts inside its best this-many groups
+    (DeepSeek-V3 topk_group)."""
+    expert_bias: bool = False
+    """Aux-loss-free balancing (DeepSeek-V3): a per-expert bias steers the top-k choice (not the
+    weights), moved after each optimizer step against the load (``expert_bias`` buffers, saved
+    in checkpoints)."""
+    bias_update_rate: float = 1e-3
+    """Expert-bias step: bias += rate · sign(mean load − load) per optimizer step."""
+    shared_expert_ffn: int | None = None
+    """Width of a shared expert of the same kind run on every token beside the routed ones
+    (DeepSeek / Qwen2-MoE shared experts; None: none)."""
+    shared_expert_gate: bool = False
+    """Scale the shared expert's output by sigmoid(x W_g) (Qwen2-MoE); needs
+    shared_expert_ffn."""
+    aux_loss: str | None = "micro_batch"
+    """MoE load-balancing loss: "micro_batch" (Switch, over all tokens of a micro-batch),
+    "sequence" (DeepSeek-V3's per-sequence loss) or "none" / None (e.g. with expert_bias)."""
+    aux_loss_coef: float = 1e-2
+    """Coefficient of the load-balancing loss."""
+    z_loss_coef: float = 0.0
+    """Coefficient of the router z-loss (ST-MoE; 0: off)."""
     overlap_chunks: int = 1
     """MoE all-to-all / expert-compute overlap chunks (1: none)."""
     sequence_parallel: bool = False
@@ -173,7 +211,115 @@ class LlamaConfig:
                 f"top_k {self.top_k} must be in [1, num_experts={self.num_experts}]: use fewer "
                 f"experts per token or more experts"
             )
+        check_routing(self)
         check_layout(self, tp, pp, ep)
+
+
+#: the MoE routing fields ``check_routing`` and ``routing_options`` read, with their defaults
+ROUTING_DEFAULTS = {
+    "router_score": "softmax", "routed_scaling_factor": None, "router_groups": None,
+    "router_group_topk": None, "expert_bias": False, "bias_update_rate": 1e-3,
+    "shared_expert_ffn": None, "shared_expert_gate": False, "aux_loss": "micro_batch",
+    "aux_loss_coef": 1e-2, "z_loss_coef": 0.0,
+}  # fmt: skip
+ROUTER_SCORES = ("softmax", "sigmoid")
+AUX_LOSSES = ("micro_batch", "sequence", "none")
+
+
+def _named(name: str) -> str:
+    """A routing field with its fastpar.train flag: "expert_bias (--expert-bias)"."""
+    return f"{name} (--{name.replace('_', '-')})"
+
+
+def check_routing(cfg) -> None:
+    """The MoE routing fields of a GPT or Llama config (``ROUTING_DEFAULTS``): ValueError
+    naming the field, its fastpar.train flag and the fix. Any of them off its default needs
+    MoE blocks (``moe_every``)."""
+    if not cfg.moe_every:
+        changed = [n for n, v in ROUTING_DEFAULTS.items() if getattr(cfg, n) != v]
+        if changed:
+            raise ValueError(
+                f"{_named(changed[0])} = {getattr(cfg, changed[0])!r} is a MoE routing option "
+                f"but the model has no MoE blocks: set moe_every (--moe-every, e.g. 2) or drop it"
+            )
+        return
+    if cfg.router_score not in ROUTER_SCORES:
+        raise ValueError(
+            f"{_named('router_score')} {cfg.router_score!r} must be one of {ROUTER_SCORES}"
+        )
+    if cfg.aux_loss is not None and cfg.aux_loss not in AUX_LOSSES:
+        raise ValueError(f"{_named('aux_loss')} {cfg.aux_loss!r} must be one of {AUX_LOSSES}")
+    sf = cfg.routed_scaling_factor
+    if sf is not None and not (math.isfinite(sf) and sf > 0):
+        raise ValueError(
+            f"{_named('routed_scaling_factor')} {sf} must be a positive finite number (e.g. 2.5), "
+            f"or left out (1)"
+        )
+    for name in ("bias_update_rate", "aux_loss_coef", "z_loss_coef"):
+        value, low = getattr(cfg, name), "> 0" if name == "bias_update_rate" else ">= 0"
+        if not math.isfinite(value) or value < 0 or (value == 0 and low == "> 0"):
+            raise ValueError(f"{_named(name)} {value} must be a finite number {low}")
+    if not cfg.expert_bias and cfg.bias_update_rate != ROUTING_DEFAULTS["bias_update_rate"]:
+        raise ValueError(
+            f"{_named('bias_update_rate')} {cfg.bias_update_rate} has no effect without "
+            f"expert_bias: add --expert-bias (expert_bias=True) or drop it"
+        )
+    if cfg.aux_loss in (None, "none") and cfg.aux_loss_coef != ROUTING_DEFAULTS["aux_loss_coef"]:
+        raise ValueError(
+            f"{_named('aux_loss_coef')} {cfg.aux_loss_coef} has no effect with aux_loss none: "
+            f"pass --aux-loss micro_batch or sequence, or drop it"
+        )
+    if cfg.shared_expert_ffn is not None and cfg.shared_expert_ffn < 1:
+        raise ValueError(f"{_named('shared_expert_ffn')} {cfg.shared_expert_ffn} must be >= 1")
+    if cfg.shared_expert_gate and cfg.shared_expert_ffn is None:
+        raise ValueError(
+            f"{_named('shared_expert_gate')} needs a shared expert: set shared_expert_ffn "
+            f"(--shared-expert-ffn N, its width)"
+        )
+    _check_groups(cfg)
+
+
+def _check_groups(cfg) -> None:
+    groups, topk, e = cfg.router_groups, cfg.router_group_topk, cfg.num_experts
+    if groups is None and topk is None:
+        return
+    if groups is None:
+        raise ValueError(
+            f"{_named('router_group_topk')} {topk} needs router_groups (--router-groups N, a "
+            f"divisor of the {e} experts)"
+        )
+    if topk is None:
+        raise ValueError(
+            f"{_named('router_groups')} {groups} needs router_group_topk (--router-group-topk K: "
+            f"the groups each token may route to, 1..{groups})"
+        )
+    if groups < 1 or e % groups:
+        raise ValueError(
+            f"{_named('router_groups')} {groups} must divide the {e} experts (--experts) into "
+            f"equal groups: use a divisor of {e}"
+        )
+    if not 1 <= topk <= groups:
+        raise ValueError(f"{_named('router_group_topk')} {topk} must be in [1, {groups}]")
+    reach = topk * (e // groups)
+    if cfg.top_k > reach:
+        raise ValueError(
+            f"top_k {cfg.top_k} (--top-k) exceeds the {reach} experts in {topk} groups of "
+            f"{e // groups}: raise router_group_topk (--router-group-topk) to "
+            f"{math.ceil(cfg.top_k / (e // groups))} or lower --top-k"
+        )
+
+
+def routing_options(cfg) -> dict:
+    """The MoE keyword arguments of a config's routing fields (``ROUTING_DEFAULTS``; at their
+    defaults: today's router, the same random stream)."""
+    return dict(
+        score=cfg.router_score, scaling_factor=cfg.routed_scaling_factor,
+        num_groups=cfg.router_groups, group_topk=cfg.router_group_topk,
+        expert_bias=cfg.expert_bias, bias_update_rate=cfg.bias_update_rate,
+        shared_ffn_hidden_size=cfg.shared_expert_ffn, shared_gate=cfg.shared_expert_gate,
+        aux_loss=None if cfg.aux_loss in (None, "none") else cfg.aux_loss,
+        aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef,
+    )  # fmt: skip
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -253,10 +399,12 @@ class MLP(nn.Module):
 
 def moe(cfg: LlamaConfig, mesh=None) -> nn.Module:
     """A Llama MoE block: SwiGLU experts (no biases) ``moe_ffn`` wide, the router
-    renormalising the top-k weights when ``norm_topk_prob``."""
+    renormalising the top-k weights when ``norm_topk_prob``, with the config's routing options
+    (``routing_options``: sigmoid scores, groups, expert bias, shared experts, losses)."""
     return moe_block(
-        cfg, mesh, ffn=cfg.moe_ffn_size, expert="swiglu", normalize_topk=cfg.norm_topk_prob
-    )
+        cfg, mesh, ffn=cfg.moe_ffn_size, expert="swiglu", normalize_topk=cfg.norm_topk_prob,
+        **routing_options(cfg),
+    )  # fmt: skip
 
 
 class Block(DecoderBlock):

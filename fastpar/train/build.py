@@ -11,13 +11,17 @@ reference, which has no engine, sets that weight on its MoE layers (``update_aux
 A selective ``--recompute`` (attention, mlp, every:K) checkpoints regions of the decoder layers
 (``fastpar.parallel.pipeline.recompute``) on the ranks; the reference keeps every activation,
 so ``fastpar.verify`` compares against the plain model. ``full`` is the engine's own.
+With --expert-bias, after each optimizer step ``Parts.update_expert_bias`` moves the routers'
+biases from the step's routed tokens (summed over data parallelism; not after a skipped step),
+and checkpoints hold the biases beside the parameters (``Parts.checkpoint_tensors``); the
+reference calls the same method.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -27,7 +31,7 @@ from fastpar.checkpoint import stage_param_names
 from fastpar.debug import debug_checks
 from fastpar.mesh import ParallelMesh
 from fastpar.models import build_model, lm_loss, untie_for_pipeline
-from fastpar.moe import MoE
+from fastpar.moe import MoE, TopKRouter, update_expert_bias
 from fastpar.optim import FusedAdamW, MixedPrecisionOptimizer
 from fastpar.parallel import DataParallel, Replicate, Shard
 from fastpar.parallel.pipeline import (
@@ -58,7 +62,8 @@ class Parts:
     gradient-accumulation context (None without a mesh); ``loss_fn(logits, targets)``: the mean
     loss of a micro-batch; ``aux_scale``: without a mesh, the 0-dim tensor every MoE layer
     scales its auxiliary loss's gradient by (``update_aux_scale``; with a mesh the engine sets
-    the weight, and this is None)."""
+    the weight, and this is None); ``bias_routers``: the stage's routers with an expert bias
+    (aux-loss-free balancing; ``update_expert_bias`` after each optimizer step)."""
 
     cfg: TrainConfig
     module: nn.Sequential
@@ -72,6 +77,7 @@ class Parts:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     moes: list[MoE]
     aux_scale: torch.Tensor | None
+    bias_routers: list[TopKRouter] = field(default_factory=list)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -83,6 +89,36 @@ class Parts:
         if self.hf is not None:
             return self.hf.names(self.module)
         return stage_param_names(self.module, self.start)
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """What the trainer's checkpoints save and restore: the parameters
+        (``named_parameters``) and the MoE routers' ``expert_bias`` buffers under the
+        single-process model's names (``i.mlp.router.expert_bias``; fp32, replicated like the
+        router: written once, by DP rank 0 and TP rank 0). The routers' token counts are not
+        saved: they are zero between steps (``update_expert_bias`` resets them). With
+        --hf-config: the parameters only (HF blocks have no fastpar routers)."""
+        tensors = dict(self.named_parameters())
+        if self.hf is None:
+            tensors.update(expert_bias_names(self.module, self.start))
+        return tensors
+
+    def update_expert_bias(self, skipped: torch.Tensor | bool, group) -> None:
+        """After an optimizer step: every expert-bias router of the stage moves its bias from
+        the tokens this step's training forwards routed, summed over ``group`` (the
+        data-parallel group: the ranks holding replicas of these routers, each routing its
+        own tokens; TP ranks route the same tokens and are not summed; None: this process,
+        the single-process reference, whose replicas already count into the same routers) —
+        one all-reduce (``fastpar.moe.update_expert_bias``), no host sync. A skipped step
+        (``skipped``: inf/NaN gradients, agreed on every rank) moves no bias: its counts are
+        zeroed on the device first (sign(0) = 0), then reset, as the step left the weights
+        and optimizer state as they were. A no-op without expert-bias routers."""
+        if not self.bias_routers:
+            return
+        device = self.bias_routers[0].tokens_per_expert.device
+        keep = torch.logical_not(torch.as_tensor(skipped, device=device)).to(torch.int64)
+        for router in self.bias_routers:
+            router.tokens_per_expert.mul_(keep)
+        update_expert_bias(self.module, group)
 
     def update_aux_scale(self) -> None:
         """Without a mesh (the single-process reference), before a step: the MoE auxiliary
@@ -105,6 +141,20 @@ def _blocks(cfg: TrainConfig, mesh: ParallelMesh | None):
     blocks = build_model(model_cfg, mesh)
     block_types = tuple({type(b) for b in blocks[1:-1]})  # ZeRO-3 gathers one at a time
     return blocks, None, model_cfg, block_types, untie_for_pipeline(blocks, mesh)
+
+
+def expert_bias_names(stage: nn.Module, start: int) -> dict[str, torch.Tensor]:
+    """The ``expert_bias`` buffers of a stage's routers under global names, numbered like
+    ``stage_param_names`` (block i of the stage is block ``start + i`` of the model)."""
+    out = {}
+    for name, buf in stage.named_buffers():
+        if not name.endswith("expert_bias"):
+            continue
+        head, _, rest = name.partition(".")
+        if not head.isdigit():
+            raise ValueError(f"buffer {name!r} is not inside a numbered block of the stage")
+        out[f"{start + int(head)}.{rest}"] = buf
+    return out
 
 
 def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
@@ -179,9 +229,11 @@ def build(cfg: TrainConfig, mesh: ParallelMesh | None, device: torch.device) -> 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return lm_loss(logits.flatten(0, -2).float(), targets, model_cfg, mesh)
 
+    bias_routers = [m.router for m in moes if m.router.expert_bias is not None]
     return Parts(
-        cfg, stage, start, hf, model_cfg, model, opt, scaler, no_sync, loss_fn, moes, aux_scale
-    )
+        cfg, stage, start, hf, model_cfg, model, opt, scaler, no_sync, loss_fn, moes, aux_scale,
+        bias_routers,
+    )  # fmt: skip
 
 
 # -- one rank ----------------------------------------------------------------------------------
@@ -215,6 +267,11 @@ class Trainer:
         """This rank's parameters under the single-process model's names (Hugging Face's with
         --hf-config)."""
         return self.parts.named_parameters()
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """What this rank's checkpoints hold: its parameters and routers' expert biases
+        (``Parts.checkpoint_tensors``)."""
+        return self.parts.checkpoint_tensors()
 
     def _batch(self, step: int, held_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """This data-parallel replica's rows of the global batch of ``step`` (``held_out``: of
@@ -253,6 +310,7 @@ class Trainer:
         )
         with nvtx("optimizer step"):
             skipped, norm = self.opt.step()
+        self.parts.update_expert_bias(skipped, mesh.dp_group)  # (--expert-bias: one all-reduce)
         self.opt.zero_grad()
         self.step_count += 1
         return {

@@ -17,6 +17,10 @@ decides, the other ranks follow:
 Each checkpoint directory also holds the run's resolved settings as ``train_config.json``
 (``CONFIG_FILE``, written by global rank 0 after the save; itself a ``--config`` file).
 
+A checkpoint holds ``Trainer.checkpoint_tensors()``: the parameters and the MoE routers'
+``expert_bias`` buffers (--expert-bias: the aux-loss-free balancing state, which no gradient
+carries), so a resumed run routes as the uninterrupted one would.
+
 "This directory's run" is the last lock holder's (the lock file outlives its run), else the run
 of the most recently saved complete checkpoint. Every checkpoint carries the run id (in each
 rank's shard, see ``fastpar.checkpoint.format``) and the run's settings. The lock is released
@@ -58,7 +62,8 @@ CONFIG_FILE = "train_config.json"
 #: shape, with a less helpful message). Also refused: another vocabulary, another --hf-config
 #: content, and --seq-len for the GPT (its learned position table).
 REFUSED = ("model_type", "hidden", "heads", "layers", "ffn", "moe_ffn", "kv_heads", "head_dim",
-           "qk_norm", "attention_bias", "moe_every", "experts", "untied", "norm")  # fmt: skip
+           "qk_norm", "attention_bias", "moe_every", "experts", "untied", "norm",
+           "shared_expert_ffn", "shared_expert_gate", "expert_bias")  # fmt: skip
 #: resuming with another value WARNS: the checkpoint still fits (fp32 masters, optimizer state,
 #: scaler) and the change may be meant (a lower LR after a spike, another precision on other
 #: hardware, a larger batch), but the run no longer continues the trajectory it was on (the
@@ -66,7 +71,9 @@ REFUSED = ("model_type", "hidden", "heads", "layers", "ffn", "moe_ffn", "kv_head
 #: dp, ep, zero, micro-batches, schedule) changes freely: checkpoints reshard exactly.
 WARNED = ("seed", "batch_size", "precision", "lr", "min_lr", "warmup", "lr_schedule",
           "weight_decay", "max_grad_norm", "loss_scale", "seq_len", "rope_theta", "top_k",
-          "capacity_factor", "data", "data_dtype", "tokenizer")  # fmt: skip
+          "capacity_factor", "data", "data_dtype", "tokenizer", "router_score",
+          "routed_scaling_factor", "router_groups", "router_group_topk", "bias_update_rate",
+          "aux_loss", "aux_loss_coef", "z_loss_coef")  # fmt: skip
 
 
 def _flag(name: str) -> str:
@@ -268,7 +275,7 @@ def _load(trainer: Trainer, path: str, talk: bool) -> int:
     try:
         with ctx:
             info = checkpoint.load(
-                path, model_params=trainer.named_parameters(), optimizer=trainer.opt,
+                path, model_params=trainer.checkpoint_tensors(), optimizer=trainer.opt,
                 mesh=trainer.mesh,
             )  # fmt: skip
     except Exception as e:
@@ -302,7 +309,7 @@ def _save(trainer: Trainer, root: str, step: int, talk: bool) -> None:
     ctx = trainer.model.summon_full_params() if cfg.zero == 3 else contextlib.nullcontext()
     with ctx:
         checkpoint.save(
-            path, model_params=trainer.named_parameters(), optimizer=trainer.opt, mesh=trainer.mesh,
+            path, model_params=trainer.checkpoint_tensors(), optimizer=trainer.opt, mesh=trainer.mesh,
             step=step, extra=extra, overwrite=True, run_id=trainer.run_id,
         )  # fmt: skip
     if dist.get_rank() == 0:

@@ -87,6 +87,27 @@ _HELP = {
     "capacity_factor": "MoE capacity factor: tokens over capacity are dropped (default: dropless)",
     "overlap_chunks": "MoE: split the all-to-all into K chunks overlapped with expert GEMMs "
     "(1: no overlap)",
+    "router_score": "MoE router scores: softmax over the experts, or sigmoid per expert "
+    "(DeepSeek-V3)",
+    "routed_scaling_factor": "MoE: multiply the routed experts' combine weights by this "
+    "(DeepSeek-V3 routed_scaling_factor; default 1)",
+    "router_groups": "MoE group-limited routing: split the experts into N equal groups "
+    "(DeepSeek-V3 n_group; needs --router-group-topk)",
+    "router_group_topk": "MoE group-limited routing: each token routes inside its best K "
+    "groups (DeepSeek-V3 topk_group; needs --router-groups)",
+    "expert_bias": "MoE aux-loss-free balancing (DeepSeek-V3): a per-expert bias steers the "
+    "top-k choice (not the weights); after every optimizer step it moves by "
+    "--bias-update-rate against the load counted over data parallelism (a skipped step moves "
+    "nothing); saved in checkpoints",
+    "bias_update_rate": "--expert-bias: the bias step per optimizer step",
+    "shared_expert_ffn": "MoE: width of a shared expert run on every token beside the routed "
+    "ones (DeepSeek / Qwen2-MoE; default: none)",
+    "shared_expert_gate": "MoE: scale the shared expert by sigmoid(x W_g) (Qwen2-MoE; needs "
+    "--shared-expert-ffn)",
+    "aux_loss": "MoE load-balancing loss: micro_batch (Switch, over a micro-batch's tokens), "
+    "sequence (DeepSeek-V3's per-sequence loss), none (e.g. with --expert-bias)",
+    "aux_loss_coef": "MoE: the load-balancing loss's coefficient",
+    "z_loss_coef": "MoE: the router z-loss's coefficient (ST-MoE; 0: off)",
     "sequence_parallel": "split activations between blocks along the sequence over TP",
     "untied": "an LM head of its own instead of the embedding's weight",
     "norm": "gpt: the normalisation layers",
@@ -133,17 +154,21 @@ _WORDS = {
     "lr_schedule": tuple(LR_SCHEDULES),
     "norm": ("rmsnorm", "layernorm"),
     "data_dtype": tuple(sorted(BIN_DTYPES)),
+    "router_score": ("softmax", "sigmoid"),
+    "aux_loss": ("micro_batch", "sequence", "none"),
 }
 #: flags whose default is None (or follows another flag): their types
 _OPTIONAL = {"vocab_size": int, "ffn": int, "moe_ffn": int, "min_lr": float, "kv_heads": int,
              "head_dim": int, "capacity_factor": float, "data": str, "tokenizer": str,
              "ep": int, "dp": int, "hf_config": str, "checkpoint_dir": str, "profile": str,
              "profile_steps": str, "metrics_file": str, "tensorboard": str,
-             "peak_tflops": float}  # fmt: skip
+             "peak_tflops": float, "routed_scaling_factor": float, "router_groups": int,
+             "router_group_topk": int, "shared_expert_ffn": int}  # fmt: skip
 _METAVARS = {"checkpoint_dir": "DIR", "profile": "DIR", "tensorboard": "DIR", "profile_steps":
              "A:B", "metrics_file": "FILE", "data": "FILE", "tokenizer": "FILE",
              "hf_config": "FILE", "peak_tflops": "TFLOPS",
-             "collective_timeout": "SECONDS"}  # fmt: skip
+             "collective_timeout": "SECONDS", "router_groups": "N", "router_group_topk": "K",
+             "shared_expert_ffn": "N", "routed_scaling_factor": "F"}  # fmt: skip
 _GROUPS = {
     "layout": ("tp", "pp", "dp", "ep", "zero", "microbatches", "schedule", "virtual_stages",
                "recompute", "sequence_parallel", "overlap_chunks"),
@@ -151,6 +176,9 @@ _GROUPS = {
               "ffn", "moe_ffn", "kv_heads", "head_dim", "rope_theta", "qk_norm",
               "attention_bias", "norm", "untied", "moe_every", "experts", "top_k",
               "capacity_factor"),
+    "MoE routing": ("router_score", "routed_scaling_factor", "router_groups",
+                    "router_group_topk", "expert_bias", "bias_update_rate", "shared_expert_ffn",
+                    "shared_expert_gate", "aux_loss", "aux_loss_coef", "z_loss_coef"),
     "training": ("steps", "batch_size", "precision", "lr", "min_lr", "warmup", "lr_schedule",
                  "weight_decay", "max_grad_norm", "loss_scale", "seed", "compile"),
     "data": ("data", "data_dtype", "tokenizer"),

@@ -15,6 +15,7 @@ from fastpar.data import (
 )
 from fastpar.mesh import MeshLayout
 from fastpar.models import GPTConfig, LlamaConfig
+from fastpar.models.llama import ROUTING_DEFAULTS
 from fastpar.parallel.pipeline.recompute import RecomputePolicy
 from fastpar.parallel.pipeline.schedules import SCHEDULES
 from fastpar.train.checks import (
@@ -92,6 +93,17 @@ class TrainConfig:
     top_k: int = 2
     capacity_factor: float | None = None
     overlap_chunks: int = 1
+    router_score: str = "softmax"
+    routed_scaling_factor: float | None = None
+    router_groups: int | None = None
+    router_group_topk: int | None = None
+    expert_bias: bool = False
+    bias_update_rate: float = 1e-3
+    shared_expert_ffn: int | None = None
+    shared_expert_gate: bool = False
+    aux_loss: str = "micro_batch"
+    aux_loss_coef: float = 1e-2
+    z_loss_coef: float = 0.0
     sequence_parallel: bool = False
     untied: bool = False
     norm: str = "rmsnorm"
@@ -163,6 +175,7 @@ class TrainConfig:
             top_k=self.top_k, capacity_factor=self.capacity_factor,
             overlap_chunks=self.overlap_chunks, tie_embeddings=not self.untied,
             sequence_parallel=self.sequence_parallel,
+            **{name: getattr(self, name) for name in ROUTING_DEFAULTS},
         )  # fmt: skip
         if self.model_type == "llama":
             return LlamaConfig(
@@ -219,6 +232,7 @@ class TrainConfig:
             "ffn",
             "moe_ffn",
             "untied",
+            *ROUTING_DEFAULTS,
         )
         for name in own:
             if getattr(self, name) != getattr(defaults, name):

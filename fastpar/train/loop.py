@@ -2,9 +2,10 @@
 stopping alike on every rank (preemption, divergence: ``fastpar.train.stop``).
 
 Host syncs only at sync points: logged steps (every ``--log-every``, and the last) and save
-steps. A step in between reads nothing on the host and makes no collective of its own: its
-loss, gradient norm and skipped flag stay on the device until the next sync point, which reads
-them all at once (``fastpar.train.metrics.resolve``), agrees over every rank on a stop (a
+steps. A step in between reads nothing on the host and makes no collective of its own (but,
+with --expert-bias, the bias update's one all-reduce of the routers' token counts over data
+parallelism, on the device): its loss, gradient norm and skipped flag stay on the device until
+the next sync point, which reads them all at once (``fastpar.train.metrics.resolve``), agrees over every rank on a stop (a
 signal received, a divergence in any step since the last sync point) and on the peak memory
 (one all-reduce), prints, saves, and stops. A SIGTERM / SIGINT is acted on at the next sync
 point; a divergence found there stops the run before anything is saved. With --eval-every N, every N-th step

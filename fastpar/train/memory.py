@@ -62,6 +62,9 @@ def _layer_elements(model, tp: int, sp: int) -> tuple[float, float]:
     # hidden activations and its output); with a capacity some tokens may be dropped
     routed = model.top_k if model.capacity_factor is None else 0
     moe = residual + attention / tp + routed * (2 * h + mlp_per_width * expert_ffn / tp)
+    shared = getattr(model, "shared_expert_ffn", None)  # a dense FFN on every token, not split
+    if shared is not None:
+        moe += mlp_per_width * shared + h
     return dense, moe
 
 
