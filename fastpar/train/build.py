@@ -106,9 +106,10 @@ class Parts:
         """After an optimizer step: every expert-bias router of the stage moves its bias from
         the tokens this step's training forwards routed, summed over ``group`` (the
         data-parallel group: the ranks holding replicas of these routers, each routing its
-        own tokens; TP ranks route the same tokens and are not summed; None: this process,
-        the single-process reference, whose replicas already count into the same routers) —
-        one all-reduce (``fastpar.moe.update_expert_bias``), no host sync. A skipped step
+        own tokens; TP ranks route the same tokens, or, sequence-parallel, sum over their
+        token group inside ``fastpar.moe.update_expert_bias``; None: this process, the
+        single-process reference, whose replicas already count into the same routers) — one
+        all-reduce, no host sync. A skipped step
         (``skipped``: inf/NaN gradients, agreed on every rank) moves no bias: its counts are
         zeroed on the device first (sign(0) = 0), then reset, as the step left the weights
         and optimizer state as they were. A no-op without expert-bias routers."""
