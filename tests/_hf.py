@@ -43,6 +43,18 @@ FAMILIES = {
             mlp_only_layers=[1],
         ),
     ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "AutoModelForCausalLM",
+        dict(
+            _MOE,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=12,
+            norm_topk_prob=False,
+        ),
+    ),
     "gpt2": (
         "GPT2Config",
         "AutoModelForCausalLM",

@@ -391,3 +391,16 @@ def test_a_checkpoint_trained_at_dp_tp_pp_ep_exports_to_hf(family, tmp_path):
     )
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).view(2, 16, -1), hf(ids).logits, rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "routing",
+    [dict(router_score="sigmoid"), dict(expert_bias=True), dict(shared_expert_ffn=8),
+     dict(router_groups=2, router_group_topk=1), dict(routed_scaling_factor=2.0)],
+)  # fmt: skip
+def test_deepseek_style_routing_has_no_hf_export(routing):
+    """Qwen3-MoE / Mixtral route by a plain softmax top-k: exporting another routing under
+    their names would load as a model computing another function."""
+    cfg = LlamaConfig(layers=2, seq_len=16, moe_every=1, num_experts=4, **routing)
+    with pytest.raises(ValueError, match="DeepSeek-style routing or shared experts"):
+        hf_config(cfg)

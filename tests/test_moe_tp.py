@@ -174,3 +174,48 @@ def test_clear_errors_for_what_a_tp_layout_cannot_do():
     assert "ffn_hidden_size 7" in msgs[1] and "multiple of 2" in msgs[1]
     assert "overlap_chunks" in msgs[2]
     assert "batch-first" in msgs[3] and "(6, 8)" in msgs[3]
+
+
+DEEPSEEK_FLAGS = dict(
+    router_score="sigmoid",
+    router_groups=2,
+    router_group_topk=1,
+    expert_bias=True,
+    routed_scaling_factor=1.5,
+    shared_expert_ffn=16,
+    aux_loss="sequence",
+    z_loss_coef=0.01,
+)
+SMALL = dict(steps=3, batch_size=8, seq_len=16, hidden=32, heads=4, layers=2, quiet=True, pp=1)
+
+
+@pytest.mark.parametrize(
+    "model,sp,expert_tp,zero",
+    [
+        ("llama", True, False, 1),
+        ("llama", True, True, 2),
+        ("llama", False, True, 1),
+        ("gpt", True, False, 2),
+    ],
+    ids=["llama-sp-z1", "llama-sp-etp-z2", "llama-etp-z1", "gpt-sp-z2"],
+)
+def test_verify_deepseek_style_moe_at_dp2_ep2_tp2(model, sp, expert_tp, zero):
+    """``fastpar.verify``: the trainer at DP2 x EP2 x TP2 with DeepSeek-style MoE blocks
+    (sigmoid, group-limited, expert bias, shared expert, sequence aux loss, z-loss) equals the
+    single-process model: losses, grad norms, every parameter and expert bias after 3 steps."""
+    from fastpar.train import TrainConfig
+    from fastpar.verify import compare
+
+    cfg = TrainConfig(**SMALL, **DEEPSEEK_FLAGS, model_type=model, tp=2, dp=2, ep=2, zero=zero,
+                      moe_every=2, sequence_parallel=sp, moe_expert_tp=expert_tp)  # fmt: skip
+    ok, text = compare(cfg)
+    assert ok, text
+
+
+def test_sequence_parallel_moe_with_capacity_is_refused_by_the_model():
+    from fastpar.train import TrainConfig
+
+    cfg = TrainConfig(**SMALL, tp=2, dp=1, ep=1, moe_every=2, sequence_parallel=True,
+                      capacity_factor=1.25)  # fmt: skip
+    with pytest.raises(ValueError, match=r"capacity_factor=1\.25 would drop per chunk"):
+        cfg.check()

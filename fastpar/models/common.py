@@ -46,11 +46,25 @@ def check_layout(cfg, tp: int, pp: int, ep: int) -> None:
         raise ValueError(f"ep={ep} needs MoE layers: set moe_every (e.g. 2)")
     if cfg.sequence_parallel and tp > 1 and cfg.seq_len % tp:
         raise ValueError(f"sequence_parallel: seq_len {cfg.seq_len} is not divisible by tp {tp}")
-    if cfg.sequence_parallel and tp > 1 and cfg.moe_every:
+    expert_tp = getattr(cfg, "moe_expert_tp", False)
+    sp_moe = cfg.sequence_parallel and tp > 1 and cfg.moe_every
+    if sp_moe and not expert_tp and cfg.capacity_factor is not None:
         raise ValueError(
-            "sequence_parallel with MoE blocks and tp > 1 is not supported: the experts and "
-            "router would see different tokens on each TP rank; drop one of the two"
+            f"sequence_parallel MoE at tp={tp} routes each TP rank's chunk of the sequence, "
+            f"and capacity_factor={cfg.capacity_factor} would drop per chunk (other tokens "
+            "than the single-process model): use dropless routing (capacity_factor None) "
+            "or split the experts over TP (moe_expert_tp), which routes the whole sequence"
         )
+    if expert_tp and cfg.moe_every and _moe_width(cfg) % tp:
+        raise ValueError(
+            f"moe_expert_tp: the expert width {_moe_width(cfg)} is not divisible by tp {tp}; "
+            f"use an expert width that is a multiple of {tp}"
+        )
+
+
+def _moe_width(cfg) -> int:
+    width = getattr(cfg, "moe_ffn", None)
+    return cfg.ffn_size if width is None else width
 
 
 def is_moe_layer(cfg, layer: int) -> bool:
@@ -60,11 +74,15 @@ def is_moe_layer(cfg, layer: int) -> bool:
 
 def moe_block(cfg, mesh=None, *, ffn: int | None = None, **options) -> MoE:
     """The MoE that replaces a block's MLP (experts over the mesh's EP group): ``ffn`` wide
-    (default ``cfg.ffn_size``); ``options`` go to ``MoE`` (e.g. ``expert="swiglu"``)."""
+    (default ``cfg.ffn_size``); ``options`` go to ``MoE`` (e.g. ``expert="swiglu"``). At
+    tp > 1 it follows the model: sequence parallel when the model is (its input is this rank's
+    chunk [B, T/tp, H]), experts split over TP when ``cfg.moe_expert_tp``
+    (``fastpar.moe.tp``)."""
     return MoE(
         cfg.hidden, ffn if ffn is not None else cfg.ffn_size, cfg.num_experts, cfg.top_k,
         capacity_factor=cfg.capacity_factor, overlap_chunks=cfg.overlap_chunks, mesh=mesh,
-        **options,
+        sequence_parallel=cfg.sequence_parallel, expert_tp=getattr(cfg, "moe_expert_tp", False),
+        sequence_dim=1, **options,
     )  # fmt: skip
 
 

@@ -62,7 +62,8 @@ class GPTConfig:
     routing options, as ``LlamaConfig`` documents them (GELU experts, shared ones alike).
     norm: "rmsnorm" or
     "layernorm". tie_embeddings: LM head shares the embedding. sequence_parallel: split
-    activations along the sequence over TP between blocks.
+    activations along the sequence over TP between blocks. moe_expert_tp: split each expert's
+    FFN over TP (``fastpar.moe.tp``).
     """
 
     vocab_size: int = 256
@@ -90,6 +91,7 @@ class GPTConfig:
     norm: str = "rmsnorm"
     tie_embeddings: bool = True
     sequence_parallel: bool = False
+    moe_expert_tp: bool = False
 
     @property
     def ffn_size(self) -> int:

@@ -145,7 +145,11 @@ class LlamaConfig:
     overlap_chunks: int = 1
     """MoE all-to-all / expert-compute overlap chunks (1: none)."""
     sequence_parallel: bool = False
-    """Split activations between blocks along the sequence over TP."""
+    """Split activations between blocks along the sequence over TP (MoE blocks then route
+    each TP rank's chunk, dropless, or gather it with moe_expert_tp)."""
+    moe_expert_tp: bool = False
+    """Split each expert's SwiGLU over TP (expert tensor parallelism, ``fastpar.moe.tp``)
+    instead of every TP rank holding whole experts."""
 
     @property
     def num_kv_heads(self) -> int:

@@ -53,6 +53,21 @@ def hf_model_type(cfg: LlamaConfig) -> str:
         )
     if not cfg.moe_every:
         return "qwen3" if cfg.qk_norm else "qwen2" if cfg.attention_bias else "llama"
+    routing = {
+        "router_score": (getattr(cfg, "router_score", "softmax"), "softmax"),
+        "routed_scaling_factor": (getattr(cfg, "routed_scaling_factor", None), None),
+        "router_groups": (getattr(cfg, "router_groups", None), None),
+        "expert_bias": (getattr(cfg, "expert_bias", False), False),
+        "shared_expert_ffn": (getattr(cfg, "shared_expert_ffn", None), None),
+    }
+    changed = {k: v for k, (v, default) in routing.items() if v != default}
+    if changed:
+        raise ValueError(
+            f"a MoE model with DeepSeek-style routing or shared experts ({changed}) has no HF "
+            "export here: Qwen3-MoE and Mixtral route by a softmax top-k without a bias, groups, "
+            "scaling or shared experts, so they would compute another function; keep the "
+            "fastpar checkpoint (or load the blocks into HF with fastpar.moe.moe_to_hf_state_dict)"
+        )
     if cfg.capacity_factor is not None:
         raise ValueError(
             f"a MoE model with capacity_factor={cfg.capacity_factor} has no HF export: HF's MoE "

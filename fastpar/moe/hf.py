@@ -80,7 +80,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastpar.comm import group_rank
-from fastpar.moe import experts
+from fastpar.moe import experts, tp
 from fastpar.moe.layer import MoE
 
 FAMILIES = {
@@ -91,9 +91,18 @@ FAMILIES = {
 }
 """HF block class name -> family (subclasses are recognised through their MRO)."""
 
-OPTIONS = ("aux_loss", "aux_loss_coef", "z_loss_coef", "bias_update_rate", "overlap_chunks")
+OPTIONS = (
+    "aux_loss",
+    "aux_loss_coef",
+    "z_loss_coef",
+    "bias_update_rate",
+    "overlap_chunks",
+    "expert_tp",
+    "tp_group",
+)
 """``MoE`` options ``moe_from_hf`` passes on: ones that leave the forward unchanged (the HF
-block computes no loss; ``aux_loss`` defaults to None here)."""
+block computes no loss; ``aux_loss`` defaults to None here; ``expert_tp`` / ``tp_group``: the
+experts' FFN split over the mesh's TP group, ``fastpar.moe.tp``)."""
 
 
 def hf_family(block: nn.Module) -> str:
@@ -216,8 +225,12 @@ def moe_from_hf(block: nn.Module, *, mesh=None, ep_group=None, **options) -> MoE
     lo = group_rank(moe.ep_group) * moe.num_local if moe.ep > 1 else 0
     sl = slice(lo, lo + moe.num_local)
     w1, w2 = experts.from_hf(ex.gate_up_proj, ex.down_proj)
-    moe.w1.copy_(w1[sl])
-    moe.w2.copy_(w2[sl])
+    w1, w2 = w1[sl], w2[sl]
+    if moe.tp_layout == "expert_tp":
+        r = group_rank(moe.tp_group)
+        w1, w2 = tp.shard_ffn(w1, 2, r, moe.tp, True), tp.shard_ffn(w2, 1, r, moe.tp, False)
+    moe.w1.copy_(w1)
+    moe.w2.copy_(w2)
     moe.router.weight.copy_(block.gate.weight)
     if family == "deepseek_v3":
         moe.router.expert_bias.copy_(block.gate.e_score_correction_bias)
@@ -265,13 +278,16 @@ def _check_layout(moe: MoE, family: str) -> None:
             )
 
 
-def _gather(w: torch.Tensor, moe: MoE) -> torch.Tensor:
-    """[E_local, ...] -> [E, ...] over the EP group (collective)."""
-    group = moe.ep_group.get_group() if hasattr(moe.ep_group, "get_group") else moe.ep_group
-    w = w.contiguous()
-    out = w.new_empty((moe.ep * w.shape[0], *w.shape[1:]))
-    dist.all_gather_into_tensor(out, w, group=group)
-    return out
+def _gather(w: torch.Tensor, group, world: int, dim: int = 0, fused: int = 1) -> torch.Tensor:
+    """Concatenate ``w`` over ``group`` along ``dim`` (collective); ``fused`` blocks (gate |
+    up) are gathered block by block, as ``fastpar.moe.tp.shard_ffn`` split them."""
+    group = group.get_group() if hasattr(group, "get_group") else group
+    local = w.movedim(dim, 0).contiguous()
+    out = local.new_empty((world * local.shape[0], *local.shape[1:]))
+    dist.all_gather_into_tensor(out, local, group=group)
+    per = local.shape[0] // fused
+    out = out.view(world, fused, per, *local.shape[1:]).transpose(0, 1).reshape(out.shape)
+    return out.movedim(0, dim)
 
 
 @torch.no_grad()
@@ -282,7 +298,8 @@ def moe_to_hf_state_dict(
     ``FAMILIES``' values (default: the one ``moe_from_hf`` recorded, else inferred from the
     layer: expert bias -> deepseek_v3, gated shared expert -> qwen2_moe, none -> mixtral /
     qwen3_moe names). EP > 1: the experts gathered over the EP group (collective), or this
-    rank's slice with ``gather=False``."""
+    rank's slice with ``gather=False``. Experts split over TP (``expert_tp``) are always
+    gathered over TP (collective over the TP group)."""
     family = family or _family_of(moe)
     if family not in FAMILIES.values():
         raise ValueError(f"family must be one of {sorted(FAMILIES.values())}, got {family!r}")
@@ -293,8 +310,11 @@ def moe_to_hf_state_dict(
         )
     _check_layout(moe, family)
     gate_up, down = experts.to_hf(moe.w1.detach(), moe.w2.detach())
+    if moe.tp_layout == "expert_tp":  # always whole over TP: HF's layout has no TP slice
+        gate_up = _gather(gate_up, moe.tp_group, moe.tp, dim=1, fused=2)
+        down = _gather(down, moe.tp_group, moe.tp, dim=2)
     if moe.ep > 1 and gather:
-        gate_up, down = _gather(gate_up, moe), _gather(down, moe)
+        gate_up, down = _gather(gate_up, moe.ep_group, moe.ep), _gather(down, moe.ep_group, moe.ep)
     router = moe.router.weight.detach()
     sd = {
         "gate.weight": router if family == "deepseek_v3" else router.to(moe.w1.dtype),

@@ -17,7 +17,12 @@ Patterns are ``fnmatch`` patterns over ``model.named_modules()`` names. Styles:
 * "vocab": an ``nn.Embedding`` becomes ``VocabParallelEmbedding``;
 * "per_head": the module's parameters stay replicated over TP but see only this rank's heads
   (a per-head norm after a column split): their gradient is all-reduced over TP;
-* "replicate": the module stays dense and must see only whole activations (checked).
+* "replicate": the module stays dense and must see only whole activations (checked);
+* "experts": a Hugging Face MoE block (Mixtral, Qwen2/3-MoE, DeepSeek-V3) becomes
+  ``fastpar.moe.hf_block.HFMoEBlock``: fastpar's MoE under the block's own names, each
+  expert's FFN split over TP (keyword ``expert_tp=False`` keeps the experts whole), and the
+  experts split over the mesh's EP group when it has one (dropless, as HF routes). A built-in
+  plan skips the dense MLP layers such a pattern also matches (Qwen3-MoE's ``mlp_only_layers``).
 
 Correct by construction, checked before the model is used:
 
@@ -58,6 +63,7 @@ from torch.utils._pytree import tree_flatten
 
 from fastpar.comm import all_reduce_grad, group_size
 from fastpar.mesh.placement import mark_replicated
+from fastpar.moe.hf_block import HFMoEBlock
 from fastpar.nn import plans as _plans
 from fastpar.nn.embedding import VocabParallelEmbedding
 from fastpar.nn.guard import guard_save_pretrained
@@ -65,6 +71,7 @@ from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear, is_conv1d
 from fastpar.nn.plan import (
     HEAD_ATTRS,
     WIDTH_ATTRS,
+    is_hf_moe_block,
     linear_like,
     match,
     splits_output,
@@ -211,12 +218,21 @@ def _unprobed(chosen, modules, attention, watched_owner) -> list[str]:
     return reduced
 
 
-def _swap(model, modules, chosen, tp_group) -> dict[str, nn.Module]:
+def _experts(block: nn.Module, mesh, tp_group, **kwargs) -> nn.Module:
+    """An HF MoE block -> ``HFMoEBlock`` over the TP group (and the mesh's EP group)."""
+    ep_group = mesh.ep_group if getattr(mesh, "ep_size", 1) > 1 else None
+    return HFMoEBlock(block, tp_group=tp_group, ep_group=ep_group, **kwargs)
+
+
+def _swap(model, modules, chosen, tp_group, mesh=None) -> dict[str, nn.Module]:
     new_modules = {}
     for n, (style, kwargs) in chosen.items():
-        if style not in _LAYERS:
+        if style not in _LAYERS and style != "experts":
             continue
-        new = _LAYERS[style].from_dense(modules[n], group=tp_group, **kwargs)
+        if style == "experts":
+            new = _experts(modules[n], mesh, tp_group, **kwargs)
+        else:
+            new = _LAYERS[style].from_dense(modules[n], group=tp_group, **kwargs)
         parent_name, _, attr = n.rpartition(".")
         setattr(modules[parent_name] if parent_name else model, attr, new)
         new_modules[n] = new
@@ -340,6 +356,10 @@ def parallelize(
             )
     modules = dict(model.named_modules())
     chosen = match(model, plan, strict)
+    if not strict:  # a built-in "experts" pattern also matches the dense MLPs between MoEs
+        chosen = {
+            n: c for n, c in chosen.items() if c[0] != "experts" or is_hf_moe_block(modules[n])
+        }
     attention = static_checks(model, modules, chosen, world, heads)
 
     owners = _owners(modules)
@@ -389,7 +409,7 @@ def parallelize(
         reduced = _unprobed(chosen, modules, attention, watched_owner)
     record.grad_reduced = sorted(reduced)
 
-    new_modules = _swap(model, modules, chosen, tp_group)
+    new_modules = _swap(model, modules, chosen, tp_group, mesh)
     _divide_heads(model, modules, chosen, heads, world)
     _retie(owners, modules, new_modules, model)
     params = dict(model.named_parameters(remove_duplicate=False))

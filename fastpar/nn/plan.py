@@ -9,13 +9,20 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from fastpar.moe.hf import FAMILIES
 from fastpar.nn.linear import is_conv1d
+
+
+def is_hf_moe_block(module: nn.Module) -> bool:
+    """Whether ``module`` is an HF MoE block ``fastpar.moe.moe_from_hf`` converts."""
+    return any(cls.__name__ in FAMILIES for cls in type(module).__mro__)
+
 
 HEAD_ATTRS = ("num_heads", "n_head", "num_attention_heads", "num_key_value_heads", "n_kv_head")
 WIDTH_ATTRS = ("split_size", "all_head_size")
 """Widths of the split projections that attention modules reshape with (GPT-2, BERT)."""
 CONFIG_HEADS = ("num_attention_heads", "num_key_value_heads", "n_head")
-STYLES = ("column", "row", "vocab", "per_head", "replicate")
+STYLES = ("column", "row", "vocab", "per_head", "replicate", "experts")
 
 
 def linear_like(m: nn.Module) -> bool:
@@ -50,6 +57,11 @@ def _check_type(name: str, module: nn.Module, style: str) -> None:
     if style == "vocab" and type(module) is not nn.Embedding:
         raise TypeError(
             f"plan style 'vocab' needs an nn.Embedding at {name!r}, found {type(module).__name__}"
+        )
+    if style == "experts" and not is_hf_moe_block(module):
+        raise TypeError(
+            f"plan style 'experts' needs a Hugging Face MoE block at {name!r} (one of "
+            f"{sorted(FAMILIES)}), found {type(module).__name__}"
         )
     if style in ("per_head", "replicate") and not any(True for _ in module.parameters()):
         raise ValueError(f"plan style {style!r} at {name!r}: the module has no parameters")

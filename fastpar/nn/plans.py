@@ -11,7 +11,9 @@ MLPs by their hidden width, the token embedding by vocabulary rows, and the LM h
 rows with the logits gathered (so Hugging Face's own loss and ``generate()`` work unchanged), or
 left split with ``loss_parallel=True`` for ``fastpar.nn.functional.vocab_parallel_cross_entropy``.
 Per-head norms (Qwen3's ``q_norm`` / ``k_norm``) are "per_head": replicated, their gradient
-all-reduced over TP. Mixture-of-experts blocks (router and experts) stay replicated over TP.
+all-reduced over TP. Mixture-of-experts blocks (Mixtral, Qwen2-MoE, Qwen3-MoE) are "experts":
+fastpar's MoE under HF's names, each expert's FFN split over TP, experts over the mesh's EP group
+(``fastpar.moe.hf_block``); Qwen2-MoE's shared expert is split like a dense MLP.
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ _DECODER = {
 _QK_NORM = {
     "{b}layers.*.self_attn.q_norm": "per_head",
     "{b}layers.*.self_attn.k_norm": "per_head",
+}
+_EXPERTS = {"{b}layers.*.mlp": "experts"}
+_SHARED_EXPERT = {
+    "{b}layers.*.mlp.shared_expert.gate_proj": "column",
+    "{b}layers.*.mlp.shared_expert.up_proj": "column",
+    "{b}layers.*.mlp.shared_expert.down_proj": "row",
 }
 _GPT2 = {
     "{b}wte": "vocab",
@@ -58,8 +66,9 @@ FAMILIES: dict[str, dict] = {
     "mistral": _DECODER,
     "qwen2": _DECODER,
     "qwen3": {**_DECODER, **_QK_NORM},
-    "mixtral": _DECODER,
-    "qwen3_moe": {**_DECODER, **_QK_NORM},
+    "mixtral": {**_DECODER, **_EXPERTS},
+    "qwen2_moe": {**_DECODER, **_EXPERTS, **_SHARED_EXPERT},
+    "qwen3_moe": {**_DECODER, **_QK_NORM, **_EXPERTS},
     "gpt2": _GPT2,
     "bert": _BERT,
 }

@@ -108,7 +108,10 @@ _HELP = {
     "sequence (DeepSeek-V3's per-sequence loss), none (e.g. with --expert-bias)",
     "aux_loss_coef": "MoE: the load-balancing loss's coefficient",
     "z_loss_coef": "MoE: the router z-loss's coefficient (ST-MoE; 0: off)",
-    "sequence_parallel": "split activations between blocks along the sequence over TP",
+    "sequence_parallel": "split activations between blocks along the sequence over TP (MoE "
+    "blocks route each rank's chunk, dropless; with --moe-expert-tp they gather it)",
+    "moe_expert_tp": "split each MoE expert's FFN over TP (expert tensor parallelism: w1 by "
+    "columns, w2 by rows) instead of every TP rank holding whole experts",
     "untied": "an LM head of its own instead of the embedding's weight",
     "norm": "gpt: the normalisation layers",
     "data": "a text file, a .npy or a .bin file of token ids (default: an embedded corpus)",
@@ -171,7 +174,7 @@ _METAVARS = {"checkpoint_dir": "DIR", "profile": "DIR", "tensorboard": "DIR", "p
              "shared_expert_ffn": "N", "routed_scaling_factor": "F"}  # fmt: skip
 _GROUPS = {
     "layout": ("tp", "pp", "dp", "ep", "zero", "microbatches", "schedule", "virtual_stages",
-               "recompute", "sequence_parallel", "overlap_chunks"),
+               "recompute", "sequence_parallel", "moe_expert_tp", "overlap_chunks"),
     "model": ("model_type", "hf_config", "vocab_size", "seq_len", "hidden", "heads", "layers",
               "ffn", "moe_ffn", "kv_heads", "head_dim", "rope_theta", "qk_norm",
               "attention_bias", "norm", "untied", "moe_every", "experts", "top_k",

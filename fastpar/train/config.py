@@ -105,6 +105,7 @@ class TrainConfig:
     aux_loss_coef: float = 1e-2
     z_loss_coef: float = 0.0
     sequence_parallel: bool = False
+    moe_expert_tp: bool = False
     untied: bool = False
     norm: str = "rmsnorm"
     data: str | None = None
@@ -174,7 +175,7 @@ class TrainConfig:
             layers=self.layers, ffn=self.ffn, moe_every=self.moe_every, num_experts=self.experts,
             top_k=self.top_k, capacity_factor=self.capacity_factor,
             overlap_chunks=self.overlap_chunks, tie_embeddings=not self.untied,
-            sequence_parallel=self.sequence_parallel,
+            sequence_parallel=self.sequence_parallel, moe_expert_tp=self.moe_expert_tp,
             **{name: getattr(self, name) for name in ROUTING_DEFAULTS},
         )  # fmt: skip
         if self.model_type == "llama":
