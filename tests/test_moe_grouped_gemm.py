@@ -1,5 +1,6 @@
 """The dropless experts' paths (``fastpar.moe.experts.set_segments_impl``: "grouped" — the
-default — and "padded") against the per-expert "loop": output and every gradient (x, w1, b1,
+default — and "padded") against the per-expert "loop" (itself bit for bit the indexed loop it
+replaced): output and every gradient (x, w1, b1,
 w2, b2), gated and plain, with and without biases, with empty experts, every row on one
 expert and no rows at all; fp32 and bf16; then the ``MoE`` layer (dropless) under each forced
 path, and under ``torch.compile`` (which always traces the grouped path).
@@ -97,6 +98,30 @@ def _error(got, want) -> float:
     """max |got - want| / max |want| (0 for empty tensors)."""
     scale = want.abs().max().item() if want.numel() else 0.0
     return (got.double() - want).abs().max().item() / scale if scale else 0.0
+
+
+def _indexed_loop(x, counts, w1, b1, w2, b2, gated, activation):
+    """``segments`` eagerly on a CPU before issue 18 (weights indexed per expert)."""
+    outs = []
+    for e, part in enumerate(x.split(counts)):
+        h = part @ w1[e] if b1 is None else part @ w1[e] + b1[e]
+        h = experts.hidden(h, gated, activation)
+        outs.append(h @ w2[e] if b2 is None else h @ w2[e] + b2[e])
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("counts", list(COUNTS.values()), ids=list(COUNTS))
+@pytest.mark.parametrize("gated,bias", [(False, True), (True, False), (True, True)])
+def test_loop_equals_the_indexed_loop_it_replaced_bit_for_bit(gated, bias, counts):
+    x, w, grad = _inputs(counts, gated, bias, torch.float32)
+    act = "silu" if gated else "gelu"
+    params = [p for p in (x, *w) if p is not None]
+    want = _indexed_loop(x, counts, *w, gated, act)
+    want_grads = torch.autograd.grad(want, params, grad)
+    y, grads = _run("loop", x, counts, w, grad, gated, act)
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    for a, b in zip([g for g in grads if g is not None], want_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_selector_returns_previous_and_rejects_unknown():

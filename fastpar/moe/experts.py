@@ -185,12 +185,19 @@ def _segments_grouped(x, counts, w1, b1, w2, b2, gated, activation):
     return grouped.grouped_linear(h, w2, b2, offs)
 
 
+def _unbind(t: torch.Tensor | None, n: int) -> list[torch.Tensor | None]:
+    return [None] * n if t is None else list(t.unbind(0))
+
+
 def _segments_loop(x, sizes, w1, b1, w2, b2, gated, activation):
+    """Expert by expert; the weights split by ``unbind`` (its backward stacks the E gradients
+    once, where indexing ``w1[e]`` would build and add E zero-filled [E, ...] gradients)."""
     outs = []
-    for e, part in enumerate(x.split(sizes)):
-        h = part @ w1[e] if b1 is None else part @ w1[e] + b1[e]
-        h = hidden(h, gated, activation)
-        outs.append(h @ w2[e] if b2 is None else h @ w2[e] + b2[e])
+    n = len(sizes)
+    per_expert = zip(x.split(sizes), *(_unbind(t, n) for t in (w1, b1, w2, b2)), strict=True)
+    for part, a1, c1, a2, c2 in per_expert:
+        h = hidden(part @ a1 if c1 is None else part @ a1 + c1, gated, activation)
+        outs.append(h @ a2 if c2 is None else h @ a2 + c2)
     return torch.cat(outs) if outs else x
 
 
