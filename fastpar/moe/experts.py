@@ -31,15 +31,18 @@ paths, chosen for every layer by ``set_segments_impl(impl)`` (it returns the pre
 
 - ``"auto"`` (default) = ``"grouped"``: two ``fastpar.moe.grouped.grouped_linear`` calls, one
   grouped matmul each (``torch._grouped_mm``; its per-group loop where the dtype or strides do
-  not suit it); on a GPU no host sync. On CPU, fp32, forward + backward it took 0.4-0.8x the
-  loop's time at E_local 4/8, H 256/512, F 512/1024, 2k-8k rows, balanced or skewed counts
-  (``bench/test_bench_moe_grouped.py``, ``bench/results/cpu-moe-grouped-2026-12-01.json``).
+  not suit it); on a GPU no host sync.
 - ``"padded"``: each expert's rows zero-padded to the largest count C, then ``batched`` (one
   ``torch.bmm`` per matrix over [E, C, H]) and the real rows gathered back; any dtype and
-  strides. As fast as grouped on CPU when the counts are balanced, 1.5-2x the loop when skewed
-  (E · C rows computed: up to E times the work and memory).
-- ``"loop"``: one expert at a time, two matmuls each (the CPU eager path before; no CPU size
-  measured favours it: kept as the plain reference).
+  strides, but E · C rows computed (up to E times the work and memory when skewed).
+- ``"loop"``: one expert at a time, two matmuls each (the weights split by ``unbind``).
+
+Measured on CPU (fp32, forward + backward, E_local 4-16, H 256/512, F 512/1024, 2k-8k rows,
+balanced and skewed counts; ``bench/test_bench_moe_grouped.py``,
+``bench/results/cpu-moe-grouped-2026-12-01.md``): grouped and loop tie (grouped/loop median
+0.96, 0.84-1.14; the loop ahead by up to 10 % at some SwiGLU sizes), both 0.5-1.1x the indexed
+loop used before; padded about the loop's time when balanced, 1.6-5.7x when skewed. Grouped is
+the default everywhere: never far behind, one code path with the GPU and ``torch.compile``.
 
 "padded" and "loop" read ``counts`` on the host (a device sync on a GPU). Under
 ``torch.compile`` the grouped path is traced whatever the choice (no host reads, one graph).

@@ -1,7 +1,7 @@
 """Grouped (segmented) linear layer over expert-major rows: the dropless experts' compute, with
 no host synchronisation on the traced path and no Python-built index lists, so ``torch.compile``
 traces a dropless MoE layer whole. ``fastpar.moe.experts.segments`` runs it eagerly too, on a
-CPU as well (its default path: faster there than one expert at a time, see that module).
+CPU as well (its default path; measured against the alternatives in that module).
 
     y = grouped_linear(x, w, bias, offs)   # x [N, K] grouped by offs, w [G, K, M] -> [N, M]
 
