@@ -1,0 +1,217 @@
+"""Pure-torch chunked linear cross-entropy: the CPU path and the oracle of the fused op.
+
+``fastpar.ops.linear_cross_entropy`` computes the cross-entropy of ``hidden @ weight.T`` over a
+vocabulary sharded across the tensor-parallel group without ever holding the ``[N, V_local]``
+logits: ``chunk_loop`` walks the rows (tokens) in chunks of ``chunk_size`` and, per chunk,
+
+1. ``logits = hidden[rows] @ weight.T`` into ONE reused ``[chunk, V_local]`` buffer (the
+   inputs' dtype, fp32 accumulation inside the matmul: what ``F.linear`` gives the unfused CE);
+2. the per-row statistics ``[chunk, 4]`` of ``fastpar.reference.cross_entropy.local_stats``
+   (or the Triton kernel), passed to ``gather`` (the op's one all-gather per chunk over the
+   TP group; here the identity of a single rank), combined into the row loss;
+3. when ``row_grad`` is given: d loss / d logits written IN PLACE into the buffer
+   (``grad_logits_``; fp32 math, the true-class term included, one cast), then
+   ``grad_hidden[rows] = dlogits @ weight`` (this shard's partial sum: the op all-reduces it
+   over TP) and ``grad_weight += dlogits.T @ hidden[rows]`` (fp32 accumulator for bf16 / fp16
+   weights, cast once at the end).
+
+Memory beyond the inputs and the two gradients: one ``[chunk, V_local]`` buffer plus ``[N]``
+fp32 row statistics. Nothing here communicates except through ``gather``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from fastpar.reference import cross_entropy as ce
+
+CHUNK_ELEMENTS = 1 << 23  # default logits per chunk: 32 MiB in fp32, 16 MiB in bf16
+MIN_CHUNK = 16
+
+
+def default_chunk_size(n_rows: int, n_local: int) -> int:
+    """Rows per chunk: about ``CHUNK_ELEMENTS`` logits (at least ``MIN_CHUNK`` rows, at most
+    ``n_rows``), a multiple of 16 when it is smaller than ``n_rows``. Depends only on shapes
+    every rank of the group shares, so every rank takes the same number of gathers."""
+    rows = max(MIN_CHUNK, CHUNK_ELEMENTS // max(n_local, 1)) // MIN_CHUNK * MIN_CHUNK
+    return max(1, min(rows, n_rows))
+
+
+def grad_logits_(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    row_max: torch.Tensor,
+    log_s: torch.Tensor,
+    row_grad: torch.Tensor,
+    *,
+    vocab_start: int,
+    n_valid: int,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    vocab_size: int,
+) -> torch.Tensor:
+    """``fastpar.reference.cross_entropy.grad_logits`` written into ``logits`` itself (returned).
+
+    ``logits`` ``[C, V_local]`` contiguous; the formula, its fp32 arithmetic and the single
+    cast are those of ``grad_logits``; padding columns and rows with ``row_grad == 0`` get 0.
+    Temporaries: fp32 blocks of about 2^20 elements.
+    """
+    logits[:, n_valid:] = 0
+    if n_valid <= 0 or logits.shape[0] == 0:
+        return logits
+    alpha = label_smoothing
+    g = row_grad.float()
+    scale = (g * (1.0 + 2.0 * z_loss * (row_max + log_s)))[:, None]
+    shift = (g * (alpha / vocab_size))[:, None]
+    col, inside = ce._local_target(target, vocab_start, n_valid, ignore_index)
+    onehot = torch.where(inside, -(1.0 - alpha) * g, torch.zeros_like(g))[:, None]
+    for rows in ce._row_chunks(logits.shape[0], n_valid):
+        d = torch.sub(logits[rows, :n_valid].float(), row_max[rows, None])
+        d.sub_(log_s[rows, None]).exp_().mul_(scale[rows])  # g·p·(1 + 2z·lse)
+        if alpha:
+            d.sub_(shift[rows])
+        d.scatter_add_(1, col[rows, None], onehot[rows])  # true class, still in fp32
+        logits[rows, :n_valid] = d  # the single cast to the logits' dtype
+    return logits
+
+
+def _single_rank(stats: torch.Tensor, first: bool) -> torch.Tensor:
+    return stats.unsqueeze(0)
+
+
+@dataclass
+class ChunkResult:
+    """What ``chunk_loop`` computed: per-row fp32 ``loss``, ``row_max``, ``log_s`` ``[N]`` (None
+    when the statistics were given), and the gradients (None unless asked for)."""
+
+    loss: torch.Tensor | None
+    row_max: torch.Tensor
+    log_s: torch.Tensor
+    grad_hidden: torch.Tensor | None
+    grad_weight: torch.Tensor | None
+
+
+def chunk_loop(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    vocab_start: int,
+    n_valid: int,
+    vocab_size: int,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    chunk_size: int | None = None,
+    row_grad: torch.Tensor | None = None,
+    stats: tuple[torch.Tensor, torch.Tensor] | None = None,
+    hidden_grad: bool = True,
+    weight_grad: bool = True,
+    gather: Callable[[torch.Tensor, bool], torch.Tensor] = _single_rank,
+    local_stats: Callable[..., torch.Tensor] = ce.local_stats,
+    grad_fn: Callable[..., torch.Tensor] = grad_logits_,
+) -> ChunkResult:
+    """The chunked loss (and gradients) of ``hidden @ weight.T`` against ``target``.
+
+    hidden ``[N, H]``, weight ``[V_local, H]`` (this rank's shard: global ids
+    ``vocab_start + j`` for ``j < n_valid``; the other rows are padding), target ``[N]`` int64.
+    ``row_grad`` ``[N]`` fp32: the upstream gradient of each row's loss (0 on ignored rows);
+    None computes no gradient. ``stats``: the combined ``(row_max, log_s)`` of an earlier pass
+    (the recompute backward): no statistics and no ``gather`` then. ``gather(stats, first)``
+    maps this rank's ``[C, 4]`` statistics to every rank's ``[tp, C, 4]``; ``first`` marks the
+    first chunk. ``local_stats`` / ``grad_fn`` compute a chunk's statistics / in-place gradient
+    (the reference here, the Triton launchers in the op). N = 0 still makes one (empty) gather.
+    """
+    n, _ = hidden.shape
+    n_local = weight.shape[0]
+    step = chunk_size or default_chunk_size(n, n_local)
+    dev = hidden.device
+    buf = torch.empty(min(step, n), n_local, dtype=hidden.dtype, device=dev)
+    if stats is None:
+        loss = torch.empty(n, dtype=torch.float32, device=dev)
+        row_max = torch.empty(n, dtype=torch.float32, device=dev)
+        log_s = torch.empty(n, dtype=torch.float32, device=dev)
+    else:
+        loss, (row_max, log_s) = None, stats
+    want = row_grad is not None
+    grad_hidden = torch.empty_like(hidden) if want and hidden_grad else None
+    grad_weight = None
+    if want and weight_grad:
+        acc = weight.dtype if weight.dtype == torch.float32 else torch.float32
+        grad_weight = torch.zeros(weight.shape, dtype=acc, device=dev)
+    spec = dict(vocab_start=vocab_start, n_valid=n_valid, ignore_index=ignore_index)
+    grad_spec = dict(spec, label_smoothing=label_smoothing, z_loss=z_loss, vocab_size=vocab_size)
+    for start in range(0, max(n, 1), step):
+        rows = slice(start, min(start + step, n))
+        h, t = hidden[rows], target[rows]
+        x = torch.mm(h, weight.t(), out=buf[: h.shape[0]])
+        if stats is None:
+            gathered = gather(local_stats(x, t, vocab_start, n_valid, ignore_index), start == 0)
+            m, ls, xt, total = ce.combine_stats(gathered)
+            row_max[rows], log_s[rows] = m, ls
+            loss[rows] = ce.row_loss(
+                m,
+                ls,
+                xt,
+                total,
+                t != ignore_index,
+                label_smoothing=label_smoothing,
+                z_loss=z_loss,
+                vocab_size=vocab_size,
+            )
+        if not want or h.shape[0] == 0:
+            continue
+        d = grad_fn(x, t, row_max[rows], log_s[rows], row_grad[rows], **grad_spec)
+        if grad_hidden is not None:
+            torch.mm(d, weight, out=grad_hidden[rows])
+        if grad_weight is None:
+            continue
+        if grad_weight.dtype == d.dtype:
+            grad_weight.addmm_(d.t(), h)
+        else:  # bf16 / fp16: this chunk's product in the weight's dtype, summed in fp32
+            grad_weight.add_(torch.mm(d.t(), h))
+    return ChunkResult(loss, row_max, log_s, grad_hidden, grad_weight)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    z_loss: float = 0.0,
+    vocab_size: int | None = None,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Single-rank oracle: (loss, d loss / d hidden, d loss / d weight) for an upstream
+    gradient of 1, chunked as the op does. hidden ``[N, H]``, weight ``[V, H]`` (rows past
+    ``vocab_size`` are padding), target ``[N]``; loss as ``vocab_parallel_cross_entropy``."""
+    n_local = weight.shape[0]
+    vocab_size = n_local if vocab_size is None else vocab_size
+    valid = target != ignore_index
+    count = valid.sum().clamp(min=1).float()
+    g = torch.ones_like(valid, dtype=torch.float32) if reduction != "mean" else 1.0 / count
+    row_grad = torch.where(valid, g, torch.zeros((), device=valid.device))
+    out = chunk_loop(
+        hidden,
+        weight,
+        target,
+        vocab_start=0,
+        n_valid=min(n_local, vocab_size),
+        vocab_size=vocab_size,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        chunk_size=chunk_size,
+        row_grad=row_grad,
+    )
+    loss = out.loss
+    if reduction != "none":
+        loss = loss.sum() / count if reduction == "mean" else loss.sum()
+    return loss, out.grad_hidden, out.grad_weight.to(weight.dtype)

@@ -1,0 +1,311 @@
+"""CPU tier: the fused linear cross-entropy on 1, 2 and 4 gloo ranks against F.linear + CE.
+
+The oracle is torch in float64 on the full (unsharded) weight, from the very values each rank
+holds: ``F.cross_entropy(F.linear(h, W), t, label_smoothing=α) + z·logsumexp²`` with the
+reduction, backward to d hidden and d weight. Each rank holds rows ``[r·V_local, (r+1)·V_local)``
+of the weight padded with GARBAGE rows (they must reach neither the loss nor a gradient); its
+d hidden (all-reduced over TP) must equal the oracle's, its d weight shard the oracle's rows.
+Every case of one world size runs in one ``run_ranks`` call; results travel pickled.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fastpar.nn.functional import vocab_parallel_linear_cross_entropy
+from fastpar.reference import linear_cross_entropy as ref
+from fastpar.testing import run_ranks
+
+GARBAGE = 50.0  # the padding rows of the weight
+
+
+@dataclass(frozen=True)
+class Case:
+    shape: tuple[int, ...] = (13,)
+    vocab: int = 128
+    hidden: int = 24
+    reduction: str = "mean"
+    ignore_index: int = -100
+    n_ignored: int = 2
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    dtype: torch.dtype = torch.float32
+    padded: bool = False  # pass vocab_size (True whenever vocab % tp != 0)
+    chunk_size: int | None = 4
+    recompute: bool = False
+    seed: int = 0
+
+
+CASES = [
+    Case(),
+    Case(reduction="sum", seed=1),
+    Case(reduction="none", seed=2),  # always the recompute backward
+    Case(vocab=123, padded=True, chunk_size=5, seed=3),  # odd chunks: 5 + 5 + 3
+    Case(vocab=123, padded=True, reduction="none", label_smoothing=0.1, z_loss=1e-3, seed=4),
+    Case(shape=(5, 7), vocab=123, hidden=17, padded=True, reduction="sum", label_smoothing=0.1),
+    Case(shape=(5, 7), label_smoothing=0.1, z_loss=1e-3, chunk_size=None, seed=6),  # default
+    Case(z_loss=1e-3, reduction="sum", recompute=True, seed=7),
+    Case(ignore_index=3, n_ignored=4, label_smoothing=0.2, recompute=True, seed=8),
+    Case(n_ignored=13, seed=9),  # every target ignored: mean 0, gradients 0
+    Case(n_ignored=13, reduction="sum", z_loss=1e-3, recompute=True, seed=10),
+    Case(chunk_size=64, seed=11),  # one chunk larger than N
+    Case(shape=(1,), vocab=5, padded=True, reduction="sum", n_ignored=0, seed=12),  # pad-only rank
+    Case(shape=(3, 2, 4), vocab=123, padded=True, dtype=torch.bfloat16, seed=13),
+    Case(vocab=123, padded=True, dtype=torch.bfloat16, label_smoothing=0.1, z_loss=1e-3, seed=14),
+    Case(dtype=torch.bfloat16, reduction="none", seed=15),
+    Case(dtype=torch.float16, recompute=True, reduction="sum", seed=16),
+]
+
+# (loss rtol, gradient rtol, gradient atol relative to the largest entry) per dtype. In bf16 /
+# fp16 the logits are rounded to the inputs' dtype (as F.linear rounds them for the unfused CE),
+# the oracle's are not.
+TOL = {
+    torch.float32: (2e-5, 2e-5, 2e-6),
+    torch.bfloat16: (3e-3, 3e-2, 2e-2),
+    torch.float16: (5e-4, 4e-3, 3e-3),
+}
+
+
+def _inputs(case: Case):
+    """(hidden [*shape, H], full weight [V, H] in case.dtype, target, upstream gradient)."""
+    gen = torch.Generator().manual_seed(case.seed)
+    hidden = torch.randn(*case.shape, case.hidden, generator=gen).to(case.dtype)
+    weight = (torch.randn(case.vocab, case.hidden, generator=gen) * 0.5).to(case.dtype)
+    target = torch.randint(0, case.vocab, case.shape, generator=gen)
+    flat = target.view(-1)
+    flat[torch.randperm(flat.numel(), generator=gen)[: case.n_ignored]] = case.ignore_index
+    if case.reduction == "none":
+        upstream = torch.rand(case.shape, generator=gen) + 0.5
+    else:
+        upstream = torch.tensor(1.7)
+    return hidden, weight, target, upstream
+
+
+def _shard(weight: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    n_local = math.ceil(weight.shape[0] / tp)
+    pad = torch.full((n_local * tp - weight.shape[0], weight.shape[1]), GARBAGE, dtype=weight.dtype)
+    return torch.cat([weight, pad])[rank * n_local : (rank + 1) * n_local]
+
+
+def _expected(case: Case):
+    """(loss, d hidden, d weight [V, H]) from torch in float64 on the full weight."""
+    hidden, weight, target, upstream = _inputs(case)
+    h = hidden.double().requires_grad_()
+    w = weight.double().requires_grad_()
+    x = F.linear(h, w).reshape(-1, case.vocab)
+    t = target.reshape(-1)
+    rows = F.cross_entropy(
+        x, t, ignore_index=case.ignore_index, label_smoothing=case.label_smoothing, reduction="none"
+    )
+    valid = t != case.ignore_index
+    rows = rows + case.z_loss * torch.logsumexp(x, dim=-1).square() * valid
+    if case.reduction == "none":
+        loss = rows.reshape(case.shape)
+    elif case.reduction == "sum":
+        loss = rows.sum()
+    else:
+        loss = rows.sum() / valid.sum().clamp(min=1)
+    (loss * upstream.double()).sum().backward()
+    return loss.detach(), h.grad, w.grad
+
+
+def _call(case: Case, hidden, weight, target, group=None, **kw):
+    return vocab_parallel_linear_cross_entropy(
+        hidden,
+        weight,
+        target,
+        group=group,
+        ignore_index=case.ignore_index,
+        label_smoothing=case.label_smoothing,
+        reduction=case.reduction,
+        z_loss=case.z_loss,
+        vocab_size=case.vocab if case.padded else None,
+        chunk_size=case.chunk_size,
+        recompute=case.recompute,
+        **kw,
+    )
+
+
+def _run_cases(cases: list[Case]) -> bytes:
+    """On each rank: (loss, d hidden, d weight shard) of every case, pickled."""
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    out = []
+    for case in cases:
+        hidden, weight, target, upstream = _inputs(case)
+        h = hidden.clone().requires_grad_()
+        w = _shard(weight, tp, rank).clone().requires_grad_()
+        loss = _call(case, h, w, target)
+        (loss * upstream).sum().backward()
+        out.append((loss.detach(), h.grad, w.grad))
+    return pickle.dumps(out)
+
+
+def _check(case: Case, results: list, tp: int, i: int) -> None:
+    loss_rtol, grad_rtol, grad_atol = TOL[case.dtype]
+    want_loss, want_h, want_w = _expected(case)
+    n_local = math.ceil(case.vocab / tp)
+    want_w = torch.cat([want_w, torch.zeros(n_local * tp - case.vocab, case.hidden).double()])
+    scale_h = max(1e-3, want_h.abs().max().item())
+    scale_w = max(1e-3, want_w.abs().max().item())
+    for rank, per_case in enumerate(results):
+        loss, gh, gw = per_case[i]
+        where = f"{case} tp={tp} rank={rank}"
+        assert loss.dtype == torch.float32 and loss.shape == want_loss.shape, where
+        assert gh.dtype == case.dtype and gw.dtype == case.dtype, where
+        torch.testing.assert_close(
+            loss.double(),
+            want_loss,
+            rtol=loss_rtol,
+            atol=loss_rtol,
+            msg=lambda m, w=where: f"{w}\n{m}",
+        )
+        torch.testing.assert_close(
+            gh.double(),
+            want_h,
+            rtol=grad_rtol,
+            atol=grad_atol * scale_h,
+            msg=lambda m, w=where: f"{w} d hidden\n{m}",
+        )
+        torch.testing.assert_close(
+            gw.double(),
+            want_w[rank * n_local : (rank + 1) * n_local],
+            rtol=grad_rtol,
+            atol=grad_atol * scale_w,
+            msg=lambda m, w=where: f"{w} d weight\n{m}",
+        )
+        pad_rows = [j for j in range(n_local) if rank * n_local + j >= case.vocab]
+        assert (gw[pad_rows] == 0).all(), f"{where}: padding rows got a gradient"
+
+
+def test_tp1_in_process_equals_linear_plus_cross_entropy():
+    results = [pickle.loads(_run_cases_local(CASES))]
+    for i, case in enumerate(CASES):
+        _check(case, results, 1, i)
+
+
+def _run_cases_local(cases: list[Case]) -> bytes:
+    out = []
+    for case in cases:
+        hidden, weight, target, upstream = _inputs(case)
+        h, w = hidden.clone().requires_grad_(), _shard(weight, 1, 0).clone().requires_grad_()
+        loss = _call(case, h, w, target)
+        (loss * upstream).sum().backward()
+        out.append((loss.detach(), h.grad, w.grad))
+    return pickle.dumps(out)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_parity_against_full_weight(tp):
+    results = [pickle.loads(r) for r in run_ranks(_run_cases, tp, CASES)]
+    for i, case in enumerate(CASES):
+        _check(case, results, tp, i)
+
+
+def _partial_hidden_grad() -> bytes:
+    """reduce_hidden_grad=False: d hidden is this shard's partial sum (the caller reduces)."""
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    case = Case(vocab=123, padded=True, label_smoothing=0.1)
+    hidden, weight, target, _ = _inputs(case)
+    h = hidden.clone().requires_grad_()
+    _call(case, h, _shard(weight, tp, rank), target, reduce_hidden_grad=False).backward()
+    return pickle.dumps(h.grad)
+
+
+def test_partial_hidden_grad_sums_to_the_full_one():
+    parts = [pickle.loads(r) for r in run_ranks(_partial_hidden_grad, 2)]
+    case = Case(vocab=123, padded=True, label_smoothing=0.1)
+    _, want_h, _ = _expected(case)
+    want_h = want_h / 1.7  # upstream 1 here
+    assert not torch.allclose(parts[0].double(), want_h, atol=1e-4)
+    torch.testing.assert_close((parts[0] + parts[1]).double(), want_h, rtol=2e-5, atol=2e-6)
+
+
+def test_reference_oracle_equals_torch():
+    """``ref.linear_cross_entropy`` (single rank, chunked) against F.linear + F.cross_entropy."""
+    gen = torch.Generator().manual_seed(5)
+    h, w = torch.randn(29, 19, generator=gen), torch.randn(41, 19, generator=gen)
+    t = torch.randint(0, 41, (29,), generator=gen)
+    t[3] = -100
+    for reduction in ("mean", "sum", "none"):
+        for chunk in (1, 6, None):
+            loss, gh, gw = ref.linear_cross_entropy(
+                h, w, t, reduction=reduction, label_smoothing=0.1, chunk_size=chunk
+            )
+            hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+            want = F.cross_entropy(F.linear(hh, ww), t, label_smoothing=0.1, reduction=reduction)
+            want.sum().backward()
+            torch.testing.assert_close(loss, want.detach())
+            torch.testing.assert_close(gh, hh.grad)
+            torch.testing.assert_close(gw, ww.grad)
+
+
+def test_default_chunk_size():
+    assert ref.default_chunk_size(4096, 32768) == 256
+    assert ref.default_chunk_size(100, 32768) == 100
+    assert ref.default_chunk_size(10**6, 10**7) == ref.MIN_CHUNK
+    assert ref.default_chunk_size(0, 10) == 1
+
+
+def test_no_grad_and_frozen_inputs():
+    gen = torch.Generator().manual_seed(1)
+    h, w = torch.randn(9, 8, generator=gen), torch.randn(20, 8, generator=gen)
+    t = torch.randint(0, 20, (9,), generator=gen)
+    want = F.cross_entropy(F.linear(h, w), t)
+    with torch.no_grad():
+        torch.testing.assert_close(vocab_parallel_linear_cross_entropy(h, w, t), want)
+    for frozen_weight in (True, False):
+        hh = h.clone().requires_grad_(frozen_weight)
+        ww = w.clone().requires_grad_(not frozen_weight)
+        loss = vocab_parallel_linear_cross_entropy(hh, ww, t, chunk_size=4)
+        loss.backward()
+        assert (ww.grad is None) == frozen_weight and (hh.grad is None) != frozen_weight
+
+
+def test_backward_twice():
+    gen = torch.Generator().manual_seed(2)
+    h = torch.randn(9, 8, generator=gen).requires_grad_()
+    w = torch.randn(20, 8, generator=gen).requires_grad_()
+    t = torch.randint(0, 20, (9,), generator=gen)
+    loss = vocab_parallel_linear_cross_entropy(h, w, t, recompute=True)
+    first = torch.autograd.grad(loss, (h, w), retain_graph=True)
+    second = torch.autograd.grad(loss, (h, w))
+    for a, b in zip(first, second, strict=True):
+        torch.testing.assert_close(a, b)
+    loss = vocab_parallel_linear_cross_entropy(h, w, t)
+    torch.autograd.grad(loss, (h, w), retain_graph=True)
+    with pytest.raises(RuntimeError, match="recompute=True"):
+        torch.autograd.grad(loss, (h, w))
+
+
+def test_bad_inputs_raise_clear_errors():
+    h, w, t = torch.randn(4, 8), torch.randn(10, 8), torch.randint(0, 10, (4,))
+    f = vocab_parallel_linear_cross_entropy
+    with pytest.raises(TypeError, match="share one dtype"):
+        f(h, w.double(), t)
+    with pytest.raises(TypeError, match="integer class ids"):
+        f(h, w, t.float())
+    with pytest.raises(ValueError, match=r"weight \(10, 7\) must be"):
+        f(h, w[:, :7], t)
+    with pytest.raises(ValueError, match=r"target's shape \(5,\)"):
+        f(h, w, torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        f(h, w, t, reduction="avg")
+    with pytest.raises(ValueError, match="label_smoothing must be in"):
+        f(h, w, t, label_smoothing=1.0)
+    with pytest.raises(ValueError, match="z_loss must be >= 0"):
+        f(h, w, t, z_loss=-1.0)
+    with pytest.raises(ValueError, match="chunk_size must be a positive"):
+        f(h, w, t, chunk_size=0)
+    with pytest.raises(ValueError, match="vocab_size=11 does not fit"):
+        f(h, w, t, vocab_size=11)
+    bad = t.clone()
+    bad[1] = 10
+    with pytest.raises(RuntimeError, match=r"target id is outside \[0, 10\)"):
+        f(h, w, bad)
