@@ -223,10 +223,9 @@ def _segments_padded(x, sizes, w1, b1, w2, b2, gated, activation):
 def segments(x, counts, w1, b1, w2, b2, gated: bool, activation: str) -> torch.Tensor:
     """x [N, H] grouped by expert with ``counts`` [E] (tensor or list) rows each -> [N, H],
     by the path ``set_segments_impl`` chose (module docstring); traced: always grouped."""
-    impl = _segments["impl"]
-    if torch.compiler.is_compiling() or impl in ("auto", "grouped"):
+    if torch.compiler.is_compiling() or _segments["impl"] in ("auto", "grouped"):
         return _segments_grouped(x, counts, w1, b1, w2, b2, gated, activation)
-    run = _segments_padded if impl == "padded" else _segments_loop
+    run = _segments_padded if _segments["impl"] == "padded" else _segments_loop
     return run(x, _sizes(counts), w1, b1, w2, b2, gated, activation)
 
 
