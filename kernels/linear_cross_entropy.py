@@ -48,7 +48,7 @@ def _grad_inplace_kernel(
     in_row = idx < n_cols
     offs = row * row_stride + idx
     g = tl.load(row_grad_ptr + row)
-    valid = (idx < n_valid) & (g != 0.0)  # an ignored row is not read
+    valid = idx < tl.where(g != 0.0, n_valid, 0)  # an ignored row (g = 0) is not read
     row_max = tl.load(max_ptr + row)
     log_s = tl.load(log_s_ptr + row)
     target = tl.load(target_ptr + row)

@@ -1,0 +1,297 @@
+"""Triton path of the fused linear cross-entropy.
+
+Interpreter tier (``TRITON_INTERPRET=1``, fp32 CPU tensors, Triton forced with
+``backend.use_backend("triton")``): the in-place gradient kernel against the torch reference,
+and the whole op (Triton statistics + in-place gradient, torch matmuls) against the chunked
+reference and F.linear + F.cross_entropy, loss and both gradients, on 1, 2 and 4 gloo ranks.
+GPU tier (``-m cuda``): the kernel natively in fp32 / bf16 / fp16, the op against torch, and
+its peak memory against linear + CE. CPU tier: the kernel compiles for sm_90.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fastpar.ops import backend
+from fastpar.ops.linear_cross_entropy import vocab_parallel_linear_cross_entropy
+from fastpar.reference import cross_entropy as ce_ref
+from fastpar.reference import linear_cross_entropy as ref
+from fastpar.testing import run_ranks
+
+interpreter = pytest.mark.interpreter
+cuda = pytest.mark.cuda
+
+
+def _kernels():
+    from fastpar.kernels import linear_cross_entropy as kernels  # defines kernels: lazily
+
+    return kernels
+
+
+# --- interpreter tier: the in-place gradient kernel against the reference ---------------------
+
+GRAD_CASES = [  # (rows, cols, vocab_start, n_valid, block)
+    (1, 123, 0, 123, None),
+    (3, 123, 0, 123, 32),  # a ragged last block
+    (7, 123, 0, 100, 16),  # 23 padding columns
+    (5, 64, 64, 40, 16),  # second shard
+    (3, 8, 16, 0, 4),  # only padding
+]
+
+
+@interpreter
+@pytest.mark.parametrize(("rows", "cols", "start", "n_valid", "block"), GRAD_CASES)
+def test_inplace_grad_kernel_matches_reference(rows, cols, start, n_valid, block):
+    gen = torch.Generator().manual_seed(rows * cols + start)
+    x = torch.randn(rows, cols, generator=gen) * 3
+    x[:, n_valid:] = 1.0e4
+    t = torch.randint(0, start + max(n_valid, 1), (rows,), generator=gen)
+    t[-1] = -100
+    stats = ce_ref.local_stats(x, t, start, n_valid, -100)
+    row_max, log_s, _, _ = ce_ref.combine_stats(stats[None])
+    g = (torch.rand(rows, generator=gen) + 0.1) * (t != -100)
+    args = dict(
+        vocab_start=start,
+        n_valid=n_valid,
+        ignore_index=-100,
+        label_smoothing=0.1,
+        z_loss=1e-3,
+        vocab_size=start + max(n_valid, 1),
+    )
+    want = ref.grad_logits_(x.clone(), t, row_max, log_s, g, **args)
+    buf = x.clone()
+    got = _kernels().grad_logits_(buf, t, row_max, log_s, g, block=block, **args)
+    assert got.data_ptr() == buf.data_ptr()  # in place
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert (got[:, n_valid:] == 0).all() and (got[t == -100] == 0).all()
+    full = ce_ref.grad_logits(x, t, row_max, log_s, g, **args)  # the out-of-place CE gradient
+    torch.testing.assert_close(got, full, rtol=1e-5, atol=1e-6)
+
+
+@interpreter
+def test_inplace_grad_kernel_fp16_buffer():
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(4, 50, generator=gen) * 3).half()
+    t = torch.randint(0, 50, (4,), generator=gen)
+    row_max, log_s, _, _ = ce_ref.combine_stats(ce_ref.local_stats(x, t, 0, 50, -100)[None])
+    g = torch.ones(4)
+    args = dict(
+        vocab_start=0, n_valid=50, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, vocab_size=50
+    )
+    got = _kernels().grad_logits_(x.clone(), t, row_max, log_s, g, block=16, **args)
+    want = ref.grad_logits_(x.clone(), t, row_max, log_s, g, **args)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
+
+
+# --- interpreter tier: the whole op under Triton ------------------------------------------------
+
+OP_CASES = [  # (rows, vocab, hidden, reduction, alpha, z, n_ignored, chunk, recompute)
+    (1, 37, 8, "mean", 0.0, 0.0, 0, None, False),
+    (9, 37, 8, "sum", 0.1, 1e-3, 2, 4, False),
+    (9, 37, 8, "none", 0.1, 0.0, 3, 4, True),
+    (6, 50, 5, "mean", 0.0, 1e-3, 6, 5, False),  # all ignored: 0, not NaN
+    (11, 29, 7, "mean", 0.2, 1e-3, 2, 3, True),
+]
+
+
+def _data(rows, vocab, hidden, n_ignored, seed):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows, hidden, generator=gen)
+    w = torch.randn(vocab, hidden, generator=gen)
+    t = torch.randint(0, vocab, (rows,), generator=gen)
+    t[:n_ignored] = -100
+    return h, w, t
+
+
+def _torch(h, w, t, reduction, alpha, z):
+    """(loss, d hidden, d weight) of F.linear + F.cross_entropy (+ z·lse²) in float64."""
+    hh, ww = h.double().requires_grad_(), w.double().requires_grad_()
+    x = F.linear(hh, ww)
+    rows = F.cross_entropy(x, t, label_smoothing=alpha, reduction="none")
+    valid = t != -100
+    rows = rows + z * torch.logsumexp(x, -1).square() * valid
+    loss = {"none": rows, "sum": rows.sum(), "mean": rows.sum() / valid.sum().clamp(min=1)}
+    loss = loss[reduction]
+    loss.sum().backward()
+    return loss.detach(), hh.grad, ww.grad
+
+
+@interpreter
+@pytest.mark.parametrize(
+    ("rows", "vocab", "hidden", "reduction", "alpha", "z", "n_ignored", "chunk", "recompute"),
+    OP_CASES,
+)
+def test_op_under_triton_equals_reference_and_torch(
+    rows, vocab, hidden, reduction, alpha, z, n_ignored, chunk, recompute
+):
+    h, w, t = _data(rows, vocab, hidden, n_ignored, seed=rows + vocab)
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    opts = dict(reduction=reduction, label_smoothing=alpha, z_loss=z, chunk_size=chunk)
+    with backend.use_backend("triton"):
+        loss = vocab_parallel_linear_cross_entropy(hh, ww, t, recompute=recompute, **opts)
+        loss.sum().backward()
+    r_loss, r_h, r_w = ref.linear_cross_entropy(h, w, t, **opts)
+    torch.testing.assert_close(loss, r_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(hh.grad, r_h, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ww.grad, r_w, rtol=1e-5, atol=1e-6)
+    t_loss, t_h, t_w = _torch(h, w, t, reduction, alpha, z)
+    torch.testing.assert_close(loss.double(), t_loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hh.grad.double(), t_h, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(ww.grad.double(), t_w, rtol=1e-4, atol=1e-6)
+
+
+def _ranks_under_triton(vocab: int, rows: int, hidden: int) -> bytes:
+    """Each rank: the op under Triton on its padded weight shard (padding rows of garbage)."""
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    h, w, t = _data(rows, vocab, hidden, 2, seed=11)
+    n_local = math.ceil(vocab / tp)
+    padded = torch.cat([w, torch.full((n_local * tp - vocab, hidden), 30.0)])
+    shard = padded[rank * n_local : (rank + 1) * n_local].clone().requires_grad_()
+    hh = h.clone().requires_grad_()
+    out = []
+    with backend.use_backend("triton"):
+        for reduction, recompute in (("mean", False), ("none", True)):
+            loss = vocab_parallel_linear_cross_entropy(
+                hh,
+                shard,
+                t,
+                vocab_size=vocab,
+                label_smoothing=0.1,
+                z_loss=1e-4,
+                reduction=reduction,
+                chunk_size=3,
+                recompute=recompute,
+            )
+            gh, gw = torch.autograd.grad(loss.sum(), (hh, shard))
+            out.append((loss.detach(), gh, gw))
+    return pickle.dumps(out)
+
+
+@interpreter
+@pytest.mark.parametrize(("tp", "vocab", "rows", "hidden"), [(2, 37, 7, 6), (4, 29, 5, 4)])
+def test_ranks_under_triton(tp, vocab, rows, hidden):
+    results = [pickle.loads(r) for r in run_ranks(_ranks_under_triton, tp, vocab, rows, hidden)]
+    h, w, t = _data(rows, vocab, hidden, 2, seed=11)
+    n_local = math.ceil(vocab / tp)
+    for i, reduction in enumerate(("mean", "none")):
+        want_loss, want_h, want_w = _torch(h, w, t, reduction, 0.1, 1e-4)
+        want_w = torch.cat([want_w, torch.zeros(n_local * tp - vocab, hidden).double()])
+        for rank, per in enumerate(results):
+            loss, gh, gw = per[i]
+            torch.testing.assert_close(loss.double(), want_loss, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(gh.double(), want_h, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(
+                gw.double(), want_w[rank * n_local : (rank + 1) * n_local], rtol=1e-4, atol=1e-5
+            )
+
+
+# --- GPU tier -----------------------------------------------------------------------------------
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_kernel_matches_reference(dtype):
+    rows, cols, n_valid = 257, 32003, 32000
+    x = (torch.randn(rows, cols, device="cuda") * 3).to(dtype)
+    t = torch.randint(0, n_valid, (rows,), device="cuda")
+    t[::7] = -100
+    row_max, log_s, _, _ = ce_ref.combine_stats(ce_ref.local_stats(x, t, 0, n_valid, -100)[None])
+    g = torch.rand(rows, device="cuda") * (t != -100)
+    args = dict(
+        vocab_start=0,
+        n_valid=n_valid,
+        ignore_index=-100,
+        label_smoothing=0.1,
+        z_loss=1e-3,
+        vocab_size=n_valid,
+    )
+    got = _kernels().grad_logits_(x.clone(), t, row_max, log_s, g, **args)
+    want = ref.grad_logits_(x.clone(), t, row_max, log_s, g, **args)
+    torch.testing.assert_close(got.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype] / 10)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_op_equals_torch_and_saves_memory(dtype):
+    n, hidden, vocab = 4096, 1024, 32768
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(n, hidden, device="cuda", generator=gen).to(dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, device="cuda", generator=gen) * 0.05).to(dtype)
+    w.requires_grad_()
+    t = torch.randint(0, vocab, (n,), device="cuda", generator=gen)
+    t[:64] = -100
+
+    def peak(fn):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        loss = fn()
+        grads = torch.autograd.grad(loss, (h, w))
+        torch.cuda.synchronize()
+        return loss.detach(), grads, torch.cuda.max_memory_allocated() - base
+
+    fused = peak(lambda: vocab_parallel_linear_cross_entropy(h, w, t, label_smoothing=0.1))
+    plain = peak(lambda: F.cross_entropy(F.linear(h, w), t, label_smoothing=0.1))
+    torch.testing.assert_close(fused[0], plain[0].float(), rtol=TOL[dtype], atol=TOL[dtype])
+    for a, b in zip(fused[1], plain[1], strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=TOL[dtype] * 5, atol=TOL[dtype] / 10)
+    assert fused[2] < plain[2] / 4, (fused[2], plain[2])
+
+
+# --- CPU tier: the kernel compiles for a Hopper GPU (no GPU needed) -----------------------------
+
+
+def _signature(dtype: str) -> dict:
+    return {
+        "logits_ptr": f"*{dtype}",
+        "target_ptr": "*i64",
+        "max_ptr": "*fp32",
+        "log_s_ptr": "*fp32",
+        "row_grad_ptr": "*fp32",
+        "row_stride": "i64",
+        "n_cols": "i32",
+        "vocab_start": "i32",
+        "n_valid": "i32",
+        "ignore_index": "i32",
+        "one_minus_alpha": "fp32",
+        "alpha_over_v": "fp32",
+        "two_z": "fp32",
+        "BLOCK": "constexpr",
+    }
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") == "1", reason="compiles kernels: not under the interpreter"
+)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_kernels_compile_for_sm90(dtype):
+    """Catches type errors of the compiled (not interpreted) path on a machine without a GPU."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    k = _kernels()
+    block = k.GRAD_BLOCK
+    src = ASTSource(
+        k._grad_inplace_kernel, signature=_signature(dtype), constexprs={"BLOCK": block}
+    )
+    try:
+        compiled = triton.compile(
+            src, target=GPUTarget("cuda", 90, 32), options={"num_warps": k._warps(block)}
+        )
+    except RuntimeError as exc:
+        if "ptxas" in str(exc) and "not found" in str(exc):
+            pytest.skip(f"no ptxas: {exc}")
+        raise
+    assert "cubin" in compiled.asm
+    assert ".local" not in compiled.asm["ptx"]  # no spills to local memory
