@@ -79,9 +79,17 @@ def _device_mesh_round_trip() -> None:
 
     assert MoE(4, 8, 4, mesh=dm).ep_group is moe_mesh.ep_group  # a DeviceMesh's "ep" dim
 
+    # context parallelism: a "cp" dim round-trips (its groups are the mesh's)
+    cp_dm = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    cp_mesh = ParallelMesh.from_device_mesh(cp_dm)
+    assert (cp_mesh.cp_size, cp_mesh.tp_size, cp_mesh.dp_size) == (2, 2, 1)
+    assert cp_mesh.cp_group is cp_dm.get_group("cp") and cp_mesh.ranks("cp") == [
+        r for r in range(4) if r % 2 == dist.get_rank() % 2
+    ]
+    assert cp_mesh.to_device_mesh().mesh_dim_names == ("pp", "dp", "cp", "tp")
     # clear errors, naming the fix
-    with pytest.raises(ValueError, match="context parallelism"):
-        ParallelMesh.from_device_mesh(init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp")))
+    with pytest.raises(ValueError, match="no fastpar counterpart"):
+        ParallelMesh.from_device_mesh(init_device_mesh("cpu", (2, 2), mesh_dim_names=("sp", "tp")))
     no_tp = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     with pytest.raises(ValueError, match="no 'tp' dim"):
         ColumnParallelLinear(4, 6, mesh=no_tp)

@@ -27,6 +27,9 @@ LAYOUTS = [
     (8, dict(pp=2, ep=4)),
     (8, dict(tp=2, ep=2, order="tp-dp-ep-pp")),
     (8, dict(tp=2, pp=2, order="pp-dp-tp-ep")),
+    (8, dict(tp=2, cp=2)),
+    (8, dict(cp=2, pp=2, ep=2)),
+    (8, dict(tp=2, cp=2, order="cp-tp-dp-ep-pp")),
 ]
 
 
@@ -40,6 +43,7 @@ def test_groups_reduce_over_listed_ranks(world, kw):
         kw.get("pp", 1),
         kw.get("ep", 1),
         kw.get("order", "tp-ep-dp-pp"),
+        kw.get("cp", 1),
     )
     for rank, res in enumerate(results):
         for kind in GROUP_KINDS:
@@ -48,7 +52,7 @@ def test_groups_reduce_over_listed_ranks(world, kw):
             assert ranks == expected, (rank, kind)
             assert (members(bits) if bits is not None else []) == expected, (rank, kind)
         c = res["coords"]
-        assert {k: c[k] for k in ("tp", "pp", "dp", "ep", "expert-dp")} == layout.coords(rank)
+        assert {k: c[k] for k in ("tp", "pp", "dp", "cp", "ep", "expert-dp")} == layout.coords(rank)
         pp_group = layout.group_of("pp", rank)
         assert c["first"] == (pp_group[0] == rank) and c["last"] == (pp_group[-1] == rank)
         i = pp_group.index(rank)

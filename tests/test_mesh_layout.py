@@ -11,9 +11,10 @@ import pytest
 from fastpar.mesh import GROUP_KINDS, MeshLayout, rank_groups
 
 ORDERS = ["-".join(p) for p in itertools.permutations(("tp", "ep", "dp", "pp"))]
+CP_ORDERS = ["-".join(p) for p in itertools.permutations(("tp", "cp", "ep", "dp", "pp"))]
 
 
-def numpy_oracle(world, tp, pp, ep, order):
+def numpy_oracle(world, tp, pp, ep, order, cp=1):
     """Groups by reshaping an arange, independent of fastpar's stride arithmetic.
 
     The grid arange(world).reshape(sizes of the order, reversed) puts the first axis of the
@@ -21,7 +22,9 @@ def numpy_oracle(world, tp, pp, ep, order):
     (later axes first so the earliest varies fastest), then flatten each group's block.
     """
     tokens = order.split("-")
-    dp = world // (tp * pp)
+    if "cp" not in tokens:  # Megatron's place for it: right after tp
+        tokens.insert(tokens.index("tp") + 1, "cp")
+    dp = world // (tp * cp * pp)
 
     def groups(sizes, axes):
         rev = list(reversed(tokens))
@@ -32,11 +35,13 @@ def numpy_oracle(world, tp, pp, ep, order):
         size = int(np.prod([sizes[t] for t in span]))
         return grid.transpose(outside + inside).reshape(-1, size).tolist()
 
-    dense = {"tp": tp, "ep": 1, "dp": dp, "pp": pp}
-    expert = {"tp": tp, "ep": ep, "dp": dp // ep, "pp": pp}
-    out = {k: groups(dense, k) for k in ("tp", "pp", "dp")}
+    dense = {"tp": tp, "cp": cp, "ep": 1, "dp": dp, "pp": pp}
+    expert = {"tp": tp, "cp": 1, "ep": ep, "dp": dp * cp // ep, "pp": pp}
+    out = {k: groups(dense, k) for k in ("tp", "pp", "dp", "cp")}
     out["mp"] = groups(dense, "tp-pp")
     out["tp-dp"] = groups(dense, "tp-dp")
+    out["dp-cp"] = groups(dense, "cp-dp")
+    out["tp-cp"] = groups(dense, "tp-cp")
     out["embedding"] = [[g[0], g[-1]] if pp > 1 else [g[0]] for g in out["pp"]]
     out["ep"] = groups(expert, "ep")
     out["expert-dp"] = groups(expert, "dp")
@@ -79,6 +84,7 @@ def loop_oracle_default_order(world, tp, pp, ep):
     return {
         "tp": tp_g, "pp": pp_g, "dp": dp_g, "mp": mp, "tp-dp": tp_dp, "embedding": emb,
         "ep": ep_g, "expert-dp": edp_g, "tp-ep": tp_ep,
+        "cp": [[r] for r in range(world)], "dp-cp": dp_g, "tp-cp": tp_g,  # cp = 1
     }  # fmt: skip
 
 
@@ -107,6 +113,24 @@ def test_expert_groups_by_hand():
     assert g["tp-ep"][0] == [0, 1]
 
 
+def test_context_parallel_groups_by_hand():
+    """Megatron-Core's RankGenerator with cp (order tp-cp-ep-dp-pp): cp ranks stride by tp, dp
+    ranks by tp·cp; the expert grid folds cp into its data axis, so EP spans cp ranks."""
+    g = rank_groups(8, tp=2, cp=2)
+    assert g["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert g["dp-cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert g["tp-cp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    g = rank_groups(8, tp=2, cp=2, ep=2)
+    assert g["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert g["expert-dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    g = rank_groups(16, tp=2, cp=2, pp=2)
+    assert g["pp"] == [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]]
+    assert g["cp"][:2] == [[0, 2], [1, 3]] and g["dp"][:2] == [[0, 4], [1, 5]]
+    assert MeshLayout(8, cp=2).order == "tp-cp-ep-dp-pp"
+    assert MeshLayout(8).order == "tp-ep-dp-pp"  # cp = 1: the same layout, cp not named
+
+
 def test_pp1_embedding_is_first_rank_only():
     g = rank_groups(4, tp=2)
     assert g["embedding"] == [[0], [1], [2], [3]]
@@ -131,13 +155,14 @@ def _random_layouts(n, seed=1234):
     out = []
     while len(out) < n:
         tp, pp, ep = rng.choice([1, 2, 3, 4, 8]), rng.choice([1, 2, 3, 4]), rng.choice([1, 2, 3, 4])
+        cp = rng.choice([1, 1, 2, 3])
         edp = rng.choice([1, 2, 3])
-        order = rng.choice(ORDERS)
+        order = rng.choice(CP_ORDERS if cp > 1 else ORDERS)
         if pp > 1 and ep > 1 and not order.endswith("pp"):
             continue
-        world = tp * pp * ep * edp
-        if world <= 192:
-            out.append((world, tp, pp, ep, order))
+        world = tp * pp * ep * edp  # = tp * cp * dp * pp with dp * cp = ep * edp
+        if (ep * edp) % cp == 0 and world <= 192:
+            out.append((world, tp, pp, ep, order, cp))
     return out
 
 
@@ -146,12 +171,14 @@ RANDOM_LAYOUTS = _random_layouts(300)
 
 def test_random_layouts_properties():
     checked = 0
-    for world, tp, pp, ep, order in RANDOM_LAYOUTS:
-        layout = MeshLayout(world, tp=tp, pp=pp, ep=ep, order=order)
+    for world, tp, pp, ep, order, cp in RANDOM_LAYOUTS:
+        layout = MeshLayout(world, tp=tp, pp=pp, ep=ep, order=order, cp=cp)
         groups = layout.groups
         sizes = {"tp": tp, "pp": pp, "dp": layout.dp, "mp": tp * pp, "tp-dp": tp * layout.dp,
-                 "ep": ep, "expert-dp": layout.expert_dp, "tp-ep": tp * ep}  # fmt: skip
-        assert groups == numpy_oracle(world, tp, pp, ep, order), (world, tp, pp, ep, order)
+                 "ep": ep, "expert-dp": layout.expert_dp, "tp-ep": tp * ep, "cp": cp,
+                 "dp-cp": layout.dp * cp, "tp-cp": tp * cp}  # fmt: skip
+        want = numpy_oracle(world, tp, pp, ep, order, cp)
+        assert groups == want, (world, tp, pp, ep, order, cp)
         for kind, size in sizes.items():
             flat = sorted(r for g in groups[kind] for r in g)
             assert flat == list(range(world)), f"{kind} does not partition {world} ranks"
@@ -161,7 +188,7 @@ def test_random_layouts_properties():
         # coordinates map back to the rank, and agree with the group positions
         for rank in range(world):
             c = layout.coords(rank)
-            assert layout.rank_at(tp=c["tp"], pp=c["pp"], dp=c["dp"]) == rank
+            assert layout.rank_at(tp=c["tp"], pp=c["pp"], dp=c["dp"], cp=c["cp"]) == rank
             assert layout.group_of("tp", rank)[c["tp"]] == rank
         if order.startswith("tp"):
             assert all(g == list(range(g[0], g[0] + tp)) for g in groups["tp"])
@@ -187,7 +214,10 @@ def test_dense_and_expert_pipelines_agree_when_pp_last(order):
         (dict(world_size=12, tp=5), r"world_size 12 is not divisible by tp\*pp = 5\*1"),
         (dict(world_size=16, tp=2, pp=3), r"not divisible by tp\*pp = 2\*3 = 6.*pp must be one of \[1, 2, 4, 8\]"),
         (dict(world_size=16, tp=2, pp=2, ep=3), r"data-parallel size 4 .* not divisible by ep 3; ep must be one of \[1, 2, 4\]"),
-        (dict(world_size=8, order="tp-cp-dp-pp"), r"unknown token\(s\) \['cp'\] \(fastpar has no context parallelism\)"),
+        (dict(world_size=8, order="tp-cp-dp-pp"), r"missing \['ep'\]"),
+        (dict(world_size=8, order="tp-cp-cp-ep-dp-pp"), r"repeats \['cp'\]"),
+        (dict(world_size=12, tp=2, cp=4), r"not divisible by tp\*cp\*pp = 2\*4\*1 = 8"),
+        (dict(world_size=6, cp=3, ep=4), r"data-parallel size 2 .* times cp 3 is not divisible by ep 4"),
         (dict(world_size=8, order="tp-xx-dp-pp"), r"unknown token\(s\) \['xx'\]"),
         (dict(world_size=8, order="tp-dp-pp"), r"missing \['ep'\]"),
         (dict(world_size=8, order="tp-dp-dp-pp"), r"repeats \['dp'\]"),
@@ -218,5 +248,5 @@ def test_group_of_and_bad_rank():
     assert layout.group_of("embedding", 5) == [1, 5]
     with pytest.raises(ValueError, match=r"rank 8 is outside the world \[0, 8\)"):
         layout.coords(8)
-    with pytest.raises(KeyError, match="unknown group kind 'cp'"):
-        layout.group_of("cp", 0)
+    with pytest.raises(KeyError, match="unknown group kind 'sp'"):
+        layout.group_of("sp", 0)

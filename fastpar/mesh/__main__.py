@@ -21,7 +21,7 @@ def _check(layout: MeshLayout) -> int:
 
     t0 = time.perf_counter()
     results = run_ranks(
-        group_sums, layout.world_size, layout.tp, layout.pp, layout.ep, layout.order
+        group_sums, layout.world_size, layout.tp, layout.pp, layout.ep, layout.order, layout.cp
     )
     bad = []
     for rank, res in enumerate(results):
@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1, help="context-parallel size")
     ap.add_argument(
         "--order",
         default=DEFAULT_ORDER,
@@ -61,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     try:
-        layout = MeshLayout(args.world_size, tp=args.tp, pp=args.pp, ep=args.ep, order=args.order)
+        layout = MeshLayout(
+            args.world_size, tp=args.tp, pp=args.pp, ep=args.ep, order=args.order, cp=args.cp
+        )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -70,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             "world_size": layout.world_size,
             "sizes": {
                 "tp": layout.tp,
+                "cp": layout.cp,
                 "pp": layout.pp,
                 "dp": layout.dp,
                 "ep": layout.ep,

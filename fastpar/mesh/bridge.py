@@ -34,8 +34,8 @@ from fastpar.mesh.layout import MeshLayout
 from fastpar.mesh.placement import copy_marks
 
 #: DeviceMesh dim name -> the ParallelMesh group kind along it
-DIM_KINDS = {"pp": "pp", "dp": "dp", "edp": "expert-dp", "ep": "ep", "tp": "tp"}
-_TOKEN = {"pp": "pp", "dp": "dp", "edp": "dp", "ep": "ep", "tp": "tp"}  # dim -> order token
+DIM_KINDS = {"pp": "pp", "dp": "dp", "edp": "expert-dp", "ep": "ep", "tp": "tp", "cp": "cp"}
+_TOKEN = {"pp": "pp", "dp": "dp", "edp": "dp", "ep": "ep", "tp": "tp", "cp": "cp"}  # dim -> token
 
 
 def is_dtensor(t) -> bool:
@@ -57,7 +57,7 @@ def dims_of(layout: MeshLayout, dense: bool) -> list[tuple[str, int]]:
     sizes = layout.expert_sizes if expert else layout.dense_sizes
     out = []
     for token in reversed(layout.order.split("-")):
-        if token == "ep" and not expert:
+        if (token == "ep" and not expert) or (token == "cp" and sizes["cp"] == 1):
             continue
         name = "edp" if token == "dp" and expert else token
         out.append((name, sizes[token]))
@@ -160,9 +160,8 @@ def layout_of_device_mesh(device_mesh: DeviceMesh) -> tuple[dict, dict[tuple[int
         if name == "cp" and size == 1:
             continue
         if name not in DIM_KINDS:
-            hint = " (fastpar has no context parallelism)" if name == "cp" else ""
             raise ValueError(
-                f"the DeviceMesh dim {name!r} (size {size}) has no fastpar counterpart{hint}; "
+                f"the DeviceMesh dim {name!r} (size {size}) has no fastpar counterpart; "
                 f"name its dims among {list(DIM_KINDS)} (dp = edp x ep with expert parallelism)"
             )
         keep.append(d)
@@ -181,6 +180,8 @@ def layout_of_device_mesh(device_mesh: DeviceMesh) -> tuple[dict, dict[tuple[int
     sizes = dict(zip(names, ranks.shape, strict=True))
     ep = sizes.get("ep", 1)
     kwargs = {"tp": sizes.get("tp", 1), "pp": sizes.get("pp", 1), "ep": ep}
+    if sizes.get("cp", 1) > 1:
+        kwargs["cp"] = sizes["cp"]
     layout = MeshLayout(dist.get_world_size(), **kwargs, order="-".join(tokens))
     check_same_groups(layout, ranks, names)
     provided: dict[tuple[int, ...], object] = {}

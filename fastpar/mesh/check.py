@@ -9,13 +9,15 @@ from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.layout import GROUP_KINDS
 
 
-def group_sums(tp: int = 1, pp: int = 1, ep: int = 1, order: str = "tp-ep-dp-pp") -> dict:
+def group_sums(
+    tp: int = 1, pp: int = 1, ep: int = 1, order: str = "tp-ep-dp-pp", cp: int = 1
+) -> dict:
     """On every rank: build the mesh, all-reduce 2**rank over each of its groups.
 
     Returns {kind: (ranks of this rank's group, the all-reduced sum)}; the sum of 2**r has one
     bit per member, so it names exactly which ranks took part.
     """
-    mesh = ParallelMesh(tp, pp, ep, order=order)
+    mesh = ParallelMesh(tp, pp, ep, order=order, cp=cp)
     out = {}
     for kind in GROUP_KINDS:
         group = mesh.group(kind)
@@ -29,6 +31,7 @@ def group_sums(tp: int = 1, pp: int = 1, ep: int = 1, order: str = "tp-ep-dp-pp"
         "tp": mesh.tp_rank,
         "pp": mesh.pp_rank,
         "dp": mesh.dp_rank,
+        "cp": mesh.cp_rank,
         "ep": mesh.ep_rank,
         "expert-dp": mesh.expert_dp_rank,
         "first": mesh.is_first_stage,

@@ -27,7 +27,9 @@ class ParallelMesh:
     ``fastpar.init``). Sizes: ``tp_size``, ``pp_size``, ``dp_size``, ``ep_size``,
     ``expert_dp_size``; this rank's coordinates: ``tp_rank``, ``pp_rank``, ``dp_rank``,
     ``ep_rank``, ``expert_dp_rank``; groups: ``tp_group``, ``pp_group``, ``dp_group``,
-    ``mp_group``, ``tp_dp_group``, ``ep_group``, ``expert_dp_group``, ``tp_ep_group`` and
+    ``mp_group``, ``tp_dp_group``, ``ep_group``, ``expert_dp_group``, ``tp_ep_group``,
+    ``cp_group`` / ``dp_cp_group`` / ``tp_cp_group`` (context parallelism: ``cp_size``,
+    ``cp_rank``; dense gradients are averaged over ``dp_cp_group``) and
     ``embedding_group`` (None on ranks that hold no embedding). ``group(kind)`` and
     ``ranks(kind)`` take any kind of ``fastpar.mesh.GROUP_KINDS``.
 
@@ -44,6 +46,7 @@ class ParallelMesh:
         *,
         order: str = DEFAULT_ORDER,
         timeout: timedelta | float | None = None,
+        cp: int = 1,
         _provided: dict[tuple[int, ...], dist.ProcessGroup | None] | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
@@ -54,7 +57,7 @@ class ParallelMesh:
             )
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
-        self.layout = MeshLayout(self.world_size, tp=tp, pp=pp, ep=ep, order=order)
+        self.layout = MeshLayout(self.world_size, tp=tp, pp=pp, ep=ep, order=order, cp=cp)
         world_timeout = group_timeout()
         if timeout is None:
             timeout = world_timeout or DEFAULT_TIMEOUT
@@ -83,6 +86,7 @@ class ParallelMesh:
         self.tp_size, self.tp_rank = self.layout.tp, coords["tp"]
         self.pp_size, self.pp_rank = self.layout.pp, coords["pp"]
         self.dp_size, self.dp_rank = self.layout.dp, coords["dp"]
+        self.cp_size, self.cp_rank = self.layout.cp, coords["cp"]
         self.ep_size, self.ep_rank = self.layout.ep, coords["ep"]
         self.expert_dp_size, self.expert_dp_rank = self.layout.expert_dp, coords["expert-dp"]
 
@@ -127,6 +131,9 @@ class ParallelMesh:
     dp_group = property(lambda self: self._groups["dp"])
     mp_group = property(lambda self: self._groups["mp"])
     tp_dp_group = property(lambda self: self._groups["tp-dp"])
+    cp_group = property(lambda self: self._groups["cp"])
+    dp_cp_group = property(lambda self: self._groups["dp-cp"])
+    tp_cp_group = property(lambda self: self._groups["tp-cp"])
     ep_group = property(lambda self: self._groups["ep"])
     expert_dp_group = property(lambda self: self._groups["expert-dp"])
     tp_ep_group = property(lambda self: self._groups["tp-ep"])
@@ -174,6 +181,7 @@ def init(
     pp: int = 1,
     ep: int = 1,
     *,
+    cp: int = 1,
     order: str = DEFAULT_ORDER,
     backend: str | None = None,
     timeout: timedelta | float | None = None,
@@ -191,7 +199,7 @@ def init(
     if not dist.is_available():
         raise RuntimeError("this torch build has no torch.distributed; install a build with it")
     if dist.is_initialized():
-        return ParallelMesh(tp, pp, ep, order=order, timeout=timeout)
+        return ParallelMesh(tp, pp, ep, order=order, timeout=timeout, cp=cp)
     timeout = as_timeout(DEFAULT_TIMEOUT if timeout is None else timeout)
     world_size = _env_int("WORLD_SIZE")
     rank = _env_int("RANK")
@@ -200,14 +208,17 @@ def init(
             "RANK and WORLD_SIZE must be set together (torchrun sets both); got "
             f"RANK={os.environ.get('RANK')!r}, WORLD_SIZE={os.environ.get('WORLD_SIZE')!r}"
         )
-    if world_size is None and tp * pp * ep > 1:
+    need = tp * pp * ep * cp
+    if world_size is None and need > 1:
         raise RuntimeError(
-            f"fastpar.init(tp={tp}, pp={pp}, ep={ep}) needs {tp * pp * ep} or more ranks, but this "
-            "is one process with no RANK / WORLD_SIZE: start the script with torchrun "
-            f"(torchrun --nproc-per-node {tp * pp * ep} script.py), or run a function on ranks of "
-            f"this machine with fastpar.launch.run_ranks(fn, {tp * pp * ep})"
+            f"fastpar.init(tp={tp}, pp={pp}, ep={ep}, cp={cp}) needs {need} or more ranks, but "
+            "this is one process with no RANK / WORLD_SIZE: start the script with torchrun "
+            f"(torchrun --nproc-per-node {need} script.py), or run a function on ranks of "
+            f"this machine with fastpar.launch.run_ranks(fn, {need})"
         )
-    MeshLayout(world_size or 1, tp=tp, pp=pp, ep=ep, order=order)  # refuse a bad layout early
+    MeshLayout(
+        world_size or 1, tp=tp, pp=pp, ep=ep, order=order, cp=cp
+    )  # refuse a bad layout early
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
@@ -217,4 +228,4 @@ def init(
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
     else:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
-    return ParallelMesh(tp, pp, ep, order=order, timeout=timeout)
+    return ParallelMesh(tp, pp, ep, order=order, timeout=timeout, cp=cp)

@@ -6,9 +6,13 @@ replica and differ in their tensor-parallel rank). A group of kind ``"tp"`` is a
 tp axis; a group of kind ``"tp-dp"`` is a plane spanned by the tp and dp axes, and so on.
 
 Two grids share one order string, as in Megatron-Core's ``RankGenerator``:
-  * the dense grid  tp × 1 × dp × pp        (attention, dense MLP, embeddings);
-  * the expert grid tp × ep × dp/ep × pp    (expert weights: expert-tp = tp, expert-dp = dp / ep).
-The group lists produced here equal Megatron-Core's for the same sizes and order.
+  * the dense grid  tp × cp × 1 × dp × pp          (attention, dense MLP, embeddings);
+  * the expert grid tp × 1 × ep × (dp·cp)/ep × pp  (expert weights: expert-tp = tp, expert-dp
+    = dp·cp / ep: context parallelism folds into the expert grid's data axis, as in Megatron).
+The group lists produced here equal Megatron-Core's for the same sizes and order. ``cp`` is
+context parallelism (``fastpar.parallel.context``): ranks that hold chunks of one sequence; the
+dense parameters' gradients are reduced over "dp-cp". An order may leave "cp" out (then it
+sits right after "tp", Megatron's default ``tp-cp-ep-dp-pp``).
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import itertools
 from dataclasses import dataclass
 from functools import cached_property
 
-DIMENSIONS = ("tp", "ep", "dp", "pp")
-DEFAULT_ORDER = "tp-ep-dp-pp"
+DIMENSIONS = ("tp", "cp", "ep", "dp", "pp")
+DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+"""Megatron-Core's default; a layout without context parallelism spells it "tp-ep-dp-pp"."""
 
 #: The group kinds ``rank_groups`` returns, and what each is for.
 GROUP_KINDS = {
@@ -28,23 +33,27 @@ GROUP_KINDS = {
     "mp": "model parallel (tp × pp): one full copy of the model",
     "tp-dp": "tensor × data parallel: ranks that hold one pipeline stage",
     "embedding": "first and last pipeline stage (tied embedding / LM head); first only if pp = 1",
+    "cp": "context parallel: ranks that hold chunks of one sequence",
+    "dp-cp": "data × context parallel: the ranks dense gradients are averaged over",
+    "tp-cp": "tensor × context parallel: one sequence's ranks in one replica and stage",
     "ep": "expert parallel: ranks that split the experts of one MoE layer",
-    "expert-dp": "expert data parallel: replicas of the same experts (dp / ep ranks)",
+    "expert-dp": "expert data parallel: replicas of the same experts (dp·cp / ep ranks)",
     "tp-ep": "expert tensor × expert parallel: ranks that hold one stage's experts",
 }
 
 
 def parse_order(order: str) -> tuple[str, ...]:
-    """Split and check an order string such as ``"tp-ep-dp-pp"``.
+    """Split and check an order string such as ``"tp-cp-ep-dp-pp"``.
 
-    Every one of tp, ep, dp and pp must appear exactly once (the first varies fastest).
+    Every one of tp, ep, dp and pp must appear exactly once (the first varies fastest); cp at
+    most once (left out: right after tp).
     """
     if not isinstance(order, str):
         raise TypeError(f"order must be a string such as {DEFAULT_ORDER!r}, got {order!r}")
     tokens = tuple(t.strip().lower() for t in order.split("-"))
     unknown = [t for t in tokens if t not in DIMENSIONS]
     if unknown:
-        hint = " (fastpar has no context parallelism)" if "cp" in unknown else ""
+        hint = ""
         raise ValueError(
             f"order {order!r} has unknown token(s) {unknown}{hint}; use each of "
             f"{'/'.join(DIMENSIONS)} exactly once, e.g. {DEFAULT_ORDER!r}"
@@ -55,6 +64,9 @@ def parse_order(order: str) -> tuple[str, ...]:
             f"order {order!r} repeats {repeated}; use each of {'/'.join(DIMENSIONS)} exactly "
             f"once, e.g. {DEFAULT_ORDER!r}"
         )
+    if "cp" not in tokens:
+        at = tokens.index("tp") + 1 if "tp" in tokens else 0
+        tokens = (*tokens[:at], "cp", *tokens[at:])
     missing = [d for d in DIMENSIONS if d not in tokens]
     if missing:
         raise ValueError(
@@ -101,8 +113,9 @@ class MeshLayout:
         world_size: number of ranks in the job.
         tp: tensor-parallel size (also the expert tensor-parallel size).
         pp: pipeline-parallel size (number of stages).
-        ep: expert-parallel size; must divide the data-parallel size.
-        order: axis order, first fastest; each of tp/ep/dp/pp once.
+        ep: expert-parallel size; must divide dp × cp.
+        order: axis order, first fastest; each of tp/ep/dp/pp once, cp at most once.
+        cp: context-parallel size (ranks holding chunks of one sequence).
     """
 
     world_size: int
@@ -110,14 +123,23 @@ class MeshLayout:
     pp: int = 1
     ep: int = 1
     order: str = DEFAULT_ORDER
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "tp", "pp", "ep"):
+        for name in ("world_size", "tp", "pp", "ep", "cp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         tokens = parse_order(self.order)
-        object.__setattr__(self, "order", "-".join(tokens))
+        # the order names cp only with context parallelism: "tp-ep-dp-pp" is the same layout
+        keep = tokens if self.cp > 1 else tuple(t for t in tokens if t != "cp")
+        object.__setattr__(self, "order", "-".join(keep))
+        if self.cp > 1 and self.world_size % (self.tp * self.cp * self.pp):
+            raise ValueError(
+                f"world_size {self.world_size} is not divisible by tp*cp*pp = "
+                f"{self.tp}*{self.cp}*{self.pp} = {self.tp * self.cp * self.pp}; use a world "
+                f"size that is a multiple of {self.tp * self.cp * self.pp}"
+            )
         if self.world_size % (self.tp * self.pp):
             works = [
                 d for d in range(1, self.world_size + 1) if self.world_size % (d * self.tp) == 0
@@ -128,19 +150,20 @@ class MeshLayout:
                 f"= {self.tp * self.pp}; with tp={self.tp}, {fits} a world size that is a "
                 f"multiple of {self.tp * self.pp}"
             )
-        dp = self.world_size // (self.tp * self.pp)
-        if dp % self.ep:
-            divisors = [e for e in range(1, dp + 1) if dp % e == 0]
+        dp = self.world_size // (self.tp * self.cp * self.pp)
+        if (dp * self.cp) % self.ep:
+            n = dp * self.cp
+            divisors = [e for e in range(1, n + 1) if n % e == 0]
             raise ValueError(
-                f"data-parallel size {dp} (= world_size {self.world_size} / (tp*pp = "
-                f"{self.tp * self.pp})) is not divisible by ep {self.ep}; ep must be one of "
-                f"{divisors} (expert-dp = dp / ep)"
+                f"data-parallel size {dp} (= world_size {self.world_size} / (tp*cp*pp = "
+                f"{self.tp * self.cp * self.pp})) times cp {self.cp} is not divisible by ep "
+                f"{self.ep}; ep must be one of {divisors} (expert-dp = dp·cp / ep)"
             )
         pp_last = tokens[-1] == "pp"
         if not pp_last and self.pp > 1 and self.ep > 1:
             raise ValueError(
                 f"order {self.order!r} does not end with 'pp' while pp={self.pp} and "
-                f"ep={self.ep}: the expert grid's data-parallel size ({dp // self.ep}) then "
+                f"ep={self.ep}: the expert grid's data-parallel size ({dp * self.cp // self.ep}) then "
                 f"differs from the dense grid's ({dp}) and their pipeline stages would not line "
                 f"up (Megatron-Core forbids this too); put 'pp' last, e.g. {DEFAULT_ORDER!r}, "
                 f"or use ep=1"
@@ -148,26 +171,26 @@ class MeshLayout:
 
     @property
     def dp(self) -> int:
-        """Data-parallel size: world_size / (tp * pp)."""
-        return self.world_size // (self.tp * self.pp)
+        """Data-parallel size: world_size / (tp * cp * pp)."""
+        return self.world_size // (self.tp * self.cp * self.pp)
 
     @property
     def expert_dp(self) -> int:
-        """Expert data-parallel size: dp / ep."""
-        return self.dp // self.ep
+        """Expert data-parallel size: dp * cp / ep."""
+        return self.dp * self.cp // self.ep
 
     @property
     def dense_sizes(self) -> dict[str, int]:
-        return {"tp": self.tp, "ep": 1, "dp": self.dp, "pp": self.pp}
+        return {"tp": self.tp, "cp": self.cp, "ep": 1, "dp": self.dp, "pp": self.pp}
 
     @property
     def expert_sizes(self) -> dict[str, int]:
-        return {"tp": self.tp, "ep": self.ep, "dp": self.expert_dp, "pp": self.pp}
+        return {"tp": self.tp, "cp": 1, "ep": self.ep, "dp": self.expert_dp, "pp": self.pp}
 
     @cached_property
     def groups(self) -> dict[str, list[list[int]]]:
         """Every group kind of ``GROUP_KINDS`` → its list of groups (each a list of ranks)."""
-        tokens = tuple(self.order.split("-"))
+        tokens = parse_order(self.order)
 
         def dense(axes: str) -> list[list[int]]:
             return grid_groups(self.dense_sizes, tokens, axes)
@@ -182,6 +205,9 @@ class MeshLayout:
             "dp": dense("dp"),
             "mp": dense("tp-pp"),
             "tp-dp": dense("tp-dp"),
+            "cp": dense("cp"),
+            "dp-cp": dense("cp-dp"),
+            "tp-cp": dense("tp-cp"),
             "embedding": [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in pp_groups],
             "ep": expert("ep"),
             "expert-dp": expert("dp"),
@@ -205,16 +231,17 @@ class MeshLayout:
             "tp": self.group_of("tp", rank).index(rank),
             "pp": self.group_of("pp", rank).index(rank),
             "dp": self.group_of("dp", rank).index(rank),
+            "cp": self.group_of("cp", rank).index(rank),
             "ep": self.group_of("ep", rank).index(rank),
             "expert-dp": self.group_of("expert-dp", rank).index(rank),
         }
 
-    def rank_at(self, *, tp: int = 0, pp: int = 0, dp: int = 0) -> int:
+    def rank_at(self, *, tp: int = 0, pp: int = 0, dp: int = 0, cp: int = 0) -> int:
         """The rank with these dense-grid coordinates (inverse of ``coords``)."""
         sizes = self.dense_sizes
         rank, stride = 0, 1
-        for d in self.order.split("-"):
-            c = {"tp": tp, "pp": pp, "dp": dp, "ep": 0}[d]
+        for d in parse_order(self.order):
+            c = {"tp": tp, "pp": pp, "dp": dp, "ep": 0, "cp": cp}[d]
             if not 0 <= c < sizes[d]:
                 raise ValueError(f"{d} coordinate {c} is outside [0, {sizes[d]})")
             rank += c * stride
@@ -228,10 +255,10 @@ class MeshLayout:
     def describe(self) -> str:
         """A readable text table: sizes, each rank's coordinates, then every group."""
         lines = [
-            f"world_size={self.world_size}  tp={self.tp}  pp={self.pp}  dp={self.dp}  "
-            f"ep={self.ep}  expert-dp={self.expert_dp}  order={self.order}",
+            f"world_size={self.world_size}  tp={self.tp}  cp={self.cp}  pp={self.pp}  "
+            f"dp={self.dp}  ep={self.ep}  expert-dp={self.expert_dp}  order={self.order}",
             "",
-            f"{'rank':>4}  {'tp':>3} {'pp':>3} {'dp':>3} {'ep':>3} {'edp':>3}  stage",
+            f"{'rank':>4}  {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>3} {'ep':>3} {'edp':>3}  stage",
         ]
         for r in range(self.world_size):
             c = self.coords(r)
@@ -239,7 +266,7 @@ class MeshLayout:
             if c["pp"] == self.pp - 1:
                 stage = "first+last" if self.pp == 1 else "last"
             lines.append(
-                f"{r:>4}  {c['tp']:>3} {c['pp']:>3} {c['dp']:>3} {c['ep']:>3} "
+                f"{r:>4}  {c['tp']:>3} {c['cp']:>3} {c['pp']:>3} {c['dp']:>3} {c['ep']:>3} "
                 f"{c['expert-dp']:>3}  {stage}"
             )
         for kind, what in GROUP_KINDS.items():
@@ -252,17 +279,24 @@ class MeshLayout:
 
 
 def rank_groups(
-    world_size: int, *, tp: int = 1, pp: int = 1, ep: int = 1, order: str = DEFAULT_ORDER
+    world_size: int,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    order: str = DEFAULT_ORDER,
+    cp: int = 1,
 ) -> dict[str, list[list[int]]]:
     """Every parallel group of a layout, as lists of global ranks.
 
-    Keys: "tp", "pp", "dp", "mp", "tp-dp", "embedding", "ep", "expert-dp", "tp-ep" (see
-    ``GROUP_KINDS``). dp = world_size / (tp * pp); expert-dp = dp / ep. Raises ValueError for an
+    Keys: "tp", "pp", "dp", "mp", "tp-dp", "cp", "dp-cp", "tp-cp", "embedding", "ep",
+    "expert-dp", "tp-ep" (see ``GROUP_KINDS``). dp = world_size / (tp * cp * pp); expert-dp =
+    dp * cp / ep. Raises ValueError for an
     impossible layout, naming the numbers and what would work.
 
     >>> g = rank_groups(16, tp=2, pp=4)
     >>> g["dp"][:3], g["pp"][0]
     ([[0, 2], [1, 3], [4, 6]], [0, 4, 8, 12])
     """
-    layout = MeshLayout(world_size, tp=tp, pp=pp, ep=ep, order=order)
+    layout = MeshLayout(world_size, tp=tp, pp=pp, ep=ep, order=order, cp=cp)
     return {k: [list(g) for g in v] for k, v in layout.groups.items()}

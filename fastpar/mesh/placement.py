@@ -121,10 +121,11 @@ def tied_name(p: torch.Tensor) -> str | None:
 # -- who holds a copy -------------------------------------------------------------------------
 def data_parallel_groups(mesh=None, group: Group = None) -> tuple[Group, Group]:
     """(dense, expert): the groups data parallelism replicates dense and expert parameters
-    over, and reduces their gradients over — the mesh's dp and expert-dp groups, or ``group``
-    (None = the default group) for both without a mesh."""
+    over, and reduces their gradients over — the mesh's dp × cp group (context-parallel ranks
+    hold the same weights; without context parallelism it is the dp group) and its expert-dp
+    group, or ``group`` (None = the default group) for both without a mesh."""
     if mesh is not None:
-        return mesh.dp_group, mesh.expert_dp_group
+        return getattr(mesh, "dp_cp_group", mesh.dp_group), mesh.expert_dp_group
     return group, group
 
 

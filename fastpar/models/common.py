@@ -13,17 +13,55 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastpar.comm import all_gather_reduce_scatter, copy_to_region, group_size, scatter_to_sequence
+from fastpar.comm import (
+    all_gather_reduce_scatter,
+    copy_to_region,
+    group_rank,
+    group_size,
+    scatter_to_sequence,
+)
 from fastpar.mesh.placement import mark_sharded, mark_tied_copy, param_layout
 from fastpar.moe import MoE
 from fastpar.nn import ColumnParallelLinear, VocabParallelEmbedding
 from fastpar.nn.functional import vocab_parallel_cross_entropy
+from fastpar.parallel.context import local_positions, ring_attention, split_sequence
 
 
 def tp_group_of(mesh):
     """The mesh's tensor-parallel group (None without a mesh: the default group, size 1 when
     no process group exists)."""
     return mesh.tp_group if mesh is not None else None
+
+
+def cp_group_of(mesh):
+    """The mesh's context-parallel group, or None without context parallelism."""
+    return mesh.cp_group if mesh is not None and getattr(mesh, "cp_size", 1) > 1 else None
+
+
+def cp_split(x: torch.Tensor, cp_group) -> torch.Tensor:
+    """This cp rank's chunks of ``x`` [B, T, ...] (``cp_group`` None: no context parallelism,
+    ``x`` itself)."""
+    return x if cp_group is None else split_sequence(x, cp_group, dim=1)
+
+
+def positions(t: int, cp_group, device) -> torch.Tensor:
+    """Global positions [t] of this rank's ``t`` tokens: 0..t-1, or under context parallelism
+    the load-balanced chunks' (``fastpar.parallel.context``; the sequence is t · cp long)."""
+    if cp_group is None:
+        return torch.arange(t, device=device)
+    cp = group_size(cp_group)
+    return local_positions(t * cp, cp, group_rank(cp_group), device)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group=None) -> torch.Tensor:
+    """Causal attention: q [B, Hq, T, D], k / v [B, Hkv, T, D] (Hq a multiple of Hkv) -> [B,
+    Hq, T, D]; over the whole sequence with ring attention under context parallelism."""
+    if cp_group is not None:
+        return ring_attention(q, k, v, cp_group)
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:  # key/value head j serves query heads j·rep .. j·rep + rep - 1
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def check_layout(cfg, tp: int, pp: int, ep: int) -> None:
@@ -136,8 +174,10 @@ class Norm(nn.Module):
 
 
 class Embedding(nn.Module):
-    """ids [B, T] -> [B, T(/tp), H]: vocab-parallel tokens (+ learned positions when
-    ``learned_positions``); split along the sequence over TP under sequence parallelism."""
+    """ids [B, T] -> [B, T(/cp)(/tp), H]: vocab-parallel tokens (+ learned positions when
+    ``learned_positions``); under context parallelism this rank's chunks of the sequence
+    (``fastpar.parallel.context``), then split along the sequence over TP under sequence
+    parallelism."""
 
     def __init__(
         self,
@@ -153,6 +193,7 @@ class Embedding(nn.Module):
         group = tp_group_of(mesh)
         self.group, self.seq_len = group, seq_len
         self.sp = sequence_parallel and group_size(group) > 1
+        self.cp_group = cp_group_of(mesh)
         self.tok = VocabParallelEmbedding(vocab_size, hidden, group=group)
         self.pos = nn.Embedding(seq_len, hidden) if learned_positions else None
 
@@ -163,9 +204,10 @@ class Embedding(nn.Module):
             raise ValueError(
                 f"sequence of {ids.shape[1]} tokens is longer than seq_len {self.seq_len}"
             )
+        ids = cp_split(ids, self.cp_group)
         x = self.tok(ids)
         if self.pos is not None:
-            x = x + self.pos(torch.arange(ids.shape[1], device=ids.device))
+            x = x + self.pos(positions(ids.shape[1], self.cp_group, ids.device))
         return scatter_to_sequence(x, self.group, dim=1) if self.sp else x
 
 
@@ -185,6 +227,7 @@ class DecoderBlock(nn.Module):
         sp = cfg.sequence_parallel and group_size(group) > 1
         self.norm1 = Norm(cfg.hidden, **norm, group=group, partial_grad=sp)
         self.attn = attention(cfg, group, sp)
+        self.attn.cp_group = cp_group_of(mesh)  # ring attention under context parallelism
         self.norm2 = Norm(cfg.hidden, **norm, group=group, partial_grad=sp)
         self.mlp = moe(cfg, mesh) if cfg.is_moe(layer) else mlp(cfg, group, sp)
 
@@ -281,7 +324,11 @@ def untie_for_pipeline(blocks: list[nn.Module], mesh) -> nn.Parameter | None:
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, cfg, mesh=None) -> torch.Tensor:
     """Mean vocab-parallel cross-entropy of logits [B·T, vocab / tp] against targets [B, T]
-    (``cfg.vocab_size`` is the true vocabulary: padded columns are ignored)."""
+    (``cfg.vocab_size`` is the true vocabulary: padded columns are ignored). Under context
+    parallelism the logits are this rank's chunks' (T/cp per row) and the targets are split
+    alike: the mean of this rank's tokens, which the data-parallel average over dp × cp turns
+    into the whole sequence's (every cp rank holds as many tokens)."""
+    targets = cp_split(targets, cp_group_of(mesh))
     return vocab_parallel_cross_entropy(
         logits, targets.reshape(-1), group=tp_group_of(mesh), vocab_size=cfg.vocab_size
     )

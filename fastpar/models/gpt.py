@@ -28,6 +28,7 @@ from fastpar.models.common import (
     DecoderBlock,
     Head,
     Norm,
+    attend,
     build_decoder,
     check_layout,
     is_moe_layer,
@@ -124,6 +125,7 @@ class Attention(nn.Module):
         kw = dict(group=group, sequence_parallel=sp, sequence_dim=1)
         self.qkv = ColumnParallelLinear(cfg.hidden, 3 * cfg.hidden, bias=False, fused=3, **kw)
         self.proj = RowParallelLinear(cfg.hidden, cfg.hidden, bias=False, **kw)
+        self.cp_group = None  # the block sets it under context parallelism
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)
@@ -131,7 +133,7 @@ class Attention(nn.Module):
         q, k, v = (
             z.view(b, t, self.heads_local, self.head_dim).transpose(1, 2) for z in qkv.chunk(3, -1)
         )
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = attend(q, k, v, self.cp_group)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 

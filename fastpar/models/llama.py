@@ -53,11 +53,13 @@ from fastpar.comm import group_size
 from fastpar.models.common import (
     DecoderBlock,
     Norm,
+    attend,
     build_decoder,
     check_layout,
     is_moe_layer,
     lm_loss,
     moe_block,
+    positions,
 )
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear
 
@@ -360,12 +362,15 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         # fp32 on the host like HF's (moved once per device; not a buffer, so .to(dtype) keeps it)
         self._inv_freq = rope_inv_freq(d, cfg.rope_theta)
+        self.cp_group = None  # the block sets it under context parallelism
 
     def rope(self, t: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, head_dim] of positions 0..t-1, computed in fp32, in x's dtype."""
+        """cos, sin [T, head_dim] of this rank's positions (0..t-1; under context parallelism
+        its chunks' global positions), computed in fp32, in x's dtype."""
         if self._inv_freq.device != x.device:
             self._inv_freq = self._inv_freq.to(x.device)
-        freqs = torch.arange(t, device=x.device, dtype=torch.float)[:, None] * self._inv_freq
+        pos = positions(t, self.cp_group, x.device).float()
+        freqs = pos[:, None] * self._inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
@@ -381,9 +386,7 @@ class Attention(nn.Module):
         cos, sin = self.rope(t, q)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        if self.rep > 1:  # key/value head j serves query heads j·rep .. j·rep + rep - 1
-            k, v = k.repeat_interleave(self.rep, dim=1), v.repeat_interleave(self.rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = attend(q, k, v, self.cp_group)  # GQA: k / v heads serve rep query heads each
         return self.o(out.transpose(1, 2).reshape(b, t, -1))
 
 

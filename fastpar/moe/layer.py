@@ -196,13 +196,14 @@ class MoE(nn.Module):
         mesh=None,
         ep_group: dist.ProcessGroup | None = None,
         tp_group: dist.ProcessGroup | None = None,
+        cp_group: dist.ProcessGroup | None = None,
         device=None,
         dtype=None,
     ) -> None:
         super().__init__()
         _eager_only_once()
-        if mesh is not None and (ep_group is not None or tp_group is not None):
-            raise ValueError("pass either mesh= or ep_group= / tp_group=, not both")
+        if mesh is not None and (ep_group, tp_group, cp_group) != (None, None, None):
+            raise ValueError("pass either mesh= or ep_group= / tp_group= / cp_group=, not both")
         self.ep_group = mesh_group(mesh, "ep") if mesh is not None else ep_group  # or DeviceMesh
         self.ep = group_size(self.ep_group) if self.ep_group is not None else 1
         self.tp_group = mesh_group(mesh, "tp") if mesh is not None else tp_group
@@ -211,6 +212,16 @@ class MoE(nn.Module):
         tp.check(self.tp_layout, self.tp, ffn_hidden_size, capacity_factor, overlap_chunks)
         self.sequence_parallel, self.expert_tp = sequence_parallel, expert_tp
         self.sequence_dim = sequence_dim
+        if mesh is not None and getattr(mesh, "cp_size", 1) > 1:
+            cp_group = mesh_group(mesh, "cp")
+        self.cp_group = cp_group
+        self.cp = group_size(cp_group) if cp_group is not None else 1
+        if self.cp > 1 and capacity_factor is not None:
+            raise ValueError(
+                f"MoE under context parallelism (cp={self.cp}) routes each rank's chunks of the "
+                f"sequence; capacity_factor={capacity_factor} would drop per chunk, other tokens "
+                "than the single-process layer: use dropless routing (capacity_factor=None)"
+            )
         if num_experts % self.ep:
             raise ValueError(
                 f"num_experts {num_experts} is not divisible by the expert-parallel size {self.ep}; "
@@ -283,6 +294,9 @@ class MoE(nn.Module):
             self.router.token_group = self.tp_group
             for p in self.parameters():
                 all_reduce_grad(p, self.tp_group)
+        if self.cp > 1:  # a sequence's tokens lie on every cp (and, routed locally, tp) rank
+            local = self.tp_layout == "sequence"
+            self.router.token_group = mesh_group(mesh, "tp-cp") if local else self.cp_group
 
     def _expert_params(self) -> tuple[nn.Parameter, ...]:
         return tuple(p for p in (self.w1, self.b1, self.w2, self.b2) if p is not None)
@@ -304,8 +318,7 @@ class MoE(nn.Module):
 
     def _experts_segments(self, x: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
         """x [N, H] grouped by local expert with ``counts`` [E_local] rows each -> [N, H]
-        (``fastpar.moe.experts.segments``: grouped matmuls traced or on a GPU, a per-expert
-        loop eagerly on a CPU)."""
+        (``fastpar.moe.experts.segments``: one grouped matmul per weight by default)."""
         if self.tp_layout != "expert_tp":
             w = (self.w1, self.b1, self.w2, self.b2)
             return experts.segments(x, counts, *w, self.gated, self.activation)
@@ -361,13 +374,16 @@ class MoE(nn.Module):
         return y.view(shape)
 
     def _aux_scale(self) -> float | torch.Tensor | None:
-        """The weight this forward's aux loss enters backward with (class docstring)."""
-        if self.aux_loss_scale is not None:
-            return self.aux_loss_scale
-        scale = _AUX_LOSS_SCALE.get()
-        if scale is not _UNSET:
-            return scale
-        return 1.0 if self.aux_loss_in_backward else None
+        """The weight this forward's aux loss enters backward with (class docstring). Under
+        context parallelism times cp: every cp rank holds the whole sequence's aux loss and
+        sends its own tokens' share of its gradient, which data parallelism then averages
+        over dp × cp (the main loss's shares are each a 1/cp of the sequence's mean)."""
+        scale = self.aux_loss_scale
+        if scale is None:
+            scale = _AUX_LOSS_SCALE.get()
+            if scale is _UNSET:
+                scale = 1.0 if self.aux_loss_in_backward else None
+        return scale if scale is None or self.cp == 1 else scale * self.cp
 
     def _capacity_path(self, permuted: torch.Tensor, capacity: int) -> torch.Tensor:
         """[E, C, H] -> expert outputs [E, C, H]; with EP, equal-split all-to-alls."""
