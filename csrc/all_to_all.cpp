@@ -1,10 +1,20 @@
 // fastpar._C: asynchronous all-to-all driven from C++ on any torch.distributed backend.
 //
 // Binding layer only: argument validation, then ProcessGroup::alltoall_base (gloo on CPUs,
-// NCCL on GPUs). The op returns a ticket at once; all_to_all_wait(ticket) waits for the
-// transfer (rethrowing the backend's error, e.g. a peer that died or a timeout). Ops are
-// registered with torch.library, so torch.compile sees them; the process group is named by
-// its group_name (ProcessGroup.group_name in Python) and resolved here.
+// NCCL on GPUs). The ops follow torch's functional collectives (_c10d_functional's
+// all_to_all_single + wait_tensor): all_to_all_start returns the output tensor at once, and
+// all_to_all_wait(output) -> output waits for the transfer (rethrowing the backend's error, e.g.
+// a peer that died or a timeout) and hands the same tensor back. Because the waited tensor is
+// what later code reads, a traced graph keeps the wait and orders every use after it
+// (torch.compile traces both ops through their fake implementations, fastpar.moe.overlap).
+//
+// In-flight transfers are keyed by the output's storage. The tensor handed to the caller is a
+// separate storage over the same memory whose deleter drops the registry entry: an output that
+// is garbage collected without being waited for releases its entry (the backend still finishes
+// the transfer into the buffer it holds; an error it hits is then lost, as with a dropped
+// torch.distributed Work). So the registry never holds more entries than there are live,
+// unwaited outputs. Waiting a tensor with nothing in flight (waited already, or not made by
+// all_to_all_start) returns it at once, as torch's wait_tensor does.
 #include <torch/extension.h>
 #include <torch/library.h>
 
@@ -12,19 +22,41 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
-#include <tuple>
 #include <mutex>
 #include <numeric>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace fastpar {
 namespace {
 
+// Output storage (the caller's) -> the transfer writing into it. Entries leave on wait or when
+// that storage is freed (release_output).
 std::mutex g_mutex;
-std::unordered_map<int64_t, c10::intrusive_ptr<c10d::Work>> g_works;
-int64_t g_next_ticket = 1;
+std::unordered_map<const c10::StorageImpl*, c10::intrusive_ptr<c10d::Work>> g_works;
+
+// The deleter context of a caller's output: the buffer the backend writes into (the Work holds
+// it too) and the registry key of the caller's storage.
+struct Output {
+  at::Tensor buffer;
+  const c10::StorageImpl* key = nullptr;
+};
+
+void release_output(void* context) {
+  auto* output = static_cast<Output*>(context);
+  c10::intrusive_ptr<c10d::Work> dropped;  // destroyed after the lock is released
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_works.find(output->key);
+    if (it != g_works.end()) {
+      dropped = std::move(it->second);
+      g_works.erase(it);
+    }
+  }
+  delete output;  // the backend keeps its own reference to the buffer until it is done
+}
 
 std::vector<int64_t> checked_splits(const at::Tensor& t, c10::IntArrayRef splits,
                                     int64_t world, const char* name) {
@@ -51,10 +83,8 @@ std::vector<int64_t> checked_splits(const at::Tensor& t, c10::IntArrayRef splits
 
 }  // namespace
 
-std::tuple<at::Tensor, int64_t> all_to_all_start(const at::Tensor& input,
-                                                 c10::IntArrayRef output_split_sizes,
-                                                 c10::IntArrayRef input_split_sizes,
-                                                 c10::string_view group_name) {
+at::Tensor all_to_all_start(const at::Tensor& input, c10::IntArrayRef output_split_sizes,
+                            c10::IntArrayRef input_split_sizes, c10::string_view group_name) {
   TORCH_CHECK(input.dim() > 0, "fastpar.all_to_all: input must have a row dimension");
   auto pg = c10d::resolve_process_group(std::string(group_name));
   const int64_t world = pg->getSize();
@@ -64,34 +94,42 @@ std::tuple<at::Tensor, int64_t> all_to_all_start(const at::Tensor& input,
     out_shape[0] = std::accumulate(output_split_sizes.begin(), output_split_sizes.end(),
                                    static_cast<int64_t>(0));
   }
-  at::Tensor output = at::empty(out_shape, input.options());
-  auto out_splits = checked_splits(output, output_split_sizes, world, "output");
+  at::Tensor buffer = at::empty(out_shape, input.options());
+  auto out_splits = checked_splits(buffer, output_split_sizes, world, "output");
   at::Tensor in = input.contiguous();  // kept alive by the work until it completes
-  auto work = pg->alltoall_base(output, in, out_splits, in_splits, c10d::AllToAllOptions());
+  auto work = pg->alltoall_base(buffer, in, out_splits, in_splits, c10d::AllToAllOptions());
+  // The caller's tensor: its own storage over the buffer's memory, so that dropping it is
+  // seen here although the work holds the buffer.
+  auto* context = new Output{buffer};
+  at::Tensor output = at::from_blob(
+      buffer.data_ptr(), buffer.sizes(), buffer.strides(),
+      [context](void*) { release_output(context); }, buffer.options());
+  context->key = output.storage().unsafeGetStorageImpl();
   std::lock_guard<std::mutex> lock(g_mutex);
-  const int64_t ticket = g_next_ticket++;
-  g_works.emplace(ticket, std::move(work));
-  return {output, ticket};
+  g_works.emplace(context->key, std::move(work));
+  return output;
 }
 
-void all_to_all_wait(int64_t ticket) {
+at::Tensor all_to_all_wait(const at::Tensor& output) {
   c10::intrusive_ptr<c10d::Work> work;
-  {
+  if (output.has_storage()) {
     std::lock_guard<std::mutex> lock(g_mutex);
-    auto it = g_works.find(ticket);
-    TORCH_CHECK(it != g_works.end(), "fastpar.all_to_all_wait: unknown or already waited ticket ",
-                ticket);
-    work = it->second;
-    g_works.erase(it);
+    auto it = g_works.find(output.storage().unsafeGetStorageImpl());
+    if (it != g_works.end()) {
+      work = std::move(it->second);
+      g_works.erase(it);
+    }
   }
-  work->wait();
+  if (work) {
+    work->wait();  // the process group's timeout bounds it
+  }
+  return output;
 }
 
 at::Tensor all_to_all(const at::Tensor& input, c10::IntArrayRef output_split_sizes,
                       c10::IntArrayRef input_split_sizes, c10::string_view group_name) {
-  auto [output, ticket] = all_to_all_start(input, output_split_sizes, input_split_sizes, group_name);
-  all_to_all_wait(ticket);
-  return output;
+  return all_to_all_wait(
+      all_to_all_start(input, output_split_sizes, input_split_sizes, group_name));
 }
 
 int64_t pending_count() {
@@ -102,11 +140,13 @@ int64_t pending_count() {
 }  // namespace fastpar
 
 TORCH_LIBRARY(fastpar, m) {
-  // Returns the output buffer at once (filled when the ticket is waited for) and the ticket.
+  // Returns the output buffer at once; it is filled once all_to_all_wait(output) returns.
   m.def(
       "all_to_all_start(Tensor input, int[] output_split_sizes, int[] input_split_sizes, "
-      "str group_name) -> (Tensor, int)");
-  m.def("all_to_all_wait(int ticket) -> ()", &fastpar::all_to_all_wait);
+      "str group_name) -> Tensor");
+  // Waits for the transfer into output and returns output (use what it returns: a traced graph
+  // orders later reads after the wait through that value).
+  m.def("all_to_all_wait(Tensor output) -> Tensor");
   // The same, waited for: a functional op that torch.compile can trace.
   m.def(
       "all_to_all(Tensor input, int[] output_split_sizes, int[] input_split_sizes, "
@@ -115,13 +155,14 @@ TORCH_LIBRARY(fastpar, m) {
 
 TORCH_LIBRARY_IMPL(fastpar, CompositeExplicitAutograd, m) {
   m.impl("all_to_all_start", &fastpar::all_to_all_start);
+  m.impl("all_to_all_wait", &fastpar::all_to_all_wait);
   m.impl("all_to_all", &fastpar::all_to_all);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fastpar C++ extension: asynchronous all-to-all over torch.distributed backends";
   m.def("pending_count", &fastpar::pending_count,
-        "number of started all-to-alls not yet waited for");
+        "number of started all-to-alls not yet waited for whose output is still alive");
 #ifdef FASTPAR_WITH_CUDA
   m.attr("with_cuda") = true;
 #else

@@ -140,12 +140,19 @@ def _opcheck_all_to_all() -> int:
     name = dist.distributed_c10d._get_default_group().group_name
     args = (torch.randn(4, 3), [], [], name)
     torch.library.opcheck(torch.ops.fastpar.all_to_all.default, args)
-    # the asynchronous form returns a fresh ticket per call by design, so eager and traced
-    # outputs cannot match: every other check applies
+    # the aot check compares the contents of outputs nobody waited for (racy): the rest apply
     torch.library.opcheck(
         torch.ops.fastpar.all_to_all_start.default, args,
         test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
     )  # fmt: skip
+    out = torch.ops.fastpar.all_to_all_start(*args)
+    # wait hands back its argument and its fake a new tensor, as torch's own wait_tensor
+    # (_c10d_functional) does; the schema and fake checks flag exactly that, the rest apply
+    torch.library.opcheck(
+        torch.ops.fastpar.all_to_all_wait.default, (out,),
+        test_utils=("test_autograd_registration", "test_aot_dispatch_dynamic"),
+    )  # fmt: skip
+    torch.ops.fastpar.all_to_all_wait(out)
     return 0
 
 
@@ -174,8 +181,8 @@ def _uneven() -> list:
     in_splits = [rank + 1 + j for j in range(world)]
     out_splits = [s + 1 + rank for s in range(world)]
     x = torch.cat([torch.full((n, 2), float(10 * rank + j)) for j, n in enumerate(in_splits)])
-    out, ticket = torch.ops.fastpar.all_to_all_start(x, out_splits, in_splits, name)
-    torch.ops.fastpar.all_to_all_wait(ticket)
+    out = torch.ops.fastpar.all_to_all_start(x, out_splits, in_splits, name)
+    out = torch.ops.fastpar.all_to_all_wait(out)
     return out[:, 0].tolist()
 
 
@@ -192,8 +199,8 @@ def _peer_dies() -> None:
     name = dist.distributed_c10d._get_default_group().group_name
     if dist.get_rank() == 1:
         raise RuntimeError("rank 1 failed before the all-to-all")
-    _, ticket = torch.ops.fastpar.all_to_all_start(torch.ones(4, 2), [], [], name)
-    torch.ops.fastpar.all_to_all_wait(ticket)
+    out = torch.ops.fastpar.all_to_all_start(torch.ones(4, 2), [], [], name)
+    torch.ops.fastpar.all_to_all_wait(out)
 
 
 @built

@@ -5,10 +5,15 @@ flight while the local experts compute chunk i; backward pipelines the same way 
 travel to the experts in chunks, each chunk's expert backward runs while the next chunk's rows
 and the previous chunk's input gradients are on the wire).
 
-Transport: the C++ extension ``fastpar._C`` (ops ``fastpar::all_to_all_start`` / ``_wait``, which
-drive the backend's asynchronous ``alltoall_base`` from C++, and ``pack_chunk`` /
-``unpack_chunk``, CUDA kernels on GPUs) when it is built, else ``torch.distributed``'s
-``all_to_all_single(async_op=True)`` — the same algorithm, the same results. On CPUs the
+Transport: the C++ extension ``fastpar._C`` (ops ``fastpar::all_to_all_start(x, ...) -> out`` /
+``all_to_all_wait(out) -> out``, which drive the backend's asynchronous ``alltoall_base`` from
+C++ in the pattern of torch's functional collectives, so ``torch.compile`` traces them and keeps
+every wait; and ``pack_chunk`` / ``unpack_chunk``, CUDA kernels on GPUs) when it is built,
+else ``torch.distributed``'s ``all_to_all_single(async_op=True)`` — the same algorithm, the
+same results. Under ``torch.compile`` the overlapped Function's forward and backward (with
+their start + wait pairs) are traced when ``torch._dynamo.config.trace_autograd_ops`` is on
+(its backward calls ``torch.autograd.grad``); otherwise it runs eagerly inside the compiled
+layer (tests/test_extension_compile.py). On CPUs the
 backend's worker threads move the bytes while the main thread computes; on GPUs NCCL runs on
 its own stream and ``wait`` orders the compute stream after it with events (no device-wide
 synchronisation). ``fastpar.moe.set_transport("python" | "extension")`` forces one (for the
@@ -25,8 +30,6 @@ to fp32 rounding.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.distributed as dist
@@ -47,10 +50,27 @@ def _check_transport(name: str) -> str:
 _TRANSPORT = Switch(TRANSPORT_ENV, choice(TRANSPORT_ENV, TRANSPORTS, auto=None), _check_transport)
 
 
-@functools.cache
+_EXTENSION: list[bool] = []
+"""Whether fastpar._C's ops are usable, once known (a plain memo: dynamo does not honour
+functools.cache, it traces the wrapped function)."""
+
+
 def _extension_ops() -> bool:
     """Whether fastpar._C is built; registers the ops' fake (meta) implementations once, so
     torch.compile and torch.library.opcheck can trace them."""
+    if not _EXTENSION:
+        _EXTENSION.append(_register_extension_ops())
+    return _EXTENSION[0]
+
+
+# A constant of the process: torch.compile calls it while tracing and uses the answer, instead of
+# tracing the probe (whose file read and import would break the graph). The mark is the one
+# torch.compiler.assume_constant_result sets, set by hand because calling that imports
+# torch._dynamo, which ``import fastpar`` must not.
+_extension_ops._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _register_extension_ops() -> bool:
     ok, _ = backend.extension_status()
     if not (ok and hasattr(torch.ops.fastpar, "all_to_all_start")):
         return False
@@ -66,7 +86,12 @@ def _extension_ops() -> bool:
     @torch.library.register_fake("fastpar::all_to_all_start")
     def _start_fake(input, output_split_sizes, input_split_sizes, group_name):
         rows = sum(output_split_sizes) if output_split_sizes else input.shape[0]
-        return input.new_empty((rows, *input.shape[1:])), 0
+        return input.new_empty((rows, *input.shape[1:]))
+
+    @torch.library.register_fake("fastpar::all_to_all_wait")
+    def _wait_fake(output):
+        # as torch's wait_tensor: the real op hands back its argument, a traced graph a new value
+        return torch.empty_like(output)
 
     @torch.library.register_fake("fastpar::all_to_all")
     def _sync_fake(input, output_split_sizes, input_split_sizes, group_name):
@@ -102,15 +127,19 @@ def transport() -> str:
 
 
 class _Pending:
-    def __init__(self, out: torch.Tensor, ticket=None, work=None, keep=None):
-        self.out, self.ticket, self.work, self.keep = out, ticket, work, keep
+    """An all-to-all in flight: ``wait()`` returns the received rows. The extension's transfer
+    is keyed by its output (``extension=True``: wait through the op, whose result is what later
+    code must read); the python transport's by a ``Work``. Dropped unwaited, neither leaks."""
+
+    def __init__(self, out: torch.Tensor, work=None, keep=None, extension: bool = False):
+        self.out, self.work, self.keep, self.extension = out, work, keep, extension
 
     def wait(self) -> torch.Tensor:
-        if self.ticket is not None:
-            torch.ops.fastpar.all_to_all_wait(self.ticket)
+        if self.extension:
+            self.out = torch.ops.fastpar.all_to_all_wait(self.out)
         elif self.work is not None:
             self.work.wait()
-        self.keep = None
+        self.work = self.keep = None
         return self.out
 
 
@@ -120,10 +149,8 @@ def start_all_to_all(x: torch.Tensor, group, out_splits, in_splits, kind: str) -
     x = x.contiguous()
     if kind == "extension":
         g = group if group is not None else dist.distributed_c10d._get_default_group()
-        out, ticket = torch.ops.fastpar.all_to_all_start(
-            x, out_splits or [], in_splits or [], g.group_name
-        )
-        return _Pending(out, ticket=ticket, keep=x)
+        out = torch.ops.fastpar.all_to_all_start(x, out_splits or [], in_splits or [], g.group_name)
+        return _Pending(out, extension=True)
     rows = sum(out_splits) if out_splits is not None else x.shape[0]
     out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
     work = dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True)
