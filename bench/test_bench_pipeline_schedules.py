@@ -13,8 +13,18 @@ ScheduleInterleavedZeroBubble.
   runs in W); unsplit, one backward runs both, 2 FORWARD_S as before. ZB-H1's theory: (p - 1) / (3 m + p - 1) (unit
   costs F = B = W; 1F1B's (p - 1) / (m + p - 1) is the same costs unsplit). The engine's ``stats`` give the busy seconds
   (inside forwards and backwards); the wall is the step's makespan, from a barrier before it
-  to a barrier after it (the same on every rank); idle = 1 - busy / wall, the median of 3
-  steps, averaged over ranks, beside (p - 1) / (v m + p - 1).
+  to a barrier after it (the same on every rank); idle = 1 - busy / wall, the median of 5
+  steps after one warm-up step (it agrees the message shapes and opens gloo's pairs),
+  averaged over ranks, beside (p - 1) / (v m + p - 1). The idle is split, from the same
+  ``stats``, into ``wait`` (inside receives: waiting for a peer — the schedule's bubble plus
+  the hops of messages), ``host`` (posting sends and early receives: a per-message cost that
+  theory, with free messages, does not have) and ``rest`` (a rank's idle after its last
+  action — the cool-down bubble of GPipe and 1F1B lands there — the step's fixed costs and
+  the Python between actions). ``fixed`` = 1 - span / wall: the step's fixed costs (loss
+  broadcast, last sends, barriers, set-up), where the span runs from the first action's
+  start to the last action's end over all ranks; ``span_idle`` = 1 - busy / span is the
+  bubble over that span, what the simulator's makespan models. ``ideal_idle`` =
+  1 - 3 m FORWARD_S / wall counts the sleeps' overshoot and autograd's own time as idle too.
 * Activation memory: a 16-block MLP chain (h = 256, batch 64, m = 8, p = 4), the peak bytes of
   stored activations per rank (stage inputs + tensors autograd saved), every schedule.
 * Peer: the same 8-block MLP chain cut into p * 2 chunks, fastpar's Interleaved(8, 2) and
@@ -123,14 +133,26 @@ def _bubble(name: str, m: int, v: int) -> float:
     stage = chunks if v > 1 else chunks[0]
     engine = PipelineEngine(stage, mesh, sched, loss_fn=lambda out, y: (out - y).pow(2).mean())
     x = torch.randn(m * 2, 8)
-    idle = []
-    for _ in range(3):  # the makespan of a step: from a barrier to a barrier after it
+    rows = []
+    for it in range(6):  # the makespan of a step: from a barrier to a barrier after it
         dist.barrier()
         t0 = time.perf_counter()
         engine.train_step(x, x)
         dist.barrier()
-        idle.append(1 - engine.stats["busy_s"] / (time.perf_counter() - t0))
-    return statistics.median(idle)
+        wall, st = time.perf_counter() - t0, engine.stats
+        # the schedule's span: the first action's start to the last action's end, any rank
+        # (perf_counter is one clock for every process of this machine)
+        ends = torch.tensor([-st["actions_s"][0], st["actions_s"][1]], dtype=torch.float64)
+        dist.all_reduce(ends, op=dist.ReduceOp.MAX)
+        span = float(ends.sum())
+        if it:  # the first step is a warm-up
+            rows.append({"idle": 1 - st["busy_s"] / wall, "wait": st["recv_s"] / wall,
+                         "host": st["send_s"] / wall, "ideal_idle": 1 - 3 * m * FORWARD_S / wall,
+                         "span_idle": 1 - st["busy_s"] / span, "fixed": 1 - span / wall,
+                         "wall_s": wall})  # fmt: skip
+    out = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    out["rest"] = out["idle"] - out["wait"] - out["host"]
+    return out
 
 
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb-h1", 1)]
@@ -148,16 +170,22 @@ def test_bubble_against_theory(benchmark, name, v, p):
 
     benchmark.pedantic(measure, rounds=1, iterations=1)
     label = name + (f" v={v}" if v > 1 else "")
-    lines = [f"\n{label}, p={p}:   m   measured idle   theory   measured/theory   1F1B theory"]
+    lines = [f"\n{label}, p={p}:   m   measured idle   theory   measured/theory   1F1B theory"
+             "    wait    host    rest   fixed   span idle   ideal idle   step ms"]  # fmt: skip
     table = {}
-    for m, idle in rows.items():
+    for m, per_rank in rows.items():
         theory = _schedule(name, m, v).theory(p)
-        got = statistics.mean(idle)
+        mean = {k: statistics.mean(r[k] for r in per_rank) for k in per_rank[0]}
+        got = mean["idle"]
         one = OneFOneB(m).theory(p)
-        table[m] = {"measured": got, "theory": theory, "ratio": got / theory, "per_rank": idle,
-                    "1f1b_theory": one}  # fmt: skip
+        table[m] = {"measured": got, "theory": theory, "ratio": got / theory,
+                    "per_rank": [r["idle"] for r in per_rank], "1f1b_theory": one,
+                    **{k: mean[k] for k in ("wait", "host", "rest", "fixed", "span_idle",
+                                            "ideal_idle", "wall_s")}}  # fmt: skip
         lines.append(f"{' ' * 16}{m:>3}   {got:>13.3f}   {theory:>6.3f}   {got / theory:>15.2f}"
-                     f"   {one:>11.3f}")  # fmt: skip
+                     f"   {one:>11.3f}   {mean['wait']:.3f}   {mean['host']:.3f}   "
+                     f"{mean['rest']:.3f}   {mean['fixed']:.3f}   {mean['span_idle']:>9.3f}   "
+                     f"{mean['ideal_idle']:>10.3f}   {mean['wall_s'] * 1e3:>7.1f}")  # fmt: skip
     benchmark.extra_info["bubble"] = table
     print("\n".join(lines))
 

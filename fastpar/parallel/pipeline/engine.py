@@ -122,7 +122,10 @@ class PipelineEngine(StepRunner):
     wrapper's). ``moe_aux_loss``: weigh MoE auxiliary losses like a micro-batch's loss (module
     docstring). ``static_shapes``: whether
     activation shapes are the same for every micro-batch (agreed once). Statistics of the last
-    step are in ``stats``: busy and wall seconds, peak micro-batches in flight, and peak bytes of
+    step are in ``stats``: busy (forwards and backwards), send (posting sends and early
+    receives), recv (in receives, mostly waiting for a peer) and wall seconds, the
+    ``time.perf_counter()`` at which this rank's actions began and ended, peak
+    micro-batches in flight, and peak bytes of
     stored activations (stage inputs; plus the tensors autograd saves when
     ``measure_activations`` — a Python hook per saved tensor, so off by default).
     """
@@ -203,17 +206,23 @@ class PipelineEngine(StepRunner):
         saved: dict[tuple[int, int], dict] = {}
         losses: list[torch.Tensor] = []
         t_step = time.perf_counter()
+        self.p2p.send_s = self.p2p.recv_s = 0.0
         actions = self.schedule.actions(mesh.pp_size, mesh.pp_rank)
         moe = aux_loss_scale(self._aux_scale(device) if self.moe_aux_loss else None)
         with moe:
+            t_actions = time.perf_counter()
             busy, peak = self._run_steps(actions, xs, ys, device, saved, losses)
+            t_done = time.perf_counter()
         self.p2p.wait_sends()
         if self.grad_sync is not None:  # e.g. DDP's tied-embedding sum, every stage done
             self.grad_sync.finish_grad_sync()
         self._sync_tied()
         self.stats = {
             "busy_s": busy,
+            "send_s": self.p2p.send_s,
+            "recv_s": self.p2p.recv_s,
             "wall_s": time.perf_counter() - t_step,
+            "actions_s": (t_actions, t_done),
             "peak_activation_bytes": peak,
             "max_in_flight": self.schedule.max_in_flight(mesh.pp_size, mesh.pp_rank),
         }

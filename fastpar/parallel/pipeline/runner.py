@@ -8,7 +8,10 @@ Virtual stage ``s = chunk * p + rank`` receives its input from virtual stage s -
 every channel pairs in posting order, and every rank runs forwards (and backwards) of a chunk
 in the same micro-batch order, so sends and receives pair; sends are never waited on before
 the end of the step, receives when their tensor is needed, so a schedule the simulator runs
-without deadlock runs here too.
+without deadlock runs here too. Before each action's compute the receives of the next
+``LOOKAHEAD`` actions are posted early (``P2P.post_recv``: gloo, shapes known), in action
+order, so a message's rendezvous overlaps the compute before it is needed; which receive an
+action needs is known from the schedule (and, for a backward, from its forward's slots).
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ import torch
 from fastpar.parallel.pipeline.p2p import tuple_message
 from fastpar.parallel.pipeline.zb import SplitBackward
 from fastpar.profiling import nvtx
+
+#: how many actions ahead of the current one their receives are posted (``P2P.post_recv``)
+LOOKAHEAD = 2
+_UNKNOWN = object()  # a backward's receive before its forward ran (its slots are not known)
 
 
 def act_tag(vstage: int) -> int:
@@ -49,12 +56,22 @@ class StepRunner:
         last_backward = backwards[-1] if backwards else -1
         live = peak = 0
         busy = 0.0
+        ahead = 0  # the actions before this one have their receives posted early or need none
+
         for k, (kind, i, c) in enumerate(actions):
             s = c * p + r
             first, last = s == 0, s == last_vs
             label = f"mb{i}" + (f" chunk{c}" if nv > 1 else "")
+            need = _recv_need(actions[k], saved, p, r, last_vs, p2p)
+            got = None if need is None else p2p.recv(need[0], device, tag=need[1])
+            ahead = max(ahead, k + 1)
+            while ahead < min(k + 1 + LOOKAHEAD, len(actions)):  # post the next receives
+                nxt = _recv_need(actions[ahead], saved, p, r, last_vs, p2p)
+                if nxt is _UNKNOWN or (nxt and not p2p.post_recv(nxt[0], device, tag=nxt[1])):
+                    break  # receives are posted in order: none later before this one
+                ahead += 1
             if kind == "F":
-                x = xs[i] if first else p2p.recv(p2p.prev, device, tag=act_tag(s))
+                x = xs[i] if first else got
                 t0 = time.perf_counter()
                 target = ys[i] if last else None
                 if not train:
@@ -92,30 +109,26 @@ class StepRunner:
             elif split:
                 entry = saved[(i, c)]
                 slots = entry.get("slots")
-                grad = None
-                if not last and (slots is None or slots):
-                    grad = p2p.recv(p2p.next, device, tag=grad_tag(s))
                 t0 = time.perf_counter()
                 with nvtx(f"stage{r} input grad {label}"):
-                    dx = self._backward_input(entry, grad, slots, last)
+                    dx = self._backward_input(entry, got, slots, last)
                 busy += time.perf_counter() - t0
                 if not first and dx is not None:
                     p2p.send(dx, p2p.prev, tag=grad_tag(s - 1))
             else:
                 entry = saved.pop((i, c))
                 slots = entry.get("slots")  # None: a single-tensor output
-                grad = None
-                if not last and (slots is None or slots):
-                    grad = p2p.recv(p2p.next, device, tag=grad_tag(s))
                 t0 = time.perf_counter()
                 sync = k == last_backward or self.no_sync is None
                 no_sync = contextlib.nullcontext() if sync else self.no_sync()
                 with nvtx(f"stage{r} backward {label}"), no_sync:
-                    self._backward(c, entry, grad, slots, ys[i] if last else None, device)
+                    self._backward(c, entry, got, slots, ys[i] if last else None, device)
                 busy += time.perf_counter() - t0
                 live -= entry["bytes"]
                 if not first:
                     self._send_input_grad(entry["x"], p2p, grad_tag(s - 1))
+        if p2p.posted_recvs():  # every early receive belongs to an action of this step
+            raise RuntimeError(f"{p2p.posted_recvs()} early pipeline receives left unmatched")
         return busy, peak
 
     def _forward(self, c, x, target, first, last, device, label) -> tuple[dict, int]:
@@ -219,6 +232,22 @@ class StepRunner:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = self._run(c, x, target)
         return out, counted[0]
+
+
+def _recv_need(action, saved: dict, p: int, r: int, last_vs: int, p2p):
+    """What ``action`` receives before its compute: ``(peer, tag)``, None, or ``_UNKNOWN``
+    (a backward whose forward has not run: which slots get a gradient is not known yet)."""
+    kind, i, c = action
+    s = c * p + r
+    if kind == "F":
+        return None if s == 0 else (p2p.prev, act_tag(s))
+    if kind == "W" or s == last_vs:
+        return None
+    entry = saved.get((i, c))
+    if entry is None:
+        return _UNKNOWN
+    slots = entry.get("slots")  # None: a single-tensor output; [] no slot requires grad
+    return (p2p.next, grad_tag(s)) if slots is None or slots else None
 
 
 def _get_rng(device: torch.device) -> tuple:
