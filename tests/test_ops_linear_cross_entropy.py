@@ -18,8 +18,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
 
-from fastpar.nn.functional import vocab_parallel_linear_cross_entropy
+from fastpar.nn.functional import (
+    vocab_parallel_cross_entropy,
+    vocab_parallel_linear_cross_entropy,
+)
+from fastpar.reference import cross_entropy as ce_ref
 from fastpar.reference import linear_cross_entropy as ref
 from fastpar.testing import run_ranks
 
@@ -309,3 +315,74 @@ def test_bad_inputs_raise_clear_errors():
     bad[1] = 10
     with pytest.raises(RuntimeError, match=r"target id is outside \[0, 10\)"):
         f(h, w, bad)
+
+
+@pytest.mark.parametrize(
+    ("cols", "start", "n_valid", "scale"),
+    [(123, 0, 123, 3.0), (123, 0, 100, 3.0), (64, 64, 40, 1.0e4), (8, 16, 0, 3.0)],
+)
+def test_inplace_stats_and_grad_match_the_cross_entropy_reference(cols, start, n_valid, scale):
+    """``stats_`` + ``grad_`` (fp32 in place, through exp(x − m)) against the vocab-parallel CE's
+    out-of-place ``local_stats`` / ``grad_logits``; padding columns hold garbage."""
+    gen = torch.Generator().manual_seed(cols + n_valid)
+    x = torch.randn(7, cols, generator=gen) * scale
+    x[:, n_valid:] = 1.0e4
+    t = torch.randint(0, start + cols + 3, (7,), generator=gen)
+    t[0] = -100
+    want_stats = ce_ref.local_stats(x, t, start, n_valid, -100)
+    buf = x.clone()
+    local = ref.stats_(buf, t, start, n_valid, -100)
+    torch.testing.assert_close(local, want_stats, rtol=1e-6, atol=1e-5)
+    other = torch.tensor([[1.5, 2.0, 0.0, 3.0]]).expand(7, 4)  # another shard's statistics
+    row_max, log_s, _, _ = ce_ref.combine_stats(torch.stack([want_stats, other]))
+    g = (torch.rand(7, generator=gen) + 0.1) * (t != -100)
+    spec = dict(
+        vocab_start=start,
+        n_valid=n_valid,
+        ignore_index=-100,
+        label_smoothing=0.1,
+        z_loss=1e-3,
+        vocab_size=start + cols,
+    )
+    got = ref.grad_(buf, t, local, row_max, log_s, g, **spec)
+    assert got.data_ptr() == buf.data_ptr()
+    want = ce_ref.grad_logits(x, t, row_max, log_s, g, **spec)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ref.grad_logits_(x.clone(), t, row_max, log_s, g, **spec), want)
+
+
+def _peak_bytes(run) -> int:
+    """Peak bytes allocated above the start of ``run()`` (torch's CPU memory profiler)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = run()
+    del out
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.typed[0] == _EventType.Allocation:
+            events.append((node.start_time_ns, node.typed[1].alloc_size))
+        stack.extend(node.children)
+    current = peak = 0
+    for _, size in sorted(events):
+        current += size
+        peak = max(peak, current)
+    return peak
+
+
+def test_peak_memory_is_a_fraction_of_linear_plus_cross_entropy():
+    """V=8k, N=1k, H=64, 128-row chunks: the fused step holds at most 1/8 of the bytes that
+    F.linear + vocab_parallel_cross_entropy holds (d hidden and d weight counted on both)."""
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(1024, 64, generator=gen).requires_grad_()
+    w = (torch.randn(8192, 64, generator=gen) * 0.1).requires_grad_()
+    t = torch.randint(0, 8192, (1024,), generator=gen)
+    fused = _peak_bytes(
+        lambda: torch.autograd.grad(
+            vocab_parallel_linear_cross_entropy(h, w, t, chunk_size=128), (h, w)
+        )
+    )
+    unfused_ce = vocab_parallel_cross_entropy  # the models' loss today
+    unfused = _peak_bytes(lambda: torch.autograd.grad(unfused_ce(F.linear(h, w), t), (h, w)))
+    logits = 1024 * 8192 * 4
+    assert unfused >= 2 * logits  # the logits and their gradient
+    assert fused <= unfused / 8, (fused, unfused)

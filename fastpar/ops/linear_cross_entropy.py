@@ -55,7 +55,6 @@ from fastpar.ops.cross_entropy import (
     _group_info,
     _header,
 )
-from fastpar.reference import cross_entropy as ce_ref
 from fastpar.reference import linear_cross_entropy as ref
 
 OP = "vocab_parallel_linear_cross_entropy"
@@ -68,12 +67,19 @@ backend.register_op(
 )
 
 
-def _impl(device_type: str) -> tuple[Any, Any]:
-    """(stats, in-place gradient) functions: the Triton launchers or the torch reference."""
+def _triton_grad(x, target, local, row_max, log_s, row_grad, **spec) -> torch.Tensor:
+    kernels = importlib.import_module("fastpar.kernels.linear_cross_entropy")
+    return kernels.grad_logits_(x, target, row_max, log_s, row_grad, **spec)
+
+
+def _impl(device_type: str, backward: bool = False) -> tuple[Any, Any]:
+    """(stats, in-place gradient) functions for ``chunk_loop``: the Triton launchers (the
+    statistics kernel leaves the logits as they are, so the recompute backward skips it) or
+    the torch reference (``stats_`` / ``grad_``)."""
     if backend.select(OP, device_type) == "triton":
         kernels = importlib.import_module("fastpar.kernels.linear_cross_entropy")
-        return kernels.local_stats, kernels.grad_logits_
-    return ce_ref.local_stats, ref.grad_logits_
+        return (None if backward else kernels.local_stats), _triton_grad
+    return ref.stats_, ref.grad_
 
 
 def _gatherer(target, group, tp: int, n_local: int, vocab_size: int, ignore_index: int):
@@ -187,7 +193,7 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
         hidden, weight, target, row_max, log_s, count = ctx.saved_tensors
         if ctx.reduction == "mean":
             g = g / count
-        stats_fn, grad_fn = _impl(hidden.device.type)
+        stats_fn, grad_fn = _impl(hidden.device.type, backward=True)
         out = ref.chunk_loop(
             hidden,
             weight,

@@ -7,10 +7,12 @@ logits: ``chunk_loop`` walks the rows (tokens) in chunks of ``chunk_size`` and, 
 1. ``logits = hidden[rows] @ weight.T`` into ONE reused ``[chunk, V_local]`` buffer (the
    inputs' dtype, fp32 accumulation inside the matmul: what ``F.linear`` gives the unfused CE);
 2. the per-row statistics ``[chunk, 4]`` of ``fastpar.reference.cross_entropy.local_stats``
-   (or the Triton kernel), passed to ``gather`` (the op's one all-gather per chunk over the
+   (``stats_``, which for fp32 leaves ``exp(x − row max)`` in the buffer; or the Triton
+   kernel), passed to ``gather`` (the op's one all-gather per chunk over the
    TP group; here the identity of a single rank), combined into the row loss;
 3. when ``row_grad`` is given: d loss / d logits written IN PLACE into the buffer
-   (``grad_logits_``; fp32 math, the true-class term included, one cast), then
+   (``grad_`` / ``grad_logits_``; fp32 math, the true-class term from the fp32 target logit,
+   one cast), then
    ``grad_hidden[rows] = dlogits @ weight`` (this shard's partial sum: the op all-reduces it
    over TP) and ``grad_weight += dlogits.T @ hidden[rows]`` (fp32 accumulator for bf16 / fp16
    weights, cast once at the end).
@@ -79,6 +81,76 @@ def grad_logits_(
     return logits
 
 
+def stats_(
+    x: torch.Tensor, target: torch.Tensor, vocab_start: int, n_valid: int, ignore_index: int
+) -> torch.Tensor:
+    """``fastpar.reference.cross_entropy.local_stats`` of a chunk ``[C, V_local]``, fp32
+    ``[C, 4]``. For fp32 ``x`` it also overwrites ``x[:, :n_valid]`` with ``exp(x − row max)``
+    (whole-chunk in-place ops, no temporaries: the gradient's first step, see ``grad_``); other
+    dtypes leave ``x`` untouched (in-place arithmetic there would round every step)."""
+    if x.dtype != torch.float32 or n_valid <= 0 or x.shape[0] == 0:
+        return ce.local_stats(x, target, vocab_start, n_valid, ignore_index)
+    stats = torch.empty(x.shape[0], 4, dtype=torch.float32, device=x.device)
+    v = x[:, :n_valid]
+    m = v.amax(dim=1)
+    stats[:, ce.MAX] = m
+    stats[:, ce.SUM] = v.sum(dim=1)
+    col, inside = ce._local_target(target, vocab_start, n_valid, ignore_index)
+    xt = v.gather(1, col[:, None]).squeeze(1)
+    stats[:, ce.TARGET] = torch.where(inside, xt, torch.zeros_like(xt))
+    stats[:, ce.SUMEXP] = v.sub_(m[:, None]).exp_().sum(dim=1)
+    return stats
+
+
+def grad_(
+    x: torch.Tensor,
+    target: torch.Tensor,
+    local: torch.Tensor,
+    row_max: torch.Tensor,
+    log_s: torch.Tensor,
+    row_grad: torch.Tensor,
+    *,
+    vocab_start: int,
+    n_valid: int,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    vocab_size: int,
+) -> torch.Tensor:
+    """d loss / d logits in place, from the chunk as ``stats_`` left it (``local``: its
+    ``[C, 4]`` statistics). fp32: ``x`` holds ``e = exp(x − m)``, so ``p = e·exp(m − M − log S)``
+    is one per-row scale; the true class is rewritten from the exact fp32 target logit, not
+    from the buffer. Other dtypes: ``grad_logits_`` on the raw logits (fp32 temporaries)."""
+    spec = dict(vocab_start=vocab_start, n_valid=n_valid, ignore_index=ignore_index)
+    if x.dtype != torch.float32:
+        return grad_logits_(
+            x,
+            target,
+            row_max,
+            log_s,
+            row_grad,
+            label_smoothing=label_smoothing,
+            z_loss=z_loss,
+            vocab_size=vocab_size,
+            **spec,
+        )
+    x[:, n_valid:] = 0
+    if n_valid <= 0 or x.shape[0] == 0:
+        return x
+    alpha, g = label_smoothing, row_grad.float()
+    k = g * (1.0 + 2.0 * z_loss * (row_max + log_s))  # g·(1 + 2z·lse)
+    v = x[:, :n_valid]
+    v.mul_((k * torch.exp(local[:, ce.MAX] - row_max - log_s))[:, None])  # g·p·(1 + 2z·lse)
+    if alpha:
+        v.sub_((g * (alpha / vocab_size))[:, None])
+    col, inside = ce._local_target(target, **spec)
+    p_t = torch.exp(local[:, ce.TARGET] - row_max - log_s)
+    d_t = k * p_t - g * (alpha / vocab_size) - (1.0 - alpha) * g
+    keep = v.gather(1, col[:, None]).squeeze(1)
+    v.scatter_(1, col[:, None], torch.where(inside, d_t, keep)[:, None])
+    return x
+
+
 def _single_rank(stats: torch.Tensor, first: bool) -> torch.Tensor:
     return stats.unsqueeze(0)
 
@@ -112,8 +184,8 @@ def chunk_loop(
     hidden_grad: bool = True,
     weight_grad: bool = True,
     gather: Callable[[torch.Tensor, bool], torch.Tensor] = _single_rank,
-    local_stats: Callable[..., torch.Tensor] = ce.local_stats,
-    grad_fn: Callable[..., torch.Tensor] = grad_logits_,
+    local_stats: Callable[..., torch.Tensor] | None = stats_,
+    grad_fn: Callable[..., torch.Tensor] = grad_,
 ) -> ChunkResult:
     """The chunked loss (and gradients) of ``hidden @ weight.T`` against ``target``.
 
@@ -123,8 +195,11 @@ def chunk_loop(
     None computes no gradient. ``stats``: the combined ``(row_max, log_s)`` of an earlier pass
     (the recompute backward): no statistics and no ``gather`` then. ``gather(stats, first)``
     maps this rank's ``[C, 4]`` statistics to every rank's ``[tp, C, 4]``; ``first`` marks the
-    first chunk. ``local_stats`` / ``grad_fn`` compute a chunk's statistics / in-place gradient
-    (the reference here, the Triton launchers in the op). N = 0 still makes one (empty) gather.
+    first chunk. ``local_stats(x, t, vocab_start=, n_valid=, ignore_index=)`` gives a chunk's
+    ``[C, 4]`` statistics and may transform the buffer (``stats_`` does; None: skip it, for a
+    ``grad_fn`` that needs neither); ``grad_fn(x, t, local, row_max, log_s, row_grad, ...)``
+    turns the buffer as ``local_stats`` left it into d loss / d logits in place: ``stats_`` /
+    ``grad_`` here, the Triton launchers in the op. N = 0 still makes one (empty) gather.
     """
     n, _ = hidden.shape
     n_local = weight.shape[0]
@@ -149,9 +224,9 @@ def chunk_loop(
         rows = slice(start, min(start + step, n))
         h, t = hidden[rows], target[rows]
         x = torch.mm(h, weight.t(), out=buf[: h.shape[0]])
+        local = None if local_stats is None else local_stats(x, t, **spec)
         if stats is None:
-            gathered = gather(local_stats(x, t, vocab_start, n_valid, ignore_index), start == 0)
-            m, ls, xt, total = ce.combine_stats(gathered)
+            m, ls, xt, total = ce.combine_stats(gather(local, start == 0))
             row_max[rows], log_s[rows] = m, ls
             loss[rows] = ce.row_loss(
                 m,
@@ -165,7 +240,7 @@ def chunk_loop(
             )
         if not want or h.shape[0] == 0:
             continue
-        d = grad_fn(x, t, row_max[rows], log_s[rows], row_grad[rows], **grad_spec)
+        d = grad_fn(x, t, local, row_max[rows], log_s[rows], row_grad[rows], **grad_spec)
         if grad_hidden is not None:
             torch.mm(d, weight, out=grad_hidden[rows])
         if grad_weight is None:
