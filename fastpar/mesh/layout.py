@@ -154,10 +154,18 @@ class MeshLayout:
         if (dp * self.cp) % self.ep:
             n = dp * self.cp
             divisors = [e for e in range(1, n + 1) if n % e == 0]
+            if self.cp == 1:
+                what = f"(= world_size {self.world_size} / (tp*pp = {self.tp * self.pp}))"
+                fix = "(expert-dp = dp / ep)"
+            else:
+                what = (
+                    f"(= world_size {self.world_size} / (tp*cp*pp = "
+                    f"{self.tp * self.cp * self.pp})) times cp {self.cp}"
+                )
+                fix = "(expert-dp = dp·cp / ep)"
             raise ValueError(
-                f"data-parallel size {dp} (= world_size {self.world_size} / (tp*cp*pp = "
-                f"{self.tp * self.cp * self.pp})) times cp {self.cp} is not divisible by ep "
-                f"{self.ep}; ep must be one of {divisors} (expert-dp = dp·cp / ep)"
+                f"data-parallel size {dp} {what} is not divisible by ep {self.ep}; ep must be "
+                f"one of {divisors} {fix}"
             )
         pp_last = tokens[-1] == "pp"
         if not pp_last and self.pp > 1 and self.ep > 1:

@@ -333,7 +333,7 @@ class Trainer:
                 )  # (broadcast over the pipeline)
             total = loss.float() if total is None else total + loss.float()
         total = total / self.cfg.eval_batches
-        if mesh.dp_size > 1:
-            torch.distributed.all_reduce(total, group=mesh.dp_group)
-            total = total / mesh.dp_size
+        if mesh.dp_size * mesh.cp_size > 1:  # cp ranks: each its chunks' mean
+            torch.distributed.all_reduce(total, group=mesh.dp_cp_group)
+            total = total / (mesh.dp_size * mesh.cp_size)
         return float(total)

@@ -21,6 +21,7 @@ AT_LEAST = {
     "pp": (1, ""),
     "dp": (1, ""),
     "ep": (1, ""),
+    "cp": (1, ""),
     "microbatches": (1, ""),
     "virtual_stages": (1, ""),
     "eval_every": (0, " (0: no evaluation)"),
@@ -221,8 +222,14 @@ def check_world_size(cfg, world: int) -> None:
     started and ep divides dp, with the flags that make it fit (a layout that passes every
     check, --ep included)."""
     check_ranges(cfg)  # tp, pp, dp, ep >= 1 first
-    if cfg.world_size == world and cfg.dp % cfg.ep == 0:
+    if cfg.world_size == world and (cfg.dp * cfg.cp) % cfg.ep == 0:
         return
+    if cfg.cp > 1:
+        raise ValueError(
+            f"torchrun started {world} ranks but tp*cp*pp*dp = {cfg.tp}*{cfg.cp}*{cfg.pp}*"
+            f"{cfg.dp} = {cfg.world_size} (or ep {cfg.ep} does not divide dp*cp): pass --dp "
+            f"{world // (cfg.tp * cfg.cp * cfg.pp) or 1} or start {cfg.world_size} ranks"
+        )
     dp = world // (cfg.tp * cfg.pp) if world % (cfg.tp * cfg.pp) == 0 else None
     if dp is None:
         what = (

@@ -110,6 +110,8 @@ _HELP = {
     "z_loss_coef": "MoE: the router z-loss's coefficient (ST-MoE; 0: off)",
     "sequence_parallel": "split activations between blocks along the sequence over TP (MoE "
     "blocks route each rank's chunk, dropless; with --moe-expert-tp they gather it)",
+    "cp": "context-parallel size: each sequence split over CP ranks (2*cp chunks, ring "
+    "attention; --model gpt / llama)",
     "moe_expert_tp": "split each MoE expert's FFN over TP (expert tensor parallelism: w1 by "
     "columns, w2 by rows) instead of every TP rank holding whole experts",
     "untied": "an LM head of its own instead of the embedding's weight",
@@ -173,7 +175,7 @@ _METAVARS = {"checkpoint_dir": "DIR", "profile": "DIR", "tensorboard": "DIR", "p
              "collective_timeout": "SECONDS", "router_groups": "N", "router_group_topk": "K",
              "shared_expert_ffn": "N", "routed_scaling_factor": "F"}  # fmt: skip
 _GROUPS = {
-    "layout": ("tp", "pp", "dp", "ep", "zero", "microbatches", "schedule", "virtual_stages",
+    "layout": ("tp", "pp", "dp", "ep", "cp", "zero", "microbatches", "schedule", "virtual_stages",
                "recompute", "sequence_parallel", "moe_expert_tp", "overlap_chunks"),
     "model": ("model_type", "hf_config", "vocab_size", "seq_len", "hidden", "heads", "layers",
               "ffn", "moe_ffn", "kv_heads", "head_dim", "rope_theta", "qk_norm",

@@ -60,6 +60,7 @@ class TrainConfig:
     pp: int = 2
     dp: int = 2
     ep: int = 2
+    cp: int = 1
     zero: int = 1
     precision: str = "fp32"
     microbatches: int = 2
@@ -156,7 +157,7 @@ class TrainConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     @property
     def vocab(self) -> int:
@@ -247,6 +248,12 @@ class TrainConfig:
             )
         if self.sequence_parallel:
             raise ValueError("--sequence-parallel is not supported with --hf-config")
+        if self.cp > 1:
+            raise ValueError(
+                f"--cp {self.cp} with --hf-config: a Hugging Face model's own attention sees "
+                "only its chunk of the sequence; context parallelism needs fastpar's models "
+                "(--model gpt / llama), use --cp 1"
+            )
         config = load_config(self.hf_config)
         if self.vocab_size is not None and self.vocab_size != config.vocab_size:
             raise ValueError(
@@ -380,6 +387,9 @@ class TrainConfig:
                 "(e.g. 0.1: the last 10% of the token ids are held out)"
             )
 
+    def _check_context(self) -> None:
+        _cp_checks(self)
+
     def check(self) -> None:
         """Refuse an impossible run before any process group exists: one ValueError line naming
         the value and the fix (the data are checked by ``load_data``; the world size under
@@ -393,7 +403,8 @@ class TrainConfig:
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero}")
         self._check_schedule()
         RecomputePolicy.parse(self.recompute)  # a bad --recompute: ValueError naming it
-        MeshLayout(self.world_size, tp=self.tp, pp=self.pp, ep=self.ep)
+        MeshLayout(self.world_size, tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp)
+        self._check_context()
         per_rank = self.batch_size // self.dp
         if self.batch_size % self.dp or per_rank % self.microbatches:
             raise ValueError(
@@ -405,6 +416,30 @@ class TrainConfig:
             check_memory(self)  # activations that clearly do not fit this machine
 
 
+def _cp_checks(cfg: TrainConfig) -> None:
+    """Context parallelism: the sequence splits into 2·cp equal chunks, each rank's pair of
+    chunks again over TP under sequence parallelism."""
+    if cfg.cp == 1:
+        return
+    if cfg.seq_len % (2 * cfg.cp):
+        raise ValueError(
+            f"--cp {cfg.cp} splits each sequence into 2*cp = {2 * cfg.cp} equal chunks: "
+            f"--seq-len {cfg.seq_len} is not divisible by {2 * cfg.cp}"
+        )
+    if cfg.moe_every and cfg.capacity_factor is not None:
+        raise ValueError(
+            f"--cp {cfg.cp} with --capacity-factor {cfg.capacity_factor}: each rank routes its "
+            "chunks of the sequence, so a capacity would drop per chunk (other tokens than the "
+            "single-process model); leave --capacity-factor out (dropless)"
+        )
+    local = cfg.seq_len // cfg.cp
+    if cfg.sequence_parallel and cfg.tp > 1 and local % cfg.tp:
+        raise ValueError(
+            f"--sequence-parallel with --cp {cfg.cp}: this rank's {local} tokens do not split "
+            f"over tp {cfg.tp}; use a --seq-len that is a multiple of {cfg.cp * cfg.tp * 2}"
+        )
+
+
 def config_from(args: argparse.Namespace, world: int | None = None) -> TrainConfig:
     """The TrainConfig of parsed flags. ``world``: the job's world size (default: torchrun's
     WORLD_SIZE, None when self-started); --dp left out is ``world / (tp * pp)`` under torchrun,
@@ -414,5 +449,6 @@ def config_from(args: argparse.Namespace, world: int | None = None) -> TrainConf
         values["ep"] = 1 if values["hf_config"] else TrainConfig.ep
     if values["dp"] is None:
         world = torchrun_world_size() if world is None else world
-        values["dp"] = infer_dp(values["tp"], values["pp"], world, TrainConfig.dp)
+        tp_cp = values["tp"] * (values.get("cp") or 1)  # dp = world / (tp * cp * pp)
+        values["dp"] = infer_dp(tp_cp, values["pp"], world, TrainConfig.dp)
     return TrainConfig(**values)

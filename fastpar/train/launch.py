@@ -39,7 +39,7 @@ def launch(cfg: TrainConfig, timeout: float = 24 * 3600.0, tokens=None) -> list[
         tokens = load_data(cfg)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         check_world_size(cfg, int(os.environ["WORLD_SIZE"]))  # one line; the hint fits --ep
-        init(cfg.tp, cfg.pp, cfg.ep, timeout=cfg.collective_timeout)
+        init(cfg.tp, cfg.pp, cfg.ep, cp=cfg.cp, timeout=cfg.collective_timeout)
         try:
             records = _rank_main(cfg, tokens)
         except RuntimeError:  # a failed collective: a stopped sibling would hold torchrun 30 s

@@ -56,7 +56,7 @@ def run(cfg: TrainConfig, tokens=None) -> list[dict]:
     non-finite loss in fp32 / bf16, ``cfg.max_skipped_steps`` skipped steps in a row, weights
     about to be saved that are not finite), without saving."""
     with StopSignals() as signals:
-        mesh = ParallelMesh(cfg.tp, cfg.pp, cfg.ep, timeout=cfg.collective_timeout)
+        mesh = ParallelMesh(cfg.tp, cfg.pp, cfg.ep, timeout=cfg.collective_timeout, cp=cfg.cp)
         device = (
             torch.device("cuda", torch.cuda.current_device())
             if dist.get_backend() == "nccl"
@@ -80,7 +80,8 @@ def _train(cfg: TrainConfig, trainer: Trainer, signals: StopSignals) -> list[dic
         n = sum(p.numel() for p in trainer.stage_module.parameters())
         chunks = f" (v={cfg.virtual_stages})" if cfg.virtual_stages > 1 else ""
         print(
-            f"fastpar.train: {cfg.model_name}, world {cfg.world_size} = dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp} "
+            f"fastpar.train: {cfg.model_name}, world {cfg.world_size} = dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp}"
+            f"{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} "
             f"(ep {cfg.ep}), ZeRO-{cfg.zero}, {cfg.precision}, {cfg.schedule}{chunks} x {cfg.microbatches} "
             f"micro-batches, {dist.get_backend()}; {total_params:,} parameters, rank 0 holds {n:,}",
             flush=True,

@@ -59,13 +59,13 @@ def resolve(records: list[dict], mesh, device: torch.device) -> None:
     losses = torch.stack([zero if r["loss"] is None else r["loss"] for r in records])
     if mesh.pp_size > 1:
         dist.broadcast(losses, src=mesh.ranks("pp")[-1], group=mesh.pp_group)
-    dist.all_reduce(losses, group=mesh.dp_group)
+    dist.all_reduce(losses, group=mesh.dp_cp_group)  # cp ranks: each its chunks' mean
     norms = torch.stack([r["grad_norm"].reshape(()).float() for r in records])
     skipped = torch.stack([r["skipped"].reshape(()).float() for r in records])
     values = torch.cat([losses, norms.to(device), skipped.to(device)]).tolist()
     k = len(records)
     for i, r in enumerate(records):
-        r["loss"] = values[i] / mesh.dp_size
+        r["loss"] = values[i] / (mesh.dp_size * mesh.cp_size)
         r["grad_norm"] = values[k + i]
         r["skipped"] = values[2 * k + i] > 0
 
