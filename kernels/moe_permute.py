@@ -6,17 +6,24 @@ kernels only move rows. Shapes as there: ``slots [T, k]`` int64 (−1 = dropped)
 ``[R, H]`` with ``R = E·C`` (capacity) or ``T·k`` (dropless). No atomics anywhere: every program
 owns the rows it writes, so every result is deterministic.
 
-* ``_scatter_kernel``: one program per token, over ``[BLOCK_K, BLOCK_H]`` tiles of its ``k``
-  slots; reads ``src[t]`` once and writes ``w_j · src[t]`` to each kept slot row (``w = 1`` for
-  permute, ``probs`` for the backward of unpermute); with ``DOT`` it also forms
-  ``⟨src[t], other[slot_j]⟩`` (the gradient of the routing weights). Dropped choices are masked:
-  a slot of −1 is never dereferenced, so routing more tokens than fit writes nothing out of
-  bounds.
-* ``_gather_kernel``: one program per token; ``out[t] = Σ_j w_j · src[slot_j]`` in fp32 (unpermute,
-  and the backward of permute with ``w = 1``).
-* ``_zero_rows_kernel``: capacity mode only, one program per row ``r = e·C + p``; zeroes the row
-  when ``p >= kept_counts[e]`` (kept positions of an expert are exactly ``0 .. kept − 1``), so
-  the permuted buffer is written exactly once and never pre-filled.
+Every kernel runs on a 2-D grid, (token or row) × (block of ``BLOCK_H`` hidden columns), with
+one-dimensional ``[BLOCK_H]`` accesses: the block is chosen for the hidden size alone (up to
+``MAX_BLOCK_H``, ``BLOCK_H / (32·warps)`` contiguous elements a thread: 128-bit accesses on
+aligned rows), independent of ``k``, which is a compile-time loop over the token's slots (no
+``[k, H]`` tile broadcast through shared memory, and the whole GPU busy for few long rows).
+
+* ``_scatter_kernel``: program (t, b) reads block b of ``src[t]`` once and writes
+  ``w_j · src[t]`` to each kept slot row (a plain copy for permute, ``w = probs`` for the
+  backward of unpermute); with ``DOT`` it also forms the block's share of
+  ``⟨src[t], other[slot_j]⟩`` (the gradient of the routing weights), summed over the blocks
+  afterwards in a fixed order. A slot of −1 (dropped) is never dereferenced, so routing more
+  tokens than fit writes nothing out of bounds.
+* ``_gather_kernel``: ``out[t] = Σ_j w_j · src[slot_j]`` block by block, fp32 accumulation
+  (unpermute, and the backward of permute with ``w = 1``).
+* ``_zero_rows_kernel``: capacity mode only, program (r, b) for the row ``r = e·C + p``; zeroes
+  the block when ``p >= kept_counts[e]`` (kept positions of an expert are exactly
+  ``0 .. kept − 1``). Outputs are ``torch.empty``: rows that a kernel writes are never
+  pre-filled, only the capacity padding rows are zeroed (dropless outputs have none).
 
 Row offsets are int64 (``R × H`` may exceed 2^31).
 """
@@ -27,8 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_TILE = 4096  # elements of one [BLOCK_K, BLOCK_H] tile at most (bounded registers)
-MAX_BLOCK_H = 1024
+MAX_BLOCK_H = 1024  # hidden columns a program handles (8 per thread at 4 warps)
 
 
 @triton.jit
@@ -40,42 +46,38 @@ def _scatter_kernel(
     other_ptr,
     dot_ptr,
     H,
-    K,
     src_stride,
     out_stride,
     other_stride,
+    K: tl.constexpr,
     HAS_W: tl.constexpr,
     STORE: tl.constexpr,
     DOT: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    j = tl.arange(0, BLOCK_K)
-    slot = tl.load(slots_ptr + t * K + j, mask=j < K, other=-1)
-    kept = slot >= 0
-    rows = tl.where(kept, slot, 0)
-    if HAS_W:
-        w = tl.load(w_ptr + t * K + j, mask=kept, other=0.0).to(tl.float32)
-    else:
-        w = tl.where(kept, 1.0, 0.0)
-    dot = tl.zeros([BLOCK_K], dtype=tl.float32)
-    cols0 = tl.arange(0, BLOCK_H)
-    for start in range(0, H, BLOCK_H):
-        cols = start + cols0
-        in_row = cols < H
-        mask = kept[:, None] & in_row[None, :]
-        x = tl.load(src_ptr + t * src_stride + cols, mask=in_row, other=0.0).to(tl.float32)
-        if STORE:
-            y = w[:, None] * x[None, :]
-            offs = rows[:, None] * out_stride + cols[None, :]
-            tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    b = tl.program_id(1)
+    cols = b * BLOCK_H + tl.arange(0, BLOCK_H)
+    in_row = cols < H
+    x = tl.load(src_ptr + t * src_stride + cols, mask=in_row, other=0.0)
+    xf = x.to(tl.float32)
+    for j in tl.static_range(K):
+        slot = tl.load(slots_ptr + t * K + j)
+        d = 0.0
+        if slot >= 0:
+            if STORE:
+                if HAS_W:
+                    w = tl.load(w_ptr + t * K + j).to(tl.float32)
+                    y = (w * xf).to(out_ptr.dtype.element_ty)
+                else:
+                    y = x.to(out_ptr.dtype.element_ty)
+                tl.store(out_ptr + slot * out_stride + cols, y, mask=in_row)
+            if DOT:
+                v = tl.load(other_ptr + slot * other_stride + cols, mask=in_row, other=0.0)
+                d = tl.sum(v.to(tl.float32) * xf, axis=0)
         if DOT:
-            offs_o = rows[:, None] * other_stride + cols[None, :]
-            v = tl.load(other_ptr + offs_o, mask=mask, other=0.0).to(tl.float32)
-            dot += tl.sum(v * x[None, :], axis=1)
-    if DOT:
-        tl.store(dot_ptr + t * K + j, dot.to(dot_ptr.dtype.element_ty), mask=j < K)
+            # [T·K, blocks]: this block's share of the dot (blocks summed by the launcher)
+            tl.store(dot_ptr + (t * K + j) * tl.num_programs(1) + b, d.to(dot_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -85,30 +87,25 @@ def _gather_kernel(
     w_ptr,
     out_ptr,
     H,
-    K,
     src_stride,
     out_stride,
+    K: tl.constexpr,
     HAS_W: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    j = tl.arange(0, BLOCK_K)
-    slot = tl.load(slots_ptr + t * K + j, mask=j < K, other=-1)
-    kept = slot >= 0
-    rows = tl.where(kept, slot, 0)
-    if HAS_W:
-        w = tl.load(w_ptr + t * K + j, mask=kept, other=0.0).to(tl.float32)
-    else:
-        w = tl.where(kept, 1.0, 0.0)
-    cols0 = tl.arange(0, BLOCK_H)
-    for start in range(0, H, BLOCK_H):
-        cols = start + cols0
-        in_row = cols < H
-        offs = rows[:, None] * src_stride + cols[None, :]
-        v = tl.load(src_ptr + offs, mask=kept[:, None] & in_row[None, :], other=0.0)
-        acc = tl.sum(v.to(tl.float32) * w[:, None], axis=0)
-        tl.store(out_ptr + t * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=in_row)
+    b = tl.program_id(1)
+    cols = b * BLOCK_H + tl.arange(0, BLOCK_H)
+    in_row = cols < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(K):
+        slot = tl.load(slots_ptr + t * K + j)
+        if slot >= 0:
+            v = tl.load(src_ptr + slot * src_stride + cols, mask=in_row, other=0.0).to(tl.float32)
+            if HAS_W:
+                v = v * tl.load(w_ptr + t * K + j).to(tl.float32)
+            acc += v
+    tl.store(out_ptr + t * out_stride + cols, acc.to(out_ptr.dtype.element_ty), mask=in_row)
 
 
 @triton.jit
@@ -125,27 +122,29 @@ def _zero_rows_kernel(
     pos = r - e * C
     kept = tl.load(kept_ptr + e)
     if pos >= kept:
-        cols0 = tl.arange(0, BLOCK_H)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         zero = tl.zeros([BLOCK_H], dtype=out_ptr.dtype.element_ty)
-        for start in range(0, H, BLOCK_H):
-            cols = start + cols0
-            tl.store(out_ptr + r * out_stride + cols, zero, mask=cols < H)
+        tl.store(out_ptr + r * out_stride + cols, zero, mask=cols < H)
 
 
-def _blocks(k: int, h: int, block_h: int | None) -> tuple[int, int]:
-    """(BLOCK_K, BLOCK_H): ``BLOCK_K = next_pow2(k)``; ``BLOCK_H`` a power of two, the tile
-    ``BLOCK_K × BLOCK_H`` at most ``MAX_TILE`` elements unless ``block_h`` overrides it."""
-    bk = triton.next_power_of_2(max(k, 1))
+def _block_h(h: int, block_h: int | None) -> int:
+    """``BLOCK_H``: the next power of two of ``h`` up to ``MAX_BLOCK_H`` (independent of ``k``),
+    unless ``block_h`` (a power of two) overrides it."""
     if block_h is not None:
         if block_h < 1 or block_h & (block_h - 1):
             raise ValueError(f"block_h must be a power of two, got {block_h}")
-        return bk, block_h
-    cap = max(16, min(MAX_BLOCK_H, MAX_TILE // bk))
-    return bk, min(triton.next_power_of_2(max(h, 1)), cap)
+        return block_h
+    return min(triton.next_power_of_2(max(h, 1)), MAX_BLOCK_H)
 
 
-def _warps(tile: int) -> int:
-    return 8 if tile >= 4096 else 4 if tile >= 512 else 2
+def _warps(block_h: int) -> int:
+    """Warps for a ``[block_h]`` program: 8 contiguous elements a thread at full size (one
+    128-bit access for 16-bit types, two for fp32), fewer warps for short rows."""
+    return max(1, min(4, block_h // 256))
+
+
+def _grid(rows: int, h: int, bh: int) -> tuple[int, int]:
+    return (rows, triton.cdiv(h, bh))
 
 
 def _rows_view(t: torch.Tensor) -> torch.Tensor:
@@ -157,7 +156,7 @@ def _zero_unused(out: torch.Tensor, kept_counts: torch.Tensor, capacity: int, bh
     rows, h = out.shape
     if rows == 0 or h == 0:
         return
-    _zero_rows_kernel[(rows,)](
+    _zero_rows_kernel[_grid(rows, h, bh)](
         out, kept_counts.contiguous(), capacity, h, out.stride(0), BLOCK_H=bh, num_warps=_warps(bh)
     )
 
@@ -184,12 +183,12 @@ def permute(
     x = _rows_view(x)
     if out is None:
         out = torch.empty(num_rows, h, dtype=x.dtype, device=x.device)
-    bk, bh = _blocks(k, h, block_h)
+    bh = _block_h(h, block_h)
     if capacity is not None:
         _zero_unused(out, kept_counts, capacity, bh)
     if t == 0 or h == 0:
         return out
-    _scatter_kernel[(t,)](
+    _scatter_kernel[_grid(t, h, bh)](
         x,
         slots.contiguous(),
         x,  # unused: no weights
@@ -197,16 +196,15 @@ def permute(
         x,  # unused: no dot
         x,
         h,
-        k,
         x.stride(0),
         out.stride(0),
         0,
+        K=k,
         HAS_W=False,
         STORE=True,
         DOT=False,
-        BLOCK_K=bk,
         BLOCK_H=bh,
-        num_warps=_warps(bk * bh),
+        num_warps=_warps(bh),
     )
     return out
 
@@ -229,20 +227,19 @@ def unpermute(
         out = torch.empty(t, h, dtype=src.dtype, device=src.device)
     if t == 0 or h == 0:
         return out
-    bk, bh = _blocks(k, h, block_h)
-    _gather_kernel[(t,)](
+    bh = _block_h(h, block_h)
+    _gather_kernel[_grid(t, h, bh)](
         src,
         slots.contiguous(),
         src if probs is None else probs.contiguous(),
         out,
         h,
-        k,
         src.stride(0),
         out.stride(0),
+        K=k,
         HAS_W=probs is not None,
-        BLOCK_K=bk,
         BLOCK_H=bh,
-        num_warps=_warps(bk * bh),
+        num_warps=_warps(bh),
     )
     return out
 
@@ -263,14 +260,16 @@ def unpermute_backward(
     """Gradients of unpermute for ``grad [T, H]``: (d src ``[R, H]`` in src's dtype, 0 on unused
     rows; d probs ``[T, k]`` in probs' dtype, 0 for dropped choices). One pass: each token's
     program reads ``grad[t]`` once, writes ``probs[t, j] · grad[t]`` to its kept slots and forms
-    ``⟨grad[t], src[slot]⟩``. ``out`` optionally receives d src."""
+    ``⟨grad[t], src[slot]⟩`` (per hidden block; the blocks' shares are then summed in a fixed
+    order, so the result is deterministic). ``out`` optionally receives d src."""
     t, k = slots.shape
     h = src.shape[1]
     grad = _rows_view(grad)
     src = _rows_view(src)
     probs = probs.contiguous()
-    bk, bh = _blocks(k, h, block_h)
-    d_src = d_probs = None
+    bh = _block_h(h, block_h)
+    blocks = triton.cdiv(h, bh)
+    d_src = d_probs = dots = None
     if need_src:
         d_src = (
             out if out is not None else torch.empty_like(src, memory_format=torch.contiguous_format)
@@ -281,25 +280,28 @@ def unpermute_backward(
         d_probs = torch.empty(t, k, dtype=probs.dtype, device=probs.device)
         if h == 0:
             d_probs.zero_()
+        # one block: the kernel writes d probs itself; more: fp32 shares [T·k, blocks], summed
+        dots = d_probs if blocks <= 1 else torch.empty(t * k, blocks, device=probs.device)
     if t == 0 or h == 0 or not (need_src or need_probs):
         return d_src, d_probs
-    _scatter_kernel[(t,)](
+    _scatter_kernel[_grid(t, h, bh)](
         grad,
         slots.contiguous(),
         probs,
         grad if d_src is None else d_src,
         src,
-        probs if d_probs is None else d_probs,
+        probs if dots is None else dots,
         h,
-        k,
         grad.stride(0),
         0 if d_src is None else d_src.stride(0),
         src.stride(0),
+        K=k,
         HAS_W=True,
         STORE=need_src,
         DOT=need_probs,
-        BLOCK_K=bk,
         BLOCK_H=bh,
-        num_warps=_warps(bk * bh),
+        num_warps=_warps(bh),
     )
+    if need_probs and blocks > 1:
+        d_probs.copy_(dots.sum(dim=1).view(t, k))
     return d_src, d_probs

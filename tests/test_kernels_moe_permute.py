@@ -52,7 +52,11 @@ CASES = [  # (kind, T, k, E, capacity, H, block_h)
     ("empty_experts", 11, 2, 6, 4, 123, None),
     ("empty_experts", 11, 2, 6, None, 33, 16),
     ("random", 8, 2, 4, 0, 20, 16),  # capacity 0: everything dropped
-    ("random", 10, 3, 5, 4, 50, 16),  # k = 3: BLOCK_K = 4 with a masked lane
+    ("random", 10, 3, 5, 4, 50, 16),  # k = 3
+    ("random", 7, 8, 16, 3, 300, 128),  # k = 8, H = 2·128 + 44: ragged last hidden block
+    ("one_expert", 5, 8, 4, 2, 70, 32),  # k = 8, 40 pairs for 2 rows
+    ("random", 6, 8, 8, None, 300, None),  # k = 8 dropless, the default block (one block)
+    ("random", 3, 8, 8, 2, 1100, None),  # k = 8, default block 1024: two blocks, ragged
 ]
 IDS = [f"{c[0]}-T{c[1]}-k{c[2]}-E{c[3]}-C{c[4]}-H{c[5]}-B{c[6]}" for c in CASES]
 
@@ -173,6 +177,8 @@ OP_CASES = [  # (kind, T, k, E, capacity, H)
     ("one_expert", 12, 2, 3, 4, 57),
     ("empty_experts", 10, 2, 5, None, 123),
     ("random", 15, 1, 4, None, 123),
+    ("random", 9, 8, 16, 4, 300),  # k = 8
+    ("random", 9, 8, 16, None, 1100),  # k = 8 dropless, two hidden blocks
 ]
 
 
@@ -280,9 +286,11 @@ def test_cuda_more_than_2_31_elements():
 
 # --- CPU tier: the kernels compile for a Hopper GPU (no GPU needed) -----------------------------
 
+REGISTER_BUDGET = 64  # per thread: every kernel is a streaming copy / reduction
+PTR, INT = ("src_ptr", "slots_ptr", "w_ptr", "out_ptr", "other_ptr", "dot_ptr", "kept_ptr"), "i32"
+
 
 def _signatures(dtype: str) -> dict:
-    common = {"H": "i32", "K": "i32"}
     scatter = {
         "src_ptr": f"*{dtype}",
         "slots_ptr": "*i64",
@@ -290,37 +298,68 @@ def _signatures(dtype: str) -> dict:
         "out_ptr": f"*{dtype}",
         "other_ptr": f"*{dtype}",
         "dot_ptr": "*fp32",
-        **common,
-        "src_stride": "i32",
-        "out_stride": "i32",
-        "other_stride": "i32",
+        "H": INT,
+        "src_stride": INT,
+        "out_stride": INT,
+        "other_stride": INT,
     }
     gather = {
         "src_ptr": f"*{dtype}",
         "slots_ptr": "*i64",
         "w_ptr": "*fp32",
         "out_ptr": f"*{dtype}",
-        **common,
-        "src_stride": "i32",
-        "out_stride": "i32",
+        "H": INT,
+        "src_stride": INT,
+        "out_stride": INT,
     }
-    zero = {"out_ptr": f"*{dtype}", "kept_ptr": "*i64", "C": "i32", "H": "i32", "out_stride": "i32"}
+    zero = {"out_ptr": f"*{dtype}", "kept_ptr": "*i64", "C": INT, "H": INT, "out_stride": INT}
     return {"_scatter_kernel": scatter, "_gather_kernel": gather, "_zero_rows_kernel": zero}
+
+
+def _ptxas_usage(ptx: str, tmp_path) -> tuple[int, int]:
+    """(registers, spill bytes) of one compiled kernel, from ``ptxas -v``; skips without one."""
+    import re
+    import subprocess
+
+    try:  # the ptxas Triton itself compiled with (its PTX version matches)
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(90).path
+    except Exception as exc:  # no usable ptxas, or another Triton layout
+        pytest.skip(f"no ptxas to read register and spill counts: {exc}")
+    arch = re.search(r"\.target\s+(sm_\w+)", ptx).group(1)  # sm_90a: Triton's Hopper target
+    src = tmp_path / "kernel.ptx"
+    src.write_text(ptx)
+    out = subprocess.run(
+        [ptxas, f"-arch={arch}", "-v", str(src), "-o", str(tmp_path / "kernel.cubin")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    regs = [int(m) for m in re.findall(r"Used (\d+) registers", out.stderr)]
+    spills = [int(a) + int(b) for a, b in re.findall(
+        r"(\d+) bytes spill stores, (\d+) bytes spill loads", out.stderr
+    )]  # fmt: skip
+    assert regs and spills, out.stderr
+    return max(regs), max(spills)
 
 
 @pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") == "1", reason="compiles kernels: not under the interpreter"
 )
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("k", [1, 2])
-def test_kernels_compile_for_sm90(dtype, k):
-    """Catches type errors of the compiled (not interpreted) path on a machine without a GPU."""
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_kernels_compile_for_sm90(dtype, k, tmp_path):
+    """Compiled for sm_90 as a real launch at H = 7168 specialises them (16-byte aligned
+    pointers, H and the row strides divisible by 16): no spills, at most ``REGISTER_BUDGET``
+    registers, and 128-bit global loads and stores of the rows, for k up to 8 (the hidden block
+    does not depend on k)."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     kern = _kernels()
-    bk, bh = kern._blocks(k, 8192, None)
+    bh = kern._block_h(7168, None)
+    assert bh == kern.MAX_BLOCK_H  # the block of a long row, whatever k is
     flags = {
         "_scatter_kernel": [
             {"HAS_W": False, "STORE": True, "DOT": False},
@@ -332,20 +371,32 @@ def test_kernels_compile_for_sm90(dtype, k):
     }
     for name, sig in _signatures(dtype).items():
         for extra in flags[name]:
-            blocks = (
-                {"BLOCK_H": bh} if name == "_zero_rows_kernel" else {"BLOCK_K": bk, "BLOCK_H": bh}
-            )
-            constexprs = {**extra, **blocks}
+            constexprs = {**extra, "BLOCK_H": bh}
+            if name != "_zero_rows_kernel":
+                constexprs["K"] = k
             full_sig = {**sig, **dict.fromkeys(constexprs, "constexpr")}
-            src = ASTSource(getattr(kern, name), signature=full_sig, constexprs=constexprs)
+            aligned = [i for i, a in enumerate(sig) if a in PTR or a == "H" or "stride" in a]
+            src = ASTSource(
+                getattr(kern, name),
+                signature=full_sig,
+                constexprs=constexprs,
+                attrs={(i,): [["tt.divisibility", 16]] for i in aligned},
+            )
             try:
                 compiled = triton.compile(
-                    src,
-                    target=GPUTarget("cuda", 90, 32),
-                    options={"num_warps": kern._warps(bk * bh)},
+                    src, target=GPUTarget("cuda", 90, 32), options={"num_warps": kern._warps(bh)}
                 )
             except RuntimeError as exc:
                 if "ptxas" in str(exc) and "not found" in str(exc):
                     pytest.skip(f"no ptxas: {exc}")
                 raise
-            assert "cubin" in compiled.asm, (name, extra)
+            what = (name, extra)
+            assert "cubin" in compiled.asm, what
+            ptx = compiled.asm["ptx"]
+            regs, spills = _ptxas_usage(ptx, tmp_path)
+            assert spills == 0, (what, spills)
+            assert regs <= REGISTER_BUDGET, (what, regs)
+            if name == "_zero_rows_kernel" or extra.get("STORE", True):
+                assert "st.global.v4" in ptx, (what, "no 128-bit stores")
+            if name != "_zero_rows_kernel":
+                assert "ld.global.v4" in ptx, (what, "no 128-bit loads")
