@@ -222,7 +222,8 @@ class CapacityChunks:
         return out.view(self.e_loc, self.ep, n, self.h).transpose(0, 1).reshape(-1, self.h)
 
     def new_buffer(self, like: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(self.e, self.c, self.h, dtype=like.dtype, device=like.device)
+        # empty, not zeros: the chunks' ranges cover [0, C), so every row is written by a put
+        return torch.empty(self.e, self.c, self.h, dtype=like.dtype, device=like.device)
 
 
 class DroplessChunks:
@@ -283,7 +284,8 @@ class DroplessChunks:
         return torch.empty_like(out).index_copy_(0, self.perm[j], out)
 
     def new_buffer(self, like: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(self.n, self.h, dtype=like.dtype, device=like.device)
+        # empty, not zeros: the chunks' index lists cover all n rows, each written by a put
+        return torch.empty(self.n, self.h, dtype=like.dtype, device=like.device)
 
 
 def _pipelined(buf: torch.Tensor, chunks, group, work) -> torch.Tensor:
