@@ -33,6 +33,30 @@ def test_cuda_sources_compile_with_nvcc(tmp_path):
         assert out.returncode == 0, f"{cu.name} does not compile:\n{out.stderr[-3000:]}"
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_pack_kernels_use_wide_words_and_no_per_word_division(tmp_path):
+    """pack_kernels.cu compiled to PTX for sm_90: a copy kernel for each of the 16, 8, 4, 2 and
+    1-byte words (rows of any width take the widest access that divides them and both base
+    addresses) and at most two 64-bit divisions per kernel, one per row on each of its two
+    paths (pack / unpack); the loop over a row's words divides nothing."""
+    import re
+
+    ptx = tmp_path / "pack_kernels.ptx"
+    out = subprocess.run(
+        ["nvcc", "-arch=sm_90", "-O2", "-ptx", str(CSRC / "pack_kernels.cu"), "-o", str(ptx)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = ptx.read_text()
+    for load in ("v4.u32", "v2.u32", "u32", "u16", "u8"):
+        assert re.search(rf"ld\.global(\.nc)?\.{re.escape(load)}\s", text), f"no {load} loads"
+    kernels = re.findall(r"\.entry\s+(\w+)\((.*?)\n}", text, flags=re.S)
+    assert len(kernels) == 5, [k[0] for k in kernels]
+    for name, body in kernels:
+        divisions = len(re.findall(r"\b(div|rem)\.[su]64\b", body))
+        assert divisions <= 2, (name, divisions)
+
+
 @pytest.mark.skipif(
     shutil.which("nvcc") is None or shutil.which("g++") is None, reason="nvcc or g++ is missing"
 )
@@ -100,13 +124,16 @@ def test_pack_unpack_ops():
 
 @pytest.mark.cuda
 @built
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.uint8])
 @pytest.mark.parametrize(
-    "hidden,offset", [(64, 0), (3, 0), (64, 1)], ids=["16B-words", "odd-rows", "misaligned"]
+    "hidden,offset",
+    [(64, 0), (3, 0), (2, 0), (6, 0), (64, 1), (63, 1)],
+    ids=["16B-words", "odd-rows", "8B-words", "12B-rows", "misaligned", "misaligned-odd"],
 )
 def test_pack_unpack_cuda_kernels(dtype, hidden, offset):
-    """pack_kernels.cu on the GPU equals slicing, for rows of 16-byte words, odd row widths and a
-    buffer whose address is not 16-byte aligned (the byte-copy path)."""
+    """pack_kernels.cu on the GPU equals slicing, for rows of 16-byte words, rows that only 8,
+    4 or 2-byte words divide, and a buffer whose address is not 16-byte aligned (narrower words,
+    down to single bytes for uint8)."""
     if not torch.ops.fastpar.pack_chunk.default.has_kernel_for_dispatch_key("CUDA"):
         pytest.fail("fastpar._C was built without its CUDA kernels on a machine with a GPU")
     e, c = 3, 37
