@@ -19,11 +19,18 @@ backward: q, k, v, the output and the log-sum-exp (no S × S probabilities). Bac
 same ring, each K/V block travelling with its dK / dV accumulators; after cp steps every block's
 gradients are back on its owner (one more transfer). Exact: equal to full causal attention
 within fp32 rounding. The group's timeout bounds every wait.
+
+``measure_waits()``: a context manager whose dict collects the seconds ring attention spent
+waiting for transfers (``wait_s``) and the transfers it waited for (``transfers``), for
+benchmarks (how much of the K/V traffic the block compute hides).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -78,9 +85,28 @@ def _exchange(send: torch.Tensor, group) -> tuple[torch.Tensor, list]:
     return recv, dist.batch_isend_irecv(ops)
 
 
+_WAITS: list[dict] = []
+
+
+@contextlib.contextmanager
+def measure_waits() -> Iterator[dict]:
+    """Collect ring attention's transfer waits inside the block (module docstring)."""
+    stats = {"wait_s": 0.0, "transfers": 0}
+    _WAITS.append(stats)
+    try:
+        yield stats
+    finally:
+        _WAITS.remove(stats)
+
+
 def _wait(works: list) -> None:
+    t0 = time.perf_counter() if _WAITS else 0.0
     for w in works:
         w.wait()
+    if _WAITS and works:
+        for stats in _WAITS:
+            stats["wait_s"] += time.perf_counter() - t0
+            stats["transfers"] += 1
 
 
 def _expand(kv: torch.Tensor, rep: int) -> torch.Tensor:

@@ -1,0 +1,162 @@
+"""Context parallelism (``fastpar.parallel.context``) on CPU ranks over gloo, what the issue
+asks to measure:
+
+* peak attention memory per rank against cp (forward + backward of ``ring_attention`` on one
+  sequence of S tokens split over cp ranks: the extra bytes its allocations reach at their
+  peak, from the profiler's allocation events; goal: at most 1.1 / cp of the cp = 1 figure);
+* the fraction of K/V transfer time hidden behind the block compute, two ways: 1 − (time ring
+  attention waited on transfers) / (the same transfers timed alone, no compute), and 1 −
+  (step time − the same step with the transfers replaced by local copies) / (transfers
+  alone); both count the ranks' skew as exposed (a rank waits for a slower peer's send);
+* step time beside torch's context-parallel attention (``context_parallel``), where it runs.
+
+Run:  pytest bench/test_bench_context.py -s --benchmark-json=...
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
+
+from fastpar.parallel import context
+from fastpar.parallel.context import _exchange, _wait, measure_waits, ring_attention
+from fastpar.testing import run_ranks
+
+B, H, D, S = 1, 4, 32, 1024
+
+
+def _cpu_peak(run) -> int:
+    """Peak bytes above the start of ``run()``: the running sum of the profiler's allocation
+    events (every CPU allocation and free, in time order)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    sizes, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu":
+            sizes.append((node.start_time_ns, node.typed[1].alloc_size))
+        stack.extend(node.children)
+    current = peak = 0
+    for _, size in sorted(sizes):
+        current += size
+        peak = max(peak, current)
+    return peak
+
+
+def _qkv(n: int):
+    g = torch.Generator().manual_seed(dist.get_rank())
+    return [torch.randn(B, H, n, D, generator=g).requires_grad_() for _ in range(3)]
+
+
+def _memory_and_overlap(iters: int = 4) -> dict:
+    cp = dist.get_world_size()
+    q, k, v = _qkv(S // cp)
+
+    def step():
+        out = ring_attention(q, k, v)
+        out.backward(torch.ones_like(out))
+        for t in (q, k, v):
+            t.grad = None
+
+    step()  # warm-up (connections, allocator)
+    peak = _cpu_peak(step)
+    dist.barrier()
+    times, waits = [], []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        with measure_waits() as w:
+            step()
+        times.append(time.perf_counter() - t0)
+        waits.append(w["wait_s"])
+    local = []  # the same compute, each transfer replaced by a local copy (wrong numbers)
+    real = context._exchange
+    context._exchange = lambda send, group: (send.clone(), [])
+    try:
+        for _ in range(iters):
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            local.append(time.perf_counter() - t0)
+    finally:
+        context._exchange = real
+    alone = []  # the same transfers, no compute: 2 cp - 2 K/V blocks and cp dK/dV blocks
+    kv = torch.stack([k.detach(), v.detach()]).contiguous()
+    dkv = torch.zeros(2, *k.shape)
+    for _ in range(iters):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if cp > 1:
+            for buf, n in ((kv, 2 * (cp - 1)), (dkv, cp)):
+                for _ in range(n):
+                    _, works = _exchange(buf, None)
+                    _wait(works)
+        alone.append(time.perf_counter() - t0)
+    return {
+        "peak_bytes": peak,
+        "step_s": statistics.median(times),
+        "wait_s": statistics.median(waits),
+        "compute_only_s": statistics.median(local),
+        "transfer_alone_s": statistics.median(alone),
+    }
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_ring_attention_memory_and_hidden_transfer(benchmark, cp):
+    benchmark.group = "context-parallel-attention"
+    res = benchmark.pedantic(run_ranks, args=(_memory_and_overlap, cp), rounds=1, iterations=1)
+    peak = max(r["peak_bytes"] for r in res)
+    step = statistics.median(r["step_s"] for r in res)
+    wait = statistics.median(r["wait_s"] for r in res)
+    alone = statistics.median(r["transfer_alone_s"] for r in res)
+    compute = statistics.median(r["compute_only_s"] for r in res)
+    hidden = None if cp == 1 or alone == 0 else max(0.0, 1.0 - wait / alone)
+    exposed = max(0.0, step - compute)
+    hidden_step = None if cp == 1 or alone == 0 else max(0.0, 1.0 - exposed / alone)
+    info = dict(cp=cp, seq_len=S, peak_bytes_per_rank=peak, step_seconds=step,
+                wait_seconds=wait, transfer_alone_seconds=alone, hidden_fraction=hidden,
+                compute_only_seconds=compute, hidden_fraction_by_step=hidden_step)  # fmt: skip
+    base = getattr(test_ring_attention_memory_and_hidden_transfer, "base_peak", None)
+    if cp == 1:
+        test_ring_attention_memory_and_hidden_transfer.base_peak = peak
+    elif base:
+        info.update(
+            peak_over_cp1=peak / base, goal=1.1 / cp, meets_memory_goal=peak / base <= 1.1 / cp
+        )
+    benchmark.extra_info.update(info)
+    print(f"\nring attention S={S}, cp={cp}: peak {peak / 2**20:.2f} MiB/rank"
+          + (f" ({peak / base:.3f} of cp=1; goal <= {1.1 / cp:.3f})" if cp > 1 and base else "")
+          + f", step {step * 1e3:.1f} ms, waited {wait * 1e3:.1f} ms of {alone * 1e3:.1f} ms"
+          + (f" transfers ({hidden:.0%} hidden)" if hidden is not None else "")
+          + f"; compute alone {compute * 1e3:.1f} ms"
+          + (f" ({hidden_step:.0%} hidden by step time)" if hidden_step is not None else ""))  # fmt: skip
+
+
+def _torch_cp() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))
+    q, k, v = (torch.randn(B, H, S, D) for _ in range(3))
+    with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
+        ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        torch.nn.functional.scaled_dot_product_attention(
+            ql, kl, vl, is_causal=True
+        ).sum().backward()
+
+
+def test_torch_context_parallel_peer():
+    """torch's ``context_parallel`` has no CPU path: it dispatches SDPA to
+    ``aten._scaled_dot_product_flash_attention_for_cpu``, which has no DTensor sharding
+    strategy (torch 2.13), so no ratio can be measured on gloo. Skips with the error when that
+    is still so; measures nothing else."""
+    try:
+        run_ranks(_torch_cp, 2)
+    except Exception as exc:  # RankError wrapping NotImplementedError
+        pytest.skip(f"torch context_parallel does not run on CPU / gloo here: {exc}"[:300])
+    pytest.fail("torch's context_parallel now runs on CPU: add the side-by-side step time")
