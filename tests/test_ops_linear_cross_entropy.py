@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
+import fastpar
 from fastpar.nn.functional import (
     vocab_parallel_cross_entropy,
     vocab_parallel_linear_cross_entropy,
@@ -386,3 +387,47 @@ def test_peak_memory_is_a_fraction_of_linear_plus_cross_entropy():
     logits = 1024 * 8192 * 4
     assert unfused >= 2 * logits  # the logits and their gradient
     assert fused <= unfused / 8, (fused, unfused)
+
+
+def _subgroup_cases(cases: list[Case]) -> bytes:
+    """World 4 as two TP groups of 2 (``group`` honoured: neither talks to the other)."""
+    rank = dist.get_rank()
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group, tp_rank = groups[rank // 2], rank % 2
+    out = []
+    for case in cases:
+        hidden, weight, target, upstream = _inputs(case)
+        h = hidden.clone().requires_grad_()
+        w = _shard(weight, 2, tp_rank).clone().requires_grad_()
+        (_call(case, h, w, target, group=group) * upstream).sum().backward()
+        out.append((_call(case, h, w, target, group=group).detach(), h.grad, w.grad))
+    return pickle.dumps(out)
+
+
+def test_subgroups_of_two_in_a_world_of_four():
+    cases = [CASES[4], CASES[5]]
+    results = [pickle.loads(r) for r in run_ranks(_subgroup_cases, 4, cases)]
+    for i, case in enumerate(cases):
+        _check(case, results[:2], 2, i)
+        _check(case, results[2:], 2, i)
+
+
+def _disagreeing_widths() -> str:
+    """V = 99 on 2 ranks, unpadded: shards of 50 | 49 rows (a layout error)."""
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(0)
+    h, w = torch.randn(6, 8, generator=gen), torch.randn(99, 8, generator=gen)
+    t = torch.randint(0, 99, (6,), generator=gen)
+    shard = w[:50] if rank == 0 else w[50:]
+    try:
+        vocab_parallel_linear_cross_entropy(h, shard, t, vocab_size=99, chunk_size=4)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_disagreeing_shard_widths_raise_on_every_rank():
+    with fastpar.debug_checks(False):  # the free check in the first chunk's gather
+        messages = run_ranks(_disagreeing_widths, 2)
+    for m in messages:
+        assert "50 on rank 0, 49 on rank 1" in m, m

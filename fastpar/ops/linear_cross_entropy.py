@@ -283,6 +283,7 @@ def vocab_parallel_linear_cross_entropy(
             OP,
             {
                 "hidden shape": tuple(hidden.shape),
+                "weight shape": tuple(weight.shape),
                 "dtype": hidden.dtype,
                 "vocab_size": vocab_size,
                 "ignore_index": ignore_index,

@@ -35,10 +35,10 @@ MIN_CHUNK = 16
 
 
 def default_chunk_size(n_rows: int, n_local: int) -> int:
-    """Rows per chunk: about ``CHUNK_ELEMENTS`` logits (at least ``MIN_CHUNK`` rows, at most
-    ``n_rows``), a multiple of 16 when it is smaller than ``n_rows``. Depends only on shapes
-    every rank of the group shares, so every rank takes the same number of gathers."""
-    rows = max(MIN_CHUNK, CHUNK_ELEMENTS // max(n_local, 1)) // MIN_CHUNK * MIN_CHUNK
+    """Rows per chunk: the power of two nearest below ``CHUNK_ELEMENTS / n_local`` (at least
+    ``MIN_CHUNK``), at most ``n_rows``. Shapes alone decide it, so every rank of the group takes
+    the same number of gathers (a power of two also survives shards one row apart)."""
+    rows = max(MIN_CHUNK, 1 << max(0, (CHUNK_ELEMENTS // max(n_local, 1)).bit_length() - 1))
     return max(1, min(rows, n_rows))
 
 
