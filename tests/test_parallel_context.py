@@ -10,7 +10,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fastpar.parallel.context import local_positions, ring_attention, split_sequence
+from fastpar.parallel.context import (
+    all_to_all_attention,
+    local_positions,
+    ring_attention,
+    split_sequence,
+)
 from fastpar.testing import run_ranks
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -28,7 +33,7 @@ def _inputs(hq, hkv, seq, d=8, b=2):
     return q, k, v, torch.randn(b, hq, seq, d, generator=g)
 
 
-def _check(hq, hkv, chunk):
+def _check(hq, hkv, chunk, kind="ring"):
     cp = dist.get_world_size()
     seq = 2 * cp * chunk
     q, k, v, g = _inputs(hq, hkv, seq)
@@ -36,7 +41,7 @@ def _check(hq, hkv, chunk):
     want = _full(*leaves)
     (want * g).sum().backward()
     mine = [split_sequence(t, None, dim=2).clone().requires_grad_() for t in (q, k, v)]
-    out = ring_attention(*mine)
+    out = (ring_attention if kind == "ring" else all_to_all_attention)(*mine)
     (out * split_sequence(g, None, dim=2)).sum().backward()
     torch.testing.assert_close(out, split_sequence(want, None, dim=2), **TOL)
     for name, got, ref in zip("qkv", mine, leaves, strict=True):
@@ -53,6 +58,25 @@ def _check(hq, hkv, chunk):
 @pytest.mark.parametrize("hq,hkv,chunk", [(4, 4, 3), (6, 3, 5), (3, 1, 2), (5, 5, 1)])
 def test_ring_attention_equals_full_causal_attention(cp, hq, hkv, chunk):
     assert all(run_ranks(_check, cp, hq, hkv, chunk))
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("hq,hkv,chunk", [(4, 4, 3), (8, 2, 5), (4, 1, 2)])
+def test_all_to_all_attention_equals_full_causal_attention(cp, hq, hkv, chunk):
+    assert all(run_ranks(_check, cp, hq, hkv, chunk, "a2a"))
+
+
+def _odd_heads() -> str:
+    q, k, v, _ = _inputs(3, 3, 8)
+    try:
+        all_to_all_attention(q[:, :, :4], k[:, :, :4], v[:, :, :4])
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_all_to_all_attention_needs_heads_divisible_by_cp():
+    assert "3 query heads" in run_ranks(_odd_heads, 2)[0]
 
 
 def test_load_balanced_layout():

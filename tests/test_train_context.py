@@ -27,12 +27,16 @@ LAYOUTS = {
     "gpt-cp2-pp2-zb": dict(model_type="gpt", cp=2, tp=1, pp=2, dp=1, ep=1, zero=0, moe_every=0,
                            schedule="zb-h1"),
     "llama-cp4": dict(model_type="llama", cp=4, tp=1, pp=1, dp=1, ep=1, zero=1, moe_every=0),
+    "llama-cp2-tp2-a2a": dict(model_type="llama", cp=2, tp=2, pp=1, dp=1, ep=1, zero=1,
+                              moe_every=0, heads=8, kv_heads=2, cp_attention="all-to-all"),
+    "gpt-cp2-dp2-a2a-z2": dict(model_type="gpt", cp=2, tp=1, pp=1, dp=2, ep=1, zero=2,
+                               moe_every=0, cp_attention="all-to-all"),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_verify_under_context_parallelism(name):
-    ok, text = compare(TrainConfig(**SMALL, **LAYOUTS[name]))
+    ok, text = compare(TrainConfig(**{**SMALL, **LAYOUTS[name]}))
     assert ok, text
 
 
@@ -43,6 +47,7 @@ def test_verify_under_context_parallelism(name):
         (dict(cp=2, tp=4, seq_len=12, sequence_parallel=True),
          r"this rank's 6 tokens do not split over tp 4"),
         (dict(cp=2, capacity_factor=1.25, moe_every=2), r"--capacity-factor 1.25"),
+        (dict(cp=4, heads=2, cp_attention="all-to-all"), r"this rank's 2 query heads"),
     ],
 )  # fmt: skip
 def test_context_parallel_refusals(flags, match):

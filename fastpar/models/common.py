@@ -24,7 +24,12 @@ from fastpar.mesh.placement import mark_sharded, mark_tied_copy, param_layout
 from fastpar.moe import MoE
 from fastpar.nn import ColumnParallelLinear, VocabParallelEmbedding
 from fastpar.nn.functional import vocab_parallel_cross_entropy
-from fastpar.parallel.context import local_positions, ring_attention, split_sequence
+from fastpar.parallel.context import (
+    all_to_all_attention,
+    local_positions,
+    ring_attention,
+    split_sequence,
+)
 
 
 def tp_group_of(mesh):
@@ -53,10 +58,13 @@ def positions(t: int, cp_group, device) -> torch.Tensor:
     return local_positions(t * cp, cp, group_rank(cp_group), device)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group=None) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group=None, kind: str = "ring"):
     """Causal attention: q [B, Hq, T, D], k / v [B, Hkv, T, D] (Hq a multiple of Hkv) -> [B,
-    Hq, T, D]; over the whole sequence with ring attention under context parallelism."""
+    Hq, T, D]; over the whole sequence under context parallelism, by ring attention or
+    (``kind`` "all-to-all") head-scattering all-to-alls (``fastpar.parallel.context``)."""
     if cp_group is not None:
+        if kind == "all-to-all":
+            return all_to_all_attention(q, k, v, cp_group)
         return ring_attention(q, k, v, cp_group)
     rep = q.shape[1] // k.shape[1]
     if rep > 1:  # key/value head j serves query heads j·rep .. j·rep + rep - 1
@@ -227,7 +235,8 @@ class DecoderBlock(nn.Module):
         sp = cfg.sequence_parallel and group_size(group) > 1
         self.norm1 = Norm(cfg.hidden, **norm, group=group, partial_grad=sp)
         self.attn = attention(cfg, group, sp)
-        self.attn.cp_group = cp_group_of(mesh)  # ring attention under context parallelism
+        self.attn.cp_group = cp_group_of(mesh)  # under context parallelism: ring or a2a
+        self.attn.cp_attention = getattr(cfg, "cp_attention", "ring")
         self.norm2 = Norm(cfg.hidden, **norm, group=group, partial_grad=sp)
         self.mlp = moe(cfg, mesh) if cfg.is_moe(layer) else mlp(cfg, group, sp)
 

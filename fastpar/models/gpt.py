@@ -64,7 +64,8 @@ class GPTConfig:
     norm: "rmsnorm" or
     "layernorm". tie_embeddings: LM head shares the embedding. sequence_parallel: split
     activations along the sequence over TP between blocks. moe_expert_tp: split each expert's
-    FFN over TP (``fastpar.moe.tp``).
+    FFN over TP (``fastpar.moe.tp``). cp_attention: "ring" or "all-to-all", the attention
+    under context parallelism (``fastpar.parallel.context``).
     """
 
     vocab_size: int = 256
@@ -93,6 +94,7 @@ class GPTConfig:
     tie_embeddings: bool = True
     sequence_parallel: bool = False
     moe_expert_tp: bool = False
+    cp_attention: str = "ring"
 
     @property
     def ffn_size(self) -> int:
@@ -125,7 +127,7 @@ class Attention(nn.Module):
         kw = dict(group=group, sequence_parallel=sp, sequence_dim=1)
         self.qkv = ColumnParallelLinear(cfg.hidden, 3 * cfg.hidden, bias=False, fused=3, **kw)
         self.proj = RowParallelLinear(cfg.hidden, cfg.hidden, bias=False, **kw)
-        self.cp_group = None  # the block sets it under context parallelism
+        self.cp_group, self.cp_attention = None, "ring"  # the block sets them (cp > 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)
@@ -133,7 +135,7 @@ class Attention(nn.Module):
         q, k, v = (
             z.view(b, t, self.heads_local, self.head_dim).transpose(1, 2) for z in qkv.chunk(3, -1)
         )
-        y = attend(q, k, v, self.cp_group)
+        y = attend(q, k, v, self.cp_group, self.cp_attention)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 

@@ -152,6 +152,9 @@ class LlamaConfig:
     moe_expert_tp: bool = False
     """Split each expert's SwiGLU over TP (expert tensor parallelism, ``fastpar.moe.tp``)
     instead of every TP rank holding whole experts."""
+    cp_attention: str = "ring"
+    """Attention under context parallelism: "ring" (K/V around the cp ranks) or "all-to-all"
+    (heads scattered over cp; the local query heads must divide by cp)."""
 
     @property
     def num_kv_heads(self) -> int:
@@ -362,7 +365,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         # fp32 on the host like HF's (moved once per device; not a buffer, so .to(dtype) keeps it)
         self._inv_freq = rope_inv_freq(d, cfg.rope_theta)
-        self.cp_group = None  # the block sets it under context parallelism
+        self.cp_group, self.cp_attention = None, "ring"  # the block sets them (cp > 1)
 
     def rope(self, t: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, head_dim] of this rank's positions (0..t-1; under context parallelism
@@ -386,7 +389,9 @@ class Attention(nn.Module):
         cos, sin = self.rope(t, q)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        out = attend(q, k, v, self.cp_group)  # GQA: k / v heads serve rep query heads each
+        out = attend(
+            q, k, v, self.cp_group, self.cp_attention
+        )  # GQA: k / v heads serve rep query heads each
         return self.o(out.transpose(1, 2).reshape(b, t, -1))
 
 

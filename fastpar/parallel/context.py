@@ -18,7 +18,18 @@ chunk is earlier, causally masked on the diagonal, and not at all when it is lat
 backward: q, k, v, the output and the log-sum-exp (no S × S probabilities). Backward: the
 same ring, each K/V block travelling with its dK / dV accumulators; after cp steps every block's
 gradients are back on its owner (one more transfer). Exact: equal to full causal attention
-within fp32 rounding. The group's timeout bounds every wait.
+within fp32 rounding. Each block runs torch's CPU flash-attention kernels where they apply
+(fp32 / bf16 on a CPU: the block's output and log-sum-exp forward; backward from the whole
+attention's output and log-sum-exp), else plain fp32 matmuls (the reference math; no fused GPU
+block kernel is wired yet). The group's timeout bounds every wait.
+
+``all_to_all_attention(q, k, v, group)`` (DeepSpeed-Ulysses style, where the heads divide
+cp): one all-to-all trades the sequence split for a head split (each rank then holds every
+token of H/cp heads), causal attention runs locally on the whole sequence (its tokens put
+back in order), and a second all-to-all returns this rank's tokens of every head. Two
+all-to-alls of q, k, v and the output instead of cp ring steps; needs Hq (and Hkv, else the
+K/V heads are repeated first) divisible by cp. Differentiable through ``fastpar.comm``'s
+all-to-all.
 
 ``measure_waits()``: a context manager whose dict collects the seconds ring attention spent
 waiting for transfers (``wait_s``) and the transfers it waited for (``transfers``), for
@@ -34,8 +45,9 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
-from fastpar.comm import group_rank, group_size
+from fastpar.comm import all_to_all, group_rank, group_size
 
 
 def _chunks(cp: int, rank: int) -> tuple[int, int]:
@@ -126,30 +138,75 @@ def _causal_mask(c: int, device) -> torch.Tensor:
     return torch.ones(c, c, dtype=torch.bool, device=device).tril()
 
 
+_CPU_FLASH = (
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+)
+
+
+def _flash_cpu(q: torch.Tensor) -> bool:
+    """Whether the block runs torch's CPU flash-attention kernels (fp32 / bf16 on a CPU): they
+    return the log-sum-exp the merge needs and take it back in backward."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and all(hasattr(torch.ops.aten, name) for name in _CPU_FLASH)
+    )
+
+
+def _block_forward(q, k, v, causal: bool, scale: float):
+    """One (query chunk, key chunk) block: (output [B, H, c, D] fp32, lse [B, H, c] fp32)."""
+    if _flash_cpu(q):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale
+        )
+        return out.float(), lse.float()
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(~_causal_mask(s.shape[-1], s.device), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.float()), lse
+
+
+def _block_backward(do, q, k, v, out, lse, causal: bool, scale: float):
+    """(dq, dk, dv) of one block given the WHOLE attention's output and log-sum-exp (so the
+    block's probabilities are the final ones): fp32."""
+    if _flash_cpu(q):
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do.to(q.dtype).contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+            out.to(q.dtype).contiguous(), lse.contiguous(), 0.0, causal, scale=scale,
+        )  # fmt: skip
+        return tuple(g.float() for g in grads)
+    qf, kf, vf, do = q.float(), k.float(), v.float(), do.float()
+    p = torch.exp(torch.matmul(qf, kf.transpose(-1, -2)) * scale - lse.unsqueeze(-1))
+    if causal:
+        p = p.masked_fill(~_causal_mask(p.shape[-1], p.device), 0.0)
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    delta = (do * out).sum(-1, keepdim=True)
+    ds = p * (torch.matmul(do, vf.transpose(-1, -2)) - delta) * scale
+    return torch.matmul(ds, kf), torch.matmul(ds.transpose(-1, -2), qf), dv
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, scale):
         cp, me = group_size(group), group_rank(group)
         b, hq, n, d = q.shape
         c, rep = n // 2, hq // k.shape[1]
-        qf = q.float()
         out = torch.zeros(b, hq, n, d, dtype=torch.float32, device=q.device)
         lse = torch.full((b, hq, n), float("-inf"), dtype=torch.float32, device=q.device)
-        mask = _causal_mask(c, q.device)
         kv = torch.stack([k, v]).contiguous()
         for step in range(cp):
             works = []
-            if step < cp - 1:
+            if step < cp - 1:  # the next K/V block in flight during this block's compute
                 nxt, works = _exchange(kv, group)
             src = (me - step) % cp
-            kb, vb = (_expand(t, rep).float() for t in kv)
+            kb, vb = (_expand(t, rep) for t in kv)
             for i, j, causal in _pairs(cp, me, src):
                 qs, ks = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
-                s = torch.matmul(qf[:, :, qs], kb[:, :, ks].transpose(-1, -2)) * scale
-                if causal:
-                    s = s.masked_fill(~mask, float("-inf"))
-                blk_lse = torch.logsumexp(s, dim=-1)
-                blk = torch.matmul(torch.exp(s - blk_lse.unsqueeze(-1)), vb[:, :, ks])
+                blk, blk_lse = _block_forward(
+                    q[:, :, qs], kb[:, :, ks], vb[:, :, ks], causal, scale
+                )
                 new = torch.logaddexp(lse[:, :, qs], blk_lse)
                 out[:, :, qs] = out[:, :, qs] * torch.exp(lse[:, :, qs] - new).unsqueeze(-1) + (
                     blk * torch.exp(blk_lse - new).unsqueeze(-1)
@@ -170,10 +227,7 @@ class _RingAttention(torch.autograd.Function):
         b, hq, n, d = q.shape
         hkv = k.shape[1]
         c, rep = n // 2, hq // hkv
-        qf, do = q.float(), grad.float()
-        delta = (do * out).sum(-1)  # [B, Hq, n]
-        dq = torch.zeros_like(qf)
-        mask = _causal_mask(c, q.device)
+        dq = torch.zeros(b, hq, n, d, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         dkv = torch.zeros(2, b, hkv, n, d, dtype=torch.float32, device=q.device)
         for step in range(cp):
@@ -181,23 +235,18 @@ class _RingAttention(torch.autograd.Function):
             if step < cp - 1:  # the next K/V block in flight during this block's compute
                 nxt, works = _exchange(kv, group)
             src = (me - step) % cp
-            kb, vb = (_expand(t, rep).float() for t in kv)
-            dk = torch.zeros(b, hq, n, d, dtype=torch.float32, device=q.device)
-            dv = torch.zeros_like(dk)
+            kb, vb = (_expand(t, rep) for t in kv)
             for i, j, causal in _pairs(cp, me, src):
                 qs, ks = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
-                s = torch.matmul(qf[:, :, qs], kb[:, :, ks].transpose(-1, -2)) * scale
-                p = torch.exp(s - lse[:, :, qs].unsqueeze(-1))
-                if causal:
-                    p = p.masked_fill(~mask, 0.0)
-                dv[:, :, ks] += torch.matmul(p.transpose(-1, -2), do[:, :, qs])
-                dp = torch.matmul(do[:, :, qs], vb[:, :, ks].transpose(-1, -2))
-                ds = p * (dp - delta[:, :, qs].unsqueeze(-1)) * scale
-                dq[:, :, qs] += torch.matmul(ds, kb[:, :, ks])
-                dk[:, :, ks] += torch.matmul(ds.transpose(-1, -2), qf[:, :, qs])
-            if rep > 1:
-                dk, dv = (t.view(b, hkv, rep, n, d).sum(2) for t in (dk, dv))
-            dkv = dkv + torch.stack([dk, dv])
+                gq, gk, gv = _block_backward(
+                    grad[:, :, qs], q[:, :, qs], kb[:, :, ks], vb[:, :, ks],
+                    out[:, :, qs], lse[:, :, qs], causal, scale,
+                )  # fmt: skip
+                dq[:, :, qs] += gq
+                for acc, g in ((dkv[0], gk), (dkv[1], gv)):  # in place: no [n]-sized temporaries
+                    if rep > 1:  # query heads j·rep .. j·rep + rep - 1 share K/V head j
+                        g = g.view(b, hkv, rep, c, d).sum(2)
+                    acc[:, :, ks] += g
             _wait(works)
             if cp > 1:  # the accumulators follow their block to the next rank
                 dkv, dworks = _exchange(dkv.contiguous(), group)
@@ -224,3 +273,49 @@ def ring_attention(
         )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return _RingAttention.apply(q, k, v, group, scale)
+
+
+def _heads_to_ranks(x: torch.Tensor, group) -> torch.Tensor:
+    """[B, h, n, D] this rank's tokens of every head -> [B, h/cp, cp·n, D] every rank's
+    tokens (source-rank major) of this rank's h/cp heads."""
+    cp = group_size(group)
+    b, h, n, d = x.shape
+    parts = x.reshape(b, cp, h // cp, n, d).transpose(0, 1).contiguous()
+    got = all_to_all(parts.reshape(cp * b, h // cp * n * d), group)
+    return got.reshape(cp, b, h // cp, n, d).permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * n, d)
+
+
+def _ranks_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """The inverse of ``_heads_to_ranks``."""
+    cp = group_size(group)
+    b, hl, total, d = x.shape
+    n = total // cp
+    parts = x.reshape(b, hl, cp, n, d).permute(2, 0, 1, 3, 4).contiguous()
+    got = all_to_all(parts.reshape(cp * b, hl * n * d), group)
+    return got.reshape(cp, b, hl, n, d).transpose(0, 1).reshape(b, cp * hl, n, d)
+
+
+def all_to_all_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, scale: float | None = None
+) -> torch.Tensor:
+    """Causal attention over the sequence split on ``group`` by head-scattering all-to-alls
+    (module docstring): q [B, Hq, 2c, D], k / v [B, Hkv, 2c, D] -> [B, Hq, 2c, D]."""
+    cp = group_size(group)
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq % cp:
+        raise ValueError(
+            f"all-to-all attention splits the {hq} query heads of this rank over cp={cp}: they "
+            f"must be divisible by {cp} (with TP, heads / tp); use ring attention"
+        )
+    if hkv % cp:  # repeat the K/V heads so each rank gets those of its query heads
+        k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+    n = q.shape[2]
+    pos = torch.cat([local_positions(n * cp, cp, r, q.device) for r in range(cp)])
+    order = torch.sort(pos).indices
+    back = torch.argsort(order)
+    qs, ks, vs = (_heads_to_ranks(t, group).index_select(2, order) for t in (q, k, v))
+    rep = qs.shape[1] // ks.shape[1]
+    if rep > 1:
+        ks, vs = ks.repeat_interleave(rep, 1), vs.repeat_interleave(rep, 1)
+    out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+    return _ranks_to_heads(out.index_select(2, back), group)

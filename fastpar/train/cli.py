@@ -112,6 +112,8 @@ _HELP = {
     "blocks route each rank's chunk, dropless; with --moe-expert-tp they gather it)",
     "cp": "context-parallel size: each sequence split over CP ranks (2*cp chunks, ring "
     "attention; --model gpt / llama)",
+    "cp_attention": "attention under --cp: ring (K/V passed around the cp ranks) or "
+    "all-to-all (heads scattered over cp, Ulysses; heads / tp must divide by cp)",
     "moe_expert_tp": "split each MoE expert's FFN over TP (expert tensor parallelism: w1 by "
     "columns, w2 by rows) instead of every TP rank holding whole experts",
     "untied": "an LM head of its own instead of the embedding's weight",
@@ -156,6 +158,7 @@ _WORDS = {
     "precision": ("fp32", "bf16", "fp16"),
     "zero": (0, 1, 2, 3),
     "schedule": ("gpipe", "1f1b", "interleaved", "zb-h1"),
+    "cp_attention": ("ring", "all-to-all"),
     "lr_schedule": tuple(LR_SCHEDULES),
     "norm": ("rmsnorm", "layernorm"),
     "data_dtype": tuple(sorted(BIN_DTYPES)),
@@ -175,7 +178,7 @@ _METAVARS = {"checkpoint_dir": "DIR", "profile": "DIR", "tensorboard": "DIR", "p
              "collective_timeout": "SECONDS", "router_groups": "N", "router_group_topk": "K",
              "shared_expert_ffn": "N", "routed_scaling_factor": "F"}  # fmt: skip
 _GROUPS = {
-    "layout": ("tp", "pp", "dp", "ep", "cp", "zero", "microbatches", "schedule", "virtual_stages",
+    "layout": ("tp", "pp", "dp", "ep", "cp", "cp_attention", "zero", "microbatches", "schedule", "virtual_stages",
                "recompute", "sequence_parallel", "moe_expert_tp", "overlap_chunks"),
     "model": ("model_type", "hf_config", "vocab_size", "seq_len", "hidden", "heads", "layers",
               "ffn", "moe_ffn", "kv_heads", "head_dim", "rope_theta", "qk_norm",

@@ -61,6 +61,7 @@ class TrainConfig:
     dp: int = 2
     ep: int = 2
     cp: int = 1
+    cp_attention: str = "ring"
     zero: int = 1
     precision: str = "fp32"
     microbatches: int = 2
@@ -177,6 +178,7 @@ class TrainConfig:
             top_k=self.top_k, capacity_factor=self.capacity_factor,
             overlap_chunks=self.overlap_chunks, tie_embeddings=not self.untied,
             sequence_parallel=self.sequence_parallel, moe_expert_tp=self.moe_expert_tp,
+            cp_attention=self.cp_attention,
             **{name: getattr(self, name) for name in ROUTING_DEFAULTS},
         )  # fmt: skip
         if self.model_type == "llama":
@@ -419,8 +421,16 @@ class TrainConfig:
 def _cp_checks(cfg: TrainConfig) -> None:
     """Context parallelism: the sequence splits into 2·cp equal chunks, each rank's pair of
     chunks again over TP under sequence parallelism."""
+    if cfg.cp_attention not in ("ring", "all-to-all"):
+        raise ValueError(f"--cp-attention must be ring or all-to-all, got {cfg.cp_attention!r}")
     if cfg.cp == 1:
         return
+    if cfg.cp_attention == "all-to-all" and (cfg.heads // cfg.tp) % cfg.cp:
+        raise ValueError(
+            f"--cp-attention all-to-all scatters this rank's {cfg.heads // cfg.tp} query heads "
+            f"(--heads {cfg.heads} / --tp {cfg.tp}) over --cp {cfg.cp}: they must divide by it; "
+            "use --cp-attention ring"
+        )
     if cfg.seq_len % (2 * cfg.cp):
         raise ValueError(
             f"--cp {cfg.cp} splits each sequence into 2*cp = {2 * cfg.cp} equal chunks: "
