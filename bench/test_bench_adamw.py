@@ -117,3 +117,37 @@ def test_adamw_step(benchmark, provider, numel):
     )
     benchmark.pedantic(run, rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
     record_bandwidth(benchmark, moved)
+
+
+TABLE_TENSORS = 200  # the issue's measurement: a model's worth of parameter tensors
+
+
+@pytest.mark.parametrize("mode", ["rebuilt", "cached"])
+def test_multi_tensor_table_prep(benchmark, mode):
+    """Host time to prepare one multi-tensor launch's pointer table for 200 tensors: built,
+    (pinned and) copied every step as before issue 21 ("rebuilt"), or looked up in the cache
+    by pointers and numels ("cached": what a step after the first costs). No kernel runs."""
+    from fastpar.kernels import adamw as k  # imports triton: only for this benchmark
+
+    device = torch.device(DEVICE)
+    step = torch.zeros((), device=device)
+    rows = []
+    for i in range(TABLE_TENSORS):
+        n = 1000 + 37 * i
+        p = torch.zeros(n, device=device)
+        rows.append((p, torch.zeros_like(p), torch.zeros_like(p), torch.zeros_like(p), None, step))
+
+    def rebuilt():
+        table, _ = k._build_table(*map(list, zip(*rows, strict=True)), k.CHUNK)
+        if CUDA:
+            table = table.pin_memory().to(device, non_blocking=True)
+        return table.to(device)
+
+    def cached():
+        return k._device_table(rows, k.CHUNK, device)
+
+    k._TABLES.clear()
+    cached()  # the first step builds it
+    benchmark.group = f"adamw-table-prep-T{TABLE_TENSORS}"
+    benchmark.extra_info.update(mode=mode, tensors=TABLE_TENSORS, device=str(device))
+    benchmark.pedantic(rebuilt if mode == "rebuilt" else cached, rounds=200, warmup_rounds=5)

@@ -19,16 +19,23 @@ repeated squaring (fp64 multiplications only, no libdevice).
 Skipping: ``found_inf != 0`` (loaded by pointer) shrinks every program's range to nothing, so no
 element is loaded or stored. All offsets are int64 (flat shards exceed 2^31 elements).
 
-Flat form: programs over one tensor, ``CHUNK`` consecutive elements each, ``BLOCK`` at a time.
-Multi-tensor form: one launch per (grad dtype, low-precision copy dtype, step dtype) group; an
-int64 table built on the host from shapes and data pointers (no device value is read) holds, per
-tensor, the pointers of param / grad / exp_avg / exp_avg_sq / copy / step and the numel, and per
-program the tensor it works on and its start offset.
+Flat form: programs over one tensor, ``CHUNK`` consecutive elements each, ``BLOCK`` at a time:
+the whole blocks unmasked, then one masked tail block, so aligned data (pointers 16-byte aligned,
+which Triton specialises on) is read and written with 128-bit accesses whatever ``numel`` is.
+Multi-tensor form: one launch per (grad dtype, low-precision copy dtype, step dtype, aligned)
+group; an int64 table built on the host from shapes and data pointers (no device value is read)
+holds, per tensor, the pointers of param / grad / exp_avg / exp_avg_sq / copy / step and the
+numel, and per program the tensor it works on and its start offset. A group whose tensors all
+start on 16-byte boundaries hints its table pointers as such (``ALIGNED``: 128-bit accesses).
+Device tables are cached by their pointers and numels (``_device_table``): built and copied
+once per parameter set, then reused every step — no host work beyond the lookup, no copy, so a
+warmed-up step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
 import struct
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -76,64 +83,69 @@ def _step_scalars(step_ptr, lr_bits, beta1_bits, beta2_bits):
 
 
 @triton.jit
-def _update_range(
-    p_ptr,
-    g_ptr,
-    m_ptr,
-    v_ptr,
-    lp_ptr,
-    start,
-    end,
-    scale_ptr,
-    clip_ptr,
-    decay,
-    w1,
-    beta2,
-    w2,
-    eps,
-    neg_step_size,
-    bc2_sqrt,
-    HAS_SCALE: tl.constexpr,
-    HAS_CLIP: tl.constexpr,
-    HAS_WD: tl.constexpr,
-    HAS_LP: tl.constexpr,
-    LP_DTYPE: tl.constexpr,
-    MAXIMIZE: tl.constexpr,
-    SMALL_W1: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Update elements ``[start, end)`` (int64) of one tensor, ``BLOCK`` at a time."""
+def _update_block(
+    p_ptr, g_ptr, m_ptr, v_ptr, lp_ptr, idx, left, gscale, clip, decay, w1, beta2, w2, eps,
+    neg_step_size, bc2_sqrt, HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
+    HAS_WD: tl.constexpr, HAS_LP: tl.constexpr, LP_DTYPE: tl.constexpr, MAXIMIZE: tl.constexpr,
+    SMALL_W1: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """One block: elements ``idx`` (int32 lanes) of pointers already advanced to the block's
+    start (int64 offsets stay scalar); unmasked (the body) or masked by ``idx < left``."""
+    mask = idx < left if MASKED else None
+    other = 0.0 if MASKED else None
+    g = tl.load(g_ptr + idx, mask=mask, other=other).to(tl.float32)
+    p = tl.load(p_ptr + idx, mask=mask, other=other)
+    m = tl.load(m_ptr + idx, mask=mask, other=other)
+    v = tl.load(v_ptr + idx, mask=mask, other=other)
     if HAS_SCALE:
-        gscale = tl.load(scale_ptr)
+        g = g * gscale
     if HAS_CLIP:
-        clip = tl.load(clip_ptr)
+        g = g * clip
+    if MAXIMIZE:
+        g = -g
+    if HAS_WD:
+        p = p * decay
+    diff = g - m
+    # torch.lerp(m, g, w1): m + w1·(g − m) for a small weight, else g − (1 − w1)·(g − m)
+    m = tl.fma(diff, w1, m) if SMALL_W1 else tl.fma(diff, w1 - 1.0, g)
+    v = tl.fma(w2 * g, g, v * beta2)
+    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+    p = p + tl.div_rn(neg_step_size * m, denom)
+    tl.store(p_ptr + idx, p, mask=mask)
+    tl.store(m_ptr + idx, m, mask=mask)
+    tl.store(v_ptr + idx, v, mask=mask)
+    if HAS_LP:
+        tl.store(lp_ptr + idx, p.to(LP_DTYPE), mask=mask)
+
+
+@triton.jit
+def _update_range(
+    p_ptr, g_ptr, m_ptr, v_ptr, lp_ptr, start, end, scale_ptr, clip_ptr, decay, w1, beta2, w2,
+    eps, neg_step_size, bc2_sqrt, HAS_SCALE: tl.constexpr, HAS_CLIP: tl.constexpr,
+    HAS_WD: tl.constexpr, HAS_LP: tl.constexpr, LP_DTYPE: tl.constexpr, MAXIMIZE: tl.constexpr,
+    SMALL_W1: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Update elements ``[start, end)`` (int64; ``start`` a multiple of ``CHUNK``): whole
+    blocks unmasked (128-bit accesses where the pointers are 16-byte aligned), then one masked
+    tail block."""
+    gscale = tl.load(scale_ptr) if HAS_SCALE else 1.0
+    clip = tl.load(clip_ptr) if HAS_CLIP else 1.0
     lanes = tl.arange(0, BLOCK)
-    for i in range(0, tl.cdiv(end - start, BLOCK)):
-        idx = start + i * BLOCK + lanes
-        mask = idx < end
-        g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        p = tl.load(p_ptr + idx, mask=mask, other=0.0)
-        m = tl.load(m_ptr + idx, mask=mask, other=0.0)
-        v = tl.load(v_ptr + idx, mask=mask, other=0.0)
-        if HAS_SCALE:
-            g = g * gscale
-        if HAS_CLIP:
-            g = g * clip
-        if MAXIMIZE:
-            g = -g
-        if HAS_WD:
-            p = p * decay
-        diff = g - m
-        # torch.lerp(m, g, w1): m + w1·(g − m) for a small weight, else g − (1 − w1)·(g − m)
-        m = tl.fma(diff, w1, m) if SMALL_W1 else tl.fma(diff, w1 - 1.0, g)
-        v = tl.fma(w2 * g, g, v * beta2)
-        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-        p = p + tl.div_rn(neg_step_size * m, denom)
-        tl.store(p_ptr + idx, p, mask=mask)
-        tl.store(m_ptr + idx, m, mask=mask)
-        tl.store(v_ptr + idx, v, mask=mask)
-        if HAS_LP:
-            tl.store(lp_ptr + idx, p.to(LP_DTYPE), mask=mask)
+    full = (end - start) // BLOCK
+    for i in range(0, full):
+        o = start + i * BLOCK
+        _update_block(
+            p_ptr + o, g_ptr + o, m_ptr + o, v_ptr + o, lp_ptr + o, lanes, BLOCK, gscale, clip,
+            decay, w1, beta2, w2, eps, neg_step_size, bc2_sqrt, HAS_SCALE, HAS_CLIP, HAS_WD,
+            HAS_LP, LP_DTYPE, MAXIMIZE, SMALL_W1, False,
+        )  # fmt: skip
+    o = start + full * BLOCK
+    if o < end:
+        _update_block(
+            p_ptr + o, g_ptr + o, m_ptr + o, v_ptr + o, lp_ptr + o, lanes, (end - o).to(tl.int32),
+            gscale, clip, decay, w1, beta2, w2, eps, neg_step_size, bc2_sqrt, HAS_SCALE,
+            HAS_CLIP, HAS_WD, HAS_LP, LP_DTYPE, MAXIMIZE, SMALL_W1, True,
+        )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["numel", "lr_bits", "beta1_bits", "beta2_bits"])
@@ -173,31 +185,20 @@ def _adamw_flat_kernel(
         end = tl.where(tl.load(inf_ptr) != 0, start, end)  # a skipped step touches nothing
     neg_step_size, bc2_sqrt = _step_scalars(step_ptr, lr_bits, beta1_bits, beta2_bits)
     _update_range(
-        p_ptr,
-        g_ptr,
-        m_ptr,
-        v_ptr,
-        lp_ptr,
-        start,
-        end,
-        scale_ptr,
-        clip_ptr,
-        decay,
-        w1,
-        beta2,
-        w2,
-        eps,
-        neg_step_size,
-        bc2_sqrt,
-        HAS_SCALE,
-        HAS_CLIP,
-        HAS_WD,
-        HAS_LP,
-        LP_DTYPE,
-        MAXIMIZE,
-        SMALL_W1,
-        BLOCK,
-    )
+        p_ptr, g_ptr, m_ptr, v_ptr, lp_ptr, start, end, scale_ptr, clip_ptr, decay, w1, beta2,
+        w2, eps, neg_step_size, bc2_sqrt, HAS_SCALE, HAS_CLIP, HAS_WD, HAS_LP, LP_DTYPE,
+        MAXIMIZE, SMALL_W1, BLOCK,
+    )  # fmt: skip
+
+
+@triton.jit
+def _table_ptr(table, row, num_tensors, t, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """Pointer ``row`` of tensor ``t`` from the table; ``ALIGNED``: hinted 16-byte aligned
+    (every tensor of the launch is, checked by the launcher), which lets the loads go 128-bit."""
+    ptr = tl.load(table + row * num_tensors + t).to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
 
 
 @triton.jit(do_not_specialize=["lr_bits", "beta1_bits", "beta2_bits"])
@@ -227,49 +228,29 @@ def _adamw_multi_kernel(
     LP_DTYPE: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     SMALL_W1: tl.constexpr,
+    ALIGNED: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t = tl.load(block_tensor + pid)
-    start = tl.load(block_start + pid)
-    p_ptr = tl.load(table + t).to(tl.pointer_type(tl.float32))
-    g_ptr = tl.load(table + num_tensors + t).to(tl.pointer_type(G_DTYPE))
-    m_ptr = tl.load(table + 2 * num_tensors + t).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(table + 3 * num_tensors + t).to(tl.pointer_type(tl.float32))
-    lp_ptr = tl.load(table + 4 * num_tensors + t).to(tl.pointer_type(LP_DTYPE))
-    step_ptr = tl.load(table + 5 * num_tensors + t).to(tl.pointer_type(STEP_DTYPE))
+    start = tl.multiple_of(tl.load(block_start + pid), CHUNK)  # k·CHUNK by construction
+    p_ptr = _table_ptr(table, 0, num_tensors, t, tl.float32, ALIGNED)
+    g_ptr = _table_ptr(table, 1, num_tensors, t, G_DTYPE, ALIGNED)
+    m_ptr = _table_ptr(table, 2, num_tensors, t, tl.float32, ALIGNED)
+    v_ptr = _table_ptr(table, 3, num_tensors, t, tl.float32, ALIGNED)
+    lp_ptr = _table_ptr(table, 4, num_tensors, t, LP_DTYPE, ALIGNED)
+    step_ptr = _table_ptr(table, 5, num_tensors, t, STEP_DTYPE, False)
     numel = tl.load(table + 6 * num_tensors + t)
     end = tl.minimum(numel, start + CHUNK)
     if HAS_INF:
         end = tl.where(tl.load(inf_ptr) != 0, start, end)
     neg_step_size, bc2_sqrt = _step_scalars(step_ptr, lr_bits, beta1_bits, beta2_bits)
     _update_range(
-        p_ptr,
-        g_ptr,
-        m_ptr,
-        v_ptr,
-        lp_ptr,
-        start,
-        end,
-        scale_ptr,
-        clip_ptr,
-        decay,
-        w1,
-        beta2,
-        w2,
-        eps,
-        neg_step_size,
-        bc2_sqrt,
-        HAS_SCALE,
-        HAS_CLIP,
-        HAS_WD,
-        HAS_LP,
-        LP_DTYPE,
-        MAXIMIZE,
-        SMALL_W1,
-        BLOCK,
-    )
+        p_ptr, g_ptr, m_ptr, v_ptr, lp_ptr, start, end, scale_ptr, clip_ptr, decay, w1, beta2,
+        w2, eps, neg_step_size, bc2_sqrt, HAS_SCALE, HAS_CLIP, HAS_WD, HAS_LP, LP_DTYPE,
+        MAXIMIZE, SMALL_W1, BLOCK,
+    )  # fmt: skip
 
 
 def _bits(x: float) -> int:
@@ -298,6 +279,11 @@ def _hyper(
     small = abs(float(torch.tensor(w1, dtype=torch.float32))) < 0.5  # torch.lerp's switch
     flags = dict(HAS_WD=weight_decay != 0, MAXIMIZE=bool(maximize), SMALL_W1=small)
     return args, flags
+
+
+def _check_blocks(block: int, chunk: int) -> None:
+    if block < 1 or block & (block - 1) or chunk < block or chunk % block:
+        raise ValueError(f"block ({block}) must be a power of two and chunk ({chunk}) a multiple")
 
 
 def adamw_step_(
@@ -330,6 +316,7 @@ def adamw_step_(
     n = param.numel()
     if n == 0:
         return
+    _check_blocks(block, chunk)
     args, flags = _hyper(lr, beta1, beta2, eps, weight_decay, maximize)
     grid = (triton.cdiv(n, chunk),)
     _adamw_flat_kernel[grid](
@@ -384,6 +371,39 @@ def _build_table(
     return table, tid.numel()
 
 
+TABLE_CACHE_SIZE = 16
+"""Device pointer tables kept (least recently used dropped): a few optimizers' dtype groups."""
+_TABLES: OrderedDict[tuple, tuple[torch.Tensor, int]] = OrderedDict()
+
+
+def _device_table(tensors: list[tuple[torch.Tensor, ...]], chunk: int, device) -> tuple:
+    """(the device table of ``_build_table``, P) for per-tensor rows ``(param, grad, exp_avg,
+    exp_avg_sq, copy or None, step)``, built and copied to the device once per set of data
+    pointers and numels and reused on later steps (no host work but the lookup, no host-to-device
+    copy: a launch after the first can be captured in a CUDA graph). A table holds nothing but
+    its key's pointers and numels, so a hit is right even for freed and reallocated tensors."""
+    key = (device, chunk, tuple(t.data_ptr() for row in tensors for t in row if t is not None))
+    key += (tuple(row[0].numel() for row in tensors), tuple(row[4] is None for row in tensors))
+    hit = _TABLES.get(key)
+    if hit is not None:
+        _TABLES.move_to_end(key)
+        return hit
+    table, n_programs = _build_table(*map(list, zip(*tensors, strict=True)), chunk)
+    if device.type == "cuda":
+        table = table.pin_memory().to(device, non_blocking=True)
+    else:
+        table = table.to(device)
+    _TABLES[key] = (table, n_programs)
+    while len(_TABLES) > TABLE_CACHE_SIZE:
+        _TABLES.popitem(last=False)
+    return table, n_programs
+
+
+def _aligned(*tensors: torch.Tensor | None) -> bool:
+    """Whether every tensor starts on a 16-byte boundary (the kernel's 128-bit path)."""
+    return all(t is None or t.data_ptr() % 16 == 0 for t in tensors)
+
+
 def adamw_step_multi_(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -411,31 +431,22 @@ def adamw_step_multi_(
     one shape, grad fp32 / bf16 / fp16, copy bf16 / fp16 or None, a 0-dim int64 / fp32 step).
     One launch per (grad dtype, copy dtype, step dtype) group (more past ``max_programs``).
     """
+    _check_blocks(block, chunk)
     lps = [None] * len(params) if params_lp is None else list(params_lp)
     groups: dict[tuple, list[int]] = {}
     for i, (p, g, lp, t) in enumerate(zip(params, grads, lps, steps, strict=True)):
         if p.numel():
-            key = (g.dtype, None if lp is None else lp.dtype, t.dtype)
+            aligned = _aligned(p, g, exp_avgs[i], exp_avg_sqs[i], lp)
+            key = (g.dtype, None if lp is None else lp.dtype, t.dtype, aligned)
             groups.setdefault(key, []).append(i)
     if not groups:
         return
     device = params[groups[next(iter(groups))][0]].device
     args, flags = _hyper(lr, beta1, beta2, eps, weight_decay, maximize)
     anchor = params[groups[next(iter(groups))][0]]
-    for (g_dtype, lp_dtype, step_dtype), idx in groups.items():
-        table, n_programs = _build_table(
-            [params[i] for i in idx],
-            [grads[i] for i in idx],
-            [exp_avgs[i] for i in idx],
-            [exp_avg_sqs[i] for i in idx],
-            [lps[i] for i in idx],
-            [steps[i] for i in idx],
-            chunk,
-        )
-        if device.type == "cuda":
-            table = table.pin_memory().to(device, non_blocking=True)
-        else:
-            table = table.to(device)
+    for (g_dtype, lp_dtype, step_dtype, aligned), idx in groups.items():
+        rows = [(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], lps[i], steps[i]) for i in idx]
+        table, n_programs = _device_table(rows, chunk, device)
         t = len(idx)
         block_tensor = table[7 * t : 7 * t + n_programs]
         block_start = table[7 * t + n_programs :]
@@ -458,6 +469,7 @@ def adamw_step_multi_(
                 HAS_LP=lp_dtype is not None,
                 LP_DTYPE=_TL_DTYPES[torch.float32 if lp_dtype is None else lp_dtype],
                 **flags,
+                ALIGNED=aligned,
                 CHUNK=chunk,
                 BLOCK=block,
                 num_warps=NUM_WARPS,

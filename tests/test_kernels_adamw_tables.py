@@ -1,0 +1,190 @@
+"""Fused AdamW kernels (issue 21, item 1): the cached multi-tensor pointer tables, the aligned /
+unaligned split, and the compiled code.
+
+* CPU tier: a device table is built once per set of pointers and numels and reused on later
+  steps (no rebuild, no copy); new pointers (e.g. reallocated gradients) make a new table; the
+  cache is bounded. Compiled for sm_90 with the alignment of a real launch, the flat and the
+  multi-tensor kernels use 128-bit global loads and stores, at most ``REGISTER_BUDGET``
+  registers, and spill nothing.
+* Interpreter tier: tensors that do not start on a 16-byte boundary (views at an odd offset)
+  take the unhinted group and still equal the reference, next to aligned ones.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+
+from fastpar.ops import adamw as op
+from fastpar.ops import backend
+
+interpreter = pytest.mark.interpreter
+HYPER = dict(lr=1e-3, eps=1e-8, beta1=0.9, beta2=0.999, weight_decay=0.1)
+REGISTER_BUDGET = 96
+
+
+def _kernels():
+    from fastpar.kernels import adamw as kernels  # defines kernels: import lazily
+
+    return kernels
+
+
+def _rows(n_tensors: int, numel: int = 300, lp: bool = False):
+    rows = []
+    step = torch.zeros((), dtype=torch.int64)
+    for _ in range(n_tensors):
+        p = torch.randn(numel)
+        copy = torch.empty(numel, dtype=torch.bfloat16) if lp else None
+        rows.append((p, torch.randn(numel), torch.zeros(numel), torch.zeros(numel), copy, step))
+    return rows
+
+
+def test_pointer_tables_are_built_once_per_parameter_set(monkeypatch):
+    k = _kernels()
+    k._TABLES.clear()
+    built = []
+    real = k._build_table
+    monkeypatch.setattr(k, "_build_table", lambda *a: built.append(1) or real(*a))
+    rows = _rows(5, lp=True)
+    first = k._device_table(rows, 256, torch.device("cpu"))
+    for _ in range(3):  # later steps: the same table object, nothing rebuilt
+        assert k._device_table(rows, 256, torch.device("cpu"))[0] is first[0]
+    assert len(built) == 1
+    table, n_programs = first
+    assert n_programs == 5 * 2  # 300 elements in chunks of 256
+    assert table[:5].tolist() == [r[0].data_ptr() for r in rows]
+    # new gradients (set_to_none + a new backward): another table; the old one is kept
+    regrad = [(p, g.clone(), m, v, lp, s) for p, g, m, v, lp, s in rows]
+    assert k._device_table(regrad, 256, torch.device("cpu"))[0] is not first[0]
+    assert len(built) == 2
+    assert k._device_table(rows, 256, torch.device("cpu"))[0] is first[0]
+    # another chunk size, or a copy dropped, is another table
+    k._device_table(rows, 512, torch.device("cpu"))
+    k._device_table([(*r[:4], None, r[5]) for r in rows], 256, torch.device("cpu"))
+    assert len(built) == 4
+    for _ in range(k.TABLE_CACHE_SIZE + 3):
+        k._device_table(_rows(1), 256, torch.device("cpu"))
+    assert len(k._TABLES) == k.TABLE_CACHE_SIZE
+    k._TABLES.clear()
+
+
+@interpreter
+def test_unaligned_tensors_take_the_unhinted_group_and_match_the_reference():
+    """A view one element into a buffer is 4 bytes off a 16-byte boundary: it must not be
+    hinted aligned (that would be undefined on a GPU); it runs in its own launch."""
+    k = _kernels()
+    gen = torch.Generator().manual_seed(0)
+    sizes = [4099, 130, 1]
+    outs = []
+    for name in ("triton", "reference"):
+        bases = [torch.randn(n + 1, generator=torch.Generator().manual_seed(n)) for n in sizes]
+        params = [bases[0][1:], bases[1][:-1], bases[2][1:]]  # [0], [2] unaligned, [1] aligned
+        grads = [torch.randn(n, generator=gen) for n in sizes]
+        state = [(torch.zeros(n), torch.zeros(n)) for n in sizes]
+        assert [k._aligned(p) for p in params] == [False, True, False]
+        step = torch.zeros(())
+        with backend.use_backend(name):
+            for _ in range(2):
+                step += 1
+                op.adamw_step_multi_(
+                    params, grads, [s[0] for s in state], [s[1] for s in state], steps=step,
+                    **HYPER,
+                )  # fmt: skip
+        outs.append([t.clone() for t in params])
+        gen = torch.Generator().manual_seed(0)
+    for a, b in zip(*outs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
+# --- CPU tier: compiled for sm_90 ---------------------------------------------------------------
+
+FLAT_SIG = {
+    "p_ptr": "*fp32",
+    "g_ptr": "*{g}",
+    "m_ptr": "*fp32",
+    "v_ptr": "*fp32",
+    "lp_ptr": "*{lp}",
+    "step_ptr": "*i64",
+    "scale_ptr": "*fp32",
+    "clip_ptr": "*fp32",
+    "inf_ptr": "*fp32",
+    "numel": "i64",
+}
+MULTI_SIG = {
+    "table": "*i64",
+    "num_tensors": "i32",
+    "block_tensor": "*i64",
+    "block_start": "*i64",
+    "scale_ptr": "*fp32",
+    "clip_ptr": "*fp32",
+    "inf_ptr": "*fp32",
+}
+SCALARS = {"lr_bits": "i64", "beta1_bits": "i64", "beta2_bits": "i64"}
+SCALARS |= dict.fromkeys(("decay", "w1", "beta2", "w2", "eps"), "fp32")
+
+
+def _ptxas_usage(ptx: str, tmp_path) -> tuple[int, int]:
+    """(registers, spill bytes) from ``ptxas -v`` (the ptxas Triton compiled with)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(90).path
+    except Exception as exc:
+        pytest.skip(f"no ptxas to read register and spill counts: {exc}")
+    arch = re.search(r"\.target\s+(sm_\w+)", ptx).group(1)
+    src = tmp_path / "kernel.ptx"
+    src.write_text(ptx)
+    out = subprocess.run(
+        [ptxas, f"-arch={arch}", "-v", str(src), "-o", str(tmp_path / "kernel.cubin")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    regs = [int(r) for r in re.findall(r"Used (\d+) registers", out.stderr)]
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out.stderr)
+    assert regs and spills, out.stderr
+    return max(regs), max(int(a) + int(b) for a, b in spills)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs the real JIT")
+@pytest.mark.parametrize("form", ["flat", "multi"])
+@pytest.mark.parametrize("g,lp", [("fp32", None), ("bf16", "bf16"), ("fp16", "fp16")])
+def test_kernels_compile_to_wide_accesses_within_the_register_budget(form, g, lp, tmp_path):
+    """Every flag on (unscale, clip, inf skip, weight decay, a copy when ``lp``), 16-byte aligned
+    pointers as Triton specialises them on a real launch (flat) or as the launcher hints them
+    (multi, ``ALIGNED``): 128-bit loads and stores, no spills, <= ``REGISTER_BUDGET``."""
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    k = _kernels()
+    tl_dtypes = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}
+    flags = dict(HAS_SCALE=True, HAS_CLIP=True, HAS_INF=True, HAS_WD=True, HAS_LP=lp is not None)
+    flags |= dict(LP_DTYPE=tl_dtypes[lp or "fp32"], MAXIMIZE=False, SMALL_W1=True)
+    flags |= dict(CHUNK=k.CHUNK, BLOCK=k.BLOCK)
+    if form == "flat":
+        kernel = k._adamw_flat_kernel
+        sig = {n: a.format(g=g, lp=lp or "fp32") for n, a in FLAT_SIG.items()} | SCALARS
+    else:
+        kernel = k._adamw_multi_kernel
+        sig = MULTI_SIG | SCALARS
+        flags |= dict(G_DTYPE=tl_dtypes[g], STEP_DTYPE=tl.int64, ALIGNED=True)
+    full = sig | dict.fromkeys(flags, "constexpr")
+    aligned = [i for i, (n, a) in enumerate(sig.items()) if a.startswith("*")]
+    source = ASTSource(
+        kernel, full, constexprs=flags, attrs={(i,): [["tt.divisibility", 16]] for i in aligned}
+    )
+    compiled = triton.compile(
+        source,
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": k.NUM_WARPS, "enable_fp_fusion": False},
+    )
+    ptx = compiled.asm["ptx"]
+    assert "ld.global.v4" in ptx and "st.global.v4" in ptx, f"{form} {g}: no 128-bit accesses"
+    regs, spills = _ptxas_usage(ptx, tmp_path)
+    assert spills == 0, (form, g, spills)
+    assert regs <= REGISTER_BUDGET, (form, g, regs)
