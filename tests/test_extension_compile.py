@@ -4,7 +4,8 @@ item 6).
 * ``all_to_all_start(x, ...) -> out`` / ``all_to_all_wait(out) -> out`` (torch's functional
   collectives pattern): a compiled start + wait over 2 gloo ranks equals eager, in one graph
   (``fullgraph=True``, counted with dynamo's compile counter), the wait is in the graph, and
-  nothing stays registered afterwards.
+  nothing stays registered afterwards. A start + wait whose results go unused survives AOT
+  autograd's dead-code elimination (the ops are marked side-effectful: eager issues them).
 * An output dropped without a wait releases its registry entry when it is garbage collected
   (the transfer still completes; later collectives on the group are unaffected); waiting twice
   or waiting a tensor that is not an all-to-all output returns it at once.
@@ -23,6 +24,7 @@ import pytest
 import torch
 import torch._dynamo
 import torch.distributed as dist
+from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from fastpar import ParallelMesh
@@ -54,7 +56,19 @@ def _compiled_start_wait() -> dict:
         out = torch.ops.fastpar.all_to_all_wait(out)
         return out + local
 
+    def unused(x):  # eager issues the collective: a traced graph must keep it
+        out = torch.ops.fastpar.all_to_all_start(x, out_splits, in_splits, name)
+        torch.ops.fastpar.all_to_all_wait(out)
+        return x * 2.0
+
     x = torch.randn(sum(in_splits), 3, generator=torch.Generator().manual_seed(rank))
+    kept_ops = []  # the forward graph after AOT autograd, whose dead-code pass drops pure ops
+
+    def forward_graph(gm, inputs):
+        kept_ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    torch.compile(unused, backend=aot_autograd(fw_compiler=forward_graph), fullgraph=True)(x)
     want = f(x)
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(f, backend=counter, fullgraph=True)
@@ -65,6 +79,7 @@ def _compiled_start_wait() -> dict:
         "equal": torch.equal(got[0], want) and torch.equal(got[1], f(x + 1.0)),
         "frames": counter.frame_count,
         "ops": [t for t in targets if "fastpar" in t],
+        "kept": [t for t in kept_ops if "fastpar" in t],
         "pending": _pending(),
     }
 
@@ -75,6 +90,7 @@ def test_compiled_start_and_wait_equal_eager_in_one_graph():
         assert out["frames"] == 1  # one graph, no break
         assert any("all_to_all_start" in t for t in out["ops"]), out["ops"]
         assert any("all_to_all_wait" in t for t in out["ops"]), out["ops"]
+        assert len(out["kept"]) == 2, out["kept"]  # unused results: not dropped as dead code
         assert out["pending"] == 0
 
 

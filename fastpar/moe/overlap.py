@@ -98,6 +98,10 @@ def _register_extension_ops() -> bool:
         rows = sum(output_split_sizes) if output_split_sizes else input.shape[0]
         return input.new_empty((rows, *input.shape[1:]))
 
+    # A collective is never dead code: a traced graph keeps every start and wait that eager
+    # would issue, even where their results go unused (every rank must take part).
+    for op in ("all_to_all_start", "all_to_all_wait", "all_to_all"):
+        torch.fx.node.has_side_effect(getattr(torch.ops.fastpar, op).default)
     return True
 
 
