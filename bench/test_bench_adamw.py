@@ -137,17 +137,51 @@ def test_multi_tensor_table_prep(benchmark, mode):
         p = torch.zeros(n, device=device)
         rows.append((p, torch.zeros_like(p), torch.zeros_like(p), torch.zeros_like(p), None, step))
 
-    def rebuilt():
-        table, _ = k._build_table(*map(list, zip(*rows, strict=True)), k.CHUNK)
+    def rebuilt():  # pointers read, table built, pinned and copied: every step before
+        pointers = [k._pointers(*row) for row in rows]
+        table, _ = k._build_table(pointers, [row[0].numel() for row in rows], k.CHUNK)
         if CUDA:
             table = table.pin_memory().to(device, non_blocking=True)
         return table.to(device)
 
-    def cached():
-        return k._device_table(rows, k.CHUNK, device)
+    def cached():  # pointers read, the table looked up: every step after the first
+        pointers = [k._pointers(*row) for row in rows]
+        return k._device_table(pointers, [row[0].numel() for row in rows], k.CHUNK, device)
 
     k._TABLES.clear()
     cached()  # the first step builds it
     benchmark.group = f"adamw-table-prep-T{TABLE_TENSORS}"
     benchmark.extra_info.update(mode=mode, tensors=TABLE_TENSORS, device=str(device))
     benchmark.pedantic(rebuilt if mode == "rebuilt" else cached, rounds=200, warmup_rounds=5)
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["cached", "uncached"])
+def test_multi_tensor_launch_host_time(benchmark, monkeypatch, cache):
+    """Host time of one ``adamw_step_multi_`` launcher call over 200 tensors with the kernel
+    replaced by a no-op: pointer reads, grouping, the table (looked up, or built and copied
+    every call with the cache off). What is left beside the table is Python per tensor."""
+    from fastpar.kernels import adamw as k
+
+    class _NoKernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(k, "_adamw_multi_kernel", _NoKernel())
+    monkeypatch.setattr(k, "TABLE_CACHE_SIZE", k.TABLE_CACHE_SIZE if cache else 0)
+    device = torch.device(DEVICE)
+    params = [torch.zeros(1000 + 37 * i, device=device) for i in range(TABLE_TENSORS)]
+    grads, ms, vs = ([torch.zeros_like(p) for p in params] for _ in range(3))
+    steps = [torch.zeros((), device=device) for _ in params]
+    scalars = [torch.ones((), device=device), torch.ones((), device=device)]
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, steps=steps)
+    kw |= dict(inv_scale=scalars[0], clip_coef=scalars[1], found_inf=torch.zeros((), device=device))
+
+    def run():
+        k.adamw_step_multi_(params, grads, ms, vs, **kw)
+
+    k._TABLES.clear()
+    run()
+    benchmark.group = f"adamw-launch-host-T{TABLE_TENSORS}"
+    benchmark.extra_info.update(cache=cache, tensors=TABLE_TENSORS, device=str(device))
+    benchmark.pedantic(run, rounds=100, warmup_rounds=5)
+    k._TABLES.clear()

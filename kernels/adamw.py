@@ -344,31 +344,25 @@ def adamw_step_(
     )
 
 
+def _pointers(p, g, m, v, lp, step) -> tuple[int, ...]:
+    """The table column of one tensor: param, grad, exp_avg, exp_avg_sq, copy (the param's
+    when there is none: never written then) and step data pointers."""
+    q = p.data_ptr()
+    return (q, g.data_ptr(), m.data_ptr(), v.data_ptr(), q if lp is None else lp.data_ptr(),
+            step.data_ptr())  # fmt: skip
+
+
 def _build_table(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    lps: list[torch.Tensor | None],
-    steps: list[torch.Tensor],
-    chunk: int,
+    pointers: Sequence[tuple[int, ...]], numels: Sequence[int], chunk: int
 ) -> tuple[torch.Tensor, int]:
     """One int64 CPU tensor ``[7·T pointers/numels | P block tensor | P block start]``, and P."""
-    numel = torch.tensor([p.numel() for p in params], dtype=torch.int64)
-    rows = [
-        [t.data_ptr() for t in params],
-        [t.data_ptr() for t in grads],
-        [t.data_ptr() for t in exp_avgs],
-        [t.data_ptr() for t in exp_avg_sqs],
-        [(p if lp is None else lp).data_ptr() for p, lp in zip(params, lps, strict=True)],
-        [t.data_ptr() for t in steps],
-    ]
+    numel = torch.tensor(numels, dtype=torch.int64)
     per_tensor = (numel + chunk - 1) // chunk
-    tid = torch.repeat_interleave(torch.arange(len(params), dtype=torch.int64), per_tensor)
+    tid = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int64), per_tensor)
     first = torch.cumsum(per_tensor, 0) - per_tensor  # first program of each tensor
     start = (torch.arange(tid.numel(), dtype=torch.int64) - first[tid]) * chunk
-    table = torch.cat([torch.tensor(rows, dtype=torch.int64).reshape(-1), numel, tid, start])
-    return table, tid.numel()
+    rows = torch.tensor(pointers, dtype=torch.int64).t().reshape(-1)  # [6, T], row-major
+    return torch.cat([rows, numel, tid, start]), tid.numel()
 
 
 TABLE_CACHE_SIZE = 16
@@ -376,19 +370,19 @@ TABLE_CACHE_SIZE = 16
 _TABLES: OrderedDict[tuple, tuple[torch.Tensor, int]] = OrderedDict()
 
 
-def _device_table(tensors: list[tuple[torch.Tensor, ...]], chunk: int, device) -> tuple:
-    """(the device table of ``_build_table``, P) for per-tensor rows ``(param, grad, exp_avg,
-    exp_avg_sq, copy or None, step)``, built and copied to the device once per set of data
-    pointers and numels and reused on later steps (no host work but the lookup, no host-to-device
-    copy: a launch after the first can be captured in a CUDA graph). A table holds nothing but
-    its key's pointers and numels, so a hit is right even for freed and reallocated tensors."""
-    key = (device, chunk, tuple(t.data_ptr() for row in tensors for t in row if t is not None))
-    key += (tuple(row[0].numel() for row in tensors), tuple(row[4] is None for row in tensors))
+def _device_table(
+    pointers: Sequence[tuple[int, ...]], numels: Sequence[int], chunk: int, device
+) -> tuple[torch.Tensor, int]:
+    """(the device table of ``_build_table``, P), built and copied to the device once per set of
+    pointers and numels and reused on later steps: no host work but the lookup and no
+    host-to-device copy, so a launch after the first can be captured in a CUDA graph. A table
+    holds nothing but its key, so a hit is right even for freed and reallocated tensors."""
+    key = (device, chunk, tuple(pointers), tuple(numels))
     hit = _TABLES.get(key)
     if hit is not None:
         _TABLES.move_to_end(key)
         return hit
-    table, n_programs = _build_table(*map(list, zip(*tensors, strict=True)), chunk)
+    table, n_programs = _build_table(pointers, numels, chunk)
     if device.type == "cuda":
         table = table.pin_memory().to(device, non_blocking=True)
     else:
@@ -399,9 +393,11 @@ def _device_table(tensors: list[tuple[torch.Tensor, ...]], chunk: int, device) -
     return table, n_programs
 
 
-def _aligned(*tensors: torch.Tensor | None) -> bool:
-    """Whether every tensor starts on a 16-byte boundary (the kernel's 128-bit path)."""
-    return all(t is None or t.data_ptr() % 16 == 0 for t in tensors)
+def _aligned(pointers: tuple[int, ...]) -> bool:
+    """Whether the first five pointers (not the step's) are on 16-byte boundaries (the kernel's
+    128-bit path)."""
+    p, g, m, v, lp = pointers[:5]
+    return (p | g | m | v | lp) % 16 == 0
 
 
 def adamw_step_multi_(
@@ -434,10 +430,11 @@ def adamw_step_multi_(
     _check_blocks(block, chunk)
     lps = [None] * len(params) if params_lp is None else list(params_lp)
     groups: dict[tuple, list[int]] = {}
+    pointers: dict[int, tuple[int, ...]] = {}
     for i, (p, g, lp, t) in enumerate(zip(params, grads, lps, steps, strict=True)):
         if p.numel():
-            aligned = _aligned(p, g, exp_avgs[i], exp_avg_sqs[i], lp)
-            key = (g.dtype, None if lp is None else lp.dtype, t.dtype, aligned)
+            pointers[i] = _pointers(p, g, exp_avgs[i], exp_avg_sqs[i], lp, t)
+            key = (g.dtype, None if lp is None else lp.dtype, t.dtype, _aligned(pointers[i]))
             groups.setdefault(key, []).append(i)
     if not groups:
         return
@@ -445,8 +442,8 @@ def adamw_step_multi_(
     args, flags = _hyper(lr, beta1, beta2, eps, weight_decay, maximize)
     anchor = params[groups[next(iter(groups))][0]]
     for (g_dtype, lp_dtype, step_dtype, aligned), idx in groups.items():
-        rows = [(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], lps[i], steps[i]) for i in idx]
-        table, n_programs = _device_table(rows, chunk, device)
+        numels = [params[i].numel() for i in idx]
+        table, n_programs = _device_table([pointers[i] for i in idx], numels, chunk, device)
         t = len(idx)
         block_tensor = table[7 * t : 7 * t + n_programs]
         block_start = table[7 * t + n_programs :]

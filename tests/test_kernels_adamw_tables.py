@@ -34,13 +34,19 @@ def _kernels():
 
 
 def _rows(n_tensors: int, numel: int = 300, lp: bool = False):
-    rows = []
+    """(pointers, numels) of ``n_tensors`` tensors (kept alive in ``_ALIVE``)."""
+    k = _kernels()
     step = torch.zeros((), dtype=torch.int64)
+    pointers = []
     for _ in range(n_tensors):
-        p = torch.randn(numel)
-        copy = torch.empty(numel, dtype=torch.bfloat16) if lp else None
-        rows.append((p, torch.randn(numel), torch.zeros(numel), torch.zeros(numel), copy, step))
-    return rows
+        row = [torch.randn(numel), torch.randn(numel), torch.zeros(numel), torch.zeros(numel)]
+        row += [torch.empty(numel, dtype=torch.bfloat16) if lp else None, step]
+        _ALIVE.append(row)
+        pointers.append(k._pointers(*row))
+    return pointers, [numel] * n_tensors
+
+
+_ALIVE: list = []
 
 
 def test_pointer_tables_are_built_once_per_parameter_set(monkeypatch):
@@ -49,27 +55,30 @@ def test_pointer_tables_are_built_once_per_parameter_set(monkeypatch):
     built = []
     real = k._build_table
     monkeypatch.setattr(k, "_build_table", lambda *a: built.append(1) or real(*a))
-    rows = _rows(5, lp=True)
-    first = k._device_table(rows, 256, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    pointers, numels = _rows(5, lp=True)
+    first = k._device_table(pointers, numels, 256, cpu)
     for _ in range(3):  # later steps: the same table object, nothing rebuilt
-        assert k._device_table(rows, 256, torch.device("cpu"))[0] is first[0]
+        assert k._device_table(list(pointers), list(numels), 256, cpu)[0] is first[0]
     assert len(built) == 1
     table, n_programs = first
     assert n_programs == 5 * 2  # 300 elements in chunks of 256
-    assert table[:5].tolist() == [r[0].data_ptr() for r in rows]
+    assert table[:5].tolist() == [p[0] for p in pointers]  # the params' pointers first
+    assert table[6 * 5 : 7 * 5].tolist() == numels
+    assert table[7 * 5 : 7 * 5 + n_programs].tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert table[7 * 5 + n_programs :].tolist() == [0, 256] * 5
     # new gradients (set_to_none + a new backward): another table; the old one is kept
-    regrad = [(p, g.clone(), m, v, lp, s) for p, g, m, v, lp, s in rows]
-    assert k._device_table(regrad, 256, torch.device("cpu"))[0] is not first[0]
+    regrad = [(p, g + 8, *rest) for p, g, *rest in pointers]
+    assert k._device_table(regrad, numels, 256, cpu)[0] is not first[0]
     assert len(built) == 2
-    assert k._device_table(rows, 256, torch.device("cpu"))[0] is first[0]
-    # another chunk size, or a copy dropped, is another table
-    k._device_table(rows, 512, torch.device("cpu"))
-    k._device_table([(*r[:4], None, r[5]) for r in rows], 256, torch.device("cpu"))
-    assert len(built) == 4
+    assert k._device_table(pointers, numels, 256, cpu)[0] is first[0]
+    k._device_table(pointers, numels, 512, cpu)  # another chunk size: another table
+    assert len(built) == 3
     for _ in range(k.TABLE_CACHE_SIZE + 3):
-        k._device_table(_rows(1), 256, torch.device("cpu"))
+        k._device_table(*_rows(1), 256, cpu)
     assert len(k._TABLES) == k.TABLE_CACHE_SIZE
     k._TABLES.clear()
+    _ALIVE.clear()
 
 
 @interpreter
@@ -85,7 +94,7 @@ def test_unaligned_tensors_take_the_unhinted_group_and_match_the_reference():
         params = [bases[0][1:], bases[1][:-1], bases[2][1:]]  # [0], [2] unaligned, [1] aligned
         grads = [torch.randn(n, generator=gen) for n in sizes]
         state = [(torch.zeros(n), torch.zeros(n)) for n in sizes]
-        assert [k._aligned(p) for p in params] == [False, True, False]
+        assert [k._aligned((p.data_ptr(),) * 5) for p in params] == [False, True, False]
         step = torch.zeros(())
         with backend.use_backend(name):
             for _ in range(2):
