@@ -23,7 +23,10 @@ from fastpar.comm import (
 from fastpar.mesh.placement import mark_sharded, mark_tied_copy, param_layout
 from fastpar.moe import MoE
 from fastpar.nn import ColumnParallelLinear, VocabParallelEmbedding
-from fastpar.nn.functional import vocab_parallel_cross_entropy
+from fastpar.nn.functional import (
+    vocab_parallel_cross_entropy,
+    vocab_parallel_linear_cross_entropy,
+)
 from fastpar.parallel.context import (
     all_to_all_attention,
     local_positions,
@@ -247,7 +250,10 @@ class DecoderBlock(nn.Module):
 
 class Head(nn.Module):
     """[B, T(/tp), H] -> final norm -> logits [B·T, vocab / tp] (this rank's vocabulary shard).
-    ``weight`` [vocab / tp, H]: the embedding's (tied) or an untied ColumnParallelLinear's."""
+    ``weight`` [vocab / tp, H]: the embedding's (tied) or an untied ColumnParallelLinear's.
+    ``return_hidden`` (set by a loop that uses the fused linear cross-entropy): the normed
+    hidden states [B·T, H] instead, entered into the TP region as the logits' matmul would be;
+    ``lm_loss(..., weight=head.weight)`` then never materialises the logits."""
 
     def __init__(
         self,
@@ -264,6 +270,7 @@ class Head(nn.Module):
         self.group, self.sp = group, sequence_parallel and group_size(group) > 1
         self.norm = Norm(hidden, norm, eps=eps, group=group, partial_grad=self.sp)
         self.weight = weight
+        self.return_hidden = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x)
@@ -272,6 +279,8 @@ class Head(nn.Module):
             if self.sp
             else copy_to_region(x, self.group)
         )
+        if self.return_hidden:
+            return x.flatten(0, 1)
         return F.linear(x, self.weight).flatten(0, 1)
 
 
@@ -331,13 +340,30 @@ def untie_for_pipeline(blocks: list[nn.Module], mesh) -> nn.Parameter | None:
     return embed.tok.weight if mesh.is_first_stage else None
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor, cfg, mesh=None) -> torch.Tensor:
+def lm_loss(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    cfg,
+    mesh=None,
+    *,
+    weight: torch.Tensor | None = None,
+    recompute: bool = False,
+) -> torch.Tensor:
     """Mean vocab-parallel cross-entropy of logits [B·T, vocab / tp] against targets [B, T]
     (``cfg.vocab_size`` is the true vocabulary: padded columns are ignored). Under context
     parallelism the logits are this rank's chunks' (T/cp per row) and the targets are split
     alike: the mean of this rank's tokens, which the data-parallel average over dp × cp turns
-    into the whole sequence's (every cp rank holds as many tokens)."""
+    into the whole sequence's (every cp rank holds as many tokens). ``weight`` given: ``logits``
+    are the head's hidden states [B·T, H] (``Head.return_hidden``) and the loss is the fused
+    vocab-parallel linear cross-entropy against ``weight`` [vocab / tp, H] (chunks of logits
+    only; ``recompute``: backward recomputes them, for schedules that hold many micro-batches'
+    graphs, GPipe)."""
     targets = cp_split(targets, cp_group_of(mesh))
+    if weight is not None:  # the head's region op already sums d hidden over TP
+        return vocab_parallel_linear_cross_entropy(
+            logits, weight, targets.reshape(-1), group=tp_group_of(mesh),
+            vocab_size=cfg.vocab_size, reduce_hidden_grad=False, recompute=recompute,
+        )  # fmt: skip
     return vocab_parallel_cross_entropy(
         logits, targets.reshape(-1), group=tp_group_of(mesh), vocab_size=cfg.vocab_size
     )

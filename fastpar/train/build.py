@@ -198,6 +198,9 @@ def build(cfg: TrainConfig, mesh: ParallelMesh | None, device: torch.device) -> 
     model on one process. The same seed gives the same weights on any layout."""
     torch.manual_seed(cfg.seed)
     blocks, hf, model_cfg, block_types, tied = _blocks(cfg, mesh)
+    head = blocks[-1]
+    if cfg.fused_ce:  # the head hands its hidden states to the fused linear cross-entropy
+        head.return_hidden = True
     if mesh is not None:  # a selective --recompute (the reference keeps every activation)
         apply_recompute(blocks[1:-1], cfg.recompute_policy)
     pp_size, pp_rank = (mesh.pp_size, mesh.pp_rank) if mesh is not None else (1, 0)
@@ -228,6 +231,9 @@ def build(cfg: TrainConfig, mesh: ParallelMesh | None, device: torch.device) -> 
             m.aux_loss_scale = aux_scale
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if cfg.fused_ce:  # the head's weight read now: a pipeline's last stage holds a copy
+            return lm_loss(logits.flatten(0, -2), targets, model_cfg, mesh, weight=head.weight,
+                           recompute=cfg.schedule == "gpipe")  # fmt: skip
         return lm_loss(logits.flatten(0, -2).float(), targets, model_cfg, mesh)
 
     bias_routers = [m.router for m in moes if m.router.expert_bias is not None]

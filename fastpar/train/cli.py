@@ -112,6 +112,8 @@ _HELP = {
     "blocks route each rank's chunk, dropless; with --moe-expert-tp they gather it)",
     "cp": "context-parallel size: each sequence split over CP ranks (2*cp chunks, ring "
     "attention; --model gpt / llama)",
+    "fused_ce": "the loss as a vocab-parallel fused linear cross-entropy: the head's logits "
+    "exist only a chunk of tokens at a time (fastpar.ops.linear_cross_entropy)",
     "cp_attention": "attention under --cp: ring (K/V passed around the cp ranks) or "
     "all-to-all (heads scattered over cp, Ulysses; heads / tp must divide by cp)",
     "moe_expert_tp": "split each MoE expert's FFN over TP (expert tensor parallelism: w1 by "
@@ -187,7 +189,7 @@ _GROUPS = {
     "MoE routing": ("router_score", "routed_scaling_factor", "router_groups",
                     "router_group_topk", "expert_bias", "bias_update_rate", "shared_expert_ffn",
                     "shared_expert_gate", "aux_loss", "aux_loss_coef", "z_loss_coef"),
-    "training": ("steps", "batch_size", "precision", "lr", "min_lr", "warmup", "lr_schedule",
+    "training": ("steps", "batch_size", "fused_ce", "precision", "lr", "min_lr", "warmup", "lr_schedule",
                  "weight_decay", "max_grad_norm", "loss_scale", "seed", "compile"),
     "data": ("data", "data_dtype", "tokenizer"),
     "checkpoints": ("checkpoint_dir", "save_every", "keep_last", "resume", "allow_fresh",

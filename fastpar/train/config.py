@@ -63,6 +63,7 @@ class TrainConfig:
     cp: int = 1
     cp_attention: str = "ring"
     zero: int = 1
+    fused_ce: bool = False
     precision: str = "fp32"
     microbatches: int = 2
     schedule: str = "1f1b"
@@ -250,6 +251,8 @@ class TrainConfig:
             )
         if self.sequence_parallel:
             raise ValueError("--sequence-parallel is not supported with --hf-config")
+        if self.fused_ce:
+            raise ValueError("--fused-ce needs fastpar's models (--model gpt / llama)")
         if self.cp > 1:
             raise ValueError(
                 f"--cp {self.cp} with --hf-config: a Hugging Face model's own attention sees "
@@ -391,6 +394,11 @@ class TrainConfig:
 
     def _check_context(self) -> None:
         _cp_checks(self)
+        if self.fused_ce and self.zero == 3:
+            raise ValueError(
+                "--fused-ce with --zero 3: the loss reads the head's weight after the head's "
+                "forward, when ZeRO-3 has re-sharded it; use --zero 0-2 or drop --fused-ce"
+            )
 
     def check(self) -> None:
         """Refuse an impossible run before any process group exists: one ValueError line naming
