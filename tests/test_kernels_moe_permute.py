@@ -234,6 +234,8 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
         ("random", 4093, 2, 64, None, 2050),
         ("one_expert", 3000, 2, 8, 100, 123),
         ("empty_experts", 777, 1, 8, None, 4096),
+        ("random", 1024, 8, 64, 160, 7168),  # k = 8 at DeepSeek-V3's hidden size
+        ("random", 999, 8, 32, None, 7000),  # k = 8 dropless, a ragged last hidden block
     ],
 )
 def test_cuda_kernels_match_reference(dtype, kind, t, k, e, capacity, h):
