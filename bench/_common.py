@@ -4,6 +4,8 @@ bandwidth-fraction records in ``benchmark.extra_info``."""
 from __future__ import annotations
 
 import torch
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
 
 CUDA = torch.cuda.is_available()
 PEAK_HBM = {"H200": 4.8e12, "H100": 3.35e12}  # bytes/s, by a substring of the device name
@@ -27,6 +29,26 @@ def record_peak_memory(benchmark, run) -> None:
         benchmark.extra_info["peak_memory_bytes"] = torch.cuda.max_memory_allocated() - base
     else:
         benchmark.extra_info["peak_memory_bytes"] = None  # no allocator statistics on CPU
+
+
+def cpu_peak_and_held(run) -> tuple[int, int]:
+    """(peak, held at the end) CPU bytes above the start of ``run()``, its result kept alive
+    to the end: the running sum of the allocation events torch's profiler records
+    (``profile_memory=True``: every c10 CPU allocation and free, in time order)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = run()
+    sizes, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu":
+            sizes.append((node.start_time_ns, node.typed[1].alloc_size))
+        stack.extend(node.children)
+    current = peak = 0
+    for _, size in sorted(sizes):
+        current += size
+        peak = max(peak, current)
+    del result
+    return peak, current
 
 
 def record_bandwidth(benchmark, moved: int) -> None:

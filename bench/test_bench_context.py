@@ -24,8 +24,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile
+from _common import cpu_peak_and_held
 
 from fastpar.parallel import context
 from fastpar.parallel.context import (
@@ -36,26 +35,6 @@ from fastpar.parallel.context import (
 from fastpar.testing import run_ranks
 
 B, H, D, S = 1, 4, 32, 1024
-
-
-def _cpu_peak(run) -> tuple[int, int]:
-    """(peak, held at the end) bytes above the start of ``run()`` (its result kept alive to the
-    end): the running sum of the profiler's allocation events (every CPU allocation and free,
-    in time order)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = run()
-    sizes, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu":
-            sizes.append((node.start_time_ns, node.typed[1].alloc_size))
-        stack.extend(node.children)
-    current = peak = 0
-    for _, size in sorted(sizes):
-        current += size
-        peak = max(peak, current)
-    del result
-    return peak, current
 
 
 def _qkv(n: int):
@@ -74,8 +53,8 @@ def _memory_and_overlap(iters: int = 4) -> dict:
             t.grad = None
 
     step()  # warm-up (connections, allocator)
-    peak, _ = _cpu_peak(step)
-    forward_peak, held = _cpu_peak(lambda: ring_attention(q, k, v))
+    peak, _ = cpu_peak_and_held(step)
+    forward_peak, held = cpu_peak_and_held(lambda: ring_attention(q, k, v))
     dist.barrier()
     times, waits, a2a = [], [], []
     for _ in range(iters):

@@ -225,6 +225,22 @@ def _block_backward(do, q, k, v, out, lse, causal: bool, scale: float):
     return torch.matmul(ds, kf), torch.matmul(ds.transpose(-1, -2), qf), dv
 
 
+def _ring_blocks(kv: torch.Tensor, group, rep: int):
+    """Yield (source rank, K, V with heads repeated ``rep`` times) of every rank's K/V block
+    [2, B, Hkv, 2c, D] in ring order, own first; the next block is in flight while the caller
+    computes on the current one."""
+    cp, me = group_size(group), group_rank(group)
+    for step in range(cp):
+        works = []
+        if step < cp - 1:
+            nxt, works = _exchange(kv, group)
+        kb, vb = (_expand(t, rep) for t in kv)
+        yield (me - step) % cp, kb, vb
+        _wait(works)
+        if step < cp - 1:
+            kv = nxt
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, scale):
@@ -233,13 +249,7 @@ class _RingAttention(torch.autograd.Function):
         c, rep = n // 2, hq // k.shape[1]
         out = torch.zeros(b, hq, n, d, dtype=torch.float32, device=q.device)
         lse = torch.full((b, hq, n), float("-inf"), dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
-        for step in range(cp):
-            works = []
-            if step < cp - 1:  # the next K/V block in flight during this block's compute
-                nxt, works = _exchange(kv, group)
-            src = (me - step) % cp
-            kb, vb = (_expand(t, rep) for t in kv)
+        for src, kb, vb in _ring_blocks(torch.stack([k, v]).contiguous(), group, rep):
             for i, j, causal in _pairs(cp, me, src):
                 qs, ks = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
                 blk, blk_lse = _block_forward(
@@ -250,9 +260,6 @@ class _RingAttention(torch.autograd.Function):
                     blk * torch.exp(blk_lse - new).unsqueeze(-1)
                 )
                 lse[:, :, qs] = new
-            _wait(works)
-            if step < cp - 1:
-                kv = nxt
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale = group, scale
         return out.to(q.dtype)
@@ -266,14 +273,8 @@ class _RingAttention(torch.autograd.Function):
         hkv = k.shape[1]
         c, rep = n // 2, hq // hkv
         dq = torch.zeros(b, hq, n, d, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
         incoming = None  # (buffer, works): the dK/dV accumulator of the block computed next
-        for step in range(cp):
-            works = []
-            if step < cp - 1:  # the next K/V block in flight during this block's compute
-                nxt, works = _exchange(kv, group)
-            src = (me - step) % cp
-            kb, vb = (_expand(t, rep) for t in kv)
+        for src, kb, vb in _ring_blocks(torch.stack([k, v]).contiguous(), group, rep):
             dkv = torch.zeros(2, b, hkv, n, d, dtype=torch.float32, device=q.device)
             for i, j, causal in _pairs(cp, me, src):
                 qs, ks = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
@@ -291,9 +292,6 @@ class _RingAttention(torch.autograd.Function):
                 dkv += incoming[0]
             if cp > 1:  # on to the next rank, in flight during its next block's compute
                 incoming = (*_exchange(dkv, group, tag=1), dkv)
-            _wait(works)
-            if step < cp - 1:
-                kv = nxt
         if incoming is not None:  # every rank's share of this rank's own block
             _wait(incoming[1])
             dkv = incoming[0]
