@@ -384,6 +384,12 @@ def _device_table(
         return hit
     table, n_programs = _build_table(pointers, numels, chunk)
     if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():  # the copy would read a freed host buffer
+            raise RuntimeError(
+                "fused AdamW: this parameter set's pointer table is not on the device yet; run "
+                "one optimizer step before capturing a CUDA graph (steps after the first reuse "
+                "the table and are capturable)"
+            )
         table = table.pin_memory().to(device, non_blocking=True)
     else:
         table = table.to(device)

@@ -8,6 +8,7 @@ unaligned split, and the compiled code.
   registers, and spill nothing.
 * Interpreter tier: tensors that do not start on a 16-byte boundary (views at an odd offset)
   take the unhinted group and still equal the reference, next to aligned ones.
+* GPU tier: a step after the first is captured in a CUDA graph and replays like eager steps.
 """
 
 from __future__ import annotations
@@ -107,6 +108,50 @@ def test_unaligned_tensors_take_the_unhinted_group_and_match_the_reference():
         gen = torch.Generator().manual_seed(0)
     for a, b in zip(*outs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.cuda
+def test_a_warmed_up_multi_tensor_step_captures_in_a_cuda_graph():
+    """After one step (which builds and copies the table) a step is capturable: replaying the
+    graph equals running the steps eagerly; capturing before any step is a clear error."""
+    sizes = [4099, 130, 1]
+
+    def make():
+        gen = torch.Generator().manual_seed(0)
+        ps = [torch.randn(n, generator=gen).cuda() for n in sizes]
+        gs = [torch.randn(n, generator=gen).cuda().bfloat16() for n in sizes]
+        return ps, gs, [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+
+    def step_fn(ps, gs, ms, vs, step):
+        step += 1
+        op.adamw_step_multi_(ps, gs, ms, vs, steps=step, **HYPER)
+
+    _kernels()._TABLES.clear()
+    eager, graphed = make(), make()
+    eager_step, graph_step = torch.zeros((), device="cuda"), torch.zeros((), device="cuda")
+    with backend.use_backend("triton"):
+        capture = torch.cuda.graph(torch.cuda.CUDAGraph())
+        with pytest.raises(RuntimeError, match="run one optimizer step before capturing"), capture:
+            step_fn(*graphed, graph_step)
+        graph_step.zero_()
+        for _ in range(3):
+            step_fn(*eager, eager_step)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step_fn(*graphed, graph_step)  # warm-up: compiles, builds the table
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step_fn(*graphed, graph_step)
+        graph.replay()
+        graph.replay()
+    torch.cuda.synchronize()
+    assert float(graph_step) == float(eager_step) == 3.0
+    for a, b in zip(
+        eager[0] + eager[2] + eager[3], graphed[0] + graphed[2] + graphed[3], strict=True
+    ):
+        assert torch.equal(a, b)
 
 
 # --- CPU tier: compiled for sm_90 ---------------------------------------------------------------
