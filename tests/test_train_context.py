@@ -29,6 +29,13 @@ LAYOUTS = {
     "llama-cp4": dict(model_type="llama", cp=4, tp=1, pp=1, dp=1, ep=1, zero=1, moe_every=0),
     "llama-cp2-tp2-a2a": dict(model_type="llama", cp=2, tp=2, pp=1, dp=1, ep=1, zero=1,
                               moe_every=0, heads=8, kv_heads=2, cp_attention="all-to-all"),
+    "llama-cp2-pp2-interleaved": dict(model_type="llama", cp=2, tp=1, pp=2, dp=1, ep=1, zero=1,
+                                      moe_every=0, layers=4, schedule="interleaved",
+                                      virtual_stages=2),
+    "gpt-cp2-recompute-attention": dict(model_type="gpt", cp=2, tp=1, pp=1, dp=1, ep=1, zero=1,
+                                        moe_every=0, recompute="attention"),
+    "gpt-cp2-compile": dict(model_type="gpt", cp=2, tp=1, pp=1, dp=1, ep=1, zero=1, moe_every=0,
+                            compile=True, steps=2),
     "gpt-cp2-dp2-a2a-z2": dict(model_type="gpt", cp=2, tp=1, pp=1, dp=2, ep=1, zero=2,
                                moe_every=0, cp_attention="all-to-all"),
 }  # fmt: skip

@@ -314,7 +314,19 @@ def ring_attention(
             f"heads and the {q.shape[2]} local tokens (two chunks) the keys' {k.shape[2]}"
         )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _RingAttention.apply(q, k, v, group, scale)
+    return _ring_eager()(q, k, v, group, scale)
+
+
+_EAGER: list = []
+
+
+def _ring_eager():
+    """``_RingAttention.apply`` under ``torch.compiler.disable`` (one graph break inside a
+    compiled block: its host-side ring and background transfers are not traceable), wrapped
+    at first use so that ``import fastpar`` does not import torch._dynamo."""
+    if not _EAGER:
+        _EAGER.append(torch.compiler.disable(_RingAttention.apply))
+    return _EAGER[0]
 
 
 def _heads_to_ranks(x: torch.Tensor, group) -> torch.Tensor:
