@@ -10,6 +10,9 @@ non-capturable path), element by element in fp32:
 * ``p = p + (−step_size · m) / (sqrt(v) / bc2_sqrt + eps)`` with IEEE division and square root
   (``div_rn`` / ``sqrt_rn``) and fp-contraction off, so the compiler adds no fma of its own.
 
+Moments may be stored in bf16 (half their memory and traffic): loaded to fp32, updated and used
+for ``p`` unrounded, stored rounded to nearest even.
+
 The step-dependent scalars ``step_size = lr / (1 − β1^t)`` and ``bc2_sqrt = sqrt(1 − β2^t)`` are
 computed by every program in float64 from the step tensor (loaded by pointer: no host sync) and
 rounded once to fp32, as torch does in Python doubles. Triton passes a python float as fp32, so
@@ -95,8 +98,8 @@ def _update_block(
     other = 0.0 if MASKED else None
     g = tl.load(g_ptr + idx, mask=mask, other=other).to(tl.float32)
     p = tl.load(p_ptr + idx, mask=mask, other=other)
-    m = tl.load(m_ptr + idx, mask=mask, other=other)
-    v = tl.load(v_ptr + idx, mask=mask, other=other)
+    m = tl.load(m_ptr + idx, mask=mask, other=other).to(tl.float32)  # fp32 or bf16 moments
+    v = tl.load(v_ptr + idx, mask=mask, other=other).to(tl.float32)
     if HAS_SCALE:
         g = g * gscale
     if HAS_CLIP:
@@ -112,8 +115,8 @@ def _update_block(
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
     p = p + tl.div_rn(neg_step_size * m, denom)
     tl.store(p_ptr + idx, p, mask=mask)
-    tl.store(m_ptr + idx, m, mask=mask)
-    tl.store(v_ptr + idx, v, mask=mask)
+    tl.store(m_ptr + idx, m.to(m_ptr.dtype.element_ty), mask=mask)  # p used them unrounded
+    tl.store(v_ptr + idx, v.to(v_ptr.dtype.element_ty), mask=mask)
     if HAS_LP:
         tl.store(lp_ptr + idx, p.to(LP_DTYPE), mask=mask)
 
@@ -152,8 +155,8 @@ def _update_range(
 def _adamw_flat_kernel(
     p_ptr,  # [N] fp32 master
     g_ptr,  # [N] fp32 / bf16 / fp16
-    m_ptr,  # [N] fp32
-    v_ptr,  # [N] fp32
+    m_ptr,  # [N] fp32 / bf16
+    v_ptr,  # [N] fp32 / bf16
     lp_ptr,  # [N] bf16 / fp16 copy (any pointer when HAS_LP is False)
     step_ptr,  # 0-dim int64 / fp32: t
     scale_ptr,  # 0-dim fp32: 1 / loss scale (unused unless HAS_SCALE)
@@ -219,6 +222,7 @@ def _adamw_multi_kernel(
     w2,
     eps,
     G_DTYPE: tl.constexpr,
+    M_DTYPE: tl.constexpr,
     STEP_DTYPE: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     HAS_CLIP: tl.constexpr,
@@ -237,8 +241,8 @@ def _adamw_multi_kernel(
     start = tl.multiple_of(tl.load(block_start + pid), CHUNK)  # k·CHUNK by construction
     p_ptr = _table_ptr(table, 0, num_tensors, t, tl.float32, ALIGNED)
     g_ptr = _table_ptr(table, 1, num_tensors, t, G_DTYPE, ALIGNED)
-    m_ptr = _table_ptr(table, 2, num_tensors, t, tl.float32, ALIGNED)
-    v_ptr = _table_ptr(table, 3, num_tensors, t, tl.float32, ALIGNED)
+    m_ptr = _table_ptr(table, 2, num_tensors, t, M_DTYPE, ALIGNED)
+    v_ptr = _table_ptr(table, 3, num_tensors, t, M_DTYPE, ALIGNED)
     lp_ptr = _table_ptr(table, 4, num_tensors, t, LP_DTYPE, ALIGNED)
     step_ptr = _table_ptr(table, 5, num_tensors, t, STEP_DTYPE, False)
     numel = tl.load(table + 6 * num_tensors + t)
@@ -308,8 +312,8 @@ def adamw_step_(
 ) -> None:
     """Triton version of ``fastpar.reference.adamw.adamw_step_`` (one launch).
 
-    Contiguous tensors of equal numel N on one device: param / exp_avg / exp_avg_sq fp32, grad
-    fp32 / bf16 / fp16, param_lp bf16 / fp16 or None. step, inv_scale, clip_coef, found_inf:
+    Contiguous tensors of equal numel N on one device: param fp32, exp_avg / exp_avg_sq fp32 or
+    both bf16, grad fp32 / bf16 / fp16, param_lp bf16 / fp16 or None. step, inv_scale, clip_coef, found_inf:
     0-dim tensors on that device (validated by ``fastpar.ops.adamw``). ``block`` / ``chunk``
     (a multiple of ``block``) are exposed for tests.
     """
@@ -429,9 +433,10 @@ def adamw_step_multi_(
 ) -> None:
     """Triton version of ``fastpar.reference.adamw.adamw_step_multi_``.
 
-    Lists of contiguous tensors on one device (per index: param / exp_avg / exp_avg_sq fp32 of
-    one shape, grad fp32 / bf16 / fp16, copy bf16 / fp16 or None, a 0-dim int64 / fp32 step).
-    One launch per (grad dtype, copy dtype, step dtype) group (more past ``max_programs``).
+    Lists of contiguous tensors on one device (per index: param fp32, exp_avg / exp_avg_sq fp32
+    or bf16, of one shape, grad fp32 / bf16 / fp16, copy bf16 / fp16 or None, a 0-dim int64 /
+    fp32 step). One launch per (grad, moment, copy, step dtype, aligned) group (more past
+    ``max_programs``).
     """
     _check_blocks(block, chunk)
     lps = [None] * len(params) if params_lp is None else list(params_lp)
@@ -440,14 +445,15 @@ def adamw_step_multi_(
     for i, (p, g, lp, t) in enumerate(zip(params, grads, lps, steps, strict=True)):
         if p.numel():
             pointers[i] = _pointers(p, g, exp_avgs[i], exp_avg_sqs[i], lp, t)
-            key = (g.dtype, None if lp is None else lp.dtype, t.dtype, _aligned(pointers[i]))
+            lp_dtype = None if lp is None else lp.dtype
+            key = (g.dtype, exp_avgs[i].dtype, lp_dtype, t.dtype, _aligned(pointers[i]))
             groups.setdefault(key, []).append(i)
     if not groups:
         return
     device = params[groups[next(iter(groups))][0]].device
     args, flags = _hyper(lr, beta1, beta2, eps, weight_decay, maximize)
     anchor = params[groups[next(iter(groups))][0]]
-    for (g_dtype, lp_dtype, step_dtype, aligned), idx in groups.items():
+    for (g_dtype, m_dtype, lp_dtype, step_dtype, aligned), idx in groups.items():
         numels = [params[i].numel() for i in idx]
         table, n_programs = _device_table([pointers[i] for i in idx], numels, chunk, device)
         t = len(idx)
@@ -465,6 +471,7 @@ def adamw_step_multi_(
                 anchor if found_inf is None else found_inf,
                 **args,
                 G_DTYPE=_TL_DTYPES[g_dtype],
+                M_DTYPE=_TL_DTYPES[m_dtype],
                 STEP_DTYPE=_TL_DTYPES[step_dtype],
                 HAS_SCALE=inv_scale is not None,
                 HAS_CLIP=clip_coef is not None,

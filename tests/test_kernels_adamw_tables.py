@@ -159,8 +159,8 @@ def test_a_warmed_up_multi_tensor_step_captures_in_a_cuda_graph():
 FLAT_SIG = {
     "p_ptr": "*fp32",
     "g_ptr": "*{g}",
-    "m_ptr": "*fp32",
-    "v_ptr": "*fp32",
+    "m_ptr": "*{m}",
+    "v_ptr": "*{m}",
     "lp_ptr": "*{lp}",
     "step_ptr": "*i64",
     "scale_ptr": "*fp32",
@@ -205,8 +205,13 @@ def _ptxas_usage(ptx: str, tmp_path) -> tuple[int, int]:
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs the real JIT")
 @pytest.mark.parametrize("form", ["flat", "multi"])
-@pytest.mark.parametrize("g,lp", [("fp32", None), ("bf16", "bf16"), ("fp16", "fp16")])
-def test_kernels_compile_to_wide_accesses_within_the_register_budget(form, g, lp, tmp_path):
+@pytest.mark.parametrize(
+    "g,lp,m",
+    [("fp32", None, "fp32"), ("bf16", "bf16", "fp32"), ("fp16", "fp16", "fp32"),
+     ("bf16", "bf16", "bf16")],
+    ids=["fp32", "bf16-copy", "fp16-copy", "bf16-moments"],
+)  # fmt: skip
+def test_kernels_compile_to_wide_accesses_within_the_register_budget(form, g, lp, m, tmp_path):
     """Every flag on (unscale, clip, inf skip, weight decay, a copy when ``lp``), 16-byte aligned
     pointers as Triton specialises them on a real launch (flat) or as the launcher hints them
     (multi, ``ALIGNED``): 128-bit loads and stores, no spills, <= ``REGISTER_BUDGET``."""
@@ -222,11 +227,12 @@ def test_kernels_compile_to_wide_accesses_within_the_register_budget(form, g, lp
     flags |= dict(CHUNK=k.CHUNK, BLOCK=k.BLOCK)
     if form == "flat":
         kernel = k._adamw_flat_kernel
-        sig = {n: a.format(g=g, lp=lp or "fp32") for n, a in FLAT_SIG.items()} | SCALARS
+        sig = {n: a.format(g=g, lp=lp or "fp32", m=m) for n, a in FLAT_SIG.items()} | SCALARS
     else:
         kernel = k._adamw_multi_kernel
         sig = MULTI_SIG | SCALARS
-        flags |= dict(G_DTYPE=tl_dtypes[g], STEP_DTYPE=tl.int64, ALIGNED=True)
+        flags |= dict(G_DTYPE=tl_dtypes[g], M_DTYPE=tl_dtypes[m], STEP_DTYPE=tl.int64)
+        flags |= dict(ALIGNED=True)
     full = sig | dict.fromkeys(flags, "constexpr")
     aligned = [i for i, (n, a) in enumerate(sig.items()) if a.startswith("*")]
     source = ASTSource(

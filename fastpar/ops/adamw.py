@@ -4,7 +4,8 @@
 per shard); ``adamw_step_multi_`` updates many tensors with one launch per dtype group (the
 non-ZeRO case, used by ``fastpar.optim.FusedAdamW``). Each element is read once (param, grad,
 exp_avg, exp_avg_sq) and written once (param, exp_avg, exp_avg_sq and an optional bf16/fp16
-copy of the param): 30 bytes a parameter with an fp16/bf16 grad and copy.
+copy of the param): 30 bytes a parameter with an fp16/bf16 grad and copy, 22 with bf16 moments
+(optional: exp_avg and exp_avg_sq both bf16, updated in fp32 and stored rounded to nearest).
 
 Math (both backends), in torch.optim.AdamW's order (``foreach=False``, ``capturable=False``)::
 
@@ -41,6 +42,7 @@ from fastpar.reference import adamw as ref
 
 OP = "adamw"
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 LP_DTYPES = (torch.bfloat16, torch.float16)
 STEP_DTYPES = (torch.int64, torch.float32)
 
@@ -103,9 +105,13 @@ def _check_one(
     param_lp: torch.Tensor | None,
 ) -> None:
     n, device = param.numel(), param.device
-    for name, t in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        if t.dtype != torch.float32:
-            raise TypeError(f"{name}{i} is {t.dtype}; the master and the moments must be fp32")
+    if param.dtype != torch.float32:
+        raise TypeError(f"param{i} is {param.dtype}; the master must be fp32")
+    if exp_avg.dtype not in MOMENT_DTYPES or exp_avg_sq.dtype != exp_avg.dtype:
+        raise TypeError(
+            f"exp_avg{i} is {exp_avg.dtype} and exp_avg_sq{i} {exp_avg_sq.dtype}; the moments "
+            "must both be fp32 or both bf16"
+        )
     if grad.dtype not in GRAD_DTYPES:
         raise TypeError(f"grad{i} is {grad.dtype}; expected float32, bfloat16 or float16")
     if param_lp is not None and param_lp.dtype not in LP_DTYPES:
@@ -145,7 +151,8 @@ def adamw_step_(
 
     param: [N] fp32 master shard (any shape is accepted and treated as flat), updated in place.
     grad: [N] fp32 / bf16 / fp16, the raw still loss-scaled gradient (not modified).
-    exp_avg, exp_avg_sq: [N] fp32, updated in place.
+    exp_avg, exp_avg_sq: [N] fp32, or both bf16 (updated in fp32, stored rounded to nearest),
+    updated in place.
     step: 0-dim int64 / fp32 device tensor, the step number *after* this update (1 on the
     first); the caller increments it, only when ``found_inf`` is zero (see the module doc).
     inv_scale: 0-dim fp32, 1 / loss scale (None: 1). clip_coef: 0-dim fp32,
@@ -172,7 +179,25 @@ def adamw_step_(
     impl = _impl(device.type)
     if impl is not ref and not _contiguous(param, grad, exp_avg, exp_avg_sq, param_lp):
         impl = ref
+    if impl is ref and exp_avg.dtype != torch.float32:
+        _ref_low_moments([param], [grad], [exp_avg], [exp_avg_sq], kwargs)
+        return
     impl.adamw_step_(param, grad, exp_avg, exp_avg_sq, **kwargs)
+
+
+def _ref_low_moments(params, grads, exp_avgs, exp_avg_sqs, kwargs: dict) -> None:
+    """The reference for bf16 moments: updated in fp32 (``p`` from the unrounded values), then
+    stored rounded to nearest even, as the kernels do. A skipped step writes nothing back
+    (bf16 -> fp32 -> bf16 is exact)."""
+    ms = [m.float() for m in exp_avgs]
+    vs = [v.float() for v in exp_avg_sqs]
+    kw = dict(kwargs)
+    if "step" in kw:  # the flat form
+        ref.adamw_step_(params[0], grads[0], ms[0], vs[0], **kw)
+    else:
+        ref.adamw_step_multi_(params, grads, ms, vs, **kw)
+    for low, full in zip([*exp_avgs, *exp_avg_sqs], [*ms, *vs], strict=True):
+        low.copy_(full)
 
 
 def adamw_step_multi_(
@@ -195,7 +220,8 @@ def adamw_step_multi_(
 ) -> None:
     """``adamw_step_`` over many tensors on one device: one launch per dtype group on Triton.
 
-    params / exp_avgs / exp_avg_sqs: fp32 tensors of any shapes; grads: the same shapes, fp32 /
+    params / exp_avgs / exp_avg_sqs: fp32 tensors of any shapes (moments may be bf16, both of a
+    tensor's alike); grads: the same shapes, fp32 /
     bf16 / fp16 (dtypes may be mixed); params_lp: None, or per tensor a bf16 / fp16 copy or None.
     steps: one 0-dim step tensor shared by all, or one per tensor (torch's per-param "step"
     state); same convention as ``adamw_step_``. inv_scale / clip_coef / found_inf apply to
@@ -240,15 +266,14 @@ def adamw_step_multi_(
         impl is not ref and _contiguous(p, g, m, v, lp)
         for p, g, m, v, lp in zip(params, grads, exp_avgs, exp_avg_sqs, lps, strict=True)
     ]
-    for use_fast, module in ((True, impl), (False, ref)):
-        idx = [i for i in range(n) if fast[i] == use_fast]
-        if idx:
-            module.adamw_step_multi_(
-                [params[i] for i in idx],
-                [grads[i] for i in idx],
-                [exp_avgs[i] for i in idx],
-                [exp_avg_sqs[i] for i in idx],
-                steps=[steps[i] for i in idx],
-                params_lp=[lps[i] for i in idx],
-                **kwargs,
-            )
+    low = [m.dtype != torch.float32 for m in exp_avgs]
+    for use_fast, module, use_low in ((True, impl, None), (False, ref, False), (False, ref, True)):
+        idx = [i for i in range(n) if fast[i] == use_fast and use_low in (None, low[i])]
+        if not idx:
+            continue
+        lists = [[t[i] for i in idx] for t in (params, grads, exp_avgs, exp_avg_sqs)]
+        kw = dict(kwargs, steps=[steps[i] for i in idx], params_lp=[lps[i] for i in idx])
+        if use_low:
+            _ref_low_moments(*lists, kw)
+        else:
+            module.adamw_step_multi_(*lists, **kw)
