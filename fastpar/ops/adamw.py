@@ -4,8 +4,9 @@
 per shard); ``adamw_step_multi_`` updates many tensors with one launch per dtype group (the
 non-ZeRO case, used by ``fastpar.optim.FusedAdamW``). Each element is read once (param, grad,
 exp_avg, exp_avg_sq) and written once (param, exp_avg, exp_avg_sq and an optional bf16/fp16
-copy of the param): 30 bytes a parameter with an fp16/bf16 grad and copy, 22 with bf16 moments
-(optional: exp_avg and exp_avg_sq both bf16, updated in fp32 and stored rounded to nearest).
+copy of the param): 30 bytes a parameter with an fp32 grad and a bf16/fp16 copy, 8 fewer with
+bf16 moments (optional: exp_avg and exp_avg_sq both bf16, updated in fp32 and stored rounded to
+nearest even).
 
 Math (both backends), in torch.optim.AdamW's order (``foreach=False``, ``capturable=False``)::
 
