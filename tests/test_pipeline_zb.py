@@ -23,7 +23,7 @@ from fastpar.parallel.pipeline import (
     make_schedule,
 )
 from fastpar.parallel.pipeline.zb import SplitBackward
-from fastpar.testing import RankError, run_ranks
+from fastpar.testing import run_ranks
 
 CASES = [(p, m) for p in (2, 4) for m in (p, 2 * p)]
 
@@ -128,16 +128,6 @@ def test_refuses_a_parameter_used_twice():
         SplitBackward([out], [torch.ones_like(out)], [x]).input_grads()
 
 
-def _refuse_recompute():
-    mesh = ParallelMesh(pp=dist.get_world_size())
-    PipelineEngine(nn.Linear(2, 2), mesh, ZeroBubbleH1(2), loss_fn=loss_fn, recompute=True)
-
-
-def test_refuses_recompute():
-    with pytest.raises(RankError, match="zb-h1 with recompute"):
-        run_ranks(_refuse_recompute, 2)
-
-
 def _dp_bytes(name: str, zero: int) -> tuple[float, float]:
     """PP 2 x DP 2 under the family's Replicate (ZeRO-0) or Shard (ZeRO-1/2): the bytes the
     wrapper sent in one step, and the loss; under Replicate each rank's gradients equal the
@@ -182,8 +172,19 @@ SMALL = dict(steps=2, batch_size=8, seq_len=16, hidden=32, heads=4, layers=2, qu
         dict(tp=2, pp=2, dp=1, ep=1, zero=0, microbatches=2),
         dict(tp=1, pp=2, dp=2, ep=2, zero=1, microbatches=2, moe_every=2),
         dict(tp=1, pp=4, dp=1, ep=1, zero=0, microbatches=8, layers=2),
+        dict(tp=1, pp=2, dp=2, ep=1, zero=2, microbatches=4, recompute=True),
+        dict(tp=2, pp=2, dp=1, ep=1, zero=1, microbatches=2, recompute=True),
+        dict(tp=1, pp=2, dp=2, ep=2, zero=1, microbatches=2, moe_every=2, recompute=True),
     ],
-    ids=["pp2-dp2-z1-m4", "tp2-pp2-m2", "pp2-dp2-ep2-z1-moe", "pp4-m8"],
+    ids=[
+        "pp2-dp2-z1-m4",
+        "tp2-pp2-m2",
+        "pp2-dp2-ep2-z1-moe",
+        "pp4-m8",
+        "pp2-dp2-z2-full",
+        "tp2-pp2-full",
+        "pp2-moe-full",
+    ],
 )
 def test_verify_zb_agrees_with_single_process(layout):
     """The trainer's zb-h1 run (losses, grad norms — a gradient reduced twice moves it — and
@@ -199,7 +200,7 @@ def test_verify_zb_agrees_with_single_process(layout):
 @pytest.mark.parametrize(
     "flags, match",
     [
-        (dict(recompute=True), "zb-h1 with --recompute"),
+        (dict(recompute="attention"), "zb-h1 with a selective --recompute"),
         (dict(zero=3, dp=2), "zb-h1 with --zero 3"),
         (dict(virtual_stages=2), "needs --schedule interleaved"),
     ],

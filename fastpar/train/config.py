@@ -336,10 +336,12 @@ class TrainConfig:
             )
         v = self.virtual_stages
         if self.schedule == "zb-h1":
-            if self.recompute:
+            if self.recompute and self.recompute is not True:
                 raise ValueError(
-                    "--schedule zb-h1 with --recompute is not supported (the weight-gradient "
-                    "pass needs the forward's graph); drop --recompute or use --schedule 1f1b"
+                    f"--schedule zb-h1 with a selective --recompute ({self.recompute}): the "
+                    "weight-gradient pass would unpack the checkpointed blocks' activations a "
+                    "second time and recompute them again (their collectives too); use "
+                    "--recompute full (the stage recomputed once, before B) or none"
                 )
             if self.zero == 3:
                 raise ValueError(

@@ -286,13 +286,8 @@ class PipelineEngine(StepRunner):
             dist.all_reduce(p.grad, group=mesh.embedding_group)
 
 
-def _check_split(stage, grad_sync, recompute: bool) -> None:
+def _check_split(stage, grad_sync, recompute: bool) -> None:  # recompute: B recomputes first
     """What a split backward (zero bubble) cannot run with: one-line errors naming the fix."""
-    if recompute:
-        raise ValueError(
-            "zb-h1 with recompute: the weight-gradient pass needs the forward's graph, which "
-            "recomputation drops; use --schedule 1f1b (or gpipe) with recompute, or no recompute"
-        )
     for w in (stage, grad_sync):
         if getattr(w, "stage", None) == 3:
             raise ValueError(

@@ -111,7 +111,7 @@ class StepRunner:
                 slots = entry.get("slots")
                 t0 = time.perf_counter()
                 with nvtx(f"stage{r} input grad {label}"):
-                    dx = self._backward_input(entry, got, slots, last)
+                    dx = self._backward_input(c, entry, got, slots, ys[i] if last else None, device)
                 busy += time.perf_counter() - t0
                 if not first and dx is not None:
                     p2p.send(dx, p2p.prev, tag=grad_tag(s - 1))
@@ -154,15 +154,17 @@ class StepRunner:
         entry["bytes"], entry["_out"] = nbytes, out
         return entry, nbytes
 
+    def _recomputed(self, c: int, entry: dict, target, device):
+        """The chunk's forward again, with grad, under the RNG state of the first one."""
+        rng = _get_rng(device)
+        _set_rng(entry["rng"])
+        with torch.enable_grad():
+            out = self._run(c, entry["x"], target)
+        _set_rng(rng)
+        return out
+
     def _backward(self, c: int, entry: dict, grad, slots, target, device) -> None:
-        if self.recompute:
-            rng = _get_rng(device)
-            _set_rng(entry["rng"])
-            with torch.enable_grad():
-                out = self._run(c, entry["x"], target)
-            _set_rng(rng)
-        else:
-            out = entry["out"]
+        out = self._recomputed(c, entry, target, device) if self.recompute else entry["out"]
         if target is not None:
             loss = self.scale_loss(out) if self.scale_loss is not None else out
             loss.backward()
@@ -171,10 +173,12 @@ class StepRunner:
         elif slots:
             torch.autograd.backward(_grad_outputs(out, slots), list(grad))
 
-    def _backward_input(self, entry: dict, grad, slots, last: bool):
+    def _backward_input(self, c: int, entry: dict, grad, slots, target, device):
         """B of a split backward: the input gradient to send back (a tensor, a tuple of the
-        slots that require grad, or None); the W half is kept in ``entry["split"]``."""
-        out = entry.pop("out")
+        slots that require grad, or None); the W half is kept in ``entry["split"]``. Under
+        recompute the forward runs again first, and its graph lives until W."""
+        last = target is not None
+        out = self._recomputed(c, entry, target, device) if self.recompute else entry.pop("out")
         if last:
             roots = [self.scale_loss(out) if self.scale_loss is not None else out]
             grads = [None]
