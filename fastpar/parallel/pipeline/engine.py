@@ -45,8 +45,9 @@ around their own forward, which chunks bypass: refused.
 
 Zero bubble (``ZeroBubbleH1``): each backward runs as B (the input gradient, sent back at
 once) and, later, W (the weight gradients, ``fastpar.parallel.pipeline.zb``); the last W runs
-outside ``no_sync``, so a data-parallel wrapper still reduces every gradient once. Refused with
-recompute and with ZeRO-3.
+outside ``no_sync``, so a data-parallel wrapper still reduces every gradient once. With
+``recompute`` B runs the stage's forward again first and that graph lives until W (memory
+between the two like no recompute). Refused with ZeRO-3.
 
 Evaluation: ``eval_step(inputs, targets)`` runs the schedule's ``forward_only()`` (no backward,
 no graph, the modules in eval mode, P2P channels of its own) and returns the mean loss.
