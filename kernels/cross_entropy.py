@@ -10,7 +10,10 @@ the vocabulary to per-row statistics, the backward kernel writes the gradient of
 * ``_grad_kernel``: one program per (row, chunk of ``BLOCK`` columns); writes
   ``g·(p·(1 + 2z·lse) − (1−α)·onehot − α/V)`` with ``p = exp(x − M − log S)`` straight into a
   tensor of the logits' dtype (the true-class term is formed in fp32 before the single cast);
-  0 on padding columns.
+  0 on padding columns. ``IN_PLACE`` (``grad_ptr`` None; the fused linear cross-entropy's chunk
+  buffer, ``fastpar.kernels.linear_cross_entropy``): over the logits themselves, safe because
+  every element is read and written by the same program; rows with ``g == 0`` (ignored
+  targets) are then not read, only zeroed.
 
 Row offsets are int64, so ``rows × V_local`` may exceed 2^31.
 """
@@ -78,6 +81,7 @@ def _grad_kernel(
     alpha_over_v,
     two_z,
     BLOCK: tl.constexpr,
+    IN_PLACE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -85,6 +89,8 @@ def _grad_kernel(
     valid = idx < n_valid
     offs = row * row_stride + idx
     g = tl.load(row_grad_ptr + row)
+    if IN_PLACE:  # an ignored row (g = 0) is not read, only zeroed
+        valid = idx < tl.where(g != 0.0, n_valid, 0)
     row_max = tl.load(max_ptr + row)
     log_s = tl.load(log_s_ptr + row)
     target = tl.load(target_ptr + row)
@@ -97,7 +103,8 @@ def _grad_kernel(
         - tl.where(idx == local, one_minus_alpha, 0.0)
     )
     d = tl.where(valid, d * g, 0.0)
-    tl.store(grad_ptr + offs, d.to(grad_ptr.dtype.element_ty), mask=in_row)
+    out_ptr = logits_ptr if IN_PLACE else grad_ptr
+    tl.store(out_ptr + offs, d.to(out_ptr.dtype.element_ty), mask=in_row)
 
 
 def _block(n_cols: int, block: int | None) -> int:
@@ -159,19 +166,22 @@ def grad_logits(
     z_loss: float,
     vocab_size: int,
     block: int | None = None,
+    in_place: bool = False,
 ) -> torch.Tensor:
     """d loss / d logits of one shard, ``[N, V_local]`` in the logits' dtype (same contract as
-    ``fastpar.reference.cross_entropy.grad_logits``). ``row_max``, ``log_s`` and ``row_grad`` are fp32 ``[N]``.
+    ``fastpar.reference.cross_entropy.grad_logits``). ``row_max``, ``log_s`` and ``row_grad`` are
+    fp32 ``[N]``; ``block`` (a power of two) overrides the width. ``in_place``: written over
+    ``logits`` (rows contiguous), which is returned; rows with ``row_grad == 0`` are not read.
     """
     n, n_cols = logits.shape
-    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    grad = logits if in_place else torch.empty_like(logits, memory_format=torch.contiguous_format)
     if n == 0 or n_cols == 0:
         return grad
     blk = _block(min(n_cols, GRAD_BLOCK), block)
     grid = (n, triton.cdiv(n_cols, blk))
     _grad_kernel[grid](
         logits,
-        grad,
+        None if in_place else grad,
         target,
         row_max.contiguous(),
         log_s.contiguous(),
@@ -185,6 +195,7 @@ def grad_logits(
         label_smoothing / vocab_size,
         2.0 * z_loss,
         BLOCK=blk,
+        IN_PLACE=in_place,
         num_warps=_warps(blk),
     )
     return grad

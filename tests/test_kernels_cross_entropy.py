@@ -10,13 +10,12 @@ shard of more than 2^31 elements (int64 offsets).
 from __future__ import annotations
 
 import math
-import os
 import pickle
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from _ce import compile_for_sm90, compiled_only, grad_kernel_signature, grad_spec, torch_loss
 
 from fastpar.ops import backend
 from fastpar.ops.cross_entropy import vocab_parallel_cross_entropy
@@ -38,21 +37,6 @@ def _data(rows: int, cols: int, seed: int, scale: float = 3.0, dtype=torch.float
     x = (torch.randn(rows, cols, generator=gen) * scale).to(device=device, dtype=dtype)
     t = torch.randint(0, cols, (rows,), generator=gen).to(device)
     return x, t
-
-
-def _torch_loss(full, target, ignore_index=-100, alpha=0.0, z=0.0, reduction="mean"):
-    """F.cross_entropy (+ z·lse²) on full logits [N, V] in float64; mean over non-ignored rows."""
-    x = full.double()
-    rows = F.cross_entropy(
-        x, target, ignore_index=ignore_index, label_smoothing=alpha, reduction="none"
-    )
-    valid = target != ignore_index
-    rows = rows + z * torch.logsumexp(x, dim=-1).square() * valid
-    if reduction == "none":
-        return rows
-    if reduction == "sum":
-        return rows.sum()
-    return rows.sum() / valid.sum().clamp(min=1)
 
 
 # --- interpreter tier: launchers against the reference --------------------------------------
@@ -91,14 +75,7 @@ def test_grad_kernel_matches_reference(rows, cols, start, n_valid, block):
     row_max = torch.randn(rows, generator=gen) + 3.0
     log_s = torch.rand(rows, generator=gen) + 1.0
     g = torch.rand(rows, generator=gen) * (t != -100)
-    args = dict(
-        vocab_start=start,
-        n_valid=n_valid,
-        ignore_index=-100,
-        label_smoothing=0.1,
-        z_loss=1e-3,
-        vocab_size=start + max(n_valid, 1),
-    )
+    args = grad_spec(start, n_valid, start + max(n_valid, 1))
     got = _kernels().grad_logits(x, t, row_max, log_s, g, block=block, **args)
     want = ref.grad_logits(x, t, row_max, log_s, g, **args)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -117,9 +94,7 @@ def test_low_precision_inputs_load_as_fp32():
     xh = x.half()
     st = ref.combine_stats(ref.local_stats(xh, t, 0, 50, -100)[None])
     g = torch.ones(4)
-    args = dict(
-        vocab_start=0, n_valid=50, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, vocab_size=50
-    )
+    args = grad_spec(0, 50, 50, label_smoothing=0.0, z_loss=0.0)
     got = _kernels().grad_logits(xh, t, st[0], st[1], g, block=16, **args)
     want = ref.grad_logits(xh, t, st[0], st[1], g, **args)
     assert got.dtype == torch.float16
@@ -148,7 +123,7 @@ def test_op_under_triton_equals_cross_entropy(rows, vocab, reduction, alpha, z, 
         )
         loss.sum().backward()
     full = x.detach().double().requires_grad_()
-    want = _torch_loss(full, t, alpha=alpha, z=z, reduction=reduction)
+    want = torch_loss(full, t, label_smoothing=alpha, z_loss=z, reduction=reduction)
     want.sum().backward()
     torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(x.grad.double(), full.grad, rtol=1e-4, atol=1e-6)
@@ -177,7 +152,7 @@ def test_two_ranks_under_triton(vocab, rows):
     x, t = _data(rows, vocab, seed=11, scale=1.0e4 if rows > 4 else 3.0)
     t[0] = -100
     full = x.double().requires_grad_()
-    want = _torch_loss(full, t, alpha=0.1, z=1e-4, reduction="none")
+    want = torch_loss(full, t, label_smoothing=0.1, z_loss=1e-4, reduction="none")
     want.sum().backward()
     n_local = math.ceil(vocab / 2)
     want_grad = torch.cat([full.grad, torch.zeros(rows, 2 * n_local - vocab).double()], dim=1)
@@ -206,14 +181,7 @@ def test_cuda_kernels_match_reference(dtype, rows, cols, n_valid):
     torch.testing.assert_close(stats, ref.local_stats(x, t, 0, n_valid, -100), rtol=1e-5, atol=1e-3)
     row_max, log_s, _, _ = ref.combine_stats(stats[None])
     g = torch.rand(rows, device="cuda") * (t != -100)
-    args = dict(
-        vocab_start=0,
-        n_valid=n_valid,
-        ignore_index=-100,
-        label_smoothing=0.1,
-        z_loss=1e-3,
-        vocab_size=n_valid,
-    )
+    args = grad_spec(0, n_valid, n_valid)
     got = k.grad_logits(x, t, row_max, log_s, g, **args)
     want = ref.grad_logits(x, t, row_max, log_s, g, **args)
     assert got.dtype == dtype
@@ -230,7 +198,7 @@ def test_cuda_op_equals_cross_entropy(dtype):
     loss = vocab_parallel_cross_entropy(x, t, label_smoothing=0.1, z_loss=1e-4)
     loss.backward()
     full = x.detach().double().requires_grad_()
-    want = _torch_loss(full, t, alpha=0.1, z=1e-4)
+    want = torch_loss(full, t, label_smoothing=0.1, z_loss=1e-4)
     want.backward()
     torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(
@@ -252,14 +220,7 @@ def test_cuda_more_than_2_31_elements():
     torch.testing.assert_close(stats[tail], want, rtol=1e-5, atol=1e-2)
     row_max, log_s, _, _ = ref.combine_stats(stats[None])
     g = torch.ones(rows, device="cuda")
-    args = dict(
-        vocab_start=0,
-        n_valid=cols,
-        ignore_index=-100,
-        label_smoothing=0.0,
-        z_loss=0.0,
-        vocab_size=cols,
-    )
+    args = grad_spec(0, cols, cols, label_smoothing=0.0, z_loss=0.0)
     grad = k.grad_logits(x, t, row_max, log_s, g, **args)
     want_grad = ref.grad_logits(x[tail], t[tail], row_max[tail], log_s[tail], g[tail], **args)
     torch.testing.assert_close(grad[tail].float(), want_grad.float(), rtol=1e-2, atol=1e-4)
@@ -279,46 +240,15 @@ def _signatures(dtype: str) -> dict:
         "ignore_index": "i32",
         "BLOCK": "constexpr",
     }
-    grad = {
-        "logits_ptr": f"*{dtype}",
-        "grad_ptr": f"*{dtype}",
-        "target_ptr": "*i64",
-        "max_ptr": "*fp32",
-        "log_s_ptr": "*fp32",
-        "row_grad_ptr": "*fp32",
-        "row_stride": "i64",
-        "n_cols": "i32",
-        "vocab_start": "i32",
-        "n_valid": "i32",
-        "ignore_index": "i32",
-        "one_minus_alpha": "fp32",
-        "alpha_over_v": "fp32",
-        "two_z": "fp32",
-        "BLOCK": "constexpr",
-    }
-    return {"_stats_kernel": stats, "_grad_kernel": grad}
+    return {"_stats_kernel": stats, "_grad_kernel": grad_kernel_signature(dtype)}
 
 
-@pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") == "1", reason="compiles kernels: not under the interpreter"
-)
+@compiled_only
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 def test_kernels_compile_for_sm90(dtype):
     """Catches type errors of the compiled (not interpreted) path on a machine without a GPU."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     k = _kernels()
     for name, sig in _signatures(dtype).items():
         block = k.MAX_BLOCK if name == "_stats_kernel" else k.GRAD_BLOCK
-        src = ASTSource(getattr(k, name), signature=sig, constexprs={"BLOCK": block})
-        try:
-            compiled = triton.compile(
-                src, target=GPUTarget("cuda", 90, 32), options={"num_warps": k._warps(block)}
-            )
-        except RuntimeError as exc:
-            if "ptxas" in str(exc) and "not found" in str(exc):
-                pytest.skip(f"no ptxas: {exc}")
-            raise
-        assert "cubin" in compiled.asm, name
+        flags = {} if name == "_stats_kernel" else {"IN_PLACE": False}
+        compile_for_sm90(getattr(k, name), sig, {"BLOCK": block, **flags}, k._warps(block))

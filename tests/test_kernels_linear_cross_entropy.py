@@ -5,19 +5,20 @@ Interpreter tier (``TRITON_INTERPRET=1``, fp32 CPU tensors, Triton forced with
 and the whole op (Triton statistics + in-place gradient, torch matmuls) against the chunked
 reference and F.linear + F.cross_entropy, loss and both gradients, on 1, 2 and 4 gloo ranks.
 GPU tier (``-m cuda``): the kernel natively in fp32 / bf16 / fp16, the op against torch, and
-its peak memory against linear + CE. CPU tier: the kernel compiles for sm_90.
+its peak memory against linear + CE. CPU tier: the kernel (the vocab-parallel CE's gradient
+kernel in place) compiles for sm_90.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import pickle
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _ce import compile_for_sm90, compiled_only, grad_kernel_signature, grad_spec, torch_loss
 
 from fastpar.ops import backend
 from fastpar.ops.linear_cross_entropy import vocab_parallel_linear_cross_entropy
@@ -31,6 +32,12 @@ cuda = pytest.mark.cuda
 
 def _kernels():
     from fastpar.kernels import linear_cross_entropy as kernels  # defines kernels: lazily
+
+    return kernels
+
+
+def _ce_kernels():
+    from fastpar.kernels import cross_entropy as kernels  # where the kernels are defined
 
     return kernels
 
@@ -57,14 +64,7 @@ def test_inplace_grad_kernel_matches_reference(rows, cols, start, n_valid, block
     stats = ce_ref.local_stats(x, t, start, n_valid, -100)
     row_max, log_s, _, _ = ce_ref.combine_stats(stats[None])
     g = (torch.rand(rows, generator=gen) + 0.1) * (t != -100)
-    args = dict(
-        vocab_start=start,
-        n_valid=n_valid,
-        ignore_index=-100,
-        label_smoothing=0.1,
-        z_loss=1e-3,
-        vocab_size=start + max(n_valid, 1),
-    )
+    args = grad_spec(start, n_valid, start + max(n_valid, 1))
     want = ref.grad_logits_(x.clone(), t, row_max, log_s, g, **args)
     buf = x.clone()
     got = _kernels().grad_logits_(buf, t, row_max, log_s, g, block=block, **args)
@@ -82,9 +82,7 @@ def test_inplace_grad_kernel_fp16_buffer():
     t = torch.randint(0, 50, (4,), generator=gen)
     row_max, log_s, _, _ = ce_ref.combine_stats(ce_ref.local_stats(x, t, 0, 50, -100)[None])
     g = torch.ones(4)
-    args = dict(
-        vocab_start=0, n_valid=50, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, vocab_size=50
-    )
+    args = grad_spec(0, 50, 50, label_smoothing=0.0, z_loss=0.0)
     got = _kernels().grad_logits_(x.clone(), t, row_max, log_s, g, block=16, **args)
     want = ref.grad_logits_(x.clone(), t, row_max, log_s, g, **args)
     assert got.dtype == torch.float16
@@ -114,12 +112,7 @@ def _data(rows, vocab, hidden, n_ignored, seed):
 def _torch(h, w, t, reduction, alpha, z):
     """(loss, d hidden, d weight) of F.linear + F.cross_entropy (+ z·lse²) in float64."""
     hh, ww = h.double().requires_grad_(), w.double().requires_grad_()
-    x = F.linear(hh, ww)
-    rows = F.cross_entropy(x, t, label_smoothing=alpha, reduction="none")
-    valid = t != -100
-    rows = rows + z * torch.logsumexp(x, -1).square() * valid
-    loss = {"none": rows, "sum": rows.sum(), "mean": rows.sum() / valid.sum().clamp(min=1)}
-    loss = loss[reduction]
+    loss = torch_loss(F.linear(hh, ww), t, label_smoothing=alpha, z_loss=z, reduction=reduction)
     loss.sum().backward()
     return loss.detach(), hh.grad, ww.grad
 
@@ -207,14 +200,7 @@ def test_cuda_kernel_matches_reference(dtype):
     t[::7] = -100
     row_max, log_s, _, _ = ce_ref.combine_stats(ce_ref.local_stats(x, t, 0, n_valid, -100)[None])
     g = torch.rand(rows, device="cuda") * (t != -100)
-    args = dict(
-        vocab_start=0,
-        n_valid=n_valid,
-        ignore_index=-100,
-        label_smoothing=0.1,
-        z_loss=1e-3,
-        vocab_size=n_valid,
-    )
+    args = grad_spec(0, n_valid, n_valid)
     got = _kernels().grad_logits_(x.clone(), t, row_max, log_s, g, **args)
     want = ref.grad_logits_(x.clone(), t, row_max, log_s, g, **args)
     torch.testing.assert_close(got.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype] / 10)
@@ -255,47 +241,17 @@ def test_cuda_op_equals_torch_and_saves_memory(dtype):
 # --- CPU tier: the kernel compiles for a Hopper GPU (no GPU needed) -----------------------------
 
 
-def _signature(dtype: str) -> dict:
-    return {
-        "logits_ptr": f"*{dtype}",
-        "target_ptr": "*i64",
-        "max_ptr": "*fp32",
-        "log_s_ptr": "*fp32",
-        "row_grad_ptr": "*fp32",
-        "row_stride": "i64",
-        "n_cols": "i32",
-        "vocab_start": "i32",
-        "n_valid": "i32",
-        "ignore_index": "i32",
-        "one_minus_alpha": "fp32",
-        "alpha_over_v": "fp32",
-        "two_z": "fp32",
-        "BLOCK": "constexpr",
-    }
-
-
-@pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") == "1", reason="compiles kernels: not under the interpreter"
-)
+@compiled_only
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 def test_kernels_compile_for_sm90(dtype):
-    """Catches type errors of the compiled (not interpreted) path on a machine without a GPU."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    k = _kernels()
+    """The vocab-parallel CE's gradient kernel in place (``IN_PLACE``, ``grad_ptr`` None), as
+    ``grad_logits_`` launches it: compiles for sm_90 without spills to local memory."""
+    k = _ce_kernels()
     block = k.GRAD_BLOCK
-    src = ASTSource(
-        k._grad_inplace_kernel, signature=_signature(dtype), constexprs={"BLOCK": block}
+    compiled = compile_for_sm90(
+        k._grad_kernel,
+        grad_kernel_signature(dtype, in_place=True),
+        {"BLOCK": block, "IN_PLACE": True, "grad_ptr": None},
+        k._warps(block),
     )
-    try:
-        compiled = triton.compile(
-            src, target=GPUTarget("cuda", 90, 32), options={"num_warps": k._warps(block)}
-        )
-    except RuntimeError as exc:
-        if "ptxas" in str(exc) and "not found" in str(exc):
-            pytest.skip(f"no ptxas: {exc}")
-        raise
-    assert "cubin" in compiled.asm
     assert ".local" not in compiled.asm["ptx"]  # no spills to local memory

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _ce import LossCase, assert_loss_close, case_loss, ignore_and_upstream, loss_options
 
 import fastpar
 from fastpar.nn.loss import VocabParallelCrossEntropy
@@ -31,18 +32,8 @@ GARBAGE = 1.0e4  # written into padding columns: must never reach the loss or th
 
 
 @dataclass(frozen=True)
-class Case:
-    shape: tuple[int, ...] = (13,)
-    vocab: int = 128
-    reduction: str = "mean"
-    ignore_index: int = -100
-    n_ignored: int = 2
-    label_smoothing: float = 0.0
-    z_loss: float = 0.0
-    dtype: torch.dtype = torch.float32
-    scale: float = 3.0
-    padded: bool = False  # pass vocab_size explicitly (True whenever vocab % tp != 0)
-    seed: int = 0
+class Case(LossCase):
+    scale: float = 3.0  # of the logits
 
 
 CASES = [
@@ -76,14 +67,7 @@ def _inputs(case: Case) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(case.seed)
     full = (torch.randn(*case.shape, case.vocab, generator=gen) * case.scale).to(case.dtype)
     target = torch.randint(0, case.vocab, case.shape, generator=gen)
-    flat = target.view(-1)
-    ignored = torch.randperm(flat.numel(), generator=gen)[: case.n_ignored]
-    flat[ignored] = case.ignore_index
-    if case.reduction == "none":
-        upstream = torch.rand(case.shape, generator=gen) + 0.5
-    else:
-        upstream = torch.tensor(1.7)
-    return full, target, upstream
+    return full, target, ignore_and_upstream(target, case, gen)
 
 
 def _shard(full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
@@ -97,22 +81,7 @@ def _expected(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, gradient of the full logits [*shape, V]) from torch in float64."""
     full, target, upstream = _inputs(case)
     x = full.double().requires_grad_()
-    x2, t = x.reshape(-1, case.vocab), target.reshape(-1)
-    rows = F.cross_entropy(
-        x2,
-        t,
-        ignore_index=case.ignore_index,
-        label_smoothing=case.label_smoothing,
-        reduction="none",
-    )
-    valid = t != case.ignore_index
-    rows = rows + case.z_loss * torch.logsumexp(x2, dim=-1).square() * valid
-    if case.reduction == "none":
-        loss = rows.reshape(case.shape)
-    elif case.reduction == "sum":
-        loss = rows.sum()
-    else:
-        loss = rows.sum() / valid.sum().clamp(min=1)
+    loss = case_loss(x.reshape(-1, case.vocab), target.reshape(-1), case)
     (loss * upstream.double()).sum().backward()
     return loss.detach(), x.grad
 
@@ -135,11 +104,8 @@ def _run_cases(cases: list[Case], group_size: int | None = None) -> bytes:
             shard,
             target,
             group=group,
-            ignore_index=case.ignore_index,
-            label_smoothing=case.label_smoothing,
-            reduction=case.reduction,
-            z_loss=case.z_loss,
             vocab_size=case.vocab if case.padded else None,
+            **loss_options(case),
         )
         (loss * upstream).sum().backward()
         out.append((loss.detach(), shard.grad))
@@ -159,17 +125,9 @@ def _check(case: Case, results: list, tp: int, case_index: int) -> None:
     for rank, per_case in enumerate(results):
         loss, grad = per_case[case_index]
         where = f"{case} tp={tp} rank={rank}"
-        assert loss.dtype == torch.float32, where
         assert grad.dtype == case.dtype, where
-        assert loss.shape == want_loss.shape, where
         assert torch.isfinite(loss).all() and torch.isfinite(grad).all(), where
-        torch.testing.assert_close(
-            loss.double(),
-            want_loss,
-            rtol=loss_rtol,
-            atol=loss_rtol,
-            msg=lambda m, w=where: f"{w}\n{m}",
-        )
+        assert_loss_close(loss, want_loss, loss_rtol, where)
         want = want_grad[..., rank * n_local : (rank + 1) * n_local]
         scale = max(1.0, want_grad.abs().max().item())
         torch.testing.assert_close(
@@ -195,14 +153,7 @@ def _run_cases_local(cases: list[Case]) -> list:
     for case in cases:
         full, target, upstream = _inputs(case)
         x = full.clone().requires_grad_()
-        loss = vocab_parallel_cross_entropy(
-            x,
-            target,
-            ignore_index=case.ignore_index,
-            label_smoothing=case.label_smoothing,
-            reduction=case.reduction,
-            z_loss=case.z_loss,
-        )
+        loss = vocab_parallel_cross_entropy(x, target, **loss_options(case))
         (loss * upstream).sum().backward()
         out.append((loss.detach(), x.grad))
     return out

@@ -18,6 +18,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _ce import (
+    LossCase,
+    assert_loss_close,
+    case_loss,
+    grad_spec,
+    ignore_and_upstream,
+    loss_options,
+)
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
@@ -34,20 +42,10 @@ GARBAGE = 50.0  # the padding rows of the weight
 
 
 @dataclass(frozen=True)
-class Case:
-    shape: tuple[int, ...] = (13,)
-    vocab: int = 128
+class Case(LossCase):
     hidden: int = 24
-    reduction: str = "mean"
-    ignore_index: int = -100
-    n_ignored: int = 2
-    label_smoothing: float = 0.0
-    z_loss: float = 0.0
-    dtype: torch.dtype = torch.float32
-    padded: bool = False  # pass vocab_size (True whenever vocab % tp != 0)
     chunk_size: int | None = 4
     recompute: bool = False
-    seed: int = 0
 
 
 CASES = [
@@ -86,13 +84,7 @@ def _inputs(case: Case):
     hidden = torch.randn(*case.shape, case.hidden, generator=gen).to(case.dtype)
     weight = (torch.randn(case.vocab, case.hidden, generator=gen) * 0.5).to(case.dtype)
     target = torch.randint(0, case.vocab, case.shape, generator=gen)
-    flat = target.view(-1)
-    flat[torch.randperm(flat.numel(), generator=gen)[: case.n_ignored]] = case.ignore_index
-    if case.reduction == "none":
-        upstream = torch.rand(case.shape, generator=gen) + 0.5
-    else:
-        upstream = torch.tensor(1.7)
-    return hidden, weight, target, upstream
+    return hidden, weight, target, ignore_and_upstream(target, case, gen)
 
 
 def _shard(weight: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
@@ -106,19 +98,7 @@ def _expected(case: Case):
     hidden, weight, target, upstream = _inputs(case)
     h = hidden.double().requires_grad_()
     w = weight.double().requires_grad_()
-    x = F.linear(h, w).reshape(-1, case.vocab)
-    t = target.reshape(-1)
-    rows = F.cross_entropy(
-        x, t, ignore_index=case.ignore_index, label_smoothing=case.label_smoothing, reduction="none"
-    )
-    valid = t != case.ignore_index
-    rows = rows + case.z_loss * torch.logsumexp(x, dim=-1).square() * valid
-    if case.reduction == "none":
-        loss = rows.reshape(case.shape)
-    elif case.reduction == "sum":
-        loss = rows.sum()
-    else:
-        loss = rows.sum() / valid.sum().clamp(min=1)
+    loss = case_loss(F.linear(h, w).reshape(-1, case.vocab), target.reshape(-1), case)
     (loss * upstream.double()).sum().backward()
     return loss.detach(), h.grad, w.grad
 
@@ -129,13 +109,10 @@ def _call(case: Case, hidden, weight, target, group=None, **kw):
         weight,
         target,
         group=group,
-        ignore_index=case.ignore_index,
-        label_smoothing=case.label_smoothing,
-        reduction=case.reduction,
-        z_loss=case.z_loss,
         vocab_size=case.vocab if case.padded else None,
         chunk_size=case.chunk_size,
         recompute=case.recompute,
+        **loss_options(case),
         **kw,
     )
 
@@ -164,15 +141,8 @@ def _check(case: Case, results: list, tp: int, i: int) -> None:
     for rank, per_case in enumerate(results):
         loss, gh, gw = per_case[i]
         where = f"{case} tp={tp} rank={rank}"
-        assert loss.dtype == torch.float32 and loss.shape == want_loss.shape, where
         assert gh.dtype == case.dtype and gw.dtype == case.dtype, where
-        torch.testing.assert_close(
-            loss.double(),
-            want_loss,
-            rtol=loss_rtol,
-            atol=loss_rtol,
-            msg=lambda m, w=where: f"{w}\n{m}",
-        )
+        assert_loss_close(loss, want_loss, loss_rtol, where)
         torch.testing.assert_close(
             gh.double(),
             want_h,
@@ -337,14 +307,7 @@ def test_inplace_stats_and_grad_match_the_cross_entropy_reference(cols, start, n
     other = torch.tensor([[1.5, 2.0, 0.0, 3.0]]).expand(7, 4)  # another shard's statistics
     row_max, log_s, _, _ = ce_ref.combine_stats(torch.stack([want_stats, other]))
     g = (torch.rand(7, generator=gen) + 0.1) * (t != -100)
-    spec = dict(
-        vocab_start=start,
-        n_valid=n_valid,
-        ignore_index=-100,
-        label_smoothing=0.1,
-        z_loss=1e-3,
-        vocab_size=start + cols,
-    )
+    spec = grad_spec(start, n_valid, start + cols)
     got = ref.grad_(buf, t, local, row_max, log_s, g, **spec)
     assert got.data_ptr() == buf.data_ptr()
     want = ce_ref.grad_logits(x, t, row_max, log_s, g, **spec)

@@ -140,6 +140,11 @@ def _check_ids(target: torch.Tensor, vocab_size: int, ignore_index: int) -> None
     )
 
 
+def _row_grad(valid: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Each row's upstream gradient ``[N]``: ``g`` (a scalar or ``[N]``) where ``valid``, else 0."""
+    return torch.where(valid, g.expand(valid.shape), torch.zeros((), device=valid.device))
+
+
 class VocabParallelCrossEntropyFunction(torch.autograd.Function):
     """Loss of logits ``[N, V_local]`` (a vocabulary shard) against global ids ``[N]``.
 
@@ -200,13 +205,12 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
         g = grad_out.float()
         if ctx.reduction == "mean":
             g = g / count
-        row_grad = torch.where(valid, g.expand(valid.shape), torch.zeros((), device=g.device))
         grad = _impl(logits.device.type).grad_logits(
             logits,
             target,
             row_max,
             log_s,
-            row_grad.contiguous(),
+            _row_grad(valid, g).contiguous(),
             vocab_start=vocab_start,
             n_valid=n_valid,
             ignore_index=ignore_index,
@@ -228,22 +232,50 @@ def _check(
         raise TypeError(
             f"logits must be float32, bfloat16 or float16, got {logits.dtype}; cast them first"
         )
-    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
-        raise TypeError(
-            f"target must hold integer class ids (int64), got {target.dtype}; "
-            "pass target.long() if they are whole numbers"
-        )
+    _check_target_dtype(target)
     if logits.dim() < 1 or tuple(logits.shape[:-1]) != tuple(target.shape):
         raise ValueError(
             f"logits {tuple(logits.shape)} must be target's shape {tuple(target.shape)} plus a "
             "last dimension of this rank's vocabulary shard: logits [..., V_local], target [...]"
         )
+    _check_options(reduction, label_smoothing, z_loss)
+
+
+def _check_target_dtype(target: torch.Tensor) -> None:
+    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
+        raise TypeError(
+            f"target must hold integer class ids (int64), got {target.dtype}; "
+            "pass target.long() if they are whole numbers"
+        )
+
+
+def _check_options(reduction: str, label_smoothing: float, z_loss: float) -> None:
+    """The loss options shared with ``fastpar.ops.linear_cross_entropy``."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     if z_loss < 0.0:
         raise ValueError(f"z_loss must be >= 0 (a coefficient on lse²), got {z_loss}")
+
+
+def _loss_fields(
+    vocab_size: int,
+    ignore_index: int,
+    flat_target: torch.Tensor,
+    label_smoothing: float,
+    z_loss: float,
+    reduction: str,
+) -> dict:
+    """The loss's fields of the debug check (``check_same``), shared with the fused linear CE."""
+    return {
+        "vocab_size": vocab_size,
+        "ignore_index": ignore_index,
+        "target ids": digest(flat_target),
+        "label_smoothing": float(label_smoothing),
+        "z_loss": float(z_loss),
+        "reduction": reduction,
+    }
 
 
 def vocab_parallel_cross_entropy(
@@ -288,12 +320,9 @@ def vocab_parallel_cross_entropy(
             {
                 "logits shape": tuple(logits.shape),
                 "logits dtype": logits.dtype,
-                "vocab_size": vocab_size,
-                "ignore_index": ignore_index,
-                "target ids": digest(flat_target),
-                "label_smoothing": float(label_smoothing),
-                "z_loss": float(z_loss),
-                "reduction": reduction,
+                **_loss_fields(
+                    vocab_size, ignore_index, flat_target, label_smoothing, z_loss, reduction
+                ),
             },
             group,
             logits.device,

@@ -43,17 +43,20 @@ import torch
 import torch.distributed as dist
 
 from fastpar import debug
-from fastpar.comm.checks import check_same, digest
+from fastpar.comm.checks import check_same
 from fastpar.comm.collectives import copy_to_region
 from fastpar.ops import backend
 from fastpar.ops.cross_entropy import (
     FLOAT_DTYPES,
-    REDUCTIONS,
     _check_fit,
     _check_ids,
+    _check_options,
+    _check_target_dtype,
     _gather_stats,
     _group_info,
     _header,
+    _loss_fields,
+    _row_grad,
 )
 from fastpar.reference import linear_cross_entropy as ref
 
@@ -103,10 +106,6 @@ def _gatherer(target, group, tp: int, n_local: int, vocab_size: int, ignore_inde
         return out
 
     return gather
-
-
-def _row_grad(valid: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    return torch.where(valid, g.expand(valid.shape), torch.zeros((), device=valid.device))
 
 
 class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
@@ -218,11 +217,7 @@ def _check(hidden, weight, target, reduction, label_smoothing, z_loss, chunk_siz
             f"hidden and weight must share one dtype of float32, bfloat16 or float16, got "
             f"{hidden.dtype} and {weight.dtype}; cast them first"
         )
-    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
-        raise TypeError(
-            f"target must hold integer class ids (int64), got {target.dtype}; "
-            "pass target.long() if they are whole numbers"
-        )
+    _check_target_dtype(target)
     if weight.dim() != 2 or hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be "
@@ -233,12 +228,7 @@ def _check(hidden, weight, target, reduction, label_smoothing, z_loss, chunk_siz
             f"hidden {tuple(hidden.shape)} must be target's shape {tuple(target.shape)} plus "
             "the hidden dimension: hidden [..., H], target [...]"
         )
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-    if z_loss < 0.0:
-        raise ValueError(f"z_loss must be >= 0 (a coefficient on lse²), got {z_loss}")
+    _check_options(reduction, label_smoothing, z_loss)
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of rows, got {chunk_size}")
 
@@ -285,12 +275,9 @@ def vocab_parallel_linear_cross_entropy(
                 "hidden shape": tuple(hidden.shape),
                 "weight shape": tuple(weight.shape),
                 "dtype": hidden.dtype,
-                "vocab_size": vocab_size,
-                "ignore_index": ignore_index,
-                "target ids": digest(flat_target),
-                "label_smoothing": float(label_smoothing),
-                "z_loss": float(z_loss),
-                "reduction": reduction,
+                **_loss_fields(
+                    vocab_size, ignore_index, flat_target, label_smoothing, z_loss, reduction
+                ),
                 "chunk_size": chunk_size or 0,
             },
             group,

@@ -113,6 +113,7 @@ def grad_logits(
     label_smoothing: float,
     z_loss: float,
     vocab_size: int,
+    in_place: bool = False,
 ) -> torch.Tensor:
     """d loss / d logits for one shard, ``[N, V_local]`` in the logits' dtype.
 
@@ -121,8 +122,10 @@ def grad_logits(
     ``grad_j = g·(p_j·(1 + 2z·lse) − (1−α)·[j = t] − α/V)`` on valid columns, 0 on padding,
     with ``p_j = exp(x_j − M − log S)``.
     Everything, the true-class term included, is computed in fp32 and cast once at the end.
+    ``in_place``: written into ``logits`` itself, which is returned (temporaries: fp32 blocks
+    of about 2^20 elements).
     """
-    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    grad = logits if in_place else torch.empty_like(logits, memory_format=torch.contiguous_format)
     grad[:, n_valid:] = 0
     if n_valid <= 0:
         return grad

@@ -48,37 +48,16 @@ def grad_logits_(
     row_max: torch.Tensor,
     log_s: torch.Tensor,
     row_grad: torch.Tensor,
-    *,
-    vocab_start: int,
-    n_valid: int,
-    ignore_index: int,
-    label_smoothing: float,
-    z_loss: float,
-    vocab_size: int,
+    **options,
 ) -> torch.Tensor:
-    """``fastpar.reference.cross_entropy.grad_logits`` written into ``logits`` itself (returned).
+    """``fastpar.reference.cross_entropy.grad_logits`` (``options``: its keywords) written into
+    ``logits`` itself (returned).
 
     ``logits`` ``[C, V_local]`` contiguous; the formula, its fp32 arithmetic and the single
     cast are those of ``grad_logits``; padding columns and rows with ``row_grad == 0`` get 0.
     Temporaries: fp32 blocks of about 2^20 elements.
     """
-    logits[:, n_valid:] = 0
-    if n_valid <= 0 or logits.shape[0] == 0:
-        return logits
-    alpha = label_smoothing
-    g = row_grad.float()
-    scale = (g * (1.0 + 2.0 * z_loss * (row_max + log_s)))[:, None]
-    shift = (g * (alpha / vocab_size))[:, None]
-    col, inside = ce._local_target(target, vocab_start, n_valid, ignore_index)
-    onehot = torch.where(inside, -(1.0 - alpha) * g, torch.zeros_like(g))[:, None]
-    for rows in ce._row_chunks(logits.shape[0], n_valid):
-        d = torch.sub(logits[rows, :n_valid].float(), row_max[rows, None])
-        d.sub_(log_s[rows, None]).exp_().mul_(scale[rows])  # g·p·(1 + 2z·lse)
-        if alpha:
-            d.sub_(shift[rows])
-        d.scatter_add_(1, col[rows, None], onehot[rows])  # true class, still in fp32
-        logits[rows, :n_valid] = d  # the single cast to the logits' dtype
-    return logits
+    return ce.grad_logits(logits, target, row_max, log_s, row_grad, in_place=True, **options)
 
 
 def stats_(
