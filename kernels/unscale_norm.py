@@ -1,7 +1,9 @@
 """Triton kernel of the fused gradient pass (unscale + inf/NaN check + sum of squares + max).
 
 Imported as ``fastpar.kernels.unscale_norm``, only when ``fastpar.ops.unscale_norm`` dispatches
-to Triton. Same semantics as ``fastpar.reference.unscale_norm.unscale_stats``.
+to Triton. Same semantics as ``fastpar.reference.unscale_norm.unscale_stats`` (writes the
+unscaled values) and ``unscaled_stats`` (read-only: ``WRITE=False``, the statistics of the fp32
+products ``g · inv_scale``, nothing stored: 2 B an element read in bf16/fp16, 4 in fp32).
 
 Multi-tensor launch: thousands of tensors are covered by one launch per (grad dtype, out dtype,
 16-byte aligned or not) group. The host builds, from shapes only (no device values are read), one int64 table:
@@ -21,10 +23,16 @@ fixed by the tensors' shapes and dtypes, so equal inputs give bit-identical resu
 
 All offsets are int64 (tensors may exceed 2^31 elements). Launches are chunked at
 ``max_programs`` programs (slices of the same table).
+
+Device tables are cached by their pointers and numels (``_device_table``, as in
+``fastpar.kernels.adamw``): built, pinned and copied once per set of gradients, then reused
+every step — no host work beyond the lookup and no copy, so a warmed-up pass can be captured in
+a CUDA graph.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -51,19 +59,23 @@ def _step(
     acc_nan,
     DST_DTYPE: tl.constexpr,
     NORM: tl.constexpr,
+    WRITE: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    """One BLOCK of elements: load, unscale, store, accumulate the stored values."""
+    """One BLOCK of elements: load, unscale, store (``WRITE``), accumulate the stored values
+    (read-only: the fp32 products)."""
     if MASKED:
         mask = idx < end
         x = tl.load(src + idx, mask=mask, other=0.0).to(tl.float32)
         y = (x * inv).to(DST_DTYPE)
-        tl.store(dst + idx, y, mask=mask)
+        if WRITE:
+            tl.store(dst + idx, y, mask=mask)
         v = tl.where(mask, y.to(tl.float32), 0.0)  # 0 in masked lanes, whatever inv is
     else:
         x = tl.load(src + idx).to(tl.float32)
         y = (x * inv).to(DST_DTYPE)
-        tl.store(dst + idx, y)
+        if WRITE:
+            tl.store(dst + idx, y)
         v = y.to(tl.float32)
     if NORM:
         acc_sq += v * v
@@ -86,6 +98,7 @@ def _unscale_norm_kernel(
     DST_DTYPE: tl.constexpr,
     ALIGNED: tl.constexpr,  # every src and dst pointer of this launch is 16-byte aligned
     NORM: tl.constexpr,
+    WRITE: tl.constexpr,  # False: read-only (DST_DTYPE fp32, dst never written)
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -117,6 +130,7 @@ def _unscale_norm_kernel(
             acc_nan,
             DST_DTYPE,
             NORM,
+            WRITE,
             False,
         )
     acc_sq, acc_max, acc_nan = _step(  # the tail (possibly empty)
@@ -130,6 +144,7 @@ def _unscale_norm_kernel(
         acc_nan,
         DST_DTYPE,
         NORM,
+        WRITE,
         True,
     )
     part_max = tl.max(acc_max, axis=0)
@@ -141,9 +156,11 @@ def _unscale_norm_kernel(
         tl.store(sumsq_ptr + pid, 0.0)
 
 
-def _build_table(
-    groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]], chunk: int
-) -> tuple[torch.Tensor, list[tuple[int, int, int, int]]]:
+Group = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+"""One launch group as host ints: (source pointers, destination pointers, numels)."""
+
+
+def _build_table(groups: Sequence[Group], chunk: int) -> tuple[torch.Tensor, list[tuple]]:
     """One int64 CPU table for all groups, and per group (table offset, T, block offset, P).
 
     Layout per group: ``[src ptrs (T) | dst ptrs (T) | numels (T)]``, then all groups' block
@@ -155,11 +172,11 @@ def _build_table(
     layout: list[tuple[int, int, int, int]] = []
     offset = 0
     n_blocks = 0
-    for srcs, dsts in groups:
-        t = len(srcs)
-        numel = torch.tensor([s.numel() for s in srcs], dtype=torch.int64)
-        parts.append(torch.tensor([s.data_ptr() for s in srcs], dtype=torch.int64))
-        parts.append(torch.tensor([d.data_ptr() for d in dsts], dtype=torch.int64))
+    for src_ptrs, dst_ptrs, numels in groups:
+        t = len(src_ptrs)
+        numel = torch.tensor(numels, dtype=torch.int64)
+        parts.append(torch.tensor(src_ptrs, dtype=torch.int64))
+        parts.append(torch.tensor(dst_ptrs, dtype=torch.int64))
         parts.append(numel)
         per_tensor = (numel + chunk - 1) // chunk
         tid = torch.repeat_interleave(torch.arange(t, dtype=torch.int64), per_tensor)
@@ -174,37 +191,66 @@ def _build_table(
     return table, layout
 
 
-def unscale_stats(
-    grads: Sequence[torch.Tensor],
-    outs: Sequence[torch.Tensor],
-    inv_scale: torch.Tensor,
-    norm: bool = True,
-    *,
-    max_programs: int = MAX_PROGRAMS,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of ``fastpar.reference.unscale_norm.unscale_stats``.
+TABLE_CACHE_SIZE = 16
+"""Device pointer tables kept (least recently used dropped): a few gradient sets."""
+_TABLES: OrderedDict[tuple, tuple[torch.Tensor, list[tuple]]] = OrderedDict()
 
-    grads / outs: contiguous tensors on one device, same shapes pairwise (fp32 / bf16 / fp16;
-    an out may be its grad). inv_scale: 0-dim fp32 on that device. Returns (sum of squares,
-    max |y|), 0-dim fp32, without reading any device value on the host.
-    """
+
+def _device_table(
+    groups: Sequence[Group], chunk: int, device: torch.device
+) -> tuple[torch.Tensor, list[tuple]]:
+    """(the device table of ``_build_table``, its layout), built and copied once per set of
+    pointers and numels and reused on later calls: no rebuild, no pinning, no host-to-device
+    copy, so a call after the first can be captured in a CUDA graph. A table holds nothing but
+    its key, so a hit is right even for freed and reallocated tensors."""
+    key = (device, chunk, tuple(groups))
+    hit = _TABLES.get(key)
+    if hit is not None:
+        _TABLES.move_to_end(key)
+        return hit
+    table, layout = _build_table(groups, chunk)
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():  # the copy would read a freed host buffer
+            raise RuntimeError(
+                "unscale_norm: these gradients' pointer table is not on the device yet; run "
+                "one step before capturing a CUDA graph (later calls reuse the table)"
+            )
+        table = table.pin_memory().to(device, non_blocking=True)
+    else:
+        table = table.to(device)
+    _TABLES[key] = (table, layout)
+    while len(_TABLES) > TABLE_CACHE_SIZE:
+        _TABLES.popitem(last=False)
+    return table, layout
+
+
+def _launch(
+    grads: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor] | None,
+    inv_scale: torch.Tensor,
+    norm: bool,
+    max_programs: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pass over ``grads``: written into ``outs``, or read-only when ``outs`` is None."""
     device = inv_scale.device
-    by_dtype: dict[tuple[torch.dtype, torch.dtype, bool], tuple[list, list]] = {}
-    for g, o in zip(grads, outs, strict=True):
+    write = outs is not None
+    by_dtype: dict[tuple[torch.dtype, torch.dtype, bool], tuple[list, list, list]] = {}
+    for g, o in zip(grads, grads if outs is None else outs, strict=True):
         if g.numel():
-            aligned = g.data_ptr() % 16 == 0 and o.data_ptr() % 16 == 0  # host ints: no sync
-            srcs, dsts = by_dtype.setdefault((g.dtype, o.dtype, aligned), ([], []))
-            srcs.append(g)
-            dsts.append(o)
+            gp, op = g.data_ptr(), o.data_ptr()  # host ints: no sync
+            dst_dtype = o.dtype if write else torch.float32
+            srcs, dsts, numels = by_dtype.setdefault(
+                (g.dtype, dst_dtype, (gp | op) % 16 == 0), ([], [], [])
+            )
+            srcs.append(gp)
+            dsts.append(op)
+            numels.append(g.numel())
     zero = torch.zeros((), dtype=torch.float32, device=device)
     if not by_dtype:
         return zero, zero.clone()
     keys = list(by_dtype)
-    table, layout = _build_table([by_dtype[k] for k in keys], CHUNK)
-    if device.type == "cuda":
-        table = table.pin_memory().to(device, non_blocking=True)
-    else:
-        table = table.to(device)
+    groups = [tuple(map(tuple, by_dtype[k])) for k in keys]
+    table, layout = _device_table(groups, CHUNK, device)
     n_blocks = sum(p for *_, p in layout)
     block_tensor = table[table.numel() - 2 * n_blocks : table.numel() - n_blocks]
     block_start = table[table.numel() - n_blocks :]
@@ -229,8 +275,41 @@ def unscale_stats(
                 DST_DTYPE=_TL_DTYPES[dst_dtype],
                 ALIGNED=aligned,
                 NORM=norm,
+                WRITE=write,
                 CHUNK=CHUNK,
                 BLOCK=BLOCK,
                 num_warps=NUM_WARPS,
             )
     return part_sq.sum(), part_max.amax()
+
+
+def unscale_stats(
+    grads: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor],
+    inv_scale: torch.Tensor,
+    norm: bool = True,
+    *,
+    max_programs: int = MAX_PROGRAMS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of ``fastpar.reference.unscale_norm.unscale_stats``.
+
+    grads / outs: contiguous tensors on one device, same shapes pairwise (fp32 / bf16 / fp16;
+    an out may be its grad). inv_scale: 0-dim fp32 on that device. Returns (sum of squares,
+    max |y|), 0-dim fp32, without reading any device value on the host.
+    """
+    return _launch(grads, list(outs), inv_scale, norm, max_programs)
+
+
+def unscaled_stats(
+    grads: Sequence[torch.Tensor],
+    inv_scale: torch.Tensor,
+    norm: bool = True,
+    *,
+    max_programs: int = MAX_PROGRAMS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of ``fastpar.reference.unscale_norm.unscaled_stats`` (read-only).
+
+    grads: contiguous tensors on one device (fp32 / bf16 / fp16), not written. Returns (sum of
+    squares, max |g · inv_scale|) of the fp32 products, 0-dim fp32, with no host sync.
+    """
+    return _launch(grads, None, inv_scale, norm, max_programs)

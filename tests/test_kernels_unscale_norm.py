@@ -6,7 +6,9 @@ math: 1 / 7 / 1,000 tensors, empty and size-1 tensors, a tensor spanning several
 in-place and ``out=`` modes, fp32 / fp16 / bf16 (the interpreter stores bf16 by truncation,
 one ulp from round-to-nearest, so bf16 stores are compared within one ulp; fp16 exactly), NaN in
 the last element of the last tensor, an inf made by the multiplication, chunked launches, and
-determinism (two runs bit-identical).
+determinism (two runs bit-identical). The read-only pass (``norm_and_inf``): the same statistics
+as the reference and as the writing pass into fp32, grads untouched; the pointer tables cached.
+CPU tier: both variants compile for sm_90 with 128-bit loads (the read-only one stores no data).
 GPU tier (``-m cuda``): the same natively, bf16 stores exact, and a tensor of more than 2^31
 elements (int64 offsets).
 """
@@ -190,6 +192,107 @@ def test_interp_deterministic_and_chunked_launch():
     assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(*outs, strict=True))
 
 
+# --- interpreter tier: the read-only pass and the cached tables ------------------------------
+
+
+def _read(grads, inv, backend_name, **kw):
+    """``norm_and_inf`` on clones under ``backend_name``; asserts the grads are untouched."""
+    clones = [g.clone() for g in grads]
+    with backend.use_backend(backend_name):
+        result = op.norm_and_inf(clones, inv, **kw)
+    _assert_stored(clones, grads, ulp_bf16=False)
+    return result
+
+
+def _compare_read(grads, inv, rel=1e-5, **kw):
+    """Triton's read-only pass vs the reference's, and vs the writing pass into fp32 outs
+    (the reference: bit for bit; Triton's: the same sums, partial sums in another order)."""
+    got = _read(grads, inv, "triton", **kw)
+    want = _read(grads, inv, "reference", **kw)
+    written, _ = _run(grads, inv, "out", "reference", **kw)
+    for a, b in zip(want, written, strict=True):
+        assert torch.equal(a, b) or (torch.isnan(a) and torch.isnan(b))
+    _assert_stats(got, want, rel)
+    return got
+
+
+@interpreter
+@pytest.mark.parametrize(("n", "kind"), INTERP_CASES, ids=[f"{n}-{k}" for n, k in INTERP_CASES])
+def test_interp_read_only_matches_reference(n, kind):
+    grads = _grads(n, seed=n, max_numel={1: 5000, 7: 3000, 1000: 40}[n], dtypes=DTYPE_SETS[kind])
+    _compare_read(grads, 1.0 / 3.0)
+
+
+@interpreter
+def test_interp_read_only_programs_views_nan_inf_and_flags():
+    k = _kernels()
+    grads = [torch.randn(2 * k.CHUNK + 17), torch.randn(k.CHUNK).half(), torch.randn(3)]
+    grads += [torch.randn(3 * k.BLOCK).bfloat16(), torch.randn(k.BLOCK - 1)]
+    flat = torch.randn(3 * k.BLOCK + 11)
+    grads += [flat[1:2001], flat[2001:]]  # not 16-byte aligned: the unhinted group
+    _compare_read(grads, torch.tensor(2.0**-10))
+    grads[-1][-1] = float("nan")
+    found, sumsq, amax = _compare_read(grads, 0.5)
+    assert float(found) == 1.0 and math.isnan(float(sumsq)) and math.isnan(float(amax))
+    found, sumsq, amax = _compare_read([torch.randn(100), torch.tensor([1.0, 1e38])], 10.0)
+    assert float(found) == 1.0 and float(amax) == math.inf and float(sumsq) == math.inf
+    found, _, amax = _compare_read([torch.tensor([6e4, -1.0], dtype=torch.float16)], 2.0)
+    assert float(found) == 0.0 and float(amax) == 1.2e5  # fp32 products: no fp16 overflow
+    flag = torch.ones(())
+    with backend.use_backend("triton"):
+        got = op.norm_and_inf([torch.randn(10)], 1.0, found_inf=flag)
+        assert got[0] is flag and float(flag) == 1.0  # accumulates, never reset
+        assert [float(t) for t in op.norm_and_inf([], 0.5)] == [0.0, 0.0, 0.0]
+        assert [float(t) for t in op.norm_and_inf([torch.empty(0, 3).half()], 0.5)] == [0] * 3
+    assert float(_compare_read(_grads(7, seed=2, max_numel=3000), 0.25, norm=False)[1]) == 0.0
+    strided = [torch.randn(40, 30).t(), torch.randn(100), torch.randn(9, 9)[:, ::2].half()]
+    _compare_read(strided, 0.25)  # non-contiguous ones take the reference
+
+
+@interpreter
+def test_interp_read_only_deterministic_chunked_and_tables_cached(monkeypatch):
+    k = _kernels()
+    k._TABLES.clear()
+    built = []
+    real = k._build_table
+    monkeypatch.setattr(k, "_build_table", lambda *a: built.append(1) or real(*a))
+    grads = _grads(30, seed=3, max_numel=6000, dtypes=(torch.float32, torch.float16))
+    grads.append(torch.randn(3 * k.CHUNK))
+    inv = torch.tensor(1.0 / 3.0)
+    a = k.unscaled_stats(grads, inv)
+    b = k.unscaled_stats(grads, inv)
+    assert len(built) == 1  # the second call reused the device table
+    c = k.unscaled_stats(grads, inv, max_programs=2)  # many launches, one table
+    assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a, b, c, strict=True))
+    assert len(built) == 1
+    outs = [torch.empty_like(g, dtype=torch.float32) for g in grads]
+    k.unscale_stats(grads, outs, inv)  # other destinations: another table
+    k.unscale_stats(grads, outs, inv)
+    assert len(built) == 2
+    fresh = [g.clone() for g in grads]  # new gradients (a new backward): a new table, still right
+    assert all(torch.equal(x, y) for x, y in zip(k.unscaled_stats(fresh, inv), a, strict=True))
+    assert len(built) == 3
+    alive = [torch.randn(5) for _ in range(k.TABLE_CACHE_SIZE + 2)]  # distinct pointers
+    for g in alive:
+        k.unscaled_stats([g], inv)
+    assert len(k._TABLES) == k.TABLE_CACHE_SIZE
+
+
+def test_device_tables_are_keyed_by_pointers_and_numels():
+    """CPU tier (no launch): the table of a set of groups is built once, laid out as
+    ``[src | dst | numel]`` per group then the block maps, and bounded in number."""
+    k = _kernels()
+    k._TABLES.clear()
+    cpu = torch.device("cpu")
+    groups = [((16, 32), (16, 32), (5, 300)), ((48,), (64,), (256,))]
+    table, layout = k._device_table(groups, 256, cpu)
+    assert k._device_table([tuple(g) for g in groups], 256, cpu)[0] is table
+    assert layout == [(0, 2, 0, 3), (6, 1, 3, 1)]  # 5 and 300 elements: 1 + 2 blocks; then 1
+    assert table.tolist() == [16, 32, 16, 32, 5, 300, 48, 64, 256, 0, 1, 1, 0, 0, 0, 256, 0]
+    assert k._device_table(groups, 512, cpu)[0] is not table  # another chunk: another table
+    assert k._device_table(groups[:1], 256, cpu)[0] is not table
+
+
 # --- CPU tier: the kernel compiles for a GPU (no GPU needed) ----------------------------------
 
 
@@ -207,8 +310,10 @@ def test_compiles_for_sm90_with_wide_accesses():
     k = _kernels()
     sig = {name: "*i64" for name in ("src_ptrs", "dst_ptrs", "numels", "block_tensor")}
     sig |= {"block_start": "*i64", "inv_ptr": "*fp32", "sumsq_ptr": "*fp32", "max_ptr": "*fp32"}
-    for src, dst in [(tl.float32, tl.float32), (tl.bfloat16, tl.bfloat16)]:
-        consts = dict(SRC_DTYPE=src, DST_DTYPE=dst, ALIGNED=True, NORM=True)
+    cases = [(tl.float32, tl.float32, True), (tl.bfloat16, tl.bfloat16, True)]
+    cases += [(tl.float32, tl.float32, False), (tl.bfloat16, tl.float32, False)]
+    for src, dst, write in cases:
+        consts = dict(SRC_DTYPE=src, DST_DTYPE=dst, ALIGNED=True, NORM=True, WRITE=write)
         consts |= dict(CHUNK=k.CHUNK, BLOCK=k.BLOCK)
         full = sig | {c: "constexpr" for c in consts}
         source = ASTSource(
@@ -221,7 +326,11 @@ def test_compiles_for_sm90_with_wide_accesses():
             source, target=GPUTarget("cuda", 90, 32), options={"num_warps": k.NUM_WARPS}
         )
         ptx = compiled.asm["ptx"]
-        assert "ld.global.v4" in ptx and "st.global.v4" in ptx, f"{src}: no 128-bit accesses"
+        if write:
+            assert "ld.global.v4" in ptx and "st.global.v4" in ptx, f"{src}: no 128-bit accesses"
+        else:  # read-only: wide loads, and no vector store (only the two partial slots)
+            assert "ld.global.v4" in ptx and "st.global.v4" not in ptx, f"{src}: read-only"
+            assert ptx.count("st.global") <= 4, f"{src}: the read-only pass stores data"
 
 
 # --- GPU tier ------------------------------------------------------------------------------

@@ -233,3 +233,49 @@ def test_dispatch_and_lazy_triton_import():
         "assert 'fastpar.kernels.unscale_norm' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# --- the read-only pass -------------------------------------------------------------------------
+
+
+def _read(grads, inv_scale, **kw):
+    """``norm_and_inf`` on clones; asserts nothing was written."""
+    clones = [g.clone() for g in grads]
+    result = op.norm_and_inf(clones, inv_scale, **kw)
+    assert all(_equal_nan(c, g) for c, g in zip(clones, grads, strict=True))
+    return result
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 100, 1000])
+def test_read_only_matches_float64_and_the_writing_pass_bit_for_bit(n):
+    grads = _grads(n, seed=10 + n)
+    inv = torch.tensor(1.0 / 3.0)
+    got = _read(grads, inv)
+    _check_stats(got, _expected(grads, float(inv), [torch.float32] * n))
+    written, _, _ = _run(grads, inv, "out")  # unscale into fp32 outs: the same three tensors
+    assert all(_equal_nan(a, b) for a, b in zip(got, written, strict=True))
+    for flag_kind in (0.0, 1.0):  # a flag passed in is raised, never reset
+        flag = torch.full((), flag_kind)
+        assert _read(grads, 0.5, found_inf=flag)[0] is flag and float(flag) == flag_kind
+
+
+def test_read_only_nan_inf_norm_false_empty_non_contiguous():
+    grads = _grads(7, seed=3)
+    grads[-1].view(-1)[-1] = float("nan")
+    found, sumsq, amax = _read(grads, 0.5)
+    assert float(found) == 1.0 and math.isnan(float(sumsq)) and math.isnan(float(amax))
+    found, sumsq, amax = _read([torch.tensor([1.0, 1e38])], 10.0)  # inf made by the product
+    assert float(found) == 1.0 and float(sumsq) == math.inf and float(amax) == math.inf
+    found, _, amax = _read([torch.tensor([6e4], dtype=torch.float16)], 2.0)  # fp32: no overflow
+    assert float(found) == 0.0 and float(amax) == 1.2e5
+    assert [float(t) for t in _read([], 0.5)] == [0.0, 0.0, 0.0]
+    assert [float(t) for t in _read([torch.empty(0, 4).half()], 0.5)] == [0.0, 0.0, 0.0]
+    assert float(_read(_grads(7, seed=4), 0.5, norm=False)[1]) == 0.0
+    strided = [torch.randn(40, 30).t(), torch.randn(9, 9)[:, ::2].bfloat16()]
+    _check_stats(_read(strided, 0.25), _expected(strided, 0.25, [torch.float32] * 2))
+    with backend.use_backend("reference"):
+        _read(strided, 0.25)
+    with pytest.raises(TypeError, match="expected float32"):
+        op.norm_and_inf([torch.ones(3, dtype=torch.int32)], 1.0)
+    with pytest.raises(ValueError, match="one-element tensor"):
+        op.norm_and_inf([torch.ones(3)], 1.0, found_inf=torch.zeros(2))

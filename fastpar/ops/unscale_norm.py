@@ -14,6 +14,11 @@ partial sums in fixed slots, reduced by ``torch.sum`` (no float atomics).
 Non-contiguous tensors (rare for gradients) take the reference on every backend; their
 statistics are combined with the kernel's on the device.
 
+``norm_and_inf`` is the read-only pass: the same flag and statistics of ``fp32(g) · inv_scale``
+without writing anything (one read of each gradient: 2 B an element in bf16/fp16, 4 in fp32),
+for an optimizer that unscales and clips inside its own update (``fastpar.optim.FusedAdamW``
+takes ``inv_scale`` and ``clip_coef``): the unscaled gradients are never materialised.
+
 Then ``clip_coefficient(sumsq.sqrt(), max_norm)`` and ``scale_(grads, coef)`` clip without a
 host sync. The norm here is local: sum the ``sumsq`` of each rank over the right group (and
 OR the flags) before taking the square root.
@@ -36,7 +41,8 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 backend.register_op(
     OP,
     ("triton", "reference"),
-    "grads *= 1/scale, inf/NaN flag, sum of squares and max |g| in one multi-tensor pass",
+    "grads *= 1/scale (or read-only), inf/NaN flag, sum of squares and max |g| in one "
+    "multi-tensor pass",
 )
 
 clip_coefficient = ref.clip_coefficient
@@ -117,11 +123,7 @@ def unscale_and_norm(
     outs = grads if out is None else list(out)
     _check(grads, None if out is None else outs)
     device = _device(grads, inv_scale, found_inf)
-    if found_inf is not None and (found_inf.device != device or found_inf.numel() != 1):
-        raise ValueError(
-            f"found_inf must be a one-element tensor on {device}, got shape "
-            f"{tuple(found_inf.shape)} on {found_inf.device}"
-        )
+    _found_inf(found_inf, device)
     inv = _as_inv_scale(inv_scale, device)
     impl = _impl(device.type)
     if impl is ref:
@@ -143,11 +145,61 @@ def unscale_and_norm(
             )
             sumsq = sumsq + slow_sq
             amax = torch.maximum(amax, slow_max)
+    return _flag(amax, found_inf), sumsq, amax
+
+
+def _found_inf(found_inf: torch.Tensor | None, device: torch.device) -> None:
+    if found_inf is not None and (found_inf.device != device or found_inf.numel() != 1):
+        raise ValueError(
+            f"found_inf must be a one-element tensor on {device}, got shape "
+            f"{tuple(found_inf.shape)} on {found_inf.device}"
+        )
+
+
+def _flag(amax: torch.Tensor, found_inf: torch.Tensor | None) -> torch.Tensor:
     flag = ref.found_inf_from_max(amax)
     if found_inf is not None:
         found_inf.copy_(torch.maximum(found_inf, flag.to(found_inf.dtype).reshape_as(found_inf)))
         flag = found_inf
-    return flag, sumsq, amax
+    return flag
+
+
+def norm_and_inf(
+    grads: Sequence[torch.Tensor],
+    inv_scale: torch.Tensor | float,
+    *,
+    found_inf: torch.Tensor | None = None,
+    norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Read-only: (found_inf, sum of squares, max |g|) of the unscaled gradients, nothing written.
+
+    grads: tensors of any shape (fp32 / bf16 / fp16, mixed, empty allowed) on one device, not
+    modified. inv_scale: ``1 / loss_scale`` (0-dim fp32 tensor or python float). Each value is
+    ``y = fp32(g) · inv_scale`` (one fp32 product, never stored); the results are exactly those
+    of ``unscale_and_norm(grads, inv_scale, out=<fp32 tensors>)``: found_inf 1.0 if any ``y`` is
+    inf or NaN (a ``found_inf`` passed in is raised in place, never reset), the fp32 sum of
+    ``y²`` (0 when ``norm`` is False) and ``max |y|``. No host synchronisation.
+    """
+    grads = list(grads)
+    _check(grads, None)
+    device = _device(grads, inv_scale, found_inf)
+    _found_inf(found_inf, device)
+    inv = _as_inv_scale(inv_scale, device)
+    impl = _impl(device.type)
+    if impl is ref:
+        sumsq, amax = ref.unscaled_stats(grads, inv, norm)
+    else:
+        fast = [g.is_contiguous() for g in grads]
+        sumsq, amax = impl.unscaled_stats(
+            [g for g, f in zip(grads, fast, strict=True) if f], inv, norm
+        )
+        if not all(fast):
+            slow_sq, slow_max = ref.unscaled_stats(
+                [g for g, f in zip(grads, fast, strict=True) if not f], inv, norm
+            )
+            sumsq = sumsq + slow_sq
+            amax = torch.maximum(amax, slow_max)
+    return _flag(amax, found_inf), sumsq, amax
 
 
 def scale_(tensors: Sequence[torch.Tensor], coef: torch.Tensor | float) -> None:

@@ -11,6 +11,10 @@ seen like an inf in the input.
 * max ``|y|``: NaN when any stored value is NaN, else inf when one is ±inf;
 * found_inf is therefore ``not isfinite(max)``: no separate flag pass.
 
+``unscaled_stats`` is the read-only variant: the same statistics of the fp32 products
+``fp32(g) · inv_scale`` (what an fp32 destination would hold), nothing written — for an
+optimizer that unscales inside its own pass (``fastpar.optim.FusedAdamW``'s ``inv_scale``).
+
 No host synchronisation: every result is a 0-dim device tensor.
 """
 
@@ -49,6 +53,31 @@ def unscale_stats(
         if norm:
             squares.append(torch.dot(flat, flat))
         lo, hi = torch.aminmax(flat)  # both NaN when flat holds a NaN
+        maxima.append(torch.maximum(-lo, hi))
+    zero = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
+    sumsq = torch.stack(squares).sum() if squares else zero
+    amax = torch.stack(maxima).amax() if maxima else zero.clone()
+    return sumsq, amax
+
+
+def unscaled_stats(
+    grads: Sequence[torch.Tensor], inv_scale: torch.Tensor, norm: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of squares, max |·|) of ``fp32(grads[i]) · inv_scale``, read-only.
+
+    Bit for bit what ``unscale_stats`` returns with fp32 outs (same products, same per-tensor
+    dot products and reductions); the grads are not written. One temporary per tensor.
+    """
+    squares: list[torch.Tensor] = []
+    maxima: list[torch.Tensor] = []
+    for g in grads:
+        if g.numel() == 0:
+            continue
+        flat = torch.mul(g, inv_scale) if g.dtype == torch.float32 else g.float() * inv_scale
+        flat = flat.reshape(-1)
+        if norm:
+            squares.append(torch.dot(flat, flat))
+        lo, hi = torch.aminmax(flat)
         maxima.append(torch.maximum(-lo, hi))
     zero = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
     sumsq = torch.stack(squares).sum() if squares else zero
