@@ -31,9 +31,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from _common import record_bandwidth
-from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile
+from _common import cpu_peak_and_held, record_bandwidth
 
 from fastpar.nn.functional import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 
@@ -86,29 +84,10 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _cpu_peak(run) -> int:
-    """Peak bytes above the start of ``run()``: the running sum of the profiler's allocation
-    events (every c10 CPU allocation and free, in time order)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = run()
-    del out
-    sizes, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu":
-            sizes.append((node.start_time_ns, node.typed[1].alloc_size))
-        stack.extend(node.children)
-    current = peak = 0
-    for _, size in sorted(sizes):
-        current += size
-        peak = max(peak, current)
-    return peak
-
-
 def peak_bytes(run) -> int:
     """Extra memory ``run()`` holds at its peak (its outputs included)."""
     if not CUDA:
-        return _cpu_peak(run)
+        return cpu_peak_and_held(run)[0]
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
