@@ -104,3 +104,28 @@ def test_who_declares_what():
     wrapped = MixedPrecisionOptimizer(torch.optim.SGD(params, lr=0.1))
     assert isinstance(wrapped, AmpOptimizer)
     assert not isinstance(torch.optim.SGD(params, lr=0.1), AmpOptimizer)
+
+
+def test_folded_guarded_step_hands_inv_scale_and_raw_grads_to_the_optimizer():
+    """guarded_step(inv_scale=, grads_for=) on FusedAdamW equals unscaling first: a bf16
+    gradient read through ``grads_for`` and unscaled in the optimizer's pass."""
+    torch.manual_seed(1)
+    raw = [torch.randn(5, 3).bfloat16(), torch.randn(7).bfloat16()]
+    inv, norm = torch.tensor(2.0**-4), torch.tensor(4.0)
+    a = [torch.randn(5, 3, requires_grad=True), torch.randn(7, requires_grad=True)]
+    b = [p.detach().clone().requires_grad_() for p in a]
+    for p, g in zip(a, raw, strict=True):
+        p.grad = g.float() * inv
+    opt_a, opt_b = FusedAdamW(a, lr=0.1), FusedAdamW(b, lr=0.1)
+    guarded_step(opt_a, [p.grad for p in a], torch.tensor(0.0), norm, max_grad_norm=1.0)
+    guarded_step(opt_b, [], torch.tensor(0.0), norm, max_grad_norm=1.0, inv_scale=inv,
+                 grads_for=dict(zip(b, raw, strict=True)))  # fmt: skip
+    for p, q in zip(a, b, strict=True):
+        assert q.grad is None and torch.equal(p, q)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt_a.state[p][key], opt_b.state[q][key])
+    sgd = torch.optim.SGD(b, lr=0.1)
+    with pytest.raises(TypeError, match="does not unscale in its own step"):
+        guarded_step(sgd, [], torch.tensor(0.0), norm, inv_scale=inv)
+    with pytest.raises(TypeError, match="does not unscale in its own step"):
+        guarded_step(sgd, [], torch.tensor(0.0), norm, grads_for={})

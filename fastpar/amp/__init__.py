@@ -4,13 +4,14 @@ the protocols optimizers declare to it (``fastpar.amp.protocols``)."""
 from __future__ import annotations
 
 from fastpar.amp.norm import clip_grad_norm_, counts_on_this_rank, global_grad_norm
-from fastpar.amp.protocols import AmpOptimizer, FusedAmpStep
+from fastpar.amp.protocols import AmpOptimizer, FoldedAmpStep, FusedAmpStep
 from fastpar.amp.scaler import ConstantLossScaler, DynamicLossScaler, LossScaleError
 
 __all__ = [
     "AmpOptimizer",
     "ConstantLossScaler",
     "DynamicLossScaler",
+    "FoldedAmpStep",
     "FusedAmpStep",
     "LossScaleError",
     "clip_grad_norm_",

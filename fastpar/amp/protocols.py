@@ -3,6 +3,9 @@
 * ``FusedAmpStep``: an optimizer that takes the step's mixed-precision scalars as arguments and
   applies them on the device inside its own update (``fastpar.optim.FusedAdamW``), so the step
   needs no host sync, no separate clipping pass and no attribute left on the optimizer.
+* ``FoldedAmpStep``: a ``FusedAmpStep`` whose ``amp_step`` also takes ``grads=`` (the gradient
+  to read for a parameter instead of its ``.grad``, in any float dtype): the mixed-precision
+  step then hands it the model's raw bf16/fp16 gradients and never writes unscaled fp32 ones.
 * ``AmpOptimizer``: what fastpar's optimizer wrappers (``MixedPrecisionOptimizer``, and every
   data-parallel wrapper: ``fastpar.parallel.Replicate`` / ``Shard``, ``ZeroOptimizer``,
   ``Zero3``) show a training loop and a checkpoint: loss scaling, a step that returns
@@ -16,6 +19,7 @@ a class of another package. Torch's own fused optimizers keep torch's protocol (
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -36,6 +40,29 @@ class FusedAmpStep(Protocol):
         inv_scale: torch.Tensor | None = None,
         clip_coef: torch.Tensor | None = None,
     ) -> None: ...
+
+
+@runtime_checkable
+class FoldedAmpStep(FusedAmpStep, Protocol):
+    """A ``FusedAmpStep`` that declares ``amp_step_takes_grads = True``: ``amp_step`` also takes
+    ``grads``, a mapping from a parameter of the optimizer to the gradient to use for it (any
+    float dtype, the parameter's shape; still loss-scaled) in place of its ``.grad``."""
+
+    amp_step_takes_grads: bool
+
+    def amp_step(
+        self,
+        *,
+        found_inf: torch.Tensor | None = None,
+        inv_scale: torch.Tensor | None = None,
+        clip_coef: torch.Tensor | None = None,
+        grads: Mapping[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None: ...
+
+
+def takes_grads(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is a ``FoldedAmpStep`` (declared, not only shaped like one)."""
+    return isinstance(optimizer, FoldedAmpStep) and optimizer.amp_step_takes_grads is True
 
 
 @runtime_checkable

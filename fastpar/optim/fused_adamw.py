@@ -17,12 +17,15 @@ Mixed precision without a host sync, the protocol of torch's fused optimizers
 
 ``torch.amp.GradScaler`` sets and deletes the first two around ``step()``. fastpar's wrappers
 (``fastpar.amp.step.guarded_step``) pass them as arguments instead: ``amp_step(found_inf=,
-inv_scale=, clip_coef=)`` (the ``fastpar.amp.FusedAmpStep`` protocol) reads no attribute.
+inv_scale=, clip_coef=)`` (the ``fastpar.amp.FusedAmpStep`` protocol) reads no attribute, and
+``grads=`` (``fastpar.amp.FoldedAmpStep``): the gradient to read for a parameter instead of its
+``.grad`` — an fp32 master's update reads its bf16/fp16 model gradient directly, still scaled,
+so no unscaled fp32 copy is ever written.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -41,6 +44,7 @@ class FusedAdamW(torch.optim.Optimizer):
     """
 
     _step_supports_amp_scaling = True
+    amp_step_takes_grads = True  # fastpar.amp.FoldedAmpStep
 
     def __init__(
         self,
@@ -95,11 +99,13 @@ class FusedAdamW(torch.optim.Optimizer):
         found_inf: torch.Tensor | None = None,
         inv_scale: torch.Tensor | None = None,
         clip_coef: torch.Tensor | None = None,
+        grads: Mapping[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """One update with the mixed-precision scalars as arguments (0-dim tensors or None):
         skipped on the device where ``found_inf`` is nonzero, gradients multiplied by
-        ``inv_scale`` then ``clip_coef``. Reads no amp attribute."""
-        self._update(found_inf=found_inf, inv_scale=inv_scale, clip_coef=clip_coef)
+        ``inv_scale`` then ``clip_coef``. ``grads``: parameter -> the gradient to use instead
+        of its ``.grad`` (fp32 / bf16 / fp16, the parameter's shape). Reads no amp attribute."""
+        self._update(found_inf=found_inf, inv_scale=inv_scale, clip_coef=clip_coef, grad_of=grads)
 
     def _update(
         self,
@@ -108,13 +114,20 @@ class FusedAdamW(torch.optim.Optimizer):
         grad_scale: Any = None,
         inv_scale: Any = None,
         clip_coef: Any = None,
+        grad_of: Mapping[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         for group in self.param_groups:
             by_device: dict[torch.device, tuple[list, ...]] = {}
             for p in group["params"]:
-                if p.grad is None:
+                grad = p.grad if grad_of is None else grad_of.get(p, p.grad)
+                if grad is None:
                     continue
-                if p.grad.is_sparse:
+                if grad.shape != p.shape:
+                    raise ValueError(
+                        f"a gradient of shape {tuple(grad.shape)} for a parameter of shape "
+                        f"{tuple(p.shape)}"
+                    )
+                if grad.is_sparse:
                     raise RuntimeError("FusedAdamW does not support sparse gradients")
                 if p.dtype != torch.float32:
                     raise TypeError(
@@ -129,7 +142,7 @@ class FusedAdamW(torch.optim.Optimizer):
                 lists = by_device.setdefault(p.device, ([], [], [], [], []))
                 for lst, t in zip(
                     lists,
-                    (p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"]),
+                    (p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"]),
                     strict=True,
                 ):
                     lst.append(t)

@@ -17,6 +17,15 @@ the step overflowed, gradients are clipped and the wrapped optimizer steps on th
 Skipping without a host sync: optimizers that accept a device ``found_inf`` (torch's fused
 Adam / AdamW / SGD, ``fused=True``) skip on the device. Any other optimizer needs the flag on
 the host: one ``.item()`` per step.
+
+Folded step (the default for an optimizer that unscales and clips in its own pass,
+``fastpar.amp.FoldedAmpStep``: ``FusedAdamW``): step (1) only reads the gradients (flag and
+sum of squares of ``fp32(g) / scale``, ``fastpar.ops.unscale_norm.norm_and_inf``) and (4) hands
+the optimizer ``inv_scale``, ``clip_coef`` and the model's raw gradients. The parameters,
+optimizer state, norm and scaler come out bit for bit as with the unscaling step
+(``fold_unscale=False``); per gradient element 2 + 2 B are moved instead of 2 + 4 + 4 (bf16 /
+fp16: no fp32 main gradient is written, re-read or even allocated) and 4 + 4 instead of
+4 + 4 + 4 (fp32). The model's ``.grad`` are then left as backward made them (still scaled).
 """
 
 from __future__ import annotations
@@ -25,8 +34,15 @@ import torch
 import torch.distributed as dist
 
 from fastpar.amp.norm import counts_on_this_rank
+from fastpar.amp.protocols import takes_grads
 from fastpar.amp.scaler import ConstantLossScaler, DynamicLossScaler
-from fastpar.amp.step import OptimizerFront, guarded_step, unscale_and_agree
+from fastpar.amp.step import (
+    OptimizerFront,
+    guarded_step,
+    inv_scale_of,
+    norm_and_agree,
+    unscale_and_agree,
+)
 from fastpar.optim.pieces import load_torch_optimizer_pieces, torch_optimizer_pieces
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -41,6 +57,10 @@ class MixedPrecisionOptimizer(OptimizerFront):
     returned). ``mesh`` / ``group``: which ranks take part, for counting each parameter once and
     agreeing on overflow (see ``fastpar.amp.norm``); ``dp_replicated=False`` when gradients are
     sharded over DP (ZeRO).
+
+    ``fold_unscale``: unscale inside the optimizer's own pass (module docstring); None (the
+    default) does so when ``optimizer`` supports it (``fastpar.amp.FoldedAmpStep``), True
+    requires it, False always unscales into fp32 main gradients first.
     """
 
     def __init__(
@@ -52,7 +72,15 @@ class MixedPrecisionOptimizer(OptimizerFront):
         mesh=None,
         group: dist.ProcessGroup | None = None,
         dp_replicated: bool = True,
+        fold_unscale: bool | None = None,
     ) -> None:
+        if fold_unscale and not takes_grads(optimizer):
+            raise ValueError(
+                f"fold_unscale=True needs an optimizer that unscales in its own step "
+                f"(fastpar.amp.FoldedAmpStep, e.g. fastpar.optim.FusedAdamW), got "
+                f"{type(optimizer).__name__}; pass fold_unscale=None or False"
+            )
+        self.fold_unscale = takes_grads(optimizer) if fold_unscale is None else fold_unscale
         if optimizer.state:
             raise ValueError(
                 "wrap the optimizer before its first step: it already holds state for the "
@@ -114,6 +142,41 @@ class MixedPrecisionOptimizer(OptimizerFront):
     def step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One step. Returns (skipped: 0-dim bool tensor, grad_norm: 0-dim fp32 tensor); the norm
         is that of the unscaled gradients before clipping, the same on every rank."""
+        if self.fold_unscale:
+            skipped, norm = self._folded_step()
+        else:
+            skipped, norm = self._unscaling_step()
+        for p, m in zip(self.model_params, self.masters, strict=True):
+            if m is not p:
+                p.copy_(m)
+        return skipped, norm
+
+    def _folded_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read-only pass, then the optimizer unscales and clips the raw gradients itself."""
+        device = self._skipped.device
+        inv = inv_scale_of(self.scaler, device)  # before the scaler's update
+        # (counted, fp32) -> grads; passes in the unscaling step's order, so the sums of
+        # squares are added up alike (bit-identical norms)
+        lists: dict[tuple[bool, bool], list[torch.Tensor]] = {}
+        raw: dict[torch.Tensor, torch.Tensor] = {}
+        for p, m, counted in zip(self.model_params, self.masters, self._counts, strict=True):
+            if m is not p:
+                m.grad = None  # no fp32 main gradient: the optimizer reads p.grad
+                if p.grad is not None:
+                    raw[m] = p.grad
+            if p.grad is not None:
+                lists.setdefault((counted, m is p), []).append(p.grad)
+        passes = [(lists.get((c, f), []), c) for c in (True, False) for f in (True, False)]
+        found, norm = norm_and_agree(passes, inv, device, mesh=self.mesh, group=self.group)
+        skipped = guarded_step(
+            self.optimizer, [], found, norm, scaler=self.scaler,
+            max_grad_norm=self.max_grad_norm, skipped_counter=self._skipped,
+            inv_scale=None if self.scaler is None else inv, grads_for=raw,
+        )  # fmt: skip
+        return skipped, norm
+
+    def _unscaling_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unscale into fp32 main gradients (fp32 ones in place), then any optimizer steps."""
         passes = []
         for counted, (src, dst) in self._main_grads().items():
             # fp32 params: unscale in place (dst is src); low precision: into the fp32 main grad
@@ -128,9 +191,6 @@ class MixedPrecisionOptimizer(OptimizerFront):
             self.optimizer, [m.grad for m in self.masters if m.grad is not None], found, norm,
             scaler=self.scaler, max_grad_norm=self.max_grad_norm, skipped_counter=self._skipped,
         )  # fmt: skip
-        for p, m in zip(self.model_params, self.masters, strict=True):
-            if m is not p:
-                p.copy_(m)
         return skipped, norm
 
     def state_dict(self) -> dict:
