@@ -7,7 +7,9 @@ with a 0-dim found_inf flag and the total norm on the device, no host sync):
   ``torch._foreach_norm`` + stack + norm (what GradScaler.unscale_ + clip_grad_norm_ do);
 * ``fastpar``: ``unscale_and_norm`` (Triton on a GPU, the torch reference on a CPU) + sqrt;
   it also returns max |g|, which the other providers do not compute;
-* ``loop``: a per-tensor Python loop of ``mul_`` + ``vector_norm``.
+* ``loop``: a per-tensor Python loop of ``mul_`` + ``vector_norm``;
+* ``fastpar_read_only``: ``norm_and_inf`` (the read-only pass of the folded step: nothing
+  written, so its compulsory bytes are one read of each gradient).
 
 Sizes: on a GPU 100 / 1,000 / 10,000 tensors × 10M / 100M / 1B elements, fp32 and bf16
 (combinations that do not fit in free memory are skipped); on a CPU 100 / 1,000 tensors × 1M /
@@ -18,6 +20,12 @@ fraction of peak HBM bandwidth (H200 4.8 TB/s, H100 3.35 TB/s), and ``time_vs_to
 (median time / the torch_two_pass median of the same group; < 1 is faster). On a CPU compare
 these ratios, not absolute times. All providers of a size share one benchmark group.
 
+Also (issue 21): ``test_launch_host_time`` — the host time of one Triton launcher call over 200
+tensors with the kernel replaced by a no-op, the pointer table cached or built and copied every
+call; ``test_mixed_precision_step`` — ``MixedPrecisionOptimizer`` over ``FusedAdamW`` on a bf16
+model, the unscaling step (unscale into fp32 main gradients, then AdamW reads them: 2 + 4 + 4 B
+a gradient element) beside the folded one (read-only pass, AdamW unscales: 2 + 2 B).
+
 Run:  pytest bench/test_bench_unscale_norm.py --benchmark-json=bench/results/unscale_norm.json
 """
 
@@ -27,11 +35,13 @@ import pytest
 import torch
 from _common import record_bandwidth
 
-from fastpar.ops.unscale_norm import unscale_and_norm
+from fastpar.amp import DynamicLossScaler
+from fastpar.ops.unscale_norm import norm_and_inf, unscale_and_norm
+from fastpar.optim import FusedAdamW, MixedPrecisionOptimizer
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-PROVIDERS = ("torch_two_pass", "fastpar", "loop")  # torch first: the others' ratio needs it
+PROVIDERS = ("torch_two_pass", "fastpar", "loop", "fastpar_read_only")  # torch first: ratios
 if CUDA:
     SIZES = [
         (t, e, d) for d in ("fp32", "bf16") for t in (100, 1000, 10000) for e in (1e7, 1e8, 1e9)
@@ -86,7 +96,13 @@ def _loop(grads: list[torch.Tensor], inv: torch.Tensor):
     return (~torch.isfinite(total)).float(), total
 
 
+def _read_only(grads: list[torch.Tensor], inv: torch.Tensor):
+    found, sumsq, _ = norm_and_inf(grads, inv)
+    return found, sumsq.sqrt()
+
+
 FNS = {"torch_two_pass": _torch_two_pass, "fastpar": _fastpar, "loop": _loop}
+FNS["fastpar_read_only"] = _read_only
 
 
 @pytest.mark.parametrize(
@@ -110,7 +126,8 @@ def test_unscale_norm(benchmark, provider, n_tensors, total, dtype):
     found, norm = run()  # warm-up: compiles the kernel; checks the provider works
     assert float(found) == 0.0 and float(norm) > 0.0
     benchmark.group = group
-    moved = 2 * sum(g.numel() * g.element_size() for g in grads)  # read once + write once
+    passes = 1 if provider == "fastpar_read_only" else 2  # read once (+ write once)
+    moved = passes * sum(g.numel() * g.element_size() for g in grads)
     benchmark.extra_info.update(
         provider=provider,
         n_tensors=n_tensors,
@@ -128,3 +145,77 @@ def test_unscale_norm(benchmark, provider, n_tensors, total, dtype):
         _MEDIANS[group] = median
     elif group in _MEDIANS:
         benchmark.extra_info["time_vs_torch_two_pass"] = median / _MEDIANS[group]
+
+
+TABLE_TENSORS = 200  # the issue's measurement: 200 gradient tensors
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["cached", "uncached"])
+def test_launch_host_time(benchmark, monkeypatch, cache):
+    """Host time of one ``unscale_stats`` launcher call over 200 tensors with the kernel
+    replaced by a no-op: pointer reads, grouping, the table (looked up, or built, pinned and
+    copied every call with the cache off) and the two partial buffers. No kernel runs."""
+    from fastpar.kernels import unscale_norm as k  # imports triton: only for this benchmark
+
+    class _NoKernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(k, "_unscale_norm_kernel", _NoKernel())
+    monkeypatch.setattr(k, "TABLE_CACHE_SIZE", k.TABLE_CACHE_SIZE if cache else 0)
+    grads = [torch.zeros(1000 + 37 * i, device=DEVICE) for i in range(TABLE_TENSORS)]
+    inv = torch.tensor(0.5, device=DEVICE)
+
+    def run():
+        k.unscale_stats(grads, grads, inv)
+
+    k._TABLES.clear()
+    run()
+    benchmark.group = f"unscale_norm-launch-host-T{TABLE_TENSORS}"
+    benchmark.extra_info.update(cache=cache, tensors=TABLE_TENSORS, device=DEVICE)
+    benchmark.pedantic(run, rounds=100, warmup_rounds=5)
+    k._TABLES.clear()
+
+
+STEP_ELEMENTS = 1 << 24 if CUDA else 1 << 21
+_STEP_MEDIANS: dict[str, float] = {}
+
+
+@pytest.mark.parametrize("fold", [False, True], ids=["unscaling", "folded"])
+def test_mixed_precision_step(benchmark, fold):
+    """One ``MixedPrecisionOptimizer`` step over ``FusedAdamW`` on a bf16 model (64 tensors,
+    dynamic loss scaling, clipping to 1.0): the unscaling step beside the folded one.
+    ``grad_bytes``: the compulsory gradient traffic of the step, 10 vs 4 B an element."""
+    sizes = _sizes(64, STEP_ELEMENTS)
+    params = [
+        torch.nn.Parameter(torch.zeros(n, device=DEVICE, dtype=torch.bfloat16)) for n in sizes
+    ]
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    for p in params:
+        p.grad = torch.randn(p.shape, device=DEVICE, generator=gen).bfloat16()
+    opt = MixedPrecisionOptimizer(
+        FusedAdamW(params, lr=1e-4),
+        scaler=DynamicLossScaler(initial_scale=1.0, growth_interval=10**9),
+        max_grad_norm=1.0,
+        fold_unscale=fold,
+    )
+
+    def run():
+        out = opt.step()
+        if CUDA:
+            torch.cuda.synchronize()
+        return out
+
+    skipped, _ = run()
+    assert not bool(skipped)
+    group = f"mp-step-bf16-E{STEP_ELEMENTS:.0e}"
+    benchmark.group = group
+    grad_bytes = (4 if fold else 10) * STEP_ELEMENTS
+    benchmark.extra_info.update(fold=fold, elements=STEP_ELEMENTS, grad_bytes=grad_bytes,
+                                device=torch.cuda.get_device_name(0) if CUDA else "cpu")  # fmt: skip
+    benchmark.pedantic(run, rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
+    median = benchmark.stats.stats.median
+    if not fold:
+        _STEP_MEDIANS[group] = median
+    elif group in _STEP_MEDIANS:
+        benchmark.extra_info["time_vs_unscaling"] = median / _STEP_MEDIANS[group]
