@@ -44,17 +44,19 @@ def _forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model[3](h.to(model[3].weight.dtype)).float()
 
 
-def _pair(dtype, *, scaler: bool, fp32_norm: bool = False, max_grad_norm: float = 0.05):
+def _pair(dtype, *, scaler: bool, fp32_norm: bool = False, max_grad_norm: float = 0.05,
+          device: str = "cpu"):  # fmt: skip
     """(model, optimizer) for the unscaling and the folded step, from the same weights."""
     out = []
-    base = _mlp(dtype, fp32_norm)
+    base = _mlp(dtype, fp32_norm).to(device)
     for fold in (False, None):
         model = copy.deepcopy(base)
         matrices = [p for p in model.parameters() if p.dim() == 2]
         vectors = [p for p in model.parameters() if p.dim() < 2]  # a second param group
         groups = [{"params": matrices}, {"params": vectors, "weight_decay": 0.0}]
         inner = FusedAdamW(groups, lr=1e-2, weight_decay=0.1)
-        sc = DynamicLossScaler(initial_scale=2.0**12, hysteresis=1) if scaler else None
+        sc = DynamicLossScaler(initial_scale=2.0**12, hysteresis=1, device=device)
+        sc = sc if scaler else None
         opt = MixedPrecisionOptimizer(inner, scaler=sc, max_grad_norm=max_grad_norm,
                                       fold_unscale=fold)  # fmt: skip
         out.append((model, opt))
@@ -65,7 +67,7 @@ def _pair(dtype, *, scaler: bool, fp32_norm: bool = False, max_grad_norm: float 
 def _train(model, opt, steps: int, inf_at: int | None, rank: int = 0, inf_rank: int = 0):
     results = []
     for step in range(steps):
-        x, y = _batch(step, rank)
+        x, y = (t.to(model[0].weight.device) for t in _batch(step, rank))
         opt.scale_loss(F.mse_loss(_forward(model, x), y)).backward()
         if step == inf_at and rank == inf_rank:
             model[0].weight.grad.view(-1)[-1] = float("inf")
@@ -156,3 +158,15 @@ def _two_ranks() -> list:
 
 def test_two_ranks_inf_on_one_rank_matches_the_unscaling_step():
     assert run_ranks(_two_ranks, 2) == [[False, True, False, False]] * 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (GPU tier)")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_cuda_folded_step_matches_the_unscaling_step(dtype):
+    """On a GPU (Triton kernels natively): the same bit-for-bit parity."""
+    scaler = dtype == torch.float16
+    runs = []
+    for model, opt in _pair(dtype, scaler=scaler, fp32_norm=True, device="cuda"):
+        runs.append((model, opt, _train(model, opt, 5, inf_at=2 if scaler else None)))
+    _assert_same(*runs)

@@ -368,3 +368,32 @@ def test_cuda_more_than_2_31_elements():
     assert float(found) == 0.0 and float(amax) == 6.0
     assert float(sumsq) == pytest.approx(4.0 * (n - 1) + 36.0 + 12.0, rel=1e-5)
     assert float(big[-1]) == 6.0 and float(big[n // 2]) == 2.0 and float(big[2**31 + 1]) == 2.0
+
+
+@cuda
+@pytest.mark.parametrize("kind", list(DTYPE_SETS))
+def test_cuda_read_only_matches_reference(kind):
+    grads = _grads(1000, seed=5, max_numel=3000, dtypes=DTYPE_SETS[kind])
+    grads += [torch.randn(100_003).to(DTYPE_SETS[kind][0])]
+    _compare_read([g.cuda() for g in grads], torch.tensor(1.0 / 3.0, device="cuda"))
+
+
+@cuda
+def test_cuda_read_only_pass_is_captured_in_a_cuda_graph():
+    """After one call (the table cached), the pass captures and replays like eager calls."""
+    grads = [
+        torch.randn(n, device="cuda").to(dt)
+        for n, dt in ((5000, torch.bfloat16), (77, torch.float32))
+    ]
+    inv, flag = torch.tensor(0.5, device="cuda"), torch.zeros((), device="cuda")
+    with backend.use_backend("triton"):
+        op.norm_and_inf(grads, inv)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            _, sumsq, amax = op.norm_and_inf(grads, inv, found_inf=flag)
+        for g in grads:
+            g.mul_(3.0)
+        graph.replay()
+        want = op.norm_and_inf(grads, inv)
+    torch.cuda.synchronize()
+    assert float(flag) == 0.0 and torch.equal(sumsq, want[1]) and torch.equal(amax, want[2])
