@@ -45,6 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fastpar.kernels.tables import TABLE_CACHE_SIZE, cached_table  # noqa: F401  (the size: for tests)
+
 BLOCK = 1024  # elements per inner step of a program
 CHUNK = 8 * BLOCK  # elements per program at most
 NUM_WARPS = 4
@@ -369,8 +371,6 @@ def _build_table(
     return torch.cat([rows, numel, tid, start]), tid.numel()
 
 
-TABLE_CACHE_SIZE = 16
-"""Device pointer tables kept (least recently used dropped): a few optimizers' dtype groups."""
 _TABLES: OrderedDict[tuple, tuple[torch.Tensor, int]] = OrderedDict()
 
 
@@ -378,29 +378,14 @@ def _device_table(
     pointers: Sequence[tuple[int, ...]], numels: Sequence[int], chunk: int, device
 ) -> tuple[torch.Tensor, int]:
     """(the device table of ``_build_table``, P), built and copied to the device once per set of
-    pointers and numels and reused on later steps: no host work but the lookup and no
-    host-to-device copy, so a launch after the first can be captured in a CUDA graph. A table
-    holds nothing but its key, so a hit is right even for freed and reallocated tensors."""
+    pointers and numels and reused on later steps (``fastpar.kernels.tables``): no host work
+    but the lookup and no host-to-device copy, so a launch after the first can be captured in a
+    CUDA graph."""
     key = (device, chunk, tuple(pointers), tuple(numels))
-    hit = _TABLES.get(key)
-    if hit is not None:
-        _TABLES.move_to_end(key)
-        return hit
-    table, n_programs = _build_table(pointers, numels, chunk)
-    if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():  # the copy would read a freed host buffer
-            raise RuntimeError(
-                "fused AdamW: this parameter set's pointer table is not on the device yet; run "
-                "one optimizer step before capturing a CUDA graph (steps after the first reuse "
-                "the table and are capturable)"
-            )
-        table = table.pin_memory().to(device, non_blocking=True)
-    else:
-        table = table.to(device)
-    _TABLES[key] = (table, n_programs)
-    while len(_TABLES) > TABLE_CACHE_SIZE:
-        _TABLES.popitem(last=False)
-    return table, n_programs
+    return cached_table(
+        _TABLES, key, lambda: _build_table(pointers, numels, chunk), device,
+        "fused AdamW: this parameter set's pointer table",
+    )  # fmt: skip
 
 
 def _aligned(pointers: tuple[int, ...]) -> bool:

@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fastpar.kernels.tables import TABLE_CACHE_SIZE, cached_table  # noqa: F401  (the size: for tests)
+
 BLOCK = 2048  # elements per inner step of a program
 CHUNK = 16 * BLOCK  # elements per program at most (32768)
 NUM_WARPS = 4
@@ -191,8 +193,6 @@ def _build_table(groups: Sequence[Group], chunk: int) -> tuple[torch.Tensor, lis
     return table, layout
 
 
-TABLE_CACHE_SIZE = 16
-"""Device pointer tables kept (least recently used dropped): a few gradient sets."""
 _TABLES: OrderedDict[tuple, tuple[torch.Tensor, list[tuple]]] = OrderedDict()
 
 
@@ -200,28 +200,14 @@ def _device_table(
     groups: Sequence[Group], chunk: int, device: torch.device
 ) -> tuple[torch.Tensor, list[tuple]]:
     """(the device table of ``_build_table``, its layout), built and copied once per set of
-    pointers and numels and reused on later calls: no rebuild, no pinning, no host-to-device
-    copy, so a call after the first can be captured in a CUDA graph. A table holds nothing but
-    its key, so a hit is right even for freed and reallocated tensors."""
+    pointers and numels and reused on later calls (``fastpar.kernels.tables``): no rebuild, no
+    pinning, no host-to-device copy, so a call after the first can be captured in a CUDA
+    graph."""
     key = (device, chunk, tuple(groups))
-    hit = _TABLES.get(key)
-    if hit is not None:
-        _TABLES.move_to_end(key)
-        return hit
-    table, layout = _build_table(groups, chunk)
-    if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():  # the copy would read a freed host buffer
-            raise RuntimeError(
-                "unscale_norm: these gradients' pointer table is not on the device yet; run "
-                "one step before capturing a CUDA graph (later calls reuse the table)"
-            )
-        table = table.pin_memory().to(device, non_blocking=True)
-    else:
-        table = table.to(device)
-    _TABLES[key] = (table, layout)
-    while len(_TABLES) > TABLE_CACHE_SIZE:
-        _TABLES.popitem(last=False)
-    return table, layout
+    return cached_table(
+        _TABLES, key, lambda: _build_table(groups, chunk), device,
+        "unscale_norm: these gradients' pointer table",
+    )  # fmt: skip
 
 
 def _launch(
