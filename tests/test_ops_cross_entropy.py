@@ -353,3 +353,26 @@ def test_a_disagreeing_subgroup_names_global_ranks_and_leaves_the_other_alone():
         torch.testing.assert_close(r["consistent"], true_loss)
     for r in results[2:]:
         assert "50 on rank 0 (global 2), 49 on rank 1 (global 3)" in r["second group widths"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_inplace_backward_writes_the_same_gradient_over_the_logits(dtype, reduction):
+    """``inplace_backward=True``: the gradient, bit for bit the out-of-place one, lands in the
+    logits buffer itself (one [N, V] buffer at the peak instead of two)."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(9, 13, generator=g).to(dtype)
+    target = torch.randint(0, 13, (9,), generator=g)
+    target[2] = -100
+    kw = dict(label_smoothing=0.1, z_loss=1e-3, reduction=reduction)
+    a = logits.clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(a, target, **kw)
+    (loss.sum() if reduction == "none" else loss).backward()
+    buf = logits.clone()
+    b = buf.view_as(buf).requires_grad_()  # a leaf over the buffer: its grad is the buffer
+    b_loss = vocab_parallel_cross_entropy(b, target, inplace_backward=True, **kw)
+    torch.testing.assert_close(b_loss, loss, rtol=0, atol=0)
+    (b_loss.sum() if reduction == "none" else b_loss).backward()
+    assert torch.equal(b.grad, a.grad)
+    assert b.grad.data_ptr() == b.data_ptr()  # written over the logits, no second buffer
+    assert torch.equal(b.detach(), a.grad)

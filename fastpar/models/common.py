@@ -348,6 +348,7 @@ def lm_loss(
     *,
     weight: torch.Tensor | None = None,
     recompute: bool = False,
+    inplace_backward: bool = False,
 ) -> torch.Tensor:
     """Mean vocab-parallel cross-entropy of logits [B·T, vocab / tp] against targets [B, T]
     (``cfg.vocab_size`` is the true vocabulary: padded columns are ignored). Under context
@@ -357,7 +358,8 @@ def lm_loss(
     are the head's hidden states [B·T, H] (``Head.return_hidden``) and the loss is the fused
     vocab-parallel linear cross-entropy against ``weight`` [vocab / tp, H] (chunks of logits
     only; ``recompute``: backward recomputes them, for schedules that hold many micro-batches'
-    graphs, GPipe)."""
+    graphs, GPipe). ``inplace_backward``: the gradient overwrites the logits (a loop that never
+    reads them again: ``fastpar.ops.cross_entropy``)."""
     targets = cp_split(targets, cp_group_of(mesh))
     if weight is not None:  # the head's region op already sums d hidden over TP
         return vocab_parallel_linear_cross_entropy(
@@ -365,5 +367,6 @@ def lm_loss(
             vocab_size=cfg.vocab_size, reduce_hidden_grad=False, recompute=recompute,
         )  # fmt: skip
     return vocab_parallel_cross_entropy(
-        logits, targets.reshape(-1), group=tp_group_of(mesh), vocab_size=cfg.vocab_size
-    )
+        logits, targets.reshape(-1), group=tp_group_of(mesh), vocab_size=cfg.vocab_size,
+        inplace_backward=inplace_backward,
+    )  # fmt: skip

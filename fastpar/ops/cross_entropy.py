@@ -165,6 +165,7 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
         label_smoothing: float,
         reduction: str,
         z_loss: float,
+        inplace_backward: bool = False,
     ) -> torch.Tensor:
         impl = _impl(logits.device.type)
         n_local = logits.shape[1]
@@ -191,7 +192,7 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
         count = valid.sum().clamp(min=1).float()
         ctx.save_for_backward(logits, target, row_max, log_s, count)
         ctx.args = (vocab_start, n_valid, ignore_index, label_smoothing, z_loss, vocab_size)
-        ctx.reduction = reduction
+        ctx.reduction, ctx.inplace = reduction, inplace_backward
         if reduction == "none":
             return loss
         total = loss.sum()
@@ -217,8 +218,9 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
             label_smoothing=alpha,
             z_loss=z_loss,
             vocab_size=vocab_size,
+            in_place=ctx.inplace,
         )
-        return (grad,) + (None,) * 9
+        return (grad,) + (None,) * 10
 
 
 def _check(
@@ -288,6 +290,7 @@ def vocab_parallel_cross_entropy(
     reduction: str = "mean",
     z_loss: float = 0.0,
     vocab_size: int | None = None,
+    inplace_backward: bool = False,
 ) -> torch.Tensor:
     """Cross-entropy of vocabulary-sharded logits, equal to ``F.cross_entropy`` on the full ones.
 
@@ -302,6 +305,12 @@ def vocab_parallel_cross_entropy(
     the global vocabulary). ``reduction``: "mean" over non-ignored rows (0 when all are ignored),
     "sum", or "none" (shape of ``target``, 0 at ignored rows). The loss is always fp32; the
     gradient has the logits' dtype.
+
+    ``inplace_backward``: backward writes the gradient over the logits buffer (the saved
+    logits, a view of ``logits`` when it is contiguous) instead of a second ``[N, V_local]``
+    buffer: the peak is one logits-sized buffer, not two. Only for a caller that does not read
+    the logits after backward (a training loop's loss); autograd still refuses another node
+    that saved them and runs later (their version changed).
 
     Every rank of ``group`` raises the same ``ValueError`` when their shard widths,
     ``vocab_size``, ``ignore_index`` or targets differ (always checked, at no extra
@@ -340,5 +349,6 @@ def vocab_parallel_cross_entropy(
         float(label_smoothing),
         reduction,
         float(z_loss),
+        bool(inplace_backward),
     )
     return loss.reshape(target.shape) if reduction == "none" else loss

@@ -234,7 +234,10 @@ def build(cfg: TrainConfig, mesh: ParallelMesh | None, device: torch.device) -> 
         if cfg.fused_ce:  # the head's weight read now: a pipeline's last stage holds a copy
             return lm_loss(logits.flatten(0, -2), targets, model_cfg, mesh, weight=head.weight,
                            recompute=cfg.schedule == "gpipe")  # fmt: skip
-        return lm_loss(logits.flatten(0, -2).float(), targets, model_cfg, mesh)
+        # nothing reads the logits after the loss: their gradient takes their buffer
+        return lm_loss(
+            logits.flatten(0, -2).float(), targets, model_cfg, mesh, inplace_backward=True
+        )
 
     bias_routers = [m.router for m in moes if m.router.expert_bias is not None]
     return Parts(
