@@ -254,11 +254,15 @@ def _vs_torch(iters: int, v: int = 2, m: int = 8) -> dict:
 def test_against_torch_interleaved_1f1b(benchmark, p):
     benchmark.group = "pipeline-vs-torch-interleaved"
     res = benchmark.pedantic(run_ranks, args=(_vs_torch, p, 5), rounds=1, iterations=1)
+    _report_vs_torch(benchmark, res, f"interleaved v=2 p={p} m=8", "ScheduleInterleaved1F1B")
+
+
+def _report_vs_torch(benchmark, res: list[dict], what: str, peer: str) -> None:
+    """Median step times of both across ranks, their ratio recorded and printed."""
     t = {k: statistics.median(r[k] for r in res) for k in ("fastpar", "torch")}
     benchmark.extra_info.update(seconds=t, torch_over_fastpar=t["torch"] / t["fastpar"])
     print(
-        f"\ninterleaved v=2 p={p} m=8: fastpar {t['fastpar'] * 1e3:.1f} ms, "
-        f"torch ScheduleInterleaved1F1B {t['torch'] * 1e3:.1f} ms "
+        f"\n{what}: fastpar {t['fastpar'] * 1e3:.1f} ms, torch {peer} {t['torch'] * 1e3:.1f} ms "
         f"(torch/fastpar {t['torch'] / t['fastpar']:.2f})"
     )
 
@@ -281,10 +285,4 @@ def _vs_torch_zb(iters: int, m: int = 8) -> dict:
 def test_against_torch_zero_bubble(benchmark, p):
     benchmark.group = "pipeline-vs-torch-zero-bubble"
     res = benchmark.pedantic(run_ranks, args=(_vs_torch_zb, p, 5), rounds=1, iterations=1)
-    t = {k: statistics.median(r[k] for r in res) for k in ("fastpar", "torch")}
-    benchmark.extra_info.update(seconds=t, torch_over_fastpar=t["torch"] / t["fastpar"])
-    print(
-        f"\nzb-h1 p={p} m=8: fastpar {t['fastpar'] * 1e3:.1f} ms, "
-        f"torch ScheduleInterleavedZeroBubble {t['torch'] * 1e3:.1f} ms "
-        f"(torch/fastpar {t['torch'] / t['fastpar']:.2f})"
-    )
+    _report_vs_torch(benchmark, res, f"zb-h1 p={p} m=8", "ScheduleInterleavedZeroBubble")

@@ -48,9 +48,11 @@ from torch import nn
 from fastpar.comm import (
     all_reduce_grad,
     all_to_all,
+    copy_to_region,
     gather_from_sequence,
     group_rank,
     group_size,
+    reduce_from_region,
     scatter_to_sequence,
 )
 from fastpar.mesh.bridge import mesh_group
@@ -311,9 +313,9 @@ class MoE(nn.Module):
         if self.tp_layout != "expert_tp":
             w = (self.w1, self.b1, self.w2, self.b2)
             return experts.batched(x, *w, self.gated, self.activation)
-        x = tp.enter(x, self.tp_group)
+        x = copy_to_region(x, self.tp_group)  # rows entering TP-split experts
         out = experts.batched(x, self.w1, self.b1, self.w2, None, self.gated, self.activation)
-        out = tp.leave(out, self.tp_group)
+        out = reduce_from_region(out, self.tp_group)  # the second matmul's partial sums
         return out if self.b2 is None else out + self.b2.unsqueeze(1)
 
     def _experts_segments(self, x: torch.Tensor, counts: torch.Tensor | list[int]) -> torch.Tensor:
@@ -322,9 +324,10 @@ class MoE(nn.Module):
         if self.tp_layout != "expert_tp":
             w = (self.w1, self.b1, self.w2, self.b2)
             return experts.segments(x, counts, *w, self.gated, self.activation)
-        x = tp.enter(x, self.tp_group)
+        x = copy_to_region(x, self.tp_group)
         w = (self.w1, self.b1, self.w2, None)
-        out = tp.leave(experts.segments(x, counts, *w, self.gated, self.activation), self.tp_group)
+        out = experts.segments(x, counts, *w, self.gated, self.activation)
+        out = reduce_from_region(out, self.tp_group)
         return tp.add_row_bias(out, self.b2, counts)
 
     # -- forward ----------------------------------------------------------------------------
@@ -342,9 +345,8 @@ class MoE(nn.Module):
         batch_first = x.dim() == 3 and self.sequence_dim % 3 == 1
         if self.tp_layout == "sequence" and self.router.aux_loss == "sequence" and not batch_first:
             raise ValueError(
-                "aux_loss='sequence' with sequence parallelism needs batch-first input "
-                f"[B, S/tp, H] split along dim 1, got {tuple(x.shape)} split along dim "
-                f"{self.sequence_dim}"
+                "aux_loss='sequence' with sequence parallelism needs batch-first input [B, S/tp, "
+                f"H] split along dim 1, got {tuple(x.shape)} along dim {self.sequence_dim}"
             )
         tokens = x.reshape(-1, self.hidden_size)
         routing = self.router(tokens, seq_len=shape[-2] if x.dim() >= 3 else None)
@@ -374,10 +376,8 @@ class MoE(nn.Module):
         return y.view(shape)
 
     def _aux_scale(self) -> float | torch.Tensor | None:
-        """The weight this forward's aux loss enters backward with (class docstring). Under
-        context parallelism times cp: every cp rank holds the whole sequence's aux loss and
-        sends its own tokens' share of its gradient, which data parallelism then averages
-        over dp × cp (the main loss's shares are each a 1/cp of the sequence's mean)."""
+        """The weight this forward's aux loss enters backward with (class docstring); × cp
+        under context parallelism, whose dp × cp gradient average would divide it by cp."""
         scale = self.aux_loss_scale
         if scale is None:
             scale = _AUX_LOSS_SCALE.get()

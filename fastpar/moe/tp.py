@@ -31,13 +31,10 @@ from __future__ import annotations
 
 import torch
 
-from fastpar.comm import copy_to_region, reduce_from_region
-
-LAYOUTS = ("replicated", "expert_tp", "sequence")
-
 
 def layout_of(tp: int, sequence_parallel: bool, expert_tp: bool) -> str:
-    """Which of ``LAYOUTS`` a layer with these settings runs (module docstring)."""
+    """Which layout ("replicated", "expert_tp" or "sequence", module docstring) a layer with
+    these settings runs."""
     if tp == 1 or not (sequence_parallel or expert_tp):
         return "replicated"
     return "expert_tp" if expert_tp else "sequence"
@@ -71,16 +68,6 @@ def shard_ffn(t: torch.Tensor, dim: int, rank: int, world: int, gated: bool) -> 
     halves = t.chunk(2, dim) if gated else (t,)
     parts = [h.chunk(world, dim)[rank] for h in halves]
     return torch.cat(parts, dim).contiguous()
-
-
-def enter(x: torch.Tensor, group) -> torch.Tensor:
-    """Rows entering TP-split experts: identity forward, gradient all-reduced over TP."""
-    return copy_to_region(x, group)
-
-
-def leave(out: torch.Tensor, group) -> torch.Tensor:
-    """The second matmul's partial sums -> the full expert output (all-reduce over TP)."""
-    return reduce_from_region(out, group)
 
 
 def add_row_bias(out: torch.Tensor, b2: torch.Tensor | None, counts) -> torch.Tensor:
