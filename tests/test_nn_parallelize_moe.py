@@ -148,3 +148,19 @@ def test_deepseek_v3_block_at_tp2_equals_hf_and_updates_its_bias():
     _block("deepseek_v3")  # skips when this transformers lacks the block
     steps = run_ranks(_deepseek, 2, 2)
     assert steps[0] == pytest.approx(1e-3, rel=1e-5) and steps[0] == steps[1]
+
+
+def _router_logits_refused() -> str:
+    model = build("mixtral", output_router_logits=True)
+    try:
+        parallelize(model, mesh=ParallelMesh(tp=2))
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_hf_router_aux_loss_is_refused_rather_than_lost():
+    """HF's own router aux loss reads logits off its router modules, which converted blocks do
+    not have: parallelize refuses instead of silently dropping that loss term."""
+    msg = run_ranks(_router_logits_refused, 2)[0]
+    assert "output_router_logits=True" in msg and "output_router_logits=False" in msg

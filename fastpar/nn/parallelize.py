@@ -224,6 +224,21 @@ def _experts(block: nn.Module, mesh, tp_group, **kwargs) -> nn.Module:
     return HFMoEBlock(block, tp_group=tp_group, ep_group=ep_group, **kwargs)
 
 
+def _check_router_logits(model: nn.Module) -> None:
+    """HF adds its router aux loss from router logits its forward records off its own router
+    classes; converted blocks record none, so that loss would silently vanish: refused."""
+    config = getattr(model, "config", None)
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(
+            "parallelize: config.output_router_logits=True makes Hugging Face add its router "
+            "aux loss from logits recorded off its router modules, which the converted MoE blocks "
+            "do not have (the loss would silently lose that term); set "
+            "config.output_router_logits=False and train with fastpar's aux loss "
+            "(moe_from_hf options aux_loss=..., aux_loss_coef=...), or plan the experts "
+            "'replicate'"
+        )
+
+
 def _swap(model, modules, chosen, tp_group, mesh=None) -> dict[str, nn.Module]:
     new_modules = {}
     for n, (style, kwargs) in chosen.items():
@@ -360,6 +375,8 @@ def parallelize(
         chosen = {
             n: c for n, c in chosen.items() if c[0] != "experts" or is_hf_moe_block(modules[n])
         }
+    if any(style == "experts" for style, _ in chosen.values()):
+        _check_router_logits(model)
     attention = static_checks(model, modules, chosen, world, heads)
 
     owners = _owners(modules)
