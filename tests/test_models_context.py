@@ -29,10 +29,14 @@ CASES = {
     "llama-cp2-tp2-sp-moe": ("llama", dict(cp=2, tp=2),
                              dict(moe_every=2, sequence_parallel=True, aux_loss="sequence")),
     "llama-cp2-a2a": ("llama", dict(cp=2), dict(kv_heads=2, cp_attention="all-to-all")),
+    # ignored targets that fall unevenly on the cp ranks: the loss is still the sequence's mean
+    "gpt-cp2-ignored": ("gpt", dict(cp=2), dict(ignored=5)),
+    "llama-cp4-tp2-ignored": ("llama", dict(cp=4, tp=2), dict(ignored=3, kv_heads=2)),
 }  # fmt: skip
 
 
 def _model(kind: str, mesh, extra: dict):
+    extra = {k: v for k, v in extra.items() if k != "ignored"}
     torch.manual_seed(0)
     base = dict(vocab_size=VOCAB, seq_len=SEQ, hidden=32, heads=4, layers=2, **extra)
     if kind == "llama":
@@ -42,15 +46,19 @@ def _model(kind: str, mesh, extra: dict):
     return cfg, torch.nn.Sequential(*build_gpt(cfg, mesh))
 
 
-def _ids() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+def _ids(ignored: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [2, SEQ] and targets: the ids, the first ``ignored`` positions -100."""
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    targets = ids.clone()
+    targets[:, :ignored] = -100
+    return ids, targets
 
 
 def _reference(kind: str, extra: dict):
     """The single-process model's loss and gradients (in this process: no process group)."""
     cfg, ref = _model(kind, None, extra)
-    ids = _ids()
-    loss = lm_loss(ref(ids), ids, cfg)
+    ids, targets = _ids(extra.get("ignored", 0))
+    loss = lm_loss(ref(ids), targets, cfg)
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in ref.named_parameters()}
 
@@ -58,8 +66,8 @@ def _reference(kind: str, extra: dict):
 def _step(kind: str, layout: dict, extra: dict, ref_loss, want):
     mesh = ParallelMesh(**layout)
     cfg, model = _model(kind, mesh, extra)
-    ids = _ids()
-    loss = lm_loss(model(ids), ids, cfg, mesh)
+    ids, targets = _ids(extra.get("ignored", 0))
+    loss = lm_loss(model(ids), targets, cfg, mesh)
     loss.backward()
     mean = loss.detach().clone()
     dist.all_reduce(mean, group=mesh.cp_group)

@@ -10,6 +10,7 @@ and returns one tensor (ids [B, T] -> [B, T(/tp), H] -> ... -> logits [B·T, voc
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -39,6 +40,10 @@ def tp_group_of(mesh):
     """The mesh's tensor-parallel group (None without a mesh: the default group, size 1 when
     no process group exists)."""
     return mesh.tp_group if mesh is not None else None
+
+
+IGNORE_INDEX = -100
+"""Targets that count for nothing in ``lm_loss`` (the cross-entropy's default)."""
 
 
 def cp_group_of(mesh):
@@ -351,22 +356,32 @@ def lm_loss(
     inplace_backward: bool = False,
 ) -> torch.Tensor:
     """Mean vocab-parallel cross-entropy of logits [B·T, vocab / tp] against targets [B, T]
-    (``cfg.vocab_size`` is the true vocabulary: padded columns are ignored). Under context
-    parallelism the logits are this rank's chunks' (T/cp per row) and the targets are split
-    alike: the mean of this rank's tokens, which the data-parallel average over dp × cp turns
-    into the whole sequence's (every cp rank holds as many tokens). ``weight`` given: ``logits``
-    are the head's hidden states [B·T, H] (``Head.return_hidden``) and the loss is the fused
-    vocab-parallel linear cross-entropy against ``weight`` [vocab / tp, H] (chunks of logits
-    only; ``recompute``: backward recomputes them, for schedules that hold many micro-batches'
-    graphs, GPipe). ``inplace_backward``: the gradient overwrites the logits (a loop that never
-    reads them again: ``fastpar.ops.cross_entropy``)."""
-    targets = cp_split(targets, cp_group_of(mesh))
+    (``cfg.vocab_size`` is the true vocabulary: padded columns are ignored; targets
+    ``IGNORE_INDEX`` count for nothing). Under context parallelism the logits are this rank's
+    chunks' (T/cp per row) and the targets are split alike; each rank returns its chunks' loss
+    sum × cp / the whole sequence's token count (one small all-reduce of the count over cp),
+    so the data-parallel average over dp × cp is the whole sequence's mean even when ignored
+    targets fall unevenly on the cp ranks. ``weight`` given: ``logits`` are the head's hidden
+    states [B·T, H] (``Head.return_hidden``) and the loss is the fused vocab-parallel linear
+    cross-entropy against ``weight`` [vocab / tp, H] (chunks of logits only; ``recompute``:
+    backward recomputes them, for schedules that hold many micro-batches' graphs, GPipe).
+    ``inplace_backward``: the gradient overwrites the logits (a loop that never reads them
+    again: ``fastpar.ops.cross_entropy``)."""
+    cp_group = cp_group_of(mesh)
+    targets = cp_split(targets, cp_group).reshape(-1)
+    reduction = "mean" if cp_group is None else "sum"
     if weight is not None:  # the head's region op already sums d hidden over TP
-        return vocab_parallel_linear_cross_entropy(
-            logits, weight, targets.reshape(-1), group=tp_group_of(mesh),
-            vocab_size=cfg.vocab_size, reduce_hidden_grad=False, recompute=recompute,
+        loss = vocab_parallel_linear_cross_entropy(
+            logits, weight, targets, group=tp_group_of(mesh), vocab_size=cfg.vocab_size,
+            reduce_hidden_grad=False, recompute=recompute, reduction=reduction,
         )  # fmt: skip
-    return vocab_parallel_cross_entropy(
-        logits, targets.reshape(-1), group=tp_group_of(mesh), vocab_size=cfg.vocab_size,
-        inplace_backward=inplace_backward,
-    )  # fmt: skip
+    else:
+        loss = vocab_parallel_cross_entropy(
+            logits, targets, group=tp_group_of(mesh), vocab_size=cfg.vocab_size,
+            inplace_backward=inplace_backward, reduction=reduction,
+        )  # fmt: skip
+    if cp_group is None:
+        return loss
+    count = (targets != IGNORE_INDEX).sum().float()
+    dist.all_reduce(count, group=cp_group)  # the whole sequence's tokens (no host sync)
+    return loss * group_size(cp_group) / count.clamp(min=1)
