@@ -4,11 +4,18 @@
   set before Triton defines a kernel, so these run in their own pytest process; in any other
   process they are skipped with that reason.
 * ``cuda``: needs an NVIDIA GPU; skipped with that reason elsewhere.
+
+Custom ops' aliasing is checked as an error in every run (as CI's environment makes it).
 """
 
 from __future__ import annotations
 
 import os
+
+# torch.compile's check that no custom op's output aliases its inputs is an error only where
+# the CI variable is set (a warning elsewhere): make it an error in every run, so a local run
+# fails where CI would. Read when torch._functorch.config is first imported, so set it first.
+os.environ.setdefault("TORCHINDUCTOR_ERROR_ON_CUSTOM_OP_ALIASING", "1")
 
 import pytest
 import torch

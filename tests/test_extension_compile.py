@@ -1,14 +1,16 @@
 """The extension's all-to-all under ``torch.compile`` and its in-flight bookkeeping (issue 21,
 item 6).
 
-* ``all_to_all_start(x, ...) -> out`` / ``all_to_all_wait(out) -> out`` (torch's functional
-  collectives pattern): a compiled start + wait over 2 gloo ranks equals eager, in one graph
+* ``all_to_all_start(x, ...) -> ticket`` / ``all_to_all_wait(ticket, x, out_splits) -> out``
+  (torch's functional collectives pattern, no output aliasing an input; the aliasing check runs
+  as an error, tests/conftest.py): a compiled start + wait over 2 gloo ranks equals eager, in one graph
   (``fullgraph=True``, counted with dynamo's compile counter), the wait is in the graph, and
   nothing stays registered afterwards. A start + wait whose results go unused survives AOT
   autograd's dead-code elimination (the ops are marked side-effectful: eager issues them).
-* An output dropped without a wait releases its registry entry when it is garbage collected
+* A ticket dropped without a wait releases its registry entry when it is garbage collected
   (the transfer still completes; later collectives on the group are unaffected); waiting twice
-  or waiting a tensor that is not an all-to-all output returns it at once.
+  returns the same rows at once; waiting a tensor that is not a ticket, or with another input's
+  shape, is a clear error.
 * The overlapped MoE layer (``overlap_chunks=2``, capacity mode, the extension transport)
   compiled equals eager: output and every gradient.
 
@@ -51,14 +53,15 @@ def _compiled_start_wait() -> dict:
     out_splits = [1 + s + rank for s in range(world)]
 
     def f(x):
-        out = torch.ops.fastpar.all_to_all_start(x * 2.0, out_splits, in_splits, name)
+        sent = x * 2.0
+        ticket = torch.ops.fastpar.all_to_all_start(sent, out_splits, in_splits, name)
         local = x.sum()  # compute while the transfer is in flight
-        out = torch.ops.fastpar.all_to_all_wait(out)
+        out = torch.ops.fastpar.all_to_all_wait(ticket, sent, out_splits)
         return out + local
 
     def unused(x):  # eager issues the collective: a traced graph must keep it
-        out = torch.ops.fastpar.all_to_all_start(x, out_splits, in_splits, name)
-        torch.ops.fastpar.all_to_all_wait(out)
+        ticket = torch.ops.fastpar.all_to_all_start(x, out_splits, in_splits, name)
+        torch.ops.fastpar.all_to_all_wait(ticket, x, out_splits)
         return x * 2.0
 
     x = torch.randn(sum(in_splits), 3, generator=torch.Generator().manual_seed(rank))
@@ -94,14 +97,15 @@ def test_compiled_start_and_wait_equal_eager_in_one_graph():
         assert out["pending"] == 0
 
 
-def _dropped_outputs_do_not_leak() -> dict:
+def _dropped_tickets_do_not_leak() -> dict:
     overlap._extension_ops()
     name = dist.distributed_c10d._get_default_group().group_name
     before = _pending()
-    outs = [torch.ops.fastpar.all_to_all_start(torch.ones(4, 2), [], [], name) for _ in range(5)]
+    ones = torch.ones(4, 2)
+    tickets = [torch.ops.fastpar.all_to_all_start(ones, [], [], name) for _ in range(5)]
     started = _pending()
-    view = outs[0][1:]  # a view keeps its storage, and so its entry, alive
-    del outs
+    view = tickets[0][0:]  # a view keeps its storage, and so its entry, alive
+    del tickets
     gc.collect()
     kept = _pending()
     del view
@@ -109,23 +113,31 @@ def _dropped_outputs_do_not_leak() -> dict:
     after = _pending()
     # the dropped transfers completed on their own: the group still works, results are right
     x = torch.full((4, 2), float(dist.get_rank()))
-    out = torch.ops.fastpar.all_to_all_start(x, [], [], name)
-    out = torch.ops.fastpar.all_to_all_wait(out)
-    again = torch.ops.fastpar.all_to_all_wait(out)  # nothing in flight: returns at once
-    plain = torch.ops.fastpar.all_to_all_wait(torch.zeros(3))
+    ticket = torch.ops.fastpar.all_to_all_start(x, [], [], name)
+    out = torch.ops.fastpar.all_to_all_wait(ticket, x, [])
+    again = torch.ops.fastpar.all_to_all_wait(ticket, x, [])  # nothing in flight: at once
+    errors = []
+    for args in ((torch.zeros(1, dtype=torch.uint8), x, []), (ticket, x[:, :1], [])):
+        try:
+            torch.ops.fastpar.all_to_all_wait(*args)
+        except RuntimeError as exc:
+            errors.append(str(exc))
     return {
         "counts": [before, started, kept, after, _pending()],
         "rows": out[:, 0].tolist(),
-        "same": again is out or again.data_ptr() == out.data_ptr(),
-        "plain": plain.tolist(),
+        "same": again.data_ptr() == out.data_ptr(),
+        "errors": errors,
     }
 
 
-def test_an_output_dropped_without_a_wait_releases_its_entry():
-    for out in run_ranks(_dropped_outputs_do_not_leak, 2):
+def test_a_ticket_dropped_without_a_wait_releases_its_entry():
+    for out in run_ranks(_dropped_tickets_do_not_leak, 2):
         assert out["counts"] == [0, 5, 1, 0, 0]
         assert out["rows"] == [0.0, 0.0, 1.0, 1.0]
-        assert out["same"] and out["plain"] == [0.0, 0.0, 0.0]
+        assert out["same"]
+        assert len(out["errors"]) == 2
+        assert "ticket was not returned by all_to_all_start" in out["errors"][0]
+        assert "are not those this ticket's all_to_all_start was given" in out["errors"][1]
 
 
 def _moe_compiled(capacity_factor, trace_autograd_ops: bool) -> dict:

@@ -5,10 +5,10 @@ flight while the local experts compute chunk i; backward pipelines the same way 
 travel to the experts in chunks, each chunk's expert backward runs while the next chunk's rows
 and the previous chunk's input gradients are on the wire).
 
-Transport: the C++ extension ``fastpar._C`` (ops ``fastpar::all_to_all_start(x, ...) -> out`` /
-``all_to_all_wait(out) -> out``, which drive the backend's asynchronous ``alltoall_base`` from
-C++ in the pattern of torch's functional collectives, so ``torch.compile`` traces them and keeps
-every wait; and ``pack_chunk`` / ``unpack_chunk``, CUDA kernels on GPUs) when it is built,
+Transport: the C++ extension ``fastpar._C`` (ops ``fastpar::all_to_all_start(x, ...) ->
+ticket`` / ``all_to_all_wait(ticket, x, out_splits) -> out``, which drive the backend's
+asynchronous ``alltoall_base`` from C++ in the pattern of torch's functional collectives, with no
+output aliasing an input, so ``torch.compile`` traces them and keeps every wait; and ``pack_chunk`` / ``unpack_chunk``, CUDA kernels on GPUs) when it is built,
 else ``torch.distributed``'s ``all_to_all_single(async_op=True)`` — the same algorithm, the
 same results. Under ``torch.compile`` the overlapped Function's forward and backward (with
 their start + wait pairs) are traced when ``torch._dynamo.config.trace_autograd_ops`` is on
@@ -83,20 +83,21 @@ def _register_extension_ops() -> bool:
     def _unpack_fake(full, chunk, c0):
         return None
 
-    @torch.library.register_fake("fastpar::all_to_all_start")
-    def _start_fake(input, output_split_sizes, input_split_sizes, group_name):
+    def received(input, output_split_sizes):
         rows = sum(output_split_sizes) if output_split_sizes else input.shape[0]
         return input.new_empty((rows, *input.shape[1:]))
 
+    @torch.library.register_fake("fastpar::all_to_all_start")
+    def _start_fake(input, output_split_sizes, input_split_sizes, group_name):
+        return input.new_empty((1,), dtype=torch.uint8)  # the ticket
+
     @torch.library.register_fake("fastpar::all_to_all_wait")
-    def _wait_fake(output):
-        # as torch's wait_tensor: the real op hands back its argument, a traced graph a new value
-        return torch.empty_like(output)
+    def _wait_fake(ticket, input, output_split_sizes):
+        return received(input, output_split_sizes)
 
     @torch.library.register_fake("fastpar::all_to_all")
     def _sync_fake(input, output_split_sizes, input_split_sizes, group_name):
-        rows = sum(output_split_sizes) if output_split_sizes else input.shape[0]
-        return input.new_empty((rows, *input.shape[1:]))
+        return received(input, output_split_sizes)
 
     # A collective is never dead code: a traced graph keeps every start and wait that eager
     # would issue, even where their results go unused (every rank must take part).
@@ -132,18 +133,20 @@ def transport() -> str:
 
 class _Pending:
     """An all-to-all in flight: ``wait()`` returns the received rows. The extension's transfer
-    is keyed by its output (``extension=True``: wait through the op, whose result is what later
-    code must read); the python transport's by a ``Work``. Dropped unwaited, neither leaks."""
+    is keyed by its ticket (``ticket``: its op hands out the rows only once they have arrived);
+    the python transport's by a ``Work`` writing into ``out``. Dropped unwaited, neither
+    leaks."""
 
-    def __init__(self, out: torch.Tensor, work=None, keep=None, extension: bool = False):
-        self.out, self.work, self.keep, self.extension = out, work, keep, extension
+    def __init__(self, out=None, work=None, keep=None, ticket=None, out_splits=None):
+        self.out, self.work, self.keep = out, work, keep
+        self.ticket, self.out_splits = ticket, out_splits
 
     def wait(self) -> torch.Tensor:
-        if self.extension:
-            self.out = torch.ops.fastpar.all_to_all_wait(self.out)
+        if self.ticket is not None:
+            self.out = torch.ops.fastpar.all_to_all_wait(self.ticket, self.keep, self.out_splits)
         elif self.work is not None:
             self.work.wait()
-        self.work = self.keep = None
+        self.work = self.keep = self.ticket = None
         return self.out
 
 
@@ -153,8 +156,9 @@ def start_all_to_all(x: torch.Tensor, group, out_splits, in_splits, kind: str) -
     x = x.contiguous()
     if kind == "extension":
         g = group if group is not None else dist.distributed_c10d._get_default_group()
-        out = torch.ops.fastpar.all_to_all_start(x, out_splits or [], in_splits or [], g.group_name)
-        return _Pending(out, extension=True)
+        out_splits = out_splits or []
+        ticket = torch.ops.fastpar.all_to_all_start(x, out_splits, in_splits or [], g.group_name)
+        return _Pending(keep=x, ticket=ticket, out_splits=out_splits)
     rows = sum(out_splits) if out_splits is not None else x.shape[0]
     out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
     work = dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True)
