@@ -25,6 +25,11 @@ ScheduleInterleavedZeroBubble.
   start to the last action's end over all ranks; ``span_idle`` = 1 - busy / span is the
   bubble over that span, what the simulator's makespan models. ``ideal_idle`` =
   1 - 3 m FORWARD_S / wall counts the sleeps' overshoot and autograd's own time as idle too.
+  Interleaved runs in Megatron's groups of p micro-batches and, as ``-g2p``, in groups of 2p
+  (``group_size``: slack around the ring that absorbs each message's latency, m >= 2p).
+  Beside torch: the same sleep chunks under torch.distributed.pipelining's
+  ScheduleInterleaved1F1B on the same ranks, steps alternating, each schedule's idle as
+  1 - 3 m FORWARD_S / step (``_bubble_beside_torch``).
 * Activation memory: a 16-block MLP chain (h = 256, batch 64, m = 8, p = 4), the peak bytes of
   stored activations per rank (stage inputs + tensors autograd saved), every schedule.
 * Peer: the same 8-block MLP chain cut into p * 2 chunks, fastpar's Interleaved(8, 2) and
@@ -119,15 +124,15 @@ class SplitSleepChunk(SleepChunk):
         return h * _SleepInBackward.apply(self.v, self.seconds)
 
 
-def _schedule(name: str, m: int, v: int):
+def _schedule(name: str, m: int, v: int, group: int | None = None):
     if name == "interleaved":
-        return Interleaved(m, v)
+        return Interleaved(m, v, group)
     return {"gpipe": GPipe, "1f1b": OneFOneB, "zb-h1": ZeroBubbleH1}[name](m)
 
 
-def _bubble(name: str, m: int, v: int) -> float:
+def _bubble(name: str, m: int, v: int, group: int | None = None) -> float:
     mesh = ParallelMesh(pp=dist.get_world_size())
-    sched = _schedule(name, m, v)
+    sched = _schedule(name, m, v, group)
     kind = SplitSleepChunk if sched.splits_backward else SleepChunk
     chunks = [kind(FORWARD_S / v) for _ in range(v)]
     stage = chunks if v > 1 else chunks[0]
@@ -155,21 +160,26 @@ def _bubble(name: str, m: int, v: int) -> float:
     return out
 
 
-CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb-h1", 1)]
+#: (schedule, v, micro-batch groups of 2p: interleaved's slack against message latency)
+CASES = [("gpipe", 1, False), ("1f1b", 1, False), ("interleaved", 2, False),
+         ("interleaved", 4, False), ("interleaved", 2, True), ("interleaved", 4, True),
+         ("zb-h1", 1, False)]  # fmt: skip
 
 
 @pytest.mark.parametrize("p", [2, 4])
-@pytest.mark.parametrize("name,v", CASES, ids=[f"{n}-v{v}" for n, v in CASES])
-def test_bubble_against_theory(benchmark, name, v, p):
+@pytest.mark.parametrize(
+    "name,v,wide", CASES, ids=[f"{n}-v{v}" + ("-g2p" if w else "") for n, v, w in CASES]
+)
+def test_bubble_against_theory(benchmark, name, v, wide, p):
     benchmark.group = f"pipeline-schedule-bubble-p{p}"
     rows = {}
 
     def measure():
-        for m in (p, 2 * p, 4 * p):
-            rows[m] = run_ranks(_bubble, p, name, m, v)
+        for m in (2 * p, 4 * p) if wide else (p, 2 * p, 4 * p):
+            rows[m] = run_ranks(_bubble, p, name, m, v, 2 * p if wide else None)
 
     benchmark.pedantic(measure, rounds=1, iterations=1)
-    label = name + (f" v={v}" if v > 1 else "")
+    label = name + (f" v={v}" if v > 1 else "") + (f" G={2 * p}" if wide else "")
     lines = [f"\n{label}, p={p}:   m   measured idle   theory   measured/theory   1F1B theory"
              "    wait    host    rest   fixed   span idle   ideal idle   step ms"]  # fmt: skip
     table = {}
@@ -190,6 +200,69 @@ def test_bubble_against_theory(benchmark, name, v, p):
     print("\n".join(lines))
 
 
+def _bubble_beside_torch(v: int, m: int, steps: int = 5) -> dict[str, float]:
+    """The same sleep chunks under fastpar's Interleaved (groups of p, and of 2p) and torch's
+    ScheduleInterleaved1F1B on these ranks, steps alternating between barriers; each one's
+    idle as 1 - 3 m FORWARD_S / step (every rank sleeps the same 3 m FORWARD_S a step under
+    each, so the three are measured alike)."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    mesh = ParallelMesh(pp=dist.get_world_size())
+    p, r = mesh.pp_size, mesh.pp_rank
+    loss = lambda out, y: (out - y).pow(2).mean()  # noqa: E731 - torch takes it by position
+    x = torch.randn(m * 2, 8)
+    ours = {
+        f"fastpar G={g}": PipelineEngine(
+            [SleepChunk(FORWARD_S / v) for _ in range(v)], mesh, Interleaved(m, v, g), loss_fn=loss
+        )
+        for g in (p, 2 * p)
+    }
+    stages = [
+        PipelineStage(SleepChunk(FORWARD_S / v), c * p + r, p * v, torch.device("cpu"))
+        for c in range(v)
+    ]
+    theirs = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss)
+
+    def torch_step():
+        if mesh.is_first_stage:
+            theirs.step(x)
+        elif mesh.is_last_stage:
+            theirs.step(target=x)
+        else:
+            theirs.step()
+
+    runs = {
+        name: (lambda e=e: e.train_step(x, x, broadcast_loss=False)) for name, e in ours.items()
+    }
+    runs["torch ScheduleInterleaved1F1B"] = torch_step
+    walls: dict[str, list[float]] = {name: [] for name in runs}
+    for it in range(steps + 1):  # the first round is a warm-up
+        for name, run in runs.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            run()
+            dist.barrier()
+            if it:
+                walls[name].append(time.perf_counter() - t0)
+    return {name: 1 - 3 * m * FORWARD_S / statistics.median(w) for name, w in walls.items()}
+
+
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("v", [2, 4])
+def test_interleaved_bubble_beside_torch(benchmark, v, p):
+    """The measured bubble of interleaved 1F1B beside torch.distributed.pipelining's on the
+    same chunks and ranks (m = 8): the torch-native peer pays the same per-message costs."""
+    benchmark.group = f"pipeline-interleaved-bubble-vs-torch-p{p}"
+    res = benchmark.pedantic(
+        run_ranks, args=(_bubble_beside_torch, p, v, 8), rounds=1, iterations=1
+    )
+    idle = {k: statistics.mean(r[k] for r in res) for k in res[0]}
+    theory = Interleaved(8, v).theory(p)
+    benchmark.extra_info.update(idle=idle, theory=theory)
+    print(f"\ninterleaved v={v} p={p} m=8, idle (x theory {theory:.3f}): " + ", ".join(
+        f"{k} {x:.3f} (x{x / theory:.2f})" for k, x in idle.items()))  # fmt: skip
+
+
 def _mlp_blocks(n: int = 16, h: int = 256):
     torch.manual_seed(0)
     return [nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h)) for _ in range(n)]
@@ -201,10 +274,10 @@ def _stage_for(mesh, name: str, v: int, n: int):
     return build_stage(_mlp_blocks(n), mesh.pp_size, mesh.pp_rank)[0]
 
 
-def _activation_memory(name: str, v: int, recompute: bool) -> int:
+def _activation_memory(name: str, v: int, recompute: bool, group: int | None = None) -> int:
     mesh = ParallelMesh(pp=dist.get_world_size())
     engine = PipelineEngine(
-        _stage_for(mesh, name, v, 16), mesh, _schedule(name, 8, v), loss_fn=F.mse_loss,
+        _stage_for(mesh, name, v, 16), mesh, _schedule(name, 8, v, group), loss_fn=F.mse_loss,
         recompute=recompute, measure_activations=True,
     )  # fmt: skip
     x = torch.randn(64, 256)
@@ -212,20 +285,24 @@ def _activation_memory(name: str, v: int, recompute: bool) -> int:
     return engine.stats["peak_activation_bytes"]
 
 
-MEMORY = [("gpipe", 1, False), ("gpipe", 1, True), ("1f1b", 1, False), ("interleaved", 2, False),
-          ("interleaved", 4, False), ("interleaved", 2, True), ("zb-h1", 1, False)]  # fmt: skip
+MEMORY = [("gpipe", 1, False, None), ("gpipe", 1, True, None), ("1f1b", 1, False, None),
+          ("interleaved", 2, False, None), ("interleaved", 4, False, None),
+          ("interleaved", 2, True, None), ("interleaved", 2, False, 8),
+          ("interleaved", 4, False, 8), ("zb-h1", 1, False, None)]  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    "name,v,recompute", MEMORY, ids=[f"{n}-v{v}{'-recompute' if r else ''}" for n, v, r in MEMORY]
-)
-def test_activation_memory_per_rank(benchmark, name, v, recompute):
+    "name,v,recompute,group", MEMORY,
+    ids=[f"{n}-v{v}{'-recompute' if r else ''}{f'-g{g}' if g else ''}" for n, v, r, g in MEMORY],
+)  # fmt: skip
+def test_activation_memory_per_rank(benchmark, name, v, recompute, group):
     benchmark.group = "pipeline-schedule-activation-memory"
     peaks = benchmark.pedantic(
-        run_ranks, args=(_activation_memory, 4, name, v, recompute), rounds=1, iterations=1
+        run_ranks, args=(_activation_memory, 4, name, v, recompute, group), rounds=1, iterations=1
     )
     benchmark.extra_info.update(peak_bytes_per_rank=peaks)
     label = name + (f" v={v}" if v > 1 else "") + (" + recompute" if recompute else "")
+    label += f" G={group}" if group else ""
     print(f"\n{label:<26} p=4 m=8: peak stored activations per rank (KiB) "
           f"{[b // 1024 for b in peaks]}")  # fmt: skip
 

@@ -1,6 +1,8 @@
 """Interleaved 1F1B (v model chunks per rank, placed round-robin) equals the unpipelined model:
 losses and every gradient, pp 2 and 4, v 2 and 4, m = p, 2p, 3p, with and without
-recomputation, tensor and tuple messages; the schedule's order, bubble and errors."""
+recomputation, tensor and tuple messages, micro-batch groups of p and larger (Megatron's
+microbatch_group_size_per_vp_stage, m then not always a multiple of p); the schedule's order,
+bubble (with and without message latency) and errors."""
 
 from __future__ import annotations
 
@@ -26,7 +28,9 @@ from fastpar.parallel.pipeline import (
 from fastpar.testing import RankError, run_ranks
 
 
-def _interleaved(v: int, m: int, recompute: bool, n: int, make=blocks, size: int = 24) -> list:
+def _interleaved(
+    v: int, m: int, recompute: bool, n: int, make=blocks, size: int = 24, group=None
+) -> list:
     """Two SGD steps pipelined over v chunks per rank and unpipelined: the same loss, and every
     chunk parameter's gradient equals the whole model's parameter of the same global name."""
     mesh = ParallelMesh(pp=dist.get_world_size())
@@ -34,7 +38,8 @@ def _interleaved(v: int, m: int, recompute: bool, n: int, make=blocks, size: int
     chunks, ranges = build_virtual_stages(
         copy.deepcopy(list(dense)), mesh.pp_size, mesh.pp_rank, v, costs=[1] * len(dense)
     )
-    engine = PipelineEngine(chunks, mesh, Interleaved(m, v), loss_fn=loss_fn, recompute=recompute)
+    sched = Interleaved(m, v, group)
+    engine = PipelineEngine(chunks, mesh, sched, loss_fn=loss_fn, recompute=recompute)
     ref = dict(dense.named_parameters())
     opt_d = torch.optim.SGD(dense.parameters(), lr=0.5)
     opt_s = torch.optim.SGD(chunks.parameters(), lr=0.5)
@@ -50,9 +55,7 @@ def _interleaved(v: int, m: int, recompute: bool, n: int, make=blocks, size: int
             assert_close(p.grad, ref[name].grad, f"grad of {name} at step {step}")
         opt_d.step()
         opt_s.step()
-    assert engine.stats["max_in_flight"] == Interleaved(m, v).max_in_flight(
-        mesh.pp_size, mesh.pp_rank
-    )
+    assert engine.stats["max_in_flight"] == sched.max_in_flight(mesh.pp_size, mesh.pp_rank)
     return ranges
 
 
@@ -81,6 +84,53 @@ def test_interleaved_equals_unpipelined(pp, v, m, recompute):
 
 def test_interleaved_tuple_messages_equal_unpipelined():
     run_ranks(_interleaved, 2, 2, 4, True, 4, make=tuple_blocks, size=12)
+
+
+@pytest.mark.parametrize(
+    "pp, v, m, group, recompute",
+    [
+        (2, 2, 8, 4, False),
+        (2, 2, 5, 3, True),  # m not a multiple of p: groups of 3 and 2
+        (2, 4, 6, 4, False),  # groups of 4 and 2
+        (4, 2, 12, 8, False),  # groups of 8 and 4
+        (4, 2, 8, 8, True),
+    ],
+)
+def test_larger_micro_batch_groups_equal_unpipelined(pp, v, m, group, recompute):
+    run_ranks(_interleaved, pp, v, m, recompute, pp * v - 2, size=4 * m, group=group)
+
+
+def test_larger_groups_follow_megatrons_table_and_absorb_latency():
+    # Megatron-Core's get_schedule_table(m=5, v=2, group=3) written out: micro-batches 0-2
+    # through chunk 0 then chunk 1, then the last group (3, 4) the same way
+    table = [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 0), (4, 0), (3, 1), (4, 1)]
+    p, v, m, g = 2, 2, 5, 3
+    for r in range(p):
+        steps = Interleaved(m, v, g).steps(p, r)
+        assert [(i, c) for kind, i, c in steps if kind == "F"] == table
+        assert [(i, c) for kind, i, c in steps if kind == "B"] == [(i, 1 - c) for i, c in table]
+        warm = next(k for k, s in enumerate(steps) if s[0] == "B") - 1
+        assert warm == (p - r - 1) * 2 + (v - 1) * g  # 5 on rank 0, 3 on rank 1
+    for p in (2, 3, 4):  # every valid group size: no deadlock, the textbook bubble
+        for v in (2, 3):
+            for m in range(p, 13):
+                for g in (g for g in range(p, m + 1) if not 0 < m % g < p):
+                    got = Interleaved(m, v, g).bubble_fraction(p)
+                    assert got == pytest.approx((p - 1) / (v * m + p - 1)), (p, v, m, g)
+    for p, v, m in ((2, 2, 8), (2, 4, 8), (4, 2, 8), (4, 4, 16)):
+        base, wide = Interleaved(m, v), Interleaved(m, v, 2 * p)
+        chunk = (1 / v, 2 / v)  # a stage's forward is 1: a chunk's is 1 / v
+        # free messages: the same bubble, the textbook one
+        assert wide.bubble_fraction(p, *chunk) == pytest.approx(base.theory(p))
+        assert base.bubble_fraction(p, *chunk) == pytest.approx(base.theory(p))
+        # messages taking 5 % of a stage's forward: groups of p pay it on every step of the
+        # ring, groups of 2p only at the ends
+        slow, slack = (s.bubble_fraction(p, *chunk, latency=0.05) for s in (base, wide))
+        assert slack < slow and slack < 1.15 * base.theory(p), (p, v, m, slow, slack)
+        # the price: (v - 1)(g - p) more chunk-forwards in flight on every rank
+        for r in range(p):
+            extra = wide.max_in_flight(p, r) - base.max_in_flight(p, r)
+            assert extra == (v - 1) * p, (p, v, m, r)
 
 
 def test_interleaved_order_is_megatrons():
@@ -115,6 +165,16 @@ def test_interleaved_timeline_and_schedule_names():
 def test_impossible_combinations_are_clear_errors():
     with pytest.raises(ValueError, match=r"micro-batches \(6\) to be a multiple of the pipeline"):
         Interleaved(6, 2).steps(4, 0)
+    with pytest.raises(ValueError, match="group_size 2 is smaller than the pipeline size 4"):
+        Interleaved(8, 2, 2).check(4)
+    with pytest.raises(ValueError, match=r"must be an integer in \[pp, num_microbatches = 8\]"):
+        Interleaved(8, 2, 9)
+    with pytest.raises(ValueError, match="leave a last group of 1, fewer than the pipeline"):
+        Interleaved(7, 2, 3).check(2)
+    with pytest.raises(ValueError, match="with 1 virtual stage there are none to order"):
+        Interleaved(8, 1, 4)
+    with pytest.raises(ValueError, match="group_size 4 needs the interleaved schedule"):
+        make_schedule("1f1b", 8, 1, 4)
     with pytest.raises(ValueError, match="needs pp > 1"):
         Interleaved(4, 2).check(1)
     with pytest.raises(ValueError, match="virtual_stages must be a positive integer"):
@@ -173,8 +233,11 @@ SMALL = dict(steps=3, batch_size=8, seq_len=16, hidden=32, heads=4, layers=2, qu
         dict(tp=1, pp=4, dp=1, ep=1, zero=0, virtual_stages=2, microbatches=4, layers=6,
              recompute=True),
         dict(tp=1, pp=2, dp=2, ep=2, zero=2, virtual_stages=3, microbatches=4, layers=4),
+        dict(tp=1, pp=2, dp=2, ep=2, zero=1, virtual_stages=2, microbatches=5,
+             microbatch_group_size=3, batch_size=10),
     ],
-    ids=["tp2-pp2-dp2-ep2-z1-v2", "pp4-z0-v2-recompute", "pp2-dp2-ep2-z2-v3"],
+    ids=["tp2-pp2-dp2-ep2-z1-v2", "pp4-z0-v2-recompute", "pp2-dp2-ep2-z2-v3",
+         "pp2-dp2-ep2-z1-v2-m5-g3"],
 )  # fmt: skip
 def test_verify_interleaved_agrees_with_single_process(layout):
     """The trainer's interleaved run (losses, grad norms, parameters after the steps through a
@@ -198,6 +261,11 @@ def test_verify_interleaved_agrees_with_single_process(layout):
          "--schedule interleaved with --zero 3 is not supported"),
         (["--schedule", "interleaved", "--pp", "1", "--dp", "4"], "needs --pp 2 or more"),
         (["--schedule", "zb"], "schedule must be one of gpipe, 1f1b, interleaved"),
+        (["--microbatch-group-size", "2"], "--microbatch-group-size 2 orders the model chunks"),
+        (["--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "4",
+          "--microbatch-group-size", "3"], "leave a last group of 1, fewer than the pipeline"),
+        (["--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "4",
+          "--microbatch-group-size", "0"], "--microbatch-group-size 0 must be >= 1"),
     ],
 )  # fmt: skip
 def test_cli_refuses_impossible_interleaved_runs(argv, message, capsys, monkeypatch):

@@ -259,7 +259,9 @@ class Trainer:
         self.stage_module, self.start, self.hf = parts.module, parts.start, parts.hf
         self.model_cfg, self.model, self.opt = parts.model_cfg, parts.model, parts.opt
         self.scaler, self.moes = parts.scaler, parts.moes
-        sched = make_schedule(cfg.schedule, cfg.microbatches, cfg.virtual_stages)
+        sched = make_schedule(
+            cfg.schedule, cfg.microbatches, cfg.virtual_stages, cfg.microbatch_group_size
+        )
         stage = parts.model if cfg.virtual_stages == 1 else parts.module  # chunks: run directly
         self.engine = PipelineEngine(
             stage, mesh, sched, loss_fn=parts.loss_fn, recompute=cfg.recompute is True,

@@ -43,7 +43,7 @@ AT_LEAST = {
     "keep_last": (0, " (0: keep every checkpoint)"),
 }
 #: integer flags whose default None means "follow another flag": at least 1 when given
-OPTIONAL_AT_LEAST_1 = ("ffn",)
+OPTIONAL_AT_LEAST_1 = ("ffn", "microbatch_group_size")
 #: float flags that must be finite and > 0, or finite and >= 0
 POSITIVE = ("lr", "max_grad_norm", "collective_timeout")
 NON_NEGATIVE = ("min_lr", "weight_decay")

@@ -34,6 +34,10 @@ from fastpar.train.memory import WARN_FRACTION, estimate
 _HELP = {
     "virtual_stages": "--schedule interleaved: model chunks per pipeline rank (virtual stages, "
     "placed round-robin; --microbatches a multiple of --pp)",
+    "microbatch_group_size": "--schedule interleaved: micro-batches each model chunk runs "
+    "before the next chunk's turn (Megatron's --microbatch-group-size-per-virtual-pipeline-"
+    "stage; default --pp). Above --pp it gives the ring slack that hides message latency, for "
+    "(V - 1)(G - pp) more chunk activations in flight",
     "eval_every": "every N steps (and the last), the validation loss of --eval-batches held-out "
     "batches, pipelined forward-only, as val_loss in the log line and metrics (0: never)",
     "eval_batches": "batches of --batch-size sequences per evaluation",
@@ -173,15 +177,17 @@ _OPTIONAL = {"vocab_size": int, "ffn": int, "moe_ffn": int, "min_lr": float, "kv
              "ep": int, "dp": int, "hf_config": str, "checkpoint_dir": str, "profile": str,
              "profile_steps": str, "metrics_file": str, "tensorboard": str,
              "peak_tflops": float, "routed_scaling_factor": float, "router_groups": int,
-             "router_group_topk": int, "shared_expert_ffn": int}  # fmt: skip
+             "router_group_topk": int, "shared_expert_ffn": int,
+             "microbatch_group_size": int}  # fmt: skip
 _METAVARS = {"checkpoint_dir": "DIR", "profile": "DIR", "tensorboard": "DIR", "profile_steps":
              "A:B", "metrics_file": "FILE", "data": "FILE", "tokenizer": "FILE",
              "hf_config": "FILE", "peak_tflops": "TFLOPS",
              "collective_timeout": "SECONDS", "router_groups": "N", "router_group_topk": "K",
-             "shared_expert_ffn": "N", "routed_scaling_factor": "F"}  # fmt: skip
+             "shared_expert_ffn": "N", "routed_scaling_factor": "F",
+             "microbatch_group_size": "G"}  # fmt: skip
 _GROUPS = {
     "layout": ("tp", "pp", "dp", "ep", "cp", "cp_attention", "zero", "microbatches", "schedule", "virtual_stages",
-               "recompute", "sequence_parallel", "moe_expert_tp", "overlap_chunks"),
+               "microbatch_group_size", "recompute", "sequence_parallel", "moe_expert_tp", "overlap_chunks"),
     "model": ("model_type", "hf_config", "vocab_size", "seq_len", "hidden", "heads", "layers",
               "ffn", "moe_ffn", "kv_heads", "head_dim", "rope_theta", "qk_norm",
               "attention_bias", "norm", "untied", "moe_every", "experts", "top_k",

@@ -17,7 +17,7 @@ from fastpar.mesh import MeshLayout
 from fastpar.models import GPTConfig, LlamaConfig
 from fastpar.models.llama import ROUTING_DEFAULTS
 from fastpar.parallel.pipeline.recompute import RecomputePolicy
-from fastpar.parallel.pipeline.schedules import SCHEDULES
+from fastpar.parallel.pipeline.schedules import SCHEDULES, make_schedule
 from fastpar.train.checks import (
     TIMEOUT_ENV,
     check_ranges,
@@ -68,6 +68,7 @@ class TrainConfig:
     microbatches: int = 2
     schedule: str = "1f1b"
     virtual_stages: int = 1
+    microbatch_group_size: int | None = None
     recompute: bool | str = False
     steps: int = 30
     batch_size: int = 16
@@ -329,7 +330,7 @@ class TrainConfig:
             )
 
     def _check_schedule(self) -> None:
-        """--schedule, --virtual-stages and the evaluation flags."""
+        """--schedule, --virtual-stages, --microbatch-group-size and the evaluation flags."""
         if self.schedule not in SCHEDULES:
             raise ValueError(
                 f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}"
@@ -357,18 +358,33 @@ class TrainConfig:
                 raise ValueError(
                     f"--virtual-stages {v} needs --schedule interleaved (got {self.schedule})"
                 )
+            if self.microbatch_group_size is not None:
+                raise ValueError(
+                    f"--microbatch-group-size {self.microbatch_group_size} orders the model "
+                    f"chunks of --schedule interleaved (got {self.schedule}); drop it"
+                )
         else:
             if self.pp < 2:
                 raise ValueError(
                     "--schedule interleaved needs --pp 2 or more (model chunks go round the "
                     "pipeline ranks); use --schedule 1f1b at --pp 1"
                 )
-            if self.microbatches % self.pp:
+            g = self.microbatch_group_size
+            if g is None and self.microbatches % self.pp:
                 raise ValueError(
                     f"--schedule interleaved needs --microbatches ({self.microbatches}) to be a "
                     f"multiple of --pp {self.pp} (micro-batches run in groups of pp); use "
-                    f"--microbatches {self.microbatches + (-self.microbatches) % self.pp}"
+                    f"--microbatches {self.microbatches + (-self.microbatches) % self.pp}, or a "
+                    "--microbatch-group-size whose last group holds at least pp micro-batches"
                 )
+            if g is not None:
+                try:
+                    make_schedule("interleaved", self.microbatches, v, g).check(self.pp)
+                except ValueError as exc:
+                    raise ValueError(
+                        f"--microbatch-group-size {g} with --microbatches {self.microbatches} "
+                        f"and --pp {self.pp}: {exc}"
+                    ) from None
             if self.zero == 3:
                 raise ValueError(
                     "--schedule interleaved with --zero 3 is not supported (ZeRO-3 gathers "

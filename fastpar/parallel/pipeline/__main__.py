@@ -1,8 +1,10 @@
 """``python -m fastpar.parallel.pipeline [--stages 4] [--microbatches 8] [--virtual-stages 2]
-[--schedule NAME]``: draw every schedule's per-rank timeline (GPipe, 1F1B, interleaved 1F1B
-with v chunks per rank, zero-bubble ZB-H1 with its W steps, forward-only) and print the
-simulated bubble beside theory: (p - 1) / (v m + p - 1), and (p - 1) / (3 m + p - 1) for ZB-H1
-(F = B = W, the 1F1B backward split in halves)."""
+[--group-size G] [--latency L] [--schedule NAME]``: draw every schedule's per-rank timeline
+(GPipe, 1F1B, interleaved 1F1B with v chunks per rank in groups of G micro-batches, zero-bubble
+ZB-H1 with its W steps, forward-only) and print the simulated bubble beside theory:
+(p - 1) / (v m + p - 1), and (p - 1) / (3 m + p - 1) for ZB-H1 (F = B = W, the 1F1B backward
+split in halves). ``--latency L``: every message between ranks takes L time units (a stage's
+forward is 1) in the bubble table, which then also shows interleaved with G = 2p."""
 
 from __future__ import annotations
 
@@ -23,15 +25,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--virtual-stages", type=int, default=2, help="chunks per rank (interleaved)")
     ap.add_argument(
+        "--group-size", type=int, default=None,
+        help="interleaved: micro-batches per chunk in turn (default: the stages)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--latency", type=float, default=0.0,
+        help="bubble table: time units a message between ranks takes (a stage forward is 1)",
+    )  # fmt: skip
+    ap.add_argument(
         "--schedule", choices=("all", "gpipe", "1f1b", "interleaved", "zb-h1", "forward-only"),
         default="all",
     )  # fmt: skip
     args = ap.parse_args(argv)
-    p, m, v = args.stages, args.microbatches, args.virtual_stages
+    p, m, v, g, lat = (
+        args.stages, args.microbatches, args.virtual_stages, args.group_size, args.latency
+    )  # fmt: skip
     every = {
         "gpipe": lambda: GPipe(m),
         "1f1b": lambda: OneFOneB(m),
-        "interleaved": lambda: Interleaved(m, v),
+        "interleaved": lambda: Interleaved(m, v, g),
         "zb-h1": lambda: ZeroBubbleH1(m),
         "forward-only": lambda: ForwardOnly(m),
     }
@@ -47,17 +59,20 @@ def main(argv: list[str] | None = None) -> None:
         print(sched.timeline(p))
         inflight = [sched.max_in_flight(p, s) for s in range(p)]
         print(f"  chunk-forwards in flight per rank: {inflight}\n")
-    print(f"{'schedule':>16} {'p':>3} {'m':>3} {'simulated':>10} {'theory':>15}")
+    print(f"{'schedule':>22} {'p':>3} {'m':>3} {'simulated':>10} {'theory':>15}")
     for pp in (2, 4):
         for mm in (4, 8, 16):
-            for sched in (OneFOneB(mm), Interleaved(mm, 2), Interleaved(mm, 4), ZeroBubbleH1(mm)):
-                name = type(sched).__name__ + (
-                    f" v={sched.virtual_stages}" if sched.virtual_stages > 1 else ""
-                )
-                print(
-                    f"{name:>16} {pp:>3} {mm:>3} {sched.bubble_fraction(pp):>10.3f} "
-                    f"{sched.theory(pp):>15.3f}"
-                )
+            table = [OneFOneB(mm), Interleaved(mm, 2), Interleaved(mm, 4), ZeroBubbleH1(mm)]
+            if lat and 2 * pp <= mm:
+                table[3:3] = [Interleaved(mm, 2, 2 * pp), Interleaved(mm, 4, 2 * pp)]
+            for sched in table:
+                name = type(sched).__name__
+                if sched.virtual_stages > 1:
+                    name += f" v={sched.virtual_stages}"
+                    name += f" G={sched.group_size}" if sched.group_size else ""
+                v_ = sched.virtual_stages  # a chunk's forward: 1 / v of the stage's
+                simulated = sched.bubble_fraction(pp, 1 / v_, 2 / v_, latency=lat)
+                print(f"{name:>22} {pp:>3} {mm:>3} {simulated:>10.3f} {sched.theory(pp):>15.3f}")
 
 
 if __name__ == "__main__":

@@ -69,12 +69,15 @@ class Schedule:
             return forward
         return backward / 2 if self.splits_backward else backward
 
-    def simulate(self, num_stages: int, forward: float = 1.0, backward: float = 2.0):
+    def simulate(
+        self, num_stages: int, forward: float = 1.0, backward: float = 2.0, latency: float = 0.0
+    ):
         """Start time of every step with uniform costs per step (``forward`` / ``backward``
         for one chunk's forward / backward of one micro-batch): a step starts when this rank
         is free and its input is ready (F on virtual stage s after F on s - 1; B on s after B
         on s + 1 and after its own F; W after its own B, B and W each half of ``backward``
-        when the schedule splits it). Returns ({(rank, action): start}, makespan)."""
+        when the schedule splits it); an input from another rank arrives ``latency`` after
+        the step that made it. Returns ({(rank, action): start}, makespan)."""
         p, v = num_stages, self.virtual_stages
         order = [self.actions(p, r) for r in range(p)]
         pos, free = [0] * p, [0.0] * p
@@ -95,7 +98,7 @@ class Schedule:
                     dep = (s % p, (kind, i, s // p))
                     if dep not in done:
                         continue
-                    ready = done[dep]
+                    ready = done[dep] + (latency if dep[0] != r else 0.0)
                 if kind == "B":
                     ready = max(ready, done[(r, ("F", i, c))])
                 t0 = max(free[r], ready)
@@ -109,10 +112,11 @@ class Schedule:
         return start, max(free)
 
     def bubble_fraction(
-        self, num_stages: int, forward: float = 1.0, backward: float = 2.0
+        self, num_stages: int, forward: float = 1.0, backward: float = 2.0, latency: float = 0.0
     ) -> float:
-        """Idle fraction of each rank under uniform costs (equal on every rank)."""
-        _, makespan = self.simulate(num_stages, forward, backward)
+        """Idle fraction of each rank under uniform costs (equal on every rank), messages
+        between ranks taking ``latency``."""
+        _, makespan = self.simulate(num_stages, forward, backward, latency)
         acts = self.actions(num_stages, 0)
         busy = sum(self.cost(k, forward, backward) for k, _, _ in acts)
         return 1.0 - busy / makespan
@@ -129,6 +133,8 @@ class Schedule:
         v = self.virtual_stages
         width = len(str(self.num_microbatches - 1)) + 1 + (len(str(v - 1)) + 1 if v > 1 else 0)
         chunks = f" x {v} chunks" if v > 1 else ""
+        if getattr(self, "group_size", None):
+            chunks += f" in groups of {self.group_size} micro-batches"
         costs = f"B=W={backward / 2:g}" if self.splits_backward else f"B={backward}"
         lines = [f"{type(self).__name__}, {self.num_microbatches} micro-batches, {num_stages} stages"
                  f"{chunks} (F={forward}, {costs} time units per step; bubble "
@@ -226,10 +232,21 @@ def _zb_h1(p: int, m: int) -> list[list[Step]]:
     return out
 
 
-def _check_interleaved(m: int, v: int, p: int | None, name: str) -> None:
-    """``p`` None: only what does not depend on the pipeline size."""
+def _check_interleaved(m: int, v: int, p: int | None, name: str, g: int | None = None) -> None:
+    """``p`` None: only what does not depend on the pipeline size. ``g``: the micro-batch
+    group size (None: p)."""
     if not isinstance(v, int) or v < 1:
         raise ValueError(f"virtual_stages must be a positive integer, got {v!r}")
+    if g is not None and (not isinstance(g, int) or g < 1 or g > m):
+        raise ValueError(
+            f"{name}: group_size (micro-batches per chunk in turn) must be an integer in "
+            f"[pp, num_microbatches = {m}], got {g!r}"
+        )
+    if g is not None and v == 1:
+        raise ValueError(
+            f"{name}: group_size {g} orders the chunks of an interleaved schedule; with 1 "
+            "virtual stage there are none to order (drop group_size or use virtual_stages > 1)"
+        )
     if p is None or v == 1:
         return
     if p == 1:
@@ -237,21 +254,35 @@ def _check_interleaved(m: int, v: int, p: int | None, name: str) -> None:
             f"{name} with {v} virtual stages needs pp > 1 (one rank would send its chunks' "
             "activations to itself); use virtual_stages=1 or a pipeline of 2 or more ranks"
         )
-    if m % p:
+    if g is None:
+        if m % p:
+            raise ValueError(
+                f"{name} with {v} virtual stages needs the micro-batches ({m}) to be a multiple "
+                f"of the pipeline size {p} (Megatron's interleaved order runs them in groups of "
+                f"p); use {m + (-m) % p} micro-batches, virtual_stages=1, or a group_size whose "
+                "last group holds at least p micro-batches"
+            )
+        return
+    if g < p:
         raise ValueError(
-            f"{name} with {v} virtual stages needs the micro-batches ({m}) to be a multiple of "
-            f"the pipeline size {p} (Megatron's interleaved order runs them in groups of p); "
-            f"use {m + (-m) % p} micro-batches or virtual_stages=1"
+            f"{name}: group_size {g} is smaller than the pipeline size {p}: a chunk's next "
+            f"micro-batch would wait for its own previous one around the ring; use {p} or more"
+        )
+    if 0 < m % g < p:
+        raise ValueError(
+            f"{name}: {m} micro-batches in groups of {g} leave a last group of {m % g}, fewer "
+            f"than the pipeline size {p} (it would stall the ring, as Megatron refuses too); "
+            f"use a group size that divides {m} or leaves at least {p}"
         )
 
 
-def _chunk_order(m: int, p: int, v: int, backward: bool) -> list[tuple[int, int]]:
+def _chunk_order(m: int, g: int, v: int, backward: bool) -> list[tuple[int, int]]:
     """Megatron-Core's interleaved order of (micro-batch, chunk): micro-batches in groups of
-    p; within a group every chunk in turn (forward 0..v-1; backward v-1..0), so the k-th step
-    runs chunk (k // p) % v of micro-batch (k // (p v)) p + k % p."""
+    g (the pipeline size unless set; the last group takes the rest); within a group every
+    chunk in turn (forward 0..v-1; backward v-1..0)."""
     out = []
-    for g0 in range(0, m, p):
-        group = range(g0, min(g0 + p, m))
+    for g0 in range(0, m, g):
+        group = range(g0, min(g0 + g, m))
         for c in range(v):
             out += [(i, v - 1 - c if backward else c) for i in group]
     return out
@@ -261,32 +292,53 @@ def _chunk_order(m: int, p: int, v: int, backward: bool) -> list[tuple[int, int]
 class Interleaved(Schedule):
     """Interleaved 1F1B (Megatron-Core's ``forward_backward_pipelining_with_interleaving``):
     each rank holds ``virtual_stages`` (v) model chunks, placed round-robin (rank r: virtual
-    stages r, r + p, ...). Rank r runs ``(p - r - 1) * 2 + (v - 1) * p`` warm-up forwards (all
-    ``v * m`` when m == p), then one forward / one backward, then the remaining backwards, in
-    the order of ``_chunk_order``. Needs m a multiple of p (at p > 1). Bubble
-    (p - 1) / (v m + p - 1); up to about ``(1 + (p - 1) / (v p)) p`` chunk-forwards in
-    flight on rank 0 (more activations than 1F1B, each 1/v as large)."""
+    stages r, r + p, ...). Rank r runs ``(p - r - 1) * 2 + (v - 1) * g`` warm-up forwards (all
+    ``v * m`` when m == g == p), then one forward / one backward, then the remaining
+    backwards, in the order of ``_chunk_order``: micro-batches in groups of g, every chunk in
+    turn over a group. ``group_size`` g is Megatron's ``microbatch_group_size_per_vp_stage``
+    (None: p; in [p, m], and m % g either 0 or at least p). Needs m a multiple of p when g is
+    p (at p > 1). Bubble (p - 1) / (v m + p - 1) with free messages, whatever g. With g = p the
+    order has no slack around the ring (rank 0's next chunk needs rank p - 1's output of the
+    step just before), so every message's latency adds to the step; each micro-batch beyond p
+    in a group is one step of slack that absorbs it, for (v - 1)(g - p) more chunk-forwards
+    in flight (``simulate(latency=...)`` shows both). Up to about
+    ``(v - 1) g + 2 (p - 1) + 1`` chunk-forwards in flight on rank 0 (more activations than
+    1F1B, each 1/v as large)."""
 
     virtual_stages: int = 2
+    group_size: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_interleaved(self.num_microbatches, self.virtual_stages, None, "Interleaved")
+        _check_interleaved(
+            self.num_microbatches, self.virtual_stages, None, "Interleaved", self.group_size
+        )
 
     def check(self, num_stages: int) -> None:
-        _check_interleaved(self.num_microbatches, self.virtual_stages, num_stages, "Interleaved")
+        _check_interleaved(
+            self.num_microbatches, self.virtual_stages, num_stages, "Interleaved", self.group_size
+        )
+
+    def group(self, num_stages: int) -> int:
+        """Micro-batches a chunk runs before the next chunk's turn: ``group_size``, else p."""
+        return num_stages if self.group_size is None else self.group_size
+
+    def forward_only(self) -> ForwardOnly:
+        return ForwardOnly(self.num_microbatches, self.virtual_stages, self.group_size)
 
     def warmup(self, num_stages: int, stage: int) -> int:
         p, m, v = num_stages, self.num_microbatches, self.virtual_stages
-        if m == p:
+        g = self.group(p)
+        if m == p == g:
             return m * v
-        return min((p - stage - 1) * 2 + (v - 1) * p, m * v)
+        return min((p - stage - 1) * 2 + (v - 1) * g, m * v)
 
     def steps(self, num_stages: int, stage: int) -> list[Step]:
         self.check(num_stages)
         p, m, v = num_stages, self.num_microbatches, self.virtual_stages
-        fwd = [("F", i, c) for i, c in _chunk_order(m, p, v, backward=False)]
-        bwd = [("B", i, c) for i, c in _chunk_order(m, p, v, backward=True)]
+        g = self.group(p)
+        fwd = [("F", i, c) for i, c in _chunk_order(m, g, v, backward=False)]
+        bwd = [("B", i, c) for i, c in _chunk_order(m, g, v, backward=True)]
         warm = self.warmup(p, stage)
         out: list[Step] = fwd[:warm]
         for k in range(m * v - warm):
@@ -298,24 +350,30 @@ class Interleaved(Schedule):
 class ForwardOnly(Schedule):
     """Forwards only, no backward (evaluation): micro-batch by micro-batch, or with
     ``virtual_stages`` > 1 chunks per rank in the interleaved order of ``Interleaved``'s
-    forwards (the same groups of p micro-batches; m a multiple of p)."""
+    forwards (the same groups of ``group_size`` micro-batches, p unless set)."""
 
     virtual_stages: int = 1
+    group_size: int | None = None
     has_backward: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_interleaved(self.num_microbatches, self.virtual_stages, None, "ForwardOnly")
+        _check_interleaved(
+            self.num_microbatches, self.virtual_stages, None, "ForwardOnly", self.group_size
+        )
 
     def check(self, num_stages: int) -> None:
-        _check_interleaved(self.num_microbatches, self.virtual_stages, num_stages, "ForwardOnly")
+        _check_interleaved(
+            self.num_microbatches, self.virtual_stages, num_stages, "ForwardOnly", self.group_size
+        )
 
     def steps(self, num_stages: int, stage: int) -> list[Step]:
         self.check(num_stages)
         m, v = self.num_microbatches, self.virtual_stages
         if v == 1:
             return [("F", i) for i in range(m)]
-        return [("F", i, c) for i, c in _chunk_order(m, num_stages, v, backward=False)]
+        g = num_stages if self.group_size is None else self.group_size
+        return [("F", i, c) for i, c in _chunk_order(m, g, v, backward=False)]
 
 
 #: the schedules by their command-line names
@@ -327,14 +385,19 @@ SCHEDULES = {
 }
 
 
-def make_schedule(name: str, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """The schedule called ``name`` (``SCHEDULES``); ``virtual_stages`` only for interleaved."""
+def make_schedule(
+    name: str, num_microbatches: int, virtual_stages: int = 1, group_size: int | None = None
+) -> Schedule:
+    """The schedule called ``name`` (``SCHEDULES``); ``virtual_stages`` and ``group_size``
+    only for interleaved."""
     if name not in SCHEDULES:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {name!r}")
     if name == "interleaved":
-        return Interleaved(num_microbatches, virtual_stages)
+        return Interleaved(num_microbatches, virtual_stages, group_size)
     if virtual_stages != 1:
         raise ValueError(
             f"virtual_stages {virtual_stages} needs the interleaved schedule, not {name}"
         )
+    if group_size is not None:
+        raise ValueError(f"group_size {group_size} needs the interleaved schedule, not {name}")
     return SCHEDULES[name](num_microbatches)
