@@ -119,6 +119,69 @@ def test_split_backward_single_process():
         assert_close(q.grad, r, "weight grad")
 
 
+class _Products(nn.Module):
+    """Every matrix product shape W's direct path takes or leaves: a Linear on 3-D input
+    (addmm on a flattened view), one without bias (mm), a row-major weight (x @ w), addmm
+    with alpha and beta (of a constant matrix: the bias only; of a parameter), and a LayerNorm
+    (not a product: through the engine)."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.a = nn.Linear(6, 8, dtype=dtype)
+        self.b = nn.Linear(8, 8, bias=False, dtype=dtype)
+        self.w = nn.Parameter(torch.randn(8, 5, dtype=dtype))
+        self.bias = nn.Parameter(torch.randn(5, dtype=dtype))
+        self.m, self.c = (nn.Parameter(torch.randn(*s, dtype=dtype)) for s in ((5, 5), (5,)))
+        self.norm = nn.LayerNorm(5, dtype=dtype)
+
+    def forward(self, x):
+        h = self.b(torch.nn.functional.gelu(self.a(x))).flatten(0, 1)
+        h = h @ self.w
+        h = torch.addmm(self.bias, h, torch.eye(5, dtype=h.dtype), beta=0.5, alpha=2.0)
+        h = torch.addmm(self.c, h, self.m, beta=0.25, alpha=3.0)
+        return self.norm(h)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_direct_weight_grads_equal_the_engines_bit_for_bit(dtype, monkeypatch):
+    """W computes torch's matrix products' weight gradients itself (no engine call each):
+    equal bit for bit to W through the engine and to a plain backward, and taken for every
+    product here (5 of them: the addmm of a constant matrix has only its bias to give), never
+    for the LayerNorm."""
+    from fastpar.parallel.pipeline import zb
+
+    torch.manual_seed(0)
+    base = _Products(dtype)
+    x0, g = torch.randn(3, 4, 6, dtype=dtype), torch.randn(12, 5, dtype=dtype)
+    taken, real = [], zb._direct_weight_grads
+
+    def spy(n, *args):
+        out = real(n, *args)
+        taken.append((n.name(), out is not None))
+        return out
+
+    monkeypatch.setattr(zb, "_direct_weight_grads", spy)
+    results = []
+    for mode in ("direct", "engine", "plain"):
+        net, x = copy.deepcopy(base), x0.clone().requires_grad_()
+        out = net(x)
+        if mode == "plain":
+            out.backward(g)
+            results.append([x.grad, *[q.grad for q in net.parameters()]])
+            continue
+        monkeypatch.setattr(zb, "DIRECT", mode == "direct")
+        split = SplitBackward([out], [g], [x])
+        (dx,) = split.input_grads()
+        split.weights()
+        results.append([dx, *[q.grad for q in net.parameters()]])
+    for direct, engine, plain in zip(*results, strict=True):
+        assert torch.equal(direct, engine) and torch.equal(direct, plain)
+    assert sorted(taken) == sorted(
+        [("AddmmBackward0", True)] * 3 + [("MmBackward0", True)] * 2
+        + [("NativeLayerNormBackward0", False)]
+    ), taken  # fmt: skip
+
+
 def test_refuses_a_parameter_used_twice():
     lin = nn.Linear(4, 4)
     x = torch.randn(2, 4, requires_grad=True)
