@@ -145,7 +145,8 @@ class _Products(nn.Module):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_direct_weight_grads_equal_the_engines_bit_for_bit(dtype, monkeypatch):
     """W computes torch's matrix products' weight gradients itself (no engine call each):
-    equal bit for bit to W through the engine and to a plain backward, and taken for every
+    equal bit for bit, accumulated promptly or at the end, to W through the engine and to a
+    plain backward, every parameter's hook firing once per W; and taken for every
     product here (5 of them: the addmm of a constant matrix has only its bias to give), never
     for the LayerNorm."""
     from fastpar.parallel.pipeline import zb
@@ -161,25 +162,47 @@ def test_direct_weight_grads_equal_the_engines_bit_for_bit(dtype, monkeypatch):
         return out
 
     monkeypatch.setattr(zb, "_direct_weight_grads", spy)
-    results = []
-    for mode in ("direct", "engine", "plain"):
+    results, fired = [], []
+    for mode in ("prompt", "direct", "engine", "plain"):
         net, x = copy.deepcopy(base), x0.clone().requires_grad_()
+        hooks = [q.register_post_accumulate_grad_hook(fired.append) for q in net.parameters()]
         out = net(x)
         if mode == "plain":
             out.backward(g)
             results.append([x.grad, *[q.grad for q in net.parameters()]])
             continue
-        monkeypatch.setattr(zb, "DIRECT", mode == "direct")
+        monkeypatch.setattr(zb, "DIRECT", mode != "engine")
         split = SplitBackward([out], [g], [x])
         (dx,) = split.input_grads()
-        split.weights()
+        split.weights(prompt=mode == "prompt")
         results.append([dx, *[q.grad for q in net.parameters()]])
-    for direct, engine, plain in zip(*results, strict=True):
-        assert torch.equal(direct, engine) and torch.equal(direct, plain)
+        for h in hooks:
+            h.remove()
+    for prompt, direct, engine, plain in zip(*results, strict=True):
+        assert torch.equal(prompt, plain) and torch.equal(direct, plain)
+        assert torch.equal(engine, plain)
+    assert len(fired) == 4 * len(list(base.parameters()))  # each hook once per backward
     assert sorted(taken) == sorted(
-        [("AddmmBackward0", True)] * 3 + [("MmBackward0", True)] * 2
-        + [("NativeLayerNormBackward0", False)]
+        ([("AddmmBackward0", True)] * 3 + [("MmBackward0", True)] * 2
+         + [("NativeLayerNormBackward0", False)]) * 2
     ), taken  # fmt: skip
+
+
+def test_prompt_weights_fall_back_when_two_layers_reach_one_leaf():
+    """Two products whose weight sides meet (one parameter cast twice): W accumulates them in
+    one engine call even when asked to be prompt, so the parameter's hook fires once."""
+    w = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    x = torch.randn(3, 4, requires_grad=True)
+    out = (x @ w.float()) @ w.float()  # two casts: two weight-side nodes, one leaf
+    g = torch.randn_like(out)
+    (ref_x, ref_w) = torch.autograd.grad(out, [x, w], g, retain_graph=True)
+    fired = []
+    w.register_post_accumulate_grad_hook(fired.append)
+    split = SplitBackward([out], [g], [x])
+    (dx,) = split.input_grads()
+    split.weights(prompt=True)
+    assert len(fired) == 1
+    assert torch.equal(dx, ref_x) and torch.equal(w.grad, ref_w)
 
 
 def test_refuses_a_parameter_used_twice():
@@ -191,11 +214,20 @@ def test_refuses_a_parameter_used_twice():
         SplitBackward([out], [torch.ones_like(out)], [x]).input_grads()
 
 
-def _dp_bytes(name: str, zero: int) -> tuple[float, float]:
+def _dp_bytes(name: str, zero: int) -> tuple[float, float, list]:
     """PP 2 x DP 2 under the family's Replicate (ZeRO-0) or Shard (ZeRO-1/2): the bytes the
     wrapper sent in one step, and the loss; under Replicate each rank's gradients equal the
-    whole model's (the DP average; ZeRO-1/2 keep only their shard reduced)."""
+    whole model's (the DP average; ZeRO-1/2 keep only their shard reduced). Also how each W
+    accumulated (prompt or in one call)."""
     from fastpar.parallel import Replicate, Shard
+
+    prompts, real = [], SplitBackward.weights
+
+    def weights(self, prompt=False):
+        prompts.append(prompt)
+        return real(self, prompt)
+
+    SplitBackward.weights = weights  # this rank's process only
 
     mesh = ParallelMesh(pp=2)
     dense = nn.Sequential(*blocks(2))
@@ -213,16 +245,20 @@ def _dp_bytes(name: str, zero: int) -> tuple[float, float]:
             stage.named_parameters(), nn.Sequential(*list(dense)[lo:hi]).parameters(), strict=True
         ):
             assert_close(q.grad, r.grad, f"grad of {pname}")
-    return dp.comm_bytes - sent, float(loss)
+    return dp.comm_bytes - sent, float(loss), prompts
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2])
 def test_dp_reduces_every_gradient_once(zero):
-    """The wrapper sends exactly what it sends under 1F1B: each gradient reduced once."""
+    """The wrapper sends exactly what it sends under 1F1B: each gradient reduced once. The W
+    passes inside no_sync accumulate promptly under ZeRO 0 / 1; the one that reduces, and
+    every one under ZeRO-2 (which reduces every backward), in one engine call."""
     zb = run_ranks(_dp_bytes, 4, "zb-h1", zero)
     ref = run_ranks(_dp_bytes, 4, "1f1b", zero)
-    assert [b for b, _ in zb] == [b for b, _ in ref] and all(b > 0 for b, _ in zb)
-    assert [loss for _, loss in zb] == pytest.approx([loss for _, loss in ref], rel=1e-6)
+    assert [b for b, _, _ in zb] == [b for b, _, _ in ref] and all(b > 0 for b, _, _ in zb)
+    assert [loss for _, loss, _ in zb] == pytest.approx([x for _, x, _ in ref], rel=1e-6)
+    for _, _, prompts in zb:  # 4 micro-batches: 4 W passes a rank
+        assert prompts == ([True] * 3 + [False] if zero < 2 else [False] * 4), prompts
 
 
 SMALL = dict(steps=2, batch_size=8, seq_len=16, hidden=32, heads=4, layers=2, quiet=True)

@@ -144,6 +144,13 @@ class FlatDataParallel(OptimizerFront):
                         dist.broadcast(t.data, src=global_rank(g, 0), group=g)
 
     # -- gradients ------------------------------------------------------------------------------
+    @property
+    def defers_reduction_in_no_sync(self) -> bool:
+        """Whether backward passes inside ``no_sync()`` leave the reduction to a later one
+        (stages 0, 1), so that one may run as several engine calls (ZB-H1's prompt W);
+        stages 2 and 3 reduce at the end of every backward."""
+        return self.stage <= 1
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate without communicating (stages 0, 1); the first

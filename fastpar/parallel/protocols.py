@@ -24,7 +24,10 @@ class GradSync(Protocol):
     """``no_sync()``: backward passes inside accumulate gradients without communicating (all
     micro-batches but the last); ``finish_grad_sync()``: after the last backward of a step —
     once every pipeline stage is done — wait for the reductions in flight and finish what needs
-    every stage (the gradient sum of parameters tied across stages)."""
+    every stage (the gradient sum of parameters tied across stages). Optional:
+    ``defers_reduction_in_no_sync`` (bool), true when backward passes inside ``no_sync()``
+    neither reduce nor check anything at their end, so one may be split into several engine
+    calls (the pipeline's zero-bubble W pass does so only then)."""
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]: ...
 

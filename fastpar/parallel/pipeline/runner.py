@@ -102,8 +102,15 @@ class StepRunner:
                 t0 = time.perf_counter()
                 sync = k == last_backward or self.no_sync is None
                 no_sync = contextlib.nullcontext() if sync else self.no_sync()
+                # W as several engine calls only where no reducer waits for the end of one
+                # backward: no gradient sync at all, or one deferring inside no_sync
+                if self.grad_sync is None and self.no_sync is None:
+                    prompt = True
+                else:
+                    defers = getattr(self.grad_sync, "defers_reduction_in_no_sync", False)
+                    prompt = not sync and bool(defers)
                 with nvtx(f"stage{r} weight grad {label}"), no_sync:
-                    entry.pop("split").weights()
+                    entry.pop("split").weights(prompt=prompt)
                 busy += time.perf_counter() - t0
                 live -= entry["bytes"]
             elif split:
