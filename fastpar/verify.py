@@ -148,11 +148,10 @@ def compare(cfg: TrainConfig, tokens=None) -> tuple[bool, str]:
     ref_vals: dict[int, float] = {}
     ref_norms: list[float] = []
     ref_losses, ref_params = reference(cfg, tokens, ref_vals, ref_norms)
-    chunks = f" (v={cfg.virtual_stages})" if cfg.virtual_stages > 1 else ""
     lines = [
         f"{cfg.model_name}, layout: dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp}"
         f"{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} (ep {cfg.ep}), ZeRO-{cfg.zero}, {cfg.precision}, "
-        f"{cfg.schedule}{chunks} x {cfg.microbatches}{f', recompute {cfg.recompute_policy}' if cfg.recompute else ''}"
+        f"{cfg.schedule_label} x {cfg.microbatches}{f', recompute {cfg.recompute_policy}' if cfg.recompute else ''}"
         f"{', sequence parallel' if cfg.sequence_parallel else ''}",
         f"{'step':>5} {'distributed':>14} {'single-process':>15} {'rel. diff':>10}"
         f" {'grad-norm dist.':>15} {'single':>10}",

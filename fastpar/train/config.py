@@ -154,6 +154,14 @@ class TrainConfig:
         return f"hf:{self.hf_config}" if self.hf_config else self.model_type
 
     @property
+    def schedule_label(self) -> str:
+        """The schedule as the logs name it: "1f1b", "interleaved (v=2)", "interleaved (v=2,
+        G=4)"."""
+        parts = [f"v={self.virtual_stages}"] if self.virtual_stages > 1 else []
+        parts += [f"G={self.microbatch_group_size}"] if self.microbatch_group_size else []
+        return self.schedule + (f" ({', '.join(parts)})" if parts else "")
+
+    @property
     def lr_floor(self) -> float:
         """Where the cosine schedule ends: --min-lr, else --lr / 10."""
         return self.lr / 10 if self.min_lr is None else self.min_lr

@@ -78,11 +78,10 @@ def _train(cfg: TrainConfig, trainer: Trainer, signals: StopSignals) -> list[dic
     total_params = counts["total"]
     if talk:
         n = sum(p.numel() for p in trainer.stage_module.parameters())
-        chunks = f" (v={cfg.virtual_stages})" if cfg.virtual_stages > 1 else ""
         print(
             f"fastpar.train: {cfg.model_name}, world {cfg.world_size} = dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp}"
             f"{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} "
-            f"(ep {cfg.ep}), ZeRO-{cfg.zero}, {cfg.precision}, {cfg.schedule}{chunks} x {cfg.microbatches} "
+            f"(ep {cfg.ep}), ZeRO-{cfg.zero}, {cfg.precision}, {cfg.schedule_label} x {cfg.microbatches} "
             f"micro-batches, {dist.get_backend()}; {total_params:,} parameters, rank 0 holds {n:,}",
             flush=True,
         )
