@@ -91,17 +91,11 @@ def visible_bytes(model: torch.nn.Module, opt) -> int:
     return nbytes(params) + nbytes(p.grad for p in params) + state_bytes(opt)
 
 
-def pipelines_side_by_side(mesh, ours, theirs, x: torch.Tensor, iters: int) -> dict[str, float]:
-    """Median step times of a fastpar ``PipelineEngine`` (``ours``) and a
-    torch.distributed.pipelining schedule (``theirs``) on the same ranks, alternating steps,
-    each between barriers; the first step of each is a warm-up. ``x`` is the input and the
-    target (an MSE loss)."""
-    import statistics
-    import time
+def torch_pipeline_step(mesh, theirs, x: torch.Tensor):
+    """One step of a torch.distributed.pipelining schedule on this rank: the first stage feeds
+    ``x``, the last takes it as the target."""
 
-    import torch.distributed as dist
-
-    def step_theirs():
+    def step() -> None:
         if mesh.is_first_stage:
             theirs.step(x)
         elif mesh.is_last_stage:
@@ -109,17 +103,36 @@ def pipelines_side_by_side(mesh, ours, theirs, x: torch.Tensor, iters: int) -> d
         else:
             theirs.step()
 
-    times: dict[str, list[float]] = {"fastpar": [], "torch": []}
+    return step
+
+
+def median_step_times(runs: dict, iters: int) -> dict[str, float]:
+    """Median seconds of each of ``runs`` (name -> a step callable) on the same ranks, the steps
+    alternating, each between barriers; the first round is a warm-up."""
+    import statistics
+    import time
+
+    import torch.distributed as dist
+
+    times: dict[str, list[float]] = {name: [] for name in runs}
     for it in range(iters + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
-        ours.train_step(x, x, broadcast_loss=False)
-        dist.barrier()
-        t1 = time.perf_counter()
-        step_theirs()
-        dist.barrier()
-        t2 = time.perf_counter()
-        if it:
-            times["fastpar"].append(t1 - t0)
-            times["torch"].append(t2 - t1)
+        for name, run in runs.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            run()
+            dist.barrier()
+            if it:
+                times[name].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def pipelines_side_by_side(mesh, ours, theirs, x: torch.Tensor, iters: int) -> dict[str, float]:
+    """Median step times of a fastpar ``PipelineEngine`` (``ours``) and a
+    torch.distributed.pipelining schedule (``theirs``) on the same ranks, alternating steps,
+    each between barriers; the first step of each is a warm-up. ``x`` is the input and the
+    target (an MSE loss)."""
+    runs = {
+        "fastpar": lambda: ours.train_step(x, x, broadcast_loss=False),
+        "torch": torch_pipeline_step(mesh, theirs, x),
+    }
+    return median_step_times(runs, iters)

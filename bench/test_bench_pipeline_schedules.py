@@ -49,7 +49,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import pipelines_side_by_side
+from _common import median_step_times, pipelines_side_by_side, torch_pipeline_step
 from torch import nn
 
 from fastpar import ParallelMesh
@@ -223,28 +223,12 @@ def _bubble_beside_torch(v: int, m: int, steps: int = 5) -> dict[str, float]:
     ]
     theirs = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss)
 
-    def torch_step():
-        if mesh.is_first_stage:
-            theirs.step(x)
-        elif mesh.is_last_stage:
-            theirs.step(target=x)
-        else:
-            theirs.step()
-
     runs = {
         name: (lambda e=e: e.train_step(x, x, broadcast_loss=False)) for name, e in ours.items()
     }
-    runs["torch ScheduleInterleaved1F1B"] = torch_step
-    walls: dict[str, list[float]] = {name: [] for name in runs}
-    for it in range(steps + 1):  # the first round is a warm-up
-        for name, run in runs.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            run()
-            dist.barrier()
-            if it:
-                walls[name].append(time.perf_counter() - t0)
-    return {name: 1 - 3 * m * FORWARD_S / statistics.median(w) for name, w in walls.items()}
+    runs["torch ScheduleInterleaved1F1B"] = torch_pipeline_step(mesh, theirs, x)
+    walls = median_step_times(runs, steps)
+    return {name: 1 - 3 * m * FORWARD_S / wall for name, wall in walls.items()}
 
 
 @pytest.mark.parametrize("p", [2, 4])
