@@ -188,21 +188,26 @@ def test_direct_weight_grads_equal_the_engines_bit_for_bit(dtype, monkeypatch):
     ), taken  # fmt: skip
 
 
-def test_prompt_weights_fall_back_when_two_layers_reach_one_leaf():
-    """Two products whose weight sides meet (one parameter cast twice): W accumulates them in
-    one engine call even when asked to be prompt, so the parameter's hook fires once."""
+@pytest.mark.parametrize("meet", ["two casts", "a root off the path"])
+def test_prompt_weights_fall_back_when_two_weight_sides_meet(meet):
+    """Two weight sides that meet at one leaf (one parameter cast twice into two products, or
+    a product's weight also in a loss term off the activation path): W accumulates them in one
+    engine call even when asked to be prompt, so the parameter's hook fires once."""
     w = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
     x = torch.randn(3, 4, requires_grad=True)
-    out = (x @ w.float()) @ w.float()  # two casts: two weight-side nodes, one leaf
-    g = torch.randn_like(out)
-    (ref_x, ref_w) = torch.autograd.grad(out, [x, w], g, retain_graph=True)
+    if meet == "two casts":  # two weight-side nodes, one leaf
+        roots = [(x @ w.float()) @ w.float()]
+    else:  # the aux term reaches w without passing the activation path
+        roots = [x @ w.float(), w.pow(2).sum().float()]
+    grads = [torch.randn_like(roots[0]), *[None] * (len(roots) - 1)]
+    ref = torch.autograd.grad(roots, [x, w], grads, retain_graph=True)
     fired = []
     w.register_post_accumulate_grad_hook(fired.append)
-    split = SplitBackward([out], [g], [x])
+    split = SplitBackward(roots, grads, [x])
     (dx,) = split.input_grads()
     split.weights(prompt=True)
     assert len(fired) == 1
-    assert torch.equal(dx, ref_x) and torch.equal(w.grad, ref_w)
+    assert torch.equal(dx, ref[0]) and torch.equal(w.grad, ref[1])
 
 
 def test_refuses_a_parameter_used_twice():

@@ -136,7 +136,8 @@ class SplitBackward:
         the backward) each intermediate's at once when no two intermediates reach a common
         node on their weight side (module docstring)."""
         edges, grads = [], []
-        apart = prompt and _leaves_apart(self.captured, self.r_set)
+        off_path = [_node(t) for t in self.roots if _node(t) not in self.r_set]
+        apart = prompt and _leaves_apart(self.captured, off_path, self.r_set)
         for n, out_edges in self.captured.items():
             got = self.grad_in.get(n)
             if got is None:
@@ -214,13 +215,15 @@ def _direct_weight_grads(n, out_edges, got) -> list | None:
     return out
 
 
-def _leaves_apart(captured: dict, r_set: set) -> bool:
-    """Whether the weight-side subgraphs of the intermediates reach disjoint sets of nodes
-    (then each can be accumulated on its own and every leaf's hooks still fire once)."""
+def _leaves_apart(captured: dict, off_path: list, r_set: set) -> bool:
+    """Whether the weight-side subgraphs of the intermediates, and that of the roots off the
+    activation path (accumulated in the last call), reach disjoint sets of nodes (then each
+    can be accumulated on its own and every leaf's hooks still fire once)."""
     seen: set = set()
-    for out_edges in captured.values():
+    groups = [[c for c, _ in out_edges] for out_edges in captured.values()]
+    for group in [*groups, [n for n in off_path if n is not None]]:
         mine: set = set()
-        stack = [c for c, _ in out_edges]
+        stack = list(group)
         while stack:
             c = stack.pop()
             if c in mine:
