@@ -5,6 +5,8 @@ Triton kernels (no GPU needed)."""
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 from dataclasses import dataclass
 
 import pytest
@@ -155,3 +157,27 @@ def compile_for_sm90(kernel, signature: dict, constexprs: dict, num_warps: int):
         raise
     assert "cubin" in compiled.asm, kernel
     return compiled
+
+
+def ptxas_usage(ptx: str, tmp_path) -> tuple[int, int]:
+    """(registers, spill bytes) of one compiled kernel, from ``ptxas -v``; skips without one."""
+    try:  # the ptxas Triton itself compiled with (its PTX version matches)
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(90).path
+    except Exception as exc:  # no usable ptxas, or another Triton layout
+        pytest.skip(f"no ptxas to read register and spill counts: {exc}")
+    arch = re.search(r"\.target\s+(sm_\w+)", ptx).group(1)  # sm_90a: Triton's Hopper target
+    src = tmp_path / "kernel.ptx"
+    src.write_text(ptx)
+    out = subprocess.run(
+        [ptxas, f"-arch={arch}", "-v", str(src), "-o", str(tmp_path / "kernel.cubin")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    regs = [int(m) for m in re.findall(r"Used (\d+) registers", out.stderr)]
+    spills = [int(a) + int(b) for a, b in re.findall(
+        r"(\d+) bytes spill stores, (\d+) bytes spill loads", out.stderr
+    )]  # fmt: skip
+    assert regs and spills, out.stderr
+    return max(regs), max(spills)

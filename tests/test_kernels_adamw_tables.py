@@ -14,11 +14,10 @@ unaligned split, and the compiled code.
 from __future__ import annotations
 
 import os
-import re
-import subprocess
 
 import pytest
 import torch
+from _ce import ptxas_usage
 
 from fastpar.ops import adamw as op
 from fastpar.ops import backend
@@ -181,28 +180,6 @@ SCALARS = {"lr_bits": "i64", "beta1_bits": "i64", "beta2_bits": "i64"}
 SCALARS |= dict.fromkeys(("decay", "w1", "beta2", "w2", "eps"), "fp32")
 
 
-def _ptxas_usage(ptx: str, tmp_path) -> tuple[int, int]:
-    """(registers, spill bytes) from ``ptxas -v`` (the ptxas Triton compiled with)."""
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        ptxas = get_ptxas(90).path
-    except Exception as exc:
-        pytest.skip(f"no ptxas to read register and spill counts: {exc}")
-    arch = re.search(r"\.target\s+(sm_\w+)", ptx).group(1)
-    src = tmp_path / "kernel.ptx"
-    src.write_text(ptx)
-    out = subprocess.run(
-        [ptxas, f"-arch={arch}", "-v", str(src), "-o", str(tmp_path / "kernel.cubin")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-2000:]
-    regs = [int(r) for r in re.findall(r"Used (\d+) registers", out.stderr)]
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out.stderr)
-    assert regs and spills, out.stderr
-    return max(regs), max(int(a) + int(b) for a, b in spills)
-
-
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs the real JIT")
 @pytest.mark.parametrize("form", ["flat", "multi"])
 @pytest.mark.parametrize(
@@ -245,6 +222,6 @@ def test_kernels_compile_to_wide_accesses_within_the_register_budget(form, g, lp
     )
     ptx = compiled.asm["ptx"]
     assert "ld.global.v4" in ptx and "st.global.v4" in ptx, f"{form} {g}: no 128-bit accesses"
-    regs, spills = _ptxas_usage(ptx, tmp_path)
+    regs, spills = ptxas_usage(ptx, tmp_path)
     assert spills == 0, (form, g, spills)
     assert regs <= REGISTER_BUDGET, (form, g, regs)

@@ -15,6 +15,7 @@ import os
 
 import pytest
 import torch
+from _ce import ptxas_usage
 
 from fastpar.ops import backend
 from fastpar.ops.moe_permute import moe_permute, moe_unpermute
@@ -318,33 +319,6 @@ def _signatures(dtype: str) -> dict:
     return {"_scatter_kernel": scatter, "_gather_kernel": gather, "_zero_rows_kernel": zero}
 
 
-def _ptxas_usage(ptx: str, tmp_path) -> tuple[int, int]:
-    """(registers, spill bytes) of one compiled kernel, from ``ptxas -v``; skips without one."""
-    import re
-    import subprocess
-
-    try:  # the ptxas Triton itself compiled with (its PTX version matches)
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        ptxas = get_ptxas(90).path
-    except Exception as exc:  # no usable ptxas, or another Triton layout
-        pytest.skip(f"no ptxas to read register and spill counts: {exc}")
-    arch = re.search(r"\.target\s+(sm_\w+)", ptx).group(1)  # sm_90a: Triton's Hopper target
-    src = tmp_path / "kernel.ptx"
-    src.write_text(ptx)
-    out = subprocess.run(
-        [ptxas, f"-arch={arch}", "-v", str(src), "-o", str(tmp_path / "kernel.cubin")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-2000:]
-    regs = [int(m) for m in re.findall(r"Used (\d+) registers", out.stderr)]
-    spills = [int(a) + int(b) for a, b in re.findall(
-        r"(\d+) bytes spill stores, (\d+) bytes spill loads", out.stderr
-    )]  # fmt: skip
-    assert regs and spills, out.stderr
-    return max(regs), max(spills)
-
-
 @pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") == "1", reason="compiles kernels: not under the interpreter"
 )
@@ -395,7 +369,7 @@ def test_kernels_compile_for_sm90(dtype, k, tmp_path):
             what = (name, extra)
             assert "cubin" in compiled.asm, what
             ptx = compiled.asm["ptx"]
-            regs, spills = _ptxas_usage(ptx, tmp_path)
+            regs, spills = ptxas_usage(ptx, tmp_path)
             assert spills == 0, (what, spills)
             assert regs <= REGISTER_BUDGET, (what, regs)
             if name == "_zero_rows_kernel" or extra.get("STORE", True):
