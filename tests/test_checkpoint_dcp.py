@@ -4,6 +4,9 @@ raw DCP on plain shards is the trap the check refuses."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,9 +22,12 @@ from fastpar.checkpoint import (
     to_dtensor_state_dict,
 )
 from fastpar.checkpoint import dcp as fp_dcp
+from fastpar.mesh import placement
+from fastpar.mesh.placement import copy_marks, mark_sharded, marked_shard_of
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from fastpar.nn.marks import expert_layout, mark_expert, param_layout
 from fastpar.testing import run_ranks
+from fastpar.zero import ZeroOptimizer
 
 VOCAB, HIDDEN, EXPERTS = 11, 8, 4  # 11 rows: padded at TP 2 (6 + 5) and TP 4 (3, 3, 3, 2)
 
@@ -155,3 +161,98 @@ def _raw_dcp_trap(path: str) -> None:
 
 def test_raw_dcp_on_plain_shards_is_wrong_and_refused(tmp_path):
     run_ranks(_raw_dcp_trap, 2, str(tmp_path / "raw"), timeout=120)
+
+
+def _tp_model(mesh: ParallelMesh) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.ModuleDict(
+        {
+            "col": ColumnParallelLinear(HIDDEN, VOCAB, pad_output=True, mesh=mesh),
+            "ln": nn.LayerNorm(HIDDEN),  # unmarked: replicated
+            "row": RowParallelLinear(HIDDEN, HIDDEN, mesh=mesh),  # bias marked replicated
+        }
+    )
+
+
+def _repoint_into_flat(model: nn.Module) -> torch.Tensor:
+    """Move every parameter's data into one new flat buffer, as ZeRO does after marking."""
+    params = list(model.parameters())
+    flat = torch.zeros(sum(p.numel() for p in params))
+    offset = 0
+    for p in params:
+        view = flat[offset : offset + p.numel()].view_as(p)
+        view.copy_(p.detach())
+        p.data = view
+        offset += p.numel()
+    return flat
+
+
+def _state_dict_check() -> None:
+    mesh = ParallelMesh(tp=2)
+    model = _tp_model(mesh)
+    # model.state_dict() holds detached tensors without marks: traced by their memory
+    with pytest.raises(ValueError, match=r"state_dict\['col.weight'\] is this rank's shard.*2"):
+        check_dcp_state_dict(model.state_dict())
+    some = {k: model.state_dict()[k] for k in ("ln.weight", "row.bias", "row.weight")}
+    with pytest.raises(ValueError, match=r"state_dict\['row.weight'\].*split over 2 ranks"):
+        check_dcp_state_dict(some)
+    with pytest.raises(ValueError, match=r"state_dict\['col.weight'\].*split over 2 ranks"):
+        check_dcp_state_dict(dict(model.named_parameters()))
+    with pytest.raises(ValueError, match=r"state_dict\['col.weight'\].*split over 2 ranks"):
+        check_dcp_state_dict(model.state_dict(), model=model)
+    # the module state dict under other names (a wrapper's prefix) is still traced
+    with pytest.raises(ValueError, match=r"state_dict\['model.col.bias'\]"):
+        check_dcp_state_dict({"model.col.bias": model.state_dict()["col.bias"]})
+    # the replicated entries alone pass; a copy cannot be traced (documented)
+    check_dcp_state_dict(
+        {k: v for k, v in model.state_dict().items() if k.startswith(("ln", "row.b"))}
+    )
+    check_dcp_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+    # DTensors of the same parameters (their locals are views of the shards) pass
+    state = to_dtensor_state_dict(dict(model.named_parameters()), mesh)
+    check_dcp_state_dict(state)
+    # a model with only replicated parameters passes
+    plain = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.LayerNorm(HIDDEN))
+    check_dcp_state_dict(plain.state_dict())
+    check_dcp_state_dict(plain.state_dict(), model=plain)
+    # parameters re-pointed into a flat buffer after marking are found at their new memory
+    flat = _repoint_into_flat(model)
+    sd = model.state_dict()
+    assert flat.data_ptr() <= sd["row.weight"].data_ptr() < flat.data_ptr() + flat.nbytes
+    with pytest.raises(ValueError, match=r"state_dict\['row.weight'\].*split over 2 ranks"):
+        check_dcp_state_dict({"row.weight": sd["row.weight"]})
+    # and by fastpar's ZeRO, which flattens the parameters into its buffers
+    zmodel = _tp_model(mesh)
+    before = zmodel["col"].weight.data_ptr()
+    ZeroOptimizer(torch.optim.SGD(zmodel.parameters(), lr=0.1), stage=1, mesh=mesh)
+    assert zmodel["col"].weight.data_ptr() != before  # now a view of ZeRO's flat buffer
+    with pytest.raises(ValueError, match=r"state_dict\['col.weight'\].*split over 2 ranks"):
+        check_dcp_state_dict(zmodel.state_dict())
+    # experts split over EP, detached
+    experts = nn.Parameter(torch.randn(2, 6, HIDDEN))
+    mark_expert(experts, ParallelMesh(ep=2).ep_group, EXPERTS)
+    with pytest.raises(ValueError, match=r"state_dict\['experts'\].*split over 2 ranks"):
+        check_dcp_state_dict({"experts": experts.detach()})
+
+
+def test_check_refuses_detached_shards_however_called():
+    run_ranks(_state_dict_check, 2, timeout=120)
+
+
+def test_marked_shard_registry_holds_parameters_weakly():
+    p = nn.Parameter(torch.randn(4, 3))
+    e = nn.Parameter(torch.randn(2, 3))
+    mark_sharded(p, 0, None, 8)
+    mark_expert(e, None, 4)
+    q = nn.Parameter(torch.randn(4, 3))  # e.g. a wrapper's replacement of p
+    copy_marks(p, q)
+    assert marked_shard_of(p.detach()) is p and marked_shard_of(p.data) is p
+    assert marked_shard_of(e.detach()) is e and marked_shard_of(q.detach()) is q
+    assert marked_shard_of(p.detach().clone()) is None  # a copy: not traced
+    assert marked_shard_of(p.detach()[:2]) is None  # another shape: not the parameter
+    assert marked_shard_of(p.detach().t()) is None  # another stride
+    refs, ids = [weakref.ref(t) for t in (p, e, q)], [id(t) for t in (p, e, q)]
+    del p, e, q
+    gc.collect()
+    assert all(r() is None for r in refs), "the registry keeps dead parameters alive"
+    assert not any(i in placement._MARKED_SHARDS for i in ids)

@@ -14,7 +14,8 @@ WARNING — raw DCP on fastpar's plain shards is silently wrong: ``dcp.save(mode
 of a TP model succeeds, and ``dcp.load`` then gives every rank ONE rank's shard of each split
 tensor (DCP takes a plain tensor for a replicated one: one copy is kept, every rank reads it).
 Only DTensor state dicts (this module) or fastpar's own format (``fastpar.checkpoint.save``)
-are safe. ``check_state_dict`` refuses a state dict of marked plain shards.
+are safe. ``check_state_dict`` refuses a state dict of plain shards: marked parameters, or
+tensors that share their memory (``model.state_dict()``), not copies of them.
 
 Each parameter becomes a DTensor on the mesh's DeviceMesh (``ParallelMesh.to_device_mesh``,
 the same process groups) without the "pp" dim — every pipeline stage its own sub-mesh, as
@@ -45,7 +46,7 @@ from torch import nn
 
 from fastpar.checkpoint.state import checkpoint_name, global_shape
 from fastpar.mesh.bridge import is_dtensor
-from fastpar.mesh.placement import expert_layout, param_layout
+from fastpar.mesh.placement import expert_layout, marked_shard_index, marked_shard_of, param_layout
 from fastpar.mesh.ranks import group_rank, group_size
 
 
@@ -227,14 +228,20 @@ def load(model_params: Mapping[str, torch.Tensor], checkpoint_id, mesh, **kwargs
 def check_state_dict(state_dict: Mapping, model: nn.Module | None = None) -> None:
     """Raise if ``state_dict`` (for DCP) holds a plain tensor that is this rank's shard of a
     tensor split over several ranks (a fastpar TP or EP mark): DCP would save one rank's shard
-    and reload it everywhere. Marks are read from the values (``named_parameters()``) or, for
-    ``model.state_dict()`` (whose detached tensors carry none), from ``model``'s parameters
-    of the same names."""
+    and reload it everywhere. A value is checked by its own marks (``named_parameters()``),
+    by those of ``model``'s parameter of the same name, and by those of the live marked
+    parameter whose memory it is (``fastpar.mesh.placement.marked_shard_of``), so the detached
+    tensors of ``model.state_dict()`` are refused too. A copy (``.clone()``, a tensor moved to
+    another device) cannot be traced back to its parameter and is not refused."""
     marked = dict(model.named_parameters(remove_duplicate=False)) if model is not None else {}
+    index = None
     for name, value in state_dict.items():
         if not isinstance(value, torch.Tensor) or is_dtensor(value):
             continue
         ranks = max(_split_over(value), _split_over(marked.get(name)))
+        if ranks == 1:
+            index = marked_shard_index() if index is None else index
+            ranks = _split_over(marked_shard_of(value, index))
         if ranks > 1:
             raise ValueError(
                 f"state_dict[{name!r}] is this rank's shard of a tensor split over {ranks} "

@@ -13,6 +13,11 @@ The group lists produced here equal Megatron-Core's for the same sizes and order
 context parallelism (``fastpar.parallel.context``): ranks that hold chunks of one sequence; the
 dense parameters' gradients are reduced over "dp-cp". An order may leave "cp" out (then it
 sits right after "tp", Megatron's default ``tp-cp-ep-dp-pp``).
+
+An order is refused where the two grids would not line up: as in Megatron-Core, it must end
+with "pp" unless pp = 1 or the two data-parallel sizes are equal, and both grids must have the
+same pipeline groups; fastpar also needs the same tp groups (its MoE layers split experts over
+the dense tp group). "tp" first and "pp" last, as in the default, always works.
 """
 
 from __future__ import annotations
@@ -105,6 +110,24 @@ def grid_groups(sizes: dict[str, int], order: tuple[str, ...], axes: str) -> lis
     return [[base + m for m in members] for base in offsets(outside)]
 
 
+def _pipeline_mismatch(dense_pp: list[list[int]], expert_pp: list[list[int]]) -> str:
+    """Why two grids' differing pipeline groups matter, naming a rank (its stage if it moves)."""
+    dense_of = {r: (s, g) for g in dense_pp for s, r in enumerate(g)}
+    expert_of = {r: (s, g) for g in expert_pp for s, r in enumerate(g)}
+    for r, (ds, _) in sorted(dense_of.items()):
+        es = expert_of[r][0]
+        if ds != es:
+            return (
+                f"rank {r} is in stage {ds} of the dense grid but stage {es} of the expert grid, "
+                f"so expert groups would span pipeline stages"
+            )
+    r = next(r for r in sorted(dense_of) if dense_of[r][1] != expert_of[r][1])
+    return (
+        f"rank {r}'s pipeline is {dense_of[r][1]} in the dense grid but {expert_of[r][1]} in "
+        f"the expert grid"
+    )
+
+
 @dataclass(frozen=True)
 class MeshLayout:
     """A checked parallel layout of ``world_size`` ranks.
@@ -167,14 +190,46 @@ class MeshLayout:
                 f"data-parallel size {dp} {what} is not divisible by ep {self.ep}; ep must be "
                 f"one of {divisors} {fix}"
             )
-        pp_last = tokens[-1] == "pp"
-        if not pp_last and self.pp > 1 and self.ep > 1:
+        self._check_grids_agree(tokens)
+
+    def _check_grids_agree(self, tokens: tuple[str, ...]) -> None:
+        """Refuse an order whose expert grid does not line up with the dense grid.
+
+        (a) and (b) are Megatron-Core's rules: 'pp' last, pp = 1 or equal data-parallel sizes;
+        equal pipeline groups. (c) is fastpar's: equal tp groups, since the MoE layers split
+        experts over the dense tp group. With cp = 1, where 'cp' sits in the order is moot.
+        """
+        dense, expert = self.dense_sizes, self.expert_sizes
+        shape = f"tp={self.tp} cp={self.cp} ep={self.ep} dp={self.dp} pp={self.pp}"
+        fix = f"put 'pp' last, e.g. {DEFAULT_ORDER!r}"
+        dense_pp, expert_pp = grid_groups(dense, tokens, "pp"), grid_groups(expert, tokens, "pp")
+        stages = _pipeline_mismatch(dense_pp, expert_pp) if dense_pp != expert_pp else ""
+        if self.pp > 1 and not self.order.endswith("pp") and self.expert_dp != self.dp:
+            why = f", and {stages}" if stages else ""
             raise ValueError(
-                f"order {self.order!r} does not end with 'pp' while pp={self.pp} and "
-                f"ep={self.ep}: the expert grid's data-parallel size ({dp * self.cp // self.ep}) then "
-                f"differs from the dense grid's ({dp}) and their pipeline stages would not line "
-                f"up (Megatron-Core forbids this too); put 'pp' last, e.g. {DEFAULT_ORDER!r}, "
-                f"or use ep=1"
+                f"order {self.order!r} with {shape} does not end with 'pp' while pp > 1 and "
+                f"the expert grid's data-parallel size dp*cp/ep = {self.dp}*{self.cp}/{self.ep} = "
+                f"{self.expert_dp} differs from the dense grid's dp = {self.dp}{why}; "
+                f"Megatron-Core forbids this (rule: 'pp' last, pp = 1, or equal data-parallel "
+                f"sizes); {fix}"
+            )
+        if stages:
+            raise ValueError(
+                f"order {self.order!r} with {shape} gives the expert grid other pipeline groups "
+                f"than the dense grid: {stages}; Megatron-Core forbids this (rule: equal "
+                f"pipeline groups); {fix}"
+            )
+        dense_tp, expert_tp = grid_groups(dense, tokens, "tp"), grid_groups(expert, tokens, "tp")
+        if dense_tp != expert_tp:
+            dense_of = {r: g for g in dense_tp for r in g}
+            expert_of = {r: g for g in expert_tp for r in g}
+            r = next(r for r in sorted(dense_of) if dense_of[r] != expert_of[r])
+            raise ValueError(
+                f"order {self.order!r} with {shape} gives rank {r} the tp group {dense_of[r]} in "
+                f"the dense grid but {expert_of[r]} in the expert grid; fastpar's rule (not "
+                f"Megatron-Core's): its MoE layers split experts over the dense tp group, so "
+                f"expert shards would land on the wrong ranks; put 'tp' first, e.g. "
+                f"{DEFAULT_ORDER!r}"
             )
 
     @property

@@ -11,6 +11,9 @@ Marks (attributes on the tensor; a parameter fastpar did not create carries none
   tied between the first and last pipeline stage);
 * ``mark_tied_copy``: the tensor is this rank's copy of the global tensor of another name.
 
+Every live tensor with a sharded or expert mark is also remembered, weakly, so that a detached
+tensor (``model.state_dict()``) can be traced back to it by its memory (``marked_shard_of``).
+
 ``replica_groups(p, mesh)`` lists the groups over each of which every rank holds this very
 tensor: the tensor-parallel group for an unmarked parameter (a LayerNorm weight), the mark's
 group for a replicated one, each ``mark_duplicated`` group, and the data-parallel group that
@@ -21,6 +24,7 @@ a checkpoint writes it from there, and the data-parallel wrappers broadcast from
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Literal
 
@@ -59,6 +63,7 @@ def mark_sharded(
     fused: int = 1,
 ) -> None:
     setattr(p, _ATTR, ParamLayout("sharded", group, dim, full_size, fused))
+    _remember(p)
 
 
 def mark_replicated(p: torch.nn.Parameter, group: dist.ProcessGroup | None) -> None:
@@ -96,6 +101,7 @@ def mark_expert(
     """``p`` belongs to experts (dim 0 = local experts): replicated over the
     expert-data-parallel group, not the data-parallel group."""
     setattr(p, _EXPERT, ExpertLayout(group, num_experts if num_experts is not None else p.shape[0]))
+    _remember(p)
 
 
 def is_expert(p: torch.Tensor) -> bool:
@@ -177,4 +183,52 @@ def copy_marks(src: torch.Tensor, dst: torch.Tensor) -> bool:
         if hasattr(src, attr):
             setattr(dst, attr, getattr(src, attr))
             found = True
+    _remember(dst)
     return found
+
+
+# -- tracing a tensor back to its marked parameter ---------------------------------------------
+_MARKED_SHARDS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+"""id → every live tensor with a sharded or expert mark, held weakly (an entry goes when its
+tensor dies); keyed by id, since tensors compare elementwise."""
+
+
+def _remember(p: torch.Tensor) -> None:
+    layout = param_layout(p)
+    if is_expert(p) or (layout is not None and layout.kind == "sharded"):
+        _MARKED_SHARDS[id(p)] = p
+
+
+def _memory_key(t: torch.Tensor) -> tuple | None:
+    """(data pointer, shape, strides, dtype, device) of a plain strided tensor with data."""
+    if t.layout != torch.strided or t.is_meta or t.numel() == 0:
+        return None
+    try:
+        ptr = t.data_ptr()
+    except (RuntimeError, NotImplementedError):  # no storage (fake tensors); a DTensor gives 0
+        return None
+    return (ptr, tuple(t.shape), t.stride(), t.dtype, t.device) if ptr else None
+
+
+def marked_shard_index() -> dict[tuple, torch.Tensor]:
+    """{memory key: tensor} of the live tensors with a sharded or expert mark, built now (a
+    parameter may have been re-pointed into a flat ZeRO buffer since it was marked)."""
+    index: dict[tuple, torch.Tensor] = {}
+    for p in list(_MARKED_SHARDS.values()):
+        key = _memory_key(p)
+        if key is not None:
+            index.setdefault(key, p)
+    return index
+
+
+def marked_shard_of(
+    t: torch.Tensor, index: dict[tuple, torch.Tensor] | None = None
+) -> torch.Tensor | None:
+    """The live tensor with a sharded or expert mark whose memory ``t`` is exactly (same data
+    pointer, shape, strides, dtype and device: the parameter, its ``.detach()`` or ``.data``),
+    or None; a copy (``.clone()``) is not traced. ``index``: a ``marked_shard_index()`` to
+    reuse over many look-ups."""
+    key = _memory_key(t)
+    if key is None:
+        return None
+    return (marked_shard_index() if index is None else index).get(key)
