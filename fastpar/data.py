@@ -24,6 +24,8 @@ import torch
 
 HF_HINT = "pip install fastpar[hf]"
 BIN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+#: the largest id a uint16 .bin file holds
+UINT16_MAX = int(np.iinfo(np.uint16).max)
 
 #: 1-D token ids: an int64 tensor (text) or a read-only memory-mapped numpy array (.npy / .bin)
 Tokens = torch.Tensor | np.ndarray
@@ -116,6 +118,29 @@ def encode_text(text: str, tokenizer_path: str) -> torch.Tensor:
     tok = load_tokenizer(tokenizer_path)
     encodings = tok.encode_batch(text_chunks(text), add_special_tokens=False)
     return torch.tensor([i for enc in encodings for i in enc.ids], dtype=torch.int64)
+
+
+def bin_dtype(dtype: str | None, vocab_size: int, source: str) -> str:
+    """The dtype to read a .bin file's ids as: ``dtype`` (None: uint16). A vocabulary whose
+    ids pass 65535 needs uint32, given explicitly: uint32 ids read as uint16 would all be in
+    range, so no later check could tell (ValueError, one line, otherwise)."""
+    if dtype is not None and dtype not in BIN_DTYPES:
+        raise ValueError(f"data dtype must be one of {sorted(BIN_DTYPES)}, got {dtype!r}")
+    if vocab_size - 1 <= UINT16_MAX:
+        return dtype or "uint16"
+    if dtype is None:
+        raise ValueError(
+            f"{source}: the vocabulary has {vocab_size} tokens (ids up to {vocab_size - 1}), "
+            f"more than uint16 ids hold (up to {UINT16_MAX}): pass --data-dtype uint32, the "
+            f"dtype a .bin file of this vocabulary is written with"
+        )
+    if dtype == "uint16":
+        raise ValueError(
+            f"{source}: --data-dtype uint16 cannot hold the ids of a {vocab_size}-token "
+            f"vocabulary (up to {vocab_size - 1}; uint16 ends at {UINT16_MAX}): pass "
+            f"--data-dtype uint32 (and write the file as uint32), or a smaller --vocab-size"
+        )
+    return dtype
 
 
 def _memmap_bin(path: str, dtype: str) -> np.ndarray:

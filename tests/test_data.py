@@ -128,6 +128,63 @@ def test_a_wide_bin_read_with_its_dtype_and_a_real_uint16_bin_pass(tmp_path):
         data.check_bin_width(ids[:-2], "x.bin", chunk=64)
 
 
+@pytest.mark.parametrize("command", ["train", "verify"])
+def test_a_vocabulary_past_uint16_needs_data_dtype_uint32(command, tmp_path, monkeypatch, capsys):
+    """uint32 ids read as uint16 pass the vocabulary check (every half is < 65536 < vocab) and
+    fool the width check (their high halves are not 0): such a vocabulary needs uint32 asked."""
+    from fastpar import train, verify
+    from fastpar.train.cli import build_parser, prepare
+
+    forbid_ranks(monkeypatch)
+    main = train.main if command == "train" else verify.main
+    path = tmp_path / "wide.bin"
+    ids = np.arange(60_000, 70_000, dtype=np.uint32)  # ids past 65535, of a 70,000 vocabulary
+    ids.tofile(path)
+    flags = [*SMALL_RUN, "--data", str(path), "--vocab-size", "70000"]
+    assert main(flags) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    for part in (str(path), "the vocabulary has 70000 tokens", "pass --data-dtype uint32"):
+        assert part in err, err
+    assert main([*flags, "--data-dtype", "uint16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    for part in (str(path), "--data-dtype uint16 cannot hold the ids of a 70000-token",
+                 "(up to 69999; uint16 ends at 65535)", "pass --data-dtype uint32"):  # fmt: skip
+        assert part in err, err
+    cfg, tokens = prepare(build_parser().parse_args([*flags, "--data-dtype", "uint32"]))
+    assert cfg.data_dtype == "uint32" and np.array_equal(np.asarray(tokens), ids)
+    # a uint16 file of a small vocabulary needs no flag (uint16, as recorded); .npy and text
+    # files of a large vocabulary need none either (their ids are not read as uint16)
+    small = tmp_path / "small.bin"
+    (np.arange(2000, dtype=np.uint16) % 512).tofile(small)
+    cfg, tokens = prepare(build_parser().parse_args([*SMALL_RUN, "--data", str(small),
+                                                     "--vocab-size", "512"]))  # fmt: skip
+    assert cfg.data_dtype == "uint16" and tokens.dtype == np.uint16
+    np.save(tmp_path / "wide.npy", ids)
+    text = tmp_path / "t.txt"
+    text.write_text("some text " * 100)
+    for other in (tmp_path / "wide.npy", text):
+        cfg, _ = prepare(build_parser().parse_args([*SMALL_RUN, "--data", str(other),
+                                                    "--vocab-size", "70000"]))  # fmt: skip
+        assert cfg.data_dtype is None
+    # a size that is no whole number of the dtype's ids: refused, with either dtype
+    (tmp_path / "odd.bin").write_bytes(b"\x01" * 4002)
+    assert main([*SMALL_RUN, "--data", str(tmp_path / "odd.bin"), "--data-dtype", "uint32"]) == 2
+    assert "odd.bin has 4002 bytes, not a whole number of uint32 ids (4 bytes each)" in (
+        capsys.readouterr().err
+    )
+
+
+def test_bin_dtype(tmp_path):
+    assert data.bin_dtype(None, 65_536, "x.bin") == "uint16"  # ids 0..65535 fit
+    assert data.bin_dtype("uint32", 512, "x.bin") == "uint32"
+    with pytest.raises(ValueError, match=r"x\.bin: the vocabulary has 65537 tokens"):
+        data.bin_dtype(None, 65_537, "x.bin")
+    with pytest.raises(ValueError, match=r"data dtype must be one of"):
+        data.bin_dtype("int8", 512, "x.bin")
+
+
 def test_a_sequence_longer_than_the_data_is_refused(capsys, monkeypatch):
     from fastpar.train import main, memory
 

@@ -43,7 +43,11 @@ def test_help_exits_zero(capsys):
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["--help"])
     assert exc.value.code == 0
-    assert "--metrics-file FILE" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--metrics-file FILE" in out
+    checkpoints = out.split("checkpoints:", 1)[1].split("\n\n", 1)[0]
+    assert "--allow-schedule-change" in checkpoints
+    assert _parse([]).data_dtype is None and _parse([]).allow_schedule_change is False
 
 
 def test_toml_config_and_command_line_precedence(tmp_path):

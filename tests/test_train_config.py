@@ -36,6 +36,7 @@ FLAG_ERRORS = [
     (["--keep-last", "3"], "--keep-last 3 needs --checkpoint-dir DIR"),
     (["--allow-fresh"], "--allow-fresh needs --checkpoint-dir DIR"),
     (["--allow-other-run"], "--allow-other-run needs --checkpoint-dir DIR"),
+    (["--allow-schedule-change"], "--allow-schedule-change needs --checkpoint-dir DIR"),
     (["--batch-size", "0"], "--batch-size 0 must be >= 1"),
     (["--seq-len", "0"], "--seq-len 0 must be >= 1"),
     (["--heads", "0"], "--heads 0 must be >= 1"),
@@ -101,7 +102,7 @@ def test_values_at_the_edge_are_accepted(argv):
 def test_checkpoint_dir_flags_pass_with_a_directory(tmp_path, capsys, monkeypatch):
     ckpt = str(tmp_path / "ckpt")
     argv = ["--checkpoint-dir", ckpt, "--save-every", "2", "--keep-last", "1", "--resume",
-            "--allow-fresh", "--allow-other-run"]  # fmt: skip
+            "--allow-fresh", "--allow-other-run", "--allow-schedule-change"]  # fmt: skip
     config_from(build_parser().parse_args(argv)).check()
     forbid_ranks(monkeypatch)
     (tmp_path / "file").write_text("x")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from fastpar.data import (
+    bin_dtype,
     check_bin_width,
     check_token_ids,
     global_batch,
@@ -16,17 +17,21 @@ from fastpar.train.config import TrainConfig
 # -- data --------------------------------------------------------------------------------------
 def load_data(cfg: TrainConfig, check: bool = True):
     """This run's token ids (``fastpar.data.load_tokens``), every id checked against the
-    vocabulary unless ``check`` is False (one pass; the launcher checks once, before the ranks)."""
-    tokens = load_tokens(cfg.data, tokenizer=cfg.tokenizer, dtype=cfg.data_dtype)
+    vocabulary unless ``check`` is False (one pass; the launcher checks once, before the ranks).
+    A .bin file is read as ``bin_dtype`` resolves --data-dtype (an error, even unchecked, when
+    its ids cannot hold the vocabulary)."""
+    is_bin = (cfg.data or "").endswith(".bin")
+    dtype = bin_dtype(cfg.data_dtype, cfg.vocab, cfg.data) if is_bin else "uint16"
+    tokens = load_tokens(cfg.data, tokenizer=cfg.tokenizer, dtype=dtype)
     if check:
         source = cfg.data or "the embedded corpus"
         if cfg.tokenizer and not (cfg.data or "").endswith((".npy", ".bin")):
             source += f" (tokenised with {cfg.tokenizer})"
         hint = ""
-        if (cfg.data or "").endswith(".bin"):
-            hint = f"; read as {cfg.data_dtype}: is --data-dtype the one the file was written with?"
+        if is_bin:
+            hint = f"; read as {dtype}: is --data-dtype the one the file was written with?"
         check_token_ids(tokens, cfg.vocab, source, min_tokens=cfg.seq_len + 2, hint=hint)
-        if (cfg.data or "").endswith(".bin") and cfg.data_dtype == "uint16":
+        if is_bin and dtype == "uint16":
             check_bin_width(tokens, source)
         check_split(cfg, tokens)
     return tokens
@@ -73,7 +78,14 @@ def batch_of(cfg: TrainConfig, tokens, step: int, hf=None):
     return x, y
 
 
+#: the TrainConfig fields ``lr_at`` reads (``min_lr`` through ``lr_floor``): a resumed run that
+#: changes one reshapes its schedule (``fastpar.train.checkpointing.compare_schedule``)
+SCHEDULE_FIELDS = ("steps", "lr_schedule", "warmup", "lr", "min_lr")
+
+
 def lr_at(cfg: TrainConfig, step: int) -> float:
+    """The learning rate of the step after ``step`` steps (0-based): a linear warm-up over
+    --warmup steps, then --lr-schedule (cosine down to ``lr_floor`` at --steps, or constant)."""
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     if cfg.lr_schedule == "constant":

@@ -10,7 +10,9 @@ decides, the other ranks follow:
 * ``--resume``: the newest checkpoint of this directory's run that verifies in full; each newer
   one skipped is named with why (incomplete, corrupted: which file, another run's). Nothing
   usable is an error unless ``--allow-fresh``. The run id is the checkpoint's; settings are
-  compared with the checkpoint's (``compare_settings``); ``--steps`` below its step is an error.
+  compared with the checkpoint's (``compare_settings``); ``--steps`` below its step is an error;
+  a changed learning-rate schedule is an error unless ``--allow-schedule-change``
+  (``compare_schedule``).
 * a fresh run: a new run id; a directory holding another run's checkpoints is refused unless
   ``--allow-other-run``.
 
@@ -30,6 +32,7 @@ after the final step's checkpoint or by ``close_checkpoints``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import secrets
@@ -43,11 +46,13 @@ from fastpar.checkpoint.core import _agree
 from fastpar.checkpoint.directory import latest_checkpoint, prune, scan, step_dir
 from fastpar.checkpoint.format import CheckpointError
 from fastpar.checkpoint.lock import DirectoryLock, describe
+from fastpar.train.batches import SCHEDULE_FIELDS, lr_at
 from fastpar.train.build import Trainer
 
 __all__ = [
     "CONFIG_FILE",
     "close_checkpoints",
+    "compare_schedule",
     "compare_settings",
     "latest_checkpoint",
     "open_checkpoints",
@@ -65,11 +70,12 @@ REFUSED = ("model_type", "hidden", "heads", "layers", "ffn", "moe_ffn", "kv_head
            "qk_norm", "attention_bias", "moe_every", "experts", "untied", "norm",
            "shared_expert_ffn", "shared_expert_gate", "expert_bias")  # fmt: skip
 #: resuming with another value WARNS: the checkpoint still fits (fp32 masters, optimizer state,
-#: scaler) and the change may be meant (a lower LR after a spike, another precision on other
-#: hardware, a larger batch), but the run no longer continues the trajectory it was on (the
-#: seed and the batch size choose the data; the rest change the updates). The layout (tp, pp,
-#: dp, ep, zero, micro-batches, schedule) changes freely: checkpoints reshard exactly.
-WARNED = ("seed", "batch_size", "precision", "lr", "min_lr", "warmup", "lr_schedule",
+#: scaler) and the change may be meant (another precision on other hardware, a larger batch),
+#: but the run no longer continues the trajectory it was on (the seed and the batch size choose
+#: the data; the rest change the updates). The layout (tp, pp, dp, ep, zero, micro-batches,
+#: schedule) changes freely: checkpoints reshard exactly. The learning-rate schedule's fields
+#: (``SCHEDULE_FIELDS``, --steps among them) are judged by ``compare_schedule`` instead.
+WARNED = ("seed", "batch_size", "precision",
           "weight_decay", "max_grad_norm", "loss_scale", "seq_len", "rope_theta", "top_k",
           "capacity_factor", "data", "data_dtype", "tokenizer", "router_score",
           "routed_scaling_factor", "router_groups", "router_group_topk", "bias_update_rate",
@@ -106,7 +112,8 @@ def compare_settings(saved: dict, cfg) -> tuple[list[str], list[str]]:
         return [f"{_flag(n)} {old[n]} -> {now[n]}" for n in names if n in old and old[n] != now[n]]
 
     refused = [] if cfg.hf_config else diff(refused_fields)
-    warned = diff(n for n in WARNED if n not in refused_fields)
+    bin_data = (cfg.data or "").endswith(".bin")  # --data-dtype means nothing for other data
+    warned = diff(n for n in WARNED if n not in refused_fields and (n != "data_dtype" or bin_data))
     model = saved.get("model") or {}
     if model.get("vocab") is not None and model["vocab"] != cfg.vocab:
         refused.append(f"vocabulary {model['vocab']} -> {cfg.vocab}")
@@ -115,6 +122,28 @@ def compare_settings(saved: dict, cfg) -> tuple[list[str], list[str]]:
         keys = sorted(k for k in set(was) | set(new) if was.get(k) != new.get(k))
         refused += [f"--hf-config {k}: {was.get(k)!r} -> {new.get(k)!r}" for k in keys]
     return refused, warned
+
+
+def compare_schedule(saved: dict, cfg, step: int) -> tuple[str, str, bool] | None:
+    """None when the checkpoint's ``SCHEDULE_FIELDS`` equal ``cfg``'s; else (each changed flag
+    "OLD -> NEW"; the LR of the next two steps, saved -> new, numbered as the log line counts
+    steps; whether the LR of any step from ``step`` to both settings' end differs)."""
+    old = saved.get("config") or {}
+    changed = [n for n in SCHEDULE_FIELDS if n in old and old[n] != getattr(cfg, n)]
+    if not changed:
+        return None
+    before = dataclasses.replace(cfg, **{n: old[n] for n in changed})
+    end = min(before.steps, cfg.steps)
+    if cfg.steps > step:  # the step the run goes on with, even past the saved run's end
+        end = max(end, step + 1)
+    moved = any(lr_at(before, s) != lr_at(cfg, s) for s in range(step, end))
+    flags = "; ".join(f"{_flag(n)} {old[n]} -> {getattr(cfg, n)}" for n in changed)
+    rates = f"LR at step {step + 1}: {lr_at(before, step):.6g} -> {lr_at(cfg, step):.6g}"
+    if cfg.steps > step + 1:
+        rates += (
+            f", at step {step + 2}: {lr_at(before, step + 1):.6g} -> {lr_at(cfg, step + 1):.6g}"
+        )
+    return flags, rates, moved
 
 
 def write_config_file(cfg, path: str) -> None:
@@ -192,7 +221,30 @@ def _plan_resume(trainer: Trainer, previous: dict | None, entries) -> tuple[str,
             f"--steps {cfg.steps} is below the step {step} of {path}: pass --steps above "
             f"{step} to train on from there"
         )
+    _judge_schedule(cfg, extra, step, path)
     return extra.get("run_id") or our_run or _new_run_id(), path
+
+
+def _judge_schedule(cfg, extra: dict, step: int, path: str) -> None:
+    """Rank 0, --resume: refuse a changed LR schedule unless --allow-schedule-change (then
+    warn); a change that moves no step's LR is one note (the run's end moved)."""
+    change = compare_schedule(extra, cfg, step)
+    if change is None:
+        return
+    flags, rates, moved = change
+    text = f"--resume from {path} changes the LR schedule ({flags}): {rates} (saved -> new)"
+    if moved and not cfg.allow_schedule_change:
+        raise CheckpointError(
+            f"{text}; resume with the saved values, or pass --allow-schedule-change to train on "
+            "with the new schedule"
+        )
+    if moved:
+        _warn(f"{text}; training on with the new schedule (--allow-schedule-change)")
+    elif not cfg.quiet:
+        was = (extra.get("config") or {}).get("steps", cfg.steps)
+        end = f"; the run now ends at step {cfg.steps}" if was != cfg.steps else ""
+        print(f"note: --resume from {path}: {flags} leaves the LR of every step both settings "
+              f"train unchanged{end}", flush=True)  # fmt: skip
 
 
 def _plan_fresh(trainer: Trainer, entries) -> str:

@@ -125,7 +125,8 @@ _HELP = {
     "untied": "an LM head of its own instead of the embedding's weight",
     "norm": "gpt: the normalisation layers",
     "data": "a text file, a .npy or a .bin file of token ids (default: an embedded corpus)",
-    "data_dtype": "ids of a .bin file",
+    "data_dtype": "ids of a .bin file (default uint16; a vocabulary of more than 65536 tokens "
+    "needs uint32, given explicitly)",
     "tokenizer": "a tokenizer.json (Hugging Face tokenizers) for text data; sets the vocabulary",
     "hf_config": "a Hugging Face config.json: train that model (random init) with its "
     "family's built-in plan instead of the GPT / Llama",
@@ -137,6 +138,9 @@ _HELP = {
     "allow_fresh": "with --resume: start from step 0 when --checkpoint-dir holds no usable "
     "checkpoint (default: an error)",
     "allow_other_run": "write into a --checkpoint-dir that holds another run's checkpoints",
+    "allow_schedule_change": "with --resume: train on when --steps, --lr-schedule, --warmup, "
+    "--lr or --min-lr differ from the checkpoint's and change the learning rate of the steps "
+    "left (default: an error naming both rates)",
     "collective_timeout": "seconds any collective of any process group may wait before the "
     f"job fails (a stuck or dead rank; default {TIMEOUT_ENV}, else {COLLECTIVE_TIMEOUT_S:g})",
     "max_skipped_steps": "end the run after this many consecutive steps skipped for inf/NaN "
@@ -178,7 +182,7 @@ _OPTIONAL = {"vocab_size": int, "ffn": int, "moe_ffn": int, "min_lr": float, "kv
              "profile_steps": str, "metrics_file": str, "tensorboard": str,
              "peak_tflops": float, "routed_scaling_factor": float, "router_groups": int,
              "router_group_topk": int, "shared_expert_ffn": int,
-             "microbatch_group_size": int}  # fmt: skip
+             "microbatch_group_size": int, "data_dtype": str}  # fmt: skip
 _METAVARS = {"checkpoint_dir": "DIR", "profile": "DIR", "tensorboard": "DIR", "profile_steps":
              "A:B", "metrics_file": "FILE", "data": "FILE", "tokenizer": "FILE",
              "hf_config": "FILE", "peak_tflops": "TFLOPS",
@@ -199,7 +203,7 @@ _GROUPS = {
                  "weight_decay", "max_grad_norm", "loss_scale", "seed", "compile"),
     "data": ("data", "data_dtype", "tokenizer"),
     "checkpoints": ("checkpoint_dir", "save_every", "keep_last", "resume", "allow_fresh",
-                    "allow_other_run"),
+                    "allow_other_run", "allow_schedule_change"),
     "evaluation": ("eval_every", "eval_batches", "eval_split"),
     "output": ("log_every", "quiet", "metrics_file", "tensorboard", "peak_tflops", "profile",
                "profile_steps"),

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 
 from fastpar.data import (
     BIN_DTYPES,
+    bin_dtype,
     tokenizer_vocab_size,
 )
 from fastpar.mesh import MeshLayout
@@ -113,7 +114,7 @@ class TrainConfig:
     untied: bool = False
     norm: str = "rmsnorm"
     data: str | None = None
-    data_dtype: str = "uint16"
+    data_dtype: str | None = None
     tokenizer: str | None = None
     hf_config: str | None = None
     checkpoint_dir: str | None = None
@@ -122,6 +123,7 @@ class TrainConfig:
     resume: bool = False
     allow_fresh: bool = False
     allow_other_run: bool = False
+    allow_schedule_change: bool = False
     collective_timeout: float = field(default_factory=default_collective_timeout)
     max_skipped_steps: int = 20
     debug_checks: bool = False
@@ -219,7 +221,7 @@ class TrainConfig:
                     raise ValueError(f"{flag(name)} is a Llama option: add --model llama")
         elif self.norm != "rmsnorm":
             raise ValueError(f"--norm {self.norm} is a GPT option: the Llama uses RMSNorm")
-        if self.data_dtype not in BIN_DTYPES:
+        if self.data_dtype is not None and self.data_dtype not in BIN_DTYPES:
             raise ValueError(
                 f"data_dtype must be one of {sorted(BIN_DTYPES)} (the ids of a .bin file), "
                 f"got {self.data_dtype!r}"
@@ -232,6 +234,8 @@ class TrainConfig:
                     f"{self.tokenizer}: drop --vocab-size (it follows the tokenizer) or pass "
                     f">= {n}"
                 )
+        if (self.data or "").endswith(".bin"):  # resolved here: checkpoints record it
+            self.data_dtype = bin_dtype(self.data_dtype, self.vocab, self.data)
 
     def _check_hf(self, defaults: TrainConfig) -> None:
         """--hf-config: the model is the config's; fastpar-model flags do not apply."""
@@ -429,8 +433,14 @@ class TrainConfig:
     def check(self) -> None:
         """Refuse an impossible run before any process group exists: one ValueError line naming
         the value and the fix (the data are checked by ``load_data``; the world size under
-        torchrun by ``check_world_size``)."""
+        torchrun by ``check_world_size``). Resolves --data-dtype left out for a .bin file
+        (``fastpar.data.bin_dtype``)."""
         check_ranges(self)
+        if self.allow_schedule_change and not self.checkpoint_dir:
+            raise ValueError(
+                "--allow-schedule-change needs --checkpoint-dir DIR (where the run's checkpoints "
+                "are written and read): add it, or drop --allow-schedule-change"
+            )
         self._check_outputs()
         self._check_model_flags()
         if self.precision not in ("fp32", "bf16", "fp16"):
