@@ -5,22 +5,27 @@
     print(report.text)
     assert report.ok
 
-On ``tp * dp`` CPU ranks (gloo) beside a single-process reference built by the same
-``build_model`` under the same seed:
+On ``tp * dp`` CPU ranks (gloo) beside two single-process runs of the same ``build_model``
+under the same seed — one in fp32, one in float64 (the exact math):
 
 1. the tensor-parallel model (``fastpar.parallelize`` with ``plan``, default the built-in plan
-   of the model's family) on the full first batch: its logits and loss equal the dense model's,
-   and every parameter's gradient on every rank equals its slice of the dense gradient —
-   replicated parameters included (a per-head norm's partial gradient shows here);
+   of the model's family) on the full first batch: its logits and loss, and every parameter's
+   gradient on every rank (against its slice of the dense gradient — replicated parameters
+   included: a per-head norm's partial gradient shows here);
 2. ``steps`` AdamW steps with the data-parallel wrapper of ``zero`` (0: DDP, 1 / 2: ZeroOptimizer,
    3: Zero3) on each replica's slice of the batch: the per-step loss (averaged over the
-   replicas) and every parameter afterwards equal single-process AdamW on the full batch.
+   replicas) and every parameter afterwards, against AdamW on the full batch.
 
-The report names the worst parameter of each part. Data: ``batch(step)`` returns the global
-batch of a step (a tensor, tuple or dict whose tensors split along dim 0 over the DP
-replicas); by default token ids for a language model. ``loss(model, batch)`` returns the
-scalar loss; by default a Hugging Face model's own ``labels=`` loss, else next-token
-cross-entropy of the logits.
+Each quantity agrees when its error against the float64 run is at most ``FACTOR`` times the fp32
+single-process run's own error plus a floor from fp32's rounding and the longest reduction
+(``fastpar.tolerance``): the verdict does not depend on the machine's kernels or the seed, and a
+defect (an error of the size of the value) stays far outside it. The report names the worst
+quantity of each part. Data: ``batch(step)`` returns the global batch of a step (a tensor, tuple
+or dict whose tensors split along dim 0 over the DP replicas); by default token ids for a
+language model. ``loss(model, batch)`` returns the scalar loss; by default a Hugging Face
+model's own ``labels=`` loss, else next-token cross-entropy of the logits. A loss or model that
+casts to fp32 inside makes its "float64" run only as exact as fp32 (the check then tolerates
+more): keep the math in the parameters' dtype.
 """
 
 from __future__ import annotations
@@ -36,27 +41,32 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-TOLERANCE = {"logits": 1e-5, "grad": 1e-5, "param": 1e-4, "loss": 1e-5}
-"""fp32 tolerances (absolute and relative alike); parameters after AdamW steps are looser, as
-in ``fastpar.verify``."""
-ADAM_EPS = 1e-6
-"""AdamW's eps for the check. Adam divides by sqrt(v) + eps, so a gradient that is zero up to
-rounding (a key bias: softmax ignores it) becomes a step of up to lr · g / eps; with the usual
-1e-8 two correct runs whose rounding differs drift apart by ~lr per step, with 1e-6 they do not,
-while real gradients (far above 1e-6) are normalised as usual."""
+from fastpar import tolerance
+from fastpar.tolerance import Comparison
+
+ADAM_EPS = 1e-4
+"""AdamW's eps for the check. Adam's update lr · m / (sqrt(v) + eps) turns a gradient error δ
+into a parameter error of up to a few lr · δ / (sqrt(v) + eps): where a gradient is zero up to
+rounding (a key bias: softmax ignores it) rounding chooses the step, in every run alike, and
+the rule allows it there (``fastpar.tolerance.adam_slack``) — so such elements prove nothing. The
+larger eps, the fewer of them: at 1e-4 only gradients below about 1e-4 are so treated, while
+larger ones are normalised as usual and checked tightly."""
 
 
 @dataclass
 class CheckReport:
-    """``ok``; per part the worst (difference, parameter name); per-step losses; the text."""
+    """``ok``; per part the worst ``fastpar.tolerance.Comparison`` (its ``what`` names the
+    quantity); per-step losses (parallel, single-process fp32, float64); the text."""
 
     ok: bool
     layout: str
-    logits_diff: float
-    loss_diff: float
-    worst_grad: tuple[float, str]
-    losses: list[tuple[float, float]]
-    worst_param: tuple[float, str]
+    logits: Comparison
+    loss: Comparison
+    worst_grad: Comparison
+    losses: list[tuple[float, float, float]]
+    worst_loss: Comparison
+    worst_param: Comparison
+    length: int
     grad_reduced: list[str] = field(default_factory=list)
     text: str = ""
 
@@ -90,7 +100,8 @@ def _default_loss(model: nn.Module, batch) -> torch.Tensor:
             raise ValueError("the model returned no .loss for the batch: pass loss=")
         return loss
     logits = _logits(model(batch))
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten())
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float64 stays
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
 
 
 def _logits(out) -> torch.Tensor:
@@ -121,6 +132,25 @@ def _batch_size(batch) -> int:
     return next(t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)).shape[0]
 
 
+def _in_dtype(batch_fn: Callable[[int], object], dtype: torch.dtype) -> Callable[[int], object]:
+    """``batch_fn`` with its floating-point tensors cast to ``dtype`` (ids stay integers)."""
+
+    def cast(t):
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    return lambda step: tree_map(cast, batch_fn(step))
+
+
+def reduction_length(model: nn.Module, batch) -> int:
+    """The longest sum the check's quantities come from, for the rule's floor: the tokens of the
+    batch (a weight gradient sums over them) or the widest parameter dimension (a matrix
+    product's inner dimension, a vocabulary), whichever is longer."""
+    tokens = max((t.numel() for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)),
+                 default=1)  # fmt: skip
+    widest = max((max(p.shape, default=1) for p in model.parameters()), default=1)
+    return max(1, tokens, widest)
+
+
 def _block_type(model: nn.Module) -> type | None:
     """The repeated block (the element type of the largest ModuleList): Zero3's wrap unit."""
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
@@ -130,53 +160,50 @@ def _block_type(model: nn.Module) -> type | None:
 def _local(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     from fastpar.checkpoint.state import localize
 
-    return localize(full.float(), p)
+    return localize(full, p)
 
 
-def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| / (1 + max |b|): absolute near zero, relative for large values."""
-    if a.shape != b.shape:
-        return math.inf
-    if a.numel() == 0:
-        return 0.0
-    return float((a.float() - b.float()).abs().max() / (1.0 + b.float().abs().max()))
+def _first_batch(batch, loss):
+    """``before`` of the reference runs: (logits, loss, gradients by name) on batch 0."""
 
-
-def _reference(build_model, seed, batch, loss, steps, lr, weight_decay):
-    torch.manual_seed(seed)
-    model = build_model().float()
-    first = batch(0)
-    logits = _forward_logits(model, first).detach()
-    model.zero_grad()
-    loss0 = loss(model, first)
-    loss0.backward()
-    grads = {
-        n: (p.grad.detach().clone() if p.grad is not None else None)
-        for n, p in model.named_parameters(remove_duplicate=False)
-    }
-    model.zero_grad()
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=lr, weight_decay=weight_decay, eps=ADAM_EPS, foreach=False
-    )
-    losses = []
-    for step in range(steps):
-        value = loss(model, batch(step))
+    def before(model: nn.Module, dtype: torch.dtype):
+        first = _in_dtype(batch, dtype)(0)
+        logits = _forward_logits(model, first).detach()
+        model.zero_grad()
+        value = loss(model, first)
         value.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(value.detach()))
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return logits, float(loss0.detach()), grads, losses, params
+        grads = {
+            n: (p.grad.detach().clone() if p.grad is not None else None)
+            for n, p in model.named_parameters(remove_duplicate=False)
+        }
+        return logits, float(value.detach()), grads
+
+    return before
 
 
-def _rank(build_model, plan, tp, zero, steps, seed, batch, loss, lr, weight_decay, pkw, ref):
+def _worst(comparisons, empty: str) -> Comparison:
+    found = tolerance.worst(comparisons)
+    return found if found is not None else Comparison(empty, 0.0, 0.0, 0.0)
+
+
+def _rank(build_model, plan, tp, zero, steps, seed, batch, loss, lr, weight_decay, pkw,
+          refs: tolerance.References):  # fmt: skip
     from fastpar import ParallelMesh, parallelize
     from fastpar.optim import FusedAdamW
     from fastpar.parallel import DistributedDataParallel
     from fastpar.zero import Zero3, ZeroOptimizer
 
-    ref_logits, ref_loss, ref_grads, ref_losses, ref_params = ref
     mesh = ParallelMesh(tp=tp)
+    first_logits = refs.exact.before[0]
+
+    def check(what, actual, pick, local=None):
+        """``actual`` against ``pick(run.before)`` of the runs (sliced like ``local``)."""
+        ones = [pick(r.before) for r in (refs.single, refs.twin)]
+        ref = pick(refs.exact.before)
+        if local is not None:
+            ones, ref = [_local(t, local) for t in ones], _local(ref, local)
+        return tolerance.compare(actual, ones, ref, length=refs.length, dtype=torch.float32,
+                                 what=what)  # fmt: skip
 
     def adamw(params):
         return FusedAdamW(params, lr=lr, weight_decay=weight_decay, eps=ADAM_EPS)
@@ -190,23 +217,22 @@ def _rank(build_model, plan, tp, zero, steps, seed, batch, loss, lr, weight_deca
     model = build()
     first = batch(0)
     logits = _forward_logits(model, first).detach()
-    if logits.shape != ref_logits.shape and tp > 1:  # vocabulary-split logits: gather them
+    if logits.shape != first_logits.shape and tp > 1:  # vocabulary-split logits: gather them
         parts = [torch.empty_like(logits) for _ in range(tp)]
         dist.all_gather(parts, logits.contiguous(), group=mesh.tp_group)
-        logits = torch.cat(parts, -1)[..., : ref_logits.shape[-1]]
-    logits_diff = _diff(logits, ref_logits)
+        logits = torch.cat(parts, -1)[..., : first_logits.shape[-1]]
+    logits_cmp = check("logits", logits, lambda b: b[0])
     model.zero_grad()
     value = loss(model, first)
     value.backward()
-    loss_diff = abs(float(value.detach()) - ref_loss) / (1.0 + abs(ref_loss))
-    worst_grad = (0.0, "")
+    loss_cmp = check("loss", float(value.detach()), lambda b: b[1])
+    grads = []
     for name, p in model.named_parameters(remove_duplicate=False):
-        expect = ref_grads.get(name)
-        if (p.grad is None) != (expect is None):
-            worst_grad = max(worst_grad, (math.inf, f"{name} (gradient missing on one side)"))
-            continue
-        if p.grad is not None:
-            worst_grad = max(worst_grad, (_diff(p.grad, _local(expect, p)), name))
+        ref = refs.exact.before[2].get(name)
+        if (p.grad is None) != (ref is None):
+            grads.append(Comparison(f"{name} (gradient missing on one side)", math.inf, 0, 0))
+        elif p.grad is not None:
+            grads.append(check(name, p.grad, lambda b, n=name: b[2][n], local=p))
     grad_reduced = list(model.fastpar_plan.grad_reduced)
     del model
 
@@ -232,7 +258,7 @@ def _rank(build_model, plan, tp, zero, steps, seed, batch, loss, lr, weight_deca
             stage=zero,
             mesh=mesh,
         )
-    losses = []
+    losses, step_cmps = [], []
     for step in range(steps):
         value = loss(forward, _rows(batch(step), *sl))
         value.backward()
@@ -240,13 +266,17 @@ def _rank(build_model, plan, tp, zero, steps, seed, batch, loss, lr, weight_deca
         opt.zero_grad()
         mean = value.detach().float().reshape(1).clone()
         dist.all_reduce(mean, group=mesh.dp_group)
-        losses.append((float(mean) / mesh.dp_size, ref_losses[step]))
+        mean = float(mean) / mesh.dp_size
+        losses.append((mean, refs.single.losses[step], refs.exact.losses[step]))
+        step_cmps.append(refs.loss(step, mean))
     ctx = engine.summon_full_params() if zero == 3 else _nullcontext()
-    worst_param = (0.0, "")
     with ctx:
-        for name, p in model.named_parameters():
-            worst_param = max(worst_param, (_diff(p.detach(), _local(ref_params[name], p)), name))
-    return logits_diff, loss_diff, worst_grad, losses, worst_param, grad_reduced
+        named = dict(model.named_parameters())
+        refs.local = lambda t, n: _local(t, named[n])  # this rank's slice of each tensor
+        # (AdamW amplifies the gradients' rounding: ``param`` allows what it makes of them)
+        params = [refs.param(name, p.detach()) for name, p in named.items()]
+    return (logits_cmp, loss_cmp, _worst(grads, "-"), losses, _worst(step_cmps, "-"),
+            _worst(params, "-"), grad_reduced)  # fmt: skip
 
 
 class _nullcontext:
@@ -255,10 +285,6 @@ class _nullcontext:
 
     def __exit__(self, *exc):
         return False
-
-
-def _worst_over_ranks(values):
-    return max(values, key=lambda v: v[0])
 
 
 def check_parallel(
@@ -278,10 +304,13 @@ def check_parallel(
     weight_decay: float = 0.01,
     parallelize_kwargs: Mapping | None = None,
     timeout: float = 300.0,
+    length: int | None = None,
 ) -> CheckReport:
-    """Run the layout (``tp * dp`` CPU ranks) beside the single-process model; see the module
-    docstring. ``build_model()`` must build the same model every time it is called under the
-    same seed (it is called under ``torch.manual_seed(seed)``). Returns a ``CheckReport``."""
+    """Run the layout (``tp * dp`` CPU ranks) beside the single-process model in fp32 and in
+    float64; see the module docstring. ``build_model()`` must build the same model every time
+    it is called under the same seed (it is called under ``torch.manual_seed(seed)``; it may
+    build in any dtype: the runs cast it). ``length``: the longest reduction for the rule's
+    floor (default ``reduction_length``). Returns a ``CheckReport``."""
     from fastpar.launch import run_ranks
 
     if zero not in (0, 1, 2, 3):
@@ -294,44 +323,50 @@ def check_parallel(
         batch = _default_batch(probe_model, rows * dp, seq)
     if loss is None:
         loss = _default_loss
+    if length is None:
+        length = reduction_length(probe_model, batch(0))
     del probe_model
-    ref = _reference(build_model, seed, batch, loss, steps, lr, weight_decay)
+    # the single-process run in fp32, its twin and the float64 run (fastpar.tolerance)
+    refs = tolerance.train_references(
+        build_model, lambda model, step, dtype: loss(model, _in_dtype(batch, dtype)(step)), steps,
+        length=length, seed=seed, lr=lr, weight_decay=weight_decay, eps=ADAM_EPS,
+        before=_first_batch(batch, loss),
+    )  # fmt: skip
     results = run_ranks(
         _rank, tp * dp, build_model, plan, tp, zero, steps, seed, batch, loss, lr, weight_decay,
-        dict(parallelize_kwargs or {}), copy.deepcopy(ref), timeout=timeout,
+        dict(parallelize_kwargs or {}), copy.deepcopy(refs), timeout=timeout,
     )  # fmt: skip
-    logits_diff = max(r[0] for r in results)
-    loss_diff = max(r[1] for r in results)
-    worst_grad = _worst_over_ranks([r[2] for r in results])
-    worst_param = _worst_over_ranks([r[4] for r in results])
-    losses = results[0][3]
-    ok = (
-        logits_diff <= TOLERANCE["logits"]
-        and loss_diff <= TOLERANCE["loss"]
-        and worst_grad[0] <= TOLERANCE["grad"]
-        and worst_param[0] <= TOLERANCE["param"]
-        and all(abs(a - b) / (1 + abs(b)) <= TOLERANCE["loss"] for a, b in losses)
+    logits, loss_cmp, worst_grad, _, worst_loss, worst_param, _ = (
+        _worst([r[i] for r in results], "-") if i not in (3, 6) else None for i in range(7)
     )
+    losses, grad_reduced = results[0][3], results[0][6]
+    parts = (logits, loss_cmp, worst_grad, worst_loss, worst_param)
+    ok = all(c.ok for c in parts)
     layout = f"tp {tp} x dp {dp}, ZeRO-{zero}" if zero else f"tp {tp} x dp {dp}, DDP"
+
+    def line(label: str, c: Comparison) -> str:
+        return (f"  {label}: {c.what}, error {c.error:.2e} <= {c.bound:.2e}? "
+                f"{'yes' if c.ok else 'NO'}")  # fmt: skip
+
     lines = [
-        f"check_parallel: {layout}, {steps} AdamW steps (eps {ADAM_EPS:g}), fp32; differences "
-        "are |a - b| / (1 + |reference|)",
-        f"  tensor parallel, first batch: logits {logits_diff:.2e}, loss {loss_diff:.2e}",
-        f"  worst gradient: {worst_grad[0]:.2e} ({worst_grad[1] or '-'}), tolerance "
-        f"{TOLERANCE['grad']:.0e}",
+        f"check_parallel: {layout}, {steps} AdamW steps (eps {ADAM_EPS:g}), fp32",
+        f"  {tolerance.rule_text(torch.float32, length)}",
+        line("tensor parallel, first batch", logits),
+        line("loss", loss_cmp),
+        line("worst gradient", worst_grad),
     ]
-    if results[0][5]:
-        lines.append(f"  gradients all-reduced over TP (per-head): {len(results[0][5])} parameters")
-    lines.append(f"  {'step':>5} {'parallel':>12} {'single-process':>15}")
-    lines += [f"  {i + 1:>5} {a:>12.6f} {b:>15.6f}" for i, (a, b) in enumerate(losses)]
-    lines.append(
-        f"  worst parameter after {steps} steps: {worst_param[0]:.2e} ({worst_param[1] or '-'}), "
-        f"tolerance {TOLERANCE['param']:.0e}"
-    )
+    if grad_reduced:
+        lines.append(f"  gradients all-reduced over TP (per-head): {len(grad_reduced)} parameters")
+    lines.append(f"  {'step':>5} {'parallel':>12} {'single fp32':>12} {'float64':>12}")
+    lines += [
+        f"  {i + 1:>5} {a:>12.6f} {b:>12.6f} {c:>12.6f}" for i, (a, b, c) in enumerate(losses)
+    ]
+    lines.append(line("worst step loss", worst_loss))
+    lines.append(line(f"worst parameter after {steps} steps", worst_param))
     lines.append("AGREE" if ok else "DISAGREE")
     return CheckReport(
-        ok, layout, logits_diff, loss_diff, worst_grad, losses, worst_param, results[0][5],
-        "\n".join(lines),
+        ok, layout, logits, loss_cmp, worst_grad, losses, worst_loss, worst_param, length,
+        grad_reduced, "\n".join(lines),
     )  # fmt: skip
 
 

@@ -30,10 +30,11 @@ import math
 import os
 import sys
 import tempfile
+from dataclasses import dataclass, field
 
 import torch
 
-from fastpar import checkpoint, parity
+from fastpar import checkpoint, parity, tolerance
 from fastpar.launch import RankError
 from fastpar.train import (
     TrainConfig,
@@ -44,15 +45,9 @@ from fastpar.train import (
     lr_at,
 )
 from fastpar.train.batches import eval_batch, split_tokens
-from fastpar.train.build import build
+from fastpar.train.build import DTYPES, build
 from fastpar.train.cli import prepare, refuse
 from fastpar.train.loop import evaluates_at
-
-TOLERANCE = {  # (loss relative, parameter absolute)
-    "fp32": (1e-4, 2e-4),
-    "bf16": (3e-2, 3e-2),
-    "fp16": (1e-2, 1e-2),
-}
 
 
 def _val_loss(cfg: TrainConfig, parts, held) -> float:
@@ -67,36 +62,55 @@ def _val_loss(cfg: TrainConfig, parts, held) -> float:
                 for xc, yc in zip(
                     xd.chunk(cfg.microbatches), yd.chunk(cfg.microbatches), strict=True
                 ):
-                    loss = parts.loss_fn(model(xc), yc).float()
+                    loss = parts.loss_fn(model(xc), yc)
                     total += float(loss) / (cfg.microbatches * cfg.dp * cfg.eval_batches)
     model.train()
     return total
 
 
+@dataclass
+class Run(tolerance.Run):
+    """One single-process run (``fastpar.tolerance.Run``: per step the loss, the gradients by
+    name and, for the exact run, AdamW's sqrt(v̂) + eps by name; the final tensors as
+    ``Parts.checkpoint_tensors`` names them), and per step its gradient norm (before clipping),
+    whether it was skipped (fp16: inf/NaN gradients) and its LR; the validation losses
+    {step: loss}."""
+
+    norms: list[float] = field(default_factory=list)
+    skipped: list[bool] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    val_losses: dict[int, float] = field(default_factory=dict)
+
+
 def reference(
-    cfg: TrainConfig, tokens=None, val_losses: dict | None = None, norms: list | None = None
-):
-    """Single-process training with the distributed run's math. Returns (losses, params).
+    cfg: TrainConfig, tokens=None, *, exact: bool = False, twin: bool = False, skips=()
+) -> Run:
+    """Single-process training with the distributed run's math (see the module docstring).
     The model, its precision, the optimizer (groups, clipping, loss scaler), the loss and the
     MoE auxiliary-loss scale are the trainer's own (``fastpar.train.build.build`` without a
     mesh); only the step is written here, replica by replica. Training reads the trainer's
-    split of the data (``split_tokens``); with --eval-every, ``val_losses`` (a dict) receives
-    {step: validation loss} at the trainer's evaluation steps; ``norms`` (a list) each step's
-    gradient norm before clipping. ``params`` holds what a checkpoint of the trainer holds:
-    the parameters and, with --expert-bias, every router's ``expert_bias`` (updated after each
-    step from the tokens of every replica, as the trainer's all-reduce over DP sums them)."""
-    parts = build(cfg, None, torch.device("cpu"))
+    split of the data (``split_tokens``). ``exact``: the same in float64 (skipping the steps
+    ``skips`` names: an fp16 run's decisions); ``twin``: from starting weights one rounding
+    away (``fastpar.tolerance.nudge``). The final tensors are what a checkpoint of the trainer
+    holds: the parameters and, with --expert-bias, every router's ``expert_bias`` (updated after
+    each step from the tokens of every replica, as the trainer's all-reduce over DP sums them)."""
+    parts = build(cfg, None, torch.device("cpu"), exact=exact, twin=twin)
     model, opt = parts.module, parts.opt
+    if exact:
+        opt.skips = list(skips)
     tokens = load_data(cfg) if tokens is None else tokens
     tokens, held = split_tokens(cfg, tokens)
+    names = {id(p): n for n, p in parts.named_parameters().items()}
     params = list(model.parameters())
-    losses = []
+    acc_dtype = torch.float64 if exact else torch.float32
+    run = Run()
     for step in range(cfg.steps):
+        lr = lr_at(cfg, step)
         for g in parts.param_groups:
-            g["lr"] = lr_at(cfg, step)
+            g["lr"] = lr
         parts.update_aux_scale()
         x, y = batch_of(cfg, tokens, step, parts.hf)
-        total, acc = 0.0, [torch.zeros_like(p, dtype=torch.float32) for p in params]
+        total, acc = 0.0, [torch.zeros_like(p, dtype=acc_dtype) for p in params]
         # replica by replica, as the data-parallel ranks do: micro-batch gradients accumulate in
         # the model's dtype, replicas are averaged in fp32 (the DP reduction)
         for xd, yd in zip(x.chunk(cfg.dp), y.chunk(cfg.dp), strict=True):
@@ -107,25 +121,28 @@ def reference(
                 total += float(loss.detach()) / cfg.dp
             for a, p in zip(acc, params, strict=True):
                 if p.grad is not None:
-                    a.add_(p.grad.float(), alpha=1.0 / cfg.dp)
+                    a.add_(p.grad.to(acc_dtype), alpha=1.0 / cfg.dp)
         for a, p in zip(acc, params, strict=True):
             p.grad = a.to(p.dtype)
+        scale = float(opt.scaler.scale) if getattr(opt, "scaler", None) is not None else 1.0
+        run.grads.append({names[id(p)]: p.grad.double() / scale for p in params})
         skipped, norm = opt.step()
         parts.update_expert_bias(skipped, None)  # the trainer's bias step (counts: every replica)
         opt.zero_grad()
-        losses.append(total)
-        if norms is not None:
-            norms.append(float(norm))
-        if val_losses is not None and evaluates_at(cfg, step + 1):
-            val_losses[step + 1] = _val_loss(cfg, parts, held)
+        run.losses.append(total)
+        run.norms.append(float(norm))
+        run.skipped.append(bool(skipped))
+        run.lrs.append(lr)
+        if exact:
+            run.denominators.append({names[id(p)]: d for p, d in opt.denominators[-1].items()})
+        if evaluates_at(cfg, step + 1):
+            run.val_losses[step + 1] = _val_loss(cfg, parts, held)
     named = parts.checkpoint_tensors()  # parameters, and the routers' expert biases
-    params = {name: p.detach().float().clone() for name, p in named.items()}
-    return losses, params
+    run.params = {name: p.detach().double().clone() for name, p in named.items()}
+    return run
 
 
-def _distributed(
-    cfg: TrainConfig, directory: str, tokens
-) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _distributed(cfg: TrainConfig, directory: str, tokens):
     cfg.checkpoint_dir, cfg.save_every, cfg.quiet = directory, cfg.steps, True
     records = launch(cfg, tokens=tokens)
     path = os.path.join(directory, f"step_{cfg.steps:06d}")
@@ -134,51 +151,94 @@ def _distributed(
     state = torch.load(out_file, weights_only=True)
     vals = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
     losses = [(r["loss"], r["grad_norm"]) for r in records]
-    return losses, {k: v.float() for k, v in state.items()}, vals
+    return losses, {k: v.double() for k, v in state.items()}, vals
+
+
+def reduction_length(cfg: TrainConfig, params: dict[str, torch.Tensor]) -> int:
+    """The longest sum a compared quantity comes from, for the rule's floor: the tokens of a
+    global batch (a weight gradient sums over them) or the widest parameter dimension."""
+    widest = max((max(t.shape, default=1) for t in params.values()), default=1)
+    return max(1, cfg.batch_size * cfg.seq_len, widest)
+
+
+def references(cfg: TrainConfig, tokens) -> tolerance.References:
+    """The three single-process runs the rule needs (``fastpar.tolerance``): in the run's
+    precision, its twin, and float64 (skipping the steps the first skipped); AdamW's slack uses
+    each step's LR (0 for a skipped step)."""
+    single = reference(cfg, tokens)
+    twin = reference(cfg, tokens, twin=True)
+    exact = reference(cfg, tokens, exact=True, skips=single.skipped)
+    length = reduction_length(cfg, exact.params)
+    lrs = [0.0 if skip else lr for skip, lr in zip(exact.skipped, exact.lrs, strict=True)]
+    return tolerance.References(single, twin, exact, length, lrs, DTYPES[cfg.precision])
 
 
 def compare(cfg: TrainConfig, tokens=None) -> tuple[bool, str]:
     """Run both, return (agree, the report text). ``tokens``: the data, already checked
-    (``fastpar.train.load_data``; None: load and check them here)."""
-    loss_tol, param_tol = TOLERANCE[cfg.precision]
+    (``fastpar.train.load_data``; None: load and check them here). Every quantity is judged by
+    ``fastpar.tolerance``'s rule: the distributed run's error against a float64 run of the same
+    math, at most a multiple of the single-process run's own (it and its twin one rounding
+    away) plus a floor from the precision and the longest reduction."""
     cfg.check()
     tokens = load_data(cfg) if tokens is None else tokens
     with tempfile.TemporaryDirectory(prefix="fastpar-verify-") as directory:
         dist_losses, dist_params, dist_vals = _distributed(cfg, directory, tokens)
-    ref_vals: dict[int, float] = {}
-    ref_norms: list[float] = []
-    ref_losses, ref_params = reference(cfg, tokens, ref_vals, ref_norms)
+    refs = references(cfg, tokens)
+    single, twin, exact, dtype, length = refs.single, refs.twin, refs.exact, refs.dtype, refs.length
+
+    def judge(what, actual, pick):
+        return tolerance.compare(actual, [pick(single), pick(twin)], pick(exact), length=length,
+                                 dtype=dtype, what=what)  # fmt: skip
+
     lines = [
         f"{cfg.model_name}, layout: dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp}"
         f"{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} (ep {cfg.ep}), ZeRO-{cfg.zero}, {cfg.precision}, "
         f"{cfg.schedule_label} x {cfg.microbatches}{f', recompute {cfg.recompute_policy}' if cfg.recompute else ''}"
         f"{', sequence parallel' if cfg.sequence_parallel else ''}",
-        f"{'step':>5} {'distributed':>14} {'single-process':>15} {'rel. diff':>10}"
-        f" {'grad-norm dist.':>15} {'single':>10}",
+        tolerance.rule_text(dtype, length),
+        f"{'step':>5} {'distributed':>14} {'single-process':>15} {'float64':>12} {'error/bound':>11}"
+        f" {'grad-norm dist.':>15} {'single':>10} {'error/bound':>11}",
     ]
-    ok = len(dist_losses) == len(ref_losses)
-    for i, ((a, na), b, nb) in enumerate(zip(dist_losses, ref_losses, ref_norms, strict=False)):
-        rel = abs(a - b) / max(abs(b), 1e-12)
-        ok &= rel <= loss_tol
-        # the norm before clipping: a gradient reduced twice or lost moves it (AdamW would not)
-        # (a step both skipped for inf/NaN gradients: both norms non-finite, NaN included)
-        skipped = not math.isfinite(na) and not math.isfinite(nb)
-        ok &= skipped or na == nb or abs(na - nb) <= loss_tol * max(abs(nb), 1e-12)
-        lines.append(f"{i + 1:>5} {a:>14.6f} {b:>15.6f} {rel:>10.2e} {na:>15.6f} {nb:>10.6f}")
-    if ref_vals or dist_vals:
-        ok &= sorted(ref_vals) == sorted(dist_vals)
-        lines.append(f"{'step':>5} {'val_loss dist.':>14} {'single-process':>15} {'rel. diff':>10}")
-        for step, b in ref_vals.items():
+    ok = len(dist_losses) == len(single.losses)
+    worst: list[tolerance.Comparison] = []
+    for i, (a, na) in enumerate(dist_losses[: len(single.losses)]):
+        c = refs.loss(i, a)
+        worst.append(c)
+        ok &= c.ok
+        # a step skipped for inf/NaN gradients (fp16): both runs must skip it, and its norm is
+        # not a number to compare; otherwise the norm before clipping (a gradient reduced twice
+        # or lost moves it, AdamW would not)
+        dist_skip, ref_skip = not math.isfinite(na), single.skipped[i]
+        if dist_skip or ref_skip:
+            ok &= dist_skip == ref_skip
+            nc = "skipped" if dist_skip == ref_skip else "SKIP DIFFERS"
+        else:
+            n = judge(f"grad norm of step {i + 1}", na, lambda r, i=i: r.norms[i])
+            worst.append(n)
+            ok &= n.ok
+            nc = f"{n.ratio:.2f}"
+        lines.append(
+            f"{i + 1:>5} {a:>14.6f} {single.losses[i]:>15.6f} {exact.losses[i]:>12.6f} "
+            f"{c.ratio:>11.2f} {na:>15.6f} {single.norms[i]:>10.6f} {nc:>11}"
+        )
+    if exact.val_losses or dist_vals:
+        ok &= sorted(exact.val_losses) == sorted(dist_vals)
+        lines.append(f"{'step':>5} {'val_loss dist.':>14} {'single-process':>15} {'float64':>12}"
+                     f" {'error/bound':>11}")  # fmt: skip
+        for step, b in exact.val_losses.items():
             a = dist_vals.get(step, float("nan"))
-            rel = abs(a - b) / max(abs(b), 1e-12)
-            ok &= rel <= loss_tol
-            lines.append(f"{step:>5} {a:>14.6f} {b:>15.6f} {rel:>10.2e}")
-    missing = sorted(set(ref_params) - set(dist_params))
+            c = judge(f"validation loss at step {step}", a, lambda r, s=step: r.val_losses[s])
+            worst.append(c)
+            ok &= c.ok
+            lines.append(
+                f"{step:>5} {a:>14.6f} {single.val_losses[step]:>15.6f} {b:>12.6f} {c.ratio:>11.2f}"
+            )
+    missing = sorted(set(exact.params) - set(dist_params))
     if missing:
         ok = False
         lines.append(f"parameters missing from the distributed checkpoint: {missing[:5]}")
-    worst, worst_name = 0.0, ""
-    for name, ref in ref_params.items():
+    params = []
+    for name, ref in exact.params.items():
         got = dist_params.get(name)
         if got is None:
             continue
@@ -186,14 +246,14 @@ def compare(cfg: TrainConfig, tokens=None) -> tuple[bool, str]:
             ok = False
             lines.append(f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}")
             continue
-        d = (got - ref).abs().max().item() if ref.numel() else 0.0
-        if d > worst:
-            worst, worst_name = d, name
-    ok &= worst <= param_tol
-    lines.append(
-        f"largest parameter difference: {worst:.3e} ({worst_name or '-'}), tolerance {param_tol:.0e}"
-    )
-    lines.append(f"loss tolerance (relative): {loss_tol:.0e}")
+        params.append(refs.param(name, got))  # with what AdamW makes of the gradients' bounds
+    if params:
+        c = tolerance.worst(params)
+        ok &= all(p.ok for p in params)
+        lines.append(f"worst parameter: {c}")
+    c = tolerance.worst(worst)
+    if c is not None:
+        lines.append(f"worst loss or norm: {c}")
     lines.append("AGREE" if ok else "DISAGREE")
     return ok, "\n".join(lines)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
+from _parity import agree
 
 # the compile checks build real (not interpreted) kernels
 compiled_only = pytest.mark.skipif(
@@ -29,8 +30,8 @@ def torch_loss(
     reduction: str = "mean",
 ) -> torch.Tensor:
     """``F.cross_entropy(x, target) + z·logsumexp(x)²`` of logits ``x`` ``[N, V]``, in ``x``'s
-    dtype (the tests pass float64): ``[N]`` for "none", else summed ("mean": over the rows that
-    are not ignored, 0 when all are)."""
+    dtype (the tests pass fp32, the single-process run, and float64, the exact math): ``[N]``
+    for "none", else summed ("mean": over the rows that are not ignored, 0 when all are)."""
     rows = F.cross_entropy(
         x, target, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none"
     )
@@ -87,13 +88,23 @@ def ignore_and_upstream(target: torch.Tensor, case: LossCase, gen: torch.Generat
     return torch.tensor(1.7)
 
 
-def assert_loss_close(loss: torch.Tensor, want: torch.Tensor, rtol: float, where: str) -> None:
-    """An op's loss (fp32, ``want``'s shape) against the float64 oracle ``want`` within ``rtol``
-    (relative and absolute); ``where`` leads the message."""
-    assert loss.dtype == torch.float32 and loss.shape == want.shape, where
-    torch.testing.assert_close(
-        loss.double(), want, rtol=rtol, atol=rtol, msg=lambda m: f"{where}\n{m}"
-    )
+def assert_loss_agrees(
+    loss: torch.Tensor,
+    single: torch.Tensor,
+    exact: torch.Tensor,
+    where: str,
+    *,
+    length: int,
+    dtype: torch.dtype = torch.float32,
+) -> None:
+    """An op's loss (fp32, ``exact``'s shape) against the same loss from the single-process
+    torch run (``single``) and in float64 (``exact``) by the rule of ``fastpar.tolerance``
+    (``_parity.agree``: error against float64 at most 4 x the single run's own + the floor);
+    ``length``: the longest sum feeding it (the vocabulary, or the rows a reduction adds);
+    ``dtype``: the working precision (of the logits it was computed from); ``where`` leads the
+    message."""
+    assert loss.dtype == torch.float32 and loss.shape == exact.shape, where
+    agree(loss, single, exact, f"{where}: loss", length=length, dtype=dtype)
 
 
 def grad_spec(

@@ -102,3 +102,15 @@ def max_tp(family: str) -> int:
         "n_head", FAMILIES[family][2].get("num_attention_heads")
     )
     return heads
+
+
+def exact(model):
+    """A float64 copy of the HF ``model`` (same weights): the exact math of its single-process
+    run (``fastpar.tolerance.cast``: its MoE experts in HF's eager loop, which has float64)."""
+    import copy
+
+    import torch
+
+    from fastpar.tolerance import cast
+
+    return cast(copy.deepcopy(model), torch.float64)

@@ -1,12 +1,26 @@
-"""Helpers for parity tests: slice a full (single-process) tensor the way a parameter is sharded."""
+"""Helpers for parity tests: slice a full (single-process) tensor the way a parameter is sharded,
+and judge a parallel result by ``fastpar.tolerance``'s rule (docs/tolerances.md):
+
+    ref = make_ref()                     # the single-process model, fp32
+    ref64 = exact_copy(ref)              # the same weights in float64: the exact math
+    y, y32, y64 = par(x), ref(x), ref64(x.double())
+    agree(y, y32, y64, "output", length=H)                  # error <= 4 x fp32's own + floor
+    agree(p.grad, ref_w.grad, ref64_w.grad, "grad w", length=N, param=p)   # sliced like p
+
+``TOL`` / ``assert_close`` remain for comparisons that are not a parallel result against a
+single-process one (a value computed two ways on purpose with a documented error, a loss scale):
+never for parity.
+"""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
 import torch.distributed as dist
 
+from fastpar import tolerance
 from fastpar.moe.layer import aux_loss_scale
 from fastpar.nn.marks import param_layout
 
@@ -38,6 +52,59 @@ def local_slice(full: torch.Tensor, param: torch.Tensor, fused: int = 1) -> torc
 
 def assert_close(actual, expected, what: str, dtype=torch.float32) -> None:
     torch.testing.assert_close(actual, expected, msg=lambda m: f"{what}: {m}", **TOL[dtype])
+
+
+def exact_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A float64 copy of ``module`` (same weights): the exact math of the single-process run.
+    Process groups a (parallel) module holds are shared with the copy, not copied."""
+    memo: dict[int, object] = {}
+
+    def keep(value, depth: int = 0) -> None:
+        if isinstance(value, dist.ProcessGroup):
+            memo[id(value)] = value
+        elif depth < 3 and isinstance(value, (list, tuple, set)):
+            for v in value:
+                keep(v, depth + 1)
+        elif depth < 3 and isinstance(value, dict):
+            for v in value.values():
+                keep(v, depth + 1)
+        elif (
+            depth < 3
+            and hasattr(value, "__dict__")
+            and not isinstance(value, (torch.Tensor, type, torch.nn.Module))
+        ):
+            for v in vars(value).values():
+                keep(v, depth + 1)
+
+    for m in module.modules():
+        for v in vars(m).values():
+            keep(v)
+    return copy.deepcopy(module, memo).double()
+
+
+def agree(
+    actual,
+    single,
+    exact,
+    what: str,
+    *,
+    length: int,
+    dtype: torch.dtype = torch.float32,
+    param: torch.Tensor | None = None,
+    fused: int = 1,
+    slack=0.0,
+) -> tolerance.Comparison:
+    """``fastpar.tolerance.assert_agree``: ``actual`` (the parallel run) against ``single`` (the
+    single-process run in ``dtype``, or a list of such runs) and ``exact`` (float64), both sliced
+    like the sharded parameter ``param`` when given (``local_slice``); ``length``: the longest
+    reduction feeding the quantity."""
+    if param is not None:
+        cut = lambda t: local_slice(torch.as_tensor(t), param, fused)  # noqa: E731
+        single = [cut(t) for t in single] if isinstance(single, (list, tuple)) else cut(single)
+        exact = cut(exact)
+    return tolerance.assert_agree(
+        actual, single, exact, length=length, dtype=dtype, what=what, slack=slack
+    )
 
 
 def moe_rank_references(ref, xs, gs) -> tuple[list, list, list]:

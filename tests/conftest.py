@@ -6,6 +6,11 @@
 * ``cuda``: needs an NVIDIA GPU; skipped with that reason elsewhere.
 
 Custom ops' aliasing is checked as an error in every run (as CI's environment makes it).
+
+``FASTPAR_TEST_SEED=k`` (default 0) shifts every seed the tests and fastpar set
+(``torch.manual_seed`` and ``torch.Generator().manual_seed``) by ``k`` · 1000003: the same tests
+under other draws, to show a verdict does not depend on the seed (docs/tolerances.md). Ranks
+started by fork inherit the shift; a test whose ranks are spawned sees the plain seeds.
 """
 
 from __future__ import annotations
@@ -21,6 +26,27 @@ import pytest
 import torch
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+SEED_SHIFT = int(os.environ.get("FASTPAR_TEST_SEED", "0") or 0) * 1_000_003
+
+
+def _shift_seeds(shift: int) -> None:
+    """Every later ``torch.manual_seed(s)`` and ``torch.Generator().manual_seed(s)`` seeds
+    ``s + shift`` instead."""
+    plain = torch.random.manual_seed
+
+    def manual_seed(seed):
+        return plain(int(seed) + shift)
+
+    class Generator(torch.Generator):
+        def manual_seed(self, seed):
+            return super().manual_seed(int(seed) + shift)
+
+    torch.manual_seed = torch.random.manual_seed = manual_seed
+    torch.Generator = Generator
+
+
+if SEED_SHIFT:
+    _shift_seeds(SEED_SHIFT)
 
 
 @pytest.fixture(autouse=True)

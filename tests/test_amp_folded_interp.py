@@ -3,6 +3,8 @@ CPU tensors), the read-only norm + inf kernel and the fused AdamW kernel unscali
 the raw bf16/fp16 gradients give bit for bit the parameters, masters, optimizer state, norms and
 scaler of the unscaling step (the unscale kernel writing fp32 main gradients, AdamW reading
 them): fp16 with a skipped step, bf16 without a scaler, fp32 LayerNorm beside them, clipping on.
+Bit for bit on purpose: both paths run the same kernels' fp32 products and sums in the same order
+(``test_amp_folded_step._assert_same``), so no machine's rounding can separate them.
 """
 
 from __future__ import annotations

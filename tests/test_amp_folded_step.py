@@ -78,6 +78,13 @@ def _train(model, opt, steps: int, inf_at: int | None, rank: int = 0, inf_rank: 
 
 
 def _assert_same(a, b) -> None:
+    """Bit for bit, on purpose: both steps run the same fp32 arithmetic in the same order. The
+    norm is the sum of squares of the same products fp32(g)·inv_scale, the read-only pass
+    taking the writing pass's per-tensor sums in the same order (``fastpar.optim.
+    mixed_precision``); AdamW sees the same gradient, fp32(g)·inv_scale then ·clip_coef,
+    whether the unscale pass stored the first product or FusedAdamW forms both; the rest is the
+    same elementwise update. No reduction runs in another order, so no machine's rounding
+    enters (a difference is a defect of the folding, not rounding)."""
     (model_a, opt_a, res_a), (model_b, opt_b, res_b) = a, b
     for (sa, na), (sb, nb) in zip(res_a, res_b, strict=True):
         assert torch.equal(sa, sb)

@@ -1,4 +1,8 @@
-"""The loss-scaler state machine, step by step, and against torch.amp.GradScaler's update rule."""
+"""The loss-scaler state machine, step by step, and against torch.amp.GradScaler's update rule.
+
+Bit for bit throughout: a scale is an fp32 number multiplied by the same factors in the same
+order on both sides (each product one correctly rounded operation, the same on every machine),
+and the rest is counting."""
 
 from __future__ import annotations
 

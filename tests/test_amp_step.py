@@ -1,5 +1,10 @@
 """guarded_step: skips and clips through the optimizer's declared protocol and leaves nothing on
-it (a stale ``found_inf`` or ``clip_coef`` would silently skip or scale every later plain step)."""
+it (a stale ``found_inf`` or ``clip_coef`` would silently skip or scale every later plain step).
+
+FusedAdamW against torch's AdamW is bit for bit here, on purpose: on a CPU FusedAdamW runs its
+reference (``fastpar.reference.adamw``), torch's own elementwise ops on the same tensors in the
+order of ``torch.optim.AdamW(foreach=False)`` — the same kernels in the same order, not another
+implementation — and a stale attribute would show as a different step, not as rounding."""
 
 from __future__ import annotations
 
@@ -55,7 +60,7 @@ def test_a_plain_step_after_a_skipped_guarded_step_is_a_full_step():
     opt.step()
     ref = _params()
     torch.optim.AdamW(ref, lr=0.1, weight_decay=0.01, foreach=False).step()
-    for p, r in zip(params, ref, strict=True):
+    for p, r in zip(params, ref, strict=True):  # bit for bit: the same ops (module docstring)
         torch.testing.assert_close(p.detach(), r.detach(), rtol=0, atol=0)
 
 
@@ -80,7 +85,9 @@ def test_attributes_set_before_are_put_back_even_when_the_step_raises():
 
 
 def test_amp_step_takes_its_scalars_as_arguments():
-    """amp_step(found_inf=0, inv_scale, clip_coef): torch's AdamW on grad * inv_scale * clip."""
+    """amp_step(found_inf=0, inv_scale, clip_coef): torch's AdamW on grad * inv_scale * clip,
+    bit for bit (the reference multiplies the two scalars in the same order, then torch's
+    AdamW ops; module docstring)."""
     params = _params()
     opt = FusedAdamW(params, lr=0.1)
     opt.found_inf = torch.tensor(1.0)  # an attribute: amp_step must not read it
@@ -91,7 +98,7 @@ def test_amp_step_takes_its_scalars_as_arguments():
         r.grad = r.grad * inv * coef
     torch.optim.AdamW(ref, lr=0.1, foreach=False).step()
     for p, r in zip(params, ref, strict=True):
-        torch.testing.assert_close(p.detach(), r.detach())
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=0, atol=0)
     start = [p.detach().clone() for p in params]
     opt.amp_step(found_inf=torch.tensor(1.0))
     assert all(torch.equal(p.detach(), s) for p, s in zip(params, start, strict=True))
@@ -108,7 +115,9 @@ def test_who_declares_what():
 
 def test_folded_guarded_step_hands_inv_scale_and_raw_grads_to_the_optimizer():
     """guarded_step(inv_scale=, grads_for=) on FusedAdamW equals unscaling first: a bf16
-    gradient read through ``grads_for`` and unscaled in the optimizer's pass."""
+    gradient read through ``grads_for`` and unscaled in the optimizer's pass. Bit for bit: the
+    same kernel both ways, and a power-of-two ``inv_scale`` multiplies exactly wherever it is
+    applied."""
     torch.manual_seed(1)
     raw = [torch.randn(5, 3).bfloat16(), torch.randn(7).bfloat16()]
     inv, norm = torch.tensor(2.0**-4), torch.tensor(4.0)

@@ -1,5 +1,11 @@
 """fastpar.checkpoint: bit-identical resume on the same layout, resume under another layout,
-crash / corruption refused with a clear message, export to one plain state_dict."""
+crash / corruption refused with a clear message, export to one plain state_dict.
+
+A resume on the same layout repeats the same kernels on the same values: bit for bit. Under
+another layout (other reduction orders) it is not; there every run — the one that saved and the
+one that resumed — is judged by ``fastpar.tolerance``'s rule against the single-process training
+of the same math (``train_references``: fp32, its twin and float64, AdamW's slack included).
+Loading, exporting and importing copy tensors: bit for bit."""
 
 from __future__ import annotations
 
@@ -18,14 +24,27 @@ from fastpar.checkpoint import core as ckpt_core
 from fastpar.checkpoint import format as ckpt_format
 from fastpar.checkpoint.state import decode_runs, encode_runs, global_index
 from fastpar.moe import MoE, moe_aux_loss
+from fastpar.moe.layer import aux_loss_scale
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from fastpar.optim import MixedPrecisionOptimizer
 from fastpar.parallel import DistributedDataParallel
+from fastpar.parity import reduction_length
 from fastpar.testing import RankError, run_ranks
+from fastpar.tolerance import References, train_references
 from fastpar.zero import ZeroOptimizer
 
 STEPS, SAVE_AT = 5, 2
-TOL = dict(rtol=1e-4, atol=1e-5)  # fp32, after a change of layout (other reduction orders)
+ADAMW = dict(lr=0.02, weight_decay=0.01)  # every run's AdamW (torch's defaults otherwise)
+
+
+def _agree_all(refs: References, losses: dict, params: dict | None = None, what: str = "") -> None:
+    """Each step's loss of ``losses`` ({step: loss}) and each of ``params`` ({name: tensor})
+    against the single-process references (``fastpar.tolerance``'s rule)."""
+    for c in [refs.loss(step, loss) for step, loss in losses.items()] + [
+        refs.param(name, t) for name, t in (params or {}).items()
+    ]:
+        if not c.ok:
+            raise AssertionError(f"{what}: {c}")
 
 
 # -- a data-parallel MLP: same layout, bit for bit ------------------------------------------
@@ -91,7 +110,7 @@ def _train_mlp(kind: str, path: str, resume: bool, noise: bool = True):
         total = loss.detach().float().clone()
         dist.all_reduce(total)
         losses[step] = float(total / world)
-    return losses, [p.detach().float().clone() for p in model.parameters()]
+    return losses, {n: p.detach().float().clone() for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("kind", ["ddp", "zero1", "zero2", "mp"])
@@ -103,23 +122,32 @@ def test_resume_is_bit_identical(kind, tmp_path):
     for (losses, params), (losses_r, params_r) in zip(full, resumed, strict=True):
         assert list(losses_r) == list(range(SAVE_AT, STEPS))
         assert [losses[s] for s in losses_r] == list(losses_r.values())  # bit for bit
-        for p, q in zip(params, params_r, strict=True):
-            assert torch.equal(p, q)
+        assert list(params) == list(params_r)
+        for name, p in params.items():  # bit for bit: the same kernels on the same values
+            assert torch.equal(p, params_r[name]), name
+
+
+def _mlp_references() -> References:
+    """The MLP's single-process training on each step's whole batch (the DP replicas' mean)."""
+
+    def loss(model, step, dtype):
+        x, y = _batch(step, 1, 0)
+        return F.mse_loss(model(x.to(dtype)), y.to(dtype))
+
+    length = reduction_length(_mlp(), _batch(0, 1, 0))
+    return train_references(_mlp, loss, STEPS, length=length, **ADAMW)
 
 
 def test_zero2_dp4_resumes_as_zero1_dp2(tmp_path):
     path = str(tmp_path / "ckpt")
     full = run_ranks(_train_mlp, 4, "zero2", path, False, noise=False)
     resumed = run_ranks(_train_mlp, 2, "zero2-to-zero1", path, True, noise=False)
-    ref_losses, ref_params = full[0]
-    losses, params = resumed[0]
-    torch.testing.assert_close(
-        torch.tensor(list(losses.values())),
-        torch.tensor([ref_losses[s] for s in losses]),
-        **TOL,
-    )
-    for p, q in zip(params, ref_params, strict=True):
-        torch.testing.assert_close(p, q, **TOL)
+    refs = _mlp_references()
+    for rank, (losses, params) in enumerate(full):
+        _agree_all(refs, losses, params, f"ZeRO-2 at dp 4, rank {rank}")
+    for rank, (losses, params) in enumerate(resumed):
+        assert list(losses) == list(range(SAVE_AT, STEPS))
+        _agree_all(refs, losses, params, f"resumed as ZeRO-1 at dp 2, rank {rank}")
 
 
 # -- tensor parallel: fused q|k|v, a padded vocabulary --------------------------------------
@@ -175,7 +203,7 @@ def _train_tp(path: str):
     torch.manual_seed(0)
     model = _TPNet(mesh)
     ddp = DistributedDataParallel(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     names = dict(model.named_parameters())
     losses = []
     for step in range(STEPS):
@@ -188,38 +216,47 @@ def _train_tp(path: str):
     return losses
 
 
-def _resume_single(model: nn.Module, path: str) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
+def _resume_single(model: nn.Module, path: str) -> dict[int, float]:
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     info = checkpoint.load(path, model_params=dict(model.named_parameters()), optimizer=opt)
     assert not info["rng_restored"]  # another layout
-    return [float(_tp_step(model, opt, *_tokens(s))) for s in range(info["step"], STEPS)]
+    return {s: float(_tp_step(model, opt, *_tokens(s))) for s in range(info["step"], STEPS)}
+
+
+def _tp_references(steps: int) -> References:
+    """_PlainNet's single-process training, ``steps`` steps on each step's whole batch."""
+
+    def loss(model, step, dtype):
+        ids, tgt = _tokens(step)
+        return F.cross_entropy(model(ids).flatten(0, 1), tgt.flatten())
+
+    length = reduction_length(_PlainNet(), _tokens(0))
+    return train_references(_PlainNet, loss, steps, length=length, **ADAMW)
 
 
 def test_tp2_dp2_resumes_as_one_process_and_exports(tmp_path):
     path = str(tmp_path / "ckpt")
     ref = run_ranks(_train_tp, 4, path)[0]
+    refs = _tp_references(STEPS)
+    _agree_all(refs, dict(enumerate(ref)), what="TP 2 x DP 2")
     torch.manual_seed(3)
     losses = _resume_single(_TPNet(), path)  # TP = 1, no process group
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref[SAVE_AT:]), **TOL)
+    assert list(losses) == list(range(SAVE_AT, STEPS))
+    _agree_all(refs, losses, what="resumed at TP 1")
 
     # export: equals the single-process model trained the same way, loads into plain torch
     out = str(tmp_path / "model.pt")
     exported = checkpoint.export_state_dict(path, out)
-    torch.manual_seed(0)
-    single = _PlainNet()
-    opt = torch.optim.AdamW(single.parameters(), lr=0.02, weight_decay=0.01)
-    for s in range(SAVE_AT):
-        _tp_step(single, opt, *_tokens(s))
+    at_save = _tp_references(SAVE_AT)
     plain = _PlainNet()
     plain.load_state_dict(torch.load(out, weights_only=True), strict=True)
-    assert set(exported) == set(single.state_dict())
-    for name, t in single.state_dict().items():
-        torch.testing.assert_close(plain.state_dict()[name], t, **TOL, msg=name)
+    assert set(exported) == set(at_save.single.params) == set(plain.state_dict())
+    _agree_all(at_save, {}, plain.state_dict(), f"exported after {SAVE_AT} steps")
 
     # import the exported file into a TP = 1 fastpar model: same tensors
     model = _TPNet()
     checkpoint.import_state_dict(out, dict(model.named_parameters()))
-    for name, p in model.named_parameters():
+    for name, p in model.named_parameters():  # bit for bit: a copy
         assert torch.equal(p.detach(), exported[name]), name
 
 
@@ -242,7 +279,7 @@ def _train_moe(ep: int, path: str, resume: bool):
     torch.manual_seed(5 if resume else 0)
     model = _MoENet(mesh)
     # ZeRO-1 shards experts over the expert-DP group (1 rank at EP = 2, 2 at EP = 1)
-    inner = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.01)
+    inner = torch.optim.AdamW(model.parameters(), **ADAMW)
     opt = ZeroOptimizer(inner, stage=1, mesh=mesh, bucket_size_mb=1e-3)
     names = dict(model.named_parameters())
     start = 0
@@ -264,15 +301,35 @@ def _train_moe(ep: int, path: str, resume: bool):
     return losses
 
 
+def _moe_references() -> References:
+    """_MoENet's single-process training: per step the mean over the two DP replicas' halves of
+    the batch of (cross-entropy + their own aux loss), the aux loss sent to backward with the
+    same weight 1/2 (``aux_loss_scale``)."""
+
+    def loss(model, step, dtype):
+        ids, tgt = _tokens(step)
+        total = 0.0
+        for r in range(2):
+            with aux_loss_scale(0.5):
+                logits = model(ids.chunk(2)[r])
+            ce = F.cross_entropy(logits.flatten(0, 1), tgt.chunk(2)[r].flatten())
+            total = total + (ce + moe_aux_loss(model)) / 2  # the aux value: in backward already
+        return total
+
+    length = reduction_length(_MoENet(None), _tokens(0))
+    return train_references(lambda: _MoENet(None), loss, STEPS, length=length, **ADAMW)
+
+
 def test_moe_ep2_resumes_as_ep1(tmp_path):
     path = str(tmp_path / "ckpt")
     ref = run_ranks(_train_moe, 2, 2, path, False)[0]
     meta = checkpoint.verify(path)
     assert meta["tensors"]["moe.w1"]["shape"] == [4, H, 16]  # all experts, global
     losses = run_ranks(_train_moe, 2, 1, path, True)[0]
-    torch.testing.assert_close(
-        torch.tensor(list(losses.values())), torch.tensor([ref[s] for s in losses]), **TOL
-    )
+    assert list(losses) == list(range(SAVE_AT, STEPS))
+    refs = _moe_references()
+    _agree_all(refs, ref, what="EP 2")
+    _agree_all(refs, losses, what="resumed at EP 1")
 
 
 # -- index maps -----------------------------------------------------------------------------

@@ -1,5 +1,8 @@
 """Sliced loading: each rank reads about its own bytes of a checkpoint (TP=4 -> TP=4, TP=2 ->
-TP=4), and every byte it uses is checked (a record's CRC-32, or a whole file's sha256)."""
+TP=4), and every byte it uses is checked (a record's CRC-32, or a whole file's sha256).
+
+Every comparison is bit for bit: a load copies the saved values (and the expected tensors are
+slices of the same checkpoint's export); nothing here is computed two ways."""
 
 from __future__ import annotations
 
@@ -89,7 +92,7 @@ def test_tp4_reload_reads_about_its_own_file(tp4):
     for r, ((read, per_file, state), want) in enumerate(
         zip(results, _reference(tp4, 4), strict=True)
     ):
-        for name, t in want.items():
+        for name, t in want.items():  # bit for bit: loaded copies
             assert torch.equal(state[name], t), (r, name)
         # own file at most once; the rest is the replicated norm / proj.bias (in rank 0's
         # file) and the index of each other file holding a tensor it loads (its save id)
@@ -105,7 +108,7 @@ def test_tp2_to_tp4_reads_about_its_share(tmp_path):
     share = sum(sizes) / 4  # what each of 4 ranks holds of the checkpoint
     results = run_ranks(_load, 4, 4, path)
     for r, ((read, _, state), want) in enumerate(zip(results, _reference(path, 4), strict=True)):
-        for name, t in want.items():
+        for name, t in want.items():  # bit for bit: loaded copies, resharded
             assert torch.equal(state[name], t), (r, name)
         # its quarter is half of one TP=2 file: its records (+ the file indexes)
         assert read <= 1.6 * share, (r, read, share)

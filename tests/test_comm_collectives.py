@@ -1,4 +1,8 @@
-"""Each differentiable collective: forward and backward against the math, world sizes 1, 2, 4."""
+"""Each differentiable collective: forward and backward against the math, world sizes 1, 2, 4.
+
+Bit for bit, and for any machine and seed: the tensors are float64 multiples of 2^-10 below 2^6
+(``_draw``), so every sum of up to 4 of them is exact in float64, in whatever order an
+all-reduce or a reduce-scatter adds them; the other collectives only move values."""
 
 from __future__ import annotations
 
@@ -10,12 +14,24 @@ from fastpar import comm
 from fastpar.testing import RankError, run_ranks
 
 
+def _draw(*shape: int) -> torch.Tensor:
+    """Normal draws rounded to multiples of 2^-10 and clamped below 2^6 in magnitude: 16
+    significant bits, so sums of a few are exact in float64."""
+    return (torch.randn(*shape, dtype=torch.float64) * 1024).round().clamp(-65535, 65535) / 1024
+
+
+def _same(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Bit for bit (module docstring), with the same shape and dtype."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, what
+    assert torch.equal(actual, expected), f"{what}: max |diff| {(actual - expected).abs().max()}"
+
+
 def _check_all(world: int) -> int:
     rank = dist.get_rank()
     torch.manual_seed(0)  # the same "full" tensors on every rank
-    full = torch.randn(4 * world, 3, 2 * world, dtype=torch.float64)
-    grad_full = torch.randn_like(full)
-    per_rank = [torch.randn(2, 3, 5, dtype=torch.float64) for _ in range(world)]
+    full = _draw(4 * world, 3, 2 * world)
+    grad_full = _draw(*full.shape)
+    per_rank = [_draw(2, 3, 5) for _ in range(world)]
     mine = per_rank[rank]
     checks = 0
 
@@ -28,43 +44,46 @@ def _check_all(world: int) -> int:
     # copy_to_region: identity forward, all-reduce backward
     gs = [torch.full((2, 3, 5), float(r + 1), dtype=torch.float64) for r in range(world)]
     y, gx = run(lambda x: comm.copy_to_region(x, None), mine, gs[rank])
-    torch.testing.assert_close(y, mine)
-    torch.testing.assert_close(gx, sum(gs))
+    _same(y, mine, "copy_to_region forward")
+    _same(gx, sum(gs), "copy_to_region backward (all-reduce)")
     checks += 1
     # reduce_from_region: all-reduce forward, identity backward
     y, gx = run(lambda x: comm.reduce_from_region(x, None), mine, gs[rank])
-    torch.testing.assert_close(y, sum(per_rank))
-    torch.testing.assert_close(gx, gs[rank])
+    _same(y, sum(per_rank), "reduce_from_region forward (all-reduce)")
+    _same(gx, gs[rank], "reduce_from_region backward")
     checks += 1
     # scatter / gather along the last dim and along the sequence dim
     for dim in (-1, 0):
         chunks = full.chunk(world, dim)
         gchunks = grad_full.chunk(world, dim)
         y, gx = run(lambda x, d=dim: comm.scatter_to_region(x, None, dim=d), full, gchunks[rank])
-        torch.testing.assert_close(y, chunks[rank])
-        torch.testing.assert_close(gx, grad_full)  # all-gather of every rank's chunk grad
+        _same(y, chunks[rank], f"scatter_to_region forward, dim {dim}")
+        # all-gather of every rank's chunk grad
+        _same(gx, grad_full, f"scatter_to_region backward, dim {dim}")
         y, gx = run(
             lambda x, d=dim: comm.gather_from_region(x, None, dim=d), chunks[rank], grad_full
         )
-        torch.testing.assert_close(y, full)
-        torch.testing.assert_close(gx, gchunks[rank])
+        _same(y, full, f"gather_from_region forward, dim {dim}")
+        _same(gx, gchunks[rank], f"gather_from_region backward, dim {dim}")
         checks += 2
     y, gx = run(lambda x: comm.scatter_to_sequence(x, None), full, grad_full.chunk(world, 0)[rank])
-    torch.testing.assert_close(y, full.chunk(world, 0)[rank])
+    _same(y, full.chunk(world, 0)[rank], "scatter_to_sequence forward")
+    _same(gx, grad_full, "scatter_to_sequence backward")
     y, gx = run(lambda x: comm.gather_from_sequence(x, None), full.chunk(world, 0)[rank], grad_full)
-    torch.testing.assert_close(y, full)
+    _same(y, full, "gather_from_sequence forward")
+    _same(gx, grad_full.chunk(world, 0)[rank], "gather_from_sequence backward")
     checks += 2
     # all-gather forward / reduce-scatter backward: every rank's grad is a partial sum
-    xs = [torch.randn(4, 3, 2, dtype=torch.float64) for _ in range(world)]
-    partial = [torch.randn(4 * world, 3, 2, dtype=torch.float64) for _ in range(world)]
+    xs = [_draw(4, 3, 2) for _ in range(world)]
+    partial = [_draw(4 * world, 3, 2) for _ in range(world)]
     y, gx = run(lambda x: comm.all_gather_reduce_scatter(x, None), xs[rank], partial[rank])
-    torch.testing.assert_close(y, torch.cat(xs, 0))
-    torch.testing.assert_close(gx, sum(partial).chunk(world, 0)[rank])
+    _same(y, torch.cat(xs, 0), "all_gather_reduce_scatter forward")
+    _same(gx, sum(partial).chunk(world, 0)[rank], "all_gather_reduce_scatter backward")
     checks += 1
     # reduce-scatter forward / all-gather backward
     y, gx = run(lambda x: comm.reduce_scatter_all_gather(x, None), partial[rank], xs[rank])
-    torch.testing.assert_close(y, sum(partial).chunk(world, 0)[rank])
-    torch.testing.assert_close(gx, torch.cat(xs, 0))
+    _same(y, sum(partial).chunk(world, 0)[rank], "reduce_scatter_all_gather forward")
+    _same(gx, torch.cat(xs, 0), "reduce_scatter_all_gather backward")
     checks += 1
     return checks
 

@@ -9,27 +9,37 @@ both torch.lerp branches, int64 and fp32 step tensors, a large step (β^t by rep
 per-tensor steps, and the found_inf skip (1 and NaN: nothing written).
 
 Tolerances: exp_avg and exp_avg_sq must be bit-identical to torch (the kernel uses torch's fma
-order) wherever ``tl.fma`` rounds once, as on every GPU and in the interpreter of Triton >= 3.9;
-the interpreter of Triton 3.8 and older emulates it as ``x * y + z``, rounding twice, and there
-(found by running an fma whose two roundings differ) they are compared within 1e-6 of their
-scale instead (a few ulps: one extra rounding per fma per step); the param is compared within 1e-6 relative, because the kernel takes an IEEE square root
-and torch's CPU ``sqrt`` is not correctly rounded (one value in five is one ulp off), which moves
-the param by at most an ulp now and then. fp16 copies must equal ``param.half()`` exactly; the
-interpreter stores bf16 by truncation, so bf16 copies are compared within one ulp (exactly on a
-GPU).
+order: the same operations in the same order) wherever both round each multiply-add once:
+``tl.fma`` does on every GPU and in the interpreter of Triton >= 3.9, and torch's CPU lerp and
+addcmul do in its AVX2 / AVX-512 kernels. The interpreter of Triton 3.8 and older emulates the
+fma as ``x * y + z``, and torch's portable kernels (``ATEN_CPU_CAPABILITY=default``) compute
+``a * b + c`` too, rounding twice; there (found by running a multiply-add whose two roundings
+differ, ``_same_fmas``) the moments are judged by the rule against float64 instead. The param
+is judged by the rule
+of ``fastpar.tolerance`` (``_parity.agree``, length 1: an elementwise update): its error against
+AdamW written out in float64 (``_exact_adamw``; ``fastpar.reference.adamw`` computes in fp32
+whatever its inputs, so a float64 run of it is not exact) at most 4 x the fp32 runs' own
+(the reference, torch.optim.AdamW) + a floor — the kernel takes an IEEE square root where
+torch's CPU ``sqrt`` may be an ulp off, which moves the param by an ulp now and then. fp16
+copies must equal ``param.half()`` exactly (a cast); the interpreter stores bf16 by truncation,
+so bf16 copies are compared within one ulp (exactly on a GPU).
 
 GPU tier (``-m cuda``): the same natively (exp_avg / exp_avg_sq bit-identical to the CPU
-reference, the copy exactly ``param.to(dtype)``), FusedAdamW against torch.optim.AdamW on CUDA,
-and a shard of more than 2^31 elements (int64 offsets).
+reference where its kernels fuse, the copy exactly ``param.to(dtype)``), FusedAdamW against
+torch.optim.AdamW on CUDA, and a shard of more than 2^31 elements (int64 offsets).
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import os
 
 import pytest
 import torch
+from _parity import agree
 
+from fastpar import tolerance
 from fastpar.ops import adamw as op
 from fastpar.ops import backend
 from fastpar.optim.fused_adamw import FusedAdamW
@@ -47,8 +57,27 @@ def _kernels():
     return kernels
 
 
-def _assert_param(got: torch.Tensor, want: torch.Tensor) -> None:
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+def _agree_param(got: torch.Tensor, single, exact: torch.Tensor, what: str = "param") -> None:
+    """The param against fp32 run(s) ``single`` and float64 ``exact`` by the rule (length 1)."""
+    agree(got, single, exact, what, length=1)
+
+
+def _exact_adamw(p0, grads, *, beta1, weight_decay, maximize=False, pre=None, steps_from=0,
+                 lr=HYPER["lr"], beta2=HYPER["beta2"], eps=HYPER["eps"]):  # fmt: skip
+    """AdamW written out in float64, the exact math of the update: (p, m, v) after ``grads``
+    (each ``pre(float64(g))`` when given, negated when ``maximize``) from steps ``steps_from``
+    + 1 on, the moments from zero."""
+    p = p0.double().clone()
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    for t, g in enumerate(grads, start=steps_from + 1):
+        g = g.double().to(p.device)
+        g = g if pre is None else pre(g)
+        g = -g if maximize else g
+        p = p * (1.0 - lr * weight_decay)
+        m = beta1 * m + (1.0 - beta1) * g
+        v = beta2 * v + (1.0 - beta2) * g * g
+        p = p - lr / (1.0 - beta1**t) * m / (v.sqrt() / math.sqrt(1.0 - beta2**t) + eps)
+    return p, m, v
 
 
 def _assert_exact(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -72,14 +101,36 @@ def _fma_rounds_once() -> bool:
     return out.item() == 2.0**-24
 
 
-def _assert_moments(got: torch.Tensor, want: torch.Tensor) -> None:
-    """exp_avg / exp_avg_sq of an interpreted kernel: exact where ``tl.fma`` rounds once."""
-    if _fma_rounds_once():
+# c + a·a and c + w·(end − c) are 2^-24 exactly, 0 when the product is rounded first
+PROBE_A, PROBE_C = 1 + 2.0**-12, -(1 + 2.0**-11)
+PROBE_END, PROBE_W = 3 + 2.0**-11, 0.25 + 2.0**-14  # end − c = 4 + 2^-10, w·(end − c) = a·a
+
+
+@functools.cache
+def _torch_cpu_fuses() -> bool:
+    """Whether torch's CPU lerp and addcmul (the reference's and torch.optim.AdamW's moment
+    updates) round each multiply-add once, as its AVX2 / AVX-512 kernels do (its portable
+    kernels, ``ATEN_CPU_CAPABILITY=default``, round the product first)."""
+    c = torch.full((17,), PROBE_C)  # a vectorised part and a scalar tail
+    lerp = torch.lerp(c, torch.full_like(c, PROBE_END), PROBE_W)
+    fma = c.clone().addcmul_(torch.full_like(c, PROBE_A), torch.full_like(c, PROBE_A))
+    return bool((lerp == 2.0**-24).all() and (fma == 2.0**-24).all())
+
+
+def _same_fmas() -> bool:
+    """Whether the kernel's moment updates and torch's CPU ones are the same operations with the
+    same roundings (then the moments are bit for bit the same)."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return _torch_cpu_fuses() and (not interpreted or _fma_rounds_once())
+
+
+def _assert_moments(got: torch.Tensor, want: torch.Tensor, exact: torch.Tensor, what: str) -> None:
+    """exp_avg / exp_avg_sq of a kernel against torch's CPU ones (``want``): bit for bit where
+    both round each multiply-add once (``_same_fmas``), else by the rule against float64."""
+    if _same_fmas():
         _assert_exact(got, want)
-        return
-    assert got.dtype == want.dtype and got.shape == want.shape
-    scale = float(want.abs().max()) if want.numel() else 0.0
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * scale)
+    else:
+        agree(got, want, exact, what, length=1)
 
 
 def _assert_copy(lp: torch.Tensor, p: torch.Tensor, exact: bool) -> None:
@@ -151,10 +202,11 @@ def test_flat_kernel_interpreted(numel, case):
         with backend.use_backend("triton"):
             got = _run_flat(p0, grads, device="cpu", **kw)
     oracle = _torch_adamw(p0, grads, beta1=beta1, weight_decay=wd, maximize=maximize)
+    exact = _exact_adamw(p0, grads, beta1=beta1, weight_decay=wd, maximize=maximize)
+    _agree_param(got[0], [want[0], oracle[0]], exact[0])
     for res in (want, oracle):
-        _assert_param(got[0], res[0])
-        _assert_moments(got[1], res[1])
-        _assert_moments(got[2], res[2])
+        _assert_moments(got[1], res[1], exact[1], "exp_avg")
+        _assert_moments(got[2], res[2], exact[2], "exp_avg_sq")
     if lp_dtype is not None:
         _assert_copy(got[3], got[0], exact=False)
 
@@ -184,16 +236,19 @@ def test_inv_scale_clip_and_large_step_interpreted():
         got = _run_flat(p0, grads, device="cpu", **kw)
     with backend.use_backend("reference"):
         want = _run_flat(p0, grads, device="cpu", **kw)
-    _assert_param(got[0], want[0])
-    _assert_moments(got[1], want[1])
-    _assert_moments(got[2], want[2])
+    exact_kw = dict(beta1=0.9, weight_decay=0.1, pre=lambda g: g * inv.double() * clip.double())
+    exact = _exact_adamw(p0, grads, steps_from=12_344, **exact_kw)
+    _agree_param(got[0], want[0], exact[0], "param at step 12,346")
+    _assert_moments(got[1], want[1], exact[1], "exp_avg at step 12,346")
+    _assert_moments(got[2], want[2], exact[2], "exp_avg_sq at step 12,346")
     # the first update against torch AdamW fed pre-multiplied grads (torch starts at step 1)
     with backend.use_backend("triton"):
         got1 = _run_flat(p0, grads[:1], device="cpu", **{**kw, "steps_from": 0})
     oracle = _torch_adamw(p0, grads[:1], beta1=0.9, weight_decay=0.1, pre=lambda g: g * inv * clip)
-    _assert_param(got1[0], oracle[0])
-    _assert_moments(got1[1], oracle[1])
-    _assert_moments(got1[2], oracle[2])
+    exact1 = _exact_adamw(p0, grads[:1], **exact_kw)
+    _agree_param(got1[0], oracle[0], exact1[0], "param at step 1")
+    _assert_moments(got1[1], oracle[1], exact1[1], "exp_avg at step 1")
+    _assert_moments(got1[2], oracle[2], exact1[2], "exp_avg_sq at step 1")
 
 
 def _multi_setup(device):
@@ -207,6 +262,14 @@ def _multi_setup(device):
         for n, dt in zip(sizes, dtypes, strict=True)
     ]
     return sizes, p0, grads, lp_dtypes
+
+
+def _exact_multi(p0, grads) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``_run_multi``'s (p, m, v) per tensor in float64 (tensor 3 five steps ahead)."""
+    return [
+        _exact_adamw(p, g, beta1=0.9, weight_decay=0.1, steps_from=5 if i == 3 else 0)
+        for i, (p, g) in enumerate(zip(p0, grads, strict=True))
+    ]
 
 
 def _run_multi(sizes, p0, grads, lp_dtypes, device, launcher):
@@ -248,16 +311,17 @@ def test_multi_tensor_kernel_interpreted():
         got_op = _run_multi(sizes, p0, grads, lp_dtypes, "cpu", op.adamw_step_multi_)
     with backend.use_backend("reference"):
         want = _run_multi(sizes, p0, grads, lp_dtypes, "cpu", op.adamw_step_multi_)
-    for res in (got, got_op):
+    exact = _exact_multi(p0, grads)
+    for name, res in (("launcher", got), ("op", got_op)):
         for i in range(len(sizes)):
-            _assert_param(res[0][i], want[0][i])
-            _assert_moments(res[1][i], want[1][i])
-            _assert_moments(res[2][i], want[2][i])
+            _agree_param(res[0][i], want[0][i], exact[i][0], f"{name}: param {i}")
+            _assert_moments(res[1][i], want[1][i], exact[i][1], f"{name}: exp_avg {i}")
+            _assert_moments(res[2][i], want[2][i], exact[i][2], f"{name}: exp_avg_sq {i}")
             if lp_dtypes[i] is not None:
                 _assert_copy(res[3][i], res[0][i], exact=False)
     # tensor 0 against torch AdamW (from step 1)
     oracle = _torch_adamw(p0[0], grads[0], beta1=0.9, weight_decay=0.1)
-    _assert_param(got[0][0], oracle[0])
+    _agree_param(got[0][0], oracle[0], exact[0][0], "param 0 against torch")
 
 
 @interpreter
@@ -290,19 +354,25 @@ def test_fused_adamw_triton_interpreted():
     shapes = [(17, 33), (17,), (1,)]
     ours = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    p0 = [p.detach().clone() for p in ours]
     opt = FusedAdamW(ours, lr=1e-2, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.1, foreach=False)
+    fed = []
     for _ in range(3):
         grads = [torch.randn(s, generator=gen) for s in shapes]
+        fed.append(grads)
         for params, o in ((ours, opt), (theirs, ref_opt)):
             for p, g in zip(params, grads, strict=True):
                 p.grad = g.clone()
             with backend.use_backend("triton"):
                 o.step()
-    for a, b in zip(ours, theirs, strict=True):
-        _assert_param(a.detach(), b.detach())
-        _assert_moments(opt.state[a]["exp_avg"], ref_opt.state[b]["exp_avg"])
-        _assert_moments(opt.state[a]["exp_avg_sq"], ref_opt.state[b]["exp_avg_sq"])
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        exact = _exact_adamw(p0[i], [g[i] for g in fed], beta1=0.9, weight_decay=0.1, lr=1e-2)
+        _agree_param(a.detach(), b.detach(), exact[0], f"param {i}")
+        _assert_moments(opt.state[a]["exp_avg"], ref_opt.state[b]["exp_avg"], exact[1],
+                        f"exp_avg {i}")  # fmt: skip
+        _assert_moments(opt.state[a]["exp_avg_sq"], ref_opt.state[b]["exp_avg_sq"], exact[2],
+                        f"exp_avg_sq {i}")  # fmt: skip
         assert int(opt.state[a]["step"]) == 3
 
 
@@ -324,14 +394,16 @@ def test_flat_kernel_cuda(numel, g_dtype, lp_dtype):
     got = _run_flat(p0, grads, device="cuda", **kw)  # CUDA tensors take Triton
     with backend.use_backend("reference"):
         want = _run_flat(p0, grads, device="cpu", **kw)
-    _assert_param(got[0].cpu(), want[0])
-    _assert_exact(got[1].cpu(), want[1])
-    _assert_exact(got[2].cpu(), want[2])
+    exact = _exact_adamw(p0, grads, beta1=0.9, weight_decay=0.1)
+    _agree_param(got[0].cpu(), want[0], exact[0])
+    _assert_moments(got[1].cpu(), want[1], exact[1], "exp_avg")
+    _assert_moments(got[2].cpu(), want[2], exact[2], "exp_avg_sq")
     if lp_dtype is not None:
         _assert_copy(got[3], got[0], exact=True)
     oracle = _torch_adamw(p0.cuda(), [g.cuda() for g in grads], beta1=0.9, weight_decay=0.1)
-    for a, b in zip(got[:3], oracle, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+    for name, a, b, c in zip(("param", "exp_avg", "exp_avg_sq"), got[:3], oracle, exact,
+                             strict=True):  # fmt: skip
+        agree(a.cpu(), b.cpu(), c, f"{name} against torch on CUDA", length=1)
 
 
 @cuda
@@ -340,10 +412,11 @@ def test_multi_and_skip_cuda():
     got = _run_multi(sizes, p0, grads, lp_dtypes, "cuda", op.adamw_step_multi_)
     with backend.use_backend("reference"):
         want = _run_multi(sizes, p0, grads, lp_dtypes, "cpu", op.adamw_step_multi_)
+    exact = _exact_multi(p0, grads)
     for i in range(len(sizes)):
-        _assert_param(got[0][i].cpu(), want[0][i])
-        _assert_exact(got[1][i].cpu(), want[1][i])
-        _assert_exact(got[2][i].cpu(), want[2][i])
+        _agree_param(got[0][i].cpu(), want[0][i], exact[i][0], f"param {i}")
+        _assert_moments(got[1][i].cpu(), want[1][i], exact[i][1], f"exp_avg {i}")
+        _assert_moments(got[2][i].cpu(), want[2][i], exact[i][2], f"exp_avg_sq {i}")
         if lp_dtypes[i] is not None:
             _assert_copy(got[3][i], got[0][i], exact=True)
     before = [t.clone() for t in got[0]]
@@ -364,6 +437,9 @@ def test_multi_and_skip_cuda():
 
 @cuda
 def test_fused_adamw_cuda_matches_torch():
+    """10 steps of FusedAdamW on CUDA against the same training with torch.optim.AdamW: on the
+    GPU, and on the CPU in fp32 (with its twin) and float64 (``tolerance.train_references``),
+    each param by the rule with AdamW's slack (the gradients are computed, not given)."""
     torch.manual_seed(0)
     ours = torch.nn.Linear(257, 129).cuda()
     theirs = torch.nn.Linear(257, 129).cuda()
@@ -376,8 +452,20 @@ def test_fused_adamw_cuda_matches_torch():
             model(x).square().mean().backward()
             o.step()
             o.zero_grad()
-    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+    x_cpu = x.cpu()
+    refs = tolerance.train_references(
+        lambda: torch.nn.Linear(257, 129),  # under torch.manual_seed(0): the same weights
+        lambda model, step, dtype: model(x_cpu.to(dtype)).square().mean(),
+        10,
+        length=257,
+        lr=1e-2,
+        weight_decay=0.1,
+    )
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        verdict = refs.param(name, a.detach().cpu())
+        assert verdict.ok, verdict
+        torch_verdict = refs.param(name, b.detach().cpu())  # torch on CUDA, the same bound
+        assert torch_verdict.ok, torch_verdict
 
 
 @cuda
@@ -401,7 +489,8 @@ def test_shard_beyond_int32_cuda():
     ref.adamw_step_(
         p_ref, g_tail, m_ref, v_ref, beta1=0.9, weight_decay=0.1, step=torch.ones(()), **HYPER
     )
-    _assert_param(p[-tail:].cpu(), p_ref)
-    _assert_exact(m[-tail:].cpu(), m_ref)
-    _assert_exact(v[-tail:].cpu(), v_ref)
+    exact = _exact_adamw(p_tail, [g_tail], beta1=0.9, weight_decay=0.1)
+    _agree_param(p[-tail:].cpu(), p_ref, exact[0], "the tail's param")
+    _assert_moments(m[-tail:].cpu(), m_ref, exact[1], "the tail's exp_avg")
+    _assert_moments(v[-tail:].cpu(), v_ref, exact[2], "the tail's exp_avg_sq")
     assert int(torch.count_nonzero(p[: n - tail])) == 0

@@ -7,6 +7,12 @@ writes into a guarded buffer (nothing outside the output may change), and the wh
 and backward under ``backend.use_backend("triton")`` against the reference backend.
 GPU tier (``-m cuda``): the same natively in fp32 / bf16 / fp16, and more than 2^31 elements.
 CPU tier: the kernels compile for a Hopper GPU (no GPU needed).
+
+Permute only moves rows: compared bit for bit. What sums or multiplies (unpermute, its backward,
+the op's outputs and gradients) is judged by the rule of ``fastpar.tolerance``
+(``_parity.agree``): the error against the reference run on float64 inputs (which it computes in
+float64) at most 4 x the fp32 reference's own + a floor; lengths: k for a sum over the choices,
+H for a dot product over the hidden size, 1 for one product.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import os
 import pytest
 import torch
 from _ce import ptxas_usage
+from _parity import agree
 
 from fastpar.ops import backend
 from fastpar.ops.moe_permute import moe_permute, moe_unpermute
@@ -84,6 +91,15 @@ def _guards_intact(buf: torch.Tensor, pad: int = 3) -> bool:
     return bool((buf[:pad] == SENTINEL).all() and (buf[buf.shape[0] - pad :] == SENTINEL).all())
 
 
+def _f64(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.double()
+
+
+def _exact_backward(g, src, slots, probs, kept, capacity):
+    """The reference backward in float64 from the same values: (d src, d probs)."""
+    return ref.unpermute_backward(g.double(), src.double(), slots, probs.double(), kept, capacity)
+
+
 # --- interpreter tier: launchers against the reference --------------------------------------
 
 
@@ -105,11 +121,12 @@ def test_permute_kernel_matches_reference(kind, t, k, e, capacity, h, block_h):
 @pytest.mark.parametrize(("kind", "t", "k", "e", "capacity", "h", "block_h"), CASES, ids=IDS)
 def test_unpermute_kernel_matches_reference(kind, t, k, e, capacity, h, block_h):
     slots, _, _, _, src, probs, _ = _setup(kind, t, k, e, capacity, h, seed=1)
-    for weights in (probs, None, probs.double()):
+    for name, weights in (("probs", probs), ("weight 1", None), ("fp64 probs", probs.double())):
         got = _kernels().unpermute(src, slots, weights, block_h=block_h)
         want = ref.unpermute(src, slots, weights)
         assert got.dtype == src.dtype
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        exact = ref.unpermute(src.double(), slots, _f64(weights))
+        agree(got, want, exact, f"unpermute, {name}", length=k)
 
 
 @interpreter
@@ -117,24 +134,25 @@ def test_unpermute_kernel_matches_reference(kind, t, k, e, capacity, h, block_h)
 def test_unpermute_backward_kernel_matches_reference(kind, t, k, e, capacity, h, block_h):
     slots, kept, rows, _, src, probs, g = _setup(kind, t, k, e, capacity, h, seed=2)
     want_src, want_probs = ref.unpermute_backward(g, src, slots, probs, kept, capacity)
+    exact_src, exact_probs = _exact_backward(g, src, slots, probs, kept, capacity)
     buf, out = _guarded(rows, h)
     d_src, d_probs = _kernels().unpermute_backward(
         g, src, slots, probs, kept, capacity, block_h=block_h, out=out
     )
-    torch.testing.assert_close(d_src, want_src, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(d_probs, want_probs, rtol=1e-5, atol=1e-5)
+    agree(d_src, want_src, exact_src, "d src", length=1)
+    agree(d_probs, want_probs, exact_probs, "d probs", length=h)
     assert (d_probs[slots < 0] == 0).all()
     assert _guards_intact(buf)
     only_probs = _kernels().unpermute_backward(
         g, src, slots, probs, kept, capacity, need_src=False, block_h=block_h
     )
     assert only_probs[0] is None
-    torch.testing.assert_close(only_probs[1], want_probs, rtol=1e-5, atol=1e-5)
+    agree(only_probs[1], want_probs, exact_probs, "d probs alone", length=h)
     only_src = _kernels().unpermute_backward(
         g, src, slots, probs, kept, capacity, need_probs=False, block_h=block_h
     )
     assert only_src[1] is None
-    torch.testing.assert_close(only_src[0], want_src, rtol=1e-6, atol=1e-6)
+    agree(only_src[0], want_src, exact_src, "d src alone", length=1)
 
 
 @interpreter
@@ -161,13 +179,16 @@ def test_low_precision_inputs_load_as_fp32():
         .permute(xh, slots, kept, 4, rows, block_h=16)
         .equal(ref.permute(xh, slots, kept, 4, rows))
     )
-    got = _kernels().unpermute(srch, slots, probs.half(), block_h=16)
-    torch.testing.assert_close(got, ref.unpermute(srch, slots, probs.half()), rtol=1e-3, atol=1e-3)
-    d_src, d_probs = _kernels().unpermute_backward(gh, srch, slots, probs.half(), kept, 4)
-    w_src, w_probs = ref.unpermute_backward(gh, srch, slots, probs.half(), kept, 4)
+    ph, fp16 = probs.half(), torch.float16
+    got = _kernels().unpermute(srch, slots, ph, block_h=16)
+    exact = ref.unpermute(srch.double(), slots, ph.double())
+    agree(got, ref.unpermute(srch, slots, ph), exact, "fp16 unpermute", length=2, dtype=fp16)
+    d_src, d_probs = _kernels().unpermute_backward(gh, srch, slots, ph, kept, 4)
+    w_src, w_probs = ref.unpermute_backward(gh, srch, slots, ph, kept, 4)
+    e_src, e_probs = _exact_backward(gh, srch, slots, ph, kept, 4)
     assert d_src.dtype == torch.float16 and d_probs.dtype == torch.float16
-    torch.testing.assert_close(d_src, w_src, rtol=1e-3, atol=1e-3)
-    torch.testing.assert_close(d_probs, w_probs, rtol=2e-3, atol=2e-3)
+    agree(d_src, w_src, e_src, "fp16 d src", length=1, dtype=fp16)
+    agree(d_probs, w_probs, e_probs, "fp16 d probs", length=50, dtype=fp16)
 
 
 # --- interpreter tier: the whole op under Triton against the reference backend ----------------
@@ -192,6 +213,16 @@ def _run_op(x, ids, e, capacity, probs, g, order=None):
     return out.detach(), y.detach(), x.grad, probs.grad, info
 
 
+def _agree_op(got, want, exact, where: str, k: int, h: int) -> None:
+    """The op's (permuted rows, output, d x, d probs): the rows bit for bit (a copy), the rest
+    by the rule (sums over the choices, and d probs a dot product over H)."""
+    assert got[0].equal(want[0]), f"{where}: permuted rows"
+    assert got[4].slots.cpu().equal(want[4].slots), f"{where}: slots"
+    for name, n, a, b, c in zip(("output", "d x", "d probs"), (k, k, h), got[1:4], want[1:4],
+                                exact[1:4], strict=True):  # fmt: skip
+        agree(a, b, c, f"{where}: {name}", length=n)
+
+
 @interpreter
 @pytest.mark.parametrize(("kind", "t", "k", "e", "capacity", "h"), OP_CASES)
 def test_op_under_triton_matches_reference(kind, t, k, e, capacity, h):
@@ -203,10 +234,8 @@ def test_op_under_triton_matches_reference(kind, t, k, e, capacity, h):
         got = _run_op(x, ids, e, capacity, probs, g, order)
     with backend.use_backend("reference"):
         want = _run_op(x, ids, e, capacity, probs, g, order)
-    assert got[0].equal(want[0])
-    for a, b in zip(got[1:4], want[1:4], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert got[4].slots.equal(want[4].slots)
+        exact = _run_op(x.double(), ids, e, capacity, probs.double(), g.double(), order)
+    _agree_op(got, want, exact, "triton", k, h)
 
 
 @interpreter
@@ -216,13 +245,11 @@ def test_triton_is_deterministic():
     with backend.use_backend("triton"):
         a = _run_op(x, ids, 4, None, probs, g)
         b = _run_op(x, ids, 4, None, probs, g)
-    for u, v in zip(a[:4], b[:4], strict=True):
+    for u, v in zip(a[:4], b[:4], strict=True):  # the same kernels on the same inputs
         assert u.equal(v)
 
 
 # --- GPU tier -----------------------------------------------------------------------------------
-
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 @cuda
@@ -244,20 +271,23 @@ def test_cuda_kernels_match_reference(dtype, kind, t, k, e, capacity, h):
     kern = _kernels()
     buf, out = _guarded(rows, h, dtype, "cuda")
     kern.permute(x, slots, kept, capacity, rows, out=out)
-    assert out.equal(ref.permute(x, slots, kept, capacity, rows))
+    assert out.equal(ref.permute(x, slots, kept, capacity, rows))  # a copy
     assert _guards_intact(buf)
-    tol = TOL[dtype]
     got = kern.unpermute(src, slots, probs)
     assert got.dtype == dtype
-    torch.testing.assert_close(got, ref.unpermute(src, slots, probs), rtol=tol, atol=tol)
+    exact = ref.unpermute(src.double(), slots, probs.double())
+    agree(got, ref.unpermute(src, slots, probs), exact, "unpermute", length=k, dtype=dtype)
     got_dx = kern.unpermute(src, slots, None)
-    torch.testing.assert_close(got_dx, ref.unpermute(src, slots, None), rtol=tol, atol=tol)
+    exact = ref.unpermute(src.double(), slots, None)
+    agree(got_dx, ref.unpermute(src, slots, None), exact, "unpermute, weight 1", length=k,
+          dtype=dtype)  # fmt: skip
     buf, out = _guarded(rows, h, dtype, "cuda")
     d_src, d_probs = kern.unpermute_backward(g, src, slots, probs, kept, capacity, out=out)
     w_src, w_probs = ref.unpermute_backward(g, src, slots, probs, kept, capacity)
+    e_src, e_probs = _exact_backward(g, src, slots, probs, kept, capacity)
     assert _guards_intact(buf)
-    torch.testing.assert_close(d_src, w_src, rtol=tol, atol=tol)
-    torch.testing.assert_close(d_probs, w_probs, rtol=tol, atol=tol * h**0.5)
+    agree(d_src, w_src, e_src, "d src", length=1, dtype=dtype)
+    agree(d_probs, w_probs, e_probs, "d probs", length=h)  # probs are fp32
 
 
 @cuda
@@ -266,10 +296,11 @@ def test_cuda_op_matches_reference_on_cpu():
     x = torch.randn(2048, 1000, device="cuda")
     probs, g = torch.rand(2048, 2, device="cuda"), torch.randn(2048, 1000, device="cuda")
     got = _run_op(x, ids, 16, 300, probs, g)
-    want = _run_op(x.cpu(), ids.cpu(), 16, 300, probs.cpu(), g.cpu())
-    assert got[4].slots.cpu().equal(want[4].slots)
-    for a, b in zip(got[:4], want[:4], strict=True):
-        torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-5)
+    cpu = [t.cpu() for t in (x, ids, probs, g)]
+    want = _run_op(cpu[0], cpu[1], 16, 300, cpu[2], cpu[3])
+    exact = _run_op(cpu[0].double(), cpu[1], 16, 300, cpu[2].double(), cpu[3].double())
+    got = (*[t.cpu() for t in got[:4]], got[4])
+    _agree_op(got, want, exact, "cuda against the CPU reference", 2, 1000)
 
 
 @cuda

@@ -1,8 +1,11 @@
-"""parallelize() on plain transformers: same logits, every gradient and the same training curve."""
+"""parallelize() on plain transformers: same logits, every gradient and the same training curve.
+
+The parallel model sums its products in per-rank parts and all-reduces them: every logit, loss
+and gradient is judged by ``fastpar.tolerance``'s rule against the dense model's fp32 run, its
+twin and its float64 run of the same AdamW training (``train_references``)."""
 
 from __future__ import annotations
 
-import copy
 import fnmatch
 
 import pytest
@@ -10,17 +13,24 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _models import LLAMA_PLAN, NANO_HEADS, NANO_PLAN, Llama, NanoGPT
-from _parity import assert_close, local_slice
+from _parity import local_slice
 from torch import nn
 
 from fastpar import parallelize
 from fastpar.nn import ColumnParallelLinear, VocabParallelEmbedding, param_layout
 from fastpar.nn.functional import vocab_parallel_cross_entropy
+from fastpar.parity import reduction_length
 from fastpar.testing import RankError, run_ranks
+from fastpar.tolerance import compare, train_references
 
 
 def _fused(name: str) -> int:
     return 3 if fnmatch.fnmatchcase(name, "h.*.attn.c_attn.*") else 1
+
+
+def _cols(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """This rank's columns (last dim) of ``t``, sliced like the column weight ``p``."""
+    return local_slice(t.transpose(0, -1), p).transpose(0, -1)
 
 
 def _gathered_logits(logits: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -30,16 +40,41 @@ def _gathered_logits(logits: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.cat(parts, -1)[..., :vocab]
 
 
+def _ok(comparison) -> None:
+    assert comparison.ok, str(comparison)
+
+
 def _train_and_compare(model_name: str, steps: int = 4) -> list[float]:
+    build = NanoGPT if model_name == "nano" else Llama
+    vocab = 101 if model_name == "nano" else 96
+    g = torch.Generator().manual_seed(1000)  # one fixed batch: the loss must fall as it fits
+    idx = torch.randint(0, vocab, (3, 16), generator=g)
+    tgt = torch.randint(0, vocab, (3, 16), generator=g)
+    # the dense model's runs (fp32, its twin, float64), each step's logits kept
+    logits_of_runs: list[list[torch.Tensor]] = []
+
+    def dense_loss(model, step, dtype):
+        logits = model(idx)
+        if step == 0:
+            logits_of_runs.append([])
+        logits_of_runs[-1].append(logits.detach())
+        return F.cross_entropy(logits.flatten(0, 1), tgt.flatten())
+
     torch.manual_seed(0)
-    dense = NanoGPT() if model_name == "nano" else Llama()
-    par = copy.deepcopy(dense)
+    length = reduction_length(build(), idx)
+    refs = train_references(build, dense_loss, steps, length=length, seed=0, lr=3e-3,
+                            weight_decay=0.01)  # fmt: skip
+
+    def logits_agree(step, actual, what, cut=lambda t: t):
+        single, twin, exact = (cut(run[step]) for run in logits_of_runs)
+        _ok(compare(actual, [single, twin], exact, length=length, what=f"{what} at step {step}"))
+
+    torch.manual_seed(0)
+    par = build()
     if model_name == "nano":
         parallelize(par, NANO_PLAN, heads=NANO_HEADS)
-        vocab = 101
     else:
         parallelize(par, LLAMA_PLAN)
-        vocab = 96
     world = dist.get_world_size()
     # the swap happened, heads were divided, ties were kept
     if model_name == "nano":
@@ -49,49 +84,35 @@ def _train_and_compare(model_name: str, steps: int = 4) -> list[float]:
     else:
         assert isinstance(par.layers[0].self_attn.q_proj, ColumnParallelLinear)
         assert par.layers[0].self_attn.num_key_value_heads == 4 // world
-    opt_d = torch.optim.AdamW(dense.parameters(), lr=3e-3)
-    opt_p = torch.optim.AdamW(par.parameters(), lr=3e-3)
-    dense_params = dict(dense.named_parameters())
+    named = dict(par.named_parameters())
+
+    def local(full: torch.Tensor, name: str) -> torch.Tensor:
+        p = named[name]
+        return full if param_layout(p) is None else local_slice(full, p, _fused(name))
+
+    refs.local = local
+    opt_p = torch.optim.AdamW(par.parameters(), lr=3e-3, weight_decay=0.01, foreach=False)
     losses = []
     for step in range(steps):
-        torch.manual_seed(1000)  # one fixed batch: the loss must fall as the model fits it
-        idx = torch.randint(0, vocab, (3, 16))
-        tgt = torch.randint(0, vocab, (3, 16))
-        logits_d = dense(idx)
-        loss_d = F.cross_entropy(logits_d.flatten(0, 1), tgt.flatten())
         logits_p = par(idx)
-        if (
-            logits_p.shape[-1] != vocab
-        ):  # vocab-parallel logits (Llama's lm_head): gather to compare
+        if logits_p.shape[-1] != vocab:  # vocab-parallel logits (Llama's lm_head): gather
             full = _gathered_logits(logits_p, vocab)
-            assert_close(
-                logits_p,
-                local_slice(logits_d.detach().transpose(0, -1), par.lm_head.weight).transpose(
-                    0, -1
-                ),
-                "local logits",
-            )
+            logits_agree(step, logits_p, "local logits", lambda t: _cols(t, par.lm_head.weight))
             # the vocab-parallel cross-entropy on the local logits: no gather needed
             loss_p = vocab_parallel_cross_entropy(logits_p.flatten(0, 1), tgt.flatten())
-            opt_p.zero_grad()
-            loss_p.backward()
         else:
+            full = logits_p
             loss_p = F.cross_entropy(logits_p.flatten(0, 1), tgt.flatten())
-            opt_p.zero_grad()
-            loss_p.backward()
-        assert_close(
-            logits_p if logits_p.shape[-1] == vocab else full.detach(), logits_d.detach(), "logits"
-        )
-        opt_d.zero_grad()
-        loss_d.backward()
-        for name, p in par.named_parameters():
-            ref = dense_params[name].grad
-            expect = ref if param_layout(p) is None else local_slice(ref, p, _fused(name))
-            assert_close(p.grad, expect, f"grad of {name} at step {step}")
-        assert_close(loss_p.detach(), loss_d.detach(), f"loss at step {step}")
+        opt_p.zero_grad()
+        loss_p.backward()
+        logits_agree(step, full.detach(), "logits")
+        for name, p in named.items():
+            _ok(refs.grad(step, name, p.grad))
+        _ok(refs.loss(step, float(loss_p)))
         losses.append(float(loss_p))
-        opt_d.step()
         opt_p.step()
+    for name, p in named.items():  # and every parameter after the steps
+        _ok(refs.param(name, p.detach()))
     return losses
 
 
@@ -99,6 +120,8 @@ def _train_and_compare(model_name: str, steps: int = 4) -> list[float]:
 @pytest.mark.parametrize("model", ["nano", "llama"])
 def test_parallelized_model_matches_dense(world, model):
     losses = run_ranks(_train_and_compare, world, model)
+    # the same loss bit for bit on every rank: computed from the same all-gathered logits, or
+    # the vocab-parallel cross-entropy's all-reduced sums
     assert all(lst == losses[0] for lst in losses)
     assert losses[0][-1] < losses[0][0]
 

@@ -1,10 +1,14 @@
 """CPU tier: the fused linear cross-entropy on 1, 2 and 4 gloo ranks against F.linear + CE.
 
-The oracle is torch in float64 on the full (unsharded) weight, from the very values each rank
-holds: ``F.cross_entropy(F.linear(h, W), t, label_smoothing=α) + z·logsumexp²`` with the
-reduction, backward to d hidden and d weight. Each rank holds rows ``[r·V_local, (r+1)·V_local)``
-of the weight padded with GARBAGE rows (they must reach neither the loss nor a gradient); its
-d hidden (all-reduced over TP) must equal the oracle's, its d weight shard the oracle's rows.
+The references are torch on the full (unsharded) weight, from the very values each rank holds:
+``F.cross_entropy(F.linear(h, W), t, label_smoothing=α) + z·logsumexp²`` with the reduction,
+backward to d hidden and d weight — once in the inputs' dtype (the unfused single-process run:
+the logits rounded to the inputs' dtype by F.linear, the loss in fp32, the gradients of the
+matmuls in the inputs' dtype) and once in float64 (the exact math). Each rank holds rows
+``[r·V_local, (r+1)·V_local)`` of the weight padded with GARBAGE rows (they must reach neither
+the loss nor a gradient); its loss, d hidden (all-reduced over TP) and d weight shard must agree
+with them by the rule of ``fastpar.tolerance`` (``_parity.agree``: error against float64 at most
+4 x the single run's own + a floor), not within a fixed tolerance.
 Every case of one world size runs in one ``run_ranks`` call; results travel pickled.
 """
 
@@ -20,12 +24,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from _ce import (
     LossCase,
-    assert_loss_close,
+    assert_loss_agrees,
     case_loss,
     grad_spec,
     ignore_and_upstream,
     loss_options,
 )
+from _parity import agree
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
@@ -68,15 +73,6 @@ CASES = [
     Case(dtype=torch.float16, recompute=True, reduction="sum", seed=16),
 ]
 
-# (loss rtol, gradient rtol, gradient atol relative to the largest entry) per dtype. In bf16 /
-# fp16 the logits are rounded to the inputs' dtype (as F.linear rounds them for the unfused CE),
-# the oracle's are not.
-TOL = {
-    torch.float32: (2e-5, 2e-5, 2e-6),
-    torch.bfloat16: (3e-3, 3e-2, 2e-2),
-    torch.float16: (5e-4, 4e-3, 3e-3),
-}
-
 
 def _inputs(case: Case):
     """(hidden [*shape, H], full weight [V, H] in case.dtype, target, upstream gradient)."""
@@ -93,14 +89,28 @@ def _shard(weight: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     return torch.cat([weight, pad])[rank * n_local : (rank + 1) * n_local]
 
 
-def _expected(case: Case):
-    """(loss, d hidden, d weight [V, H]) from torch in float64 on the full weight."""
-    hidden, weight, target, upstream = _inputs(case)
-    h = hidden.double().requires_grad_()
-    w = weight.double().requires_grad_()
-    loss = case_loss(F.linear(h, w).reshape(-1, case.vocab), target.reshape(-1), case)
-    (loss * upstream.double()).sum().backward()
-    return loss.detach(), h.grad, w.grad
+def _references(case: Case, upstream: torch.Tensor | None = None) -> list[tuple]:
+    """[single, exact]: (loss, d hidden, d weight [V, H]) of torch on the full weight, in
+    ``case.dtype`` (the unfused single-process run: F.linear in the inputs' dtype, the loss of
+    its logits in fp32) and in float64; ``upstream`` replaces the case's upstream gradient."""
+    hidden, weight, target, case_upstream = _inputs(case)
+    upstream = case_upstream if upstream is None else upstream
+    out = []
+    for dtype in (case.dtype, torch.float64):
+        h = hidden.to(dtype, copy=True).requires_grad_()
+        w = weight.to(dtype, copy=True).requires_grad_()
+        logits = F.linear(h, w).reshape(-1, case.vocab)
+        loss = case_loss(logits if dtype == torch.float64 else logits.float(), target.reshape(-1),
+                         case)  # fmt: skip
+        (loss * upstream.to(loss.dtype)).sum().backward()
+        out.append((loss.detach(), h.grad, w.grad))
+    return out
+
+
+def _length(case: Case) -> int:
+    """The longest sum feeding the loss and the gradients: the hidden size (the logits), the
+    vocabulary (the softmax, d hidden) or the rows (d weight)."""
+    return max(case.hidden, case.vocab, math.prod(case.shape))
 
 
 def _call(case: Case, hidden, weight, target, group=None, **kw):
@@ -132,31 +142,24 @@ def _run_cases(cases: list[Case]) -> bytes:
 
 
 def _check(case: Case, results: list, tp: int, i: int) -> None:
-    loss_rtol, grad_rtol, grad_atol = TOL[case.dtype]
-    want_loss, want_h, want_w = _expected(case)
+    (single_loss, single_h, single_w), (exact_loss, exact_h, exact_w) = _references(case)
     n_local = math.ceil(case.vocab / tp)
-    want_w = torch.cat([want_w, torch.zeros(n_local * tp - case.vocab, case.hidden).double()])
-    scale_h = max(1e-3, want_h.abs().max().item())
-    scale_w = max(1e-3, want_w.abs().max().item())
+
+    def padded(w: torch.Tensor) -> torch.Tensor:
+        return torch.cat([w, w.new_zeros(n_local * tp - case.vocab, case.hidden)])
+
+    single_w, exact_w = padded(single_w), padded(exact_w)
+    n = _length(case)
     for rank, per_case in enumerate(results):
         loss, gh, gw = per_case[i]
         where = f"{case} tp={tp} rank={rank}"
         assert gh.dtype == case.dtype and gw.dtype == case.dtype, where
-        assert_loss_close(loss, want_loss, loss_rtol, where)
-        torch.testing.assert_close(
-            gh.double(),
-            want_h,
-            rtol=grad_rtol,
-            atol=grad_atol * scale_h,
-            msg=lambda m, w=where: f"{w} d hidden\n{m}",
-        )
-        torch.testing.assert_close(
-            gw.double(),
-            want_w[rank * n_local : (rank + 1) * n_local],
-            rtol=grad_rtol,
-            atol=grad_atol * scale_w,
-            msg=lambda m, w=where: f"{w} d weight\n{m}",
-        )
+        # the loss is fp32, from logits rounded to the inputs' dtype: judged in that dtype
+        assert_loss_agrees(loss, single_loss, exact_loss, where, length=n, dtype=case.dtype)
+        agree(gh, single_h, exact_h, f"{where}: d hidden", length=n, dtype=case.dtype)
+        rows = slice(rank * n_local, (rank + 1) * n_local)
+        agree(gw, single_w[rows], exact_w[rows], f"{where}: d weight", length=n,
+              dtype=case.dtype)  # fmt: skip
         pad_rows = [j for j in range(n_local) if rank * n_local + j >= case.vocab]
         assert (gw[pad_rows] == 0).all(), f"{where}: padding rows got a gradient"
 
@@ -198,29 +201,39 @@ def _partial_hidden_grad() -> bytes:
 def test_partial_hidden_grad_sums_to_the_full_one():
     parts = [pickle.loads(r) for r in run_ranks(_partial_hidden_grad, 2)]
     case = Case(vocab=123, padded=True, label_smoothing=0.1)
-    _, want_h, _ = _expected(case)
-    want_h = want_h / 1.7  # upstream 1 here
-    assert not torch.allclose(parts[0].double(), want_h, atol=1e-4)
-    torch.testing.assert_close((parts[0] + parts[1]).double(), want_h, rtol=2e-5, atol=2e-6)
+    (_, single_h, _), (_, exact_h, _) = _references(case, upstream=torch.tensor(1.0))
+    assert not torch.allclose(parts[0].double(), exact_h, atol=1e-4)
+    agree(parts[0] + parts[1], single_h, exact_h, "sum of the partial d hidden",
+          length=_length(case))  # fmt: skip
+
+
+def _torch_linear_ce(h, w, t, **kw) -> list[tuple]:
+    """[fp32, float64]: (loss, d hidden, d weight) of F.linear + F.cross_entropy, upstream 1."""
+    out = []
+    for dtype in (torch.float32, torch.float64):
+        hh, ww = h.to(dtype, copy=True).requires_grad_(), w.to(dtype, copy=True).requires_grad_()
+        loss = F.cross_entropy(F.linear(hh, ww), t, **kw)
+        loss.sum().backward()
+        out.append((loss.detach(), hh.grad, ww.grad))
+    return out
 
 
 def test_reference_oracle_equals_torch():
-    """``ref.linear_cross_entropy`` (single rank, chunked) against F.linear + F.cross_entropy."""
+    """``ref.linear_cross_entropy`` (single rank, chunked) against F.linear + F.cross_entropy,
+    by the rule (torch's fp32 run and float64)."""
     gen = torch.Generator().manual_seed(5)
     h, w = torch.randn(29, 19, generator=gen), torch.randn(41, 19, generator=gen)
     t = torch.randint(0, 41, (29,), generator=gen)
     t[3] = -100
     for reduction in ("mean", "sum", "none"):
+        single, exact = _torch_linear_ce(h, w, t, label_smoothing=0.1, reduction=reduction)
         for chunk in (1, 6, None):
-            loss, gh, gw = ref.linear_cross_entropy(
+            got = ref.linear_cross_entropy(
                 h, w, t, reduction=reduction, label_smoothing=0.1, chunk_size=chunk
             )
-            hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-            want = F.cross_entropy(F.linear(hh, ww), t, label_smoothing=0.1, reduction=reduction)
-            want.sum().backward()
-            torch.testing.assert_close(loss, want.detach())
-            torch.testing.assert_close(gh, hh.grad)
-            torch.testing.assert_close(gw, ww.grad)
+            for name, a, b, c in zip(("loss", "d hidden", "d weight"), got, single, exact,
+                                     strict=True):  # fmt: skip
+                agree(a, b, c, f"{reduction} chunk={chunk}: {name}", length=41)
 
 
 def test_default_chunk_size():
@@ -234,9 +247,9 @@ def test_no_grad_and_frozen_inputs():
     gen = torch.Generator().manual_seed(1)
     h, w = torch.randn(9, 8, generator=gen), torch.randn(20, 8, generator=gen)
     t = torch.randint(0, 20, (9,), generator=gen)
-    want = F.cross_entropy(F.linear(h, w), t)
+    want, want64 = F.cross_entropy(F.linear(h, w), t), F.cross_entropy(F.linear(h, w).double(), t)
     with torch.no_grad():
-        torch.testing.assert_close(vocab_parallel_linear_cross_entropy(h, w, t), want)
+        agree(vocab_parallel_linear_cross_entropy(h, w, t), want, want64, "loss", length=20)
     for frozen_weight in (True, False):
         hh = h.clone().requires_grad_(frozen_weight)
         ww = w.clone().requires_grad_(not frozen_weight)
@@ -294,16 +307,20 @@ def test_bad_inputs_raise_clear_errors():
 )
 def test_inplace_stats_and_grad_match_the_cross_entropy_reference(cols, start, n_valid, scale):
     """``stats_`` + ``grad_`` (fp32 in place, through exp(x − m)) against the vocab-parallel CE's
-    out-of-place ``local_stats`` / ``grad_logits``; padding columns hold garbage."""
+    out-of-place ``local_stats`` / ``grad_logits`` in fp32 and in float64, by the rule; padding
+    columns hold garbage."""
     gen = torch.Generator().manual_seed(cols + n_valid)
     x = torch.randn(7, cols, generator=gen) * scale
     x[:, n_valid:] = 1.0e4
     t = torch.randint(0, start + cols + 3, (7,), generator=gen)
     t[0] = -100
     want_stats = ce_ref.local_stats(x, t, start, n_valid, -100)
+    exact_stats = ce_ref.local_stats(x.double(), t, start, n_valid, -100)
     buf = x.clone()
     local = ref.stats_(buf, t, start, n_valid, -100)
-    torch.testing.assert_close(local, want_stats, rtol=1e-6, atol=1e-5)
+    n = max(n_valid, 1)  # the row's sums
+    for col, name in enumerate(("row max", "sum of exp", "target logit", "logit sum")):
+        agree(local[:, col], want_stats[:, col], exact_stats[:, col], name, length=n)
     other = torch.tensor([[1.5, 2.0, 0.0, 3.0]]).expand(7, 4)  # another shard's statistics
     row_max, log_s, _, _ = ce_ref.combine_stats(torch.stack([want_stats, other]))
     g = (torch.rand(7, generator=gen) + 0.1) * (t != -100)
@@ -311,8 +328,10 @@ def test_inplace_stats_and_grad_match_the_cross_entropy_reference(cols, start, n
     got = ref.grad_(buf, t, local, row_max, log_s, g, **spec)
     assert got.data_ptr() == buf.data_ptr()
     want = ce_ref.grad_logits(x, t, row_max, log_s, g, **spec)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(ref.grad_logits_(x.clone(), t, row_max, log_s, g, **spec), want)
+    exact = ce_ref.grad_logits(x.double(), t, row_max.double(), log_s.double(), g.double(), **spec)
+    agree(got, want, exact, "gradient", length=n)
+    # bit for bit: grad_logits_ is grad_logits written into the logits (the same arithmetic)
+    assert torch.equal(ref.grad_logits_(x.clone(), t, row_max, log_s, g, **spec), want)
 
 
 def _peak_bytes(run) -> int:

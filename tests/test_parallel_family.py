@@ -2,7 +2,12 @@
 2, 3) give the same training, the same ``zero_grad`` / ``no_sync`` / ``finish_grad_sync`` /
 ``step`` semantics and the same ``comm_bytes`` form at every stage; unused parameters at every
 stage; ZeRO-3 under a pipeline with tied embeddings (the trainer, proven by ``fastpar.verify``);
-and the MoE auxiliary-loss weight the pipeline engine sets."""
+and the MoE auxiliary-loss weight the pipeline engine sets.
+
+A data-parallel step sums gradients in another order than the single process, so "the same
+training" is ``fastpar.tolerance``'s rule (docs/tolerances.md) against the same math in float64,
+beside the fp32 single-process run and its twin; the gradients of one rank's two passes over
+the same micro-batches are the same kernels in the same order, and equal bit for bit."""
 
 from __future__ import annotations
 
@@ -12,7 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _parity import assert_close
+from _parity import agree, exact_copy
+from test_parallel_ddp import check, norm, references
 from torch import nn
 
 from fastpar import ParallelMesh
@@ -76,7 +82,7 @@ def _protocol() -> dict:
             w.zero_grad(set_to_none=set_to_none)
             seen.append(_grads_seen(w, net))
             _two_halves(w, x, y)
-            for a, b in zip(w.shard_grads, reduced, strict=True):
+            for a, b in zip(w.shard_grads, reduced, strict=True):  # the same passes, kernels
                 assert torch.equal(a, b), f"stage {stage}: zero_grad left a gradient behind"
         skipped, norm = w.step()
         w.zero_grad()
@@ -90,27 +96,26 @@ def _protocol() -> dict:
     return out
 
 
-def _reference() -> tuple[float, list[torch.Tensor]]:
-    net = _mlp()
+def _loss(model: nn.Module, step: int, dtype: torch.dtype) -> torch.Tensor:
     x, y = _batch(2)
-    F.mse_loss(net(x.reshape(-1, 7)), y.reshape(-1, 5)).backward()
-    norm = torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)
-    torch.optim.SGD(net.parameters(), lr=LR).step()
-    return float(norm), [p.detach() for p in net.parameters()]
+    return F.mse_loss(model(x.reshape(-1, 7).to(dtype)), y.reshape(-1, 5).to(dtype))
 
 
 def test_every_stage_speaks_one_protocol_and_trains_alike():
-    ref_norm, ref_params = _reference()
-    for out in run_ranks(_protocol, 2):
+    # one clipped SGD step on the whole batch: fp32, its twin, float64
+    refs = references(_mlp, _loss, 1, lambda m: torch.optim.SGD(m.parameters(), lr=LR),
+                      length=2 * 4 * 5, clip=CLIP)  # fmt: skip
+    names = [n for n, _ in _mlp().named_parameters()]
+    for rank, out in enumerate(run_ranks(_protocol, 2)):
         for stage, r in out.items():
             assert r["skipped"] == (torch.bool, 0, False)
             assert r["norm"][0] == torch.float32
-            assert r["norm"][1] == pytest.approx(ref_norm, rel=1e-5)
-            for p, q in zip(r["params"], ref_params, strict=True):
-                assert_close(p, q, f"stage {stage} parameters after the step")
+            where = f"rank {rank}, stage {stage}: "
+            check([norm(refs, 0, r["norm"][1])]
+                  + [refs.param(n, p) for n, p in zip(names, r["params"], strict=True)], where)  # fmt: skip
             # between steps .grad is None after zero_grad() at every stage; after
             # zero_grad(set_to_none=False) a zeroed view at stages 0 and 1, None at 2 and 3
-            n = len(ref_params)
+            n = len(names)
             want = [True] * n if stage <= 1 else [None] * n
             assert r["seen"] == [[None] * n, want], f"stage {stage}"
             assert r["sent"][0] == r["sent"][1] > 0
@@ -166,11 +171,12 @@ def _unused() -> dict:
 def test_unused_parameters_at_every_stage():
     """Refused by default, naming them; with find_unused_parameters their gradient is zero
     (b does not move) and the rest trains (a's bias: lr x the batch size 2, averaged)."""
-    want = _Branches().a.bias.detach() - LR * 2.0
+    bias = _Branches().a.bias.detach()
+    want, want64 = bias - LR * 2.0, bias.double() - LR * 2.0
     for out in run_ranks(_unused, 2):
-        for stage, (unchanged, bias) in out.items():
+        for stage, (unchanged, got) in out.items():
             assert unchanged, f"stage {stage}: an unused parameter moved"
-            assert_close(bias, want, f"stage {stage}: a.bias")
+            agree(got, want, want64, f"stage {stage}: a.bias", length=2)
 
 
 SMALL = dict(steps=3, batch_size=8, seq_len=32, hidden=32, heads=4, layers=2, quiet=True)
@@ -209,25 +215,33 @@ def _moe_net(aux_in_backward: bool = True) -> nn.Sequential:
 def _engine_aux_weight() -> list:
     """A pipeline of two stages, the MoE on the second; the engine's gradients against the
     whole model's, whose loss adds every micro-batch's auxiliary loss weighted like its main
-    loss: scale_loss(loss / M + aux / M), with a loss scale of 8."""
+    loss: scale_loss(loss / M + aux / M), with a loss scale of 8 — by the rule, against the
+    whole model in fp32 and in float64 (the engine backpropagates the loss and the aux loss as
+    its own sums)."""
     mesh = ParallelMesh(pp=2)
     g = torch.Generator().manual_seed(2)
     x, y = torch.randn(4, 3, H, generator=g), torch.randn(4, 3, H, generator=g)
     scale = lambda t: t * 8.0  # noqa: E731
     dense = _moe_net(aux_in_backward=False)  # the aux loss is added to the loss by hand
-    for xi, yi in zip(x.chunk(M), y.chunk(M), strict=True):
-        loss = F.mse_loss(dense(xi), yi) / M
-        scale(loss + moe_aux_loss(dense) / M).backward()
+    dense64 = exact_copy(dense)
+    for net in (dense, dense64):
+        dtype = next(net.parameters()).dtype
+        for xi, yi in zip(x.to(dtype).chunk(M), y.to(dtype).chunk(M), strict=True):
+            loss = F.mse_loss(net(xi), yi) / M
+            scale(loss + moe_aux_loss(net) / M).backward()
     errors = []
     for recompute, aux in ((False, True), (True, True), (False, False)):
         stage, (lo, hi) = build_stage(list(_moe_net()), 2, mesh.pp_rank, costs=[1, 2, 1])
         engine = PipelineEngine(stage, mesh, GPipe(M), loss_fn=F.mse_loss, scale_loss=scale,
                                 recompute=recompute, moe_aux_loss=aux)  # fmt: skip
         engine.train_step(x, y)
-        ref = nn.Sequential(*list(dense)[lo:hi])
-        for p, q in zip(stage.parameters(), ref.parameters(), strict=True):
-            if aux:
-                assert_close(p.grad, q.grad, f"recompute={recompute}: gradient")
+        ref, ref64 = (nn.Sequential(*list(net)[lo:hi]) for net in (dense, dense64))
+        for (name, p), q, q64 in zip(
+            stage.named_parameters(), ref.parameters(), ref64.parameters(), strict=True
+        ):
+            if aux:  # the longest sum: the 12 tokens
+                agree(p.grad, q.grad, q64.grad, f"recompute={recompute}: gradient {name}",
+                      length=12)  # fmt: skip
             elif p.grad is not None and q.grad is not None:
                 errors.append(float((p.grad - q.grad).abs().max()))
     return errors

@@ -1,21 +1,32 @@
 """Pipelined training equals the unpipelined model on the same mini-batch: GPipe and 1F1B,
 PP = 2 and 4, m = 1, 3, 8, with and without recomputation; PP x TP, PP x DP, tied embeddings,
-schedules and errors."""
+schedules and errors.
+
+A pipeline splits the mini-batch into micro-batches, so a weight's gradient is a sum of
+micro-batch sums (and its loss a sum of micro-batch means): not the unpipelined model's bits.
+"Equals" is ``fastpar.tolerance``'s rule (docs/tolerances.md): each step's loss and every
+gradient on every rank against the same training in float64, beside the fp32 unpipelined run
+and its twin (weights one rounding away) — ``dense_references`` / ``check_step`` here, shared
+with the other pipeline tests. Two runs of the same micro-batches through the same layers
+(recomputation replaying a forward, tied copies stepping alike) are bit-identical and so
+compared."""
 
 from __future__ import annotations
 
 import copy
+import functools
+from collections.abc import Callable, Iterable
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _parity import assert_close, local_slice
+from test_parallel_ddp import check, norm, references, sliced
 from torch import nn
 
-from fastpar import ParallelMesh
+from fastpar import ParallelMesh, tolerance
 from fastpar.amp import global_grad_norm
-from fastpar.nn import ColumnParallelLinear, RowParallelLinear, param_layout
+from fastpar.nn import ColumnParallelLinear, RowParallelLinear
 from fastpar.parallel import DistributedDataParallel
 from fastpar.parallel.pipeline import (
     GPipe,
@@ -72,10 +83,68 @@ def batch(step: int, size: int = 24):
     return torch.randint(0, V, (size, T), generator=g), torch.randint(0, V, (size, T), generator=g)
 
 
+# -- the unpipelined references (fastpar.tolerance), shared with the other pipeline tests -------
+@functools.cache
+def dense_references(
+    make: Callable[[], list[nn.Module]] = blocks,
+    steps: int = 2,
+    size: int = 24,
+    *,
+    lr: float = 0.5,
+    data: Callable | None = None,
+    loss: Callable = loss_fn,
+    length: int | None = None,
+) -> tolerance.References:
+    """``steps`` SGD steps (``lr``) of the unpipelined ``nn.Sequential(*make())`` on
+    ``data(step)`` (default ``batch(step, size)``: ids, so any dtype), three ways: fp32, its
+    twin, float64. ``length`` (the longest reduction) defaults to the batch's tokens, the
+    vocabulary or the widest layer, whichever is longest. Cached: pure in its arguments (ranks
+    receive a forked copy, free to set its ``local``)."""
+    data = data or (lambda step: batch(step, size))
+
+    def run_loss(model: nn.Module, step: int, dtype: torch.dtype) -> torch.Tensor:
+        x, y = data(step)
+        cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
+        x = tuple(map(cast, x)) if isinstance(x, tuple) else cast(x)
+        return loss(model(x), cast(y))
+
+    if length is None:
+        widest = max(max(p.shape) for m in make() for p in m.parameters())
+        length = max(size * T, widest)
+    return references(
+        lambda: nn.Sequential(*make()), run_loss, steps,
+        lambda model: torch.optim.SGD(model.parameters(), lr=lr), length=length,
+    )  # fmt: skip
+
+
+def dense_name(name: str, lo: int) -> str:
+    """The unpipelined model's name of a stage's parameter ``name`` (the stage holds blocks
+    ``lo``, ``lo + 1``, ... as its children 0, 1, ...)."""
+    k, _, rest = name.partition(".")
+    return f"{int(k) + lo}.{rest}"
+
+
+def check_step(
+    refs: tolerance.References,
+    step: int,
+    loss,
+    grads: Iterable[tuple[str, torch.Tensor | None]],
+    where: str = "",
+) -> None:
+    """Step ``step``'s loss and every gradient (``(unpipelined name, grad)``, sliced like the
+    caller's parameter by ``refs.local``) against the references."""
+    comparisons = [] if loss is None else [refs.loss(step, loss)]
+    for name, g in grads:
+        assert g is not None, f"{where}{name}: no gradient at step {step + 1}"
+        comparisons.append(refs.grad(step, name, g))
+    check(comparisons, where)
+
+
 def _pipelined(
     schedule_name: str,
     m: int,
     recompute: bool,
+    refs: tolerance.References,
     steps: int = 2,
     *,
     make=blocks,
@@ -84,38 +153,28 @@ def _pipelined(
     measure: bool = False,
     bytes_per_step=None,
 ) -> int:
-    """``steps`` SGD steps of the blocks ``make()`` pipelined and unpipelined: the same loss and
-    gradients at every step; ``bytes_per_step(mesh)``: what this rank must send per step.
-    Returns the peak bytes of stored activations."""
+    """``steps`` SGD steps of the blocks ``make()`` pipelined: at every step the loss and
+    gradients of the unpipelined model (``refs``: ``dense_references(make, steps, size)``);
+    ``bytes_per_step(mesh)``: what this rank must send per step. Returns the peak bytes of
+    stored activations."""
     mesh = ParallelMesh(pp=dist.get_world_size())
-    dense = nn.Sequential(*make())
-    stage, (lo, hi) = build_stage(
-        copy.deepcopy(list(dense)), mesh.pp_size, mesh.pp_rank, costs=costs
-    )
+    stage, (lo, _) = build_stage(make(), mesh.pp_size, mesh.pp_rank, costs=costs)
     sched = GPipe(m) if schedule_name == "gpipe" else OneFOneB(m)
     engine = PipelineEngine(
         stage, mesh, sched, loss_fn=loss_fn, recompute=recompute, measure_activations=measure
     )
-    opt_d = torch.optim.SGD(dense.parameters(), lr=0.5)
     opt_s = torch.optim.SGD(stage.parameters(), lr=0.5)
     for step in range(steps):
         x, y = batch(step, size)
-        loss_d = loss_fn(dense(x), y)
-        opt_d.zero_grad()
-        loss_d.backward()
         opt_s.zero_grad()
         sent = engine.p2p.bytes_sent
         loss_p = engine.train_step(
             x if mesh.is_first_stage else None, y if mesh.is_last_stage else None
         )
-        assert_close(loss_p, loss_d.detach(), f"loss at step {step}")
-        for (name, p), q in zip(
-            stage.named_parameters(), nn.Sequential(*list(dense)[lo:hi]).parameters(), strict=True
-        ):
-            assert_close(p.grad, q.grad, f"grad of stage {mesh.pp_rank} {name} at step {step}")
+        grads = [(dense_name(n, lo), p.grad) for n, p in stage.named_parameters()]
+        check_step(refs, step, loss_p, grads, f"stage {mesh.pp_rank}, step {step + 1}: ")
         if bytes_per_step is not None:
             assert engine.p2p.bytes_sent - sent == bytes_per_step(mesh)
-        opt_d.step()
         opt_s.step()
     assert engine.stats["max_in_flight"] == sched.max_in_flight(mesh.pp_size, mesh.pp_rank)
     return engine.stats["peak_activation_bytes"]
@@ -126,7 +185,7 @@ def _pipelined(
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("pp", [2, 4])
 def test_pipelined_equals_unpipelined(pp, schedule, m, recompute):
-    run_ranks(_pipelined, pp, schedule, m, recompute)
+    run_ranks(_pipelined, pp, schedule, m, recompute, dense_references())
 
 
 def _recompute_with_dropout() -> list:
@@ -141,7 +200,7 @@ def _recompute_with_dropout() -> list:
         torch.manual_seed(123)
         engine.train_step(x, y)
         out.append([p.grad.clone() for p in stage.parameters()])
-    for a, b in zip(*out, strict=True):
+    for a, b in zip(*out, strict=True):  # the same micro-batches through the same layers
         assert torch.equal(a, b)
     return [len(out[0])]
 
@@ -150,33 +209,27 @@ def test_recompute_replays_dropout():
     run_ranks(_recompute_with_dropout, 2)
 
 
-def _pp_tp() -> None:
+def _pp_tp(refs: tolerance.References) -> None:
     """PP = 2 x TP = 2: tensor-parallel blocks inside each stage."""
     mesh = ParallelMesh(tp=2, pp=2)
-    dense = nn.Sequential(*blocks(4))
     par_blocks = blocks(4, tp_mesh=mesh)  # same seed: the TP slices of the dense weights
-    stage, (lo, hi) = build_stage(par_blocks, 2, mesh.pp_rank, costs=[1] * 6)
+    stage, (lo, _) = build_stage(par_blocks, 2, mesh.pp_rank, costs=[1] * 6)
     engine = PipelineEngine(stage, mesh, OneFOneB(4), loss_fn=loss_fn)
     x, y = batch(0, 8)
-    loss_d = loss_fn(dense(x), y)
-    loss_d.backward()
     loss_p = engine.train_step(x, y)
-    assert_close(loss_p, loss_d.detach(), "loss")
-    ref = nn.Sequential(*list(dense)[lo:hi])
-    for (name, p), q in zip(stage.named_parameters(), ref.parameters(), strict=True):
-        expect = q.grad if param_layout(p) is None else local_slice(q.grad, p)
-        assert_close(p.grad, expect, f"grad {name}")
+    named = {dense_name(n, lo): p for n, p in stage.named_parameters()}
+    sliced(refs, named)  # each rank's TP slice of the dense gradients
+    check_step(refs, 0, loss_p, [(n, p.grad) for n, p in named.items()], f"rank {mesh.rank}: ")
 
 
 def test_pp_x_tp():
-    run_ranks(_pp_tp, 4)
+    run_ranks(_pp_tp, 4, dense_references(lambda: blocks(4), 1, 8))
 
 
-def _pp_dp() -> None:
+def _pp_dp(refs: tolerance.References) -> None:
     """PP = 2 x DP = 2: each replica pipelines its half of the batch; DDP reduces once."""
     mesh = ParallelMesh(pp=2)
-    dense = nn.Sequential(*blocks(4))
-    stage, (lo, hi) = build_stage(blocks(4), 2, mesh.pp_rank, costs=[1] * 6)
+    stage, (lo, _) = build_stage(blocks(4), 2, mesh.pp_rank, costs=[1] * 6)
     ddp = DistributedDataParallel(stage, mesh=mesh)
     calls = []
     original = ddp.reducer._launch
@@ -188,22 +241,17 @@ def _pp_dp() -> None:
     ddp.reducer._launch = counting_launch
     engine = PipelineEngine(ddp, mesh, GPipe(4), loss_fn=loss_fn, no_sync=ddp.no_sync)
     x, y = batch(0, 16)
-    loss_d = loss_fn(dense(x), y)
-    loss_d.backward()
     half = slice(mesh.dp_rank * 8, mesh.dp_rank * 8 + 8)
     loss_p = engine.train_step(x[half], y[half], broadcast_loss=True)
     assert len(calls) == len(ddp.buckets), "gradients must be reduced once, in the last backward"
     loss_all = loss_p.clone()
     dist.all_reduce(loss_all, group=mesh.dp_group)
-    assert_close(loss_all / 2, loss_d.detach(), "loss")
-    for (name, p), q in zip(
-        stage.named_parameters(), nn.Sequential(*list(dense)[lo:hi]).parameters(), strict=True
-    ):
-        assert_close(p.grad, q.grad, f"grad {name}")
+    grads = [(dense_name(n, lo), p.grad) for n, p in stage.named_parameters()]
+    check_step(refs, 0, loss_all / 2, grads, f"rank {mesh.rank}: ")
 
 
 def test_pp_x_dp():
-    run_ranks(_pp_dp, 4)
+    run_ranks(_pp_dp, 4, dense_references(lambda: blocks(4), 1, 16))
 
 
 class TiedHead(nn.Module):
@@ -215,46 +263,46 @@ class TiedHead(nn.Module):
         return F.linear(x, self.weight).flatten(0, 1)
 
 
-def _tied() -> tuple:
-    """Embedding on stage 0, LM head sharing its weight on stage 1 (held on both)."""
-    mesh = ParallelMesh(pp=2)
+def _tied_dense() -> nn.Module:
     torch.manual_seed(0)
     emb = nn.Embedding(V, H)
-    mid = [Block(), Block()]
-    dense = nn.Sequential(emb, *mid, TiedHead(emb.weight))
+    return nn.Sequential(emb, Block(), Block(), TiedHead(emb.weight))
+
+
+def _tied(refs: tolerance.References) -> torch.Tensor:
+    """Embedding on stage 0, LM head sharing its weight on stage 1 (held on both)."""
+    mesh = ParallelMesh(pp=2)
+    emb, *mid, _ = _tied_dense()
     torch.manual_seed(mesh.rank + 7)  # deliberately different: tie_across_stages must sync
     if mesh.is_first_stage:
         stage_emb = copy.deepcopy(emb)
-        stage = nn.Sequential(stage_emb, copy.deepcopy(mid[0]))
+        stage, lo = nn.Sequential(stage_emb, copy.deepcopy(mid[0])), 0
         tied = stage_emb.weight
     else:
         tied = nn.Parameter(torch.randn(V, H))
-        stage = nn.Sequential(copy.deepcopy(mid[1]), TiedHead(tied))
+        stage, lo = nn.Sequential(copy.deepcopy(mid[1]), TiedHead(tied)), 2
     tie_across_stages(tied, mesh)
     engine = PipelineEngine(stage, mesh, OneFOneB(2), loss_fn=loss_fn, tied=[tied])
-    opt_d = torch.optim.SGD(dense.parameters(), lr=0.5)
     opt_s = torch.optim.SGD(stage.parameters(), lr=0.5)
     for step in range(3):
         x, y = batch(step, 8)
-        loss_d = loss_fn(dense(x), y)
-        opt_d.zero_grad()
-        loss_d.backward()
         opt_s.zero_grad()
         loss_p = engine.train_step(x, y)
-        assert_close(loss_p, loss_d.detach(), f"loss at step {step}")
-        assert_close(tied.grad, emb.weight.grad, "tied grad = embedding + head contributions")
+        # the tied grad: the embedding's and the head's contributions (dense "0.weight")
+        grads = [(dense_name(n, lo), p.grad) for n, p in stage.named_parameters()]
+        check_step(refs, step, loss_p, grads, f"stage {mesh.pp_rank}, step {step + 1}: ")
         # the norm counts the tied weight once
-        want = torch.nn.utils.get_total_norm([p.grad for p in dense.parameters()])
-        assert_close(global_grad_norm(stage.parameters(), mesh=mesh), want, "grad norm")
-        opt_d.step()
+        got = global_grad_norm(stage.parameters(), mesh=mesh)
+        check([norm(refs, step, got)], f"stage {mesh.pp_rank}, step {step + 1}: ")
         opt_s.step()
-    assert_close(tied.detach(), emb.weight.detach(), "both copies took identical steps")
-    return tuple(tied.detach().flatten()[:3].tolist())
+    check([refs.param("0.weight", tied.detach())], "the tied weight after the steps: ")
+    return tied.detach().clone()
 
 
 def test_tied_embeddings_stay_in_sync():
-    a, b = run_ranks(_tied, 2)
-    assert a == b
+    a, b = run_ranks(_tied, 2, dense_references(_tied_dense, 3, 8))
+    # both copies took identical steps: the same summed gradient, the same update
+    assert torch.equal(a, b)
 
 
 def test_schedules_and_bubble():
@@ -385,7 +433,7 @@ def _tuple_bytes(mesh) -> int:
 )
 def test_tuple_messages_equal_unpipelined(pp, schedule, m, recompute, measure):
     peaks = run_ranks(
-        _pipelined, pp, schedule, m, recompute,
+        _pipelined, pp, schedule, m, recompute, dense_references(tuple_blocks, 2, 12),
         make=tuple_blocks, size=12, costs=[1] * 6, measure=measure, bytes_per_step=_tuple_bytes,
     )  # fmt: skip
     if measure:  # the tensors autograd saved are counted beyond the stored stage inputs
@@ -407,7 +455,7 @@ def _tuple_recompute_with_dropout() -> None:
         torch.manual_seed(321)
         engine.train_step(x, y)  # gradients accumulate over both steps
         grads.append([p.grad.clone() for p in stage.parameters()])
-    for a, b in zip(*grads, strict=True):
+    for a, b in zip(*grads, strict=True):  # the same micro-batches through the same layers
         assert torch.equal(a, b)
 
 
@@ -415,31 +463,38 @@ def test_tuple_recompute_replays_dropout():
     run_ranks(_tuple_recompute_with_dropout, 2)
 
 
-def _tuple_shapes(static: bool) -> None:
+def _shapes_batch(step: int):
+    """Step 0: 4 x T ids; step 1: 6 x (T - 2) — every slot of the messages changes shape."""
+    size, seq = ((4, T), (6, T - 2))[step]
+    g = torch.Generator().manual_seed(seq)
+    return torch.randint(0, V, (size, seq), generator=g), torch.randint(0, V, (size, seq),
+                                                                       generator=g)  # fmt: skip
+
+
+def _tuple_shapes(static: bool, refs: tolerance.References) -> None:
     mesh = ParallelMesh(pp=2)
-    dense = nn.Sequential(*tuple_blocks(2))
-    stage, (lo, hi) = build_stage(copy.deepcopy(list(dense)), 2, mesh.pp_rank)
+    stage, (lo, _) = build_stage(tuple_blocks(2), 2, mesh.pp_rank)
     engine = PipelineEngine(stage, mesh, GPipe(2), loss_fn=loss_fn, static_shapes=static)
-    for size, seq in ((4, T), (6, T - 2)):  # the second step changes every slot's shape
-        g = torch.Generator().manual_seed(seq)
-        x, y = torch.randint(0, V, (size, seq), generator=g), torch.randint(0, V, (size, seq))
-        dense.zero_grad()
-        loss_d = loss_fn(dense(x), y)
-        loss_d.backward()
+    for step in range(2):
+        x, y = _shapes_batch(step)
         stage.zero_grad()
-        assert_close(engine.train_step(x, y), loss_d.detach(), f"loss at seq {seq}")
-        ref = nn.Sequential(*list(dense)[lo:hi])
-        for p, q in zip(stage.parameters(), ref.parameters(), strict=True):
-            assert_close(p.grad, q.grad, f"grad at seq {seq}")
+        loss_p = engine.train_step(x, y)
+        grads = [(dense_name(n, lo), p.grad) for n, p in stage.named_parameters()]
+        check_step(refs, step, loss_p, grads, f"stage {mesh.pp_rank}, seq {x.shape[1]}: ")
+
+
+def _shapes_references() -> tolerance.References:
+    """Two steps of different shapes from the same weights (SGD with lr 0)."""
+    return dense_references(lambda: tuple_blocks(2), 2, 6, lr=0.0, data=_shapes_batch)
 
 
 def test_tuple_shapes_may_vary_without_static_shapes():
-    run_ranks(_tuple_shapes, 2, False)
+    run_ranks(_tuple_shapes, 2, False, _shapes_references())
 
 
 def test_tuple_shape_change_under_static_shapes_is_a_clear_error():
     with pytest.raises(RankError, match=r"changed from \(\(2, 5, 16\) torch.float32 requires_grad"):
-        run_ranks(_tuple_shapes, 2, True)
+        run_ranks(_tuple_shapes, 2, True, _shapes_references())
 
 
 class BadOutput(nn.Module):
@@ -459,32 +514,38 @@ def test_stage_output_not_a_tensor_or_tuple_is_a_clear_error():
         run_ranks(_bad_output, 2, timeout=60)
 
 
-def _tuple_inputs() -> None:
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Embedding(V, H), nn.Embedding(V, H)
+
+    def forward(self, inputs):
+        return self.a(inputs[0]) + self.b(inputs[1])
+
+
+def _two_inputs_blocks() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [TwoInputs(), Block(), Head()]
+
+
+def _two_inputs_batch(step: int):
+    (x, y), (x2, _) = batch(0, 6), batch(1, 6)
+    return (x, x2), y
+
+
+def _tuple_inputs(refs: tolerance.References) -> None:
     """The first stage's inputs may be a tuple: each tensor is split into micro-batches."""
     mesh = ParallelMesh(pp=2)
-
-    class TwoInputs(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = nn.Embedding(V, H), nn.Embedding(V, H)
-
-        def forward(self, inputs):
-            return self.a(inputs[0]) + self.b(inputs[1])
-
-    torch.manual_seed(0)
-    dense = nn.Sequential(TwoInputs(), Block(), Head())
-    stage, (lo, hi) = build_stage(copy.deepcopy(list(dense)), 2, mesh.pp_rank, costs=[1] * 3)
+    stage, (lo, _) = build_stage(_two_inputs_blocks(), 2, mesh.pp_rank, costs=[1] * 3)
     engine = PipelineEngine(stage, mesh, OneFOneB(3), loss_fn=loss_fn)
-    (x, y), (x2, _) = batch(0, 6), batch(1, 6)
-    loss_d = loss_fn(dense((x, x2)), y)
-    loss_d.backward()
-    assert_close(engine.train_step((x, x2), y), loss_d.detach(), "loss")
-    ref = nn.Sequential(*list(dense)[lo:hi])
-    for p, q in zip(stage.parameters(), ref.parameters(), strict=True):
-        assert_close(p.grad, q.grad, "grad")
+    (x, x2), y = _two_inputs_batch(0)
+    loss_p = engine.train_step((x, x2), y)
+    grads = [(dense_name(n, lo), p.grad) for n, p in stage.named_parameters()]
+    check_step(refs, 0, loss_p, grads, f"stage {mesh.pp_rank}: ")
     with pytest.raises(ValueError, match="inputs hold 5 samples, not divisible into 3"):
         engine.train_step((x, x2[:5]), y)
 
 
 def test_first_stage_takes_a_tuple_of_inputs():
-    run_ranks(_tuple_inputs, 2)
+    refs = dense_references(_two_inputs_blocks, 1, 6, data=_two_inputs_batch)
+    run_ranks(_tuple_inputs, 2, refs)

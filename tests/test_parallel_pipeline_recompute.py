@@ -32,7 +32,7 @@ def _recompute_dropout_on(device: str) -> None:
         return [p.grad.clone() for p in stage.parameters()]
 
     kept, recomputed, other = grads(False, 123), grads(True, 123), grads(True, 7)
-    for a, b in zip(kept, recomputed, strict=True):
+    for a, b in zip(kept, recomputed, strict=True):  # the same kernels, the same masks: bits
         assert torch.equal(a, b)
     assert any(not torch.equal(a, b) for a, b in zip(kept, other, strict=True))
 

@@ -1,19 +1,30 @@
 """--compile (each block's forward under torch.compile, CPU inductor) trains like eager: the
-loss and gradient norm of every step within fp32 reordering noise, the parameter names (and so
-checkpoints) unchanged. The dense default model (tensor parallel, so its collectives run inside
-compiled blocks) and, separately, a MoE model (dropless routing, expert parallel)."""
+loss and gradient norm of every step agree with the single-process model by fastpar.tolerance's
+rule (inductor fuses and reorders, so not bit for bit), eager's too, and the parameter names
+(and so checkpoints) are unchanged. The dense default model (tensor parallel, so its collectives
+run inside compiled blocks) and, separately, a MoE model (dropless routing, expert parallel).
+Inductor's C++ code does not build under ATEN_CPU_CAPABILITY=default (torch 2.13: "at::vec
+has not been declared"), so these skip there."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
 
+from fastpar import tolerance
 from fastpar.testing import run_ranks
 from fastpar.train import TrainConfig, Trainer
 from fastpar.train.compile import compile_blocks
 from fastpar.train.loop import run
+from fastpar.verify import references
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("ATEN_CPU_CAPABILITY") == "default",
+    reason="inductor's C++ code does not build under ATEN_CPU_CAPABILITY=default (torch 2.13)",
+)
 
 #: the default model's width, heads and sequence (64, 4, 64); two blocks; a constant rate
 DENSE = dict(tp=2, pp=1, dp=1, ep=1, moe_every=0, layers=2, steps=3, batch_size=4, warmup=0,
@@ -41,20 +52,27 @@ def _both(cfg: TrainConfig) -> tuple[list[dict], list[dict], bool]:
     return eager, compiled, same
 
 
-def _check(cfg: TrainConfig, loss_tol: float, norm_tol: float) -> None:
+def _check(cfg: TrainConfig) -> None:
+    refs = references(cfg, None)  # one process: fp32, its twin, float64
+    ones = (refs.single, refs.twin)
     for eager, compiled, same_names in run_ranks(_both, cfg.world_size, cfg, timeout=600):
         assert same_names
         assert [r["step"] for r in compiled] == [1, 2, 3]
-        for a, b in zip(eager, compiled, strict=True):
-            assert b["loss"] == pytest.approx(a["loss"], rel=loss_tol), (a, b)
-            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=norm_tol), (a, b)
+        for i, (a, b) in enumerate(zip(eager, compiled, strict=True)):
+            for what, r in (("eager", a), ("compiled", b)):
+                c = refs.loss(i, r["loss"])
+                assert c.ok, f"{what}: {c}"
+                c = tolerance.compare(r["grad_norm"], [o.norms[i] for o in ones],
+                                      refs.exact.norms[i], length=refs.length,
+                                      what=f"{what}: grad norm of step {i + 1}")  # fmt: skip
+                assert c.ok, c
         assert compiled[-1]["loss"] < compiled[0]["loss"]  # it trains
 
 
 def test_compile_dense_default_model_equals_eager():
-    _check(TrainConfig(**DENSE), loss_tol=1e-5, norm_tol=1e-4)
+    _check(TrainConfig(**DENSE))
 
 
 @pytest.mark.slow  # inductor compiles the MoE blocks for about a minute on 2 cores
 def test_compile_moe_dropless_equals_eager():
-    _check(TrainConfig(**MOE), loss_tol=1e-5, norm_tol=1e-4)
+    _check(TrainConfig(**MOE))

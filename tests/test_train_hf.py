@@ -13,9 +13,9 @@ import torch
 from _hf import config as hf_config
 from _hf import transformers
 
-from fastpar import checkpoint
+from fastpar import checkpoint, tolerance
 from fastpar.train import TrainConfig, launch, main
-from fastpar.verify import compare, reference
+from fastpar.verify import compare, references
 from fastpar.verify import main as verify_main
 
 SMALL = dict(steps=3, batch_size=8, seq_len=16, quiet=True, ep=1)
@@ -59,7 +59,7 @@ def test_training_command_equals_single_process(tmp_path, family, layout):
 def test_checkpoint_exports_to_a_directory_transformers_loads(tmp_path):
     path = _config_file(tmp_path, "qwen3")
     cfg = TrainConfig(**{**SMALL, "tp": 2, "pp": 2, "dp": 2, "hf_config": path})
-    _, ref = reference(cfg)
+    refs = references(cfg, None)  # single-process: fp32, its twin, float64
     cfg.checkpoint_dir, cfg.save_every = str(tmp_path / "ckpt"), cfg.steps
     launch(cfg)
     out = str(tmp_path / "hf")
@@ -68,15 +68,24 @@ def test_checkpoint_exports_to_a_directory_transformers_loads(tmp_path):
     checkpoint.export_hf(os.path.join(cfg.checkpoint_dir, "step_000003"), out, config)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
     got = dict(hf.named_parameters())
-    assert set(got) == set(ref)
-    for name, value in ref.items():  # the distributed run's weights are the reference's
-        torch.testing.assert_close(got[name].detach(), value, rtol=2e-4, atol=2e-4, msg=name)
-    dense = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    dense.load_state_dict(ref, strict=False)
-    dense.tie_weights()
+    assert set(got) == set(refs.exact.params)
+    for name in refs.exact.params:  # the distributed run's weights are the reference's
+        c = refs.param(name, got[name].detach())
+        assert c.ok, c
+
+    def dense(run, dtype):  # transformers' own model on a reference run's weights
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        model = model.to(dtype)
+        model.load_state_dict(run.params, strict=False)  # copied into the model's dtype
+        model.tie_weights()
+        return model
+
     ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(hf(ids).logits, dense(ids).logits, rtol=1e-4, atol=1e-4)
+        ones = [dense(r, torch.float32)(ids).logits for r in (refs.single, refs.twin)]
+        exact = dense(refs.exact, torch.float64)(ids).logits
+        c = tolerance.compare(hf(ids).logits, ones, exact, length=refs.length, what="logits")
+    assert c.ok, c
 
 
 def test_loss_falls_through_the_cli(tmp_path, capfd):

@@ -6,6 +6,8 @@ the single-process model, biases included."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from _no_ranks import forbid_ranks
@@ -176,27 +178,29 @@ def test_a_skipped_fp16_step_moves_no_bias():
     """fp16 with a loss scale that overflows: the first step is skipped (its bias stays 0),
     the scaler backs off and a later step moves it."""
     base = {**SMALL, **DP2_EP2, **LLAMA, **DEEPSEEK, "precision": "fp16"}
-    _, skipped = reference(TrainConfig(**{**base, "steps": 1, "loss_scale": 3e38}))
+    skipped = reference(TrainConfig(**{**base, "steps": 1, "loss_scale": 3e38})).params
     assert all(not v.any() for k, v in skipped.items() if k.endswith("expert_bias"))
-    _, moved = reference(TrainConfig(**{**base, "steps": 1, "loss_scale": 1024.0}))
+    moved = reference(TrainConfig(**{**base, "steps": 1, "loss_scale": 1024.0})).params
     biases = [v for k, v in moved.items() if k.endswith("expert_bias")]
     assert len(biases) == SMALL["layers"] and all(v.any() for v in biases)
 
 
 def test_verify_fp16_with_skipped_steps():
-    """fp16 from loss scale 2^18: steps 1, 2, 3 and 5 of 6 overflow and are skipped, 4 and 6
-    are taken; the trainer and the reference skip the same bias updates, so each bias moved
-    at most twice."""
+    """fp16 from loss scale 2^18: the first steps overflow and are skipped, later ones are
+    taken (which ones depends on rounding: a gradient near fp16's largest value overflows on one
+    CPU and not another); verify checks that the trainer skips exactly the reference's steps,
+    and each bias moved at most once per taken step."""
     cfg = TrainConfig(**{**SMALL, **DP2_EP2, **LLAMA, **DEEPSEEK, "precision": "fp16",
                          "loss_scale": 2.0**18, "steps": 6, "zero": 1})  # fmt: skip
     ok, text = compare(cfg)
     assert ok, text
-    norms: list[float] = []
-    _, params = reference(cfg, None, None, norms)
-    assert [n == n and n != float("inf") for n in norms] == [False] * 3 + [True, False, True]
-    for name, bias in params.items():
+    run = reference(cfg)
+    assert run.skipped[0] and not all(run.skipped), run.skipped
+    assert all(s == (not math.isfinite(n)) for s, n in zip(run.skipped, run.norms, strict=True))
+    taken = run.skipped.count(False)
+    for name, bias in run.params.items():
         if name.endswith("expert_bias"):
-            assert bias.any() and bias.abs().max() <= 2 * cfg.bias_update_rate + 1e-9, name
+            assert bias.any() and bias.abs().max() <= taken * cfg.bias_update_rate + 1e-9, name
 
 
 # -- verify: DP2 x EP2, ZeRO-1 and ZeRO-2 ----------------------------------------------------------
@@ -208,7 +212,7 @@ def test_verify_deepseek_routing_at_dp2_ep2(zero, model_type):
     ok, text = compare(cfg)
     assert ok, text
     assert "AGREE" in text.splitlines()[-1]
-    _, params = reference(cfg)
+    params = reference(cfg).params
     biases = {k: v for k, v in params.items() if k.endswith("expert_bias")}
     assert len(biases) == cfg.layers and all(v.any() for v in biases.values())  # they moved
 
@@ -222,11 +226,11 @@ def test_verify_compares_the_biases(monkeypatch):
     real = fastpar.verify.reference
 
     def shifted_biases(cfg, *args, **kwargs):
-        losses, params = real(cfg, *args, **kwargs)
-        for k in params:
+        run = real(cfg, *args, **kwargs)
+        for k in run.params:
             if k.endswith("expert_bias"):
-                params[k] = params[k] + 1.0
-        return losses, params
+                run.params[k] = run.params[k] + 1.0
+        return run
 
     monkeypatch.setattr(fastpar.verify, "reference", shifted_biases)
     ok, text = compare(cfg)

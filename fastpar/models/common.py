@@ -34,6 +34,7 @@ from fastpar.parallel.context import (
     ring_attention,
     split_sequence,
 )
+from fastpar.reference.precision import upcast
 
 
 def tp_group_of(mesh):
@@ -142,8 +143,8 @@ def moe_block(cfg, mesh=None, *, ffn: int | None = None, **options) -> MoE:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim as HF Llama computes it: normalise in fp32, cast back to the
-    input's dtype, then scale by ``weight``."""
-    h = x.float()
+    input's dtype, then scale by ``weight`` (float64 stays float64)."""
+    h = upcast(x)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
 

@@ -331,9 +331,10 @@ def routing_options(cfg) -> dict:
     )  # fmt: skip
 
 
-def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
-    """[head_dim / 2] fp32 inverse frequencies theta^(-2i / head_dim), as HF computes them."""
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+def rope_inv_freq(head_dim: int, theta: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[head_dim / 2] inverse frequencies theta^(-2i / head_dim), as HF computes them (in fp32;
+    ``dtype`` float64 for the exact reference)."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=dtype) / head_dim))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -364,16 +365,20 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         # fp32 on the host like HF's (moved once per device; not a buffer, so .to(dtype) keeps it)
-        self._inv_freq = rope_inv_freq(d, cfg.rope_theta)
+        self._inv_freq, self.theta = rope_inv_freq(d, cfg.rope_theta), cfg.rope_theta
         self.cp_group, self.cp_attention = None, "ring"  # the block sets them (cp > 1)
 
     def rope(self, t: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, head_dim] of this rank's positions (0..t-1; under context parallelism
-        its chunks' global positions), computed in fp32, in x's dtype."""
+        its chunks' global positions), computed in fp32 (float64 for a float64 x), in x's
+        dtype."""
         if self._inv_freq.device != x.device:
             self._inv_freq = self._inv_freq.to(x.device)
-        pos = positions(t, self.cp_group, x.device).float()
-        freqs = pos[:, None] * self._inv_freq
+        inv_freq = self._inv_freq
+        if x.dtype == torch.float64:  # the exact reference: the frequencies in float64 too
+            inv_freq = rope_inv_freq(2 * inv_freq.numel(), self.theta, x.dtype).to(x.device)
+        pos = positions(t, self.cp_group, x.device).to(inv_freq.dtype)
+        freqs = pos[:, None] * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 

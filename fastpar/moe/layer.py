@@ -62,6 +62,7 @@ from fastpar.moe.dispatch import ep_combine, ep_dispatch
 from fastpar.moe.overlap import CapacityChunks, DroplessChunks, OverlappedExperts
 from fastpar.moe.router import TopKRouter
 from fastpar.ops.moe_permute import moe_permute, moe_unpermute
+from fastpar.reference.precision import upcast
 
 _UNSET = object()
 _AUX_LOSS_SCALE: contextvars.ContextVar = contextvars.ContextVar(
@@ -363,7 +364,7 @@ class MoE(nn.Module):
             out = self._capacity_path(permuted, info.capacity)
         else:
             out = self._dropless_path(permuted, info.counts)
-        y = moe_unpermute(out.to(permuted.dtype), weights.to(torch.float32), info)
+        y = moe_unpermute(out.to(permuted.dtype), upcast(weights), info)
         if self.shared is not None:
             shared = self.shared(tokens)
             if self.shared_gate is not None:
@@ -497,4 +498,4 @@ def moe_aux_loss(model: nn.Module) -> torch.Tensor:
     losses = [m.aux_loss for m in model.modules() if isinstance(m, MoE) and m.aux_loss is not None]
     if not losses:
         return torch.zeros(())
-    return torch.stack([loss.float() for loss in losses]).sum()
+    return torch.stack([upcast(loss) for loss in losses]).sum()

@@ -98,6 +98,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastpar.moe import balance
+from fastpar.reference.precision import upcast
 
 DROP_POLICIES = ("position", "probs", "weights")
 DROP_WEIGHTS = ("renormalise", "keep")
@@ -202,11 +203,11 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> Routing:
         if x.dim() != 2:
             raise ValueError(f"router expects tokens [T, H], got {tuple(x.shape)}")
-        h = x.float()
+        h = upcast(x)  # fp32 (float64 for the exact reference)
         if self.training and self.jitter > 0:
             noise = torch.empty_like(h).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
             h = h * noise
-        logits = F.linear(h, self.weight.float())
+        logits = F.linear(h, self.weight.to(h.dtype))
         if self.score == "softmax":
             router_probs = torch.softmax(logits, dim=-1)
         else:
@@ -236,7 +237,7 @@ class TopKRouter(nn.Module):
         inside each token's best groups when group-limited."""
         sel = router_probs.detach()
         if self.expert_bias is not None:
-            sel = sel + self.expert_bias.float()
+            sel = sel + self.expert_bias.to(sel.dtype)
         if self.num_groups is None:
             return torch.topk(sel, self.top_k, dim=-1).indices
         return balance.group_limited_topk(

@@ -34,10 +34,12 @@ from fastpar import debug
 from fastpar.comm.checks import check_same, digest, raise_if_disagree
 from fastpar.ops import backend
 from fastpar.reference import cross_entropy as ref
+from fastpar.reference.precision import upcast
 
 OP = "vocab_parallel_cross_entropy"
 REDUCTIONS = ("mean", "sum", "none")
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+LOW_AND_FP32 = (torch.float32, torch.bfloat16, torch.float16)
+FLOAT_DTYPES = (*LOW_AND_FP32, torch.float64)  # float64: the exact reference, on the torch path
 
 backend.register_op(
     OP,
@@ -46,9 +48,10 @@ backend.register_op(
 )
 
 
-def _impl(device_type: str) -> Any:
-    """The module that computes local stats and gradients: Triton kernels or the reference."""
-    if backend.select(OP, device_type) == "triton":
+def _impl(device_type: str, dtype: torch.dtype = torch.float32) -> Any:
+    """The module that computes local stats and gradients: Triton kernels or the reference (the
+    only one for float64, the exact reference of parity checks)."""
+    if dtype != torch.float64 and backend.select(OP, device_type) == "triton":
         return importlib.import_module("fastpar.kernels.cross_entropy")
     return ref
 
@@ -114,7 +117,7 @@ def _gather_stats(
     if tp == 1:
         return stats.unsqueeze(0)
     n = stats.shape[0]
-    send = torch.cat([stats, header])
+    send = torch.cat([stats, header.to(stats.dtype)])
     out = torch.empty((tp * (n + HEADER_ROWS), 4), dtype=stats.dtype, device=stats.device)
     dist.all_gather_into_tensor(out, send, group=group)  # gloo: concatenated
     out = out.view(tp, n + HEADER_ROWS, 4)
@@ -167,7 +170,7 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
         z_loss: float,
         inplace_backward: bool = False,
     ) -> torch.Tensor:
-        impl = _impl(logits.device.type)
+        impl = _impl(logits.device.type, logits.dtype)
         n_local = logits.shape[1]
         vocab_start = rank * n_local
         n_valid = max(0, min(n_local, vocab_size - vocab_start))
@@ -203,10 +206,10 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
         logits, target, row_max, log_s, count = ctx.saved_tensors
         vocab_start, n_valid, ignore_index, alpha, z_loss, vocab_size = ctx.args
         valid = target != ignore_index
-        g = grad_out.float()
+        g = upcast(grad_out)
         if ctx.reduction == "mean":
             g = g / count
-        grad = _impl(logits.device.type).grad_logits(
+        grad = _impl(logits.device.type, logits.dtype).grad_logits(
             logits,
             target,
             row_max,
@@ -232,7 +235,8 @@ def _check(
 ) -> None:
     if logits.dtype not in FLOAT_DTYPES:
         raise TypeError(
-            f"logits must be float32, bfloat16 or float16, got {logits.dtype}; cast them first"
+            f"logits must be float32, bfloat16, float16 or float64, got {logits.dtype}; cast "
+            "them first"
         )
     _check_target_dtype(target)
     if logits.dim() < 1 or tuple(logits.shape[:-1]) != tuple(target.shape):

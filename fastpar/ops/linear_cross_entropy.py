@@ -47,7 +47,9 @@ from fastpar.comm.checks import check_same
 from fastpar.comm.collectives import copy_to_region
 from fastpar.ops import backend
 from fastpar.ops.cross_entropy import (
-    FLOAT_DTYPES,
+    LOW_AND_FP32 as FLOAT_DTYPES,
+)
+from fastpar.ops.cross_entropy import (
     _check_fit,
     _check_ids,
     _check_options,

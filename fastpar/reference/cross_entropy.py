@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from fastpar.reference.precision import compute_dtype
+
 MAX, SUMEXP, TARGET, SUM = 0, 1, 2, 3
 
 
@@ -32,23 +34,24 @@ def local_stats(
 ) -> torch.Tensor:
     """Per-row statistics of one shard, fp32 ``[N, 4]`` (see the module docstring).
 
-    ``logits`` ``[N, V_local]`` (any float dtype, accumulated in fp32); ``target`` ``[N]`` global
-    ids; this shard holds global ids ``vocab_start + j`` for ``j < n_valid``.
+    ``logits`` ``[N, V_local]`` (any float dtype, accumulated in fp32; float64 in float64, the
+    stats then float64 too); ``target`` ``[N]`` global ids; this shard holds global ids
+    ``vocab_start + j`` for ``j < n_valid``.
     """
-    n = logits.shape[0]
-    stats = torch.zeros(n, 4, dtype=torch.float32, device=logits.device)
+    n, acc = logits.shape[0], compute_dtype(logits.dtype)
+    stats = torch.zeros(n, 4, dtype=acc, device=logits.device)
     if n_valid <= 0:
         stats[:, MAX] = float("-inf")
         return stats
     x = logits[:, :n_valid]
-    m = x.amax(dim=1).float()
+    m = x.amax(dim=1).to(acc)
     stats[:, MAX] = m
     for rows in _row_chunks(n, n_valid):  # exp(x - m) in a small reused buffer, not [N, V]
-        buf = torch.sub(x[rows].float(), m[rows, None])
+        buf = torch.sub(x[rows].to(acc), m[rows, None])
         stats[rows, SUMEXP] = buf.exp_().sum(dim=1)
-    stats[:, SUM] = x.sum(dim=1, dtype=torch.float32)
+    stats[:, SUM] = x.sum(dim=1, dtype=acc)
     col, inside = _local_target(target, vocab_start, n_valid, ignore_index)
-    xt = x.gather(1, col[:, None]).squeeze(1).float()
+    xt = x.gather(1, col[:, None]).squeeze(1).to(acc)
     stats[:, TARGET] = torch.where(inside, xt, torch.zeros_like(xt))
     return stats
 
@@ -130,13 +133,14 @@ def grad_logits(
     if n_valid <= 0:
         return grad
     alpha = label_smoothing
-    g = row_grad.float()
+    acc = compute_dtype(logits.dtype)
+    g = row_grad.to(acc)
     scale = (g * (1.0 + 2.0 * z_loss * (row_max + log_s)))[:, None]
     shift = (g * (alpha / vocab_size))[:, None]
     col, inside = _local_target(target, vocab_start, n_valid, ignore_index)
     onehot = torch.where(inside, -(1.0 - alpha) * g, torch.zeros_like(g))[:, None]
     for rows in _row_chunks(logits.shape[0], n_valid):
-        d = torch.sub(logits[rows, :n_valid].float(), row_max[rows, None])
+        d = torch.sub(logits[rows, :n_valid].to(acc), row_max[rows, None])
         d.sub_(log_s[rows, None]).exp_().mul_(scale[rows])  # g·p·(1 + 2z·lse)
         if alpha:
             d.sub_(shift[rows])

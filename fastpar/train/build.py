@@ -43,6 +43,8 @@ from fastpar.parallel.pipeline import (
 )
 from fastpar.parallel.pipeline.recompute import apply_recompute
 from fastpar.profiling import nvtx
+from fastpar.reference.optimizer import ExactAdamW
+from fastpar.tolerance import cast, nudge
 from fastpar.train.batches import batch_of, eval_batch, load_data, lr_at, split_tokens
 from fastpar.train.config import TrainConfig
 
@@ -170,7 +172,7 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def _optimizer(cfg, stage, groups, mesh, scaler, block_types):
+def _optimizer(cfg, stage, groups, mesh, scaler, block_types, exact=False):
     """(what the engine runs, the optimizer wrapper): the data-parallel wrapper of the ZeRO
     stage, which owns the optimizer step and sums the tied embedding's gradients itself;
     ``mesh`` None: the plain module and the mixed-precision AdamW of one process. Interleaved:
@@ -179,6 +181,8 @@ def _optimizer(cfg, stage, groups, mesh, scaler, block_types):
     (``find_unused_parameters``), so each is reduced once."""
     adamw = lambda gs: FusedAdamW(gs, lr=cfg.lr)  # noqa: E731
     clip = cfg.max_grad_norm
+    if exact:  # the same step in float64 (fastpar.verify's exact reference)
+        return stage, ExactAdamW(groups, lr=cfg.lr, max_grad_norm=clip)
     if mesh is None:
         return stage, MixedPrecisionOptimizer(adamw(groups), scaler=scaler, max_grad_norm=clip)
     common = dict(mesh=mesh, param_groups=groups, scaler=scaler, max_grad_norm=clip)
@@ -193,13 +197,25 @@ def _optimizer(cfg, stage, groups, mesh, scaler, block_types):
     return model, model
 
 
-def build(cfg: TrainConfig, mesh: ParallelMesh | None, device: torch.device) -> Parts:
+def build(
+    cfg: TrainConfig,
+    mesh: ParallelMesh | None,
+    device: torch.device,
+    *,
+    exact: bool = False,
+    twin: bool = False,
+) -> Parts:
     """This rank's parts of ``cfg`` (see the module's docstring); ``mesh`` None: the whole
-    model on one process. The same seed gives the same weights on any layout."""
+    model on one process. The same seed gives the same weights on any layout. For
+    ``fastpar.verify``'s references (``mesh`` None): ``exact`` builds the same model and step in
+    float64 (``fastpar.reference.optimizer.ExactAdamW``, no loss scaling, the plain loss), and
+    ``twin`` moves every starting weight by one rounding (``fastpar.tolerance.nudge``)."""
+    if (exact or twin) and mesh is not None:
+        raise ValueError("exact / twin build the single-process reference: pass mesh=None")
     torch.manual_seed(cfg.seed)
     blocks, hf, model_cfg, block_types, tied = _blocks(cfg, mesh)
     head = blocks[-1]
-    if cfg.fused_ce:  # the head hands its hidden states to the fused linear cross-entropy
+    if cfg.fused_ce and not exact:  # the head hands its hidden states to the fused linear CE
         head.return_hidden = True
     if mesh is not None:  # a selective --recompute (the reference keeps every activation)
         apply_recompute(blocks[1:-1], cfg.recompute_policy)
@@ -210,27 +226,32 @@ def build(cfg: TrainConfig, mesh: ParallelMesh | None, device: torch.device) -> 
         start = 0
     else:
         stage, (start, _) = build_stage(blocks, pp_size, pp_rank, costs=costs)
-    stage = stage.to(device=device, dtype=DTYPES[cfg.precision])
+    stage = cast(stage.to(device), torch.float64 if exact else DTYPES[cfg.precision])
+    if twin:
+        nudge(stage, cfg.seed)
     if mesh is not None and hf is not None:  # after the cast: the last stage copies the weight
         hf.tie(blocks, mesh)
     elif tied is not None:  # Module.to converts parameters in place: `tied` is still ours
         tie_across_stages(tied, mesh)
     scaler = (
         DynamicLossScaler(initial_scale=cfg.loss_scale, device=device)
-        if cfg.precision == "fp16"
+        if cfg.precision == "fp16" and not exact
         else None
     )
     groups = param_groups(stage, cfg.weight_decay)
-    model, opt = _optimizer(cfg, stage, groups, mesh, scaler, block_types)
+    model, opt = _optimizer(cfg, stage, groups, mesh, scaler, block_types, exact)
     no_sync = None if mesh is None else model.no_sync
     moes = [m for m in stage.modules() if isinstance(m, MoE)]
     aux_scale = None
     if mesh is None:  # no engine: the layers read this weight (updated in place, never reassigned)
-        aux_scale = torch.full((), 1.0 / cfg.microbatches, dtype=torch.float32, device=device)
+        aux_dtype = torch.float64 if exact else torch.float32
+        aux_scale = torch.full((), 1.0 / cfg.microbatches, dtype=aux_dtype, device=device)
         for m in moes:
             m.aux_loss_scale = aux_scale
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if exact:  # the same math as either path below (the head returned logits), in float64
+            return lm_loss(logits.flatten(0, -2), targets, model_cfg, mesh)
         if cfg.fused_ce:  # the head's weight read now: a pipeline's last stage holds a copy
             return lm_loss(logits.flatten(0, -2), targets, model_cfg, mesh, weight=head.weight,
                            recompute=cfg.schedule == "gpipe")  # fmt: skip

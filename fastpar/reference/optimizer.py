@@ -1,0 +1,103 @@
+"""The training command's optimizer step in float64: the exact reference of ``fastpar.verify``.
+
+The trainer steps with ``MixedPrecisionOptimizer(FusedAdamW(groups))``: the global L2 norm of
+the gradients (before clipping), clipping to ``max_grad_norm`` by ``min(1, max / (norm +
+1e-6))``, then AdamW with decoupled weight decay per parameter group — fp32 masters, loss
+scaling and the fused kernels are how it rounds, not what it computes. ``ExactAdamW`` computes
+the same in float64 with ``torch.optim.AdamW`` (whose update FusedAdamW reproduces), and skips
+exactly the steps it is told to skip: the steps an fp16 run skipped for inf/NaN gradients, which
+float64 would not overflow on (the skip is a decision of the run under test, not rounding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+CLIP_EPS = 1e-6
+"""The clip coefficient's eps: ``min(1, max_norm / (norm + eps))`` (fastpar.amp, torch)."""
+
+
+class ExactAdamW:
+    """``fastpar.amp.AmpOptimizer`` in float64 over ``param_groups`` (dicts as for torch
+    optimizers: ``params``, and ``weight_decay`` / ``lr`` / ``betas`` / ``eps`` overrides).
+    ``skips``: which steps to skip (True at index i: step i + 1), e.g. an fp16 run's decisions.
+    After each step ``denominators`` gains {parameter: sqrt(v̂) + eps} (float64), what AdamW
+    divided each gradient by (``fastpar.tolerance.adam_slack``)."""
+
+    scaler = None
+
+    def __init__(
+        self,
+        param_groups: Sequence[dict],
+        *,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        max_grad_norm: float | None = None,
+        skips: Sequence[bool] = (),
+    ) -> None:
+        for group in param_groups:
+            for p in group["params"]:
+                if p.dtype != torch.float64:
+                    raise TypeError(f"ExactAdamW steps float64 parameters, got {p.dtype}")
+        self.optimizer = torch.optim.AdamW(
+            param_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False
+        )
+        self.max_grad_norm, self.skips = max_grad_norm, list(skips)
+        self.steps_taken = 0
+        self._skipped = torch.zeros((), dtype=torch.int64)
+        self.denominators: list[dict[torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def skipped_steps(self) -> torch.Tensor:
+        return self._skipped
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(skipped, the gradients' L2 norm before clipping), both 0-dim."""
+        grads = [p.grad for p in self._params() if p.grad is not None]
+        norm = (
+            torch.stack([g.double().square().sum() for g in grads]).sum().sqrt()
+            if grads
+            else torch.zeros((), dtype=torch.float64)
+        )
+        i, self.steps_taken = self.steps_taken, self.steps_taken + 1
+        skip = i < len(self.skips) and bool(self.skips[i])
+        if skip:
+            self._skipped += 1
+            self.denominators.append(self._denominators())
+            return torch.tensor(True), norm
+        if self.max_grad_norm is not None:
+            coef = torch.clamp(self.max_grad_norm / (norm + CLIP_EPS), max=1.0)
+            for g in grads:
+                g.mul_(coef)
+        self.optimizer.step()
+        self.denominators.append(self._denominators())
+        return torch.tensor(False), norm
+
+    def _denominators(self) -> dict[torch.Tensor, torch.Tensor]:
+        out = {}
+        for group in self.param_groups:
+            beta2, eps = group["betas"][1], group["eps"]
+            for p in group["params"]:
+                state = self.optimizer.state.get(p)
+                if not state:
+                    continue
+                t = float(state["step"])
+                out[p] = (state["exp_avg_sq"] / (1.0 - beta2**t)).sqrt() + eps
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)

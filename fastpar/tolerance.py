@@ -1,0 +1,445 @@
+"""When two runs of the same math agree: a tolerance from an fp64 reference, not from a machine.
+
+Two correct runs of one computation in a working precision (say fp32) round differently — a
+BLAS that blocks its sums otherwise (AVX2 or AVX-512, MKL or OpenBLAS), an all-reduce that adds
+partial sums, a micro-batch that splits a reduction — so neither is exact, and how far apart
+they drift depends on the machine, the seed and the length of the sums. A fixed absolute
+tolerance between them is tuned to one machine. The rule here asks the exact math instead,
+computed once more in float64 (``exact``):
+
+    error(x)  = |x - exact|                                 (elementwise)
+    floor     = FLOOR · (u(dtype) + u(fp32) · sqrt(length)) · max |exact|
+    agree    ⇔ error(actual) <= FACTOR · max error(single) + floor + slack   (every element)
+
+``single`` is the single-process run in the working precision — best with a twin (``nudge``:
+the same run from starting values one rounding away), the larger of the two errors counting —
+and ``actual`` the run under test (a parallel layout). ``max error(single)`` measures what
+rounding does to this very quantity on this machine: large where the math amplifies rounding (a
+cancelling sum), small where it does not. A correct layout, whose rounding differs only in
+order, stays within a small multiple of it; a defect (a missing reduction, a wrong slice: an
+error of the size of the value) does not. ``floor`` covers a quantity the single run happens to
+compute exactly: one rounding to the working precision (``u`` its unit roundoff: 2^-24 fp32,
+2^-8 bf16, 2^-11 fp16) plus a sum of ``length`` terms accumulated in fp32 — ``length`` the
+longest sum that feeds the quantity (a matrix product's inner dimension, the tokens a weight
+gradient sums over); rounding errors of a sum of n terms grow as sqrt(n) — times ``max |exact|``,
+the quantity's magnitude. ``slack`` (per element, default 0) is
+what a later computation can make of an earlier error bound: AdamW divides each gradient by its
+own root mean square, so a parameter whose gradient is near zero takes a step that rounding
+decides (``adam_slack``: from the float64 run's own optimizer state and the gradients' bounds,
+large only for such elements).
+
+Bit-for-bit equality is claimed only where both sides run the same kernels in the same order
+(the same op on the same shapes, a copy, a slice of an initialisation); everywhere else this rule
+is the verdict: ``fastpar.parity.check_parallel``, ``fastpar.verify`` and the parity tests use it
+(``docs/tolerances.md``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+FACTOR = 4.0
+"""How many times the single-process run's own error a parallel run may be off by."""
+FLOOR = 4.0
+"""The floor in units of ``u(dtype) · sqrt(length) · max |exact|``."""
+ADAM_FACTOR = 4.0
+"""``adam_slack``'s bound on AdamW's sensitivity, in units of lr / (sqrt(v̂) + eps)."""
+
+_UNIT_ROUNDOFF = {
+    torch.float64: 2.0**-53,
+    torch.float32: 2.0**-24,
+    torch.bfloat16: 2.0**-8,
+    torch.float16: 2.0**-11,
+}
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Half the distance from 1 to the next number of ``dtype`` (the largest relative error of
+    one rounding)."""
+    if dtype not in _UNIT_ROUNDOFF:
+        raise ValueError(
+            f"no unit roundoff for {dtype}: compare floating-point tensors "
+            f"({', '.join(str(d) for d in _UNIT_ROUNDOFF)})"
+        )
+    return _UNIT_ROUNDOFF[dtype]
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What sums of ``dtype`` values are accumulated in: fp32 for fp32 / bf16 / fp16 (fastpar's
+    and torch's kernels), float64 for float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def floor(dtype: torch.dtype, length: int, scale: float) -> float:
+    """``FLOOR · (u(dtype) + u(accumulation) · sqrt(length)) · scale``: the error allowed
+    whatever the single run's — one rounding of the result to ``dtype`` plus a sum of
+    ``length`` terms accumulated in fp32 (float64 for float64)."""
+    if length < 1:
+        raise ValueError(f"length (the longest reduction) must be >= 1, got {length}")
+    acc = unit_roundoff(accumulation_dtype(dtype))
+    return FLOOR * (unit_roundoff(dtype) + acc * math.sqrt(length)) * scale
+
+
+def errors(x: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """|x - exact| elementwise in float64: equal values (infinities alike) and NaN-for-NaN are
+    0, a non-finite value against a finite one is inf."""
+    a, b = x.detach().double(), exact.detach().double().to(x.device)
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+    diff = torch.where(same, torch.zeros_like(a), (a - b).abs())
+    return torch.nan_to_num(diff, nan=math.inf)
+
+
+def max_error(x: torch.Tensor, exact: torch.Tensor) -> float:
+    """max ``errors(x, exact)`` (inf for another shape, 0 for an empty tensor)."""
+    if tuple(x.shape) != tuple(exact.shape):
+        return math.inf
+    if x.numel() == 0:
+        return 0.0
+    return float(errors(x, exact).max())
+
+
+def magnitude(exact: torch.Tensor) -> float:
+    """max |exact| over its finite values (0 for an empty tensor)."""
+    t = exact.detach().double()
+    t = t[torch.isfinite(t)]
+    return float(t.abs().max()) if t.numel() else 0.0
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The verdict of the rule on one quantity, at its worst element (the one with the largest
+    ``error / bound``): that element's error against float64 and its bound's parts."""
+
+    what: str
+    error: float
+    single_error: float
+    floor: float
+    factor: float = FACTOR
+    slack: float = 0.0
+    """The worst element's ``slack`` (``adam_slack``), 0 when none is allowed."""
+
+    @property
+    def bound(self) -> float:
+        return self.factor * self.single_error + self.floor + self.slack
+
+    @property
+    def ok(self) -> bool:
+        return self.error <= self.bound
+
+    @property
+    def ratio(self) -> float:
+        """``error / bound``: at most 1 when the quantity agrees."""
+        if self.bound > 0:
+            return self.error / self.bound
+        return 0.0 if self.error == 0 else math.inf
+
+    def __str__(self) -> str:
+        return (
+            f"{self.what}: error {self.error:.3g} against fp64, bound {self.bound:.3g} "
+            f"(= {self.factor:g} x the single-process error {self.single_error:.3g} + floor "
+            f"{self.floor:.3g}{f' + AdamW slack {self.slack:.3g}' if self.slack else ''})"
+            f"{'' if self.ok else ' -- DISAGREE'}"
+        )
+
+
+def compare(
+    actual: torch.Tensor | float,
+    single: torch.Tensor | float | Sequence[torch.Tensor | float],
+    exact: torch.Tensor | float,
+    *,
+    length: int = 1,
+    dtype: torch.dtype | None = None,
+    what: str = "value",
+    factor: float = FACTOR,
+    slack: torch.Tensor | float = 0.0,
+) -> Comparison:
+    """The rule of this module for one quantity: ``actual`` (the run under test) and ``single``
+    (the single-process run in the working precision ``dtype``, default ``single``'s dtype; or a
+    list or tuple of such runs — say the run and its ``nudge``d twin — whose largest error counts)
+    against ``exact`` (the same math in float64); ``length``: the longest reduction feeding the
+    quantity; ``slack``: an error allowed on top, one number or one per element."""
+    singles = list(single) if isinstance(single, (list, tuple)) else [single]
+    if not singles:
+        raise ValueError(f"{what}: no single-process value to compare with")
+    actual, exact = torch.as_tensor(actual), torch.as_tensor(exact)
+    singles = [torch.as_tensor(t) for t in singles]
+    if dtype is None:
+        dtype = singles[0].dtype if singles[0].is_floating_point() else torch.float32
+    for t in singles:
+        if tuple(t.shape) != tuple(exact.shape):
+            raise ValueError(
+                f"{what}: the single-process value has shape {tuple(t.shape)}, the fp64 "
+                f"reference {tuple(exact.shape)}: compare the same quantity"
+            )
+    e_single = max(max_error(t, exact) for t in singles)
+    fl = floor(dtype, length, magnitude(exact))
+    if tuple(actual.shape) != tuple(exact.shape):
+        return Comparison(f"{what} (shape {tuple(actual.shape)})", math.inf, e_single, fl, factor)
+    if actual.numel() == 0:
+        return Comparison(what, 0.0, e_single, fl, factor)
+    err = errors(actual, exact).reshape(-1)
+    extra = torch.as_tensor(slack, dtype=torch.float64).to(err.device)
+    extra = extra.expand(exact.shape).reshape(-1) if extra.dim() else extra.expand(err.shape)
+    bound = factor * e_single + fl + extra
+    ratio = torch.where(bound > 0, err / bound.clamp(min=1e-300), (err > 0) * math.inf)
+    at = int(torch.nan_to_num(ratio, nan=math.inf).argmax())
+    return Comparison(what, float(err[at]), e_single, fl, factor, float(extra[at]))
+
+
+def assert_agree(
+    actual: torch.Tensor | float,
+    single: torch.Tensor | float | Sequence[torch.Tensor | float],
+    exact: torch.Tensor | float,
+    *,
+    length: int = 1,
+    dtype: torch.dtype | None = None,
+    what: str = "value",
+    factor: float = FACTOR,
+    slack: torch.Tensor | float = 0.0,
+) -> Comparison:
+    """``compare``, raising AssertionError (its text) when the quantity does not agree."""
+    result = compare(
+        actual, single, exact, length=length, dtype=dtype, what=what, factor=factor, slack=slack
+    )
+    if not result.ok:
+        raise AssertionError(str(result))
+    return result
+
+
+def adam_denominator(exp_avg_sq: torch.Tensor, step: int, beta2: float, eps: float):
+    """sqrt(v̂) + eps of one AdamW step (``exp_avg_sq`` after step ``step``, bias-corrected), in
+    float64: what the update divided the gradient by."""
+    return (exp_avg_sq.double() / (1.0 - beta2**step)).sqrt() + eps
+
+
+def adam_slack(
+    lrs: Sequence[float],
+    grad_bounds: Sequence[float],
+    denominators: Sequence[torch.Tensor],
+    factor: float = ADAM_FACTOR,
+) -> torch.Tensor:
+    """Per element, how far AdamW steps can move a parameter in a correct run given bounds on
+    its gradient's error: ``sum_t factor · lr_t · D_t / denominator_t`` with ``D_t`` the largest
+    ``grad_bounds[s]`` for s <= t (an error lingers in the moments) and ``denominator_t`` the
+    float64 run's sqrt(v̂) + eps at step t (``adam_denominator``); a step of lr 0 (skipped)
+    counts for nothing. AdamW's update
+    lr · m̂ / (sqrt(v̂) + eps) changes by at most a few lr / (sqrt(v̂) + eps) per unit of
+    gradient (exactly lr · eps / (|g| + eps)^2 at the first step): negligible where the gradient
+    stands well above its rounding, up to about lr a step where it does not — there rounding
+    picks the direction, in every run alike, and no layout can be judged by it."""
+    if not (len(lrs) == len(grad_bounds) == len(denominators)):
+        raise ValueError(
+            f"adam_slack: {len(lrs)} learning rates, {len(grad_bounds)} gradient bounds and "
+            f"{len(denominators)} denominators: give one of each per step"
+        )
+    total, worst = None, 0.0
+    for lr, g, d in zip(lrs, grad_bounds, denominators, strict=True):
+        if lr == 0:  # a skipped step (fp16 overflow): no update, its gradients never entered
+            continue
+        worst = max(worst, float(g))
+        term = factor * lr * worst / d.double()
+        total = term if total is None else total + term
+    return total if total is not None else torch.zeros(())
+
+
+def rule_text(dtype: torch.dtype, length: int) -> str:
+    """One line that states the rule with its numbers, for a report."""
+    name = str(dtype).replace("torch.", "")
+    return (
+        f"each quantity against the same math in float64: agree when its error is at most "
+        f"{FACTOR:g} x the single-process {name} run's own (it and its twin one rounding away) "
+        f"+ {FLOOR:g} (u + u32 sqrt(n)) max|value| (u = 2^{round(math.log2(unit_roundoff(dtype)))}"
+        f", n = {length}: the longest reduction) + what AdamW makes of the gradients' bounds"
+    )
+
+
+def worst(comparisons) -> Comparison | None:
+    """The comparison with the largest ``ratio`` (None for none)."""
+    comparisons = list(comparisons)
+    return max(comparisons, key=lambda c: c.ratio) if comparisons else None
+
+
+@torch.no_grad()
+def nudge(tensors, seed: int = 0) -> None:
+    """Move every floating-point tensor of ``tensors`` (a module's parameters, or an iterable of
+    tensors) by one unit in the last place, up or down at random (``seed``), in place: a twin
+    of a single-process run that differs from it by one rounding of each starting value. The
+    rounding error a computation amplifies shows in the twin as it shows in any correct run
+    whose sums are ordered otherwise, so the larger of the two runs' errors is a steadier
+    measure of it than either alone (``compare(actual, [single, twin], exact)``)."""
+    if isinstance(tensors, torch.nn.Module):
+        tensors = tensors.parameters()
+    g = torch.Generator().manual_seed(seed)
+    for t in tensors:
+        if not t.is_floating_point() or t.numel() == 0:
+            continue
+        up = torch.randint(0, 2, t.shape, generator=g).to(t.device).bool()
+        work = t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+        toward = torch.where(up, torch.full_like(work, math.inf), torch.full_like(work, -math.inf))
+        if work is t:
+            t.copy_(torch.nextafter(t, toward))
+        else:  # one ulp of the low precision: the nearest neighbour of the rounded value
+            ulp = torch.finfo(t.dtype).eps * work.abs().clamp(min=torch.finfo(t.dtype).tiny)
+            t.copy_((work + torch.where(up, ulp, -ulp)).to(t.dtype))
+
+
+# -- single-process training, three ways -------------------------------------------------------
+@dataclass
+class Run:
+    """One single-process AdamW run: ``before`` (what the caller computed on the fresh model),
+    per step the loss, the gradients by name and AdamW's sqrt(v̂) + eps by name, and the final
+    parameters by name."""
+
+    before: Any = None
+    losses: list[float] = field(default_factory=list)
+    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    denominators: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``module.to(dtype)``, and in float64 every Hugging Face MoE block switched to its eager
+    per-expert loop: transformers' default experts path on CPU (``torch._grouped_mm``) refuses
+    float64, so the exact reference of a Mixtral / Qwen3-MoE model would fail there. The eager
+    loop is the same math; a float64 run is the exact reference, not a speed measurement."""
+    module = module.to(dtype)
+    if dtype == torch.float64:
+        for m in module.modules():
+            cfg = getattr(m, "config", None)
+            if getattr(cfg, "_experts_implementation", None) not in (None, "eager"):
+                cfg._experts_implementation = "eager"
+    return module
+
+
+def train_run(
+    build_model: Callable[[], torch.nn.Module],
+    loss: Callable[[torch.nn.Module, int, torch.dtype], torch.Tensor],
+    steps: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    twin: bool = False,
+    seed: int = 0,
+    lr: float = 1e-2,
+    weight_decay: float = 0.0,
+    eps: float = 1e-8,
+    betas: tuple[float, float] = (0.9, 0.999),
+    before: Callable[[torch.nn.Module, torch.dtype], Any] | None = None,
+) -> Run:
+    """``steps`` steps of torch's AdamW (``foreach=False``) on ``build_model()`` (called under
+    ``torch.manual_seed(seed)``, then cast to ``dtype``; ``twin``: every weight ``nudge``d),
+    each on ``loss(model, step, dtype)``. ``before(model, dtype)`` runs first, on the fresh
+    model (its gradients are cleared after it)."""
+    torch.manual_seed(seed)
+    model = cast(build_model(), dtype)  # float64: HF experts in their eager loop
+    if twin:
+        nudge(model, seed)
+    run = Run()
+    if before is not None:
+        run.before = before(model, dtype)
+        model.zero_grad(set_to_none=True)
+    named = dict(model.named_parameters())
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False
+    )
+    for step in range(steps):
+        value = loss(model, step, dtype)
+        value.backward()
+        run.grads.append(
+            {n: p.grad.detach().clone() for n, p in named.items() if p.grad is not None}
+        )
+        opt.step()
+        run.denominators.append(
+            {
+                n: adam_denominator(opt.state[p]["exp_avg_sq"], step + 1, betas[1], eps)
+                for n, p in named.items()
+                if p in opt.state
+            }
+        )
+        opt.zero_grad(set_to_none=True)
+        run.losses.append(float(value.detach()))
+    run.params = {n: p.detach().clone() for n, p in named.items()}
+    return run
+
+
+@dataclass
+class References:
+    """The single-process run in the working precision, its twin and the float64 run of the same
+    training (``train_references``), and the rule's verdicts against them: ``loss(step,
+    actual)``, ``param(name, actual)`` (with AdamW's slack), ``grad(step, name, actual)``;
+    ``local(full, name)`` slices a full tensor the way the caller's copy is held (default: as
+    is)."""
+
+    single: Run
+    twin: Run
+    exact: Run
+    length: int
+    lr: float | Sequence[float]
+    """AdamW's learning rate, or one per step (0 for a step that was skipped)."""
+    dtype: torch.dtype = torch.float32
+    local: Callable[[torch.Tensor, str], torch.Tensor] | None = None
+
+    def _cut(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        return t if self.local is None else self.local(t, name)
+
+    def _compare(self, what, actual, pick, name=None, slack=0.0) -> Comparison:
+        ones = [pick(r) for r in (self.single, self.twin)]
+        ref = pick(self.exact)
+        if name is not None:
+            ones, ref = [self._cut(t, name) for t in ones], self._cut(ref, name)
+        return compare(actual, ones, ref, length=self.length, dtype=self.dtype, what=what,
+                       slack=slack)  # fmt: skip
+
+    def loss(self, step: int, actual) -> Comparison:
+        return self._compare(f"loss of step {step + 1}", actual, lambda r: r.losses[step])
+
+    def grad(self, step: int, name: str, actual) -> Comparison:
+        return self._compare(f"{name} (gradient of step {step + 1})", actual,
+                             lambda r: r.grads[step][name], name)  # fmt: skip
+
+    def grad_bound(self, step: int, name: str) -> float:
+        """The rule's bound on ``name``'s full gradient at ``step`` (0 when it has none)."""
+        g = self.exact.grads[step].get(name)
+        if g is None:
+            return 0.0
+        ones = [r.grads[step].get(name, torch.zeros_like(g)) for r in (self.single, self.twin)]
+        return compare(ones[0], ones, g, length=self.length, dtype=self.dtype).bound
+
+    def slack(self, name: str) -> torch.Tensor | float:
+        """``adam_slack`` for ``name`` (sliced like the caller's copy)."""
+        steps = range(len(self.exact.grads))
+        if not any(name in self.exact.denominators[t] for t in steps):
+            return 0.0
+        denoms = [self.exact.denominators[t].get(name) for t in steps]
+        full = next(d for d in denoms if d is not None)
+        denoms = [torch.full_like(full, math.inf) if d is None else d for d in denoms]
+        bounds = [self.grad_bound(t, name) for t in steps]
+        lrs = [self.lr] * len(bounds) if isinstance(self.lr, (int, float)) else list(self.lr)
+        return self._cut(adam_slack(lrs, bounds, denoms), name)
+
+    def param(self, name: str, actual) -> Comparison:
+        return self._compare(name, actual, lambda r: r.params[name], name, self.slack(name))
+
+
+def train_references(
+    build_model: Callable[[], torch.nn.Module],
+    loss: Callable[[torch.nn.Module, int, torch.dtype], torch.Tensor],
+    steps: int,
+    *,
+    length: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    lr: float = 1e-2,
+    **kwargs: Any,
+) -> References:
+    """The three single-process runs of ``train_run`` (``dtype``, its twin, float64) with the
+    same arguments; ``length``: the longest reduction, for the rule's floor."""
+    runs = [
+        train_run(build_model, loss, steps, dtype=d, twin=t, seed=seed, lr=lr, **kwargs)
+        for d, t in ((dtype, False), (dtype, True), (torch.float64, False))
+    ]
+    return References(*runs, length=length, lr=lr, dtype=dtype)
