@@ -195,17 +195,11 @@ def assert_agree(
     actual: torch.Tensor | float,
     single: torch.Tensor | float | Sequence[torch.Tensor | float],
     exact: torch.Tensor | float,
-    *,
-    length: int = 1,
-    dtype: torch.dtype | None = None,
-    what: str = "value",
-    factor: float = FACTOR,
-    slack: torch.Tensor | float = 0.0,
+    **options: Any,
 ) -> Comparison:
-    """``compare``, raising AssertionError (its text) when the quantity does not agree."""
-    result = compare(
-        actual, single, exact, length=length, dtype=dtype, what=what, factor=factor, slack=slack
-    )
+    """``compare`` (same arguments: ``length``, ``dtype``, ``what``, ``factor``, ``slack``),
+    raising AssertionError (its text) when the quantity does not agree."""
+    result = compare(actual, single, exact, **options)
     if not result.ok:
         raise AssertionError(str(result))
     return result

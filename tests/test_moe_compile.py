@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
 
 import pytest
 import torch
 import torch._dynamo
 import torch.distributed as dist
-from _parity import agree, exact_copy
+from _parity import NO_INDUCTOR, agree, exact_copy
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -43,12 +42,6 @@ from fastpar.models import build_model, lm_loss
 from fastpar.moe import MoE, grouped
 from fastpar.testing import run_ranks
 from fastpar.train.config import TrainConfig
-
-NO_INDUCTOR = pytest.mark.skipif(
-    os.environ.get("ATEN_CPU_CAPABILITY") == "default",
-    reason="inductor's C++ code does not build under ATEN_CPU_CAPABILITY=default (at::vec has "
-    "not been declared: a torch limitation)",
-)
 
 
 def _inductor_config():

@@ -9,10 +9,10 @@ has not been declared"), so these skip there."""
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
+from _parity import NO_INDUCTOR
 
 from fastpar import tolerance
 from fastpar.testing import run_ranks
@@ -21,10 +21,7 @@ from fastpar.train.compile import compile_blocks
 from fastpar.train.loop import run
 from fastpar.verify import references
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("ATEN_CPU_CAPABILITY") == "default",
-    reason="inductor's C++ code does not build under ATEN_CPU_CAPABILITY=default (torch 2.13)",
-)
+pytestmark = NO_INDUCTOR
 
 #: the default model's width, heads and sequence (64, 4, 64); two blocks; a constant rate
 DENSE = dict(tp=2, pp=1, dp=1, ep=1, moe_every=0, layers=2, steps=3, batch_size=4, warmup=0,
