@@ -37,6 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BUDGET_S = 360
 INSTALL_LIMIT_S = 150
 TEST_LIMIT_S = 150
+GPU_TESTS = ["tests/"]  # what the GPU-tests phase hands pytest -m cuda
+BENCH_OPTIONS: list[str] = []  # pytest-benchmark options of each benchmark run
 MIN_BENCH_S = 20  # a benchmark file is not started with less than this left
 # the kernels' benchmarks, most wanted first: issues 3, 4, 5, 7, 8, 18
 KERNEL_BENCHES = [
@@ -175,11 +177,12 @@ def plan(out: Path, everything: bool) -> list[tuple[str, list[str], Path]]:
             [py, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e", "."],
             out / "install.log",
         ),
-        ("gpu tests", [py, "-m", "pytest", "-m", "cuda", "tests/", *quiet], out / "tests.log"),
+        ("gpu tests", [py, "-m", "pytest", "-m", "cuda", *GPU_TESTS, *quiet], out / "tests.log"),
     ]
     for f in bench_files(everything):
         json_path = out / "parts" / (Path(f).stem + ".json")
-        cmd = [py, "-m", "pytest", f"bench/{f}", *quiet, f"--benchmark-json={json_path}"]
+        cmd = [py, "-m", "pytest", f"bench/{f}", *quiet, *BENCH_OPTIONS]
+        cmd.append(f"--benchmark-json={json_path}")
         steps.append((f"bench {f}", cmd, out / "bench.log"))
     return steps
 

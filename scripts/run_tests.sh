@@ -7,8 +7,8 @@
 #   interpreter tier:  Triton kernels under TRITON_INTERPRET=1, in its own process (the
 #                      variable must be set before any kernel is defined).
 #   GPU tier:          pytest -m cuda, run by hand or by bench/gpu_check.py on a GPU machine.
-# The tiers run as FASTPAR_TEST_SHARDS (default 2) queues at once: the CPU tier's files split
-# over the queues (every other file), the second path and the interpreter tier after them;
+# The tiers run as FASTPAR_TEST_SHARDS (default 2) queues at once: the CPU tier's files and the
+# two other tiers split over the queues by their recorded seconds (scripts/split_tests.py);
 # each line is prefixed with its queue, and every queue's summary is printed again at the end.
 # Extra arguments: one CPU-tier pytest run with them (say a file or -k), no other tier.
 # Switches (the README's table lists every one): FASTPAR_TEST_SHARDS, FASTPAR_DEBUG_CHECKS (on
@@ -42,39 +42,61 @@ fi
 # timeout pass their own)
 export FASTPAR_TEST_TIMEOUT="${FASTPAR_TEST_TIMEOUT:-240}"
 
-# The second kernel path: the files whose verdict rests on the tolerance rule, from one layer
-# to whole models (every HF family, every wrapper, pipelines, MoE, check_parallel). Inductor
-# cannot build its C++ under this capability (a torch limitation), so compile tests stay out.
+# The second kernel path: the tests whose verdict rests on the tolerance rule, from one layer to
+# whole models (check_parallel, AGREE on 10 seeds, every HF family under parallelize and every data-
+# parallel wrapper, MoE with EP and its grouped GEMMs, DDP, Zero3, pipelines, Llama, clipping,
+# fp16 skips). Inductor cannot build its C++ under this capability (a torch limitation): the
+# compile tests stay out.
 SECOND_PATH=(
-    tests/test_parity.py tests/test_nn_linear.py tests/test_nn_embedding.py
-    tests/test_nn_parallelize.py tests/test_nn_parallelize_hf.py tests/test_nn_parallelize_moe.py
-    tests/test_moe_grouped_gemm.py tests/test_moe_hf_blocks.py tests/test_moe_tp.py
-    tests/test_parallel_ddp.py tests/test_zero3.py tests/test_parallel_pipeline.py
-    tests/test_models_llama.py tests/test_amp_norm.py tests/test_ops_cross_entropy.py
+    tests/test_parity.py::test_check_parallel_on_a_model_defined_here
+    tests/test_parity.py::test_check_parallel_catches_the_qwen3_bug_without_the_fix
+    tests/test_parity.py::test_the_readme_plan_agrees_for_every_seed
+    tests/test_nn_linear.py tests/test_amp_norm.py
+    tests/test_moe_hf_blocks.py tests/test_moe_grouped_gemm.py
+    tests/test_nn_parallelize_hf.py::test_training_under_every_data_parallel_wrapper
+    tests/test_nn_parallelize_hf.py::test_family_matches_dense
+    tests/test_parallel_ddp.py::test_training_equals_single_process
+    tests/test_parallel_ddp.py::test_tp2_dp2
+    tests/test_zero3.py::test_training_equals_single_process
+    tests/test_zero3.py::test_tp2_dp2_equals_dense
+    tests/test_parallel_pipeline.py::test_pipelined_equals_unpipelined
+    tests/test_moe.py::test_expert_parallel_equals_single_process
+    tests/test_moe_tp.py::test_verify_deepseek_style_moe_at_dp2_ep2_tp2
+    tests/test_models_llama.py::test_tensor_parallel_equals_single_process_on_every_rank
+    tests/test_models_llama.py::test_logits_and_every_gradient_equal_hf
+    tests/test_train_moe_routing.py::test_verify_fp16_with_skipped_steps
 )
+# the two extra jobs' seconds, for the split (scripts/split_tests.py)
+JOBS=(second=125 interpreter=65)
 
-mapfile -t FILES < <(ls tests/test_*.py | sort)
 LOGS="$(mktemp -d -t fastpar-tests-XXXXXX)"
 trap 'rm -rf "$LOGS"' EXIT
 
-queue() {  # queue K: its share of the CPU tier, then (K = 0) the second path, (K = 1) the interpreter
-    local k="$1" mine=() i rc=0
-    for i in "${!FILES[@]}"; do
-        if [ $((i % SHARDS)) -eq "$k" ]; then mine+=("${FILES[$i]}"); fi
+queue() {  # queue K: its share of the CPU tier's files, then its extra jobs
+    local k="$1" mine=() jobs=() line rc=0
+    while IFS= read -r line; do
+        case "$line" in
+            "") ;;
+            job:*) jobs+=("${line#job:}") ;;
+            *) mine+=("$line") ;;
+        esac
+    done < <(python scripts/split_tests.py "$SHARDS" "$k" "${JOBS[@]}")
+    if [ "${#mine[@]}" -gt 0 ]; then
+        echo "== CPU tier, queue $k: ${#mine[@]} files"
+        "${CPU[@]}" -p no:cacheprovider "${mine[@]}" || rc=1
+    fi
+    for job in "${jobs[@]}"; do
+        if [ "$job" = second ]; then
+            echo "== second CPU kernel path (ATEN_CPU_CAPABILITY=default): ${#SECOND_PATH[@]} selections"
+            ATEN_CPU_CAPABILITY=default "${CPU[@]}" -p no:cacheprovider "${SECOND_PATH[@]}" || rc=1
+        else
+            echo "== interpreter tier (TRITON_INTERPRET=1)"
+            local irc=0
+            TRITON_INTERPRET=1 python -m pytest -m interpreter -p no:cacheprovider || irc=$?
+            # pytest exits 5 when no test carries the marker; any other non-zero is a failure
+            if [ "$irc" -ne 0 ] && [ "$irc" -ne 5 ]; then rc=1; fi
+        fi
     done
-    echo "== CPU tier, queue $k: ${#mine[@]} of ${#FILES[@]} files"
-    "${CPU[@]}" -p no:cacheprovider "${mine[@]}" || rc=1
-    if [ "$k" -eq 0 ] || [ "$SHARDS" -eq 1 ]; then
-        echo "== second CPU kernel path (ATEN_CPU_CAPABILITY=default): ${#SECOND_PATH[@]} files"
-        ATEN_CPU_CAPABILITY=default "${CPU[@]}" -p no:cacheprovider "${SECOND_PATH[@]}" || rc=1
-    fi
-    if [ "$k" -eq 1 ] || [ "$SHARDS" -eq 1 ]; then
-        echo "== interpreter tier (TRITON_INTERPRET=1)"
-        local irc=0
-        TRITON_INTERPRET=1 python -m pytest -m interpreter -p no:cacheprovider || irc=$?
-        # pytest exits 5 when no test carries the marker; any other non-zero is a failure
-        if [ "$irc" -ne 0 ] && [ "$irc" -ne 5 ]; then rc=1; fi
-    fi
     return "$rc"
 }
 

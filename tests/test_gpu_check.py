@@ -37,6 +37,11 @@ def test_the_check_runs_its_phases_and_writes_its_files(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU (pretended)")
     monkeypatch.setattr(gpu_check, "KERNEL_BENCHES", ["test_bench_adamw.py", "no_such_file.py"])
+    # one file of GPU tests (they skip here: the pretence does not reach the subprocess), not
+    # the whole suite's collection
+    monkeypatch.setattr(gpu_check, "GPU_TESTS", ["tests/test_kernels_adamw.py"])
+    quick = ["--benchmark-max-time=0.001", "--benchmark-min-rounds=1", "--benchmark-warmup=off"]
+    monkeypatch.setattr(gpu_check, "BENCH_OPTIONS", quick)  # the phases, not the timings
     assert gpu_check.main([str(tmp_path), "--budget", "400"]) == 0
     written = sorted(p.name for p in tmp_path.iterdir())
     assert written == ["bench.json", "bench.log", "results.json", "results.md", "tests.log"]

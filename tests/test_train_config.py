@@ -276,6 +276,22 @@ def test_launch_under_torchrun_checks_the_world_before_the_process_group(monkeyp
         launch(cfg)
 
 
+def test_a_silent_rank_outlives_the_rank_that_prints_a_refusal(monkeypatch, capsys):
+    """torchrun ends every worker when one exits: local rank 1 (silent) waits, so local rank 0
+    has printed the refusal before anything kills it (under load, rank 1 once exited first and
+    the run ended without a word)."""
+    slept = []
+    monkeypatch.setattr(cli.time, "sleep", slept.append)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert cli.refuse(ValueError("bad flag")) == 2
+    assert slept == [cli.SILENT_RANK_WAIT_S] and cli.SILENT_RANK_WAIT_S >= 10
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert cli.refuse(ValueError("bad flag")) == 2
+    assert slept == [cli.SILENT_RANK_WAIT_S]  # rank 0 does not wait
+    assert capsys.readouterr().err == "error: bad flag\n"
+
+
 def test_torchrun_without_dp_and_with_a_wrong_one():
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "fastpar.train", "--tp", "2", "--pp", "1", "--ep", "1", "--moe-every", "0",

@@ -11,6 +11,7 @@ import difflib
 import json
 import os
 import sys
+import time
 import typing
 from dataclasses import asdict, fields
 
@@ -400,10 +401,20 @@ def prepare(args: argparse.Namespace):
     return cfg, tokens
 
 
+#: seconds a silent rank (torchrun's local rank > 0) waits before it exits from a refused run
+SILENT_RANK_WAIT_S = 20.0
+
+
 def refuse(exc: Exception) -> int:
-    """Print a refused run's one-line error (on local rank 0 only under torchrun); exit code 2."""
+    """Print a refused run's one-line error (on local rank 0 only under torchrun); exit code 2.
+
+    The other ranks wait first (``SILENT_RANK_WAIT_S``): torchrun ends every worker as soon as
+    one fails, so a silent rank that exited first on a busy machine would kill local rank 0
+    before it printed, and the run would end without a word. Rank 0's exit ends them at once."""
     if _says():
         print(f"error: {exc}", file=sys.stderr)
+    else:
+        time.sleep(SILENT_RANK_WAIT_S)
     return 2
 
 
