@@ -61,6 +61,7 @@ def test_pack_kernels_use_wide_words_and_no_per_word_division(tmp_path):
 @pytest.mark.skipif(
     shutil.which("nvcc") is None or shutil.which("g++") is None, reason="nvcc or g++ is missing"
 )
+@pytest.mark.slow  # g++ parses torch's headers: about 25 s
 def test_cuda_glue_compiles(tmp_path):
     """The CUDA branches of the .cpp binding files (FASTPAR_WITH_CUDA: device guards, streams,
     the extern "C" launchers), compiled for syntax against this torch's headers. A CPU wheel

@@ -211,6 +211,7 @@ def _one_cause(results, *words: str) -> None:
 
 
 @NO_INDUCTOR
+@pytest.mark.slow  # inductor: about 40 s on 2 cores
 def test_ep2_dropless_inductor_fullgraph_equals_eager():
     """fullgraph=True lets dynamo keep the dispatch op's data-dependent row count (an unbacked
     size): one graph for both routings."""

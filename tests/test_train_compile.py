@@ -21,7 +21,7 @@ from fastpar.train.compile import compile_blocks
 from fastpar.train.loop import run
 from fastpar.verify import references
 
-pytestmark = NO_INDUCTOR
+pytestmark = [NO_INDUCTOR, pytest.mark.slow]  # inductor: about 25 s a test on 2 cores
 
 #: the default model's width, heads and sequence (64, 4, 64); two blocks; a constant rate
 DENSE = dict(tp=2, pp=1, dp=1, ep=1, moe_every=0, layers=2, steps=3, batch_size=4, warmup=0,
@@ -70,6 +70,5 @@ def test_compile_dense_default_model_equals_eager():
     _check(TrainConfig(**DENSE))
 
 
-@pytest.mark.slow  # inductor compiles the MoE blocks for about a minute on 2 cores
 def test_compile_moe_dropless_equals_eager():
     _check(TrainConfig(**MOE))
