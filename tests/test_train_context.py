@@ -43,7 +43,11 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=[NO_INDUCTOR, pytest.mark.slow]) if "compile" in n else n for n in LAYOUTS]
+    "name",
+    [
+        pytest.param(n, marks=[NO_INDUCTOR, pytest.mark.slow]) if "compile" in n else n
+        for n in LAYOUTS
+    ],
 )
 def test_verify_under_context_parallelism(name):
     ok, text = compare(TrainConfig(**{**SMALL, **LAYOUTS[name]}))
