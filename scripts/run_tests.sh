@@ -7,7 +7,8 @@
 #   interpreter tier:  Triton kernels under TRITON_INTERPRET=1, in its own process (the
 #                      variable must be set before any kernel is defined).
 #   GPU tier:          pytest -m cuda, run by hand or by bench/gpu_check.py on a GPU machine.
-# The tiers run as FASTPAR_TEST_SHARDS (default 2) queues at once: the CPU tier's files and the
+# The tiers run as FASTPAR_TEST_SHARDS (default 1: the CPU tier is CPU-bound on 2 cores, two
+# queues measured barely faster and load-sensitive tests suffer) queues at once: the CPU tier's files and the
 # two other tiers split over the queues by their recorded seconds (scripts/split_tests.py);
 # each line is prefixed with its queue, and every queue's summary is printed again at the end.
 # Extra arguments: one CPU-tier pytest run with them (say a file or -k), no other tier.
@@ -39,15 +40,15 @@ case "${FASTPAR_TEST_SLOW:-0}" in
        exit 2 ;;
 esac
 
-SHARDS="${FASTPAR_TEST_SHARDS:-2}"
+SHARDS="${FASTPAR_TEST_SHARDS:-1}"
 if ! [[ "$SHARDS" =~ ^[1-9][0-9]*$ ]]; then
     echo "FASTPAR_TEST_SHARDS=$SHARDS is not a positive number of queues: set it to 1 (one" \
-        "tier after the other) or 2 (the default, one queue per core)" >&2
+        "tier after the other: the default) or 2 (one queue per core)" >&2
     exit 2
 fi
-# ranks of two queues share the cores: give run_ranks' default wait room (tests that test a
-# timeout pass their own)
-export FASTPAR_TEST_TIMEOUT="${FASTPAR_TEST_TIMEOUT:-240}"
+# with two queues their ranks share the cores: give run_ranks' default wait room (tests that
+# test a timeout pass their own)
+if [ "$SHARDS" -gt 1 ]; then export FASTPAR_TEST_TIMEOUT="${FASTPAR_TEST_TIMEOUT:-240}"; fi
 
 # The second kernel path: the tests whose verdict rests on the tolerance rule, from one layer to
 # whole models (check_parallel, AGREE on 10 seeds, every HF family under parallelize and every data-
@@ -55,30 +56,20 @@ export FASTPAR_TEST_TIMEOUT="${FASTPAR_TEST_TIMEOUT:-240}"
 # fp16 skips). Inductor cannot build its C++ under this capability (a torch limitation): the
 # compile tests stay out.
 SECOND_PATH=(
-    tests/test_parity.py::test_check_parallel_on_a_model_defined_here
-    tests/test_parity.py::test_check_parallel_catches_the_qwen3_bug_without_the_fix
     tests/test_parity.py::test_the_readme_plan_agrees_for_every_seed
+    tests/test_parity.py::test_check_parallel_on_a_model_defined_here
     tests/test_nn_linear.py tests/test_amp_norm.py
     tests/test_moe_hf_blocks.py tests/test_moe_grouped_gemm.py
     tests/test_nn_parallelize_hf.py::test_training_under_every_data_parallel_wrapper[llama-tp2-dp2]
     tests/test_nn_parallelize_hf.py::test_training_under_every_data_parallel_wrapper[mistral-tp2-dp2]
-    tests/test_nn_parallelize_hf.py::test_training_under_every_data_parallel_wrapper[qwen3-tp2-dp2]
-    tests/test_nn_parallelize_hf.py::test_training_under_every_data_parallel_wrapper[mixtral-tp2-dp2]
     tests/test_nn_parallelize_hf.py::test_training_under_every_data_parallel_wrapper[qwen3_moe-tp2-dp2]
-    tests/test_nn_parallelize_hf.py::test_family_matches_dense
     tests/test_parallel_ddp.py::test_training_equals_single_process
-    tests/test_parallel_ddp.py::test_tp2_dp2
-    tests/test_zero3.py::test_training_equals_single_process
-    tests/test_zero3.py::test_tp2_dp2_equals_dense
-    tests/test_parallel_pipeline.py::test_pipelined_equals_unpipelined
-    tests/test_moe.py::test_expert_parallel_equals_single_process
     tests/test_moe_tp.py::test_verify_deepseek_style_moe_at_dp2_ep2_tp2
     tests/test_models_llama.py::test_tensor_parallel_equals_single_process_on_every_rank
-    tests/test_models_llama.py::test_logits_and_every_gradient_equal_hf
     tests/test_train_moe_routing.py::test_verify_fp16_with_skipped_steps
 )
 # the two extra jobs' seconds, for the split (scripts/split_tests.py)
-JOBS=(second=105 interpreter=40)
+JOBS=(second=50 interpreter=45)
 
 LOGS="$(mktemp -d -t fastpar-tests-XXXXXX)"
 trap 'rm -rf "$LOGS"' EXIT

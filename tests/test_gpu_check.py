@@ -8,6 +8,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +34,7 @@ def test_merge_keeps_every_benchmark():
     assert gpu_check.merge([None]) is None
 
 
+@pytest.mark.slow  # two pytest runs in subprocesses: about 25 s
 def test_the_check_runs_its_phases_and_writes_its_files(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU (pretended)")
