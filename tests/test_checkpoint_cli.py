@@ -118,6 +118,7 @@ def test_export_pt_and_safetensors_equal_the_gathered_tensors(tp2, tmp_path):
             assert torch.equal(state[name], t), name
 
 
+@pytest.mark.slow  # a subprocess export; scripts/run_main.sh runs fastpar.export --check too
 def test_export_hf_runs_fastpar_export(run_dir, tmp_path):
     """The real command, in its own process (``--hf`` starts ``python -m fastpar.export``)."""
     out = tmp_path / "hf"

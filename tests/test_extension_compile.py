@@ -184,6 +184,7 @@ def _moe_compiled(capacity_factor, trace_autograd_ops: bool) -> dict:
     [(1.0, False), (1.0, True), (None, False)],
     ids=["capacity", "capacity-traced", "dropless"],
 )
+@pytest.mark.slow  # compiles of the overlapped layer: about 15 s
 def test_overlapped_moe_compiled_equals_eager(capacity_factor, trace_autograd_ops):
     """Output and every gradient equal eager. The overlapped Function's backward calls
     torch.autograd.grad, which dynamo traces only with ``trace_autograd_ops``: without it the

@@ -89,6 +89,7 @@ def test_forcing_triton_on_cpu_is_allowed(monkeypatch):
         backend._OPS.pop("test_only_op2", None)
 
 
+@pytest.mark.slow  # the mesh CLI in subprocesses: about 8 s
 def test_mesh_cli(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "fastpar.mesh", "--world-size", "16", "--tp", "2", "--pp", "4", "--json"],

@@ -99,6 +99,7 @@ def test_back_to_back_runs_do_not_clash():
         assert run_ranks(lambda: dist.get_world_size(), world) == [world] * world
 
 
+@pytest.mark.slow  # two pytest processes: about 6 s
 def test_parallel_runs_in_separate_processes_do_not_clash():
     code = textwrap.dedent(
         """

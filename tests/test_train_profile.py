@@ -70,6 +70,7 @@ def test_profile_flag_errors(argv, message, capsys, monkeypatch, tmp_path):
     assert len(err.splitlines()) == 1 and message in err, err
 
 
+@pytest.mark.slow  # a profiled training run in a subprocess: about 9 s
 def test_quiet_silences_the_profiler(tmp_path):
     argv = ["--tp", "1", "--pp", "1", "--dp", "1", "--ep", "1", "--moe-every", "0", "--steps",
             "2", "--batch-size", "2", "--seq-len", "8", "--hidden", "16", "--heads", "2",
