@@ -13,19 +13,24 @@ single-process reference from the same initialisation on the same data, then pri
 per step (and both validation losses with --eval-every) and the largest parameter difference, and exits 0 only when they agree within the
 tolerance of the precision (fp32 is tight; bf16 / fp16 are loose).
 
-The reference is built by the trainer's own code (``fastpar.train.build.build`` without a mesh:
-the same model, precision, optimizer groups, fused AdamW, clipping, loss scaler, loss and MoE
-set-up), so it cannot drift from the trainer, and does exactly the distributed run's math on
-one process: each data-parallel replica's micro-batches are run one by one (every micro-batch
-loss and MoE auxiliary loss weighted 1 / micro-batches, gradients accumulating in the model's
-dtype), the replicas' gradients are averaged in fp32, then one optimizer step and (with
---expert-bias) the expert-bias update from every replica's routed tokens. Final parameters (and
+The reference is built by the trainer's own code (``fastpar.train.build.build`` without a
+mesh: the same model, precision, optimizer groups, fused AdamW, clipping, loss scaler, loss and
+MoE set-up), so it cannot drift from the trainer, and is what one device does with the global
+batch: one forward and backward of the whole batch in one piece, its loss the sum of the
+cross-entropy over every valid target over their count — whatever the run's
+--loss-normalization, so a mean of means (``sequence`` with ignored targets spread unevenly
+over micro-batches or ranks) DISAGREES. Only a model whose statistics are those of each
+micro-batch (MoE with the "micro_batch" load-balancing loss or a capacity), and fp16 (whose
+skipped steps are decided on each rank's gradient), run the batch in its dp × micro-batches
+pieces, replica by replica, each piece's loss still its sum over the global count. A global
+batch with no valid target is a skipped step, as in the trainer. Final parameters (and
 expert biases) of the distributed run come back through a fastpar checkpoint exported to a
 plain state_dict, so resharding is checked too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -36,6 +41,7 @@ import torch
 
 from fastpar import checkpoint, parity, tolerance
 from fastpar.launch import RankError
+from fastpar.models.common import IGNORE_INDEX
 from fastpar.train import (
     TrainConfig,
     batch_of,
@@ -51,21 +57,35 @@ from fastpar.train.loop import evaluates_at
 
 
 def _val_loss(cfg: TrainConfig, parts, held) -> float:
-    """The validation loss on one process: every held-out batch, replica by replica and
-    micro-batch by micro-batch (the distributed run's averaging), the model in eval mode."""
+    """The validation loss on one process: each held-out batch in one piece, its loss the sum
+    over its valid targets over their count, averaged over the batches; eval mode."""
     model, total = parts.module, 0.0
     model.eval()
     with torch.no_grad():
         for j in range(cfg.eval_batches):
             x, y = eval_batch(cfg, held, j, parts.hf)
-            for xd, yd in zip(x.chunk(cfg.dp), y.chunk(cfg.dp), strict=True):
-                for xc, yc in zip(
-                    xd.chunk(cfg.microbatches), yd.chunk(cfg.microbatches), strict=True
-                ):
-                    loss = parts.loss_fn(model(xc), yc)
-                    total += float(loss) / (cfg.microbatches * cfg.dp * cfg.eval_batches)
+            loss = parts.loss_fn(model(x), y) / max(1, int((y != IGNORE_INDEX).sum()))
+            total += float(loss) / cfg.eval_batches
     model.train()
     return total
+
+
+def reference_groups(cfg: TrainConfig) -> int:
+    """How many pieces the reference runs a global batch in: 1 (the whole batch, one forward
+    and backward) unless a statistic of the model is one of each micro-batch — MoE layers with
+    the "micro_batch" load-balancing loss or a capacity (tokens dropped per micro-batch): then
+    every micro-batch of every replica (dp × micro-batches pieces), as the layers define it.
+    So does fp16: whether a step overflows (and is skipped) is decided on each rank's
+    loss-scaled fp16 gradient, which the reference must then hold alike (each replica's
+    pieces accumulated in fp16, the replicas averaged in fp32)."""
+    if cfg.precision == "fp16":  # a skip is decided on each rank's loss-scaled gradient
+        return cfg.dp * cfg.microbatches
+    if cfg.hf_config or not cfg.moe_every:
+        return 1
+    per_micro_batch = (cfg.aux_loss == "micro_batch" and cfg.aux_loss_coef > 0) or (
+        cfg.capacity_factor is not None
+    )
+    return cfg.dp * cfg.microbatches if per_micro_batch else 1
 
 
 @dataclass
@@ -94,7 +114,11 @@ def reference(
     away (``fastpar.tolerance.nudge``). The final tensors are what a checkpoint of the trainer
     holds: the parameters and, with --expert-bias, every router's ``expert_bias`` (updated after
     each step from the tokens of every replica, as the trainer's all-reduce over DP sums them)."""
-    parts = build(cfg, None, torch.device("cpu"), exact=exact, twin=twin)
+    groups = reference_groups(cfg)
+    replicas = cfg.dp if groups > 1 else 1  # in pieces: each replica's micro-batches
+    # one device's objective, whatever the run's: the mean over every valid target
+    ref_cfg = dataclasses.replace(cfg, loss_normalization="token", microbatches=groups // replicas)
+    parts = build(ref_cfg, None, torch.device("cpu"), exact=exact, twin=twin)
     model, opt = parts.module, parts.opt
     if exact:
         opt.skips = list(skips)
@@ -108,20 +132,32 @@ def reference(
         lr = lr_at(cfg, step)
         for g in parts.param_groups:
             g["lr"] = lr
-        parts.update_aux_scale()
+        parts.update_aux_scale()  # (MoE: 1 / groups of the loss scale)
         x, y = batch_of(cfg, tokens, step, parts.hf)
+        count = int((y != IGNORE_INDEX).sum())
+        if count == 0:  # the trainer skips a step with no valid target (nothing changes)
+            run.grads.append({names[id(p)]: torch.zeros_like(p, dtype=torch.float64)
+                              for p in params})  # fmt: skip
+            for log, value in ((run.losses, 0.0), (run.norms, 0.0), (run.skipped, True)):
+                log.append(value)
+            run.lrs.append(lr)
+            if exact:
+                run.denominators.append(dict(run.denominators[-1]) if run.denominators else {})
+            if evaluates_at(cfg, step + 1):
+                run.val_losses[step + 1] = _val_loss(cfg, parts, held)
+            continue
         total, acc = 0.0, [torch.zeros_like(p, dtype=acc_dtype) for p in params]
-        # replica by replica, as the data-parallel ranks do: micro-batch gradients accumulate in
-        # the model's dtype, replicas are averaged in fp32 (the DP reduction)
-        for xd, yd in zip(x.chunk(cfg.dp), y.chunk(cfg.dp), strict=True):
-            opt.zero_grad()
-            for xc, yc in zip(xd.chunk(cfg.microbatches), yd.chunk(cfg.microbatches), strict=True):
-                loss = parts.loss_fn(model(xc), yc) / cfg.microbatches
+        for xd, yd in zip(x.chunk(replicas), y.chunk(replicas), strict=True):
+            opt.zero_grad()  # a replica's pieces accumulate in the model's dtype, as on a rank
+            per = groups // replicas
+            for xc, yc in zip(xd.chunk(per), yd.chunk(per), strict=True):
+                # the sum over the global count, times the replicas their average divides by
+                loss = parts.loss_fn(model(xc), yc) * (replicas / count)
                 opt.scale_loss(loss).backward()
-                total += float(loss.detach()) / cfg.dp
+                total += float(loss.detach()) / replicas
             for a, p in zip(acc, params, strict=True):
                 if p.grad is not None:
-                    a.add_(p.grad.to(acc_dtype), alpha=1.0 / cfg.dp)
+                    a.add_(p.grad.to(acc_dtype), alpha=1.0 / replicas)
         for a, p in zip(acc, params, strict=True):
             p.grad = a.to(p.dtype)
         scale = float(opt.scaler.scale) if getattr(opt, "scaler", None) is not None else 1.0

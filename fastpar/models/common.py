@@ -34,6 +34,7 @@ from fastpar.parallel.context import (
     ring_attention,
     split_sequence,
 )
+from fastpar.models.documents import current as current_documents
 from fastpar.reference.precision import upcast
 
 
@@ -60,7 +61,21 @@ def cp_split(x: torch.Tensor, cp_group) -> torch.Tensor:
 
 def positions(t: int, cp_group, device) -> torch.Tensor:
     """Global positions [t] of this rank's ``t`` tokens: 0..t-1, or under context parallelism
-    the load-balanced chunks' (``fastpar.parallel.context``; the sequence is t · cp long)."""
+    the load-balanced chunks' (``fastpar.parallel.context``; the sequence is t · cp long).
+    Inside packed documents (``fastpar.models.documents``) with ``reset_positions``: [B, t],
+    each token's position in its document."""
+    docs = current_documents()
+    if docs is not None and docs.reset_positions:
+        if cp_group is not None:
+            raise ValueError(
+                "packed documents under context parallelism are not supported yet; use --cp 1"
+            )
+        pos = docs.positions().to(device)
+        if pos.shape[1] != t:
+            raise ValueError(
+                f"the documents describe rows of {pos.shape[1]} tokens but the layer holds {t}"
+            )
+        return pos
     if cp_group is None:
         return torch.arange(t, device=device)
     cp = group_size(cp_group)
@@ -71,6 +86,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group=None, kin
     """Causal attention: q [B, Hq, T, D], k / v [B, Hkv, T, D] (Hq a multiple of Hkv) -> [B,
     Hq, T, D]; over the whole sequence under context parallelism, by ring attention or
     (``kind`` "all-to-all") head-scattering all-to-alls (``fastpar.parallel.context``)."""
+    docs = current_documents()
+    if docs is not None:  # packed rows: attention stops at each document's start
+        if cp_group is not None:
+            raise ValueError(
+                "packed documents under context parallelism are not supported yet: ring and "
+                "all-to-all attention would let a document see the previous one; train with "
+                "--cp 1, or without packed documents"
+            )
+        from fastpar.ops.documents import document_attention
+
+        return document_attention(q, k, v, docs.ids.to(q.device))
     if cp_group is not None:
         if kind == "all-to-all":
             return all_to_all_attention(q, k, v, cp_group)
@@ -355,6 +381,7 @@ def lm_loss(
     weight: torch.Tensor | None = None,
     recompute: bool = False,
     inplace_backward: bool = False,
+    reduction: str = "mean",
 ) -> torch.Tensor:
     """Mean vocab-parallel cross-entropy of logits [B·T, vocab / tp] against targets [B, T]
     (``cfg.vocab_size`` is the true vocabulary: padded columns are ignored; targets
@@ -367,10 +394,16 @@ def lm_loss(
     cross-entropy against ``weight`` [vocab / tp, H] (chunks of logits only; ``recompute``:
     backward recomputes them, for schedules that hold many micro-batches' graphs, GPipe).
     ``inplace_backward``: the gradient overwrites the logits (a loop that never reads them
-    again: ``fastpar.ops.cross_entropy``)."""
+    again: ``fastpar.ops.cross_entropy``). ``reduction`` "sum": the sum over this rank's valid
+    targets instead (its chunks' under context parallelism; no count, no all-reduce), for a
+    caller that divides by the global batch's count (``PipelineEngine``'s "token"
+    normalisation)."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"lm_loss reduction must be 'mean' or 'sum', got {reduction!r}")
     cp_group = cp_group_of(mesh)
     targets = cp_split(targets, cp_group).reshape(-1)
-    reduction = "mean" if cp_group is None else "sum"
+    summed = reduction == "sum"
+    reduction = "mean" if cp_group is None and not summed else "sum"
     if weight is not None:  # the head's region op already sums d hidden over TP
         loss = vocab_parallel_linear_cross_entropy(
             logits, weight, targets, group=tp_group_of(mesh), vocab_size=cfg.vocab_size,
@@ -381,7 +414,7 @@ def lm_loss(
             logits, targets, group=tp_group_of(mesh), vocab_size=cfg.vocab_size,
             inplace_backward=inplace_backward, reduction=reduction,
         )  # fmt: skip
-    if cp_group is None:
+    if cp_group is None or summed:
         return loss
     count = (targets != IGNORE_INDEX).sum().float()
     dist.all_reduce(count, group=cp_group)  # the whole sequence's tokens (no host sync)

@@ -378,8 +378,10 @@ class Attention(nn.Module):
         if x.dtype == torch.float64:  # the exact reference: the frequencies in float64 too
             inv_freq = rope_inv_freq(2 * inv_freq.numel(), self.theta, x.dtype).to(x.device)
         pos = positions(t, self.cp_group, x.device).to(inv_freq.dtype)
-        freqs = pos[:, None] * inv_freq
+        freqs = pos[..., None] * inv_freq  # [T, d/2], or [B, T, d/2] inside packed documents
         emb = torch.cat((freqs, freqs), dim=-1)
+        if emb.dim() == 3:  # per row: [B, 1, T, d] against q [B, heads, T, d]
+            emb = emb.unsqueeze(1)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ from fastpar.checkpoint import stage_param_names
 from fastpar.debug import debug_checks
 from fastpar.mesh import ParallelMesh
 from fastpar.models import build_model, lm_loss, untie_for_pipeline
+from fastpar.models.common import IGNORE_INDEX
 from fastpar.moe import MoE, TopKRouter, update_expert_bias
 from fastpar.optim import FusedAdamW, MixedPrecisionOptimizer
 from fastpar.parallel import DataParallel, Replicate, Shard
@@ -249,16 +250,21 @@ def build(
         for m in moes:
             m.aux_loss_scale = aux_scale
 
+    # "token": the sum over the valid targets (the engine, or the reference, divides by the
+    # global batch's count); "sequence": the micro-batch's mean
+    red = "sum" if cfg.loss_normalization == "token" else "mean"
+
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if exact:  # the same math as either path below (the head returned logits), in float64
-            return lm_loss(logits.flatten(0, -2), targets, model_cfg, mesh)
+            return lm_loss(logits.flatten(0, -2), targets, model_cfg, mesh, reduction=red)
         if cfg.fused_ce:  # the head's weight read now: a pipeline's last stage holds a copy
             return lm_loss(logits.flatten(0, -2), targets, model_cfg, mesh, weight=head.weight,
-                           recompute=cfg.schedule == "gpipe")  # fmt: skip
+                           recompute=cfg.schedule == "gpipe", reduction=red)  # fmt: skip
         # nothing reads the logits after the loss: their gradient takes their buffer
         return lm_loss(
-            logits.flatten(0, -2).float(), targets, model_cfg, mesh, inplace_backward=True
-        )
+            logits.flatten(0, -2).float(), targets, model_cfg, mesh, inplace_backward=True,
+            reduction=red,
+        )  # fmt: skip
 
     bias_routers = [m.router for m in moes if m.router.expert_bias is not None]
     return Parts(
@@ -287,6 +293,7 @@ class Trainer:
         self.engine = PipelineEngine(
             stage, mesh, sched, loss_fn=parts.loss_fn, recompute=cfg.recompute is True,
             grad_sync=parts.model, scale_loss=parts.opt.scale_loss,
+            normalization=cfg.loss_normalization,
         )  # fmt: skip
         tokens = tokens if tokens is not None else load_data(cfg, check=False)
         self.tokens, self.held_out = split_tokens(cfg, tokens)  # (held_out None: no eval)
@@ -309,12 +316,14 @@ class Trainer:
     def _batch(self, step: int, held_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """This data-parallel replica's rows of the global batch of ``step`` (``held_out``: of
         validation batch ``step``), on the device (from pinned memory without waiting, on a
-        GPU)."""
+        GPU). Sets ``valid_tokens``: the global batch's count of valid targets, read on the
+        host from the batch every rank draws alike (no collective, no device sync)."""
         cfg, mesh = self.cfg, self.mesh
         if held_out:
             x, y = eval_batch(cfg, self.held_out, step, self.hf)
         else:
             x, y = batch_of(cfg, self.tokens, step, self.hf)
+        self.valid_tokens = int((y != IGNORE_INDEX).sum())
         per = cfg.batch_size // mesh.dp_size
         rows = slice(mesh.dp_rank * per, (mesh.dp_rank + 1) * per)
         x, y = x[rows], y[rows]
@@ -336,10 +345,13 @@ class Trainer:
             g["lr"] = lr
         x, y = self._batch(self.step_count)
         t0 = time.perf_counter()
+        if self.valid_tokens == 0 and cfg.loss_normalization == "token":
+            return self._empty_step(lr, t0)
         loss = self.engine.train_step(
             x if mesh.is_first_stage else None,
             y if mesh.is_last_stage else None,
             broadcast_loss=False,
+            valid_tokens=self._count(),
         )
         with nvtx("optimizer step"):
             skipped, norm = self.opt.step()
@@ -352,6 +364,29 @@ class Trainer:
             "skipped": skipped,
         }  # fmt: skip
 
+    def _count(self):
+        """The global count of valid targets for the engine ("token" normalisation), or None."""
+        return self.valid_tokens if self.cfg.loss_normalization == "token" else None
+
+    def _empty_step(self, lr: float, t0: float) -> dict:
+        """A step whose global batch has no valid target ("token" normalisation): nothing to
+        learn from, so no forward, no backward and no optimizer step (the weights, the moments
+        and the step count stay as they were, on every rank alike: every rank drew the same
+        batch); recorded as skipped, with loss and gradient norm 0, and said on rank 0."""
+        self.step_count += 1
+        if torch.distributed.get_rank() == 0 and not self.cfg.quiet:
+            print(
+                f"step {self.step_count}: the global batch has no valid target (every target "
+                "ignored); step skipped",
+                flush=True,
+            )
+        zero = torch.zeros((), device=self.device)
+        return {
+            "step": self.step_count, "lr": lr, "seconds": time.perf_counter() - t0,
+            "loss": zero if self.mesh.is_last_stage else None, "grad_norm": zero.clone(),
+            "skipped": torch.ones((), dtype=torch.bool, device=self.device),
+        }  # fmt: skip
+
     def evaluate(self) -> float:
         """The validation loss: the mean over ``--eval-batches`` held-out batches of the
         mini-batch loss, pipelined forward-only (``PipelineEngine.eval_step``) and averaged
@@ -361,7 +396,9 @@ class Trainer:
             x, y = self._batch(j, held_out=True)
             with nvtx(f"eval batch {j}"):
                 loss = self.engine.eval_step(
-                    x if mesh.is_first_stage else None, y if mesh.is_last_stage else None
+                    x if mesh.is_first_stage else None,
+                    y if mesh.is_last_stage else None,
+                    valid_tokens=self._count(),
                 )  # (broadcast over the pipeline)
             total = loss.float() if total is None else total + loss.float()
         total = total / self.cfg.eval_batches

@@ -112,6 +112,9 @@ _HELP = {
     "aux_loss": "MoE load-balancing loss: micro_batch (Switch, over a micro-batch's tokens), "
     "sequence (DeepSeek-V3's per-sequence loss), none (e.g. with --expert-bias)",
     "aux_loss_coef": "MoE: the load-balancing loss's coefficient",
+    "loss_normalization": "token: the step's loss is the sum over every valid target of the "
+    "global batch over their count (one device's mean, however ignored targets fall); "
+    "sequence: each micro-batch's mean, averaged (a mean of means)",
     "z_loss_coef": "MoE: the router z-loss's coefficient (ST-MoE; 0: off)",
     "sequence_parallel": "split activations between blocks along the sequence over TP (MoE "
     "blocks route each rank's chunk, dropless; with --moe-expert-tp they gather it)",
@@ -175,6 +178,7 @@ _WORDS = {
     "data_dtype": tuple(sorted(BIN_DTYPES)),
     "router_score": ("softmax", "sigmoid"),
     "aux_loss": ("micro_batch", "sequence", "none"),
+    "loss_normalization": ("token", "sequence"),
 }
 #: flags whose default is None (or follows another flag): their types
 _OPTIONAL = {"vocab_size": int, "ffn": int, "moe_ffn": int, "min_lr": float, "kv_heads": int,
@@ -201,7 +205,7 @@ _GROUPS = {
                     "router_group_topk", "expert_bias", "bias_update_rate", "shared_expert_ffn",
                     "shared_expert_gate", "aux_loss", "aux_loss_coef", "z_loss_coef"),
     "training": ("steps", "batch_size", "fused_ce", "precision", "lr", "min_lr", "warmup", "lr_schedule",
-                 "weight_decay", "max_grad_norm", "loss_scale", "seed", "compile"),
+                 "weight_decay", "max_grad_norm", "loss_scale", "seed", "compile", "loss_normalization"),
     "data": ("data", "data_dtype", "tokenizer"),
     "checkpoints": ("checkpoint_dir", "save_every", "keep_last", "resume", "allow_fresh",
                     "allow_other_run", "allow_schedule_change"),

@@ -108,6 +108,7 @@ class TrainConfig:
     shared_expert_gate: bool = False
     aux_loss: str = "micro_batch"
     aux_loss_coef: float = 1e-2
+    loss_normalization: str = "token"
     z_loss_coef: float = 0.0
     sequence_parallel: bool = False
     moe_expert_tp: bool = False

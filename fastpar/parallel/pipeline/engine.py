@@ -49,6 +49,21 @@ outside ``no_sync``, so a data-parallel wrapper still reduces every gradient onc
 ``recompute`` B runs the stage's forward again first and that graph lives until W (memory
 between the two like no recompute). Refused with ZeRO-3.
 
+Loss normalisation (``normalization``): "sequence" (default) divides each micro-batch's loss
+— a mean over its targets, from ``loss_fn`` — by m, a mean of means; "token" takes from
+``loss_fn`` the SUM of the micro-batch's per-target losses and divides it by the count of valid
+targets (``target != ignore_index``) of the whole global batch (every micro-batch, every
+data-parallel and context-parallel rank), times dp × cp (the data-parallel reduction averages
+over them): the gradient and the returned loss (averaged over dp × cp) are then the mean over
+every valid target of the global batch, however unevenly the ignored targets fall. The count
+is ``train_step(..., valid_tokens=N)`` when the caller knows it (every rank drawing the same
+global batch does), else one all-reduce of the local count over the mesh's ``dp_cp_group``, on
+the device (no host sync). A batch with no valid target gives a loss and gradients of 0.
+
+``context`` (a callable of the micro-batch index returning a context manager, e.g. the
+micro-batch's packed documents: ``fastpar.models.documents``) is entered around every forward
+and recomputation of that micro-batch, on every stage.
+
 Evaluation: ``eval_step(inputs, targets)`` runs the schedule's ``forward_only()`` (no backward,
 no graph, the modules in eval mode, P2P channels of its own) and returns the mean loss.
 """
@@ -146,7 +161,11 @@ class PipelineEngine(StepRunner):
         measure_activations: bool = False,
         grad_sync: GradSync | None = None,
         moe_aux_loss: bool = True,
+        normalization: str = "sequence",
+        ignore_index: int = -100,
     ) -> None:
+        if normalization not in ("sequence", "token"):
+            raise ValueError(f"normalization must be 'sequence' or 'token', got {normalization!r}")
         if mesh.is_last_stage and loss_fn is None:
             raise ValueError("the last pipeline stage needs loss_fn(output, target)")
         if not schedule.has_backward:
@@ -168,6 +187,10 @@ class PipelineEngine(StepRunner):
         self.grad_sync, self.moe_aux_loss = grad_sync, moe_aux_loss
         self.scale_loss, self.tied = scale_loss, list(tied)
         self.measure_activations = measure_activations
+        self.normalization, self.ignore_index = normalization, ignore_index
+        self._token_weight: torch.Tensor | None = None  # token: dp·cp / the global count
+        self._context: Callable | None = None
+        self._mb = 0  # the micro-batch whose action runs (for ``context``)
         prev, nxt = mesh.prev_rank, mesh.next_rank
         if v > 1:  # the last rank's chunk c feeds rank 0's chunk c + 1: the ring closes
             ring, r, p = mesh.ranks("pp"), mesh.pp_rank, mesh.pp_size
@@ -197,13 +220,18 @@ class PipelineEngine(StepRunner):
         targets: torch.Tensor | tuple | None = None,
         *,
         broadcast_loss: bool = True,
+        valid_tokens: int | torch.Tensor | None = None,
+        context: Callable | None = None,
     ) -> torch.Tensor | None:
         """One mini-batch: forwards and backwards per the schedule; gradients accumulate in the
         parameters' ``.grad``. Returns the mini-batch loss (a 0-dim tensor; on every stage with
-        ``broadcast_loss``, else only on the last)."""
+        ``broadcast_loss``, else only on the last). ``valid_tokens``: under "token"
+        normalisation, the global batch's count of valid targets (None: counted, one
+        all-reduce); ``context``: see the module docstring."""
         mesh = self.mesh
         xs, ys = self._split(inputs, targets, self.schedule.num_microbatches)
         device = self._device()
+        self._prepare(ys, device, valid_tokens, context)
         saved: dict[tuple[int, int], dict] = {}
         losses: list[torch.Tensor] = []
         t_step = time.perf_counter()
@@ -236,6 +264,8 @@ class PipelineEngine(StepRunner):
         targets: torch.Tensor | tuple | None = None,
         *,
         broadcast_loss: bool = True,
+        valid_tokens: int | torch.Tensor | None = None,
+        context: Callable | None = None,
     ) -> torch.Tensor | None:
         """The mini-batch's loss without backward: the schedule's ``forward_only()`` (the same
         micro-batches and chunks), the modules in eval mode (restored after), no graph and no
@@ -244,6 +274,7 @@ class PipelineEngine(StepRunner):
         mesh, sched = self.mesh, self.schedule.forward_only()
         xs, ys = self._split(inputs, targets, sched.num_microbatches)
         device = self._device()
+        self._prepare(ys, device, valid_tokens, context)
         modes = [(mod, mod.training) for c in self.chunks for mod in c.modules()]
         losses: list[torch.Tensor] = []
         t0 = time.perf_counter()
@@ -260,6 +291,24 @@ class PipelineEngine(StepRunner):
                 mod.training = mode
         self.eval_stats = {"busy_s": busy, "wall_s": time.perf_counter() - t0}
         return self._loss(losses, device, broadcast_loss)
+
+    def _prepare(self, ys, device, valid_tokens, context) -> None:
+        """The step's context and, under "token" normalisation, the weight of a micro-batch's
+        loss sum: dp·cp / the global count of valid targets (at least 1)."""
+        self._context, self._token_weight = context, None
+        if self.normalization != "token" or not self.mesh.is_last_stage:
+            return
+        mesh = self.mesh
+        replicas = mesh.dp_size * getattr(mesh, "cp_size", 1)
+        if valid_tokens is None:
+            count = sum((_target_of(y) != self.ignore_index).sum() for y in ys)
+            count = torch.as_tensor(count, device=device).to(torch.float64)
+            if replicas > 1:  # on the device: no host sync
+                group = mesh.dp_cp_group if hasattr(mesh, "dp_cp_group") else mesh.dp_group
+                dist.all_reduce(count, group=group)
+        else:
+            count = torch.as_tensor(valid_tokens, dtype=torch.float64).to(device)
+        self._token_weight = replicas / count.clamp(min=1)
 
     def _loss(self, losses, device, broadcast_loss: bool):
         mesh = self.mesh
@@ -295,6 +344,11 @@ def _check_split(stage, grad_sync, recompute: bool) -> None:  # recompute: B rec
                 "zb-h1 with ZeRO-3: its parameter gathers follow one backward per forward, which "
                 "the B/W split breaks; use ZeRO 0, 1 or 2, or --schedule 1f1b"
             )
+
+
+def _target_of(y):
+    """The targets of a micro-batch's target slot (a tensor, or the first of a tuple)."""
+    return y[0] if isinstance(y, tuple | list) else y
 
 
 def _microbatches(batch, m: int, name: str) -> list:

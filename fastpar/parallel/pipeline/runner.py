@@ -59,6 +59,7 @@ class StepRunner:
         ahead = 0  # the actions before this one have their receives posted early or need none
 
         for k, (kind, i, c) in enumerate(actions):
+            self._mb = i  # (``context``: the micro-batch of this action)
             s = c * p + r
             first, last = s == 0, s == last_vs
             label = f"mb{i}" + (f" chunk{c}" if nv > 1 else "")
@@ -207,10 +208,15 @@ class StepRunner:
         return got[0] if single else tuple(got)
 
     def _run(self, c: int, x, target):
-        out = self.chunks[c](x)
-        if target is not None:
-            out = self.loss_fn(out, target) / self.schedule.num_microbatches
-        return out
+        ctx = self._context(self._mb) if self._context is not None else contextlib.nullcontext()
+        with ctx:
+            out = self.chunks[c](x)
+        if target is None:
+            return out
+        loss = self.loss_fn(out, target)
+        if self._token_weight is not None:  # "token": the sum over the global count (engine)
+            return loss * self._token_weight.to(loss.dtype)
+        return loss / self.schedule.num_microbatches
 
     def _send_input_grad(self, x, p2p, tag: int) -> None:
         """The gradient of this chunk's input, to the previous virtual stage: of the tensor if
@@ -228,7 +234,7 @@ class StepRunner:
         more with grad enabled, the output and graph dropped, the RNG left as it was."""
         rng = _get_rng(device)
         with torch.enable_grad():
-            flags = _requires_grad(tuple_message(self.chunks[c](x)))
+            flags = _requires_grad(tuple_message(self._run(c, x, None)))
         _set_rng(rng)
         return flags
 

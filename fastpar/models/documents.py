@@ -1,0 +1,90 @@
+"""Packed documents: which document each token of a batch belongs to, for the attention and the
+positions of the forward that is running.
+
+    docs = Documents.of(doc_ids)                 # doc_ids [B, S]: a row's document index
+    with documents(docs):                        # every block's forward inside reads it
+        out = model(x)
+
+A batch of packed rows carries ``doc_ids`` [B, S] (int64): in each row, the index of the
+document each position belongs to, non-decreasing along the row (a document is one contiguous
+run of equal ids; ids need not start at 0). Attention then stops at document boundaries
+(a query sees the keys of its own document at or before it: ``fastpar.ops.documents``), and
+with ``reset_positions`` the positions restart at 0 at each document start (RoPE and learned
+positions, as Megatron's ``reset_position_ids``).
+
+The documents of the running micro-batch are a context (``documents(docs)``), not a block
+input: every pipeline stage reads the micro-batch's documents from the data (every rank draws
+the same global batch), so nothing extra travels between stages and blocks keep their
+one-tensor signature; ``PipelineEngine`` enters the context around each forward and
+recomputation (``context=``). The ids are those of whole rows (all ``S`` positions, also under
+context parallelism, where each rank picks its chunks' from them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+
+import torch
+
+_CURRENT: contextvars.ContextVar[Documents | None] = contextvars.ContextVar(
+    "fastpar_documents", default=None
+)
+
+
+@dataclass(frozen=True)
+class Documents:
+    """The documents of a batch's rows: ``ids`` [B, S] int64 (see the module docstring) and
+    whether positions restart at each document (``reset_positions``)."""
+
+    ids: torch.Tensor
+    reset_positions: bool = True
+
+    @staticmethod
+    def of(ids: torch.Tensor, reset_positions: bool = True) -> Documents:
+        if ids.dim() != 2:
+            raise ValueError(f"document ids must be [batch, seq], got {tuple(ids.shape)}")
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"document ids must be int32 / int64, got {ids.dtype}")
+        return Documents(ids.long(), reset_positions)
+
+    def positions(self) -> torch.Tensor:
+        """[B, S] int64: each token's position in its document (``reset_positions``) or in its
+        row."""
+        b, s = self.ids.shape
+        pos = torch.arange(s, device=self.ids.device).expand(b, s)
+        if not self.reset_positions:
+            return pos
+        return pos - document_starts(self.ids)
+
+    def rows(self, index) -> Documents:
+        """The documents of some rows (``index`` a slice or an index tensor of dim 0)."""
+        return Documents(self.ids[index], self.reset_positions)
+
+
+def document_starts(ids: torch.Tensor) -> torch.Tensor:
+    """[B, S]: for each position, the position where its document starts in the row."""
+    b, s = ids.shape
+    pos = torch.arange(s, device=ids.device).expand(b, s)
+    new = torch.ones_like(ids, dtype=torch.bool)
+    new[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    return torch.where(new, pos, torch.zeros_like(pos)).cummax(dim=1).values
+
+
+def current() -> Documents | None:
+    """The documents of the forward that is running (None: plain causal rows)."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def documents(docs: Documents | torch.Tensor | None):
+    """Run the enclosed forwards on rows of these documents (``docs`` a ``Documents``, the ids
+    [B, S], or None: plain causal rows)."""
+    if isinstance(docs, torch.Tensor):
+        docs = Documents.of(docs)
+    token = _CURRENT.set(docs)
+    try:
+        yield docs
+    finally:
+        _CURRENT.reset(token)
