@@ -22,6 +22,7 @@ from fastpar.comm import (
     scatter_to_sequence,
 )
 from fastpar.mesh.placement import mark_sharded, mark_tied_copy, param_layout
+from fastpar.models.documents import current as current_documents
 from fastpar.moe import MoE
 from fastpar.nn import ColumnParallelLinear, VocabParallelEmbedding
 from fastpar.nn.functional import (
@@ -34,7 +35,6 @@ from fastpar.parallel.context import (
     ring_attention,
     split_sequence,
 )
-from fastpar.models.documents import current as current_documents
 from fastpar.reference.precision import upcast
 
 
