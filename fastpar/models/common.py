@@ -23,6 +23,7 @@ from fastpar.comm import (
 )
 from fastpar.mesh.placement import mark_sharded, mark_tied_copy, param_layout
 from fastpar.models.documents import current as current_documents
+from fastpar.models.documents import document_attention
 from fastpar.moe import MoE
 from fastpar.nn import ColumnParallelLinear, VocabParallelEmbedding
 from fastpar.nn.functional import (
@@ -94,8 +95,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group=None, kin
                 "all-to-all attention would let a document see the previous one; train with "
                 "--cp 1, or without packed documents"
             )
-        from fastpar.ops.documents import document_attention
-
         return document_attention(q, k, v, docs.ids.to(q.device))
     if cp_group is not None:
         if kind == "all-to-all":

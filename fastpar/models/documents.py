@@ -27,6 +27,7 @@ import contextvars
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 _CURRENT: contextvars.ContextVar[Documents | None] = contextvars.ContextVar(
     "fastpar_documents", default=None
@@ -88,3 +89,53 @@ def documents(docs: Documents | torch.Tensor | None):
         yield docs
     finally:
         _CURRENT.reset(token)
+
+
+def segments(ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per row, the (start, end) of each document: one read of the ids on the host (on a GPU
+    one device-to-host copy of [B, S] ids per call)."""
+    out = []
+    for row in ids.cpu():
+        _, counts = torch.unique_consecutive(row, return_counts=True)
+        ends = counts.cumsum(0).tolist()
+        out.append(list(zip([0, *ends[:-1]], ends, strict=True)))
+    return out
+
+
+def _document_attention(q, k, v, ids):
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:  # key/value head j serves query heads j·rep .. j·rep + rep - 1
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    rows = segments(ids)
+    if all(len(r) == 1 for r in rows):  # one document a row: plain causal attention
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out = []
+    for b, row in enumerate(rows):
+        pieces = [
+            F.scaled_dot_product_attention(
+                q[b : b + 1, :, s:e], k[b : b + 1, :, s:e], v[b : b + 1, :, s:e], is_causal=True
+            )
+            for s, e in row
+        ]
+        out.append(torch.cat(pieces, dim=2))
+    return torch.cat(out, dim=0)
+
+
+_EAGER: list = []
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor):
+    """Causal attention that stops at documents: q [B, Hq, T, D], k / v [B, Hkv, T, D] (Hq a
+    multiple of Hkv), ``ids`` [B, T] (each row's document ids, non-decreasing) -> [B, Hq, T,
+    D]; a query sees the keys of its own document at or before it. Each document of each row
+    is one causal ``scaled_dot_product_attention`` of its own tokens (torch's fused kernels;
+    no [T, T] mask, memory and work as the documents' own lengths, not the row's). Run
+    eagerly inside a compiled block (one graph break: the segments are read on the host)."""
+    if ids.shape != (q.shape[0], q.shape[2]):
+        raise ValueError(
+            f"document ids {tuple(ids.shape)} do not match the queries' [batch, seq] "
+            f"{(q.shape[0], q.shape[2])}"
+        )
+    if not _EAGER:
+        _EAGER.append(torch.compiler.disable(_document_attention))
+    return _EAGER[0](q, k, v, ids)
