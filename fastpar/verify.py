@@ -42,6 +42,7 @@ import torch
 from fastpar import checkpoint, parity, tolerance
 from fastpar.launch import RankError
 from fastpar.models.common import IGNORE_INDEX
+from fastpar.models.documents import documents
 from fastpar.train import (
     TrainConfig,
     batch_of,
@@ -50,7 +51,7 @@ from fastpar.train import (
     load_data,
     lr_at,
 )
-from fastpar.train.batches import eval_batch, split_tokens
+from fastpar.train.batches import documents_of, eval_batch, split_tokens
 from fastpar.train.build import DTYPES, build
 from fastpar.train.cli import prepare, refuse
 from fastpar.train.loop import evaluates_at
@@ -64,7 +65,9 @@ def _val_loss(cfg: TrainConfig, parts, held) -> float:
     with torch.no_grad():
         for j in range(cfg.eval_batches):
             x, y = eval_batch(cfg, held, j, parts.hf)
-            loss = parts.loss_fn(model(x), y) / max(1, int((y != IGNORE_INDEX).sum()))
+            with documents(documents_of(cfg, x)):
+                logits = model(x)
+            loss = parts.loss_fn(logits, y) / max(1, int((y != IGNORE_INDEX).sum()))
             total += float(loss) / cfg.eval_batches
     model.train()
     return total
@@ -151,8 +154,10 @@ def reference(
             opt.zero_grad()  # a replica's pieces accumulate in the model's dtype, as on a rank
             per = groups // replicas
             for xc, yc in zip(xd.chunk(per), yd.chunk(per), strict=True):
+                with documents(documents_of(cfg, xc)):  # (packed rows: their documents)
+                    logits = model(xc)
                 # the sum over the global count, times the replicas their average divides by
-                loss = parts.loss_fn(model(xc), yc) * (replicas / count)
+                loss = parts.loss_fn(logits, yc) * (replicas / count)
                 opt.scale_loss(loss).backward()
                 total += float(loss.detach()) / replicas
             for a, p in zip(acc, params, strict=True):

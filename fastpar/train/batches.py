@@ -11,6 +11,7 @@ from fastpar.data import (
     global_batch,
     load_tokens,
 )
+from fastpar.models.common import IGNORE_INDEX
 from fastpar.train.config import TrainConfig
 
 
@@ -69,13 +70,31 @@ def eval_batch(cfg: TrainConfig, held, j: int, hf=None):
 
 def batch_of(cfg: TrainConfig, tokens, step: int, hf=None):
     """The global batch of ``step``: next-token targets, or for a masked LM (BERT through
-    --hf-config) masked inputs and their targets (-100 where nothing is predicted)."""
+    --hf-config) masked inputs and their targets (-100 where nothing is predicted). With
+    packed documents (``cfg.packs_documents``) a document's last token predicts nothing
+    (its target, the next document's first token, is -100); ``documents_of`` gives the rows'
+    documents."""
     x, y = global_batch(tokens, step, cfg.batch_size, cfg.seq_len, cfg.seed)
     if hf is not None and hf.masked:
         from fastpar.models.hf import masked_lm_batch
 
         x, y = masked_lm_batch(x, step, cfg.seed, hf.mask_id)
+    if cfg.packs_documents:
+        y = y.masked_fill(x == cfg.eos_id, IGNORE_INDEX)
     return x, y
+
+
+def documents_of(cfg: TrainConfig, x):
+    """The packed documents of a batch's rows (``fastpar.models.documents.Documents``), or None
+    for a stream: in each row, each --eos-id ends a document (its last token); the window's
+    first tokens, up to the first end, are a document too (the tail of one cut by the window,
+    as Megatron's packed datasets have it)."""
+    if not cfg.packs_documents:
+        return None
+    from fastpar.models.documents import Documents
+
+    ends = (x == cfg.eos_id).long()
+    return Documents.of(ends.cumsum(1) - ends, reset_positions=cfg.reset_positions)
 
 
 #: the TrainConfig fields ``lr_at`` reads (``min_lr`` through ``lr_floor``): a resumed run that

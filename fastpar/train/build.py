@@ -32,6 +32,7 @@ from fastpar.debug import debug_checks
 from fastpar.mesh import ParallelMesh
 from fastpar.models import build_model, lm_loss, untie_for_pipeline
 from fastpar.models.common import IGNORE_INDEX
+from fastpar.models.documents import Documents, documents
 from fastpar.moe import MoE, TopKRouter, update_expert_bias
 from fastpar.optim import FusedAdamW, MixedPrecisionOptimizer
 from fastpar.parallel import DataParallel, Replicate, Shard
@@ -46,7 +47,14 @@ from fastpar.parallel.pipeline.recompute import apply_recompute
 from fastpar.profiling import nvtx
 from fastpar.reference.optimizer import ExactAdamW
 from fastpar.tolerance import cast, nudge
-from fastpar.train.batches import batch_of, eval_batch, load_data, lr_at, split_tokens
+from fastpar.train.batches import (
+    batch_of,
+    documents_of,
+    eval_batch,
+    load_data,
+    lr_at,
+    split_tokens,
+)
 from fastpar.train.config import TrainConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -326,6 +334,8 @@ class Trainer:
         self.valid_tokens = int((y != IGNORE_INDEX).sum())
         per = cfg.batch_size // mesh.dp_size
         rows = slice(mesh.dp_rank * per, (mesh.dp_rank + 1) * per)
+        docs = documents_of(cfg, x)
+        self.context = None if docs is None else self._documents(docs.rows(rows))
         x, y = x[rows], y[rows]
         if self.device.type == "cuda":
             return (
@@ -352,6 +362,7 @@ class Trainer:
             y if mesh.is_last_stage else None,
             broadcast_loss=False,
             valid_tokens=self._count(),
+            context=self.context,
         )
         with nvtx("optimizer step"):
             skipped, norm = self.opt.step()
@@ -363,6 +374,14 @@ class Trainer:
             "loss": None if loss is None else loss.detach().float(), "grad_norm": norm,
             "skipped": skipped,
         }  # fmt: skip
+
+    def _documents(self, docs):
+        """The engine's ``context``: micro-batch i runs inside its rows' documents, on every
+        stage (each reads them from the batch every rank draws alike: nothing extra is sent)."""
+        m = self.cfg.microbatches
+        ids = docs.ids.to(self.device).chunk(m)
+        parts = [Documents(t, docs.reset_positions) for t in ids]
+        return lambda i: documents(parts[i])
 
     def _count(self):
         """The global count of valid targets for the engine ("token" normalisation), or None."""
@@ -399,6 +418,7 @@ class Trainer:
                     x if mesh.is_first_stage else None,
                     y if mesh.is_last_stage else None,
                     valid_tokens=self._count(),
+                    context=self.context,
                 )  # (broadcast over the pipeline)
             total = loss.float() if total is None else total + loss.float()
         total = total / self.cfg.eval_batches

@@ -112,6 +112,11 @@ _HELP = {
     "aux_loss": "MoE load-balancing loss: micro_batch (Switch, over a micro-batch's tokens), "
     "sequence (DeepSeek-V3's per-sequence loss), none (e.g. with --expert-bias)",
     "aux_loss_coef": "MoE: the load-balancing loss's coefficient",
+    "pack": "stream: windows of one token stream, attention across the whole window (the "
+    "default without --eos-id); documents (the default with --eos-id): each --eos-id ends a "
+    "document, attention stops at document boundaries, a document's last token predicts nothing",
+    "eos_id": "the end-of-document token id that splits --data into documents",
+    "reset_positions": "with --pack documents: positions restart at 0 at each document start",
     "loss_normalization": "token: the step's loss is the sum over every valid target of the "
     "global batch over their count (one device's mean, however ignored targets fall); "
     "sequence: each micro-batch's mean, averaged (a mean of means)",
@@ -179,6 +184,7 @@ _WORDS = {
     "router_score": ("softmax", "sigmoid"),
     "aux_loss": ("micro_batch", "sequence", "none"),
     "loss_normalization": ("token", "sequence"),
+    "pack": ("stream", "documents"),
 }
 #: flags whose default is None (or follows another flag): their types
 _OPTIONAL = {"vocab_size": int, "ffn": int, "moe_ffn": int, "min_lr": float, "kv_heads": int,
@@ -187,13 +193,14 @@ _OPTIONAL = {"vocab_size": int, "ffn": int, "moe_ffn": int, "min_lr": float, "kv
              "profile_steps": str, "metrics_file": str, "tensorboard": str,
              "peak_tflops": float, "routed_scaling_factor": float, "router_groups": int,
              "router_group_topk": int, "shared_expert_ffn": int,
-             "microbatch_group_size": int, "data_dtype": str}  # fmt: skip
+             "microbatch_group_size": int, "data_dtype": str, "pack": str,
+             "eos_id": int}  # fmt: skip
 _METAVARS = {"checkpoint_dir": "DIR", "profile": "DIR", "tensorboard": "DIR", "profile_steps":
              "A:B", "metrics_file": "FILE", "data": "FILE", "tokenizer": "FILE",
              "hf_config": "FILE", "peak_tflops": "TFLOPS",
              "collective_timeout": "SECONDS", "router_groups": "N", "router_group_topk": "K",
              "shared_expert_ffn": "N", "routed_scaling_factor": "F",
-             "microbatch_group_size": "G"}  # fmt: skip
+             "microbatch_group_size": "G", "eos_id": "ID"}  # fmt: skip
 _GROUPS = {
     "layout": ("tp", "pp", "dp", "ep", "cp", "cp_attention", "zero", "microbatches", "schedule", "virtual_stages",
                "microbatch_group_size", "recompute", "sequence_parallel", "moe_expert_tp", "overlap_chunks"),
@@ -206,7 +213,7 @@ _GROUPS = {
                     "shared_expert_gate", "aux_loss", "aux_loss_coef", "z_loss_coef"),
     "training": ("steps", "batch_size", "fused_ce", "precision", "lr", "min_lr", "warmup", "lr_schedule",
                  "weight_decay", "max_grad_norm", "loss_scale", "seed", "compile", "loss_normalization"),
-    "data": ("data", "data_dtype", "tokenizer"),
+    "data": ("data", "data_dtype", "tokenizer", "pack", "eos_id", "reset_positions"),
     "checkpoints": ("checkpoint_dir", "save_every", "keep_last", "resume", "allow_fresh",
                     "allow_other_run", "allow_schedule_change"),
     "evaluation": ("eval_every", "eval_batches", "eval_split"),

@@ -109,6 +109,9 @@ class TrainConfig:
     aux_loss: str = "micro_batch"
     aux_loss_coef: float = 1e-2
     loss_normalization: str = "token"
+    pack: str | None = None
+    eos_id: int | None = None
+    reset_positions: bool = True
     z_loss_coef: float = 0.0
     sequence_parallel: bool = False
     moe_expert_tp: bool = False
@@ -423,6 +426,15 @@ class TrainConfig:
                 "(e.g. 0.1: the last 10% of the token ids are held out)"
             )
 
+    def _check_packing(self) -> None:
+        _check_packing(self)
+
+    @property
+    def packs_documents(self) -> bool:
+        """Whether rows are packed documents: --pack documents, or --pack left out with an
+        end-of-document id (--eos-id) to find the boundaries by."""
+        return self.pack == "documents" or (self.pack is None and self.eos_id is not None)
+
     def _check_context(self) -> None:
         _cp_checks(self)
         if self.fused_ce and self.zero == 3:
@@ -452,6 +464,7 @@ class TrainConfig:
         RecomputePolicy.parse(self.recompute)  # a bad --recompute: ValueError naming it
         MeshLayout(self.world_size, tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp)
         self._check_context()
+        self._check_packing()
         per_rank = self.batch_size // self.dp
         if self.batch_size % self.dp or per_rank % self.microbatches:
             raise ValueError(
@@ -461,6 +474,35 @@ class TrainConfig:
         if not self.hf_config:
             self.model().check(self.tp, self.pp, self.ep)
             check_memory(self)  # activations that clearly do not fit this machine
+
+
+def _check_packing(cfg: TrainConfig) -> None:
+    """--pack / --eos-id / --loss-normalization: what packed documents can run exactly."""
+    if cfg.loss_normalization not in ("token", "sequence"):
+        raise ValueError(
+            f"--loss-normalization must be token or sequence, got {cfg.loss_normalization!r}"
+        )
+    if cfg.pack not in (None, "stream", "documents"):
+        raise ValueError(f"--pack must be stream or documents, got {cfg.pack!r}")
+    if cfg.eos_id is not None and not 0 <= cfg.eos_id < cfg.vocab:
+        raise ValueError(
+            f"--eos-id {cfg.eos_id} is not a token id of the {cfg.vocab}-token vocabulary"
+        )
+    if cfg.pack == "documents" and cfg.eos_id is None:
+        raise ValueError(
+            "--pack documents needs the end-of-document id: pass --eos-id ID (the token that "
+            "ends each document in --data), or --pack stream"
+        )
+    if cfg.packs_documents and cfg.hf_config:
+        raise ValueError(
+            "--pack documents with --hf-config is not supported yet (a Hugging Face model's "
+            "attention would not stop at document boundaries here): use --pack stream"
+        )
+    if cfg.packs_documents and cfg.cp > 1:
+        raise ValueError(
+            f"--pack documents with --cp {cfg.cp} is not supported yet (ring and all-to-all "
+            "attention would let a document see the previous one): use --cp 1 or --pack stream"
+        )
 
 
 def _cp_checks(cfg: TrainConfig) -> None:
