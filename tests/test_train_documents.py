@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastpar.train import TrainConfig, batch_of
+from fastpar.train import TrainConfig, batch_of, launch
 from fastpar.train.batches import documents_of, load_data
 from fastpar.verify import compare
 
@@ -66,8 +66,10 @@ def test_documents_of_a_batch(data):
         dict(dp=2, pp=2, tp=2, schedule="interleaved", virtual_stages=2, layers=4),
         dict(dp=2, pp=2, tp=1, zero=3, recompute=True, sequence_parallel=False),
         dict(dp=2, pp=1, tp=1, ep=2, moe_every=1, experts=4, top_k=2, zero=2),
+        dict(dp=2, pp=2, tp=2, schedule="zb-h1"),
+        dict(dp=2, pp=2, tp=2, fused_ce=True, zero=2, sequence_parallel=True),
     ],
-    ids=["dp2-pp2-tp2", "interleaved", "zero3-recompute", "dp2-ep2-moe"],
+    ids=["dp2-pp2-tp2", "interleaved", "zero3-recompute", "dp2-ep2-moe", "zb-h1", "fused-ce-sp"],
 )
 def test_token_normalization_agrees_with_one_device(data, layout):
     cfg = TrainConfig(**{**SMALL, **layout}, data=data)
@@ -90,8 +92,24 @@ def test_sequence_normalization_is_a_mean_of_means_and_disagrees(data):
         (dict(pack="documents", eos_id=None), "needs the end-of-document id"),
         (dict(eos_id=999), "not a token id"),
         (dict(loss_normalization="mean"), "token or sequence"),
+        (dict(compile=True), "--compile is not supported yet"),
+        (
+            dict(eos_id=None, schedule="zb-h1", sequence_parallel=True, tp=2, pp=2, dp=1),
+            "zb-h1 with --sequence-parallel",
+        ),
     ],
 )
 def test_what_cannot_be_exact_is_refused(flags, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig(**{**SMALL, **flags}).check()
+
+
+def test_a_step_with_no_valid_target_is_skipped_and_said(tmp_path, capfd):
+    path = tmp_path / "empty.txt"
+    path.write_text("\n" * 400)  # every document empty: every target ignored
+    cfg = TrainConfig(**{**SMALL, "quiet": False}, data=str(path), dp=2, pp=1, tp=1)
+    records = launch(cfg)
+    assert [r["skipped"] for r in records] == [True, True], records
+    assert all(r["loss"] == 0.0 and r["grad_norm"] == 0.0 for r in records), records
+    out = capfd.readouterr().out
+    assert "step 1: the global batch has no valid target" in out, out
