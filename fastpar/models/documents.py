@@ -23,15 +23,14 @@ context parallelism, where each rank picks its chunks' from them).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-_CURRENT: contextvars.ContextVar[Documents | None] = contextvars.ContextVar(
-    "fastpar_documents", default=None
-)
+#: the documents of the running forward (a module global, not a ContextVar: torch.compile
+#: traces a global's read, guarded, where it cannot trace ``ContextVar.get``)
+_CURRENT: list = [None]
 
 
 @dataclass(frozen=True)
@@ -75,7 +74,7 @@ def document_starts(ids: torch.Tensor) -> torch.Tensor:
 
 def current() -> Documents | None:
     """The documents of the forward that is running (None: plain causal rows)."""
-    return _CURRENT.get()
+    return _CURRENT[0]
 
 
 @contextlib.contextmanager
@@ -84,11 +83,11 @@ def documents(docs: Documents | torch.Tensor | None):
     [B, S], or None: plain causal rows)."""
     if isinstance(docs, torch.Tensor):
         docs = Documents.of(docs)
-    token = _CURRENT.set(docs)
+    before, _CURRENT[0] = _CURRENT[0], docs
     try:
         yield docs
     finally:
-        _CURRENT.reset(token)
+        _CURRENT[0] = before
 
 
 def segments(ids: torch.Tensor) -> list[list[tuple[int, int]]]:
@@ -139,3 +138,14 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: t
     if not _EAGER:
         _EAGER.append(torch.compiler.disable(_document_attention))
     return _EAGER[0](q, k, v, ids)
+
+
+def valid_targets(targets: torch.Tensor, ignore_index: int = -100) -> int:
+    """The count of valid targets of a batch still on the host (the loader's CPU tensor, before
+    it moves to a device: a read of host memory, no device sync)."""
+    if targets.device.type != "cpu":
+        raise ValueError(
+            f"valid_targets counts a host batch; got targets on {targets.device} (count them "
+            "before moving the batch, or let PipelineEngine all-reduce the count)"
+        )
+    return int(torch.count_nonzero(targets != ignore_index))

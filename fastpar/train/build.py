@@ -32,7 +32,7 @@ from fastpar.debug import debug_checks
 from fastpar.mesh import ParallelMesh
 from fastpar.models import build_model, lm_loss, untie_for_pipeline
 from fastpar.models.common import IGNORE_INDEX
-from fastpar.models.documents import Documents, documents
+from fastpar.models.documents import Documents, documents, valid_targets
 from fastpar.moe import MoE, TopKRouter, update_expert_bias
 from fastpar.optim import FusedAdamW, MixedPrecisionOptimizer
 from fastpar.parallel import DataParallel, Replicate, Shard
@@ -331,7 +331,7 @@ class Trainer:
             x, y = eval_batch(cfg, self.held_out, step, self.hf)
         else:
             x, y = batch_of(cfg, self.tokens, step, self.hf)
-        self.valid_tokens = int((y != IGNORE_INDEX).sum())
+        self.valid_tokens = valid_targets(y, IGNORE_INDEX)  # (host memory: no device sync)
         per = cfg.batch_size // mesh.dp_size
         rows = slice(mesh.dp_rank * per, (mesh.dp_rank + 1) * per)
         docs = documents_of(cfg, x)
