@@ -51,7 +51,7 @@ from fastpar.train import (
     load_data,
     lr_at,
 )
-from fastpar.train.batches import documents_of, eval_batch, split_tokens
+from fastpar.train.batches import as_data, eval_batch, split_tokens
 from fastpar.train.build import DTYPES, build
 from fastpar.train.cli import prepare, refuse
 from fastpar.train.loop import evaluates_at
@@ -64,8 +64,8 @@ def _val_loss(cfg: TrainConfig, parts, held) -> float:
     model.eval()
     with torch.no_grad():
         for j in range(cfg.eval_batches):
-            x, y = eval_batch(cfg, held, j, parts.hf)
-            with documents(documents_of(cfg, x)):
+            x, y, docs = eval_batch(cfg, held, j, parts.hf)
+            with documents(docs):
                 logits = model(x)
             loss = parts.loss_fn(logits, y) / max(1, int((y != IGNORE_INDEX).sum()))
             total += float(loss) / cfg.eval_batches
@@ -125,7 +125,7 @@ def reference(
     model, opt = parts.module, parts.opt
     if exact:
         opt.skips = list(skips)
-    tokens = load_data(cfg) if tokens is None else tokens
+    tokens = load_data(cfg) if tokens is None else as_data(cfg, tokens)
     tokens, held = split_tokens(cfg, tokens)
     names = {id(p): n for n, p in parts.named_parameters().items()}
     params = list(model.parameters())
@@ -136,7 +136,7 @@ def reference(
         for g in parts.param_groups:
             g["lr"] = lr
         parts.update_aux_scale()  # (MoE: 1 / groups of the loss scale)
-        x, y = batch_of(cfg, tokens, step, parts.hf)
+        x, y, docs = batch_of(cfg, tokens, step, parts.hf)
         count = int((y != IGNORE_INDEX).sum())
         if count == 0:  # the trainer skips a step with no valid target (nothing changes)
             run.grads.append({names[id(p)]: torch.zeros_like(p, dtype=torch.float64)
@@ -150,14 +150,15 @@ def reference(
                 run.val_losses[step + 1] = _val_loss(cfg, parts, held)
             continue
         total, acc = 0.0, [torch.zeros_like(p, dtype=acc_dtype) for p in params]
-        for xd, yd in zip(x.chunk(replicas), y.chunk(replicas), strict=True):
+        per, rows = groups // replicas, x.shape[0] // groups
+        for r in range(replicas):
             opt.zero_grad()  # a replica's pieces accumulate in the model's dtype, as on a rank
-            per = groups // replicas
-            for xc, yc in zip(xd.chunk(per), yd.chunk(per), strict=True):
-                with documents(documents_of(cfg, xc)):  # (packed rows: their documents)
-                    logits = model(xc)
+            for piece in range(r * per, (r + 1) * per):
+                sl = slice(piece * rows, (piece + 1) * rows)
+                with documents(None if docs is None else docs.rows(sl)):  # (packed rows)
+                    logits = model(x[sl])
                 # the sum over the global count, times the replicas their average divides by
-                loss = parts.loss_fn(logits, yc) * (replicas / count)
+                loss = parts.loss_fn(logits, y[sl]) * (replicas / count)
                 opt.scale_loss(loss).backward()
                 total += float(loss.detach()) / replicas
             for a, p in zip(acc, params, strict=True):

@@ -107,3 +107,28 @@ def test_fp32_gradients_through_packed_rows_agree_with_float64(kind, monkeypatch
     exact = _grads(kind, torch.float64, True, monkeypatch)
     for name, g in actual.items():
         tolerance.assert_agree(g, single[name], exact[name], length=3 * S, what=name)
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_compiled_blocks_read_each_batchs_documents_without_recompiling(kind):
+    """Under torch.compile (dynamo's eager backend: the tracing, not inductor's code) every
+    block reads the running batch's documents: the same logits and gradients as eager, and new
+    document layouts do not recompile (the documents are read outside the graph)."""
+    from fastpar.train.compile import compile_blocks
+
+    torch._dynamo.reset()  # (another model's compiled code of the same functions: no recompile)
+    eager, compiled = _model(kind).float(), _model(kind).float()
+    assert compile_blocks(compiled, backend="eager")
+    gen = torch.Generator().manual_seed(3)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(3):
+            ids = torch.randint(0, V, (2, S), generator=gen)
+            cuts = torch.randint(1, S, (2, 3), generator=gen)
+            doc = (torch.arange(S)[None, None] >= cuts[:, :, None]).sum(1)
+            with documents(Documents.of(doc)):
+                a, b = eager(ids), compiled(ids)
+            assert torch.equal(a, b)
+            a.square().sum().backward()
+            b.square().sum().backward()
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name

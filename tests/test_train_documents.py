@@ -11,11 +11,13 @@ Hugging Face model."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from fastpar.train import TrainConfig, batch_of, launch
-from fastpar.train.batches import documents_of, load_data
+from fastpar.train.batches import load_data
 from fastpar.verify import compare
 
 SMALL = dict(steps=2, batch_size=8, microbatches=2, seq_len=32, hidden=32, heads=4, layers=2,
@@ -39,24 +41,26 @@ def _uneven(cfg: TrainConfig) -> list[int]:
     tokens = load_data(cfg)
     counts = []
     for step in range(cfg.steps):
-        _, y = batch_of(cfg, tokens, step)
+        _, y, _ = batch_of(cfg, tokens, step)
         counts += [int((c != -100).sum()) for c in y.chunk(cfg.dp * cfg.microbatches)]
     return counts
 
 
 def test_documents_of_a_batch(data):
     cfg = TrainConfig(**SMALL, data=data, tp=1, pp=1, dp=1)
-    x, y = batch_of(cfg, load_data(cfg), 0)
-    docs = documents_of(cfg, x)
+    x, y, docs = batch_of(cfg, load_data(cfg), 0)
     for row_x, row_y, row_d in zip(x, y, docs.ids, strict=True):
         doc = 0
         for t in range(len(row_x)):  # plain Python: a newline ends its document
             assert row_d[t] == doc
             assert (row_y[t] == -100) == (row_x[t] == 10)
             doc += int(row_x[t] == 10)
+    assert torch.equal(docs.valid, y != -100)  # the tokens MoE statistics count
     pos = docs.positions()
     assert (pos[docs.ids != torch.roll(docs.ids, 1, 1)] == 0).all()
-    assert documents_of(TrainConfig(**{**SMALL, "eos_id": None}), x) is None  # a stream
+    stream = TrainConfig(**{**SMALL, "eos_id": None}, data=data)
+    xs, ys, none = batch_of(stream, load_data(stream), 0)
+    assert none is None and torch.equal(xs, x) and (ys != -100).all()  # a stream: same windows
 
 
 @pytest.mark.parametrize(
@@ -68,8 +72,21 @@ def test_documents_of_a_batch(data):
         dict(dp=2, pp=1, tp=1, ep=2, moe_every=1, experts=4, top_k=2, zero=2),
         dict(dp=2, pp=2, tp=2, schedule="zb-h1"),
         dict(dp=2, pp=2, tp=2, fused_ce=True, zero=2, sequence_parallel=True),
+        dict(dp=2, pp=1, tp=1, cp=2, zero=1),
+        dict(dp=2, pp=1, tp=1, cp=2, cp_attention="all-to-all", model_type="llama", kv_heads=2),
+        dict(dp=2, pp=2, tp=1, cp=2, ep=2, moe_every=1, experts=4, top_k=2),
     ],
-    ids=["dp2-pp2-tp2", "interleaved", "zero3-recompute", "dp2-ep2-moe", "zb-h1", "fused-ce-sp"],
+    ids=[
+        "dp2-pp2-tp2",
+        "interleaved",
+        "zero3-recompute",
+        "dp2-ep2-moe",
+        "zb-h1",
+        "fused-ce-sp",
+        "cp2-dp2-ring",
+        "cp2-dp2-a2a-llama",
+        "cp2-dp2-pp2-ep2-moe",
+    ],
 )
 def test_token_normalization_agrees_with_one_device(data, layout):
     cfg = TrainConfig(**{**SMALL, **layout}, data=data)
@@ -79,8 +96,17 @@ def test_token_normalization_agrees_with_one_device(data, layout):
     assert ok, text
 
 
-def test_sequence_normalization_is_a_mean_of_means_and_disagrees(data):
-    cfg = TrainConfig(**SMALL, data=data, dp=2, pp=2, tp=2, loss_normalization="sequence")
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(dp=2, pp=2, tp=2),
+        dict(dp=2, pp=1, tp=1, cp=2),
+        dict(dp=2, pp=1, tp=1, ep=2, moe_every=1, experts=4, top_k=2),
+    ],
+    ids=["dp2-pp2-tp2", "cp2-dp2", "dp2-ep2-moe"],
+)
+def test_sequence_normalization_is_a_mean_of_means_and_disagrees(data, layout):
+    cfg = TrainConfig(**{**SMALL, **layout}, data=data, loss_normalization="sequence")
     ok, text = compare(cfg)
     assert not ok and text.splitlines()[-1] == "DISAGREE", text
 
@@ -88,11 +114,9 @@ def test_sequence_normalization_is_a_mean_of_means_and_disagrees(data):
 @pytest.mark.parametrize(
     "flags, match",
     [
-        (dict(cp=2, dp=2, tp=1, pp=1), "--cp 2 is not supported yet"),
-        (dict(pack="documents", eos_id=None), "needs the end-of-document id"),
+        (dict(pack="documents", eos_id=None), "needs document boundaries"),
         (dict(eos_id=999), "not a token id"),
         (dict(loss_normalization="mean"), "token or sequence"),
-        (dict(compile=True), "--compile is not supported yet"),
         (
             dict(eos_id=None, schedule="zb-h1", sequence_parallel=True, tp=2, pp=2, dp=1),
             "zb-h1 with --sequence-parallel",
@@ -113,3 +137,197 @@ def test_a_step_with_no_valid_target_is_skipped_and_said(tmp_path, capfd):
     assert all(r["loss"] == 0.0 and r["grad_norm"] == 0.0 for r in records), records
     out = capfd.readouterr().out
     assert "step 1: the global batch has no valid target" in out, out
+
+
+def _records():
+    return [
+        (f"question {i}: what follows {'ab' * (i % 9)}?", " the answer" * (1 + i % 4))
+        for i in range(80)
+    ]
+
+
+def _jsonl(tmp_path) -> str:
+    import json
+
+    path = tmp_path / "sft.jsonl"
+    with open(path, "w") as f:
+        for prompt, completion in _records():
+            f.write(json.dumps({"prompt": prompt, "completion": completion}) + "\n")
+    return str(path)
+
+
+def test_jsonl_prompts_predict_nothing_and_verify_agrees(tmp_path):
+    """Fine-tuning records: every target inside a prompt is ignored, the completion's (and its
+    end, --eos-id 0 appended) count; dp 2 x pp 2 AGREES with one device on the whole batch."""
+    from fastpar.data import _window_starts
+
+    cfg = TrainConfig(**{**SMALL, "eos_id": 0}, data=_jsonl(tmp_path), dp=2, pp=2, tp=1)
+    assert cfg.packs_documents and "records" in cfg.document_source
+    stream, counts, doc = [], [], []  # plain Python: bytes, whether each counts, its document
+    for i, (prompt, completion) in enumerate(_records()):
+        body = list(prompt.encode()) + list(completion.encode()) + [0]
+        stream += body
+        counts += [False] * len(prompt) + [True] * (len(completion) + 1)
+        doc += [i] * len(body)
+    x, y, docs = batch_of(cfg, load_data(cfg), 1)
+    for r, s in enumerate(_window_starts(len(stream), 1, cfg.batch_size, cfg.seq_len, cfg.seed)):
+        s = int(s)
+        assert x[r].tolist() == stream[s : s + cfg.seq_len]
+        for t in range(cfg.seq_len):
+            j = s + t + 1  # the target's offset
+            valid = counts[j] and doc[j] == doc[j - 1]
+            assert int(y[r, t]) == (stream[j] if valid else -100), (r, t)
+            assert int(docs.ids[r, t]) == doc[s + t] - doc[s]
+    assert 0 < int((y != -100).sum()) < y.numel()
+    ok, out = compare(cfg)
+    assert ok, out
+
+
+def test_bin_with_an_index_of_document_offsets(tmp_path):
+    import numpy as np
+
+    ids = (np.arange(3000) * 7 % 250).astype(np.uint16)
+    ids.tofile(tmp_path / "tok.bin")
+    starts = np.unique(np.r_[0, 41, np.arange(40, 2990, 53), 2999]).astype("<i8")
+    starts.tofile(tmp_path / "tok.idx")
+    cfg = TrainConfig(**{**SMALL, "eos_id": None}, data=str(tmp_path / "tok.bin"),
+                      dp=2, pp=1, tp=2)  # fmt: skip
+    assert cfg.packs_documents and "tok.idx" in cfg.document_source
+    corpus = load_data(cfg)
+    assert corpus.starts.tolist() == starts.tolist()
+    x, y, docs = batch_of(cfg, corpus, 0)
+    from fastpar.data import _window_starts
+
+    for r, start in enumerate(_window_starts(len(ids), 0, cfg.batch_size, cfg.seq_len, cfg.seed)):
+        span = np.arange(int(start), int(start) + cfg.seq_len + 1)
+        doc = np.searchsorted(starts, span, side="right") - 1  # each token's document
+        assert x[r].tolist() == ids[span[:-1]].tolist()
+        assert docs.ids[r].tolist() == (doc[:-1] - doc[0]).tolist()
+        assert ((y[r] == -100).numpy() == (doc[1:] != doc[:-1])).all()
+    assert (docs.ids[:, -1] > 0).any()  # some rows cross a document start
+    ok, out = compare(cfg)
+    assert ok, out
+    with pytest.raises(ValueError, match="--pack stream with"):
+        TrainConfig(**{**SMALL, "eos_id": None}, data=_jsonl(tmp_path), pack="stream").check()
+
+
+def test_the_tokenizers_end_of_document_token_packs_by_default(tmp_path):
+    pytest.importorskip("tokenizers")
+    from fastpar.tokenizer import main as tokenizer_main
+
+    tok = str(tmp_path / "tok.json")
+    assert tokenizer_main(["--vocab-size", "300", "--out", tok]) == 0
+    base = {**SMALL, "eos_id": None, "vocab_size": 300}
+    cfg = TrainConfig(**base, tokenizer=tok)
+    assert cfg.packs_documents and "tokenizer's end-of-document token (id" in cfg.document_source
+    assert not TrainConfig(**base, tokenizer=tok, pack="stream").packs_documents
+    assert not TrainConfig(**base).packs_documents  # bytes, no eos: a stream
+    text = "one document<|endoftext|>and the next one<|endoftext|>" * 40
+    (tmp_path / "t.txt").write_text(text)
+    corpus = load_data(dataclasses.replace(cfg, data=str(tmp_path / "t.txt")))
+    assert len(corpus.starts) == 80  # each end starts the next (the last ends the file)
+
+
+def test_the_command_line_resets_positions_unless_told_not_to():
+    from fastpar.train.cli import build_parser, config_from
+
+    parse = build_parser().parse_args
+    assert config_from(parse(["--eos-id", "10"]), None).reset_positions  # TrainConfig's default
+    assert not config_from(parse(["--eos-id", "10", "--no-reset-positions"]), None).reset_positions
+
+
+def _first_step_gradients(cfg: TrainConfig, refs) -> list[str]:
+    """On this rank: the first step's forward and backward through the trainer's engine (no
+    optimizer step), each parameter's gradient judged against this rank's piece of the
+    single-process model's (``fastpar.tolerance``'s rule; the float64 run as the truth)."""
+    from fastpar.checkpoint.state import checkpoint_name, localize
+    from fastpar.mesh import ParallelMesh
+    from fastpar.train import Trainer
+
+    mesh = ParallelMesh(cfg.tp, cfg.pp, cfg.ep, cp=cfg.cp)
+    trainer = Trainer(cfg, mesh, torch.device("cpu"))
+    x, y = trainer._batch(0)
+    trainer.engine.train_step(
+        x if mesh.is_first_stage else None, y if mesh.is_last_stage else None,
+        broadcast_loss=False, valid_tokens=trainer._count(), context=trainer.context,
+    )  # fmt: skip
+    params = {checkpoint_name(n, p): p for n, p in trainer.named_parameters().items()}
+    refs.local = lambda full, name: localize(full, params[name])
+    bad = []
+    for name, p in params.items():
+        c = refs.grad(0, name, p.grad.double())
+        if not c.ok:
+            bad.append(str(c))
+    return [f"{len(params)} gradients checked", *bad]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(dp=2, pp=2, tp=2, zero=0),
+        dict(dp=2, pp=1, tp=1, cp=2, zero=0),
+        dict(dp=2, pp=1, tp=1, ep=2, moe_every=1, experts=4, top_k=2, zero=0),
+    ],
+    ids=["dp2-pp2-tp2", "cp2-dp2", "dp2-ep2-moe"],
+)
+def test_every_gradient_on_every_rank_is_the_single_process_models(data, layout):
+    """Documents crossing micro-batch, stage and cp-chunk boundaries, ignored targets uneven:
+    every rank's gradient of every parameter it holds (replicated copies included) is its
+    piece of one device's gradient of the whole batch's token mean."""
+    from fastpar.testing import run_ranks
+    from fastpar.verify import references
+
+    cfg = TrainConfig(**{**SMALL, **layout, "steps": 1}, data=data)
+    cfg.check()
+    refs = references(cfg, load_data(cfg))
+    for rank, lines in enumerate(run_ranks(_first_step_gradients, cfg.world_size, cfg, refs)):
+        assert int(lines[0].split()[0]) > 0, lines
+        assert len(lines) == 1, f"rank {rank}: " + "\n".join(lines)
+
+
+def test_the_gradient_check_fails_for_a_mean_of_means(data):
+    from fastpar.testing import run_ranks
+    from fastpar.verify import references
+
+    cfg = TrainConfig(**{**SMALL, "steps": 1}, data=data, dp=2, pp=1, tp=1, cp=2, zero=0,
+                      loss_normalization="sequence")  # fmt: skip
+    refs = references(cfg, load_data(cfg))  # (one device's token mean, whatever the run's)
+    for lines in run_ranks(_first_step_gradients, cfg.world_size, cfg, refs):
+        assert len(lines) > 1 and "DISAGREE" in lines[1], lines
+
+
+@pytest.mark.parametrize(
+    "family, layout",
+    [
+        ("llama", dict(tp=2, pp=2, dp=2, zero=1)),  # positions and no masks between stages
+        ("qwen2", dict(tp=2, pp=1, dp=2, zero=0)),
+        ("gpt2", dict(tp=2, pp=1, dp=2, zero=2)),  # learned positions through position_ids
+    ],
+)
+def test_hugging_face_models_with_packed_documents_agree(data, tmp_path, family, layout):
+    """--hf-config models on packed documents: attention within each document and positions
+    restarting (HF's position_ids), proven against one device on the whole batch."""
+    import json
+
+    from _hf import config as hf_config
+
+    path = tmp_path / f"{family}.json"
+    path.write_text(json.dumps(hf_config(family, vocab_size=300).to_dict()))
+    base = {**SMALL, **layout, "hf_config": str(path), "microbatches": 2}
+    for key in ("hidden", "heads", "layers"):
+        base.pop(key)
+    cfg = TrainConfig(**base, data=data)
+    ok, text = compare(cfg)
+    assert ok, text
+
+
+def test_hugging_face_families_that_cannot_pack_are_refused(data, tmp_path):
+    import json
+
+    from _hf import config as hf_config
+
+    path = tmp_path / "bert.json"
+    path.write_text(json.dumps(hf_config("bert", vocab_size=300).to_dict()))
+    base = {k: v for k, v in SMALL.items() if k not in ("hidden", "heads", "layers")}
+    with pytest.raises(ValueError, match="--pack documents with --hf-config"):
+        TrainConfig(**base, hf_config=str(path), data=data, tp=1, pp=1, dp=1).check()

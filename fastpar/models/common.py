@@ -23,13 +23,13 @@ from fastpar.comm import (
 )
 from fastpar.mesh.placement import mark_sharded, mark_tied_copy, param_layout
 from fastpar.models.documents import current as current_documents
-from fastpar.models.documents import document_attention
 from fastpar.moe import MoE
 from fastpar.nn import ColumnParallelLinear, VocabParallelEmbedding
 from fastpar.nn.functional import (
     vocab_parallel_cross_entropy,
     vocab_parallel_linear_cross_entropy,
 )
+from fastpar.ops.documents import document_attention
 from fastpar.parallel.context import (
     all_to_all_attention,
     local_positions,
@@ -67,16 +67,15 @@ def positions(t: int, cp_group, device) -> torch.Tensor:
     each token's position in its document."""
     docs = current_documents()
     if docs is not None and docs.reset_positions:
-        if cp_group is not None:
-            raise ValueError(
-                "packed documents under context parallelism are not supported yet; use --cp 1"
-            )
+        cp = 1 if cp_group is None else group_size(cp_group)
         pos = docs.positions().to(device)
-        if pos.shape[1] != t:
+        if pos.shape[1] != t * cp:
             raise ValueError(
                 f"the documents describe rows of {pos.shape[1]} tokens but the layer holds {t}"
+                + (f" on each of {cp} cp ranks" if cp > 1 else "")
             )
-        return pos
+        # whole rows' positions: under cp this rank's chunks of them
+        return pos if cp == 1 else split_sequence(pos, cp_group, dim=1)
     if cp_group is None:
         return torch.arange(t, device=device)
     cp = group_size(cp_group)
@@ -89,13 +88,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group=None, kin
     (``kind`` "all-to-all") head-scattering all-to-alls (``fastpar.parallel.context``)."""
     docs = current_documents()
     if docs is not None:  # packed rows: attention stops at each document's start
-        if cp_group is not None:
-            raise ValueError(
-                "packed documents under context parallelism are not supported yet: ring and "
-                "all-to-all attention would let a document see the previous one; train with "
-                "--cp 1, or without packed documents"
-            )
-        return document_attention(q, k, v, docs.ids.to(q.device))
+        ids = docs.ids.to(q.device)  # whole rows, also under context parallelism
+        if cp_group is None:
+            return document_attention(q, k, v, ids)
+        if kind == "all-to-all":
+            return all_to_all_attention(q, k, v, cp_group, doc_ids=ids)
+        return ring_attention(q, k, v, cp_group, doc_ids=ids)
     if cp_group is not None:
         if kind == "all-to-all":
             return all_to_all_attention(q, k, v, cp_group)

@@ -8,7 +8,7 @@ positions of the forward that is running.
 A batch of packed rows carries ``doc_ids`` [B, S] (int64): in each row, the index of the
 document each position belongs to, non-decreasing along the row (a document is one contiguous
 run of equal ids; ids need not start at 0). Attention then stops at document boundaries
-(a query sees the keys of its own document at or before it: ``fastpar.ops.documents``), and
+(a query sees the keys of its own document at or before it: ``fastpar.ops.documents.document_attention``), and
 with ``reset_positions`` the positions restart at 0 at each document start (RoPE and learned
 positions, as Megatron's ``reset_position_ids``).
 
@@ -26,7 +26,6 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 #: the documents of the running forward (a module global, not a ContextVar: torch.compile
 #: traces a global's read, guarded, where it cannot trace ``ContextVar.get``)
@@ -35,19 +34,30 @@ _CURRENT: list = [None]
 
 @dataclass(frozen=True)
 class Documents:
-    """The documents of a batch's rows: ``ids`` [B, S] int64 (see the module docstring) and
-    whether positions restart at each document (``reset_positions``)."""
+    """The documents of a batch's rows: ``ids`` [B, S] int64 (see the module docstring),
+    whether positions restart at each document (``reset_positions``) and, optionally, which
+    tokens have a valid target (``valid`` [B, S] bool, whole rows like ``ids``; e.g.
+    ``targets != -100``): the MoE layers' aux losses and expert-bias counts count only those
+    (``fastpar.moe.router``; None: every token)."""
 
     ids: torch.Tensor
     reset_positions: bool = True
+    valid: torch.Tensor | None = None
 
     @staticmethod
-    def of(ids: torch.Tensor, reset_positions: bool = True) -> Documents:
+    def of(
+        ids: torch.Tensor, reset_positions: bool = True, valid: torch.Tensor | None = None
+    ) -> Documents:
         if ids.dim() != 2:
             raise ValueError(f"document ids must be [batch, seq], got {tuple(ids.shape)}")
         if ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"document ids must be int32 / int64, got {ids.dtype}")
-        return Documents(ids.long(), reset_positions)
+        if valid is not None and (valid.dtype != torch.bool or valid.shape != ids.shape):
+            raise ValueError(
+                f"valid must be a bool [batch, seq] mask like the ids {tuple(ids.shape)}, got "
+                f"{valid.dtype} {tuple(valid.shape)}"
+            )
+        return Documents(ids.long(), reset_positions, valid)
 
     def positions(self) -> torch.Tensor:
         """[B, S] int64: each token's position in its document (``reset_positions``) or in its
@@ -60,7 +70,8 @@ class Documents:
 
     def rows(self, index) -> Documents:
         """The documents of some rows (``index`` a slice or an index tensor of dim 0)."""
-        return Documents(self.ids[index], self.reset_positions)
+        valid = None if self.valid is None else self.valid[index]
+        return Documents(self.ids[index], self.reset_positions, valid)
 
 
 def document_starts(ids: torch.Tensor) -> torch.Tensor:
@@ -88,56 +99,6 @@ def documents(docs: Documents | torch.Tensor | None):
         yield docs
     finally:
         _CURRENT[0] = before
-
-
-def segments(ids: torch.Tensor) -> list[list[tuple[int, int]]]:
-    """Per row, the (start, end) of each document: one read of the ids on the host (on a GPU
-    one device-to-host copy of [B, S] ids per call)."""
-    out = []
-    for row in ids.cpu():
-        _, counts = torch.unique_consecutive(row, return_counts=True)
-        ends = counts.cumsum(0).tolist()
-        out.append(list(zip([0, *ends[:-1]], ends, strict=True)))
-    return out
-
-
-def _document_attention(q, k, v, ids):
-    rep = q.shape[1] // k.shape[1]
-    if rep > 1:  # key/value head j serves query heads j·rep .. j·rep + rep - 1
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    rows = segments(ids)
-    if all(len(r) == 1 for r in rows):  # one document a row: plain causal attention
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    out = []
-    for b, row in enumerate(rows):
-        pieces = [
-            F.scaled_dot_product_attention(
-                q[b : b + 1, :, s:e], k[b : b + 1, :, s:e], v[b : b + 1, :, s:e], is_causal=True
-            )
-            for s, e in row
-        ]
-        out.append(torch.cat(pieces, dim=2))
-    return torch.cat(out, dim=0)
-
-
-_EAGER: list = []
-
-
-def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor):
-    """Causal attention that stops at documents: q [B, Hq, T, D], k / v [B, Hkv, T, D] (Hq a
-    multiple of Hkv), ``ids`` [B, T] (each row's document ids, non-decreasing) -> [B, Hq, T,
-    D]; a query sees the keys of its own document at or before it. Each document of each row
-    is one causal ``scaled_dot_product_attention`` of its own tokens (torch's fused kernels;
-    no [T, T] mask, memory and work as the documents' own lengths, not the row's). Run
-    eagerly inside a compiled block (one graph break: the segments are read on the host)."""
-    if ids.shape != (q.shape[0], q.shape[2]):
-        raise ValueError(
-            f"document ids {tuple(ids.shape)} do not match the queries' [batch, seq] "
-            f"{(q.shape[0], q.shape[2])}"
-        )
-    if not _EAGER:
-        _EAGER.append(torch.compiler.disable(_document_attention))
-    return _EAGER[0](q, k, v, ids)
 
 
 def valid_targets(targets: torch.Tensor, ignore_index: int = -100) -> int:

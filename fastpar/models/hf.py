@@ -11,10 +11,16 @@ cross-entropy) and cut into pipeline blocks: decoder families (Llama, Mistral, Q
 Mixtral, Qwen3-MoE) by ``fastpar.parallel.pipeline.hf`` (any pp), other families (GPT-2, BERT)
 as one block (pp = 1). Causal LMs train on next-token prediction; masked LMs (BERT) on a fixed
 number of masked positions per row (``masked_lm_batch``). transformers is imported when needed.
+
+Packed documents (``fastpar.models.documents``): the causal LMs ``hf_blocks`` builds attend
+within the current documents and take their restarting positions while a ``Documents``
+context is current, and run as before outside one (``fastpar.models.hf_documents``;
+``check_documents(config)`` refuses the families that cannot, e.g. BERT or sliding windows).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fastpar.models import hf_documents
 from fastpar.nn import parallelize
 from fastpar.parallel.pipeline import hf as pipe
 
@@ -100,6 +107,9 @@ class WholeModel(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         kwargs = {"use_cache": False} if not is_masked_lm(self.model.config) else {}
+        position_ids = hf_documents.positions(self.model.config, ids)  # None: no documents
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids
         return self.model(input_ids=ids, **kwargs).logits
 
 
@@ -119,7 +129,10 @@ class HFParts:
 
 
 def hf_blocks(config, mesh) -> HFParts:
-    """Build, parallelize and cut the model of ``config`` for this rank's mesh."""
+    """Build, parallelize and cut the model of ``config`` for this rank's mesh (a copy of
+    ``config``: the model's attention is switched to the documents-aware one, the caller's
+    config is left as it was)."""
+    config = copy.deepcopy(config)
     model = build(config)
     if mesh is not None:
         model = parallelize(model, mesh=mesh, loss_parallel=True)
@@ -127,6 +140,8 @@ def hf_blocks(config, mesh) -> HFParts:
     masked = is_masked_lm(config)
     if config.model_type in DECODERS and not masked:
         blocks = pipe.hf_decoder_blocks(model)
+        blocks[0] = hf_documents.DocumentsHFEmbedding(model, blocks[0].mask_kinds)
+        hf_documents.enable(model)  # attention that reads the documents context
         return HFParts(
             blocks, (type(blocks[1]),), vocab, masked,
             lambda stage: dict(pipe.hf_named_parameters(stage)), pipe.hf_tie_across_stages,
@@ -136,6 +151,8 @@ def hf_blocks(config, mesh) -> HFParts:
             f"--pp {mesh.pp_size} with a {config.model_type} model: pipeline stages split the "
             f"decoder families {list(DECODERS)} only; use --pp 1"
         )
+    if not masked:
+        hf_documents.enable(model)
     layers = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
     units = (type(max(layers, key=len)[0]),) if layers else ()
     return HFParts(
@@ -143,6 +160,12 @@ def hf_blocks(config, mesh) -> HFParts:
         lambda stage: dict(next(iter(stage)).model.named_parameters()), lambda blocks, mesh: None,
         mask_token_id(config),
     )  # fmt: skip
+
+
+def check_documents(config) -> None:
+    """Raise a ValueError (naming the family and the fix) if an ``--hf-config`` model of
+    ``config`` cannot train on packed documents exactly (``fastpar.models.hf_documents``)."""
+    hf_documents.check(config)
 
 
 def masked_lm_batch(x: torch.Tensor, step: int, seed: int, mask_id: int, fraction: float = 0.15):

@@ -17,6 +17,14 @@ tokens are split over (``fastpar.moe.tp``); the statistics are then summed over 
 ``reduce_from_region``: all-reduce forward, identity backward, since every rank's copy of
 the loss sends its gradient only to its own tokens — so the loss is the one of the whole
 sequence, the same on every rank. None: the tokens are all here.
+
+``valid`` (the losses, optional ``[T]`` bool): which tokens count — those whose target is
+valid (``fastpar.models.documents.Documents.valid``; prompt tokens and a packed document's last
+token are not). The statistics then run over the valid tokens only: f_i from their routing
+choices, P_i and the z-loss mean over them, each denominator the count of valid tokens
+(summed over ``group`` like the sums, clamped to >= 1), so no valid token anywhere gives a loss
+of 0 with finite (zero) gradients. The sequence loss averages over the sequences holding at
+least one valid token. ``valid=None`` is the unmasked computation, unchanged.
 """
 
 from __future__ import annotations
@@ -55,12 +63,22 @@ def balance_scores(router_probs: torch.Tensor, score: str) -> torch.Tensor:
 
 
 def load_balancing_loss(
-    p: torch.Tensor, counts: torch.Tensor, top_k: int, coef: float, group=None
+    p: torch.Tensor, counts: torch.Tensor, top_k: int, coef: float, group=None, valid=None
 ) -> torch.Tensor:
     """``coef · E · Σ_i f_i · P_i`` over all T tokens: ``p [T, E]``, ``counts [E]`` routing
     choices per expert (before capacity), f_i = counts_i / (T·k), P_i the mean of ``p``
-    (over the tokens of every rank of ``group``, module docstring)."""
+    (over the tokens of every rank of ``group``, module docstring). ``valid [T]`` bool: over
+    the valid tokens only — ``counts`` must then be the valid tokens' choices
+    (``valid_counts``), T their number (module docstring)."""
     t, e = p.shape
+    if valid is not None:
+        n = valid.sum().to(p.dtype).reshape(1)
+        psum = torch.where(valid.unsqueeze(1), p, 0.0).sum(dim=0)
+        stats = torch.cat([counts.to(p.dtype), psum, n])
+        if _world(group) > 1:
+            stats = reduce_from_region(stats, group)
+        c, psum, n = stats[:e], stats[e : 2 * e], stats[2 * e].clamp(min=1)
+        return coef * e * ((c / (n * top_k)) * (psum / n)).sum()
     if _world(group) == 1:
         f = counts.to(torch.float32) / max(1, t * top_k)
         return coef * e * (f * p.mean(dim=0)).sum()
@@ -69,13 +87,23 @@ def load_balancing_loss(
     return coef * e * (f * (reduce_from_region(p.sum(dim=0), group) / total)).sum()
 
 
+def valid_counts(expert_ids: torch.Tensor, valid: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] fp32: the routing choices per expert of the valid tokens (``expert_ids [T, k]``,
+    ``valid [T]`` bool)."""
+    k = expert_ids.shape[1]
+    w = valid.to(torch.float32).repeat_interleave(k)  # token-major, like ids.reshape(-1)
+    out = torch.zeros(num_experts, dtype=torch.float32, device=expert_ids.device)
+    return out.index_add_(0, expert_ids.reshape(-1), w)
+
+
 def sequence_balancing_loss(
-    p: torch.Tensor, expert_ids: torch.Tensor, seq_len: int, coef: float, group=None
+    p: torch.Tensor, expert_ids: torch.Tensor, seq_len: int, coef: float, group=None, valid=None
 ) -> torch.Tensor:
     """The load-balancing loss of each sequence, averaged over the ``T / seq_len`` sequences:
     tokens are rows ``b·S .. (b+1)·S − 1`` of sequence b (batch-first ``[B, S]`` flattened;
     with ``group``, this rank's chunk of every sequence: each sequence is ``seq_len`` × the
-    group's size long)."""
+    group's size long). ``valid [T]`` bool: each sequence's f_i and P_i over its valid tokens,
+    averaged over the sequences with at least one (module docstring)."""
     t, e = p.shape
     k = expert_ids.shape[1]
     if seq_len < 1 or t % seq_len:
@@ -85,6 +113,8 @@ def sequence_balancing_loss(
         )
     b = t // seq_len
     ids = expert_ids.reshape(b, seq_len * k)
+    if valid is not None:
+        return _masked_sequence_loss(p, ids, valid.reshape(b, seq_len), k, coef, group)
     counts = torch.zeros(b, e, dtype=torch.float32, device=p.device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
     if _world(group) == 1:
@@ -97,9 +127,32 @@ def sequence_balancing_loss(
     return coef * e * (f * pbar).sum(dim=-1).mean()
 
 
-def z_loss(logits: torch.Tensor, coef: float, group=None) -> torch.Tensor:
-    """``coef · mean_t(logsumexp(logits_t)²)`` (over every rank of ``group``'s tokens)."""
+def _masked_sequence_loss(p, ids, valid, k: int, coef: float, group) -> torch.Tensor:
+    """``sequence_balancing_loss`` over the valid tokens: ``ids [B, S·k]``, ``valid [B, S]``."""
+    b, s = valid.shape
+    e = p.shape[1]
+    w = valid.to(p.dtype)
+    counts = torch.zeros(b, e, dtype=p.dtype, device=p.device)
+    counts.scatter_add_(1, ids, w.repeat_interleave(k, dim=1))
+    psum = torch.where(valid.unsqueeze(-1), p.reshape(b, s, e), 0.0).sum(dim=1)
+    stats = torch.cat([counts, psum, w.sum(dim=1, keepdim=True)], dim=1)  # [B, 2E + 1]
+    if _world(group) > 1:
+        stats = reduce_from_region(stats, group)
+    c, psum, n = stats[:, :e], stats[:, e : 2 * e], stats[:, 2 * e :]
+    per_seq = ((c / (n.clamp(min=1) * k)) * (psum / n.clamp(min=1))).sum(dim=-1)  # 0 if empty
+    seqs = (n > 0).to(p.dtype).sum().clamp(min=1)
+    return coef * e * per_seq.sum() / seqs
+
+
+def z_loss(logits: torch.Tensor, coef: float, group=None, valid=None) -> torch.Tensor:
+    """``coef · mean_t(logsumexp(logits_t)²)`` (over every rank of ``group``'s tokens; the
+    valid ones only with ``valid [T]`` bool)."""
     sq = torch.logsumexp(logits, dim=-1).square()
+    if valid is not None:
+        stats = torch.stack([torch.where(valid, sq, 0.0).sum(), valid.sum().to(sq.dtype)])
+        if _world(group) > 1:
+            stats = reduce_from_region(stats, group)
+        return coef * stats[0] / stats[1].clamp(min=1)
     if _world(group) == 1:
         return coef * sq.mean()
     return coef * reduce_from_region(sq.sum(), group) / (sq.shape[0] * _world(group))

@@ -62,6 +62,7 @@ from fastpar.moe.dispatch import ep_combine, ep_dispatch
 from fastpar.moe.overlap import CapacityChunks, DroplessChunks, OverlappedExperts
 from fastpar.moe.router import TopKRouter
 from fastpar.ops.moe_permute import moe_permute, moe_unpermute
+from fastpar.parallel.context import split_sequence
 from fastpar.reference.precision import upcast
 
 _UNSET = object()
@@ -332,16 +333,91 @@ class MoE(nn.Module):
         return tp.add_row_bias(out, self.b2, counts)
 
     # -- forward ----------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [..., H]`` -> ``[..., H]``. ``valid`` (bool, ``x.shape[:-1]``: this rank's
+        tokens, as ``x`` is laid out): the tokens whose targets are valid, the only ones the aux
+        losses and expert-bias counts count (``fastpar.moe.router``); None: the running
+        ``Documents.valid`` (``fastpar.models.documents``) if set, else every token."""
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"MoE expects input [..., {self.hidden_size}], got {tuple(x.shape)}")
-        if self.tp_layout == "expert_tp" and self.sequence_parallel:
+        gather = self.tp_layout == "expert_tp" and self.sequence_parallel
+        if valid is not None:
+            valid = self._own_valid(x, valid, gather)
+        else:
+            valid = self._documents_valid(x, gather)
+        if gather:
             x = gather_from_sequence(x, self.tp_group, self.sequence_dim)
-            y = self._forward(x)
+            y = self._forward(x, valid)
             return scatter_to_sequence(y, self.tp_group, self.sequence_dim)
-        return self._forward(x)
+        return self._forward(x, valid)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _own_valid(self, x: torch.Tensor, valid: torch.Tensor, gather: bool) -> torch.Tensor:
+        """An explicit ``valid`` over ``x``'s tokens -> over the routed tokens [T] (gathered
+        over TP like ``x`` when the layer gathers the sequence)."""
+        if valid.dtype != torch.bool or valid.shape != x.shape[:-1]:
+            raise ValueError(
+                f"MoE valid= must be a bool mask over the input's tokens {tuple(x.shape[:-1])}, "
+                f"got {valid.dtype} {tuple(valid.shape)}"
+            )
+        valid = valid.to(x.device)
+        if gather:
+            dim = self.sequence_dim % x.dim()
+            if dim == x.dim() - 1:
+                raise ValueError(f"sequence_dim {self.sequence_dim} is the hidden dim of x")
+            flags = gather_from_sequence(valid.to(torch.float32), self.tp_group, dim)
+            valid = flags > 0.5
+        return valid.reshape(-1)
+
+    def _documents_valid(self, x: torch.Tensor, gather: bool) -> torch.Tensor | None:
+        """The running ``Documents.valid`` [B, S] (whole rows) -> a mask [T] over the tokens
+        this layer routes: this cp rank's chunks (``split_sequence``), then, when the tokens
+        are split over TP (sequence-parallel tokens, not gathered here), this TP rank's
+        contiguous chunk of them along ``sequence_dim``, as ``scatter_to_sequence`` splits the
+        activations. A layout the mask cannot follow exactly is a ValueError."""
+        from fastpar.models.documents import current  # (fastpar.models imports this module)
+
+        docs = current()
+        valid = None if docs is None else getattr(docs, "valid", None)
+        if valid is None:
+            return None
+        valid = valid.to(x.device)
+        if self.cp > 1:
+            valid = split_sequence(valid, self.cp_group, dim=1)
+        split = self.tp_layout == "sequence"  # each TP rank routes its own chunk
+        if x.dim() == 3 and self.sequence_dim % 3 in (0, 1):
+            if self.sequence_dim % 3 == 0:  # sequence-first [S, B, H]
+                valid = valid.t()
+            if split:
+                dim = self.sequence_dim % 3
+                if valid.shape[dim] % self.tp:
+                    raise ValueError(
+                        f"Documents.valid {tuple(valid.shape)} cannot be split over tp={self.tp} "
+                        f"along dim {dim} like the activations {tuple(x.shape)}"
+                    )
+                valid = valid.chunk(self.tp, dim)[group_rank(self.tp_group)]
+        elif x.dim() == 2 and self.cp == 1 and not split and not gather:
+            valid = valid.reshape(-1)  # tokens [B·S, H], batch-first rows flattened
+        else:
+            raise ValueError(
+                f"MoE cannot line Documents.valid {tuple(valid.shape)} up with its input "
+                f"{tuple(x.shape)} (sequence_dim={self.sequence_dim}, tp layout "
+                f"{self.tp_layout!r}, cp={self.cp}): pass [B, S, H] batch-first, or the mask "
+                "over the input's tokens as MoE(x, valid=)"
+            )
+        want = list(x.shape[:-1])
+        if gather:  # the layer routes the sequence gathered over TP
+            want[self.sequence_dim % x.dim()] *= self.tp
+        want = torch.Size(want)
+        if valid.shape != want:
+            raise ValueError(
+                f"Documents.valid gives {tuple(valid.shape)} flags for this MoE's tokens "
+                f"{tuple(want)} (after cp={self.cp} / tp layout {self.tp_layout!r} split): the "
+                "mask must cover whole rows [B, S] of this micro-batch; under context "
+                "parallelism the layer needs its cp_group (mesh=)"
+            )
+        return valid.reshape(-1)
+
+    def _forward(self, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
         batch_first = x.dim() == 3 and self.sequence_dim % 3 == 1
         if self.tp_layout == "sequence" and self.router.aux_loss == "sequence" and not batch_first:
@@ -350,7 +426,7 @@ class MoE(nn.Module):
                 f"H] split along dim 1, got {tuple(x.shape)} along dim {self.sequence_dim}"
             )
         tokens = x.reshape(-1, self.hidden_size)
-        routing = self.router(tokens, seq_len=shape[-2] if x.dim() >= 3 else None)
+        routing = self.router(tokens, seq_len=shape[-2] if x.dim() >= 3 else None, valid=valid)
         permuted, info = moe_permute(
             tokens, routing.expert_ids, self.num_experts, routing.capacity, routing.order
         )

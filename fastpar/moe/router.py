@@ -32,6 +32,14 @@ to sum 1 per token):
   paper's formula averages over experts, no factor E: this loss / E² (coefficient E² larger).
 * router z-loss ``z_loss_coef · mean_t(logsumexp(logits_t)²)`` (ST-MoE).
 
+Valid tokens (``forward(x, valid=)``, ``valid [T]`` bool: True where the token's target is
+valid; ``MoE`` takes it from the running ``Documents.valid``): the aux losses and the
+expert-bias counts then count the valid tokens only — f_i, P_i, the z-loss mean, every
+denominator the number of valid tokens (summed over ``token_group``, clamped to >= 1: a
+micro-batch without one gives 0), the sequence loss averaged over the sequences that hold one
+(``fastpar.moe.balance``). Routing is unchanged: every token is routed, counts toward capacity
+and is computed. None: every token counts.
+
 Aux-loss-free balancing (``expert_bias=True``): a persistent fp32 buffer ``expert_bias`` [E]
 (saved in ``state_dict`` and checkpoints, kept fp32 by ``.to(dtype)``). Every training forward
 with grad enabled adds the tokens it routed (choices per expert, before capacity) to the
@@ -114,7 +122,8 @@ class Routing:
     renormalised), ``order`` [T·k] processing order of the choice-major pairs for the "probs" /
     "weights" policies (None: natural order), ``capacity`` C or None, ``router_probs [T, E]``
     fp32 scores (softmax probabilities or sigmoid scores), ``logits [T, E]``, ``seq_len``: the
-    tokens per sequence the forward was told (None: unknown).
+    tokens per sequence the forward was told (None: unknown), ``valid [T]`` bool: the tokens
+    the statistics count (None: all; module docstring).
     """
 
     expert_ids: torch.Tensor
@@ -124,6 +133,7 @@ class Routing:
     router_probs: torch.Tensor
     logits: torch.Tensor
     seq_len: int | None = None
+    valid: torch.Tensor | None = None
 
 
 def capacity_for(
@@ -137,8 +147,10 @@ def capacity_for(
 
 
 class TopKRouter(nn.Module):
-    """Linear gate [E, H] in fp32 and top-k choice. ``forward(x [T, H], seq_len=None) ->
-    Routing`` (``seq_len``: tokens per sequence, batch-first; needed by ``aux_loss="sequence"``).
+    """Linear gate [E, H] in fp32 and top-k choice. ``forward(x [T, H], seq_len=None,
+    valid=None) -> Routing`` (``seq_len``: tokens per sequence, batch-first; needed by
+    ``aux_loss="sequence"``; ``valid [T]`` bool: the tokens the aux losses and expert-bias
+    counts count, module docstring).
 
     Options (defaults: today's fastpar router): ``score`` "softmax" | "sigmoid";
     ``normalize_topk`` (None: k > 1); ``scaling_factor`` (None: 1); ``num_groups`` /
@@ -200,9 +212,13 @@ class TopKRouter(nn.Module):
         else:
             self.expert_bias = None
 
-    def forward(self, x: torch.Tensor, seq_len: int | None = None) -> Routing:
+    def forward(
+        self, x: torch.Tensor, seq_len: int | None = None, valid: torch.Tensor | None = None
+    ) -> Routing:
         if x.dim() != 2:
             raise ValueError(f"router expects tokens [T, H], got {tuple(x.shape)}")
+        if valid is not None:
+            valid = _check_valid(valid, x.shape[0], x.device)
         h = upcast(x)  # fp32 (float64 for the exact reference)
         if self.training and self.jitter > 0:
             noise = torch.empty_like(h).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
@@ -220,7 +236,12 @@ class TopKRouter(nn.Module):
         if self.expert_bias is not None and self.training and torch.is_grad_enabled():
             with torch.no_grad():
                 flat = ids.reshape(-1)
-                self.tokens_per_expert.index_add_(0, flat, torch.ones_like(flat))
+                ones = (
+                    torch.ones_like(flat)
+                    if valid is None
+                    else valid.repeat_interleave(self.top_k).to(flat.dtype)
+                )  # token-major, like ids.reshape(-1): valid tokens only
+                self.tokens_per_expert.index_add_(0, flat, ones)
         t = x.shape[0]
         order = None
         if self.drop_policy != "position":
@@ -230,7 +251,7 @@ class TopKRouter(nn.Module):
         capacity = capacity_for(
             t, self.num_experts, self.top_k, self.capacity_factor, self.min_capacity
         )
-        return Routing(ids, probs, order, capacity, router_probs, logits, seq_len)
+        return Routing(ids, probs, order, capacity, router_probs, logits, seq_len, valid)
 
     def _select(self, router_probs: torch.Tensor) -> torch.Tensor:
         """Expert ids [T, k] by the selection scores: the scores plus the expert bias, top-k
@@ -267,14 +288,21 @@ class TopKRouter(nn.Module):
         return w
 
     def aux_losses(
-        self, routing: Routing, counts: torch.Tensor
+        self, routing: Routing, counts: torch.Tensor, valid: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(load-balancing loss, z-loss), both already multiplied by their coefficients.
-        ``counts [E]``: the routing choices per expert before capacity (micro-batch loss)."""
+        ``counts [E]``: the routing choices per expert before capacity (micro-batch loss), of
+        every token. ``valid [T]`` bool (None: ``routing.valid``): over the valid tokens only
+        (module docstring; their choices are counted here from ``routing.expert_ids``)."""
         p = balance.balance_scores(routing.router_probs, self.score)
         group = self.token_group
+        valid = routing.valid if valid is None else _check_valid(valid, p.shape[0], p.device)
         if self.aux_loss == "micro_batch":
-            bal = balance.load_balancing_loss(p, counts, self.top_k, self.aux_loss_coef, group)
+            if valid is not None:
+                counts = balance.valid_counts(routing.expert_ids, valid, self.num_experts)
+            bal = balance.load_balancing_loss(
+                p, counts, self.top_k, self.aux_loss_coef, group, valid
+            )
         elif self.aux_loss == "sequence":
             if routing.seq_len is None:
                 raise ValueError(
@@ -282,11 +310,11 @@ class TopKRouter(nn.Module):
                     "seq_len=S, or the MoE layer with a batch-first input [B, S, H]"
                 )
             bal = balance.sequence_balancing_loss(
-                p, routing.expert_ids, routing.seq_len, self.aux_loss_coef, group
+                p, routing.expert_ids, routing.seq_len, self.aux_loss_coef, group, valid
             )
         else:
             bal = p.new_zeros(())
-        return bal, balance.z_loss(routing.logits, self.z_loss_coef, group)
+        return bal, balance.z_loss(routing.logits, self.z_loss_coef, group, valid)
 
     @torch.no_grad()
     def update_expert_bias(self, group: dist.ProcessGroup | None = None) -> None:
@@ -340,6 +368,17 @@ def _check_options(num_experts, top_k, capacity_factor, min_capacity, drop_polic
         raise ValueError(f"bias_update_rate must be positive, got {bias_update_rate}")
     if aux_loss not in AUX_LOSSES:
         raise ValueError(f"aux_loss must be one of {AUX_LOSSES}, got {aux_loss!r}")
+
+
+def _check_valid(valid: torch.Tensor, tokens: int, device) -> torch.Tensor:
+    """``valid`` as a [T] bool mask on ``device``, or a ValueError naming what is wrong."""
+    if valid.dtype != torch.bool:
+        raise ValueError(f"valid must be a bool mask (True: a valid target), got {valid.dtype}")
+    if valid.dim() != 1 or valid.shape[0] != tokens:
+        raise ValueError(
+            f"valid must be one flag per routed token, [{tokens}], got {tuple(valid.shape)}"
+        )
+    return valid.to(device)
 
 
 def _check_groups(num_experts, top_k, num_groups, group_topk, group_score_topk) -> int | None:

@@ -24,6 +24,21 @@ within fp32 rounding. Each block runs torch's CPU flash-attention kernels where 
 attention's output and log-sum-exp), else plain fp32 matmuls (the reference math; no fused GPU
 block kernel is wired yet). The group's timeout bounds every wait.
 
+Packed documents (``doc_ids=`` [B, S], the WHOLE rows' document ids, non-decreasing along each
+row: ``fastpar.models.documents``): a query sees the keys of its own document at or before it.
+Every rank holds the whole rows' ids, so it knows the ids of any rank's chunks without more
+traffic; from each chunk's first and last id (one host read of [B, 2cp] ids per call) every
+(query chunk a, key chunk b ≤ a) block is classed: *skipped* when no query of a sees a key of b
+in any row (b < a and, in every row, b's last id < a's first id: the ids only grow, so no id is
+shared); *plain* when in every row both chunks lie in one document (b's first id == a's last
+id): whole, or causally masked on the diagonal, as without documents; else *masked*: the block
+runs with a [B, 1, c, c] mask (same document and causal), the CPU flash kernel's ``attn_mask``
+or the fp32 math. The diagonal block is never skipped (a query sees itself). A query that sees
+no key of a block (another row's document reaches it, not its own) gets the block's
+log-sum-exp −inf and weight 0 in the merge (guarded: no −inf − −inf), and p = 0 in backward.
+Backward runs the forward's classes. ``all_to_all_attention(..., doc_ids=)`` holds whole rows
+after the head scatter and runs ``fastpar.ops.documents.document_attention`` on them.
+
 ``all_to_all_attention(q, k, v, group)`` (DeepSpeed-Ulysses style, where the heads divide
 cp): one all-to-all trades the sequence split for a head split (each rank then holds every
 token of H/cp heads), causal attention runs locally on the whole sequence (its tokens put
@@ -34,7 +49,10 @@ all-to-all.
 
 ``measure_waits()``: a context manager whose dict collects the seconds ring attention spent
 waiting for transfers (``wait_s``) and the transfers it waited for (``transfers``), for
-benchmarks (how much of the K/V traffic the block compute hides).
+benchmarks (how much of the K/V traffic the block compute hides); and, counted in the forward
+only (backward runs the same blocks), the (query chunk, key chunk) blocks of this rank that
+causal attention would compute (``blocks_total``), those that packed documents let it skip
+(``blocks_skipped``) and those it ran with a document mask (``blocks_masked``).
 """
 
 from __future__ import annotations
@@ -51,6 +69,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fastpar.comm import all_to_all, group_rank, group_size
+from fastpar.ops.documents import document_attention
 
 
 def _chunks(cp: int, rank: int) -> tuple[int, int]:
@@ -136,7 +155,13 @@ _WAITS: list[dict] = []
 @contextlib.contextmanager
 def measure_waits() -> Iterator[dict]:
     """Collect ring attention's transfer waits inside the block (module docstring)."""
-    stats = {"wait_s": 0.0, "transfers": 0}
+    stats = {
+        "wait_s": 0.0,
+        "transfers": 0,
+        "blocks_total": 0,
+        "blocks_skipped": 0,
+        "blocks_masked": 0,
+    }
     _WAITS.append(stats)
     try:
         yield stats
@@ -176,6 +201,67 @@ def _causal_mask(c: int, device) -> torch.Tensor:
     return torch.ones(c, c, dtype=torch.bool, device=device).tril()
 
 
+SKIP, PLAIN, MASKED = "skip", "plain", "masked"
+
+
+def _chunk_ends(doc_ids: torch.Tensor, cp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first and the last document id [B, 2cp] of every chunk of the whole rows, on the
+    host (one small device-to-host copy)."""
+    b, s = doc_ids.shape
+    chunks = doc_ids.detach().reshape(b, 2 * cp, s // (2 * cp))
+    ends = torch.stack([chunks[:, :, 0], chunks[:, :, -1]]).to("cpu")
+    return ends[0], ends[1]
+
+
+def _block_kind(ends, a: int, b: int) -> str:
+    """The class of the block of query chunk ``a`` and key chunk ``b`` <= a (module
+    docstring): ``ends`` = (first ids, last ids) [B, 2cp], or None (no documents: plain)."""
+    if ends is None:
+        return PLAIN
+    first, last = ends
+    if b < a and not bool((last[:, b] == first[:, a]).any()):
+        return SKIP  # every key's id < every query's id, in every row
+    if bool((first[:, b] == last[:, a]).all()):
+        return PLAIN  # both chunks one document in every row
+    return MASKED
+
+
+def _document_mask(doc_ids: torch.Tensor, a: int, b: int, c: int) -> torch.Tensor:
+    """[B, 1, c, c] bool: query t of chunk ``a`` sees key u of chunk ``b`` (same document, and
+    u <= t on the diagonal)."""
+    qid, kid = doc_ids[:, a * c : (a + 1) * c], doc_ids[:, b * c : (b + 1) * c]
+    mask = qid[:, :, None] == kid[:, None, :]
+    if a == b:
+        mask = mask & _causal_mask(c, doc_ids.device)
+    return mask[:, None]
+
+
+def _plan(cp: int, me: int, src: int, ends, doc_ids, c: int, count: bool = False):
+    """(query chunk slot, key chunk slot, causal, mask or None) of the blocks to compute
+    between this rank's queries and rank ``src``'s keys: ``_pairs`` less the skipped blocks,
+    with a document mask where one is needed. ``count``: add the blocks to ``measure_waits``."""
+    qa, ka = _chunks(cp, me), _chunks(cp, src)
+    for i, j, causal in _pairs(cp, me, src):
+        kind = _block_kind(ends, qa[i], ka[j])
+        if count:
+            for stats in _WAITS:
+                stats["blocks_total"] += 1
+                stats["blocks_skipped"] += kind == SKIP
+                stats["blocks_masked"] += kind == MASKED
+        if kind == SKIP:
+            continue
+        if kind == MASKED:
+            yield i, j, False, _document_mask(doc_ids, qa[i], ka[j], c)
+        else:
+            yield i, j, causal, None
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as the flash kernels' additive one (0 seen, −inf not)."""
+    zero = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return zero.masked_fill(~mask, float("-inf"))
+
+
 _CPU_FLASH = (
     "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_flash_attention_for_cpu_backward",
@@ -192,33 +278,46 @@ def _flash_cpu(q: torch.Tensor) -> bool:
     )
 
 
-def _block_forward(q, k, v, causal: bool, scale: float):
-    """One (query chunk, key chunk) block: (output [B, H, c, D] fp32, lse [B, H, c] fp32)."""
+def _block_forward(q, k, v, causal: bool, scale: float, mask=None):
+    """One (query chunk, key chunk) block: (output [B, H, c, D] fp32, lse [B, H, c] fp32).
+    ``mask`` [B, 1, c, c] bool (documents): the keys each query sees; a query that sees none
+    gets output 0 and lse −inf."""
     if _flash_cpu(q):
+        extra = {} if mask is None else {"attn_mask": _additive(mask, q.dtype)}
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale
+            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale, **extra
         )
-        return out.float(), lse.float()
+        out, lse = out.float(), lse.float()
+        if mask is not None:  # the kernel reports lse 0 (output 0) for a row that sees nothing
+            lse = lse.masked_fill(~mask.any(-1), float("-inf"))
+        return out, lse
     s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if causal:
         s = s.masked_fill(~_causal_mask(s.shape[-1], s.device), float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.float()), lse
+    safe = lse.masked_fill(lse == float("-inf"), 0.0)  # exp(−inf − 0) = 0, not NaN
+    return torch.matmul(torch.exp(s - safe.unsqueeze(-1)), v.float()), lse
 
 
-def _block_backward(do, q, k, v, out, lse, causal: bool, scale: float):
+def _block_backward(do, q, k, v, out, lse, causal: bool, scale: float, mask=None):
     """(dq, dk, dv) of one block given the WHOLE attention's output and log-sum-exp (so the
-    block's probabilities are the final ones): fp32."""
+    block's probabilities are the final ones; finite: every query sees itself): fp32.
+    ``mask`` as ``_block_forward``'s (p = 0 where a query does not see a key)."""
     if _flash_cpu(q):
+        extra = {} if mask is None else {"attn_mask": _additive(mask, q.dtype)}
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do.to(q.dtype).contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
-            out.to(q.dtype).contiguous(), lse.contiguous(), 0.0, causal, scale=scale,
+            out.to(q.dtype).contiguous(), lse.contiguous(), 0.0, causal, scale=scale, **extra,
         )  # fmt: skip
         return tuple(g.float() for g in grads)
     qf, kf, vf, do = q.float(), k.float(), v.float(), do.float()
     p = torch.exp(torch.matmul(qf, kf.transpose(-1, -2)) * scale - lse.unsqueeze(-1))
     if causal:
         p = p.masked_fill(~_causal_mask(p.shape[-1], p.device), 0.0)
+    if mask is not None:
+        p = p.masked_fill(~mask, 0.0)
     dv = torch.matmul(p.transpose(-1, -2), do)
     delta = (do * out).sum(-1, keepdim=True)
     ds = p * (torch.matmul(do, vf.transpose(-1, -2)) - delta) * scale
@@ -243,31 +342,35 @@ def _ring_blocks(kv: torch.Tensor, group, rep: int):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale):
+    def forward(ctx, q, k, v, group, scale, doc_ids):
         cp, me = group_size(group), group_rank(group)
         b, hq, n, d = q.shape
         c, rep = n // 2, hq // k.shape[1]
+        ends = None if doc_ids is None else _chunk_ends(doc_ids, cp)
         out = torch.zeros(b, hq, n, d, dtype=torch.float32, device=q.device)
         lse = torch.full((b, hq, n), float("-inf"), dtype=torch.float32, device=q.device)
         for src, kb, vb in _ring_blocks(torch.stack([k, v]).contiguous(), group, rep):
-            for i, j, causal in _pairs(cp, me, src):
+            for i, j, causal, mask in _plan(cp, me, src, ends, doc_ids, c, count=True):
                 qs, ks = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
                 blk, blk_lse = _block_forward(
-                    q[:, :, qs], kb[:, :, ks], vb[:, :, ks], causal, scale
+                    q[:, :, qs], kb[:, :, ks], vb[:, :, ks], causal, scale, mask
                 )
-                new = torch.logaddexp(lse[:, :, qs], blk_lse)
-                out[:, :, qs] = out[:, :, qs] * torch.exp(lse[:, :, qs] - new).unsqueeze(-1) + (
-                    blk * torch.exp(blk_lse - new).unsqueeze(-1)
+                old = lse[:, :, qs]
+                new = torch.logaddexp(old, blk_lse)
+                # −inf where no block so far had a key for the query: weights 0, not NaN
+                safe = new.masked_fill(new == float("-inf"), 0.0)
+                out[:, :, qs] = out[:, :, qs] * torch.exp(old - safe).unsqueeze(-1) + (
+                    blk * torch.exp(blk_lse - safe).unsqueeze(-1)
                 )
                 lse[:, :, qs] = new
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale = group, scale
+        ctx.group, ctx.scale, ctx.doc_ids, ctx.ends = group, scale, doc_ids, ends
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
+        group, scale, doc_ids, ends = ctx.group, ctx.scale, ctx.doc_ids, ctx.ends
         cp, me = group_size(group), group_rank(group)
         b, hq, n, d = q.shape
         hkv = k.shape[1]
@@ -276,11 +379,11 @@ class _RingAttention(torch.autograd.Function):
         incoming = None  # (buffer, works): the dK/dV accumulator of the block computed next
         for src, kb, vb in _ring_blocks(torch.stack([k, v]).contiguous(), group, rep):
             dkv = torch.zeros(2, b, hkv, n, d, dtype=torch.float32, device=q.device)
-            for i, j, causal in _pairs(cp, me, src):
+            for i, j, causal, mask in _plan(cp, me, src, ends, doc_ids, c):
                 qs, ks = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
                 gq, gk, gv = _block_backward(
                     grad[:, :, qs], q[:, :, qs], kb[:, :, ks], vb[:, :, ks],
-                    out[:, :, qs], lse[:, :, qs], causal, scale,
+                    out[:, :, qs], lse[:, :, qs], causal, scale, mask,
                 )  # fmt: skip
                 dq[:, :, qs] += gq
                 for acc, g in ((dkv[0], gk), (dkv[1], gv)):  # in place: no [n]-sized temporaries
@@ -295,14 +398,36 @@ class _RingAttention(torch.autograd.Function):
         if incoming is not None:  # every rank's share of this rank's own block
             _wait(incoming[1])
             dkv = incoming[0]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+def _check_doc_ids(doc_ids: torch.Tensor, q: torch.Tensor, cp: int, what: str) -> torch.Tensor:
+    b, n = q.shape[0], q.shape[2]
+    if doc_ids.dim() != 2 or tuple(doc_ids.shape) != (b, n * cp):
+        raise ValueError(
+            f"{what}: doc_ids must be the whole rows' ids [B, S] = {(b, n * cp)} (S = cp · "
+            f"{n} local tokens), got {tuple(doc_ids.shape)}"
+        )
+    if doc_ids.is_floating_point() or doc_ids.is_complex():
+        raise ValueError(f"{what}: doc_ids must be integers, got {doc_ids.dtype}")
+    if bool((doc_ids[:, 1:] < doc_ids[:, :-1]).any()):
+        raise ValueError(f"{what}: doc_ids must be non-decreasing along each row")
+    return doc_ids.to(q.device)
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group=None,
+    *,
+    scale: float | None = None,
+    doc_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention over the sequence split on ``group`` (module docstring): q [B, Hq, 2c,
-    D], k / v [B, Hkv, 2c, D] -> [B, Hq, 2c, D]. ``scale`` defaults to 1/sqrt(D)."""
+    D], k / v [B, Hkv, 2c, D] -> [B, Hq, 2c, D]. ``scale`` defaults to 1/sqrt(D). ``doc_ids``
+    [B, S] (the whole rows' document ids, S = cp · 2c, non-decreasing per row): attention
+    stops at documents, blocks no query sees are skipped (module docstring)."""
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
         raise ValueError(
             f"ring_attention takes q [B, Hq, T, D] and k, v [B, Hkv, T, D]; got q "
@@ -314,7 +439,9 @@ def ring_attention(
             f"heads and the {q.shape[2]} local tokens (two chunks) the keys' {k.shape[2]}"
         )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _ring_eager()(q, k, v, group, scale)
+    if doc_ids is not None:
+        doc_ids = _check_doc_ids(doc_ids, q, group_size(group), "ring_attention")
+    return _ring_eager()(q, k, v, group, scale, doc_ids)
 
 
 _EAGER: list = []
@@ -350,11 +477,20 @@ def _ranks_to_heads(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def all_to_all_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, scale: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group=None,
+    *,
+    scale: float | None = None,
+    doc_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention over the sequence split on ``group`` by head-scattering all-to-alls
-    (module docstring): q [B, Hq, 2c, D], k / v [B, Hkv, 2c, D] -> [B, Hq, 2c, D]."""
+    (module docstring): q [B, Hq, 2c, D], k / v [B, Hkv, 2c, D] -> [B, Hq, 2c, D]. ``doc_ids``
+    [B, S] (whole rows, as ``ring_attention``'s): attention stops at documents."""
     cp = group_size(group)
+    if doc_ids is not None:
+        doc_ids = _check_doc_ids(doc_ids, q, cp, "all_to_all_attention")
     hq, hkv = q.shape[1], k.shape[1]
     if hq % cp:
         raise ValueError(
@@ -371,5 +507,8 @@ def all_to_all_attention(
     rep = qs.shape[1] // ks.shape[1]
     if rep > 1:
         ks, vs = ks.repeat_interleave(rep, 1), vs.repeat_interleave(rep, 1)
-    out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+    if doc_ids is None:
+        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+    else:  # whole rows, in order: each rank's heads attend within their documents
+        out = document_attention(qs, ks, vs, doc_ids, scale)
     return _ranks_to_heads(out.index_select(2, back), group)

@@ -5,25 +5,37 @@ from __future__ import annotations
 import math
 
 from fastpar.data import (
+    IGNORE_INDEX,
+    Corpus,
     bin_dtype,
     check_bin_width,
     check_token_ids,
+    document_batch,
+    eos_starts,
     global_batch,
+    load_documents,
     load_tokens,
+    tokenizer_eos_id,
 )
-from fastpar.models.common import IGNORE_INDEX
+from fastpar.models.documents import Documents
 from fastpar.train.config import TrainConfig
 
 
 # -- data --------------------------------------------------------------------------------------
 def load_data(cfg: TrainConfig, check: bool = True):
-    """This run's token ids (``fastpar.data.load_tokens``), every id checked against the
-    vocabulary unless ``check`` is False (one pass; the launcher checks once, before the ranks).
-    A .bin file is read as ``bin_dtype`` resolves --data-dtype (an error, even unchecked, when
-    its ids cannot hold the vocabulary)."""
+    """This run's data: token ids (``fastpar.data.load_tokens``), or with packed documents
+    (``cfg.packs_documents``) a ``fastpar.data.Corpus`` (the ids and their document starts and
+    loss mask: ``load_documents``), every id checked against the vocabulary unless ``check``
+    is False (one pass; the launcher checks once, before the ranks). A .bin file is read as
+    ``bin_dtype`` resolves --data-dtype (an error, even unchecked, when its ids cannot hold the
+    vocabulary)."""
     is_bin = (cfg.data or "").endswith(".bin")
     dtype = bin_dtype(cfg.data_dtype, cfg.vocab, cfg.data) if is_bin else "uint16"
-    tokens = load_tokens(cfg.data, tokenizer=cfg.tokenizer, dtype=dtype)
+    if cfg.packs_documents:
+        data = load_documents(cfg.data, tokenizer=cfg.tokenizer, dtype=dtype, eos_id=cfg.eos_id)
+        tokens = data.tokens
+    else:
+        data = tokens = load_tokens(cfg.data, tokenizer=cfg.tokenizer, dtype=dtype)
     if check:
         source = cfg.data or "the embedded corpus"
         if cfg.tokenizer and not (cfg.data or "").endswith((".npy", ".bin")):
@@ -34,8 +46,34 @@ def load_data(cfg: TrainConfig, check: bool = True):
         check_token_ids(tokens, cfg.vocab, source, min_tokens=cfg.seq_len + 2, hint=hint)
         if is_bin and dtype == "uint16":
             check_bin_width(tokens, source)
-        check_split(cfg, tokens)
-    return tokens
+        check_split(cfg, data)
+    return data
+
+
+def as_data(cfg: TrainConfig, data):
+    """``data`` (token ids or a ``Corpus``, e.g. a caller's own) as this run reads it: a
+    ``Corpus`` with packed documents (token ids cut after each --eos-id / the tokenizer's
+    end-of-document token), token ids for a stream (a Corpus with a loss mask is refused: a
+    stream would train on its masked tokens)."""
+    if cfg.packs_documents:
+        if isinstance(data, Corpus):
+            return data
+        eos = cfg.eos_id if cfg.eos_id is not None else tokenizer_eos_id(cfg.tokenizer)
+        if eos is None:
+            raise ValueError(
+                f"packed documents from token ids need the end-of-document id to cut them "
+                f"({cfg.document_source} gives none for ids passed in): pass --eos-id, or a "
+                "fastpar.data.Corpus"
+            )
+        return Corpus(data, eos_starts(data, eos), None, "the token ids passed in")
+    if isinstance(data, Corpus):
+        if data.loss_mask is not None:
+            raise ValueError(
+                f"{data.source} has a loss mask, which a --pack stream run would ignore: train "
+                "it with --pack documents"
+            )
+        return data.tokens
+    return data
 
 
 def split_tokens(cfg: TrainConfig, tokens):
@@ -63,38 +101,33 @@ def check_split(cfg: TrainConfig, tokens) -> None:
 
 
 def eval_batch(cfg: TrainConfig, held, j: int, hf=None):
-    """The j-th validation batch (of ``--eval-batches``), drawn from the held-out ids with the
-    training batches' rule: the same batches at every evaluation and on every layout."""
+    """The j-th validation batch (of ``--eval-batches``), drawn from the held-out data with the
+    training batches' rule: the same batches at every evaluation and on every layout; (x, y,
+    documents) as ``batch_of``."""
     return batch_of(cfg, held, j, hf)
 
 
-def batch_of(cfg: TrainConfig, tokens, step: int, hf=None):
-    """The global batch of ``step``: next-token targets, or for a masked LM (BERT through
-    --hf-config) masked inputs and their targets (-100 where nothing is predicted). With
-    packed documents (``cfg.packs_documents``) a document's last token predicts nothing
-    (its target, the next document's first token, is -100); ``documents_of`` gives the rows'
-    documents."""
-    x, y = global_batch(tokens, step, cfg.batch_size, cfg.seq_len, cfg.seed)
+def batch_of(cfg: TrainConfig, data, step: int, hf=None):
+    """The global batch of ``step``: (inputs, next-token targets, documents). For a masked LM
+    (BERT through --hf-config) masked inputs and their targets (-100 where nothing is
+    predicted). ``data`` a ``Corpus`` (packed documents): the rows' documents
+    (``fastpar.models.documents.Documents``; None for a stream) and targets -100 where a
+    document's last token would predict the next one's first, or where the loss mask is 0
+    (``fastpar.data.document_batch``)."""
+    if isinstance(data, Corpus):
+        if hf is not None and hf.masked:
+            raise ValueError(
+                "packed documents with a masked language model are not supported: use --pack stream"
+            )
+        x, y, ids = document_batch(data, step, cfg.batch_size, cfg.seq_len, cfg.seed)
+        valid = y != IGNORE_INDEX  # (the MoE layers' statistics count these tokens only)
+        return x, y, Documents.of(ids, reset_positions=cfg.reset_positions, valid=valid)
+    x, y = global_batch(data, step, cfg.batch_size, cfg.seq_len, cfg.seed)
     if hf is not None and hf.masked:
         from fastpar.models.hf import masked_lm_batch
 
         x, y = masked_lm_batch(x, step, cfg.seed, hf.mask_id)
-    if cfg.packs_documents:
-        y = y.masked_fill(x == cfg.eos_id, IGNORE_INDEX)
-    return x, y
-
-
-def documents_of(cfg: TrainConfig, x):
-    """The packed documents of a batch's rows (``fastpar.models.documents.Documents``), or None
-    for a stream: in each row, each --eos-id ends a document (its last token); the window's
-    first tokens, up to the first end, are a document too (the tail of one cut by the window,
-    as Megatron's packed datasets have it)."""
-    if not cfg.packs_documents:
-        return None
-    from fastpar.models.documents import Documents
-
-    ends = (x == cfg.eos_id).long()
-    return Documents.of(ends.cumsum(1) - ends, reset_positions=cfg.reset_positions)
+    return x, y, None
 
 
 #: the TrainConfig fields ``lr_at`` reads (``min_lr`` through ``lr_floor``): a resumed run that

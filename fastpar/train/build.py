@@ -48,8 +48,8 @@ from fastpar.profiling import nvtx
 from fastpar.reference.optimizer import ExactAdamW
 from fastpar.tolerance import cast, nudge
 from fastpar.train.batches import (
+    as_data,
     batch_of,
-    documents_of,
     eval_batch,
     load_data,
     lr_at,
@@ -303,7 +303,7 @@ class Trainer:
             grad_sync=parts.model, scale_loss=parts.opt.scale_loss,
             normalization=cfg.loss_normalization,
         )  # fmt: skip
-        tokens = tokens if tokens is not None else load_data(cfg, check=False)
+        tokens = as_data(cfg, tokens) if tokens is not None else load_data(cfg, check=False)
         self.tokens, self.held_out = split_tokens(cfg, tokens)  # (held_out None: no eval)
         self.step_count = 0
 
@@ -328,13 +328,12 @@ class Trainer:
         host from the batch every rank draws alike (no collective, no device sync)."""
         cfg, mesh = self.cfg, self.mesh
         if held_out:
-            x, y = eval_batch(cfg, self.held_out, step, self.hf)
+            x, y, docs = eval_batch(cfg, self.held_out, step, self.hf)
         else:
-            x, y = batch_of(cfg, self.tokens, step, self.hf)
+            x, y, docs = batch_of(cfg, self.tokens, step, self.hf)
         self.valid_tokens = valid_targets(y, IGNORE_INDEX)  # (host memory: no device sync)
         per = cfg.batch_size // mesh.dp_size
         rows = slice(mesh.dp_rank * per, (mesh.dp_rank + 1) * per)
-        docs = documents_of(cfg, x)
         self.context = None if docs is None else self._documents(docs.rows(rows))
         x, y = x[rows], y[rows]
         if self.device.type == "cuda":
@@ -378,9 +377,11 @@ class Trainer:
     def _documents(self, docs):
         """The engine's ``context``: micro-batch i runs inside its rows' documents, on every
         stage (each reads them from the batch every rank draws alike: nothing extra is sent)."""
-        m = self.cfg.microbatches
-        ids = docs.ids.to(self.device).chunk(m)
-        parts = [Documents(t, docs.reset_positions) for t in ids]
+        m, valid = self.cfg.microbatches, docs.valid
+        docs = Documents(docs.ids.to(self.device), docs.reset_positions,
+                         None if valid is None else valid.to(self.device))  # fmt: skip
+        per = docs.ids.shape[0] // m
+        parts = [docs.rows(slice(i * per, (i + 1) * per)) for i in range(m)]
         return lambda i: documents(parts[i])
 
     def _count(self):

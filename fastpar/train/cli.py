@@ -283,7 +283,7 @@ def build_parser(prog: str = "python -m fastpar.train") -> argparse.ArgumentPars
                                    const=False, help="--recompute none")  # fmt: skip
             elif isinstance(value, bool):
                 where.add_argument(flag(name), action=argparse.BooleanOptionalAction,
-                                   default=False, help=text)  # fmt: skip
+                                   default=value, help=text)  # fmt: skip
             elif name in _OPTIONAL:
                 where.add_argument(
                     flag(name), dest=name, type=_OPTIONAL[name], default=None,

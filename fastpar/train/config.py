@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, fields
 from fastpar.data import (
     BIN_DTYPES,
     bin_dtype,
+    index_file,
+    tokenizer_eos_id,
     tokenizer_vocab_size,
 )
 from fastpar.mesh import MeshLayout
@@ -430,10 +432,27 @@ class TrainConfig:
         _check_packing(self)
 
     @property
+    def document_source(self) -> str | None:
+        """Where this run's document boundaries come from (words for messages), or None: a
+        .jsonl of records, an index beside a .bin (``X.idx``), --eos-id, or the --tokenizer's
+        end-of-document token (``fastpar.data.tokenizer_eos_id``)."""
+        if (self.data or "").endswith(".jsonl"):
+            return f"the records of {self.data}"
+        if (idx := index_file(self.data)) is not None:
+            return f"the document index {idx}"
+        if self.eos_id is not None:
+            return f"--eos-id {self.eos_id}"
+        if (eos := tokenizer_eos_id(self.tokenizer)) is not None:
+            return f"the tokenizer's end-of-document token (id {eos})"
+        return None
+
+    @property
     def packs_documents(self) -> bool:
-        """Whether rows are packed documents: --pack documents, or --pack left out with an
-        end-of-document id (--eos-id) to find the boundaries by."""
-        return self.pack == "documents" or (self.pack is None and self.eos_id is not None)
+        """Whether rows are packed documents: --pack documents, or --pack left out where the
+        data have document boundaries (``document_source``)."""
+        if self.pack is not None:
+            return self.pack == "documents"
+        return self.document_source is not None
 
     def _check_context(self) -> None:
         _cp_checks(self)
@@ -488,33 +507,30 @@ def _check_packing(cfg: TrainConfig) -> None:
         raise ValueError(
             f"--eos-id {cfg.eos_id} is not a token id of the {cfg.vocab}-token vocabulary"
         )
-    if cfg.pack == "documents" and cfg.eos_id is None:
+    if cfg.pack == "documents" and cfg.document_source is None:
         raise ValueError(
-            "--pack documents needs the end-of-document id: pass --eos-id ID (the token that "
-            "ends each document in --data), or --pack stream"
+            "--pack documents needs document boundaries: pass --eos-id ID (the token that ends "
+            "each document in --data), a --tokenizer with an end-of-document token, a .bin "
+            "with its .idx of document offsets, or a .jsonl; or use --pack stream"
+        )
+    if cfg.pack == "stream" and (cfg.data or "").endswith(".jsonl"):
+        raise ValueError(
+            f"--pack stream with {cfg.data}: a .jsonl holds documents with prompt tokens the "
+            "loss must ignore, which a stream would train on; drop --pack stream"
         )
     if cfg.packs_documents and cfg.hf_config:
-        raise ValueError(
-            "--pack documents with --hf-config is not supported yet (a Hugging Face model's "
-            "attention would not stop at document boundaries here): use --pack stream"
-        )
+        from fastpar.models.hf import check_documents, load_config
+
+        try:
+            check_documents(load_config(cfg.hf_config))
+        except ValueError as exc:
+            raise ValueError(f"--pack documents with --hf-config {cfg.hf_config}: {exc}") from exc
     if cfg.schedule == "zb-h1" and cfg.sequence_parallel and cfg.tp > 1:
         raise ValueError(
             "--schedule zb-h1 with --sequence-parallel at --tp > 1 gives gradients that differ "
             "from the single-process model's (fastpar.verify DISAGREES on some runs: the split "
             "backward and the sequence-parallel collectives); use --schedule 1f1b, or drop "
             "--sequence-parallel"
-        )
-    if cfg.packs_documents and cfg.compile:
-        raise ValueError(
-            "--pack documents with --compile is not supported yet (untested: the document "
-            "attention and positions read the micro-batch's documents outside the graph); drop "
-            "--compile, or use --pack stream"
-        )
-    if cfg.packs_documents and cfg.cp > 1:
-        raise ValueError(
-            f"--pack documents with --cp {cfg.cp} is not supported yet (ring and all-to-all "
-            "attention would let a document see the previous one): use --cp 1 or --pack stream"
         )
 
 

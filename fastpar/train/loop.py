@@ -85,6 +85,14 @@ def _train(cfg: TrainConfig, trainer: Trainer, signals: StopSignals) -> list[dic
             f"micro-batches, {dist.get_backend()}; {total_params:,} parameters, rank 0 holds {n:,}",
             flush=True,
         )
+        if cfg.packs_documents:
+            print(
+                f"packed documents ({cfg.document_source or '--pack documents'}): attention "
+                f"stops at each document, positions "
+                f"{'restart' if cfg.reset_positions else 'run on'}, {cfg.loss_normalization} "
+                "loss normalisation",
+                flush=True,
+            )
     writer = MetricsWriter(cfg, resumed=start > 0) if dist.get_rank() == 0 else None
     try:
         return _steps(cfg, trainer, start, flops_per_token(cfg, counts), talk, signals, writer)

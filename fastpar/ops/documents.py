@@ -1,0 +1,179 @@
+"""Attention that stops at document boundaries, for packed rows (``fastpar.models.documents``).
+
+    out = document_attention(q, k, v, doc_ids)   # q [B, Hq, T, D], k / v [B, Hkv, T, D]
+
+``doc_ids`` [B, T] (int64, non-decreasing along each row: a document is one contiguous run of
+equal ids) says which document each position belongs to; a query sees the keys of its own
+document at or before it. No [T, T] mask is built: each row is cut into its documents and each
+document runs one plain causal ``F.scaled_dot_product_attention`` on its slice of q, k, v (the
+pieces concatenated back, differentiable through autograd). Rows with the same document lengths
+are batched into one call per document; a row that is one document is one causal SDPA call.
+
+The cut needs the document lengths on the host: ``doc_ids`` is read to the host once per call
+(on a GPU: one device-to-host copy of [B, T] ids, a synchronisation). The function runs under
+``torch.compiler.disable`` (a graph break inside a compiled block: the cut depends on data).
+
+``dense_document_attention`` is the reference (a dense boolean mask and plain softmax math: for
+tests and benchmarks only). ``causal_work`` / ``work_balance`` count the (query, key) pairs each
+context-parallel rank computes when attention stops at documents, for reports.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["causal_work", "dense_document_attention", "document_attention", "work_balance"]
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor) -> None:
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+        raise ValueError(
+            f"q must be [B, Hq, T, D] and k / v [B, Hkv, T, D], got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    b, hq, t, _ = q.shape
+    if k.shape[0] != b or k.shape[2] != t or hq % k.shape[1]:
+        raise ValueError(
+            f"k / v {tuple(k.shape)} do not fit q {tuple(q.shape)}: same batch and length, "
+            f"query heads a multiple of key/value heads"
+        )
+    if tuple(doc_ids.shape) != (b, t):
+        raise ValueError(f"doc_ids must be [batch, seq] = {(b, t)}, got {tuple(doc_ids.shape)}")
+
+
+def _expand_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """K/V heads repeated for grouped-query attention (head j serves query heads j·rep ..
+    j·rep + rep - 1, as ``fastpar.models.common.attend``)."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return k, v
+
+
+def document_lengths(doc_ids: torch.Tensor) -> list[tuple[int, ...]]:
+    """Per row, the lengths of its documents in order (one host read of ``doc_ids``)."""
+    ids = doc_ids.detach().to("cpu")
+    out = []
+    for row in ids:
+        if row.numel() and bool((row[1:] < row[:-1]).any()):
+            raise ValueError("doc_ids must be non-decreasing along each row (packed documents)")
+        out.append(tuple(torch.unique_consecutive(row, return_counts=True)[1].tolist()))
+    return out
+
+
+def _document_attention(q, k, v, doc_ids, scale):
+    _check(q, k, v, doc_ids)
+    k, v = _expand_kv(q, k, v)
+    lengths = document_lengths(doc_ids)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for row, lens in enumerate(lengths):
+        groups.setdefault(lens, []).append(row)
+    pieces, order = [], []
+    for lens, rows in groups.items():
+        if len(groups) == 1:
+            qg, kg, vg = q, k, v
+        else:
+            idx = torch.tensor(rows, device=q.device)
+            qg, kg, vg = q.index_select(0, idx), k.index_select(0, idx), v.index_select(0, idx)
+        segs, start = [], 0
+        for n in lens:
+            end = start + n
+            segs.append(
+                F.scaled_dot_product_attention(
+                    qg[:, :, start:end],
+                    kg[:, :, start:end],
+                    vg[:, :, start:end],
+                    is_causal=True,
+                    scale=scale,
+                )
+            )
+            start = end
+        pieces.append(segs[0] if len(segs) == 1 else torch.cat(segs, dim=2))
+        order += rows
+    if len(pieces) == 1:
+        return pieces[0]
+    out = torch.cat(pieces, dim=0)
+    inverse = torch.empty(len(order), dtype=torch.long)
+    inverse[torch.tensor(order)] = torch.arange(len(order))
+    return out.index_select(0, inverse.to(out.device))
+
+
+_EAGER: list = []
+
+
+def _eager():
+    """``_document_attention`` under ``torch.compiler.disable``, wrapped at first use so that
+    ``import fastpar`` does not import torch._dynamo."""
+    if not _EAGER:
+        _EAGER.append(torch.compiler.disable(_document_attention))
+    return _EAGER[0]
+
+
+def document_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    doc_ids: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention that stops at documents: q [B, Hq, T, D], k / v [B, Hkv, T, D] (Hq a
+    multiple of Hkv: grouped-query), ``doc_ids`` [B, T] non-decreasing per row -> [B, Hq, T, D];
+    a query sees the keys of its own document at or before it. ``scale`` default 1/sqrt(D).
+
+    One causal SDPA call per document (rows of equal document lengths batched together), no
+    dense mask; reads ``doc_ids`` to the host once per call (a synchronisation on a GPU); a
+    graph break under torch.compile. Any floating dtype SDPA takes (float64 included)."""
+    return _eager()(q, k, v, doc_ids, scale)
+
+
+def dense_document_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    doc_ids: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The reference of ``document_attention``: a dense [B, 1, T, T] boolean mask (same
+    document and causal) and plain softmax math. For tests and benchmarks only (T² memory)."""
+    _check(q, k, v, doc_ids)
+    k, v = _expand_kv(q, k, v)
+    t = q.shape[2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    mask = (doc_ids[:, :, None] == doc_ids[:, None, :]) & causal  # [B, T, T]
+    scores = (q @ k.transpose(-2, -1)) * scale
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def causal_work(doc_lengths_per_row: Sequence[Sequence[int]], seq: int, cp: int) -> list[int]:
+    """Per context-parallel rank, the (query, key) pairs it computes when attention stops at
+    documents, summed over rows: the sequence of ``seq`` tokens is cut into 2·cp equal chunks
+    and rank i holds chunks i and 2cp−1−i (``fastpar.parallel.context.local_positions``); the
+    query at position p of a document starting at s sees p − s + 1 keys. ``doc_lengths_per_row``:
+    each row's document lengths (summing to ``seq``)."""
+    if cp < 1 or seq % (2 * cp):
+        raise ValueError(f"seq {seq} must be divisible by 2*cp = {2 * cp} (cp >= 1)")
+    c = seq // (2 * cp)
+    chunk = torch.arange(seq) // c
+    rank = torch.where(chunk < cp, chunk, 2 * cp - 1 - chunk)
+    total = torch.zeros(cp, dtype=torch.int64)
+    for lens in doc_lengths_per_row:
+        lens = torch.as_tensor(list(lens), dtype=torch.int64)
+        if int(lens.sum()) != seq or bool((lens < 1).any()):
+            raise ValueError(f"document lengths must be >= 1 and sum to seq {seq}")
+        starts = torch.cumsum(lens, 0) - lens
+        seen = torch.arange(seq) - starts.repeat_interleave(lens) + 1
+        total += torch.zeros(cp, dtype=torch.int64).index_add_(0, rank, seen)
+    return total.tolist()
+
+
+def work_balance(counts: Sequence[int]) -> float:
+    """max / mean of per-rank work (1.0: perfectly balanced)."""
+    counts = list(counts)
+    mean = sum(counts) / len(counts)
+    return max(counts) / mean if mean else 1.0
