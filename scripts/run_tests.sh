@@ -67,9 +67,11 @@ SECOND_PATH=(
     tests/test_moe_tp.py::test_verify_deepseek_style_moe_at_dp2_ep2_tp2
     tests/test_models_llama.py::test_tensor_parallel_equals_single_process_on_every_rank
     tests/test_train_moe_routing.py::test_verify_fp16_with_skipped_steps
+    tests/test_ops_documents.py tests/test_context_documents.py
+    tests/test_train_documents.py::test_every_gradient_on_every_rank_is_the_single_process_models
 )
 # the two extra jobs' seconds, for the split (scripts/split_tests.py)
-JOBS=(second=50 interpreter=45)
+JOBS=(second=80 interpreter=45)
 
 LOGS="$(mktemp -d -t fastpar-tests-XXXXXX)"
 trap 'rm -rf "$LOGS"' EXIT

@@ -88,6 +88,40 @@ def test_documents_of_a_batch(data):
         "cp2-dp2-pp2-ep2-moe",
     ],
 )
+def _skewed(cfg: TrainConfig):
+    """The run's documents with a loss mask (as a fine-tuning set's) that leaves, on every
+    step, data-parallel rank 0's first micro-batch no valid target and its second one valid
+    target a row, so that rank 1 holds more than ten times rank 0's: the issue's uneven
+    batches, checked by ``_check_skew``."""
+    import numpy as np
+
+    from fastpar.data import Corpus, _window_starts
+
+    corpus = load_data(cfg)
+    mask = np.ones(len(corpus), np.uint8)
+    per = cfg.batch_size // cfg.dp
+    for step in range(cfg.steps):
+        starts = _window_starts(len(corpus), step, cfg.batch_size, cfg.seq_len, cfg.seed)
+        for r in range(per):  # rank 0's rows: every target masked ...
+            s = int(starts[r])
+            mask[s + 1 : s + cfg.seq_len + 1] = 0
+    for step in range(cfg.steps):  # ... but one a row in its second micro-batch
+        starts = _window_starts(len(corpus), step, cfg.batch_size, cfg.seq_len, cfg.seed)
+        for r in range(per // cfg.microbatches, per):
+            s = int(starts[r])
+            y = batch_of(cfg, Corpus(corpus.tokens, corpus.starts, None), step)[1][r]
+            t = int(torch.nonzero(y != -100)[0])  # a target inside a document
+            mask[s + 1 + t] = 1
+    return Corpus(corpus.tokens, corpus.starts, mask, "the skewed documents")
+
+
+def _check_skew(cfg: TrainConfig, corpus) -> None:
+    for step in range(cfg.steps):
+        _, y, _ = batch_of(cfg, corpus, step)
+        valid = (y != -100).view(cfg.dp, cfg.microbatches, -1).sum(-1)  # [rank, micro-batch]
+        assert valid[0, 0] == 0 and 0 < 10 * valid[0].sum() < valid[1].sum(), valid
+
+
 def test_token_normalization_agrees_with_one_device(data, layout):
     cfg = TrainConfig(**{**SMALL, **layout}, data=data)
     counts = _uneven(cfg)
@@ -105,9 +139,16 @@ def test_token_normalization_agrees_with_one_device(data, layout):
     ],
     ids=["dp2-pp2-tp2", "cp2-dp2", "dp2-ep2-moe"],
 )
-def test_sequence_normalization_is_a_mean_of_means_and_disagrees(data, layout):
-    cfg = TrainConfig(**{**SMALL, **layout}, data=data, loss_normalization="sequence")
-    ok, text = compare(cfg)
+def test_uneven_batches_agree_and_a_mean_of_means_disagrees(data, layout):
+    """The issue's three layouts on batches where one micro-batch has no valid target and one
+    rank ten times the other's: AGREE under token normalisation, DISAGREE under sequence."""
+    cfg = TrainConfig(**{**SMALL, **layout}, data=data)
+    corpus = _skewed(cfg)
+    _check_skew(cfg, corpus)
+    ok, text = compare(cfg, corpus)
+    assert ok, text
+    seq = dataclasses.replace(cfg, loss_normalization="sequence")
+    ok, text = compare(seq, corpus)
     assert not ok and text.splitlines()[-1] == "DISAGREE", text
 
 
@@ -236,7 +277,7 @@ def test_the_command_line_resets_positions_unless_told_not_to():
     assert not config_from(parse(["--eos-id", "10", "--no-reset-positions"]), None).reset_positions
 
 
-def _first_step_gradients(cfg: TrainConfig, refs) -> list[str]:
+def _first_step_gradients(cfg: TrainConfig, refs, corpus=None) -> list[str]:
     """On this rank: the first step's forward and backward through the trainer's engine (no
     optimizer step), each parameter's gradient judged against this rank's piece of the
     single-process model's (``fastpar.tolerance``'s rule; the float64 run as the truth)."""
@@ -245,7 +286,7 @@ def _first_step_gradients(cfg: TrainConfig, refs) -> list[str]:
     from fastpar.train import Trainer
 
     mesh = ParallelMesh(cfg.tp, cfg.pp, cfg.ep, cp=cfg.cp)
-    trainer = Trainer(cfg, mesh, torch.device("cpu"))
+    trainer = Trainer(cfg, mesh, torch.device("cpu"), corpus)
     x, y = trainer._batch(0)
     trainer.engine.train_step(
         x if mesh.is_first_stage else None, y if mesh.is_last_stage else None,
@@ -279,8 +320,11 @@ def test_every_gradient_on_every_rank_is_the_single_process_models(data, layout)
 
     cfg = TrainConfig(**{**SMALL, **layout, "steps": 1}, data=data)
     cfg.check()
-    refs = references(cfg, load_data(cfg))
-    for rank, lines in enumerate(run_ranks(_first_step_gradients, cfg.world_size, cfg, refs)):
+    corpus = _skewed(cfg)
+    _check_skew(cfg, corpus)
+    refs = references(cfg, corpus)
+    run = _first_step_gradients
+    for rank, lines in enumerate(run_ranks(run, cfg.world_size, cfg, refs, corpus)):
         assert int(lines[0].split()[0]) > 0, lines
         assert len(lines) == 1, f"rank {rank}: " + "\n".join(lines)
 
@@ -291,8 +335,9 @@ def test_the_gradient_check_fails_for_a_mean_of_means(data):
 
     cfg = TrainConfig(**{**SMALL, "steps": 1}, data=data, dp=2, pp=1, tp=1, cp=2, zero=0,
                       loss_normalization="sequence")  # fmt: skip
-    refs = references(cfg, load_data(cfg))  # (one device's token mean, whatever the run's)
-    for lines in run_ranks(_first_step_gradients, cfg.world_size, cfg, refs):
+    corpus = _skewed(cfg)
+    refs = references(cfg, corpus)  # (one device's token mean, whatever the run's)
+    for lines in run_ranks(_first_step_gradients, cfg.world_size, cfg, refs, corpus):
         assert len(lines) > 1 and "DISAGREE" in lines[1], lines
 
 
