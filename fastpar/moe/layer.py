@@ -55,14 +55,15 @@ from fastpar.comm import (
     reduce_from_region,
     scatter_to_sequence,
 )
+from fastpar.comm.sequence import split_sequence
 from fastpar.mesh.bridge import mesh_group
 from fastpar.mesh.placement import mark_expert, mark_sharded
 from fastpar.moe import experts, tp
 from fastpar.moe.dispatch import ep_combine, ep_dispatch
 from fastpar.moe.overlap import CapacityChunks, DroplessChunks, OverlappedExperts
 from fastpar.moe.router import TopKRouter
+from fastpar.ops.documents import current
 from fastpar.ops.moe_permute import moe_permute, moe_unpermute
-from fastpar.parallel.context import split_sequence
 from fastpar.reference.precision import upcast
 
 _UNSET = object()
@@ -374,8 +375,6 @@ class MoE(nn.Module):
         are split over TP (sequence-parallel tokens, not gathered here), this TP rank's
         contiguous chunk of them along ``sequence_dim``, as ``scatter_to_sequence`` splits the
         activations. A layout the mask cannot follow exactly is a ValueError."""
-        from fastpar.models.documents import current  # (fastpar.models imports this module)
-
         docs = current()
         valid = None if docs is None else getattr(docs, "valid", None)
         if valid is None:
