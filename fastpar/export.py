@@ -5,8 +5,11 @@
 Reads the run's settings saved with the checkpoint (``fastpar.train`` stores them), gathers the
 global tensors from whatever layout saved them (``fastpar.checkpoint.export_state_dict``), maps
 a ``--model llama`` run to its Hugging Face family (``fastpar.models.llama_hf``: Llama, Qwen2,
-Qwen3, Qwen3-MoE or Mixtral) or takes an ``--hf-config`` run's names as they are, and writes
-safetensors + config.json (``fastpar.checkpoint.export_hf``), plus the run's tokenizer.
+Qwen3, Qwen3-MoE or Mixtral), a ``--model gpt`` run to GPT-2 (``fastpar.models.gpt_hf``: with
+--norm layernorm and --moe-every 0; other GPTs are refused, naming the option) or takes an
+``--hf-config`` run's names as they are, and writes safetensors + config.json
+(``fastpar.checkpoint.export_hf``), plus the run's tokenizer. The config and the tokenizer carry
+the run's special tokens (``special_tokens``: eos, and bos / pad where the tokenizer has them).
 
 ``--check`` loads the directory with ``transformers.AutoModelForCausalLM.from_pretrained`` and
 compares its logits with fastpar's own single-process model holding the checkpoint's weights
@@ -24,6 +27,8 @@ import sys
 from dataclasses import fields
 
 import torch
+
+from fastpar.data import EOS_TOKENS
 
 TOLERANCE = 1e-4
 """Largest |HF logit - fastpar logit| accepted (fp32; both run the same math, in other orders)."""
@@ -99,24 +104,66 @@ def export(path: str, out_dir: str, tokenizer: str | None = None) -> tuple:
         config = load_config(cfg.hf_config)
         export_hf(state, out_dir, config)
         config = config.to_dict()
-    elif cfg.model_type == "llama":
-        from fastpar.models.llama_hf import hf_config, to_hf
-
-        model_cfg = cfg.model()
-        config = hf_config(model_cfg)
-        export_hf(to_hf(state, model_cfg), out_dir, config)
-    else:
-        raise ValueError(
-            f"{path} is a --model {cfg.model_type} run: the GPT (learned positions, GELU, "
-            f"bias-free fused attention) has no Hugging Face family; train --model llama or "
-            f"--hf-config to export"
-        )
     tokenizer = tokenizer or cfg.tokenizer
+    tokens = special_tokens(cfg, tokenizer)
+    ids = {f"{kind}_token_id": i for kind, (_, i) in tokens.items()}
+    if cfg.hf_config:
+        from fastpar.models.hf import load_config
+
+        config = load_config(cfg.hf_config)
+        for key, value in ids.items():  # the run's tokens; the config's own where it has none
+            setattr(config, key, value)
+        export_hf(state, out_dir, config)
+        config = config.to_dict()
+    else:
+        if cfg.model_type == "llama":
+            from fastpar.models.llama_hf import hf_config, to_hf
+        else:  # the GPT: GPT-2 (LayerNorm, no MoE; fastpar.models.gpt_hf says why not)
+            from fastpar.models.gpt_hf import hf_config, to_hf
+        model_cfg = cfg.model()
+        try:
+            hf_state = to_hf(state, model_cfg)
+        except ValueError as exc:
+            raise ValueError(f"{path} (--model {cfg.model_type}) does not export: {exc}") from None
+        config = {**hf_config(model_cfg), **dict.fromkeys(SPECIAL_IDS), **ids}
+        export_hf(hf_state, out_dir, config)
     if tokenizer:
         shutil.copyfile(tokenizer, os.path.join(out_dir, "tokenizer.json"))
+        names = {f"{kind}_token": name for kind, (name, _) in tokens.items() if name}
         with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-            json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, f)
+            json.dump({"tokenizer_class": "PreTrainedTokenizerFast", **names}, f, indent=2)
     return cfg, state, config
+
+
+#: the special tokens an export carries, each the first of its names the tokenizer has
+SPECIAL_NAMES = {
+    "eos": EOS_TOKENS,
+    "bos": ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>"),
+    "pad": ("<pad>", "<|pad|>", "<|padding|>"),
+}
+SPECIAL_IDS = tuple(f"{kind}_token_id" for kind in SPECIAL_NAMES)
+
+
+def special_tokens(cfg, tokenizer: str | None) -> dict[str, tuple[str | None, int]]:
+    """{"eos" / "bos" / "pad": (token, id)} the export's config and tokenizer carry: the
+    tokenizer's tokens of those names (``SPECIAL_NAMES``; eos as ``fastpar.data.tokenizer_eos_id``
+    finds it), and --eos-id (which wins, as it does in training) as eos without a name when the
+    tokenizer has no token of that id."""
+    out: dict[str, tuple[str | None, int]] = {}
+    tok = None
+    if tokenizer:
+        from fastpar.data import load_tokenizer
+
+        tok = load_tokenizer(tokenizer)
+        for kind, names in SPECIAL_NAMES.items():
+            for name in names:
+                if (i := tok.token_to_id(name)) is not None:
+                    out[kind] = (name, int(i))
+                    break
+    if cfg.eos_id is not None:
+        name = tok.id_to_token(cfg.eos_id) if tok is not None else None
+        out["eos"] = (name, int(cfg.eos_id))
+    return out
 
 
 def _prompt_ids(cfg, prompt: str, tokenizer: str | None) -> torch.Tensor:

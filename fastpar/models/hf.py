@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -186,3 +187,87 @@ def mask_token_id(config) -> int:
     """``config.mask_token_id`` if set, else the last id of the vocabulary."""
     value = getattr(config, "mask_token_id", None)
     return int(value) if isinstance(value, int) else int(config.vocab_size) - 1
+
+
+#: transformers 5 ``save_pretrained`` writes MoE experts in the Hub's per-expert layout
+#: (Mixtral ``block_sparse_moe.experts.E.w1|w3|w2``, Qwen3-MoE ``mlp.experts.E.gate_proj|
+#: up_proj|down_proj``) while the models hold them fused: (pattern, fused name, part)
+_PER_EXPERT = [
+    (re.compile(r"(.*)block_sparse_moe\.experts\.(\d+)\.w1\.weight$"), "mlp.experts.gate_up_proj", 0),
+    (re.compile(r"(.*)block_sparse_moe\.experts\.(\d+)\.w3\.weight$"), "mlp.experts.gate_up_proj", 1),
+    (re.compile(r"(.*)block_sparse_moe\.experts\.(\d+)\.w2\.weight$"), "mlp.experts.down_proj", 0),
+    (re.compile(r"(.*)block_sparse_moe\.gate\.weight$()"), "mlp.gate.weight", 0),
+    (re.compile(r"(.*)mlp\.experts\.(\d+)\.gate_proj\.weight$"), "mlp.experts.gate_up_proj", 0),
+    (re.compile(r"(.*)mlp\.experts\.(\d+)\.up_proj\.weight$"), "mlp.experts.gate_up_proj", 1),
+    (re.compile(r"(.*)mlp\.experts\.(\d+)\.down_proj\.weight$"), "mlp.experts.down_proj", 0),
+]  # fmt: skip
+
+
+def _fused(key: str) -> tuple[str, int, int] | None:
+    """(the fused model name, its part, the expert) a per-expert file key goes into, or None."""
+    for pattern, name, part in _PER_EXPERT:
+        m = pattern.match(key)
+        if m:
+            return m.group(1) + name, part, int(m.group(2) or 0)
+    return None
+
+
+def _per_expert(name: str, wmap: dict[str, str]) -> torch.Tensor | None:
+    """The fused tensor ``name`` assembled from its per-expert keys (read whole), or None."""
+    from safetensors import safe_open
+
+    parts: dict[tuple[int, int], torch.Tensor] = {}
+    for key, file in wmap.items():
+        hit = _fused(key)
+        if hit is not None and hit[0] == name:
+            with safe_open(file, framework="pt") as f:
+                parts[hit[2], hit[1]] = f.get_tensor(key)
+    if not parts:
+        return None
+    if name.endswith("mlp.gate.weight"):
+        return parts[0, 0]
+    experts = sorted({e for e, _ in parts})
+    # gate_up_proj [E, 2F, H]: gate rows, then up; down_proj [E, H, F]
+    return torch.stack([torch.cat([parts[e, k] for k in sorted({k for x, k in parts if x == e})])
+                        for e in experts])  # fmt: skip
+
+
+def load_pretrained(parts: HFParts, stage: nn.Module, directory: str):
+    """Fill this rank's ``stage`` (built by ``hf_blocks``, cut by ``build_stage``) with the
+    weights of a ``save_pretrained`` directory, each rank reading only its slices
+    (``fastpar.checkpoint.load_hf``: no collective). A weight tied to the word embedding (the
+    LM head) is read under the embedding's name. Raises ``CheckpointError`` naming the tensors
+    this stage lacks in the files, or file tensors no block of the model claims (another model).
+    Returns the ``LoadStats``."""
+    from fastpar.checkpoint.format import CheckpointError
+    from fastpar.checkpoint.hf import load_hf
+    from fastpar.checkpoint.hf._common import _short
+    from fastpar.checkpoint.hf.load import _read_into, _weight_map
+
+    embed = {id(p): name for name, p in parts.names([parts.blocks[0]]).items()}
+    targets = {embed.get(id(p), name): p for name, p in parts.names(stage).items()}
+    stats = load_hf(targets, directory, strict=False)
+    wmap = _weight_map(directory)
+    for name in list(stats.missing):  # MoE experts saved one by one
+        full = _per_expert(name, wmap)
+        if full is not None:
+            with torch.no_grad():
+                stats.bytes_read += _read_into(targets[name], full)
+            stats.missing.remove(name)
+            stats.loaded.append(name)
+    if stats.missing:
+        raise CheckpointError(
+            f"--init-from-hf {directory}: {len(stats.missing)} tensors of the model are absent "
+            f"from its safetensors: {_short(stats.missing)}; is it the model of its config.json?"
+        )
+    claimed: set[str] = set()
+    for block in parts.blocks:  # every block's names, tied aliases too (state_dict keeps them)
+        module = block.model if isinstance(block, WholeModel) else block
+        claimed.update(module.state_dict(keep_vars=True))
+    unexpected = [k for k in wmap if k not in claimed and (_fused(k) or ("",))[0] not in claimed]
+    if unexpected:
+        raise CheckpointError(
+            f"--init-from-hf {directory} holds {len(unexpected)} tensors the model of its "
+            f"config.json has no place for: {_short(unexpected)}"
+        )
+    return stats

@@ -236,6 +236,11 @@ def build(
     else:
         stage, (start, _) = build_stage(blocks, pp_size, pp_rank, costs=costs)
     stage = cast(stage.to(device), torch.float64 if exact else DTYPES[cfg.precision])
+    if cfg.init_from_hf:  # this rank's slices of the pretrained weights (a resumed run's
+        # checkpoint overwrites them, and the optimizer state, in ``open_checkpoints``)
+        from fastpar.models.hf import load_pretrained
+
+        load_pretrained(hf, stage, cfg.init_from_hf)
     if twin:
         nudge(stage, cfg.seed)
     if mesh is not None and hf is not None:  # after the cast: the last stage copies the weight

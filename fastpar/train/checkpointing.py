@@ -23,6 +23,11 @@ A checkpoint holds ``Trainer.checkpoint_tensors()``: the parameters and the MoE 
 ``expert_bias`` buffers (--expert-bias: the aux-loss-free balancing state, which no gradient
 carries), so a resumed run routes as the uninterrupted one would.
 
+``--init-from-hf DIR`` fills the weights of a fresh build (``fastpar.train.build``); a resumed
+run then loads every parameter and the optimizer state from its checkpoint over them, so the
+checkpoint wins and the run goes on from its step (the directory still gives the model's
+config.json).
+
 "This directory's run" is the last lock holder's (the lock file outlives its run), else the run
 of the most recently saved complete checkpoint. Every checkpoint carries the run id (in each
 rank's shard, see ``fastpar.checkpoint.format``) and the run's settings. The lock is released
@@ -339,7 +344,15 @@ def _load(trainer: Trainer, path: str, talk: bool) -> int:
         done = (
             "; --steps reached: nothing to train" if trainer.step_count >= trainer.cfg.steps else ""
         )
-        print(f"resume: {path} (step {trainer.step_count}, run {trainer.run_id}){done}", flush=True)
+        won = (
+            f"; its weights and optimizer state replace --init-from-hf {trainer.cfg.init_from_hf}'s"
+            if trainer.cfg.init_from_hf
+            else ""
+        )
+        print(
+            f"resume: {path} (step {trainer.step_count}, run {trainer.run_id}){won}{done}",
+            flush=True,
+        )
     return trainer.step_count
 
 

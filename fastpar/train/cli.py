@@ -139,6 +139,10 @@ _HELP = {
     "tokenizer": "a tokenizer.json (Hugging Face tokenizers) for text data; sets the vocabulary",
     "hf_config": "a Hugging Face config.json: train that model (random init) with its "
     "family's built-in plan instead of the GPT / Llama",
+    "init_from_hf": "a local Hugging Face directory (config.json + *.safetensors, as "
+    "save_pretrained writes it): train that model from its weights (implies --hf-config "
+    "DIR/config.json; each rank reads its slices; fresh optimizer, step 0; --resume's "
+    "checkpoint wins)",
     "checkpoint_dir": "where checkpoints (step_N directories, each with its train_config.json) "
     "are written and resumed from; the last step is always saved",
     "save_every": "also save every N steps (0: only the last step)",
@@ -190,14 +194,14 @@ _WORDS = {
 _OPTIONAL = {"vocab_size": int, "ffn": int, "moe_ffn": int, "min_lr": float, "kv_heads": int,
              "head_dim": int, "capacity_factor": float, "data": str, "tokenizer": str,
              "ep": int, "dp": int, "hf_config": str, "checkpoint_dir": str, "profile": str,
-             "profile_steps": str, "metrics_file": str, "tensorboard": str,
+             "init_from_hf": str, "profile_steps": str, "metrics_file": str, "tensorboard": str,
              "peak_tflops": float, "routed_scaling_factor": float, "router_groups": int,
              "router_group_topk": int, "shared_expert_ffn": int,
              "microbatch_group_size": int, "data_dtype": str, "pack": str,
              "eos_id": int}  # fmt: skip
 _METAVARS = {"checkpoint_dir": "DIR", "profile": "DIR", "tensorboard": "DIR", "profile_steps":
              "A:B", "metrics_file": "FILE", "data": "FILE", "tokenizer": "FILE",
-             "hf_config": "FILE", "peak_tflops": "TFLOPS",
+             "hf_config": "FILE", "init_from_hf": "DIR", "peak_tflops": "TFLOPS",
              "collective_timeout": "SECONDS", "router_groups": "N", "router_group_topk": "K",
              "shared_expert_ffn": "N", "routed_scaling_factor": "F",
              "microbatch_group_size": "G", "eos_id": "ID"}  # fmt: skip
@@ -205,7 +209,7 @@ _GROUPS = {
     "layout": ("tp", "pp", "dp", "ep", "cp", "cp_attention", "zero", "microbatches", "schedule", "virtual_stages",
                "microbatch_group_size", "recompute", "sequence_parallel", "moe_expert_tp", "overlap_chunks"),
     "model": ("model_type", "hf_config", "vocab_size", "seq_len", "hidden", "heads", "layers",
-              "ffn", "moe_ffn", "kv_heads", "head_dim", "rope_theta", "qk_norm",
+              "init_from_hf", "ffn", "moe_ffn", "kv_heads", "head_dim", "rope_theta", "qk_norm",
               "attention_bias", "norm", "untied", "moe_every", "experts", "top_k",
               "capacity_factor"),
     "MoE routing": ("router_score", "routed_scaling_factor", "router_groups",

@@ -123,6 +123,7 @@ class TrainConfig:
     data_dtype: str | None = None
     tokenizer: str | None = None
     hf_config: str | None = None
+    init_from_hf: str | None = None
     checkpoint_dir: str | None = None
     save_every: int = 0
     keep_last: int = 0
@@ -150,6 +151,8 @@ class TrainConfig:
         # ("attention", "mlp", "every:K"); the words "none" and "full" become the bools
         if isinstance(self.recompute, str) and self.recompute.strip().lower() in ("none", "full"):
             self.recompute = self.recompute.strip().lower() == "full"
+        if self.init_from_hf and not self.hf_config:  # the model is the directory's
+            self.hf_config = os.path.join(self.init_from_hf, "config.json")
 
     @property
     def recompute_policy(self) -> RecomputePolicy:
@@ -211,6 +214,8 @@ class TrainConfig:
         if self.model_type not in ("gpt", "llama"):
             raise ValueError(f"model must be gpt or llama, got {self.model_type!r}")
         defaults = TrainConfig()
+        if self.init_from_hf:
+            _check_init_from_hf(self)
         if self.hf_config:
             self._check_hf(defaults)
         elif self.model_type == "gpt":
@@ -495,6 +500,38 @@ class TrainConfig:
             check_memory(self)  # activations that clearly do not fit this machine
 
 
+def _check_init_from_hf(cfg: TrainConfig) -> None:
+    """--init-from-hf DIR: a save_pretrained directory whose config.json is --hf-config's."""
+    from fastpar.models.hf import read_config_json
+
+    what, implied = (
+        f"--init-from-hf {cfg.init_from_hf}",
+        os.path.join(cfg.init_from_hf, "config.json"),
+    )
+    if not os.path.isfile(implied):
+        raise ValueError(
+            f"{what} holds no config.json: pass a directory written by save_pretrained "
+            "(config.json + model.safetensors or its index)"
+        )
+    if not any(n.endswith(".safetensors") for n in os.listdir(cfg.init_from_hf)):
+        raise ValueError(
+            f"{what} holds no *.safetensors weights: save the model with "
+            "save_pretrained(DIR) (safe_serialization, the default) and pass that DIR"
+        )
+    if os.path.abspath(cfg.hf_config) != os.path.abspath(implied):
+        skip = ("transformers_version", "_name_or_path")
+        ours, theirs = (
+            {k: v for k, v in read_config_json(p).items() if k not in skip}
+            for p in (cfg.hf_config, implied)
+        )
+        keys = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+        if keys:
+            raise ValueError(
+                f"--hf-config {cfg.hf_config} differs from {implied} ({', '.join(keys[:4])}): "
+                f"{what} trains the model of its own config.json; drop --hf-config"
+            )
+
+
 def _check_packing(cfg: TrainConfig) -> None:
     """--pack / --eos-id / --loss-normalization: what packed documents can run exactly."""
     if cfg.loss_normalization not in ("token", "sequence"):
@@ -572,7 +609,7 @@ def config_from(args: argparse.Namespace, world: int | None = None) -> TrainConf
     else 2. Never raises: ``TrainConfig.check`` and ``check_world_size`` judge the result."""
     values = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
     if values["ep"] is None:  # the default: expert parallelism for fastpar's MoE models only
-        values["ep"] = 1 if values["hf_config"] else TrainConfig.ep
+        values["ep"] = 1 if values["hf_config"] or values["init_from_hf"] else TrainConfig.ep
     if values["dp"] is None:
         world = torchrun_world_size() if world is None else world
         tp_cp = values["tp"] * (values.get("cp") or 1)  # dp = world / (tp * cp * pp)

@@ -1,0 +1,127 @@
+"""The fastpar GPT's weights and config under Hugging Face GPT-2's names (``GPT2LMHeadModel``).
+
+    hf_state = to_hf(state, cfg)          # fastpar names -> transformer.h.N.attn.c_attn.weight ...
+    config = hf_config(cfg)               # config.json content (model_type "gpt2")
+    export_hf(to_hf(state, cfg), "out/", hf_config(cfg))   # fastpar.checkpoint: an HF directory
+
+``state`` holds full tensors under the global names of ``build_gpt`` (a single-process model's
+``named_parameters()``, or ``fastpar.checkpoint.export_state_dict`` of any layout). GPT-2 is the
+same math when the GPT uses LayerNorm (``--norm layernorm``: weight and bias, eps 1e-5) and no
+MoE blocks (``--moe-every 0``): learned positions ``wpe``, pre-norm blocks, a fused q|k|v
+projection, attention scaled by 1/sqrt(head_dim), an MLP with biases and exact GELU
+(``activation_function`` "gelu", not GPT-2's "gelu_new" tanh approximation), a final LayerNorm
+``ln_f`` and a head tied to ``wte`` (or untied: ``tie_word_embeddings`` false). GPT-2's layers
+are ``Conv1D``: their weight is [in, out], the transpose of fastpar's (``nn.Linear``) [out, in].
+The GPT's attention has no biases: GPT-2's ``c_attn.bias`` and ``c_proj.bias`` are written as
+zeros. ``check(cfg)`` refuses (naming the option) what GPT-2 cannot compute. Nothing here
+imports transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from fastpar.models.gpt import GPTConfig
+
+__all__ = ["check", "hf_config", "to_hf"]
+
+LAYER_NORM_EPS = 1e-5
+"""The GPT's LayerNorm eps (``fastpar.models.common.Norm``'s default: torch's)."""
+
+
+def check(cfg: GPTConfig) -> None:
+    """Raise ValueError naming the training option GPT-2 cannot express, and the fix."""
+    if cfg.norm != "layernorm":
+        raise ValueError(
+            f"--norm {cfg.norm}: GPT-2 normalises with LayerNorm (weight and bias), so a "
+            f"--model gpt run exports as GPT-2 only when trained with --norm layernorm"
+        )
+    if cfg.moe_every:
+        raise ValueError(
+            f"--moe-every {cfg.moe_every}: GPT-2 has no MoE blocks, so a --model gpt run exports "
+            f"as GPT-2 only when trained with --moe-every 0 (or train --model llama, whose MoE "
+            f"exports as Qwen3-MoE / Mixtral)"
+        )
+
+
+def hf_config(cfg: GPTConfig, dtype: str = "float32") -> dict:
+    """config.json content for ``cfg`` (``transformers.GPT2Config``); no special tokens (the
+    exporter sets the run's)."""
+    check(cfg)
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.seq_len,
+        "n_embd": cfg.hidden,
+        "n_layer": cfg.layers,
+        "n_head": cfg.heads,
+        "n_inner": cfg.ffn_size,
+        "activation_function": "gelu",  # F.gelu: exact erf GELU
+        "layer_norm_epsilon": LAYER_NORM_EPS,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "dtype": dtype,
+    }
+
+
+def to_hf(state: Mapping[str, torch.Tensor], cfg: GPTConfig) -> dict[str, torch.Tensor]:
+    """fastpar global names -> GPT-2's (``lm_head.weight`` is ``wte`` itself when tied). Raises
+    for a missing tensor, one of the wrong shape or one the mapping does not use."""
+    check(cfg)
+    h, f, used = cfg.hidden, cfg.ffn_size, set()
+
+    def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in state:
+            raise KeyError(f"{name!r} is absent from the state dict")
+        used.add(name)
+        t = state[name]
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {shape} for this config")
+        return t
+
+    out = {
+        "transformer.wte.weight": take("0.tok.weight", (cfg.vocab_size, h)),
+        "transformer.wpe.weight": take("0.pos.weight", (cfg.seq_len, h)),
+    }
+    for i in range(cfg.layers):
+        src, dst = f"{i + 1}.", f"transformer.h.{i}."
+        qkv = take(src + "attn.qkv.weight", (3 * h, h))
+        for ours, theirs in (("norm1", "ln_1"), ("norm2", "ln_2")):
+            out[dst + f"{theirs}.weight"] = take(src + f"{ours}.weight", (h,))
+            out[dst + f"{theirs}.bias"] = take(src + f"{ours}.bias", (h,))
+        # Conv1D: weight [in, out] (x @ W + b), the transpose of nn.Linear's [out, in]
+        out[dst + "attn.c_attn.weight"] = qkv.t().contiguous()
+        out[dst + "attn.c_attn.bias"] = qkv.new_zeros(3 * h)
+        proj = take(src + "attn.proj.weight", (h, h))
+        out[dst + "attn.c_proj.weight"] = proj.t().contiguous()
+        out[dst + "attn.c_proj.bias"] = proj.new_zeros(h)
+        out[dst + "mlp.c_fc.weight"] = take(src + "mlp.fc.weight", (f, h)).t().contiguous()
+        out[dst + "mlp.c_fc.bias"] = take(src + "mlp.fc.bias", (f,))
+        out[dst + "mlp.c_proj.weight"] = take(src + "mlp.proj.weight", (h, f)).t().contiguous()
+        out[dst + "mlp.c_proj.bias"] = take(src + "mlp.proj.bias", (h,))
+    head = f"{cfg.layers + 1}."
+    out["transformer.ln_f.weight"] = take(head + "norm.weight", (h,))
+    out["transformer.ln_f.bias"] = take(head + "norm.bias", (h,))
+    if cfg.tie_embeddings:
+        out["lm_head.weight"] = out["transformer.wte.weight"]
+        used.add(head + "weight")  # a pipeline's copy of the tied weight, if exported
+    else:
+        out["lm_head.weight"] = take(head + "weight", (cfg.vocab_size, h))
+    unused = sorted(set(state) - used)
+    if unused:
+        raise ValueError(
+            f"to_hf: {len(unused)} tensors of the state dict have no GPT-2 name under this "
+            f"config (first: {unused[:3]}); is the config the one the model was built with?"
+        )
+    return out
