@@ -181,7 +181,8 @@ def plan(out: Path, everything: bool) -> list[tuple[str, list[str], Path]]:
     ]
     for f in bench_files(everything):
         json_path = out / "parts" / (Path(f).stem + ".json")
-        cmd = [py, "-m", "pytest", f"bench/{f}", *quiet, *BENCH_OPTIONS]
+        # every benchmark of the file, not only pytest bench/'s quick selection (bench/conftest.py)
+        cmd = [py, "-m", "pytest", f"bench/{f}", "-m", "full or not full", *quiet, *BENCH_OPTIONS]
         cmd.append(f"--benchmark-json={json_path}")
         steps.append((f"bench {f}", cmd, out / "bench.log"))
     return steps

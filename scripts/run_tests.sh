@@ -12,7 +12,7 @@
 # two other tiers split over the queues by their recorded seconds (scripts/split_tests.py);
 # each line is prefixed with its queue, and every queue's summary is printed again at the end.
 # Extra arguments: one CPU-tier pytest run with them (say a file or -k), no other tier.
-# Switches (the README's table lists every one): FASTPAR_TEST_SLOW (1: the slow tier too),
+# Switches (docs/switches.md's table lists every one): FASTPAR_TEST_SLOW (1: the slow tier too),
 # FASTPAR_TEST_SHARDS, FASTPAR_DEBUG_CHECKS (on
 # here for the CPU tier), FASTPAR_TEST_TIMEOUT (run_ranks' default timeout, seconds),
 # FASTPAR_TEST_SEED (tests/conftest.py), and setup.sh's.

@@ -7,7 +7,7 @@
 # site-packages) is kept as it is. Otherwise a machine with an NVIDIA driver gets the default
 # (CUDA) wheel and a machine without one gets the CPU build, never a multi-GB CUDA download.
 #
-# Switches (the README's table lists every one): FASTPAR_VENV (where the venv goes),
+# Switches (docs/switches.md's table lists every one): FASTPAR_VENV (where the venv goes),
 # FASTPAR_TORCH_CPU_VERSION / FASTPAR_TORCH_CPU_INDEX (the CPU wheel and its index),
 # FASTPAR_NO_EXTENSION=1 (skip building fastpar._C).
 set -euo pipefail

@@ -1,6 +1,8 @@
 """The docs work as written: every python block of docs/*.md marked ``<!-- run: N ranks -->``
-runs (its ``main(path)`` on N CPU ranks over gloo, ``path`` a fresh directory), and every
-``--flag`` the pages give ``python -m fastpar.train`` is a flag of the training command."""
+runs (its ``main(path)`` on N CPU ranks over gloo, ``path`` a fresh directory), every
+``--flag`` the pages and the README give ``python -m fastpar.train`` is a flag of the training
+command, every relative link of the README and the docs resolves, and the README stays a short
+page that links every docs page."""
 
 from __future__ import annotations
 
@@ -54,3 +56,22 @@ def test_every_trainer_flag_in_the_docs_exists():
                 if flag not in known:
                     missing.append(f"{page.name}: {flag}")
     assert not missing, missing
+
+
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def test_every_relative_link_resolves():
+    broken = []
+    for page in [*DOCS.glob("*.md"), DOCS.parent / "README.md"]:
+        for target in LINK.findall(page.read_text()):
+            if "://" not in target and not (page.parent / target).exists():
+                broken.append(f"{page.name}: {target}")
+    assert not broken, broken
+
+
+def test_the_readme_is_short_and_links_every_docs_page():
+    text = (DOCS.parent / "README.md").read_text()
+    assert len(text.split()) <= 1600, "the README is one page: move details to docs/"
+    unlinked = [p.name for p in DOCS.glob("*.md") if f"docs/{p.name}" not in text]
+    assert not unlinked, f"docs pages the README does not link: {unlinked}"

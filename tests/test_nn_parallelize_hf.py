@@ -473,11 +473,11 @@ def test_generate_on_a_tensor_parallel_model(family):
 
 
 def _readme_plan() -> dict:
-    """The plan of the README's "or a plan of your own" snippet, as written there."""
+    """The plan of docs/hf.md's "or a plan of your own" snippet, as written there."""
     import ast
     import pathlib
 
-    lines = (pathlib.Path(__file__).parents[1] / "README.md").read_text().splitlines()
+    lines = (pathlib.Path(__file__).parents[1] / "docs" / "hf.md").read_text().splitlines()
     first = next(i for i, line in enumerate(lines) if "# or a plan of your own" in line)
     last = next(i for i in range(first, len(lines)) if lines[i].strip() == "},")
     body = [line.split("  #")[0] for line in lines[first : last + 1]]

@@ -1,4 +1,4 @@
-"""Every ``FASTPAR_*`` switch: listed in the README's table; the library's have an API that wins
+"""Every ``FASTPAR_*`` switch: listed in docs/switches.md's table; the library's have an API that wins
 over the variable, read once per process (never per call on a hot path), again after
 ``refresh()`` and in a forked child; bad values named in one line."""
 
@@ -43,14 +43,14 @@ def _switch_names() -> set[str]:
     return found - NOT_ENV
 
 
-def test_the_readme_lists_every_switch_in_one_table():
-    text = (ROOT / "README.md").read_text()
+def test_the_docs_list_every_switch_in_one_table():
+    text = (ROOT / "docs" / "switches.md").read_text()
     head = text.index("| switch | what it does | API equivalent | default |")
     table = text[head:].split("\n\n", 1)[0]
     rows = {m for m in re.findall(r"^\| `(FASTPAR_[A-Z0-9_]+)`", table, flags=re.M)}
     names = _switch_names()
     assert len(names) >= 11, names
-    assert names <= rows, f"not in the README's table: {sorted(names - rows)}"
+    assert names <= rows, f"not in docs/switches.md's table: {sorted(names - rows)}"
 
 
 class _CountingEnviron(dict):
