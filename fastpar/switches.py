@@ -14,7 +14,7 @@ A variable is read once per process, at the switch's first ``get`` (never at imp
 may set ``os.environ`` before its first use of the switch. A process that changes the variable
 after its first use must call ``refresh()`` (the API is the better way). An invalid value
 raises ``ValueError`` (naming the variable and the fix) at every ``get`` until it is fixed.
-See the README's table of every switch.
+See docs/switches.md's table of every switch.
 """
 
 from __future__ import annotations
