@@ -63,31 +63,6 @@ def test_documents_of_a_batch(data):
     assert none is None and torch.equal(xs, x) and (ys != -100).all()  # a stream: same windows
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [
-        dict(dp=2, pp=2, tp=2, zero=1),
-        dict(dp=2, pp=2, tp=2, schedule="interleaved", virtual_stages=2, layers=4),
-        dict(dp=2, pp=2, tp=1, zero=3, recompute=True, sequence_parallel=False),
-        dict(dp=2, pp=1, tp=1, ep=2, moe_every=1, experts=4, top_k=2, zero=2),
-        dict(dp=2, pp=2, tp=2, schedule="zb-h1"),
-        dict(dp=2, pp=2, tp=2, fused_ce=True, zero=2, sequence_parallel=True),
-        dict(dp=2, pp=1, tp=1, cp=2, zero=1),
-        dict(dp=2, pp=1, tp=1, cp=2, cp_attention="all-to-all", model_type="llama", kv_heads=2),
-        dict(dp=2, pp=2, tp=1, cp=2, ep=2, moe_every=1, experts=4, top_k=2),
-    ],
-    ids=[
-        "dp2-pp2-tp2",
-        "interleaved",
-        "zero3-recompute",
-        "dp2-ep2-moe",
-        "zb-h1",
-        "fused-ce-sp",
-        "cp2-dp2-ring",
-        "cp2-dp2-a2a-llama",
-        "cp2-dp2-pp2-ep2-moe",
-    ],
-)
 def _skewed(cfg: TrainConfig):
     """The run's documents with a loss mask (as a fine-tuning set's) that leaves, on every
     step, data-parallel rank 0's first micro-batch no valid target and its second one valid
@@ -122,6 +97,31 @@ def _check_skew(cfg: TrainConfig, corpus) -> None:
         assert valid[0, 0] == 0 and 0 < 10 * valid[0].sum() < valid[1].sum(), valid
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(dp=2, pp=2, tp=2, zero=1),
+        dict(dp=2, pp=2, tp=2, schedule="interleaved", virtual_stages=2, layers=4),
+        dict(dp=2, pp=2, tp=1, zero=3, recompute=True, sequence_parallel=False),
+        dict(dp=2, pp=1, tp=1, ep=2, moe_every=1, experts=4, top_k=2, zero=2),
+        dict(dp=2, pp=2, tp=2, schedule="zb-h1"),
+        dict(dp=2, pp=2, tp=2, fused_ce=True, zero=2, sequence_parallel=True),
+        dict(dp=2, pp=1, tp=1, cp=2, zero=1),
+        dict(dp=2, pp=1, tp=1, cp=2, cp_attention="all-to-all", model_type="llama", kv_heads=2),
+        dict(dp=2, pp=2, tp=1, cp=2, ep=2, moe_every=1, experts=4, top_k=2),
+    ],
+    ids=[
+        "dp2-pp2-tp2",
+        "interleaved",
+        "zero3-recompute",
+        "dp2-ep2-moe",
+        "zb-h1",
+        "fused-ce-sp",
+        "cp2-dp2-ring",
+        "cp2-dp2-a2a-llama",
+        "cp2-dp2-pp2-ep2-moe",
+    ],
+)
 def test_token_normalization_agrees_with_one_device(data, layout):
     cfg = TrainConfig(**{**SMALL, **layout}, data=data)
     counts = _uneven(cfg)
