@@ -16,6 +16,7 @@ import typing
 from dataclasses import asdict, fields
 
 from fastpar.checkpoint import CheckpointError
+from fastpar.cliutil import Parser
 from fastpar.data import BIN_DTYPES
 from fastpar.launch import RankError
 from fastpar.train.batches import load_data
@@ -241,9 +242,10 @@ where fastpar's flags differ from Megatron-LM and torchtitan:
 """
 
 
-class TrainParser(argparse.ArgumentParser):
+class TrainParser(Parser):
     """The command's parser: ``--config FILE`` is read first (its values become the
-    defaults), wherever it stands, so the flags on the command line override it."""
+    defaults), wherever it stands, so the flags on the command line override it. No prefix
+    matching, one-line errors (``fastpar.cliutil.Parser``)."""
 
     def parse_known_args(self, args=None, namespace=None):
         argv = sys.argv[1:] if args is None else list(args)
@@ -253,21 +255,32 @@ class TrainParser(argparse.ArgumentParser):
         return super().parse_known_args(argv, namespace)
 
 
-def build_parser(prog: str = "python -m fastpar.train") -> argparse.ArgumentParser:
+def build_parser(
+    prog: str = "python -m fastpar.train",
+    *,
+    description: str = DESCRIPTION,
+    epilog: str = EPILOG,
+    defaults: dict | None = None,
+) -> argparse.ArgumentParser:
+    """The parser of the training flags. ``description`` / ``epilog``: the command's own help
+    (``fastpar.verify`` has its own); ``defaults``: the command's own defaults ({field: value}),
+    shown in --help as the defaults they are."""
     ap = TrainParser(
-        prog=prog, description=DESCRIPTION, epilog=EPILOG,
+        prog=prog, description=description, epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     ap.add_argument(
         "--config", metavar="FILE", default=None,
         help="read flags from a TOML or JSON file; flags given here override it",
     )  # fmt: skip
-    defaults, kinds = TrainConfig(), {f.name: f for f in fields(TrainConfig)}
+    own, defaults = dict(defaults or {}), TrainConfig()
+    kinds = {f.name: f for f in fields(TrainConfig)}
     placed = [(ap.add_argument_group(title), names) for title, names in _GROUPS.items()]
     rest = tuple(n for n in kinds if not any(n in names for _, names in placed))
     for where, names in [*placed, (ap, rest)]:
         for name in names:
-            value, text, words = getattr(defaults, name), _HELP[name], _WORDS.get(name)
+            value, words = getattr(defaults, name), _WORDS.get(name)
+            text = _HELP[name].replace("%", "%%")  # argparse formats help with %
             metavar = "{" + ",".join(map(str, words)) + "}" if words else _METAVARS.get(name)
             if name == "recompute":  # a policy; the word alone is full, as it always was
                 where.add_argument(
@@ -292,8 +305,10 @@ def build_parser(prog: str = "python -m fastpar.train") -> argparse.ArgumentPars
             else:
                 where.add_argument(
                     flag(name), dest=name, type=type(value), default=value, metavar=metavar,
-                    help=text if "default" in text else f"{text} (default {value})",
+                    help=text if "default" in text else f"{text} (default %(default)s)",
                 )  # fmt: skip
+    if own:
+        ap.set_defaults(**own)  # before --config FILE's, which override them
     return ap
 
 
