@@ -140,6 +140,10 @@ _HELP = {
     "tokenizer": "a tokenizer.json (Hugging Face tokenizers) for text data; sets the vocabulary",
     "hf_config": "a Hugging Face config.json: train that model (random init) with its "
     "family's built-in plan instead of the GPT / Llama",
+    "plan": "with --hf-config: the tensor-parallel plan, a TOML or JSON table of module-name "
+    "pattern -> style (column, row, vocab, per_head, replicate, experts; or [style, {options}]) "
+    "as fastpar.parallelize takes it, for a family without a built-in plan (or to replace it); "
+    "the LM head's logits stay split over the vocabulary",
     "checkpoint_dir": "where checkpoints (step_N directories, each with its train_config.json) "
     "are written and resumed from; the last step is always saved",
     "save_every": "also save every N steps (0: only the last step)",
@@ -195,20 +199,20 @@ _OPTIONAL = {"vocab_size": int, "ffn": int, "moe_ffn": int, "min_lr": float, "kv
              "peak_tflops": float, "routed_scaling_factor": float, "router_groups": int,
              "router_group_topk": int, "shared_expert_ffn": int,
              "microbatch_group_size": int, "data_dtype": str, "pack": str,
-             "eos_id": int}  # fmt: skip
+             "eos_id": int, "plan": str}  # fmt: skip
 _METAVARS = {"checkpoint_dir": "DIR", "profile": "DIR", "tensorboard": "DIR", "profile_steps":
              "A:B", "metrics_file": "FILE", "data": "FILE", "tokenizer": "FILE",
              "hf_config": "FILE", "peak_tflops": "TFLOPS",
              "collective_timeout": "SECONDS", "router_groups": "N", "router_group_topk": "K",
              "shared_expert_ffn": "N", "routed_scaling_factor": "F",
-             "microbatch_group_size": "G", "eos_id": "ID"}  # fmt: skip
+             "microbatch_group_size": "G", "eos_id": "ID", "plan": "FILE"}  # fmt: skip
 _GROUPS = {
     "layout": ("tp", "pp", "dp", "ep", "cp", "cp_attention", "zero", "microbatches", "schedule", "virtual_stages",
                "microbatch_group_size", "recompute", "sequence_parallel", "moe_expert_tp", "overlap_chunks"),
     "model": ("model_type", "hf_config", "vocab_size", "seq_len", "hidden", "heads", "layers",
               "ffn", "moe_ffn", "kv_heads", "head_dim", "rope_theta", "qk_norm",
               "attention_bias", "norm", "untied", "moe_every", "experts", "top_k",
-              "capacity_factor"),
+              "capacity_factor", "plan"),
     "MoE routing": ("router_score", "routed_scaling_factor", "router_groups",
                     "router_group_topk", "expert_bias", "bias_update_rate", "shared_expert_ffn",
                     "shared_expert_gate", "aux_loss", "aux_loss_coef", "z_loss_coef"),
