@@ -13,7 +13,7 @@ import os
 import sys
 import time
 import typing
-from dataclasses import asdict, fields
+from dataclasses import fields
 
 from fastpar.checkpoint import CheckpointError
 from fastpar.cliutil import Parser
@@ -31,6 +31,7 @@ from fastpar.train.checks import (
 from fastpar.train.config import COLLECTIVE_TIMEOUT_S, DESCRIPTION, TrainConfig, config_from
 from fastpar.train.launch import launch
 from fastpar.train.memory import WARN_FRACTION, estimate
+from fastpar.train.summary import cpu_cores, default_world_note, done_line, layout_given
 
 #: every flag's help; "(default X)" is added for a flag whose default is not None
 _HELP = {
@@ -448,11 +449,24 @@ def refuse(exc: Exception) -> int:
     return 2
 
 
+def _note_default_world(cfg, argv: list[str]) -> None:
+    """The one-line note of ``default_world_note`` (not under torchrun, not --quiet)."""
+    if cfg.quiet or "RANK" in os.environ:
+        return
+    path = config_file_path(argv)
+    given = layout_given(argv, read_config_file(path) if path else None)
+    note = default_world_note(cfg, given, cpu_cores())
+    if note:
+        print(note, file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
         cfg, tokens = prepare(build_parser().parse_args(argv))
     except (ValueError, ImportError) as exc:
         return refuse(exc)
+    _note_default_world(cfg, argv)
     try:
         records = launch(cfg, tokens=tokens)
     except RankError as exc:  # a refusal on the ranks (a checkpoint directory, a plan): one line
@@ -460,8 +474,5 @@ def main(argv: list[str] | None = None) -> int:
             return refuse(exc.exception)
         raise
     if records and not cfg.quiet and "RANK" not in os.environ:
-        first, last = records[0]["loss"], records[-1]["loss"]
-        print(
-            f"done: loss {first:.4f} -> {last:.4f} over {len(records)} steps; config {asdict(cfg)}"
-        )
+        print(done_line(cfg, records))
     return 0
