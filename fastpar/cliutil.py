@@ -47,13 +47,20 @@ class Parser(argparse.ArgumentParser):
         return list(dict.fromkeys(out))
 
     def parse_args(self, args=None, namespace=None):
-        ns, unknown = self.parse_known_args(args, namespace)
+        self._argv = sys.argv[1:] if args is None else list(args)
+        ns, unknown = self.parse_known_args(self._argv, namespace)
         if unknown:
             self.exit(2, f"error: {unknown_text(unknown, self.option_strings(), self.prog)}\n")
         return ns
 
     def error(self, message: str):
-        """One line (no usage block), exit code 2."""
+        """One line (no usage block), exit code 2; a required flag missing beside an unknown
+        one (``--vocab 300`` for ``--vocab-size 300``) names the unknown one and its nearest."""
+        options = self.option_strings()
+        unknown = [a for a in getattr(self, "_argv", []) if a.startswith("--")
+                   and a.split("=", 1)[0] not in options]  # fmt: skip
+        if unknown and "required" in message:
+            self.exit(2, f"error: {unknown_text(unknown, options, self.prog)}\n")
         text = message.replace("\n", " ")
         self.exit(2, f"error: {text} (see {self.prog} --help)\n")
 
