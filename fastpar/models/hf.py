@@ -32,6 +32,8 @@ from torch import nn
 
 from fastpar.models import hf_documents
 from fastpar.nn import parallelize
+from fastpar.nn.plan import match, parse_style
+from fastpar.nn.plans import FAMILIES, supported
 from fastpar.parallel.pipeline import hf as pipe
 
 DECODERS = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
@@ -138,8 +140,6 @@ PLAN_HINT = (
 
 def has_builtin_plan(config) -> bool:
     """Whether ``config``'s family has a built-in tensor-parallel plan (``fastpar.nn.plans``)."""
-    from fastpar.nn.plans import FAMILIES
-
     return config.model_type in FAMILIES
 
 
@@ -168,8 +168,6 @@ def read_plan(path: str) -> dict:
         raw = raw["plan"]
     if not isinstance(raw, dict) or not raw:
         raise ValueError(f"--plan {path}: the file must hold a table of module pattern -> style")
-    from fastpar.nn.plan import parse_style
-
     plan = {}
     for pattern, style in raw.items():
         style = tuple(style) if isinstance(style, list) else style
@@ -186,8 +184,6 @@ def read_plan(path: str) -> dict:
 def check_plan(config, plan: dict, path: str) -> None:
     """Every pattern of ``plan`` names modules of ``config``'s model (built on the meta device:
     no memory, no init), and its LM head is planned "column". ValueError naming the fix."""
-    from fastpar.nn.plan import match
-
     with torch.device("meta"):
         model = build(copy.deepcopy(config))
     names = [n for n, _ in model.named_modules() if n]
@@ -243,8 +239,6 @@ def hf_blocks(config, mesh, plan: dict | None = None, plan_path: str = "") -> HF
         if plan is not None:
             plan = _lm_head_split(model, plan, plan_path)
         elif not has_builtin_plan(config):
-            from fastpar.nn.plans import supported
-
             raise ValueError(
                 f"--hf-config: no built-in plan for model_type {config.model_type!r} (built-in: "
                 f"{supported()}); {PLAN_HINT}"
