@@ -41,7 +41,8 @@ class Parser(argparse.ArgumentParser):
         out = []
         for action in self._actions:
             out += action.option_strings
-            for sub in (getattr(action, "choices", None) or {}).values():
+            choices = getattr(action, "choices", None)
+            for sub in choices.values() if isinstance(choices, dict) else ():
                 if isinstance(sub, argparse.ArgumentParser):
                     out += [s for a in sub._actions for s in a.option_strings]
         return list(dict.fromkeys(out))
