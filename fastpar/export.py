@@ -19,7 +19,6 @@ text (exit 1 if the tokens differ). Needs the hf extra (``pip install fastpar[hf
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -28,6 +27,7 @@ from dataclasses import fields
 
 import torch
 
+from fastpar.cliutil import Parser
 from fastpar.data import EOS_TOKENS
 
 TOLERANCE = 1e-4
@@ -235,9 +235,7 @@ def _decode(ids: list[int], tokenizer: str | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     from fastpar.checkpoint import CheckpointError
 
-    ap = argparse.ArgumentParser(
-        prog="python -m fastpar.export", description=__doc__.splitlines()[0]
-    )
+    ap = Parser(prog="python -m fastpar.export", description=__doc__.splitlines()[0])
     ap.add_argument(
         "checkpoint",
         help="a checkpoint written by fastpar.train, or its --checkpoint-dir (the newest one)",

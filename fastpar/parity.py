@@ -372,12 +372,12 @@ def check_parallel(
 
 # -- python -m fastpar.verify --hf-config config.json -------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    import argparse
     import sys
 
+    from fastpar.cliutil import Parser
     from fastpar.launch import RankError
 
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="python -m fastpar.verify --hf-config",
         description="Prove a layout of a Hugging Face model (from its config.json, random init) "
         "equal to the single-process model on CPU ranks; exit 0 only if they agree.",

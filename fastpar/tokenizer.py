@@ -13,11 +13,11 @@ a corpus too small for ``vocab_size`` merges yields a smaller vocabulary (report
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections.abc import Iterable
 
+from fastpar.cliutil import Parser
 from fastpar.data import embedded_corpus, require_tokenizers
 
 SPECIAL_TOKENS = ("<|endoftext|>",)
@@ -48,9 +48,7 @@ def train_tokenizer(lines: Iterable[str], vocab_size: int, special_tokens=SPECIA
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m fastpar.tokenizer", description=__doc__.splitlines()[0]
-    )
+    ap = Parser(prog="python -m fastpar.tokenizer", description=__doc__.splitlines()[0])
     ap.add_argument("--vocab-size", type=int, required=True, help="tokens, >= 257")
     ap.add_argument("--out", required=True, help="the tokenizer.json to write")
     ap.add_argument(

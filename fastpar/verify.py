@@ -35,6 +35,7 @@ import math
 import os
 import sys
 import tempfile
+import textwrap
 from dataclasses import dataclass, field
 
 import torch
@@ -300,12 +301,48 @@ def compare(cfg: TrainConfig, tokens=None) -> tuple[bool, str]:
     return ok, "\n".join(lines)
 
 
+#: verify's own defaults (the trainer's flags, fewer steps); with --hf-config a smaller batch
+DEFAULTS = {"steps": 3}
+HF_DEFAULTS = {**DEFAULTS, "batch_size": 8, "seq_len": 16}
+HELP = textwrap.fill(
+    "Prove a layout equal to one process: train the model of python -m fastpar.train under the "
+    "given layout (any of its flags), then the same model from the same initialisation on the "
+    "same data in ONE process on the whole global batch, in the run's precision, its twin (one "
+    "rounding away) and in float64; print both losses and gradient norms per step (and "
+    "validation losses with --eval-every) and the largest parameter difference.",
+    width=92,
+)
+EPILOG = f"""\
+the tolerance rule (fastpar.tolerance):
+  each quantity (loss, gradient norm, validation loss, every final parameter) is compared with
+  the same math in float64: it agrees when its error is at most {tolerance.FACTOR:g} x the
+  single-process run's own error (it and its twin) + {tolerance.FLOOR:g} (u + u32 sqrt(n))
+  max|value| (u: the precision's unit roundoff, n: the longest reduction) + what AdamW makes
+  of the gradients' bounds. fp32 is tight; bf16 / fp16 are loose.
+
+exit codes:
+  0  AGREE: every quantity within the rule
+  1  DISAGREE: some quantity outside it (the report names the worst)
+  2  refused: a bad flag, an impossible layout or data, or (--hf-config) a plan the ranks
+     refused; one error: line
+
+defaults that differ from python -m fastpar.train:
+  --steps {DEFAULTS["steps"]}; with --hf-config also --batch-size {HF_DEFAULTS["batch_size"]} and --seq-len {HF_DEFAULTS["seq_len"]}, and
+  check_parallel first (logits, loss and every gradient on every rank) when --pp is 1.
+"""
+
+
+def parser(hf: bool = False):
+    """verify's parser: the trainer's flags with verify's help and defaults."""
+    return build_parser("python -m fastpar.verify", description=HELP, epilog=EPILOG,
+                        defaults=HF_DEFAULTS if hf else DEFAULTS)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a == "--hf-config" or a.startswith("--hf-config=") for a in argv):
         return _main_hf(argv)
-    ap = build_parser("python -m fastpar.verify")
-    ap.set_defaults(steps=3)
+    ap = parser()
     try:  # the training command's checks: flags, devices, data (every id), memory
         cfg, tokens = prepare(ap.parse_args(argv))
     except (ValueError, ImportError) as exc:
@@ -320,8 +357,7 @@ def _main_hf(argv: list[str]) -> int:
     ZeRO stage): logits, loss and every gradient on every rank on one batch, then the
     parameters after AdamW steps. Then the training command itself (any of its flags, pp
     included) beside the single-process model, as for the GPT. Exit 0 only if both agree."""
-    ap = build_parser("python -m fastpar.verify")
-    ap.set_defaults(steps=3, batch_size=8, seq_len=16)
+    ap = parser(hf=True)
     try:
         cfg, tokens = prepare(ap.parse_args(argv))
     except (ValueError, ImportError) as exc:

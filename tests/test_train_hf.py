@@ -93,7 +93,7 @@ def test_loss_falls_through_the_cli(tmp_path, capfd):
     argv = ["--hf-config", path, "--tp", "2", "--pp", "2", "--dp", "1", "--steps", "6"]
     assert main([*argv, "--seq-len", "16", "--batch-size", "4", "--lr", "1e-2"]) == 0
     out = capfd.readouterr().out  # rank 0 prints from its own process
-    assert "fastpar.train: hf:" in out and "ep 1" in out
+    assert f"fastpar.train: llama (--hf-config {path})" in out and "ep 1" in out
     first, last = (float(x) for x in out.split("done: loss ")[1].split(" over")[0].split(" -> "))
     assert last < first
 

@@ -37,6 +37,7 @@ from fastpar.checkpoint.format import (
 )
 from fastpar.checkpoint.format import read_verified as _read_verified
 from fastpar.checkpoint.reader import dtype_from
+from fastpar.cliutil import Parser
 
 
 class UsageError(ValueError):
@@ -172,7 +173,7 @@ def _export(path: str, out: str, fmt: str, hf: bool, tokenizer: str | None) -> i
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = Parser(
         prog="python -m fastpar.checkpoint",
         description="Inspect, check or export a fastpar checkpoint.",
         epilog=__doc__.split("\n\n", 2)[2].replace("``", ""),  # plain text, no reST

@@ -7,11 +7,11 @@ confirming every group reduces over exactly the ranks listed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 
+from fastpar.cliutil import Parser
 from fastpar.mesh.layout import DEFAULT_ORDER, GROUP_KINDS, MeshLayout
 
 
@@ -45,7 +45,7 @@ def _check(layout: MeshLayout) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fastpar.mesh", description=__doc__.splitlines()[0])
+    ap = Parser(prog="python -m fastpar.mesh", description=__doc__.splitlines()[0])
     ap.add_argument("--world-size", type=int, required=True)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)

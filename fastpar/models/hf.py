@@ -21,6 +21,8 @@ context is current, and run as before outside one (``fastpar.models.hf_documents
 from __future__ import annotations
 
 import copy
+import difflib
+import fnmatch
 import json
 import re
 from collections.abc import Callable
@@ -29,8 +31,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fastpar.checkpoint.format import CheckpointError
+from fastpar.checkpoint.hf import load_hf
+from fastpar.checkpoint.hf._common import _short
+from fastpar.checkpoint.hf.load import _read_into, _weight_map
 from fastpar.models import hf_documents
 from fastpar.nn import parallelize
+from fastpar.nn.plan import match, parse_style
+from fastpar.nn.plans import FAMILIES, supported
 from fastpar.parallel.pipeline import hf as pipe
 
 DECODERS = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
@@ -129,14 +137,118 @@ class HFParts:
     mask_id: int = -1
 
 
-def hf_blocks(config, mesh) -> HFParts:
+PLAN_HINT = (
+    "pass --plan FILE: a TOML or JSON table of module-name pattern -> style (column, row, "
+    "vocab, per_head, replicate, experts; or [style, {options}]), as fastpar.parallelize takes"
+)
+
+
+def has_builtin_plan(config) -> bool:
+    """Whether ``config``'s family has a built-in tensor-parallel plan (``fastpar.nn.plans``)."""
+    return config.model_type in FAMILIES
+
+
+def read_plan(path: str) -> dict:
+    """The plan of a ``--plan`` file (.toml or .json): a table of pattern -> style, or a table
+    with a ``plan`` table in it. ValueError naming the file and the fix."""
+    kind = "toml" if path.endswith(".toml") else "json" if path.endswith(".json") else None
+    if kind is None:
+        raise ValueError(f"--plan {path}: name a .toml or a .json file")
+    try:
+        if kind == "json":
+            with open(path) as f:
+                raw = json.load(f)
+        else:
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10
+                import tomli as tomllib  # type: ignore[no-redef]
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+    except OSError as exc:
+        raise ValueError(f"--plan {path}: cannot read it ({exc.strerror or exc})") from exc
+    except ValueError as exc:  # JSONDecodeError, TOMLDecodeError
+        raise ValueError(f"--plan {path}: not valid {kind.upper()} ({exc})") from exc
+    if isinstance(raw, dict) and isinstance(raw.get("plan"), dict):
+        raw = raw["plan"]
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(f"--plan {path}: the file must hold a table of module pattern -> style")
+    plan = {}
+    for pattern, style in raw.items():
+        style = tuple(style) if isinstance(style, list) else style
+        try:
+            if not (isinstance(style, str) or (len(style) == 2 and isinstance(style[1], dict))):
+                raise ValueError(f"plan[{pattern!r}] = {style!r}: a style or [style, {{options}}]")
+            parse_style(pattern, style)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"--plan {path}: {exc}") from exc
+        plan[pattern] = style
+    return plan
+
+
+def check_plan(config, plan: dict, path: str) -> None:
+    """Every pattern of ``plan`` names modules of ``config``'s model (built on the meta device:
+    no memory, no init), and its LM head is planned "column". ValueError naming the fix."""
+    with torch.device("meta"):
+        model = build(copy.deepcopy(config))
+    names = [n for n, _ in model.named_modules() if n]
+    for pattern in plan:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            near = difflib.get_close_matches(pattern, names, n=1, cutoff=0.5)
+            hint = f"; the nearest module is {near[0]!r}" if near else ""
+            raise ValueError(
+                f"--plan {path}: pattern {pattern!r} matches no module of "
+                f"{type(model).__name__}{hint} (the names of model.named_modules())"
+            )
+    match(model, plan, strict=True)
+    _lm_head_split(model, plan, path)
+
+
+def _lm_head_split(model: nn.Module, plan: dict, path: str) -> dict:
+    """``plan`` with its LM head's entries as the trainer needs them: "column", the logits left
+    split over the vocabulary (padded), for the vocab-parallel cross-entropy."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    name = next((n for n, m in model.named_modules() if m is head), None) if head else None
+    if name is None:
+        return plan
+    out, planned = dict(plan), False
+    for pattern, style in plan.items():
+        if not fnmatch.fnmatchcase(name, pattern):
+            continue
+        kind, kwargs = (style, {}) if isinstance(style, str) else style
+        if kind != "column":
+            raise ValueError(
+                f'--plan {path}: the LM head {name!r} is planned {kind!r}: plan it "column" '
+                "(the trainer keeps its logits split over the vocabulary)"
+            )
+        out[pattern], planned = (
+            ("column", {**kwargs, "pad_output": True, "gather_output": False}),
+            True,
+        )
+    if not planned:
+        raise ValueError(
+            f'--plan {path}: no entry for the LM head {name!r}: add "{name}" = "column" '
+            "(the trainer's loss is the vocab-parallel cross-entropy)"
+        )
+    return out
+
+
+def hf_blocks(config, mesh, plan: dict | None = None, plan_path: str = "") -> HFParts:
     """Build, parallelize and cut the model of ``config`` for this rank's mesh (a copy of
     ``config``: the model's attention is switched to the documents-aware one, the caller's
-    config is left as it was)."""
+    config is left as it was). ``plan``: a ``--plan`` file's plan (``read_plan``) instead of
+    the family's built-in one; its LM head's logits stay split over the vocabulary."""
     config = copy.deepcopy(config)
     model = build(config)
     if mesh is not None:
-        model = parallelize(model, mesh=mesh, loss_parallel=True)
+        if plan is not None:
+            plan = _lm_head_split(model, plan, plan_path)
+        elif not has_builtin_plan(config):
+            raise ValueError(
+                f"--hf-config: no built-in plan for model_type {config.model_type!r} (built-in: "
+                f"{supported()}); {PLAN_HINT}"
+            )
+        model = parallelize(model, plan, mesh=mesh, loss_parallel=True)
     vocab = int(config.vocab_size)
     masked = is_masked_lm(config)
     if config.model_type in DECODERS and not masked:
@@ -239,11 +351,6 @@ def load_pretrained(parts: HFParts, stage: nn.Module, directory: str):
     LM head) is read under the embedding's name. Raises ``CheckpointError`` naming the tensors
     this stage lacks in the files, or file tensors no block of the model claims (another model).
     Returns the ``LoadStats``."""
-    from fastpar.checkpoint.format import CheckpointError
-    from fastpar.checkpoint.hf import load_hf
-    from fastpar.checkpoint.hf._common import _short
-    from fastpar.checkpoint.hf.load import _read_into, _weight_map
-
     embed = {id(p): name for name, p in parts.names([parts.blocks[0]]).items()}
     targets = {embed.get(id(p), name): p for name, p in parts.names(stage).items()}
     stats = load_hf(targets, directory, strict=False)

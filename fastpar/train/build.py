@@ -145,9 +145,10 @@ def _blocks(cfg: TrainConfig, mesh: ParallelMesh | None):
     """(blocks of the whole model, built for ``mesh``; the HF parts or None; the model's
     config; ZeRO-3's gather units; this rank's tied embedding or None)."""
     if cfg.hf_config:  # a Hugging Face model: built-in TP plan, decoder pipeline blocks
-        from fastpar.models.hf import hf_blocks, load_config  # transformers: imported on use
+        from fastpar.models.hf import hf_blocks, load_config, read_plan  # transformers: on use
 
-        hf = hf_blocks(load_config(cfg.hf_config), mesh)
+        plan = read_plan(cfg.plan) if cfg.plan else None
+        hf = hf_blocks(load_config(cfg.hf_config), mesh, plan, cfg.plan or "")
         return hf.blocks, hf, hf, hf.block_types, None  # the HF parts hold vocab_size
     model_cfg = cfg.model()
     blocks = build_model(model_cfg, mesh)

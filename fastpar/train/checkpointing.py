@@ -17,7 +17,8 @@ decides, the other ranks follow:
   ``--allow-other-run``.
 
 Each checkpoint directory also holds the run's resolved settings as ``train_config.json``
-(``CONFIG_FILE``, written by global rank 0 after the save; itself a ``--config`` file).
+(``CONFIG_FILE``, written by global rank 0 after the save; itself a ``--config`` file), and so
+does ``--checkpoint-dir`` itself (the latest run's, written when the run opens it).
 
 A checkpoint holds ``Trainer.checkpoint_tensors()``: the parameters and the MoE routers'
 ``expert_bias`` buffers (--expert-bias: the aux-loss-free balancing state, which no gradient
@@ -319,6 +320,8 @@ def open_checkpoints(trainer: Trainer, talk: bool) -> int:
     if status == "error":
         raise CheckpointError(first)
     trainer.run_id = first
+    if dist.get_rank() == 0:  # the run's settings, one file in the run's directory
+        write_config_file(cfg, os.path.join(cfg.checkpoint_dir, CONFIG_FILE))
     start = _load(trainer, path, talk) if path else 0
     trainer._checkpoints_open = start
     return start

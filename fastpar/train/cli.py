@@ -13,9 +13,10 @@ import os
 import sys
 import time
 import typing
-from dataclasses import asdict, fields
+from dataclasses import fields
 
 from fastpar.checkpoint import CheckpointError
+from fastpar.cliutil import Parser
 from fastpar.data import BIN_DTYPES
 from fastpar.launch import RankError
 from fastpar.train.batches import load_data
@@ -30,6 +31,7 @@ from fastpar.train.checks import (
 from fastpar.train.config import COLLECTIVE_TIMEOUT_S, DESCRIPTION, TrainConfig, config_from
 from fastpar.train.launch import launch
 from fastpar.train.memory import WARN_FRACTION, estimate
+from fastpar.train.summary import cpu_cores, default_world_note, done_line, layout_given
 
 #: every flag's help; "(default X)" is added for a flag whose default is not None
 _HELP = {
@@ -143,6 +145,10 @@ _HELP = {
     "save_pretrained writes it): train that model from its weights (implies --hf-config "
     "DIR/config.json; each rank reads its slices; fresh optimizer, step 0; --resume's "
     "checkpoint wins)",
+    "plan": "with --hf-config: the tensor-parallel plan, a TOML or JSON table of module-name "
+    "pattern -> style (column, row, vocab, per_head, replicate, experts; or [style, {options}]) "
+    "as fastpar.parallelize takes it, for a family without a built-in plan (or to replace it); "
+    "the LM head's logits stay split over the vocabulary",
     "checkpoint_dir": "where checkpoints (step_N directories, each with its train_config.json) "
     "are written and resumed from; the last step is always saved",
     "save_every": "also save every N steps (0: only the last step)",
@@ -198,20 +204,20 @@ _OPTIONAL = {"vocab_size": int, "ffn": int, "moe_ffn": int, "min_lr": float, "kv
              "peak_tflops": float, "routed_scaling_factor": float, "router_groups": int,
              "router_group_topk": int, "shared_expert_ffn": int,
              "microbatch_group_size": int, "data_dtype": str, "pack": str,
-             "eos_id": int}  # fmt: skip
+             "eos_id": int, "plan": str}  # fmt: skip
 _METAVARS = {"checkpoint_dir": "DIR", "profile": "DIR", "tensorboard": "DIR", "profile_steps":
              "A:B", "metrics_file": "FILE", "data": "FILE", "tokenizer": "FILE",
              "hf_config": "FILE", "init_from_hf": "DIR", "peak_tflops": "TFLOPS",
              "collective_timeout": "SECONDS", "router_groups": "N", "router_group_topk": "K",
              "shared_expert_ffn": "N", "routed_scaling_factor": "F",
-             "microbatch_group_size": "G", "eos_id": "ID"}  # fmt: skip
+             "microbatch_group_size": "G", "eos_id": "ID", "plan": "FILE"}  # fmt: skip
 _GROUPS = {
     "layout": ("tp", "pp", "dp", "ep", "cp", "cp_attention", "zero", "microbatches", "schedule", "virtual_stages",
                "microbatch_group_size", "recompute", "sequence_parallel", "moe_expert_tp", "overlap_chunks"),
     "model": ("model_type", "hf_config", "vocab_size", "seq_len", "hidden", "heads", "layers",
               "init_from_hf", "ffn", "moe_ffn", "kv_heads", "head_dim", "rope_theta", "qk_norm",
               "attention_bias", "norm", "untied", "moe_every", "experts", "top_k",
-              "capacity_factor"),
+              "capacity_factor", "plan"),
     "MoE routing": ("router_score", "routed_scaling_factor", "router_groups",
                     "router_group_topk", "expert_bias", "bias_update_rate", "shared_expert_ffn",
                     "shared_expert_gate", "aux_loss", "aux_loss_coef", "z_loss_coef"),
@@ -245,9 +251,10 @@ where fastpar's flags differ from Megatron-LM and torchtitan:
 """
 
 
-class TrainParser(argparse.ArgumentParser):
+class TrainParser(Parser):
     """The command's parser: ``--config FILE`` is read first (its values become the
-    defaults), wherever it stands, so the flags on the command line override it."""
+    defaults), wherever it stands, so the flags on the command line override it. No prefix
+    matching, one-line errors (``fastpar.cliutil.Parser``)."""
 
     def parse_known_args(self, args=None, namespace=None):
         argv = sys.argv[1:] if args is None else list(args)
@@ -257,21 +264,32 @@ class TrainParser(argparse.ArgumentParser):
         return super().parse_known_args(argv, namespace)
 
 
-def build_parser(prog: str = "python -m fastpar.train") -> argparse.ArgumentParser:
+def build_parser(
+    prog: str = "python -m fastpar.train",
+    *,
+    description: str = DESCRIPTION,
+    epilog: str = EPILOG,
+    defaults: dict | None = None,
+) -> argparse.ArgumentParser:
+    """The parser of the training flags. ``description`` / ``epilog``: the command's own help
+    (``fastpar.verify`` has its own); ``defaults``: the command's own defaults ({field: value}),
+    shown in --help as the defaults they are."""
     ap = TrainParser(
-        prog=prog, description=DESCRIPTION, epilog=EPILOG,
+        prog=prog, description=description, epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     ap.add_argument(
         "--config", metavar="FILE", default=None,
         help="read flags from a TOML or JSON file; flags given here override it",
     )  # fmt: skip
-    defaults, kinds = TrainConfig(), {f.name: f for f in fields(TrainConfig)}
+    own, defaults = dict(defaults or {}), TrainConfig()
+    kinds = {f.name: f for f in fields(TrainConfig)}
     placed = [(ap.add_argument_group(title), names) for title, names in _GROUPS.items()]
     rest = tuple(n for n in kinds if not any(n in names for _, names in placed))
     for where, names in [*placed, (ap, rest)]:
         for name in names:
-            value, text, words = getattr(defaults, name), _HELP[name], _WORDS.get(name)
+            value, words = getattr(defaults, name), _WORDS.get(name)
+            text = _HELP[name].replace("%", "%%")  # argparse formats help with %
             metavar = "{" + ",".join(map(str, words)) + "}" if words else _METAVARS.get(name)
             if name == "recompute":  # a policy; the word alone is full, as it always was
                 where.add_argument(
@@ -296,8 +314,10 @@ def build_parser(prog: str = "python -m fastpar.train") -> argparse.ArgumentPars
             else:
                 where.add_argument(
                     flag(name), dest=name, type=type(value), default=value, metavar=metavar,
-                    help=text if "default" in text else f"{text} (default {value})",
+                    help=text if "default" in text else f"{text} (default %(default)s)",
                 )  # fmt: skip
+    if own:
+        ap.set_defaults(**own)  # before --config FILE's, which override them
     return ap
 
 
@@ -433,11 +453,24 @@ def refuse(exc: Exception) -> int:
     return 2
 
 
+def _note_default_world(cfg, argv: list[str]) -> None:
+    """The one-line note of ``default_world_note`` (not under torchrun, not --quiet)."""
+    if cfg.quiet or "RANK" in os.environ:
+        return
+    path = config_file_path(argv)
+    given = layout_given(argv, read_config_file(path) if path else None)
+    note = default_world_note(cfg, given, cpu_cores())
+    if note:
+        print(note, file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
         cfg, tokens = prepare(build_parser().parse_args(argv))
     except (ValueError, ImportError) as exc:
         return refuse(exc)
+    _note_default_world(cfg, argv)
     try:
         records = launch(cfg, tokens=tokens)
     except RankError as exc:  # a refusal on the ranks (a checkpoint directory, a plan): one line
@@ -445,8 +478,5 @@ def main(argv: list[str] | None = None) -> int:
             return refuse(exc.exception)
         raise
     if records and not cfg.quiet and "RANK" not in os.environ:
-        first, last = records[0]["loss"], records[-1]["loss"]
-        print(
-            f"done: loss {first:.4f} -> {last:.4f} over {len(records)} steps; config {asdict(cfg)}"
-        )
+        print(done_line(cfg, records))
     return 0

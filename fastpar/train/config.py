@@ -119,6 +119,7 @@ class TrainConfig:
     moe_expert_tp: bool = False
     untied: bool = False
     norm: str = "rmsnorm"
+    plan: str | None = None
     data: str | None = None
     data_dtype: str | None = None
     tokenizer: str | None = None
@@ -284,6 +285,7 @@ class TrainConfig:
                 "(--model gpt / llama), use --cp 1"
             )
         config = load_config(self.hf_config)
+        self._check_plan(config)
         if self.vocab_size is not None and self.vocab_size != config.vocab_size:
             raise ValueError(
                 f"--vocab-size {self.vocab_size} differs from the config's vocab_size "
@@ -315,6 +317,21 @@ class TrainConfig:
         if self.pp > layers + 2:
             raise ValueError(
                 f"--pp {self.pp} exceeds the {layers + 2} pipeline blocks of the model"
+            )
+
+    def _check_plan(self, config) -> None:
+        """--plan FILE: it reads as a plan whose patterns name the model's modules; without
+        it, the family must have a built-in plan."""
+        from fastpar.models.hf import PLAN_HINT, check_plan, has_builtin_plan, read_plan
+
+        if self.plan:
+            check_plan(config, read_plan(self.plan), self.plan)
+        elif not has_builtin_plan(config):
+            from fastpar.nn.plans import supported
+
+            raise ValueError(
+                f"--hf-config {self.hf_config}: model_type {config.model_type!r} has no built-in "
+                f"tensor-parallel plan (built-in: {supported()}); {PLAN_HINT}"
             )
 
     @property
@@ -479,6 +496,11 @@ class TrainConfig:
                 "are written and read): add it, or drop --allow-schedule-change"
             )
         self._check_outputs()
+        if self.plan and not self.hf_config:
+            raise ValueError(
+                f"--plan {self.plan} is a tensor-parallel plan for an --hf-config model: add "
+                "--hf-config FILE, or drop --plan (fastpar's models have their own)"
+            )
         self._check_model_flags()
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"precision must be fp32, bf16 or fp16, got {self.precision!r}")

@@ -44,6 +44,7 @@ from fastpar.train.metrics import (
     resolve,
 )
 from fastpar.train.stop import RunStopped, StopSignals, agree, signal_name, weights_fit
+from fastpar.train.summary import header_line
 
 
 def run(cfg: TrainConfig, tokens=None) -> list[dict]:
@@ -78,13 +79,7 @@ def _train(cfg: TrainConfig, trainer: Trainer, signals: StopSignals) -> list[dic
     total_params = counts["total"]
     if talk:
         n = sum(p.numel() for p in trainer.stage_module.parameters())
-        print(
-            f"fastpar.train: {cfg.model_name}, world {cfg.world_size} = dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp}"
-            f"{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} "
-            f"(ep {cfg.ep}), ZeRO-{cfg.zero}, {cfg.precision}, {cfg.schedule_label} x {cfg.microbatches} "
-            f"micro-batches, {dist.get_backend()}; {total_params:,} parameters, rank 0 holds {n:,}",
-            flush=True,
-        )
+        print(header_line(cfg, dist.get_backend(), total_params, n), flush=True)
         if cfg.packs_documents:
             print(
                 f"packed documents ({cfg.document_source or '--pack documents'}): attention "
@@ -112,6 +107,8 @@ def _steps(
     with prof as p:
         while p is not None and p.step_num <= start:
             p.step()  # the profiler's step N is the run's step N (0: before the first)
+        if cfg.compile and talk and start < cfg.steps:
+            print("compiling (first step)...", flush=True)
         for _ in range(start, cfg.steps):
             rec = trainer.step()
             records.append(rec)
@@ -125,6 +122,8 @@ def _steps(
             if logged or _saves(cfg, rec["step"]):
                 sync(pending, logged)
                 pending = []
+            if cfg.compile and rec["step"] == start + 1:
+                sync.compiled()  # the ETA and the run's speed leave the compile step out
     if profiling and talk:
         first, last = cfg.profile_window
         print(
@@ -145,12 +144,25 @@ class SyncPoint:
         self.flops, self.writer, self.watch = flops, writer, Divergence(cfg, trainer)
         self.start, self.skipped = start, 0  # skipped since the last logged step
         self.began = self.since = time.perf_counter()
+        self.compile_s, self.compile_steps = 0.0, 0  # --compile: the first step's time
+
+    def compiled(self) -> None:
+        """After the first step of a --compile run: its time (compiling included) is kept out
+        of the ETA's rate and of the run's tokens/s (a device sync when it was no sync
+        point)."""
+        if self.compile_steps:  # the first step was a sync point: marked there
+            return
+        if self.trainer.device.type == "cuda":
+            torch.cuda.synchronize(self.trainer.device)
+        self.compile_s, self.compile_steps = time.perf_counter() - self.began, 1
 
     def __call__(self, pending: list[dict], logged: bool) -> None:
         cfg, trainer, device = self.cfg, self.trainer, self.trainer.device
         rec, step = pending[-1], pending[-1]["step"]
         resolve(pending, trainer.mesh, device)
         seconds = time.perf_counter() - self.since
+        if cfg.compile and step == self.start + 1:  # the compile step (resolve synced)
+            self.compile_s, self.compile_steps = time.perf_counter() - self.began, 1
         diverged = self.watch.scan(pending)
         signum, any_diverged, mem = agree(
             self.signals.received, diverged is not None, memory_mib(device), device
@@ -164,6 +176,7 @@ class SyncPoint:
                 cfg, pending, seconds=seconds, elapsed=time.perf_counter() - self.began,
                 steps_run=step - self.start, flops=self.flops, device=device,
                 mem=(mem, reserved_mib(device)), skipped_steps=self.skipped,
+                compile_s=self.compile_s, compile_steps=self.compile_steps,
             )  # fmt: skip
             self.skipped = 0
             if self.writer is not None:
@@ -172,6 +185,11 @@ class SyncPoint:
                 print(progress_line(cfg, row), flush=True)
         if diverged is not None:
             raise diverged
+        if step == cfg.steps:  # the run's speed, for the end-of-run line
+            timed = step - self.start - self.compile_steps
+            seconds = time.perf_counter() - self.began - self.compile_s
+            if timed > 0 and seconds > 0:
+                rec["run_tokens_per_s"] = cfg.batch_size * cfg.seq_len * timed / seconds
         preempted = bool(signum) and step < cfg.steps
         saved = None
         if _saves(cfg, step) or (cfg.checkpoint_dir and preempted):
@@ -254,9 +272,9 @@ def _profiler(cfg: TrainConfig, device: torch.device):
     """A ``torch.profiler.profile`` whose step N is the run's step N (``_steps`` steps it to
     ``start + 1`` first): waits until step A - 1 of --profile-steps A:B, warms up in it, records
     steps A to B and writes this rank's trace to ``DIR/trace_rank<R>.json`` (also when the run
-    stops inside the window). Under --quiet Kineto's own log lines are off
-    (``KINETO_LOG_LEVEL``, unless set)."""
-    if cfg.quiet:
+    stops inside the window). Kineto's own log lines are off under --quiet and on every rank
+    but 0 (``KINETO_LOG_LEVEL``, unless set: KINETO_LOG_LEVEL=0 shows every rank's)."""
+    if cfg.quiet or dist.get_rank() != 0:
         os.environ.setdefault("KINETO_LOG_LEVEL", "99")  # read at this process's first profile
     first, last = cfg.profile_window
     acts = [torch.profiler.ProfilerActivity.CPU]

@@ -234,15 +234,19 @@ def _finite(x: float) -> float | None:
 
 def metrics_row(cfg, pending: list[dict], *, seconds: float, elapsed: float, steps_run: int,
                 flops: float, device: torch.device, mem: tuple[float, float | None],
-                skipped_steps: int) -> dict:  # fmt: skip
+                skipped_steps: int, compile_s: float = 0.0,
+                compile_steps: int = 0) -> dict:  # fmt: skip
     """The numbers of a logged step (the last of ``pending``, the steps since the last sync
     point, resolved): what the progress line prints and the JSONL / TensorBoard record.
     ``seconds``: their wall time; ``elapsed``: since the run's first step, ``steps_run`` steps
     ago; ``flops``: FLOPs per token; ``mem``: (peak MiB per rank, CUDA reserved MiB or None);
-    ``skipped_steps``: steps skipped since the last logged step, this one included."""
+    ``skipped_steps``: steps skipped since the last logged step, this one included;
+    ``compile_s`` / ``compile_steps``: the time and steps of --compile's first step, left out
+    of the ETA's rate (no rate yet: ETA None until a step after it)."""
     rec = pending[-1]
     tps = cfg.batch_size * cfg.seq_len * len(pending) / max(seconds, 1e-9)
-    per_step = elapsed / max(steps_run, 1)
+    timed = steps_run - compile_steps
+    per_step = (elapsed - compile_s) / timed if timed > 0 else None
     val = {"val_loss": _finite(rec["val_loss"])} if "val_loss" in rec else {}
     return val | {
         "step": rec["step"],
@@ -263,7 +267,7 @@ def metrics_row(cfg, pending: list[dict], *, seconds: float, elapsed: float, ste
         "skipped_steps": skipped_steps,
         "time": time.time(),
         "elapsed_s": elapsed,
-        "eta_s": per_step * (cfg.steps - rec["step"]),
+        "eta_s": None if per_step is None else per_step * (cfg.steps - rec["step"]),
     }
 
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
-
+from fastpar.cliutil import Parser
 from fastpar.zero.memory import estimate_memory
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m fastpar.zero", description=__doc__)
+    ap = Parser(prog="python -m fastpar.zero", description=__doc__)
     ap.add_argument("--params", type=float, required=True, help="number of parameters, e.g. 7.5e9")
     ap.add_argument("--dp", type=int, nargs="+", default=[1, 4, 16, 64, 256, 1024])
     ap.add_argument("--mode", choices=["paper", "fastpar"], default="paper")

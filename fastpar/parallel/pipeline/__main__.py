@@ -8,8 +8,7 @@ forward is 1) in the bubble table, which then also shows interleaved with G = 2p
 
 from __future__ import annotations
 
-import argparse
-
+from fastpar.cliutil import Parser
 from fastpar.parallel.pipeline.schedules import (
     ForwardOnly,
     GPipe,
@@ -20,7 +19,7 @@ from fastpar.parallel.pipeline.schedules import (
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m fastpar.parallel.pipeline", description=__doc__)
+    ap = Parser(prog="python -m fastpar.parallel.pipeline", description=__doc__)
     ap.add_argument("--stages", type=int, default=4)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--virtual-stages", type=int, default=2, help="chunks per rank (interleaved)")

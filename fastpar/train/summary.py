@@ -1,0 +1,119 @@
+"""What a run says about itself: the header (the layout and every setting that changes the
+math), the note about the default world on a small machine, and the end-of-run summary. Pure
+functions of the config and numbers, so each is tested directly."""
+
+from __future__ import annotations
+
+import os
+
+#: the flags that choose the layout; without any of them the run takes the default world
+LAYOUT_FLAGS = ("--dp", "--tp", "--pp", "--cp", "--ep")
+
+
+def model_label(cfg) -> str:
+    """The model as the header names it: "gpt", "llama", or an --hf-config model's family
+    (its config's model_type) with the file."""
+    if not cfg.hf_config:
+        return cfg.model_type
+    from fastpar.models.hf import read_config_json
+
+    return f"{read_config_json(cfg.hf_config)['model_type']} (--hf-config {cfg.hf_config})"
+
+
+def has_moe(cfg) -> bool:
+    """Whether fastpar's model has MoE blocks (every --moe-every-th of --layers)."""
+    return not cfg.hf_config and cfg.moe_every > 0 and cfg.layers >= cfg.moe_every
+
+
+def moe_text(cfg) -> str:
+    """The MoE routing settings in a few words."""
+    parts = [
+        f"MoE every {cfg.moe_every}: top-{cfg.top_k} of {cfg.experts} experts ({cfg.router_score}"
+        + (f", x{cfg.routed_scaling_factor:g}" if cfg.routed_scaling_factor is not None else "")
+        + ")",
+        "dropless" if cfg.capacity_factor is None else f"capacity {cfg.capacity_factor:g}",
+        f"aux {cfg.aux_loss}" + (f" {cfg.aux_loss_coef:g}" if cfg.aux_loss != "none" else ""),
+    ]
+    if cfg.router_groups:
+        parts.append(f"group-limited {cfg.router_group_topk} of {cfg.router_groups} groups")
+    if cfg.expert_bias:
+        parts.append(f"expert bias {cfg.bias_update_rate:g}")
+    if cfg.z_loss_coef:
+        parts.append(f"z-loss {cfg.z_loss_coef:g}")
+    if cfg.shared_expert_ffn:
+        gate = ", gated" if cfg.shared_expert_gate else ""
+        parts.append(f"shared expert {cfg.shared_expert_ffn}{gate}")
+    if cfg.moe_expert_tp:
+        parts.append("expert TP")
+    return ", ".join(parts)
+
+
+def math_settings(cfg) -> list[str]:
+    """The settings beyond the layout that change what a step computes, as words."""
+    out = [f"{cfg.loss_normalization} loss normalisation"]
+    if cfg.recompute:
+        out.append(f"recompute {cfg.recompute_policy}")
+    if cfg.compile:
+        out.append("compile")
+    if cfg.sequence_parallel:
+        out.append("sequence parallel")
+    if cfg.fused_ce:
+        out.append("fused CE")
+    if cfg.packs_documents:
+        out.append("packed documents")
+    if cfg.plan:
+        out.append(f"--plan {cfg.plan}")
+    if has_moe(cfg):
+        out.append(moe_text(cfg))
+    return out
+
+
+def header_line(cfg, backend: str, total_params: int, held: int) -> str:
+    """Rank 0's first line: the model, the layout, and every setting that changes the math."""
+    return (
+        f"fastpar.train: {model_label(cfg)}, world {cfg.world_size} = dp {cfg.dp} x tp {cfg.tp} "
+        f"x pp {cfg.pp}{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} (ep {cfg.ep}), ZeRO-{cfg.zero}, "
+        f"{cfg.precision}, {cfg.schedule_label} x {cfg.microbatches} micro-batches, {backend}; "
+        f"{'; '.join(math_settings(cfg))}; {total_params:,} parameters, rank 0 holds {held:,}"
+    )
+
+
+def cpu_cores() -> int:
+    """The CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def layout_given(argv: list[str], file_values: dict | None = None) -> bool:
+    """Whether the command line (or its --config file's values) chose any of the layout."""
+    flags = any(a == f or a.startswith(f + "=") for a in argv for f in LAYOUT_FLAGS)
+    return flags or any(k in (file_values or {}) for k in ("dp", "tp", "pp", "cp", "ep"))
+
+
+def default_world_note(cfg, given: bool, cores: int) -> str | None:
+    """One line when no layout flag was given and the default world has more ranks than this
+    machine has CPU cores (every rank a process: slow, not wrong); else None."""
+    if given or cores >= cfg.world_size:
+        return None
+    layout = f"dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp}" + (f" x cp {cfg.cp}" if cfg.cp > 1 else "")
+    return (
+        f"note: no layout flags: running the default world of {cfg.world_size} ranks ({layout}) "
+        f"on {cores} CPU core{'s' if cores != 1 else ''}; pass --dp/--tp/--pp to choose"
+    )
+
+
+def done_line(cfg, records: list[dict]) -> str:
+    """The end of a run: the loss, the speed, where the checkpoint and the settings are."""
+    first, last = records[0]["loss"], records[-1]["loss"]
+    tps = records[-1].get("run_tokens_per_s")
+    speed = f", {tps:,.0f} tok/s" if tps else ""
+    text = f"done: loss {first:.4f} -> {last:.4f} over {len(records)} steps{speed}"
+    if not cfg.checkpoint_dir:
+        return text + "; nothing saved (no --checkpoint-dir)"
+    from fastpar.checkpoint.directory import step_dir
+    from fastpar.train.checkpointing import CONFIG_FILE
+
+    where = step_dir(cfg.checkpoint_dir, records[-1]["step"])
+    return f"{text}; checkpoint {where}, settings {os.path.join(cfg.checkpoint_dir, CONFIG_FILE)}"
