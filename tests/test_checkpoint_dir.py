@@ -243,7 +243,7 @@ def test_steps_are_ordered_as_numbers_past_999999(tmp_path, capfd):
     d = str(tmp_path / "ckpt")
     cfg = TrainConfig(**{**SMALL, "checkpoint_dir": d, "steps": 1_000_001})
     run_ranks(_save_at, 1, cfg, [999_999, 1_000_000])
-    assert sorted(os.listdir(d)) == ["LOCK", "step_1000000", "step_999999"]  # as strings
+    assert sorted(os.listdir(d)) == ["LOCK", "step_1000000", "step_999999", "train_config.json"]
     assert latest_checkpoint(d) == os.path.join(d, "step_1000000")
     capfd.readouterr()
     records = _run(checkpoint_dir=d, resume=True, steps=1_000_001, quiet=False)
@@ -299,13 +299,13 @@ def test_a_fresh_run_over_another_runs_checkpoints(run_a, tmp_path, capfd):
 def test_keep_last_never_deletes_a_checkpoint_being_read(tmp_path, capfd):
     d = str(tmp_path / "ckpt")
     _run(checkpoint_dir=d, steps=5, save_every=1, keep_last=2)
-    assert sorted(os.listdir(d)) == ["LOCK", "step_000004", "step_000005"]
+    assert sorted(os.listdir(d)) == ["LOCK", "step_000004", "step_000005", "train_config.json"]
     reader = checkpoint.CheckpointReader(os.path.join(d, "step_000004"))
     try:
         _run(checkpoint_dir=d, steps=7, save_every=1, keep_last=1, resume=True)
     finally:
         reader.release()
-    assert sorted(os.listdir(d)) == ["LOCK", "step_000004", "step_000007"]
+    assert sorted(os.listdir(d)) == ["LOCK", "step_000004", "step_000007", "train_config.json"]
     assert f"--keep-last: kept {d}/step_000004: it is being read" in capfd.readouterr().err
 
 
