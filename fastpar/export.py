@@ -5,20 +5,24 @@
 Reads the run's settings saved with the checkpoint (``fastpar.train`` stores them), gathers the
 global tensors from whatever layout saved them (``fastpar.checkpoint.export_state_dict``), maps
 a ``--model llama`` run to its Hugging Face family (``fastpar.models.llama_hf``: Llama, Qwen2,
-Qwen3, Qwen3-MoE or Mixtral), a ``--model gpt`` run to GPT-2 (``fastpar.models.gpt_hf``: with
---norm layernorm and --moe-every 0; other GPTs are refused, naming the option) or takes an
+Qwen3, Qwen3-MoE or Mixtral), a ``--model gpt`` run to GPT-2 (``fastpar.models.gpt_hf``) when it
+was trained with --norm layernorm and --moe-every 0, else (the trainer's default GPT: RMSNorm,
+MoE blocks) to fastpar's own ``FastparGPTForCausalLM``, whose code goes into the directory
+(``fastpar.models.gpt_code``; ``from_pretrained(dir, trust_remote_code=True)``), or takes an
 ``--hf-config`` run's names as they are, and writes safetensors + config.json
 (``fastpar.checkpoint.export_hf``), plus the run's tokenizer. The config and the tokenizer carry
 the run's special tokens (``special_tokens``: eos, and bos / pad where the tokenizer has them).
 
 ``--check`` loads the directory with ``transformers.AutoModelForCausalLM.from_pretrained`` and
-compares its logits with fastpar's own single-process model holding the checkpoint's weights
-(exit 1 if they differ). ``--generate N`` decodes N tokens greedily with both and prints the
+compares its logits with fastpar's own single-process model holding the checkpoint's weights,
+by ``fastpar.tolerance``'s rule: against the same model in float64, within 4x fastpar's own
+fp32 error plus a floor from the longest sum into a logit (exit 1 if they differ). ``--generate N`` decodes N tokens greedily with both and prints the
 text (exit 1 if the tokens differ). Needs the hf extra (``pip install fastpar[hf]``).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -29,9 +33,7 @@ import torch
 
 from fastpar.cliutil import Parser
 from fastpar.data import EOS_TOKENS
-
-TOLERANCE = 1e-4
-"""Largest |HF logit - fastpar logit| accepted (fp32; both run the same math, in other orders)."""
+from fastpar.tolerance import cast, compare
 
 
 def run_config(path: str):
@@ -98,12 +100,6 @@ def export(path: str, out_dir: str, tokenizer: str | None = None) -> tuple:
     path = resolve(path)
     cfg = run_config(path)
     state = export_state_dict(path)
-    if cfg.hf_config:
-        from fastpar.models.hf import load_config
-
-        config = load_config(cfg.hf_config)
-        export_hf(state, out_dir, config)
-        config = config.to_dict()
     tokenizer = tokenizer or cfg.tokenizer
     tokens = special_tokens(cfg, tokenizer)
     ids = {f"{kind}_token_id": i for kind, (_, i) in tokens.items()}
@@ -116,23 +112,54 @@ def export(path: str, out_dir: str, tokenizer: str | None = None) -> tuple:
         export_hf(state, out_dir, config)
         config = config.to_dict()
     else:
-        if cfg.model_type == "llama":
-            from fastpar.models.llama_hf import hf_config, to_hf
-        else:  # the GPT: GPT-2 (LayerNorm, no MoE; fastpar.models.gpt_hf says why not)
-            from fastpar.models.gpt_hf import hf_config, to_hf
+        mapping, model_class = hf_mapping(cfg)
         model_cfg = cfg.model()
         try:
-            hf_state = to_hf(state, model_cfg)
+            hf_state = mapping.to_hf(state, model_cfg)
         except ValueError as exc:
             raise ValueError(f"{path} (--model {cfg.model_type}) does not export: {exc}") from None
-        config = {**hf_config(model_cfg), **dict.fromkeys(SPECIAL_IDS), **ids}
-        export_hf(hf_state, out_dir, config)
+        config = {**mapping.hf_config(model_cfg), **dict.fromkeys(SPECIAL_IDS), **ids}
+        if model_class is None:
+            export_hf(hf_state, out_dir, config)
+        else:  # fastpar's own HF model: its config class and code go with the weights
+            export_hf(
+                hf_state, out_dir, model_class.config_class(**config), model_class=model_class
+            )
+            mapping.write_code(out_dir)
     if tokenizer:
         shutil.copyfile(tokenizer, os.path.join(out_dir, "tokenizer.json"))
         names = {f"{kind}_token": name for kind, (name, _) in tokens.items() if name}
         with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
             json.dump({"tokenizer_class": "PreTrainedTokenizerFast", **names}, f, indent=2)
     return cfg, state, config
+
+
+def hf_mapping(cfg):
+    """(the module mapping the run's model to Hugging Face, its own HF model class or None):
+    ``fastpar.models.llama_hf`` for --model llama; for --model gpt ``fastpar.models.gpt_hf``
+    (GPT-2) when GPT-2 computes it, else ``fastpar.models.gpt_code`` with
+    ``FastparGPTForCausalLM`` (code written beside the weights; needs transformers)."""
+    if cfg.model_type == "llama":
+        from fastpar.models import llama_hf
+
+        return llama_hf, None
+    from fastpar.models import gpt_hf
+
+    try:
+        gpt_hf.check(cfg.model())
+        return gpt_hf, None
+    except ValueError:
+        from fastpar.models import gpt_code
+        from fastpar.models.hf_code.modeling_fastpar_gpt import FastparGPTForCausalLM
+
+        return gpt_code, FastparGPTForCausalLM
+
+
+def is_custom_code(out_dir: str) -> bool:
+    """Whether an exported directory carries its model's code (``auto_map`` in config.json):
+    transformers then loads it with ``trust_remote_code=True``."""
+    with open(os.path.join(out_dir, "config.json")) as f:
+        return "auto_map" in json.load(f)
 
 
 #: the special tokens an export carries, each the first of its names the tokenizer has
@@ -193,9 +220,11 @@ def check(out_dir: str, cfg, state, prompt: str, generate: int, tokenizer: str |
 
     # eager attention and experts: transformers' fused CPU expert kernels need widths that are
     # multiples of 4 elements; the check compares math, not kernels
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        out_dir, attn_implementation="eager", experts_implementation="eager"
-    )
+    if is_custom_code(out_dir):  # fastpar's own model code, written beside the weights
+        kw = dict(trust_remote_code=True)
+    else:
+        kw = dict(attn_implementation="eager", experts_implementation="eager")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out_dir, **kw)
     hf.eval()
     ours = fastpar_model(cfg, state).eval()
     ids = _prompt_ids(cfg, prompt, tokenizer)
@@ -205,12 +234,18 @@ def check(out_dir: str, cfg, state, prompt: str, generate: int, tokenizer: str |
             f"{cfg.seq_len}: use a shorter prompt or fewer tokens"
         )
     with torch.no_grad():
-        diff = float((hf(ids).logits - ours(ids)).abs().max())
-    ok = diff <= TOLERANCE
+        got, single = hf(ids).logits, ours(ids)
+        exact = cast(copy.deepcopy(ours), torch.float64)(ids)
+    # the longest sum into a logit: a matrix's inner dimension or the attended tokens
+    widths = ("hidden_size", "intermediate_size", "moe_intermediate_size", "n_inner")
+    length = max([ids.shape[1], *(int(getattr(hf.config, w, None) or 0) for w in widths)])
+    verdict = compare(got, single, exact, length=length, what="logits")
+    diff = float((got - single).abs().max())
+    ok = verdict.ok
     print(
         f"transformers {type(hf).__name__} from {out_dir}: max |HF logit - fastpar logit| = "
-        f"{diff:.2e} over {ids.shape[1]} tokens (tolerance {TOLERANCE:.0e}): "
-        + ("equal" if ok else "DIFFERENT")
+        f"{diff:.2e} over {ids.shape[1]} tokens; against fastpar's model in float64 "
+        f"{verdict}: " + ("equal" if ok else "DIFFERENT")
     )
     if generate:
         kw = dict(max_new_tokens=generate, do_sample=False, pad_token_id=0)

@@ -49,9 +49,9 @@ def test_hf_config_run_exports_under_its_own_names(tmp_path, capsys):
 
 
 def test_errors(tmp_path, capsys):
-    gpt = _train(tmp_path, tp=1, pp=1, dp=1, ep=1, moe_every=0)
-    assert export_main([gpt, str(tmp_path / "hf")]) == 2
-    assert "--norm rmsnorm: GPT-2 normalises with LayerNorm" in capsys.readouterr().err
+    dropping = _train(tmp_path, tp=1, pp=1, dp=1, ep=1, capacity_factor=1.25)
+    assert export_main([dropping, str(tmp_path / "hf")]) == 2
+    assert "--capacity-factor 1.25: a capacity drops tokens" in capsys.readouterr().err
     bare = str(tmp_path / "bare")
     import torch
 

@@ -1,6 +1,6 @@
 """``python -m fastpar.export`` of a ``--model gpt`` run: GPT-2 (``GPT2LMHeadModel``) with
 fastpar's logits, the run's special tokens in the config and tokenizer; GPTs that GPT-2 cannot
-compute are refused, naming the option."""
+compute are refused by GPT-2's mapping, naming the option, and export as fastpar's own model."""
 
 from __future__ import annotations
 
@@ -86,11 +86,18 @@ def test_llama_export_carries_eos(tmp_path, tok):
     assert config.eos_token_id == tokenizer.eos_token_id is not None
 
 
-def test_refused_gpts_name_the_option(tmp_path, capsys):
-    rms = _train(tmp_path, tp=1, pp=1, dp=1, ep=1, moe_every=0)  # --norm rmsnorm (default)
-    assert export_main([rms, str(tmp_path / "hf")]) == 2
-    assert "--norm rmsnorm" in capsys.readouterr().err
+def test_gpt2_refuses_what_it_cannot_compute_naming_the_option():
+    """GPT-2 has LayerNorm and dense blocks only; such runs export as fastpar's own model
+    (``tests/test_export_fastpar_gpt.py``), never as a GPT-2 computing something else."""
     with pytest.raises(ValueError, match="--moe-every 2"):
         gpt_hf.hf_config(TrainConfig(norm="layernorm", moe_every=2).model())
     with pytest.raises(ValueError, match="--norm layernorm"):  # the default run: RMSNorm + MoE
         gpt_hf.hf_config(TrainConfig().model())
+    with pytest.raises(ValueError, match="--norm layernorm"):
+        gpt_hf.to_hf({}, TrainConfig(moe_every=0, ep=1).model())
+
+
+def test_rmsnorm_run_exports_as_fastpar_gpt(tmp_path, capsys):
+    rms = _train(tmp_path, tp=1, pp=1, dp=1, ep=1, moe_every=0)  # --norm rmsnorm (default)
+    assert export_main([rms, str(tmp_path / "hf"), "--check"]) == 0
+    assert "transformers FastparGPTForCausalLM" in capsys.readouterr().out
