@@ -16,10 +16,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from _mesh import make_mesh
 from _models import NANO_HEADS, NANO_PLAN, NanoGPT
 from _parity import exact_copy, local_slice
 
-from fastpar import ParallelMesh, parallelize
+from fastpar import parallelize
 from fastpar.amp import clip_grad_norm_, global_grad_norm
 from fastpar.nn.marks import (
     mark_duplicated,
@@ -44,7 +45,7 @@ def _norm_length(tensors) -> int:
 
 
 def _nano_norm_and_clip(tp: int, dp: int) -> None:
-    mesh = ParallelMesh(tp=tp)
+    mesh = make_mesh(tp=tp)
     assert mesh.dp_size == dp
     torch.manual_seed(0)
     dense = NanoGPT()
@@ -98,7 +99,7 @@ def _synthetic(tp: int, pp: int, ep: int) -> tuple[float, float]:
     """Logical model per stage s: a vocab-sharded embedding tied between the first and last stage,
     an unmarked norm weight, a column weight (sharded), a row bias (replicated over TP), and one
     expert per EP rank (replicated over expert-dp). Gradients drawn from one seed everywhere."""
-    mesh = ParallelMesh(tp=tp, pp=pp, ep=ep)
+    mesh = make_mesh(tp=tp, pp=pp, ep=ep)
     torch.manual_seed(42)
     emb = torch.randn(10, 4)
     stages = [

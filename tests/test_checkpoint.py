@@ -15,9 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _mesh import make_mesh
 from torch import nn
 
-from fastpar import ParallelMesh, checkpoint
+from fastpar import checkpoint
 from fastpar.amp import DynamicLossScaler
 from fastpar.checkpoint import CheckpointError
 from fastpar.checkpoint import core as ckpt_core
@@ -62,7 +63,7 @@ def _train_mlp(kind: str, path: str, resume: bool, noise: bool = True):
     """Train STEPS steps (saving before step SAVE_AT), or resume from ``path`` and finish.
     Returns ({step: loss}, final parameters)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = ParallelMesh()
+    mesh = make_mesh()
     torch.manual_seed(7 if resume else 0)  # a resumed run must get everything from the disk
     model = _mlp().half() if kind == "mp" else _mlp()
     forward = model
@@ -199,7 +200,7 @@ def _tp_step(model, opt, ids, tgt) -> float:
 
 def _train_tp(path: str):
     """TP = 2 × DP = 2, torch AdamW (DDP over the dp group); saves before step SAVE_AT."""
-    mesh = ParallelMesh(tp=2)
+    mesh = make_mesh(tp=2)
     torch.manual_seed(0)
     model = _TPNet(mesh)
     ddp = DistributedDataParallel(model, mesh=mesh)
@@ -275,7 +276,7 @@ class _MoENet(nn.Module):
 
 def _train_moe(ep: int, path: str, resume: bool):
     rank = dist.get_rank()
-    mesh = ParallelMesh(ep=ep)  # world 2: dp = 2
+    mesh = make_mesh(ep=ep, dp=2)
     torch.manual_seed(5 if resume else 0)
     model = _MoENet(mesh)
     # ZeRO-1 shards experts over the expert-DP group (1 rank at EP = 2, 2 at EP = 1)

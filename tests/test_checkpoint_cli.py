@@ -11,9 +11,10 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from _mesh import make_mesh
 from torch import nn
 
-from fastpar import ParallelMesh, checkpoint
+from fastpar import checkpoint
 from fastpar.checkpoint.cli import main
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from fastpar.testing import run_ranks
@@ -40,7 +41,7 @@ def _gathered(local: torch.Tensor, dim: int, group, fused: int = 1) -> torch.Ten
 
 
 def _save_tp2(path: str) -> dict[str, torch.Tensor]:
-    mesh = ParallelMesh(tp=2)
+    mesh = make_mesh(tp=2)
     torch.manual_seed(0)
     model = _Net(mesh)
     with torch.no_grad():

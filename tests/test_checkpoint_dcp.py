@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _mesh import make_mesh
 from _parity import local_slice
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -102,7 +103,7 @@ def _assert_holds(params, full, what: str) -> None:
 
 
 def _round_trip_and_reshard(path: str) -> dict:
-    saved_at = ParallelMesh(tp=2, ep=2)  # TP2 x DP2, experts over EP2
+    saved_at = make_mesh(tp=2, ep=2, dp=2)  # experts over EP2
     params, full = _fastpar(saved_at, seed=0)
     _assert_holds(params, full, "built")  # the test's own slicing agrees with the layers
     state = to_dtensor_state_dict(params, saved_at)
@@ -120,7 +121,7 @@ def _round_trip_and_reshard(path: str) -> dict:
 
     # other layouts: TP4 (no EP), TP1 x DP4 with EP4
     for layout in (dict(tp=4), dict(tp=1, ep=4)):
-        mesh = ParallelMesh(**layout)
+        mesh = make_mesh(**layout)
         params, _ = _fastpar(mesh, seed=2)
         fp_dcp.load(params, path, mesh)
         _assert_holds(params, full, f"TP2xDP2 -> {layout}")
@@ -139,7 +140,7 @@ def test_dcp_round_trip_and_resharding_against_dense(tmp_path):
 
 
 def _raw_dcp_trap(path: str) -> None:
-    mesh = ParallelMesh(tp=2)
+    mesh = make_mesh(tp=2)
     params, _ = _fastpar(mesh, seed=0)
     local = {k: v for k, v in params.items() if k != "experts"}
     # the trap: plain shards save, and some rank reloads another rank's shard
@@ -188,7 +189,7 @@ def _repoint_into_flat(model: nn.Module) -> torch.Tensor:
 
 
 def _state_dict_check() -> None:
-    mesh = ParallelMesh(tp=2)
+    mesh = make_mesh(tp=2)
     model = _tp_model(mesh)
     # model.state_dict() holds detached tensors without marks: traced by their memory
     with pytest.raises(ValueError, match=r"state_dict\['col.weight'\] is this rank's shard.*2"):
@@ -230,7 +231,7 @@ def _state_dict_check() -> None:
         check_dcp_state_dict(zmodel.state_dict())
     # experts split over EP, detached
     experts = nn.Parameter(torch.randn(2, 6, HIDDEN))
-    mark_expert(experts, ParallelMesh(ep=2).ep_group, EXPERTS)
+    mark_expert(experts, make_mesh(ep=2).ep_group, EXPERTS)
     with pytest.raises(ValueError, match=r"state_dict\['experts'\].*split over 2 ranks"):
         check_dcp_state_dict({"experts": experts.detach()})
 

@@ -228,11 +228,12 @@ def test_shards_of_two_runs_are_refused(tmp_path):
 
 # -- the directory ----------------------------------------------------------------------------
 def _save_at(cfg: TrainConfig, steps: list[int]) -> None:
-    from fastpar.mesh import ParallelMesh
+    from _mesh import make_mesh
+
     from fastpar.train.build import Trainer
     from fastpar.train.checkpointing import _save, close_checkpoints
 
-    trainer = Trainer(cfg, ParallelMesh(1, 1, 1), torch.device("cpu"))
+    trainer = Trainer(cfg, make_mesh(1, 1, 1), torch.device("cpu"))
     for step in steps:
         trainer.step_count = step
         _save(trainer, cfg.checkpoint_dir, step, False)

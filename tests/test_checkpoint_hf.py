@@ -29,9 +29,10 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
+from _mesh import make_mesh  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from fastpar import ParallelMesh, parallelize  # noqa: E402
+from fastpar import parallelize  # noqa: E402
 from fastpar.checkpoint import (  # noqa: E402
     CheckpointError,
     ShardedSaveError,
@@ -130,7 +131,7 @@ def _file_tensors(out: str) -> dict[str, torch.Tensor]:
 
 # -- export ---------------------------------------------------------------------------------
 def _save_tp2(kind: str, path: str) -> None:
-    mesh = ParallelMesh(tp=2)
+    mesh = make_mesh(tp=2)
     par = _parallel(_dense(kind), mesh)
     save(path, model_params=dict(par.named_parameters()), mesh=mesh, step=1)
 
@@ -505,7 +506,7 @@ def test_guard_save_pretrained_refuses_a_sharded_model(tmp_path):
 
 
 def _save_and_reload(kind: str, out: str):
-    mesh = ParallelMesh(tp=2)  # 4 ranks: tp 2 x dp 2, so each shard has two holders
+    mesh = make_mesh(tp=2, dp=2)  # each shard has two holders
     par = parallelize(_dense(kind), PLAN, mesh=mesh)
     save_hf(par, out, mesh=mesh, max_shard_size="30KB")
     dist.barrier()

@@ -11,9 +11,10 @@ import zipfile
 
 import pytest
 import torch
+from _mesh import make_mesh
 from torch import nn
 
-from fastpar import ParallelMesh, checkpoint
+from fastpar import checkpoint
 from fastpar.checkpoint import CheckpointError, CheckpointReader
 from fastpar.checkpoint import spans as ckpt_spans
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -33,7 +34,7 @@ class _Net(nn.Module):
 
 def _save(tp: int, path: str, piece_bytes: int) -> None:
     ckpt_spans.PIECE_BYTES = piece_bytes  # in the rank process
-    mesh = ParallelMesh(tp=tp)
+    mesh = make_mesh(tp=tp)
     torch.manual_seed(0)
     model = _Net(mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -45,7 +46,7 @@ def _save(tp: int, path: str, piece_bytes: int) -> None:
 
 
 def _load(tp: int, path: str):
-    mesh = ParallelMesh(tp=tp)
+    mesh = make_mesh(tp=tp)
     torch.manual_seed(1)
     model = _Net(mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)

@@ -18,9 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from _mesh import make_mesh
 from _parity import exact_copy, local_slice
 
-from fastpar import ParallelMesh
 from fastpar.models import GPTConfig, LlamaConfig, build_gpt, build_llama, lm_loss
 from fastpar.models.documents import Documents, documents
 from fastpar.nn.marks import param_layout
@@ -235,7 +235,7 @@ def _model_reference(kind: str, extra: dict):
 
 
 def _model_step(kind: str, layout: dict, extra: dict, ref_losses, refs, length):
-    mesh = ParallelMesh(**layout)
+    mesh = make_mesh(**layout)
     cfg, model = _model(kind, mesh, extra)
     ids = _ids()
     with documents(Documents.of(DOCS)):

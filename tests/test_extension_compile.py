@@ -26,11 +26,12 @@ import pytest
 import torch
 import torch._dynamo
 import torch.distributed as dist
+from _mesh import make_mesh
 from _parity import exact_copy
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from fastpar import ParallelMesh, tolerance
+from fastpar import tolerance
 from fastpar.moe import MoE, overlap
 from fastpar.testing import run_ranks
 
@@ -145,7 +146,7 @@ def _moe_compiled(capacity_factor, trace_autograd_ops: bool) -> dict:
     overlap._extension_ops()
     torch._dynamo.reset()
     rank = dist.get_rank()
-    mesh = ParallelMesh(ep=dist.get_world_size())
+    mesh = make_mesh(ep="world")
     x = torch.randn(12, 16, generator=torch.Generator().manual_seed(rank))
     x[:6] += 2.0  # skewed routing: drops in capacity mode, uneven segments in dropless
     g = torch.randn(12, 16, generator=torch.Generator().manual_seed(10 + rank))

@@ -223,14 +223,13 @@ def _tp_logits(family: str) -> tuple[float, float]:
     """On each rank of TP 2: the packed logits of this rank's vocabulary shard, against the
     single-process model's with documents; and the packed loss's backward runs."""
     import torch.distributed as dist
-
-    from fastpar import ParallelMesh
+    from _mesh import make_mesh
 
     ids, doc_ids = _ids(), _doc_ids()
     ref_model = _model(family)
     with documents(doc_ids):
         ref = ref_model(ids)
-    mesh = ParallelMesh(tp=2)
+    mesh = make_mesh(tp=2)
     torch.manual_seed(0)
     par = nn.Sequential(*hf_blocks(config(family), mesh).blocks).double()
     with documents(doc_ids):

@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _mesh import make_mesh
 from test_parallel_pipeline import V, batch, blocks, check_step, dense_name, dense_references
 
-from fastpar import ParallelMesh
 from fastpar.parallel import DistributedDataParallel
 from fastpar.parallel.pipeline import OneFOneB, PipelineEngine, build_stage
 from fastpar.testing import run_ranks
@@ -59,7 +59,7 @@ def refs_of(data_name: str):
 
 def _run(normalization: str, given: bool, data_name: str, refs, expect_agree: bool = True):
     data = {"uneven": uneven, "mild": mild}[data_name]
-    mesh = ParallelMesh(pp=2)  # world 4: dp 2 x pp 2
+    mesh = make_mesh(pp=2, dp=2)
     stage, (lo, _) = build_stage(blocks(4), 2, mesh.pp_rank, costs=[1] * 6)
     ddp = DistributedDataParallel(stage, mesh=mesh)
     loss_fn = token_sum if normalization == "token" else token_mean
@@ -98,7 +98,7 @@ def test_sequence_normalization_is_a_mean_of_means_and_disagrees():
 
 
 def _empty() -> None:
-    mesh = ParallelMesh(pp=2)
+    mesh = make_mesh(pp=2)
     stage, _ = build_stage(blocks(4), 2, mesh.pp_rank, costs=[1] * 6)
     ddp = DistributedDataParallel(stage, mesh=mesh)
     engine = PipelineEngine(ddp, mesh, OneFOneB(2), loss_fn=token_sum, no_sync=ddp.no_sync,

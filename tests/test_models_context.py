@@ -18,9 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from _mesh import make_mesh
 from _parity import exact_copy, local_slice
 
-from fastpar import ParallelMesh
 from fastpar.models import GPTConfig, LlamaConfig, build_gpt, build_llama, lm_loss
 from fastpar.nn.marks import param_layout
 from fastpar.parity import reduction_length
@@ -87,7 +87,7 @@ def _local(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 def _step(kind: str, layout: dict, extra: dict, ref_losses, refs, length):
-    mesh = ParallelMesh(**layout)
+    mesh = make_mesh(**layout)
     cfg, model = _model(kind, mesh, extra)
     ids, targets = _ids(extra.get("ignored", 0))
     loss = lm_loss(model(ids), targets, cfg, mesh)

@@ -20,9 +20,9 @@ import dataclasses
 
 import pytest
 import torch
+from _mesh import make_mesh
 from _parity import agree, exact_copy, local_slice
 
-from fastpar import ParallelMesh
 from fastpar.checkpoint import export_hf, import_state_dict
 from fastpar.comm import gather_from_region
 from fastpar.models import LlamaConfig, build_llama, from_hf, hf_config, llama_loss, to_hf
@@ -330,7 +330,7 @@ def _single_process(cfg: LlamaConfig):
 
 
 def _tp_parity(cfg: LlamaConfig, tp: int, initial, state, batch, want, length) -> None:
-    mesh = ParallelMesh(tp=tp)
+    mesh = make_mesh(tp=tp)
     torch.manual_seed(0)
     par = torch.nn.Sequential(*build_llama(cfg, mesh))
     params = dict(par.named_parameters())
@@ -373,7 +373,7 @@ def test_tensor_parallel_equals_single_process_on_every_rank(case):
 
 
 def _hf_weights_at_tp(cfg_dict, hf_state, ids, runs, length, tp):
-    mesh = ParallelMesh(tp=tp)
+    mesh = make_mesh(tp=tp)
     cfg, state = from_hf(hf_state, cfg_dict)
     par = torch.nn.Sequential(*build_llama(cfg, mesh))
     import_state_dict(state, dict(par.named_parameters()))

@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _mesh import make_mesh
 from _parity import agree, exact_copy, moe_rank_references
 from torch import nn
 
-from fastpar import ParallelMesh
 from fastpar.moe import MoE, TopKRouter, capacity_for, moe_aux_loss
 from fastpar.ops.moe_permute import moe_permute
 from fastpar.parallel import DistributedDataParallel
@@ -142,7 +142,7 @@ def _ep_parity(num_experts: int, capacity_factor, top_k: int, policy: str) -> No
     layer holding every expert, applied to each rank's tokens (judged by the rule against its
     float64 copy)."""
     ep, rank = dist.get_world_size(), dist.get_rank()
-    mesh = ParallelMesh(ep=ep)
+    mesh = make_mesh(ep=ep)
     kw = dict(
         capacity_factor=capacity_factor,
         top_k=top_k,
@@ -201,7 +201,7 @@ def _dp_ep_training(kind: str) -> list[float]:
     step's loss and every parameter afterwards, judged by the rule against a float64 run of the
     same training, with a twin (weights one rounding away: ``nudge``) beside the fp32 run."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = ParallelMesh(ep=2)  # world 4: dp 4, ep 2, expert-dp 2; world 2: expert-dp 1
+    mesh = make_mesh(ep=2)  # world 4: dp 4, ep 2, expert-dp 2; world 2: expert-dp 1
     torch.manual_seed(0)
     ref = TinyMoEModel()
     ref.moe.aux_loss_scale = 1.0 / world  # its aux loss weighs like the loss it belongs to
@@ -275,7 +275,7 @@ def test_moe_transformer_under_dp_x_ep_trains_like_single_process(kind, world):
 
 
 def _bad_ep() -> None:
-    MoE(8, 8, 6, mesh=ParallelMesh(ep=4))
+    MoE(8, 8, 6, mesh=make_mesh(ep=4))
 
 
 def test_experts_not_divisible_by_ep():
@@ -308,7 +308,7 @@ def test_deterministic_under_a_seed():
 
 
 def _uneven_capacity(steps_before: int, overlap_chunks: int) -> str:
-    mesh = ParallelMesh(ep=2)
+    mesh = make_mesh(ep=2)
     torch.manual_seed(0)
     moe = MoE(8, 8, 4, top_k=1, capacity_factor=1.0, overlap_chunks=overlap_chunks, mesh=mesh)
     for _ in range(steps_before):  # equal batches pass the check

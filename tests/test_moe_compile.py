@@ -33,11 +33,11 @@ import pytest
 import torch
 import torch._dynamo
 import torch.distributed as dist
+from _mesh import make_mesh
 from _parity import NO_INDUCTOR, agree, exact_copy
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from fastpar import ParallelMesh
 from fastpar.models import build_model, lm_loss
 from fastpar.moe import MoE, grouped
 from fastpar.testing import run_ranks
@@ -191,7 +191,7 @@ def _ep_compiled(capacity_factor, backend: str, fullgraph: bool, overlap_chunks:
     graph-break reasons torch._dynamo.explain reports for one call)."""
     _inductor_config().compile_threads = 1  # this forked rank only
     rank = dist.get_rank()
-    moe = _layer("mlp", capacity_factor, mesh=ParallelMesh(ep=2), overlap_chunks=overlap_chunks)
+    moe = _layer("mlp", capacity_factor, mesh=make_mesh(ep=2), overlap_chunks=overlap_chunks)
     moe64 = exact_copy(moe)  # the same EP layer in float64: the exact math
     tokens = 5 + 3 * rank if capacity_factor is None else 6  # dropless: uneven per rank
     xs = _inputs(2, (2, tokens, 8), seed=10 * rank)

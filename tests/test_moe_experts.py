@@ -27,9 +27,9 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from _mesh import make_mesh
 from _parity import agree, exact_copy
 
-from fastpar import ParallelMesh
 from fastpar.mesh import placement
 from fastpar.moe import MoE, experts
 from fastpar.testing import nudge, run_ranks
@@ -185,7 +185,7 @@ def test_kind_equals_the_per_token_reference(kind, capacity_factor, shared, gate
 def _ep2(kind: str, capacity_factor, shared: bool, gate: bool, chunks: int) -> None:
     rank = dist.get_rank()
     full = _layer(kind, capacity_factor, shared, gate)
-    moe = _layer(kind, capacity_factor, shared, gate, mesh=ParallelMesh(ep=2), chunks=chunks)
+    moe = _layer(kind, capacity_factor, shared, gate, mesh=make_mesh(ep=2), chunks=chunks)
     lo, n = rank * moe.num_local, moe.num_local
     routed = {"w1", "b1", "w2", "b2"}
     for name, w in moe.named_parameters():
@@ -395,7 +395,7 @@ def _hf_parity(ep: int) -> None:
     at most 4 x HF's own fp32 error (it and its twin) plus a floor."""
     rank = dist.get_rank() if ep > 1 else 0
     block = _hf_block()
-    moe = _from_hf(block, ParallelMesh(ep=ep) if ep > 1 else None)
+    moe = _from_hf(block, make_mesh(ep=ep) if ep > 1 else None)
     lo, n = rank * moe.num_local, moe.num_local
     xs = [(x.float().view(1, -1, H), g.float().view(1, -1, H)) for x, g in map(_tokens, range(ep))]
     *singles, exact = _hf_runs(block, xs)

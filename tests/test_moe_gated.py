@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _mesh import make_mesh
 from _parity import agree
 
-from fastpar import ParallelMesh
 from fastpar.moe import MoE, overlap
 from fastpar.testing import run_ranks
 
@@ -127,9 +127,7 @@ def _parity(kind: str, mode: str, overlap_chunks: int, transport: str) -> int:
     torch.manual_seed(0)
     full = MoE(H, FFN, E, expert=kind, **opts)
     torch.manual_seed(0)
-    moe = MoE(
-        H, FFN, E, expert=kind, overlap_chunks=overlap_chunks, mesh=ParallelMesh(ep=ep), **opts
-    )
+    moe = MoE(H, FFN, E, expert=kind, overlap_chunks=overlap_chunks, mesh=make_mesh(ep=ep), **opts)
     lo, n_local = rank * moe.num_local, moe.num_local
     names = [name for name, _ in moe.named_parameters() if name != "router.weight"]
     assert names == (["w1", "w2"] if kind == "swiglu" else ["w1", "b1", "w2", "b2"])

@@ -28,9 +28,9 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from _mesh import make_mesh
 from _parity import agree, exact_copy
 
-from fastpar import ParallelMesh
 from fastpar.mesh import placement
 from fastpar.moe.hf import moe_from_hf, moe_to_hf_state_dict
 from fastpar.testing import nudge, run_ranks
@@ -133,7 +133,7 @@ def _agree(got, runs, pick, what):
 def _parity(family: str, ep: int) -> None:
     rank = dist.get_rank() if ep > 1 else 0
     block = _block(family)
-    moe = moe_from_hf(block, mesh=ParallelMesh(ep=ep) if ep > 1 else None)
+    moe = moe_from_hf(block, mesh=make_mesh(ep=ep) if ep > 1 else None)
     counts = COUNTS[:ep] if ep > 1 else (sum(COUNTS),)
     data = [_tokens(r, t) for r, t in enumerate(counts)]
     # HF on the whole batch (every rank's tokens): fp32, its twin, float64

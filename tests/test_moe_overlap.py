@@ -16,9 +16,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from _mesh import make_mesh
 from _parity import agree, exact_copy
 
-from fastpar import ParallelMesh
 from fastpar.moe import MoE, overlap
 from fastpar.testing import RankError, RankTimeout, run_ranks
 
@@ -28,7 +28,7 @@ TRANSPORTS = ["python"] + (["extension"] if overlap._extension_ops() else [])
 def _compare(capacity_factor, transport: str) -> dict:
     os.environ["FASTPAR_MOE_TRANSPORT"] = transport
     rank, ep = dist.get_rank(), dist.get_world_size()
-    mesh = ParallelMesh(ep=ep)
+    mesh = make_mesh(ep=ep)
     # dropless: every rank routes a different number of tokens, skewed towards some experts;
     # capacity mode needs the same token count on every EP rank (static all-to-all splits)
     tokens = 6 + 5 * rank if capacity_factor is None else 12
@@ -68,7 +68,7 @@ def test_overlapped_equals_plain(ep, capacity_factor, transport):
 
 def _error_mid_overlap(transport: str) -> None:
     os.environ["FASTPAR_MOE_TRANSPORT"] = transport
-    mesh = ParallelMesh(ep=2)
+    mesh = make_mesh(ep=2)
     torch.manual_seed(0)
     moe = MoE(8, 8, 4, top_k=1, capacity_factor=1.0, overlap_chunks=2, mesh=mesh)
     if dist.get_rank() == 1:

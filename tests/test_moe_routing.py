@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _mesh import make_mesh
 from _parity import agree, exact_copy, moe_rank_references
 
-from fastpar import ParallelMesh
 from fastpar.moe import MoE, TopKRouter, capacity_for
 from fastpar.moe.balance import update_expert_bias
 from fastpar.ops.moe_permute import moe_permute
@@ -380,7 +380,7 @@ def test_layer_equals_dense_reference(mode):
 
 def _ep_parity_all_modes() -> None:
     ep, rank = dist.get_world_size(), dist.get_rank()
-    mesh = ParallelMesh(ep=ep)
+    mesh = make_mesh(ep=ep)
     n = max(12 * ep, FFN)  # the tokens an expert's gradient sums over, the FFN width
     for mode, opts in MODES.items():
         ref, moe = _moe(opts), _moe(opts, mesh)

@@ -16,9 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from _mesh import make_mesh
 from _parity import agree, exact_copy
 
-from fastpar import ParallelMesh
 from fastpar.moe import MoE, update_expert_bias
 from fastpar.nn.marks import param_layout
 from fastpar.testing import run_ranks
@@ -93,7 +93,7 @@ def _local(full: torch.Tensor, p: torch.Tensor, mesh, name: str, moe: MoE) -> to
 
 
 def _check(routing, kind, layout, ep, capacity):
-    mesh = ParallelMesh(tp=2, ep=ep)
+    mesh = make_mesh(tp=2, ep=ep)
     sp = layout in ("sp", "sp+etp")
     moe = _layer(mesh, routing, kind, capacity, sequence_parallel=sp,
                  expert_tp=layout in ("etp", "sp+etp"))  # fmt: skip
@@ -174,7 +174,7 @@ def test_tp2_equals_the_single_process_layer(routing, kind, layout, ep, capacity
 
 
 def _errors():
-    mesh = ParallelMesh(tp=2)
+    mesh = make_mesh(tp=2)
     msgs = []
     for kw in (
         dict(sequence_parallel=True, capacity_factor=1.25),

@@ -26,10 +26,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _hf import FAMILIES, VOCAB, build, exact
+from _mesh import make_mesh
 from _parity import agree, local_slice
 
 import fastpar
-from fastpar import ParallelMesh, parallelize
+from fastpar import parallelize
 from fastpar.checkpoint.state import localize
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear, param_layout
 from fastpar.optim import FusedAdamW
@@ -112,7 +113,7 @@ def _same_on_every_rank(t: torch.Tensor, group, what: str) -> None:
 def _one_step(family: str, tp: int) -> list:
     dense = build(family)
     par = copy.deepcopy(dense)
-    mesh = ParallelMesh(tp=tp)
+    mesh = make_mesh(tp=tp)
     parallelize(par, mesh=mesh)
     ids, labels = _batch(family, 0)
     n = _length(family)
@@ -157,7 +158,7 @@ def _decoder_layer(model) -> type:
 def _train(family: str, tp: int, wrapper: str, refs: References, steps: int = 5) -> None:
     """5 AdamW steps of the parallel model under ``wrapper``: each step's loss (the replicas'
     mean) and every parameter of this rank afterwards against the references."""
-    mesh = ParallelMesh(tp=tp)
+    mesh = make_mesh(tp=tp)
     model = parallelize(build(family), mesh=mesh)
     rows = 4 // mesh.dp_size
     losses = []
@@ -239,7 +240,7 @@ def _raises(fn, world: int, *args) -> str:
 
 
 def _readme_snippet_of_old() -> None:
-    parallelize(build("llama"), {"*.q_proj": "column", "*.o_proj": "row"}, ParallelMesh(tp=2))
+    parallelize(build("llama"), {"*.q_proj": "column", "*.o_proj": "row"}, make_mesh(tp=2))
 
 
 def test_splitting_q_without_k_and_v_is_refused():
@@ -249,7 +250,7 @@ def test_splitting_q_without_k_and_v_is_refused():
 
 
 def _kv_heads_at_tp8() -> None:
-    parallelize(build("llama"), mesh=ParallelMesh(tp=8))
+    parallelize(build("llama"), mesh=make_mesh(tp=8))
 
 
 def test_kv_heads_from_the_config_must_divide_tp():
@@ -262,7 +263,7 @@ def test_kv_heads_from_the_config_must_divide_tp():
 def _dense_linear_after_split() -> None:
     plan = fastpar.nn.plans.builtin_plan(build("llama"))
     plan["model.layers.*.mlp.down_proj"] = "replicate"  # consumes the split gate/up product
-    parallelize(build("llama"), plan, ParallelMesh(tp=2))
+    parallelize(build("llama"), plan, make_mesh(tp=2))
 
 
 def test_a_dense_linear_fed_by_a_split_is_refused():
@@ -275,7 +276,7 @@ def _q_split_k_replicated() -> None:
     plan = fastpar.nn.plans.builtin_plan(build("llama"))
     plan["model.layers.*.self_attn.k_proj"] = "replicate"
     plan["model.layers.*.self_attn.v_proj"] = "replicate"
-    parallelize(build("llama"), plan, ParallelMesh(tp=2))
+    parallelize(build("llama"), plan, make_mesh(tp=2))
 
 
 def test_split_queries_against_whole_keys_are_refused():
@@ -291,7 +292,7 @@ def _wrong_declarations(which: str) -> None:
         plan["model.layers.*.self_attn.q_norm"] = "replicate"
     else:
         plan["model.layers.*.input_layernorm"] = "per_head"
-    parallelize(build(family), plan, ParallelMesh(tp=2))
+    parallelize(build(family), plan, make_mesh(tp=2))
 
 
 def test_wrong_per_head_or_replicate_declarations_are_refused():
@@ -326,7 +327,7 @@ def test_a_parameter_on_split_and_whole_activations_is_refused():
 
 
 def _unprobed(declare: bool):
-    mesh = ParallelMesh(tp=2)
+    mesh = make_mesh(tp=2)
     plan = fastpar.nn.plans.builtin_plan(build("qwen3"))
     if not declare:
         del plan["model.layers.*.self_attn.q_norm"], plan["model.layers.*.self_attn.k_norm"]
@@ -345,7 +346,7 @@ def test_without_the_probe_per_head_parameters_must_be_declared():
 def _untied_head_left_dense() -> None:
     plan = fastpar.nn.plans.builtin_plan(build("qwen3"))  # qwen3 here ties its embeddings
     del plan["lm_head"]
-    parallelize(build("qwen3"), plan, ParallelMesh(tp=2))
+    parallelize(build("qwen3"), plan, make_mesh(tp=2))
 
 
 def test_a_tied_copy_left_dense_is_refused():
@@ -402,7 +403,7 @@ def _gpt2_as_linear() -> list:
                 lin.bias.copy_(conv.bias)
             setattr(parent, attr, lin)
     dense64 = exact(dense)
-    par = parallelize(copy.deepcopy(dense), mesh=ParallelMesh(tp=2))
+    par = parallelize(copy.deepcopy(dense), mesh=make_mesh(tp=2))
     ids, _ = _batch("gpt2", 0)
     logits_d, logits_64 = (m(input_ids=ids).logits for m in (dense, dense64))
     agree(par(input_ids=ids).logits, logits_d, logits_64, "logits", length=_length("gpt2"))
@@ -414,7 +415,7 @@ def test_gpt2_with_linear_layers_needs_no_heads_argument():
 
 
 def _gpt2_conv1d_layout() -> list:
-    par = parallelize(build("gpt2"), mesh=ParallelMesh(tp=2))
+    par = parallelize(build("gpt2"), mesh=make_mesh(tp=2))
     attn = par.transformer.h[0].attn
     assert isinstance(attn.c_attn, ColumnParallelLinear) and attn.c_attn.transposed
     assert isinstance(attn.c_proj, RowParallelLinear) and attn.c_proj.transposed
@@ -428,7 +429,7 @@ def test_gpt2_conv1d_keeps_the_hugging_face_layout():
 
 
 def _bert_ties() -> list:
-    par = parallelize(build("bert"), mesh=ParallelMesh(tp=2))
+    par = parallelize(build("bert"), mesh=make_mesh(tp=2))
     pred = par.cls.predictions
     return [
         pred.bias is pred.decoder.bias,
@@ -458,7 +459,7 @@ def test_plan_errors_name_the_fix():
 
 def _generate(family: str) -> list:
     dense = build(family)
-    par = parallelize(copy.deepcopy(dense), mesh=ParallelMesh(tp=2))
+    par = parallelize(copy.deepcopy(dense), mesh=make_mesh(tp=2))
     ids, _ = _batch(family, 0, rows=2, seq=5)
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     want, got = dense.generate(ids, **kw), par.generate(ids, **kw)  # KV cache with local heads
@@ -486,7 +487,7 @@ def _readme_plan() -> dict:
 
 def _readme_snippet(plan: dict) -> list:
     dense = build("qwen3")
-    par = parallelize(copy.deepcopy(dense), plan, ParallelMesh(tp=2))
+    par = parallelize(copy.deepcopy(dense), plan, make_mesh(tp=2))
     ids, _ = _batch("qwen3", 0)
     n = _length("qwen3")
     runs = _dense_runs("qwen3", dense, ids, ids)
@@ -541,7 +542,7 @@ def test_a_model_that_breaks_after_the_swap_is_refused_inside_parallelize():
 def _save_pretrained(tmp: str) -> str:
     from fastpar.nn.guard import ShardedSaveError
 
-    model = parallelize(build("llama"), mesh=ParallelMesh(tp=2))
+    model = parallelize(build("llama"), mesh=make_mesh(tp=2))
     with pytest.raises(ShardedSaveError) as info:
         model.save_pretrained(tmp)
     return str(info.value)

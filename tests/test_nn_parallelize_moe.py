@@ -21,10 +21,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _hf import build, exact
+from _mesh import make_mesh
 from _parity import exact_copy, local_slice
 from test_moe_hf_blocks import _block, _tokens
 
-from fastpar import ParallelMesh, parallelize
+from fastpar import parallelize
 from fastpar.checkpoint import load_hf, save_hf
 from fastpar.moe import update_expert_bias
 from fastpar.moe.hf_block import HFMoEBlock
@@ -80,7 +81,7 @@ def _agree(actual, single, exact, what: str, length: int, p: torch.Tensor | None
 
 
 def _grads_and_training(family: str, tmp: str):
-    mesh = ParallelMesh(tp=2, ep=2)  # 4 ranks: dp 2, the experts split over both dp ranks
+    mesh = make_mesh(tp=2, ep=2, dp=2)  # the experts split over both dp ranks
     dense = _model(family)
     dense64 = exact(dense)
     model = parallelize(copy.deepcopy(dense), mesh=mesh)
@@ -165,7 +166,7 @@ def test_moe_model_at_tp2_ep2_equals_dense_and_saves_as_hf(family, tmp_path):
 
 
 def _deepseek(tp: int):
-    mesh = ParallelMesh(tp=tp)
+    mesh = make_mesh(tp=tp)
     block = _block("deepseek_v3")
     block64 = exact_copy(block)
     ours = HFMoEBlock(copy.deepcopy(block), mesh=mesh)
@@ -204,7 +205,7 @@ def test_deepseek_v3_block_at_tp2_equals_hf_and_updates_its_bias():
 def _router_logits_refused() -> str:
     model = build("mixtral", output_router_logits=True)
     try:
-        parallelize(model, mesh=ParallelMesh(tp=2))
+        parallelize(model, mesh=make_mesh(tp=2))
     except ValueError as e:
         return str(e)
     return ""

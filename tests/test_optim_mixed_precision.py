@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _mesh import make_mesh
 from _parity import exact_copy, local_slice
 from torch import nn
 
-from fastpar import ParallelMesh
 from fastpar.amp import DynamicLossScaler
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear, param_layout
 from fastpar.optim import MixedPrecisionOptimizer
@@ -175,7 +175,7 @@ def test_inf_step_is_skipped_and_scale_backs_off(fused):
 
 
 def _tp_dp_skip(tp: int, pp: int) -> tuple:
-    mesh = ParallelMesh(tp=tp, pp=pp)
+    mesh = make_mesh(tp=tp, pp=pp)
     torch.manual_seed(0)
     fc = ColumnParallelLinear(16, 32, mesh=mesh).half()
     proj = RowParallelLinear(32, 16, mesh=mesh).half()

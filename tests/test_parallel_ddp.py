@@ -6,25 +6,33 @@ accumulated), so it is not bit-identical to the single process. Each step's loss
 parameter afterwards are judged against the same training in float64: an error at most 4 x the
 larger of the fp32 single-process run's and its twin's (weights one rounding away), plus a
 floor, plus what AdamW makes of the gradients' bounds (``adam_slack``). ``references`` and
-``check`` here are shared with the other data-parallel and pipeline tests."""
+``check`` (tests/_training.py) are shared with the other data-parallel and pipeline tests."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _parity import local_slice
+from _mesh import make_mesh
+from _training import (
+    check,
+    check_training,
+    global_batch,
+    mse_loss,
+    norm,
+    references,
+    sliced,
+    tp_references,
+)
 from torch import nn
 
-from fastpar import ParallelMesh, tolerance
+from fastpar import tolerance
 from fastpar.amp import DynamicLossScaler
-from fastpar.nn import ColumnParallelLinear, RowParallelLinear, param_layout
+from fastpar.nn import ColumnParallelLinear, RowParallelLinear
 from fastpar.optim import FusedAdamW, MixedPrecisionOptimizer
 from fastpar.parallel import DistributedDataParallel
 from fastpar.testing import RankError, run_ranks
@@ -39,135 +47,7 @@ def _model() -> nn.Module:
 
 
 def _global_batch(step: int, micro: int, world: int):
-    g = torch.Generator().manual_seed(step)
-    x = torch.randn(micro, world, 3, 7, generator=g)  # [micro, rank, batch, features]
-    y = torch.randn(micro, world, 3, 5, generator=g)
-    return x, y
-
-
-# -- the single-process references, three ways (shared with the other files of this group) ----
-@dataclass
-class Run(tolerance.Run):
-    """``fastpar.tolerance.Run`` and each step's gradient norm before clipping."""
-
-    norms: list[float] = field(default_factory=list)
-
-
-def train_run(
-    build_model: Callable[[], nn.Module],
-    loss: Callable[[nn.Module, int, torch.dtype], torch.Tensor],
-    steps: int,
-    make_opt: Callable[[nn.Module], torch.optim.Optimizer],
-    *,
-    dtype: torch.dtype = torch.float32,
-    twin: bool = False,
-    seed: int = 0,
-    clip: float | None = None,
-) -> Run:
-    """``fastpar.tolerance.train_run`` for any optimizer: ``steps`` steps of
-    ``make_opt(model)`` (SGD, AdamW with param groups, ...) on ``build_model()`` (built under
-    ``torch.manual_seed(seed)``, cast to ``dtype``; ``twin``: every weight ``nudge``d), each on
-    ``loss(model, step, dtype)``, the gradients clipped to ``clip`` (torch's
-    ``clip_grad_norm_``) before the step. Per step: the loss, the gradient norm before clipping,
-    the gradients by name as the optimizer sees them (a tied weight under each of its names)
-    and, where the optimizer keeps AdamW's ``exp_avg_sq``, its sqrt(v̂) + eps."""
-    torch.manual_seed(seed)
-    model = build_model().to(dtype)
-    if twin:
-        tolerance.nudge(model, seed)
-    named = dict(model.named_parameters(remove_duplicate=False))
-    opt = make_opt(model)
-    run = Run()
-    for step in range(steps):
-        value = loss(model, step, dtype)
-        value.backward()
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if clip is not None:
-            run.norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-        else:
-            run.norms.append(float(torch.nn.utils.get_total_norm(grads)))
-        run.grads.append(
-            {n: p.grad.detach().clone() for n, p in named.items() if p.grad is not None}
-        )
-        opt.step()
-        denominators = {}
-        inner = getattr(opt, "optimizer", opt)  # a mixed-precision wrapper's: its masters'
-        for group in inner.param_groups:
-            for p in group["params"]:
-                state = inner.state.get(p, {})
-                if "exp_avg_sq" in state:
-                    d = tolerance.adam_denominator(state["exp_avg_sq"], int(state["step"]),
-                                                   group["betas"][1], group["eps"])  # fmt: skip
-                    denominators.update({n: d for n, q in named.items() if q is p})
-        run.denominators.append(denominators)
-        opt.zero_grad(set_to_none=True)
-        run.losses.append(float(value.detach()))
-    run.params = {n: p.detach().clone() for n, p in named.items()}
-    return run
-
-
-def references(
-    build_model: Callable[[], nn.Module],
-    loss: Callable[[nn.Module, int, torch.dtype], torch.Tensor],
-    steps: int,
-    make_opt: Callable[[nn.Module], torch.optim.Optimizer],
-    *,
-    length: int,
-    lr: float = 0.0,
-    clip: float | None = None,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-) -> tolerance.References:
-    """The single-process run in the working precision ``dtype``, its twin and the float64 run
-    of ``train_run`` (same arguments) as ``fastpar.tolerance.References``: ``.loss(step, v)``,
-    ``.grad(step, name, v)``, ``.param(name, v)`` (with AdamW's slack; ``lr``: AdamW's largest
-    learning rate, unused for other optimizers) and ``norm(refs, step, v)`` here; ``length``:
-    the longest reduction."""
-    runs = [
-        train_run(build_model, loss, steps, make_opt, dtype=d, twin=t, seed=seed, clip=clip)
-        for d, t in ((dtype, False), (dtype, True), (torch.float64, False))
-    ]
-    exact = runs[-1]  # a NaN there would make the single runs' errors, and every bound, inf
-    values = [torch.tensor(exact.losses), *exact.params.values()]
-    values += [g for grads in exact.grads for g in grads.values()]
-    assert all(bool(torch.isfinite(v).all()) for v in values), "the float64 run is not finite"
-    return tolerance.References(*runs, length=length, lr=lr, dtype=dtype)
-
-
-def norm(refs: tolerance.References, step: int, actual) -> tolerance.Comparison:
-    """The rule on step ``step``'s gradient norm (before clipping)."""
-    return tolerance.compare(
-        actual, [refs.single.norms[step], refs.twin.norms[step]], refs.exact.norms[step],
-        length=refs.length, dtype=refs.dtype, what=f"gradient norm of step {step + 1}",
-    )  # fmt: skip
-
-
-def check(comparisons: Iterable[tolerance.Comparison], where: str = "") -> None:
-    """Every comparison agrees; the message names each that does not (its error and bound)."""
-    bad = [str(c) for c in comparisons if not c.ok]
-    if bad:
-        raise AssertionError(f"{where}{len(bad)} disagree:\n" + "\n".join(bad[:12]))
-
-
-def sliced(refs: tolerance.References, named: dict[str, torch.Tensor]) -> None:
-    """Make ``refs`` slice each full tensor like the parameter ``named[name]`` is held here
-    (``local_slice`` of its fastpar mark; as is when it has none)."""
-
-    def local(full: torch.Tensor, name: str) -> torch.Tensor:
-        p = named[name]
-        return full if param_layout(p) is None else local_slice(full, p)
-
-    refs.local = local
-
-
-def _loss(micro: int, world: int):
-    """``loss(model, step, dtype)``: the mean squared error on step ``step``'s global batch."""
-
-    def loss(model: nn.Module, step: int, dtype: torch.dtype) -> torch.Tensor:
-        x, y = _global_batch(step, micro, world)
-        return F.mse_loss(model(x.reshape(-1, 7).to(dtype)), y.reshape(-1, 5).to(dtype))
-
-    return loss
+    return global_batch(step, micro, world, 7, 5)  # [micro, rank, batch, features]
 
 
 def _length(micro: int, world: int) -> int:
@@ -177,7 +57,7 @@ def _length(micro: int, world: int) -> int:
 
 def _reference(steps: int, micro: int, world: int, opt_name: str, lr: float = 0.05):
     return references(
-        _model, _loss(micro, world), steps,
+        _model, mse_loss(micro, world, 7, 5), steps,
         lambda model: _make_opt(opt_name, model.parameters(), lr, reference=True),
         length=_length(micro, world), lr=lr * 0.2,
     )  # fmt: skip
@@ -243,19 +123,6 @@ CASES = [
 ]
 
 
-def check_training(refs: tolerance.References, out: list, where: str = "") -> None:
-    """Every rank's per-step losses and final parameters ``out`` (``[(losses, {name: param})]``)
-    against the references; the replicated parameters bit-identical on every rank (each rank
-    applies the same reduced gradients, or all-gathers the same shards)."""
-    for rank, (losses, params) in enumerate(out):
-        at = f"{where}rank {rank}: "
-        check([refs.loss(step, v) for step, v in enumerate(losses)], at)
-        assert params.keys() == refs.exact.params.keys(), at
-        check([refs.param(name, p) for name, p in params.items()], at)
-        for name, p in params.items():
-            assert torch.equal(p, out[0][1][name]), f"{at}{name} differs from rank 0's"
-
-
 @pytest.mark.parametrize("kind,world,micro,bucket_mb,opt_name", CASES)
 def test_training_equals_single_process(kind, world, micro, bucket_mb, opt_name):
     refs = _reference(STEPS, micro, world, opt_name)
@@ -314,26 +181,10 @@ def _tp_dense() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
 
 
-def _tp_loss(model: nn.Module, step: int, dtype: torch.dtype) -> torch.Tensor:
-    g = torch.Generator().manual_seed(step)
-    x, y = torch.randn(2, 4, 8, generator=g), torch.randn(2, 4, 8, generator=g)
-    return F.mse_loss(model(x.reshape(-1, 8).to(dtype)), y.reshape(-1, 8).to(dtype))
-
-
-def tp_references(build: Callable[[], nn.Module]) -> tolerance.References:
-    """``STEPS`` steps of torch's AdamW (lr 1e-2) with the gradients clipped to 0.5 on the dense
-    ``build()`` and the whole batch of ``_tp_loss``: fp32, its twin, float64."""
-    return references(
-        build, _tp_loss, STEPS,
-        lambda model: torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False),
-        length=2 * 4 * 8, lr=1e-2, clip=0.5,  # the loss sums 2 x 4 rows of 8 outputs
-    )  # fmt: skip
-
-
 def _tp_dp(kind: str, fused: bool, refs: tolerance.References) -> list[float]:
     """TP = 2 inside, DP = 2 across: equals the dense model on the concatenated batch (every
     step's loss averaged over the replicas, every TP-local parameter after the steps)."""
-    mesh = ParallelMesh(tp=2)
+    mesh = make_mesh(tp=2, dp=2)
     torch.manual_seed(0)
     dense = _tp_dense()
     par = nn.Sequential(
@@ -377,7 +228,7 @@ def _tp_dp(kind: str, fused: bool, refs: tolerance.References) -> list[float]:
 @pytest.mark.parametrize("kind", ["ddp", "zero1", "zero2"])
 def test_tp2_dp2(kind, fused):
     """with fused=True the clipping coefficient is folded into FusedAdamW's pass"""
-    run_ranks(_tp_dp, 4, kind, fused, tp_references(_tp_dense))
+    run_ranks(_tp_dp, 4, kind, fused, tp_references(_tp_dense, STEPS))
 
 
 def _unused() -> None:

@@ -17,11 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _mesh import make_mesh
 from _parity import agree, exact_copy
-from test_parallel_ddp import check, norm, references
+from _training import check, norm, references
 from torch import nn
 
-from fastpar import ParallelMesh
 from fastpar.moe import MoE, moe_aux_loss
 from fastpar.parallel import DataParallel, DistributedDataParallel, GradSync, Replicate, Shard
 from fastpar.parallel.pipeline import GPipe, PipelineEngine, build_stage
@@ -218,7 +218,7 @@ def _engine_aux_weight() -> list:
     loss: scale_loss(loss / M + aux / M), with a loss scale of 8 — by the rule, against the
     whole model in fp32 and in float64 (the engine backpropagates the loss and the aux loss as
     its own sums)."""
-    mesh = ParallelMesh(pp=2)
+    mesh = make_mesh(pp=2)
     g = torch.Generator().manual_seed(2)
     x, y = torch.randn(4, 3, H, generator=g), torch.randn(4, 3, H, generator=g)
     scale = lambda t: t * 8.0  # noqa: E731

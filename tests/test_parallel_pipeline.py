@@ -21,10 +21,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from test_parallel_ddp import check, norm, references, sliced
+from _mesh import make_mesh
+from _training import check, norm, references, sliced
 from torch import nn
 
-from fastpar import ParallelMesh, tolerance
+from fastpar import tolerance
 from fastpar.amp import global_grad_norm
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear
 from fastpar.parallel import DistributedDataParallel
@@ -157,7 +158,7 @@ def _pipelined(
     gradients of the unpipelined model (``refs``: ``dense_references(make, steps, size)``);
     ``bytes_per_step(mesh)``: what this rank must send per step. Returns the peak bytes of
     stored activations."""
-    mesh = ParallelMesh(pp=dist.get_world_size())
+    mesh = make_mesh(pp="world")
     stage, (lo, _) = build_stage(make(), mesh.pp_size, mesh.pp_rank, costs=costs)
     sched = GPipe(m) if schedule_name == "gpipe" else OneFOneB(m)
     engine = PipelineEngine(
@@ -191,7 +192,7 @@ def test_pipelined_equals_unpipelined(pp, schedule, m, recompute):
 def _recompute_with_dropout() -> list:
     """Recomputation replays the forward's RNG state: dropout masks match, so the gradients
     equal the run that kept its graph."""
-    mesh = ParallelMesh(pp=2)
+    mesh = make_mesh(pp=2)
     out = []
     for recompute in (False, True):
         stage, _ = build_stage(blocks(4, dropout=0.3), 2, mesh.pp_rank)
@@ -211,7 +212,7 @@ def test_recompute_replays_dropout():
 
 def _pp_tp(refs: tolerance.References) -> None:
     """PP = 2 x TP = 2: tensor-parallel blocks inside each stage."""
-    mesh = ParallelMesh(tp=2, pp=2)
+    mesh = make_mesh(tp=2, pp=2)
     par_blocks = blocks(4, tp_mesh=mesh)  # same seed: the TP slices of the dense weights
     stage, (lo, _) = build_stage(par_blocks, 2, mesh.pp_rank, costs=[1] * 6)
     engine = PipelineEngine(stage, mesh, OneFOneB(4), loss_fn=loss_fn)
@@ -228,7 +229,7 @@ def test_pp_x_tp():
 
 def _pp_dp(refs: tolerance.References) -> None:
     """PP = 2 x DP = 2: each replica pipelines its half of the batch; DDP reduces once."""
-    mesh = ParallelMesh(pp=2)
+    mesh = make_mesh(pp=2)
     stage, (lo, _) = build_stage(blocks(4), 2, mesh.pp_rank, costs=[1] * 6)
     ddp = DistributedDataParallel(stage, mesh=mesh)
     calls = []
@@ -271,7 +272,7 @@ def _tied_dense() -> nn.Module:
 
 def _tied(refs: tolerance.References) -> torch.Tensor:
     """Embedding on stage 0, LM head sharing its weight on stage 1 (held on both)."""
-    mesh = ParallelMesh(pp=2)
+    mesh = make_mesh(pp=2)
     emb, *mid, _ = _tied_dense()
     torch.manual_seed(mesh.rank + 7)  # deliberately different: tie_across_stages must sync
     if mesh.is_first_stage:
@@ -338,7 +339,7 @@ def test_partition_balances_costs():
 
 
 def _indivisible() -> None:
-    mesh = ParallelMesh(pp=2)
+    mesh = make_mesh(pp=2)
     stage, _ = build_stage(blocks(2), 2, mesh.pp_rank)
     x, y = batch(0, 10)
     PipelineEngine(stage, mesh, GPipe(4), loss_fn=loss_fn).train_step(x, y)
@@ -357,7 +358,7 @@ class Exploding(nn.Module):
 
 
 def _exploding() -> None:
-    mesh = ParallelMesh(pp=3)
+    mesh = make_mesh(pp=3)
     stage = (
         nn.Sequential(Exploding())
         if mesh.pp_rank == 1
@@ -444,7 +445,7 @@ def test_tuple_messages_equal_unpipelined(pp, schedule, m, recompute, measure):
 def _tuple_recompute_with_dropout() -> None:
     """Recomputation of tuple stages replays each forward's RNG state (including the engine's
     one extra forward that learns which output slots require grad): dropout masks match."""
-    mesh = ParallelMesh(pp=2)
+    mesh = make_mesh(pp=2)
     grads = []
     for recompute in (False, True):
         stage, _ = build_stage(tuple_blocks(4, dropout=0.3), 2, mesh.pp_rank, costs=[1] * 6)
@@ -472,7 +473,7 @@ def _shapes_batch(step: int):
 
 
 def _tuple_shapes(static: bool, refs: tolerance.References) -> None:
-    mesh = ParallelMesh(pp=2)
+    mesh = make_mesh(pp=2)
     stage, (lo, _) = build_stage(tuple_blocks(2), 2, mesh.pp_rank)
     engine = PipelineEngine(stage, mesh, GPipe(2), loss_fn=loss_fn, static_shapes=static)
     for step in range(2):
@@ -503,7 +504,7 @@ class BadOutput(nn.Module):
 
 
 def _bad_output() -> None:
-    mesh = ParallelMesh(pp=2)
+    mesh = make_mesh(pp=2)
     stage = nn.Sequential(BadOutput()) if mesh.is_first_stage else nn.Sequential(Head())
     x, y = batch(0, 4)
     PipelineEngine(stage, mesh, GPipe(2), loss_fn=loss_fn).train_step(x, y)
@@ -535,7 +536,7 @@ def _two_inputs_batch(step: int):
 
 def _tuple_inputs(refs: tolerance.References) -> None:
     """The first stage's inputs may be a tuple: each tensor is split into micro-batches."""
-    mesh = ParallelMesh(pp=2)
+    mesh = make_mesh(pp=2)
     stage, (lo, _) = build_stage(_two_inputs_blocks(), 2, mesh.pp_rank, costs=[1] * 3)
     engine = PipelineEngine(stage, mesh, OneFOneB(3), loss_fn=loss_fn)
     (x, x2), y = _two_inputs_batch(0)

@@ -8,7 +8,7 @@ A pipeline sums micro-batch gradients, TP adds partial sums: not the unpipelined
 "Equal" is ``fastpar.tolerance``'s rule: each step's loss and every gradient on every rank
 against the same training in float64 (the HF model ``.double()`` with SDPA attention; HF
 computes RoPE's angles in fp32 even then, the same values in every run), beside the fp32 run and
-its twin (``references`` / ``check`` of test_parallel_ddp). The blocks in sequence run
+its twin (``references`` / ``check`` of tests/_training.py). The blocks in sequence run
 the model's own kernels in its order: they equal it bit for bit."""
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _hf import VOCAB, build, transformers
+from _mesh import make_mesh
 from _parity import agree, exact_copy
-from test_parallel_ddp import check, references, sliced
+from _training import check, references, sliced
 from torch import nn
 
-from fastpar import ParallelMesh, parallelize
+from fastpar import parallelize
 from fastpar.parallel.pipeline import GPipe, OneFOneB, PipelineEngine, build_stage
 from fastpar.parallel.pipeline.hf import (
     hf_decoder_blocks,
@@ -114,7 +115,7 @@ def _pipelined(
     tie: bool = False,
     pad: int = 0,
 ) -> list[str]:
-    mesh = ParallelMesh(tp=tp, pp=torch.distributed.get_world_size() // tp)
+    mesh = make_mesh(tp=tp, pp=torch.distributed.get_world_size() // tp)
     model = hf_model(family, attn, tie)
     hidden = model.config.hidden_size
     if tp > 1:
@@ -262,7 +263,7 @@ def test_hf_errors():
 def _sdpa_padding_varies(static: bool) -> None:
     """SDPA builds no mask for a micro-batch without padding and one for a padded one: the
     message's mask slot changes — refused under static shapes, naming the fix; exact without."""
-    mesh = ParallelMesh(pp=2)
+    mesh = make_mesh(pp=2)
     dense = hf_model("llama", "sdpa")
     stage, _ = build_stage(hf_decoder_blocks(copy.deepcopy(dense)), 2, mesh.pp_rank)
     ids, mask, targets = hf_batch(0, pad=1)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _mesh import make_mesh
 from test_parallel_pipeline import batch, blocks, loss_fn
 from torch import nn
 
-from fastpar import ParallelMesh
 from fastpar.parallel.pipeline import GPipe, PipelineEngine
 from fastpar.testing import run_ranks
 
@@ -21,7 +21,7 @@ def _recompute_dropout_on(device: str) -> None:
     its graph; under another seed they differ (the masks are live)."""
     if device == "cuda":
         torch.cuda.set_device(0)
-    mesh = ParallelMesh(pp=1)
+    mesh = make_mesh(pp=1)
     x, y = (t.to(device) for t in batch(0, 8))
 
     def grads(recompute: bool, seed: int) -> list[torch.Tensor]:

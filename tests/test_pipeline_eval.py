@@ -10,12 +10,11 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
+from _mesh import make_mesh
 from _parity import agree, exact_copy
 from test_parallel_pipeline import T, V, batch, blocks, loss_fn, tuple_blocks
 from torch import nn
 
-from fastpar import ParallelMesh
 from fastpar.parallel.pipeline import (
     ForwardOnly,
     PipelineEngine,
@@ -27,7 +26,7 @@ from fastpar.testing import run_ranks
 
 
 def _eval(schedule: str, m: int, v: int, make=blocks, n: int = 6, size: int = 12) -> None:
-    mesh = ParallelMesh(pp=dist.get_world_size())
+    mesh = make_mesh(pp="world")
     dense = nn.Sequential(*make(n, dropout=0.5))  # dropout: eval mode must switch it off
     parts = copy.deepcopy(list(dense))
     if v > 1:
@@ -74,7 +73,7 @@ def test_forward_only_schedule():
 
 
 def _engine_refuses_forward_only() -> None:
-    mesh = ParallelMesh(pp=2)
+    mesh = make_mesh(pp=2)
     stage, _ = build_stage(blocks(2), 2, mesh.pp_rank)
     PipelineEngine(stage, mesh, ForwardOnly(2), loss_fn=loss_fn)
 

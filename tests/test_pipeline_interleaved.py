@@ -14,7 +14,7 @@ import itertools
 
 import pytest
 import torch
-import torch.distributed as dist
+from _mesh import make_mesh
 from test_parallel_pipeline import (
     batch,
     blocks,
@@ -24,7 +24,6 @@ from test_parallel_pipeline import (
     tuple_blocks,
 )
 
-from fastpar import ParallelMesh
 from fastpar.parallel.pipeline import (
     GPipe,
     Interleaved,
@@ -42,7 +41,7 @@ def _interleaved(
     """Two SGD steps pipelined over v chunks per rank: at each step the unpipelined model's
     loss, and every chunk parameter's gradient that of the whole model's parameter of the same
     global name (``refs``: ``dense_references(lambda: make(n), 2, size)``)."""
-    mesh = ParallelMesh(pp=dist.get_world_size())
+    mesh = make_mesh(pp="world")
     blocks_ = make(n)
     chunks, ranges = build_virtual_stages(
         blocks_, mesh.pp_size, mesh.pp_rank, v, costs=[1] * len(blocks_)
@@ -192,7 +191,7 @@ def test_impossible_combinations_are_clear_errors():
 
 
 def _wrong_chunks() -> None:
-    mesh = ParallelMesh(pp=2)
+    mesh = make_mesh(pp=2)
     chunks, _ = build_virtual_stages(blocks(4), 2, mesh.pp_rank, 3)
     PipelineEngine(chunks, mesh, Interleaved(4, 2), loss_fn=loss_fn)
 
@@ -209,7 +208,7 @@ def _pp_dp_interleaved(refs) -> None:
     gradient equals the whole model's."""
     from fastpar.parallel import DistributedDataParallel
 
-    mesh = ParallelMesh(pp=2)
+    mesh = make_mesh(pp=2)
     chunks, _ = build_virtual_stages(blocks(4), 2, mesh.pp_rank, 2)
     ddp = DistributedDataParallel(chunks, mesh=mesh, find_unused_parameters=True)
     calls = []

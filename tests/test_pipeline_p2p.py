@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from _mesh import make_mesh
 from test_parallel_pipeline import batch, blocks, loss_fn, tuple_blocks
 
-from fastpar import ParallelMesh
 from fastpar.parallel.pipeline import (
     P2P,
     PipelineEngine,
@@ -65,7 +65,7 @@ def test_early_receives_keep_message_order(static, early):
 def _both(name: str, v: int, m: int, make, n: int, recompute: bool) -> int:
     """Two steps with early receives and two without, from the same weights: bit-identical
     losses and gradients. Returns how many receives this rank posted early."""
-    mesh = ParallelMesh(pp=dist.get_world_size())
+    mesh = make_mesh(pp="world")
     first, last = mesh.is_first_stage, mesh.is_last_stage
     results, posted = [], 0
     for early in (None, False):

@@ -16,7 +16,7 @@ import functools
 
 import pytest
 import torch
-import torch.distributed as dist
+from _mesh import make_mesh
 from test_parallel_pipeline import (
     batch,
     blocks,
@@ -28,7 +28,6 @@ from test_parallel_pipeline import (
 )
 from torch import nn
 
-from fastpar import ParallelMesh
 from fastpar.parallel.pipeline import (
     OneFOneB,
     PipelineEngine,
@@ -81,7 +80,7 @@ def _mlp_batch(size: int, step: int):
 def _parity(m: int, make, name: str, n: int, refs) -> float:
     """Two SGD steps of ``name`` pipelined: at each step the unpipelined model's loss and
     every gradient (``refs``: ``_references(m, make, n)``)."""
-    mesh = ParallelMesh(pp=dist.get_world_size())
+    mesh = make_mesh(pp="world")
     stage, (lo, _) = build_stage(make(n), mesh.pp_size, mesh.pp_rank)
     lf = nn.functional.mse_loss if make is _mlp else loss_fn
     engine = PipelineEngine(stage, mesh, make_schedule(name, m), loss_fn=lf)
@@ -253,7 +252,7 @@ def _dp_bytes(name: str, zero: int, refs) -> tuple[float, float, list]:
 
     SplitBackward.weights = weights  # this rank's process only
 
-    mesh = ParallelMesh(pp=2)
+    mesh = make_mesh(pp=2)
     stage, (lo, _) = build_stage(blocks(2), 2, mesh.pp_rank)
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
     dp = Shard(stage, sgd, stage=zero, mesh=mesh) if zero else Replicate(stage, sgd, mesh=mesh)
@@ -339,7 +338,7 @@ def _tp_collectives(name: str) -> tuple[int, float]:
     forward's and the backward's), and the loss."""
     from fastpar.comm import collectives
 
-    mesh = ParallelMesh(tp=2, pp=2)
+    mesh = make_mesh(tp=2, pp=2)
     stage, _ = build_stage(blocks(2, tp_mesh=mesh), 2, mesh.pp_rank)
     engine = PipelineEngine(stage, mesh, make_schedule(name, 4), loss_fn=loss_fn)
     calls, original = [0], collectives._all_reduce

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _mesh import make_mesh
 from _parity import agree
 from torch import nn
 
-from fastpar import ParallelMesh
 from fastpar.models import GPTConfig, LlamaConfig, build_gpt, build_llama, lm_loss
 from fastpar.moe import MoE
 from fastpar.parallel.pipeline import (
@@ -133,14 +133,14 @@ def test_dropout_masks_replayed_unpipelined():
 
 
 def _reference(name: str, dtype=torch.float32):
-    loss, grads, _, _ = _single(name, "none", mesh=ParallelMesh(pp=1), dtype=dtype)
+    loss, grads, _, _ = _single(name, "none", mesh=make_mesh(pp=1), dtype=dtype)
     return loss, grads
 
 
 def _pipelined(name, policy, schedule, dropout=False, seed=0):
     """This rank's (loss, {global name: grad}, MoE stats) under a pp 2 engine."""
     cfg = MODELS[name][0]
-    mesh = ParallelMesh(pp=2)
+    mesh = make_mesh(pp=2)
     blocks = _model(name, mesh, dropout)
     apply_recompute(blocks[1:-1], policy)
     v = 2 if schedule == "interleaved" else 1

@@ -34,12 +34,11 @@ MOE = dict(tp=1, pp=1, dp=2, ep=2, moe_every=2, experts=4, top_k=2, layers=2, hi
 def _both(cfg: TrainConfig) -> tuple[list[dict], list[dict], bool]:
     """(eager records, compiled records, whether the compiled blocks kept their names)."""
     import torch.distributed as dist
-
-    from fastpar.mesh import ParallelMesh
+    from _mesh import make_mesh
 
     eager = run(cfg)
     compiled = run(dataclasses.replace(cfg, compile=True))
-    mesh = ParallelMesh(cfg.tp, cfg.pp, cfg.ep)
+    mesh = make_mesh(cfg.tp, cfg.pp, cfg.ep)
     trainer = Trainer(cfg, mesh, torch.device("cpu"))
     names = list(trainer.named_parameters())
     assert compile_blocks(trainer.stage_module)  # every block, once

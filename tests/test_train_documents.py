@@ -272,11 +272,12 @@ def _first_step_gradients(cfg: TrainConfig, refs, corpus=None) -> list[str]:
     """On this rank: the first step's forward and backward through the trainer's engine (no
     optimizer step), each parameter's gradient judged against this rank's piece of the
     single-process model's (``fastpar.tolerance``'s rule; the float64 run as the truth)."""
+    from _mesh import make_mesh
+
     from fastpar.checkpoint.state import checkpoint_name, localize
-    from fastpar.mesh import ParallelMesh
     from fastpar.train import Trainer
 
-    mesh = ParallelMesh(cfg.tp, cfg.pp, cfg.ep, cp=cfg.cp)
+    mesh = make_mesh(cfg.tp, cfg.pp, cfg.ep, cp=cfg.cp)
     trainer = Trainer(cfg, mesh, torch.device("cpu"), corpus)
     x, y = trainer._batch(0)
     trainer.engine.train_step(

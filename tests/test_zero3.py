@@ -3,7 +3,7 @@ fp16 overflow agreement, TP x DP, communication and memory accounting, resume an
 pieces.
 
 "Equals" is ``fastpar.tolerance``'s rule (docs/tolerances.md; ``references`` / ``check`` of
-test_parallel_ddp): sharded gradients are reduce-scattered sums of per-replica means, not the
+tests/_training.py): sharded gradients are reduce-scattered sums of per-replica means, not the
 single process's sums, so each step's loss, gradient norm and every parameter afterwards are
 judged against the same training in float64, beside the fp32 single-process run and its twin.
 Bit-for-bit equality stays where both sides run the same kernels in the same order: a resumed
@@ -17,10 +17,19 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from test_parallel_ddp import check, check_training, norm, references, sliced, tp_references
+from _mesh import make_mesh
+from _training import (
+    check,
+    check_training,
+    global_batch,
+    mse_loss,
+    norm,
+    references,
+    sliced,
+    tp_references,
+)
 from torch import nn
 
-from fastpar import ParallelMesh
 from fastpar.amp import DynamicLossScaler
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear
 from fastpar.nn.marks import mark_expert
@@ -61,10 +70,7 @@ class Net(nn.Module):
 
 
 def _global_batch(step: int, micro: int, world: int):
-    g = torch.Generator().manual_seed(step)
-    x = torch.randn(micro, world, 3, D_IN, generator=g)  # [micro, rank, batch, features]
-    y = torch.randn(micro, world, 3, D_OUT, generator=g)
-    return x, y
+    return global_batch(step, micro, world, D_IN, D_OUT)  # [micro, rank, batch, features]
 
 
 def _make_opt(name: str, params, reference: bool = False):
@@ -82,16 +88,6 @@ def _groups(net: nn.Module) -> list[dict]:
     return [{"params": mats}, {"params": vecs, "weight_decay": 0.0, "lr": 0.02}]
 
 
-def _loss(micro: int, world: int):
-    """``loss(model, step, dtype)``: the mean squared error on step ``step``'s global batch."""
-
-    def loss(model: nn.Module, step: int, dtype: torch.dtype) -> torch.Tensor:
-        x, y = _global_batch(step, micro, world)
-        return F.mse_loss(model(x.reshape(-1, D_IN).to(dtype)), y.reshape(-1, D_OUT).to(dtype))
-
-    return loss
-
-
 def _reference(
     steps: int, micro: int, world: int, opt_name: str, clip: float | None = None, groups=False
 ):
@@ -102,7 +98,7 @@ def _reference(
         return _make_opt(opt_name, _groups(model) if groups else model.parameters(), reference=True)
 
     return references(
-        Net, _loss(micro, world), steps, make_opt, clip=clip,
+        Net, mse_loss(micro, world, D_IN, D_OUT), steps, make_opt, clip=clip,
         length=max(micro * world * 3 * D_OUT, D_H), lr=0.02 if groups else 0.01,
     )  # fmt: skip
 
@@ -264,7 +260,7 @@ def _tp_dp(fused: bool, persist_below: int, refs) -> None:
     """TP = 2 inside, DP = 2 across: ZeRO-3 over DP shards the TP-local tensors again. Every
     step's loss (averaged over the replicas) and gradient norm, every TP-local parameter after
     the steps, against the dense model on the whole batch (``tp_references``)."""
-    mesh = ParallelMesh(tp=2)
+    mesh = make_mesh(tp=2, dp=2)
     torch.manual_seed(0)
     dense = _tp_dense()
     par = nn.Sequential(
@@ -306,7 +302,7 @@ def _tp_dp(fused: bool, persist_below: int, refs) -> None:
 @pytest.mark.parametrize("fused,persist_below", [(False, 0), (True, 0), (True, 10)])
 def test_tp2_dp2_equals_dense(fused, persist_below):
     """persist_below=10 keeps the biases replicated (row biases are TP-duplicated too)."""
-    run_ranks(_tp_dp, 4, fused, persist_below, tp_references(_tp_dense))
+    run_ranks(_tp_dp, 4, fused, persist_below, tp_references(_tp_dense, STEPS))
 
 
 def _comm_and_memory(persist_below: int) -> dict:
@@ -525,7 +521,11 @@ def test_single_process_without_process_group():
         model.step()
         model.zero_grad()
     refs = references(
-        Net, _loss(1, 1), 2, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), length=3 * D_OUT
+        Net,
+        mse_loss(1, 1, D_IN, D_OUT),
+        2,
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        length=3 * D_OUT,
     )
     with model.summon_full_params():
         check([refs.param(n, p.detach()) for n, p in model.module.named_parameters()])
