@@ -32,11 +32,11 @@ torch.optim.AdamW on CUDA, and a shard of more than 2^31 elements (int64 offsets
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import pytest
 import torch
+from _adamw import exact_adamw, torch_adamw
 from _parity import agree
 
 from fastpar import tolerance
@@ -62,22 +62,7 @@ def _agree_param(got: torch.Tensor, single, exact: torch.Tensor, what: str = "pa
     agree(got, single, exact, what, length=1)
 
 
-def _exact_adamw(p0, grads, *, beta1, weight_decay, maximize=False, pre=None, steps_from=0,
-                 lr=HYPER["lr"], beta2=HYPER["beta2"], eps=HYPER["eps"]):  # fmt: skip
-    """AdamW written out in float64, the exact math of the update: (p, m, v) after ``grads``
-    (each ``pre(float64(g))`` when given, negated when ``maximize``) from steps ``steps_from``
-    + 1 on, the moments from zero."""
-    p = p0.double().clone()
-    m, v = torch.zeros_like(p), torch.zeros_like(p)
-    for t, g in enumerate(grads, start=steps_from + 1):
-        g = g.double().to(p.device)
-        g = g if pre is None else pre(g)
-        g = -g if maximize else g
-        p = p * (1.0 - lr * weight_decay)
-        m = beta1 * m + (1.0 - beta1) * g
-        v = beta2 * v + (1.0 - beta2) * g * g
-        p = p - lr / (1.0 - beta1**t) * m / (v.sqrt() / math.sqrt(1.0 - beta2**t) + eps)
-    return p, m, v
+_exact_adamw = functools.partial(exact_adamw, **HYPER)  # (p, m, v) in float64
 
 
 def _assert_exact(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -143,23 +128,7 @@ def _assert_copy(lp: torch.Tensor, p: torch.Tensor, exact: bool) -> None:
         assert int(bits.max()) <= 1
 
 
-def _torch_adamw(p0, grads, *, beta1, weight_decay, maximize=False, pre=None):
-    p = p0.clone().requires_grad_()
-    opt = torch.optim.AdamW(
-        [p],
-        betas=(beta1, HYPER["beta2"]),
-        lr=HYPER["lr"],
-        eps=HYPER["eps"],
-        weight_decay=weight_decay,
-        maximize=maximize,
-        foreach=False,
-    )
-    for g in grads:
-        g = g.float()
-        p.grad = g if pre is None else pre(g)
-        opt.step()
-    st = opt.state[p]
-    return p.detach(), st["exp_avg"], st["exp_avg_sq"]
+_torch_adamw = functools.partial(torch_adamw, **HYPER)  # (p, m, v) of torch.optim.AdamW
 
 
 def _run_flat(p0, grads, *, device, steps_from=0, step_dtype=torch.int64, lp_dtype=None, **kw):

@@ -18,9 +18,9 @@ import os
 
 import pytest
 import torch
+from _adamw import exact_adamw
 from _ce import ptxas_usage
 from _parity import agree
-from test_kernels_adamw import _exact_adamw
 
 from fastpar.ops import adamw as op
 from fastpar.ops import backend
@@ -110,7 +110,7 @@ def test_unaligned_tensors_take_the_unhinted_group_and_match_the_reference():
         outs.append([t.clone() for t in params])
     hyper = {key: HYPER[key] for key in ("lr", "beta1", "beta2", "eps", "weight_decay")}
     for i, (a, b) in enumerate(zip(*outs, strict=True)):
-        exact = _exact_adamw(p0[i], [grads[i]] * 2, **hyper)[0]  # two steps, the same grads
+        exact = exact_adamw(p0[i], [grads[i]] * 2, **hyper)[0]  # two steps, the same grads
         agree(a, b, exact, f"param {i} after two steps", length=1)
 
 

@@ -13,11 +13,13 @@ nothing, the multi-tensor form with per-tensor steps, FusedAdamW with several pa
 from __future__ import annotations
 
 import copy
+import functools
 import subprocess
 import sys
 
 import pytest
 import torch
+from _adamw import torch_adamw
 
 from fastpar.ops import adamw as op
 from fastpar.optim.fused_adamw import FusedAdamW
@@ -31,23 +33,7 @@ def _grads(numel: int, dtype: torch.dtype, seed: int, scale: float = 1e-2) -> li
     return [(torch.randn(numel, generator=gen) * scale).to(dtype) for _ in range(STEPS)]
 
 
-def _torch_adamw(p0, grads, *, beta1, beta2=0.999, weight_decay, maximize=False, pre=None):
-    """torch.optim.AdamW on an fp32 copy of p0, fed ``pre(fp32(g))``; returns (p, m, v)."""
-    p = p0.clone().requires_grad_()
-    opt = torch.optim.AdamW(
-        [p],
-        betas=(beta1, beta2),
-        weight_decay=weight_decay,
-        maximize=maximize,
-        foreach=False,
-        **HYPER,
-    )
-    for g in grads:
-        g = g.float()
-        p.grad = g if pre is None else pre(g)
-        opt.step()
-    st = opt.state[p]
-    return p.detach(), st["exp_avg"], st["exp_avg_sq"]
+_torch_adamw = functools.partial(torch_adamw, **HYPER)  # (p, m, v) of torch.optim.AdamW
 
 
 def _assert_bitwise(got, want) -> None:

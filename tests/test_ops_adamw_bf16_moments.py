@@ -23,10 +23,9 @@ inputs, so a float64 run of it is not exact: the update is written out in float6
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from _adamw import exact_adamw_step
 from _parity import agree
 from test_kernels_adamw import _same_fmas
 
@@ -94,17 +93,15 @@ def _emulated(steps=3, truncate=False):
 def _exact(stored: list) -> tuple[list, list, list]:
     """The same steps in float64 (the update written out), each step from the moments a run
     stored before it: the final (params, exp_avgs, exp_avg_sqs)."""
-    lr, b1, b2, eps, wd = (HYPER[k] for k in ("lr", "beta1", "beta2", "eps", "weight_decay"))
     p64 = [p.double() for p in _state()[0]]
     m64 = v64 = []
     for s, (ms, vs) in enumerate(stored):
-        t, gs = s + 1, [g.double() for g in _grads(s)]
-        m64 = [b1 * m.double() + (1.0 - b1) * g for m, g in zip(ms, gs, strict=True)]
-        v64 = [b2 * v.double() + (1.0 - b2) * g * g for v, g in zip(vs, gs, strict=True)]
-        p64 = [
-            p * (1.0 - lr * wd) - lr / (1.0 - b1**t) * m / (v.sqrt() / math.sqrt(1.0 - b2**t) + eps)
-            for p, m, v in zip(p64, m64, v64, strict=True)
+        rows = zip(p64, ms, vs, _grads(s), strict=True)
+        steps = [
+            exact_adamw_step(p, m.double(), v.double(), g.double(), s + 1, **HYPER)
+            for p, m, v, g in rows
         ]
+        p64, m64, v64 = (list(t) for t in zip(*steps, strict=True))
     return p64, m64, v64
 
 
