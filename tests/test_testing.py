@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from _mesh import make_mesh
 from _procs import alive, children, kill_all
 
 from fastpar.mesh.check import group_sums
@@ -265,3 +266,16 @@ def test_sigterm_reaches_every_rank_then_the_caller(tmp_path, mode):
             assert proc.returncode == 0, err[-2000:]
             assert out.split("\n")[-3:] == ["caller saw SIGTERM", "[0, 1]", ""]
         assert alive(pids.values()) == []
+
+
+def _meshes() -> tuple[int, int, int]:
+    whole, tp_only = make_mesh(pp="world"), make_mesh(tp=2, dp=1)
+    with pytest.raises(ValueError, match=r"make_mesh\(tp=2, cp=1, pp=1, dp=2\) needs 4 ranks"):
+        make_mesh(tp=2, dp=2)
+    return whole.pp_size, tp_only.tp_size, tp_only.dp_size
+
+
+def test_make_mesh_spans_the_world_and_checks_the_data_parallel_size():
+    """The tests' mesh helper (tests/_mesh.py): "world" is the world size; a ``dp`` that the
+    world does not have is refused before any group is made."""
+    assert run_ranks(_meshes, 2) == [(2, 2, 1), (2, 2, 1)]
