@@ -14,6 +14,14 @@ import pytest
 import torch
 
 from fastpar import ParallelMesh
+from fastpar.parallel.pipeline import (
+    SCHEDULES,
+    GPipe,
+    Interleaved,
+    OneFOneB,
+    ZeroBubbleH1,
+    make_schedule,
+)
 from fastpar.testing import run_ranks
 from fastpar.train import TrainConfig, memory
 from fastpar.train.build import Trainer
@@ -102,3 +110,27 @@ def test_schedules_differ_as_measured():
     }
     assert est["gpipe"][0] > est["1f1b"][0] and est["gpipe"][1] > est["1f1b"][1]
     assert est["zb-h1"][1] > est["1f1b"][1]
+
+
+def test_held_weighs_each_chunk():
+    """Interleaved, 2 ranks, 4 micro-batches, 2 chunks: rank 0 runs F0.0 F1.0 F0.1 F1.1 F2.0,
+    then B0.1 F3.0 B1.1 F2.1 B0.0 F3.1 ...: at most 3 chunk-0 and 2 chunk-1 forwards in flight
+    at once (after F2.0 and again after F3.1), so chunks weighing 1 and 10 peak at 23."""
+    sched = Interleaved(4, 2)
+    assert sched.held(2, 0, [1, 10]) == 23
+    assert sched.held(2, 0) == sched.max_in_flight(2, 0) == 5
+    with pytest.raises(ValueError, match="1 sizes for 2 chunks"):
+        sched.held(2, 0, [1])
+
+
+def test_the_registry_declares_what_each_schedule_takes():
+    assert {name: cls.name for name, cls in SCHEDULES.items()} == {n: n for n in SCHEDULES}
+    assert [n for n, cls in SCHEDULES.items() if cls.chunked] == ["interleaved"]
+    assert [n for n, cls in SCHEDULES.items() if cls.forwards_first] == ["gpipe"]
+    assert not ZeroBubbleH1.accepts("zero3") and not Interleaved.accepts("zero3")
+    assert OneFOneB.accepts("zero3") and GPipe.accepts("sequence_parallel_tp")
+    with pytest.raises(ValueError, match="feature must be one of"):
+        OneFOneB.accepts("zero-3")
+    assert make_schedule("interleaved", 4, 2, 2) == Interleaved(4, 2, 2)
+    with pytest.raises(ValueError, match="virtual_stages 2 needs the interleaved schedule"):
+        make_schedule("zb-h1", 4, 2)

@@ -39,6 +39,7 @@ class Schedule:
     num_microbatches: int
     name: ClassVar[str] = ""
     virtual_stages: ClassVar[int] = 1  # model chunks per rank
+    group_size: ClassVar[int | None] = None  # micro-batches a chunk runs in turn (chunked)
     chunked: ClassVar[bool] = False
     has_backward: ClassVar[bool] = True
     splits_backward: ClassVar[bool] = False  # steps "B" (input grad) and "W" (weight grad)
@@ -179,7 +180,7 @@ class Schedule:
         v = self.virtual_stages
         width = len(str(self.num_microbatches - 1)) + 1 + (len(str(v - 1)) + 1 if v > 1 else 0)
         chunks = f" x {v} chunks" if v > 1 else ""
-        if getattr(self, "group_size", None):
+        if self.group_size:
             chunks += f" in groups of {self.group_size} micro-batches"
         costs = f"B=W={backward / 2:g}" if self.splits_backward else f"B={backward}"
         lines = [f"{type(self).__name__}, {self.num_microbatches} micro-batches, {num_stages} stages"
