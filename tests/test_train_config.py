@@ -128,16 +128,20 @@ def test_a_bad_collective_timeout_variable_is_named(monkeypatch):
 
 # -- memory ------------------------------------------------------------------------------------
 def test_activation_estimate_by_hand():
-    # one fp32 GPT rank, 1 layer, hidden 64, ffn 256, vocab 256, 1 row x 1000 tokens: a block
-    # keeps 4·64 (residual stream, norms) + 5·64 (q, k, v, attention output, its projection's
-    # input) + 2·256 (fc, gelu) = 1088 values a token, the head 2·64 + 2·256 (logits and their
-    # gradient) = 640
+    # one fp32 GPT rank, 1 layer, hidden 64, 4 heads, ffn 256, vocab 256, 1 row x 1000 tokens;
+    # bytes a token: the embedding keeps the int64 id (8); each of the block's two RMSNorms its
+    # input, 1 / rms and normalised output (4·64 + 4 + 4·64 = 516) and the linear after it its
+    # input (4·64); the attention its q|k|v buffer and output (4·4·64) and a log-sum-exp a
+    # head (4·4); the MLP its fc and GELU outputs (2·4·256): 4632 in all; the head its norm
+    # (516) and the norm's output (4·64), the fp32 logits (4·256), the int64 target and two
+    # fp32 statistics (16): 1812
     cfg = TrainConfig(tp=1, pp=1, dp=1, ep=1, moe_every=0, layers=1, batch_size=1,
                       microbatches=1, seq_len=1000)  # fmt: skip
-    assert memory.activation_bytes(cfg) == ((1088 + 640) * 4 * 1000,) * 2
+    one = (8 + 4632 + 1812) * 1000
+    assert memory.activation_bytes(cfg) == (one, one)
     # two data-parallel replicas hold two copies on the machine, one each
     rank, world = memory.activation_bytes(TrainConfig(**{**vars(cfg), "dp": 2, "batch_size": 2}))
-    assert (rank, world) == ((1088 + 640) * 4 * 1000, 2 * (1088 + 640) * 4 * 1000)
+    assert (rank, world) == (one, 2 * one)
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastpar.comm import group_size
+from fastpar.models.activations import Activations, activations
 from fastpar.models.common import (
     DecoderBlock,
     Head,
@@ -102,6 +103,15 @@ class GPTConfig:
 
     def is_moe(self, layer: int) -> bool:
         return is_moe_layer(self, layer)
+
+    def activation_bytes(
+        self, tp: int = 1, sp: int = 1, size: int = 4, fused_ce: bool = False
+    ) -> Activations:
+        """Bytes per token each kind of block keeps for backward on one rank
+        (``fastpar.models.activations``): q|k|v in one buffer, the attention output; a GELU
+        MLP's fc and GELU outputs."""
+        block = dict(attention=4 * self.hidden, mlp=2, expert_ffn=self.ffn_size)
+        return activations(self, tp, sp, size, fused_ce, self.norm, **block)
 
     def check(self, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
         """Raise ValueError naming the bad value and the fix, before anything is built."""

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastpar.comm import group_size
+from fastpar.models.activations import Activations, activations
 from fastpar.models.common import (
     DecoderBlock,
     Norm,
@@ -176,6 +177,22 @@ class LlamaConfig:
 
     def is_moe(self, layer: int) -> bool:
         return is_moe_layer(self, layer)
+
+    def activation_bytes(
+        self, tp: int = 1, sp: int = 1, size: int = 4, fused_ce: bool = False
+    ) -> Activations:
+        """Bytes per token each kind of block keeps for backward on one rank
+        (``fastpar.models.activations``): the rotated q and the output; multi-head: the rotated
+        k and the q|k|v buffer (v a view of it), grouped-query: k and v repeated to every query
+        head instead; q/k-norms' saves; SwiGLU's gate|up, SiLU and product."""
+        q, kv = self.heads * self.head_size, self.num_kv_heads * self.head_size
+        attention = 2 * q + (kv + q + 2 * kv if q == kv else 2 * q)
+        if self.qk_norm:  # a norm over each head's values (its input a copy), per head 1 / rms
+            heads = self.heads + self.num_kv_heads
+            attention += ((4 + 2 * size) * (q + kv) + 4 * heads) / size
+        return activations(
+            self, tp, sp, size, fused_ce, attention=attention, mlp=4, expert_ffn=self.moe_ffn_size
+        )
 
     def check(self, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
         """Raise ValueError naming the bad value and the fix, before anything is built."""

@@ -37,6 +37,7 @@ from fastpar.moe import MoE, TopKRouter, update_expert_bias
 from fastpar.optim import FusedAdamW, MixedPrecisionOptimizer
 from fastpar.parallel import DataParallel, Replicate, Shard
 from fastpar.parallel.pipeline import (
+    SCHEDULES,
     PipelineEngine,
     build_stage,
     build_virtual_stages,
@@ -267,13 +268,15 @@ def build(
     # "token": the sum over the valid targets (the engine, or the reference, divides by the
     # global batch's count); "sequence": the micro-batch's mean
     red = "sum" if cfg.loss_normalization == "token" else "mean"
+    # every forward before any backward (GPipe): the fused CE recomputes its logits in backward
+    forwards_first = SCHEDULES[cfg.schedule].forwards_first
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if exact:  # the same math as either path below (the head returned logits), in float64
             return lm_loss(logits.flatten(0, -2), targets, model_cfg, mesh, reduction=red)
         if cfg.fused_ce:  # the head's weight read now: a pipeline's last stage holds a copy
             return lm_loss(logits.flatten(0, -2), targets, model_cfg, mesh, weight=head.weight,
-                           recompute=cfg.schedule == "gpipe", reduction=red)  # fmt: skip
+                           recompute=forwards_first, reduction=red)  # fmt: skip
         # nothing reads the logits after the loss: their gradient takes their buffer
         return lm_loss(
             logits.flatten(0, -2).float(), targets, model_cfg, mesh, inplace_backward=True,

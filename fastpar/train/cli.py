@@ -19,6 +19,7 @@ from fastpar.checkpoint import CheckpointError
 from fastpar.cliutil import Parser
 from fastpar.data import BIN_DTYPES
 from fastpar.launch import RankError
+from fastpar.parallel.pipeline.schedules import SCHEDULES
 from fastpar.train.batches import load_data
 from fastpar.train.checks import (
     LR_SCHEDULES,
@@ -186,7 +187,7 @@ _WORDS = {
     "model_type": ("gpt", "llama"),
     "precision": ("fp32", "bf16", "fp16"),
     "zero": (0, 1, 2, 3),
-    "schedule": ("gpipe", "1f1b", "interleaved", "zb-h1"),
+    "schedule": tuple(SCHEDULES),
     "cp_attention": ("ring", "all-to-all"),
     "lr_schedule": tuple(LR_SCHEDULES),
     "norm": ("rmsnorm", "layernorm"),

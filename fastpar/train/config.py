@@ -20,7 +20,7 @@ from fastpar.mesh import MeshLayout
 from fastpar.models import GPTConfig, LlamaConfig
 from fastpar.models.llama import ROUTING_DEFAULTS
 from fastpar.parallel.pipeline.recompute import RecomputePolicy
-from fastpar.parallel.pipeline.schedules import SCHEDULES, make_schedule
+from fastpar.parallel.pipeline.schedules import SCHEDULES, accepting, chunked_names, make_schedule
 from fastpar.train.checks import (
     TIMEOUT_ENV,
     check_ranges,
@@ -375,67 +375,46 @@ class TrainConfig:
             raise ValueError(
                 f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}"
             )
-        v = self.virtual_stages
-        if self.schedule == "zb-h1":
-            if self.recompute and self.recompute is not True:
-                raise ValueError(
-                    f"--schedule zb-h1 with a selective --recompute ({self.recompute}): the "
-                    "weight-gradient pass would unpack the checkpointed blocks' activations a "
-                    "second time and recompute them again (their collectives too); use "
-                    "--recompute full (the stage recomputed once, before B) or none"
-                )
-            if self.zero == 3:
-                raise ValueError(
-                    "--schedule zb-h1 with --zero 3 is not supported (ZeRO-3's gathers follow "
-                    "one backward per forward); use --zero 0, 1 or 2, or --schedule 1f1b"
-                )
-            if self.hf_config:
-                raise ValueError(
-                    "--schedule zb-h1 with --hf-config is not supported yet; use --schedule 1f1b"
-                )
-        if self.schedule != "interleaved":
+        v, sched = self.virtual_stages, SCHEDULES[self.schedule]  # what the schedule takes
+        wanted = {
+            "selective_recompute": bool(self.recompute) and self.recompute is not True,
+            "zero3": self.zero == 3,
+            "hf_config": bool(self.hf_config),
+        }
+        for feature in [f for f, on in wanted.items() if on and not sched.accepts(f)]:
+            raise ValueError(_refusal(self, feature, sched))
+        if not sched.chunked:
             if v != 1:
                 raise ValueError(
-                    f"--virtual-stages {v} needs --schedule interleaved (got {self.schedule})"
+                    f"--virtual-stages {v} needs --schedule {chunked_names()} (got {self.schedule})"
                 )
             if self.microbatch_group_size is not None:
                 raise ValueError(
                     f"--microbatch-group-size {self.microbatch_group_size} orders the model "
-                    f"chunks of --schedule interleaved (got {self.schedule}); drop it"
+                    f"chunks of --schedule {chunked_names()} (got {self.schedule}); drop it"
                 )
         else:
             if self.pp < 2:
                 raise ValueError(
-                    "--schedule interleaved needs --pp 2 or more (model chunks go round the "
-                    "pipeline ranks); use --schedule 1f1b at --pp 1"
+                    f"--schedule {self.schedule} needs --pp 2 or more (model chunks go round "
+                    "the pipeline ranks); use --schedule 1f1b at --pp 1"
                 )
             g = self.microbatch_group_size
             if g is None and self.microbatches % self.pp:
                 raise ValueError(
-                    f"--schedule interleaved needs --microbatches ({self.microbatches}) to be a "
-                    f"multiple of --pp {self.pp} (micro-batches run in groups of pp); use "
+                    f"--schedule {self.schedule} needs --microbatches ({self.microbatches}) to be "
+                    f"a multiple of --pp {self.pp} (micro-batches run in groups of pp); use "
                     f"--microbatches {self.microbatches + (-self.microbatches) % self.pp}, or a "
                     "--microbatch-group-size whose last group holds at least pp micro-batches"
                 )
             if g is not None:
                 try:
-                    make_schedule("interleaved", self.microbatches, v, g).check(self.pp)
+                    make_schedule(self.schedule, self.microbatches, v, g).check(self.pp)
                 except ValueError as exc:
                     raise ValueError(
                         f"--microbatch-group-size {g} with --microbatches {self.microbatches} "
                         f"and --pp {self.pp}: {exc}"
                     ) from None
-            if self.zero == 3:
-                raise ValueError(
-                    "--schedule interleaved with --zero 3 is not supported (ZeRO-3 gathers "
-                    "around the whole stage's forward, model chunks run one by one); use --zero "
-                    "0, 1 or 2"
-                )
-            if self.hf_config:
-                raise ValueError(
-                    "--schedule interleaved with --hf-config is not supported yet; use "
-                    "--schedule 1f1b or gpipe"
-                )
             blocks = self.layers + 2  # embedding, layers, head
             if blocks < self.pp * v:
                 raise ValueError(
@@ -584,13 +563,34 @@ def _check_packing(cfg: TrainConfig) -> None:
             check_documents(load_config(cfg.hf_config))
         except ValueError as exc:
             raise ValueError(f"--pack documents with --hf-config {cfg.hf_config}: {exc}") from exc
-    if cfg.schedule == "zb-h1" and cfg.sequence_parallel and cfg.tp > 1:
-        raise ValueError(
-            "--schedule zb-h1 with --sequence-parallel at --tp > 1 gives gradients that differ "
-            "from the single-process model's (fastpar.verify DISAGREES on some runs: the split "
-            "backward and the sequence-parallel collectives); use --schedule 1f1b, or drop "
-            "--sequence-parallel"
+    if (
+        cfg.sequence_parallel
+        and cfg.tp > 1
+        and not SCHEDULES[cfg.schedule].accepts("sequence_parallel_tp")
+    ):
+        raise ValueError(_refusal(cfg, "sequence_parallel_tp", SCHEDULES[cfg.schedule]))
+
+
+def _refusal(cfg: TrainConfig, feature: str, sched) -> str:
+    """The message refusing ``cfg``'s --schedule with ``feature`` (``Schedule.refuses``): the
+    schedule's reason, and what to use instead."""
+    why, head = sched.refuses[feature], f"--schedule {cfg.schedule} with"
+    if feature == "selective_recompute":
+        return (
+            f"{head} a selective --recompute ({cfg.recompute}): {why}; use --recompute full "
+            "(the stage recomputed once, before its backward) or none"
         )
+    if feature == "zero3":
+        return (
+            f"{head} --zero 3 is not supported ({why}); use --zero 0, 1 or 2, or --schedule "
+            f"{accepting('zero3')}"
+        )
+    if feature == "hf_config":
+        return f"{head} --hf-config is {why}; use --schedule {accepting('hf_config')}"
+    return (
+        f"{head} --sequence-parallel at --tp > 1 {why}; use --schedule "
+        f"{accepting('sequence_parallel_tp')}, or drop --sequence-parallel"
+    )
 
 
 def _cp_checks(cfg: TrainConfig) -> None:

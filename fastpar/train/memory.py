@@ -1,14 +1,17 @@
 """How much memory one micro-batch's activations need, against what this machine has: a run
 that clearly cannot fit is refused before any rank starts (``check_memory``).
 
-The estimate is meant as a lower bound: it counts only tensors every block of fastpar's GPT /
-Llama keeps for backward (the residual-stream inputs and norm outputs, the attention's
-q / k / v and output, the MLP's or the experts' activations, the logits and their gradient),
-times the micro-batches the schedule keeps in flight. The attention scores are not counted:
+The estimate counts the tensors fastpar's GPT / Llama blocks save for backward, from the
+model's shapes (each model's ``activation_bytes``: ``fastpar.models.activations``), per
+pipeline chunk, held as the schedule holds its micro-batches (``Schedule.held``: GPipe all of
+them, 1F1B ``pp - stage``, interleaved per model chunk, ZB-H1 each until its W); against what
+autograd really saves on CPU ranks it is within 10 % on every rank for GPipe, 1F1B,
+interleaved and ZB-H1 (tests/test_schedule_memory.py). The attention scores are not counted:
 ``scaled_dot_product_attention`` runs a fused kernel on CPUs and GPUs alike, which keeps
-O(seq_len) per head, not O(seq_len²). Parameters, optimizer state and the allocator's slack come
-on top. Measured on CPU ranks (gloo), the real growth with seq_len is 1.1x-2.1x the estimate
-(tests/test_train_config.py checks that it is never below).
+O(seq_len) per head, not O(seq_len²). Parameters, gradients, optimizer state, what a backward
+allocates and the allocator's slack come on top, so it is meant as a lower bound of the memory:
+measured on CPU ranks (gloo), the real growth with seq_len is never below it
+(tests/test_train_config.py).
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from fastpar.parallel.pipeline.partition import partition
+from fastpar.parallel.pipeline.schedules import make_schedule
 
 GIB = 2**30
 
@@ -48,65 +54,51 @@ class MemoryEstimate:
         )
 
 
-def _layer_elements(model, tp: int, sp: int) -> tuple[float, float]:
-    """Elements per token that one dense and one MoE block keep for backward on one rank."""
-    h = model.hidden
-    if hasattr(model, "num_kv_heads"):  # Llama: GQA, SwiGLU (gate|up, silu, product)
-        q, kv = model.heads * model.head_size, model.num_kv_heads * model.head_size
-        attention, mlp_per_width, expert_ffn = 3 * q + 2 * kv, 4, model.moe_ffn_size
-    else:  # GPT: fused q|k|v, GELU MLP (fc output, gelu output)
-        attention, mlp_per_width, expert_ffn = 5 * h, 2, model.ffn_size
-    residual = 4 * h / sp  # block input, norm output, mid-block residual, second norm output
-    dense = residual + attention / tp + mlp_per_width * model.ffn_size / tp
-    # dropless routing sends every token to top_k experts (each keeps the token's copy, its
-    # hidden activations and its output); with a capacity some tokens may be dropped
-    routed = model.top_k if model.capacity_factor is None else 0
-    moe = residual + attention / tp + routed * (2 * h + mlp_per_width * expert_ffn / tp)
-    shared = getattr(model, "shared_expert_ffn", None)  # a dense FFN on every token, not split
-    if shared is not None:
-        moe += mlp_per_width * shared + h
-    return dense, moe
-
-
-def _in_flight(cfg, stage: int) -> int:
-    """Micro-batches stage ``stage`` holds at its peak: all of them under GPipe, under 1F1B its
-    warm-up forwards and one more."""
-    if cfg.schedule == "gpipe":
-        return cfg.microbatches
-    return min(cfg.pp - stage, cfg.microbatches)
+def stage_bytes(cfg) -> list[int]:
+    """The bytes of activations each pipeline rank keeps for backward at its peak in a step:
+    what each of its chunks keeps per micro-batch (the model's ``activation_bytes`` of its
+    blocks, partitioned as the trainer does), held as the schedule holds them (``held``:
+    1F1B ``pp - stage`` micro-batches in flight, GPipe all, interleaved per chunk, ZB-H1 until
+    each W); with --recompute full each micro-batch keeps only its stage input and one chunk
+    is recomputed at a time."""
+    model = cfg.model()
+    sched = make_schedule(
+        cfg.schedule, cfg.microbatches, cfg.virtual_stages, cfg.microbatch_group_size
+    )
+    tp, pp, v = cfg.tp, cfg.pp, sched.virtual_stages
+    sp = tp if cfg.sequence_parallel else 1
+    tokens = (cfg.batch_size // cfg.dp // cfg.microbatches) * cfg.seq_len
+    size = 2 if cfg.precision in ("bf16", "fp16") else 4
+    act = model.activation_bytes(tp, sp, size, cfg.fused_ce)
+    layers = [act.moe if model.is_moe(i) else act.dense for i in range(model.layers)]
+    blocks = [act.embedding, *layers, act.head]
+    # the fused cross-entropy's gradient of the head weight, unless it is recomputed in
+    # backward (a schedule running every forward first: build's loss)
+    fixed = 0.0 if sched.forwards_first else act.head_fixed
+    ranges = partition([1.0] * len(blocks), pp * v)  # build_stage / build_virtual_stages
+    peaks = []
+    for s in range(pp):
+        mine = ranges[s::pp]
+        full = [sum(blocks[a:b]) * tokens + (fixed if b == len(blocks) else 0) for a, b in mine]
+        if cfg.recompute is True:  # full; a selective policy is counted as none (an upper bound)
+            width = model.hidden / sp * size  # a later stage's input: the hidden states
+            kept = [(act.embedding if a == 0 else width) * tokens for a, _ in mine]
+            extra = max(f - k for f, k in zip(full, kept, strict=True))
+            peaks.append(sched.held(pp, s, kept) + extra)
+        else:
+            peaks.append(sched.held(pp, s, full))
+    return [int(p) for p in peaks]
 
 
 def activation_bytes(cfg) -> tuple[int, int] | None:
     """(the busiest rank, the whole world): the bytes of activations kept for backward at a
-    rank's peak in a step, under the schedule (1F1B: ``pp - stage`` micro-batches in flight;
-    GPipe: all; with --recompute each micro-batch keeps only its stage input, and one is
-    recomputed at a time); the world's is the sum of every rank's peak (reached within the
-    same step). None for a --hf-config model (its blocks are Hugging Face's)."""
-    from fastpar.parallel.pipeline.partition import partition
-
+    rank's peak in a step (``stage_bytes``); the world's is the sum of every rank's peak
+    (reached within the same step). None for a --hf-config model (its blocks are Hugging
+    Face's)."""
     if cfg.hf_config:
         return None
-    model = cfg.model()
-    tp, pp = cfg.tp, cfg.pp
-    sp = tp if cfg.sequence_parallel else 1
-    tokens = (cfg.batch_size // cfg.dp // cfg.microbatches) * cfg.seq_len
-    size = 2 if cfg.precision in ("bf16", "fp16") else 4
-    dense, moe = _layer_elements(model, tp, sp)
-    layer = [moe if model.is_moe(i) else dense for i in range(model.layers)]
-    vocab = model.vocab_size / tp
-    # the head: final norm input and output, the logits and their gradient in the model's
-    # dtype and (cross-entropy's) in fp32
-    head = (2 * model.hidden / sp + 2 * vocab) * size + (2 * vocab * 4 if size != 4 else 0)
-    peaks = []
-    for s, (start, end) in enumerate(partition([1.0] * (model.layers + 2), pp)):
-        held = sum(layer[i - 1] for i in range(max(start, 1), min(end, model.layers + 1))) * size
-        held += head if end == model.layers + 2 else 0
-        if cfg.recompute is True:  # full; a selective policy is counted as none (an upper bound)
-            kept = 0 if s == 0 else model.hidden / sp * size  # stage 0's input is the token ids
-            peaks.append(held + (_in_flight(cfg, s) - 1) * kept)
-        else:
-            peaks.append(held * _in_flight(cfg, s))
-    return int(max(peaks) * tokens), int(sum(peaks) * tokens * tp * cfg.dp)
+    peaks = stage_bytes(cfg)
+    return max(peaks), sum(peaks) * cfg.tp * cfg.dp
 
 
 def _ram_available() -> int:

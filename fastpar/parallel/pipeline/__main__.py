@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from fastpar.cliutil import Parser
 from fastpar.parallel.pipeline.schedules import (
+    SCHEDULES,
     ForwardOnly,
-    GPipe,
     Interleaved,
     OneFOneB,
     ZeroBubbleH1,
@@ -31,21 +31,15 @@ def main(argv: list[str] | None = None) -> None:
         "--latency", type=float, default=0.0,
         help="bubble table: time units a message between ranks takes (a stage forward is 1)",
     )  # fmt: skip
-    ap.add_argument(
-        "--schedule", choices=("all", "gpipe", "1f1b", "interleaved", "zb-h1", "forward-only"),
-        default="all",
-    )  # fmt: skip
+    ap.add_argument("--schedule", choices=("all", *SCHEDULES, ForwardOnly.name), default="all")
     args = ap.parse_args(argv)
     p, m, v, g, lat = (
         args.stages, args.microbatches, args.virtual_stages, args.group_size, args.latency
     )  # fmt: skip
-    every = {
-        "gpipe": lambda: GPipe(m),
-        "1f1b": lambda: OneFOneB(m),
-        "interleaved": lambda: Interleaved(m, v, g),
-        "zb-h1": lambda: ZeroBubbleH1(m),
-        "forward-only": lambda: ForwardOnly(m),
-    }
+    # every training schedule of the registry (with the chunks where it takes them), then
+    # forward-only
+    every = {name: _maker(cls, m, v, g) for name, cls in SCHEDULES.items()}
+    every[ForwardOnly.name] = lambda: ForwardOnly(m)
     for name, make in every.items():
         if args.schedule not in ("all", name):
             continue
@@ -72,6 +66,11 @@ def main(argv: list[str] | None = None) -> None:
                 v_ = sched.virtual_stages  # a chunk's forward: 1 / v of the stage's
                 simulated = sched.bubble_fraction(pp, 1 / v_, 2 / v_, latency=lat)
                 print(f"{name:>22} {pp:>3} {mm:>3} {simulated:>10.3f} {sched.theory(pp):>15.3f}")
+
+
+def _maker(cls, m: int, v: int, g: int | None):
+    """A callable building ``cls`` for m micro-batches (v chunks in groups of g if chunked)."""
+    return lambda: cls.build(m, v, g) if cls.chunked else cls.build(m)
 
 
 if __name__ == "__main__":

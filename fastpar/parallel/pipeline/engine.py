@@ -82,9 +82,10 @@ from fastpar.mesh.placement import mark_duplicated
 from fastpar.mesh.ranks import global_rank
 from fastpar.moe.layer import aux_loss_scale
 from fastpar.parallel.pipeline.p2p import P2P
+from fastpar.parallel.pipeline.partition import VirtualStages
 from fastpar.parallel.pipeline.runner import StepRunner
 from fastpar.parallel.pipeline.schedules import Schedule
-from fastpar.parallel.protocols import GradSync
+from fastpar.parallel.protocols import DataParallel, GradSync
 
 EVAL_TAG = 1 << 16  # eval's channels: tags offset by this (its own P2P, its own headers)
 
@@ -106,17 +107,16 @@ def _chunks_of(stage: nn.Module | Sequence[nn.Module], v: int) -> list:
     """The v modules the engine runs: the stage itself when v == 1, else its chunks."""
     if v == 1 and isinstance(stage, nn.Module) and not isinstance(stage, nn.ModuleList):
         return [stage]
+    inner = stage.module if isinstance(stage, DataParallel) else stage  # a wrapped stage
     if isinstance(stage, list | tuple | nn.ModuleList):
         chunks = list(stage)
-    elif hasattr(stage, "chunks"):
-        chunks = list(stage.chunks)
-    elif isinstance(getattr(stage, "module", None), nn.Module) and hasattr(stage.module, "chunks"):
-        if getattr(stage, "stage", None) == 3:
+    elif isinstance(inner, VirtualStages):
+        if inner is not stage and _gathers(stage):
             raise ValueError(
                 "an interleaved schedule with a ZeRO-3 wrapper: its gathers run around the "
                 "wrapper's forward, which model chunks bypass; use ZeRO 0, 1 or 2"
             )
-        chunks = list(stage.module.chunks)
+        chunks = list(inner.chunks)
     else:
         chunks = [stage]
     if len(chunks) != v:
@@ -299,13 +299,12 @@ class PipelineEngine(StepRunner):
         if self.normalization != "token" or not self.mesh.is_last_stage:
             return
         mesh = self.mesh
-        replicas = mesh.dp_size * getattr(mesh, "cp_size", 1)
+        replicas = mesh.dp_size * mesh.cp_size
         if valid_tokens is None:
             count = sum((_target_of(y) != self.ignore_index).sum() for y in ys)
             count = torch.as_tensor(count, device=device).to(torch.float64)
             if replicas > 1:  # on the device: no host sync
-                group = mesh.dp_cp_group if hasattr(mesh, "dp_cp_group") else mesh.dp_group
-                dist.all_reduce(count, group=group)
+                dist.all_reduce(count, group=mesh.dp_cp_group)
         else:
             count = torch.as_tensor(valid_tokens, dtype=torch.float64).to(device)
         self._token_weight = replicas / count.clamp(min=1)
@@ -339,11 +338,17 @@ class PipelineEngine(StepRunner):
 def _check_split(stage, grad_sync, recompute: bool) -> None:  # recompute: B recomputes first
     """What a split backward (zero bubble) cannot run with: one-line errors naming the fix."""
     for w in (stage, grad_sync):
-        if getattr(w, "stage", None) == 3:
+        if _gathers(w):
             raise ValueError(
                 "zb-h1 with ZeRO-3: its parameter gathers follow one backward per forward, which "
                 "the B/W split breaks; use ZeRO 0, 1 or 2, or --schedule 1f1b"
             )
+
+
+def _gathers(wrapper) -> bool:
+    """Whether ``wrapper`` is a data-parallel wrapper that gathers its parameters around its
+    own forward and backward (ZeRO-3: its ``stage``)."""
+    return isinstance(wrapper, DataParallel) and wrapper.stage == 3
 
 
 def _target_of(y):

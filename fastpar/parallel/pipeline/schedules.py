@@ -17,7 +17,9 @@ fastpar.parallel.pipeline`` prints every schedule and the bubble table.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import ClassVar
 
 Step = tuple  # ("F" | "B" | "W", micro-batch) or ("F" | "B", micro-batch, chunk)
@@ -26,12 +28,47 @@ Action = tuple[str, int, int]
 
 @dataclass(frozen=True)
 class Schedule:
-    """``num_microbatches`` micro-batches per mini-batch."""
+    """``num_microbatches`` micro-batches per mini-batch. What a schedule can do is declared
+    on its class, for callers to ask instead of testing names: ``name`` (its command-line
+    name, the key of ``SCHEDULES``), ``chunked`` (it takes ``virtual_stages`` > 1 model chunks
+    per rank), ``splits_backward``, ``forwards_first`` (every forward runs before any
+    backward: each micro-batch's forward state waits for all of them), ``refuses`` (a feature
+    of ``FEATURES`` it cannot run with -> why), ``accepts(feature)``, and per rank
+    ``held`` / ``max_in_flight`` (what its forwards keep at the rank's peak)."""
 
     num_microbatches: int
+    name: ClassVar[str] = ""
     virtual_stages: ClassVar[int] = 1  # model chunks per rank
+    group_size: ClassVar[int | None] = None  # micro-batches a chunk runs in turn (chunked)
+    chunked: ClassVar[bool] = False
     has_backward: ClassVar[bool] = True
     splits_backward: ClassVar[bool] = False  # steps "B" (input grad) and "W" (weight grad)
+    forwards_first: ClassVar[bool] = False
+    refuses: ClassVar[Mapping[str, str]] = MappingProxyType({})
+
+    @classmethod
+    def accepts(cls, feature: str) -> bool:
+        """Whether this schedule runs with ``feature`` (a key of ``FEATURES``)."""
+        if feature not in FEATURES:
+            raise ValueError(f"feature must be one of {sorted(FEATURES)}, got {feature!r}")
+        return feature not in cls.refuses
+
+    @classmethod
+    def build(
+        cls, num_microbatches: int, virtual_stages: int = 1, group_size: int | None = None
+    ) -> Schedule:
+        """This schedule from the trainer's options; ``virtual_stages`` and ``group_size``
+        only for a ``chunked`` one."""
+        if virtual_stages != 1:
+            raise ValueError(
+                f"virtual_stages {virtual_stages} needs the {chunked_names()} schedule, not "
+                f"{cls.name}"
+            )
+        if group_size is not None:
+            raise ValueError(
+                f"group_size {group_size} needs the {chunked_names()} schedule, not {cls.name}"
+            )
+        return cls(num_microbatches)
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
@@ -56,10 +93,20 @@ class Schedule:
     def max_in_flight(self, num_stages: int, stage: int) -> int:
         """Most (micro-batch, chunk) forwards that ran but whose backward has not, on this
         rank (over all its chunks)."""
-        live = peak = 0
+        return int(self.held(num_stages, stage))
+
+    def held(self, num_stages: int, stage: int, sizes: Sequence[float] | None = None) -> float:
+        """The peak, over this rank's steps, of what its forwards keep until their backward
+        (a split backward's W, which frees the graph B kept): ``sizes[c]`` for each
+        micro-batch of chunk c that ran forward and not yet backward (default 1 a chunk:
+        chunk-forwards in flight)."""
+        sizes = [1.0] * self.virtual_stages if sizes is None else list(sizes)
+        if len(sizes) != self.virtual_stages:
+            raise ValueError(f"{len(sizes)} sizes for {self.virtual_stages} chunks a rank")
+        live = peak = 0.0
         frees = "W" if self.splits_backward else "B"  # a split backward frees at W
-        for kind, _, _ in self.actions(num_stages, stage):
-            live += 1 if kind == "F" else -1 if kind == frees else 0
+        for kind, _, c in self.actions(num_stages, stage):
+            live += sizes[c] if kind == "F" else -sizes[c] if kind == frees else 0.0
             peak = max(peak, live)
         return peak
 
@@ -133,7 +180,7 @@ class Schedule:
         v = self.virtual_stages
         width = len(str(self.num_microbatches - 1)) + 1 + (len(str(v - 1)) + 1 if v > 1 else 0)
         chunks = f" x {v} chunks" if v > 1 else ""
-        if getattr(self, "group_size", None):
+        if self.group_size:
             chunks += f" in groups of {self.group_size} micro-batches"
         costs = f"B=W={backward / 2:g}" if self.splits_backward else f"B={backward}"
         lines = [f"{type(self).__name__}, {self.num_microbatches} micro-batches, {num_stages} stages"
@@ -154,6 +201,9 @@ class GPipe(Schedule):
     """All forwards, then all backwards (gradients accumulate); ``m`` micro-batches in flight.
     With recomputation only each micro-batch's stage input is kept (see the engine)."""
 
+    name: ClassVar[str] = "gpipe"
+    forwards_first: ClassVar[bool] = True
+
     def steps(self, num_stages: int, stage: int) -> list[Step]:
         m = self.num_microbatches
         return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
@@ -162,6 +212,8 @@ class GPipe(Schedule):
 class OneFOneB(Schedule):
     """Warm-up forwards (p - stage - 1 of them), then one forward / one backward, then the
     remaining backwards: at most p micro-batches in flight on the first stage, fewer later."""
+
+    name: ClassVar[str] = "1f1b"
 
     def steps(self, num_stages: int, stage: int) -> list[Step]:
         m = self.num_microbatches
@@ -187,7 +239,20 @@ class ZeroBubbleH1(Schedule):
     remaining W last. Steady state F, B, W on every rank; bubble (p - 1)(F + B - W) against
     1F1B's (p - 1)(F + B + W): ``theory``."""
 
+    name: ClassVar[str] = "zb-h1"
     splits_backward: ClassVar[bool] = True
+    refuses: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {
+            "selective_recompute": "the weight-gradient pass would unpack the checkpointed "
+            "blocks' activations a second time and recompute them again (their collectives "
+            "too)",
+            "zero3": "ZeRO-3's gathers follow one backward per forward",
+            "hf_config": "not supported yet",
+            "sequence_parallel_tp": "gives gradients that differ from the single-process "
+            "model's (fastpar.verify DISAGREES on some runs: the split backward and the "
+            "sequence-parallel collectives)",
+        }
+    )
 
     def steps(self, num_stages: int, stage: int) -> list[Step]:
         return _zb_h1(num_stages, self.num_microbatches)[stage]
@@ -307,12 +372,26 @@ class Interleaved(Schedule):
 
     virtual_stages: int = 2
     group_size: int | None = None
+    name: ClassVar[str] = "interleaved"
+    chunked: ClassVar[bool] = True
+    refuses: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {
+            "zero3": "ZeRO-3 gathers around the whole stage's forward, model chunks run one by one",
+            "hf_config": "not supported yet",
+        }
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_interleaved(
             self.num_microbatches, self.virtual_stages, None, "Interleaved", self.group_size
         )
+
+    @classmethod
+    def build(
+        cls, num_microbatches: int, virtual_stages: int = 1, group_size: int | None = None
+    ) -> Schedule:
+        return cls(num_microbatches, virtual_stages, group_size)
 
     def check(self, num_stages: int) -> None:
         _check_interleaved(
@@ -354,6 +433,8 @@ class ForwardOnly(Schedule):
 
     virtual_stages: int = 1
     group_size: int | None = None
+    name: ClassVar[str] = "forward-only"
+    chunked: ClassVar[bool] = True
     has_backward: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
@@ -376,28 +457,35 @@ class ForwardOnly(Schedule):
         return [("F", i, c) for i, c in _chunk_order(m, g, v, backward=False)]
 
 
-#: the schedules by their command-line names
-SCHEDULES = {
-    "gpipe": GPipe,
-    "1f1b": OneFOneB,
-    "interleaved": Interleaved,
-    "zb-h1": ZeroBubbleH1,
+#: the training schedules by their command-line names (``Schedule.name``)
+SCHEDULES: dict[str, type[Schedule]] = {
+    cls.name: cls for cls in (GPipe, OneFOneB, Interleaved, ZeroBubbleH1)
 }
+
+#: what a schedule may ``refuse`` (the keys of ``Schedule.refuses``)
+FEATURES = {
+    "selective_recompute": "selective activation recomputation inside the blocks",
+    "zero3": "a ZeRO-3 data-parallel wrapper (parameters gathered around its forward)",
+    "hf_config": "a Hugging Face model's pipeline blocks",
+    "sequence_parallel_tp": "sequence parallelism at tensor-parallel size > 1",
+}
+
+
+def chunked_names() -> str:
+    """The training schedules that take model chunks (``chunked``), for messages."""
+    return " or ".join(name for name, cls in SCHEDULES.items() if cls.chunked)
+
+
+def accepting(feature: str) -> str:
+    """The training schedules that run with ``feature`` (``Schedule.accepts``), for messages."""
+    return " or ".join(name for name, cls in SCHEDULES.items() if cls.accepts(feature))
 
 
 def make_schedule(
     name: str, num_microbatches: int, virtual_stages: int = 1, group_size: int | None = None
 ) -> Schedule:
     """The schedule called ``name`` (``SCHEDULES``); ``virtual_stages`` and ``group_size``
-    only for interleaved."""
+    only for a chunked one (interleaved)."""
     if name not in SCHEDULES:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {name!r}")
-    if name == "interleaved":
-        return Interleaved(num_microbatches, virtual_stages, group_size)
-    if virtual_stages != 1:
-        raise ValueError(
-            f"virtual_stages {virtual_stages} needs the interleaved schedule, not {name}"
-        )
-    if group_size is not None:
-        raise ValueError(f"group_size {group_size} needs the interleaved schedule, not {name}")
-    return SCHEDULES[name](num_microbatches)
+    return SCHEDULES[name].build(num_microbatches, virtual_stages, group_size)
