@@ -285,7 +285,7 @@ def check_parallel(
     length: int | None = None,
 ) -> CheckReport:
     """Run the layout (``tp * dp`` CPU ranks) beside the single-process model in fp32 and in
-    float64; see the module docstring. ``build_model()`` must build the same model every time
+    float64; see docs/layouts.md. ``build_model()`` must build the same model every time
     it is called under the same seed (it is called under ``torch.manual_seed(seed)``; it may
     build in any dtype: the runs cast it). ``length``: the longest reduction for the rule's
     floor (default ``reduction_length``). Returns a ``CheckReport``."""

@@ -87,7 +87,7 @@ class Run(tolerance.Run):
 def reference(
     cfg: TrainConfig, tokens=None, *, exact: bool = False, twin: bool = False, skips=()
 ) -> Run:
-    """Single-process training with the distributed run's math (see the module docstring).
+    """Single-process training with the distributed run's math (see docs/layouts.md).
     The model, its precision, the optimizer (groups, clipping, loss scaler), the loss and the
     MoE auxiliary-loss scale are the trainer's own (``fastpar.train.build.build`` without a
     mesh); only the step is written here, replica by replica. Training reads the trainer's

@@ -18,7 +18,7 @@ from fastpar.mesh.ranks import group_rank, group_size
 def counts_on_this_rank(
     p: torch.Tensor, *, mesh=None, group=None, dp_replicated: bool = True
 ) -> bool:
-    """Whether ``p``'s gradient enters the global norm on this rank (see the module docstring).
+    """Whether ``p``'s gradient enters the global norm on this rank (see docs/layouts.md).
 
     Without a mesh, ``group`` (None = the default group) is the group over which every
     parameter is either sharded (marked) or replicated (unmarked or marked replicated).
@@ -127,7 +127,7 @@ def global_grad_norm(
     """The norm of all gradients of the logical (unsharded, undeduplicated) model: a 0-dim
     fp32 tensor (plain, not a DTensor), identical on every rank. ``norm_type`` 2 or inf.
     Communicates over the world (with a mesh) or ``group``; no host sync. DTensor gradients
-    (FSDP2) count once over the whole mesh (see the module docstring)."""
+    (FSDP2) count once over the whole mesh (see docs/layouts.md)."""
     params = [p for p in params if p.grad is not None]
     _check_marks_survived(params, mesh=mesh, group=group)
     grads_counted, grads = [], []
@@ -168,7 +168,7 @@ def clip_grad_norm_(
     Also for FSDP2 (``fully_shard``) over fastpar's TP layers, whose gradients are DTensors
     sharded over dp: pass the fastpar mesh, and ``fastpar.mesh.restore_marks`` after
     ``fully_shard``. ``torch.nn.utils.clip_grad_norm_`` is wrong there: it computes a norm per
-    TP rank (each rank's own shards), not the model's (see the module docstring)."""
+    TP rank (each rank's own shards), not the model's (see docs/layouts.md)."""
     params = [p for p in params if p.grad is not None]
     norm = global_grad_norm(
         params, norm_type=norm_type, mesh=mesh, group=group, dp_replicated=dp_replicated

@@ -131,7 +131,7 @@ def to_dtensor_state_dict(
 ) -> dict:
     """{checkpoint name: DTensor of the global tensor} for ``model_params`` ({name: local
     tensor}, e.g. ``dict(model.named_parameters())``), for ``torch.distributed.checkpoint``'s
-    save and load (see the module docstring). Local tensors are shared (views) where the
+    save and load (see docs/interop.md). Local tensors are shared (views) where the
     layout allows; fused q|k|v tensors are converted with one all-gather over TP.
     ``device_mesh``: a DeviceMesh with the mesh's groups (default ``mesh.to_device_mesh()``).
     Collective over TP when a fused tensor is present."""

@@ -104,7 +104,7 @@ def _match(runs: torch.Tensor, want: torch.Tensor | None, done: torch.Tensor) ->
 
 class CheckpointReader:
     """Opens ``path`` after checking its marker, metadata and file sizes; rank files are read
-    only when a tensor they hold is asked for (module docstring: what is read, what checked).
+    only when a tensor they hold is asked for (docs/checkpoints.md: what is read, what checked).
 
     ``tensors``: {global name: {"shape", "dtype", "sharding", "keys": {key: {"shape",
     "dtype"}}}}; ``layout``: how it was saved; ``gather``: chosen elements of global tensors;

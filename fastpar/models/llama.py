@@ -321,7 +321,7 @@ class Attention(nn.Module):
         self.head_dim, self.rep = d, cfg.heads // kv
         self.kv_local = kv // tp
         kw = dict(group=group, sequence_parallel=sp, sequence_dim=1)
-        # rows grouped by key/value head: [q x rep, k, v] per group (see the module docstring)
+        # rows grouped by key/value head: [q x rep, k, v] per group (see docs/hf.md)
         self.qkv = ColumnParallelLinear(
             cfg.hidden, (cfg.heads + 2 * kv) * d, bias=cfg.attention_bias, **kw
         )

@@ -226,7 +226,7 @@ def from_hf(
     """HF LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / Qwen3MoeForCausalLM /
     MixtralForCausalLM weights and config.json content -> (LlamaConfig, state under fastpar global names; the head's ``{L+1}.weight``
     is the embedding itself when tied, as in ``state_dict()``). Raises for what fastpar's
-    Llama does not compute (see the module docstring) and for missing or unused tensors."""
+    Llama does not compute (see docs/hf.md) and for missing or unused tensors."""
     c = dict(hf_config_dict)
     model_type = c.get("model_type")
     if model_type not in _ARCH:

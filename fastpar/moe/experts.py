@@ -106,7 +106,7 @@ _segments = {"impl": "auto"}
 def set_segments_impl(impl: str) -> str:
     """Force the path of the eager dropless experts (``segments``) for every layer; returns
     the previous choice, so ``old = set_segments_impl("padded"); ...; set_segments_impl(old)``
-    restores it. One of ``SEGMENTS_IMPLS`` (see the module docstring)."""
+    restores it. One of ``SEGMENTS_IMPLS`` (see docs/moe.md)."""
     if impl not in SEGMENTS_IMPLS:
         raise ValueError(f"segments impl must be one of {SEGMENTS_IMPLS}, got {impl!r}")
     old, _segments["impl"] = _segments["impl"], impl
@@ -164,7 +164,7 @@ def _segments_padded(x, sizes, w1, b1, w2, b2, gated, activation):
 
 def segments(x, counts, w1, b1, w2, b2, gated: bool, activation: str) -> torch.Tensor:
     """x [N, H] grouped by expert with ``counts`` [E] (tensor or list) rows each -> [N, H],
-    by the path ``set_segments_impl`` chose (module docstring); traced: always grouped."""
+    by the path ``set_segments_impl`` chose (docs/moe.md); traced: always grouped."""
     if torch.compiler.is_compiling() or _segments["impl"] in ("auto", "grouped"):
         return _segments_grouped(x, counts, w1, b1, w2, b2, gated, activation)
     run = _segments_padded if _segments["impl"] == "padded" else _segments_loop

@@ -58,7 +58,7 @@ class _Experts(nn.Module):
 
 class HFMoEBlock(nn.Module):
     """An HF Mixtral / Qwen2-MoE / Qwen3-MoE / DeepSeek-V3 MoE block computed by fastpar's
-    ``MoE``, under the block's own names (module docstring). ``mesh``: experts over its EP
+    ``MoE``, under the block's own names (docs/moe.md). ``mesh``: experts over its EP
     group, and over its TP group with ``expert_tp``; ``options`` go to ``moe_from_hf``."""
 
     def __init__(self, block: nn.Module, *, mesh=None, expert_tp: bool = True, **options) -> None:

@@ -7,7 +7,7 @@ import torch
 
 
 def layout_of(tp: int, sequence_parallel: bool, expert_tp: bool) -> str:
-    """Which layout ("replicated", "expert_tp" or "sequence", module docstring) a layer with
+    """Which layout ("replicated", "expert_tp" or "sequence", docs/moe.md) a layer with
     these settings runs."""
     if tp == 1 or not (sequence_parallel or expert_tp):
         return "replicated"

@@ -127,7 +127,7 @@ def adamw_step_(
     exp_avg, exp_avg_sq: [N] fp32, or both bf16 (updated in fp32, stored rounded to nearest),
     updated in place.
     step: 0-dim int64 / fp32 device tensor, the step number *after* this update (1 on the
-    first); the caller increments it, only when ``found_inf`` is zero (see the module doc).
+    first); the caller increments it, only when ``found_inf`` is zero (see docs/kernels.md).
     inv_scale: 0-dim fp32, 1 / loss scale (None: 1). clip_coef: 0-dim fp32,
     ``min(1, max_norm / (norm + eps))`` (None: 1). found_inf: 0-dim fp32 flag; nonzero skips
     the whole update. param_lp: optional [N] bf16 / fp16 tensor set to the new param.

@@ -69,7 +69,7 @@ def _header(n_local: int, vocab_size: int, ignore_index: int, target: torch.Tens
 
 
 def _check_headers(headers: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-    """Raise on every rank when the gathered ``[tp, 8]`` headers differ (see the module doc)."""
+    """Raise on every rank when the gathered ``[tp, 8]`` headers differ (see docs/kernels.md)."""
     bad = (headers != headers[0]).any()
     if headers.device.type != "cpu":
         torch._assert_async(

@@ -28,7 +28,7 @@ _CURRENT: list = [None]
 
 @dataclass(frozen=True)
 class Documents:
-    """The documents of a batch's rows: ``ids`` [B, S] int64 (see the module docstring),
+    """The documents of a batch's rows: ``ids`` [B, S] int64 (see docs/kernels.md),
     whether positions restart at each document (``reset_positions``) and, optionally, which
     tokens have a valid target (``valid`` [B, S] bool, whole rows like ``ids``; e.g.
     ``targets != -100``): the MoE layers' aux losses and expert-bias counts count only those

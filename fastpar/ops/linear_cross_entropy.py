@@ -83,7 +83,7 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
     """Loss of ``hidden [N, H] @ weight [V_local, H].T`` against global ids ``target [N]``.
 
     Returns fp32 ``[N]`` for ``reduction="none"``, else a scalar. The gradient of ``hidden`` is
-    this shard's partial sum (the functional all-reduces it); see the module docstring.
+    this shard's partial sum (the functional all-reduces it); see docs/kernels.md.
     """
 
     @staticmethod

@@ -64,7 +64,7 @@ class FusedAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update of every parameter with a gradient, under the amp attributes when set
-        (module docstring); returns ``closure()`` if given."""
+        (docs/kernels.md); returns ``closure()`` if given."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -38,7 +38,7 @@ class MixedPrecisionOptimizer(OptimizerFront):
     agreeing on overflow (see ``fastpar.amp.norm``); ``dp_replicated=False`` when gradients are
     sharded over DP (ZeRO).
 
-    ``fold_unscale``: unscale inside the optimizer's own pass (module docstring); None (the
+    ``fold_unscale``: unscale inside the optimizer's own pass (docs/layouts.md); None (the
     default) does so when ``optimizer`` supports it (``fastpar.amp.FoldedAmpStep``), True
     requires it, False always unscales into fp32 main gradients first.
     """

@@ -28,7 +28,7 @@ class KeyedLookup(Protocol):
 
 @runtime_checkable
 class CheckpointPieces(Protocol):
-    """An optimizer (or wrapper) that saves and loads its own state as pieces (module docstring)."""
+    """An optimizer (or wrapper) that saves and loads its own state as pieces (docs/layouts.md)."""
 
     def checkpoint_pieces(self) -> list[Piece]: ...
 

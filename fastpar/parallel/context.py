@@ -78,7 +78,7 @@ _WAITS: list[dict] = []
 
 @contextlib.contextmanager
 def measure_waits() -> Iterator[dict]:
-    """Collect ring attention's transfer waits inside the block (module docstring)."""
+    """Collect ring attention's transfer waits inside the block (docs/context.md)."""
     stats = {
         "wait_s": 0.0,
         "transfers": 0,
@@ -348,10 +348,10 @@ def ring_attention(
     scale: float | None = None,
     doc_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention over the sequence split on ``group`` (module docstring): q [B, Hq, 2c,
+    """Causal attention over the sequence split on ``group`` (docs/context.md): q [B, Hq, 2c,
     D], k / v [B, Hkv, 2c, D] -> [B, Hq, 2c, D]. ``scale`` defaults to 1/sqrt(D). ``doc_ids``
     [B, S] (the whole rows' document ids, S = cp · 2c, non-decreasing per row): attention
-    stops at documents, blocks no query sees are skipped (module docstring)."""
+    stops at documents, blocks no query sees are skipped (docs/context.md)."""
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
         raise ValueError(
             f"ring_attention takes q [B, Hq, T, D] and k, v [B, Hkv, T, D]; got q "
@@ -410,7 +410,7 @@ def all_to_all_attention(
     doc_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention over the sequence split on ``group`` by head-scattering all-to-alls
-    (module docstring): q [B, Hq, 2c, D], k / v [B, Hkv, 2c, D] -> [B, Hq, 2c, D]. ``doc_ids``
+    (docs/context.md): q [B, Hq, 2c, D], k / v [B, Hkv, 2c, D] -> [B, Hq, 2c, D]. ``doc_ids``
     [B, S] (whole rows, as ``ring_attention``'s): attention stops at documents."""
     cp = group_size(group)
     if doc_ids is not None:

@@ -30,7 +30,7 @@ MakeOptimizer = Callable[[list[list[nn.Parameter]]], torch.optim.Optimizer]
 
 
 class FlatDataParallel(OptimizerFront):
-    """The family's behaviour (module docstring); ``Replicate`` and ``Shard`` construct it."""
+    """The family's behaviour (docs/layouts.md); ``Replicate`` and ``Shard`` construct it."""
 
     stage: int
     module: nn.Module | None
@@ -251,7 +251,7 @@ class FlatDataParallel(OptimizerFront):
     # -- the step -------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step (module docstring). Returns (skipped: 0-dim bool tensor,
+        """One optimizer step (docs/layouts.md). Returns (skipped: 0-dim bool tensor,
         grad_norm: 0-dim fp32 tensor before clipping), both on the device: no host sync."""
         if self.optimizer is None:
             raise RuntimeError(

@@ -55,7 +55,7 @@ class _Works:
 
 @dataclass(eq=False)
 class FlatShard:
-    """One flat buffer (module docstring): ``bucket`` (layout, reducer state), the ``group`` of
+    """One flat buffer (docs/layouts.md): ``bucket`` (layout, reducer state), the ``group`` of
     ``size`` ranks sharding it (this rank ``rank``), ``sharded`` or replicated, the optimizer
     ``param_group``, ``expert`` (sharded over the expert-data-parallel group), the ZeRO-3
     ``unit``, the groups it is ``tied`` over (a parameter held on several pipeline stages), and

@@ -49,7 +49,7 @@ def parameter_groups(
 class Replicate(FlatDataParallel, nn.Module):
     """Stage 0: every rank holds the whole model, its gradients, masters and optimizer state;
     gradients are all-reduced in place (``.grad`` holds the DP average when backward returns).
-    Arguments: the module docstring."""
+    Arguments: docs/layouts.md."""
 
     def __init__(
         self,
@@ -95,7 +95,7 @@ class Replicate(FlatDataParallel, nn.Module):
 
 class Shard(FlatDataParallel, nn.Module):
     """ZeRO stage 1 (optimizer state and masters sharded), 2 (gradients too) or 3 (parameters
-    too, gathered per unit around its forward and backward). Arguments: the module docstring.
+    too, gathered per unit around its forward and backward). Arguments: docs/layouts.md.
     Between steps at stage 3 the parameters are empty tensors: read them inside
     ``summon_full_params()``."""
 

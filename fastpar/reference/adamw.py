@@ -49,7 +49,7 @@ def adamw_step_(
     param_lp: torch.Tensor | None = None,
     maximize: bool = False,
 ) -> None:
-    """One AdamW update of one tensor, in place (see the module docstring for the math).
+    """One AdamW update of one tensor, in place (see docs/kernels.md for the math).
 
     param / exp_avg / exp_avg_sq: fp32, any shapes and strides, same numel. grad: same numel, fp32 / bf16 /
     fp16 (still loss-scaled; multiplied by ``inv_scale`` and ``clip_coef`` here). step: 0-dim

@@ -204,7 +204,7 @@ def build(
     exact: bool = False,
     twin: bool = False,
 ) -> Parts:
-    """This rank's parts of ``cfg`` (see the module's docstring); ``mesh`` None: the whole
+    """This rank's parts of ``cfg`` (see docs/training.md); ``mesh`` None: the whole
     model on one process. The same seed gives the same weights on any layout. For
     ``fastpar.verify``'s references (``mesh`` None): ``exact`` builds the same model and step in
     float64 (``fastpar.reference.optimizer.ExactAdamW``, no loss scaling, the plain loss), and

@@ -265,7 +265,7 @@ def _plan(trainer: Trainer) -> tuple[str, str | None]:
 
 def open_checkpoints(trainer: Trainer, talk: bool) -> int:
     """Every rank, before the first step: lock the checkpoint directory, fix the run id and
-    resume (see the module's docstring). Returns the step to start from (0 without
+    resume (see docs/training.md). Returns the step to start from (0 without
     --checkpoint-dir). Raises ``CheckpointError`` on every rank when the run must not go on."""
     cfg = trainer.cfg
     if not cfg.checkpoint_dir:

@@ -12,7 +12,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 #: context kept): by the forward class's name
 RERUNNABLE = {"_GroupedLinear"}
 
-#: compute the weight-side gradients of torch's matrix products directly (module docstring)
+#: compute the weight-side gradients of torch's matrix products directly (docs/pipelines.md)
 DIRECT = True
 
 
@@ -90,7 +90,7 @@ class SplitBackward:
         """W: the weight gradients, accumulated into ``.grad`` (hooks fire once each). In one
         engine call at the end, or with ``prompt`` (no gradient-sync hook waits for the end of
         the backward) each intermediate's at once when no two intermediates reach a common
-        node on their weight side (module docstring)."""
+        node on their weight side (docs/pipelines.md)."""
         edges, grads = [], []
         off_path = [_node(t) for t in self.roots if _node(t) not in self.r_set]
         apart = prompt and _leaves_apart(self.captured, off_path, self.r_set)
