@@ -1,17 +1,12 @@
-"""Token data for ``fastpar.train``: where the ids come from, their check against the
-vocabulary, and the deterministic mini-batch of every step.
+"""Token data for ``fastpar.train``: where the ids come from, their check against the vocabulary,
+and the deterministic mini-batch of every step.
 
-    tokens = load_tokens("corpus.txt")                           # bytes of the text (vocab 256)
-    tokens = load_tokens("corpus.txt", tokenizer="tok.json")     # HF tokenizers ids
-    tokens = load_tokens("train.bin", dtype="uint16")            # memory-mapped ids (nanoGPT's)
+    tokens = load_tokens("corpus.txt", tokenizer="tok.json")     # or bytes, .npy, .bin (uint16/32)
     check_token_ids(tokens, vocab_size=50304, source="train.bin")
     x, y = global_batch(tokens, step, batch=16, seq=64, seed=1234)
 
-Sources: a text file (its bytes, or its ids under ``tokenizer``), a ``.npy`` array of ids
-(memory-mapped), a raw ``.bin`` file of uint16 or uint32 ids (memory-mapped), or, with no
-path, the embedded corpus (text that ships with Python). ``tokenizers`` is imported only when
-a tokenizer is used (``pip install fastpar[hf]``).
-"""
+No path: the embedded corpus. ``tokenizers`` is imported only when used (``pip install
+fastpar[hf]``). Sources: docs/training.md ("Data"); packed documents: docs/data.md."""
 
 from __future__ import annotations
 

@@ -1,29 +1,6 @@
-"""The debug switch: cross-rank input checks that cost one collective per call.
-
-Every rank of a tensor-parallel group must feed its layers the same shapes (and its embedding
-and loss the same token ids); when one does not, gloo aborts the process and NCCL hangs or
-computes garbage. Two kinds of check guard against that:
-
-* free checks, always on: the vocab-parallel cross-entropy carries each rank's shard width,
-  ``vocab_size`` and a digest of its targets in the all-gather it does anyway, so unequal shard
-  widths or targets that differ across the group raise on every rank instead of returning a
-  wrong loss (at once on CPU tensors; on a GPU as an asynchronous device-side assertion, no
-  host sync: the debug checks name the values there);
-* debug checks, off by default: before their collectives, ``ColumnParallelLinear`` and
-  ``RowParallelLinear`` (input shape and dtype), ``VocabParallelEmbedding`` (shape and a digest
-  of the ids) and the cross-entropy (shape, shard width, digest of the targets, options)
-  compare a summary of their input across their group (``fastpar.comm.checks.check_same``)
-  and raise a ``ValueError`` on every rank naming each rank's value where they differ. Cost:
-  one 16-byte all-reduce and one host sync per call (about 0.15 ms on 2 gloo ranks of a CPU),
-  plus an all-gather of the summaries when they differ.
-
-Turn the debug checks on with ``fastpar.debug_checks(True)`` for the whole process (it
-overrides the variable; ``debug_checks(None)`` hands control back to it), for a block with
-``with fastpar.debug_checks():``, with the trainer's ``--debug-checks``, or with the environment
-variable ``FASTPAR_DEBUG_CHECKS=1`` (``0`` or unset is off). The variable is read once per
-process, at the first check (and again in a forked child), not at every call
-(``fastpar.switches``): after changing it in a running process, call ``refresh()``.
-"""
+"""The debug switch: cross-rank input checks that cost one collective per call, turned on by
+``fastpar.debug_checks(True)``, ``--debug-checks`` or ``FASTPAR_DEBUG_CHECKS=1``
+(docs/development.md, "Cross-rank checks")."""
 
 from __future__ import annotations
 

@@ -2,23 +2,8 @@
 
     python -m fastpar.export ckpt/step_000030 hf_out --check --generate 12 --prompt "Beautiful is"
 
-Reads the run's settings saved with the checkpoint (``fastpar.train`` stores them), gathers the
-global tensors from whatever layout saved them (``fastpar.checkpoint.export_state_dict``), maps
-a ``--model llama`` run to its Hugging Face family (``fastpar.models.llama_hf``: Llama, Qwen2,
-Qwen3, Qwen3-MoE or Mixtral), a ``--model gpt`` run to GPT-2 (``fastpar.models.gpt_hf``) when it
-was trained with --norm layernorm and --moe-every 0, else (the trainer's default GPT: RMSNorm,
-MoE blocks) to fastpar's own ``FastparGPTForCausalLM``, whose code goes into the directory
-(``fastpar.models.gpt_code``; ``from_pretrained(dir, trust_remote_code=True)``), or takes an
-``--hf-config`` run's names as they are, and writes safetensors + config.json
-(``fastpar.checkpoint.export_hf``), plus the run's tokenizer. The config and the tokenizer carry
-the run's special tokens (``special_tokens``: eos, and bos / pad where the tokenizer has them).
-
-``--check`` loads the directory with ``transformers.AutoModelForCausalLM.from_pretrained`` and
-compares its logits with fastpar's own single-process model holding the checkpoint's weights,
-by ``fastpar.tolerance``'s rule: against the same model in float64, within 4x fastpar's own
-fp32 error plus a floor from the longest sum into a logit (exit 1 if they differ). ``--generate N`` decodes N tokens greedily with both and prints the
-text (exit 1 if the tokens differ). Needs the hf extra (``pip install fastpar[hf]``).
-"""
+Which HF family a run becomes, ``--check`` and ``--generate``: docs/hf.md ("Export to
+transformers")."""
 
 from __future__ import annotations
 

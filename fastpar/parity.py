@@ -1,32 +1,10 @@
 """``check_parallel``: prove a parallel layout of YOUR model equal to the single-process model.
 
-    from fastpar.testing import check_parallel
     report = check_parallel(lambda: MyModel(cfg), plan=None, tp=2, dp=2, zero=1, steps=3)
-    print(report.text)
-    assert report.ok
+    assert report.ok, report.text
 
-On ``tp * dp`` CPU ranks (gloo) beside two single-process runs of the same ``build_model``
-under the same seed — one in fp32, one in float64 (the exact math):
-
-1. the tensor-parallel model (``fastpar.parallelize`` with ``plan``, default the built-in plan
-   of the model's family) on the full first batch: its logits and loss, and every parameter's
-   gradient on every rank (against its slice of the dense gradient — replicated parameters
-   included: a per-head norm's partial gradient shows here);
-2. ``steps`` AdamW steps with the data-parallel wrapper of ``zero`` (0: DDP, 1 / 2: ZeroOptimizer,
-   3: Zero3) on each replica's slice of the batch: the per-step loss (averaged over the
-   replicas) and every parameter afterwards, against AdamW on the full batch.
-
-Each quantity agrees when its error against the float64 run is at most ``FACTOR`` times the fp32
-single-process run's own error plus a floor from fp32's rounding and the longest reduction
-(``fastpar.tolerance``): the verdict does not depend on the machine's kernels or the seed, and a
-defect (an error of the size of the value) stays far outside it. The report names the worst
-quantity of each part. Data: ``batch(step)`` returns the global batch of a step (a tensor, tuple
-or dict whose tensors split along dim 0 over the DP replicas); by default token ids for a
-language model. ``loss(model, batch)`` returns the scalar loss; by default a Hugging Face
-model's own ``labels=`` loss, else next-token cross-entropy of the logits. A loss or model that
-casts to fp32 inside makes its "float64" run only as exact as fp32 (the check then tolerates
-more): keep the math in the parameters' dtype.
-"""
+What it compares and against what: docs/layouts.md ("What fastpar.verify and check_parallel
+compare")."""
 
 from __future__ import annotations
 
@@ -307,7 +285,7 @@ def check_parallel(
     length: int | None = None,
 ) -> CheckReport:
     """Run the layout (``tp * dp`` CPU ranks) beside the single-process model in fp32 and in
-    float64; see the module docstring. ``build_model()`` must build the same model every time
+    float64; see docs/layouts.md. ``build_model()`` must build the same model every time
     it is called under the same seed (it is called under ``torch.manual_seed(seed)``; it may
     build in any dtype: the runs cast it). ``length``: the longest reduction for the rule's
     floor (default ``reduction_length``). Returns a ``CheckReport``."""

@@ -1,21 +1,6 @@
-"""The ``FASTPAR_*`` environment switches that change what the library does, each with an API.
-
-    DEBUG = Switch("FASTPAR_DEBUG_CHECKS", parse_flag)
-    DEBUG.get()                 # the API's setting if one is made, else the variable's value
-    DEBUG.set(True)             # from now on, in this process (and in processes it forks)
-    with DEBUG.set(False):      # only inside the block: the previous setting comes back
-        ...
-    DEBUG.set(None)             # back to the variable
-    DEBUG.refresh()             # read the variable again (after os.environ changed)
-
-A variable is read once per process, at the switch's first ``get`` (never at import), and kept:
-``get`` on a hot path costs an attribute read. It is read again after ``refresh()`` or
-``set(None)``, and in a child process after a fork (``os.register_at_fork``), so a forked rank
-may set ``os.environ`` before its first use of the switch. A process that changes the variable
-after its first use must call ``refresh()`` (the API is the better way). An invalid value
-raises ``ValueError`` (naming the variable and the fix) at every ``get`` until it is fixed.
-See docs/switches.md's table of every switch.
-"""
+"""The ``FASTPAR_*`` environment switches that change what the library does, each with an API
+(``Switch``: ``get``, ``set``, ``refresh``), each variable read once per process at first use.
+The API and every switch: docs/switches.md."""
 
 from __future__ import annotations
 

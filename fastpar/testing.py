@@ -1,24 +1,11 @@
 """Test helpers for users' own parity tests: prove a parallel layout of a model, run a check on
 N ranks.
 
-    from fastpar.testing import check_parallel, run_ranks
-
     report = check_parallel(lambda: MyModel(), tp=2, dp=2, zero=1)   # your model, proven
     results = run_ranks(check, 4, 2.0)      # check(2.0) on 4 gloo ranks, results in rank order
     assert_agree(parallel, [single, twin], exact, length=n)   # the rule: fastpar.tolerance
 
-``run_ranks``, ``RankError``, ``RankTimeout`` and ``process_status`` are the rank launcher's
-(``fastpar.launch``, which the training command and the CLIs use too), re-exported here.
-
-When two runs agree (``fastpar.tolerance``, re-exported: ``compare``, ``assert_agree``,
-``nudge``, ``Comparison``): compare a parallel run and the single-process run in the working
-precision with the same math in float64; the parallel run's error may be at most ``FACTOR`` (4)
-times the single-process run's own error (take the larger of it and its ``nudge``d twin's) plus
-a floor of ``FLOOR`` (4) · (u + u_fp32 · sqrt(n)) · max |exact| — u the working precision's unit
-roundoff, n the longest reduction feeding the quantity — plus, after AdamW steps, what AdamW can
-make of the gradients' bounds (``adam_slack``). Claim bit-for-bit equality only where both sides
-run the same kernels in the same order. ``docs/tolerances.md`` derives the rule.
-"""
+The launcher's and the tolerance's names are re-exported here (docs/tolerances.md)."""
 
 from __future__ import annotations
 

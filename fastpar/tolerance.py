@@ -1,38 +1,9 @@
 """When two runs of the same math agree: a tolerance from an fp64 reference, not from a machine.
 
-Two correct runs of one computation in a working precision (say fp32) round differently — a
-BLAS that blocks its sums otherwise (AVX2 or AVX-512, MKL or OpenBLAS), an all-reduce that adds
-partial sums, a micro-batch that splits a reduction — so neither is exact, and how far apart
-they drift depends on the machine, the seed and the length of the sums. A fixed absolute
-tolerance between them is tuned to one machine. The rule here asks the exact math instead,
-computed once more in float64 (``exact``):
+    agree ⇔ |actual - exact| <= FACTOR · max |single - exact| + floor + slack   (every element)
 
-    error(x)  = |x - exact|                                 (elementwise)
-    floor     = FLOOR · (u(dtype) + u(fp32) · sqrt(length)) · max |exact|
-    agree    ⇔ error(actual) <= FACTOR · max error(single) + floor + slack   (every element)
-
-``single`` is the single-process run in the working precision — best with a twin (``nudge``:
-the same run from starting values one rounding away), the larger of the two errors counting —
-and ``actual`` the run under test (a parallel layout). ``max error(single)`` measures what
-rounding does to this very quantity on this machine: large where the math amplifies rounding (a
-cancelling sum), small where it does not. A correct layout, whose rounding differs only in
-order, stays within a small multiple of it; a defect (a missing reduction, a wrong slice: an
-error of the size of the value) does not. ``floor`` covers a quantity the single run happens to
-compute exactly: one rounding to the working precision (``u`` its unit roundoff: 2^-24 fp32,
-2^-8 bf16, 2^-11 fp16) plus a sum of ``length`` terms accumulated in fp32 — ``length`` the
-longest sum that feeds the quantity (a matrix product's inner dimension, the tokens a weight
-gradient sums over); rounding errors of a sum of n terms grow as sqrt(n) — times ``max |exact|``,
-the quantity's magnitude. ``slack`` (per element, default 0) is
-what a later computation can make of an earlier error bound: AdamW divides each gradient by its
-own root mean square, so a parameter whose gradient is near zero takes a step that rounding
-decides (``adam_slack``: from the float64 run's own optimizer state and the gradients' bounds,
-large only for such elements).
-
-Bit-for-bit equality is claimed only where both sides run the same kernels in the same order
-(the same op on the same shapes, a copy, a slice of an initialisation); everywhere else this rule
-is the verdict: ``fastpar.parity.check_parallel``, ``fastpar.verify`` and the parity tests use it
-(``docs/tolerances.md``).
-"""
+``check_parallel``, ``fastpar.verify`` and the parity tests judge by this rule; its derivation:
+docs/tolerances.md."""
 
 from __future__ import annotations
 

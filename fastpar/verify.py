@@ -1,32 +1,10 @@
 """``python -m fastpar.verify``: prove a layout equal to the single-process model.
 
     python -m fastpar.verify --tp 2 --pp 2 --dp 2 --ep 2 --zero 1 --steps 3
-    python -m fastpar.verify --pp 2 --dp 2 --schedule interleaved --virtual-stages 2 --eval-every 2
-
-    python -m fastpar.verify --model llama --kv-heads 2 --qk-norm --tp 2 --pp 2 --dp 2 --ep 2
     python -m fastpar.verify --hf-config config.json --tp 2 --dp 2 --zero 1   # your HF model
 
-Trains the model of ``fastpar.train`` (``--model gpt`` or ``llama``) under the given layout (any
-of its flags: precision, schedule, micro-batches, ZeRO stage, sequence parallelism, MoE
-settings, data and tokenizer...) and the
-single-process reference from the same initialisation on the same data, then prints both losses
-per step (and both validation losses with --eval-every) and the largest parameter difference, and exits 0 only when they agree within the
-tolerance of the precision (fp32 is tight; bf16 / fp16 are loose).
-
-The reference is built by the trainer's own code (``fastpar.train.build.build`` without a
-mesh: the same model, precision, optimizer groups, fused AdamW, clipping, loss scaler, loss and
-MoE set-up), so it cannot drift from the trainer, and is what one device does with the global
-batch: one forward and backward of the whole batch in one piece, its loss the sum of the
-cross-entropy over every valid target over their count — whatever the run's
---loss-normalization, so a mean of means (``sequence`` with ignored targets spread unevenly
-over micro-batches or ranks) DISAGREES. Only a model whose statistics are those of each
-micro-batch (MoE with the "micro_batch" load-balancing loss or a capacity), and fp16 (whose
-skipped steps are decided on each rank's gradient), run the batch in its dp × micro-batches
-pieces, replica by replica, each piece's loss still its sum over the global count. A global
-batch with no valid target is a skipped step, as in the trainer. Final parameters (and
-expert biases) of the distributed run come back through a fastpar checkpoint exported to a
-plain state_dict, so resharding is checked too.
-"""
+Exit 0 only when the layout agrees with the reference (the trainer's own build without a mesh)
+by the rule of docs/tolerances.md; what is compared: docs/layouts.md."""
 
 from __future__ import annotations
 
@@ -109,7 +87,7 @@ class Run(tolerance.Run):
 def reference(
     cfg: TrainConfig, tokens=None, *, exact: bool = False, twin: bool = False, skips=()
 ) -> Run:
-    """Single-process training with the distributed run's math (see the module docstring).
+    """Single-process training with the distributed run's math (see docs/layouts.md).
     The model, its precision, the optimizer (groups, clipping, loss scaler), the loss and the
     MoE auxiliary-loss scale are the trainer's own (``fastpar.train.build.build`` without a
     mesh); only the step is written here, replica by replica. Training reads the trainer's

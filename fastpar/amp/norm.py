@@ -1,34 +1,7 @@
-"""The global gradient norm and inf agreement, counting every parameter exactly once.
-
-A parameter's local gradient enters the norm on this rank only if this rank holds the
-reference copy of that very tensor (``fastpar.mesh.placement.holds_reference_copy``): it is the
-first (group rank 0) of every group over which the tensor is duplicated:
-
-  * plain torch parameters (LayerNorm weights, ...) and fastpar parameters marked replicated
-    (row-parallel biases) are duplicated over the tensor-parallel group;
-  * parameters marked with ``mark_duplicated`` (a word embedding tied between the first and last
-    pipeline stage) over that group;
-  * with a mesh, data-parallel replicas over the dp group — the expert-dp group for parameters
-    marked ``mark_expert`` — unless the gradients are sharded over DP (ZeRO: ``dp_replicated=False``).
-
-Sharded parameters (column/row weights, vocab shards, distinct experts, distinct pipeline stages)
-count on every rank. The local sums of squares are then summed over every rank taking part (the
-world, or ``group``), so every rank gets the same total and the same clipping coefficient.
-
-DTensor gradients (``torch.distributed.fsdp.fully_shard`` over fastpar's TP layers, or
-torch's own DTensor TP) count by their placements over their DeviceMesh — a Shard dim on
-every rank, a Replicate dim on its rank 0 only — and by fastpar's rule above over every
-replica group the DeviceMesh does not span (FSDP2 over dp: the TP group of a replicated or
-unmarked parameter); only the local tensors enter the sums, so each element of the whole
-mesh counts once. ``fully_shard`` drops fastpar's marks with the parameters it replaces: put
-them back with ``fastpar.mesh.restore_marks`` (a norm over DTensor gradients whose
-parameters carry no mark at all while TP > 1 raises, naming it).
-
-``torch.nn.utils.clip_grad_norm_`` is wrong in that composition (FSDP2 + fastpar TP): its
-DTensor arithmetic reduces over the FSDP mesh only, so each TP rank gets the norm of its own
-shards (plus every replicated parameter whole) — a different, too small norm per TP rank and
-so a different clipping coefficient. Use this module's ``clip_grad_norm_`` with the mesh.
-"""
+"""The global gradient norm and inf agreement, counting every parameter exactly once: on the
+rank holding its reference copy (``fastpar.mesh.placement``), DTensor gradients by their
+placements. ``clip_grad_norm_`` with a mesh is right where torch's is not (FSDP2 + fastpar TP):
+docs/layouts.md ("The global norm")."""
 
 from __future__ import annotations
 
@@ -45,7 +18,7 @@ from fastpar.mesh.ranks import group_rank, group_size
 def counts_on_this_rank(
     p: torch.Tensor, *, mesh=None, group=None, dp_replicated: bool = True
 ) -> bool:
-    """Whether ``p``'s gradient enters the global norm on this rank (see the module docstring).
+    """Whether ``p``'s gradient enters the global norm on this rank (see docs/layouts.md).
 
     Without a mesh, ``group`` (None = the default group) is the group over which every
     parameter is either sharded (marked) or replicated (unmarked or marked replicated).
@@ -154,7 +127,7 @@ def global_grad_norm(
     """The norm of all gradients of the logical (unsharded, undeduplicated) model: a 0-dim
     fp32 tensor (plain, not a DTensor), identical on every rank. ``norm_type`` 2 or inf.
     Communicates over the world (with a mesh) or ``group``; no host sync. DTensor gradients
-    (FSDP2) count once over the whole mesh (see the module docstring)."""
+    (FSDP2) count once over the whole mesh (see docs/layouts.md)."""
     params = [p for p in params if p.grad is not None]
     _check_marks_survived(params, mesh=mesh, group=group)
     grads_counted, grads = [], []
@@ -195,7 +168,7 @@ def clip_grad_norm_(
     Also for FSDP2 (``fully_shard``) over fastpar's TP layers, whose gradients are DTensors
     sharded over dp: pass the fastpar mesh, and ``fastpar.mesh.restore_marks`` after
     ``fully_shard``. ``torch.nn.utils.clip_grad_norm_`` is wrong there: it computes a norm per
-    TP rank (each rank's own shards), not the model's (see the module docstring)."""
+    TP rank (each rank's own shards), not the model's (see docs/layouts.md)."""
     params = [p for p in params if p.grad is not None]
     norm = global_grad_norm(
         params, norm_type=norm_type, mesh=mesh, group=group, dp_replicated=dp_replicated

@@ -1,21 +1,6 @@
-"""What optimizers declare to the mixed-precision step and to the code that drives them.
-
-* ``FusedAmpStep``: an optimizer that takes the step's mixed-precision scalars as arguments and
-  applies them on the device inside its own update (``fastpar.optim.FusedAdamW``), so the step
-  needs no host sync, no separate clipping pass and no attribute left on the optimizer.
-* ``FoldedAmpStep``: a ``FusedAmpStep`` whose ``amp_step`` also takes ``grads=`` (the gradient
-  to read for a parameter instead of its ``.grad``, in any float dtype): the mixed-precision
-  step then hands it the model's raw bf16/fp16 gradients and never writes unscaled fp32 ones.
-* ``AmpOptimizer``: what fastpar's optimizer wrappers (``MixedPrecisionOptimizer``, and every
-  data-parallel wrapper: ``fastpar.parallel.Replicate`` / ``Shard``, ``ZeroOptimizer``,
-  ``Zero3``) show a training loop and a checkpoint: loss scaling, a step that returns
-  ``(skipped, grad_norm)`` as device tensors, the count of skipped steps, the scaler.
-
-Both are ``runtime_checkable``: code asks ``isinstance(opt, FusedAmpStep)`` instead of naming
-a class of another package. Torch's own fused optimizers keep torch's protocol (attributes
-``found_inf`` / ``grad_scale`` set around ``step()``, announced by
-``_step_supports_amp_scaling``), which ``fastpar.amp.step`` speaks too.
-"""
+"""What optimizers declare to the mixed-precision step and to the code that drives them:
+``FusedAmpStep``, ``FoldedAmpStep`` and ``AmpOptimizer``, all ``runtime_checkable``
+(docs/layouts.md, "Mixed precision")."""
 
 from __future__ import annotations
 

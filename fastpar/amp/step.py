@@ -1,16 +1,7 @@
 """The mixed-precision step shared by every fastpar optimizer wrapper (``MixedPrecisionOptimizer``
-and the data-parallel family, stages 0-3): one fused unscale + inf-check + norm pass, agreement
-over every rank, the scaler update, clipping, and the wrapped optimizer's step — skipped on the
-device when it can.
-
-Folded form (``norm_and_agree`` + ``guarded_step(..., inv_scale=, grads=)``), for an optimizer
-that unscales and clips in its own pass (``fastpar.amp.FoldedAmpStep``: FusedAdamW): the pass
-over the gradients only reads them (flag and sum of squares of ``fp32(g) · inv_scale``), and the
-optimizer gets ``inv_scale`` and ``clip_coef`` and the raw gradients. Same numbers as the
-unscaling form bit for bit (the same fp32 products, in the same order), one gradient write and
-one re-read fewer: an fp16/bf16 gradient costs 2 + 2 B an element instead of 2 + 4 + 4 (and
-no fp32 main gradient is allocated); an fp32 one 4 + 4 instead of 4 + 4 + 4.
-"""
+and the data-parallel family, stages 0-3): one fused unscale + inf-check + norm pass (or its
+read-only folded form), agreement over every rank, the scaler update, clipping, and the wrapped
+optimizer's step, skipped on the device when it can (docs/layouts.md, "Mixed precision")."""
 
 from __future__ import annotations
 

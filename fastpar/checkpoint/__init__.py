@@ -4,27 +4,10 @@
     checkpoint.save(path, model_params=dict(model.named_parameters()), optimizer=opt,
                     mesh=mesh, step=step, extra={"data_position": pos})
     info = checkpoint.load(path, model_params=..., optimizer=opt, mesh=mesh)
-    checkpoint.export_state_dict(path, "model.pt")       # one plain torch state_dict
     checkpoint.export_hf(path, "hf_out", model.config)    # a Hugging Face directory
-    checkpoint.load_hf(model, "hf_dir")                   # each rank reads only its slices
 
-See ``fastpar.checkpoint.core`` (save / load), ``format`` (the on-disk format, atomicity,
-verification, one save's shards only), ``state`` (local -> global index maps from the parameter
-marks; ``mark_tied_copy``: a pipeline's copy of a tied embedding saved as the embedding),
-``directory`` (a directory of ``step_<N>`` checkpoints: numeric order, judging, pruning),
-``lock`` (one writer per directory), ``dcp`` (torch.distributed.checkpoint through DTensors
-built from the marks: ``to_dtensor_state_dict`` / ``from_dtensor_state_dict``) and ``hf``
-(Hugging Face safetensors both ways; needs ``pip install fastpar[hf]``, imported lazily),
-``spans`` (which records of which file a loading rank needs), ``cli`` (``python -m
-fastpar.checkpoint info|verify|export``). An optimizer takes part through the protocol
-of ``fastpar.optim.pieces`` (``checkpoint_pieces`` / ``load_checkpoint_pieces``); the two
-functions of those names here implement it for a torch optimizer.
-
-WARNING: ``torch.distributed.checkpoint`` on fastpar's plain shards (``dcp.save(
-model.state_dict())`` of a TP or EP model) saves without error and reloads ONE rank's shard on
-every rank. Use ``fastpar.checkpoint.dcp`` (DTensors of the global tensors, resharding at
-load) or this package's own ``save``; ``check_dcp_state_dict`` refuses such a state dict.
-"""
+The modules and the format: docs/checkpoints.md. WARNING: ``torch.distributed.checkpoint`` on
+fastpar's plain shards reloads ONE rank's shard on every rank; use ``fastpar.checkpoint.dcp``."""
 
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
 """``python -m fastpar.checkpoint info|verify|export``: inspect, check or export a checkpoint.
 
-    python -m fastpar.checkpoint info ckpt                 # the newest complete step_<N> in ckpt
     python -m fastpar.checkpoint verify ckpt/step_000010   # every file's size and sha256
-    python -m fastpar.checkpoint export ckpt model.pt      # one plain torch state_dict
-    python -m fastpar.checkpoint export ckpt model.safetensors --format safetensors
     python -m fastpar.checkpoint export ckpt hf_out --hf   # a Hugging Face directory
 
-DIR is a checkpoint directory (``step_<N>``, holding ``COMPLETE`` and ``metadata.json``) or a
-run's ``--checkpoint-dir`` holding several: the newest complete one is used, and a line on
-stderr says which. ``--hf`` runs ``python -m fastpar.export`` (the run's saved settings pick the
-Hugging Face family). Exit status: 0 fine, 1 the checkpoint is corrupted or incomplete
-(``verify``), 2 bad input.
-"""
+Its arguments and exit status (0 fine, 1 corrupted or incomplete, 2 bad input):
+docs/checkpoints.md ("The command")."""
 
 from __future__ import annotations
 

@@ -1,26 +1,10 @@
 """``save`` and ``load``: sharded checkpoints that survive a crash and a change of layout.
 
-    names = dict(model.named_parameters())          # global names (pipeline: stage_param_names)
-    save("ckpt/step_100", model_params=names, optimizer=opt, mesh=mesh, step=100,
-         extra={"data_position": pos})
+    save("ckpt/step_100", model_params=names, optimizer=opt, mesh=mesh, step=100)
     info = load("ckpt/step_100", model_params=names, optimizer=opt, mesh=mesh)
-    step, extra = info["step"], info["extra"]
 
-Every rank writes the pieces it holds, each tagged with its global tensor and the global
-elements it covers (computed from the parameter marks, see ``fastpar.checkpoint.state``).
-Duplicated data is written once when a mesh says who duplicates what: a TP-replicated or
-unmarked tensor by TP rank 0, a DP replica by DP rank 0 (expert-DP rank 0 for experts) —
-except the optimizer pieces of a DP-sharded optimizer (ZeRO), written by every DP rank. Without
-a mesh every rank writes everything; duplicates are dropped at load (pieces may overlap: the
-loader only requires that they cover every element). fp32 parameters are stored once (their
-optimizer "param" piece equals the model value); fp16/bf16 parameters store both the model
-value and the fp32 master.
-
-Loading builds only this rank's part of each tensor under the new layout, from the saved
-pieces that cover it, reading only the rank files that hold them (``fastpar.checkpoint.reader``
-says what is read and what checked), fills the model and hands the optimizer a ``lookup``; it
-works under any layout. Under the same layout the resumed run is bit-identical (RNG states too).
-"""
+Who writes which piece and how a load rebuilds this rank's part: docs/checkpoints.md ("Inside
+fastpar.checkpoint")."""
 
 from __future__ import annotations
 

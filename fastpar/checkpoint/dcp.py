@@ -1,38 +1,10 @@
-"""``torch.distributed.checkpoint`` (DCP) over fastpar's shards: DTensors built from the marks.
+"""``torch.distributed.checkpoint`` (DCP) over fastpar's shards: DTensors of the global tensors
+built from the marks (``to_dtensor_state_dict`` / ``from_dtensor_state_dict``, ``save`` /
+``load``), loadable under another layout.
 
-    import torch.distributed.checkpoint as dcp
-    params = dict(model.named_parameters())
-    sd = to_dtensor_state_dict(params, mesh)   # every tensor a DTensor of its GLOBAL tensor
-    dcp.save(sd, checkpoint_id="ckpt")
-    ...                                        # any other layout: TP4, TP1, another DP
-    sd = to_dtensor_state_dict(params, mesh)
-    dcp.load(sd, checkpoint_id="ckpt")
-    from_dtensor_state_dict(sd, params, mesh)  # back into fastpar's local tensors
-    # or: save(params, "ckpt", mesh) / load(params, "ckpt", mesh)
-
-WARNING — raw DCP on fastpar's plain shards is silently wrong: ``dcp.save(model.state_dict())``
-of a TP model succeeds, and ``dcp.load`` then gives every rank ONE rank's shard of each split
-tensor (DCP takes a plain tensor for a replicated one: one copy is kept, every rank reads it).
-Only DTensor state dicts (this module) or fastpar's own format (``fastpar.checkpoint.save``)
-are safe. ``check_state_dict`` refuses a state dict of plain shards: marked parameters, or
-tensors that share their memory (``model.state_dict()``), not copies of them.
-
-Each parameter becomes a DTensor on the mesh's DeviceMesh (``ParallelMesh.to_device_mesh``,
-the same process groups) without the "pp" dim — every pipeline stage its own sub-mesh, as
-DCP expects — with the placements its marks mean:
-
-* sharded along dim d over TP: ``Shard(d)`` on "tp". Padded rows (a vocabulary or output not
-  divisible by TP) are dropped: fastpar's valid rows are exactly torch's uneven ``Shard``
-  chunks (ceil(n / tp) each, the last ones shorter), so the local tensor is a view;
-* sharded with ``fused = k`` blocks (q|k|v): each rank holds 1/tp of every block, which no
-  ``Shard`` placement describes; the true global tensor is rebuilt with one all-gather over
-  TP and this rank's ``Shard(d)`` chunk of it is saved (the reverse at load), so the
-  checkpoint holds the real q|k|v weight whatever the TP size;
-* experts (``mark_expert``) over EP: ``Shard(0)`` on "ep" (the expert grid's DeviceMesh);
-* replicated or unmarked: ``Replicate()`` on every dim.
-
-A tied copy (``mark_tied_copy``) is saved and loaded under the name of the tensor it copies.
-"""
+WARNING: raw DCP on fastpar's plain shards (``dcp.save(model.state_dict())`` of a TP model)
+saves without error and reloads ONE rank's shard on every rank; ``check_state_dict`` refuses
+such a state dict. The placements: docs/interop.md ("torch.distributed.checkpoint")."""
 
 from __future__ import annotations
 
@@ -159,7 +131,7 @@ def to_dtensor_state_dict(
 ) -> dict:
     """{checkpoint name: DTensor of the global tensor} for ``model_params`` ({name: local
     tensor}, e.g. ``dict(model.named_parameters())``), for ``torch.distributed.checkpoint``'s
-    save and load (see the module docstring). Local tensors are shared (views) where the
+    save and load (see docs/interop.md). Local tensors are shared (views) where the
     layout allows; fused q|k|v tensors are converted with one all-gather over TP.
     ``device_mesh``: a DeviceMesh with the mesh's groups (default ``mesh.to_device_mesh()``).
     Collective over TP when a fused tensor is present."""

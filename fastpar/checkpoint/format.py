@@ -1,27 +1,5 @@
-"""The on-disk format: atomic file writes, checksums, the completion marker, verification.
-
-A checkpoint is a directory::
-
-    <path>/
-      rank00000.pt  rank00000.json    one shard file per rank + its sidecar (bytes, sha256,
-      rank00001.pt  rank00001.json    which pieces of which global tensors it holds)
-      ...
-      common.pt                       rank 0: step, extra, scaler, skipped steps
-      metadata.json                   rank 0: every global tensor (name, shape, dtype, how it
-                                      was sharded, saved keys), the layout, every file's
-                                      size and sha256, which pieces each file holds
-                                      (``spans``), the run id and save id
-      COMPLETE                        written last: the sha256 of metadata.json
-
-Every shard file, its sidecar and the metadata carry the training run's id (``run_id``, None
-outside a training run) and a random id of the save agreed by all ranks (``save_id``): a
-checkpoint whose shards come from two saves (two runs writing one directory) is never
-completed, and is refused by every reader if it exists.
-
-Every file is written to a temporary name, fsync'ed and renamed; the whole directory is built
-as ``<path>.partial`` and renamed to ``<path>`` only after the marker, so a crash at any
-moment leaves either no ``<path>`` or a complete one.
-"""
+"""The on-disk format: atomic file writes, checksums, the completion marker, verification. The
+files of a checkpoint and the run / save ids: docs/checkpoints.md ("Inside fastpar.checkpoint")."""
 
 from __future__ import annotations
 

@@ -1,27 +1,6 @@
-"""One writer at a time per checkpoint directory, and no deletion of a checkpoint being read.
-
-``DirectoryLock(directory, run_id)`` is taken by the process that writes checkpoints (global
-rank 0 of a training run) for the run's lifetime. It is an ``flock(2)`` on ``<directory>/LOCK``,
-a JSON file naming the holder: host, pid, the pid's start time, run id, when it was taken and a
-heartbeat, rewritten every ``HEARTBEAT_S`` by a thread of the holder; and ``last_run``, the run
-whose checkpoints the directory holds (the last holder's, once it decided its run id).
-
-* On one host the kernel drops an flock when its process dies, however it dies (``kill -9``
-  included): a dead writer's lock is free at once, and the next writer reports that it takes
-  it over from the holder named in the file. A holder that is alive is refused, named.
-* Across hosts, flock spans hosts where the filesystem implements it (local disks, NFSv4,
-  Lustre mounted with ``-o flock``, GPFS, CephFS). Where it does not, the file still guards: a
-  lock naming another host whose heartbeat is younger than ``STALE_AFTER_S`` is refused (its
-  process cannot be seen from here); an older one is taken over as stale. So a writer on
-  another host that died is replaced after at most ``STALE_AFTER_S``.
-
-The lock file stays after ``release()`` (marked released): deleting an flock file while
-another process may be opening it would let two writers lock two different files.
-
-``hold_for_reading(checkpoint)`` takes a shared flock on a checkpoint's marker (what a
-``CheckpointReader`` holds while it reads); ``hold_for_deleting`` takes it exclusively or
-returns None, so pruning skips a checkpoint someone is reading.
-"""
+"""One writer at a time per checkpoint directory (``DirectoryLock``: an flock with a heartbeat),
+and no deletion of a checkpoint being read (``hold_for_reading`` / ``hold_for_deleting``).
+Behaviour on one host and across hosts: docs/checkpoints.md ("Inside fastpar.checkpoint")."""
 
 from __future__ import annotations
 

@@ -1,30 +1,6 @@
 """``CheckpointReader``: verified access to a saved checkpoint's tensors, whatever the layout it
-was saved under, reading only what is asked for.
-
-``gather({(name, key): global indices})`` builds just those elements, from the pieces that hold
-them (each piece knows the global runs it covers), and reads only the rank files that hold
-them. The metadata's ``spans`` (``fastpar.checkpoint.spans``) say, before a file is opened,
-which of its pieces (one record each, at most ``spans.PIECE_BYTES``) hold wanted elements: a
-file whose needed records make up at least ``WHOLE`` of it is read whole and its sha256
-checked; from any other file only its index (the zip's directory and its pickled structure,
-with the tensors on the meta device: a few KB) and the needed records are read, each record
-checked against its CRC-32 (the per-record checksum of the zip ``torch.save`` writes). A file
-listed as holding a wanted tensor but with nothing left to give is still opened at its index,
-so a shard of another save is refused. Checkpoints saved without spans: the index says the
-same, once opened. ``assemble`` (a whole global tensor) reads whole files.
-
-What is checked for a rank file (``verify`` and ``python -m fastpar.checkpoint verify`` check
-every file in full):
-
-* always, at open (``read_metadata``): present, with the size the metadata records;
-* opened at its index: the index's CRC-32, that it is a shard of this save (run and save id);
-* read whole: its sha256;
-* read in part: the CRC-32 of every record read. Bytes it does not read are NOT checked: a
-  corrupted byte there is found by whoever reads it, or by ``verify``;
-* not listed as holding anything asked for: nothing beyond its size.
-
-``bytes_read`` / ``file_bytes``: the bytes read from rank files, in all and per file name.
-"""
+was saved under, reading only what is asked for (``gather``) and checking what it reads. What
+is read and what is checked: docs/checkpoints.md ("Inside fastpar.checkpoint")."""
 
 from __future__ import annotations
 
@@ -128,7 +104,7 @@ def _match(runs: torch.Tensor, want: torch.Tensor | None, done: torch.Tensor) ->
 
 class CheckpointReader:
     """Opens ``path`` after checking its marker, metadata and file sizes; rank files are read
-    only when a tensor they hold is asked for (module docstring: what is read, what checked).
+    only when a tensor they hold is asked for (docs/checkpoints.md: what is read, what checked).
 
     ``tensors``: {global name: {"shape", "dtype", "sharding", "keys": {key: {"shape",
     "dtype"}}}}; ``layout``: how it was saved; ``gather``: chosen elements of global tensors;

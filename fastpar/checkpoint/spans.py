@@ -1,20 +1,6 @@
-"""Compact descriptions of which global elements a rank file holds, kept in the metadata so a
-reader knows, before opening a file, whether it needs it and how much of it.
-
-A piece's runs (``[start, length]`` of consecutive global flat indices, ``state.encode_runs``)
-of a tensor-parallel shard are regular: one run per row, rows a fixed stride apart. ``compress``
-writes them as groups ``[first start, length, count, stride]`` (runs ``first + i·stride``,
-``i < count``, each ``length`` long): one group for a shard along any dim, one per block of a
-fused dim, a few for a ZeRO flat range. ``expand`` is its inverse; ``count_wanted`` says how
-many of a sorted set of indices such runs hold.
-
-In the metadata, each rank entry's ``spans`` is {name: {key: [groups of each piece]}}: a reader
-learns from it, without opening the file, which of its pieces (one record each) hold elements
-it wants; a checkpoint saved before spans existed has none, and readers then learn the same
-from the file's index. ``split`` cuts a piece into pieces of at most ``PIECE_BYTES``, so that a
-reader after a change of layout reads (and CRC-checks) records about as large as what it
-needs rather than a whole saved shard.
-"""
+"""Compact descriptions of which global elements a rank file holds (``compress`` / ``expand``),
+kept in the metadata so a reader knows, before opening a file, whether it needs it and how much
+of it (docs/checkpoints.md, "Inside fastpar.checkpoint")."""
 
 from __future__ import annotations
 

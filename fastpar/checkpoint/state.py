@@ -1,19 +1,6 @@
-"""Global tensors from local ones: where each element of a rank's (TP / EP sharded) tensor sits
-in the unsharded, unpadded global tensor, read from the parameter marks.
-
-``global_index(p)`` gives, for every element of ``p``'s LOCAL tensor, its flat index in the
-global tensor, or -1 for padding (vocabulary / output rows >= ``full_size``):
-
-* ``ParamLayout`` "sharded" along ``dim`` over ``group``: local row i of rank r (of L rows) is
-  global row ``r·L + i`` (padding rows land >= ``full_size`` and are dropped); with ``fused = k``
-  blocks, ``(i // per)·(full_size // k) + r·per + i % per``, ``per = L // k``;
-* ``ExpertLayout``: local expert i of EP rank r is global expert ``r·n_local + i``;
-* anything else (replicated, unmarked): the identity.
-
-Saved pieces store their global indices as runs ``[start, length]`` of consecutive indices
-(long, since rows are contiguous), so resharding is a scatter into the global tensor followed
-by a gather of the new layout's indices (``localize``).
-"""
+"""Global tensors from local ones: where each element of a rank's (TP / EP sharded) tensor sits in
+the unsharded, unpadded global tensor (``global_index``), read from the parameter marks
+(docs/checkpoints.md, "Inside fastpar.checkpoint")."""
 
 from __future__ import annotations
 

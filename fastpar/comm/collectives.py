@@ -1,21 +1,6 @@
-"""Differentiable collectives for tensor and sequence parallelism.
-
-Each is a named ``torch.autograd.Function`` taking an explicit process group (None = the
-default group); the forward and backward communicate over that group only. With a group of
-size 1 every one of them is the identity.
-
-    function                  forward                       backward
-    copy_to_region            identity                      all-reduce
-    reduce_from_region        all-reduce                    identity
-    scatter_to_region         keep this rank's chunk (dim)  all-gather (dim)
-    gather_from_region        all-gather (dim)              keep this rank's chunk (dim)
-    all_gather_reduce_scatter all-gather (dim)              reduce-scatter (dim)
-    reduce_scatter_all_gather reduce-scatter (dim)          all-gather (dim)
-
-``scatter_to_sequence`` / ``gather_from_sequence`` are the scatter / gather pair along the
-sequence dimension (dim 0 by default, Megatron's [s, b, h] layout). ``all_reduce_grad(p,
-group)`` sums a replicated parameter's partial gradients over the group (a leaf hook).
-"""
+"""Differentiable collectives for tensor and sequence parallelism: named autograd Functions over an
+explicit process group (None = the default group), each the identity on a group of one. What
+each does forward and backward: docs/layouts.md ("The collectives")."""
 
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
-"""Rank bookkeeping: a flat world of ranks becomes TP / PP / DP / EP groups.
+"""Rank bookkeeping: a flat world of ranks becomes TP / CP / PP / DP / EP groups.
 
-``rank_groups`` is the pure layout (no torch.distributed); ``ParallelMesh`` creates the process
-groups of that layout on an initialised default group; ``init`` also initialises
-torch.distributed from torchrun's environment. Every group gets one collective timeout
-(``DEFAULT_TIMEOUT`` unless given; ``group_timeout`` reads a group's).
-
-The bottom layer every other package asks: ``fastpar.mesh.placement`` (the parameter marks and
-the one rule of which groups replicate a parameter, so which rank holds its reference copy) and
-``fastpar.mesh.ranks`` (this process's rank in a group). ``fastpar.mesh.bridge``: to and from
-torch's DeviceMesh (``ParallelMesh.to_device_mesh`` / ``from_device_mesh``, the same groups),
-``restore_marks`` after FSDP2's ``fully_shard``. Only its command line (``__main__``)
-imports another fastpar package.
-"""
+``rank_groups`` is the pure layout; ``ParallelMesh`` creates its process groups (one collective
+timeout each); ``init`` also initialises torch.distributed from torchrun's environment. The
+bottom layer every package asks: ``placement`` (parameter marks, reference copies), ``ranks``
+(rank in a group), ``bridge`` (torch's DeviceMesh). Only ``__main__`` imports another package."""
 
 from __future__ import annotations
 

@@ -1,24 +1,10 @@
 """Bridges between ``ParallelMesh`` and torch's ``DeviceMesh``, with the same process groups.
 
     dm = mesh.to_device_mesh()            # dims ("pp", "dp", "tp"); ("pp", "edp", "ep", "tp")
-    dm["dp"].get_group() is mesh.dp_group  # True: no group is created
-    mesh = ParallelMesh.from_device_mesh(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp",
-                                         "tp")))   # reuses the DeviceMesh's dp and tp groups
+    mesh = ParallelMesh.from_device_mesh(dm)   # reuses the DeviceMesh's groups
 
-fastpar lays ranks out on a grid whose first ``order`` axis varies fastest (``"tp-ep-dp-pp"``,
-Megatron-Core's default, ``fastpar.mesh.layout``); a DeviceMesh is a row-major tensor of
-ranks, its last dim fastest, so the DeviceMesh's dims are the order reversed. The dense grid
-gives the dims "pp", "dp", "tp"; with expert parallelism the expert grid refines dp into "edp"
-(expert data parallel) × "ep", so one DeviceMesh carries dense and expert parameters alike
-(a dense parameter is replicated over both). Every dim is present, size 1 included, so slicing
-by name always works.
-
-Layers that take ``mesh=`` accept a DeviceMesh as well and use its "tp" dim
-(``mesh_group(mesh, kind)``: the group of a kind from either mesh). ``restore_marks`` carries
-fastpar's parameter marks onto the parameters ``torch.distributed.fsdp.fully_shard`` puts in
-their place (it drops Python attributes), so the global grad norm still knows what is sharded
-over TP.
-"""
+``mesh_group(mesh, kind)`` reads a group from either mesh; ``restore_marks`` puts fastpar's
+parameter marks back after ``fully_shard`` (docs/interop.md)."""
 
 from __future__ import annotations
 

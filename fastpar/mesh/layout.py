@@ -1,24 +1,8 @@
-"""The pure rank layout: which ranks form each TP / PP / DP / EP group. No torch.distributed.
+"""The pure rank layout: which ranks form each TP / CP / PP / DP / EP group. No torch.distributed.
 
-Ranks are laid out on a grid whose axes are named by the ``order`` string, the first axis
-varying fastest (``"tp-ep-dp-pp"``: consecutive ranks share a pipeline stage and a data
-replica and differ in their tensor-parallel rank). A group of kind ``"tp"`` is a line along the
-tp axis; a group of kind ``"tp-dp"`` is a plane spanned by the tp and dp axes, and so on.
-
-Two grids share one order string, as in Megatron-Core's ``RankGenerator``:
-  * the dense grid  tp × cp × 1 × dp × pp          (attention, dense MLP, embeddings);
-  * the expert grid tp × 1 × ep × (dp·cp)/ep × pp  (expert weights: expert-tp = tp, expert-dp
-    = dp·cp / ep: context parallelism folds into the expert grid's data axis, as in Megatron).
-The group lists produced here equal Megatron-Core's for the same sizes and order. ``cp`` is
-context parallelism (``fastpar.parallel.context``): ranks that hold chunks of one sequence; the
-dense parameters' gradients are reduced over "dp-cp". An order may leave "cp" out (then it
-sits right after "tp", Megatron's default ``tp-cp-ep-dp-pp``).
-
-An order is refused where the two grids would not line up: as in Megatron-Core, it must end
-with "pp" unless pp = 1 or the two data-parallel sizes are equal, and both grids must have the
-same pipeline groups; fastpar also needs the same tp groups (its MoE layers split experts over
-the dense tp group). "tp" first and "pp" last, as in the default, always works.
-"""
+One ``order`` string (first axis fastest, default ``"tp-ep-dp-pp"``) lays out the dense and the
+expert grid, with Megatron-Core's group lists; orders whose grids would not line up are
+refused (docs/layouts.md, "Rank order and the two grids")."""
 
 from __future__ import annotations
 

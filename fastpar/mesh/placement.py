@@ -1,26 +1,6 @@
-"""Where each parameter lives: the marks fastpar puts on parameters, and the one rule that says
-over which groups a parameter is replicated (and so which rank holds its reference copy).
-
-Marks (attributes on the tensor; a parameter fastpar did not create carries none):
-
-* ``mark_sharded`` / ``mark_replicated`` (``ParamLayout``): this rank holds a slice along a dim
-  of a tensor split over a group, or the same tensor as every rank of a group;
-* ``mark_expert`` (``ExpertLayout``): dim 0 indexes experts split over the EP group; replicated
-  over the expert-data-parallel group instead of the data-parallel one;
-* ``mark_duplicated``: the tensor is held identically by every rank of a group (a word embedding
-  tied between the first and last pipeline stage);
-* ``mark_tied_copy``: the tensor is this rank's copy of the global tensor of another name.
-
-Every live tensor with a sharded or expert mark is also remembered, weakly, so that a detached
-tensor (``model.state_dict()``) can be traced back to it by its memory (``marked_shard_of``).
-
-``replica_groups(p, mesh)`` lists the groups over each of which every rank holds this very
-tensor: the tensor-parallel group for an unmarked parameter (a LayerNorm weight), the mark's
-group for a replicated one, each ``mark_duplicated`` group, and the data-parallel group that
-replicates it (``data_parallel_group``: expert-DP for experts). Rank 0 of every one of them holds
-the reference copy (``holds_reference_copy``): the global grad norm counts the gradient there,
-a checkpoint writes it from there, and the data-parallel wrappers broadcast from there.
-"""
+"""Where each parameter lives: the marks fastpar puts on parameters (sharded, replicated, expert,
+duplicated, tied copy), and the one rule that says over which groups a parameter is replicated,
+so which rank holds its reference copy (docs/layouts.md, "Parameter marks")."""
 
 from __future__ import annotations
 

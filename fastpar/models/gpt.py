@@ -1,19 +1,11 @@
 """A small decoder-only GPT built only from fastpar layers, expressed as pipeline blocks.
 
     blocks = build_gpt(GPTConfig(...), mesh)      # [Embedding, Block x layers, Head]
-    stage, (start, end) = build_stage(blocks, mesh.pp_size, mesh.pp_rank, costs=[1] * len(blocks))
-    logits = stage(ids)                           # on a one-stage pipeline: [B·T, vocab / tp]
     loss = gpt_loss(logits, targets, cfg, mesh)   # vocab-parallel cross-entropy
 
-Layers: vocab-parallel token embedding + learned positions; attention with heads split over TP
-(a fused q|k|v ColumnParallelLinear, causal SDPA, a RowParallelLinear); an MLP
-(column -> GELU -> row) or, every ``moe_every``-th block, a fastpar MoE over the EP group;
-RMSNorm or LayerNorm; an LM head tied to the embedding (across the first and last pipeline stage
-when pp > 1) or untied; optional sequence parallelism (activations between blocks are split along
-the sequence over TP). Every rank draws every block's weights from the same seed (Megatron's
-CPU-init idea) and keeps its slices, so any layout starts from the single-process model's exact
-weights. No dropout: runs must be reproducible across layouts.
-"""
+Heads split over TP, MLP or MoE blocks, RMSNorm or LayerNorm, a head tied across stages or
+untied, optional sequence parallelism. Every rank draws all weights from the same seed and keeps
+its slices, so any layout starts from the single-process weights; no dropout."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""A ``--model gpt`` that GPT-2 cannot express, as a Hugging Face model with its own code.
-
-    config = hf_config(cfg)               # config.json content (model_type "fastpar_gpt")
-    hf_state = to_hf(state, cfg)          # fastpar names -> the exported model's
-    write_code("out/")                    # modeling / configuration files beside the weights
-    AutoModelForCausalLM.from_pretrained("out/", trust_remote_code=True)
-
-GPT-2 (``fastpar.models.gpt_hf``) has LayerNorm and dense blocks only; the trainer's default GPT
-has RMSNorm and MoE blocks. Such a run is exported with ``fastpar/models/hf_code``'s
-``FastparGPTForCausalLM`` (torch and transformers only, no fastpar): the same function as
-fastpar's single-process model in eval mode, weights in fastpar's layout. Refused (clear
-errors): a capacity factor (a capacity drops tokens by the batch's routing; the exported model
-is dropless, as every HF MoE is).
-"""
+"""A ``--model gpt`` that GPT-2 cannot express (RMSNorm, MoE blocks), as a Hugging Face model with
+its own code: ``hf_config``, ``to_hf`` and ``write_code`` (the ``fastpar/models/hf_code`` files,
+loaded with ``trust_remote_code=True``). A capacity factor is refused (docs/hf.md)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,10 @@
-"""The fastpar GPT's weights and config under Hugging Face GPT-2's names (``GPT2LMHeadModel``).
+"""The fastpar GPT's weights and config under Hugging Face GPT-2's names (``GPT2LMHeadModel``),
+for a GPT with LayerNorm and no MoE blocks (``check`` refuses the rest).
 
     hf_state = to_hf(state, cfg)          # fastpar names -> transformer.h.N.attn.c_attn.weight ...
     config = hf_config(cfg)               # config.json content (model_type "gpt2")
-    export_hf(to_hf(state, cfg), "out/", hf_config(cfg))   # fastpar.checkpoint: an HF directory
 
-``state`` holds full tensors under the global names of ``build_gpt`` (a single-process model's
-``named_parameters()``, or ``fastpar.checkpoint.export_state_dict`` of any layout). GPT-2 is the
-same math when the GPT uses LayerNorm (``--norm layernorm``: weight and bias, eps 1e-5) and no
-MoE blocks (``--moe-every 0``): learned positions ``wpe``, pre-norm blocks, a fused q|k|v
-projection, attention scaled by 1/sqrt(head_dim), an MLP with biases and exact GELU
-(``activation_function`` "gelu", not GPT-2's "gelu_new" tanh approximation), a final LayerNorm
-``ln_f`` and a head tied to ``wte`` (or untied: ``tie_word_embeddings`` false). GPT-2's layers
-are ``Conv1D``: their weight is [in, out], the transpose of fastpar's (``nn.Linear``) [out, in].
-The GPT's attention has no biases: GPT-2's ``c_attn.bias`` and ``c_proj.bias`` are written as
-zeros. ``check(cfg)`` refuses (naming the option) what GPT-2 cannot compute. Nothing here
-imports transformers.
-"""
+The mapping: docs/hf.md ("The name mappings")."""
 
 from __future__ import annotations
 

@@ -1,32 +1,12 @@
-"""Packed documents (``fastpar.models.documents``) for Hugging Face causal LMs.
+"""Packed documents (``fastpar.models.documents``) for Hugging Face causal LMs: an attention
+registered with transformers that stops at documents while a ``Documents`` context is current,
+and runs exactly as before outside one.
 
-    enable(model)                          # hf_blocks does it: attention that reads the context
+    enable(model)                          # hf_blocks does it
     with documents(Documents.of(doc_ids)):
         logits = model(input_ids=ids, position_ids=positions(model.config, ids)).logits
 
-While a ``Documents`` context is current, an enabled model attends within each document
-(``fastpar.ops.documents.document_attention``: one causal SDPA per document, no dense mask) and
-its positions restart at each document (``position_ids`` = ``Documents.positions()``: RoPE for
-the decoder families, the learned ``wpe`` for GPT-2). Outside a context the model runs exactly
-as before.
-
-How: ``enable`` switches ``config._attn_implementation`` to an attention registered with
-transformers' ``AttentionInterface`` — ``"fastpar_documents"`` (its fallback: HF's SDPA) or
-``"fastpar_documents_eager"`` (its fallback: the family's own eager attention) — and the
-matching mask function of ``AttentionMaskInterface``. With no documents current both delegate
-to the fallback with the arguments unchanged (the same mask, the same attention call, bit for
-bit); with documents current the mask function returns None (no [B, 1, S, S] mask is built)
-and the attention calls ``document_attention`` on HF's [B, H, S, D] q / k / v (grouped-query
-K/V as HF's ``repeat_kv``, the module's ``scaling``) and returns ([B, S, H, D], None) as HF's
-attention functions do. Tensor parallelism splits the heads per rank: the attention is per
-head, so it holds there too. The name is not saved with the config (transformers drops
-``_attn_implementation`` from ``config.json``).
-
-What cannot honour documents is refused when documents are current (``check``: a ValueError
-naming the family and the fix): families outside ``FAMILIES``, masked LMs (BERT: bidirectional),
-sliding-window attention, attention dropout, padding masks, and rows cut by context
-parallelism.
-"""
+How, and what is refused: docs/packing.md ("Hugging Face models on documents")."""
 
 from __future__ import annotations
 

@@ -2,43 +2,10 @@
 pipeline blocks with the same protocol as ``build_gpt``.
 
     blocks = build_llama(LlamaConfig(...), mesh)   # [Embedding, Block x layers, Head]
-    logits = nn.Sequential(*blocks)(ids)           # one stage: [B·T, vocab / tp]
     loss = llama_loss(logits, targets, cfg, mesh)  # vocab-parallel cross-entropy
 
-HF names both ways (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, and with MoE blocks
-Qwen3MoeForCausalLM / MixtralForCausalLM): ``fastpar.models.llama_hf``.
-
-Layers: a vocab-parallel token embedding (no learned positions); attention with grouped-query
-heads split over TP: one ColumnParallelLinear computes q|k|v, its rows grouped by key/value
-head (each group holds that head's heads/kv_heads query heads, then its key, then its value
-head), so a contiguous TP slice is exactly one rank's query heads and their key/value heads;
-optional per-head q/k RMSNorm (Qwen3) and q/k/v bias (Qwen2); rotary position embeddings
-computed inside each attention block from the positions 0..T-1 (HF's rotate_half convention,
-cos/sin in fp32, then cast to the activations' dtype as HF does); causal SDPA; a
-RowParallelLinear output projection. A SwiGLU MLP (gate|up in one ColumnParallelLinear with two
-fused blocks, down a RowParallelLinear) or, every ``moe_every``-th block, a fastpar MoE of
-SwiGLU experts without biases (``MoE(expert="swiglu")``, ``moe_ffn`` wide, experts split over
-EP, not over TP) behind a top-k softmax router: in dropless mode the MoE block of Qwen3-MoE
-(``norm_topk_prob``) and Mixtral. DeepSeek-V3-style routing by the config's routing fields
-(``check_routing`` validates them, ``routing_options`` passes them to ``MoE``): sigmoid scores,
-a routed scaling factor, group-limited top-k, aux-loss-free balancing (``expert_bias``; the
-trainer calls ``fastpar.moe.update_expert_bias`` after each optimizer step), shared experts
-(optionally gated), the load-balancing loss per micro-batch or per sequence, or none, and the
-router z-loss. Its load-balancing loss (``aux_loss``) joins fastpar's
-training loss; the forward is HF's.
-RMSNorm as HF computes it (fp32, then weight * x.to(dtype)). Every rank draws the full weights
-from the same seed and keeps its slices, so any layout equals the single-process model.
-
-Global parameter names (blocks numbered as in the list; ``L`` = layers):
-``0.tok.weight``; ``i.norm1.weight``, ``i.attn.qkv.weight`` (``.bias``), ``i.attn.q_norm.weight``,
-``i.attn.k_norm.weight``, ``i.attn.o.weight``, ``i.norm2.weight``, ``i.mlp.gate_up.weight``,
-``i.mlp.down.weight`` for i in 1..L (a MoE block instead: ``i.mlp.router.weight`` [E, H],
-``i.mlp.w1`` [E, H, 2·moe_ffn] (x @ w1 = gate | up), ``i.mlp.w2`` [E, moe_ffn, H]; with shared
-experts ``i.mlp.shared.w1`` [H, 2·shared_expert_ffn], ``i.mlp.shared.w2``, gated
-``i.mlp.shared_gate.weight`` [1, H]; with expert_bias the fp32 buffer
-``i.mlp.router.expert_bias`` [E]);
-``{L+1}.norm.weight``, ``{L+1}.weight`` (untied head).
-"""
+Its layers, the q|k|v row grouping and the global parameter names: docs/hf.md ("fastpar's
+Llama"); HF names both ways: ``fastpar.models.llama_hf``."""
 
 from __future__ import annotations
 
@@ -371,7 +338,7 @@ class Attention(nn.Module):
         self.head_dim, self.rep = d, cfg.heads // kv
         self.kv_local = kv // tp
         kw = dict(group=group, sequence_parallel=sp, sequence_dim=1)
-        # rows grouped by key/value head: [q x rep, k, v] per group (see the module docstring)
+        # rows grouped by key/value head: [q x rep, k, v] per group (see docs/hf.md)
         self.qkv = ColumnParallelLinear(
             cfg.hidden, (cfg.heads + 2 * kv) * d, bias=cfg.attention_bias, **kw
         )

@@ -3,26 +3,8 @@
     hf_state = to_hf(state, cfg)          # fastpar names -> Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral
     config = hf_config(cfg)               # config.json content
     cfg, state = from_hf(hf_state, config)
-    export_hf(to_hf(state, cfg), "out/", hf_config(cfg))   # fastpar.checkpoint: an HF directory
 
-``state`` holds full tensors under the global names of ``build_llama`` (a single-process
-model's ``named_parameters()``, or ``fastpar.checkpoint.export_state_dict`` of any layout).
-The HF family follows from the options: ``qwen3`` with qk_norm, ``qwen2`` with attention_bias
-(q/k/v bias, none on o_proj), else ``llama``; with MoE blocks (``moe_every``) ``qwen3_moe``
-with qk_norm (``decoder_sparse_step`` = moe_every: both make block i sparse when
-(i + 1) % n == 0; dense blocks ``intermediate_size`` = ffn, experts ``moe_intermediate_size``
-= moe_ffn; ``norm_topk_prob``), else ``mixtral`` (a MoE in every block, experts
-``intermediate_size`` = moe_ffn, weights always renormalised). A MoE block's router is HF's
-``mlp.gate.weight`` [E, H]; its experts are HF's fused ``mlp.experts.gate_up_proj``
-[E, 2F, H] (gate rows, then up rows) = ``w1`` transposed and ``mlp.experts.down_proj``
-[E, H, F] = ``w2`` transposed. Nothing here imports transformers.
-
-Not mapped (clear errors): MoE models with a capacity factor (HF's MoE models drop no
-tokens), MoE blocks that are not in every layer without qk_norm, or with a q/k/v bias, and
-Mixtral without renormalised weights; HF models with an o_proj or MLP bias, scaled RoPE
-(rope_type other than "default"), sliding-window attention, an activation other than SiLU,
-Qwen3-MoE ``mlp_only_layers`` or Mixtral router jitter.
-"""
+Which family an option set maps to, and what is not mapped: docs/hf.md ("The name mappings")."""
 
 from __future__ import annotations
 
@@ -244,7 +226,7 @@ def from_hf(
     """HF LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / Qwen3MoeForCausalLM /
     MixtralForCausalLM weights and config.json content -> (LlamaConfig, state under fastpar global names; the head's ``{L+1}.weight``
     is the embedding itself when tied, as in ``state_dict()``). Raises for what fastpar's
-    Llama does not compute (see the module docstring) and for missing or unused tensors."""
+    Llama does not compute (see docs/hf.md) and for missing or unused tensors."""
     c = dict(hf_config_dict)
     model_type = c.get("model_type")
     if model_type not in _ARCH:

@@ -1,16 +1,9 @@
-"""Mixture of experts: top-k routers with capacity and the expert-parallel MoE layer.
+"""Mixture of experts: top-k routers with capacity and the expert-parallel MoE layer (docs/moe.md).
 
-``update_expert_bias(model, group)``: the aux-loss-free balancing step of every router of
-``model`` built with ``expert_bias=True`` (once per optimizer step; ``group``: the
-data-parallel group).
-
-``set_transport("python" | "extension" | None)``: which all-to-all the overlapped layer
-(``overlap_chunks > 1``) uses (``FASTPAR_MOE_TRANSPORT``'s API; ``transport()`` says which runs).
-
-``moe_from_hf(block, mesh=)`` / ``moe_to_hf_state_dict(moe)``: Hugging Face Mixtral, Qwen2/3-MoE
-and DeepSeek-V3 MoE blocks into ``MoE`` (same outputs and gradients) and back with HF's names
-(``fastpar.moe.hf``; transformers is never imported).
-"""
+``update_expert_bias(model, group)``: the aux-loss-free balancing step of every router built
+with ``expert_bias=True``, once per optimizer step. ``set_transport("python" | "extension" |
+None)``: the overlapped layer's all-to-all. ``moe_from_hf`` / ``moe_to_hf_state_dict``: Hugging
+Face MoE blocks both ways."""
 
 from __future__ import annotations
 

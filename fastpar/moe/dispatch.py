@@ -3,26 +3,8 @@
     rows, recv_counts, route = ep_dispatch(permuted, counts, group)  # to the experts' ranks
     out = ep_combine(expert_out, route)                             # and back
 
-``permuted [N, H]`` holds this rank's (token, choice) rows expert-major over all ``E`` experts
-(``counts [E]`` each, a device tensor); rank j owns experts ``j·E_local ... (j+1)·E_local - 1``.
-``ep_dispatch`` exchanges the counts (an all-to-all of ``[ep, E_local]``), reads the split
-sizes on the host — the one host read of the layer (gloo's and NCCL's ``all_to_all_single``
-take Python lists) — sends the rows, and regroups what arrives from (source, local expert)
-order into local-expert-major order: ``rows [R, H]`` (local expert e at rows
-``sum(recv_counts[:, :e]) ...``), ``recv_counts [ep, E_local]`` (what each source sent to each
-local expert, on the device) and a ``Route``: the split sizes as a CPU tensor and the regrouping
-index, built once on the device from ``recv_counts`` (no Python list of rows), which the combine
-and both backwards reuse (no further host reads). ``ep_combine`` is the inverse (local-expert-
-major rows back to their source ranks, in the sources' original order); each direction's
-backward is the other direction.
-
-Under ``torch.compile`` both are ``torch.library`` custom ops (``fastpar::moe_ep_dispatch``,
-``fastpar::moe_ep_move``) with fake implementations, so the host read happens inside an opaque
-op; ``R`` (rows received) is a data-dependent size there (an unbacked symbol): with
-``fullgraph=True`` (or ``torch._dynamo.config.capture_dynamic_output_shape_ops = True``) the
-layer is one graph, otherwise dynamo breaks the graph once, at the dispatch. Eagerly the same
-implementation runs as plain autograd Functions (no custom-op dispatch cost).
-"""
+``permuted [N, H]`` is expert-major over all E experts (``counts [E]`` on the device); the
+split sizes are read on the host once (docs/moe.md, "Expert-parallel transport")."""
 
 from __future__ import annotations
 

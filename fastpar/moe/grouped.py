@@ -1,27 +1,10 @@
-"""Grouped (segmented) linear layer over expert-major rows: the dropless experts' compute, with
-no host synchronisation on the traced path and no Python-built index lists, so ``torch.compile``
-traces a dropless MoE layer whole. ``fastpar.moe.experts.segments`` runs it eagerly too, on a
-CPU as well (its default path; measured against the alternatives in that module).
+"""Grouped (segmented) linear layer over expert-major rows: the dropless experts' compute, with no
+host sync on the traced path, so ``torch.compile`` traces a dropless MoE layer whole.
 
     y = grouped_linear(x, w, bias, offs)   # x [N, K] grouped by offs, w [G, K, M] -> [N, M]
 
-``offs [G]`` int32 are the cumulative row counts (group g holds rows ``offs[g-1] : offs[g]``,
-``offs[-1] = N``), a device tensor (``offsets(counts)``). Row r of group g is
-``x[r] @ w[g] + bias[g]``.
-
-Two entry points run the same implementation: eagerly an ``autograd.Function`` (no
-custom-op dispatch cost), under ``torch.compile`` the ``torch.library`` custom ops
-``fastpar::grouped_linear`` / ``fastpar::grouped_linear_backward``, whose fake (meta)
-implementations give the compiler the shapes (``aten._grouped_mm``'s own meta function accepts
-only bf16, which would break compiling an fp32 model) and which inductor calls as opaque kernels.
-
-Implementation: ``torch._grouped_mm`` (one call; on CPU it equals the per-group
-``x_g @ w[g]`` loop bit for bit in fp32 / bf16 / fp16) where the dtype and strides suit it
-(every non-unit stride a multiple of 16 bytes), else the per-group loop; the bias is added in
-place per group. The per-group loops read ``offs`` on the host: free on a CPU; on a GPU only
-the loop fallback does (the bias is then added and its gradient reduced with device ops:
-a gather, and a K = 1 grouped matmul, deterministic). Not twice differentiable.
-"""
+``offs [G]`` int32: cumulative row counts on the device (``offsets(counts)``). Backends and
+custom ops: docs/moe.md ("Experts")."""
 
 from __future__ import annotations
 

@@ -1,77 +1,11 @@
 """Hugging Face MoE blocks <-> ``fastpar.moe.MoE``: load a transformers block into an
 expert-parallel layer with the same outputs and gradients, and export it back with HF's names.
 
-    from fastpar.moe.hf import moe_from_hf, moe_to_hf_state_dict
-    moe = moe_from_hf(model.model.layers[3].mlp, mesh=mesh)   # this EP rank's experts
-    y = moe(x)                                                 # = block(x) on the same tokens
+    moe = moe_from_hf(model.model.layers[3].mlp, mesh=mesh)      # this EP rank's experts
     sd = moe_to_hf_state_dict(moe, prefix="model.layers.3.mlp.")  # full, gathered over EP
 
-Supported blocks (transformers 5, fused experts ``experts.gate_up_proj`` [E, 2F, H] gate rows
-then up rows, ``experts.down_proj`` [E, H, F]; router ``gate.weight`` [E, H]):
-
-==========================  =====================================================================
-HF block                    ``MoE`` settings it becomes (always ``expert="glu"``, no biases,
-                            dropless ``capacity_factor=None``, ``aux_loss=None``)
-==========================  =====================================================================
-``MixtralSparseMoeBlock``   softmax over E (fp32), top-k, ``normalize_topk=True``
-``Qwen3MoeSparseMoeBlock``  softmax, top-k, ``normalize_topk=norm_topk_prob``
-``Qwen2MoeSparseMoeBlock``  as Qwen3-MoE, plus ``shared_expert`` (width
-                            ``shared_expert_intermediate_size``) gated by ``shared_expert_gate``
-``DeepseekV3MoE``           ``score="sigmoid"``, ``expert_bias=True`` (``gate.e_score_correction_
-                            bias``), ``num_groups=n_group``, ``group_topk=topk_group``,
-                            ``group_score_topk=2``, ``normalize_topk=norm_topk_prob``,
-                            ``scaling_factor=routed_scaling_factor``, ``shared_experts`` (width
-                            ``moe_intermediate_size · n_shared_experts``, no gate)
-==========================  =====================================================================
-
-Every setting is read from the block itself (``gate.top_k``, ``gate.norm_topk_prob``, ...), the
-activation by probing ``experts.act_fn`` against ``fastpar.moe.experts.ACTIVATIONS`` (bit-exact
-on a grid, in fp32 and fp64: "silu"/"swish", "gelu", "gelu_pytorch_tanh", "relu"). What the layer
-cannot compute exactly is refused with a ``ValueError`` naming the setting: another block class,
-an unknown activation (e.g. "gelu_new"), Mixtral's ``router_jitter_noise > 0`` (HF scales the
-experts' input too, in place; fastpar's jitter touches the router only), a shared expert whose
-activation differs from the routed ones, extra parameters (biases) on the experts or the gate,
-DeepSeek groups that do not split the experts into groups of two or more.
-
-Mapping (fastpar stores the transposes for ``x @ w``; ``fastpar.moe.experts.to_hf`` /
-``from_hf``): ``router.weight`` = ``gate.weight``; ``w1`` = ``gate_up_proj.transpose(1, 2)``,
-``w2`` = ``down_proj.transpose(1, 2)``, each EP rank taking experts ``[r·E/ep, (r+1)·E/ep)``;
-``router.expert_bias`` = ``gate.e_score_correction_bias``; shared ``shared.w1`` =
-``cat(gate_proj.weight, up_proj.weight).t()``, ``shared.w2`` = ``down_proj.weight.t()``,
-``shared_gate.weight`` = ``shared_expert_gate.weight``.
-
-Tokens: each EP rank feeds its own tokens (any count: dropless). Gradients: the experts'
-(``w1``, ``w2``, expert-marked) already hold every EP rank's tokens; the router, shared expert and
-shared gate are dense (replicated) and hold this rank's tokens — summed over the ranks (the
-data-parallel reduction does it) they equal HF's gradient on the whole batch.
-
-Numerics beside HF (transformers 5.24): DeepSeek-V3 masks the groups it drops with −inf as this
-router does, and divides the top-k weights by ``sum + 1e-20`` where this router clamps the sum
-at the smallest normal float (the same in fp32 unless every chosen score is below ~1e-13).
-HF's ``topk(sorted=False)`` and its per-expert ``index_add_`` sum the k outputs in another
-order than ``moe_unpermute``: rounding only.
-
-Precision: in fp32 the numbers match HF to rounding (the tests: outputs and every gradient
-within rtol = atol = 1e-6 at EP 1 and 2). In bf16 / fp16 they round differently, by construction
-rather than by setting: this router always computes the logits and softmax in fp32 (HF Mixtral /
-Qwen compute the logits in the activations' dtype and Qwen casts the weights back before
-combining), and the combine runs in fp32 (the tests: bf16 outputs within two bf16 ulps).
-
-The converted layer consumes no random numbers (built under ``torch.random.fork_rng``) and takes
-the block's train / eval mode. ``moe_to_hf_state_dict`` returns the block's state-dict keys
-(with ``prefix``): at EP 1 detached views of the layer's tensors (no copy; ``.contiguous()``
-them for safetensors); at EP > 1 the experts gathered over the EP group (collective: call on
-every EP rank), or with ``gather=False`` this rank's slice ``[E_local, ...]`` of each expert
-tensor (experts ``[r·E_local, (r+1)·E_local)``) under the same keys. The router weight is
-exported in the experts' dtype (DeepSeek-V3: fp32, as HF keeps it). The family is the one
-``moe_from_hf`` recorded (``moe.hf_family``) or ``family=``; a layer holding parameters the
-family's block lacks (or lacking ones it has) is refused rather than exported in part. Only
-weights are exported: the routing settings belong to the HF config (``num_experts_per_tok``,
-``norm_topk_prob``, ``n_group``, ...), which the table above maps.
-
-transformers is imported by nothing here (a block is duck-typed by its class name), so
-``import fastpar`` never needs it.
-"""
+Supported blocks, the settings they map to, what is refused and the numerics beside HF:
+docs/moe.md ("Hugging Face MoE blocks"). transformers is never imported here."""
 
 from __future__ import annotations
 

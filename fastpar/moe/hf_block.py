@@ -1,26 +1,9 @@
 """``HFMoEBlock``: fastpar's ``MoE`` in a Hugging Face MoE block's place, keeping the block's
-parameter names and layouts, so a model converted in place (``fastpar.parallelize``'s
-"experts" style) still saves and loads as the HF model (``fastpar.checkpoint.save_hf`` /
-``load_hf``, every rank reading its slices).
+parameter names and layouts, so a model converted in place still saves and loads as the HF model.
 
     model.model.layers[3].mlp = HFMoEBlock(model.model.layers[3].mlp, mesh=mesh)
 
-Parameters (HF's names): ``gate.weight`` [E, H] (the router, replicated), DeepSeek-V3's buffer
-``gate.e_score_correction_bias`` [E] (the expert bias, fp32), ``experts.gate_up_proj``
-[E_local, 2F/t, H] and ``experts.down_proj`` [E_local, H, F/t] — this rank's experts (EP) and,
-with ``expert_tp`` (the default), its 1/t of every expert's gate and up rows and of the down
-columns (TP = t; marked expert and sharded, so checkpoints and the gradient norm see the
-global tensors). Shared experts stay HF's own modules (``shared_expert`` /
-``shared_expert_gate``, ``shared_experts``): dense MLPs a plan may split like any other.
-
-The routed compute is a ``MoE`` built by ``moe_from_hf`` (the same settings and the same
-outputs and gradients as the block, within rounding), held outside the module tree: its
-``w1`` / ``w2`` are transposed views of the HF-layout parameters taken at every forward
-(``fastpar.moe.experts.from_hf``: no copy), its router weight and expert bias are the very
-tensors above. ``fastpar.moe.update_expert_bias(model, group)`` finds the gate (it carries
-the router's counts). Read ``block.moe`` for ``aux_loss`` / ``stats`` after a forward; the
-block's aux loss (off by default, as in HF) reaches backward by itself when turned on.
-"""
+Its parameters and how they shard: docs/moe.md ("Hugging Face MoE blocks")."""
 
 from __future__ import annotations
 
@@ -75,7 +58,7 @@ class _Experts(nn.Module):
 
 class HFMoEBlock(nn.Module):
     """An HF Mixtral / Qwen2-MoE / Qwen3-MoE / DeepSeek-V3 MoE block computed by fastpar's
-    ``MoE``, under the block's own names (module docstring). ``mesh``: experts over its EP
+    ``MoE``, under the block's own names (docs/moe.md). ``mesh``: experts over its EP
     group, and over its TP group with ``expert_tp``; ``options`` go to ``moe_from_hf``."""
 
     def __init__(self, block: nn.Module, *, mesh=None, expert_tp: bool = True, **options) -> None:

@@ -2,38 +2,10 @@
 parallelism over the mesh's EP group.
 
     moe = MoE(hidden_size=512, ffn_hidden_size=2048, num_experts=8, top_k=2, mesh=mesh)
-    y = moe(x)                         # [..., H] -> [..., H]
-    loss = task_loss                   # the aux loss reaches backward through y by itself
-    log(moe_aux_loss(model))           # its value (detached once it is in backward)
+    y = moe(x)                         # [..., H] -> [..., H]; the aux loss joins backward by itself
 
-Capacity mode uses fixed all-to-all splits, so every rank of the EP group must route the same
-number of tokens (fixed batch shapes; a mismatch is a clear error on every rank, checked on each
-forward over gloo and on the first over NCCL); dropless mode handles uneven counts.
-
-Per forward: the router picks k experts per token; ``moe_permute`` groups token rows by expert
-([E, C, H] with capacity, [T·k, H] dropless); with EP > 1 an all-to-all sends each expert's rows
-to the rank that owns it (equal splits in capacity mode: no host sync; dropless first exchanges
-the per-expert counts, which costs one host sync for the split sizes); the local experts run as
-one batched matmul ([E_local, ep·C, H]) or over compact segments (dropless); the inverse
-all-to-all brings the outputs back and ``moe_unpermute`` combines them weighted by the router.
-
-Experts (``expert=``, ``activation=``, ``bias=``; ``fastpar.moe.experts`` has the kinds, the
-storage and its HF mapping): "mlp" (the default) is ``act(x W1 + b1) W2 + b2`` (GELU unless
-``activation``); "glu" is gated, ``(act(x W_gate) * (x W_up)) W_down`` (SiLU unless
-``activation``; "gelu": GeGLU), biases optional; "swiglu" is glu + SiLU + no biases, the
-expert of Llama-class MoE models (Mixtral, Qwen2/3-MoE), with gate | up fused in one matrix
-``w1`` ([E_local, H, 2F]: columns [0, F) gate, [F, 2F) up) and ``w2`` = W_down
-[E_local, F, H]. Every path (capacity / dropless, batched / segments, overlapped K chunks, EP
-all-to-all) runs the same two functions, ``_experts_batched`` and ``_experts_segments``.
-Shared experts (``shared_ffn_hidden_size``, ``shared_gate``): one dense FFN of the same kind on
-every token, added to the routed output (optionally gated by ``sigmoid(x W_g)``, Qwen2-MoE).
-
-Expert weights are initialised in full ([E, ...], the same random stream at every EP size, each
-expert's matrices drawn like ``nn.Linear``'s) and sliced, so EP = n equals the single-process
-layer holding every expert. They are marked
-``expert`` (their gradients are reduced over the expert-data-parallel group, and counted once
-there by the global grad norm); the router is a dense, replicated parameter.
-"""
+One forward, capacity against dropless mode and the weights' initialisation: docs/moe.md
+("Inside the layer")."""
 
 from __future__ import annotations
 

@@ -1,33 +1,6 @@
-"""All-to-all overlapped with expert compute: the MoE layer's token buffer in K chunks.
-
-With K chunks the dispatch all-to-all of chunk i+1 and the combine all-to-all of chunk i-1 are in
-flight while the local experts compute chunk i; backward pipelines the same way (gradient rows
-travel to the experts in chunks, each chunk's expert backward runs while the next chunk's rows
-and the previous chunk's input gradients are on the wire).
-
-Transport: the C++ extension ``fastpar._C`` (ops ``fastpar::all_to_all_start(x, ...) ->
-ticket`` / ``all_to_all_wait(ticket, x, out_splits) -> out``, which drive the backend's
-asynchronous ``alltoall_base`` from C++ in the pattern of torch's functional collectives, with no
-output aliasing an input, so ``torch.compile`` traces them and keeps every wait; and ``pack_chunk`` / ``unpack_chunk``, CUDA kernels on GPUs) when it is built,
-else ``torch.distributed``'s ``all_to_all_single(async_op=True)`` — the same algorithm, the
-same results. Under ``torch.compile`` the overlapped Function's forward and backward (with
-their start + wait pairs) are traced when ``torch._dynamo.config.trace_autograd_ops`` is on
-(its backward calls ``torch.autograd.grad``); otherwise it runs eagerly inside the compiled
-layer (tests/test_extension_compile.py). On CPUs the
-backend's worker threads move the bytes while the main thread computes; on GPUs NCCL runs on
-its own stream and ``wait`` orders the compute stream after it with events (no device-wide
-synchronisation). ``fastpar.moe.set_transport("python" | "extension")`` forces one (for the
-process, or for a block as a context manager; ``None``: back to the default), as does
-``FASTPAR_MOE_TRANSPORT=python|extension``, read once per process (``fastpar.switches``).
-The transport is chosen once per layer call, not per chunk.
-
-Chunking: capacity mode splits every expert's C rows into K ranges (the same splits on every
-rank, no host sync); dropless mode splits every expert's segment into K parts (sizes known on the
-host after the layer's count exchange). For K >= 3 the first and last chunks are half-size
-(``_split``), which shortens the two all-to-alls that nothing can hide. Each output row is
-computed exactly as in the plain layer; the weight gradients are summed over chunks, i.e. equal
-to fp32 rounding.
-"""
+"""All-to-all overlapped with expert compute: the MoE layer's token buffer in K chunks, over the
+extension's asynchronous all-to-all or ``torch.distributed``'s (``set_transport``), forward and
+backward (docs/moe.md, "Expert-parallel transport")."""
 
 from __future__ import annotations
 

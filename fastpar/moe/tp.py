@@ -1,31 +1,5 @@
-"""Tensor parallelism inside ``MoE``: expert tensor parallelism (ETP) and sequence parallelism.
-
-Three layouts at TP = t > 1 (the mesh's tensor-parallel group, which is also the expert grid's
-expert-TP group: ``fastpar.mesh.layout``):
-
-* **replicated** (the default): every TP rank holds the same tokens and every expert in
-  full, and computes the same thing (redundantly). Gradients need no TP communication.
-* **expert TP** (``expert_tp=True``): each expert's FFN is split like a Megatron MLP — ``w1``
-  by columns (gate and up halves each split, so a rank holds ``[gate_r | up_r]``,
-  [E_local, H, 2F/t]), ``b1`` alike, ``w2`` by rows ([E_local, F/t, H]); ``b2`` replicated.
-  The rows entering the experts pass ``copy_to_region`` (their gradient is all-reduced), the
-  second matmul's partial sums are all-reduced (``reduce_from_region``), then ``b2`` is added
-  once. Routing, permutation and the EP all-to-alls see the same tokens on every TP rank.
-  Under sequence parallelism the layer first all-gathers the sequence over TP
-  (``gather_from_sequence``: backward keeps this rank's chunk, whose gradient is complete)
-  and hands back this rank's chunk at the end (``scatter_to_sequence``). The cost beside
-  Megatron-Core's dispatcher (which routes the local chunk and all-gathers only the rows
-  that reach each expert): routing and the all-to-alls process the whole sequence on every
-  TP rank (t× the all-to-all volume).
-* **sequence-parallel tokens** (``sequence_parallel=True``, experts not split): each TP rank
-  routes only its own chunk of the sequence (tokens split over TP, not replicated); the
-  experts are full copies on every TP rank. Every parameter of the layer then sees only this
-  rank's tokens, so its gradient is all-reduced over TP (``all_reduce_grad``, before
-  accumulation), and the router's load-balancing statistics and z-loss are summed over TP
-  (``fastpar.moe.balance``) so the aux loss equals the single-process one over the whole
-  sequence. Capacity mode is refused here: a per-chunk capacity drops other tokens than the
-  single-process layer does. Expert-bias counts are summed over TP by ``update_expert_bias``.
-"""
+"""Tensor parallelism inside ``MoE``: the replicated layout, expert tensor parallelism (ETP) and
+sequence-parallel tokens (docs/moe.md, "Tensor parallelism inside the layer")."""
 
 from __future__ import annotations
 
@@ -33,7 +7,7 @@ import torch
 
 
 def layout_of(tp: int, sequence_parallel: bool, expert_tp: bool) -> str:
-    """Which layout ("replicated", "expert_tp" or "sequence", module docstring) a layer with
+    """Which layout ("replicated", "expert_tp" or "sequence", docs/moe.md) a layer with
     these settings runs."""
     if tp == 1 or not (sequence_parallel or expert_tp):
         return "replicated"

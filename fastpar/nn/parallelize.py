@@ -1,53 +1,10 @@
 """``parallelize``: make a plain PyTorch or Hugging Face transformer tensor-parallel, in place.
 
-    model = fastpar.parallelize(model, mesh=mesh)            # a built-in plan (fastpar.nn.plans)
-    model = fastpar.parallelize(model, {                      # or your own
-        "transformer.wte": "vocab",
-        "*.attn.c_attn": ("column", {"fused": 3}),   # fused q|k|v: split each block by heads
-        "*.attn.c_proj": "row",
-        "*.mlp.c_fc": "column",
-        "*.mlp.c_proj": "row",
-        "lm_head": ("column", {"gather_output": True, "pad_output": True}),
-    }, mesh)
+    model = fastpar.parallelize(model, mesh=mesh)                 # a built-in plan
+    model = fastpar.parallelize(model, {"*.mlp.c_fc": "column", "*.mlp.c_proj": "row"}, mesh)
 
-Patterns are ``fnmatch`` patterns over ``model.named_modules()`` names. Styles:
-
-* "column" / "row": an ``nn.Linear`` or Hugging Face ``Conv1D`` (kept in its [in, out] layout)
-  becomes ``ColumnParallelLinear`` / ``RowParallelLinear`` (keyword arguments go to the layer);
-* "vocab": an ``nn.Embedding`` becomes ``VocabParallelEmbedding``;
-* "per_head": the module's parameters stay replicated over TP but see only this rank's heads
-  (a per-head norm after a column split): their gradient is all-reduced over TP;
-* "replicate": the module stays dense and must see only whole activations (checked);
-* "experts": a Hugging Face MoE block (Mixtral, Qwen2/3-MoE, DeepSeek-V3) becomes
-  ``fastpar.moe.hf_block.HFMoEBlock``: fastpar's MoE under the block's own names, each
-  expert's FFN split over TP (keyword ``expert_tp=False`` keeps the experts whole), and the
-  experts split over the mesh's EP group when it has one (dropless, as HF routes). A built-in
-  plan skips the dense MLP layers such a pattern also matches (Qwen3-MoE's ``mlp_only_layers``).
-
-Correct by construction, checked before the model is used:
-
-1. Static checks: the style fits the module type; every ``Linear`` / ``Conv1D`` beside a
-   column-split one in the same parent is planned too (split ``q_proj`` with ``k_proj`` dense is
-   refused, naming them); head counts — from the module (``num_heads``, ``num_key_value_heads``,
-   ...) or its ``config`` (Hugging Face keeps them there) — divide the TP size.
-2. A data-flow probe (``fastpar.nn.probe``) runs the dense model once on a tiny input: every
-   parameter that meets a split activation is found. Such parameters get their gradient
-   all-reduced over TP ("per_head", found automatically and recorded), and the plan is refused
-   when they cannot be handled exactly (used on split and whole activations both; contracted
-   with a split value: a dense ``Linear`` after a split; a split value contracted with a whole
-   activation: ``q`` split but ``k`` dense).
-3. The parallel model's output on that input is compared with the dense model's (one forward on
-   every TP rank): a plan that changes the result is refused.
-
-Parameters tied before (an embedding and its LM head, BERT's decoder bias and the bare
-``cls.predictions.bias``) are tied again, sharded alike. Attention modules that own a column
-split keep fewer heads per rank: their head-count and width attributes (``HEAD_ATTRS``,
-``WIDTH_ATTRS`` of ``fastpar.nn.plan``, and those named in ``heads=``) are divided by the TP
-size. The result is
-recorded on ``model.fastpar_plan`` (a ``PlanRecord``). Hugging Face's ``save_pretrained`` /
-``push_to_hub`` on the sharded model raise ``ShardedSaveError`` naming the supported route
-(``fastpar.checkpoint.save_hf``), instead of writing this rank's shards as the model.
-"""
+The styles and the checks made before the model is used (static checks, the data-flow probe,
+the output comparison): docs/hf.md ("parallelize: built-in plans or your own")."""
 
 from __future__ import annotations
 

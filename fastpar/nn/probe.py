@@ -1,22 +1,7 @@
-"""Which replicated parameters see tensor-parallel-split activations: a data-flow probe.
-
-``parallelize`` runs the DENSE model once on a tiny input under a ``TorchFunctionMode`` that
-labels every tensor it sees:
-
-* ``split``: a value that, after the swap, each TP rank holds only a part of (its heads, its
-  columns): the output of a module planned "column" (without ``gather_output``) and everything
-  computed from it;
-* ``full``: an activation every TP rank holds whole — the model's inputs, the outputs of "row",
-  "vocab" and gathered "column" modules, and everything computed from them without a split value;
-* parameter-derived: computed only from watched (unplanned) parameters and constants.
-
-A watched parameter that enters an op together with a split value sees only this rank's share
-after the swap, so its gradient is a partial sum over the TP group; with a full value its
-gradient is complete. The probe records both kinds of use per parameter, and the ops where a
-split value meets a full activation in a contraction (``q`` split but ``k`` dense) or a watched
-parameter is contracted with a split value (a dense ``Linear`` after a split): those plans are
-wrong. Nothing communicates: the probe runs on one process, on the dense model, in eval mode.
-"""
+"""Which replicated parameters see tensor-parallel-split activations: a data-flow probe that runs
+the DENSE model once on a tiny input, on one process, labelling every tensor split, full or
+parameter-derived, and records each watched parameter's uses and the contractions that make a
+plan wrong (docs/hf.md, "parallelize")."""
 
 from __future__ import annotations
 

@@ -1,34 +1,6 @@
-"""Fused AdamW: unscale, clip, decoupled weight decay, moments and update in one pass.
-
-``adamw_step_`` updates one flat fp32 master shard in place (the ZeRO optimizer calls it once
-per shard); ``adamw_step_multi_`` updates many tensors with one launch per dtype group (the
-non-ZeRO case, used by ``fastpar.optim.FusedAdamW``). Each element is read once (param, grad,
-exp_avg, exp_avg_sq) and written once (param, exp_avg, exp_avg_sq and an optional bf16/fp16
-copy of the param): 30 bytes a parameter with an fp32 grad and a bf16/fp16 copy, 8 fewer with
-bf16 moments (optional: exp_avg and exp_avg_sq both bf16, updated in fp32 and stored rounded to
-nearest even).
-
-Math (both backends), in torch.optim.AdamW's order (``foreach=False``, ``capturable=False``)::
-
-    g = fp32(grad) · inv_scale · clip_coef   (negated when maximize)
-    p ← p · (1 − lr·wd);  m ← lerp(m, g, 1 − β1);  v ← β2·v + (1 − β2)·g²
-    p ← p − lr/(1 − β1^t) · m / (sqrt(v)/sqrt(1 − β2^t) + eps)
-
-The reference (CPU) is bit-identical to torch.optim.AdamW on a CPU. The Triton kernel uses IEEE
-square root and division; torch's CPU ``sqrt`` is not correctly rounded (about one value in five
-is one ulp off), so on a CPU the interpreted kernel matches exp_avg / exp_avg_sq bit for bit and
-the param within an ulp or two.
-
-No host synchronisation: ``step``, ``inv_scale``, ``clip_coef`` and ``found_inf`` are 0-dim
-device tensors read by the kernel. ``step`` is the step number *after* this update (1 on the
-first) and the caller advances it *before* the call, only on steps that are not skipped::
-
-    step += (found_inf == 0)        # or torch._foreach_add_(steps, (found_inf == 0).float())
-    adamw_step_(..., step=step, found_inf=found_inf)
-
-A nonzero ``found_inf`` skips the whole update: nothing is written (the Triton programs touch no
-element). Non-contiguous tensors take the reference on every backend.
-"""
+"""Fused AdamW: unscale, clip, decoupled weight decay, moments and update in one pass, on one flat
+shard (``adamw_step_``) or many tensors (``adamw_step_multi_``); no host sync. The math, the
+bytes moved and the ``step`` / ``found_inf`` contract: docs/kernels.md ("AdamW")."""
 
 from __future__ import annotations
 
@@ -155,7 +127,7 @@ def adamw_step_(
     exp_avg, exp_avg_sq: [N] fp32, or both bf16 (updated in fp32, stored rounded to nearest),
     updated in place.
     step: 0-dim int64 / fp32 device tensor, the step number *after* this update (1 on the
-    first); the caller increments it, only when ``found_inf`` is zero (see the module doc).
+    first); the caller increments it, only when ``found_inf`` is zero (see docs/kernels.md).
     inv_scale: 0-dim fp32, 1 / loss scale (None: 1). clip_coef: 0-dim fp32,
     ``min(1, max_norm / (norm + eps))`` (None: 1). found_inf: 0-dim fp32 flag; nonzero skips
     the whole update. param_lp: optional [N] bf16 / fp16 tensor set to the new param.

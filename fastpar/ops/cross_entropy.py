@@ -1,26 +1,6 @@
-"""Vocab-parallel cross-entropy: the autograd Function and the functional API.
-
-Each rank of a tensor-parallel group holds a contiguous shard of the vocabulary (the layout of
-``VocabParallelEmbedding`` / ``ColumnParallelLinear``): with ``tp`` ranks and a global vocabulary
-``V``, every rank has ``V_local = ceil(V / tp)`` columns and rank ``r`` owns global ids
-``[r·V_local, (r+1)·V_local)``; ids ``>= V`` are padding and never enter the loss.
-
-Forward: one local pass per row (Triton kernel on CUDA, torch reference on CPU) gives fp32
-statistics ``[N, 4]``; ONE ``all_gather_into_tensor`` over ``group`` exchanges them (``16·N``
-bytes sent per rank, nothing when the group has one rank); every rank then forms the same
-per-row log-sum-exp and loss. Backward communicates nothing: it recomputes the softmax of its
-own shard from the saved logits and per-row max and log-sum-exp. No ``.item()`` or host
-synchronisation anywhere.
-
-Cross-rank checks. Free, always on: two header rows ride along in that all-gather (32 bytes per
-rank) carrying this rank's shard width, ``vocab_size``, ``ignore_index`` and a digest of its
-targets (``fastpar.comm.checks.digest``); when the ranks disagree (shards of 50 and 49 columns,
-targets that differ across the group) every rank raises a ``ValueError`` naming each rank's
-value, on CPU tensors at once, on a GPU as an asynchronous device assertion (no host sync; run
-with the debug checks for the named values). Different row counts cannot ride along (the
-gather itself would abort): with ``fastpar.debug_checks`` on, a 16-byte all-reduce before it
-compares shapes, dtypes, targets and options and raises on every rank (see ``fastpar.debug``).
-"""
+"""Vocab-parallel cross-entropy: the autograd Function and the functional API. One all-gather of
+``[N, 4]`` fp32 statistics in forward (with free cross-rank checks riding along), none in
+backward (docs/kernels.md, "Vocab-parallel cross-entropy")."""
 
 from __future__ import annotations
 
@@ -89,7 +69,7 @@ def _header(n_local: int, vocab_size: int, ignore_index: int, target: torch.Tens
 
 
 def _check_headers(headers: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-    """Raise on every rank when the gathered ``[tp, 8]`` headers differ (see the module doc)."""
+    """Raise on every rank when the gathered ``[tp, 8]`` headers differ (see docs/kernels.md)."""
     bad = (headers != headers[0]).any()
     if headers.device.type != "cpu":
         torch._assert_async(

@@ -2,21 +2,8 @@
 
     out = document_attention(q, k, v, doc_ids)   # q [B, Hq, T, D], k / v [B, Hkv, T, D]
 
-``doc_ids`` [B, T] (int64, non-decreasing along each row: a document is one contiguous run of
-equal ids) says which document each position belongs to; a query sees the keys of its own
-document at or before it. No [T, T] mask is built: each row is cut into its documents and each
-document runs one plain causal ``F.scaled_dot_product_attention`` on its slice of q, k, v (the
-pieces concatenated back, differentiable through autograd). Rows with the same document lengths
-are batched into one call per document; a row that is one document is one causal SDPA call.
-
-The cut needs the document lengths on the host: ``doc_ids`` is read to the host once per call
-(on a GPU: one device-to-host copy of [B, T] ids, a synchronisation). The function runs under
-``torch.compiler.disable`` (a graph break inside a compiled block: the cut depends on data).
-
-``dense_document_attention`` is the reference (a dense boolean mask and plain softmax math: for
-tests and benchmarks only). ``causal_work`` / ``work_balance`` count the (query, key) pairs each
-context-parallel rank computes when attention stops at documents, for reports.
-"""
+``doc_ids`` [B, T] int64, non-decreasing along each row; read on the host once per call
+(docs/kernels.md, "Document attention")."""
 
 from __future__ import annotations
 
@@ -41,7 +28,7 @@ _CURRENT: list = [None]
 
 @dataclass(frozen=True)
 class Documents:
-    """The documents of a batch's rows: ``ids`` [B, S] int64 (see the module docstring),
+    """The documents of a batch's rows: ``ids`` [B, S] int64 (see docs/kernels.md),
     whether positions restart at each document (``reset_positions``) and, optionally, which
     tokens have a valid target (``valid`` [B, S] bool, whole rows like ``ids``; e.g.
     ``targets != -100``): the MoE layers' aux losses and expert-bias counts count only those

@@ -1,38 +1,7 @@
-"""Vocab-parallel fused linear cross-entropy: the loss of ``hidden @ weight_shard.T`` without
-the ``[N, V_local]`` logits.
-
-Layout as ``fastpar.ops.cross_entropy``: rank ``r`` of the TP group holds rows
-``[r·V_local, (r+1)·V_local)`` of the (padded) output embedding, ``V_local = ceil(V / tp)``.
-
-Algorithm (``fastpar.reference.linear_cross_entropy.chunk_loop``): the tokens are processed in
-chunks of ``chunk_size`` rows; per chunk the logits ``[chunk, V_local]`` are formed in one
-reused buffer, reduced to fp32 ``[chunk, 4]`` statistics (Triton kernel on CUDA, torch on CPU),
-and ONE ``all_gather_into_tensor`` per chunk over ``group`` exchanges them (16 bytes a row per
-rank; the first chunk also carries the vocab-parallel CE's header rows, so unequal shard
-widths, vocab sizes, ignore indices or targets raise on every rank). The loss rows are then
-final, and the chunk's logits are overwritten in place by their gradient, which is folded at
-once into ``d hidden[rows] = dlogits @ weight_shard`` and ``d weight_shard += dlogits.T @
-hidden[rows]``. Peak memory beyond the inputs and their gradients: one chunk of logits.
-
-Backward, two modes:
-
-* gradients in the forward pass (default for ``reduction`` "mean" / "sum", Liger's choice):
-  the upstream gradient of a scalar loss only scales them, so forward computes them once (3
-  matmuls in all: logits, d hidden, d weight) and backward multiplies the saved two by it.
-  Recomputing would cost a 4th matmul (the logits again) to save holding d weight from the end
-  of forward to the start of backward, which for a loss computed last is nothing in between.
-* recompute (``recompute=True``; forced for ``reduction="none"``, whose per-row upstream
-  gradient is unknown in forward; Cut-Cross-Entropy's choice): forward saves only the inputs
-  and the per-row ``[N]`` max and log-sum-exp; backward redoes the chunk loop with them (no
-  all-gather in backward), allocating d weight only then.
-
-Collectives: the per-chunk all-gather of the statistics (forward only); d hidden is this shard's
-partial sum over the vocabulary, summed over ``group`` by ONE all-reduce in backward
-(``fastpar.comm.copy_to_region`` wrapped around ``hidden``) unless ``reduce_hidden_grad=False``,
-for callers whose own region op reduces it (a Head that applied ``copy_to_region``, or sequence
-parallelism's ``all_gather_reduce_scatter``, which reduce-scatters it). d weight needs none.
-No ``.item()`` or host synchronisation.
-"""
+"""Vocab-parallel fused linear cross-entropy: the loss of ``hidden @ weight_shard.T`` in row chunks,
+without the ``[N, V_local]`` logits; one all-gather per chunk in forward, one all-reduce of
+d hidden in backward. The algorithm and its two backward modes: docs/kernels.md ("Fused linear
+cross-entropy")."""
 
 from __future__ import annotations
 
@@ -114,7 +83,7 @@ class VocabParallelLinearCrossEntropyFunction(torch.autograd.Function):
     """Loss of ``hidden [N, H] @ weight [V_local, H].T`` against global ids ``target [N]``.
 
     Returns fp32 ``[N]`` for ``reduction="none"``, else a scalar. The gradient of ``hidden`` is
-    this shard's partial sum (the functional all-reduces it); see the module docstring.
+    this shard's partial sum (the functional all-reduces it); see docs/kernels.md.
     """
 
     @staticmethod

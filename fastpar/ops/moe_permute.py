@@ -1,23 +1,6 @@
-"""MoE permute / unpermute: autograd Functions and the functional API.
-
-``moe_permute`` groups the rows of ``x [T, H]`` by expert (``k`` copies per token, one per
-routing choice); ``moe_unpermute`` combines the experts' output rows back into ``[T, H]``
-weighted by the routing probabilities. Both are local to one rank (the expert-parallel
-all-to-all lives in ``fastpar.comm``).
-
-Slot assignment (``fastpar.reference.moe_permute.compute_slots``, torch ops on every backend): a
-stable sort of the expert ids (``torch.sort(stable=True)``, O(T·k) memory for any number of
-experts) and an exclusive prefix sum of the per-expert counts. Position of a (token, choice) =
-the number of pairs routed to the same expert processed before it, processing choice-major (all
-choice-0 pairs in token order, then all choice-1 pairs, ...) or in a caller-given ``order``; in
-capacity mode positions ``>= C`` are dropped (the GShard "position" policy).
-
-Capacity mode needs no host synchronisation (output ``[E, C, H]``); dropless needs none either:
-nothing drops, so the output has exactly ``T·k`` rows. Row movement: Triton kernels on CUDA
-(``fastpar.kernels.moe_permute``), the torch reference on CPU; ``backend.use_backend("triton")``
-forces Triton on CPU tensors (``TRITON_INTERPRET=1``). Nothing uses atomics: results are
-deterministic.
-"""
+"""MoE permute / unpermute: autograd Functions and the functional API. ``moe_permute`` groups the
+rows of ``x [T, H]`` by expert, ``moe_unpermute`` combines them back weighted by the routing
+probabilities; local to one rank, deterministic, no host sync (docs/kernels.md, "MoE permute")."""
 
 from __future__ import annotations
 

@@ -1,28 +1,6 @@
-"""One fused pass over the gradients: unscale, inf/NaN check, sum of squares and max.
-
-``unscale_and_norm`` replaces the two passes of a mixed-precision step
-(``torch._amp_foreach_non_finite_check_and_unscale_`` then ``torch._foreach_norm``): each
-gradient is read once and written once, and three 0-dim fp32 device tensors come back, with no
-host synchronisation. On CUDA one Triton launch per (grad dtype, out dtype) group covers
-thousands of tensors (a table of data pointers); on CPU the pure-torch reference runs.
-
-Semantics (both backends): ``y = fp32(g) · inv_scale`` is stored once, rounded to the
-destination's dtype; the flag and the statistics are taken over the stored values, so an inf
-produced by the multiplication is caught. The sum of squares is deterministic: per-program
-partial sums in fixed slots, reduced by ``torch.sum`` (no float atomics).
-
-Non-contiguous tensors (rare for gradients) take the reference on every backend; their
-statistics are combined with the kernel's on the device.
-
-``norm_and_inf`` is the read-only pass: the same flag and statistics of ``fp32(g) · inv_scale``
-without writing anything (one read of each gradient: 2 B an element in bf16/fp16, 4 in fp32),
-for an optimizer that unscales and clips inside its own update (``fastpar.optim.FusedAdamW``
-takes ``inv_scale`` and ``clip_coef``): the unscaled gradients are never materialised.
-
-Then ``clip_coefficient(sumsq.sqrt(), max_norm)`` and ``scale_(grads, coef)`` clip without a
-host sync. The norm here is local: sum the ``sumsq`` of each rank over the right group (and
-OR the flags) before taking the square root.
-"""
+"""One fused pass over the gradients: unscale, inf/NaN check, sum of squares and max
+(``unscale_and_norm``), its read-only form (``norm_and_inf``) and the clip helpers; no host
+sync. Semantics: docs/kernels.md ("Unscale + inf check + norm")."""
 
 from __future__ import annotations
 

@@ -1,27 +1,11 @@
-"""``FusedAdamW``: torch.optim.AdamW on ``fastpar.ops.adamw_step_multi_`` (one pass per group).
+"""``FusedAdamW``: torch.optim.AdamW on ``fastpar.ops.adamw_step_multi_`` (one pass per group),
+bit for bit ``torch.optim.AdamW(foreach=False)`` on a CPU.
 
     opt = FusedAdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     loss.backward(); opt.step(); opt.zero_grad()
 
-Each param group is one multi-tensor call per device (one Triton launch per dtype group on CUDA,
-the torch reference elsewhere). Same results as ``torch.optim.AdamW(foreach=False)``: bit for
-bit on a CPU.
-
-Mixed precision without a host sync, the protocol of torch's fused optimizers
-(``_step_supports_amp_scaling``): before ``step()`` the caller may set, as 0-dim device tensors,
-
-* ``found_inf``: nonzero skips the whole step on the device; the step counts do not advance;
-* ``grad_scale``: the loss scale; gradients are multiplied by ``1 / grad_scale`` in the kernel
-  (not divided: identical for the power-of-two scales of loss scalers);
-* ``clip_coef``: ``min(1, max_norm / (norm + eps))``, applied after unscaling.
-
-``torch.amp.GradScaler`` sets and deletes the first two around ``step()``. fastpar's wrappers
-(``fastpar.amp.step.guarded_step``) pass them as arguments instead: ``amp_step(found_inf=,
-inv_scale=, clip_coef=)`` (the ``fastpar.amp.FusedAmpStep`` protocol) reads no attribute, and
-``grads=`` (``fastpar.amp.FoldedAmpStep``): the gradient to read for a parameter instead of its
-``.grad`` — an fp32 master's update reads its bf16/fp16 model gradient directly, still scaled,
-so no unscaled fp32 copy is ever written.
-"""
+Mixed precision without a host sync (``found_inf``, ``grad_scale``, ``clip_coef``, ``amp_step``):
+docs/kernels.md ("AdamW")."""
 
 from __future__ import annotations
 
@@ -80,7 +64,7 @@ class FusedAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update of every parameter with a gradient, under the amp attributes when set
-        (module docstring); returns ``closure()`` if given."""
+        (docs/kernels.md); returns ``closure()`` if given."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -1,32 +1,12 @@
 """``MixedPrecisionOptimizer``: fp32 master weights around any torch optimizer.
 
-    model = model.half()                         # or .bfloat16()
     opt = MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
                                   scaler=DynamicLossScaler(), max_grad_norm=1.0, mesh=mesh)
     opt.scale_loss(loss).backward()
     skipped, grad_norm = opt.step()              # 0-dim device tensors
-    opt.zero_grad()
 
-Each step: (1) one fused pass per dtype unscales the low-precision gradients into fp32 main
-gradients (fp32 parameters in place), raising a device flag on any inf/NaN and accumulating the
-sum of squares of the gradients this rank counts (see ``fastpar.amp.norm``); (2) one all-reduce
-over every rank taking part agrees on the flag and the norm; (3) the scaler updates; (4) unless
-the step overflowed, gradients are clipped and the wrapped optimizer steps on the fp32 masters;
-(5) the masters are copied back into the model's parameters.
-
-Skipping without a host sync: optimizers that accept a device ``found_inf`` (torch's fused
-Adam / AdamW / SGD, ``fused=True``) skip on the device. Any other optimizer needs the flag on
-the host: one ``.item()`` per step.
-
-Folded step (the default for an optimizer that unscales and clips in its own pass,
-``fastpar.amp.FoldedAmpStep``: ``FusedAdamW``): step (1) only reads the gradients (flag and
-sum of squares of ``fp32(g) / scale``, ``fastpar.ops.unscale_norm.norm_and_inf``) and (4) hands
-the optimizer ``inv_scale``, ``clip_coef`` and the model's raw gradients. The parameters,
-optimizer state, norm and scaler come out bit for bit as with the unscaling step
-(``fold_unscale=False``); per gradient element 2 + 2 B are moved instead of 2 + 4 + 4 (bf16 /
-fp16: no fp32 main gradient is written, re-read or even allocated) and 4 + 4 instead of
-4 + 4 + 4 (fp32). The model's ``.grad`` are then left as backward made them (still scaled).
-"""
+The step, skipping without a host sync, and the folded step: docs/layouts.md ("Mixed
+precision")."""
 
 from __future__ import annotations
 
@@ -58,7 +38,7 @@ class MixedPrecisionOptimizer(OptimizerFront):
     agreeing on overflow (see ``fastpar.amp.norm``); ``dp_replicated=False`` when gradients are
     sharded over DP (ZeRO).
 
-    ``fold_unscale``: unscale inside the optimizer's own pass (module docstring); None (the
+    ``fold_unscale``: unscale inside the optimizer's own pass (docs/layouts.md); None (the
     default) does so when ``optimizer`` supports it (``fastpar.amp.FoldedAmpStep``), True
     requires it, False always unscales into fp32 main gradients first.
     """

@@ -1,25 +1,6 @@
-"""The checkpoint-pieces protocol, and its implementation for a plain torch optimizer.
-
-An optimizer takes part in ``fastpar.checkpoint`` through two methods (``CheckpointPieces``):
-
-* ``checkpoint_pieces() -> list[(param, key, values, start, stop)]``: for each model parameter
-  ``param`` (the ``nn.Parameter`` registered in the model) and state ``key`` — ``"param"`` (the
-  fp32 master value), ``"exp_avg"``, ... (any per-element state) and ``"step"`` (one element,
-  [0, 1)) — a 1-D tensor ``values`` holding elements [start, stop) of ``param``'s LOCAL tensor
-  flattened row-major.
-* ``load_checkpoint_pieces(lookup)``: ``lookup(param, key)`` returns the whole LOCAL tensor
-  (shape of ``param``; [1] for "step") in the new layout, or None; the optimizer copies what it
-  owns and refreshes the model's parameters. A ``KeyedLookup`` also lists the keys saved for
-  ``param`` (``lookup.keys(param)``), so an optimizer with no state yet knows what to create.
-
-Whether a checkpoint writes an optimizer's pieces from every DP rank or from DP rank 0 only:
-pieces differ across DP ranks (ZeRO) unless the optimizer says otherwise (``ReplicatedPieces``:
-``dp_replicated``, as ``MixedPrecisionOptimizer`` does).
-
-``MixedPrecisionOptimizer``, ``ZeroOptimizer`` and ``Zero3`` implement the methods; for a torch
-optimizer the free functions below do the same over ``optimizer.state``. The protocol lives
-here, below ``fastpar.zero`` and ``fastpar.checkpoint``, which both use it.
-"""
+"""The checkpoint-pieces protocol (``checkpoint_pieces`` / ``load_checkpoint_pieces``), and its
+implementation for a plain torch optimizer. It lives here, below ``fastpar.zero`` and
+``fastpar.checkpoint``, which both use it (docs/layouts.md, "Checkpoint pieces")."""
 
 from __future__ import annotations
 
@@ -47,7 +28,7 @@ class KeyedLookup(Protocol):
 
 @runtime_checkable
 class CheckpointPieces(Protocol):
-    """An optimizer (or wrapper) that saves and loads its own state as pieces (module docstring)."""
+    """An optimizer (or wrapper) that saves and loads its own state as pieces (docs/layouts.md)."""
 
     def checkpoint_pieces(self) -> list[Piece]: ...
 

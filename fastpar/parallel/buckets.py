@@ -1,16 +1,6 @@
-"""Gradient buckets: parameters grouped into contiguous flat buffers, reduced as backward fills them.
-
-``build_buckets`` packs each list of parameters into buckets (a bucket never mixes lists or
-dtypes): in reverse registration order (roughly the order backward produces their gradients)
-under a size cap for DDP / ZeRO-1/2, or in registration order without a cap for a ZeRO-3 unit.
-A bucket's flat size is padded to a multiple of its ``pad_to`` (the size of the group that
-shards it) so it splits into equal shards. A post-accumulate-grad hook per parameter counts how
-many of a bucket's parameters are ready; when the last one is, the bucket's collective starts
-asynchronously, overlapping the rest of backward. Buckets launch strictly in order (so every
-rank issues the same collectives in the same order), and a callback queued on the autograd
-engine waits for all of them when backward ends. With ``bound`` k, launching bucket i first
-finishes bucket i - k (at most k full-size gradient buffers alive: ZeRO-2 and ZeRO-3).
-"""
+"""Gradient buckets: parameters grouped into contiguous flat buffers, reduced as backward fills
+them, launched strictly in order and waited for at backward's end (docs/layouts.md, "The
+data-parallel family")."""
 
 from __future__ import annotations
 

@@ -1,59 +1,7 @@
-"""Context parallelism: a long sequence split over the ``cp`` ranks, with ring attention.
-
-Load-balanced layout (Megatron-Core's and torchtitan's for causal attention): the sequence of
-length S is cut into 2·cp chunks of c = S / (2·cp) tokens; cp rank i holds chunks i and
-2·cp − 1 − i, in that order (``local_positions``), so every rank has the same share of the
-causal mask's work. ``split_sequence`` takes this rank's tokens of a [B, S, ...] tensor
-(token ids, targets, positions); everything but attention then acts on the local 2c tokens.
-
-``ring_attention(q, k, v, group)``: causal softmax attention of this rank's queries against the
-keys and values of the whole sequence. q [B, Hq, 2c, D], k / v [B, Hkv, 2c, D] (grouped-query
-attention when Hkv < Hq, Hq a multiple of Hkv), each rank's tokens in the layout above (apply
-RoPE at ``local_positions`` before). Forward: cp steps; at step s the rank holds the K/V block
-of rank (i − s) mod cp, posts its send to rank i + 1 and the receive of the next block from
-rank i − 1 (the next transfer in flight while this block computes), and merges the block's
-partial attention into the running output with the online softmax (running log-sum-exp,
-fp32). Of the four (query chunk, key chunk) pairs of a step, a pair runs whole when the key
-chunk is earlier, causally masked on the diagonal, and not at all when it is later. Saved for
-backward: q, k, v, the output and the log-sum-exp (no S × S probabilities). Backward: the
-same ring, each K/V block followed by its dK / dV accumulator, which is in flight while the
-next block computes (a rank adds its share to the accumulator it received when that arrives);
-after cp steps every block's gradients are back on its owner. Exact: equal to full causal attention
-within fp32 rounding. Each block runs torch's CPU flash-attention kernels where they apply
-(fp32 / bf16 on a CPU: the block's output and log-sum-exp forward; backward from the whole
-attention's output and log-sum-exp), else plain fp32 matmuls (the reference math; no fused GPU
-block kernel is wired yet). The group's timeout bounds every wait.
-
-Packed documents (``doc_ids=`` [B, S], the WHOLE rows' document ids, non-decreasing along each
-row: ``fastpar.models.documents``): a query sees the keys of its own document at or before it.
-Every rank holds the whole rows' ids, so it knows the ids of any rank's chunks without more
-traffic; from each chunk's first and last id (one host read of [B, 2cp] ids per call) every
-(query chunk a, key chunk b ≤ a) block is classed: *skipped* when no query of a sees a key of b
-in any row (b < a and, in every row, b's last id < a's first id: the ids only grow, so no id is
-shared); *plain* when in every row both chunks lie in one document (b's first id == a's last
-id): whole, or causally masked on the diagonal, as without documents; else *masked*: the block
-runs with a [B, 1, c, c] mask (same document and causal), the CPU flash kernel's ``attn_mask``
-or the fp32 math. The diagonal block is never skipped (a query sees itself). A query that sees
-no key of a block (another row's document reaches it, not its own) gets the block's
-log-sum-exp −inf and weight 0 in the merge (guarded: no −inf − −inf), and p = 0 in backward.
-Backward runs the forward's classes. ``all_to_all_attention(..., doc_ids=)`` holds whole rows
-after the head scatter and runs ``fastpar.ops.documents.document_attention`` on them.
-
-``all_to_all_attention(q, k, v, group)`` (DeepSpeed-Ulysses style, where the heads divide
-cp): one all-to-all trades the sequence split for a head split (each rank then holds every
-token of H/cp heads), causal attention runs locally on the whole sequence (its tokens put
-back in order), and a second all-to-all returns this rank's tokens of every head. Two
-all-to-alls of q, k, v and the output instead of cp ring steps; needs Hq (and Hkv, else the
-K/V heads are repeated first) divisible by cp. Differentiable through ``fastpar.comm``'s
-all-to-all.
-
-``measure_waits()``: a context manager whose dict collects the seconds ring attention spent
-waiting for transfers (``wait_s``) and the transfers it waited for (``transfers``), for
-benchmarks (how much of the K/V traffic the block compute hides); and, counted in the forward
-only (backward runs the same blocks), the (query chunk, key chunk) blocks of this rank that
-causal attention would compute (``blocks_total``), those that packed documents let it skip
-(``blocks_skipped``) and those it ran with a document mask (``blocks_masked``).
-"""
+"""Context parallelism: a long sequence split over the ``cp`` ranks, with ring attention
+(``ring_attention``) or all-to-all attention (``all_to_all_attention``, Ulysses), both exact and
+stopping at packed documents' boundaries. The layout, the ring, the document blocks and
+``measure_waits``: docs/context.md ("Inside fastpar.parallel.context")."""
 
 from __future__ import annotations
 
@@ -130,7 +78,7 @@ _WAITS: list[dict] = []
 
 @contextlib.contextmanager
 def measure_waits() -> Iterator[dict]:
-    """Collect ring attention's transfer waits inside the block (module docstring)."""
+    """Collect ring attention's transfer waits inside the block (docs/context.md)."""
     stats = {
         "wait_s": 0.0,
         "transfers": 0,
@@ -400,10 +348,10 @@ def ring_attention(
     scale: float | None = None,
     doc_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention over the sequence split on ``group`` (module docstring): q [B, Hq, 2c,
+    """Causal attention over the sequence split on ``group`` (docs/context.md): q [B, Hq, 2c,
     D], k / v [B, Hkv, 2c, D] -> [B, Hq, 2c, D]. ``scale`` defaults to 1/sqrt(D). ``doc_ids``
     [B, S] (the whole rows' document ids, S = cp · 2c, non-decreasing per row): attention
-    stops at documents, blocks no query sees are skipped (module docstring)."""
+    stops at documents, blocks no query sees are skipped (docs/context.md)."""
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
         raise ValueError(
             f"ring_attention takes q [B, Hq, T, D] and k, v [B, Hkv, T, D]; got q "
@@ -462,7 +410,7 @@ def all_to_all_attention(
     doc_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention over the sequence split on ``group`` by head-scattering all-to-alls
-    (module docstring): q [B, Hq, 2c, D], k / v [B, Hkv, 2c, D] -> [B, Hq, 2c, D]. ``doc_ids``
+    (docs/context.md): q [B, Hq, 2c, D], k / v [B, Hkv, 2c, D] -> [B, Hq, 2c, D]. ``doc_ids``
     [B, S] (whole rows, as ``ring_attention``'s): attention stops at documents."""
     cp = group_size(group)
     if doc_ids is not None:

@@ -2,17 +2,7 @@
 overlapped with backward — ``Replicate`` without an optimizer, under its historical signature.
 
     model = DistributedDataParallel(model, mesh=mesh)      # dp group from the mesh
-    loss = model(x).loss; loss.backward()                  # buckets all-reduce as backward runs
-    optimizer.step(); model.zero_grad()
-
-Each parameter's ``.grad`` is a view into its bucket's flat buffer, so autograd accumulates
-straight into the buffer; when a bucket's last gradient arrives its all-reduce starts
-asynchronously (gradients divided by the DP size first, then summed: gloo has no AVG), and
-backward's end waits for all of them, so ``.grad`` holds the DP average when ``backward()``
-returns. ``no_sync()`` accumulates without communicating (gradient accumulation). To let the
-wrapper own the optimizer step too (fp32 masters, loss scaling, clipping, the norm), use
-``Replicate(model, optimizer_factory, ...)``.
-"""
+    model(x).loss.backward()                               # .grad holds the DP average"""
 
 from __future__ import annotations
 

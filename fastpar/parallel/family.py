@@ -1,32 +1,7 @@
-"""``FlatDataParallel``: what every member of the data-parallel family does, over ``FlatShard``
-objects — ``Replicate`` (stage 0) and ``Shard`` (ZeRO stages 1, 2, 3) only choose where a
-flat's tensors live:
-
-| stage | parameters    | gradient buffer        | reduction      | masters, state | after the step  |
-| ----- | ------------- | ---------------------- | -------------- | -------------- | --------------- |
-| 0     | full          | kept, ``.grad`` views  | all-reduce     | full           | copied to params|
-| 1     | full          | kept, ``.grad`` views  | reduce-scatter | shard          | all-gather      |
-| 2     | full          | during backward only   | reduce-scatter | shard          | all-gather      |
-| 3     | gathered/unit | during backward only   | reduce-scatter | shard          | copied to shards|
-
-ZeRO-3 parameters below ``persist_below`` elements stay replicated (all-reduced, like stage 0
-but accumulating in fp32). Expert parameters (``fastpar.mesh.placement.mark_expert``) are
-reduced and sharded over the expert-data-parallel group, everything else over the DP group;
-gradients are averaged over the dense DP size (an expert's gradient already sums the tokens of
-its EP group). A parameter held on several pipeline stages (``mark_duplicated``: a tied
-embedding) gets a flat of its own, laid out alike on every holder, and its reduced gradient is
-summed over those holders: at stage 0 in ``finish_grad_sync()`` (the ``.grad`` a caller's
-optimizer reads), at the ZeRO stages in ``step()`` (once, however many backward passes).
-
-The step (every stage): one fused unscale + inf check + sum of squares over the reduced
-gradients (each element counted once: sharded elements on their owner, replicated ones on the
-first rank of their group, TP duplicates by the marks), one all-reduce of [found_inf, sumsq]
-over every rank taking part (the world with a mesh, else the DP group), the scaler update,
-clipping (folded into a ``FusedAmpStep`` optimizer), the inner optimizer's step on the fp32
-masters (skipped on the device when the optimizer supports it, else one host sync), then the
-parameters are refreshed from the masters. ``check_gradients=False`` (no scaler, no clipping)
-skips the pass and the all-reduce; the norm is then NaN.
-"""
+"""``FlatDataParallel``: what every member of the data-parallel family does over ``FlatShard``
+objects; ``Replicate`` (stage 0) and ``Shard`` (ZeRO 1, 2, 3) only choose where a flat's tensors
+live. The stages' table, expert and tied parameters, and the step: docs/layouts.md ("The
+data-parallel family")."""
 
 from __future__ import annotations
 
@@ -55,7 +30,7 @@ MakeOptimizer = Callable[[list[list[nn.Parameter]]], torch.optim.Optimizer]
 
 
 class FlatDataParallel(OptimizerFront):
-    """The family's behaviour (module docstring); ``Replicate`` and ``Shard`` construct it."""
+    """The family's behaviour (docs/layouts.md); ``Replicate`` and ``Shard`` construct it."""
 
     stage: int
     module: nn.Module | None
@@ -276,7 +251,7 @@ class FlatDataParallel(OptimizerFront):
     # -- the step -------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step (module docstring). Returns (skipped: 0-dim bool tensor,
+        """One optimizer step (docs/layouts.md). Returns (skipped: 0-dim bool tensor,
         grad_norm: 0-dim fp32 tensor before clipping), both on the device: no host sync."""
         if self.optimizer is None:
             raise RuntimeError(

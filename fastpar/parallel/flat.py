@@ -1,33 +1,6 @@
 """``FlatShard``: one flat buffer of parameters — its layout, its padding, the range this rank
-owns, and the collectives over it. Every data-parallel stage is built on it (``Replicate``:
-stage 0; ``Shard``: stages 1, 2, 3).
-
-A flat holds parameters p_0 .. p_k-1 back to back (``bucket.offsets``), padded to ``padded``
-elements, a multiple of the size N of the group that shards it. Sharded, rank r of the group
-owns elements [lo, lo + S) = [r·S, (r+1)·S), S = padded / N; replicated (stage 0, ZeRO-3's
-persistent parameters), every rank owns all of it (lo = 0, S = padded). Offsets are Python
-integers (no 2^31 limit: DeepSpeed #3429).
-
-Tensors (None where a stage keeps none; dtype = the parameters'):
-
-* ``full`` [padded], dtype: the parameters are views into it (ZeRO-3: storage allocated only
-  while gathered; a gradient-sync-only DDP leaves the parameters alone and keeps none);
-* ``shard`` [S], dtype, ZeRO-3 only: this rank's part between gathers;
-* ``master`` [S] fp32, what the optimizer updates (for fp32 parameters a view of full / shard);
-* ``grad`` [padded], dtype: where autograd accumulates (kept between steps at stages 0 and 1,
-  the parameters' ``.grad`` are views into it; alive only during backward at stages 2 and 3);
-* ``reduced`` [S] fp32: the data-parallel gradient the step reads.
-
-Reductions, two rules: ``in_place`` (stage 0, DDP's): ``grad`` is divided by the DP size and
-all-reduced where it is, so ``.grad`` holds the average, and a backward outside ``no_sync``
-after another adds to it; accumulating (ZeRO): ``grad`` is reduce-scattered (replicated flats:
-all-reduced) and ``reduced += result / dp``, then ``grad`` is cleared. On gloo, whose
-reduce-scatter clones its input and all-reduces the clone, the flat all-reduces ``grad`` in place
-(the same bytes on the wire, without the copies) and reads its own range; its all-gather copies
-through a temporary, so the flat broadcasts each rank's range in place instead. ``comm_bytes``
-counts the ring model of the collective the algorithm needs either way (reduce-scatter and
-all-gather: (N-1)/N of the buffer; all-reduce: 2(N-1)/N).
-"""
+owns, and the collectives over it; every data-parallel stage is built on it. Its tensors and
+its two reduction rules: docs/layouts.md ("The data-parallel family")."""
 
 from __future__ import annotations
 
@@ -82,7 +55,7 @@ class _Works:
 
 @dataclass(eq=False)
 class FlatShard:
-    """One flat buffer (module docstring): ``bucket`` (layout, reducer state), the ``group`` of
+    """One flat buffer (docs/layouts.md): ``bucket`` (layout, reducer state), the ``group`` of
     ``size`` ranks sharding it (this rank ``rank``), ``sharded`` or replicated, the optimizer
     ``param_group``, ``expert`` (sharded over the expert-data-parallel group), the ZeRO-3
     ``unit``, the groups it is ``tied`` over (a parameter held on several pipeline stages), and

@@ -1,37 +1,10 @@
-"""The family's two wrappers, one constructor shape:
+"""The data-parallel family's two wrappers, one constructor shape:
 
     model = Replicate(model, optimizer_factory, mesh=mesh, ...)           # stage 0 (DDP)
     model = Shard(model, optimizer_factory, stage=1 | 2 | 3, mesh=mesh, ...)   # ZeRO
-    loss = loss_fn(model(x), y)
-    model.scale_loss(loss).backward()     # buckets reduce as backward runs
-    skipped, grad_norm = model.step()     # 0-dim device tensors: no host sync
-    model.zero_grad()
 
-``optimizer_factory(params)`` builds the inner optimizer on the fp32 masters (one tensor per
-flat, the same values as the parameters): ``params`` is a list of masters, or, with
-``param_groups`` (a list of dicts whose "params" are the module's parameters, other keys passed
-through), a list of dicts in the same order. Every other argument is the same at every stage:
-
-* ``mesh`` / ``group``: the DP group is ``mesh.dp_group`` (expert parameters: the mesh's
-  expert-DP group), or ``group`` (None = the default group); with a mesh the norm and the
-  overflow flag are agreed over the world and parameters are counted by their TP marks;
-* ``scaler`` (a loss scaler or None), ``max_grad_norm`` (clip to this global norm);
-* ``reduce_dtype``: dtype of the gradient collectives (default fp32; None: the gradients');
-* ``find_unused_parameters``: parameters without a gradient in a backward count as zero
-  instead of raising; ``check_gradients=False`` (no scaler, no clipping): no inf check and no
-  norm (step returns a NaN norm), one pass and one all-reduce fewer;
-* ``bucket_size_mb`` (stages 0-2; default 25): the bucket capacity; ZeRO-3 buckets by unit;
-* ``broadcast_parameters``: start from the first rank's parameters and buffers;
-* ZeRO-3 only: ``wrap`` (module types) or ``min_params`` (the unit policy), ``persist_below``
-  (parameters with fewer elements stay replicated), ``prefetch`` (overlap the next unit's
-  gather with this one's compute).
-
-What every stage provides is the ``fastpar.parallel.DataParallel`` protocol (``no_sync``,
-``finish_grad_sync``, ``step``, ``zero_grad``, ``scale_loss``, ``comm_bytes``,
-``memory_bytes``, checkpoint pieces, ``state_dict``, ``summon_full_params``); the stages differ
-only in where tensors live (``fastpar.parallel.family``). ``optimizer_factory=None``
-(``Replicate`` only): gradient synchronisation alone, ``DistributedDataParallel``'s job.
-"""
+Their arguments and the ``DataParallel`` protocol they provide: docs/layouts.md ("The
+data-parallel family")."""
 
 from __future__ import annotations
 
@@ -76,7 +49,7 @@ def parameter_groups(
 class Replicate(FlatDataParallel, nn.Module):
     """Stage 0: every rank holds the whole model, its gradients, masters and optimizer state;
     gradients are all-reduced in place (``.grad`` holds the DP average when backward returns).
-    Arguments: the module docstring."""
+    Arguments: docs/layouts.md."""
 
     def __init__(
         self,
@@ -122,7 +95,7 @@ class Replicate(FlatDataParallel, nn.Module):
 
 class Shard(FlatDataParallel, nn.Module):
     """ZeRO stage 1 (optimizer state and masters sharded), 2 (gradients too) or 3 (parameters
-    too, gathered per unit around its forward and backward). Arguments: the module docstring.
+    too, gathered per unit around its forward and backward). Arguments: docs/layouts.md.
     Between steps at stage 3 the parameters are empty tensors: read them inside
     ``summon_full_params()``."""
 

@@ -1,16 +1,6 @@
-"""What a data-parallel wrapper holds, saves and loads, over its flats (``FlatShard``): bytes
-held, the same-layout state dict, and the checkpoint-pieces protocol (``fastpar.optim.pieces``).
-
-Pieces: for each parameter piece this rank owns, ``(p, key, values, start, stop)`` — elements
-[start, stop) of parameter ``p``'s LOCAL (TP / EP sharded) tensor flattened row-major, for key
-"param" (the fp32 master value) and every per-element state of the inner optimizer
-("exp_avg", "exp_avg_sq", "momentum_buffer", ...); "step" is a one-element piece [0, 1) from
-the rank owning the parameter's first element. A replicated flat's pieces come from the first
-rank of its group only, so over the data-parallel group the pieces of one parameter are disjoint
-and cover it once. Loading copies, for every parameter and key, the part this rank owns of
-``lookup(p, key)`` (the whole LOCAL tensor, or None) and rebuilds the parameters (each rank fills
-its own buffers: no collective). Pieces are views of the live tensors: copy them before a step.
-"""
+"""What a data-parallel wrapper holds, saves and loads, over its flats (``FlatShard``): bytes held,
+the same-layout state dict, and the checkpoint-pieces protocol (``fastpar.optim.pieces``); the
+pieces a rank writes: docs/layouts.md ("The data-parallel family")."""
 
 from __future__ import annotations
 

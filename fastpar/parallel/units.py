@@ -1,25 +1,6 @@
-"""ZeRO-3's units: which parameters are gathered together, and when their full values live.
-
-The wrap policy (``wrap``: module types, or ``min_params``: every submodule holding at least
-that many not-yet-wrapped parameter elements, bottom up) splits the model into units;
-parameters outside every wrapped module (and parameters shared between units) form the root
-unit, the wrapper itself. A parameter belongs to the innermost unit containing it.
-
-Lifetime of a unit's full parameters (gathered over the flat's group, see ``FlatShard``):
-
-* forward pre-hook: gather (wait for a prefetch if one is in flight), and start the gather of
-  the next unit in the previous iteration's forward order;
-* forward post-hook: the full buffer's storage is resized to 0 (the parameters keep their shape
-  so autograd's saved tensors stay valid) and a hook on the unit's outputs is registered;
-* when the first gradient reaches those outputs in backward: gather into the same storage
-  again, and prefetch the unit whose backward comes next (reverse forward order);
-* once every parameter of a flat has its gradient the data-parallel wrapper frees it
-  (``free``): the parameters point at empty tensors until the next gather. Between steps
-  ``p`` is an empty tensor; ``summon()`` gathers everything for reading.
-
-Several forwards may run before their backwards (a pipeline's micro-batches): each backward
-gathers the units it reaches again, so a micro-batch's graph always computes with full values.
-"""
+"""ZeRO-3's units: which parameters are gathered together (the wrap policy), and when their full
+values live (gather, free, regather in backward, prefetch): docs/layouts.md ("The data-parallel
+family")."""
 
 from __future__ import annotations
 

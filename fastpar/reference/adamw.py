@@ -1,21 +1,6 @@
-"""Pure-torch reference of the fused AdamW step: the CPU path and the oracle of the Triton kernel.
-
-Per element, in fp32, in the order of ``torch.optim.AdamW`` (``foreach=False``,
-``capturable=False``, i.e. ``torch.optim.adam._single_tensor_adam`` with decoupled decay)::
-
-    g  = fp32(grad) · inv_scale · clip_coef        (two fp32 products, left to right; −g if maximize)
-    p  = p · fp32(1 − lr·wd)                       (only when wd != 0)
-    m  = lerp(m, g, fp32(1 − β1))                  (torch.lerp: one fma)
-    v  = v · fp32(β2) + fp32(1 − β2)·g·g           (torch's mul_ then addcmul_)
-    d  = sqrt(v) / fp32(sqrt(1 − β2^t)) + fp32(eps)
-    p  = p + (fp32(−lr / (1 − β1^t)) · m) / d      (torch's CPU addcdiv_)
-
-The step-dependent scalars are computed in float64 from the device ``step`` and rounded once to
-fp32, as torch computes them in Python doubles: on a CPU the result is bit-identical to
-``torch.optim.AdamW``. The scalars stay on the device (no ``.item()``), so the reference also
-runs without a host sync on an accelerator; there a skipped step (``found_inf != 0``) computes
-the update and keeps the old values with ``torch.where`` (on a CPU it simply returns).
-"""
+"""Pure-torch reference of the fused AdamW step: the CPU path and the oracle of the Triton kernel,
+bit-identical to ``torch.optim.AdamW`` on a CPU. The per-element math: docs/kernels.md
+("AdamW")."""
 
 from __future__ import annotations
 
@@ -64,7 +49,7 @@ def adamw_step_(
     param_lp: torch.Tensor | None = None,
     maximize: bool = False,
 ) -> None:
-    """One AdamW update of one tensor, in place (see the module docstring for the math).
+    """One AdamW update of one tensor, in place (see docs/kernels.md for the math).
 
     param / exp_avg / exp_avg_sq: fp32, any shapes and strides, same numel. grad: same numel, fp32 / bf16 /
     fp16 (still loss-scaled; multiplied by ``inv_scale`` and ``clip_coef`` here). step: 0-dim

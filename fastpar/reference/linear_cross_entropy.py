@@ -1,25 +1,5 @@
-"""Pure-torch chunked linear cross-entropy: the CPU path and the oracle of the fused op.
-
-``fastpar.ops.linear_cross_entropy`` computes the cross-entropy of ``hidden @ weight.T`` over a
-vocabulary sharded across the tensor-parallel group without ever holding the ``[N, V_local]``
-logits: ``chunk_loop`` walks the rows (tokens) in chunks of ``chunk_size`` and, per chunk,
-
-1. ``logits = hidden[rows] @ weight.T`` into ONE reused ``[chunk, V_local]`` buffer (the
-   inputs' dtype, fp32 accumulation inside the matmul: what ``F.linear`` gives the unfused CE);
-2. the per-row statistics ``[chunk, 4]`` of ``fastpar.reference.cross_entropy.local_stats``
-   (``stats_``, which for fp32 leaves ``exp(x − row max)`` in the buffer; or the Triton
-   kernel), passed to ``gather`` (the op's one all-gather per chunk over the
-   TP group; here the identity of a single rank), combined into the row loss;
-3. when ``row_grad`` is given: d loss / d logits written IN PLACE into the buffer
-   (``grad_`` / ``grad_logits_``; fp32 math, the true-class term from the fp32 target logit,
-   one cast), then
-   ``grad_hidden[rows] = dlogits @ weight`` (this shard's partial sum: the op all-reduces it
-   over TP) and ``grad_weight += dlogits.T @ hidden[rows]`` (fp32 accumulator for bf16 / fp16
-   weights, cast once at the end).
-
-Memory beyond the inputs and the two gradients: one ``[chunk, V_local]`` buffer plus ``[N]``
-fp32 row statistics. Nothing here communicates except through ``gather``.
-"""
+"""Pure-torch chunked linear cross-entropy (``chunk_loop``): the CPU path and the oracle of the
+fused op; the steps of one chunk: docs/kernels.md ("Fused linear cross-entropy")."""
 
 from __future__ import annotations
 

@@ -1,17 +1,7 @@
 """Pure-torch MoE permute / unpermute: the CPU path and the oracle of the Triton kernels.
-
-Shapes: ``T`` tokens, ``k`` choices per token, ``E`` experts, ``C`` capacity (rows per expert in
-capacity mode), ``H`` hidden size, ``R`` rows of the permuted buffer (``E·C`` in capacity mode,
-``T·k`` dropless). ``slots [T, k]`` int64 is the row of each (token, choice) in the permuted
-buffer, −1 when the choice was dropped; every row holds at most one (token, choice).
-
-``compute_slots`` (torch ops, used by every backend) assigns the slots; ``permute``,
-``unpermute`` and ``unpermute_backward`` move the rows. They are written with ``scatter`` /
-``index_select`` / ``index_add`` and one scratch entry past the end of each index space (row
-``R`` for dropped choices, pair ``T·k`` / token ``T`` / a zero row for unused rows), never with
-boolean masks, so they need no host synchronisation and stay differentiable
-(``torch.autograd.gradcheck`` runs on them directly).
-"""
+``compute_slots`` (used by every backend) assigns ``slots [T, k]``; ``permute``, ``unpermute``
+and ``unpermute_backward`` move the rows with index ops only: no host sync, differentiable
+(docs/kernels.md, "MoE permute / unpermute")."""
 
 from __future__ import annotations
 

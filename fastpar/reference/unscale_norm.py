@@ -1,22 +1,6 @@
-"""Pure-torch reference of the fused gradient pass: unscale, inf/NaN check, sum of squares, max.
-
-The CPU path of ``fastpar.ops.unscale_norm`` and the oracle of its Triton kernel. Per element:
-``y = fp32(g) · inv_scale`` (one fp32 product), stored once into the destination's dtype
-(round-to-nearest); the statistics are taken over the values *as stored*, in fp32, so an inf
-produced by the multiplication (``1e38 · 10`` in fp32, ``6e4 · 2`` written back into fp16) is
-seen like an inf in the input.
-
-* sum of squares: fp32, NaN when any stored value is NaN, inf when one is ±inf (or the sum
-  overflows, which needs values above ~1.8e19);
-* max ``|y|``: NaN when any stored value is NaN, else inf when one is ±inf;
-* found_inf is therefore ``not isfinite(max)``: no separate flag pass.
-
-``unscaled_stats`` is the read-only variant: the same statistics of the fp32 products
-``fp32(g) · inv_scale`` (what an fp32 destination would hold), nothing written — for an
-optimizer that unscales inside its own pass (``fastpar.optim.FusedAdamW``'s ``inv_scale``).
-
-No host synchronisation: every result is a 0-dim device tensor.
-"""
+"""Pure-torch reference of the fused gradient pass: unscale, inf/NaN check, sum of squares, max;
+the CPU path of ``fastpar.ops.unscale_norm`` and the oracle of its kernel. Statistics are taken
+over the values as stored (docs/kernels.md, "Unscale + inf check + norm")."""
 
 from __future__ import annotations
 

@@ -1,21 +1,10 @@
 """What a run trains, built one way for the trainer and for ``fastpar.verify``'s reference.
 
-``build(cfg, mesh, device)``: the model's blocks for this rank (its pipeline stage; the whole
-model when ``mesh`` is None, the single-process reference), cast to the run's precision, with
-its tied weights, the optimizer's parameter groups (weight decay on matrices only), the fp16
-loss scaler, the data-parallel wrapper of the ZeRO stage — ``Replicate`` or ``Shard``, which
-also owns the optimizer step (``mesh`` None: the same mixed-precision AdamW on one process) —
-and the loss. ``Trainer``: those parts of one rank, the pipeline engine, and a step. The
-engine weighs the MoE layers' auxiliary losses like a micro-batch's loss; the single-process
-reference, which has no engine, sets that weight on its MoE layers (``update_aux_scale``).
-A selective ``--recompute`` (attention, mlp, every:K) checkpoints regions of the decoder layers
-(``fastpar.parallel.pipeline.recompute``) on the ranks; the reference keeps every activation,
-so ``fastpar.verify`` compares against the plain model. ``full`` is the engine's own.
-With --expert-bias, after each optimizer step ``Parts.update_expert_bias`` moves the routers'
-biases from the step's routed tokens (summed over data parallelism; not after a skipped step),
-and checkpoints hold the biases beside the parameters (``Parts.checkpoint_tensors``); the
-reference calls the same method.
-"""
+``build(cfg, mesh, device)``: this rank's blocks (its pipeline stage; the whole model when
+``mesh`` is None), cast to the run's precision and tied, the optimizer's parameter groups, the
+fp16 loss scaler, the data-parallel wrapper of the ZeRO stage (which owns the optimizer step)
+and the loss. ``Trainer``: those parts, the pipeline engine, and a step. The reference's
+differences: docs/training.md ("Inside fastpar.train")."""
 
 from __future__ import annotations
 
@@ -216,7 +205,7 @@ def build(
     exact: bool = False,
     twin: bool = False,
 ) -> Parts:
-    """This rank's parts of ``cfg`` (see the module's docstring); ``mesh`` None: the whole
+    """This rank's parts of ``cfg`` (see docs/training.md); ``mesh`` None: the whole
     model on one process. The same seed gives the same weights on any layout. For
     ``fastpar.verify``'s references (``mesh`` None): ``exact`` builds the same model and step in
     float64 (``fastpar.reference.optimizer.ExactAdamW``, no loss scaling, the plain loss), and

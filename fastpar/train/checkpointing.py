@@ -1,39 +1,7 @@
 """A run's checkpoints in ``--checkpoint-dir``: one writer at a time, a run id, resume that names
-what it skips, changed settings refused or warned, ``--keep-last``.
-
-``run`` calls, on every rank: ``start = open_checkpoints(trainer, talk)`` before the first step,
-``_save(trainer, root, step, talk)`` at each save and ``close_checkpoints(trainer)`` at the end
-(a ``finally``). ``open_checkpoints``: global rank 0 takes the directory's lock
-(``fastpar.checkpoint.lock``: a live holder is refused, named; a dead one's is taken over) and
-decides, the other ranks follow:
-
-* ``--resume``: the newest checkpoint of this directory's run that verifies in full; each newer
-  one skipped is named with why (incomplete, corrupted: which file, another run's). Nothing
-  usable is an error unless ``--allow-fresh``. The run id is the checkpoint's; settings are
-  compared with the checkpoint's (``compare_settings``); ``--steps`` below its step is an error;
-  a changed learning-rate schedule is an error unless ``--allow-schedule-change``
-  (``compare_schedule``).
-* a fresh run: a new run id; a directory holding another run's checkpoints is refused unless
-  ``--allow-other-run``.
-
-Each checkpoint directory also holds the run's resolved settings as ``train_config.json``
-(``CONFIG_FILE``, written by global rank 0 after the save; itself a ``--config`` file), and so
-does ``--checkpoint-dir`` itself (the latest run's, written when the run opens it).
-
-A checkpoint holds ``Trainer.checkpoint_tensors()``: the parameters and the MoE routers'
-``expert_bias`` buffers (--expert-bias: the aux-loss-free balancing state, which no gradient
-carries), so a resumed run routes as the uninterrupted one would.
-
-``--init-from-hf DIR`` fills the weights of a fresh build (``fastpar.train.build``); a resumed
-run then loads every parameter and the optimizer state from its checkpoint over them, so the
-checkpoint wins and the run goes on from its step (the directory still gives the model's
-config.json).
-
-"This directory's run" is the last lock holder's (the lock file outlives its run), else the run
-of the most recently saved complete checkpoint. Every checkpoint carries the run id (in each
-rank's shard, see ``fastpar.checkpoint.format``) and the run's settings. The lock is released
-after the final step's checkpoint or by ``close_checkpoints``.
-"""
+what it skips, changed settings refused or warned, ``--keep-last``. ``run`` calls
+``open_checkpoints`` before the first step, ``_save`` at each save and ``close_checkpoints`` at
+the end, on every rank (docs/training.md, "Inside fastpar.train"; docs/checkpoints.md)."""
 
 from __future__ import annotations
 
@@ -297,7 +265,7 @@ def _plan(trainer: Trainer) -> tuple[str, str | None]:
 
 def open_checkpoints(trainer: Trainer, talk: bool) -> int:
     """Every rank, before the first step: lock the checkpoint directory, fix the run id and
-    resume (see the module's docstring). Returns the step to start from (0 without
+    resume (see docs/training.md). Returns the step to start from (0 without
     --checkpoint-dir). Raises ``CheckpointError`` on every rank when the run must not go on."""
     cfg = trainer.cfg
     if not cfg.checkpoint_dir:

@@ -1,20 +1,6 @@
-"""``--compile``: each block of this rank's pipeline stage under ``torch.compile``.
-
-Each block's ``forward`` is compiled in place (``torch.compile(block.forward)``), the way
-torchtitan compiles per transformer block: the module tree, the parameter names (checkpoints),
-the data-parallel wrapper's hooks and ZeRO-3's per-block gathers stay as they are and run
-eagerly around the compiled forward; activation recompute and the pipeline engine call the
-block as before. The first step of each rank compiles (inductor: C++ on CPUs, Triton on GPUs),
-so it is slow; the later ones reuse the code. fastpar's named ranges (``fastpar.profiling``) are
-left out of compiled code; collectives inside a block (tensor parallelism, MoE all-to-all) are
-traced by dynamo or split the graph there.
-
-MoE layers: the weight of their auxiliary loss that a pipeline engine sets around its forwards
-(``fastpar.moe.layer.aux_loss_scale``, a context variable) is not seen inside a compiled
-forward (dynamo traces the MoE without it, so the auxiliary loss's gradient is lost). A block
-with MoE layers therefore reads it eagerly before the compiled forward and hands it to its
-layers as their own ``aux_loss_scale`` for that call, the attribute path compiled code sees.
-"""
+"""``--compile``: each block of this rank's pipeline stage under ``torch.compile``, compiled in
+place so names, hooks and gathers stay eager around it; MoE blocks read the aux-loss weight
+eagerly first (docs/training.md, "Inside fastpar.train")."""
 
 from __future__ import annotations
 

@@ -1,21 +1,6 @@
-"""``run``: train on this rank: steps, progress lines, metrics, profiling, checkpoints, and
-stopping alike on every rank (preemption, divergence: ``fastpar.train.stop``).
-
-Host syncs only at sync points: logged steps (every ``--log-every``, and the last) and save
-steps. A step in between reads nothing on the host and makes no collective of its own (but,
-with --expert-bias, the bias update's one all-reduce of the routers' token counts over data
-parallelism, on the device): its loss, gradient norm and skipped flag stay on the device until
-the next sync point, which reads them all at once (``fastpar.train.metrics.resolve``), agrees over every rank on a stop (a
-signal received, a divergence in any step since the last sync point) and on the peak memory
-(one all-reduce), prints, saves, and stops. A SIGTERM / SIGINT is acted on at the next sync
-point; a divergence found there stops the run before anything is saved. With --eval-every N, every N-th step
-(and the last) also measures the validation loss (``Trainer.evaluate``: pipelined forward-only
-over held-out batches) and is logged, ``val_loss`` in its line and row. A logged step's
-numbers go to rank 0's progress line and, with --metrics-file / --tensorboard, to a JSON line
-and TensorBoard scalars (``fastpar.train.metrics``). --profile records the steps of
---profile-steps (all by default) under a ``torch.profiler`` schedule, each in a
-``ProfilerStep#N`` range, N the step's number.
-"""
+"""``run``: train on this rank: steps, progress lines, metrics, evaluation, profiling, checkpoints,
+and stopping alike on every rank. Host syncs only at sync points (logged and save steps):
+docs/training.md ("Inside fastpar.train")."""
 
 from __future__ import annotations
 

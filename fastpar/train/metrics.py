@@ -1,25 +1,7 @@
-"""A run's numbers, read on the steps that need them: the losses, gradient norms and skipped
-flags of the steps since the last read (``resolve``: one host sync), the memory, the progress
-line, tokens per second, FLOPs per token and MFU, and the row of a logged step (``MetricsWriter``
-writes it as a JSON line and TensorBoard scalars).
-
-MFU (model FLOPs utilisation) counts, per token, forward + backward (PaLM, appendix B; the
-convention torchtitan uses)::
-
-    flops_per_token = 6 * N + 12 * L * H * Q * S
-
-``N``: the parameters a token's matmuls use, each counted once across the layout: every
-parameter except the input embedding tables (token and position: a lookup, no matmul), plus
-the LM head's matmul (vocab x hidden) when it is tied to the token embedding; of each fastpar
-MoE layer's experts only the top_k / num_experts share a token visits (the router in full; a
-Hugging Face MoE's experts count in full). ``12 * L * H * Q * S``: attention's two
-sequence-length matmuls (Q K^T and the weighted sum of V) over ``L`` layers of ``H`` heads of
-width ``Q`` at sequence length ``S``, for the full S x S score matrix (non-causal counting: no
-halving for the causal mask, as PaLM and torchtitan). Activation recompute is not counted (that
-would be hardware FLOPs utilisation). MFU = flops_per_token x global tokens/s / (peak x
-devices): the peak is ``--peak-tflops`` (per device), else the dense bf16 tensor-core peak of a
-known GPU (``PEAK_FLOPS``); elsewhere (a CPU) MFU is None, never a guess.
-"""
+"""A run's numbers, read on the steps that need them (``resolve``: one host sync): the losses,
+gradient norms and skipped flags, the memory, the progress line, tokens per second, FLOPs per
+token and MFU (docs/metrics.md), and the row of a logged step (``MetricsWriter``: a JSON line and
+TensorBoard scalars)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""Under torchrun: after a collective failed, name the ranks on this machine that are stopped,
-and end them.
-
-A stopped rank (SIGSTOP, a debugger) makes its peers' collectives time out; they exit, and
-torchrun then sends the stopped one SIGTERM, which it cannot act on, and waits 30 s before a
-SIGKILL. A rank whose collective failed looks for its torchrun siblings (same parent, same
-TORCHELASTIC_RUN_ID) that are stopped, names them on stderr and kills them, so that the job
-ends now. Linux only (``/proc``); a no-op elsewhere and outside torchrun. Ranks on other
-machines are not seen.
-"""
+"""Under torchrun: after a collective failed, name the ranks on this machine that are stopped
+(SIGSTOP, a debugger), and end them, so the job ends now (Linux only; docs/training.md)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""Ending a run early, alike on every rank: preemption (SIGTERM / SIGINT) and divergence.
-
-A signal only raises a flag: the rank goes on to the next sync point of ``fastpar.train.loop``
-(a logged step, every ``--log-every``, or a save step), where one small all-reduce (``agree``)
-tells every rank whether any rank was signalled or found a divergence in the steps since the
-last sync point (their losses and skipped flags, read there), so that all ranks stop after the
-same step for the same cause. With ``--log-every 1`` (the default) that is the step the signal
-came in; with ``--log-every N`` it can be up to N - 1 steps later.
-"""
+"""Ending a run early, alike on every rank: preemption (SIGTERM / SIGINT) and divergence. A signal
+only raises a flag; ``agree`` at the next sync point stops every rank after the same step for the
+same cause (docs/training.md, "Inside fastpar.train")."""
 
 from __future__ import annotations
 

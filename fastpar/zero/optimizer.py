@@ -1,21 +1,12 @@
 """``ZeroOptimizer``: ZeRO stages 1 and 2 around an existing optimizer — ``fastpar.parallel.Shard``
 (stage 1 or 2) under its historical, optimizer-shaped signature.
 
-    opt = ZeroOptimizer(FusedAdamW(model.parameters(), lr=3e-4), stage=2, mesh=mesh,
-                        scaler=DynamicLossScaler(), max_grad_norm=1.0)
+    opt = ZeroOptimizer(FusedAdamW(model.parameters(), lr=3e-4), stage=2, mesh=mesh)
     opt.scale_loss(loss).backward()      # buckets reduce-scatter during backward
     skipped, grad_norm = opt.step()      # update this rank's shard, all-gather the parameters
-    opt.zero_grad()
 
-The wrapped optimizer's param groups are re-pointed at the fp32 master shards (one per flat
-buffer); the model's parameters become views into the flat parameter buffers. Layout, memory,
-the reduction and the step are the family's (``fastpar.parallel.family``): stage 1 keeps
-full-size gradient buffers (the parameters' ``.grad`` are views; accumulate micro-batches inside
-``no_sync()``), stage 2 keeps each bucket's gradient only from its first gradient until its
-reduce-scatter completes (at most two in flight), so every backward reduce-scatters and the
-shards accumulate. Use it instead of ``DistributedDataParallel`` (it reduces the gradients
-itself); ``Shard(model, optimizer_factory, stage=...)`` is the same with the module's shape.
-"""
+It reduces the gradients itself (no ``DistributedDataParallel`` around the model);
+docs/layouts.md ("The data-parallel family")."""
 
 from __future__ import annotations
 

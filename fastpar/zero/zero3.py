@@ -2,33 +2,12 @@
 ``fastpar.parallel.Shard(stage=3)`` under its historical signature.
 
     model = Zero3(model, optimizer_factory=lambda params: FusedAdamW(params, lr=3e-4),
-                  mesh=mesh, wrap=(nn.TransformerEncoderLayer,), scaler=DynamicLossScaler(),
-                  max_grad_norm=1.0)
-    loss = loss_fn(model(x), y)
-    model.scale_loss(loss).backward()    # units gather, compute, free; grads reduce-scatter
-    skipped, grad_norm = model.step()    # fused unscale/norm/clip, inner step on fp32 shards
-    model.zero_grad()
+                  mesh=mesh, wrap=(nn.TransformerEncoderLayer,))
+    model.scale_loss(loss_fn(model(x), y)).backward()   # units gather, compute, free
+    skipped, grad_norm = model.step()
 
-Units and the gather schedule: ``fastpar.parallel.units``; layout, reduction, the step, memory
-and checkpoint pieces: ``fastpar.parallel.family`` / ``fastpar.parallel.state``. Each unit's
-trainable parameters are packed (registration order) into flat buffers, one per (param group,
-dense / expert, dtype, persistent), padded to a multiple of the size N of the group that shards
-them (the DP group; the expert-data-parallel group for parameters marked ``mark_expert``); DP
-rank r holds elements [r·S, (r+1)·S), S = padded / N: the low-precision parameter shard, the
-fp32 master shard (one tensor for fp32 parameters), the optimizer state and the fp32 gradient
-shard. With tensor parallelism the "full" tensors are the TP-local ones. Persistent parameters
-(fewer than ``persist_below`` elements) stay replicated, their gradients all-reduced; frozen
-parameters stay replicated and are only broadcast. A parameter tied across pipeline stages gets
-a flat of its own, and its gradient shard is summed over the stages holding it.
-
-Counters: ``comm_bytes`` (cumulative payload bytes this rank sent, ring model; the split is in
-``comm_bytes_by``: forward / backward all-gathers, reduce-scatters, persistent all-reduces;
-per step 3·Ψ_padded·(N-1)/N·bytes for sharded parameters), ``memory_bytes()`` (bytes held
-between steps), ``peak_gathered_bytes`` (largest total of full parameter buffers alive at once).
-Between steps the model's parameters are empty tensors: code that reads them
-(``fastpar.checkpoint.save`` stores fp32 parameters from the model) must run inside
-``summon_full_params()``.
-"""
+Between steps the parameters are empty: read them inside ``summon_full_params()``. Layout,
+units and counters: docs/layouts.md ("The data-parallel family")."""
 
 from __future__ import annotations
 

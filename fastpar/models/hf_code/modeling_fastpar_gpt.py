@@ -4,22 +4,10 @@ exported directory):
     model = AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)
 
 Self-contained: torch and transformers only, no fastpar. It computes what fastpar's
-single-process ``--model gpt`` computes in eval mode (``fastpar.models.gpt``): token + learned
-position embeddings; pre-norm blocks x + attn(norm(x)), x + mlp(norm(x)); RMSNorm (normalised
-in fp32, cast back, times the weight) or LayerNorm; causal attention from one fused q|k|v
-matrix, no biases; GELU (erf) MLPs with biases; every ``moe_every``-th block a dropless
-mixture of GELU experts: router logits in fp32, softmax or sigmoid scores, the top-k by score
-(+ the expert bias, a selection-only shift; inside the best ``router_group_topk`` of
-``router_groups`` groups when group-limited), weights the chosen scores, renormalised when
-``normalize_topk`` and times ``routed_scaling_factor``, plus an always-on shared expert
-(optionally gated by ``sigmoid(x W_g)``). Weights keep fastpar's layout: experts ``w1``
-[E, H, F], ``b1`` [E, F], ``w2`` [E, F, H], ``b2`` [E, H] (for ``x @ w``).
-
-No key/value cache: generation recomputes the prefix each step (the models this exports are
-small). Padded rows (``attention_mask`` 0 on the left, as batched generation pads): a padding
-token is never attended to and positions start at each row's first real token; rows without
-padding compute exactly what fastpar does.
-"""
+single-process ``--model gpt`` computes in eval mode: learned positions, pre-norm blocks, RMSNorm
+or LayerNorm, fused q|k|v attention, GELU MLPs or dropless MoE blocks with fastpar's routing
+options; weights in fastpar's layout. No key/value cache (generation recomputes the prefix);
+left-padded rows never attend to padding and their positions start at the first real token."""
 
 from __future__ import annotations
 

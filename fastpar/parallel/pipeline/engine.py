@@ -3,70 +3,10 @@
     stage, _ = build_stage(blocks, mesh.pp_size, mesh.pp_rank)
     engine = PipelineEngine(stage, mesh, OneFOneB(8), loss_fn=F.cross_entropy)
     loss = engine.train_step(inputs, targets)    # inputs on the first stage, targets on the last
-    optimizer.step()
 
-The mini-batch is split into m micro-batches along dim 0; each micro-batch's loss is divided by
-m, so the accumulated gradients and the returned loss equal the unpipelined model's for a
-loss that averages over the batch. With ``recompute=True`` a forward runs without keeping its
-graph (only the stage input is stored) and is recomputed, under the same RNG state, right
-before its backward (selective recompute — attention, MLP or every k-th block — lives in the
-blocks instead: ``fastpar.parallel.pipeline.recompute``). A data-parallel stage (``fastpar.parallel.GradSync``: ``Replicate``,
-``Shard``, ``DistributedDataParallel``, or ``grad_sync=`` for one that is not the stage, e.g. a
-``ZeroOptimizer``) reduces its gradients once, in the last micro-batch's backward (the others
-run inside its ``no_sync()``; an explicit ``no_sync`` callable overrides), and its
-``finish_grad_sync()`` runs after the last backward of every micro-batch. ``tied`` parameters
-(a word embedding on the first stage and the LM head on the last) have their ``.grad`` summed
-over the mesh's embedding group after the last backward, so both copies take identical steps —
-for plain optimizers; fastpar's data-parallel wrappers sum parameters marked by
-``tie_across_stages`` themselves (where their gradients live), so pass no ``tied`` with them.
-
-Mixture of experts: around every forward (and recomputation) the engine sets the weight of one
-micro-batch's loss, ``scale_loss(1) / micro-batches``, as ``fastpar.moe.layer.aux_loss_scale``:
-each ``fastpar.moe.MoE`` of the stage then adds its auxiliary loss to backward with the weight
-of the main loss (``moe_aux_loss=False``: left to the caller).
-
-Stage messages: a stage may return a tensor or a tuple of tensors (None allowed; integer and
-bool tensors too), e.g. hidden states with rotary cos / sin, position ids and a mask — the next
-stage receives the same tuple. In backward, gradients flow back only for the floating slots
-that required grad on the sending stage; the other slots get none and nothing is sent for them.
-The first stage's ``inputs`` may be a tuple too (each tensor split into micro-batches along
-dim 0). Under ``recompute`` the forward runs without grad, so which output slots will require
-grad is learnt once per engine: its first tuple-producing forward runs a second time with grad
-enabled (output and graph dropped at once, the RNG left as the first run left it).
-
-Interleaved schedules (``Interleaved(m, v)``): the stage is this rank's v model chunks — a
-``VirtualStages`` (``build_virtual_stages``), a list of modules, or a data-parallel wrapper
-around a ``VirtualStages`` — run chunk by chunk; every (virtual stage, direction) has its own
-P2P tag (``fastpar.parallel.pipeline.runner``). Only this rank's last backward runs outside
-``no_sync``: a data-parallel wrapper then reduces every chunk's accumulated gradient once, so it
-needs ``find_unused_parameters=True`` (the other chunks' parameters get no gradient in that
-backward; ZeRO-2 reduces every backward, zeros for the other chunks). ZeRO-3 wrappers gather
-around their own forward, which chunks bypass: refused.
-
-Zero bubble (``ZeroBubbleH1``): each backward runs as B (the input gradient, sent back at
-once) and, later, W (the weight gradients, ``fastpar.parallel.pipeline.zb``); the last W runs
-outside ``no_sync``, so a data-parallel wrapper still reduces every gradient once. With
-``recompute`` B runs the stage's forward again first and that graph lives until W (memory
-between the two like no recompute). Refused with ZeRO-3.
-
-Loss normalisation (``normalization``): "sequence" (default) divides each micro-batch's loss
-— a mean over its targets, from ``loss_fn`` — by m, a mean of means; "token" takes from
-``loss_fn`` the SUM of the micro-batch's per-target losses and divides it by the count of valid
-targets (``target != ignore_index``) of the whole global batch (every micro-batch, every
-data-parallel and context-parallel rank), times dp × cp (the data-parallel reduction averages
-over them): the gradient and the returned loss (averaged over dp × cp) are then the mean over
-every valid target of the global batch, however unevenly the ignored targets fall. The count
-is ``train_step(..., valid_tokens=N)`` when the caller knows it (every rank drawing the same
-global batch does), else one all-reduce of the local count over the mesh's ``dp_cp_group``, on
-the device (no host sync). A batch with no valid target gives a loss and gradients of 0.
-
-``context`` (a callable of the micro-batch index returning a context manager, e.g. the
-micro-batch's packed documents: ``fastpar.models.documents``) is entered around every forward
-and recomputation of that micro-batch, on every stage.
-
-Evaluation: ``eval_step(inputs, targets)`` runs the schedule's ``forward_only()`` (no backward,
-no graph, the modules in eval mode, P2P channels of its own) and returns the mean loss.
-"""
+Micro-batching, loss normalisation, recompute, data-parallel stages, tied parameters, MoE aux
+losses, tuple messages, ``context``, interleaved and zero-bubble schedules, evaluation:
+docs/pipelines.md ("Inside the engine")."""
 
 from __future__ import annotations
 

@@ -1,30 +1,6 @@
 """Point-to-point transfers between neighbouring pipeline stages (torch.distributed batched
-isend / irecv).
-
-A message is one tensor, or a tuple of slots, each a tensor (any supported dtype, integers and
-bool included) or None. Sends are posted and not waited on (their handles are kept until
-``wait_sends``), so a stage never blocks on a send and neighbours cannot deadlock whatever the
-schedule; a receive is posted and waited for when its tensor is needed. Shapes and dtypes travel
-in a small header: with ``static_shapes`` (the default) once per direction — later messages must
-match it — else before every message. A tuple's header has one row per slot, which also says
-whether the slot requires grad: the receiver's copy of such a slot is a leaf that requires grad
-(and only those slots send a gradient back, see the engine).
-
-Early receives (``post_recv``): once a channel's shapes are agreed (static shapes, after its
-first message) the receive of its next message can be posted before the tensor is needed;
-``recv`` then only waits for it. On gloo a receive posted after its send still costs a
-rendezvous (~0.3 ms on 2 loaded cores, p90 over 2 ms); posted one step ahead it overlaps the
-compute in between (its wait then takes ~10 us). Only on CPU tensors (``early_recvs=None``):
-NCCL runs a pair's sends and receives in posting order on one stream, so a receive posted
-before a send its peer needs first would deadlock there. Receives on one channel are always
-posted in message order, early or not.
-
-Channels: every transfer carries a ``tag`` (default 0); messages between two ranks pair in
-posting order per tag, and shapes are agreed per (peer, tag). The engine gives every
-(virtual stage, direction) its own tag, so with several model chunks per rank activations and
-gradients that share a pair of ranks never cross (gloo matches by tag; NCCL ignores tags and
-pairs in posting order, which the engine's one-chunk schedules keep).
-"""
+isend / irecv): tensor or tuple messages, unwaited sends, early receives, a channel per tag
+(docs/pipelines.md, "Point-to-point")."""
 
 from __future__ import annotations
 

@@ -3,38 +3,8 @@
     policy = RecomputePolicy.parse("attention")    # none | full | attention | mlp | every:K
     apply_recompute(blocks[1:-1], policy)          # the decoder layers, before partitioning
 
-Policies:
-
-* ``none``: every activation is kept (no recompute).
-* ``full``: the pipeline engine's own mechanism (``PipelineEngine(recompute=True)``): a stage's
-  forward runs without a graph, only its input is kept, and the whole stage is recomputed under
-  the saved RNG state right before its backward. Nothing is done to the blocks.
-* ``attention`` / ``mlp``: inside every block, the attention (``attn`` / ``self_attn``) or the
-  MLP / MoE (``mlp``) sub-module is checkpointed: only its input is kept, its inner activations
-  are recomputed in backward.
-* ``every:K``: the whole of every K-th decoder layer (layers 0, K, 2K, ... of the model) is
-  checkpointed; the others keep everything.
-
-Mechanism: ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` around the chosen
-module's ``forward`` (patched on the instance, as ``--compile`` patches it: parameter names,
-module hooks and checkpoints are unchanged). Not the engine's mechanism, which works on a whole
-stage (it keeps only the stage input and replays the stage); a part of a block needs autograd's
-saved-tensor hooks, which the non-reentrant checkpoint gives: the recomputation runs when
-backward first needs one of the region's saved tensors, with the CPU and device RNG state of
-the first forward restored (same dropout masks), and only the recomputed *saved tensors* are
-used — the recomputed graph is never backwarded. So a MoE layer inside the region injects its
-auxiliary-loss gradient once (the first forward's ``_InjectAuxGrad`` node), and its ``stats``
-and ``aux_loss`` attributes are restored after the recomputation (``_keep_moe_state``: what the
-step's last forward set, as without recompute). Under ``torch.no_grad()``
-(evaluation, the engine's ``full`` forwards) the region runs plainly.
-
-Compositions: every schedule (the regions live inside the blocks, the engine is unchanged);
-TP / SP layers and EP all-to-alls (each rank recomputes the same regions in the same backward
-order, so collectives pair); ZeRO-3 (a unit's parameters are regathered when the first gradient
-reaches the unit's outputs and freed once all of them have a gradient, so a region recomputed
-inside the unit's backward sees full values); ``--compile`` (dynamo traces the checkpoint as a
-higher-order op; apply the policy before compiling).
-"""
+The policies, the mechanism (non-reentrant checkpoints) and what it composes with:
+docs/pipelines.md ("Selective recompute")."""
 
 from __future__ import annotations
 

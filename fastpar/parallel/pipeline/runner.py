@@ -1,18 +1,6 @@
-"""The step loop of ``PipelineEngine``: one schedule's actions ``(kind, micro-batch, chunk)``
-for this rank, forwards and backwards, over the engine's P2P channels. A schedule that splits
-its backward (zero bubble) runs "B" as the input gradient only and "W" as the weight
-gradients (``fastpar.parallel.pipeline.zb``); the last W then counts as the last backward.
-
-Virtual stage ``s = chunk * p + rank`` receives its input from virtual stage s - 1 on tag
-``2 s`` and its output gradient from s + 1 on tag ``2 s + 1`` (``act_tag`` / ``grad_tag``);
-every channel pairs in posting order, and every rank runs forwards (and backwards) of a chunk
-in the same micro-batch order, so sends and receives pair; sends are never waited on before
-the end of the step, receives when their tensor is needed, so a schedule the simulator runs
-without deadlock runs here too. Before each action's compute the receives of the next
-``LOOKAHEAD`` actions are posted early (``P2P.post_recv``: gloo, shapes known), in action
-order, so a message's rendezvous overlaps the compute before it is needed; which receive an
-action needs is known from the schedule (and, for a backward, from its forward's slots).
-"""
+"""The step loop of ``PipelineEngine``: one schedule's actions ``(kind, micro-batch, chunk)`` for
+this rank, forwards and backwards (B and W for zero bubble), over the engine's P2P channels, one
+tag per (virtual stage, direction) (docs/pipelines.md, "Inside the engine")."""
 
 from __future__ import annotations
 

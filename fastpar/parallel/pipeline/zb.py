@@ -1,51 +1,7 @@
 """A stage's backward split in two (zero-bubble schedules): B, the gradient of the stage input
-(on the critical path), and W, the weight gradients (deferred).
-
-The autograd graph of one micro-batch, from its roots (the stage output, or the loss) down:
-``R`` is the set of nodes on a path from a root to a stage input that requires grad. B runs
-``torch.autograd.grad(roots, stage_inputs, retain_graph=True)``: every node of R once, nothing
-else (no ``.grad`` touched, no hook of a parameter fires). A node of R with an edge out of R
-towards a parameter (an ``AddmmBackward`` of a linear layer: the edge to its weight) is an
-*intermediate*: a pre-hook stores the gradient it received in B. W then runs, per
-intermediate, its backward again restricted to the edges out of R (``autograd.grad`` from
-``GradientEdge(node, i)`` to the edges into its weight-side children: the ``x^T g`` matmul, not
-``g W``), and last one ``torch.autograd.backward`` from those children (and from the roots
-outside R) into the parameters: every parameter's ``AccumulateGrad`` runs once, so its
-post-accumulate-grad hooks (the data-parallel reducers') fire once per micro-batch.
-
-Direct weight gradients: an intermediate that is a matrix product of torch's own
-(``AddmmBackward0`` / ``MmBackward0``: every ``nn.Linear`` and ``F.linear``, fastpar's TP layers
-included) whose weight-side children are its matrix (and bias) edges gets them computed here
-from the tensors autograd saved, with the very ops its backward would run (``x^T g``, in the
-layout the saved matrix asks for; the bias gradient summed to its shape), instead of one
-autograd engine call each: on CPU that call costs about as much as the product itself for
-small layers (W of a 4-block MLP stage, 8 rows of 256 / 1024, alternating in one process:
-1.8-3.3 ms against 3.1-3.4 ms through the engine; what remains is mostly page faults of the
-eight 1 MiB weight gradients alive at once until the last call, 1.08 against 1.22 ms with
-glibc told to keep freed memory). ``DIRECT = False`` sends every intermediate through the
-engine (the gradients are equal bit for bit, tests/test_pipeline_zb.py).
-
-Prompt accumulation (``weights(prompt=True)``, what the engine asks for where no reducer
-waits for the end of one backward: with no gradient sync, or inside the ``no_sync()`` of one
-that ``defers_reduction_in_no_sync`` — ZeRO 0 and 1, not the W that ends the step, nor any W
-under ZeRO 2 / 3, whose reducers check at the end of every backward that each parameter got
-its gradient): each intermediate's weight
-gradients go into ``.grad`` as soon as they are computed, one small engine call each, when the
-intermediates' weight-side subgraphs are disjoint (each leaf still accumulates once, so its
-hooks fire once); otherwise all at the end as above. Holding every weight gradient of a stage
-until one last call made W allocate them all at once: on CPU, with glibc handing the memory
-back between steps, the page faults cost more than the products (a 2-rank ZB-H1 step of an
-8-block MLP: 59-62 ms at the end against 43-46 ms prompt; torch's
-ScheduleInterleavedZeroBubble, which also accumulates as it goes, 44-50 ms).
-
-Exactness: nodes outside R never run in B, nodes of R other than intermediates never run in
-W, so a collective (``fastpar.comm``'s Functions take one activation, never a weight) runs
-once per micro-batch, in B or in W. Two things are refused with an error rather than computed
-twice or wrongly: an intermediate that is a custom autograd Function not known to be
-re-runnable (its backward might communicate or free its context), and a weight-side child
-reached from two nodes of R (a parameter used twice in one stage), whose per-intermediate
-gradients would count a path twice.
-"""
+(on the critical path), and W, the weight gradients (deferred). Each parameter accumulates once
+per micro-batch and each collective runs once; how, and what is refused: docs/pipelines.md
+("Zero bubble: B and W")."""
 
 from __future__ import annotations
 
@@ -56,7 +12,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 #: context kept): by the forward class's name
 RERUNNABLE = {"_GroupedLinear"}
 
-#: compute the weight-side gradients of torch's matrix products directly (module docstring)
+#: compute the weight-side gradients of torch's matrix products directly (docs/pipelines.md)
 DIRECT = True
 
 
@@ -134,7 +90,7 @@ class SplitBackward:
         """W: the weight gradients, accumulated into ``.grad`` (hooks fire once each). In one
         engine call at the end, or with ``prompt`` (no gradient-sync hook waits for the end of
         the backward) each intermediate's at once when no two intermediates reach a common
-        node on their weight side (module docstring)."""
+        node on their weight side (docs/pipelines.md)."""
         edges, grads = [], []
         off_path = [_node(t) for t in self.roots if _node(t) not in self.r_set]
         apart = prompt and _leaves_apart(self.captured, off_path, self.r_set)
