@@ -39,7 +39,7 @@ paths, chosen for every layer by ``set_segments_impl(impl)`` (it returns the pre
 
 Measured on CPU (fp32, forward + backward, E_local 4-16, H 256/512, F 512/1024, 2k-8k rows,
 balanced and skewed counts; ``bench/test_bench_moe_grouped.py``,
-``bench/results/cpu-moe-grouped-2026-12-01.md``): grouped and loop tie (grouped/loop median
+``bench/RESULTS.md``): grouped and loop tie (grouped/loop median
 0.96, 0.84-1.14; the loop ahead by up to 10 % at some SwiGLU sizes), both 0.5-1.1x the indexed
 loop used before; padded about the loop's time when balanced, 1.6-5.7x when skewed. Grouped is
 the default everywhere: never far behind, one code path with the GPU and ``torch.compile``.
