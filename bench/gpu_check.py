@@ -40,14 +40,14 @@ TEST_LIMIT_S = 150
 GPU_TESTS = ["tests/"]  # what the GPU-tests phase hands pytest -m cuda
 BENCH_OPTIONS: list[str] = []  # pytest-benchmark options of each benchmark run
 MIN_BENCH_S = 20  # a benchmark file is not started with less than this left
-# the kernels' benchmarks, most wanted first: issues 3, 4, 5, 7, 8, 18
+# the kernels' benchmarks, most wanted first
 KERNEL_BENCHES = [
     "test_bench_cross_entropy.py",
     "test_bench_unscale_norm.py",
     "test_bench_adamw.py",
     "test_bench_moe_permute.py",
     "test_bench_moe_overlap.py",
-    "test_bench_moe_grouped.py",  # issue 18: the dropless experts' grouped GEMM
+    "test_bench_moe_grouped.py",  # the dropless experts' grouped GEMM
 ]
 
 

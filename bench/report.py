@@ -1,14 +1,17 @@
 """Render pytest-benchmark JSON files as a markdown report and one chart per comparison.
 
-    python bench/report.py RESULTS.json [MORE.json ...] --out DIR [--no-charts]
+    pytest bench/ --benchmark-json=bench/results/run.json
+    python bench/report.py bench/results/run.json [MORE.json ...] [--out DIR] [--no-charts]
 
-Writes ``DIR/report.md`` (a header per input file, then one table per benchmark group: name,
-params, median, rounds and the numeric ``extra_info`` fields, ratios as readable columns) and
-``DIR/<family>.png``: one matplotlib chart per comparison and input file, plotting the numbers
-the benchmarks record side by side (``report_charts.py`` says which, ``report_plot.py`` draws
-them). The charts need matplotlib (``pip install fastpar[bench]``); ``--no-charts`` writes only
-report.md. Exits 2 when an input file is missing or is not a pytest-benchmark JSON file, or
-when matplotlib is missing.
+Draws on demand what a run recorded, into DIR: ``bench/results/report`` unless given (git
+ignores ``bench/results/``: runs and reports stay out of the source). Writes ``DIR/report.md``
+(a header per input file, then one table per benchmark group: name, params, median, rounds and
+the numeric ``extra_info`` fields, ratios as readable columns) and ``DIR/<family>.png``: one
+matplotlib chart per comparison and input file, plotting the numbers the benchmarks record side
+by side (``report_charts.py`` says which, ``report_plot.py`` draws them). The charts need
+matplotlib (``pip install fastpar[bench]``); ``--no-charts`` writes only report.md. Exits 2
+when an input file is missing or is not a pytest-benchmark JSON file, or when matplotlib is
+missing.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from typing import Any
 
 from report_charts import BYTE_UNITS, TIME_UNITS, build_charts, family, sig3
 from report_plot import save
+
+#: where the report goes without ``--out``: inside the git-ignored ``bench/results/``
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "report"
 
 # --------------------------------------------------------------------------------------------
 # Reading the inputs
@@ -368,7 +374,12 @@ def main(argv: list[str] | None = None) -> int:
         description="Render pytest-benchmark JSON files as report.md and one PNG per comparison.",
     )
     ap.add_argument("results", nargs="+", type=Path, help="pytest-benchmark JSON files")
-    ap.add_argument("--out", type=Path, required=True, help="output folder (created)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help="output folder, created (default: %(default)s)",
+    )
     ap.add_argument("--no-charts", action="store_true", help="write report.md only (no matplotlib)")
     args = ap.parse_args(argv)
     try:

@@ -125,7 +125,7 @@ TABLE_TENSORS = 200  # the issue's measurement: a model's worth of parameter ten
 @pytest.mark.parametrize("mode", ["rebuilt", "cached"])
 def test_multi_tensor_table_prep(benchmark, mode):
     """Host time to prepare one multi-tensor launch's pointer table for 200 tensors: built,
-    (pinned and) copied every step as before issue 21 ("rebuilt"), or looked up in the cache
+    (pinned and) copied every step as before commit a2ef2d1 ("rebuilt"), or looked up in the cache
     by pointers and numels ("cached": what a step after the first costs). No kernel runs."""
     from fastpar.kernels import adamw as k  # imports triton: only for this benchmark
 

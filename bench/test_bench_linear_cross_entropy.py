@@ -44,7 +44,7 @@ if CUDA:
 else:
     SIZES = [(32768, 4096, 256)]
     ROUNDS, WARMUP = 5, 1
-GOAL = 1 / 8  # fused peak / unfused peak at V=32k, N=4k (issue 21)
+GOAL = 1 / 8  # fused peak / unfused peak at V=32k, N=4k: the fusion's goal
 
 
 def _liger():

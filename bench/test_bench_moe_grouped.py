@@ -2,7 +2,7 @@
 path (``set_segments_impl``): ``loop`` (one expert at a time, weights split by ``unbind``),
 ``grouped`` (two ``grouped_linear`` calls: ``torch._grouped_mm`` where it applies) and
 ``padded`` (rows zero-padded to the largest count, one ``torch.bmm`` per matrix); and
-``before``, the CPU eager path before issue 18 (commit 91df471: the same loop with the weights
+``before``, the CPU eager path at commit 91df471 (the same loop with the weights
 indexed ``w1[e]``, whose backward builds E zero-filled [E, ...] gradients), written here.
 
 Sizes (experts E, hidden H, ffn F, tokens T, top-2 so N = 2T rows), counts ``balanced``
@@ -98,7 +98,7 @@ def _clock(device):
 
 
 def _before(x, counts, w1, b1, w2, b2, gated, activation):
-    """``segments`` eagerly on a CPU before issue 18 (commit 91df471)."""
+    """``segments`` eagerly on a CPU before the grouped GEMM (commit 91df471)."""
     outs = []
     for e, part in enumerate(x.split(counts.tolist())):
         h = part @ w1[e] if b1 is None else part @ w1[e] + b1[e]

@@ -20,7 +20,7 @@ fraction of peak HBM bandwidth (H200 4.8 TB/s, H100 3.35 TB/s), and ``time_vs_to
 (median time / the torch_two_pass median of the same group; < 1 is faster). On a CPU compare
 these ratios, not absolute times. All providers of a size share one benchmark group.
 
-Also (issue 21): ``test_launch_host_time`` — the host time of one Triton launcher call over 200
+Also: ``test_launch_host_time`` — the host time of one Triton launcher call over 200
 tensors with the kernel replaced by a no-op, the pointer table cached or built and copied every
 call; ``test_mixed_precision_step`` — ``MixedPrecisionOptimizer`` over ``FusedAdamW`` on a bf16
 model, the unscaling step (unscale into fp32 main gradients, then AdamW reads them: 2 + 4 + 4 B

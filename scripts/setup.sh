@@ -44,7 +44,7 @@ else
         || python -m pip install "torch==${TORCH_CPU_VERSION}" \
             --index-url "${FASTPAR_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
 fi
-python -m pip install "setuptools>=69" ninja pybind11
+python -m pip install "setuptools>=77" ninja pybind11
 # builds the C++ extension fastpar._C too (about a minute: torch's headers are large); a machine
 # without a compiler still gets a working fastpar (FASTPAR_NO_EXTENSION=1 skips the build)
 python -m pip install --no-build-isolation -e "$ROOT[test,lint,hf,bench,tensorboard]"

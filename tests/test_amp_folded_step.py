@@ -1,4 +1,4 @@
-"""The folded mixed-precision step (issue 21, item 2): a read-only norm + inf pass, then
+"""The folded mixed-precision step: a read-only norm + inf pass, then
 FusedAdamW unscales and clips the raw gradients in its own pass.
 
 Parity with the unscaling step (``fold_unscale=False``: unscale into fp32 main gradients, then

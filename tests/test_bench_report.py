@@ -405,3 +405,31 @@ def test_fastpar_never_imports_matplotlib() -> None:
             if isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module]
             assert not any(n.split(".")[0] == "matplotlib" for n in names), path
+
+
+def test_without_out_the_report_goes_to_the_default_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert report.DEFAULT_OUT == ROOT / "bench" / "results" / "report"
+    src = tmp_path / "in.json"
+    src.write_text(json.dumps(_results()))
+    monkeypatch.setattr(report, "DEFAULT_OUT", tmp_path / "default")  # not the checkout's folder
+    assert report.main([str(src), "--no-charts"]) == 0
+    assert [p.name for p in (tmp_path / "default").iterdir()] == ["report.md"]
+
+
+def test_runs_and_reports_stay_out_of_git() -> None:
+    """Git ignores what bench/results/ gets (a run's JSON, the report and its charts) but its
+    README, and tracks nothing else there: the figures live in bench/RESULTS.md."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+    outputs = ["cpu-x.json", "report/report.md", "report/tp-mlp.png"]
+    for path in (f"bench/results/{name}" for name in outputs):
+        assert git("check-ignore", "-q", "--no-index", path).returncode == 0, path
+    assert git("check-ignore", "-q", "--no-index", "bench/results/README.md").returncode == 1
+    assert git("ls-files", "bench/results").stdout.split() == ["bench/results/README.md"]
+    assert (ROOT / "bench" / "RESULTS.md").is_file()

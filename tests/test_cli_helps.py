@@ -1,4 +1,4 @@
-"""Issue 28, "a CLI that helps": no prefix matching in any command, an unknown flag in one line
+"""A CLI that helps: no prefix matching in any command, an unknown flag in one line
 naming the nearest flag, verify's own help, --plan FILE for an HF family without a built-in
 plan, --compile's first step and ETA, the end-of-run summary and train_config.json, the header
 naming what changes the math, Kineto's lines on rank 0 only, the default-world note."""

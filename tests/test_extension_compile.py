@@ -1,5 +1,4 @@
-"""The extension's all-to-all under ``torch.compile`` and its in-flight bookkeeping (issue 21,
-item 6).
+"""The extension's all-to-all under ``torch.compile`` and its in-flight bookkeeping.
 
 * ``all_to_all_start(x, ...) -> ticket`` / ``all_to_all_wait(ticket, x, out_splits) -> out``
   (torch's functional collectives pattern, no output aliasing an input; the aliasing check runs

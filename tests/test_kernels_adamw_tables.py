@@ -1,4 +1,4 @@
-"""Fused AdamW kernels (issue 21, item 1): the cached multi-tensor pointer tables, the aligned /
+"""Fused AdamW kernels: the cached multi-tensor pointer tables, the aligned /
 unaligned split, and the compiled code.
 
 * CPU tier: a device table is built once per set of pointers and numels and reused on later

@@ -157,7 +157,7 @@ def test_unpermute_backward_kernel_matches_reference(kind, t, k, e, capacity, h,
 
 @interpreter
 def test_every_token_to_one_expert_writes_nothing_out_of_bounds():
-    """Transformer Engine's Triton permute wrote out of bounds here (its issue #3346)."""
+    """Transformer Engine's Triton permute wrote out of bounds here (its report #3346)."""
     t, k, e, cap, h = 64, 2, 4, 5, 24
     ids = torch.full((t, k), 2, dtype=torch.int64)
     slots, _, kept, _, dropped = ref.compute_slots(ids, e, cap)

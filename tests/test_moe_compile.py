@@ -47,7 +47,7 @@ from fastpar.train.config import TrainConfig
 def _inductor_config():
     """``torch._inductor.config`` as ``sys.modules`` holds it, fully imported: ``import
     torch._inductor.config as c`` reads the attribute ``config`` of the package first, which a
-    partly imported package may not have yet (issue 26: a ``-k`` selection failed on that)."""
+    partly imported package may not have yet (a ``-k`` selection of these tests failed on that)."""
     return importlib.import_module("torch._inductor.config")
 
 

@@ -107,7 +107,7 @@ def _error(got, want) -> float:
 
 
 def _indexed_loop(x, counts, w1, b1, w2, b2, gated, activation):
-    """``segments`` eagerly on a CPU before issue 18 (weights indexed per expert)."""
+    """``segments`` eagerly on a CPU before the grouped GEMM (weights indexed per expert)."""
     outs = []
     for e, part in enumerate(x.split(counts)):
         h = part @ w1[e] if b1 is None else part @ w1[e] + b1[e]

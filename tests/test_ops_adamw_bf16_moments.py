@@ -1,4 +1,4 @@
-"""AdamW with bf16 moments (issue 21, item 1): exp_avg and exp_avg_sq stored in bf16, updated in
+"""AdamW with bf16 moments: exp_avg and exp_avg_sq stored in bf16, updated in
 fp32 (the param from the unrounded values), stored rounded to nearest even.
 
 * CPU tier: the reference path equals fp32 moments rounded to bf16 after every step (an

@@ -1,6 +1,70 @@
+<<<<<<< HEAD
 """The MoE layer's experts: their kinds ("mlp", "glu", "swiglu"), initialisation and math, the
 dropless paths (grouped / padded / loop, ``set_segments_impl``), the shared experts, and the
 mapping of the expert weights to Hugging Face's fused layout (docs/moe.md, "Experts")."""
+=======
+"""The MoE layer's experts: their kinds, initialisation and math, the shared (always-on)
+experts, and the mapping of the expert weights to Hugging Face's fused layout.
+
+Kinds (``MoE(expert=, activation=, bias=)``), each expert a two-matrix FFN H -> F -> H:
+
+- ``"mlp"``: ``act(x W1 + b1) W2 + b2``; ``activation`` default "gelu", ``bias`` default True
+  (the 2021 MoE of GShard / Switch; fastpar's default, unchanged).
+- ``"glu"``: gated, ``(act(x W_gate + b_gate) * (x W_up + b_up)) W_down + b_down``;
+  ``activation`` default "silu" (SwiGLU; "gelu" / "gelu_tanh": GeGLU), ``bias`` default False.
+- ``"swiglu"``: the alias of glu + silu + no biases (Mixtral, Qwen2/3-MoE, DeepSeek experts);
+  ``activation`` must be unset or "silu", ``bias`` unset or False.
+
+Activations by name (``ACTIVATIONS``): "gelu" (erf), "gelu_tanh" (the tanh approximation; HF's
+"gelu_pytorch_tanh"), "relu", "silu" (HF's "swish" too).
+
+Storage (for ``x @ w``, what the batched and grouped matmuls take without a transpose), per
+rank's E_local experts: ``w1`` [E_local, H, F] ("glu": [E_local, H, 2F], columns [0, F) the
+gate, [F, 2F) the up projection), ``b1`` [E_local, F or 2F] (gate | up), ``w2`` [E_local, F, H],
+``b2`` [E_local, H]; biases absent (None, not in the state dict) when ``bias`` is False.
+Hugging Face's fused experts (transformers 5: Mixtral, Qwen2-MoE, Qwen3-MoE
+``mlp.experts.gate_up_proj`` [E, 2F, H], gate rows first, then up; ``mlp.experts.down_proj``
+[E, H, F]) are these matrices transposed: ``gate_up_proj = w1.transpose(1, 2)``,
+``down_proj = w2.transpose(1, 2)``. ``to_hf`` / ``from_hf`` return those views (no copy; a
+file format that needs contiguous tensors copies once, as ``fastpar.models.llama_hf`` does).
+The storage stays transposed against HF's so existing checkpoints and state dicts keep their
+shapes.
+
+Dropless experts (``segments``: rows grouped by expert, ``counts`` rows each) run one of three
+paths, chosen for every layer by ``set_segments_impl(impl)`` (it returns the previous choice;
+``get_segments_impl()`` reads it):
+
+- ``"auto"`` (default) = ``"grouped"``: two ``fastpar.moe.grouped.grouped_linear`` calls, one
+  grouped matmul each (``torch._grouped_mm``; its per-group loop where the dtype or strides do
+  not suit it); on a GPU no host sync.
+- ``"padded"``: each expert's rows zero-padded to the largest count C, then ``batched`` (one
+  ``torch.bmm`` per matrix over [E, C, H]) and the real rows gathered back; any dtype and
+  strides, but E · C rows computed (up to E times the work and memory when skewed).
+- ``"loop"``: one expert at a time, two matmuls each (the weights split by ``unbind``).
+
+Measured on CPU (fp32, forward + backward, E_local 4-16, H 256/512, F 512/1024, 2k-8k rows,
+balanced and skewed counts; ``bench/test_bench_moe_grouped.py``,
+``bench/RESULTS.md``): grouped and loop tie (grouped/loop median
+0.96, 0.84-1.14; the loop ahead by up to 10 % at some SwiGLU sizes), both 0.5-1.1x the indexed
+loop used before; padded about the loop's time when balanced, 1.6-5.7x when skewed. Grouped is
+the default everywhere: never far behind, one code path with the GPU and ``torch.compile``.
+
+"padded" and "loop" read ``counts`` on the host (a device sync on a GPU). Under
+``torch.compile`` the grouped path is traced whatever the choice (no host reads, one graph).
+The paths agree to rounding: the matmuls bit for bit in fp32, the activation to 1 ulp (it runs
+over differently sized tensors; ``tests/test_moe_grouped_gemm.py``).
+
+Shared experts (``MoE(shared_ffn_hidden_size=Fs, shared_gate=)``): one dense FFN of the routed
+experts' kind, ``Fs`` wide, run on every token and added to the routed output (DeepSeek-V2/V3:
+a width of ``moe_intermediate_size · n_shared_experts``, no gate); with ``shared_gate`` its
+output is scaled per token by ``sigmoid(x W_g)``, ``W_g`` [1, H] without bias (Qwen2-MoE's
+``shared_expert_gate``). Its parameters (``shared.w1`` [H, Fs or 2Fs], ``shared.b1``,
+``shared.w2`` [Fs, H], ``shared.b2``, ``shared_gate.weight`` [1, H]) are dense: replicated over
+EP and TP, reduced over the data-parallel group like the router, not marked ``expert``. HF
+Qwen2-MoE's ``shared_expert.{gate,up,down}_proj.weight`` map to ``shared.w1`` =
+cat(gate, up).t() and ``shared.w2`` = down.t().
+"""
+>>>>>>> results
 
 from __future__ import annotations
 
