@@ -52,6 +52,8 @@ SCORES: dict[str, Score] = {
 DROP_POLICIES = ("position", "probs", "weights")
 DROP_WEIGHTS = ("renormalise", "keep")
 AUX_LOSSES = ("micro_batch", "sequence", None)
+AUX_LOSS_WORDS = ("micro_batch", "sequence", "none")
+"""``AUX_LOSSES`` as the flag's words ("none": None)."""
 
 
 def score(name: str) -> Score:
@@ -103,7 +105,7 @@ class RouterConfig:
     )
     """The expert-bias step: bias += rate · sign(mean load − load) per optimizer step."""
     aux_loss: str | None = option(
-        "micro_batch", group=ROUTING, words=("micro_batch", "sequence", "none"),
+        "micro_batch", group=ROUTING, words=AUX_LOSS_WORDS,
         help="MoE load-balancing loss: micro_batch (Switch, over a micro-batch's tokens), "
         "sequence (DeepSeek-V3's per-sequence loss), none (e.g. with --expert-bias)",
     )  # fmt: skip
