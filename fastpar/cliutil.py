@@ -93,12 +93,16 @@ class Option:
     name: str | None = None
     """The flat name (a TrainConfig field, ``--<name>``) when it is not the field's own name;
     ``flat_fields`` adds it to a flat config."""
+    deferred: bool = False
+    """The flag's default is None, not the field's: left out, the value follows other flags
+    (resolved when the config is made from the flags)."""
 
 
-def option(default=MISSING, *, help: str, group: str | None = None, metavar: str | None = None,
-           words=(), name: str | None = None, default_factory=MISSING):  # fmt: skip
+def option(default=MISSING, group: str | None = None, help: str = "", *,
+           metavar: str | None = None, words=(), name: str | None = None,
+           deferred: bool = False, default_factory=MISSING):  # fmt: skip
     """A ``dataclasses.field`` whose metadata declares its flag (``Option``)."""
-    meta = {OPTION: Option(help, group, metavar, tuple(words), name)}
+    meta = {OPTION: Option(help, group, metavar, tuple(words), name, deferred)}
     if default_factory is not MISSING:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
