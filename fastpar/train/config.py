@@ -28,7 +28,10 @@ from fastpar.train.checks import (
     torchrun_world_size,
 )
 from fastpar.train.memory import check_memory
+from fastpar.train.options import COLLECTIVE_TIMEOUT_S as COLLECTIVE_TIMEOUT_S
 from fastpar.train.options import TrainOptions
+from fastpar.train.options import _seconds as _seconds
+from fastpar.train.options import default_collective_timeout as default_collective_timeout
 
 DESCRIPTION = (
     "Train a GPT, a Llama or a Hugging Face model with DP x TP x PP x EP, ZeRO and mixed precision."
