@@ -207,7 +207,6 @@ class LlamaConfig:
         check_layout(self, tp, pp, ep)
 
 
-ROUTER_SCORES = tuple(SCORES)
 AUX_LOSSES = AUX_LOSS_WORDS
 
 
@@ -228,9 +227,9 @@ def check_routing(cfg) -> None:
                 f"but the model has no MoE blocks: set moe_every (--moe-every, e.g. 2) or drop it"
             )
         return
-    if cfg.router_score not in ROUTER_SCORES:
+    if cfg.router_score not in SCORES:  # the registry itself: a score added there is known
         raise ValueError(
-            f"{_named('router_score')} {cfg.router_score!r} must be one of {ROUTER_SCORES}"
+            f"{_named('router_score')} {cfg.router_score!r} must be one of {tuple(SCORES)}"
         )
     if cfg.aux_loss is not None and cfg.aux_loss not in AUX_LOSSES:
         raise ValueError(f"{_named('aux_loss')} {cfg.aux_loss!r} must be one of {AUX_LOSSES}")
