@@ -207,9 +207,6 @@ class LlamaConfig:
         check_layout(self, tp, pp, ep)
 
 
-AUX_LOSSES = AUX_LOSS_WORDS
-
-
 def _named(name: str) -> str:
     """A routing field with its fastpar.train flag: "expert_bias (--expert-bias)"."""
     return f"{name} (--{name.replace('_', '-')})"
@@ -231,8 +228,8 @@ def check_routing(cfg) -> None:
         raise ValueError(
             f"{_named('router_score')} {cfg.router_score!r} must be one of {tuple(SCORES)}"
         )
-    if cfg.aux_loss is not None and cfg.aux_loss not in AUX_LOSSES:
-        raise ValueError(f"{_named('aux_loss')} {cfg.aux_loss!r} must be one of {AUX_LOSSES}")
+    if cfg.aux_loss is not None and cfg.aux_loss not in AUX_LOSS_WORDS:
+        raise ValueError(f"{_named('aux_loss')} {cfg.aux_loss!r} must be one of {AUX_LOSS_WORDS}")
     sf = cfg.routed_scaling_factor
     if sf is not None and not (math.isfinite(sf) and sf > 0):
         raise ValueError(
