@@ -9,6 +9,7 @@ import argparse
 import difflib
 import inspect
 import sys
+from collections.abc import Iterable
 from dataclasses import MISSING, Field, dataclass, field, fields
 
 
@@ -88,8 +89,9 @@ class Option:
     """The --help section the flag is listed under (None: the parser's own options)."""
     metavar: str | None = None
     """The value's placeholder in --help (``words`` are shown instead when given)."""
-    words: tuple = ()
-    """The values the flag takes, shown as its metavar; the config's check names a bad one."""
+    words: Iterable = ()
+    """The values the flag takes, shown as its metavar; the config's check names a bad one. A
+    registry (a dict: its keys) is read when asked, so what is added to it later counts."""
     name: str | None = None
     """The flat name (a TrainConfig field, ``--<name>``) when it is not the field's own name;
     ``flat_fields`` adds it to a flat config."""
@@ -102,7 +104,8 @@ def option(default=MISSING, group: str | None = None, help: str = "", *,
            metavar: str | None = None, words=(), name: str | None = None,
            deferred: bool = False, default_factory=MISSING):  # fmt: skip
     """A ``dataclasses.field`` whose metadata declares its flag (``Option``)."""
-    meta = {OPTION: Option(help, group, metavar, tuple(words), name, deferred)}
+    words = words if isinstance(words, dict) else tuple(words)
+    meta = {OPTION: Option(help, group, metavar, words, name, deferred)}
     if default_factory is not MISSING:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)

@@ -115,6 +115,8 @@ def test_a_score_added_to_the_registry_routes(monkeypatch):
     torch.testing.assert_close(r(x).router_probs, want)
     LlamaConfig(moe_every=1, router_score="half").check()
     assert routing_options(GPTConfig(moe_every=1, router_score="half"))["router"].score == "half"
+    TrainConfig(tp=1, pp=1, dp=2, ep=2, moe_every=1, router_score="half").check()
+    assert _flags(build_parser())["--router-score"].metavar == "{softmax,sigmoid,half}"
 
 
 def test_the_flag_words_are_the_registry():
@@ -152,6 +154,7 @@ def test_a_new_router_field_becomes_a_flag(monkeypatch):
     @dataclass(frozen=True)
     class Router(RouterConfig):
         knob: float = option(0.5, ROUTING, "a new routing knob", name="router_knob")
+        kind: str = option("a", ROUTING, "a new routing word", words=("a", "b"), name="router_kind")
 
     @dataclass
     @flat_fields(Router)
@@ -168,6 +171,12 @@ def test_a_new_router_field_becomes_a_flag(monkeypatch):
     assert ap.parse_args(["--router-knob", "0.25"]).router_knob == 0.25
     assert ap.parse_args([]).router_knob == 0.5
     assert typing.get_type_hints(Options)["router_knob"] is float
+    assert _flags(ap)["--router-kind"].metavar == "{a,b}"
+    from fastpar.train.config import _check_words
+
+    _check_words(Options(router_kind="b"))
+    with pytest.raises(ValueError, match="--router-kind 'c' must be one of a, b"):
+        _check_words(Options(router_kind="c"))
 
 
 def test_model_configs_hold_the_routing_fields():

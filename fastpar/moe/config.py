@@ -70,7 +70,7 @@ class RouterConfig:
     Megatron-Core's and DeepSeek-V3's). Validated on construction; ``check`` adds what needs
     the number of experts."""
 
-    score: str = option("softmax", name="router_score", group=ROUTING, words=tuple(SCORES),
+    score: str = option("softmax", name="router_score", group=ROUTING, words=SCORES,
                         help="MoE router scores: softmax over the experts, or sigmoid per "
                         "expert (DeepSeek-V3)")  # fmt: skip
     """How gate logits become expert scores: a name of ``SCORES``."""

@@ -9,6 +9,7 @@ import math
 import os
 from dataclasses import dataclass, fields
 
+from fastpar.cliutil import option_of
 from fastpar.data import (
     BIN_DTYPES,
     bin_dtype,
@@ -416,6 +417,18 @@ class TrainConfig(TrainOptions):
         if not self.hf_config:
             self.model().check(self.tp, self.pp, self.ep)
             check_memory(self)  # activations that clearly do not fit this machine
+        _check_words(self)
+
+
+def _check_words(cfg: TrainConfig) -> None:
+    """Every flag that takes words (``Option.words``) holds one of them (None: left out), for
+    whatever the checks above do not name with their own fix."""
+    for f in fields(cfg):
+        value, words = getattr(cfg, f.name), tuple(option_of(f).words)
+        if words and value is not None and value not in words:
+            raise ValueError(
+                f"{flag(f.name)} {value!r} must be one of {', '.join(map(str, words))}"
+            )
 
 
 def _check_init_from_hf(cfg: TrainConfig) -> None:

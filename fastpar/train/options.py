@@ -94,7 +94,7 @@ class TrainOptions:
     schedule: str = option(
         "1f1b",
         LAYOUT,
-        words=tuple(SCHEDULES),
+        words=SCHEDULES,
         help="pipeline schedule (interleaved: Megatron's interleaved 1F1B over --virtual-stages "
         "model chunks per rank; zb-h1: zero-bubble ZB-H1, each backward split into input and "
         "weight gradients, at 1F1B's activation memory)",
@@ -241,7 +241,7 @@ class TrainOptions:
     lr_schedule: str = option(
         "cosine",
         TRAINING,
-        words=tuple(LR_SCHEDULES),
+        words=LR_SCHEDULES,
         help="after the warm-up: " + "; ".join(f"{k}: {v}" for k, v in LR_SCHEDULES.items()),
     )
     weight_decay: float = option(0.1, TRAINING, "AdamW weight decay, on matrices only")
