@@ -100,9 +100,17 @@ class Option:
     (resolved when the config is made from the flags)."""
 
 
-def option(default=MISSING, group: str | None = None, help: str = "", *,
-           metavar: str | None = None, words=(), name: str | None = None,
-           deferred: bool = False, default_factory=MISSING):  # fmt: skip
+def option(
+    default=MISSING,
+    group: str | None = None,
+    help: str = "",
+    *,
+    metavar: str | None = None,
+    words=(),
+    name: str | None = None,
+    deferred: bool = False,
+    default_factory=MISSING,
+):
     """A ``dataclasses.field`` whose metadata declares its flag (``Option``)."""
     words = words if isinstance(words, dict) else tuple(words)
     meta = {OPTION: Option(help, group, metavar, words, name, deferred)}

@@ -32,8 +32,28 @@ from fastpar.train.checks import flag
 from fastpar.train.cli import read_config_file
 from fastpar.train.options import GROUPS, TrainOptions
 
-SMALL = ["--tp", "1", "--pp", "1", "--dp", "2", "--ep", "2", "--steps", "1", "--layers", "2",
-         "--hidden", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "4"]  # fmt: skip
+SMALL = [
+    "--tp",
+    "1",
+    "--pp",
+    "1",
+    "--dp",
+    "2",
+    "--ep",
+    "2",
+    "--steps",
+    "1",
+    "--layers",
+    "2",
+    "--hidden",
+    "16",
+    "--heads",
+    "2",
+    "--seq-len",
+    "8",
+    "--batch-size",
+    "4",
+]
 #: every key the train_config.json of the code before this change held (its TrainConfig fields)
 _SAVED = """allow_fresh allow_other_run allow_schedule_change attention_bias aux_loss
 aux_loss_coef batch_size bias_update_rate capacity_factor checkpoint_dir collective_timeout
@@ -47,10 +67,19 @@ router_group_topk router_groups router_score save_every schedule seed seq_len
 sequence_parallel shared_expert_ffn shared_expert_gate steps tensorboard tokenizer top_k tp
 untied virtual_stages vocab_size warmup weight_decay z_loss_coef zero"""
 SAVED_KEYS = _SAVED.split()
-ROUTING_FLAGS = ["--router-score", "--routed-scaling-factor", "--router-groups",
-                 "--router-group-topk", "--expert-bias", "--bias-update-rate", "--aux-loss",
-                 "--aux-loss-coef", "--z-loss-coef", "--shared-expert-ffn",
-                 "--shared-expert-gate"]  # fmt: skip
+ROUTING_FLAGS = [
+    "--router-score",
+    "--routed-scaling-factor",
+    "--router-groups",
+    "--router-group-topk",
+    "--expert-bias",
+    "--bias-update-rate",
+    "--aux-loss",
+    "--aux-loss-coef",
+    "--z-loss-coef",
+    "--shared-expert-ffn",
+    "--shared-expert-gate",
+]
 
 
 def _flags(ap) -> dict[str, object]:
@@ -85,8 +114,9 @@ def test_an_unknown_score_is_an_error_in_the_layer():
 
 @pytest.mark.parametrize("model_type", ["gpt", "llama"])
 def test_an_unknown_score_is_an_error_in_train_config(model_type):
-    cfg = TrainConfig(tp=1, pp=1, dp=2, ep=2, moe_every=1, model_type=model_type,
-                      router_score="relu")  # fmt: skip
+    cfg = TrainConfig(
+        tp=1, pp=1, dp=2, ep=2, moe_every=1, model_type=model_type, router_score="relu"
+    )
     with pytest.raises(ValueError) as err:
         cfg.check()
     assert "router_score (--router-score) 'relu' must be one of ('softmax', 'sigmoid')" in str(
@@ -140,8 +170,12 @@ def test_every_field_has_help_and_a_group():
 def test_the_flags_are_the_fields():
     ap = build_parser()
     assert set(_flags(ap)) == {flag(f.name) for f in fields(TrainConfig)}
-    routing = {flag(flat_name(f)) for c in (RouterConfig, ExpertConfig) for f in fields(c)
-               if option_of(f) is not None}  # fmt: skip
+    routing = {
+        flag(flat_name(f))
+        for c in (RouterConfig, ExpertConfig)
+        for f in fields(c)
+        if option_of(f) is not None
+    }
     assert routing == set(ROUTING_FLAGS) == _section(ap, ROUTING)
     assert set(ROUTING_DEFAULTS) == {f[2:].replace("-", "_") for f in ROUTING_FLAGS}
     for f in fields(TrainConfig):  # each flag's help is its field's, in its field's section
@@ -183,26 +217,49 @@ def test_model_configs_hold_the_routing_fields():
     for config in (GPTConfig, LlamaConfig):
         defaults = {f.name: f.default for f in fields(config)}
         assert {k: defaults[k] for k in ROUTING_DEFAULTS} == ROUTING_DEFAULTS, config
-    cfg = LlamaConfig(moe_every=1, router_score="sigmoid", routed_scaling_factor=2.0,
-                      router_groups=2, router_group_topk=1, expert_bias=True,
-                      shared_expert_ffn=8, shared_expert_gate=True, aux_loss="none",
-                      z_loss_coef=0.1)  # fmt: skip
+    cfg = LlamaConfig(
+        moe_every=1,
+        router_score="sigmoid",
+        routed_scaling_factor=2.0,
+        router_groups=2,
+        router_group_topk=1,
+        expert_bias=True,
+        shared_expert_ffn=8,
+        shared_expert_gate=True,
+        aux_loss="none",
+        z_loss_coef=0.1,
+    )
     opts = routing_options(cfg)
-    assert opts["router"] == RouterConfig(score="sigmoid", scaling_factor=2.0, num_groups=2,
-                                          group_topk=1, expert_bias=True, aux_loss=None,
-                                          z_loss_coef=0.1)  # fmt: skip
+    assert opts["router"] == RouterConfig(
+        score="sigmoid",
+        scaling_factor=2.0,
+        num_groups=2,
+        group_topk=1,
+        expert_bias=True,
+        aux_loss=None,
+        z_loss_coef=0.1,
+    )
     assert opts["experts"] == ExpertConfig(shared_ffn_hidden_size=8, shared_gate=True)
 
 
 # -- the layer takes the configs ----------------------------------------------------------------
 def test_moe_takes_the_configs_or_their_fields_alike():
-    kw = dict(score="sigmoid", expert_bias=True, num_groups=2, group_topk=1,
-              capacity_factor=None, expert="glu", shared_ffn_hidden_size=8, shared_gate=True)  # fmt: skip
+    kw = dict(
+        score="sigmoid",
+        expert_bias=True,
+        num_groups=2,
+        group_topk=1,
+        capacity_factor=None,
+        expert="glu",
+        shared_ffn_hidden_size=8,
+        shared_gate=True,
+    )
     torch.manual_seed(3)
     flat = MoE(8, 12, 4, 2, **kw)
     torch.manual_seed(3)
-    router = RouterConfig(score="sigmoid", expert_bias=True, num_groups=2, group_topk=1,
-                          capacity_factor=None)  # fmt: skip
+    router = RouterConfig(
+        score="sigmoid", expert_bias=True, num_groups=2, group_topk=1, capacity_factor=None
+    )
     experts = ExpertConfig(expert="glu", shared_ffn_hidden_size=8, shared_gate=True)
     nested = MoE(8, 12, 4, 2, router=router, experts=experts)
     a, b = flat.state_dict(), nested.state_dict()
@@ -229,8 +286,20 @@ def test_the_configs_refuse_what_the_layer_refused():
 # -- saved settings read as before --------------------------------------------------------------
 def test_train_config_json_keeps_its_keys(tmp_path):
     assert set(SAVED_KEYS) <= {f.name for f in fields(TrainConfig)}
-    argv = [*SMALL, "--moe-every", "1", "--experts", "4", "--router-score", "sigmoid",
-            "--expert-bias", "--shared-expert-ffn", "8", "--aux-loss", "sequence"]  # fmt: skip
+    argv = [
+        *SMALL,
+        "--moe-every",
+        "1",
+        "--experts",
+        "4",
+        "--router-score",
+        "sigmoid",
+        "--expert-bias",
+        "--shared-expert-ffn",
+        "8",
+        "--aux-loss",
+        "sequence",
+    ]
     cfg = config_from(build_parser().parse_args(argv))
     path = str(tmp_path / "train_config.json")
     write_config_file(cfg, path)
@@ -238,8 +307,10 @@ def test_train_config_json_keeps_its_keys(tmp_path):
         saved = json.load(f)
     assert set(SAVED_KEYS) <= set(saved)
     assert (saved["router_score"], saved["expert_bias"], saved["shared_expert_ffn"]) == (
-        "sigmoid", True, 8,
-    )  # fmt: skip
+        "sigmoid",
+        True,
+        8,
+    )
     assert read_config_file(path) == asdict(cfg)
     again = config_from(build_parser().parse_args(["--config", path]))
     assert asdict(again) == asdict(cfg)
@@ -253,10 +324,20 @@ def test_a_config_file_in_the_old_keys_loads(tmp_path):
     """A --config file as the code before this change wrote its routing keys (the flat flag
     names, with dashes or underscores)."""
     path = tmp_path / "old.json"
-    path.write_text(json.dumps({"router_score": "sigmoid", "routed-scaling-factor": 2.5,
-                                "router_groups": 2, "router_group_topk": 1,
-                                "shared_expert_gate": True, "shared_expert_ffn": 8,
-                                "aux_loss": "none", "moe_every": 1}))  # fmt: skip
+    path.write_text(
+        json.dumps(
+            {
+                "router_score": "sigmoid",
+                "routed-scaling-factor": 2.5,
+                "router_groups": 2,
+                "router_group_topk": 1,
+                "shared_expert_gate": True,
+                "shared_expert_ffn": 8,
+                "aux_loss": "none",
+                "moe_every": 1,
+            }
+        )
+    )
     cfg = config_from(build_parser().parse_args(["--config", str(path), *SMALL]))
     assert (cfg.router_score, cfg.routed_scaling_factor, cfg.router_groups) == ("sigmoid", 2.5, 2)
     assert (cfg.shared_expert_gate, cfg.shared_expert_ffn, cfg.aux_loss) == (True, 8, "none")

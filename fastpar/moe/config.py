@@ -70,45 +70,61 @@ class RouterConfig:
     Megatron-Core's and DeepSeek-V3's). Validated on construction; ``check`` adds what needs
     the number of experts."""
 
-    score: str = option("softmax", name="router_score", group=ROUTING, words=SCORES,
-                        help="MoE router scores: softmax over the experts, or sigmoid per "
-                        "expert (DeepSeek-V3)")  # fmt: skip
+    score: str = option(
+        "softmax",
+        name="router_score",
+        group=ROUTING,
+        words=SCORES,
+        help="MoE router scores: softmax over the experts, or sigmoid per expert (DeepSeek-V3)",
+    )
     """How gate logits become expert scores: a name of ``SCORES``."""
     scaling_factor: float | None = option(
-        None, name="routed_scaling_factor", group=ROUTING, metavar="F",
+        None,
+        name="routed_scaling_factor",
+        group=ROUTING,
+        metavar="F",
         help="MoE: multiply the routed experts' combine weights by this (DeepSeek-V3 "
         "routed_scaling_factor; default 1)",
-    )  # fmt: skip
+    )
     """Multiplies the combine weights (DeepSeek-V3 routed_scaling_factor; None: 1)."""
     num_groups: int | None = option(
-        None, name="router_groups", group=ROUTING, metavar="N",
+        None,
+        name="router_groups",
+        group=ROUTING,
+        metavar="N",
         help="MoE group-limited routing: split the experts into N equal groups (DeepSeek-V3 "
         "n_group; needs --router-group-topk)",
-    )  # fmt: skip
+    )
     """Group-limited routing: the experts in this many equal groups (None: off)."""
     group_topk: int | None = option(
-        None, name="router_group_topk", group=ROUTING, metavar="K",
+        None,
+        name="router_group_topk",
+        group=ROUTING,
+        metavar="K",
         help="MoE group-limited routing: each token routes inside its best K groups "
         "(DeepSeek-V3 topk_group; needs --router-groups)",
-    )  # fmt: skip
+    )
     """Group-limited routing: each token picks inside its best this-many groups."""
     expert_bias: bool = option(
-        False, group=ROUTING,
+        False,
+        group=ROUTING,
         help="MoE aux-loss-free balancing (DeepSeek-V3): a per-expert bias steers the top-k "
         "choice (not the weights); after every optimizer step it moves by --bias-update-rate "
         "against the load counted over data parallelism (a skipped step moves nothing); saved "
         "in checkpoints",
-    )  # fmt: skip
+    )
     """Aux-loss-free balancing: an fp32 ``expert_bias`` buffer [E] steers the choice."""
     bias_update_rate: float = option(
         1e-3, group=ROUTING, help="--expert-bias: the bias step per optimizer step"
     )
     """The expert-bias step: bias += rate · sign(mean load − load) per optimizer step."""
     aux_loss: str | None = option(
-        "micro_batch", group=ROUTING, words=AUX_LOSS_WORDS,
+        "micro_batch",
+        group=ROUTING,
+        words=AUX_LOSS_WORDS,
         help="MoE load-balancing loss: micro_batch (Switch, over a micro-batch's tokens), "
         "sequence (DeepSeek-V3's per-sequence loss), none (e.g. with --expert-bias)",
-    )  # fmt: skip
+    )
     """The load-balancing loss: "micro_batch", "sequence", or None ("none": off)."""
     aux_loss_coef: float = option(
         1e-2, group=ROUTING, help="MoE: the load-balancing loss's coefficient"
@@ -205,16 +221,21 @@ class ExpertConfig:
     bias: bool | None = None
     """Biases on the expert matrices (None: mlp yes, the gated kinds no)."""
     shared_ffn_hidden_size: int | None = option(
-        None, name="shared_expert_ffn", group=ROUTING, metavar="N",
+        None,
+        name="shared_expert_ffn",
+        group=ROUTING,
+        metavar="N",
         help="MoE: width of a shared expert run on every token beside the routed ones "
         "(DeepSeek / Qwen2-MoE; default: none)",
-    )  # fmt: skip
+    )
     """Width of a shared expert of the same kind on every token (None: none)."""
     shared_gate: bool = option(
-        False, name="shared_expert_gate", group=ROUTING,
+        False,
+        name="shared_expert_gate",
+        group=ROUTING,
         help="MoE: scale the shared expert by sigmoid(x W_g) (Qwen2-MoE; needs "
         "--shared-expert-ffn)",
-    )  # fmt: skip
+    )
     """Scale the shared expert by sigmoid(x W_g) (Qwen2-MoE); needs shared_ffn_hidden_size."""
 
     def __post_init__(self) -> None:
@@ -252,8 +273,12 @@ def with_options(
     return out[0], out[1]
 
 
-FLAT = {flat_name(f): (c, f) for c in (RouterConfig, ExpertConfig) for f in fields(c)
-        if option_of(f) is not None}  # fmt: skip
+FLAT = {
+    flat_name(f): (c, f)
+    for c in (RouterConfig, ExpertConfig)
+    for f in fields(c)
+    if option_of(f) is not None
+}
 """Flat name (a TrainConfig / model config field) -> (its config class, its field there)."""
 
 ROUTING_DEFAULTS = {flat: f.default for flat, (_, f) in FLAT.items()}

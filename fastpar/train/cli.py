@@ -105,22 +105,36 @@ def _add_flag(where, name: str, opt: Option, value, hint) -> None:
     text = opt.help.replace("%", "%%")  # argparse formats help with %
     metavar = "{" + ",".join(map(str, opt.words)) + "}" if opt.words else opt.metavar
     if name == "recompute":  # a policy; the word alone is full, as it always was
-        where.add_argument(flag(name), dest=name, nargs="?", const=True, default=False,
-                           metavar="{none,full,attention,mlp,every:K}", help=text)  # fmt: skip
-        where.add_argument("--no-recompute", dest=name, action="store_const",
-                           const=False, help="--recompute none")  # fmt: skip
+        where.add_argument(
+            flag(name),
+            dest=name,
+            nargs="?",
+            const=True,
+            default=False,
+            metavar="{none,full,attention,mlp,every:K}",
+            help=text,
+        )
+        where.add_argument(
+            "--no-recompute", dest=name, action="store_const", const=False, help="--recompute none"
+        )
     elif isinstance(value, bool):
-        where.add_argument(flag(name), action=argparse.BooleanOptionalAction,
-                           default=value, help=text)  # fmt: skip
+        where.add_argument(
+            flag(name), action=argparse.BooleanOptionalAction, default=value, help=text
+        )
     elif value is None or opt.deferred:  # None, or it follows other flags (config_from)
         kind = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
-        where.add_argument(flag(name), dest=name, type=kind, default=None, metavar=metavar,
-                           help=text)  # fmt: skip
+        where.add_argument(
+            flag(name), dest=name, type=kind, default=None, metavar=metavar, help=text
+        )
     else:
         where.add_argument(
-            flag(name), dest=name, type=type(value), default=value, metavar=metavar,
+            flag(name),
+            dest=name,
+            type=type(value),
+            default=value,
+            metavar=metavar,
             help=text if "default" in text else f"{text} (default %(default)s)",
-        )  # fmt: skip
+        )
 
 
 # -- --config FILE ----------------------------------------------------------------------------
