@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import inspect
 import sys
+from collections.abc import Iterable
+from dataclasses import MISSING, Field, dataclass, field, fields
 
 
 def nearest_flag(arg: str, options: list[str]) -> str | None:
@@ -69,3 +72,86 @@ class Parser(argparse.ArgumentParser):
         if message:
             sys.stderr.write(message)
         sys.exit(status)
+
+
+# -- options declared on dataclass fields -------------------------------------------------------
+OPTION = "fastpar.option"
+"""The ``dataclasses.field`` metadata key under which ``option`` keeps a field's ``Option``."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """A dataclass field's command-line flag, kept in the field's metadata (``option``)."""
+
+    help: str
+    """The flag's --help text ("(default X)" is added where the default is not None)."""
+    group: str | None = None
+    """The --help section the flag is listed under (None: the parser's own options)."""
+    metavar: str | None = None
+    """The value's placeholder in --help (``words`` are shown instead when given)."""
+    words: Iterable = ()
+    """The values the flag takes, shown as its metavar; the config's check names a bad one. A
+    registry (a dict: its keys) is read when asked, so what is added to it later counts."""
+    name: str | None = None
+    """The flat name (a TrainConfig field, ``--<name>``) when it is not the field's own name;
+    ``flat_fields`` adds it to a flat config."""
+    deferred: bool = False
+    """The flag's default is None, not the field's: left out, the value follows other flags
+    (resolved when the config is made from the flags)."""
+
+
+def option(
+    default=MISSING,
+    group: str | None = None,
+    help: str = "",
+    *,
+    metavar: str | None = None,
+    words=(),
+    name: str | None = None,
+    deferred: bool = False,
+    default_factory=MISSING,
+):
+    """A ``dataclasses.field`` whose metadata declares its flag (``Option``)."""
+    words = words if isinstance(words, dict) else tuple(words)
+    meta = {OPTION: Option(help, group, metavar, words, name, deferred)}
+    if default_factory is not MISSING:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def option_of(f: Field) -> Option | None:
+    """The ``Option`` of a dataclass field, or None (a field without a flag)."""
+    return f.metadata.get(OPTION)
+
+
+def flat_name(f: Field) -> str:
+    """The name a field of a nested config has in a flat one (``Option.name``, else its own)."""
+    opt = option_of(f)
+    return opt.name if opt is not None and opt.name else f.name
+
+
+def flat_fields(*configs: type):
+    """Class decorator, applied before ``@dataclass``: every field of ``configs`` that declares
+    an ``Option`` becomes a field of the decorated class under its flat name, with the same
+    type, default and metadata. The option is declared once (in ``configs``); the flat class
+    (the command's config, a model config) holds it under the name its flag and its saved
+    files use."""
+
+    def add(cls):
+        own = inspect.get_annotations(cls)
+        notes = dict(own)
+        for config in configs:
+            for f in fields(config):
+                if option_of(f) is None:
+                    continue
+                name = flat_name(f)
+                if f.default is MISSING:
+                    raise TypeError(f"{config.__name__}.{f.name}: a flat field needs a default")
+                if name in own:
+                    raise TypeError(f"{cls.__name__}.{name} is already {config.__name__}'s")
+                notes[name] = f.type
+                setattr(cls, name, field(default=f.default, metadata=f.metadata))
+        cls.__annotations__ = notes
+        return cls
+
+    return add

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastpar.cliutil import flat_fields
 from fastpar.comm import group_size
 from fastpar.models.activations import Activations, activations
 from fastpar.models.common import (
@@ -30,6 +31,7 @@ from fastpar.models.common import (
     untie_for_pipeline,
 )
 from fastpar.models.llama import check_routing, routing_options
+from fastpar.moe.config import ExpertConfig, RouterConfig
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear
 
 __all__ = [
@@ -44,6 +46,7 @@ __all__ = [
 
 
 @dataclass(frozen=True)
+@flat_fields(RouterConfig, ExpertConfig)
 class GPTConfig:
     """Model shape and options.
 
@@ -53,7 +56,8 @@ class GPTConfig:
     capacity_factor (None: dropless), overlap_chunks: MoE options; router_score,
     routed_scaling_factor, router_groups, router_group_topk, expert_bias, bias_update_rate,
     shared_expert_ffn, shared_expert_gate, aux_loss, aux_loss_coef, z_loss_coef: the MoE
-    routing options, as ``LlamaConfig`` documents them (GELU experts, shared ones alike).
+    routing options, ``RouterConfig``'s and ``ExpertConfig``'s fields under their flat names
+    (``fastpar.moe.config`` documents them; GELU experts, shared ones alike).
     norm: "rmsnorm" or
     "layernorm". tie_embeddings: LM head shares the embedding. sequence_parallel: split
     activations along the sequence over TP between blocks. moe_expert_tp: split each expert's
@@ -72,17 +76,6 @@ class GPTConfig:
     top_k: int = 2
     capacity_factor: float | None = None
     overlap_chunks: int = 1
-    router_score: str = "softmax"
-    routed_scaling_factor: float | None = None
-    router_groups: int | None = None
-    router_group_topk: int | None = None
-    expert_bias: bool = False
-    bias_update_rate: float = 1e-3
-    shared_expert_ffn: int | None = None
-    shared_expert_gate: bool = False
-    aux_loss: str | None = "micro_batch"
-    aux_loss_coef: float = 1e-2
-    z_loss_coef: float = 0.0
     norm: str = "rmsnorm"
     tie_embeddings: bool = True
     sequence_parallel: bool = False

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastpar.cliutil import flat_fields
 from fastpar.comm import group_size
 from fastpar.models.activations import Activations, activations
 from fastpar.models.common import (
@@ -29,14 +30,26 @@ from fastpar.models.common import (
     moe_block,
     positions,
 )
+from fastpar.moe.config import (
+    AUX_LOSS_WORDS,
+    ROUTING_DEFAULTS,
+    SCORES,
+    ExpertConfig,
+    RouterConfig,
+    from_flat,
+)
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["Block", "LlamaConfig", "build_llama", "check_routing", "llama_loss", "routing_options"]
 
 
 @dataclass(frozen=True)
+@flat_fields(RouterConfig, ExpertConfig)
 class LlamaConfig:
-    """Model shape and options of a Llama-class decoder."""
+    """Model shape and options of a Llama-class decoder. The MoE routing fields
+    (``router_score``, ``expert_bias``, ``shared_expert_ffn``, ...: ``ROUTING_DEFAULTS``) are
+    ``RouterConfig``'s and ``ExpertConfig``'s flagged fields under their flat names
+    (``fastpar.moe.config``, which documents them)."""
 
     vocab_size: int = 256
     """Tokens in the vocabulary (the embedding and LM head rows; padded to a multiple of TP)."""
@@ -82,36 +95,6 @@ class LlamaConfig:
     Mixtral always does). False: the raw softmax probabilities."""
     capacity_factor: float | None = None
     """MoE capacity factor (None: dropless, as HF's MoE models are)."""
-    router_score: str = "softmax"
-    """MoE router scores: "softmax" over the experts, or "sigmoid" per expert (DeepSeek-V3)."""
-    routed_scaling_factor: float | None = None
-    """Multiplies the routed experts' combine weights (DeepSeek-V3 routed_scaling_factor;
-    None: 1)."""
-    router_groups: int | None = None
-    """Group-limited routing: the experts split into this many equal groups (DeepSeek-V3
-    n_group; divides num_experts); needs router_group_topk. None: off."""
-    router_group_topk: int | None = None
-    """Group-limited routing: each token picks its experts inside its best this-many groups
-    (DeepSeek-V3 topk_group)."""
-    expert_bias: bool = False
-    """Aux-loss-free balancing (DeepSeek-V3): a per-expert bias steers the top-k choice (not the
-    weights), moved after each optimizer step against the load (``expert_bias`` buffers, saved
-    in checkpoints)."""
-    bias_update_rate: float = 1e-3
-    """Expert-bias step: bias += rate · sign(mean load − load) per optimizer step."""
-    shared_expert_ffn: int | None = None
-    """Width of a shared expert of the same kind run on every token beside the routed ones
-    (DeepSeek / Qwen2-MoE shared experts; None: none)."""
-    shared_expert_gate: bool = False
-    """Scale the shared expert's output by sigmoid(x W_g) (Qwen2-MoE); needs
-    shared_expert_ffn."""
-    aux_loss: str | None = "micro_batch"
-    """MoE load-balancing loss: "micro_batch" (Switch, over all tokens of a micro-batch),
-    "sequence" (DeepSeek-V3's per-sequence loss) or "none" / None (e.g. with expert_bias)."""
-    aux_loss_coef: float = 1e-2
-    """Coefficient of the load-balancing loss."""
-    z_loss_coef: float = 0.0
-    """Coefficient of the router z-loss (ST-MoE; 0: off)."""
     overlap_chunks: int = 1
     """MoE all-to-all / expert-compute overlap chunks (1: none)."""
     sequence_parallel: bool = False
@@ -208,17 +191,6 @@ class LlamaConfig:
         check_layout(self, tp, pp, ep)
 
 
-#: the MoE routing fields ``check_routing`` and ``routing_options`` read, with their defaults
-ROUTING_DEFAULTS = {
-    "router_score": "softmax", "routed_scaling_factor": None, "router_groups": None,
-    "router_group_topk": None, "expert_bias": False, "bias_update_rate": 1e-3,
-    "shared_expert_ffn": None, "shared_expert_gate": False, "aux_loss": "micro_batch",
-    "aux_loss_coef": 1e-2, "z_loss_coef": 0.0,
-}  # fmt: skip
-ROUTER_SCORES = ("softmax", "sigmoid")
-AUX_LOSSES = ("micro_batch", "sequence", "none")
-
-
 def _named(name: str) -> str:
     """A routing field with its fastpar.train flag: "expert_bias (--expert-bias)"."""
     return f"{name} (--{name.replace('_', '-')})"
@@ -226,8 +198,8 @@ def _named(name: str) -> str:
 
 def check_routing(cfg) -> None:
     """The MoE routing fields of a GPT or Llama config (``ROUTING_DEFAULTS``): ValueError
-    naming the field, its fastpar.train flag and the fix. Any of them off its default needs
-    MoE blocks (``moe_every``)."""
+    naming the field, its fastpar.train flag and the fix; then whatever ``RouterConfig`` /
+    ``ExpertConfig`` refuse. Any of them off its default needs MoE blocks (``moe_every``)."""
     if not cfg.moe_every:
         changed = [n for n, v in ROUTING_DEFAULTS.items() if getattr(cfg, n) != v]
         if changed:
@@ -236,12 +208,12 @@ def check_routing(cfg) -> None:
                 f"but the model has no MoE blocks: set moe_every (--moe-every, e.g. 2) or drop it"
             )
         return
-    if cfg.router_score not in ROUTER_SCORES:
+    if cfg.router_score not in SCORES:  # the registry itself: a score added there is known
         raise ValueError(
-            f"{_named('router_score')} {cfg.router_score!r} must be one of {ROUTER_SCORES}"
+            f"{_named('router_score')} {cfg.router_score!r} must be one of {tuple(SCORES)}"
         )
-    if cfg.aux_loss is not None and cfg.aux_loss not in AUX_LOSSES:
-        raise ValueError(f"{_named('aux_loss')} {cfg.aux_loss!r} must be one of {AUX_LOSSES}")
+    if cfg.aux_loss is not None and cfg.aux_loss not in AUX_LOSS_WORDS:
+        raise ValueError(f"{_named('aux_loss')} {cfg.aux_loss!r} must be one of {AUX_LOSS_WORDS}")
     sf = cfg.routed_scaling_factor
     if sf is not None and not (math.isfinite(sf) and sf > 0):
         raise ValueError(
@@ -270,6 +242,8 @@ def check_routing(cfg) -> None:
             f"(--shared-expert-ffn N, its width)"
         )
     _check_groups(cfg)
+    router, _ = from_flat(cfg)  # and whatever else the dataclasses refuse
+    router.check(cfg.num_experts, cfg.top_k)
 
 
 def _check_groups(cfg) -> None:
@@ -303,16 +277,11 @@ def _check_groups(cfg) -> None:
 
 
 def routing_options(cfg) -> dict:
-    """The MoE keyword arguments of a config's routing fields (``ROUTING_DEFAULTS``; at their
-    defaults: today's router, the same random stream)."""
-    return dict(
-        score=cfg.router_score, scaling_factor=cfg.routed_scaling_factor,
-        num_groups=cfg.router_groups, group_topk=cfg.router_group_topk,
-        expert_bias=cfg.expert_bias, bias_update_rate=cfg.bias_update_rate,
-        shared_ffn_hidden_size=cfg.shared_expert_ffn, shared_gate=cfg.shared_expert_gate,
-        aux_loss=None if cfg.aux_loss in (None, "none") else cfg.aux_loss,
-        aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef,
-    )  # fmt: skip
+    """The MoE keyword arguments of a config's routing fields (``ROUTING_DEFAULTS``):
+    ``router=`` and ``experts=`` (``fastpar.moe.config.from_flat``; at their defaults: today's
+    router, the same random stream)."""
+    router, experts = from_flat(cfg)
+    return dict(router=router, experts=experts)
 
 
 def rope_inv_freq(head_dim: int, theta: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -8,13 +8,17 @@ Face MoE blocks both ways."""
 from __future__ import annotations
 
 from fastpar.moe.balance import update_expert_bias
+from fastpar.moe.config import SCORES, ExpertConfig, RouterConfig
 from fastpar.moe.hf import moe_from_hf, moe_to_hf_state_dict
 from fastpar.moe.layer import MoE, moe_aux_loss
 from fastpar.moe.overlap import set_transport, transport
 from fastpar.moe.router import Routing, TopKRouter, capacity_for
 
 __all__ = [
+    "SCORES",
+    "ExpertConfig",
     "MoE",
+    "RouterConfig",
     "Routing",
     "TopKRouter",
     "capacity_for",

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastpar.comm import group_size, reduce_from_region
+from fastpar.moe import config as scores
 
 
 def _world(group) -> int:
@@ -56,10 +57,9 @@ def group_limited_topk(
 
 def balance_scores(router_probs: torch.Tensor, score: str) -> torch.Tensor:
     """The per-token distribution the balancing losses average: the softmax itself, or the
-    sigmoid scores normalised to sum 1 over the experts (DeepSeek-V3, Megatron)."""
-    if score == "softmax":
-        return router_probs
-    return router_probs / (router_probs.sum(dim=-1, keepdim=True) + 1e-20)
+    sigmoid scores normalised to sum 1 over the experts (DeepSeek-V3, Megatron): the ``balance``
+    of ``fastpar.moe.config.SCORES[score]`` (ValueError for a name it lacks)."""
+    return scores.score(score).balance(router_probs)
 
 
 def load_balancing_loss(

@@ -31,7 +31,9 @@ from fastpar.comm.sequence import split_sequence
 from fastpar.mesh.bridge import mesh_group
 from fastpar.mesh.placement import mark_expert, mark_sharded
 from fastpar.moe import experts, tp
+from fastpar.moe.config import ExpertConfig, RouterConfig, with_options
 from fastpar.moe.dispatch import ep_combine, ep_dispatch
+from fastpar.moe.experts import SharedExperts, init_experts
 from fastpar.moe.overlap import CapacityChunks, DroplessChunks, OverlappedExperts
 from fastpar.moe.router import TopKRouter
 from fastpar.ops.documents import current
@@ -98,8 +100,11 @@ class MoE(nn.Module):
     added to the output (``shared``: dense parameters, not expert-parallel); ``shared_gate``
     scales it by ``sigmoid(shared_gate(x))`` (``shared_gate``: ``nn.Linear(H, 1, bias=False)``).
 
+    The router's options are ``router=RouterConfig(...)``, the experts' ``experts=
+    ExpertConfig(...)`` (``fastpar.moe.config``); their fields may also be given as keywords
+    (``expert="swiglu"``, ``score="sigmoid"``), which replace the configs'.
     Router options (see ``fastpar.moe.router``, whose docstring sets fastpar's defaults beside
-    Megatron-Core's and DeepSeek-V3's): ``top_k``, ``score`` ("softmax" / "sigmoid"),
+    Megatron-Core's and DeepSeek-V3's): ``top_k``, ``score`` (a name of ``SCORES``),
     ``normalize_topk``, ``scaling_factor``, ``num_groups`` / ``group_topk`` /
     ``group_score_topk`` (group-limited top-k), ``expert_bias`` / ``bias_update_rate``
     (aux-loss-free balancing: call ``fastpar.moe.update_expert_bias(model, group)`` once per
@@ -144,27 +149,8 @@ class MoE(nn.Module):
         num_experts: int,
         top_k: int = 2,
         *,
-        capacity_factor: float | None = 1.25,
-        min_capacity: int | None = 4,
-        drop_policy: str = "position",
-        drop_weights: str = "renormalise",
-        normalize_topk: bool | None = None,
-        score: str = "softmax",
-        scaling_factor: float | None = None,
-        num_groups: int | None = None,
-        group_topk: int | None = None,
-        group_score_topk: int | None = None,
-        expert_bias: bool = False,
-        bias_update_rate: float = 1e-3,
-        aux_loss: str | None = "micro_batch",
-        aux_loss_coef: float = 1e-2,
-        z_loss_coef: float = 0.0,
-        jitter: float = 0.0,
-        expert: str = "mlp",
-        activation: str | None = None,
-        bias: bool | None = None,
-        shared_ffn_hidden_size: int | None = None,
-        shared_gate: bool = False,
+        router: RouterConfig | None = None,
+        experts: ExpertConfig | None = None,
         overlap_chunks: int = 1,
         aux_loss_in_backward: bool = True,
         sequence_parallel: bool = False,
@@ -176,9 +162,12 @@ class MoE(nn.Module):
         cp_group: dist.ProcessGroup | None = None,
         device=None,
         dtype=None,
+        **options,
     ) -> None:
         super().__init__()
         _eager_only_once()
+        router, kinds = with_options(router, experts, options)
+        capacity_factor = router.capacity_factor
         if mesh is not None and (ep_group, tp_group, cp_group) != (None, None, None):
             raise ValueError("pass either mesh= or ep_group= / tp_group= / cp_group=, not both")
         self.ep_group = mesh_group(mesh, "ep") if mesh is not None else ep_group  # or DeviceMesh
@@ -207,26 +196,15 @@ class MoE(nn.Module):
         if not isinstance(overlap_chunks, int) or overlap_chunks < 1:
             raise ValueError(f"overlap_chunks must be a positive integer, got {overlap_chunks!r}")
         self.overlap_chunks = overlap_chunks
-        self.gated, activation, bias = experts.resolve(expert, activation, bias)
-        if shared_gate and shared_ffn_hidden_size is None:
-            raise ValueError("shared_gate=True needs shared experts: set shared_ffn_hidden_size")
-        if shared_ffn_hidden_size is not None and shared_ffn_hidden_size < 1:
-            raise ValueError(f"shared_ffn_hidden_size must be >= 1, got {shared_ffn_hidden_size}")
+        self.gated, activation, bias = kinds.resolved()
+        shared_ffn_hidden_size, self.expert_config = kinds.shared_ffn_hidden_size, kinds
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.num_experts, self.top_k = num_experts, top_k
         self.num_local = num_experts // self.ep
-        self.expert, self.activation, self.bias = expert, activation, bias
+        self.expert, self.activation, self.bias = kinds.expert, activation, bias
         self.shared_ffn_hidden_size = shared_ffn_hidden_size
-        self.router = TopKRouter(
-            hidden_size, num_experts, top_k,
-            capacity_factor=capacity_factor, min_capacity=min_capacity, drop_policy=drop_policy,
-            normalize_topk=normalize_topk, aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
-            jitter=jitter, device=device, drop_weights=drop_weights, score=score,
-            scaling_factor=scaling_factor, num_groups=num_groups, group_topk=group_topk,
-            group_score_topk=group_score_topk, expert_bias=expert_bias,
-            bias_update_rate=bias_update_rate, aux_loss=aux_loss,
-        )  # fmt: skip
-        full = experts.init_experts(
+        self.router = TopKRouter(hidden_size, num_experts, top_k, router=router, device=device)
+        full = init_experts(
             num_experts, hidden_size, ffn_hidden_size, self.gated, bias, device, dtype
         )
         lo = group_rank(self.ep_group) * self.num_local if self.ep > 1 else 0
@@ -253,10 +231,10 @@ class MoE(nn.Module):
         # shared experts: dense (the same on every EP and TP rank), drawn after the routed ones
         self.shared = self.shared_gate = None
         if shared_ffn_hidden_size is not None:
-            self.shared = experts.SharedExperts(
+            self.shared = SharedExperts(
                 hidden_size, shared_ffn_hidden_size, self.gated, activation, bias, device, dtype
             )
-            if shared_gate:
+            if kinds.shared_gate:
                 self.shared_gate = nn.Linear(hidden_size, 1, bias=False, device=device, dtype=dtype)
         self.aux_loss: torch.Tensor | None = None
         # Set by a training loop, or by ``aux_loss_scale(...)`` around the forward (the

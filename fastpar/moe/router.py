@@ -6,6 +6,7 @@ Hugging Face's: docs/moe.md ("Routing"). Everything stays on the device."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -15,12 +16,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastpar.moe import balance
+from fastpar.moe.config import SCORES, RouterConfig
 from fastpar.reference.precision import upcast
 
-DROP_POLICIES = ("position", "probs", "weights")
-DROP_WEIGHTS = ("renormalise", "keep")
-SCORES = ("softmax", "sigmoid")
-AUX_LOSSES = ("micro_batch", "sequence", None)
+
+def router_config(router: RouterConfig | None, options: dict) -> RouterConfig:
+    """``router`` (default ``RouterConfig()``) with ``options`` (its fields by name) on top."""
+    if router is None:
+        return RouterConfig(**options)
+    return dataclasses.replace(router, **options) if options else router
 
 
 @dataclass
@@ -61,13 +65,13 @@ class TopKRouter(nn.Module):
     ``aux_loss="sequence"``; ``valid [T]`` bool: the tokens the aux losses and expert-bias
     counts count, module docstring).
 
-    Options (defaults: today's fastpar router): ``score`` "softmax" | "sigmoid";
-    ``normalize_topk`` (None: k > 1); ``scaling_factor`` (None: 1); ``num_groups`` /
-    ``group_topk`` / ``group_score_topk`` (group-limited top-k; None: off / 2);
-    ``expert_bias`` + ``bias_update_rate`` (aux-loss-free balancing, 1e-3 as in Megatron);
-    ``capacity_factor`` (None: dropless), ``min_capacity`` (None / 0: none), ``drop_policy``
-    "position" | "probs" | "weights", ``drop_weights`` "renormalise" | "keep"; ``aux_loss``
-    "micro_batch" | "sequence" | None with ``aux_loss_coef``; ``z_loss_coef``; ``jitter``.
+    Options: ``router=RouterConfig(...)`` (``fastpar.moe.config``, defaults: today's fastpar
+    router), and/or its fields as keywords (``score="sigmoid"``, ``expert_bias=True``, ...),
+    which replace the ``router``'s: ``score`` (a name of ``SCORES``), ``normalize_topk``,
+    ``scaling_factor``, ``num_groups`` / ``group_topk`` / ``group_score_topk``,
+    ``expert_bias`` + ``bias_update_rate``, ``capacity_factor``, ``min_capacity``,
+    ``drop_policy``, ``drop_weights``, ``aux_loss`` + ``aux_loss_coef``, ``z_loss_coef``,
+    ``jitter``. ``config``: the resulting ``RouterConfig``.
     """
 
     def __init__(
@@ -76,38 +80,24 @@ class TopKRouter(nn.Module):
         num_experts: int,
         top_k: int = 2,
         *,
-        capacity_factor: float | None = 1.25,
-        min_capacity: int | None = 4,
-        drop_policy: str = "position",
-        drop_weights: str = "renormalise",
-        normalize_topk: bool | None = None,
-        score: str = "softmax",
-        scaling_factor: float | None = None,
-        num_groups: int | None = None,
-        group_topk: int | None = None,
-        group_score_topk: int | None = None,
-        expert_bias: bool = False,
-        bias_update_rate: float = 1e-3,
-        aux_loss: str | None = "micro_batch",
-        aux_loss_coef: float = 1e-2,
-        z_loss_coef: float = 0.0,
-        jitter: float = 0.0,
+        router: RouterConfig | None = None,
         device=None,
+        **options,
     ) -> None:
         super().__init__()
-        _check_options(num_experts, top_k, capacity_factor, min_capacity, drop_policy,
-                       drop_weights, score, scaling_factor, bias_update_rate, aux_loss)  # fmt: skip
-        self.group_score_topk = _check_groups(
-            num_experts, top_k, num_groups, group_topk, group_score_topk
-        )
+        cfg = router_config(router, options)
+        self.group_score_topk = cfg.check(num_experts, top_k)
+        self.config = cfg
         self.num_experts, self.top_k = num_experts, top_k
-        self.capacity_factor, self.min_capacity = capacity_factor, min_capacity
-        self.drop_policy, self.drop_weights = drop_policy, drop_weights
-        self.normalize_topk = top_k > 1 if normalize_topk is None else normalize_topk
-        self.score, self.scaling_factor = score, scaling_factor
-        self.num_groups, self.group_topk = num_groups, group_topk
-        self.bias_update_rate, self.aux_loss = bias_update_rate, aux_loss
-        self.aux_loss_coef, self.z_loss_coef, self.jitter = aux_loss_coef, z_loss_coef, jitter
+        self.capacity_factor, self.min_capacity = cfg.capacity_factor, cfg.min_capacity
+        self.drop_policy, self.drop_weights = cfg.drop_policy, cfg.drop_weights
+        self.normalize_topk = top_k > 1 if cfg.normalize_topk is None else cfg.normalize_topk
+        self.score, self.scaling_factor = cfg.score, cfg.scaling_factor
+        self.num_groups, self.group_topk = cfg.num_groups, cfg.group_topk
+        self.bias_update_rate, self.aux_loss = cfg.bias_update_rate, cfg.aux_loss
+        self.aux_loss_coef, self.z_loss_coef = cfg.aux_loss_coef, cfg.z_loss_coef
+        self.jitter = cfg.jitter
+        expert_bias = cfg.expert_bias
         # the TP group this router's tokens are split over (a sequence-parallel MoE sets it:
         # ``fastpar.moe.tp``); its aux statistics and expert-bias counts are summed over it
         self.token_group: dist.ProcessGroup | None = None
@@ -133,10 +123,7 @@ class TopKRouter(nn.Module):
             noise = torch.empty_like(h).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
             h = h * noise
         logits = F.linear(h, self.weight.to(h.dtype))
-        if self.score == "softmax":
-            router_probs = torch.softmax(logits, dim=-1)
-        else:
-            router_probs = torch.sigmoid(logits)
+        router_probs = SCORES[self.score].probs(logits)
         if self.expert_bias is None and self.num_groups is None:
             probs, ids = torch.topk(router_probs, self.top_k, dim=-1)
         else:
@@ -255,30 +242,6 @@ class TopKRouter(nn.Module):
         return f"experts={self.num_experts}, top_k={self.top_k}, " + ", ".join(extra)
 
 
-def _check_options(num_experts, top_k, capacity_factor, min_capacity, drop_policy, drop_weights,
-                   score, scaling_factor, bias_update_rate, aux_loss) -> None:  # fmt: skip
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
-    if capacity_factor is not None and not capacity_factor > 0:
-        raise ValueError(
-            f"capacity_factor must be positive or None (dropless), got {capacity_factor}"
-        )
-    if drop_policy not in DROP_POLICIES:
-        raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
-    if drop_weights not in DROP_WEIGHTS:
-        raise ValueError(f"drop_weights must be one of {DROP_WEIGHTS}, got {drop_weights!r}")
-    if min_capacity is not None and min_capacity < 0:
-        raise ValueError(f"min_capacity must be >= 0 or None (no minimum), got {min_capacity}")
-    if score not in SCORES:
-        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
-    if scaling_factor is not None and not scaling_factor > 0:
-        raise ValueError(f"scaling_factor must be positive or None, got {scaling_factor}")
-    if not bias_update_rate > 0:
-        raise ValueError(f"bias_update_rate must be positive, got {bias_update_rate}")
-    if aux_loss not in AUX_LOSSES:
-        raise ValueError(f"aux_loss must be one of {AUX_LOSSES}, got {aux_loss!r}")
-
-
 def _check_valid(valid: torch.Tensor, tokens: int, device) -> torch.Tensor:
     """``valid`` as a [T] bool mask on ``device``, or a ValueError naming what is wrong."""
     if valid.dtype != torch.bool:
@@ -288,32 +251,3 @@ def _check_valid(valid: torch.Tensor, tokens: int, device) -> torch.Tensor:
             f"valid must be one flag per routed token, [{tokens}], got {tuple(valid.shape)}"
         )
     return valid.to(device)
-
-
-def _check_groups(num_experts, top_k, num_groups, group_topk, group_score_topk) -> int | None:
-    """Validates group-limited routing; returns the experts summed per group score."""
-    if num_groups is None and group_topk is None:
-        if group_score_topk is not None:
-            raise ValueError("group_score_topk needs num_groups= and group_topk=")
-        return None
-    if num_groups is None or group_topk is None:
-        raise ValueError(
-            f"group-limited routing needs both num_groups and group_topk, got "
-            f"num_groups={num_groups}, group_topk={group_topk}"
-        )
-    if num_groups < 1 or num_experts % num_groups:
-        raise ValueError(
-            f"num_groups must divide num_experts={num_experts}, got num_groups={num_groups}"
-        )
-    per_group = num_experts // num_groups
-    if not 1 <= group_topk <= num_groups:
-        raise ValueError(f"group_topk must be in [1, num_groups={num_groups}], got {group_topk}")
-    if top_k > group_topk * per_group:
-        raise ValueError(
-            f"top_k={top_k} exceeds the {group_topk * per_group} experts of {group_topk} groups "
-            f"of {per_group}: raise group_topk"
-        )
-    m = min(2, per_group) if group_score_topk is None else group_score_topk
-    if not 1 <= m <= per_group:
-        raise ValueError(f"group_score_topk must be in [1, {per_group}], got {group_score_topk}")
-    return m

@@ -7,8 +7,9 @@ import argparse
 import importlib.util
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
+from fastpar.cliutil import option_of
 from fastpar.data import (
     BIN_DTYPES,
     bin_dtype,
@@ -18,134 +19,30 @@ from fastpar.data import (
 )
 from fastpar.mesh import MeshLayout
 from fastpar.models import GPTConfig, LlamaConfig
-from fastpar.models.llama import ROUTING_DEFAULTS
+from fastpar.moe.config import ROUTING_DEFAULTS
 from fastpar.parallel.pipeline.recompute import RecomputePolicy
 from fastpar.parallel.pipeline.schedules import SCHEDULES, accepting, chunked_names, make_schedule
 from fastpar.train.checks import (
-    TIMEOUT_ENV,
     check_ranges,
     flag,
     infer_dp,
     torchrun_world_size,
 )
 from fastpar.train.memory import check_memory
+from fastpar.train.options import COLLECTIVE_TIMEOUT_S as COLLECTIVE_TIMEOUT_S
+from fastpar.train.options import TrainOptions
+from fastpar.train.options import _seconds as _seconds
+from fastpar.train.options import default_collective_timeout as default_collective_timeout
 
 DESCRIPTION = (
     "Train a GPT, a Llama or a Hugging Face model with DP x TP x PP x EP, ZeRO and mixed precision."
 )
 
 
-def _seconds(raw: str) -> float:
-    try:
-        return float(raw)
-    except ValueError:
-        return float("nan")  # refused by TrainConfig.check, which names the variable
-
-
-#: every collective fails after this long instead of hanging (a dead or stuck peer), unless
-#: FASTPAR_COLLECTIVE_TIMEOUT or --collective-timeout says otherwise
-COLLECTIVE_TIMEOUT_S = 300.0
-
-
-def default_collective_timeout() -> float:
-    """--collective-timeout's default: FASTPAR_COLLECTIVE_TIMEOUT seconds, read when a
-    TrainConfig (or the parser) is made, not at import; else ``COLLECTIVE_TIMEOUT_S``."""
-    raw = os.environ.get(TIMEOUT_ENV)
-    return COLLECTIVE_TIMEOUT_S if raw is None else _seconds(raw)
-
-
 @dataclass
-class TrainConfig:
-    """Everything a run needs (the CLI's flags)."""
-
-    model_type: str = "gpt"
-    tp: int = 2
-    pp: int = 2
-    dp: int = 2
-    ep: int = 2
-    cp: int = 1
-    cp_attention: str = "ring"
-    zero: int = 1
-    fused_ce: bool = False
-    precision: str = "fp32"
-    microbatches: int = 2
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    microbatch_group_size: int | None = None
-    recompute: bool | str = False
-    steps: int = 30
-    batch_size: int = 16
-    lr: float = 3e-3
-    min_lr: float | None = None
-    warmup: int = 5
-    lr_schedule: str = "cosine"
-    weight_decay: float = 0.1
-    max_grad_norm: float = 1.0
-    loss_scale: float = 4096.0
-    seed: int = 1234
-    vocab_size: int | None = None
-    seq_len: int = 64
-    hidden: int = 64
-    heads: int = 4
-    layers: int = 4
-    ffn: int | None = None
-    moe_ffn: int | None = None
-    kv_heads: int | None = None
-    head_dim: int | None = None
-    rope_theta: float = 10000.0
-    qk_norm: bool = False
-    attention_bias: bool = False
-    moe_every: int = 2
-    experts: int = 4
-    top_k: int = 2
-    capacity_factor: float | None = None
-    overlap_chunks: int = 1
-    router_score: str = "softmax"
-    routed_scaling_factor: float | None = None
-    router_groups: int | None = None
-    router_group_topk: int | None = None
-    expert_bias: bool = False
-    bias_update_rate: float = 1e-3
-    shared_expert_ffn: int | None = None
-    shared_expert_gate: bool = False
-    aux_loss: str = "micro_batch"
-    aux_loss_coef: float = 1e-2
-    loss_normalization: str = "token"
-    pack: str | None = None
-    eos_id: int | None = None
-    reset_positions: bool = True
-    z_loss_coef: float = 0.0
-    sequence_parallel: bool = False
-    moe_expert_tp: bool = False
-    untied: bool = False
-    norm: str = "rmsnorm"
-    plan: str | None = None
-    data: str | None = None
-    data_dtype: str | None = None
-    tokenizer: str | None = None
-    hf_config: str | None = None
-    init_from_hf: str | None = None
-    checkpoint_dir: str | None = None
-    save_every: int = 0
-    keep_last: int = 0
-    resume: bool = False
-    allow_fresh: bool = False
-    allow_other_run: bool = False
-    allow_schedule_change: bool = False
-    collective_timeout: float = field(default_factory=default_collective_timeout)
-    max_skipped_steps: int = 20
-    debug_checks: bool = False
-    profile: str | None = None
-    profile_steps: str | None = None
-    log_every: int = 1
-    quiet: bool = False
-    metrics_file: str | None = None
-    tensorboard: str | None = None
-    peak_tflops: float | None = None
-    compile: bool = False
-    eval_every: int = 0
-    eval_batches: int = 4
-    eval_split: float = 0.1
+class TrainConfig(TrainOptions):
+    """Everything a run needs (the CLI's flags: the fields of ``TrainOptions``, each with its
+    help in its metadata, ``fastpar.train.options``)."""
 
     def __post_init__(self) -> None:
         # --recompute's policy: False (none), True (full: the engine's), or a selective one
@@ -499,6 +396,18 @@ class TrainConfig:
         if not self.hf_config:
             self.model().check(self.tp, self.pp, self.ep)
             check_memory(self)  # activations that clearly do not fit this machine
+        _check_words(self)
+
+
+def _check_words(cfg: TrainConfig) -> None:
+    """Every flag that takes words (``Option.words``) holds one of them (None: left out), for
+    whatever the checks above do not name with their own fix."""
+    for f in fields(cfg):
+        value, words = getattr(cfg, f.name), tuple(option_of(f).words)
+        if words and value is not None and value not in words:
+            raise ValueError(
+                f"{flag(f.name)} {value!r} must be one of {', '.join(map(str, words))}"
+            )
 
 
 def _check_init_from_hf(cfg: TrainConfig) -> None:

@@ -1,0 +1,419 @@
+"""Every flag of ``python -m fastpar.train``, each declared once, as a field of ``TrainOptions``
+(``TrainConfig``'s fields) with its help, --help section, words and metavar in its metadata
+(``fastpar.cliutil.option``); the MoE routing flags are ``RouterConfig``'s and
+``ExpertConfig``'s fields (``fastpar.moe.config``). The parser derives from them
+(``fastpar.train.cli.build_parser``)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from fastpar.cliutil import flat_fields, option
+from fastpar.data import BIN_DTYPES
+from fastpar.moe.config import ROUTING, ExpertConfig, RouterConfig
+from fastpar.parallel.pipeline.schedules import SCHEDULES
+from fastpar.train.checks import LR_SCHEDULES, TIMEOUT_ENV
+
+
+def _seconds(raw: str) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        return float("nan")  # refused by TrainConfig.check, which names the variable
+
+
+#: every collective fails after this long instead of hanging (a dead or stuck peer), unless
+#: FASTPAR_COLLECTIVE_TIMEOUT or --collective-timeout says otherwise
+COLLECTIVE_TIMEOUT_S = 300.0
+
+
+def default_collective_timeout() -> float:
+    """--collective-timeout's default: FASTPAR_COLLECTIVE_TIMEOUT seconds, read when a
+    TrainConfig (or the parser) is made, not at import; else ``COLLECTIVE_TIMEOUT_S``."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    return COLLECTIVE_TIMEOUT_S if raw is None else _seconds(raw)
+
+
+LAYOUT, MODEL, TRAINING, DATA = "layout", "model", "training", "data"
+CHECKPOINTS, EVALUATION, OUTPUT, FAILURES = "checkpoints", "evaluation", "output", "failures"
+GROUPS = (LAYOUT, MODEL, ROUTING, TRAINING, DATA, CHECKPOINTS, EVALUATION, OUTPUT, FAILURES)
+"""The sections of --help, in order: every field's ``Option.group`` is one of them."""
+
+
+@dataclass
+@flat_fields(RouterConfig, ExpertConfig)
+class TrainOptions:
+    """The flags: one field each, listed by --help section (``GROUPS``). "(default X)" is added
+    to the help of a flag whose default is not None. The MoE routing flags (``ROUTING``:
+    ``router_score``, ``expert_bias``, ...) are ``RouterConfig``'s and ``ExpertConfig``'s
+    flagged fields, added under their flat names (``fastpar.cliutil.flat_fields``)."""
+
+    tp: int = option(2, LAYOUT, "tensor-parallel size: ranks that split every layer's matrices")
+    pp: int = option(2, LAYOUT, "pipeline-parallel size: ranks that split the layers into stages")
+    dp: int = option(
+        2,
+        LAYOUT,
+        deferred=True,
+        help="data-parallel size (default 2; under torchrun WORLD_SIZE / (tp*pp)); world size = "
+        "tp*pp*dp",
+    )
+    ep: int = option(
+        2,
+        LAYOUT,
+        deferred=True,
+        help="expert-parallel size, a divisor of dp: ranks that split each MoE layer's experts "
+        "(default 2; 1 with --hf-config)",
+    )
+    cp: int = option(
+        1,
+        LAYOUT,
+        help="context-parallel size: each sequence split over CP ranks (2*cp chunks, ring "
+        "attention; --model gpt / llama)",
+    )
+    cp_attention: str = option(
+        "ring",
+        LAYOUT,
+        words=("ring", "all-to-all"),
+        help="attention under --cp: ring (K/V passed around the cp ranks) or all-to-all (heads "
+        "scattered over cp, Ulysses; heads / tp must divide by cp)",
+    )
+    zero: int = option(
+        1,
+        LAYOUT,
+        words=(0, 1, 2, 3),
+        help="ZeRO stage over data parallelism: 0 replicated, 1 optimizer state sharded, 2 and "
+        "gradients, 3 and parameters",
+    )
+    microbatches: int = option(
+        2,
+        LAYOUT,
+        help="NUMBER of micro-batches each replica splits its share of --batch-size into (not a "
+        "micro-batch size, as Megatron's --micro-batch-size is)",
+    )
+    schedule: str = option(
+        "1f1b",
+        LAYOUT,
+        words=SCHEDULES,
+        help="pipeline schedule (interleaved: Megatron's interleaved 1F1B over --virtual-stages "
+        "model chunks per rank; zb-h1: zero-bubble ZB-H1, each backward split into input and "
+        "weight gradients, at 1F1B's activation memory)",
+    )
+    virtual_stages: int = option(
+        1,
+        LAYOUT,
+        help="--schedule interleaved: model chunks per pipeline rank (virtual stages, placed "
+        "round-robin; --microbatches a multiple of --pp)",
+    )
+    microbatch_group_size: int | None = option(
+        None,
+        LAYOUT,
+        metavar="G",
+        help="--schedule interleaved: micro-batches each model chunk runs before the next chunk's "
+        "turn (Megatron's --microbatch-group-size-per-virtual-pipeline-stage; default --pp). "
+        "Above --pp it gives the ring slack that hides message latency, for (V - 1)(G - pp) "
+        "more chunk activations in flight",
+    )
+    recompute: bool | str = option(
+        False,
+        LAYOUT,
+        help="recompute activations in backward instead of keeping them: full (--recompute alone: "
+        "each micro-batch's whole stage, the pipeline engine's), attention or mlp (that "
+        "sub-module of every block), every:K (every K-th block whole), none (--no-recompute)",
+    )
+    sequence_parallel: bool = option(
+        False,
+        LAYOUT,
+        help="split activations between blocks along the sequence over TP (MoE blocks route each "
+        "rank's chunk, dropless; with --moe-expert-tp they gather it)",
+    )
+    moe_expert_tp: bool = option(
+        False,
+        LAYOUT,
+        help="split each MoE expert's FFN over TP (expert tensor parallelism: w1 by columns, w2 by "
+        "rows) instead of every TP rank holding whole experts",
+    )
+    overlap_chunks: int = option(
+        1,
+        LAYOUT,
+        help="MoE: split the all-to-all into K chunks overlapped with expert GEMMs (1: no overlap)",
+    )
+    model_type: str = option(
+        "gpt",
+        MODEL,
+        words=("gpt", "llama"),
+        help="the model: fastpar's GPT, or its Llama (GQA, RoPE, SwiGLU, RMSNorm)",
+    )
+    hf_config: str | None = option(
+        None,
+        MODEL,
+        metavar="FILE",
+        help="a Hugging Face config.json: train that model (random init) with its family's "
+        "built-in plan instead of the GPT / Llama",
+    )
+    vocab_size: int | None = option(
+        None,
+        MODEL,
+        help="vocabulary size (default: the tokenizer's, else 256 bytes)",
+    )
+    seq_len: int = option(64, MODEL, "tokens per sequence")
+    hidden: int = option(64, MODEL, "model width")
+    heads: int = option(4, MODEL, "attention heads")
+    layers: int = option(4, MODEL, "transformer blocks")
+    init_from_hf: str | None = option(
+        None,
+        MODEL,
+        metavar="DIR",
+        help="a local Hugging Face directory (config.json + *.safetensors, as save_pretrained "
+        "writes it): train that model from its weights (implies --hf-config DIR/config.json; "
+        "each rank reads its slices; fresh optimizer, step 0; --resume's checkpoint wins)",
+    )
+    ffn: int | None = option(
+        None,
+        MODEL,
+        help="MLP width (default: gpt 4*hidden, llama 8*hidden/3 rounded up to 64)",
+    )
+    moe_ffn: int | None = option(None, MODEL, "llama: width of each expert (default: --ffn)")
+    kv_heads: int | None = option(
+        None,
+        MODEL,
+        help="llama: key/value heads for grouped-query attention (default: --heads)",
+    )
+    head_dim: int | None = option(None, MODEL, "llama: width of a head (default: hidden / heads)")
+    rope_theta: float = option(10000.0, MODEL, "llama: RoPE base")
+    qk_norm: bool = option(False, MODEL, "llama: Qwen3-style RMSNorm on every query and key head")
+    attention_bias: bool = option(False, MODEL, "llama: Qwen2-style q/k/v bias")
+    norm: str = option(
+        "rmsnorm",
+        MODEL,
+        words=("rmsnorm", "layernorm"),
+        help="gpt: the normalisation layers",
+    )
+    untied: bool = option(False, MODEL, "an LM head of its own instead of the embedding's weight")
+    moe_every: int = option(
+        2,
+        MODEL,
+        help="every N-th block's MLP is a mixture of experts (0: no MoE blocks)",
+    )
+    experts: int = option(4, MODEL, "experts per MoE layer")
+    top_k: int = option(2, MODEL, "experts each token is routed to")
+    capacity_factor: float | None = option(
+        None,
+        MODEL,
+        help="MoE capacity factor: tokens over capacity are dropped (default: dropless)",
+    )
+    plan: str | None = option(
+        None,
+        MODEL,
+        metavar="FILE",
+        help="with --hf-config: the tensor-parallel plan, a TOML or JSON table of module-name "
+        "pattern -> style (column, row, vocab, per_head, replicate, experts; or [style, "
+        "{options}]) as fastpar.parallelize takes it, for a family without a built-in plan "
+        "(or to replace it); the LM head's logits stay split over the vocabulary",
+    )
+    steps: int = option(30, TRAINING, "optimizer steps to train (Megatron: --train-iters)")
+    batch_size: int = option(
+        16,
+        TRAINING,
+        help="GLOBAL batch in sequences, over every replica and micro-batch (Megatron: "
+        "--global-batch-size; torchtitan's batch size is per replica)",
+    )
+    fused_ce: bool = option(
+        False,
+        TRAINING,
+        help="the loss as a vocab-parallel fused linear cross-entropy: the head's logits exist "
+        "only a chunk of tokens at a time (fastpar.ops.linear_cross_entropy)",
+    )
+    precision: str = option(
+        "fp32",
+        TRAINING,
+        words=("fp32", "bf16", "fp16"),
+        help="parameters and activations (fp32 master weights for bf16 / fp16; fp16 adds a dynamic "
+        "loss scaler)",
+    )
+    lr: float = option(3e-3, TRAINING, "peak learning rate (AdamW)")
+    min_lr: float | None = option(
+        None,
+        TRAINING,
+        help="where the cosine schedule ends (default: --lr / 10; Megatron's is 0)",
+    )
+    warmup: int = option(5, TRAINING, "linear warm-up steps from 0 to --lr")
+    lr_schedule: str = option(
+        "cosine",
+        TRAINING,
+        words=LR_SCHEDULES,
+        help="after the warm-up: " + "; ".join(f"{k}: {v}" for k, v in LR_SCHEDULES.items()),
+    )
+    weight_decay: float = option(0.1, TRAINING, "AdamW weight decay, on matrices only")
+    max_grad_norm: float = option(1.0, TRAINING, "clip the global gradient norm to this")
+    loss_scale: float = option(
+        4096.0,
+        TRAINING,
+        help="fp16: the loss scaler's first scale (Megatron's is 2^32)",
+    )
+    seed: int = option(
+        1234,
+        TRAINING,
+        help="weights and data: the same seed gives the same run on any layout",
+    )
+    compile: bool = option(
+        False,
+        TRAINING,
+        help="torch.compile each transformer block (the inductor backend; CPUs included)",
+    )
+    loss_normalization: str = option(
+        "token",
+        TRAINING,
+        words=("token", "sequence"),
+        help="token: the step's loss is the sum over every valid target of the global batch over "
+        "their count (one device's mean, however ignored targets fall); sequence: each "
+        "micro-batch's mean, averaged (a mean of means)",
+    )
+    data: str | None = option(
+        None,
+        DATA,
+        metavar="FILE",
+        help="a text file, a .npy or a .bin file of token ids (default: an embedded corpus)",
+    )
+    data_dtype: str | None = option(
+        None,
+        DATA,
+        words=tuple(sorted(BIN_DTYPES)),
+        help="ids of a .bin file (default uint16; a vocabulary of more than 65536 tokens needs "
+        "uint32, given explicitly)",
+    )
+    tokenizer: str | None = option(
+        None,
+        DATA,
+        metavar="FILE",
+        help="a tokenizer.json (Hugging Face tokenizers) for text data; sets the vocabulary",
+    )
+    pack: str | None = option(
+        None,
+        DATA,
+        words=("stream", "documents"),
+        help="stream: windows of one token stream, attention across the whole window (the default "
+        "without --eos-id); documents (the default with --eos-id): each --eos-id ends a "
+        "document, attention stops at document boundaries, a document's last token predicts "
+        "nothing",
+    )
+    eos_id: int | None = option(
+        None,
+        DATA,
+        metavar="ID",
+        help="the end-of-document token id that splits --data into documents",
+    )
+    reset_positions: bool = option(
+        True,
+        DATA,
+        help="with --pack documents: positions restart at 0 at each document start",
+    )
+    checkpoint_dir: str | None = option(
+        None,
+        CHECKPOINTS,
+        metavar="DIR",
+        help="where checkpoints (step_N directories, each with its train_config.json) are written "
+        "and resumed from; the last step is always saved",
+    )
+    save_every: int = option(0, CHECKPOINTS, "also save every N steps (0: only the last step)")
+    keep_last: int = option(0, CHECKPOINTS, "keep only the newest N checkpoints (0: keep all)")
+    resume: bool = option(
+        False,
+        CHECKPOINTS,
+        help="continue from the newest usable checkpoint in --checkpoint-dir",
+    )
+    allow_fresh: bool = option(
+        False,
+        CHECKPOINTS,
+        help="with --resume: start from step 0 when --checkpoint-dir holds no usable checkpoint "
+        "(default: an error)",
+    )
+    allow_other_run: bool = option(
+        False,
+        CHECKPOINTS,
+        help="write into a --checkpoint-dir that holds another run's checkpoints",
+    )
+    allow_schedule_change: bool = option(
+        False,
+        CHECKPOINTS,
+        help="with --resume: train on when --steps, --lr-schedule, --warmup, --lr or --min-lr "
+        "differ from the checkpoint's and change the learning rate of the steps left "
+        "(default: an error naming both rates)",
+    )
+    eval_every: int = option(
+        0,
+        EVALUATION,
+        help="every N steps (and the last), the validation loss of --eval-batches held-out "
+        "batches, pipelined forward-only, as val_loss in the log line and metrics (0: never)",
+    )
+    eval_batches: int = option(4, EVALUATION, "batches of --batch-size sequences per evaluation")
+    eval_split: float = option(
+        0.1,
+        EVALUATION,
+        help="with --eval-every: the fraction of the token ids held out at the END of the data for "
+        "validation; training then reads only the ids before it",
+    )
+    log_every: int = option(
+        1,
+        OUTPUT,
+        help="print and record a line every N steps, and the last (steps in between make no host "
+        "sync)",
+    )
+    quiet: bool = option(
+        False,
+        OUTPUT,
+        help="print nothing but errors and warnings (the profiler's own lines included)",
+    )
+    metrics_file: str | None = option(
+        None,
+        OUTPUT,
+        metavar="FILE",
+        help="append one JSON object per logged step to this file (step, loss, lr, grad_norm, "
+        "tokens/s, MFU, memory, skipped, elapsed; a run from step 0 starts it afresh)",
+    )
+    tensorboard: str | None = option(
+        None,
+        OUTPUT,
+        metavar="DIR",
+        help="write the logged steps' numbers as TensorBoard scalars to DIR (needs pip install "
+        "fastpar[tensorboard])",
+    )
+    peak_tflops: float | None = option(
+        None,
+        OUTPUT,
+        metavar="TFLOPS",
+        help="one device's peak TFLOP/s for MFU (default: known GPUs' dense bf16 peak; none on "
+        "CPUs, so no MFU there)",
+    )
+    profile: str | None = option(
+        None,
+        OUTPUT,
+        metavar="DIR",
+        help="write a torch.profiler Chrome/Perfetto trace per rank to DIR/trace_rank<R>.json",
+    )
+    profile_steps: str | None = option(
+        None,
+        OUTPUT,
+        metavar="A:B",
+        help="with --profile: record only steps A to B, both included (e.g. 3:5; default: every "
+        "step); the trace marks each as ProfilerStep#N",
+    )
+    collective_timeout: float = option(
+        group=FAILURES,
+        metavar="SECONDS",
+        default_factory=default_collective_timeout,
+        help="seconds any collective of any process group may wait before the job fails "
+        f"(a stuck or dead rank; default {TIMEOUT_ENV}, else {COLLECTIVE_TIMEOUT_S:g})",
+    )
+    max_skipped_steps: int = option(
+        20,
+        FAILURES,
+        help="end the run after this many consecutive steps skipped for inf/NaN gradients (the "
+        "fp16 loss scaler's, or a non-finite gradient norm)",
+    )
+    debug_checks: bool = option(
+        False,
+        FAILURES,
+        help="cross-rank input checks that cost a collective per call (shapes into TP layers, "
+        "cross-entropy targets); also FASTPAR_DEBUG_CHECKS=1",
+    )

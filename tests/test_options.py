@@ -1,0 +1,347 @@
+"""Each option declared once: the router and expert options are ``RouterConfig`` /
+``ExpertConfig`` fields (``fastpar.moe.config``), the training command's flags are derived from
+the fields' metadata, the router scores live in one registry (``SCORES``) and an unknown score
+name is an error everywhere (the layer, the models, ``TrainConfig.check``, the command)."""
+
+from __future__ import annotations
+
+import json
+import typing
+from dataclasses import asdict, dataclass, fields
+
+import pytest
+import torch
+from _no_ranks import forbid_ranks
+
+from fastpar.cliutil import flat_fields, flat_name, option, option_of
+from fastpar.models import GPTConfig, LlamaConfig
+from fastpar.models.llama import routing_options
+from fastpar.moe import MoE, TopKRouter
+from fastpar.moe.balance import balance_scores
+from fastpar.moe.config import (
+    ROUTING,
+    ROUTING_DEFAULTS,
+    SCORES,
+    ExpertConfig,
+    RouterConfig,
+    Score,
+)
+from fastpar.train import TrainConfig, build_parser, config_from, main
+from fastpar.train.checkpointing import compare_settings, write_config_file
+from fastpar.train.checks import flag
+from fastpar.train.cli import read_config_file
+from fastpar.train.options import GROUPS, TrainOptions
+
+SMALL = [
+    "--tp",
+    "1",
+    "--pp",
+    "1",
+    "--dp",
+    "2",
+    "--ep",
+    "2",
+    "--steps",
+    "1",
+    "--layers",
+    "2",
+    "--hidden",
+    "16",
+    "--heads",
+    "2",
+    "--seq-len",
+    "8",
+    "--batch-size",
+    "4",
+]
+#: every key the train_config.json of the code before this change held (its TrainConfig fields)
+_SAVED = """allow_fresh allow_other_run allow_schedule_change attention_bias aux_loss
+aux_loss_coef batch_size bias_update_rate capacity_factor checkpoint_dir collective_timeout
+compile cp cp_attention data data_dtype debug_checks dp eos_id ep eval_batches eval_every
+eval_split expert_bias experts ffn fused_ce head_dim heads hf_config hidden init_from_hf
+keep_last kv_heads layers log_every loss_normalization loss_scale lr lr_schedule max_grad_norm
+max_skipped_steps metrics_file microbatch_group_size microbatches min_lr model_type moe_every
+moe_expert_tp moe_ffn norm overlap_chunks pack peak_tflops plan pp precision profile
+profile_steps qk_norm quiet recompute reset_positions resume rope_theta routed_scaling_factor
+router_group_topk router_groups router_score save_every schedule seed seq_len
+sequence_parallel shared_expert_ffn shared_expert_gate steps tensorboard tokenizer top_k tp
+untied virtual_stages vocab_size warmup weight_decay z_loss_coef zero"""
+SAVED_KEYS = _SAVED.split()
+ROUTING_FLAGS = [
+    "--router-score",
+    "--routed-scaling-factor",
+    "--router-groups",
+    "--router-group-topk",
+    "--expert-bias",
+    "--bias-update-rate",
+    "--aux-loss",
+    "--aux-loss-coef",
+    "--z-loss-coef",
+    "--shared-expert-ffn",
+    "--shared-expert-gate",
+]
+
+
+def _flags(ap) -> dict[str, object]:
+    """{flag: its action} of a parser, the --no-X halves and -h / --config left out."""
+    out = {}
+    for action in ap._actions:
+        for s in action.option_strings:
+            if s.startswith("--") and s not in ("--config", "--help") and not s.startswith("--no-"):
+                out[s] = action
+    return out
+
+
+def _section(ap, title: str) -> set[str]:
+    (group,) = [g for g in ap._action_groups if g.title == title]
+    return {s for a in group._group_actions for s in a.option_strings if not s.startswith("--no-")}
+
+
+# -- one registry of scores; an unknown name is an error ----------------------------------------
+def test_an_unknown_score_is_an_error_in_the_layer():
+    with pytest.raises(
+        ValueError, match=r"score must be one of \('softmax', 'sigmoid'\), got 'relu'"
+    ):
+        MoE(8, 16, 4, score="relu")
+    with pytest.raises(ValueError, match="got 'relu'"):
+        RouterConfig(score="relu")
+    with pytest.raises(ValueError, match="got 'relu'"):
+        TopKRouter(8, 4, score="relu")
+    # the balancing losses once took any name but softmax for sigmoid
+    with pytest.raises(ValueError, match="got 'relu'"):
+        balance_scores(torch.rand(3, 4), "relu")
+
+
+@pytest.mark.parametrize("model_type", ["gpt", "llama"])
+def test_an_unknown_score_is_an_error_in_train_config(model_type):
+    cfg = TrainConfig(
+        tp=1, pp=1, dp=2, ep=2, moe_every=1, model_type=model_type, router_score="relu"
+    )
+    with pytest.raises(ValueError) as err:
+        cfg.check()
+    assert "router_score (--router-score) 'relu' must be one of ('softmax', 'sigmoid')" in str(
+        err.value
+    )
+    with pytest.raises(ValueError, match="'relu' must be one of"):
+        LlamaConfig(moe_every=1, router_score="relu").check()
+
+
+def test_an_unknown_score_is_an_error_on_the_command_line(capsys, monkeypatch):
+    forbid_ranks(monkeypatch)
+    assert main([*SMALL, "--router-score", "relu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith("error: router_score (--router-score) 'relu' must be one of")
+
+
+def test_a_score_added_to_the_registry_routes(monkeypatch):
+    """The router computes whatever score the registry names (no branch per name), and the
+    models accept the new name."""
+    monkeypatch.setitem(SCORES, "half", Score(lambda z: torch.sigmoid(z) / 2, lambda p: p))
+    torch.manual_seed(0)
+    r = TopKRouter(6, 4, top_k=1, score="half", capacity_factor=None)
+    x = torch.randn(5, 6)
+    want = torch.sigmoid(x @ r.weight.detach().t()) / 2
+    torch.testing.assert_close(r(x).router_probs, want)
+    LlamaConfig(moe_every=1, router_score="half").check()
+    assert routing_options(GPTConfig(moe_every=1, router_score="half"))["router"].score == "half"
+    TrainConfig(tp=1, pp=1, dp=2, ep=2, moe_every=1, router_score="half").check()
+    assert _flags(build_parser())["--router-score"].metavar == "{softmax,sigmoid,half}"
+
+
+def test_the_flag_words_are_the_registry():
+    flags = _flags(build_parser())
+    assert flags["--router-score"].metavar == "{" + ",".join(SCORES) + "}"
+    from fastpar.parallel.pipeline.schedules import SCHEDULES
+    from fastpar.train.checks import LR_SCHEDULES
+
+    assert flags["--schedule"].metavar == "{" + ",".join(SCHEDULES) + "}"
+    assert flags["--lr-schedule"].metavar == "{" + ",".join(LR_SCHEDULES) + "}"
+
+
+# -- the flags are the fields ----------------------------------------------------------------
+def test_every_field_has_help_and_a_group():
+    for f in fields(TrainConfig):
+        opt = option_of(f)
+        assert opt is not None, f.name
+        assert opt.help.strip() and opt.group in GROUPS, f.name
+
+
+def test_the_flags_are_the_fields():
+    ap = build_parser()
+    assert set(_flags(ap)) == {flag(f.name) for f in fields(TrainConfig)}
+    routing = {
+        flag(flat_name(f))
+        for c in (RouterConfig, ExpertConfig)
+        for f in fields(c)
+        if option_of(f) is not None
+    }
+    assert routing == set(ROUTING_FLAGS) == _section(ap, ROUTING)
+    assert set(ROUTING_DEFAULTS) == {f[2:].replace("-", "_") for f in ROUTING_FLAGS}
+    for f in fields(TrainConfig):  # each flag's help is its field's, in its field's section
+        opt, action = option_of(f), _flags(ap)[flag(f.name)]
+        assert action.help.startswith(opt.help.replace("%", "%%")), f.name
+        assert flag(f.name) in _section(ap, opt.group), f.name
+
+
+def test_a_new_router_field_becomes_a_flag(monkeypatch):
+    @dataclass(frozen=True)
+    class Router(RouterConfig):
+        knob: float = option(0.5, ROUTING, "a new routing knob", name="router_knob")
+        kind: str = option("a", ROUTING, "a new routing word", words=("a", "b"), name="router_kind")
+
+    @dataclass
+    @flat_fields(Router)
+    class Options(TrainOptions):
+        pass
+
+    assert "router_knob" in {f.name for f in fields(Options)}
+    import fastpar.train.cli as cli
+
+    monkeypatch.setattr(cli, "TrainConfig", Options)
+    ap = cli.build_parser()
+    assert "--router-knob" in _section(ap, ROUTING)
+    assert _flags(ap)["--router-knob"].help == "a new routing knob (default %(default)s)"
+    assert ap.parse_args(["--router-knob", "0.25"]).router_knob == 0.25
+    assert ap.parse_args([]).router_knob == 0.5
+    assert typing.get_type_hints(Options)["router_knob"] is float
+    assert _flags(ap)["--router-kind"].metavar == "{a,b}"
+    from fastpar.train.config import _check_words
+
+    _check_words(Options(router_kind="b"))
+    with pytest.raises(ValueError, match="--router-kind 'c' must be one of a, b"):
+        _check_words(Options(router_kind="c"))
+
+
+def test_model_configs_hold_the_routing_fields():
+    for config in (GPTConfig, LlamaConfig):
+        defaults = {f.name: f.default for f in fields(config)}
+        assert {k: defaults[k] for k in ROUTING_DEFAULTS} == ROUTING_DEFAULTS, config
+    cfg = LlamaConfig(
+        moe_every=1,
+        router_score="sigmoid",
+        routed_scaling_factor=2.0,
+        router_groups=2,
+        router_group_topk=1,
+        expert_bias=True,
+        shared_expert_ffn=8,
+        shared_expert_gate=True,
+        aux_loss="none",
+        z_loss_coef=0.1,
+    )
+    opts = routing_options(cfg)
+    assert opts["router"] == RouterConfig(
+        score="sigmoid",
+        scaling_factor=2.0,
+        num_groups=2,
+        group_topk=1,
+        expert_bias=True,
+        aux_loss=None,
+        z_loss_coef=0.1,
+    )
+    assert opts["experts"] == ExpertConfig(shared_ffn_hidden_size=8, shared_gate=True)
+
+
+# -- the layer takes the configs ----------------------------------------------------------------
+def test_moe_takes_the_configs_or_their_fields_alike():
+    kw = dict(
+        score="sigmoid",
+        expert_bias=True,
+        num_groups=2,
+        group_topk=1,
+        capacity_factor=None,
+        expert="glu",
+        shared_ffn_hidden_size=8,
+        shared_gate=True,
+    )
+    torch.manual_seed(3)
+    flat = MoE(8, 12, 4, 2, **kw)
+    torch.manual_seed(3)
+    router = RouterConfig(
+        score="sigmoid", expert_bias=True, num_groups=2, group_topk=1, capacity_factor=None
+    )
+    experts = ExpertConfig(expert="glu", shared_ffn_hidden_size=8, shared_gate=True)
+    nested = MoE(8, 12, 4, 2, router=router, experts=experts)
+    a, b = flat.state_dict(), nested.state_dict()
+    assert list(a) == list(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert nested.router.config == router and nested.expert_config == experts
+    # keywords replace the configs' fields
+    assert MoE(8, 12, 4, router=router, score="softmax").router.score == "softmax"
+    with pytest.raises(TypeError, match="unexpected MoE option 'scor'"):
+        MoE(8, 12, 4, scor="sigmoid")
+
+
+def test_the_configs_refuse_what_the_layer_refused():
+    with pytest.raises(ValueError, match="shared_gate=True needs shared experts"):
+        ExpertConfig(shared_gate=True)
+    with pytest.raises(ValueError, match="aux_loss must be one of"):
+        RouterConfig(aux_loss="global")
+    with pytest.raises(ValueError, match="num_groups must divide num_experts=6"):
+        RouterConfig(num_groups=4, group_topk=1).check(6, 2)
+    assert RouterConfig(aux_loss="none").aux_loss is None  # the flag's word for off
+
+
+# -- saved settings read as before --------------------------------------------------------------
+def test_train_config_json_keeps_its_keys(tmp_path):
+    assert set(SAVED_KEYS) <= {f.name for f in fields(TrainConfig)}
+    argv = [
+        *SMALL,
+        "--moe-every",
+        "1",
+        "--experts",
+        "4",
+        "--router-score",
+        "sigmoid",
+        "--expert-bias",
+        "--shared-expert-ffn",
+        "8",
+        "--aux-loss",
+        "sequence",
+    ]
+    cfg = config_from(build_parser().parse_args(argv))
+    path = str(tmp_path / "train_config.json")
+    write_config_file(cfg, path)
+    with open(path) as f:
+        saved = json.load(f)
+    assert set(SAVED_KEYS) <= set(saved)
+    assert (saved["router_score"], saved["expert_bias"], saved["shared_expert_ffn"]) == (
+        "sigmoid",
+        True,
+        8,
+    )
+    assert read_config_file(path) == asdict(cfg)
+    again = config_from(build_parser().parse_args(["--config", path]))
+    assert asdict(again) == asdict(cfg)
+    refused, warned = compare_settings({"config": saved}, again)
+    assert refused == [] and warned == []
+    other = config_from(build_parser().parse_args(["--config", path, "--router-score", "softmax"]))
+    assert compare_settings({"config": saved}, other)[1] == ["--router-score sigmoid -> softmax"]
+
+
+def test_a_config_file_in_the_old_keys_loads(tmp_path):
+    """A --config file as the code before this change wrote its routing keys (the flat flag
+    names, with dashes or underscores)."""
+    path = tmp_path / "old.json"
+    path.write_text(
+        json.dumps(
+            {
+                "router_score": "sigmoid",
+                "routed-scaling-factor": 2.5,
+                "router_groups": 2,
+                "router_group_topk": 1,
+                "shared_expert_gate": True,
+                "shared_expert_ffn": 8,
+                "aux_loss": "none",
+                "moe_every": 1,
+            }
+        )
+    )
+    cfg = config_from(build_parser().parse_args(["--config", str(path), *SMALL]))
+    assert (cfg.router_score, cfg.routed_scaling_factor, cfg.router_groups) == ("sigmoid", 2.5, 2)
+    assert (cfg.shared_expert_gate, cfg.shared_expert_ffn, cfg.aux_loss) == (True, 8, "none")
+    cfg.check()
+    router, experts = (routing_options(cfg.model())[k] for k in ("router", "experts"))
+    assert (router.score, router.scaling_factor, router.aux_loss) == ("sigmoid", 2.5, None)
+    assert experts.shared_gate and experts.shared_ffn_hidden_size == 8
