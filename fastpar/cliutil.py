@@ -13,8 +13,9 @@ import sys
 def nearest_flag(arg: str, options: list[str]) -> str | None:
     """The option string of ``options`` closest to ``arg`` (its ``=value`` ignored), or None."""
     name = arg.split("=", 1)[0]
-    near = difflib.get_close_matches(name, [o for o in options if o.startswith("--")], n=1,
-                                     cutoff=0.6)  # fmt: skip
+    near = difflib.get_close_matches(
+        name, [o for o in options if o.startswith("--")], n=1, cutoff=0.6
+    )
     return near[0] if near else None
 
 
@@ -58,8 +59,11 @@ class Parser(argparse.ArgumentParser):
         """One line (no usage block), exit code 2; a required flag missing beside an unknown
         one (``--vocab 300`` for ``--vocab-size 300``) names the unknown one and its nearest."""
         options = self.option_strings()
-        unknown = [a for a in getattr(self, "_argv", []) if a.startswith("--")
-                   and a.split("=", 1)[0] not in options]  # fmt: skip
+        unknown = [
+            a
+            for a in getattr(self, "_argv", [])
+            if a.startswith("--") and a.split("=", 1)[0] not in options
+        ]
         if unknown and "required" in message:
             self.exit(2, f"error: {unknown_text(unknown, options, self.prog)}\n")
         text = message.replace("\n", " ")
