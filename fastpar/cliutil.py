@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import inspect
+import json
 import sys
 from collections.abc import Iterable
 from dataclasses import MISSING, Field, dataclass, field, fields
@@ -16,9 +17,44 @@ from dataclasses import MISSING, Field, dataclass, field, fields
 def nearest_flag(arg: str, options: list[str]) -> str | None:
     """The option string of ``options`` closest to ``arg`` (its ``=value`` ignored), or None."""
     name = arg.split("=", 1)[0]
-    near = difflib.get_close_matches(name, [o for o in options if o.startswith("--")], n=1,
-                                     cutoff=0.6)  # fmt: skip
+    near = difflib.get_close_matches(
+        name, [o for o in options if o.startswith("--")], n=1, cutoff=0.6
+    )
     return near[0] if near else None
+
+
+def read_table(path: str, flag: str, holds: str = "settings") -> dict:
+    """The top-level table of the .toml (tomllib; tomli on Python 3.10) or .json file a command
+    line's ``flag`` names; ValueError naming the flag, the file and the fix (``holds``: what the
+    table maps, for the message when the file holds something else)."""
+    kind = "toml" if path.endswith(".toml") else "json" if path.endswith(".json") else None
+    if kind is None:
+        raise ValueError(f"{flag} {path}: name a .toml or a .json file")
+    try:
+        if kind == "json":
+            with open(path) as f:
+                raw = json.load(f)
+        else:
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10
+                import tomli as tomllib  # type: ignore[no-redef]
+            with open(path, "rb") as f:
+                raw = tomllib.load(f)
+    except OSError as exc:
+        raise ValueError(
+            f"{flag} {path}: cannot read it as {kind.upper()} ({exc.strerror or exc})"
+        ) from exc
+    except ValueError as exc:  # JSONDecodeError, TOMLDecodeError
+        raise ValueError(
+            f"{flag} {path}: cannot read it as {kind.upper()} (not valid {kind.upper()}: {exc})"
+        ) from exc
+    if not isinstance(raw, dict):
+        got = type(raw).__name__
+        raise ValueError(
+            f"{flag} {path}: the file must hold a table of {holds}, not a{'n' * (got[0] in 'aeiou')} {got}"
+        )
+    return raw
 
 
 def unknown_text(unknown: list[str], options: list[str], prog: str) -> str:
@@ -61,8 +97,11 @@ class Parser(argparse.ArgumentParser):
         """One line (no usage block), exit code 2; a required flag missing beside an unknown
         one (``--vocab 300`` for ``--vocab-size 300``) names the unknown one and its nearest."""
         options = self.option_strings()
-        unknown = [a for a in getattr(self, "_argv", []) if a.startswith("--")
-                   and a.split("=", 1)[0] not in options]  # fmt: skip
+        unknown = [
+            a
+            for a in getattr(self, "_argv", [])
+            if a.startswith("--") and a.split("=", 1)[0] not in options
+        ]
         if unknown and "required" in message:
             self.exit(2, f"error: {unknown_text(unknown, options, self.prog)}\n")
         text = message.replace("\n", " ")

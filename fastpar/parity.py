@@ -123,8 +123,9 @@ def reduction_length(model: nn.Module, batch) -> int:
     """The longest sum the check's quantities come from, for the rule's floor: the tokens of the
     batch (a weight gradient sums over them) or the widest parameter dimension (a matrix
     product's inner dimension, a vocabulary), whichever is longer."""
-    tokens = max((t.numel() for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)),
-                 default=1)  # fmt: skip
+    tokens = max(
+        (t.numel() for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)), default=1
+    )
     widest = max((max(p.shape, default=1) for p in model.parameters()), default=1)
     return max(1, tokens, widest)
 
@@ -164,8 +165,20 @@ def _worst(comparisons, empty: str) -> Comparison:
     return found if found is not None else Comparison(empty, 0.0, 0.0, 0.0)
 
 
-def _rank(build_model, plan, tp, zero, steps, seed, batch, loss, lr, weight_decay, pkw,
-          refs: tolerance.References):  # fmt: skip
+def _rank(
+    build_model,
+    plan,
+    tp,
+    zero,
+    steps,
+    seed,
+    batch,
+    loss,
+    lr,
+    weight_decay,
+    pkw,
+    refs: tolerance.References,
+):
     from fastpar import ParallelMesh, parallelize
     from fastpar.optim import FusedAdamW
     from fastpar.parallel import DistributedDataParallel
@@ -180,8 +193,9 @@ def _rank(build_model, plan, tp, zero, steps, seed, batch, loss, lr, weight_deca
         ref = pick(refs.exact.before)
         if local is not None:
             ones, ref = [_local(t, local) for t in ones], _local(ref, local)
-        return tolerance.compare(actual, ones, ref, length=refs.length, dtype=torch.float32,
-                                 what=what)  # fmt: skip
+        return tolerance.compare(
+            actual, ones, ref, length=refs.length, dtype=torch.float32, what=what
+        )
 
     def adamw(params):
         return FusedAdamW(params, lr=lr, weight_decay=weight_decay, eps=ADAM_EPS)
@@ -253,8 +267,15 @@ def _rank(build_model, plan, tp, zero, steps, seed, batch, loss, lr, weight_deca
         refs.local = lambda t, n: _local(t, named[n])  # this rank's slice of each tensor
         # (AdamW amplifies the gradients' rounding: ``param`` allows what it makes of them)
         params = [refs.param(name, p.detach()) for name, p in named.items()]
-    return (logits_cmp, loss_cmp, _worst(grads, "-"), losses, _worst(step_cmps, "-"),
-            _worst(params, "-"), grad_reduced)  # fmt: skip
+    return (
+        logits_cmp,
+        loss_cmp,
+        _worst(grads, "-"),
+        losses,
+        _worst(step_cmps, "-"),
+        _worst(params, "-"),
+        grad_reduced,
+    )
 
 
 class _nullcontext:
@@ -306,14 +327,33 @@ def check_parallel(
     del probe_model
     # the single-process run in fp32, its twin and the float64 run (fastpar.tolerance)
     refs = tolerance.train_references(
-        build_model, lambda model, step, dtype: loss(model, _in_dtype(batch, dtype)(step)), steps,
-        length=length, seed=seed, lr=lr, weight_decay=weight_decay, eps=ADAM_EPS,
+        build_model,
+        lambda model, step, dtype: loss(model, _in_dtype(batch, dtype)(step)),
+        steps,
+        length=length,
+        seed=seed,
+        lr=lr,
+        weight_decay=weight_decay,
+        eps=ADAM_EPS,
         before=_first_batch(batch, loss),
-    )  # fmt: skip
+    )
     results = run_ranks(
-        _rank, tp * dp, build_model, plan, tp, zero, steps, seed, batch, loss, lr, weight_decay,
-        dict(parallelize_kwargs or {}), copy.deepcopy(refs), timeout=timeout,
-    )  # fmt: skip
+        _rank,
+        tp * dp,
+        build_model,
+        plan,
+        tp,
+        zero,
+        steps,
+        seed,
+        batch,
+        loss,
+        lr,
+        weight_decay,
+        dict(parallelize_kwargs or {}),
+        copy.deepcopy(refs),
+        timeout=timeout,
+    )
     logits, loss_cmp, worst_grad, _, worst_loss, worst_param, _ = (
         _worst([r[i] for r in results], "-") if i not in (3, 6) else None for i in range(7)
     )
@@ -323,8 +363,9 @@ def check_parallel(
     layout = f"tp {tp} x dp {dp}, ZeRO-{zero}" if zero else f"tp {tp} x dp {dp}, DDP"
 
     def line(label: str, c: Comparison) -> str:
-        return (f"  {label}: {c.what}, error {c.error:.2e} <= {c.bound:.2e}? "
-                f"{'yes' if c.ok else 'NO'}")  # fmt: skip
+        return (
+            f"  {label}: {c.what}, error {c.error:.2e} <= {c.bound:.2e}? {'yes' if c.ok else 'NO'}"
+        )
 
     lines = [
         f"check_parallel: {layout}, {steps} AdamW steps (eps {ADAM_EPS:g}), fp32",
@@ -343,9 +384,18 @@ def check_parallel(
     lines.append(line(f"worst parameter after {steps} steps", worst_param))
     lines.append("AGREE" if ok else "DISAGREE")
     return CheckReport(
-        ok, layout, logits, loss_cmp, worst_grad, losses, worst_loss, worst_param, length,
-        grad_reduced, "\n".join(lines),
-    )  # fmt: skip
+        ok,
+        layout,
+        logits,
+        loss_cmp,
+        worst_grad,
+        losses,
+        worst_loss,
+        worst_param,
+        length,
+        grad_reduced,
+        "\n".join(lines),
+    )
 
 
 # -- python -m fastpar.verify --hf-config config.json -------------------------------------------
@@ -363,12 +413,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-config", required=True, help="a Hugging Face config.json")
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
     ap.add_argument("--dp", type=int, default=2, help="data-parallel size (default 2)")
-    ap.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3),
-                    help="0: DDP, 1/2: ZeroOptimizer, 3: Zero3 (default 1)")  # fmt: skip
+    ap.add_argument(
+        "--zero",
+        type=int,
+        default=1,
+        choices=(0, 1, 2, 3),
+        help="0: DDP, 1/2: ZeroOptimizer, 3: Zero3 (default 1)",
+    )
     ap.add_argument("--steps", type=int, default=3, help="AdamW steps (default 3)")
     ap.add_argument("--seq-len", type=int, default=16, help="tokens per row (default 16)")
-    ap.add_argument("--batch-size", type=int, default=None,
-                    help="rows of the global batch (default 4 per replica)")  # fmt: skip
+    ap.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="rows of the global batch (default 4 per replica)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     try:
@@ -379,9 +438,15 @@ def main(argv: list[str] | None = None) -> int:
         if rows % args.dp:
             raise ValueError(f"--batch-size {rows} is not divisible by --dp {args.dp}")
         report = check_parallel(
-            build, tp=args.tp, dp=args.dp, zero=args.zero, steps=args.steps, seed=args.seed,
-            rows=rows // args.dp, seq=args.seq_len,
-        )  # fmt: skip
+            build,
+            tp=args.tp,
+            dp=args.dp,
+            zero=args.zero,
+            steps=args.steps,
+            seed=args.seed,
+            rows=rows // args.dp,
+            seq=args.seq_len,
+        )
     except (ValueError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

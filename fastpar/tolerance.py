@@ -356,15 +356,17 @@ class References:
         ref = pick(self.exact)
         if name is not None:
             ones, ref = [self._cut(t, name) for t in ones], self._cut(ref, name)
-        return compare(actual, ones, ref, length=self.length, dtype=self.dtype, what=what,
-                       slack=slack)  # fmt: skip
+        return compare(
+            actual, ones, ref, length=self.length, dtype=self.dtype, what=what, slack=slack
+        )
 
     def loss(self, step: int, actual) -> Comparison:
         return self._compare(f"loss of step {step + 1}", actual, lambda r: r.losses[step])
 
     def grad(self, step: int, name: str, actual) -> Comparison:
-        return self._compare(f"{name} (gradient of step {step + 1})", actual,
-                             lambda r: r.grads[step][name], name)  # fmt: skip
+        return self._compare(
+            f"{name} (gradient of step {step + 1})", actual, lambda r: r.grads[step][name], name
+        )
 
     def grad_bound(self, step: int, name: str) -> float:
         """The rule's bound on ``name``'s full gradient at ``step`` (0 when it has none)."""

@@ -118,8 +118,9 @@ def reference(
         x, y, docs = batch_of(cfg, tokens, step, parts.hf)
         count = int((y != IGNORE_INDEX).sum())
         if count == 0:  # the trainer skips a step with no valid target (nothing changes)
-            run.grads.append({names[id(p)]: torch.zeros_like(p, dtype=torch.float64)
-                              for p in params})  # fmt: skip
+            run.grads.append(
+                {names[id(p)]: torch.zeros_like(p, dtype=torch.float64) for p in params}
+            )
             for log, value in ((run.losses, 0.0), (run.norms, 0.0), (run.skipped, True)):
                 log.append(value)
             run.lrs.append(lr)
@@ -208,8 +209,9 @@ def compare(cfg: TrainConfig, tokens=None) -> tuple[bool, str]:
     single, twin, exact, dtype, length = refs.single, refs.twin, refs.exact, refs.dtype, refs.length
 
     def judge(what, actual, pick):
-        return tolerance.compare(actual, [pick(single), pick(twin)], pick(exact), length=length,
-                                 dtype=dtype, what=what)  # fmt: skip
+        return tolerance.compare(
+            actual, [pick(single), pick(twin)], pick(exact), length=length, dtype=dtype, what=what
+        )
 
     lines = [
         f"{cfg.model_name}, layout: dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp}"
@@ -244,8 +246,10 @@ def compare(cfg: TrainConfig, tokens=None) -> tuple[bool, str]:
         )
     if exact.val_losses or dist_vals:
         ok &= sorted(exact.val_losses) == sorted(dist_vals)
-        lines.append(f"{'step':>5} {'val_loss dist.':>14} {'single-process':>15} {'float64':>12}"
-                     f" {'error/bound':>11}")  # fmt: skip
+        lines.append(
+            f"{'step':>5} {'val_loss dist.':>14} {'single-process':>15} {'float64':>12}"
+            f" {'error/bound':>11}"
+        )
         for step, b in exact.val_losses.items():
             a = dist_vals.get(step, float("nan"))
             c = judge(f"validation loss at step {step}", a, lambda r, s=step: r.val_losses[s])
@@ -312,8 +316,12 @@ defaults that differ from python -m fastpar.train:
 
 def parser(hf: bool = False):
     """verify's parser: the trainer's flags with verify's help and defaults."""
-    return build_parser("python -m fastpar.verify", description=HELP, epilog=EPILOG,
-                        defaults=HF_DEFAULTS if hf else DEFAULTS)  # fmt: skip
+    return build_parser(
+        "python -m fastpar.verify",
+        description=HELP,
+        epilog=EPILOG,
+        defaults=HF_DEFAULTS if hf else DEFAULTS,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,7 +60,8 @@ def _skewed(cfg: TrainConfig):
     batches, checked by ``_check_skew``."""
     import numpy as np
 
-    from fastpar.data import Corpus, _window_starts
+    from fastpar.data import Corpus
+    from fastpar.data.tokens import _window_starts
 
     corpus = load_data(cfg)
     mask = np.ones(len(corpus), np.uint8)
@@ -191,7 +192,7 @@ def _jsonl(tmp_path) -> str:
 def test_jsonl_prompts_predict_nothing_and_verify_agrees(tmp_path):
     """Fine-tuning records: every target inside a prompt is ignored, the completion's (and its
     end, --eos-id 0 appended) count; dp 2 x pp 2 AGREES with one device on the whole batch."""
-    from fastpar.data import _window_starts
+    from fastpar.data.tokens import _window_starts
 
     cfg = TrainConfig(**{**SMALL, "eos_id": 0}, data=_jsonl(tmp_path), dp=2, pp=2, tp=1)
     assert cfg.packs_documents and "records" in cfg.document_source
@@ -228,7 +229,7 @@ def test_bin_with_an_index_of_document_offsets(tmp_path):
     corpus = load_data(cfg)
     assert corpus.starts.tolist() == starts.tolist()
     x, y, docs = batch_of(cfg, corpus, 0)
-    from fastpar.data import _window_starts
+    from fastpar.data.tokens import _window_starts
 
     for r, start in enumerate(_window_starts(len(ids), 0, cfg.batch_size, cfg.seq_len, cfg.seed)):
         span = np.arange(int(start), int(start) + cfg.seq_len + 1)

@@ -57,12 +57,10 @@ def _as_flag(found_inf: bool | torch.Tensor, device: torch.device) -> torch.Tens
     return torch.tensor(bool(found_inf), device=device)
 
 
-class ConstantLossScaler:
-    """A fixed loss scale; ``update`` does nothing."""
+class _Scaled:
+    """What every scaler exposes of its 0-dim fp32 ``_scale``."""
 
-    def __init__(self, scale: float = 1.0, *, device: torch.device | str | None = None) -> None:
-        _check_scale("scale", float(scale))
-        self._scale = torch.tensor(float(scale), dtype=torch.float32, device=device)
+    _scale: torch.Tensor
 
     @property
     def scale(self) -> torch.Tensor:
@@ -72,6 +70,14 @@ class ConstantLossScaler:
     @property
     def inv_scale(self) -> torch.Tensor:
         return self._scale.reciprocal()
+
+
+class ConstantLossScaler(_Scaled):
+    """A fixed loss scale; ``update`` does nothing."""
+
+    def __init__(self, scale: float = 1.0, *, device: torch.device | str | None = None) -> None:
+        _check_scale("scale", float(scale))
+        self._scale = torch.tensor(float(scale), dtype=torch.float32, device=device)
 
     def update(self, found_inf: bool | torch.Tensor) -> None:
         _as_flag(found_inf, self._scale.device)
@@ -83,7 +89,7 @@ class ConstantLossScaler:
         self._scale.copy_(_loaded_scale(state["scale"]))
 
 
-class DynamicLossScaler:
+class DynamicLossScaler(_Scaled):
     """Dynamic loss scaling with hysteresis (Megatron-Core's semantics).
 
     On an overflow step: the growth count resets and one unit of hysteresis is used; once
@@ -150,15 +156,6 @@ class DynamicLossScaler:
         self._hysteresis_tracker = torch.tensor(hysteresis, **i64)
         self._warned = False
         self._pending: list = []  # (pinned flag, CUDA event) of recent updates, GPU only
-
-    @property
-    def scale(self) -> torch.Tensor:
-        """The current scale: a 0-dim fp32 tensor on the scaler's device."""
-        return self._scale
-
-    @property
-    def inv_scale(self) -> torch.Tensor:
-        return self._scale.reciprocal()
 
     def update(self, found_inf: bool | torch.Tensor) -> None:
         """Advance the state machine by one step; ``found_inf``: bool or 0-dim tensor."""

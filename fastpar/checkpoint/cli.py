@@ -85,14 +85,16 @@ def describe(path: str) -> dict:
     tensors = []
     for name, t in meta["tensors"].items():
         itemsize = dtype_from(t["dtype"]).itemsize
-        tensors.append({
-            "name": name,
-            "shape": t["shape"],
-            "dtype": t["dtype"].removeprefix("torch."),
-            "bytes": math.prod(t["shape"]) * itemsize,
-            "sharding": t.get("sharding", {}).get("kind", "?"),
-            "keys": list(t["keys"]),
-        })  # fmt: skip
+        tensors.append(
+            {
+                "name": name,
+                "shape": t["shape"],
+                "dtype": t["dtype"].removeprefix("torch."),
+                "bytes": math.prod(t["shape"]) * itemsize,
+                "sharding": t.get("sharding", {}).get("kind", "?"),
+                "keys": list(t["keys"]),
+            }
+        )
     files = [*meta["ranks"], meta["common"]]
     common = _common(path, meta)
     extra = (common or {}).get("extra")
@@ -183,15 +185,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("dir", help=where)
     p.add_argument("out", help="the file to write (a directory with --hf)")
     p.add_argument(
-        "--format", choices=("pt", "safetensors"), default="pt",
+        "--format",
+        choices=("pt", "safetensors"),
+        default="pt",
         help="pt: a torch state_dict {name: fp32 tensor} (torch.load); safetensors: the same "
         "tensors under fastpar's names",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--hf", action="store_true",
+        "--hf",
+        action="store_true",
         help="a Hugging Face directory (python -m fastpar.export: needs a fastpar.train run "
         "of --model llama or --hf-config)",
-    )  # fmt: skip
+    )
     p.add_argument("--tokenizer", default=None, help="with --hf: tokenizer.json to copy")
     return ap
 

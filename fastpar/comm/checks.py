@@ -27,9 +27,17 @@ SLOTS = 64  # int64 elements each rank sends: the same for every call, so a call
 MAX_DIMS = 8  # dimensions of a shape kept apart; more are folded into the last
 DIGEST_BITS = 48
 _DTYPES = (
-    torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool,
-)  # fmt: skip
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
 
 Field = int | float | str | torch.dtype | Sequence[int] | torch.Tensor
 

@@ -11,7 +11,8 @@ import torch
 from fastpar.comm.collectives import group_rank, group_size
 
 
-def _chunks(cp: int, rank: int) -> tuple[int, int]:
+def rank_chunks(cp: int, rank: int) -> tuple[int, int]:
+    """The two chunks (of 2·cp) cp rank ``rank`` holds, in its order."""
     return rank, 2 * cp - 1 - rank
 
 
@@ -23,7 +24,7 @@ def local_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tens
             f"seq_len {seq_len} is not divisible by {2 * cp}; use a multiple of {2 * cp}"
         )
     c = seq_len // (2 * cp)
-    a, b = _chunks(cp, rank)
+    a, b = rank_chunks(cp, rank)
     return torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)]).to(
         device
     )
@@ -38,3 +39,20 @@ def split_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
         return x
     idx = local_positions(x.shape[dim], cp, group_rank(group), x.device)
     return x.index_select(dim, idx)
+
+
+def check_doc_ids(doc_ids: torch.Tensor, q: torch.Tensor, cp: int, what: str) -> torch.Tensor:
+    """``doc_ids`` [B, S] (the whole rows' document ids, S = cp · the n local tokens of q
+    [B, H, n, D]) checked (integers, non-decreasing along each row) and moved to q's device;
+    ``what`` names the caller in the errors."""
+    b, n = q.shape[0], q.shape[2]
+    if doc_ids.dim() != 2 or tuple(doc_ids.shape) != (b, n * cp):
+        raise ValueError(
+            f"{what}: doc_ids must be the whole rows' ids [B, S] = {(b, n * cp)} (S = cp · "
+            f"{n} local tokens), got {tuple(doc_ids.shape)}"
+        )
+    if doc_ids.is_floating_point() or doc_ids.is_complex():
+        raise ValueError(f"{what}: doc_ids must be integers, got {doc_ids.dtype}")
+    if bool((doc_ids[:, 1:] < doc_ids[:, :-1]).any()):
+        raise ValueError(f"{what}: doc_ids must be non-decreasing along each row")
+    return doc_ids.to(q.device)

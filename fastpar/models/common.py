@@ -157,11 +157,18 @@ def moe_block(cfg, mesh=None, *, ffn: int | None = None, **options) -> MoE:
     chunk [B, T/tp, H]), experts split over TP when ``cfg.moe_expert_tp``
     (``fastpar.moe.tp``)."""
     return MoE(
-        cfg.hidden, ffn if ffn is not None else cfg.ffn_size, cfg.num_experts, cfg.top_k,
-        capacity_factor=cfg.capacity_factor, overlap_chunks=cfg.overlap_chunks, mesh=mesh,
-        sequence_parallel=cfg.sequence_parallel, expert_tp=getattr(cfg, "moe_expert_tp", False),
-        sequence_dim=1, **options,
-    )  # fmt: skip
+        cfg.hidden,
+        ffn if ffn is not None else cfg.ffn_size,
+        cfg.num_experts,
+        cfg.top_k,
+        capacity_factor=cfg.capacity_factor,
+        overlap_chunks=cfg.overlap_chunks,
+        mesh=mesh,
+        sequence_parallel=cfg.sequence_parallel,
+        expert_tp=getattr(cfg, "moe_expert_tp", False),
+        sequence_dim=1,
+        **options,
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -327,9 +334,13 @@ def build_decoder(
     is tied to the token embedding or an untied ColumnParallelLinear (vocabulary padded)."""
     cfg.check(*mesh_sizes(mesh))
     embed = Embedding(
-        cfg.vocab_size, cfg.hidden, cfg.seq_len, mesh,
-        sequence_parallel=cfg.sequence_parallel, learned_positions=learned_positions,
-    )  # fmt: skip
+        cfg.vocab_size,
+        cfg.hidden,
+        cfg.seq_len,
+        mesh,
+        sequence_parallel=cfg.sequence_parallel,
+        learned_positions=learned_positions,
+    )
     with torch.no_grad():  # nn.Embedding draws N(0, 1)
         embed.tok.weight.mul_(0.02)
         if embed.pos is not None:
@@ -403,14 +414,24 @@ def lm_loss(
     reduction = "mean" if cp_group is None and not summed else "sum"
     if weight is not None:  # the head's region op already sums d hidden over TP
         loss = vocab_parallel_linear_cross_entropy(
-            logits, weight, targets, group=tp_group_of(mesh), vocab_size=cfg.vocab_size,
-            reduce_hidden_grad=False, recompute=recompute, reduction=reduction,
-        )  # fmt: skip
+            logits,
+            weight,
+            targets,
+            group=tp_group_of(mesh),
+            vocab_size=cfg.vocab_size,
+            reduce_hidden_grad=False,
+            recompute=recompute,
+            reduction=reduction,
+        )
     else:
         loss = vocab_parallel_cross_entropy(
-            logits, targets, group=tp_group_of(mesh), vocab_size=cfg.vocab_size,
-            inplace_backward=inplace_backward, reduction=reduction,
-        )  # fmt: skip
+            logits,
+            targets,
+            group=tp_group_of(mesh),
+            vocab_size=cfg.vocab_size,
+            inplace_backward=inplace_backward,
+            reduction=reduction,
+        )
     if cp_group is None or summed:
         return loss
     count = (targets != IGNORE_INDEX).sum().float()

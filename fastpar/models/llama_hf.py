@@ -104,19 +104,25 @@ def hf_config(cfg: LlamaConfig, dtype: str = "float32") -> dict:
         out.update(attention_bias=False, mlp_bias=False)
     elif model_type == "mixtral":
         out.update(
-            moe, intermediate_size=cfg.moe_ffn_size, num_local_experts=cfg.num_experts,
-            sliding_window=None, router_jitter_noise=0.0,
-        )  # fmt: skip
+            moe,
+            intermediate_size=cfg.moe_ffn_size,
+            num_local_experts=cfg.num_experts,
+            sliding_window=None,
+            router_jitter_noise=0.0,
+        )
     else:
         out.update(use_sliding_window=False, sliding_window=None)
         if model_type != "qwen2":
             out["attention_bias"] = False
         if model_type == "qwen3_moe":
             out.update(
-                moe, num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_ffn_size,
-                decoder_sparse_step=cfg.moe_every, mlp_only_layers=[],
+                moe,
+                num_experts=cfg.num_experts,
+                moe_intermediate_size=cfg.moe_ffn_size,
+                decoder_sparse_step=cfg.moe_every,
+                mlp_only_layers=[],
                 norm_topk_prob=cfg.norm_topk_prob,
-            )  # fmt: skip
+            )
     return out
 
 
@@ -202,22 +208,29 @@ def _moe_options(c: Mapping, model_type: str) -> dict:
         _refuse(c, "sliding_window", lambda v: v is None, "attention is full (causal) only")
         _refuse(c, "router_jitter_noise", lambda v: not v, "fastpar's Llama MoE has no jitter")
         return dict(  # intermediate_size, the experts' width, is also ffn (no dense blocks)
-            moe_every=1, num_experts=c["num_local_experts"], top_k=c["num_experts_per_tok"],
-            moe_ffn=c["intermediate_size"], norm_topk_prob=True,
-        )  # fmt: skip
+            moe_every=1,
+            num_experts=c["num_local_experts"],
+            top_k=c["num_experts_per_tok"],
+            moe_ffn=c["intermediate_size"],
+            norm_topk_prob=True,
+        )
     # Qwen3-MoE's num_experts is an alias: transformers 5 writes it as num_local_experts
     experts = c.get("num_experts") or c.get("num_local_experts")
     if model_type != "qwen3_moe" or not experts:
         return {}
     _refuse(
-        c, "mlp_only_layers", lambda v: not v,
+        c,
+        "mlp_only_layers",
+        lambda v: not v,
         "fastpar's Llama places its MoE blocks by decoder_sparse_step (moe_every) alone",
-    )  # fmt: skip
+    )
     return dict(
-        moe_every=c.get("decoder_sparse_step", 1), num_experts=experts,
-        top_k=c["num_experts_per_tok"], moe_ffn=c["moe_intermediate_size"],
+        moe_every=c.get("decoder_sparse_step", 1),
+        num_experts=experts,
+        top_k=c["num_experts_per_tok"],
+        moe_ffn=c["moe_intermediate_size"],
         norm_topk_prob=bool(c.get("norm_topk_prob", False)),
-    )  # fmt: skip
+    )
 
 
 def from_hf(

@@ -16,10 +16,25 @@ from torch.utils._pytree import tree_flatten
 SPLIT, FULL = "split", "full"
 
 _CONTRACTIONS = {
-    "linear", "matmul", "mm", "bmm", "baddbmm", "addmm", "addbmm", "addmv", "mv", "einsum",
-    "tensordot", "scaled_dot_product_attention", "conv1d", "conv2d", "embedding", "bilinear",
-    "__matmul__", "__rmatmul__",
-}  # fmt: skip
+    "linear",
+    "matmul",
+    "mm",
+    "bmm",
+    "baddbmm",
+    "addmm",
+    "addbmm",
+    "addmv",
+    "mv",
+    "einsum",
+    "tensordot",
+    "scaled_dot_product_attention",
+    "conv1d",
+    "conv2d",
+    "embedding",
+    "bilinear",
+    "__matmul__",
+    "__rmatmul__",
+}
 
 
 @dataclass

@@ -69,6 +69,22 @@ def _hyper(lr: Any, beta1: Any, beta2: Any, eps: Any, weight_decay: Any) -> None
         raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
 
 
+def _options(device: torch.device, lr, beta1, beta2, eps, weight_decay, maximize, *scalars) -> dict:
+    """The keyword arguments every implementation takes: the hyper-parameters as python
+    numbers, ``scalars`` (inv_scale, clip_coef, found_inf) checked and on ``device``."""
+    out = dict(
+        lr=float(lr),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        eps=float(eps),
+        weight_decay=float(weight_decay),
+        maximize=bool(maximize),
+    )
+    for name, t in zip(("inv_scale", "clip_coef", "found_inf"), scalars, strict=True):
+        out[name] = _scalar(name, t, device)
+    return out
+
+
 def _check_one(
     i: str,
     param: torch.Tensor,
@@ -136,19 +152,10 @@ def adamw_step_(
     _hyper(lr, beta1, beta2, eps, weight_decay)
     _check_one("", param, grad, exp_avg, exp_avg_sq, param_lp)
     device = param.device
-    kwargs = dict(
-        lr=float(lr),
-        beta1=float(beta1),
-        beta2=float(beta2),
-        eps=float(eps),
-        weight_decay=float(weight_decay),
-        step=_step("step", step, device),
-        inv_scale=_scalar("inv_scale", inv_scale, device),
-        clip_coef=_scalar("clip_coef", clip_coef, device),
-        found_inf=_scalar("found_inf", found_inf, device),
-        param_lp=param_lp,
-        maximize=bool(maximize),
+    kwargs = _options(
+        device, lr, beta1, beta2, eps, weight_decay, maximize, inv_scale, clip_coef, found_inf
     )
+    kwargs.update(step=_step("step", step, device), param_lp=param_lp)
     impl = _impl(device.type)
     if impl is not ref and not _contiguous(param, grad, exp_avg, exp_avg_sq, param_lp):
         impl = ref
@@ -223,16 +230,8 @@ def adamw_step_multi_(
     for i in range(n):
         _check_one(f"[{i}]", params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], lps[i])
     steps = [_step(f"steps[{i}]", t, device) for i, t in enumerate(steps)]
-    kwargs = dict(
-        lr=float(lr),
-        beta1=float(beta1),
-        beta2=float(beta2),
-        eps=float(eps),
-        weight_decay=float(weight_decay),
-        inv_scale=_scalar("inv_scale", inv_scale, device),
-        clip_coef=_scalar("clip_coef", clip_coef, device),
-        found_inf=_scalar("found_inf", found_inf, device),
-        maximize=bool(maximize),
+    kwargs = _options(
+        device, lr, beta1, beta2, eps, weight_decay, maximize, inv_scale, clip_coef, found_inf
     )
     impl = _impl(device.type)
     fast = [

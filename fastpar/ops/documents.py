@@ -16,9 +16,16 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "Documents", "causal_work", "current", "dense_document_attention", "document_attention",
-    "document_starts", "documents", "valid_targets", "work_balance",
-]  # fmt: skip
+    "Documents",
+    "causal_work",
+    "current",
+    "dense_document_attention",
+    "document_attention",
+    "document_starts",
+    "documents",
+    "valid_targets",
+    "work_balance",
+]
 
 
 #: the documents of the running forward (a module global, not a ContextVar: torch.compile

@@ -149,10 +149,16 @@ class MixedPrecisionOptimizer(OptimizerFront):
         passes = [(lists.get((c, f), []), c) for c in (True, False) for f in (True, False)]
         found, norm = norm_and_agree(passes, inv, device, mesh=self.mesh, group=self.group)
         skipped = guarded_step(
-            self.optimizer, [], found, norm, scaler=self.scaler,
-            max_grad_norm=self.max_grad_norm, skipped_counter=self._skipped,
-            inv_scale=None if self.scaler is None else inv, grads_for=raw,
-        )  # fmt: skip
+            self.optimizer,
+            [],
+            found,
+            norm,
+            scaler=self.scaler,
+            max_grad_norm=self.max_grad_norm,
+            skipped_counter=self._skipped,
+            inv_scale=None if self.scaler is None else inv,
+            grads_for=raw,
+        )
         return skipped, norm
 
     def _unscaling_step(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,9 +174,14 @@ class MixedPrecisionOptimizer(OptimizerFront):
             passes, self.scaler, self._skipped.device, mesh=self.mesh, group=self.group
         )
         skipped = guarded_step(
-            self.optimizer, [m.grad for m in self.masters if m.grad is not None], found, norm,
-            scaler=self.scaler, max_grad_norm=self.max_grad_norm, skipped_counter=self._skipped,
-        )  # fmt: skip
+            self.optimizer,
+            [m.grad for m in self.masters if m.grad is not None],
+            found,
+            norm,
+            scaler=self.scaler,
+            max_grad_norm=self.max_grad_norm,
+            skipped_counter=self._skipped,
+        )
         return skipped, norm
 
     def state_dict(self) -> dict:

@@ -14,15 +14,15 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from fastpar.comm import all_to_all, group_rank, group_size
-from fastpar.comm.sequence import local_positions, split_sequence  # noqa: F401 (re-exported)
-from fastpar.ops.documents import document_attention
-
-
-def _chunks(cp: int, rank: int) -> tuple[int, int]:
-    return rank, 2 * cp - 1 - rank
+from fastpar.comm import group_rank, group_size
+from fastpar.comm.sequence import (
+    check_doc_ids,
+    local_positions,  # noqa: F401 (re-exported)
+    rank_chunks,
+    split_sequence,  # noqa: F401 (re-exported)
+)
+from fastpar.parallel.ulysses import all_to_all_attention  # noqa: F401 (re-exported)
 
 
 def _peers(group) -> tuple[int, int]:
@@ -114,7 +114,7 @@ def _expand(kv: torch.Tensor, rep: int) -> torch.Tensor:
 
 def _pairs(cp: int, me: int, src: int):
     """(query chunk slot, key chunk slot, causal) for the pairs that see each other."""
-    qa, ka = _chunks(cp, me), _chunks(cp, src)
+    qa, ka = rank_chunks(cp, me), rank_chunks(cp, src)
     for i, a in enumerate(qa):
         for j, b in enumerate(ka):
             if b <= a:
@@ -164,7 +164,7 @@ def _plan(cp: int, me: int, src: int, ends, doc_ids, c: int, count: bool = False
     """(query chunk slot, key chunk slot, causal, mask or None) of the blocks to compute
     between this rank's queries and rank ``src``'s keys: ``_pairs`` less the skipped blocks,
     with a document mask where one is needed. ``count``: add the blocks to ``measure_waits``."""
-    qa, ka = _chunks(cp, me), _chunks(cp, src)
+    qa, ka = rank_chunks(cp, me), rank_chunks(cp, src)
     for i, j, causal in _pairs(cp, me, src):
         kind = _block_kind(ends, qa[i], ka[j])
         if count:
@@ -232,9 +232,17 @@ def _block_backward(do, q, k, v, out, lse, causal: bool, scale: float, mask=None
     if _flash_cpu(q):
         extra = {} if mask is None else {"attn_mask": _additive(mask, q.dtype)}
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do.to(q.dtype).contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
-            out.to(q.dtype).contiguous(), lse.contiguous(), 0.0, causal, scale=scale, **extra,
-        )  # fmt: skip
+            do.to(q.dtype).contiguous(),
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            out.to(q.dtype).contiguous(),
+            lse.contiguous(),
+            0.0,
+            causal,
+            scale=scale,
+            **extra,
+        )
         return tuple(g.float() for g in grads)
     qf, kf, vf, do = q.float(), k.float(), v.float(), do.float()
     p = torch.exp(torch.matmul(qf, kf.transpose(-1, -2)) * scale - lse.unsqueeze(-1))
@@ -306,9 +314,16 @@ class _RingAttention(torch.autograd.Function):
             for i, j, causal, mask in _plan(cp, me, src, ends, doc_ids, c):
                 qs, ks = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
                 gq, gk, gv = _block_backward(
-                    grad[:, :, qs], q[:, :, qs], kb[:, :, ks], vb[:, :, ks],
-                    out[:, :, qs], lse[:, :, qs], causal, scale, mask,
-                )  # fmt: skip
+                    grad[:, :, qs],
+                    q[:, :, qs],
+                    kb[:, :, ks],
+                    vb[:, :, ks],
+                    out[:, :, qs],
+                    lse[:, :, qs],
+                    causal,
+                    scale,
+                    mask,
+                )
                 dq[:, :, qs] += gq
                 for acc, g in ((dkv[0], gk), (dkv[1], gv)):  # in place: no [n]-sized temporaries
                     if rep > 1:  # query heads j·rep .. j·rep + rep - 1 share K/V head j
@@ -323,20 +338,6 @@ class _RingAttention(torch.autograd.Function):
             _wait(incoming[1])
             dkv = incoming[0]
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
-
-
-def _check_doc_ids(doc_ids: torch.Tensor, q: torch.Tensor, cp: int, what: str) -> torch.Tensor:
-    b, n = q.shape[0], q.shape[2]
-    if doc_ids.dim() != 2 or tuple(doc_ids.shape) != (b, n * cp):
-        raise ValueError(
-            f"{what}: doc_ids must be the whole rows' ids [B, S] = {(b, n * cp)} (S = cp · "
-            f"{n} local tokens), got {tuple(doc_ids.shape)}"
-        )
-    if doc_ids.is_floating_point() or doc_ids.is_complex():
-        raise ValueError(f"{what}: doc_ids must be integers, got {doc_ids.dtype}")
-    if bool((doc_ids[:, 1:] < doc_ids[:, :-1]).any()):
-        raise ValueError(f"{what}: doc_ids must be non-decreasing along each row")
-    return doc_ids.to(q.device)
 
 
 def ring_attention(
@@ -364,7 +365,7 @@ def ring_attention(
         )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if doc_ids is not None:
-        doc_ids = _check_doc_ids(doc_ids, q, group_size(group), "ring_attention")
+        doc_ids = check_doc_ids(doc_ids, q, group_size(group), "ring_attention")
     return _ring_eager()(q, k, v, group, scale, doc_ids)
 
 
@@ -378,61 +379,3 @@ def _ring_eager():
     if not _EAGER:
         _EAGER.append(torch.compiler.disable(_RingAttention.apply))
     return _EAGER[0]
-
-
-def _heads_to_ranks(x: torch.Tensor, group) -> torch.Tensor:
-    """[B, h, n, D] this rank's tokens of every head -> [B, h/cp, cp·n, D] every rank's
-    tokens (source-rank major) of this rank's h/cp heads."""
-    cp = group_size(group)
-    b, h, n, d = x.shape
-    parts = x.reshape(b, cp, h // cp, n, d).transpose(0, 1).contiguous()
-    got = all_to_all(parts.reshape(cp * b, h // cp * n * d), group)
-    return got.reshape(cp, b, h // cp, n, d).permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * n, d)
-
-
-def _ranks_to_heads(x: torch.Tensor, group) -> torch.Tensor:
-    """The inverse of ``_heads_to_ranks``."""
-    cp = group_size(group)
-    b, hl, total, d = x.shape
-    n = total // cp
-    parts = x.reshape(b, hl, cp, n, d).permute(2, 0, 1, 3, 4).contiguous()
-    got = all_to_all(parts.reshape(cp * b, hl * n * d), group)
-    return got.reshape(cp, b, hl, n, d).transpose(0, 1).reshape(b, cp * hl, n, d)
-
-
-def all_to_all_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    group=None,
-    *,
-    scale: float | None = None,
-    doc_ids: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Causal attention over the sequence split on ``group`` by head-scattering all-to-alls
-    (docs/context.md): q [B, Hq, 2c, D], k / v [B, Hkv, 2c, D] -> [B, Hq, 2c, D]. ``doc_ids``
-    [B, S] (whole rows, as ``ring_attention``'s): attention stops at documents."""
-    cp = group_size(group)
-    if doc_ids is not None:
-        doc_ids = _check_doc_ids(doc_ids, q, cp, "all_to_all_attention")
-    hq, hkv = q.shape[1], k.shape[1]
-    if hq % cp:
-        raise ValueError(
-            f"all-to-all attention splits the {hq} query heads of this rank over cp={cp}: they "
-            f"must be divisible by {cp} (with TP, heads / tp); use ring attention"
-        )
-    if hkv % cp:  # repeat the K/V heads so each rank gets those of its query heads
-        k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
-    n = q.shape[2]
-    pos = torch.cat([local_positions(n * cp, cp, r, q.device) for r in range(cp)])
-    order = torch.sort(pos).indices
-    back = torch.argsort(order)
-    qs, ks, vs = (_heads_to_ranks(t, group).index_select(2, order) for t in (q, k, v))
-    rep = qs.shape[1] // ks.shape[1]
-    if rep > 1:
-        ks, vs = ks.repeat_interleave(rep, 1), vs.repeat_interleave(rep, 1)
-    if doc_ids is None:
-        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
-    else:  # whole rows, in order: each rank's heads attend within their documents
-        out = document_attention(qs, ks, vs, doc_ids, scale)
-    return _ranks_to_heads(out.index_select(2, back), group)

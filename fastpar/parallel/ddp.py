@@ -37,7 +37,12 @@ class DistributedDataParallel(Replicate):
         broadcast_parameters: bool = True,
     ) -> None:
         super().__init__(
-            module, None, mesh=mesh, group=group, bucket_size_mb=bucket_size_mb,
-            reduce_dtype=reduce_dtype, find_unused_parameters=find_unused_parameters,
+            module,
+            None,
+            mesh=mesh,
+            group=group,
+            bucket_size_mb=bucket_size_mb,
+            reduce_dtype=reduce_dtype,
+            find_unused_parameters=find_unused_parameters,
             broadcast_parameters=broadcast_parameters,
-        )  # fmt: skip
+        )

@@ -21,8 +21,15 @@ from fastpar.parallel.buckets import Bucket, BucketReducer, payload_bytes
 from fastpar.parallel.flat import FlatShard
 from fastpar.parallel.units import Units
 
-COUNTERS = ("all_gather_forward", "all_gather_backward", "reduce_scatter", "all_reduce",
-            "all_gather", "tied", "summon")  # fmt: skip
+COUNTERS = (
+    "all_gather_forward",
+    "all_gather_backward",
+    "reduce_scatter",
+    "all_reduce",
+    "all_gather",
+    "tied",
+    "summon",
+)
 """Keys of ``comm_bytes_by``: ZeRO-3's gathers in forward and backward, reductions, the
 all-gather after a ZeRO-1/2 step, the sums of tied parameters, ``summon_full_params``."""
 
@@ -277,9 +284,14 @@ class FlatDataParallel(OptimizerFront):
         for f in self.flats:
             f.master.grad = f.reduced
         skipped = guarded_step(
-            self.optimizer, [f.reduced for f in self.flats], found, norm,
-            scaler=self.scaler, max_grad_norm=self.max_grad_norm, skipped_counter=self._skipped,
-        )  # fmt: skip
+            self.optimizer,
+            [f.reduced for f in self.flats],
+            found,
+            norm,
+            scaler=self.scaler,
+            max_grad_norm=self.max_grad_norm,
+            skipped_counter=self._skipped,
+        )
         self.refresh_params()
         return skipped, norm
 

@@ -180,9 +180,15 @@ class FlatShard:
         self._count("all_gather", key, full.numel(), full.element_size())
         if self.gloo:
             s = self.shard_len
-            return _Works([
-                dist.broadcast(full[r * s : (r + 1) * s], src=global_rank(self.group, r),
-                               group=self.group, async_op=True)
-                for r in range(self.size)
-            ])  # fmt: skip
+            return _Works(
+                [
+                    dist.broadcast(
+                        full[r * s : (r + 1) * s],
+                        src=global_rank(self.group, r),
+                        group=self.group,
+                        async_op=True,
+                    )
+                    for r in range(self.size)
+                ]
+            )
         return dist.all_gather_into_tensor(full, full[self.mine], group=self.group, async_op=True)

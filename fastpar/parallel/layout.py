@@ -80,10 +80,20 @@ def plan_flats(dp, groups, params, bucket_size_mb, units: Units | None, persist_
     for b in buckets:
         key = keys[b.group_index]
         g, size, rank = dp._kinds[key.expert]
-        flats.append(FlatShard(
-            b, g, size, rank, sharded[b.group_index], dp.comm_bytes_by,
-            param_group=key.param_group, expert=key.expert, unit=key.unit, tied=key.tied,
-        ))  # fmt: skip
+        flats.append(
+            FlatShard(
+                b,
+                g,
+                size,
+                rank,
+                sharded[b.group_index],
+                dp.comm_bytes_by,
+                param_group=key.param_group,
+                expert=key.expert,
+                unit=key.unit,
+                tied=key.tied,
+            )
+        )
     if units is not None:  # reduction order ~ backward order
         flats.sort(key=lambda f: -f.unit)
         for i, f in enumerate(flats):

@@ -71,11 +71,20 @@ class Replicate(FlatDataParallel, nn.Module):
         self.module = module
         groups, make = parameter_groups(module, optimizer_factory, param_groups)
         self._setup(
-            module, groups, make, stage=0, mesh=mesh, group=group,
-            bucket_size_mb=bucket_size_mb, reduce_dtype=reduce_dtype, scaler=scaler,
-            max_grad_norm=max_grad_norm, find_unused_parameters=find_unused_parameters,
-            check_gradients=check_gradients, broadcast_parameters=broadcast_parameters,
-        )  # fmt: skip
+            module,
+            groups,
+            make,
+            stage=0,
+            mesh=mesh,
+            group=group,
+            bucket_size_mb=bucket_size_mb,
+            reduce_dtype=reduce_dtype,
+            scaler=scaler,
+            max_grad_norm=max_grad_norm,
+            find_unused_parameters=find_unused_parameters,
+            check_gradients=check_gradients,
+            broadcast_parameters=broadcast_parameters,
+        )
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -133,12 +142,22 @@ class Shard(FlatDataParallel, nn.Module):
         groups, make = parameter_groups(module, optimizer_factory, param_groups)
         units = Units(self, module, wrap, min_params, prefetch) if stage == 3 else None
         self._setup(
-            module, groups, make, stage=stage, mesh=mesh, group=group,
+            module,
+            groups,
+            make,
+            stage=stage,
+            mesh=mesh,
+            group=group,
             bucket_size_mb=25.0 if bucket_size_mb is None else bucket_size_mb,
-            reduce_dtype=reduce_dtype, scaler=scaler, max_grad_norm=max_grad_norm,
-            find_unused_parameters=find_unused_parameters, check_gradients=check_gradients,
-            broadcast_parameters=broadcast_parameters, units=units, persist_below=persist_below,
-        )  # fmt: skip
+            reduce_dtype=reduce_dtype,
+            scaler=scaler,
+            max_grad_norm=max_grad_norm,
+            find_unused_parameters=find_unused_parameters,
+            check_gradients=check_gradients,
+            broadcast_parameters=broadcast_parameters,
+            units=units,
+            persist_below=persist_below,
+        )
 
     def forward(self, *args, **kwargs):
         """Run the wrapped module (stage 3: the root unit is gathered around it)."""

@@ -46,10 +46,17 @@ def layout_signature(dp) -> list:
     """What must match for a state dict to load: each flat's unit, dtype, optimizer group,
     kind, sharding, padded size and parameter shapes."""
     return [
-        (f.unit, str(f.dtype), f.param_group, f.expert, f.sharded, f.padded,
-         [tuple(s) for s in f.shapes])
+        (
+            f.unit,
+            str(f.dtype),
+            f.param_group,
+            f.expert,
+            f.sharded,
+            f.padded,
+            [tuple(s) for s in f.shapes],
+        )
         for f in dp.flats
-    ]  # fmt: skip
+    ]
 
 
 def state_dict(dp) -> dict:

@@ -40,20 +40,54 @@ CONFIG_FILE = "train_config.json"
 #: or what they compute), so the checkpoint's weights would go into another model (or fail on a
 #: shape, with a less helpful message). Also refused: another vocabulary, another --hf-config
 #: content, and --seq-len for the GPT (its learned position table).
-REFUSED = ("model_type", "hidden", "heads", "layers", "ffn", "moe_ffn", "kv_heads", "head_dim",
-           "qk_norm", "attention_bias", "moe_every", "experts", "untied", "norm",
-           "shared_expert_ffn", "shared_expert_gate", "expert_bias")  # fmt: skip
+REFUSED = (
+    "model_type",
+    "hidden",
+    "heads",
+    "layers",
+    "ffn",
+    "moe_ffn",
+    "kv_heads",
+    "head_dim",
+    "qk_norm",
+    "attention_bias",
+    "moe_every",
+    "experts",
+    "untied",
+    "norm",
+    "shared_expert_ffn",
+    "shared_expert_gate",
+    "expert_bias",
+)
 #: resuming with another value WARNS: the checkpoint still fits (fp32 masters, optimizer state,
 #: scaler) and the change may be meant (another precision on other hardware, a larger batch),
 #: but the run no longer continues the trajectory it was on (the seed and the batch size choose
 #: the data; the rest change the updates). The layout (tp, pp, dp, ep, zero, micro-batches,
 #: schedule) changes freely: checkpoints reshard exactly. The learning-rate schedule's fields
 #: (``SCHEDULE_FIELDS``, --steps among them) are judged by ``compare_schedule`` instead.
-WARNED = ("seed", "batch_size", "precision",
-          "weight_decay", "max_grad_norm", "loss_scale", "seq_len", "rope_theta", "top_k",
-          "capacity_factor", "data", "data_dtype", "tokenizer", "router_score",
-          "routed_scaling_factor", "router_groups", "router_group_topk", "bias_update_rate",
-          "aux_loss", "aux_loss_coef", "z_loss_coef")  # fmt: skip
+WARNED = (
+    "seed",
+    "batch_size",
+    "precision",
+    "weight_decay",
+    "max_grad_norm",
+    "loss_scale",
+    "seq_len",
+    "rope_theta",
+    "top_k",
+    "capacity_factor",
+    "data",
+    "data_dtype",
+    "tokenizer",
+    "router_score",
+    "routed_scaling_factor",
+    "router_groups",
+    "router_group_topk",
+    "bias_update_rate",
+    "aux_loss",
+    "aux_loss_coef",
+    "z_loss_coef",
+)
 
 
 def _flag(name: str) -> str:
@@ -188,8 +222,10 @@ def _plan_resume(trainer: Trainer, previous: dict | None, entries) -> tuple[str,
             f"with the checkpoint's settings, or start a new run in another --checkpoint-dir"
         )
     if warned:
-        _warn(f"--resume from {path} with changed settings: {'; '.join(warned)} (the run goes "
-              "on, but not as the saved run would have)")  # fmt: skip
+        _warn(
+            f"--resume from {path} with changed settings: {'; '.join(warned)} (the run goes "
+            "on, but not as the saved run would have)"
+        )
     if cfg.steps < step:
         raise CheckpointError(
             f"--steps {cfg.steps} is below the step {step} of {path}: pass --steps above "
@@ -217,8 +253,11 @@ def _judge_schedule(cfg, extra: dict, step: int, path: str) -> None:
     elif not cfg.quiet:
         was = (extra.get("config") or {}).get("steps", cfg.steps)
         end = f"; the run now ends at step {cfg.steps}" if was != cfg.steps else ""
-        print(f"note: --resume from {path}: {flags} leaves the LR of every step both settings "
-              f"train unchanged{end}", flush=True)  # fmt: skip
+        print(
+            f"note: --resume from {path}: {flags} leaves the LR of every step both settings "
+            f"train unchanged{end}",
+            flush=True,
+        )
 
 
 def _plan_fresh(trainer: Trainer, entries) -> str:
@@ -236,8 +275,10 @@ def _plan_fresh(trainer: Trainer, entries) -> str:
                 f"--resume to continue that run, --allow-other-run to write beside them, or use "
                 f"an empty directory"
             )
-        _warn(f"{root} holds another run's checkpoints ({what}); writing beside them "
-              "(--allow-other-run)")  # fmt: skip
+        _warn(
+            f"{root} holds another run's checkpoints ({what}); writing beside them "
+            "(--allow-other-run)"
+        )
     return _new_run_id()
 
 
@@ -249,8 +290,10 @@ def _plan(trainer: Trainer) -> tuple[str, str | None]:
     trainer._checkpoint_lock = lock
     try:
         if lock.taken_over:
-            _warn(f"{cfg.checkpoint_dir}: taking over the lock of {describe(previous)}, which "
-                  "ended without releasing it")  # fmt: skip
+            _warn(
+                f"{cfg.checkpoint_dir}: taking over the lock of {describe(previous)}, which "
+                "ended without releasing it"
+            )
         entries = scan(cfg.checkpoint_dir)
         if cfg.resume:
             run_id, path = _plan_resume(trainer, previous, entries)
@@ -303,9 +346,11 @@ def _load(trainer: Trainer, path: str, talk: bool) -> int:
     try:
         with ctx:
             info = checkpoint.load(
-                path, model_params=trainer.checkpoint_tensors(), optimizer=trainer.opt,
+                path,
+                model_params=trainer.checkpoint_tensors(),
+                optimizer=trainer.opt,
                 mesh=trainer.mesh,
-            )  # fmt: skip
+            )
     except Exception as e:
         error = e
     if not _agree(error is None):
@@ -340,14 +385,24 @@ def _save(trainer: Trainer, root: str, step: int, talk: bool) -> None:
     if not _agree(error is None):
         raise error or CheckpointError(f"rank 0 lost the lock on {root}")
     cfg, path = trainer.cfg, step_dir(root, step)
-    extra = {"step": step, "config": asdict(cfg), "run_id": trainer.run_id,
-             "model": _model_record(cfg)}  # fmt: skip
+    extra = {
+        "step": step,
+        "config": asdict(cfg),
+        "run_id": trainer.run_id,
+        "model": _model_record(cfg),
+    }
     ctx = trainer.model.summon_full_params() if cfg.zero == 3 else contextlib.nullcontext()
     with ctx:
         checkpoint.save(
-            path, model_params=trainer.checkpoint_tensors(), optimizer=trainer.opt, mesh=trainer.mesh,
-            step=step, extra=extra, overwrite=True, run_id=trainer.run_id,
-        )  # fmt: skip
+            path,
+            model_params=trainer.checkpoint_tensors(),
+            optimizer=trainer.opt,
+            mesh=trainer.mesh,
+            step=step,
+            extra=extra,
+            overwrite=True,
+            run_id=trainer.run_id,
+        )
     if dist.get_rank() == 0:
         write_config_file(cfg, os.path.join(path, CONFIG_FILE))
     if talk:

@@ -65,9 +65,13 @@ def launch(cfg: TrainConfig, timeout: float = 24 * 3600.0, tokens=None) -> list[
     with StopSignals():
         try:
             out = run_ranks(
-                _rank_main, cfg.world_size, *args, timeout=timeout,
-                collective_timeout=cfg.collective_timeout, **how,
-            )  # fmt: skip
+                _rank_main,
+                cfg.world_size,
+                *args,
+                timeout=timeout,
+                collective_timeout=cfg.collective_timeout,
+                **how,
+            )
         except RankError as err:
             if isinstance(err.exception, RunStopped):
                 raise err.exception from None

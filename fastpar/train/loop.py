@@ -123,8 +123,9 @@ class SyncPoint:
     """A logged or save step: the numbers of the steps since the last one, the agreement (stop
     signal, divergence, memory), the progress line, the checkpoint; raises ``RunStopped``."""
 
-    def __init__(self, cfg, trainer: Trainer, signals, talk: bool, flops: float, writer,
-                 start: int) -> None:  # fmt: skip
+    def __init__(
+        self, cfg, trainer: Trainer, signals, talk: bool, flops: float, writer, start: int
+    ) -> None:
         self.cfg, self.trainer, self.signals, self.talk = cfg, trainer, signals, talk
         self.flops, self.writer, self.watch = flops, writer, Divergence(cfg, trainer)
         self.start, self.skipped = start, 0  # skipped since the last logged step
@@ -158,11 +159,18 @@ class SyncPoint:
         if logged or diverged is not None:
             rec["max_mem_mib"] = mem
             row = metrics_row(
-                cfg, pending, seconds=seconds, elapsed=time.perf_counter() - self.began,
-                steps_run=step - self.start, flops=self.flops, device=device,
-                mem=(mem, reserved_mib(device)), skipped_steps=self.skipped,
-                compile_s=self.compile_s, compile_steps=self.compile_steps,
-            )  # fmt: skip
+                cfg,
+                pending,
+                seconds=seconds,
+                elapsed=time.perf_counter() - self.began,
+                steps_run=step - self.start,
+                flops=self.flops,
+                device=device,
+                mem=(mem, reserved_mib(device)),
+                skipped_steps=self.skipped,
+                compile_s=self.compile_s,
+                compile_steps=self.compile_steps,
+            )
             self.skipped = 0
             if self.writer is not None:
                 self.writer.write(row)

@@ -51,12 +51,19 @@ class ZeroOptimizer(FlatDataParallel):
             raise ValueError("wrap the optimizer before its first step (it already holds state)")
         self.module = None
         self._setup(
-            None, [list(g["params"]) for g in optimizer.param_groups],
-            lambda masters: _repoint(optimizer, masters), stage=stage, mesh=mesh, group=group,
-            bucket_size_mb=bucket_size_mb, reduce_dtype=reduce_dtype, scaler=scaler,
-            max_grad_norm=max_grad_norm, check_gradients=check_gradients,
+            None,
+            [list(g["params"]) for g in optimizer.param_groups],
+            lambda masters: _repoint(optimizer, masters),
+            stage=stage,
+            mesh=mesh,
+            group=group,
+            bucket_size_mb=bucket_size_mb,
+            reduce_dtype=reduce_dtype,
+            scaler=scaler,
+            max_grad_norm=max_grad_norm,
+            check_gradients=check_gradients,
             find_unused_parameters=find_unused_parameters,
-        )  # fmt: skip
+        )
 
     @property
     def shard_grad(self) -> list[torch.Tensor]:

@@ -55,11 +55,21 @@ class Zero3(Shard):
         find_unused_parameters: bool = False,
     ) -> None:
         super().__init__(
-            module, optimizer_factory, stage=3, mesh=mesh, group=group, wrap=wrap,
-            min_params=min_params, persist_below=persist_below, param_groups=param_groups,
-            scaler=scaler, max_grad_norm=max_grad_norm, reduce_dtype=reduce_dtype,
-            prefetch=prefetch, find_unused_parameters=find_unused_parameters,
-        )  # fmt: skip
+            module,
+            optimizer_factory,
+            stage=3,
+            mesh=mesh,
+            group=group,
+            wrap=wrap,
+            min_params=min_params,
+            persist_below=persist_below,
+            param_groups=param_groups,
+            scaler=scaler,
+            max_grad_norm=max_grad_norm,
+            reduce_dtype=reduce_dtype,
+            prefetch=prefetch,
+            find_unused_parameters=find_unused_parameters,
+        )
 
     @property
     def _flats(self) -> list[FlatShard]:
