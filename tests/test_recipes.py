@@ -1,0 +1,158 @@
+"""The recipes of docs/contributing.md, done: a new router score and a new pipeline schedule,
+each added by the recipe's steps only (an entry in its registry, here monkeypatched), then
+accepted by every place that reads the registry and computing what it should."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import ClassVar
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _mesh import make_mesh
+from test_parallel_pipeline import (
+    batch,
+    blocks,
+    check_step,
+    dense_name,
+    dense_references,
+    loss_fn,
+)
+
+from fastpar.moe import SCORES, MoE
+from fastpar.moe.balance import balance_scores
+from fastpar.moe.config import Score
+from fastpar.parallel.pipeline import PipelineEngine, build_stage
+from fastpar.parallel.pipeline.schedules import SCHEDULES, Schedule, make_schedule
+from fastpar.testing import run_ranks
+from fastpar.train import TrainConfig, build_parser, config_from, memory
+
+ONE_RANK = dict(tp=1, pp=1, dp=1, ep=1, steps=1, batch_size=4, microbatches=1, quiet=True)
+
+
+# -- a new router score: its entry in SCORES ---------------------------------------------------
+def _sqrt_softplus(logits: torch.Tensor) -> torch.Tensor:
+    return F.softplus(logits).sqrt()
+
+
+def _sum_to_one(probs: torch.Tensor) -> torch.Tensor:
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def test_new_router_score(monkeypatch):
+    name = "sqrt_softplus"
+    assert name not in SCORES
+    monkeypatch.setitem(SCORES, name, Score(_sqrt_softplus, _sum_to_one))
+
+    # the layer routes by it: the scores, the choice and the combine weights by hand
+    torch.manual_seed(0)
+    h, e, k, t = 16, 6, 2, 20
+    moe = MoE(h, 32, e, k, score=name, capacity_factor=None)
+    x = torch.randn(t, h)
+    routing = moe.router(x)
+    logits = x.double() @ moe.router.weight.detach().double().t()
+    scores = torch.sqrt(torch.log1p(torch.exp(logits)))  # softplus, written out
+    torch.testing.assert_close(routing.router_probs.double(), scores, rtol=1e-5, atol=1e-6)
+    ids = scores.topk(k, dim=-1).indices
+    assert torch.equal(routing.expert_ids.sort(-1).values, ids.sort(-1).values)
+    chosen = scores.gather(1, routing.expert_ids)
+    slots = torch.zeros(t, k, dtype=torch.long)  # dropless: every choice kept
+    weights = moe.router.combine_weights(routing, slots)
+    torch.testing.assert_close(weights.double(), chosen / chosen.sum(-1, keepdim=True))
+    # the balancing losses average its own distribution
+    p = balance_scores(routing.router_probs, name).double()
+    torch.testing.assert_close(p, scores / scores.sum(-1, keepdim=True), rtol=1e-5, atol=1e-6)
+    moe(x.unsqueeze(0)).square().mean().backward()  # the balancing loss joins in backward
+    assert moe.router.weight.grad is not None and moe.router.weight.grad.abs().sum() > 0
+
+    # the command line lists it and takes it; TrainConfig.check and the models accept it
+    parser = build_parser()
+    assert "{softmax,sigmoid,sqrt_softplus}" in parser.format_help()
+    for model in ("gpt", "llama"):
+        argv = ["--model", model, "--moe-every", "1", "--router-score", name]
+        cfg = config_from(parser.parse_args(argv))
+        assert cfg.router_score == name
+        cfg = TrainConfig(**{**ONE_RANK, "model_type": model, "moe_every": 1}, router_score=name)
+        cfg.check()
+        assert cfg.model().router_score == name
+
+    # a name not registered is refused, by the layer and by the run's checks
+    with pytest.raises(ValueError, match=r"score must be one of .*'sqrt_softplus'.*got 'cube'"):
+        MoE(h, 32, e, k, score="cube")
+    with pytest.raises(ValueError, match="cube"):
+        TrainConfig(**ONE_RANK, moe_every=1, router_score="cube").check()
+
+
+# -- a new pipeline schedule: a Schedule subclass and its entry in SCHEDULES ----------------------
+class LastInFirstOut(Schedule):
+    """GPipe with the backwards in reverse: all forwards, then the backwards of the last
+    micro-batch first (its activations are the freshest)."""
+
+    name: ClassVar[str] = "gpipe-lifo"
+    forwards_first: ClassVar[bool] = True
+    refuses: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {"zero3": "a made-up refusal for the recipe's test"}
+    )
+
+    def steps(self, num_stages: int, stage: int) -> list:
+        m = self.num_microbatches
+        return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
+
+
+def _schedule_step(names: tuple[str, ...], m: int, refs) -> list[float]:
+    """Two SGD steps of the blocks pipelined with each schedule of ``names`` (made from
+    ``SCHEDULES``), each checked against the unpipelined model; the losses."""
+    mesh = make_mesh(pp="world")
+    losses = []
+    for name in names:
+        stage, (lo, _) = build_stage(blocks(), mesh.pp_size, mesh.pp_rank)
+        sched = make_schedule(name, m)
+        engine = PipelineEngine(stage, mesh, sched, loss_fn=loss_fn)
+        opt = torch.optim.SGD(stage.parameters(), lr=0.5)
+        for step in range(2):
+            x, y = batch(step)
+            opt.zero_grad()
+            loss = engine.train_step(
+                x if mesh.is_first_stage else None, y if mesh.is_last_stage else None
+            )
+            grads = [(dense_name(n, lo), p.grad) for n, p in stage.named_parameters()]
+            check_step(refs, step, loss, grads, f"{name}, stage {mesh.pp_rank}, step {step + 1}: ")
+            opt.step()
+            losses.append(float(loss) if loss is not None else float("nan"))
+        assert engine.stats["max_in_flight"] == sched.max_in_flight(mesh.pp_size, mesh.pp_rank)
+    return losses
+
+
+def test_new_schedule(monkeypatch):
+    name = LastInFirstOut.name
+    assert name not in SCHEDULES
+    monkeypatch.setitem(SCHEDULES, name, LastInFirstOut)
+
+    # the command line lists it and takes it
+    parser = build_parser()
+    assert "{gpipe,1f1b,interleaved,zb-h1,gpipe-lifo}" in parser.format_help()
+    pp2 = dict(ONE_RANK, pp=2, batch_size=8, microbatches=4, moe_every=0)
+    argv = ["--schedule", name, "--pp", "2", "--microbatches", "4", "--batch-size", "8"]
+    assert config_from(parser.parse_args(argv)).schedule == name
+    TrainConfig(**pp2, schedule=name).check()
+    # TrainConfig.check asks what it declares it refuses, and names its reason
+    with pytest.raises(ValueError, match=r"gpipe-lifo with --zero 3 .*a made-up refusal"):
+        TrainConfig(**{**pp2, "dp": 2, "batch_size": 16, "zero": 3}, schedule=name).check()
+    with pytest.raises(ValueError, match=r"schedule must be one of .*gpipe-lifo"):
+        TrainConfig(**pp2, schedule="gpipe-fifo").check()
+
+    # its activation memory: every forward is held until the backwards start, as GPipe's
+    m = pp2["microbatches"]
+    sched = make_schedule(name, m)
+    assert [sched.held(2, s) for s in range(2)] == [m, m]
+    lifo = memory.stage_bytes(TrainConfig(**pp2, schedule=name))
+    one_f_one_b = memory.stage_bytes(TrainConfig(**pp2, schedule="1f1b"))
+    per_microbatch = [b / h for b, h in zip(one_f_one_b, (2, 1), strict=True)]  # 1F1B: p - s
+    assert lifo == [int(m * b) for b in per_microbatch]
+
+    # a real pipelined step on 2 ranks: the unpipelined model's loss and gradients, as 1F1B
+    refs = dense_references()
+    for losses in run_ranks(_schedule_step, 2, (name, "1f1b"), m, refs):
+        assert losses[:2] == pytest.approx(losses[2:], rel=1e-5)
