@@ -21,6 +21,8 @@ from test_parallel_pipeline import (
     loss_fn,
 )
 
+from fastpar.export import hf_mapping
+from fastpar.models import llama_hf
 from fastpar.moe import SCORES, MoE
 from fastpar.moe.balance import balance_scores
 from fastpar.moe.config import Score
@@ -83,6 +85,22 @@ def test_new_router_score(monkeypatch):
         MoE(h, 32, e, k, score="cube")
     with pytest.raises(ValueError, match="cube"):
         TrainConfig(**ONE_RANK, moe_every=1, router_score="cube").check()
+
+
+def test_new_router_score_is_not_exported(monkeypatch):
+    """The export refuses a model routed by a new score: Hugging Face's MoE families route by
+    a softmax, and the standalone code (fastpar/models/hf_code, which cannot import fastpar)
+    knows softmax and sigmoid only."""
+    pytest.importorskip("transformers")
+    name = "sqrt_softplus"
+    monkeypatch.setitem(SCORES, name, Score(_sqrt_softplus, _sum_to_one))
+    gpt = TrainConfig(**ONE_RANK, moe_every=1, router_score=name)
+    mapping, model_class = hf_mapping(gpt)
+    with pytest.raises(ValueError, match="router_score must be 'softmax' or 'sigmoid'"):
+        model_class.config_class(**mapping.hf_config(gpt.model()))  # what the export builds
+    llama = TrainConfig(**ONE_RANK, model_type="llama", moe_every=1, router_score=name)
+    with pytest.raises(ValueError, match="has no HF export"):
+        llama_hf.hf_model_type(llama.model())
 
 
 # -- a new pipeline schedule: a Schedule subclass and its entry in SCHEDULES ----------------------
