@@ -119,11 +119,10 @@ class LastInFirstOut(Schedule):
         return [("F", i) for i in range(m)] + [("B", i) for i in reversed(range(m))]
 
 
-def _schedule_step(names: tuple[str, ...], m: int, refs) -> list[float]:
+def _schedule_step(names: tuple[str, ...], m: int, refs) -> None:
     """Two SGD steps of the blocks pipelined with each schedule of ``names`` (made from
-    ``SCHEDULES``), each checked against the unpipelined model; the losses."""
+    ``SCHEDULES``), each checked against the unpipelined model."""
     mesh = make_mesh(pp="world")
-    losses = []
     for name in names:
         stage, (lo, _) = build_stage(blocks(), mesh.pp_size, mesh.pp_rank)
         sched = make_schedule(name, m)
@@ -138,9 +137,7 @@ def _schedule_step(names: tuple[str, ...], m: int, refs) -> list[float]:
             grads = [(dense_name(n, lo), p.grad) for n, p in stage.named_parameters()]
             check_step(refs, step, loss, grads, f"{name}, stage {mesh.pp_rank}, step {step + 1}: ")
             opt.step()
-            losses.append(float(loss) if loss is not None else float("nan"))
         assert engine.stats["max_in_flight"] == sched.max_in_flight(mesh.pp_size, mesh.pp_rank)
-    return losses
 
 
 def test_new_schedule(monkeypatch):
@@ -167,10 +164,10 @@ def test_new_schedule(monkeypatch):
     assert [sched.held(2, s) for s in range(2)] == [m, m]
     lifo = memory.stage_bytes(TrainConfig(**pp2, schedule=name))
     one_f_one_b = memory.stage_bytes(TrainConfig(**pp2, schedule="1f1b"))
-    per_microbatch = [b / h for b, h in zip(one_f_one_b, (2, 1), strict=True)]  # 1F1B: p - s
+    # 1F1B holds p - s micro-batches on stage s (and, without --fused-ce, nothing fixed)
+    per_microbatch = [b / h for b, h in zip(one_f_one_b, (2, 1), strict=True)]
     assert lifo == [int(m * b) for b in per_microbatch]
 
-    # a real pipelined step on 2 ranks: the unpipelined model's loss and gradients, as 1F1B
-    refs = dense_references()
-    for losses in run_ranks(_schedule_step, 2, (name, "1f1b"), m, refs):
-        assert losses[:2] == pytest.approx(losses[2:], rel=1e-5)
+    # a real pipelined step on 2 ranks: the unpipelined model's loss and gradients (judged by
+    # the tolerance rule, fastpar.tolerance), as 1F1B's are in the same run
+    run_ranks(_schedule_step, 2, (name, "1f1b"), m, dense_references())
