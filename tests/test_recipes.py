@@ -27,6 +27,7 @@ from fastpar.moe import SCORES, MoE
 from fastpar.moe.balance import balance_scores
 from fastpar.moe.config import Score
 from fastpar.parallel.pipeline import PipelineEngine, build_stage
+from fastpar.parallel.pipeline.__main__ import main as pipeline_main
 from fastpar.parallel.pipeline.schedules import SCHEDULES, Schedule, make_schedule
 from fastpar.testing import run_ranks
 from fastpar.train import TrainConfig, build_parser, config_from, memory
@@ -140,7 +141,7 @@ def _schedule_step(names: tuple[str, ...], m: int, refs) -> None:
         assert engine.stats["max_in_flight"] == sched.max_in_flight(mesh.pp_size, mesh.pp_rank)
 
 
-def test_new_schedule(monkeypatch):
+def test_new_schedule(monkeypatch, capsys):
     name = LastInFirstOut.name
     assert name not in SCHEDULES
     monkeypatch.setitem(SCHEDULES, name, LastInFirstOut)
@@ -167,6 +168,12 @@ def test_new_schedule(monkeypatch):
     # 1F1B holds p - s micro-batches on stage s (and, without --fused-ce, nothing fixed)
     per_microbatch = [b / h for b, h in zip(one_f_one_b, (2, 1), strict=True)]
     assert lifo == [int(m * b) for b in per_microbatch]
+
+    # python -m fastpar.parallel.pipeline draws it: 4 forwards, then B3 first
+    pipeline_main(["--schedule", name, "--stages", "2", "--microbatches", "4"])
+    drawn = capsys.readouterr().out
+    assert "LastInFirstOut, 4 micro-batches, 2 stages" in drawn
+    assert drawn.index("B3") < drawn.index("B0")
 
     # a real pipelined step on 2 ranks: the unpipelined model's loss and gradients (judged by
     # the tolerance rule, fastpar.tolerance), as 1F1B's are in the same run
