@@ -97,8 +97,10 @@ def test_new_router_score_is_not_exported(monkeypatch):
     monkeypatch.setitem(SCORES, name, Score(_sqrt_softplus, _sum_to_one))
     gpt = TrainConfig(**ONE_RANK, moe_every=1, router_score=name)
     mapping, model_class = hf_mapping(gpt)
+    with pytest.raises(ValueError, match="--router-score sqrt_softplus: the exported model's code"):
+        mapping.hf_config(gpt.model())  # what the export writes, refused before any file
     with pytest.raises(ValueError, match="router_score must be 'softmax' or 'sigmoid'"):
-        model_class.config_class(**mapping.hf_config(gpt.model()))  # what the export builds
+        model_class.config_class(router_score=name)  # the standalone code's own guard
     llama = TrainConfig(**ONE_RANK, model_type="llama", moe_every=1, router_score=name)
     with pytest.raises(ValueError, match="has no HF export"):
         llama_hf.hf_model_type(llama.model())

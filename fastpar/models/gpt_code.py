@@ -22,6 +22,10 @@ CODE_FILES = ("configuration_fastpar_gpt.py", "modeling_fastpar_gpt.py")
 MODEL_TYPE = "fastpar_gpt"
 
 
+#: the router scores the exported code (fastpar/models/hf_code/) computes
+EXPORTED_SCORES = ("softmax", "sigmoid")
+
+
 def check(cfg: GPTConfig) -> None:
     """Raise ValueError naming what the exported model cannot compute exactly, and the fix."""
     if cfg.moe_every and cfg.capacity_factor is not None:
@@ -29,6 +33,12 @@ def check(cfg: GPTConfig) -> None:
             f"--capacity-factor {cfg.capacity_factor}: a capacity drops tokens by how the whole "
             f"batch routes, so an exported model (dropless, as every Hugging Face MoE) would "
             f"compute another function; train dropless (leave --capacity-factor out)"
+        )
+    if cfg.moe_every and cfg.router_score not in EXPORTED_SCORES:
+        raise ValueError(
+            f"--router-score {cfg.router_score}: the exported model's code "
+            f"(fastpar/models/hf_code/) computes only the scores {EXPORTED_SCORES}; teach it "
+            f"this one (docs/contributing.md, 'A new router score') or train with one of those"
         )
 
 
