@@ -487,9 +487,12 @@ class MoE(nn.Module):
             permuted.device,
         )
         return OverlappedExperts.apply(
-            permuted, chunks, lambda x, j: self._experts_segments(x, chunks.seg[j]), self.ep_group,
+            permuted,
+            chunks,
+            lambda x, j: self._experts_segments(x, chunks.seg[j]),
+            self.ep_group,
             *self._expert_params(),
-        )  # fmt: skip
+        )
 
     def extra_repr(self) -> str:
         return (

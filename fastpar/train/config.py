@@ -92,20 +92,33 @@ class TrainConfig(TrainOptions):
 
     def model(self) -> GPTConfig | LlamaConfig:
         shared = dict(
-            vocab_size=self.vocab, seq_len=self.seq_len, hidden=self.hidden, heads=self.heads,
-            layers=self.layers, ffn=self.ffn, moe_every=self.moe_every, num_experts=self.experts,
-            top_k=self.top_k, capacity_factor=self.capacity_factor,
-            overlap_chunks=self.overlap_chunks, tie_embeddings=not self.untied,
-            sequence_parallel=self.sequence_parallel, moe_expert_tp=self.moe_expert_tp,
+            vocab_size=self.vocab,
+            seq_len=self.seq_len,
+            hidden=self.hidden,
+            heads=self.heads,
+            layers=self.layers,
+            ffn=self.ffn,
+            moe_every=self.moe_every,
+            num_experts=self.experts,
+            top_k=self.top_k,
+            capacity_factor=self.capacity_factor,
+            overlap_chunks=self.overlap_chunks,
+            tie_embeddings=not self.untied,
+            sequence_parallel=self.sequence_parallel,
+            moe_expert_tp=self.moe_expert_tp,
             cp_attention=self.cp_attention,
             **{name: getattr(self, name) for name in ROUTING_DEFAULTS},
-        )  # fmt: skip
+        )
         if self.model_type == "llama":
             return LlamaConfig(
-                kv_heads=self.kv_heads, head_dim=self.head_dim, rope_theta=self.rope_theta,
+                kv_heads=self.kv_heads,
+                head_dim=self.head_dim,
+                rope_theta=self.rope_theta,
                 moe_ffn=self.moe_ffn,
-                qk_norm=self.qk_norm, attention_bias=self.attention_bias, **shared,
-            )  # fmt: skip
+                qk_norm=self.qk_norm,
+                attention_bias=self.attention_bias,
+                **shared,
+            )
         return GPTConfig(norm=self.norm, **shared)
 
     def _check_model_flags(self) -> None:
