@@ -1,23 +1,19 @@
-"""The checks of a run's flags that combine several of them (``TrainConfig.check`` calls
-them): --init-from-hf's directory, packed documents, context parallelism, the schedule's
-refusals, and the words a flag takes. Each failure is one ValueError line naming the value and
-the fix."""
+"""The checks of a run's flags that combine several of them, each taking the ``TrainConfig``
+as ``cfg`` (``TrainConfig.check`` calls them): --init-from-hf's directory, packed documents,
+context parallelism, the schedule's refusals, and the words a flag takes. Each failure is one
+ValueError line naming the value and the fix."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import fields
-from typing import TYPE_CHECKING
 
 from fastpar.cliutil import option_of
 from fastpar.parallel.pipeline.schedules import SCHEDULES, accepting
 from fastpar.train.checks import flag
 
-if TYPE_CHECKING:
-    from fastpar.train.config import TrainConfig
 
-
-def check_words(cfg: TrainConfig) -> None:
+def check_words(cfg) -> None:
     """Every flag that takes words (``Option.words``) holds one of them (None: left out), for
     whatever the other checks of ``TrainConfig.check`` do not name with their own fix."""
     for f in fields(cfg):
@@ -28,7 +24,7 @@ def check_words(cfg: TrainConfig) -> None:
             )
 
 
-def check_init_from_hf(cfg: TrainConfig) -> None:
+def check_init_from_hf(cfg) -> None:
     """--init-from-hf DIR: a save_pretrained directory whose config.json is --hf-config's."""
     from fastpar.models.hf import read_config_json
 
@@ -60,7 +56,7 @@ def check_init_from_hf(cfg: TrainConfig) -> None:
             )
 
 
-def check_packing(cfg: TrainConfig) -> None:
+def check_packing(cfg) -> None:
     """--pack / --eos-id / --loss-normalization: what packed documents can run exactly."""
     if cfg.loss_normalization not in ("token", "sequence"):
         raise ValueError(
@@ -98,7 +94,7 @@ def check_packing(cfg: TrainConfig) -> None:
         raise ValueError(schedule_refusal(cfg, "sequence_parallel_tp", SCHEDULES[cfg.schedule]))
 
 
-def schedule_refusal(cfg: TrainConfig, feature: str, sched) -> str:
+def schedule_refusal(cfg, feature: str, sched) -> str:
     """The message refusing ``cfg``'s --schedule with ``feature`` (``Schedule.refuses``): the
     schedule's reason, and what to use instead."""
     why, head = sched.refuses[feature], f"--schedule {cfg.schedule} with"
@@ -120,7 +116,7 @@ def schedule_refusal(cfg: TrainConfig, feature: str, sched) -> str:
     )
 
 
-def check_context_parallel(cfg: TrainConfig) -> None:
+def check_context_parallel(cfg) -> None:
     """Context parallelism: the sequence splits into 2·cp equal chunks, each rank's pair of
     chunks again over TP under sequence parallelism."""
     if cfg.cp_attention not in ("ring", "all-to-all"):
