@@ -206,11 +206,11 @@ def test_a_new_router_field_becomes_a_flag(monkeypatch):
     assert ap.parse_args([]).router_knob == 0.5
     assert typing.get_type_hints(Options)["router_knob"] is float
     assert _flags(ap)["--router-kind"].metavar == "{a,b}"
-    from fastpar.train.config import _check_words
+    from fastpar.train.config_checks import check_words
 
-    _check_words(Options(router_kind="b"))
+    check_words(Options(router_kind="b"))
     with pytest.raises(ValueError, match="--router-kind 'c' must be one of a, b"):
-        _check_words(Options(router_kind="c"))
+        check_words(Options(router_kind="c"))
 
 
 def test_model_configs_hold_the_routing_fields():

@@ -374,9 +374,13 @@ def moe(cfg: LlamaConfig, mesh=None) -> nn.Module:
     renormalising the top-k weights when ``norm_topk_prob``, with the config's routing options
     (``routing_options``: sigmoid scores, groups, expert bias, shared experts, losses)."""
     return moe_block(
-        cfg, mesh, ffn=cfg.moe_ffn_size, expert="swiglu", normalize_topk=cfg.norm_topk_prob,
+        cfg,
+        mesh,
+        ffn=cfg.moe_ffn_size,
+        expert="swiglu",
+        normalize_topk=cfg.norm_topk_prob,
         **routing_options(cfg),
-    )  # fmt: skip
+    )
 
 
 class Block(DecoderBlock):

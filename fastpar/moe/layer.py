@@ -9,10 +9,6 @@ One forward, capacity against dropless mode and the weights' initialisation: doc
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -31,6 +27,9 @@ from fastpar.comm.sequence import split_sequence
 from fastpar.mesh.bridge import mesh_group
 from fastpar.mesh.placement import mark_expert, mark_sharded
 from fastpar.moe import experts, tp
+from fastpar.moe.aux_grad import InjectAuxGrad, block_scale
+from fastpar.moe.aux_grad import aux_loss_scale as aux_loss_scale
+from fastpar.moe.aux_grad import current_aux_loss_scale as current_aux_loss_scale
 from fastpar.moe.config import ExpertConfig, RouterConfig, with_options
 from fastpar.moe.dispatch import ep_combine, ep_dispatch
 from fastpar.moe.experts import SharedExperts, init_experts
@@ -39,37 +38,6 @@ from fastpar.moe.router import TopKRouter
 from fastpar.ops.documents import current
 from fastpar.ops.moe_permute import moe_permute, moe_unpermute
 from fastpar.reference.precision import upcast
-
-_UNSET = object()
-_AUX_LOSS_SCALE: contextvars.ContextVar = contextvars.ContextVar(
-    "fastpar_moe_aux_loss_scale", default=_UNSET
-)
-
-
-@contextlib.contextmanager
-def aux_loss_scale(scale: float | torch.Tensor | None) -> Iterator[None]:
-    """Inside the block, every ``MoE`` whose own ``aux_loss_scale`` is None sends its auxiliary
-    loss into backward scaled by ``scale`` (None: not at all), as if ``scale · aux_loss`` were
-    added to the loss. What a pipeline engine sets around its forwards: the weight of one
-    micro-batch's loss (1 / micro-batches, times the loss scale), so no stage needs the final
-    loss. Forwards read it; a scale tensor is read again by the backward, so keep it unchanged
-    until then."""
-    token = _AUX_LOSS_SCALE.set(scale)
-    try:
-        yield
-    finally:
-        _AUX_LOSS_SCALE.reset(token)
-
-
-def current_aux_loss_scale() -> float | torch.Tensor | None:
-    """The weight ``aux_loss_scale(...)`` set around this forward (None outside one, or inside
-    ``aux_loss_scale(None)``). A compiled
-    forward cannot read it (dynamo does not trace context variables): code that compiles a
-    block reads it eagerly and sets it on the layers as their own ``aux_loss_scale`` for the call
-    (``fastpar.train.compile``)."""
-    scale = _AUX_LOSS_SCALE.get()
-    return None if scale is _UNSET else scale
-
 
 EAGER_ONLY = ("_check_same_capacity", "_dropless_overlapped")
 """MoE methods run eagerly inside a compiled model (``torch.compiler.disable``): the capacity
@@ -397,7 +365,7 @@ class MoE(nn.Module):
             y = y + shared.to(y.dtype)
         scale = self._aux_scale()
         if scale is not None and self.training and torch.is_grad_enabled():
-            y = _InjectAuxGrad.apply(y, self.aux_loss, scale)
+            y = InjectAuxGrad.apply(y, self.aux_loss, scale)
             self.aux_loss = self.aux_loss.detach()  # in backward already: a value to log
         return y.view(shape)
 
@@ -406,9 +374,7 @@ class MoE(nn.Module):
         under context parallelism, whose dp × cp gradient average would divide it by cp."""
         scale = self.aux_loss_scale
         if scale is None:
-            scale = _AUX_LOSS_SCALE.get()
-            if scale is _UNSET:
-                scale = 1.0 if self.aux_loss_in_backward else None
+            scale = block_scale(1.0 if self.aux_loss_in_backward else None)
         return scale if scale is None or self.cp == 1 else scale * self.cp
 
     def _capacity_path(self, permuted: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -487,9 +453,12 @@ class MoE(nn.Module):
             permuted.device,
         )
         return OverlappedExperts.apply(
-            permuted, chunks, lambda x, j: self._experts_segments(x, chunks.seg[j]), self.ep_group,
+            permuted,
+            chunks,
+            lambda x, j: self._experts_segments(x, chunks.seg[j]),
+            self.ep_group,
             *self._expert_params(),
-        )  # fmt: skip
+        )
 
     def extra_repr(self) -> str:
         return (
@@ -499,21 +468,6 @@ class MoE(nn.Module):
             f"capacity_factor={self.router.capacity_factor}, policy={self.router.drop_policy}"
             + ("" if self.expert != "glu" else f", activation={self.activation}")
         )
-
-
-class _InjectAuxGrad(torch.autograd.Function):
-    """Identity on ``y``; in backward, also sends ``scale`` as the gradient of ``aux_loss``."""
-
-    @staticmethod
-    def forward(ctx, y, aux_loss, scale):
-        ctx.scale = scale
-        ctx.aux_shape, ctx.aux_dtype = aux_loss.shape, aux_loss.dtype
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx, grad):
-        scale = torch.as_tensor(ctx.scale, dtype=ctx.aux_dtype, device=grad.device)
-        return grad, scale.expand(ctx.aux_shape).clone(), None
 
 
 def moe_aux_loss(model: nn.Module) -> torch.Tensor:

@@ -278,9 +278,12 @@ def _pipelined(buf: torch.Tensor, chunks, group, work) -> torch.Tensor:
 
     def send(j: int) -> _Pending:
         return start_all_to_all(
-            chunks.take(buf, j), group, chunks.out_splits[j], chunks.in_splits[j],
+            chunks.take(buf, j),
+            group,
+            chunks.out_splits[j],
+            chunks.in_splits[j],
             chunks.transport,
-        )  # fmt: skip
+        )
 
     outgoing = send(0) if k else None
     returning = []

@@ -264,19 +264,41 @@ def build(
         if exact:  # the same math as either path below (the head returned logits), in float64
             return lm_loss(logits.flatten(0, -2), targets, model_cfg, mesh, reduction=red)
         if cfg.fused_ce:  # the head's weight read now: a pipeline's last stage holds a copy
-            return lm_loss(logits.flatten(0, -2), targets, model_cfg, mesh, weight=head.weight,
-                           recompute=forwards_first, reduction=red)  # fmt: skip
+            return lm_loss(
+                logits.flatten(0, -2),
+                targets,
+                model_cfg,
+                mesh,
+                weight=head.weight,
+                recompute=forwards_first,
+                reduction=red,
+            )
         # nothing reads the logits after the loss: their gradient takes their buffer
         return lm_loss(
-            logits.flatten(0, -2).float(), targets, model_cfg, mesh, inplace_backward=True,
+            logits.flatten(0, -2).float(),
+            targets,
+            model_cfg,
+            mesh,
+            inplace_backward=True,
             reduction=red,
-        )  # fmt: skip
+        )
 
     bias_routers = [m.router for m in moes if m.router.expert_bias is not None]
     return Parts(
-        cfg, stage, start, hf, model_cfg, model, opt, scaler, no_sync, loss_fn, moes, aux_scale,
+        cfg,
+        stage,
+        start,
+        hf,
+        model_cfg,
+        model,
+        opt,
+        scaler,
+        no_sync,
+        loss_fn,
+        moes,
+        aux_scale,
         bias_routers,
-    )  # fmt: skip
+    )
 
 
 # -- one rank ----------------------------------------------------------------------------------
@@ -297,10 +319,15 @@ class Trainer:
         )
         stage = parts.model if cfg.virtual_stages == 1 else parts.module  # chunks: run directly
         self.engine = PipelineEngine(
-            stage, mesh, sched, loss_fn=parts.loss_fn, recompute=cfg.recompute is True,
-            grad_sync=parts.model, scale_loss=parts.opt.scale_loss,
+            stage,
+            mesh,
+            sched,
+            loss_fn=parts.loss_fn,
+            recompute=cfg.recompute is True,
+            grad_sync=parts.model,
+            scale_loss=parts.opt.scale_loss,
             normalization=cfg.loss_normalization,
-        )  # fmt: skip
+        )
         tokens = as_data(cfg, tokens) if tokens is not None else load_data(cfg, check=False)
         self.tokens, self.held_out = split_tokens(cfg, tokens)  # (held_out None: no eval)
         self.step_count = 0
@@ -367,17 +394,23 @@ class Trainer:
         self.opt.zero_grad()
         self.step_count += 1
         return {
-            "step": self.step_count, "lr": lr, "seconds": time.perf_counter() - t0,
-            "loss": None if loss is None else loss.detach().float(), "grad_norm": norm,
+            "step": self.step_count,
+            "lr": lr,
+            "seconds": time.perf_counter() - t0,
+            "loss": None if loss is None else loss.detach().float(),
+            "grad_norm": norm,
             "skipped": skipped,
-        }  # fmt: skip
+        }
 
     def _documents(self, docs):
         """The engine's ``context``: micro-batch i runs inside its rows' documents, on every
         stage (each reads them from the batch every rank draws alike: nothing extra is sent)."""
         m, valid = self.cfg.microbatches, docs.valid
-        docs = Documents(docs.ids.to(self.device), docs.reset_positions,
-                         None if valid is None else valid.to(self.device))  # fmt: skip
+        docs = Documents(
+            docs.ids.to(self.device),
+            docs.reset_positions,
+            None if valid is None else valid.to(self.device),
+        )
         per = docs.ids.shape[0] // m
         parts = [docs.rows(slice(i * per, (i + 1) * per)) for i in range(m)]
         return lambda i: documents(parts[i])
@@ -400,10 +433,13 @@ class Trainer:
             )
         zero = torch.zeros((), device=self.device)
         return {
-            "step": self.step_count, "lr": lr, "seconds": time.perf_counter() - t0,
-            "loss": zero if self.mesh.is_last_stage else None, "grad_norm": zero.clone(),
+            "step": self.step_count,
+            "lr": lr,
+            "seconds": time.perf_counter() - t0,
+            "loss": zero if self.mesh.is_last_stage else None,
+            "grad_norm": zero.clone(),
             "skipped": torch.ones((), dtype=torch.bool, device=self.device),
-        }  # fmt: skip
+        }
 
     def evaluate(self) -> float:
         """The validation loss: the mean over ``--eval-batches`` held-out batches of the

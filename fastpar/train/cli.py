@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import json
 import os
 import sys
 import time
@@ -16,7 +15,7 @@ import typing
 from dataclasses import fields
 
 from fastpar.checkpoint import CheckpointError
-from fastpar.cliutil import Option, Parser, option_of
+from fastpar.cliutil import Option, Parser, option_of, read_table
 from fastpar.launch import RankError
 from fastpar.train.batches import load_data
 from fastpar.train.checks import (
@@ -75,13 +74,17 @@ def build_parser(
     (``fastpar.verify`` has its own); ``defaults``: the command's own defaults ({field: value}),
     shown in --help as the defaults they are."""
     ap = TrainParser(
-        prog=prog, description=description, epilog=epilog,
+        prog=prog,
+        description=description,
+        epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     ap.add_argument(
-        "--config", metavar="FILE", default=None,
+        "--config",
+        metavar="FILE",
+        default=None,
         help="read flags from a TOML or JSON file; flags given here override it",
-    )  # fmt: skip
+    )
     own, defaults = dict(defaults or {}), TrainConfig()
     hints = typing.get_type_hints(TrainConfig)
     flags = [(f, option_of(f)) for f in fields(TrainConfig)]
@@ -139,8 +142,10 @@ def _add_flag(where, name: str, opt: Option, value, hint) -> None:
 
 # -- --config FILE ----------------------------------------------------------------------------
 #: a config file's keys: each field's name, its flag's name without the dashes, and "model"
-_KEYS = {**{f.name: f.name for f in fields(TrainConfig)},
-         **{flag(f.name)[2:]: f.name for f in fields(TrainConfig)}}  # fmt: skip
+_KEYS = {
+    **{f.name: f.name for f in fields(TrainConfig)},
+    **{flag(f.name)[2:]: f.name for f in fields(TrainConfig)},
+}
 
 
 def config_file_path(argv: list[str]) -> str | None:
@@ -154,29 +159,6 @@ def config_file_path(argv: list[str]) -> str | None:
         elif arg.startswith("--config="):
             path = arg.split("=", 1)[1]
     return path
-
-
-def _load(path: str) -> dict:
-    """The table of a .toml (tomllib) or .json file; ValueError naming the file."""
-    kind = "toml" if path.endswith(".toml") else "json" if path.endswith(".json") else None
-    if kind is None:
-        raise ValueError(f"--config {path}: name a .toml or a .json file")
-    try:
-        if kind == "json":
-            with open(path) as f:
-                raw = json.load(f)
-        else:
-            try:
-                import tomllib
-            except ImportError:  # Python 3.10
-                import tomli as tomllib  # type: ignore[no-redef]
-            with open(path, "rb") as f:
-                raw = tomllib.load(f)
-    except (OSError, ValueError) as exc:  # JSONDecodeError, TOMLDecodeError are ValueErrors
-        raise ValueError(f"--config {path}: cannot read it as {kind.upper()} ({exc})") from exc
-    if not isinstance(raw, dict):
-        raise ValueError(f"--config {path}: the file must hold a table of flags, not a list")
-    return raw
 
 
 def _flat(raw: dict) -> dict:
@@ -214,7 +196,7 @@ def read_config_file(path: str) -> dict:
     wrong type is a ValueError naming the key (and the nearest flag)."""
     hints = typing.get_type_hints(TrainConfig)
     values = {}
-    for key, value in _flat(_load(path)).items():
+    for key, value in _flat(read_table(path, "--config", holds="flags")).items():
         name = _KEYS.get(key)
         if name is None:
             near = difflib.get_close_matches(key, list(_KEYS), n=1, cutoff=0.6)

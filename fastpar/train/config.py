@@ -9,7 +9,6 @@ import math
 import os
 from dataclasses import dataclass, fields
 
-from fastpar.cliutil import option_of
 from fastpar.data import (
     BIN_DTYPES,
     bin_dtype,
@@ -21,12 +20,19 @@ from fastpar.mesh import MeshLayout
 from fastpar.models import GPTConfig, LlamaConfig
 from fastpar.moe.config import ROUTING_DEFAULTS
 from fastpar.parallel.pipeline.recompute import RecomputePolicy
-from fastpar.parallel.pipeline.schedules import SCHEDULES, accepting, chunked_names, make_schedule
+from fastpar.parallel.pipeline.schedules import SCHEDULES, chunked_names, make_schedule
 from fastpar.train.checks import (
     check_ranges,
     flag,
     infer_dp,
     torchrun_world_size,
+)
+from fastpar.train.config_checks import (
+    check_context_parallel,
+    check_init_from_hf,
+    check_packing,
+    check_words,
+    schedule_refusal,
 )
 from fastpar.train.memory import check_memory
 from fastpar.train.options import COLLECTIVE_TIMEOUT_S as COLLECTIVE_TIMEOUT_S
@@ -92,20 +98,33 @@ class TrainConfig(TrainOptions):
 
     def model(self) -> GPTConfig | LlamaConfig:
         shared = dict(
-            vocab_size=self.vocab, seq_len=self.seq_len, hidden=self.hidden, heads=self.heads,
-            layers=self.layers, ffn=self.ffn, moe_every=self.moe_every, num_experts=self.experts,
-            top_k=self.top_k, capacity_factor=self.capacity_factor,
-            overlap_chunks=self.overlap_chunks, tie_embeddings=not self.untied,
-            sequence_parallel=self.sequence_parallel, moe_expert_tp=self.moe_expert_tp,
+            vocab_size=self.vocab,
+            seq_len=self.seq_len,
+            hidden=self.hidden,
+            heads=self.heads,
+            layers=self.layers,
+            ffn=self.ffn,
+            moe_every=self.moe_every,
+            num_experts=self.experts,
+            top_k=self.top_k,
+            capacity_factor=self.capacity_factor,
+            overlap_chunks=self.overlap_chunks,
+            tie_embeddings=not self.untied,
+            sequence_parallel=self.sequence_parallel,
+            moe_expert_tp=self.moe_expert_tp,
             cp_attention=self.cp_attention,
             **{name: getattr(self, name) for name in ROUTING_DEFAULTS},
-        )  # fmt: skip
+        )
         if self.model_type == "llama":
             return LlamaConfig(
-                kv_heads=self.kv_heads, head_dim=self.head_dim, rope_theta=self.rope_theta,
+                kv_heads=self.kv_heads,
+                head_dim=self.head_dim,
+                rope_theta=self.rope_theta,
                 moe_ffn=self.moe_ffn,
-                qk_norm=self.qk_norm, attention_bias=self.attention_bias, **shared,
-            )  # fmt: skip
+                qk_norm=self.qk_norm,
+                attention_bias=self.attention_bias,
+                **shared,
+            )
         return GPTConfig(norm=self.norm, **shared)
 
     def _check_model_flags(self) -> None:
@@ -113,7 +132,7 @@ class TrainConfig(TrainOptions):
             raise ValueError(f"model must be gpt or llama, got {self.model_type!r}")
         defaults = TrainConfig()
         if self.init_from_hf:
-            _check_init_from_hf(self)
+            check_init_from_hf(self)
         if self.hf_config:
             self._check_hf(defaults)
         elif self.model_type == "gpt":
@@ -279,7 +298,7 @@ class TrainConfig(TrainOptions):
             "hf_config": bool(self.hf_config),
         }
         for feature in [f for f, on in wanted.items() if on and not sched.accepts(f)]:
-            raise ValueError(_refusal(self, feature, sched))
+            raise ValueError(schedule_refusal(self, feature, sched))
         if not sched.chunked:
             if v != 1:
                 raise ValueError(
@@ -326,9 +345,6 @@ class TrainConfig(TrainOptions):
                 "(e.g. 0.1: the last 10% of the token ids are held out)"
             )
 
-    def _check_packing(self) -> None:
-        _check_packing(self)
-
     @property
     def document_source(self) -> str | None:
         """Where this run's document boundaries come from (words for messages), or None: a
@@ -353,7 +369,7 @@ class TrainConfig(TrainOptions):
         return self.document_source is not None
 
     def _check_context(self) -> None:
-        _cp_checks(self)
+        check_context_parallel(self)
         if self.fused_ce and self.zero == 3:
             raise ValueError(
                 "--fused-ce with --zero 3: the loss reads the head's weight after the head's "
@@ -386,7 +402,7 @@ class TrainConfig(TrainOptions):
         RecomputePolicy.parse(self.recompute)  # a bad --recompute: ValueError naming it
         MeshLayout(self.world_size, tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp)
         self._check_context()
-        self._check_packing()
+        check_packing(self)
         per_rank = self.batch_size // self.dp
         if self.batch_size % self.dp or per_rank % self.microbatches:
             raise ValueError(
@@ -396,142 +412,7 @@ class TrainConfig(TrainOptions):
         if not self.hf_config:
             self.model().check(self.tp, self.pp, self.ep)
             check_memory(self)  # activations that clearly do not fit this machine
-        _check_words(self)
-
-
-def _check_words(cfg: TrainConfig) -> None:
-    """Every flag that takes words (``Option.words``) holds one of them (None: left out), for
-    whatever the checks above do not name with their own fix."""
-    for f in fields(cfg):
-        value, words = getattr(cfg, f.name), tuple(option_of(f).words)
-        if words and value is not None and value not in words:
-            raise ValueError(
-                f"{flag(f.name)} {value!r} must be one of {', '.join(map(str, words))}"
-            )
-
-
-def _check_init_from_hf(cfg: TrainConfig) -> None:
-    """--init-from-hf DIR: a save_pretrained directory whose config.json is --hf-config's."""
-    from fastpar.models.hf import read_config_json
-
-    what, implied = (
-        f"--init-from-hf {cfg.init_from_hf}",
-        os.path.join(cfg.init_from_hf, "config.json"),
-    )
-    if not os.path.isfile(implied):
-        raise ValueError(
-            f"{what} holds no config.json: pass a directory written by save_pretrained "
-            "(config.json + model.safetensors or its index)"
-        )
-    if not any(n.endswith(".safetensors") for n in os.listdir(cfg.init_from_hf)):
-        raise ValueError(
-            f"{what} holds no *.safetensors weights: save the model with "
-            "save_pretrained(DIR) (safe_serialization, the default) and pass that DIR"
-        )
-    if os.path.abspath(cfg.hf_config) != os.path.abspath(implied):
-        skip = ("transformers_version", "_name_or_path")
-        ours, theirs = (
-            {k: v for k, v in read_config_json(p).items() if k not in skip}
-            for p in (cfg.hf_config, implied)
-        )
-        keys = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
-        if keys:
-            raise ValueError(
-                f"--hf-config {cfg.hf_config} differs from {implied} ({', '.join(keys[:4])}): "
-                f"{what} trains the model of its own config.json; drop --hf-config"
-            )
-
-
-def _check_packing(cfg: TrainConfig) -> None:
-    """--pack / --eos-id / --loss-normalization: what packed documents can run exactly."""
-    if cfg.loss_normalization not in ("token", "sequence"):
-        raise ValueError(
-            f"--loss-normalization must be token or sequence, got {cfg.loss_normalization!r}"
-        )
-    if cfg.pack not in (None, "stream", "documents"):
-        raise ValueError(f"--pack must be stream or documents, got {cfg.pack!r}")
-    if cfg.eos_id is not None and not 0 <= cfg.eos_id < cfg.vocab:
-        raise ValueError(
-            f"--eos-id {cfg.eos_id} is not a token id of the {cfg.vocab}-token vocabulary"
-        )
-    if cfg.pack == "documents" and cfg.document_source is None:
-        raise ValueError(
-            "--pack documents needs document boundaries: pass --eos-id ID (the token that ends "
-            "each document in --data), a --tokenizer with an end-of-document token, a .bin "
-            "with its .idx of document offsets, or a .jsonl; or use --pack stream"
-        )
-    if cfg.pack == "stream" and (cfg.data or "").endswith(".jsonl"):
-        raise ValueError(
-            f"--pack stream with {cfg.data}: a .jsonl holds documents with prompt tokens the "
-            "loss must ignore, which a stream would train on; drop --pack stream"
-        )
-    if cfg.packs_documents and cfg.hf_config:
-        from fastpar.models.hf import check_documents, load_config
-
-        try:
-            check_documents(load_config(cfg.hf_config))
-        except ValueError as exc:
-            raise ValueError(f"--pack documents with --hf-config {cfg.hf_config}: {exc}") from exc
-    if (
-        cfg.sequence_parallel
-        and cfg.tp > 1
-        and not SCHEDULES[cfg.schedule].accepts("sequence_parallel_tp")
-    ):
-        raise ValueError(_refusal(cfg, "sequence_parallel_tp", SCHEDULES[cfg.schedule]))
-
-
-def _refusal(cfg: TrainConfig, feature: str, sched) -> str:
-    """The message refusing ``cfg``'s --schedule with ``feature`` (``Schedule.refuses``): the
-    schedule's reason, and what to use instead."""
-    why, head = sched.refuses[feature], f"--schedule {cfg.schedule} with"
-    if feature == "selective_recompute":
-        return (
-            f"{head} a selective --recompute ({cfg.recompute}): {why}; use --recompute full "
-            "(the stage recomputed once, before its backward) or none"
-        )
-    if feature == "zero3":
-        return (
-            f"{head} --zero 3 is not supported ({why}); use --zero 0, 1 or 2, or --schedule "
-            f"{accepting('zero3')}"
-        )
-    if feature == "hf_config":
-        return f"{head} --hf-config is {why}; use --schedule {accepting('hf_config')}"
-    return (
-        f"{head} --sequence-parallel at --tp > 1 {why}; use --schedule "
-        f"{accepting('sequence_parallel_tp')}, or drop --sequence-parallel"
-    )
-
-
-def _cp_checks(cfg: TrainConfig) -> None:
-    """Context parallelism: the sequence splits into 2·cp equal chunks, each rank's pair of
-    chunks again over TP under sequence parallelism."""
-    if cfg.cp_attention not in ("ring", "all-to-all"):
-        raise ValueError(f"--cp-attention must be ring or all-to-all, got {cfg.cp_attention!r}")
-    if cfg.cp == 1:
-        return
-    if cfg.cp_attention == "all-to-all" and (cfg.heads // cfg.tp) % cfg.cp:
-        raise ValueError(
-            f"--cp-attention all-to-all scatters this rank's {cfg.heads // cfg.tp} query heads "
-            f"(--heads {cfg.heads} / --tp {cfg.tp}) over --cp {cfg.cp}: they must divide by it; "
-            "use --cp-attention ring"
-        )
-    if cfg.seq_len % (2 * cfg.cp):
-        raise ValueError(
-            f"--cp {cfg.cp} splits each sequence into 2*cp = {2 * cfg.cp} equal chunks: "
-            f"--seq-len {cfg.seq_len} is not divisible by {2 * cfg.cp}"
-        )
-    if cfg.moe_every and cfg.capacity_factor is not None:
-        raise ValueError(
-            f"--cp {cfg.cp} with --capacity-factor {cfg.capacity_factor}: each rank routes its "
-            "chunks of the sequence, so a capacity would drop per chunk (other tokens than the "
-            "single-process model); leave --capacity-factor out (dropless)"
-        )
-    local = cfg.seq_len // cfg.cp
-    if cfg.sequence_parallel and cfg.tp > 1 and local % cfg.tp:
-        raise ValueError(
-            f"--sequence-parallel with --cp {cfg.cp}: this rank's {local} tokens do not split "
-            f"over tp {cfg.tp}; use a --seq-len that is a multiple of {cfg.cp * cfg.tp * 2}"
-        )
+        check_words(self)
 
 
 def config_from(args: argparse.Namespace, world: int | None = None) -> TrainConfig:

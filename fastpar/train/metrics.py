@@ -96,13 +96,23 @@ def model_shape(cfg) -> dict:
         c = load_config(cfg.hf_config)
         heads = c.num_attention_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-        return dict(layers=c.num_hidden_layers, heads=heads, head_dim=head_dim,
-                    hidden=c.hidden_size, tied=bool(getattr(c, "tie_word_embeddings", False)),
-                    expert_share=1.0)  # fmt: skip
+        return dict(
+            layers=c.num_hidden_layers,
+            heads=heads,
+            head_dim=head_dim,
+            hidden=c.hidden_size,
+            tied=bool(getattr(c, "tie_word_embeddings", False)),
+            expert_share=1.0,
+        )
     head_dim = cfg.head_dim if cfg.model_type == "llama" and cfg.head_dim else None
-    return dict(layers=cfg.layers, heads=cfg.heads, head_dim=head_dim or cfg.hidden // cfg.heads,
-                hidden=cfg.hidden, tied=not cfg.untied,
-                expert_share=cfg.top_k / cfg.experts)  # fmt: skip
+    return dict(
+        layers=cfg.layers,
+        heads=cfg.heads,
+        head_dim=head_dim or cfg.hidden // cfg.heads,
+        hidden=cfg.hidden,
+        tied=not cfg.untied,
+        expert_share=cfg.top_k / cfg.experts,
+    )
 
 
 def flops_per_token(cfg, counts: dict[str, int]) -> float:
@@ -214,10 +224,20 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def metrics_row(cfg, pending: list[dict], *, seconds: float, elapsed: float, steps_run: int,
-                flops: float, device: torch.device, mem: tuple[float, float | None],
-                skipped_steps: int, compile_s: float = 0.0,
-                compile_steps: int = 0) -> dict:  # fmt: skip
+def metrics_row(
+    cfg,
+    pending: list[dict],
+    *,
+    seconds: float,
+    elapsed: float,
+    steps_run: int,
+    flops: float,
+    device: torch.device,
+    mem: tuple[float, float | None],
+    skipped_steps: int,
+    compile_s: float = 0.0,
+    compile_steps: int = 0,
+) -> dict:
     """The numbers of a logged step (the last of ``pending``, the steps since the last sync
     point, resolved): what the progress line prints and the JSONL / TensorBoard record.
     ``seconds``: their wall time; ``elapsed``: since the run's first step, ``steps_run`` steps
@@ -265,8 +285,18 @@ def open_tensorboard(log_dir: str):
 
 
 #: the row's numbers TensorBoard plots, under "train/<name>"
-SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_device", "mfu",
-           "mem_mib", "mem_reserved_mib", "skipped_steps", "val_loss")  # fmt: skip
+SCALARS = (
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "tokens_per_s_per_device",
+    "mfu",
+    "mem_mib",
+    "mem_reserved_mib",
+    "skipped_steps",
+    "val_loss",
+)
 
 
 class MetricsWriter:

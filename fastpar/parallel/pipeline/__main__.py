@@ -24,18 +24,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--virtual-stages", type=int, default=2, help="chunks per rank (interleaved)")
     ap.add_argument(
-        "--group-size", type=int, default=None,
+        "--group-size",
+        type=int,
+        default=None,
         help="interleaved: micro-batches per chunk in turn (default: the stages)",
-    )  # fmt: skip
+    )
     ap.add_argument(
-        "--latency", type=float, default=0.0,
+        "--latency",
+        type=float,
+        default=0.0,
         help="bubble table: time units a message between ranks takes (a stage forward is 1)",
-    )  # fmt: skip
+    )
     ap.add_argument("--schedule", choices=("all", *SCHEDULES, ForwardOnly.name), default="all")
     args = ap.parse_args(argv)
     p, m, v, g, lat = (
-        args.stages, args.microbatches, args.virtual_stages, args.group_size, args.latency
-    )  # fmt: skip
+        args.stages,
+        args.microbatches,
+        args.virtual_stages,
+        args.group_size,
+        args.latency,
+    )
     # every training schedule of the registry (with the chunks where it takes them), then
     # forward-only
     every = {name: _maker(cls, m, v, g) for name, cls in SCHEDULES.items()}

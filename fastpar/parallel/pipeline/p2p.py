@@ -14,9 +14,17 @@ import torch.distributed as dist
 from fastpar.profiling import nvtx
 
 _DTYPES = [
-    torch.float32, torch.float16, torch.bfloat16, torch.float64,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-]  # fmt: skip
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
 _MAX_DIMS = 8
 _HEADER = 2 + _MAX_DIMS  # one tensor: [ndim, dtype, shape...]; a tuple: [-1, slots, 0...]
 _SLOT = 3 + _MAX_DIMS  # one slot of a tuple: [ndim (-1: None), dtype, requires_grad, shape...]
@@ -142,8 +150,12 @@ class P2P:
             if f and (t is None or not t.is_floating_point()):
                 what = "None" if t is None else t.dtype
                 raise ValueError(f"slot {j} ({what}) cannot require grad: only floating slots can")
-        meta = _Slots(tuple(None if t is None else (tuple(t.shape), t.dtype, f)
-                            for t, f in zip(tensors, flags, strict=True)))  # fmt: skip
+        meta = _Slots(
+            tuple(
+                None if t is None else (tuple(t.shape), t.dtype, f)
+                for t, f in zip(tensors, flags, strict=True)
+            )
+        )
         data = [t for t in tensors if t is not None and t.numel()]
         ops = self._header_ops(meta, peer, lambda: self._tuple_headers(meta, tensors), tag)
         ops += [(dist.isend, t, peer, tag) for t in data]
@@ -190,8 +202,9 @@ class P2P:
         if not isinstance(meta, _Slots):
             out = torch.empty(meta[0], dtype=meta[1], device=device)
             return out, [out]
-        msg = tuple(None if s is None else torch.empty(s[0], dtype=s[1], device=device)
-                    for s in meta.slots)  # fmt: skip
+        msg = tuple(
+            None if s is None else torch.empty(s[0], dtype=s[1], device=device) for s in meta.slots
+        )
         return msg, [t for t in msg if t is not None and t.numel()]
 
     @staticmethod

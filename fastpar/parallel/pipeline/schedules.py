@@ -183,9 +183,11 @@ class Schedule:
         if self.group_size:
             chunks += f" in groups of {self.group_size} micro-batches"
         costs = f"B=W={backward / 2:g}" if self.splits_backward else f"B={backward}"
-        lines = [f"{type(self).__name__}, {self.num_microbatches} micro-batches, {num_stages} stages"
-                 f"{chunks} (F={forward}, {costs} time units per step; bubble "
-                 f"{self.bubble_fraction(num_stages, forward, backward):.0%})"]  # fmt: skip
+        lines = [
+            f"{type(self).__name__}, {self.num_microbatches} micro-batches, {num_stages} stages"
+            f"{chunks} (F={forward}, {costs} time units per step; bubble "
+            f"{self.bubble_fraction(num_stages, forward, backward):.0%})"
+        ]
         for r in range(num_stages):
             cells = ["." * width] * int(makespan)
             for (rank, (kind, i, c)), t0 in start.items():
