@@ -121,10 +121,14 @@ def _llama_without_plan(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     from _hf import config as hf_config
 
-    import fastpar.nn.plans as plans
+    import dataclasses
 
-    template = plans.FAMILIES["llama"]
-    monkeypatch.delitem(plans.FAMILIES, "llama")
+    from fastpar import families
+
+    template = families.get("llama").plan
+    monkeypatch.setitem(
+        families.REGISTRY, "llama", dataclasses.replace(families.get("llama"), plan=None)
+    )
     config = tmp_path / "llama.json"
     config.write_text(json.dumps(hf_config("llama", vocab_size=300).to_dict()))
     plan = {k.format(b="model."): ("column" if v == "lm_head" else v) for k, v in template.items()}

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fastpar import families
 from fastpar.checkpoint.format import CheckpointError
 from fastpar.checkpoint.hf import load_hf
 from fastpar.checkpoint.hf._common import _short
@@ -38,11 +39,13 @@ from fastpar.checkpoint.hf.load import _read_into, _weight_map
 from fastpar.models import hf_documents
 from fastpar.nn import parallelize
 from fastpar.nn.plan import match, parse_style
-from fastpar.nn.plans import FAMILIES, supported
+from fastpar.nn.plans import supported
 from fastpar.parallel.pipeline import hf as pipe
 
-DECODERS = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
-"""Families the pipeline helper splits by layer (``fastpar.parallel.pipeline.hf``)."""
+
+def decoders() -> tuple[str, ...]:
+    """Families the pipeline helper splits by layer (``fastpar.parallel.pipeline.hf``)."""
+    return families.names("masks")
 
 
 def _transformers():
@@ -145,7 +148,8 @@ PLAN_HINT = (
 
 def has_builtin_plan(config) -> bool:
     """Whether ``config``'s family has a built-in tensor-parallel plan (``fastpar.nn.plans``)."""
-    return config.model_type in FAMILIES
+    family = families.find(config.model_type)
+    return family is not None and family.plan is not None
 
 
 def read_plan(path: str) -> dict:
@@ -251,7 +255,7 @@ def hf_blocks(config, mesh, plan: dict | None = None, plan_path: str = "") -> HF
         model = parallelize(model, plan, mesh=mesh, loss_parallel=True)
     vocab = int(config.vocab_size)
     masked = is_masked_lm(config)
-    if config.model_type in DECODERS and not masked:
+    if config.model_type in decoders() and not masked:
         blocks = pipe.hf_decoder_blocks(model)
         blocks[0] = hf_documents.DocumentsHFEmbedding(model, blocks[0].mask_kinds)
         hf_documents.enable(model)  # attention that reads the documents context
@@ -262,7 +266,7 @@ def hf_blocks(config, mesh, plan: dict | None = None, plan_path: str = "") -> HF
     if mesh is not None and mesh.pp_size > 1:
         raise ValueError(
             f"--pp {mesh.pp_size} with a {config.model_type} model: pipeline stages split the "
-            f"decoder families {list(DECODERS)} only; use --pp 1"
+            f"decoder families {list(decoders())} only; use --pp 1"
         )
     if not masked:
         hf_documents.enable(model)

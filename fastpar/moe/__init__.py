@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from fastpar.moe.balance import update_expert_bias
 from fastpar.moe.hf import moe_from_hf, moe_to_hf_state_dict
-from fastpar.moe.layer import MoE, moe_aux_loss
+from fastpar.moe.layer import MoE, moe_aux_loss, moe_layers
 from fastpar.moe.overlap import set_transport, transport
 from fastpar.moe.router import Routing, TopKRouter, capacity_for
 
@@ -27,6 +27,7 @@ __all__ = [
     "capacity_for",
     "moe_aux_loss",
     "moe_from_hf",
+    "moe_layers",
     "moe_to_hf_state_dict",
     "set_transport",
     "transport",
