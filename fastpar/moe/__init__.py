@@ -14,9 +14,11 @@ and DeepSeek-V3 MoE blocks into ``MoE`` (same outputs and gradients) and back wi
 
 from __future__ import annotations
 
+from torch import nn
+
 from fastpar.moe.balance import update_expert_bias
 from fastpar.moe.hf import moe_from_hf, moe_to_hf_state_dict
-from fastpar.moe.layer import MoE, moe_aux_loss, moe_layers
+from fastpar.moe.layer import MoE, moe_aux_loss
 from fastpar.moe.overlap import set_transport, transport
 from fastpar.moe.router import Routing, TopKRouter, capacity_for
 
@@ -33,3 +35,9 @@ __all__ = [
     "transport",
     "update_expert_bias",
 ]
+
+
+def moe_layers(module: nn.Module) -> list[MoE]:
+    """The routed-expert layers (``MoE``) among ``module`` and its sub-modules, in
+    ``modules()`` order: what code outside this package asks instead of testing types."""
+    return [m for m in module.modules() if isinstance(m, MoE)]
