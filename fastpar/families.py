@@ -36,6 +36,10 @@ class MoEBlock:
     """The shared expert may be absent (DeepSeek-V3 with ``n_shared_experts=0``)."""
     expert_bias: bool = False
     """The router carries a per-expert score bias (``gate.e_score_correction_bias``)."""
+    hub_experts: tuple[str, tuple[str, str, str]] | None = None
+    """The Hub's per-expert checkpoint layout, which transformers 5 still writes while the
+    model holds the experts fused: (the block's name in a layer, the gate / up / down names:
+    ``{block}.experts.E.{name}.weight``; a block not named "mlp" keeps its router there)."""
 
 
 @dataclass(frozen=True)
@@ -98,13 +102,17 @@ _BERT = {
     "cls.predictions.decoder": "lm_head",
 }
 
-MIXTRAL_BLOCK = MoEBlock("mixtral", ("MixtralSparseMoeBlock",))
-QWEN3_MOE_BLOCK = MoEBlock("qwen3_moe", ("Qwen3MoeSparseMoeBlock",))
+_HUB = ("mlp", ("gate_proj", "up_proj", "down_proj"))
+MIXTRAL_BLOCK = MoEBlock(
+    "mixtral", ("MixtralSparseMoeBlock",), hub_experts=("block_sparse_moe", ("w1", "w3", "w2"))
+)
+QWEN3_MOE_BLOCK = MoEBlock("qwen3_moe", ("Qwen3MoeSparseMoeBlock",), hub_experts=_HUB)
 QWEN2_MOE_BLOCK = MoEBlock(
     "qwen2_moe",
     ("Qwen2MoeSparseMoeBlock",),
     shared="shared_expert",
     shared_gate="shared_expert_gate",
+    hub_experts=_HUB,
 )
 DEEPSEEK_V3_BLOCK = MoEBlock(
     "deepseek_v3",
@@ -112,6 +120,7 @@ DEEPSEEK_V3_BLOCK = MoEBlock(
     shared="shared_experts",
     shared_optional=True,
     expert_bias=True,
+    hub_experts=_HUB,
 )
 _QWEN3 = {**_DECODER, **_QK_NORM}
 

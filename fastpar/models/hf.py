@@ -305,23 +305,27 @@ def mask_token_id(config) -> int:
     return int(value) if isinstance(value, int) else int(config.vocab_size) - 1
 
 
-#: transformers 5 ``save_pretrained`` writes MoE experts in the Hub's per-expert layout
-#: (Mixtral ``block_sparse_moe.experts.E.w1|w3|w2``, Qwen3-MoE ``mlp.experts.E.gate_proj|
-#: up_proj|down_proj``) while the models hold them fused: (pattern, fused name, part)
-_PER_EXPERT = [
-    (re.compile(r"(.*)block_sparse_moe\.experts\.(\d+)\.w1\.weight$"), "mlp.experts.gate_up_proj", 0),
-    (re.compile(r"(.*)block_sparse_moe\.experts\.(\d+)\.w3\.weight$"), "mlp.experts.gate_up_proj", 1),
-    (re.compile(r"(.*)block_sparse_moe\.experts\.(\d+)\.w2\.weight$"), "mlp.experts.down_proj", 0),
-    (re.compile(r"(.*)block_sparse_moe\.gate\.weight$()"), "mlp.gate.weight", 0),
-    (re.compile(r"(.*)mlp\.experts\.(\d+)\.gate_proj\.weight$"), "mlp.experts.gate_up_proj", 0),
-    (re.compile(r"(.*)mlp\.experts\.(\d+)\.up_proj\.weight$"), "mlp.experts.gate_up_proj", 1),
-    (re.compile(r"(.*)mlp\.experts\.(\d+)\.down_proj\.weight$"), "mlp.experts.down_proj", 0),
-]  # fmt: skip
+def _per_expert_patterns() -> list[tuple[re.Pattern, str, int]]:
+    """transformers 5 ``save_pretrained`` writes MoE experts in the Hub's per-expert layout
+    (each block adapter's ``hub_experts``: Mixtral ``block_sparse_moe.experts.E.w1|w3|w2``,
+    Qwen3-MoE ``mlp.experts.E.gate_proj|up_proj|down_proj``) while the models hold them fused:
+    (pattern, fused name, part)."""
+    out = []
+    for block, names in sorted({b.hub_experts for b in families.moe_blocks() if b.hub_experts}):
+        where = re.escape(block)
+        for name, fused, part in zip(
+            names, ("gate_up_proj", "gate_up_proj", "down_proj"), (0, 1, 0), strict=True
+        ):
+            key = rf"(.*){where}\.experts\.(\d+)\.{re.escape(name)}\.weight$"
+            out.append((re.compile(key), f"mlp.experts.{fused}", part))
+        if block != "mlp":  # the router under another block name
+            out.append((re.compile(rf"(.*){where}\.gate\.weight$()"), "mlp.gate.weight", 0))
+    return out
 
 
 def _fused(key: str) -> tuple[str, int, int] | None:
     """(the fused model name, its part, the expert) a per-expert file key goes into, or None."""
-    for pattern, name, part in _PER_EXPERT:
+    for pattern, name, part in _per_expert_patterns():
         m = pattern.match(key)
         if m:
             return m.group(1) + name, part, int(m.group(2) or 0)

@@ -1,8 +1,8 @@
 """Built-in tensor-parallel plans for Hugging Face model families, chosen by the model's class.
 
 ``fastpar.parallelize(model, mesh=mesh)`` with no plan looks the model up in ``fastpar.families``
-by its ``config.model_type`` (so ``LlamaForCausalLM``, ``LlamaModel`` and ``LlamaForSequenceClassification``
-share one plan) and writes the patterns relative to the base model (``model.`` for a causal LM,
+by its ``config.model_type`` (so ``LlamaForCausalLM``, ``LlamaModel`` and
+``LlamaForSequenceClassification`` share one plan) and writes the patterns relative to the base model (``model.`` for a causal LM,
 none for the bare ``LlamaModel``). Entries of a built-in plan may match nothing (a Mixtral has no
 dense MLP; a bare ``BertModel`` has no MLM head); a user's plan may not.
 

@@ -222,7 +222,8 @@ def _check_model(model: nn.Module) -> None:
         raise ValueError(
             f"{name} (model_type {model_type!r}) is not a supported decoder family; supported: "
             f"{list(families.names('masks'))}. Each family's forward must be exactly embed -> "
-            "rotary -> layers -> norm -> lm_head (others, e.g. Gemma's scaled embeddings, would be wrong)"
+            "rotary -> layers -> norm -> lm_head (others, e.g. Gemma's scaled embeddings, would "
+            "be wrong)"
         )
     attn = getattr(config, "_attn_implementation", None)
     if attn not in _ATTENTION:
