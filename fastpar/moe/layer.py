@@ -574,9 +574,3 @@ def moe_aux_loss(model: nn.Module) -> torch.Tensor:
     if not losses:
         return torch.zeros(())
     return torch.stack([upcast(loss) for loss in losses]).sum()
-
-
-def moe_layers(module: nn.Module) -> list[MoE]:
-    """The routed-expert layers (``MoE``) among ``module`` and its sub-modules, in
-    ``modules()`` order: what callers outside this package ask instead of testing types."""
-    return [m for m in module.modules() if isinstance(m, MoE)]
