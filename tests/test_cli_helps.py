@@ -119,12 +119,16 @@ def test_each_command_has_its_own_help(module):
 def _llama_without_plan(tmp_path, monkeypatch):
     """A llama config.json, its family's built-in plan taken away, and that plan as a file."""
     pytest.importorskip("transformers")
+    import dataclasses
+
     from _hf import config as hf_config
 
-    import fastpar.nn.plans as plans
+    from fastpar import families
 
-    template = plans.FAMILIES["llama"]
-    monkeypatch.delitem(plans.FAMILIES, "llama")
+    template = families.get("llama").plan
+    monkeypatch.setitem(
+        families.REGISTRY, "llama", dataclasses.replace(families.get("llama"), plan=None)
+    )
     config = tmp_path / "llama.json"
     config.write_text(json.dumps(hf_config("llama", vocab_size=300).to_dict()))
     plan = {k.format(b="model."): ("column" if v == "lm_head" else v) for k, v in template.items()}

@@ -29,7 +29,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "fastpar"
 
 LAYERS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("switches",), "the FASTPAR_* environment switches and their API"),
-    (("version", "profiling", "debug", "reference", "data", "tolerance", "cliutil"),
+    (("version", "profiling", "debug", "reference", "data", "tolerance", "cliutil", "families"),
      "leaves: torch, numpy, the standard library and the switches"),
     (("mesh",), "rank layout, ParallelMesh, placement (parameter marks, replica groups, ranks)"),
     (("launch",), "the rank launcher (processes, their errors and timeouts)"),

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fastpar import families
 from fastpar.checkpoint.format import CheckpointError
 from fastpar.checkpoint.hf import load_hf
 from fastpar.checkpoint.hf._common import _short
@@ -38,11 +39,13 @@ from fastpar.checkpoint.hf.load import _read_into, _weight_map
 from fastpar.models import hf_documents
 from fastpar.nn import parallelize
 from fastpar.nn.plan import match, parse_style
-from fastpar.nn.plans import FAMILIES, supported
+from fastpar.nn.plans import supported
 from fastpar.parallel.pipeline import hf as pipe
 
-DECODERS = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
-"""Families the pipeline helper splits by layer (``fastpar.parallel.pipeline.hf``)."""
+
+def decoders() -> tuple[str, ...]:
+    """Families the pipeline helper splits by layer (``fastpar.parallel.pipeline.hf``)."""
+    return families.names("masks")
 
 
 def _transformers():
@@ -145,7 +148,8 @@ PLAN_HINT = (
 
 def has_builtin_plan(config) -> bool:
     """Whether ``config``'s family has a built-in tensor-parallel plan (``fastpar.nn.plans``)."""
-    return config.model_type in FAMILIES
+    family = families.find(config.model_type)
+    return family is not None and family.plan is not None
 
 
 def read_plan(path: str) -> dict:
@@ -251,7 +255,7 @@ def hf_blocks(config, mesh, plan: dict | None = None, plan_path: str = "") -> HF
         model = parallelize(model, plan, mesh=mesh, loss_parallel=True)
     vocab = int(config.vocab_size)
     masked = is_masked_lm(config)
-    if config.model_type in DECODERS and not masked:
+    if config.model_type in decoders() and not masked:
         blocks = pipe.hf_decoder_blocks(model)
         blocks[0] = hf_documents.DocumentsHFEmbedding(model, blocks[0].mask_kinds)
         hf_documents.enable(model)  # attention that reads the documents context
@@ -262,7 +266,7 @@ def hf_blocks(config, mesh, plan: dict | None = None, plan_path: str = "") -> HF
     if mesh is not None and mesh.pp_size > 1:
         raise ValueError(
             f"--pp {mesh.pp_size} with a {config.model_type} model: pipeline stages split the "
-            f"decoder families {list(DECODERS)} only; use --pp 1"
+            f"decoder families {list(decoders())} only; use --pp 1"
         )
     if not masked:
         hf_documents.enable(model)
@@ -301,23 +305,27 @@ def mask_token_id(config) -> int:
     return int(value) if isinstance(value, int) else int(config.vocab_size) - 1
 
 
-#: transformers 5 ``save_pretrained`` writes MoE experts in the Hub's per-expert layout
-#: (Mixtral ``block_sparse_moe.experts.E.w1|w3|w2``, Qwen3-MoE ``mlp.experts.E.gate_proj|
-#: up_proj|down_proj``) while the models hold them fused: (pattern, fused name, part)
-_PER_EXPERT = [
-    (re.compile(r"(.*)block_sparse_moe\.experts\.(\d+)\.w1\.weight$"), "mlp.experts.gate_up_proj", 0),
-    (re.compile(r"(.*)block_sparse_moe\.experts\.(\d+)\.w3\.weight$"), "mlp.experts.gate_up_proj", 1),
-    (re.compile(r"(.*)block_sparse_moe\.experts\.(\d+)\.w2\.weight$"), "mlp.experts.down_proj", 0),
-    (re.compile(r"(.*)block_sparse_moe\.gate\.weight$()"), "mlp.gate.weight", 0),
-    (re.compile(r"(.*)mlp\.experts\.(\d+)\.gate_proj\.weight$"), "mlp.experts.gate_up_proj", 0),
-    (re.compile(r"(.*)mlp\.experts\.(\d+)\.up_proj\.weight$"), "mlp.experts.gate_up_proj", 1),
-    (re.compile(r"(.*)mlp\.experts\.(\d+)\.down_proj\.weight$"), "mlp.experts.down_proj", 0),
-]  # fmt: skip
+def _per_expert_patterns() -> list[tuple[re.Pattern, str, int]]:
+    """transformers 5 ``save_pretrained`` writes MoE experts in the Hub's per-expert layout
+    (each block adapter's ``hub_experts``: Mixtral ``block_sparse_moe.experts.E.w1|w3|w2``,
+    Qwen3-MoE ``mlp.experts.E.gate_proj|up_proj|down_proj``) while the models hold them fused:
+    (pattern, fused name, part)."""
+    out = []
+    for block, names in sorted({b.hub_experts for b in families.moe_blocks() if b.hub_experts}):
+        where = re.escape(block)
+        for name, fused, part in zip(
+            names, ("gate_up_proj", "gate_up_proj", "down_proj"), (0, 1, 0), strict=True
+        ):
+            key = rf"(.*){where}\.experts\.(\d+)\.{re.escape(name)}\.weight$"
+            out.append((re.compile(key), f"mlp.experts.{fused}", part))
+        if block != "mlp":  # the router under another block name
+            out.append((re.compile(rf"(.*){where}\.gate\.weight$()"), "mlp.gate.weight", 0))
+    return out
 
 
 def _fused(key: str) -> tuple[str, int, int] | None:
     """(the fused model name, its part, the expert) a per-expert file key goes into, or None."""
-    for pattern, name, part in _PER_EXPERT:
+    for pattern, name, part in _per_expert_patterns():
         m = pattern.match(key)
         if m:
             return m.group(1) + name, part, int(m.group(2) or 0)

@@ -14,6 +14,7 @@ import sys
 
 import torch
 
+from fastpar import families as _families
 from fastpar.models.documents import current
 from fastpar.ops.documents import document_attention
 from fastpar.parallel.pipeline import hf as pipe
@@ -25,10 +26,13 @@ ATTENTION_EAGER = "fastpar_documents_eager"
 _BASES = {ATTENTION: "sdpa", ATTENTION_EAGER: "eager"}
 _NAMES = {base: name for name, base in _BASES.items()}
 
-FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "gpt2")
-"""Causal LM families whose forward takes ``position_ids`` for every position-dependent part
-(rotary embeddings; GPT-2's learned ``wpe``) and whose attention goes through
-``AttentionInterface``."""
+
+def families() -> tuple[str, ...]:
+    """Causal LM families whose forward takes ``position_ids`` for every position-dependent
+    part (rotary embeddings; GPT-2's learned ``wpe``) and whose attention goes through
+    ``AttentionInterface`` (their records' ``documents``, ``fastpar.families``)."""
+    return _families.names("documents")
+
 
 _CP_MESSAGE = "HF models with packed documents under --cp > 1 are not supported"
 _REGISTERED: list = []
@@ -55,12 +59,12 @@ def unsupported(config) -> str | None:
     if family == "bert" or getattr(config, "is_encoder_decoder", False):
         return (
             f"packed documents with a {family} model: it is not a causal LM (its attention is "
-            f"bidirectional); use a causal family ({', '.join(FAMILIES)}) or --pack stream"
+            f"bidirectional); use a causal family ({', '.join(families())}) or --pack stream"
         )
-    if family not in FAMILIES:
+    if family not in families():
         return (
             f"packed documents with a {family} model are not supported: its forward was not "
-            f"checked to take per-document positions; use one of {', '.join(FAMILIES)} or "
+            f"checked to take per-document positions; use one of {', '.join(families())} or "
             "--pack stream"
         )
     layer_types = getattr(config, "layer_types", None)
@@ -91,13 +95,13 @@ def check(config) -> None:
 def enable(model) -> bool:
     """Switch ``model`` to the documents-aware attention (its fallback: the implementation it
     had, "sdpa" or "eager"); returns whether it was switched. A model left as it was (another
-    implementation, a family outside ``FAMILIES``, GPT-2's ``reorder_and_upcast_attn`` eager
+    implementation, a family outside ``families()``, GPT-2's ``reorder_and_upcast_attn`` eager
     path) refuses documents at its forward (``positions``)."""
     config = model.config
     base = getattr(config, "_attn_implementation", None)
     if base in _BASES:
         return True
-    if base not in _NAMES or getattr(config, "model_type", None) not in FAMILIES:
+    if base not in _NAMES or getattr(config, "model_type", None) not in families():
         return False
     if base == "eager" and getattr(config, "reorder_and_upcast_attn", False):
         return False  # GPT-2 takes that path only under the name "eager"

@@ -12,17 +12,10 @@ from collections.abc import Mapping
 
 import torch
 
+from fastpar import families
 from fastpar.models.llama import LlamaConfig
 
 __all__ = ["from_hf", "hf_config", "hf_model_type", "to_hf"]
-
-_ARCH = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-}
 
 
 def hf_model_type(cfg: LlamaConfig) -> str:
@@ -81,7 +74,7 @@ def hf_config(cfg: LlamaConfig, dtype: str = "float32") -> dict:
     """config.json content for ``cfg`` (AutoConfig.for_model(**it) or from_dict reads it)."""
     model_type = hf_model_type(cfg)
     out = {
-        "architectures": [_ARCH[model_type]],
+        "architectures": [families.get(model_type).llama_arch],
         "model_type": model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden,
@@ -242,9 +235,11 @@ def from_hf(
     Llama does not compute (see docs/hf.md) and for missing or unused tensors."""
     c = dict(hf_config_dict)
     model_type = c.get("model_type")
-    if model_type not in _ARCH:
+    family = families.find(model_type)
+    if family is None or family.llama_arch is None:
         raise ValueError(
-            f"from_hf: model_type {model_type!r} is not one of {sorted(_ARCH)} (the families "
+            f"from_hf: model_type {model_type!r} is not one of "
+            f"{list(families.names('llama_arch'))} (the families "
             f"fastpar's Llama maps)"
         )
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}

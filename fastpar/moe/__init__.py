@@ -7,6 +7,8 @@ Face MoE blocks both ways."""
 
 from __future__ import annotations
 
+from torch import nn
+
 from fastpar.moe.balance import update_expert_bias
 from fastpar.moe.config import SCORES, ExpertConfig, RouterConfig
 from fastpar.moe.hf import moe_from_hf, moe_to_hf_state_dict
@@ -24,8 +26,15 @@ __all__ = [
     "capacity_for",
     "moe_aux_loss",
     "moe_from_hf",
+    "moe_layers",
     "moe_to_hf_state_dict",
     "set_transport",
     "transport",
     "update_expert_bias",
 ]
+
+
+def moe_layers(module: nn.Module) -> list[MoE]:
+    """The routed-expert layers (``MoE``) among ``module`` and its sub-modules, in
+    ``modules()`` order: what code outside this package asks instead of testing types."""
+    return [m for m in module.modules() if isinstance(m, MoE)]

@@ -13,17 +13,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fastpar import families
 from fastpar.comm import group_rank
 from fastpar.moe import experts, tp
 from fastpar.moe.layer import MoE
 
-FAMILIES = {
-    "MixtralSparseMoeBlock": "mixtral",
-    "Qwen3MoeSparseMoeBlock": "qwen3_moe",
-    "Qwen2MoeSparseMoeBlock": "qwen2_moe",
-    "DeepseekV3MoE": "deepseek_v3",
-}
-"""HF block class name -> family (subclasses are recognised through their MRO)."""
+
+def block_adapter(block: nn.Module) -> families.MoEBlock | None:
+    """The registered adapter (``fastpar.families``) of an HF MoE block, or None."""
+    return families.moe_block(type(block))
+
+
+def adapter_names() -> list[str]:
+    """The names of the MoE block adapters (the families ``moe_from_hf`` converts)."""
+    return [b.name for b in families.moe_blocks()]
+
 
 OPTIONS = (
     "aux_loss",
@@ -42,11 +46,12 @@ experts' FFN split over the mesh's TP group, ``fastpar.moe.tp``)."""
 def hf_family(block: nn.Module) -> str:
     """The family of an HF MoE block ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3");
     ValueError for any other module."""
-    for cls in type(block).__mro__:
-        if cls.__name__ in FAMILIES:
-            return FAMILIES[cls.__name__]
+    adapter = block_adapter(block)
+    if adapter is not None:
+        return adapter.name
+    classes = sorted(c for b in families.moe_blocks() for c in b.classes)
     raise ValueError(
-        f"moe_from_hf supports the Hugging Face blocks {sorted(FAMILIES)}; got "
+        f"moe_from_hf supports the Hugging Face blocks {classes}; got "
         f"{type(block).__name__}. Other blocks need their own mapping onto fastpar.nn.MoE"
     )
 
@@ -166,15 +171,14 @@ def moe_from_hf(block: nn.Module, *, mesh=None, ep_group=None, **options) -> MoE
     moe.w1.copy_(w1)
     moe.w2.copy_(w2)
     moe.router.weight.copy_(block.gate.weight)
-    if family == "deepseek_v3":
+    if _adapter(family).expert_bias:
         moe.router.expert_bias.copy_(block.gate.e_score_correction_bias)
-    shared = {"qwen2_moe": "shared_expert", "deepseek_v3": "shared_experts"}.get(family)
     if moe.shared is not None:
-        mlp = getattr(block, shared)
+        mlp = getattr(block, _adapter(family).shared)
         moe.shared.w1.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t())
         moe.shared.w2.copy_(mlp.down_proj.weight.t())
     if moe.shared_gate is not None:
-        moe.shared_gate.weight.copy_(block.shared_expert_gate.weight)
+        moe.shared_gate.weight.copy_(getattr(block, _adapter(family).shared_gate).weight)
     moe.hf_family = family
     moe.train(block.training)
     return moe
@@ -193,14 +197,21 @@ def _family_of(moe: MoE) -> str:
     raise ValueError("a layer with an ungated shared expert and no expert bias: pass family=")
 
 
+def _adapter(family: str) -> families.MoEBlock:
+    adapter = next((b for b in families.moe_blocks() if b.name == family), None)
+    if adapter is None:
+        raise ValueError(f"family must be one of {adapter_names()}, got {family!r}")
+    return adapter
+
+
 def _check_layout(moe: MoE, family: str) -> None:
     """The layer holds exactly the parameters the family's block has (nothing dropped)."""
-    want = {  # family: (shared expert, shared gate, expert bias); None: either
-        "mixtral": (False, False, False),
-        "qwen3_moe": (False, False, False),
-        "qwen2_moe": (True, True, False),
-        "deepseek_v3": (None, False, True),
-    }[family]
+    a = _adapter(family)  # (shared expert, shared gate, expert bias); None: either
+    want = (
+        None if a.shared_optional else a.shared is not None,
+        a.shared_gate is not None,
+        a.expert_bias,
+    )
     have = (moe.shared is not None, moe.shared_gate is not None, moe.router.expert_bias is not None)
     for name, w, h in zip(
         ("shared experts", "shared_gate", "expert_bias"), want, have, strict=True
@@ -229,14 +240,13 @@ def moe_to_hf_state_dict(
     moe: MoE, *, family: str | None = None, prefix: str = "", gather: bool = True
 ) -> dict[str, torch.Tensor]:
     """The HF block's state dict (keys with ``prefix``) from ``moe``. ``family``: one of
-    ``FAMILIES``' values (default: the one ``moe_from_hf`` recorded, else inferred from the
+    ``adapter_names()`` (default: the one ``moe_from_hf`` recorded, else inferred from the
     layer: expert bias -> deepseek_v3, gated shared expert -> qwen2_moe, none -> mixtral /
     qwen3_moe names). EP > 1: the experts gathered over the EP group (collective), or this
     rank's slice with ``gather=False``. Experts split over TP (``expert_tp``) are always
     gathered over TP (collective over the TP group)."""
     family = family or _family_of(moe)
-    if family not in FAMILIES.values():
-        raise ValueError(f"family must be one of {sorted(FAMILIES.values())}, got {family!r}")
+    adapter = _adapter(family)
     if not moe.gated or moe.bias:
         raise ValueError(
             "HF MoE blocks have gated experts without biases (expert='swiglu' / 'glu', "
@@ -255,9 +265,9 @@ def moe_to_hf_state_dict(
         "experts.gate_up_proj": gate_up,
         "experts.down_proj": down,
     }
-    if family == "deepseek_v3":
+    if adapter.expert_bias:
         sd["gate.e_score_correction_bias"] = moe.router.expert_bias.detach()
-    shared = {"qwen2_moe": "shared_expert", "deepseek_v3": "shared_experts"}.get(family)
+    shared = adapter.shared
     if shared is not None:
         if moe.shared is not None:
             w1, w2 = moe.shared.w1.detach(), moe.shared.w2.detach()
@@ -268,6 +278,6 @@ def moe_to_hf_state_dict(
         sd[f"{shared}.gate_proj.weight"] = w1[:, :fs].t()
         sd[f"{shared}.up_proj.weight"] = w1[:, fs:].t()
         sd[f"{shared}.down_proj.weight"] = w2.t()
-    if family == "qwen2_moe":
-        sd["shared_expert_gate.weight"] = moe.shared_gate.weight.detach()
+    if adapter.shared_gate is not None:
+        sd[f"{adapter.shared_gate}.weight"] = moe.shared_gate.weight.detach()
     return {prefix + k: v for k, v in sd.items()}

@@ -12,10 +12,8 @@ from torch import nn
 
 from fastpar.mesh.placement import mark_expert, mark_sharded
 from fastpar.moe import experts
-from fastpar.moe.hf import hf_family, moe_from_hf
+from fastpar.moe.hf import block_adapter, hf_family, moe_from_hf
 from fastpar.moe.layer import MoE
-
-SHARED = {"qwen2_moe": ("shared_expert", "shared_expert_gate"), "deepseek_v3": ("shared_experts",)}
 
 
 class _Gate(nn.Module):
@@ -64,11 +62,14 @@ class HFMoEBlock(nn.Module):
     def __init__(self, block: nn.Module, *, mesh=None, expert_tp: bool = True, **options) -> None:
         super().__init__()
         self.family = hf_family(block)
+        adapter = block_adapter(block)
+        self._shared = (adapter.shared, adapter.shared_gate)
         moe = moe_from_hf(block, mesh=mesh, expert_tp=expert_tp, **options)
         self.gate = _Gate(moe)
         self.experts = _Experts(moe)
-        for name in SHARED.get(self.family, ()):  # HF's own modules, shared with the block
-            setattr(self, name, getattr(block, name))
+        for name in self._shared:  # HF's own modules, shared with the block
+            if name is not None:
+                setattr(self, name, getattr(block, name))
         moe.shared = moe.shared_gate = None
         for name in ("w1", "w2"):  # views of the HF-layout parameters, taken per forward
             del moe._parameters[name]
@@ -84,11 +85,12 @@ class HFMoEBlock(nn.Module):
             moe.router._buffers["tokens_per_expert"] = self.gate.tokens_per_expert
         moe.w1, moe.w2 = experts.from_hf(self.experts.gate_up_proj, self.experts.down_proj)
         y = moe(x)
-        if self.family == "qwen2_moe":
-            shared = self.shared_expert(x)
-            y = y + torch.sigmoid(self.shared_expert_gate(x)) * shared
-        elif self.family == "deepseek_v3":
-            y = y + self.shared_experts(x)
+        shared, gate = self._shared
+        if shared is not None:
+            out = getattr(self, shared)(x)
+            if gate is not None:
+                out = torch.sigmoid(getattr(self, gate)(x)) * out
+            y = y + out
         return y
 
     def extra_repr(self) -> str:

@@ -20,27 +20,13 @@ from torch.utils._pytree import tree_flatten
 
 from fastpar.comm import all_reduce_grad, group_size
 from fastpar.mesh.placement import mark_replicated
-from fastpar.moe.hf_block import HFMoEBlock
 from fastpar.nn import plans as _plans
-from fastpar.nn.embedding import VocabParallelEmbedding
 from fastpar.nn.guard import guard_save_pretrained
-from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear, is_conv1d, resolve_group
-from fastpar.nn.plan import (
-    HEAD_ATTRS,
-    WIDTH_ATTRS,
-    is_hf_moe_block,
-    linear_like,
-    match,
-    splits_output,
-    static_checks,
-)
+from fastpar.nn.linear import is_conv1d, resolve_group
+from fastpar.nn.plan import HEAD_ATTRS, WIDTH_ATTRS, match, splits_output, static_checks
 from fastpar.nn.probe import FULL, SPLIT, ProbeFailed, ProbeReport, probe
+from fastpar.nn.styles import STYLES, is_hf_moe_block, linear_like
 
-_LAYERS = {
-    "column": ColumnParallelLinear,
-    "row": RowParallelLinear,
-    "vocab": VocabParallelEmbedding,
-}
 _TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 
@@ -175,12 +161,6 @@ def _unprobed(chosen, modules, attention, watched_owner) -> list[str]:
     return reduced
 
 
-def _experts(block: nn.Module, mesh, tp_group, **kwargs) -> nn.Module:
-    """An HF MoE block -> ``HFMoEBlock`` over the TP group (and the mesh's EP group)."""
-    ep_group = mesh.ep_group if getattr(mesh, "ep_size", 1) > 1 else None
-    return HFMoEBlock(block, tp_group=tp_group, ep_group=ep_group, **kwargs)
-
-
 def _check_router_logits(model: nn.Module) -> None:
     """HF adds its router aux loss from router logits its forward records off its own router
     classes; converted blocks record none, so that loss would silently vanish: refused."""
@@ -199,12 +179,10 @@ def _check_router_logits(model: nn.Module) -> None:
 def _swap(model, modules, chosen, tp_group, mesh=None) -> dict[str, nn.Module]:
     new_modules = {}
     for n, (style, kwargs) in chosen.items():
-        if style not in _LAYERS and style != "experts":
+        swap = STYLES[style].swap
+        if swap is None:
             continue
-        if style == "experts":
-            new = _experts(modules[n], mesh, tp_group, **kwargs)
-        else:
-            new = _LAYERS[style].from_dense(modules[n], group=tp_group, **kwargs)
+        new = swap(modules[n], tp_group, mesh, **kwargs)
         parent_name, _, attr = n.rpartition(".")
         setattr(modules[parent_name] if parent_name else model, attr, new)
         new_modules[n] = new
@@ -338,7 +316,7 @@ def parallelize(
 
     owners = _owners(modules)
     layer_params = {
-        id(p) for n, (s, _) in chosen.items() if s in _LAYERS for p in modules[n].parameters()
+        id(p) for n, (s, _) in chosen.items() if STYLES[s].layer for p in modules[n].parameters()
     }
     watched, watched_owner = {}, {}
     for mod_name, mod in modules.items():
@@ -351,7 +329,7 @@ def parallelize(
         for n in chosen:
             inside = owner == n or owner.startswith(n + ".")
             deeper = len(n) > len(declared_owner.get(name, ""))
-            if chosen[n][0] in ("per_head", "replicate") and inside and deeper:
+            if STYLES[chosen[n][0]].declares and inside and deeper:
                 declared_owner[name] = n
     watched_owner = {name: declared_owner.get(name, owner) for name, owner in watched_owner.items()}
 
@@ -362,7 +340,7 @@ def parallelize(
         styles = {
             n: SPLIT if splits_output(s, kw) else FULL
             for n, (s, kw) in chosen.items()
-            if s in _LAYERS
+            if STYLES[s].layer
         }
         try:
             report, out = probe(model, *inputs, styles, watched)

@@ -9,32 +9,20 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from fastpar.moe.hf import FAMILIES
-from fastpar.nn.linear import is_conv1d
-
-
-def is_hf_moe_block(module: nn.Module) -> bool:
-    """Whether ``module`` is an HF MoE block ``fastpar.moe.moe_from_hf`` converts."""
-    return any(cls.__name__ in FAMILIES for cls in type(module).__mro__)
-
+from fastpar.nn import styles
+from fastpar.nn.styles import linear_like
 
 HEAD_ATTRS = ("num_heads", "n_head", "num_attention_heads", "num_key_value_heads", "n_kv_head")
 WIDTH_ATTRS = ("split_size", "all_head_size")
 """Widths of the split projections that attention modules reshape with (GPT-2, BERT)."""
 CONFIG_HEADS = ("num_attention_heads", "num_key_value_heads", "n_head")
-STYLES = ("column", "row", "vocab", "per_head", "replicate", "experts")
-
-
-def linear_like(m: nn.Module) -> bool:
-    return isinstance(m, nn.Linear) or is_conv1d(m)
 
 
 def parse_style(pattern: str, style) -> tuple[str, dict]:
     name, kwargs = (style, {}) if isinstance(style, str) else style
-    if name not in STYLES:
-        raise ValueError(f"plan[{pattern!r}] = {style!r}: style must be one of {list(STYLES)}")
+    record = styles.get(name, f"plan[{pattern!r}] = {style!r}: ")
     kwargs = dict(kwargs)
-    if name in ("per_head", "replicate") and kwargs:
+    if not record.options and kwargs:
         raise ValueError(f"plan[{pattern!r}]: style {name!r} takes no keyword arguments")
     for bad in ("group", "mesh"):
         if bad in kwargs:
@@ -48,27 +36,8 @@ def parse_style(pattern: str, style) -> tuple[str, dict]:
     return name, kwargs
 
 
-def _check_type(name: str, module: nn.Module, style: str) -> None:
-    if style in ("column", "row") and not linear_like(module):
-        raise TypeError(
-            f"plan style {style!r} needs an nn.Linear or a Hugging Face Conv1D at {name!r}, found "
-            f"{type(module).__name__}; plan its linear sub-modules instead"
-        )
-    if style == "vocab" and type(module) is not nn.Embedding:
-        raise TypeError(
-            f"plan style 'vocab' needs an nn.Embedding at {name!r}, found {type(module).__name__}"
-        )
-    if style == "experts" and not is_hf_moe_block(module):
-        raise TypeError(
-            f"plan style 'experts' needs a Hugging Face MoE block at {name!r} (one of "
-            f"{sorted(FAMILIES)}), found {type(module).__name__}"
-        )
-    if style in ("per_head", "replicate") and not any(True for _ in module.parameters()):
-        raise ValueError(f"plan style {style!r} at {name!r}: the module has no parameters")
-
-
 def splits_output(style: str, kwargs: dict) -> bool:
-    return style == "column" and not kwargs.get("gather_output", False)
+    return styles.get(style).splits_output(kwargs)
 
 
 def match(model: nn.Module, plan: Mapping[str, object], strict: bool) -> dict[str, tuple]:
@@ -111,7 +80,7 @@ def _head_counts(module: nn.Module, model: nn.Module) -> dict[str, int]:
 def static_checks(model, modules, chosen, world, heads) -> list[str]:
     """Types, siblings and head counts. Returns the names of the attention-like parents."""
     for n, (style, _) in chosen.items():
-        _check_type(n, modules[n], style)
+        styles.get(style).check(n, modules[n], style)
     split_parents = sorted(
         {n.rpartition(".")[0] for n, (s, kw) in chosen.items() if splits_output(s, kw)}
     )

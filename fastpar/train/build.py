@@ -22,7 +22,7 @@ from fastpar.mesh import ParallelMesh
 from fastpar.models import build_model, lm_loss, untie_for_pipeline
 from fastpar.models.common import IGNORE_INDEX
 from fastpar.models.documents import Documents, documents, valid_targets
-from fastpar.moe import MoE, TopKRouter, update_expert_bias
+from fastpar.moe import MoE, TopKRouter, moe_layers, update_expert_bias
 from fastpar.optim import FusedAdamW, MixedPrecisionOptimizer
 from fastpar.parallel import DataParallel, Replicate, Shard
 from fastpar.parallel.pipeline import (
@@ -246,7 +246,7 @@ def build(
     groups = param_groups(stage, cfg.weight_decay)
     model, opt = _optimizer(cfg, stage, groups, mesh, scaler, block_types, exact)
     no_sync = None if mesh is None else model.no_sync
-    moes = [m for m in stage.modules() if isinstance(m, MoE)]
+    moes = moe_layers(stage)
     aux_scale = None
     if mesh is None:  # no engine: the layers read this weight (updated in place, never reassigned)
         aux_dtype = torch.float64 if exact else torch.float32

@@ -9,7 +9,7 @@ import functools
 import torch
 from torch import nn
 
-from fastpar.moe import MoE
+from fastpar.moe import MoE, moe_layers
 from fastpar.moe.layer import current_aux_loss_scale
 
 
@@ -42,7 +42,7 @@ def compile_blocks(stage: nn.Module, **options) -> list[nn.Module]:
         if getattr(block, "_fastpar_compiled", False):
             continue
         compiled = torch.compile(block.forward, **options)
-        moes = [m for m in block.modules() if isinstance(m, MoE)]
+        moes = moe_layers(block)
         block.forward = _with_aux_scale(compiled, moes) if moes else compiled
         block._fastpar_compiled = True
         done.append(block)

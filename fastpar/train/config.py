@@ -167,7 +167,7 @@ class TrainConfig(TrainOptions):
 
     def _check_hf(self, defaults: TrainConfig) -> None:
         """--hf-config: the model is the config's; fastpar-model flags do not apply."""
-        from fastpar.models.hf import DECODERS, is_masked_lm, load_config
+        from fastpar.models.hf import decoders, is_masked_lm, load_config
 
         own = (
             "model_type",
@@ -224,10 +224,10 @@ class TrainConfig(TrainOptions):
                     f"--tp {self.tp} does not divide the config's {key}={heads}: use a TP size "
                     f"that divides it"
                 )
-        if self.pp > 1 and (config.model_type not in DECODERS or is_masked_lm(config)):
+        if self.pp > 1 and (config.model_type not in decoders() or is_masked_lm(config)):
             raise ValueError(
                 f"--pp {self.pp} with a {config.model_type} model: pipeline stages split the "
-                f"decoder families {list(DECODERS)}; use --pp 1"
+                f"decoder families {list(decoders())}; use --pp 1"
             )
         layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0)
         if self.pp > layers + 2:

@@ -62,14 +62,12 @@ def param_counts(module: torch.nn.Module, mesh, device: torch.device) -> dict[st
     """Parameters of the whole model, each counted once across the layout (one all-reduce):
     ``total``; ``embedding`` (of embedding tables); ``experts`` (of fastpar MoE layers' experts,
     the router and shared experts left out)."""
-    from fastpar.moe import MoE
+    from fastpar.moe import moe_layers
 
-    embedding, experts = set(), set()
-    for m in module.modules():
-        if _is_embedding(m):
-            embedding.update(id(p) for p in m.parameters())
-        elif isinstance(m, MoE):  # routed experts only: not the router, not shared experts
-            experts.update(id(p) for p in m.parameters() if is_expert(p))
+    embedding = {id(p) for m in module.modules() if _is_embedding(m) for p in m.parameters()}
+    experts = {  # routed experts only: not the router, not shared experts
+        id(p) for m in moe_layers(module) for p in m.parameters() if is_expert(p)
+    }
     counts = [0.0, 0.0, 0.0]
     for p in module.parameters():
         if counts_on_this_rank(p, mesh=mesh):

@@ -37,23 +37,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fastpar import families
 from fastpar.mesh.placement import mark_replicated, mark_sharded, mark_tied_copy, param_layout
 from fastpar.parallel.pipeline.engine import tie_across_stages
 from fastpar.parallel.protocols import DataParallel
 
-# model_type -> which masks its model forward builds: "causal" (one causal mask for every layer),
-# "sliding_window" (one mask for every layer: sliding if config.sliding_window is set), or
-# "layer_types" (a mask per kind in config.layer_types). Each family's forward was read to be
-# exactly: embed -> rotary -> layers -> norm -> lm_head; a family that does more (Gemma scales
-# its embeddings, say) would be silently wrong, so only these are accepted.
-_FAMILIES = {
-    "llama": "causal",
-    "mistral": "sliding_window",
-    "mixtral": "sliding_window",
-    "qwen3_moe": "sliding_window",
-    "qwen2": "layer_types",
-    "qwen3": "layer_types",
-}
+# each family's record (fastpar.families) says which masks its model forward builds (its
+# ``masks``): "causal" (one causal mask for every layer), "sliding_window" (one mask for every
+# layer: sliding if config.sliding_window is set), or "layer_types" (a mask per kind in
+# config.layer_types). Each family's forward was read to be exactly: embed -> rotary -> layers
+# -> norm -> lm_head; a family that does more (Gemma scales its embeddings, say) would be
+# silently wrong, so only the families with a ``masks`` rule are accepted.
 _ATTENTION = ("eager", "sdpa")
 _MASK_KINDS = ("full_attention", "sliding_attention")
 _NEEDS = ("config", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb",
@@ -193,7 +187,7 @@ def _split_inputs(inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def _mask_plan(config, num_layers: int) -> tuple[list[str], list[int]]:
     """The mask kinds the model's forward builds, and each layer's slot among them."""
-    rule = _FAMILIES[config.model_type]
+    rule = families.get(config.model_type).masks
     if rule == "causal":
         return ["full_attention"], [0] * num_layers
     if rule == "sliding_window":
@@ -223,11 +217,13 @@ def _check_model(model: nn.Module) -> None:
             obj = getattr(obj, part)
     config = model.config
     model_type = getattr(config, "model_type", None)
-    if model_type not in _FAMILIES:
+    family = families.find(model_type)
+    if family is None or family.masks is None:
         raise ValueError(
             f"{name} (model_type {model_type!r}) is not a supported decoder family; supported: "
-            f"{sorted(_FAMILIES)}. Each family's forward must be exactly embed -> rotary -> "
-            "layers -> norm -> lm_head (others, e.g. Gemma's scaled embeddings, would be wrong)"
+            f"{list(families.names('masks'))}. Each family's forward must be exactly embed -> "
+            "rotary -> layers -> norm -> lm_head (others, e.g. Gemma's scaled embeddings, would "
+            "be wrong)"
         )
     attn = getattr(config, "_attn_implementation", None)
     if attn not in _ATTENTION:

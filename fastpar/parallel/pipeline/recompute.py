@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fastpar.moe import MoE
+from fastpar.moe import MoE, moe_layers
 
 ATTENTION_NAMES = ("attn", "self_attn")
 MLP_NAMES = ("mlp", "block_sparse_moe", "feed_forward")
@@ -81,7 +81,7 @@ def checkpoint_module(module: nn.Module) -> nn.Module:
             "torch.compile (fastpar.train compiles after building)"
         )
     inner = module.forward
-    moes = [m for m in module.modules() if isinstance(m, MoE)]
+    moes = moe_layers(module)
     kw = {"context_fn": lambda: (contextlib.nullcontext(), _keep_moe_state(moes))} if moes else {}
 
     @functools.wraps(inner)

@@ -1,0 +1,116 @@
+"""Tensor-parallel styles: one record per style a plan names (what module it takes, whether it
+takes options, what it swaps the module for, whether its output is split), looked up by name
+in one place (``get``; an unknown name is an error naming the known ones)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from fastpar import families
+from fastpar.moe.hf import block_adapter
+from fastpar.moe.hf_block import HFMoEBlock
+from fastpar.nn.embedding import VocabParallelEmbedding
+from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear, is_conv1d
+
+
+def linear_like(m: nn.Module) -> bool:
+    return isinstance(m, nn.Linear) or is_conv1d(m)
+
+
+def is_hf_moe_block(module: nn.Module) -> bool:
+    """Whether ``module`` is an HF MoE block ``fastpar.moe.moe_from_hf`` converts."""
+    return block_adapter(module) is not None
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _needs_linear(name: str, module: nn.Module, style: str) -> None:
+    if not linear_like(module):
+        raise TypeError(
+            f"plan style {style!r} needs an nn.Linear or a Hugging Face Conv1D at {name!r}, found "
+            f"{type(module).__name__}; plan its linear sub-modules instead"
+        )
+
+
+def _needs_embedding(name: str, module: nn.Module, style: str) -> None:
+    if type(module) is not nn.Embedding:
+        raise TypeError(
+            f"plan style {style!r} needs an nn.Embedding at {name!r}, found {type(module).__name__}"
+        )
+
+
+def _needs_moe_block(name: str, module: nn.Module, style: str) -> None:
+    if not is_hf_moe_block(module):
+        classes = sorted(c for b in families.moe_blocks() for c in b.classes)
+        raise TypeError(
+            f"plan style {style!r} needs a Hugging Face MoE block at {name!r} (one of "
+            f"{classes}), found {type(module).__name__}"
+        )
+
+
+def _needs_params(name: str, module: nn.Module, style: str) -> None:
+    if not _has_params(module):
+        raise ValueError(f"plan style {style!r} at {name!r}: the module has no parameters")
+
+
+def _from_dense(layer: type) -> Callable[..., nn.Module]:
+    def swap(module: nn.Module, tp_group, mesh, **options) -> nn.Module:
+        return layer.from_dense(module, group=tp_group, **options)
+
+    return swap
+
+
+def _experts(block: nn.Module, tp_group, mesh, **options) -> nn.Module:
+    """An HF MoE block -> ``HFMoEBlock`` over the TP group (and the mesh's EP group)."""
+    ep_group = mesh.ep_group if getattr(mesh, "ep_size", 1) > 1 else None
+    return HFMoEBlock(block, tp_group=tp_group, ep_group=ep_group, **options)
+
+
+@dataclass(frozen=True)
+class Style:
+    """One tensor-parallel style."""
+
+    name: str
+    """Its name in a plan."""
+    check: Callable[[str, nn.Module, str], None]
+    """(module name, module, style name): raises if the module does not fit the style."""
+    options: bool = True
+    """Whether it takes keyword options (``(name, {...})`` in a plan)."""
+    swap: Callable[..., nn.Module] | None = None
+    """(module, tp_group, mesh, **options) -> the module put in its place; None: it stays."""
+    layer: bool = False
+    """Swapped for a fastpar TP layer that owns its parameters' sharding: the probe watches
+    its output, not its parameters."""
+    declares: bool = False
+    """Declares how the module's own parameters are treated (they stay in place)."""
+
+    def splits_output(self, options: dict) -> bool:
+        """Whether the output is split over TP (a column split not gathered)."""
+        return self.name == "column" and not options.get("gather_output", False)
+
+
+_STYLES = (
+    Style("column", _needs_linear, swap=_from_dense(ColumnParallelLinear), layer=True),
+    Style("row", _needs_linear, swap=_from_dense(RowParallelLinear), layer=True),
+    Style("vocab", _needs_embedding, swap=_from_dense(VocabParallelEmbedding), layer=True),
+    Style("per_head", _needs_params, options=False, declares=True),
+    Style("replicate", _needs_params, options=False, declares=True),
+    Style("experts", _needs_moe_block, swap=_experts),
+)
+STYLES: dict[str, Style] = {s.name: s for s in _STYLES}
+"""name -> style, in the order the docs list them."""
+
+
+def get(name: str, where: str = "") -> Style:
+    """The style called ``name``; ValueError naming the known ones (``where``: the plan entry,
+    for the message)."""
+    style = STYLES.get(name) if isinstance(name, str) else None
+    if style is None:
+        where = where or f"{name!r}: "
+        raise ValueError(f"{where}style must be one of {list(STYLES)}")
+    return style
