@@ -4,6 +4,8 @@ accepted by every place that reads the registry and computing what it should."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import ClassVar
@@ -21,15 +23,20 @@ from test_parallel_pipeline import (
     loss_fn,
 )
 
+from fastpar import families, parallelize
 from fastpar.export import hf_mapping
-from fastpar.models import llama_hf
+from fastpar.models import hf_documents, llama_hf
 from fastpar.moe import SCORES, MoE
 from fastpar.moe.balance import balance_scores
 from fastpar.moe.config import Score
+from fastpar.nn import RowParallelLinear, styles
+from fastpar.nn.plans import builtin_plan
+from fastpar.nn.styles import Style
 from fastpar.parallel.pipeline import PipelineEngine, build_stage
 from fastpar.parallel.pipeline.__main__ import main as pipeline_main
+from fastpar.parallel.pipeline.hf import hf_decoder_blocks
 from fastpar.parallel.pipeline.schedules import SCHEDULES, Schedule, make_schedule
-from fastpar.testing import run_ranks
+from fastpar.testing import check_parallel, run_ranks
 from fastpar.train import TrainConfig, build_parser, config_from, memory
 
 ONE_RANK = dict(tp=1, pp=1, dp=1, ep=1, steps=1, batch_size=4, microbatches=1, quiet=True)
@@ -180,3 +187,99 @@ def test_new_schedule(monkeypatch, capsys):
     # a real pipelined step on 2 ranks: the unpipelined model's loss and gradients (judged by
     # the tolerance rule, fastpar.tolerance), as 1F1B's are in the same run
     run_ranks(_schedule_step, 2, (name, "1f1b"), m, dense_references())
+
+
+# -- a new Hugging Face family: its Family record (a known architecture under a new model_type) --
+NEW_FAMILY = "my_qwen3"
+_TINY_DECODER = dict(
+    vocab_size=101,  # odd: the vocabulary shards are padded at TP 2
+    hidden_size=32,
+    intermediate_size=40,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=8,
+    max_position_embeddings=64,
+    attention_dropout=0.0,
+)
+
+
+@functools.cache
+def _new_config_class():
+    """Qwen3's config class under a new model_type (what a fork of Qwen3 would ship)."""
+    import transformers
+
+    return type("MyQwen3Config", (transformers.Qwen3Config,), {"model_type": NEW_FAMILY})
+
+
+def _new_family_model():
+    import transformers
+
+    cfg = _new_config_class()(**_TINY_DECODER)
+    cfg._attn_implementation = "eager"
+    return transformers.Qwen3ForCausalLM(cfg)
+
+
+def test_new_hf_family(monkeypatch):
+    pytest.importorskip("transformers")
+    model = _new_family_model()
+    with pytest.raises(ValueError, match="no built-in plan"):  # not registered yet
+        parallelize(model)
+    # the recipe's step 1: a record, here Qwen3's under the new name; no Llama conversion
+    record = dataclasses.replace(families.get("qwen3"), model_type=NEW_FAMILY, llama_arch=None)
+    monkeypatch.setitem(families.REGISTRY, NEW_FAMILY, record)
+
+    # the pipeline helper splits it by layer (its layer_types masks): the same logits
+    ids = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(5))
+    seq = torch.nn.Sequential(*hf_decoder_blocks(model))
+    assert len(seq) == 2 + 2 and torch.equal(seq(ids), model(ids, use_cache=False).logits)
+    assert hf_documents.unsupported(model.config) is None  # packed documents take it
+    with pytest.raises(ValueError, match="is not one of"):  # llama_arch=None: not converted
+        llama_hf.from_hf(model.state_dict(), model.config.to_dict())
+
+    # planned by parallelize with its built-in plan and trained at TP 2: logits, loss, every
+    # gradient on every rank and the weights after 2 AdamW steps are the single-process
+    # model's under the tolerance rule (fastpar.tolerance); q_norm / k_norm found per head
+    report = check_parallel(_new_family_model, tp=2, dp=1, zero=0, steps=2, rows=2, seq=8)
+    assert report.ok, report.text
+    assert sorted(report.grad_reduced) == sorted(
+        f"model.layers.{i}.self_attn.{n}.weight" for i in range(2) for n in ("q_norm", "k_norm")
+    )
+
+
+# -- a new tensor-parallel style: its Style record in STYLES ------------------------------------
+def _row_whole_input(module, tp_group, mesh, **options):
+    return RowParallelLinear.from_dense(module, group=tp_group, input_is_parallel=False, **options)
+
+
+WHOLE_INPUT_ROW = Style(
+    "row_whole_input", styles.get("row").check, swap=_row_whole_input, layer=True
+)
+"""A linear fed a whole activation, split by its input features: each rank takes its slice of
+the input, the partial products are all-reduced (its output is whole)."""
+
+
+def _llama_model():
+    import transformers
+
+    cfg = transformers.LlamaConfig(**_TINY_DECODER)
+    cfg._attn_implementation = "eager"
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def test_new_tp_style(monkeypatch):
+    pytest.importorskip("transformers")
+    name = WHOLE_INPUT_ROW.name
+    with pytest.raises(ValueError, match=r"style must be one of \['column', .*'experts'\]"):
+        parallelize(_llama_model(), {"lm_head": name})  # not registered yet
+    monkeypatch.setitem(styles.STYLES, name, WHOLE_INPUT_ROW)
+
+    # the LM head split by its hidden features instead of the vocabulary: at TP 2 the same
+    # logits, loss, gradients and trained weights as the single-process model
+    plan = {**builtin_plan(_llama_model()), "lm_head": name}
+    report = check_parallel(_llama_model, plan, tp=2, dp=1, zero=0, steps=2, rows=2, seq=8)
+    assert report.ok, report.text
+
+    # an unregistered name is refused, naming the known ones (the new one among them)
+    with pytest.raises(ValueError, match=r"style must be one of .*'row_whole_input'\]"):
+        parallelize(_llama_model(), {"lm_head": "row_whole_inputs"})
