@@ -1,6 +1,7 @@
-"""The recipes of docs/contributing.md, done: a new router score and a new pipeline schedule,
-each added by the recipe's steps only (an entry in its registry, here monkeypatched), then
-accepted by every place that reads the registry and computing what it should."""
+"""The recipes of docs/contributing.md, done: a new router score, a new Hugging Face family, a
+new tensor-parallel style and a new pipeline schedule, each added by the recipe's steps only
+(an entry in its registry, here monkeypatched), then accepted by every place that reads the
+registry and computing what it should."""
 
 from __future__ import annotations
 
