@@ -243,10 +243,11 @@ def _moe_options(c: Mapping, model_type: str) -> dict:
 def from_hf(
     hf_state: Mapping[str, torch.Tensor], hf_config_dict: Mapping
 ) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    """HF LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / Qwen3MoeForCausalLM /
-    MixtralForCausalLM weights and config.json content -> (LlamaConfig, state under fastpar global names; the head's ``{L+1}.weight``
-    is the embedding itself when tied, as in ``state_dict()``). Raises for what fastpar's
-    Llama does not compute (see docs/hf.md) and for missing or unused tensors."""
+    """The weights and config.json content of a family with ``llama_arch`` (LlamaForCausalLM,
+    Qwen2ForCausalLM, ...) -> (LlamaConfig, state under fastpar global names; the head's
+    ``{L+1}.weight`` is the embedding itself when tied, as in ``state_dict()``). Its record's
+    ``qk_norm`` / ``qkv_bias`` say the attention. Raises for what fastpar's Llama does not
+    compute (see docs/hf.md) and for missing or unused tensors."""
     c = dict(hf_config_dict)
     model_type = c.get("model_type")
     family = families.find(model_type)

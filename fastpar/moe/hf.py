@@ -268,9 +268,9 @@ def moe_to_hf_state_dict(
     """The HF block's state dict (keys with ``prefix``) from ``moe``. ``family``: one of
     ``adapter_names()`` (default: the one ``moe_from_hf`` recorded, else the first by name whose
     block has the layer's parameters: expert bias -> deepseek_v3, gated shared expert ->
-    qwen2_moe, none -> mixtral / qwen3_moe names). EP > 1: the experts gathered over the EP group (collective), or this
-    rank's slice with ``gather=False``. Experts split over TP (``expert_tp``) are always
-    gathered over TP (collective over the TP group)."""
+    qwen2_moe, none -> mixtral / qwen3_moe names). EP > 1: the experts gathered over the EP
+    group (collective), or this rank's slice with ``gather=False``. Experts split over TP
+    (``expert_tp``) are always gathered over TP (collective over the TP group)."""
     family = family or _family_of(moe)
     adapter = _adapter(family)
     if not moe.gated or moe.bias:
