@@ -36,6 +36,22 @@ class MoEBlock:
     """The shared expert may be absent (DeepSeek-V3 with ``n_shared_experts=0``)."""
     expert_bias: bool = False
     """The router carries a per-expert score bias (``gate.e_score_correction_bias``)."""
+    score: str = "softmax"
+    """The router's score function (``fastpar.moe`` ``score``): "softmax" or "sigmoid"."""
+    normalize_topk: bool | None = None
+    """Whether the top-k routing weights are renormalised; None: the gate's ``norm_topk_prob``
+    says (its config's ``norm_topk_prob``)."""
+    groups: bool = False
+    """The router keeps the top-k within the best groups of experts: ``gate.num_group`` /
+    ``gate.topk_group`` (config ``n_group`` / ``topk_group``), a group scored by its top-2."""
+    scaling: bool = False
+    """The routing weights are scaled by ``gate.routed_scaling_factor``."""
+    jitter: bool = False
+    """The block may hold a router jitter noise (``block.jitter_noise``, config
+    ``router_jitter_noise``), which is refused unless 0."""
+    router_dtype: bool = False
+    """The block keeps its router weight in its own dtype (exported as the router holds it,
+    not in the experts' dtype)."""
     hub_experts: tuple[str, tuple[str, str, str]] | None = None
     """The Hub's per-expert checkpoint layout, which transformers 5 still writes while the
     model holds the experts fused: (the block's name in a layer, the gate / up / down names:
@@ -60,6 +76,10 @@ class Family:
     """The HF architecture fastpar's Llama converts to and from (``fastpar.models.llama_hf``)."""
     moe: MoEBlock | None = None
     """Its MoE block, if it has one."""
+    qk_norm: bool = False
+    """The attention has a per-head RMSNorm on q and k (``self_attn.q_norm`` / ``k_norm``)."""
+    qkv_bias: bool = False
+    """The q / k / v projections always carry a bias and o_proj none (no ``attention_bias``)."""
 
 
 _DECODER = {
@@ -104,7 +124,11 @@ _BERT = {
 
 _HUB = ("mlp", ("gate_proj", "up_proj", "down_proj"))
 MIXTRAL_BLOCK = MoEBlock(
-    "mixtral", ("MixtralSparseMoeBlock",), hub_experts=("block_sparse_moe", ("w1", "w3", "w2"))
+    "mixtral",
+    ("MixtralSparseMoeBlock",),
+    normalize_topk=True,
+    jitter=True,
+    hub_experts=("block_sparse_moe", ("w1", "w3", "w2")),
 )
 QWEN3_MOE_BLOCK = MoEBlock("qwen3_moe", ("Qwen3MoeSparseMoeBlock",), hub_experts=_HUB)
 QWEN2_MOE_BLOCK = MoEBlock(
@@ -120,6 +144,10 @@ DEEPSEEK_V3_BLOCK = MoEBlock(
     shared="shared_experts",
     shared_optional=True,
     expert_bias=True,
+    score="sigmoid",
+    groups=True,
+    scaling=True,
+    router_dtype=True,
     hub_experts=_HUB,
 )
 _QWEN3 = {**_DECODER, **_QK_NORM}
@@ -129,8 +157,8 @@ REGISTRY: dict[str, Family] = {
     for f in (
         Family("llama", _DECODER, "causal", True, "LlamaForCausalLM"),
         Family("mistral", _DECODER, "sliding_window", True),
-        Family("qwen2", _DECODER, "layer_types", True, "Qwen2ForCausalLM"),
-        Family("qwen3", _QWEN3, "layer_types", True, "Qwen3ForCausalLM"),
+        Family("qwen2", _DECODER, "layer_types", True, "Qwen2ForCausalLM", qkv_bias=True),
+        Family("qwen3", _QWEN3, "layer_types", True, "Qwen3ForCausalLM", qk_norm=True),
         Family(
             "mixtral",
             {**_DECODER, **_EXPERTS},
@@ -154,6 +182,7 @@ REGISTRY: dict[str, Family] = {
             True,
             "Qwen3MoeForCausalLM",
             QWEN3_MOE_BLOCK,
+            qk_norm=True,
         ),
         Family("deepseek_v3", moe=DEEPSEEK_V3_BLOCK),
         Family("gpt2", _GPT2, documents=True),

@@ -196,3 +196,79 @@ def test_style_records():
         column.check("x", torch.nn.Embedding(3, 2), "column")
     with pytest.raises(TypeError, match=r"needs an nn\.Embedding"):
         styles.get("vocab").check("x", torch.nn.Linear(3, 2), "vocab")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_a_family_record_says_its_attention_to_the_llama_conversion(family, monkeypatch):
+    """A new model_type with Qwen2's / Qwen3's record converts with q/k/v biases / q-k norms;
+    the same model under a record that says neither leaves those tensors without a name."""
+    import transformers
+
+    record = families.get(family)
+    assert (record.qkv_bias, record.qk_norm) == (family == "qwen2", family == "qwen3")
+    cfg = config(family, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = getattr(transformers, record.llama_arch)(cfg).float()
+    hf_state = dict(model.state_dict())
+    for name, rec in ((FAKE, record), ("fake_plain", families.get("llama"))):
+        monkeypatch.setitem(families.REGISTRY, name, dataclasses.replace(rec, model_type=name))
+    c = {**model.config.to_dict(), "model_type": FAKE}
+    ours, state = llama_hf.from_hf(hf_state, c)
+    assert (ours.attention_bias, ours.qk_norm) == (record.qkv_bias, record.qk_norm)
+    back = llama_hf.to_hf(state, ours)
+    assert back.keys() == hf_state.keys()
+    assert all(torch.equal(back[k], hf_state[k]) for k in hf_state)
+    with pytest.raises(ValueError, match="have no fastpar name"):
+        llama_hf.from_hf(hf_state, {**c, "model_type": "fake_plain", "attention_bias": False})
+    monkeypatch.delitem(families.REGISTRY, family)  # the dense family with these attentions
+    assert llama_hf.hf_model_type(ours) == FAKE
+
+
+def _deepseek_block(cls_name: str):
+    """A DeepSeek-V3 MoE block (sigmoid, groups, scaling, shared experts, nonzero score bias)
+    of a subclass named ``cls_name``, random weights."""
+    transformers = pytest.importorskip("transformers")
+    ds = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
+    cfg = transformers.DeepseekV3Config(
+        hidden_size=8,
+        hidden_act="silu",
+        moe_intermediate_size=6,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    )
+    block = type(cls_name, (ds.DeepseekV3MoE,), {})(cfg)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+        block.gate.e_score_correction_bias.copy_(torch.randn(8, generator=gen))
+    return block.eval()
+
+
+def test_a_moe_block_record_says_its_routing(monkeypatch):
+    """A new block class registered with DeepSeek-V3's record converts to the layer computing
+    what the block computes (and exports back to its state dict); the same block under a record
+    with Mixtral's routing facts is converted to another function."""
+    from fastpar.moe.hf import moe_from_hf, moe_to_hf_state_dict
+
+    block = _deepseek_block("ToyRoutedMoE")
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1))
+    want = block(x)
+    record = dataclasses.replace(families.DEEPSEEK_V3_BLOCK, name="toy", classes=("ToyRoutedMoE",))
+    monkeypatch.setitem(families.REGISTRY, "toy", families.Family("toy", moe=record))
+    moe = moe_from_hf(block).eval()
+    assert moe.hf_family == "toy"
+    torch.testing.assert_close(moe(x), want, rtol=1e-5, atol=1e-6)
+    sd = moe_to_hf_state_dict(moe)
+    assert sd.keys() == block.state_dict().keys()
+    assert all(torch.equal(sd[k], v) for k, v in block.state_dict().items())
+    plain = dataclasses.replace(record, score="softmax", groups=False, scaling=False)
+    monkeypatch.setitem(families.REGISTRY, "toy", families.Family("toy", moe=plain))
+    other = moe_from_hf(block).eval()
+    assert (other.router.score, other.router.num_groups) == ("softmax", None)
+    assert not torch.allclose(other(x), want, rtol=1e-3, atol=1e-3)

@@ -36,6 +36,7 @@ from fastpar.checkpoint.format import CheckpointError
 from fastpar.checkpoint.hf import load_hf
 from fastpar.checkpoint.hf._common import _short
 from fastpar.checkpoint.hf.load import _read_into, _weight_map
+from fastpar.cliutil import read_table
 from fastpar.models import hf_documents
 from fastpar.nn import parallelize
 from fastpar.nn.plan import match, parse_style
@@ -155,27 +156,10 @@ def has_builtin_plan(config) -> bool:
 def read_plan(path: str) -> dict:
     """The plan of a ``--plan`` file (.toml or .json): a table of pattern -> style, or a table
     with a ``plan`` table in it. ValueError naming the file and the fix."""
-    kind = "toml" if path.endswith(".toml") else "json" if path.endswith(".json") else None
-    if kind is None:
-        raise ValueError(f"--plan {path}: name a .toml or a .json file")
-    try:
-        if kind == "json":
-            with open(path) as f:
-                raw = json.load(f)
-        else:
-            try:
-                import tomllib
-            except ImportError:  # Python 3.10
-                import tomli as tomllib  # type: ignore[no-redef]
-            with open(path, "rb") as f:
-                raw = tomllib.load(f)
-    except OSError as exc:
-        raise ValueError(f"--plan {path}: cannot read it ({exc.strerror or exc})") from exc
-    except ValueError as exc:  # JSONDecodeError, TOMLDecodeError
-        raise ValueError(f"--plan {path}: not valid {kind.upper()} ({exc})") from exc
-    if isinstance(raw, dict) and isinstance(raw.get("plan"), dict):
+    raw = read_table(path, "--plan", "module pattern -> style")
+    if isinstance(raw.get("plan"), dict):
         raw = raw["plan"]
-    if not isinstance(raw, dict) or not raw:
+    if not raw:
         raise ValueError(f"--plan {path}: the file must hold a table of module pattern -> style")
     plan = {}
     for pattern, style in raw.items():
@@ -260,9 +244,13 @@ def hf_blocks(config, mesh, plan: dict | None = None, plan_path: str = "") -> HF
         blocks[0] = hf_documents.DocumentsHFEmbedding(model, blocks[0].mask_kinds)
         hf_documents.enable(model)  # attention that reads the documents context
         return HFParts(
-            blocks, (type(blocks[1]),), vocab, masked,
-            lambda stage: dict(pipe.hf_named_parameters(stage)), pipe.hf_tie_across_stages,
-        )  # fmt: skip
+            blocks,
+            (type(blocks[1]),),
+            vocab,
+            masked,
+            names=lambda stage: dict(pipe.hf_named_parameters(stage)),
+            tie=pipe.hf_tie_across_stages,
+        )
     if mesh is not None and mesh.pp_size > 1:
         raise ValueError(
             f"--pp {mesh.pp_size} with a {config.model_type} model: pipeline stages split the "
@@ -273,10 +261,14 @@ def hf_blocks(config, mesh, plan: dict | None = None, plan_path: str = "") -> HF
     layers = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
     units = (type(max(layers, key=len)[0]),) if layers else ()
     return HFParts(
-        [WholeModel(model)], units, vocab, masked,
-        lambda stage: dict(next(iter(stage)).model.named_parameters()), lambda blocks, mesh: None,
-        mask_token_id(config),
-    )  # fmt: skip
+        [WholeModel(model)],
+        units,
+        vocab,
+        masked,
+        names=lambda stage: dict(next(iter(stage)).model.named_parameters()),
+        tie=lambda blocks, mesh: None,
+        mask_id=mask_token_id(config),
+    )
 
 
 def check_documents(config) -> None:
@@ -346,10 +338,9 @@ def _per_expert(name: str, wmap: dict[str, str]) -> torch.Tensor | None:
         return None
     if name.endswith("mlp.gate.weight"):
         return parts[0, 0]
-    experts = sorted({e for e, _ in parts})
     # gate_up_proj [E, 2F, H]: gate rows, then up; down_proj [E, H, F]
-    return torch.stack([torch.cat([parts[e, k] for k in sorted({k for x, k in parts if x == e})])
-                        for e in experts])  # fmt: skip
+    rows = {e: sorted(k for x, k in parts if x == e) for e in sorted({e for e, _ in parts})}
+    return torch.stack([torch.cat([parts[e, k] for k in ks]) for e, ks in rows.items()])
 
 
 def load_pretrained(parts: HFParts, stage: nn.Module, directory: str):

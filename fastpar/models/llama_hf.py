@@ -27,7 +27,7 @@ def hf_model_type(cfg: LlamaConfig) -> str:
             "o_proj too, Qwen2 (q/k/v bias) has no q/k norm; drop one of the two"
         )
     if not cfg.moe_every:
-        return "qwen3" if cfg.qk_norm else "qwen2" if cfg.attention_bias else "llama"
+        return _dense_family(cfg)
     routing = {
         "router_score": (getattr(cfg, "router_score", "softmax"), "softmax"),
         "routed_scaling_factor": (getattr(cfg, "routed_scaling_factor", None), None),
@@ -70,11 +70,25 @@ def hf_model_type(cfg: LlamaConfig) -> str:
     return "mixtral"
 
 
+def _dense_family(cfg: LlamaConfig) -> str:
+    """The first dense family fastpar's Llama converts to whose attention (``Family.qk_norm``,
+    ``Family.qkv_bias``) is ``cfg``'s."""
+    want = (bool(cfg.qk_norm), bool(cfg.attention_bias))
+    for name in families.names("llama_arch"):
+        family = families.get(name)
+        if family.moe is None and (family.qk_norm, family.qkv_bias) == want:
+            return name
+    raise ValueError(
+        f"no registered family with llama_arch has qk_norm={want[0]}, attention_bias={want[1]}"
+    )
+
+
 def hf_config(cfg: LlamaConfig, dtype: str = "float32") -> dict:
     """config.json content for ``cfg`` (AutoConfig.for_model(**it) or from_dict reads it)."""
     model_type = hf_model_type(cfg)
+    family = families.get(model_type)
     out = {
-        "architectures": [families.get(model_type).llama_arch],
+        "architectures": [family.llama_arch],
         "model_type": model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden,
@@ -105,7 +119,7 @@ def hf_config(cfg: LlamaConfig, dtype: str = "float32") -> dict:
         )
     else:
         out.update(use_sliding_window=False, sliding_window=None)
-        if model_type != "qwen2":
+        if not family.qkv_bias:
             out["attention_bias"] = False
         if model_type == "qwen3_moe":
             out.update(
@@ -229,10 +243,11 @@ def _moe_options(c: Mapping, model_type: str) -> dict:
 def from_hf(
     hf_state: Mapping[str, torch.Tensor], hf_config_dict: Mapping
 ) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    """HF LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / Qwen3MoeForCausalLM /
-    MixtralForCausalLM weights and config.json content -> (LlamaConfig, state under fastpar global names; the head's ``{L+1}.weight``
-    is the embedding itself when tied, as in ``state_dict()``). Raises for what fastpar's
-    Llama does not compute (see docs/hf.md) and for missing or unused tensors."""
+    """The weights and config.json content of a family with ``llama_arch`` (LlamaForCausalLM,
+    Qwen2ForCausalLM, ...) -> (LlamaConfig, state under fastpar global names; the head's
+    ``{L+1}.weight`` is the embedding itself when tied, as in ``state_dict()``). Its record's
+    ``qk_norm`` / ``qkv_bias`` say the attention. Raises for what fastpar's Llama does not
+    compute (see docs/hf.md) and for missing or unused tensors."""
     c = dict(hf_config_dict)
     model_type = c.get("model_type")
     family = families.find(model_type)
@@ -252,7 +267,7 @@ def from_hf(
     _refuse(c, "hidden_act", lambda v: v in (None, "silu"), "the MLP is SwiGLU with SiLU")
     _refuse(c, "mlp_bias", lambda v: not v, "fastpar's Llama MLP has no bias")
     _refuse(c, "use_sliding_window", lambda v: not v, "attention is full (causal) only")
-    if model_type != "qwen2":
+    if not family.qkv_bias:
         _refuse(c, "attention_bias", lambda v: not v, "fastpar has no o_proj bias")
     heads = c["num_attention_heads"]
     moe = _moe_options(c, model_type)
@@ -267,8 +282,8 @@ def from_hf(
         ffn=c["intermediate_size"],
         rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
         norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
-        attention_bias=model_type == "qwen2",
+        qk_norm=family.qk_norm,
+        attention_bias=family.qkv_bias,
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         **moe,
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from fastpar import families
 from fastpar.comm import group_rank
@@ -90,7 +91,9 @@ def _mlp_width(mlp: nn.Module, act: str, where: str) -> int:
 
 
 def _settings(block: nn.Module, family: str) -> dict:
-    """MoE constructor arguments of ``block`` (validated: refuses what MoE cannot compute)."""
+    """MoE constructor arguments of ``block`` (validated: refuses what MoE cannot compute), as
+    its adapter's record (``fastpar.families.MoEBlock``) says the HF block routes."""
+    adapter = _adapter(family)
     gate, ex = block.gate, block.experts
     _only_params(ex, {"gate_up_proj", "down_proj"}, f"{family} experts")
     _only_params(gate, {"weight"}, f"{family} gate")
@@ -102,47 +105,59 @@ def _settings(block: nn.Module, family: str) -> dict:
         )
     act = _activation(ex.act_fn, f"{family} experts")
     kw = dict(
-        hidden_size=h, ffn_hidden_size=f2 // 2, num_experts=e, top_k=int(gate.top_k),
-        expert="glu", activation=act, bias=False, capacity_factor=None, min_capacity=None,
+        hidden_size=h,
+        ffn_hidden_size=f2 // 2,
+        num_experts=e,
+        top_k=int(gate.top_k),
+        expert="glu",
+        activation=act,
+        bias=False,
+        capacity_factor=None,
+        min_capacity=None,
         aux_loss=None,
-    )  # fmt: skip
-    if family == "mixtral":
-        jitter = getattr(block, "jitter_noise", 0.0) or 0.0
-        if jitter > 0:
-            raise ValueError(
-                f"Mixtral router_jitter_noise={jitter} is not supported: HF multiplies the "
-                "experts' input (in place) by the noise too, fastpar's jitter= only the router's; "
-                "set router_jitter_noise=0"
-            )
-        kw["normalize_topk"] = True
-    elif family in ("qwen3_moe", "qwen2_moe"):
-        kw["normalize_topk"] = bool(gate.norm_topk_prob)
-    if family == "qwen2_moe":
-        kw["shared_ffn_hidden_size"] = _mlp_width(
-            block.shared_expert, act, "qwen2_moe shared_expert"
+    )
+    jitter = (getattr(block, "jitter_noise", 0.0) or 0.0) if adapter.jitter else 0.0
+    if jitter > 0:
+        raise ValueError(
+            f"{family} router_jitter_noise={jitter} is not supported: HF multiplies the "
+            "experts' input (in place) by the noise too, fastpar's jitter= only the router's; "
+            "set router_jitter_noise=0"
         )
-        _only_params(block.shared_expert_gate, {"weight"}, "qwen2_moe shared_expert_gate")
+    if adapter.score != "softmax":
+        kw["score"] = adapter.score
+    if adapter.expert_bias:
+        kw["expert_bias"] = True
+    if adapter.groups:
+        kw.update(_groups(gate, e, family))
+    normalize = adapter.normalize_topk
+    kw["normalize_topk"] = bool(gate.norm_topk_prob) if normalize is None else normalize
+    if adapter.scaling:
+        kw["scaling_factor"] = float(gate.routed_scaling_factor)
+    if adapter.shared is not None:
+        name = adapter.shared
+        width = _mlp_width(getattr(block, name), act, f"{family} {name}")
+        kw["shared_ffn_hidden_size"] = (width or None) if adapter.shared_optional else width
+    if adapter.shared_gate is not None:
+        name = adapter.shared_gate
+        _only_params(getattr(block, name), {"weight"}, f"{family} {name}")
         kw["shared_gate"] = True
-    if family == "deepseek_v3":
-        if gate.num_group is None or gate.topk_group is None:
-            raise ValueError(
-                f"DeepSeek-V3 n_group={gate.num_group}, topk_group={gate.topk_group}: HF's router "
-                "needs both (set n_group=1, topk_group=1 for no group limit)"
-            )
-        groups, topk_group = int(gate.num_group), int(gate.topk_group)
-        if e % groups or e // groups < 2:
-            raise ValueError(
-                f"DeepSeek-V3 n_group={groups} must split the {e} experts into equal groups of at "
-                f"least 2 (HF scores a group by its top-2 experts)"
-            )
-        width = _mlp_width(block.shared_experts, act, "deepseek_v3 shared_experts")
-        kw.update(
-            score="sigmoid", expert_bias=True, num_groups=groups, group_topk=topk_group,
-            group_score_topk=2, normalize_topk=bool(gate.norm_topk_prob),
-            scaling_factor=float(gate.routed_scaling_factor),
-            shared_ffn_hidden_size=width or None,
-        )  # fmt: skip
     return kw
+
+
+def _groups(gate: nn.Module, experts: int, family: str) -> dict:
+    """The group-limited top-k of an HF router (``gate.num_group`` / ``gate.topk_group``)."""
+    if gate.num_group is None or gate.topk_group is None:
+        raise ValueError(
+            f"{family} n_group={gate.num_group}, topk_group={gate.topk_group}: HF's router "
+            "needs both (set n_group=1, topk_group=1 for no group limit)"
+        )
+    groups, topk_group = int(gate.num_group), int(gate.topk_group)
+    if experts % groups or experts // groups < 2:
+        raise ValueError(
+            f"{family} n_group={groups} must split the {experts} experts into equal groups of "
+            f"at least 2 (HF scores a group by its top-2 experts)"
+        )
+    return dict(num_groups=groups, group_topk=topk_group, group_score_topk=2)
 
 
 @torch.no_grad()
@@ -185,16 +200,19 @@ def moe_from_hf(block: nn.Module, *, mesh=None, ep_group=None, **options) -> MoE
 
 
 def _family_of(moe: MoE) -> str:
+    """The family ``moe_from_hf`` recorded, else the first adapter (by name) whose block holds
+    exactly the layer's parameters (``_check_layout``)."""
     family = getattr(moe, "hf_family", None)
     if family is not None:
         return family
-    if moe.router.expert_bias is not None:
-        return "deepseek_v3"
-    if moe.shared_gate is not None:
-        return "qwen2_moe"
-    if moe.shared is None:
-        return "mixtral"
-    raise ValueError("a layer with an ungated shared expert and no expert bias: pass family=")
+    have = _layout(moe)
+    for adapter in families.moe_blocks():
+        if all(w is None or w == h for w, h in zip(_wanted(adapter), have, strict=True)):
+            return adapter.name
+    raise ValueError(
+        "no registered HF MoE block holds this layer's parameters (shared expert "
+        f"{have[0]}, shared gate {have[1]}, expert bias {have[2]}): pass family="
+    )
 
 
 def _adapter(family: str) -> families.MoEBlock:
@@ -204,15 +222,23 @@ def _adapter(family: str) -> families.MoEBlock:
     return adapter
 
 
-def _check_layout(moe: MoE, family: str) -> None:
-    """The layer holds exactly the parameters the family's block has (nothing dropped)."""
-    a = _adapter(family)  # (shared expert, shared gate, expert bias); None: either
-    want = (
+def _wanted(a: families.MoEBlock) -> tuple[bool | None, bool, bool]:
+    """(shared expert, shared gate, expert bias) of the adapter's block; None: either."""
+    return (
         None if a.shared_optional else a.shared is not None,
         a.shared_gate is not None,
         a.expert_bias,
     )
-    have = (moe.shared is not None, moe.shared_gate is not None, moe.router.expert_bias is not None)
+
+
+def _layout(moe: MoE) -> tuple[bool, bool, bool]:
+    """(shared expert, shared gate, expert bias) of the layer."""
+    return (moe.shared is not None, moe.shared_gate is not None, moe.router.expert_bias is not None)
+
+
+def _check_layout(moe: MoE, family: str) -> None:
+    """The layer holds exactly the parameters the family's block has (nothing dropped)."""
+    want, have = _wanted(_adapter(family)), _layout(moe)
     for name, w, h in zip(
         ("shared experts", "shared_gate", "expert_bias"), want, have, strict=True
     ):
@@ -226,7 +252,7 @@ def _check_layout(moe: MoE, family: str) -> None:
 def _gather(w: torch.Tensor, group, world: int, dim: int = 0, fused: int = 1) -> torch.Tensor:
     """Concatenate ``w`` over ``group`` along ``dim`` (collective); ``fused`` blocks (gate |
     up) are gathered block by block, as ``fastpar.moe.tp.shard_ffn`` split them."""
-    group = group.get_group() if hasattr(group, "get_group") else group
+    group = group.get_group() if isinstance(group, DeviceMesh) else group  # a 1-D mesh: its group
     local = w.movedim(dim, 0).contiguous()
     out = local.new_empty((world * local.shape[0], *local.shape[1:]))
     dist.all_gather_into_tensor(out, local, group=group)
@@ -240,11 +266,11 @@ def moe_to_hf_state_dict(
     moe: MoE, *, family: str | None = None, prefix: str = "", gather: bool = True
 ) -> dict[str, torch.Tensor]:
     """The HF block's state dict (keys with ``prefix``) from ``moe``. ``family``: one of
-    ``adapter_names()`` (default: the one ``moe_from_hf`` recorded, else inferred from the
-    layer: expert bias -> deepseek_v3, gated shared expert -> qwen2_moe, none -> mixtral /
-    qwen3_moe names). EP > 1: the experts gathered over the EP group (collective), or this
-    rank's slice with ``gather=False``. Experts split over TP (``expert_tp``) are always
-    gathered over TP (collective over the TP group)."""
+    ``adapter_names()`` (default: the one ``moe_from_hf`` recorded, else the first by name whose
+    block has the layer's parameters: expert bias -> deepseek_v3, gated shared expert ->
+    qwen2_moe, none -> mixtral / qwen3_moe names). EP > 1: the experts gathered over the EP
+    group (collective), or this rank's slice with ``gather=False``. Experts split over TP
+    (``expert_tp``) are always gathered over TP (collective over the TP group)."""
     family = family or _family_of(moe)
     adapter = _adapter(family)
     if not moe.gated or moe.bias:
@@ -261,7 +287,7 @@ def moe_to_hf_state_dict(
         gate_up, down = _gather(gate_up, moe.ep_group, moe.ep), _gather(down, moe.ep_group, moe.ep)
     router = moe.router.weight.detach()
     sd = {
-        "gate.weight": router if family == "deepseek_v3" else router.to(moe.w1.dtype),
+        "gate.weight": router if adapter.router_dtype else router.to(moe.w1.dtype),
         "experts.gate_up_proj": gate_up,
         "experts.down_proj": down,
     }

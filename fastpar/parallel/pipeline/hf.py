@@ -50,8 +50,14 @@ from fastpar.parallel.protocols import DataParallel
 # silently wrong, so only the families with a ``masks`` rule are accepted.
 _ATTENTION = ("eager", "sdpa")
 _MASK_KINDS = ("full_attention", "sliding_attention")
-_NEEDS = ("config", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb",
-          "lm_head")  # fmt: skip
+_NEEDS = (
+    "config",
+    "model.embed_tokens",
+    "model.layers",
+    "model.norm",
+    "model.rotary_emb",
+    "lm_head",
+)
 
 
 def _mount(block: nn.Module, path: str, module: nn.Module) -> None:
