@@ -9,6 +9,7 @@ import argparse
 import difflib
 import inspect
 import json
+import math
 import sys
 from collections.abc import Iterable
 from dataclasses import MISSING, Field, dataclass, field, fields
@@ -21,6 +22,16 @@ def nearest_flag(arg: str, options: list[str]) -> str | None:
         name, [o for o in options if o.startswith("--")], n=1, cutoff=0.6
     )
     return near[0] if near else None
+
+
+def check_positive_or_none(label: str, value, shown: str, example: str, absent: str) -> None:
+    """ValueError unless ``value`` is None or a positive finite number: "``label`` ``shown``
+    must be a positive finite number (e.g. ``example``), or left out ``absent``"."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"{label} {shown} must be a positive finite number (e.g. {example}), or left out "
+            f"{absent}"
+        )
 
 
 def read_table(path: str, flag: str, holds: str = "settings") -> dict:

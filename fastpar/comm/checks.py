@@ -26,10 +26,10 @@ from fastpar.profiling import nvtx
 SLOTS = 64  # int64 elements each rank sends: the same for every call, so a call never aborts
 MAX_DIMS = 8  # dimensions of a shape kept apart; more are folded into the last
 DIGEST_BITS = 48
-_DTYPES = (
+WIRE_DTYPES = (  # a dtype's code on the wire (here and in pipeline messages) is its index
     torch.float32,
-    torch.bfloat16,
     torch.float16,
+    torch.bfloat16,
     torch.float64,
     torch.int64,
     torch.int32,
@@ -56,7 +56,9 @@ def _encode(value: Field) -> list[int] | None:
     if isinstance(value, torch.Tensor):
         return None
     if isinstance(value, torch.dtype):
-        return [_DTYPES.index(value) if value in _DTYPES else zlib.crc32(str(value).encode())]
+        return [
+            WIRE_DTYPES.index(value) if value in WIRE_DTYPES else zlib.crc32(str(value).encode())
+        ]
     if isinstance(value, bool | int):
         return [int(value)]
     if isinstance(value, float):
@@ -81,7 +83,7 @@ def _decode(mine: Field, slots: list[int]) -> str:
         return f"digest {slots[0]:#014x}"
     if isinstance(mine, torch.dtype):
         code = slots[0]
-        return str(_DTYPES[code]) if 0 <= code < len(_DTYPES) else f"dtype #{code}"
+        return str(WIRE_DTYPES[code]) if 0 <= code < len(WIRE_DTYPES) else f"dtype #{code}"
     if isinstance(mine, float):
         return repr(struct.unpack("<d", struct.pack("<q", slots[0]))[0])
     if isinstance(mine, str):

@@ -412,25 +412,14 @@ def lm_loss(
     targets = cp_split(targets, cp_group).reshape(-1)
     summed = reduction == "sum"
     reduction = "mean" if cp_group is None and not summed else "sum"
+    options = dict(group=tp_group_of(mesh), vocab_size=cfg.vocab_size, reduction=reduction)
     if weight is not None:  # the head's region op already sums d hidden over TP
         loss = vocab_parallel_linear_cross_entropy(
-            logits,
-            weight,
-            targets,
-            group=tp_group_of(mesh),
-            vocab_size=cfg.vocab_size,
-            reduce_hidden_grad=False,
-            recompute=recompute,
-            reduction=reduction,
+            logits, weight, targets, reduce_hidden_grad=False, recompute=recompute, **options
         )
     else:
         loss = vocab_parallel_cross_entropy(
-            logits,
-            targets,
-            group=tp_group_of(mesh),
-            vocab_size=cfg.vocab_size,
-            inplace_backward=inplace_backward,
-            reduction=reduction,
+            logits, targets, inplace_backward=inplace_backward, **options
         )
     if cp_group is None or summed:
         return loss

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastpar.cliutil import flat_fields
+from fastpar.cliutil import check_positive_or_none, flat_fields
 from fastpar.comm import group_size
 from fastpar.models.activations import Activations, activations
 from fastpar.models.common import (
@@ -215,11 +215,7 @@ def check_routing(cfg) -> None:
     if cfg.aux_loss is not None and cfg.aux_loss not in AUX_LOSS_WORDS:
         raise ValueError(f"{_named('aux_loss')} {cfg.aux_loss!r} must be one of {AUX_LOSS_WORDS}")
     sf = cfg.routed_scaling_factor
-    if sf is not None and not (math.isfinite(sf) and sf > 0):
-        raise ValueError(
-            f"{_named('routed_scaling_factor')} {sf} must be a positive finite number (e.g. 2.5), "
-            f"or left out (1)"
-        )
+    check_positive_or_none(_named("routed_scaling_factor"), sf, f"{sf}", "2.5", "(1)")
     for name in ("bias_update_rate", "aux_loss_coef", "z_loss_coef"):
         value, low = getattr(cfg, name), "> 0" if name == "bias_update_rate" else ">= 0"
         if not math.isfinite(value) or value < 0 or (value == 0 and low == "> 0"):

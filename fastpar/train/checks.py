@@ -9,6 +9,8 @@ import dataclasses
 import math
 import os
 
+from fastpar.cliutil import check_positive_or_none
+
 #: --lr-schedule: what comes after the warm-up
 LR_SCHEDULES = {
     "cosine": "cosine decay from --lr to --min-lr over the remaining steps",
@@ -113,11 +115,7 @@ def check_ranges(cfg) -> None:
     if not math.isfinite(cfg.rope_theta):
         raise ValueError(f"--rope-theta {cfg.rope_theta} must be a finite number (e.g. 10000)")
     cf = cfg.capacity_factor
-    if cf is not None and not (math.isfinite(cf) and cf > 0):
-        raise ValueError(
-            f"--capacity-factor {_number(cf)} must be a positive finite number (e.g. 1.25), or "
-            f"left out for dropless routing"
-        )
+    check_positive_or_none("--capacity-factor", cf, _number(cf), "1.25", "for dropless routing")
     if cfg.moe_every and cfg.top_k > cfg.experts:
         raise ValueError(
             f"--top-k {cfg.top_k} exceeds --experts {cfg.experts}: each token picks top_k "

@@ -45,6 +45,11 @@ DESCRIPTION = (
 )
 
 
+def _first_changed(cfg, defaults, names) -> str | None:
+    """The first of ``names`` whose value in ``cfg`` is not the one in ``defaults`` (or None)."""
+    return next((n for n in names if getattr(cfg, n) != getattr(defaults, n)), None)
+
+
 @dataclass
 class TrainConfig(TrainOptions):
     """Everything a run needs (the CLI's flags: the fields of ``TrainOptions``, each with its
@@ -144,9 +149,9 @@ class TrainConfig(TrainOptions):
                 "attention_bias",
                 "moe_ffn",
             )
-            for name in llama_only:
-                if getattr(self, name) != getattr(defaults, name):
-                    raise ValueError(f"{flag(name)} is a Llama option: add --model llama")
+            name = _first_changed(self, defaults, llama_only)
+            if name is not None:
+                raise ValueError(f"{flag(name)} is a Llama option: add --model llama")
         elif self.norm != "rmsnorm":
             raise ValueError(f"--norm {self.norm} is a GPT option: the Llama uses RMSNorm")
         if self.data_dtype is not None and self.data_dtype not in BIN_DTYPES:
@@ -180,11 +185,11 @@ class TrainConfig(TrainOptions):
             "untied",
             *ROUTING_DEFAULTS,
         )
-        for name in own:
-            if getattr(self, name) != getattr(defaults, name):
-                raise ValueError(
-                    f"{flag(name)} does not apply with --hf-config (the config sets the model)"
-                )
+        name = _first_changed(self, defaults, own)
+        if name is not None:
+            raise ValueError(
+                f"{flag(name)} does not apply with --hf-config (the config sets the model)"
+            )
         if self.ep > 1:
             raise ValueError(
                 f"--ep {self.ep} with --hf-config: a Hugging Face MoE block stays replicated over "

@@ -11,20 +11,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fastpar.comm.checks import WIRE_DTYPES as _DTYPES
 from fastpar.profiling import nvtx
 
-_DTYPES = [
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-]
 _MAX_DIMS = 8
 _HEADER = 2 + _MAX_DIMS  # one tensor: [ndim, dtype, shape...]; a tuple: [-1, slots, 0...]
 _SLOT = 3 + _MAX_DIMS  # one slot of a tuple: [ndim (-1: None), dtype, requires_grad, shape...]
@@ -48,7 +37,7 @@ class _Slots:
 def _check(t: torch.Tensor) -> None:
     if t.dim() > _MAX_DIMS or t.dtype not in _DTYPES:
         raise ValueError(
-            f"pipeline messages support up to {_MAX_DIMS} dims and dtypes {_DTYPES}, got "
+            f"pipeline messages support up to {_MAX_DIMS} dims and dtypes {list(_DTYPES)}, got "
             f"{tuple(t.shape)} {t.dtype}"
         )
 
@@ -111,6 +100,14 @@ class P2P:
             )
         return []
 
+    def _timed(self, seconds: str, fn, *args):
+        """``fn(*args)``, its host time added to the counter ``seconds`` (even if it raises)."""
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            setattr(self, seconds, getattr(self, seconds) + time.perf_counter() - t0)
+
     def _post(self, ops: list, peer: int, data: list[torch.Tensor]) -> None:
         self.bytes_sent += sum(t.numel() * t.element_size() for t in data)
         if ops:
@@ -121,11 +118,7 @@ class P2P:
         """Post the transfer of ``msg`` to ``peer`` (not waited for). For a tuple,
         ``requires_grad`` (one bool per slot) overrides the slots' own flags, e.g. for an
         output computed under ``torch.no_grad`` whose recomputation will require grad."""
-        t0 = time.perf_counter()
-        try:
-            self._send(msg, peer, requires_grad, tag)
-        finally:
-            self.send_s += time.perf_counter() - t0
+        self._timed("send_s", self._send, msg, peer, requires_grad, tag)
 
     def _send(self, msg: Message, peer: int, requires_grad, tag: int) -> None:
         if isinstance(msg, torch.Tensor):
@@ -220,11 +213,7 @@ class P2P:
         waited for), when its shapes are known and early receives are on for ``device``;
         the matching ``recv`` then waits for it. Returns whether it was posted (if not,
         ``recv`` posts it itself; post nothing later on this channel before that ``recv``)."""
-        t0 = time.perf_counter()
-        try:
-            return self._post_recv(peer, device, tag)
-        finally:
-            self.send_s += time.perf_counter() - t0
+        return self._timed("send_s", self._post_recv, peer, device, tag)
 
     def _post_recv(self, peer: int, device: torch.device, tag: int) -> bool:
         key = (peer, tag)
@@ -244,11 +233,7 @@ class P2P:
     def recv(self, peer: int, device: torch.device, *, tag: int = 0) -> Message:
         """Receive the next message from ``peer`` on channel ``tag`` (waits for it): a tensor,
         or a tuple whose slots that were sent requiring grad are leaves that require grad."""
-        t0 = time.perf_counter()
-        try:
-            return self._recv(peer, device, tag)
-        finally:
-            self.recv_s += time.perf_counter() - t0
+        return self._timed("recv_s", self._recv, peer, device, tag)
 
     def _recv(self, peer: int, device: torch.device, tag: int) -> Message:
         key = (peer, tag)
