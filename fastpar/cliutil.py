@@ -11,7 +11,7 @@ import inspect
 import json
 import math
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import MISSING, Field, dataclass, field, fields
 
 
@@ -133,8 +133,9 @@ OPTION = "fastpar.option"
 class Option:
     """A dataclass field's command-line flag, kept in the field's metadata (``option``)."""
 
-    help: str
-    """The flag's --help text ("(default X)" is added where the default is not None)."""
+    help: str | Callable[[], str]
+    """The flag's --help text ("(default X)" is added where the default is not None); a
+    callable is called when asked (``text``), so a registry it lists counts what is added later."""
     group: str | None = None
     """The --help section the flag is listed under (None: the parser's own options)."""
     metavar: str | None = None
@@ -149,11 +150,15 @@ class Option:
     """The flag's default is None, not the field's: left out, the value follows other flags
     (resolved when the config is made from the flags)."""
 
+    def text(self) -> str:
+        """The help text (``help``, called if it is a callable)."""
+        return self.help() if callable(self.help) else self.help
+
 
 def option(
     default=MISSING,
     group: str | None = None,
-    help: str = "",
+    help: str | Callable[[], str] = "",
     *,
     metavar: str | None = None,
     words=(),

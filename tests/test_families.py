@@ -10,6 +10,8 @@ block the "experts" style takes. Unknown families and styles are errors naming t
 from __future__ import annotations
 
 import dataclasses
+import pathlib
+import re
 
 import pytest
 import torch
@@ -25,6 +27,7 @@ from fastpar.nn.plans import builtin_plan
 from fastpar.nn.styles import is_hf_moe_block
 from fastpar.parallel.pipeline.hf import hf_decoder_blocks
 from fastpar.testing import run_ranks
+from fastpar.train.cli import build_parser
 
 PLANNED = {
     "llama",
@@ -272,3 +275,63 @@ def test_a_moe_block_record_says_its_routing(monkeypatch):
     other = moe_from_hf(block).eval()
     assert (other.router.score, other.router.num_groups) == ("softmax", None)
     assert not torch.allclose(other(x), want, rtol=1e-3, atol=1e-3)
+
+
+def _copies(monkeypatch) -> dict[str, str]:
+    """Every style registered again under a new name, its record otherwise the same."""
+    new = {name: f"{name}_b" for name in STYLES}
+    for name, copy in new.items():
+        monkeypatch.setitem(styles.STYLES, copy, dataclasses.replace(styles.get(name), name=copy))
+    return new
+
+
+def test_a_style_behaves_by_its_record_not_its_name(monkeypatch):
+    new = _copies(monkeypatch)
+    family = families.get("qwen3_moe")
+    plan = {k: new.get(v, v) for k, v in family.plan.items()}
+    monkeypatch.setitem(families.REGISTRY, "qwen3_moe", dataclasses.replace(family, plan=plan))
+    record = parallelize(build("qwen3_moe")).fastpar_plan
+    # the experts copy converts the MoE block and, in a built-in plan, skips the dense MLP
+    # (mlp_only_layers=[1]); the column copy's split output reaches the per_head copy
+    assert record.styles["model.layers.0.mlp"] == "experts_b"
+    assert "model.layers.1.mlp" not in record.styles
+    assert record.styles["model.layers.1.mlp.down_proj"] == "row_b"
+    assert len(record.grad_reduced) == 4 and record.found_by_probe == []
+    with pytest.raises(ValueError, match=r"config\.output_router_logits=True makes"):
+        parallelize(build("qwen3_moe", output_router_logits=True))
+    with pytest.raises(TypeError, match="plan style 'experts_b' needs a Hugging Face MoE block"):
+        parallelize(build("qwen3_moe"), {"model.layers.*.mlp": "experts_b"})  # a caller's plan
+
+    qwen3 = {
+        k: new[v] if isinstance(v, str) else (new[v[0]], v[1])
+        for k, v in builtin_plan(build("qwen3")).items()
+    }
+    wrong = {**qwen3, "model.layers.*.self_attn.q_norm": "replicate_b"}
+    with pytest.raises(ValueError, match=r"q_norm' 'replicate_b' but its parameter .* 'per_head'"):
+        parallelize(build("qwen3"), wrong)
+    wrong = {**qwen3, "model.layers.*.input_layernorm": "per_head_b"}
+    with pytest.raises(ValueError, match="layernorm' 'per_head_b' but it never sees a split"):
+        parallelize(build("qwen3"), wrong)
+    assert len(parallelize(build("qwen3"), qwen3, check=False).fastpar_plan.grad_reduced) == 4
+    kept = {k: "replicate_b" if v == "per_head_b" else v for k, v in qwen3.items()}
+    assert parallelize(build("qwen3"), kept, check=False).fastpar_plan.grad_reduced == []
+    del kept["model.layers.*.self_attn.q_norm"]
+    with pytest.raises(ValueError, match=r"q_norm.weight' sits inside .* as 'per_head'"):
+        parallelize(build("qwen3"), kept, check=False)
+
+
+def _plan_help() -> str:
+    return next(a.help for a in build_parser()._actions if "--plan" in a.option_strings)
+
+
+def test_the_docs_hint_and_help_list_every_style(monkeypatch):
+    text = (pathlib.Path(__file__).parent.parent / "docs" / "hf.md").read_text()
+    listed = re.search(r"pattern → style \(((?:`\w+`,\s*)+)or `\[style", text)
+    assert re.findall(r"`(\w+)`", listed.group(1)) == list(styles.STYLES)
+    bullet = re.search(r"\*\*Styles\*\*:(.*?)\n- ", text, re.S).group(1)
+    assert list(dict.fromkeys(re.findall(r'`"(\w+)"`', bullet))) == list(styles.STYLES)
+    assert styles.listing() == ", ".join(STYLES)
+    assert f"style ({styles.listing()}; or [style" in models_hf.plan_hint()
+    assert f"style ({styles.listing()}; or [style" in _plan_help()
+    _copies(monkeypatch)  # the help is made with the parser: a style registered since is listed
+    assert f"({', '.join(STYLES)}, column_b, row_b, " in _plan_help()

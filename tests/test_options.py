@@ -164,7 +164,7 @@ def test_every_field_has_help_and_a_group():
     for f in fields(TrainConfig):
         opt = option_of(f)
         assert opt is not None, f.name
-        assert opt.help.strip() and opt.group in GROUPS, f.name
+        assert opt.text().strip() and opt.group in GROUPS, f.name
 
 
 def test_the_flags_are_the_fields():
@@ -180,7 +180,7 @@ def test_the_flags_are_the_fields():
     assert set(ROUTING_DEFAULTS) == {f[2:].replace("-", "_") for f in ROUTING_FLAGS}
     for f in fields(TrainConfig):  # each flag's help is its field's, in its field's section
         opt, action = option_of(f), _flags(ap)[flag(f.name)]
-        assert action.help.startswith(opt.help.replace("%", "%%")), f.name
+        assert action.help.startswith(opt.text().replace("%", "%%")), f.name
         assert flag(f.name) in _section(ap, opt.group), f.name
 
 

@@ -41,6 +41,7 @@ from fastpar.models import hf_documents
 from fastpar.nn import parallelize
 from fastpar.nn.plan import match, parse_style
 from fastpar.nn.plans import supported
+from fastpar.nn.styles import listing
 from fastpar.parallel.pipeline import hf as pipe
 
 
@@ -141,10 +142,12 @@ class HFParts:
     mask_id: int = -1
 
 
-PLAN_HINT = (
-    "pass --plan FILE: a TOML or JSON table of module-name pattern -> style (column, row, "
-    "vocab, per_head, replicate, experts; or [style, {options}]), as fastpar.parallelize takes"
-)
+def plan_hint() -> str:
+    """What a refusal for a missing plan suggests, listing the styles ``STYLES`` holds now."""
+    return (
+        f"pass --plan FILE: a TOML or JSON table of module-name pattern -> style ({listing()}; "
+        f"or [style, {{options}}]), as fastpar.parallelize takes"
+    )
 
 
 def has_builtin_plan(config) -> bool:
@@ -234,7 +237,7 @@ def hf_blocks(config, mesh, plan: dict | None = None, plan_path: str = "") -> HF
         elif not has_builtin_plan(config):
             raise ValueError(
                 f"--hf-config: no built-in plan for model_type {config.model_type!r} (built-in: "
-                f"{supported()}); {PLAN_HINT}"
+                f"{supported()}); {plan_hint()}"
             )
         model = parallelize(model, plan, mesh=mesh, loss_parallel=True)
     vocab = int(config.vocab_size)

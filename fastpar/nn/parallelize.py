@@ -25,7 +25,7 @@ from fastpar.nn.guard import guard_save_pretrained
 from fastpar.nn.linear import is_conv1d, resolve_group
 from fastpar.nn.plan import HEAD_ATTRS, WIDTH_ATTRS, match, splits_output, static_checks
 from fastpar.nn.probe import FULL, SPLIT, ProbeFailed, ProbeReport, probe
-from fastpar.nn.styles import STYLES, is_hf_moe_block, linear_like
+from fastpar.nn.styles import STYLES, linear_like
 
 _TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
@@ -92,6 +92,20 @@ def _owners(modules: Mapping[str, nn.Module]) -> dict[int, list[tuple[str, str]]
     return owners
 
 
+def _style_at(chosen, owner: str):
+    """The style record the plan gives module ``owner``; None where it is not planned."""
+    entry = chosen.get(owner)
+    return None if entry is None else STYLES[entry[0]]
+
+
+def _keeps_replicated(style) -> bool:
+    return style is not None and style.declares and not style.reduces_grad
+
+
+def _declares_reduced(style) -> bool:
+    return style is not None and style.declares and style.reduces_grad
+
+
 def _analyse(report: ProbeReport, chosen, modules, watched_owner) -> list[str]:
     """Refuse what cannot be exact; return the parameters to all-reduce over TP."""
     for where, source in report.mixed:
@@ -116,7 +130,7 @@ def _analyse(report: ProbeReport, chosen, modules, watched_owner) -> list[str]:
     reduced = []
     for name, uses in report.uses.items():
         owner = watched_owner[name]
-        declared = chosen.get(owner, ("",))[0]
+        declared = _style_at(chosen, owner)
         if uses == {SPLIT, FULL}:
             raise ValueError(
                 f"parameter {name!r} is used both on split activations (this rank's heads) and "
@@ -124,18 +138,18 @@ def _analyse(report: ProbeReport, chosen, modules, watched_owner) -> list[str]:
                 f"its module differently or keep the whole block dense"
             )
         if SPLIT in uses:
-            if declared == "replicate":
+            if _keeps_replicated(declared):
                 raise ValueError(
-                    f"plan marks {owner!r} 'replicate' but its parameter {name!r} sees split "
-                    f"activations (this rank's heads only): plan it as 'per_head'"
+                    f"plan marks {owner!r} {declared.name!r} but its parameter {name!r} sees "
+                    f"split activations (this rank's heads only): plan it as 'per_head'"
                 )
             reduced.append(name)
     for owner, (style, _) in chosen.items():
-        if style == "per_head":
+        if _declares_reduced(STYLES[style]):
             names = [n for n, o in watched_owner.items() if o == owner]
             if not any(SPLIT in report.uses.get(n, ()) for n in names):
                 raise ValueError(
-                    f"plan marks {owner!r} 'per_head' but it never sees a split activation: "
+                    f"plan marks {owner!r} {style!r} but it never sees a split activation: "
                     f"reducing its gradient over TP would multiply it by the TP size; drop the entry"
                 )
     return reduced
@@ -146,12 +160,12 @@ def _unprobed(chosen, modules, attention, watched_owner) -> list[str]:
     declared; returns the declared per_head ones."""
     reduced = []
     for name, owner in watched_owner.items():
-        style = chosen.get(owner, ("",))[0]
-        if style == "per_head":
+        style = _style_at(chosen, owner)
+        if _declares_reduced(style):
             reduced.append(name)
             continue
         inside = [a for a in attention if not a or owner == a or owner.startswith(a + ".")]
-        if inside and style != "replicate":
+        if inside and not _keeps_replicated(style):
             raise ValueError(
                 f"parameter {name!r} sits inside {inside[0]!r}, whose heads are split over TP, "
                 f"and may see only this rank's heads (a per-head norm gets a partial gradient). "
@@ -308,9 +322,11 @@ def parallelize(
     chosen = match(model, plan, strict)
     if not strict:  # a built-in "experts" pattern also matches the dense MLPs between MoEs
         chosen = {
-            n: c for n, c in chosen.items() if c[0] != "experts" or is_hf_moe_block(modules[n])
+            n: c
+            for n, c in chosen.items()
+            if not STYLES[c[0]].skip_unfit or STYLES[c[0]].fits(n, modules[n])
         }
-    if any(style == "experts" for style, _ in chosen.values()):
+    if any(STYLES[style].replaces_router for style, _ in chosen.values()):
         _check_router_logits(model)
     attention = static_checks(model, modules, chosen, world, heads)
 
@@ -355,7 +371,7 @@ def parallelize(
         reduced = _analyse(report, chosen, modules, watched_owner)
         record.probed = True
         record.found_by_probe = [
-            n for n in reduced if chosen.get(watched_owner[n], ("",))[0] != "per_head"
+            n for n in reduced if not _declares_reduced(_style_at(chosen, watched_owner[n]))
         ]
     else:
         reduced = _unprobed(chosen, modules, attention, watched_owner)

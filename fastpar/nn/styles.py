@@ -71,6 +71,10 @@ def _experts(block: nn.Module, tp_group, mesh, **options) -> nn.Module:
     return HFMoEBlock(block, tp_group=tp_group, ep_group=ep_group, **options)
 
 
+def _unless_gathered(options: dict) -> bool:
+    return not options.get("gather_output", False)
+
+
 @dataclass(frozen=True)
 class Style:
     """One tensor-parallel style."""
@@ -88,22 +92,54 @@ class Style:
     its output, not its parameters."""
     declares: bool = False
     """Declares how the module's own parameters are treated (they stay in place)."""
+    reduces_grad: bool = False
+    """A declaring style whose parameters see only this rank's heads: their gradient is
+    all-reduced over TP (the probe must find them on a split activation); a declaring style
+    without it keeps them replicated (the probe must find them on whole activations only)."""
+    split_output: Callable[[dict], bool] | None = None
+    """(options) -> whether the module's output stays split over TP; None: never."""
+    skip_unfit: bool = False
+    """In a built-in plan, a matched module its ``check`` refuses is left as it is (an MoE
+    pattern also matches the dense MLPs between MoE blocks); a caller's plan is still refused."""
+    replaces_router: bool = False
+    """Swaps a Hugging Face router, whose logits HF's own router aux loss reads
+    (``config.output_router_logits=True`` is refused)."""
 
     def splits_output(self, options: dict) -> bool:
-        """Whether the output is split over TP (a column split not gathered)."""
-        return self.name == "column" and not options.get("gather_output", False)
+        """Whether the output is split over TP (``split_output``)."""
+        return self.split_output is not None and self.split_output(options)
+
+    def fits(self, name: str, module: nn.Module) -> bool:
+        """Whether ``check`` accepts ``module``."""
+        try:
+            self.check(name, module, self.name)
+        except (TypeError, ValueError):
+            return False
+        return True
 
 
 _STYLES = (
-    Style("column", _needs_linear, swap=_from_dense(ColumnParallelLinear), layer=True),
+    Style(
+        "column",
+        _needs_linear,
+        swap=_from_dense(ColumnParallelLinear),
+        layer=True,
+        split_output=_unless_gathered,
+    ),
     Style("row", _needs_linear, swap=_from_dense(RowParallelLinear), layer=True),
     Style("vocab", _needs_embedding, swap=_from_dense(VocabParallelEmbedding), layer=True),
-    Style("per_head", _needs_params, options=False, declares=True),
+    Style("per_head", _needs_params, options=False, declares=True, reduces_grad=True),
     Style("replicate", _needs_params, options=False, declares=True),
-    Style("experts", _needs_moe_block, swap=_experts),
+    Style("experts", _needs_moe_block, swap=_experts, skip_unfit=True, replaces_router=True),
 )
 STYLES: dict[str, Style] = {s.name: s for s in _STYLES}
 """name -> style, in the order the docs list them."""
+
+
+def listing() -> str:
+    """The styles' names as the ``--plan`` help and hint list them (read when asked, so a
+    style registered later is listed)."""
+    return ", ".join(STYLES)
 
 
 def get(name: str, where: str = "") -> Style:

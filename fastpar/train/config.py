@@ -243,7 +243,7 @@ class TrainConfig(TrainOptions):
     def _check_plan(self, config) -> None:
         """--plan FILE: it reads as a plan whose patterns name the model's modules; without
         it, the family must have a built-in plan."""
-        from fastpar.models.hf import PLAN_HINT, check_plan, has_builtin_plan, read_plan
+        from fastpar.models.hf import check_plan, has_builtin_plan, plan_hint, read_plan
 
         if self.plan:
             check_plan(config, read_plan(self.plan), self.plan)
@@ -252,7 +252,7 @@ class TrainConfig(TrainOptions):
 
             raise ValueError(
                 f"--hf-config {self.hf_config}: model_type {config.model_type!r} has no built-in "
-                f"tensor-parallel plan (built-in: {supported()}); {PLAN_HINT}"
+                f"tensor-parallel plan (built-in: {supported()}); {plan_hint()}"
             )
 
     @property

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from fastpar.cliutil import flat_fields, option
 from fastpar.data import BIN_DTYPES
 from fastpar.moe.config import ROUTING, ExpertConfig, RouterConfig
+from fastpar.nn import styles
 from fastpar.parallel.pipeline.schedules import SCHEDULES
 from fastpar.train.checks import LR_SCHEDULES, TIMEOUT_ENV
 
@@ -206,10 +207,12 @@ class TrainOptions:
         None,
         MODEL,
         metavar="FILE",
-        help="with --hf-config: the tensor-parallel plan, a TOML or JSON table of module-name "
-        "pattern -> style (column, row, vocab, per_head, replicate, experts; or [style, "
-        "{options}]) as fastpar.parallelize takes it, for a family without a built-in plan "
-        "(or to replace it); the LM head's logits stay split over the vocabulary",
+        help=lambda: (
+            "with --hf-config: the tensor-parallel plan, a TOML or JSON table of "
+            f"module-name pattern -> style ({styles.listing()}; or [style, {{options}}]) as "
+            "fastpar.parallelize takes it, for a family without a built-in plan (or to replace "
+            "it); the LM head's logits stay split over the vocabulary"
+        ),
     )
     steps: int = option(30, TRAINING, "optimizer steps to train (Megatron: --train-iters)")
     batch_size: int = option(
