@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (pip ins
 
 VOCAB = 101  # odd: the vocabulary shards need padding at TP 2 and 4
 
-_DECODER = dict(
+DECODER = dict(
     vocab_size=VOCAB,
     hidden_size=32,
     intermediate_size=40,
@@ -19,13 +19,13 @@ _DECODER = dict(
     head_dim=8,
     max_position_embeddings=64,
 )
-_MOE = dict(_DECODER, intermediate_size=24)
+_MOE = dict(DECODER, intermediate_size=24)
 
 FAMILIES = {
-    "llama": ("LlamaConfig", "AutoModelForCausalLM", _DECODER),
-    "mistral": ("MistralConfig", "AutoModelForCausalLM", dict(_DECODER, sliding_window=None)),
-    "qwen2": ("Qwen2Config", "AutoModelForCausalLM", _DECODER),  # q/k/v biases
-    "qwen3": ("Qwen3Config", "AutoModelForCausalLM", dict(_DECODER, tie_word_embeddings=True)),
+    "llama": ("LlamaConfig", "AutoModelForCausalLM", DECODER),
+    "mistral": ("MistralConfig", "AutoModelForCausalLM", dict(DECODER, sliding_window=None)),
+    "qwen2": ("Qwen2Config", "AutoModelForCausalLM", DECODER),  # q/k/v biases
+    "qwen3": ("Qwen3Config", "AutoModelForCausalLM", dict(DECODER, tie_word_embeddings=True)),
     "mixtral": (
         "MixtralConfig",
         "AutoModelForCausalLM",

@@ -192,17 +192,6 @@ def test_new_schedule(monkeypatch, capsys):
 
 # -- a new Hugging Face family: its Family record (a known architecture under a new model_type) --
 NEW_FAMILY = "my_qwen3"
-_TINY_DECODER = dict(
-    vocab_size=101,  # odd: the vocabulary shards are padded at TP 2
-    hidden_size=32,
-    intermediate_size=40,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=8,
-    max_position_embeddings=64,
-    attention_dropout=0.0,
-)
 
 
 @functools.cache
@@ -213,10 +202,17 @@ def _new_config_class():
     return type("MyQwen3Config", (transformers.Qwen3Config,), {"model_type": NEW_FAMILY})
 
 
+def _tiny_decoder() -> dict:
+    """The tests' small decoder (tests/_hf.py), dropout off."""
+    from _hf import DECODER
+
+    return dict(DECODER, attention_dropout=0.0)
+
+
 def _new_family_model():
     import transformers
 
-    cfg = _new_config_class()(**_TINY_DECODER)
+    cfg = _new_config_class()(**_tiny_decoder())
     cfg._attn_implementation = "eager"
     return transformers.Qwen3ForCausalLM(cfg)
 
@@ -263,7 +259,7 @@ the input, the partial products are all-reduced (its output is whole)."""
 def _llama_model():
     import transformers
 
-    cfg = transformers.LlamaConfig(**_TINY_DECODER)
+    cfg = transformers.LlamaConfig(**_tiny_decoder())
     cfg._attn_implementation = "eager"
     return transformers.LlamaForCausalLM(cfg)
 
