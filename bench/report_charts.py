@@ -38,9 +38,16 @@ BYTE_UNITS = (("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10), ("B", 1.0))
 # is its name less a trailing world size ("tp-mlp-2-ranks" and "dp-fastpar-ddp-4" -> "tp-mlp",
 # "dp-fastpar-ddp").
 FAMILIES = (
-    "adamw", "cross_entropy", "moe_permute", "moe_unpermute", "unscale_norm",
-    "moe-layer", "moe-overlap", "pipeline-bubble", "pipeline-vs-torch",
-)  # fmt: skip
+    "adamw",
+    "cross_entropy",
+    "moe_permute",
+    "moe_unpermute",
+    "unscale_norm",
+    "moe-layer",
+    "moe-overlap",
+    "pipeline-bubble",
+    "pipeline-vs-torch",
+)
 
 
 def sig3(x: float) -> str:
@@ -226,20 +233,29 @@ def _side_by_side(items: list[dict[str, Any]]) -> tuple[str, list[Panel]]:
     for b, c, t in zip(items, cats, times, strict=True):
         cat = f"{c}\n{_time_ratio(b)}".strip()
         rows += [(p, cat, t.get(p)) for p in provs]
-    panels = [_panel("time per step, measured side by side in the same ranks", "time per step",
-                     "s", rows)]  # fmt: skip
+    panels = [
+        _panel("time per step, measured side by side in the same ranks", "time per step", "s", rows)
+    ]
     held = [_provider_bytes(b, provs) for b in items]
     if any(held):
         fields = ", ".join(dict.fromkeys(f for h in held for f, _ in h.values()))
         rows = [(p, c, h[p][1]) for h, c in zip(held, cats, strict=True) for p in provs if p in h]
         title = "bytes per rank" if fields == "per rank" else f"bytes ({fields})"
         panels.append(_panel(title, "bytes", "B", rows))
-    fractions = list(dict.fromkeys(
-        k for b in items for k, v in _extra(b).items() if "fraction" in k and _num(v) is not None
-    ))  # fmt: skip
+    fractions = list(
+        dict.fromkeys(
+            k
+            for b in items
+            for k, v in _extra(b).items()
+            if "fraction" in k and _num(v) is not None
+        )
+    )
     if fractions:
-        rows = [(k, c, _num(_extra(b).get(k))) for b, c in zip(items, cats, strict=True)
-                for k in fractions]  # fmt: skip
+        rows = [
+            (k, c, _num(_extra(b).get(k)))
+            for b, c in zip(items, cats, strict=True)
+            for k in fractions
+        ]
         panels.append(_panel("fractions", "fraction", "fraction", rows))
     sent = _sent_panel(items, cats)
     if sent is not None:
@@ -263,8 +279,17 @@ def _bubble(by_group: dict[str, list[dict[str, Any]]]) -> list[Panel]:
                 vals = [_num((t.get(m) or {}).get(key)) for m in ms]
                 series.append(Series(f"{label} {key}".strip(), vals, i, dashed))
         x = [float(m) if numeric else float(i) for i, m in enumerate(ms)]
-        panels.append(Panel(group, "idle fraction (bubble)", "fraction", ms, series, x=x,
-                            xlabel="micro-batches m"))  # fmt: skip
+        panels.append(
+            Panel(
+                group,
+                "idle fraction (bubble)",
+                "fraction",
+                ms,
+                series,
+                x=x,
+                xlabel="micro-batches m",
+            )
+        )
     return panels
 
 
@@ -362,10 +387,16 @@ def _plot(fam: str, by_group: dict[str, list[dict[str, Any]]]) -> tuple[str, lis
     extras = [_extra(b) for b in items]
     if any(isinstance(e.get("bubble"), dict) for e in extras):
         return "idle fraction, measured vs theory", _bubble(by_group), True
-    per_rank = list(dict.fromkeys(
-        k for e in extras for k, v in e.items()
-        if k.endswith("per_rank") and isinstance(v, list) and all(_num(x) is not None for x in v)
-    ))  # fmt: skip
+    per_rank = list(
+        dict.fromkeys(
+            k
+            for e in extras
+            for k, v in e.items()
+            if k.endswith("per_rank")
+            and isinstance(v, list)
+            and all(_num(x) is not None for x in v)
+        )
+    )
     if per_rank:
         return ", ".join(k.replace("_", " ") for k in per_rank), _per_rank(items, per_rank), False
     if all("planned_total" in e for e in extras):

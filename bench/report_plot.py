@@ -16,8 +16,17 @@ from typing import Any
 from report_charts import BYTE_UNITS, TIME_UNITS, Chart, Panel, Series, sig3
 
 # matplotlib's tab10 less its grey, which is kept for theory / planned values
-PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22",
-           "#17becf")  # fmt: skip
+PALETTE = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#bcbd22",
+    "#17becf",
+)
 THEORY_COLOUR = "#7f7f7f"
 MAX_BAR_LABELS = 40  # bars per panel that still get their value written above them
 

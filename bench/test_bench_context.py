@@ -124,20 +124,34 @@ def test_ring_attention_memory_and_hidden_transfer(benchmark, cp):
     hidden = None if cp == 1 or alone == 0 else max(0.0, 1.0 - wait / alone)
     exposed = max(0.0, step - compute)
     hidden_step = None if cp == 1 or alone == 0 else max(0.0, 1.0 - exposed / alone)
-    info = dict(cp=cp, seq_len=S, peak_bytes_per_rank=peak, forward_peak_bytes=fwd,
-                activation_bytes=held, step_seconds=step,
-                wait_seconds=wait, transfer_alone_seconds=alone, hidden_fraction=hidden,
-                compute_only_seconds=compute, hidden_fraction_by_step=hidden_step,
-                all_to_all_step_seconds=a2a, all_to_all_over_ring=a2a / step)  # fmt: skip
+    info = dict(
+        cp=cp,
+        seq_len=S,
+        peak_bytes_per_rank=peak,
+        forward_peak_bytes=fwd,
+        activation_bytes=held,
+        step_seconds=step,
+        wait_seconds=wait,
+        transfer_alone_seconds=alone,
+        hidden_fraction=hidden,
+        compute_only_seconds=compute,
+        hidden_fraction_by_step=hidden_step,
+        all_to_all_step_seconds=a2a,
+        all_to_all_over_ring=a2a / step,
+    )
     fn = test_ring_attention_memory_and_hidden_transfer
     base = getattr(fn, "base", None)
     if cp == 1:
         fn.base = (held, fwd, peak)
     elif base:
         ratio = held / base[0]
-        info.update(activation_over_cp1=ratio, forward_peak_over_cp1=fwd / base[1],
-                    peak_over_cp1=peak / base[2], goal=1.1 / cp,
-                    meets_memory_goal=ratio <= 1.1 / cp)  # fmt: skip
+        info.update(
+            activation_over_cp1=ratio,
+            forward_peak_over_cp1=fwd / base[1],
+            peak_over_cp1=peak / base[2],
+            goal=1.1 / cp,
+            meets_memory_goal=ratio <= 1.1 / cp,
+        )
     benchmark.extra_info.update(info)
     ratios = (
         (
@@ -147,13 +161,16 @@ def test_ring_attention_memory_and_hidden_transfer(benchmark, cp):
         if cp > 1 and base
         else ""
     )
-    print(f"\nring attention S={S}, cp={cp}: activations {held / 2**20:.2f} MiB/rank, forward "
-          f"peak {fwd / 2**20:.2f}, fwd+bwd peak {peak / 2**20:.2f}" + ratios
-          + f", step {step * 1e3:.1f} ms, waited {wait * 1e3:.1f} ms of {alone * 1e3:.1f} ms"
-          + (f" transfers ({hidden:.0%} hidden)" if hidden is not None else "")
-          + f"; compute alone {compute * 1e3:.1f} ms"
-          + (f" ({hidden_step:.0%} hidden by step time)" if hidden_step is not None else "")
-          + f"; all-to-all variant {a2a * 1e3:.1f} ms ({a2a / step:.2f}x ring)")  # fmt: skip
+    print(
+        f"\nring attention S={S}, cp={cp}: activations {held / 2**20:.2f} MiB/rank, forward "
+        f"peak {fwd / 2**20:.2f}, fwd+bwd peak {peak / 2**20:.2f}"
+        + ratios
+        + f", step {step * 1e3:.1f} ms, waited {wait * 1e3:.1f} ms of {alone * 1e3:.1f} ms"
+        + (f" transfers ({hidden:.0%} hidden)" if hidden is not None else "")
+        + f"; compute alone {compute * 1e3:.1f} ms"
+        + (f" ({hidden_step:.0%} hidden by step time)" if hidden_step is not None else "")
+        + f"; all-to-all variant {a2a * 1e3:.1f} ms ({a2a / step:.2f}x ring)"
+    )
 
 
 def _torch_cp() -> None:

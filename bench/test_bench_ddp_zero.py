@@ -124,9 +124,11 @@ def test_against_pytorch_peer(benchmark, world, ours, theirs):
     t = {k: statistics.median(r[k]["seconds"] for r in res) for k in (ours, theirs)}
     mem = {k: max(r[k]["bytes"] for r in res) for k in (ours, theirs)}
     benchmark.extra_info.update(
-        seconds=t, bytes_per_rank=mem, peer_time_over_fastpar=t[theirs] / t[ours],
+        seconds=t,
+        bytes_per_rank=mem,
+        peer_time_over_fastpar=t[theirs] / t[ours],
         peer_bytes_over_fastpar=mem[theirs] / mem[ours],
-    )  # fmt: skip
+    )
     print(
         f"\nDP={world} {ours} vs {theirs}: step {t[ours] * 1e3:.1f} vs {t[theirs] * 1e3:.1f} ms "
         f"(peer/fastpar {t[theirs] / t[ours]:.2f}); bytes/rank {mem[ours] / 2**20:.2f} vs "
@@ -160,8 +162,16 @@ def _planned_vs_held(stage: int) -> dict:
         opt.step()
         held = opt.memory_bytes()
         numels = [b.numel for b in opt.buckets]
-        plan = estimate_memory(psi, n, stage, param_bytes=4, grad_bytes=4, optimizer_bytes=8,
-                               mode="fastpar", bucket_numels=numels)  # fmt: skip
+        plan = estimate_memory(
+            psi,
+            n,
+            stage,
+            param_bytes=4,
+            grad_bytes=4,
+            optimizer_bytes=8,
+            mode="fastpar",
+            bucket_numels=numels,
+        )
         sent = opt.comm_bytes
     return {"psi": psi, "held": held, "plan_total": plan.total, "sent": sent}
 
@@ -176,9 +186,13 @@ def test_memory_and_traffic_planned_vs_measured(benchmark, stage):
     r = res[0]
     two_psi = 2 * (world - 1) / world * r["psi"] * 4
     benchmark.extra_info.update(
-        stage=stage, psi=r["psi"], held=r["held"], planned_total=r["plan_total"],
-        sent_bytes=r["sent"], two_psi_bytes=two_psi,
-    )  # fmt: skip
+        stage=stage,
+        psi=r["psi"],
+        held=r["held"],
+        planned_total=r["plan_total"],
+        sent_bytes=r["sent"],
+        two_psi_bytes=two_psi,
+    )
     print(
         f"\nstage {stage}, DP={world}, Ψ={r['psi']:,}: held {r['held']['total'] / 2**20:.2f} MiB "
         f"(params {r['held']['params'] / 2**20:.2f}, grads {r['held']['grads'] / 2**20:.2f}, "

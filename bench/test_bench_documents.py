@@ -98,9 +98,12 @@ def test_causal_work_balance(benchmark, cp):
     per_row = [work_balance(causal_work([r], S, cp)) for r in rows]
     bal = work_balance(counts)
     benchmark.extra_info.update(
-        cp=cp, counts=counts, balance=bal, worst_row_balance=max(per_row),
+        cp=cp,
+        counts=counts,
+        balance=bal,
+        worst_row_balance=max(per_row),
         mean_docs_per_row=float(np.mean([len(r) for r in rows])),
-    )  # fmt: skip
+    )
     print(
         f"\ncp={cp}, {len(rows)} rows of lognormal documents (mean 512, sigma 1) in S={S}: "
         f"work max/mean {bal:.3f} over the batch, per row median "

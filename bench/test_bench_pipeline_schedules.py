@@ -151,19 +151,32 @@ def _bubble(name: str, m: int, v: int, group: int | None = None) -> float:
         dist.all_reduce(ends, op=dist.ReduceOp.MAX)
         span = float(ends.sum())
         if it:  # the first step is a warm-up
-            rows.append({"idle": 1 - st["busy_s"] / wall, "wait": st["recv_s"] / wall,
-                         "host": st["send_s"] / wall, "ideal_idle": 1 - 3 * m * FORWARD_S / wall,
-                         "span_idle": 1 - st["busy_s"] / span, "fixed": 1 - span / wall,
-                         "wall_s": wall})  # fmt: skip
+            rows.append(
+                {
+                    "idle": 1 - st["busy_s"] / wall,
+                    "wait": st["recv_s"] / wall,
+                    "host": st["send_s"] / wall,
+                    "ideal_idle": 1 - 3 * m * FORWARD_S / wall,
+                    "span_idle": 1 - st["busy_s"] / span,
+                    "fixed": 1 - span / wall,
+                    "wall_s": wall,
+                }
+            )
     out = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     out["rest"] = out["idle"] - out["wait"] - out["host"]
     return out
 
 
 #: (schedule, v, micro-batch groups of 2p: interleaved's slack against message latency)
-CASES = [("gpipe", 1, False), ("1f1b", 1, False), ("interleaved", 2, False),
-         ("interleaved", 4, False), ("interleaved", 2, True), ("interleaved", 4, True),
-         ("zb-h1", 1, False)]  # fmt: skip
+CASES = [
+    ("gpipe", 1, False),
+    ("1f1b", 1, False),
+    ("interleaved", 2, False),
+    ("interleaved", 4, False),
+    ("interleaved", 2, True),
+    ("interleaved", 4, True),
+    ("zb-h1", 1, False),
+]
 
 
 @pytest.mark.parametrize("p", [2, 4])
@@ -180,22 +193,33 @@ def test_bubble_against_theory(benchmark, name, v, wide, p):
 
     benchmark.pedantic(measure, rounds=1, iterations=1)
     label = name + (f" v={v}" if v > 1 else "") + (f" G={2 * p}" if wide else "")
-    lines = [f"\n{label}, p={p}:   m   measured idle   theory   measured/theory   1F1B theory"
-             "    wait    host    rest   fixed   span idle   ideal idle   step ms"]  # fmt: skip
+    lines = [
+        f"\n{label}, p={p}:   m   measured idle   theory   measured/theory   1F1B theory"
+        "    wait    host    rest   fixed   span idle   ideal idle   step ms"
+    ]
     table = {}
     for m, per_rank in rows.items():
         theory = _schedule(name, m, v).theory(p)
         mean = {k: statistics.mean(r[k] for r in per_rank) for k in per_rank[0]}
         got = mean["idle"]
         one = OneFOneB(m).theory(p)
-        table[m] = {"measured": got, "theory": theory, "ratio": got / theory,
-                    "per_rank": [r["idle"] for r in per_rank], "1f1b_theory": one,
-                    **{k: mean[k] for k in ("wait", "host", "rest", "fixed", "span_idle",
-                                            "ideal_idle", "wall_s")}}  # fmt: skip
-        lines.append(f"{' ' * 16}{m:>3}   {got:>13.3f}   {theory:>6.3f}   {got / theory:>15.2f}"
-                     f"   {one:>11.3f}   {mean['wait']:.3f}   {mean['host']:.3f}   "
-                     f"{mean['rest']:.3f}   {mean['fixed']:.3f}   {mean['span_idle']:>9.3f}   "
-                     f"{mean['ideal_idle']:>10.3f}   {mean['wall_s'] * 1e3:>7.1f}")  # fmt: skip
+        table[m] = {
+            "measured": got,
+            "theory": theory,
+            "ratio": got / theory,
+            "per_rank": [r["idle"] for r in per_rank],
+            "1f1b_theory": one,
+            **{
+                k: mean[k]
+                for k in ("wait", "host", "rest", "fixed", "span_idle", "ideal_idle", "wall_s")
+            },
+        }
+        lines.append(
+            f"{' ' * 16}{m:>3}   {got:>13.3f}   {theory:>6.3f}   {got / theory:>15.2f}"
+            f"   {one:>11.3f}   {mean['wait']:.3f}   {mean['host']:.3f}   "
+            f"{mean['rest']:.3f}   {mean['fixed']:.3f}   {mean['span_idle']:>9.3f}   "
+            f"{mean['ideal_idle']:>10.3f}   {mean['wall_s'] * 1e3:>7.1f}"
+        )
     benchmark.extra_info["bubble"] = table
     print("\n".join(lines))
 
@@ -243,8 +267,10 @@ def test_interleaved_bubble_beside_torch(benchmark, v, p):
     idle = {k: statistics.mean(r[k] for r in res) for k in res[0]}
     theory = Interleaved(8, v).theory(p)
     benchmark.extra_info.update(idle=idle, theory=theory)
-    print(f"\ninterleaved v={v} p={p} m=8, idle (x theory {theory:.3f}): " + ", ".join(
-        f"{k} {x:.3f} (x{x / theory:.2f})" for k, x in idle.items()))  # fmt: skip
+    print(
+        f"\ninterleaved v={v} p={p} m=8, idle (x theory {theory:.3f}): "
+        + ", ".join(f"{k} {x:.3f} (x{x / theory:.2f})" for k, x in idle.items())
+    )
 
 
 def _mlp_blocks(n: int = 16, h: int = 256):
@@ -261,24 +287,36 @@ def _stage_for(mesh, name: str, v: int, n: int):
 def _activation_memory(name: str, v: int, recompute: bool, group: int | None = None) -> int:
     mesh = ParallelMesh(pp=dist.get_world_size())
     engine = PipelineEngine(
-        _stage_for(mesh, name, v, 16), mesh, _schedule(name, 8, v, group), loss_fn=F.mse_loss,
-        recompute=recompute, measure_activations=True,
-    )  # fmt: skip
+        _stage_for(mesh, name, v, 16),
+        mesh,
+        _schedule(name, 8, v, group),
+        loss_fn=F.mse_loss,
+        recompute=recompute,
+        measure_activations=True,
+    )
     x = torch.randn(64, 256)
     engine.train_step(x, x)
     return engine.stats["peak_activation_bytes"]
 
 
-MEMORY = [("gpipe", 1, False, None), ("gpipe", 1, True, None), ("1f1b", 1, False, None),
-          ("interleaved", 2, False, None), ("interleaved", 4, False, None),
-          ("interleaved", 2, True, None), ("interleaved", 2, False, 8),
-          ("interleaved", 4, False, 8), ("zb-h1", 1, False, None)]  # fmt: skip
+MEMORY = [
+    ("gpipe", 1, False, None),
+    ("gpipe", 1, True, None),
+    ("1f1b", 1, False, None),
+    ("interleaved", 2, False, None),
+    ("interleaved", 4, False, None),
+    ("interleaved", 2, True, None),
+    ("interleaved", 2, False, 8),
+    ("interleaved", 4, False, 8),
+    ("zb-h1", 1, False, None),
+]
 
 
 @pytest.mark.parametrize(
-    "name,v,recompute,group", MEMORY,
+    "name,v,recompute,group",
+    MEMORY,
     ids=[f"{n}-v{v}{'-recompute' if r else ''}{f'-g{g}' if g else ''}" for n, v, r, g in MEMORY],
-)  # fmt: skip
+)
 def test_activation_memory_per_rank(benchmark, name, v, recompute, group):
     benchmark.group = "pipeline-schedule-activation-memory"
     peaks = benchmark.pedantic(
@@ -287,8 +325,10 @@ def test_activation_memory_per_rank(benchmark, name, v, recompute, group):
     benchmark.extra_info.update(peak_bytes_per_rank=peaks)
     label = name + (f" v={v}" if v > 1 else "") + (" + recompute" if recompute else "")
     label += f" G={group}" if group else ""
-    print(f"\n{label:<26} p=4 m=8: peak stored activations per rank (KiB) "
-          f"{[b // 1024 for b in peaks]}")  # fmt: skip
+    print(
+        f"\n{label:<26} p=4 m=8: peak stored activations per rank (KiB) "
+        f"{[b // 1024 for b in peaks]}"
+    )
 
 
 def _vs_torch(iters: int, v: int = 2, m: int = 8) -> dict:

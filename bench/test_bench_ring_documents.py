@@ -78,9 +78,16 @@ def test_ring_attention_documents(benchmark, docs):
     crossing = (
         0 if ids is None else sum(int(ids[0, i * c - 1] == ids[0, i * c]) for i in range(1, 2 * CP))
     )
-    info = dict(cp=CP, seq_len=S, docs=docs, step_seconds=step, blocks_total=total,
-                blocks_skipped=skipped, blocks_masked=masked,
-                documents_crossing_chunk_boundaries=crossing)  # fmt: skip
+    info = dict(
+        cp=CP,
+        seq_len=S,
+        docs=docs,
+        step_seconds=step,
+        blocks_total=total,
+        blocks_skipped=skipped,
+        blocks_masked=masked,
+        documents_crossing_chunk_boundaries=crossing,
+    )
     fn = test_ring_attention_documents
     if not docs:
         fn.base = step
@@ -88,9 +95,11 @@ def test_ring_attention_documents(benchmark, docs):
         info["over_causal_ring"] = step / fn.base
     benchmark.extra_info.update(info)
     ratio = f" ({info['over_causal_ring']:.2f}x causal ring)" if "over_causal_ring" in info else ""
-    print(f"\nring attention S={S} cp={CP} docs={docs or 'none (causal)'}: fwd+bwd "
-          f"{step * 1e3:.1f} ms{ratio}; blocks skipped {skipped}/{total}, masked {masked}; "
-          f"{crossing} of {2 * CP - 1} chunk boundaries inside a document")  # fmt: skip
+    print(
+        f"\nring attention S={S} cp={CP} docs={docs or 'none (causal)'}: fwd+bwd "
+        f"{step * 1e3:.1f} ms{ratio}; blocks skipped {skipped}/{total}, masked {masked}; "
+        f"{crossing} of {2 * CP - 1} chunk boundaries inside a document"
+    )
     for r in res:
         assert r["blocks_total"] == 2 * CP + 1
     if docs:

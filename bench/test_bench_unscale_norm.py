@@ -211,8 +211,12 @@ def test_mixed_precision_step(benchmark, fold):
     group = f"mp-step-bf16-E{STEP_ELEMENTS:.0e}"
     benchmark.group = group
     grad_bytes = (4 if fold else 10) * STEP_ELEMENTS
-    benchmark.extra_info.update(fold=fold, elements=STEP_ELEMENTS, grad_bytes=grad_bytes,
-                                device=torch.cuda.get_device_name(0) if CUDA else "cpu")  # fmt: skip
+    benchmark.extra_info.update(
+        fold=fold,
+        elements=STEP_ELEMENTS,
+        grad_bytes=grad_bytes,
+        device=torch.cuda.get_device_name(0) if CUDA else "cpu",
+    )
     benchmark.pedantic(run, rounds=ROUNDS, warmup_rounds=WARMUP, iterations=1)
     median = benchmark.stats.stats.median
     if not fold:

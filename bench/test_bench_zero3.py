@@ -92,10 +92,14 @@ def test_zero3_against_fsdp2(benchmark, world):
     mem = {k: max(r["bytes"][k] for r in res) for k in (ours, theirs)}
     three_psi = 3 * res[0]["padded"] * (world - 1) / world * 4
     benchmark.extra_info.update(
-        seconds=t, bytes_per_rank=mem, peer_time_over_fastpar=t[theirs] / t[ours],
-        peer_bytes_over_fastpar=mem[theirs] / mem[ours], sent_bytes=res[0]["sent"],
-        three_psi_bytes=three_psi, peak_gathered_bytes=res[0]["peak_gathered"],
-    )  # fmt: skip
+        seconds=t,
+        bytes_per_rank=mem,
+        peer_time_over_fastpar=t[theirs] / t[ours],
+        peer_bytes_over_fastpar=mem[theirs] / mem[ours],
+        sent_bytes=res[0]["sent"],
+        three_psi_bytes=three_psi,
+        peak_gathered_bytes=res[0]["peak_gathered"],
+    )
     assert res[0]["sent"] == pytest.approx(three_psi)
     for r in res:  # the same training: both reach the same loss after ITERS steps
         assert r["losses"][ours] == pytest.approx(r["losses"][theirs], rel=1e-5)
@@ -122,10 +126,24 @@ def _planned_vs_held() -> dict:
     z(x).sum().backward()
     z.step()
     held = z.memory_bytes()
-    plan = estimate_memory(psi, n, 3, param_bytes=4, grad_bytes=4, optimizer_bytes=8,
-                           mode="fastpar", bucket_numels=z.flat_numels())  # fmt: skip
-    return {"psi": psi, "held": held, "plan_total": plan.total, "sent": z.comm_bytes,
-            "n_flats": len(z.flat_numels()), "peak_gathered": z.peak_gathered_bytes}  # fmt: skip
+    plan = estimate_memory(
+        psi,
+        n,
+        3,
+        param_bytes=4,
+        grad_bytes=4,
+        optimizer_bytes=8,
+        mode="fastpar",
+        bucket_numels=z.flat_numels(),
+    )
+    return {
+        "psi": psi,
+        "held": held,
+        "plan_total": plan.total,
+        "sent": z.comm_bytes,
+        "n_flats": len(z.flat_numels()),
+        "peak_gathered": z.peak_gathered_bytes,
+    }
 
 
 def test_memory_and_traffic_planned_vs_measured_stage3(benchmark):
@@ -135,9 +153,14 @@ def test_memory_and_traffic_planned_vs_measured_stage3(benchmark):
     r = res[0]
     three_psi = 3 * (world - 1) / world * r["psi"] * 4
     benchmark.extra_info.update(
-        stage=3, psi=r["psi"], held=r["held"], planned_total=r["plan_total"],
-        sent_bytes=r["sent"], three_psi_bytes=three_psi, peak_gathered=r["peak_gathered"],
-    )  # fmt: skip
+        stage=3,
+        psi=r["psi"],
+        held=r["held"],
+        planned_total=r["plan_total"],
+        sent_bytes=r["sent"],
+        three_psi_bytes=three_psi,
+        peak_gathered=r["peak_gathered"],
+    )
     # beyond the plan: AdamW's 0-dim fp32 "step" per flat buffer
     assert r["held"]["total"] - 4 * r["n_flats"] == r["plan_total"]
     print(

@@ -183,12 +183,15 @@ def ptxas_usage(ptx: str, tmp_path) -> tuple[int, int]:
     src.write_text(ptx)
     out = subprocess.run(
         [ptxas, f"-arch={arch}", "-v", str(src), "-o", str(tmp_path / "kernel.cubin")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     regs = [int(m) for m in re.findall(r"Used (\d+) registers", out.stderr)]
-    spills = [int(a) + int(b) for a, b in re.findall(
-        r"(\d+) bytes spill stores, (\d+) bytes spill loads", out.stderr
-    )]  # fmt: skip
+    spills = [
+        int(a) + int(b)
+        for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out.stderr)
+    ]
     assert regs and spills, out.stderr
     return max(regs), max(spills)

@@ -79,8 +79,14 @@ def config(family: str, **overrides):
     cls_name, _, kwargs = FAMILIES[family]
     cfg = getattr(transformers, cls_name)(**{**kwargs, **overrides})
     # no dropout: runs must be reproducible across layouts
-    for key in ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop",
-                "embd_pdrop", "attn_pdrop", "attention_dropout"):  # fmt: skip
+    for key in (
+        "hidden_dropout_prob",
+        "attention_probs_dropout_prob",
+        "resid_pdrop",
+        "embd_pdrop",
+        "attn_pdrop",
+        "attention_dropout",
+    ):
         if hasattr(cfg, key):
             setattr(cfg, key, 0.0)
     cfg._attn_implementation = "eager"

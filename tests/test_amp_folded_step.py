@@ -44,8 +44,14 @@ def _forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model[3](h.to(model[3].weight.dtype)).float()
 
 
-def _pair(dtype, *, scaler: bool, fp32_norm: bool = False, max_grad_norm: float = 0.05,
-          device: str = "cpu"):  # fmt: skip
+def _pair(
+    dtype,
+    *,
+    scaler: bool,
+    fp32_norm: bool = False,
+    max_grad_norm: float = 0.05,
+    device: str = "cpu",
+):
     """(model, optimizer) for the unscaling and the folded step, from the same weights."""
     out = []
     base = _mlp(dtype, fp32_norm).to(device)
@@ -57,8 +63,9 @@ def _pair(dtype, *, scaler: bool, fp32_norm: bool = False, max_grad_norm: float 
         inner = FusedAdamW(groups, lr=1e-2, weight_decay=0.1)
         sc = DynamicLossScaler(initial_scale=2.0**12, hysteresis=1, device=device)
         sc = sc if scaler else None
-        opt = MixedPrecisionOptimizer(inner, scaler=sc, max_grad_norm=max_grad_norm,
-                                      fold_unscale=fold)  # fmt: skip
+        opt = MixedPrecisionOptimizer(
+            inner, scaler=sc, max_grad_norm=max_grad_norm, fold_unscale=fold
+        )
         out.append((model, opt))
     assert not out[0][1].fold_unscale and out[1][1].fold_unscale
     return out

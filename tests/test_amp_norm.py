@@ -73,8 +73,7 @@ def _nano_norm_and_clip(tp: int, dp: int) -> None:
     assert_agree(got, want[:2], want[2], length=norm_length, what=f"global L2 norm on {where}")
     want_inf = norms("inf")
     got_inf = global_grad_norm(par.parameters(), mesh=mesh, norm_type=math.inf)
-    assert_agree(got_inf, want_inf[:2], want_inf[2], length=length,
-                 what=f"inf norm on {where}")  # fmt: skip
+    assert_agree(got_inf, want_inf[:2], want_inf[2], length=length, what=f"inf norm on {where}")
     # clipping to a third of the norm: the same clipped gradients as torch on the dense model
     max_norm = float(want[0]) / 3
     for m in refs:
@@ -86,8 +85,13 @@ def _nano_norm_and_clip(tp: int, dp: int) -> None:
             r[name].grad if param_layout(p) is None else local_slice(r[name].grad, p, _fused(name))
             for r in ref_params
         ]
-        assert_agree(p.grad, expect[:2], expect[2], length=norm_length,
-                     what=f"clipped grad of {name} on {where}")  # fmt: skip
+        assert_agree(
+            p.grad,
+            expect[:2],
+            expect[2],
+            length=norm_length,
+            what=f"clipped grad of {name} on {where}",
+        )
 
 
 @pytest.mark.parametrize("tp,world", [(1, 1), (2, 2), (4, 4), (2, 4)])
@@ -103,18 +107,23 @@ def _synthetic(tp: int, pp: int, ep: int) -> tuple[float, float]:
     torch.manual_seed(42)
     emb = torch.randn(10, 4)
     stages = [
-        {"ln": torch.randn(4), "col": torch.randn(8, 4), "bias": torch.randn(4),
-         "experts": [torch.randn(6, 4) for _ in range(ep)]}
+        {
+            "ln": torch.randn(4),
+            "col": torch.randn(8, 4),
+            "bias": torch.randn(4),
+            "experts": [torch.randn(6, 4) for _ in range(ep)],
+        }
         for _ in range(pp)
-    ]  # fmt: skip
+    ]
 
     def sum_of_squares(dtype):
         return emb.to(dtype).pow(2).sum() + sum(
-            st["ln"].to(dtype).pow(2).sum() + st["col"].to(dtype).pow(2).sum()
+            st["ln"].to(dtype).pow(2).sum()
+            + st["col"].to(dtype).pow(2).sum()
             + st["bias"].to(dtype).pow(2).sum()
             + sum(e.to(dtype).pow(2).sum() for e in st["experts"])
             for st in stages
-        )  # fmt: skip
+        )
 
     want, exact = sum_of_squares(torch.float32), sum_of_squares(torch.float64)
     every = [emb] + [t for st in stages for t in (st["ln"], st["col"], st["bias"], *st["experts"])]
@@ -146,8 +155,13 @@ def _synthetic(tp: int, pp: int, ep: int) -> tuple[float, float]:
     params += [col, bias, expert]
     got = global_grad_norm(params, mesh=mesh)
     got_inf = global_grad_norm(params, mesh=mesh, norm_type=math.inf)
-    assert_agree(got, want.sqrt(), exact.sqrt(), length=_norm_length(every),
-                 what=f"synthetic L2 norm on rank {mesh.rank}")  # fmt: skip
+    assert_agree(
+        got,
+        want.sqrt(),
+        exact.sqrt(),
+        length=_norm_length(every),
+        what=f"synthetic L2 norm on rank {mesh.rank}",
+    )
     # bit for bit: a maximum of the same fp32 values, whatever the order
     assert float(got_inf) == float(want_inf), f"synthetic inf norm: {float(got_inf)} != {want_inf}"
     return float(got), float(got_inf)

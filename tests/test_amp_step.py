@@ -41,8 +41,9 @@ def test_guarded_step_leaves_no_attribute_and_skips_on_found(name, found):
     before = set(vars(opt))
     start = [p.detach().clone() for p in params]
     norm = torch.tensor(4.0)
-    skipped = guarded_step(opt, [p.grad for p in params], torch.tensor(found), norm,
-                           max_grad_norm=1.0)  # fmt: skip
+    skipped = guarded_step(
+        opt, [p.grad for p in params], torch.tensor(found), norm, max_grad_norm=1.0
+    )
     assert set(vars(opt)) == before
     assert not AMP_ATTRIBUTES & set(vars(opt))
     assert bool(skipped) == bool(found)
@@ -55,8 +56,9 @@ def test_a_plain_step_after_a_skipped_guarded_step_is_a_full_step():
     plain step equals torch's AdamW's first step on the unclipped gradients."""
     params = _params()
     opt = FusedAdamW(params, lr=0.1, weight_decay=0.01)
-    guarded_step(opt, [p.grad for p in params], torch.tensor(1.0), torch.tensor(5.0),
-                 max_grad_norm=1e-3)  # fmt: skip
+    guarded_step(
+        opt, [p.grad for p in params], torch.tensor(1.0), torch.tensor(5.0), max_grad_norm=1e-3
+    )
     opt.step()
     ref = _params()
     torch.optim.AdamW(ref, lr=0.1, weight_decay=0.01, foreach=False).step()
@@ -127,8 +129,15 @@ def test_folded_guarded_step_hands_inv_scale_and_raw_grads_to_the_optimizer():
         p.grad = g.float() * inv
     opt_a, opt_b = FusedAdamW(a, lr=0.1), FusedAdamW(b, lr=0.1)
     guarded_step(opt_a, [p.grad for p in a], torch.tensor(0.0), norm, max_grad_norm=1.0)
-    guarded_step(opt_b, [], torch.tensor(0.0), norm, max_grad_norm=1.0, inv_scale=inv,
-                 grads_for=dict(zip(b, raw, strict=True)))  # fmt: skip
+    guarded_step(
+        opt_b,
+        [],
+        torch.tensor(0.0),
+        norm,
+        max_grad_norm=1.0,
+        inv_scale=inv,
+        grads_for=dict(zip(b, raw, strict=True)),
+    )
     for p, q in zip(a, b, strict=True):
         assert q.grad is None and torch.equal(p, q)
         for key in ("exp_avg", "exp_avg_sq", "step"):

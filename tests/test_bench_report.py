@@ -191,38 +191,99 @@ def _chart_results() -> dict:
         "machine_info": {"device": "cpu", "torch": "2.13.0+cpu", "commit": "abc1234"},
         "benchmarks": [
             # multi-rank rounds of 3.24 s and 4.5 s (rank start-up included): not plotted
-            _bench("tp-mlp-2-ranks", "test_mlp[256-2]", {"hidden": 256, "world": 2}, 3.24,
-                   {"fastpar_ms": 23.0, "dtensor_ms": 29.0, "dtensor_over_fastpar": 29 / 23}),
-            _bench("tp-mlp-4-ranks", "test_mlp[256-4]", {"hidden": 256, "world": 4}, 4.5,
-                   {"fastpar_ms": 40.0, "dtensor_ms": 50.0, "dtensor_over_fastpar": 1.25}),
-            _bench("zero3-vs-fsdp2-2", "test_zero3[2]", {"world": 2}, 0.96,
-                   {"seconds": {"fastpar-zero3": 0.0376, "torch-fsdp2": 0.0465},
-                    "bytes_per_rank": z3, "peer_time_over_fastpar": 0.0465 / 0.0376,
-                    "sent_bytes": 6 * MiB, "three_psi_bytes": 6 * MiB}),
-            _bench("pipeline-bubble-1f1b", "test_bubble_table[2-1f1b]",
-                   {"p": 2, "schedule": "1f1b"}, 2.0, {"bubble": bubble}),
-            _bench("pipeline-activation-memory", "test_activation_memory[gpipe-False]",
-                   {"schedule": "gpipe", "recompute": False}, 0.34,
-                   {"peak_bytes_per_rank": [9 * MiB, 17 * MiB]}),
-            _bench("pipeline-activation-memory", "test_activation_memory[gpipe-True]",
-                   {"schedule": "gpipe", "recompute": True}, 0.33,
-                   {"peak_bytes_per_rank": [64 * 1024, 64 * 1024]}),
-            *[_bench("zero-memory-planned-vs-measured", name, params, 0.35,
-                     {**extra, "held": {**held, "total": total}, "planned_total": plan,
-                      "sent_bytes": 4.5 * MiB, f"{k}_psi_bytes": 4.5 * MiB})
-              for name, params, extra, total, plan, k in zero],
-            *[_bench(f"adamw-{size}", f"test_adamw_step[{prov}-{size}]",
-                     {"provider": prov, "numel": 10**6}, median, {"provider": prov})
-              for size, prov, median in kernels],
-            _bench("train-step", "test_train_step_throughput[dp8]", {"name": "dp8"}, 1.37,
-                   {"step_seconds": 0.1415, "tokens_per_second": 7234.0, "layout": "dp8"}),
-            _bench("train-step", "test_train_step_throughput[pp4]", {"name": "pp4"}, 1.22,
-                   {"step_seconds": 0.115, "tokens_per_second": 8894.0, "layout": "pp4"}),
+            _bench(
+                "tp-mlp-2-ranks",
+                "test_mlp[256-2]",
+                {"hidden": 256, "world": 2},
+                3.24,
+                {"fastpar_ms": 23.0, "dtensor_ms": 29.0, "dtensor_over_fastpar": 29 / 23},
+            ),
+            _bench(
+                "tp-mlp-4-ranks",
+                "test_mlp[256-4]",
+                {"hidden": 256, "world": 4},
+                4.5,
+                {"fastpar_ms": 40.0, "dtensor_ms": 50.0, "dtensor_over_fastpar": 1.25},
+            ),
+            _bench(
+                "zero3-vs-fsdp2-2",
+                "test_zero3[2]",
+                {"world": 2},
+                0.96,
+                {
+                    "seconds": {"fastpar-zero3": 0.0376, "torch-fsdp2": 0.0465},
+                    "bytes_per_rank": z3,
+                    "peer_time_over_fastpar": 0.0465 / 0.0376,
+                    "sent_bytes": 6 * MiB,
+                    "three_psi_bytes": 6 * MiB,
+                },
+            ),
+            _bench(
+                "pipeline-bubble-1f1b",
+                "test_bubble_table[2-1f1b]",
+                {"p": 2, "schedule": "1f1b"},
+                2.0,
+                {"bubble": bubble},
+            ),
+            _bench(
+                "pipeline-activation-memory",
+                "test_activation_memory[gpipe-False]",
+                {"schedule": "gpipe", "recompute": False},
+                0.34,
+                {"peak_bytes_per_rank": [9 * MiB, 17 * MiB]},
+            ),
+            _bench(
+                "pipeline-activation-memory",
+                "test_activation_memory[gpipe-True]",
+                {"schedule": "gpipe", "recompute": True},
+                0.33,
+                {"peak_bytes_per_rank": [64 * 1024, 64 * 1024]},
+            ),
+            *[
+                _bench(
+                    "zero-memory-planned-vs-measured",
+                    name,
+                    params,
+                    0.35,
+                    {
+                        **extra,
+                        "held": {**held, "total": total},
+                        "planned_total": plan,
+                        "sent_bytes": 4.5 * MiB,
+                        f"{k}_psi_bytes": 4.5 * MiB,
+                    },
+                )
+                for name, params, extra, total, plan, k in zero
+            ],
+            *[
+                _bench(
+                    f"adamw-{size}",
+                    f"test_adamw_step[{prov}-{size}]",
+                    {"provider": prov, "numel": 10**6},
+                    median,
+                    {"provider": prov},
+                )
+                for size, prov, median in kernels
+            ],
+            _bench(
+                "train-step",
+                "test_train_step_throughput[dp8]",
+                {"name": "dp8"},
+                1.37,
+                {"step_seconds": 0.1415, "tokens_per_second": 7234.0, "layout": "dp8"},
+            ),
+            _bench(
+                "train-step",
+                "test_train_step_throughput[pp4]",
+                {"name": "pp4"},
+                1.22,
+                {"step_seconds": 0.115, "tokens_per_second": 8894.0, "layout": "pp4"},
+            ),
             _bench("harness-2-ranks", "test_fork_noop[2]", {"world": 2}, 0.07, {}),
             _bench("harness-2-ranks", "test_spawn_tp1_mesh[2]", {"world": 2}, 1.36, {}),
             _bench("harness-4-ranks", "test_fork_noop[4]", {"world": 4}, 0.1, {}),
         ],
-    }  # fmt: skip
+    }
 
 
 @pytest.fixture(scope="module")
@@ -253,10 +314,15 @@ def _texts(fig) -> str:
 
 def test_one_chart_per_comparison(figures: dict) -> None:
     assert sorted(figures) == [
-        "adamw.png", "harness.png", "pipeline-activation-memory.png", "pipeline-bubble.png",
-        "tp-mlp.png", "train-step.png", "zero-memory-planned-vs-measured.png",
+        "adamw.png",
+        "harness.png",
+        "pipeline-activation-memory.png",
+        "pipeline-bubble.png",
+        "tp-mlp.png",
+        "train-step.png",
+        "zero-memory-planned-vs-measured.png",
         "zero3-vs-fsdp2.png",
-    ]  # fmt: skip
+    ]
     for fig in figures.values():  # the footer names the file and the device, no other file
         assert "cpu-charts.json · device cpu" in _texts(fig)
 
@@ -348,8 +414,10 @@ def test_kernels_one_panel_per_size_providers_side_by_side(figures: dict) -> Non
     assert _bars(large) == {"fastpar": pytest.approx([118]), "torch_foreach": pytest.approx([43.6])}
     assert _ticks(small) == ["fastpar", "torch_fused", "torch_foreach"]
     assert _ticks(large) == ["fastpar", "torch_foreach"]
-    colours = [{c.get_label(): c.patches[0].get_facecolor() for c in ax.containers}
-               for ax in (small, large)]  # fmt: skip
+    colours = [
+        {c.get_label(): c.patches[0].get_facecolor() for c in ax.containers}
+        for ax in (small, large)
+    ]
     assert len(set(colours[0].values())) == 3  # one colour per provider, the same in each panel
     assert colours[1] == {k: colours[0][k] for k in ("fastpar", "torch_foreach")}
 

@@ -28,10 +28,24 @@ def _conftest():
 def _collect(*args: str) -> list[str]:
     env = {k: v for k, v in os.environ.items() if k != "FASTPAR_BENCH_FULL"}
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "bench/", "--collect-only", "-q", "-p", "no:cacheprovider",
-         *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "bench/",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            *args,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     return [line for line in out.stdout.splitlines() if "::" in line]
 
@@ -87,8 +101,17 @@ def test_the_table_fits_100_columns():
     for i, name in enumerate([longest, "test_fork_noop[2]"]):
         t = 1.234567 * (1 + 50 * i)
         stats = dict(min=t, max=9 * t, mean=2 * t, median=1.5 * t, iqr=t, stddev=t, ops=1 / t)
-        benches.append(dict(stats, name=name, fullname=name, source=None, outliers="1;2",
-                            rounds=123, iterations=1))  # fmt: skip
+        benches.append(
+            dict(
+                stats,
+                name=name,
+                fullname=name,
+                source=None,
+                outliers="1;2",
+                rounds=123,
+                iterations=1,
+            )
+        )
     assert conftest.short_name(benches[0]).startswith("moe_grouped")
     assert len(conftest.short_name(benches[0])) == conftest.NAME_WIDTH
 
@@ -106,9 +129,13 @@ def test_the_table_fits_100_columns():
             pass
 
     table = TableResults(
-        columns=conftest.COLUMNS, sort="min", histogram=False, name_format=conftest.short_name,
-        logger=None, scale_unit=lambda **kw: pytest_benchmark_scale_unit(config=None, **kw),
-    )  # fmt: skip
+        columns=conftest.COLUMNS,
+        sort="min",
+        histogram=False,
+        name_format=conftest.short_name,
+        logger=None,
+        scale_unit=lambda **kw: pytest_benchmark_scale_unit(config=None, **kw),
+    )
     table.display(conftest._Fitted(Reporter()), [("a group", benches)], report_noprogress)
     widths = [len(line.rstrip("\n")) for line in lines]
     assert any("median" in line.lower() for line in lines), lines

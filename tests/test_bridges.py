@@ -183,8 +183,13 @@ def _fsdp2_clip() -> dict:
 
     torch_norm = torch.nn.utils.get_total_norm([p.grad for p in params.values()])
     torch_norm = torch_norm.full_tensor() if isinstance(torch_norm, DTensor) else torch_norm
-    agree(torch_norm, per_tp_rank(dense_grads), per_tp_rank(dense_grads64),
-          "torch's norm: per TP rank", length=n_norm)  # fmt: skip
+    agree(
+        torch_norm,
+        per_tp_rank(dense_grads),
+        per_tp_rank(dense_grads64),
+        "torch's norm: per TP rank",
+        length=n_norm,
+    )
     assert abs(float(torch_norm) - float(true)) > 1e-3 * float(true), "torch's norm is right?"
 
     # marks lost by fully_shard: refused, naming the fix
@@ -202,16 +207,26 @@ def _fsdp2_clip() -> dict:
     agree(norm, true, true64, "fastpar's norm under FSDP2 + TP", length=n_norm)
     for name in params:
         # the clip scales by max_norm / norm: the norm's sum feeds every element
-        agree(local_grad(name), expected(name, clipped), expected(name, clipped64),
-              f"clipped grad of {name}", length=n_norm)  # fmt: skip
+        agree(
+            local_grad(name),
+            expected(name, clipped),
+            expected(name, clipped64),
+            f"clipped grad of {name}",
+            length=n_norm,
+        )
 
     # torch's own TP (a DTensor spanning tp, replicated over dp): counted by its placements
     full = torch.arange(12.0).reshape(4, 3)
     dp_tp, placements = mesh.to_device_mesh()["dp", "tp"], [Replicate(), Shard(0)]
     q = nn.Parameter(DTensor.from_local(torch.zeros(2, 3), dp_tp, placements))
     q.grad = DTensor.from_local(full.chunk(2)[mesh.tp_rank].clone(), dp_tp, placements)
-    agree(global_grad_norm([q], mesh=mesh), full.norm(), full.double().norm(),
-          "torch TP DTensor norm", length=full.numel())  # fmt: skip
+    agree(
+        global_grad_norm([q], mesh=mesh),
+        full.norm(),
+        full.double().norm(),
+        "torch TP DTensor norm",
+        length=full.numel(),
+    )
 
     # a Partial (unreduced) DTensor gradient is refused
     p = nn.Parameter(torch.zeros(3))

@@ -90,9 +90,13 @@ def _train_mlp(kind: str, path: str, resume: bool, noise: bool = True):
     for step in range(start, STEPS):
         if step == SAVE_AT and not resume:
             checkpoint.save(
-                path, model_params=names, optimizer=opt, mesh=mesh, step=step,
+                path,
+                model_params=names,
+                optimizer=opt,
+                mesh=mesh,
+                step=step,
                 extra={"next_step": step},
-            )  # fmt: skip
+            )
         x, y = _batch(step, world, rank)
         if noise:
             x = x + 0.01 * torch.randn_like(x)

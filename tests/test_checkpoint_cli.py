@@ -48,8 +48,9 @@ def _save_tp2(path: str) -> dict[str, torch.Tensor]:
         for p in model.parameters():  # distinct values on every rank's shard
             p.add_(torch.randn_like(p) * (1 + dist.get_rank()))
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    checkpoint.save(path, model_params=dict(model.named_parameters()), optimizer=opt, mesh=mesh,
-                    step=3)  # fmt: skip
+    checkpoint.save(
+        path, model_params=dict(model.named_parameters()), optimizer=opt, mesh=mesh, step=3
+    )
     g = mesh.tp_group
     d = {n: p.detach() for n, p in model.named_parameters()}
     return {
@@ -73,9 +74,24 @@ def tp2(tmp_path_factory):
 def run_dir(tmp_path_factory):
     """A fastpar.train run at TP=2 saving steps 1 and 2."""
     root = tmp_path_factory.mktemp("run")
-    cfg = TrainConfig(steps=2, batch_size=4, seq_len=16, hidden=32, heads=4, layers=1, quiet=True,
-                      tp=2, pp=1, dp=1, ep=1, moe_every=0, model_type="llama", kv_heads=2,
-                      checkpoint_dir=str(root / "ckpt"), save_every=1)  # fmt: skip
+    cfg = TrainConfig(
+        steps=2,
+        batch_size=4,
+        seq_len=16,
+        hidden=32,
+        heads=4,
+        layers=1,
+        quiet=True,
+        tp=2,
+        pp=1,
+        dp=1,
+        ep=1,
+        moe_every=0,
+        model_type="llama",
+        kv_heads=2,
+        checkpoint_dir=str(root / "ckpt"),
+        save_every=1,
+    )
     launch(cfg)
     return str(root / "ckpt")
 
@@ -125,8 +141,10 @@ def test_export_hf_runs_fastpar_export(run_dir, tmp_path):
     out = tmp_path / "hf"
     done = subprocess.run(
         [sys.executable, "-m", "fastpar.checkpoint", "export", run_dir, str(out), "--hf"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads((out / "config.json").read_text())["hidden_size"] == 32
     assert any(f.endswith(".safetensors") for f in os.listdir(out))

@@ -33,9 +33,24 @@ from fastpar.train import TrainConfig, latest_checkpoint, launch, lr_at
 # one rank, no MoE; one micro-batch and a clipping threshold never reached, so that pp=1, 2 and
 # 4 compute the same sums in the same order (two micro-batches or an active clip would sum the
 # tied embedding's gradient or the global norm in another order: equal to ~1e-7 only)
-SMALL = dict(steps=4, save_every=2, batch_size=4, seq_len=16, hidden=32, heads=4, layers=2,
-             tp=1, pp=1, dp=1, ep=1, moe_every=0, zero=0, microbatches=1, max_grad_norm=1e9,
-             quiet=True)  # fmt: skip
+SMALL = dict(
+    steps=4,
+    save_every=2,
+    batch_size=4,
+    seq_len=16,
+    hidden=32,
+    heads=4,
+    layers=2,
+    tp=1,
+    pp=1,
+    dp=1,
+    ep=1,
+    moe_every=0,
+    zero=0,
+    microbatches=1,
+    max_grad_norm=1e9,
+    quiet=True,
+)
 
 
 def _run(**overrides) -> list[dict]:
@@ -91,15 +106,26 @@ def test_a_live_holder_is_refused_by_name_and_a_released_lock_is_free(tmp_path):
 
 
 def _dead_pid() -> int:
-    out = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return int(out.stdout)
 
 
 def _write_lock(directory, **content) -> None:
     now = time.time()
-    record = dict(host=socket.gethostname(), pid=_dead_pid(), run_id="old", started=now,
-                  heartbeat=now, released=False, token="theirs")  # fmt: skip
+    record = dict(
+        host=socket.gethostname(),
+        pid=_dead_pid(),
+        run_id="old",
+        started=now,
+        heartbeat=now,
+        released=False,
+        token="theirs",
+    )
     with open(os.path.join(directory, "LOCK"), "w") as f:
         json.dump({**record, **content}, f)
 
@@ -128,13 +154,45 @@ def test_two_runs_into_one_directory(tmp_path, capfd):
     naming the first's rank 0; after kill -9 of the first, a --resume takes its lock over and
     goes on from its newest complete checkpoint."""
     d = str(tmp_path / "ckpt")
-    flags = ["--tp", "1", "--pp", "1", "--dp", "1", "--ep", "1", "--moe-every", "0", "--steps",
-             "100000", "--save-every", "1", "--batch-size", "4", "--seq-len", "16", "--hidden",
-             "32", "--heads", "4", "--layers", "2", "--microbatches", "1", "--quiet",
-             "--lr-schedule", "constant", "--checkpoint-dir", d]  # fmt: skip
-    first = subprocess.Popen([sys.executable, "-m", "fastpar.train", *flags],
-                             start_new_session=True, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE)  # fmt: skip
+    flags = [
+        "--tp",
+        "1",
+        "--pp",
+        "1",
+        "--dp",
+        "1",
+        "--ep",
+        "1",
+        "--moe-every",
+        "0",
+        "--steps",
+        "100000",
+        "--save-every",
+        "1",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "16",
+        "--hidden",
+        "32",
+        "--heads",
+        "4",
+        "--layers",
+        "2",
+        "--microbatches",
+        "1",
+        "--quiet",
+        "--lr-schedule",
+        "constant",
+        "--checkpoint-dir",
+        d,
+    ]
+    first = subprocess.Popen(
+        [sys.executable, "-m", "fastpar.train", *flags],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         deadline = time.monotonic() + 120
         while not any(e.status == "complete" for e in scan(d)):
@@ -145,8 +203,11 @@ def test_two_runs_into_one_directory(tmp_path, capfd):
             holder = json.load(f)
         with open(f"/proc/{holder['pid']}/stat") as f:  # the first run's rank 0
             assert int(f.read().rpartition(")")[2].split()[1]) == first.pid
-        with pytest.raises(RankError, match=rf"locked by run '{holder['run_id']}' \(pid "
-                           rf"{holder['pid']} on host"):  # fmt: skip
+        with pytest.raises(
+            RankError,
+            match=rf"locked by run '{holder['run_id']}' \(pid "
+            rf"{holder['pid']} on host",
+        ):
             _run(checkpoint_dir=d, allow_other_run=True)
     finally:
         os.killpg(first.pid, signal.SIGKILL)
@@ -273,8 +334,11 @@ def test_resume_with_only_a_corrupted_checkpoint_fails_unless_allow_fresh(run_a,
     d = _copy(run_a, tmp_path)
     shutil.rmtree(os.path.join(d, "step_000004"))
     _flip_byte(os.path.join(d, "step_000002", "rank00000.pt"))
-    with pytest.raises(RankError, match=r"holds no usable checkpoint \(step_000002: corrupted "
-                       r"\(sha256 mismatch for rank00000\.pt.*pass --allow-fresh"):  # fmt: skip
+    with pytest.raises(
+        RankError,
+        match=r"holds no usable checkpoint \(step_000002: corrupted "
+        r"\(sha256 mismatch for rank00000\.pt.*pass --allow-fresh",
+    ):
         _run(checkpoint_dir=d, resume=True)
     capfd.readouterr()
     fresh = _run(checkpoint_dir=d, resume=True, allow_fresh=True, steps=1)
@@ -285,8 +349,11 @@ def test_resume_with_only_a_corrupted_checkpoint_fails_unless_allow_fresh(run_a,
 def test_a_fresh_run_over_another_runs_checkpoints(run_a, tmp_path, capfd):
     d = _copy(run_a, tmp_path)
     old = _run_id(os.path.join(d, "step_000004"))
-    with pytest.raises(RankError, match=rf"holds another run's checkpoints \(2 checkpoints, "
-                       rf"step_000002 to step_000004, of run {old}\): pass --resume"):  # fmt: skip
+    with pytest.raises(
+        RankError,
+        match=rf"holds another run's checkpoints \(2 checkpoints, "
+        rf"step_000002 to step_000004, of run {old}\): pass --resume",
+    ):
         _run(checkpoint_dir=d)
     _run(checkpoint_dir=d, allow_other_run=True, steps=2, seed=7)  # overwrites step 2
     new = _run_id(os.path.join(d, "step_000002"))
@@ -312,8 +379,11 @@ def test_keep_last_never_deletes_a_checkpoint_being_read(tmp_path, capfd):
 
 def test_changed_settings_warn_or_refuse_and_steps_below_is_an_error(run_a, tmp_path, capfd):
     d = _copy(run_a, tmp_path)
-    with pytest.raises(RankError, match=r"saved with another model \(--hidden 32 -> 48; "
-                       r"--layers 2 -> 3\)"):  # fmt: skip
+    with pytest.raises(
+        RankError,
+        match=r"saved with another model \(--hidden 32 -> 48; "
+        r"--layers 2 -> 3\)",
+    ):
         _run(checkpoint_dir=d, resume=True, hidden=48, layers=3, steps=5)
     with pytest.raises(RankError, match=r"--steps 3 is below the step 4 of .*step_000004"):
         _run(checkpoint_dir=d, resume=True, steps=3)
@@ -339,8 +409,10 @@ def run_cos(tmp_path_factory):
 def _rates(old: dict, new: dict, step: int) -> str:
     """The message's LRs of the two steps after ``step``, from ``lr_at`` of both settings."""
     was, now = TrainConfig(**{**SMALL, **old}), TrainConfig(**{**SMALL, **new})
-    return (f"LR at step {step + 1}: {lr_at(was, step):.6g} -> {lr_at(now, step):.6g}, at step "
-            f"{step + 2}: {lr_at(was, step + 1):.6g} -> {lr_at(now, step + 1):.6g} (saved -> new)")  # fmt: skip
+    return (
+        f"LR at step {step + 1}: {lr_at(was, step):.6g} -> {lr_at(now, step):.6g}, at step "
+        f"{step + 2}: {lr_at(was, step + 1):.6g} -> {lr_at(now, step + 1):.6g} (saved -> new)"
+    )
 
 
 @pytest.mark.parametrize("change", [dict(steps=8), dict(lr=1e-3)], ids=["steps", "lr"])
@@ -363,8 +435,10 @@ def test_a_changed_schedule_is_refused_unless_allowed(run_cos, change, tmp_path,
     assert _steps(resumed) == list(range(3, now.steps + 1))
     assert [r["lr"] for r in resumed] == [lr_at(now, s) for s in range(2, now.steps)]
     err = capfd.readouterr().err
-    assert (f"warning: --resume from {d}/step_000002 changes the LR schedule ({flag}): {rates}; "
-            "training on with the new schedule (--allow-schedule-change)") in err, err  # fmt: skip
+    assert (
+        f"warning: --resume from {d}/step_000002 changes the LR schedule ({flag}): {rates}; "
+        "training on with the new schedule (--allow-schedule-change)"
+    ) in err, err
     assert "changed settings" not in err
 
 
@@ -378,8 +452,10 @@ def test_a_schedule_change_the_lr_never_sees_resumes_with_a_note(tmp_path, capfd
     resumed = _run(checkpoint_dir=d, resume=True, steps=6, quiet=False, **flat)
     out, err = capfd.readouterr()
     assert _steps(resumed) == [5, 6]
-    assert (f"note: --resume from {d}/step_000004: --steps 4 -> 6 leaves the LR of every step "
-            "both settings train unchanged; the run now ends at step 6") in out, out  # fmt: skip
+    assert (
+        f"note: --resume from {d}/step_000004: --steps 4 -> 6 leaves the LR of every step "
+        "both settings train unchanged; the run now ends at step 6"
+    ) in out, out
     assert out.count("note:") == 1 and "warning" not in err, err
     straight = _run(steps=6, save_every=0, **flat)
     assert _losses(resumed) == _losses(straight)[4:]
@@ -419,8 +495,9 @@ def test_compare_schedule_and_data_dtype_records():
     assert compare_settings(saved, TrainConfig(**SMALL)) == ([], [])
     bin_cfg = TrainConfig(**SMALL, data="ids.bin", data_dtype="uint32")
     assert compare_settings(saved, bin_cfg)[1] == [
-        "--data None -> ids.bin", "--data-dtype uint16 -> uint32",
-    ]  # fmt: skip
+        "--data None -> ids.bin",
+        "--data-dtype uint16 -> uint32",
+    ]
 
 
 # -- resharding across pipeline layouts -------------------------------------------------------

@@ -41,8 +41,9 @@ def _save(tp: int, path: str, piece_bytes: int) -> None:
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opt.step()
-    checkpoint.save(path, model_params=dict(model.named_parameters()), optimizer=opt, mesh=mesh,
-                    step=1)  # fmt: skip
+    checkpoint.save(
+        path, model_params=dict(model.named_parameters()), optimizer=opt, mesh=mesh, step=1
+    )
 
 
 def _load(tp: int, path: str):
@@ -63,15 +64,17 @@ def _reference(path: str, tp: int) -> list[dict]:
     for r in range(tp):
         q, k, v = full["qkv.weight"].chunk(3)
         qb, kb, vb = full["qkv.bias"].chunk(3)
-        out.append({
-            "emb.weight": full["emb.weight"].chunk(tp)[r],
-            "qkv.weight": torch.cat([t.chunk(tp)[r] for t in (q, k, v)]),
-            "qkv.bias": torch.cat([t.chunk(tp)[r] for t in (qb, kb, vb)]),
-            "proj.weight": full["proj.weight"].chunk(tp, dim=1)[r],
-            "proj.bias": full["proj.bias"],
-            "norm.weight": full["norm.weight"],
-            "norm.bias": full["norm.bias"],
-        })  # fmt: skip
+        out.append(
+            {
+                "emb.weight": full["emb.weight"].chunk(tp)[r],
+                "qkv.weight": torch.cat([t.chunk(tp)[r] for t in (q, k, v)]),
+                "qkv.bias": torch.cat([t.chunk(tp)[r] for t in (qb, kb, vb)]),
+                "proj.weight": full["proj.weight"].chunk(tp, dim=1)[r],
+                "proj.bias": full["proj.bias"],
+                "norm.weight": full["norm.weight"],
+                "norm.bias": full["norm.bias"],
+            }
+        )
     return out
 
 

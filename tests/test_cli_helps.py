@@ -24,15 +24,42 @@ from fastpar.train.summary import (
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = ["--tp", "1", "--pp", "1", "--dp", "1", "--ep", "1", "--moe-every", "0", "--steps", "1",
-         "--batch-size", "2", "--seq-len", "8", "--hidden", "16", "--heads", "2",
-         "--layers", "1"]  # fmt: skip
+SMALL = [
+    "--tp",
+    "1",
+    "--pp",
+    "1",
+    "--dp",
+    "1",
+    "--ep",
+    "1",
+    "--moe-every",
+    "0",
+    "--steps",
+    "1",
+    "--batch-size",
+    "2",
+    "--seq-len",
+    "8",
+    "--hidden",
+    "16",
+    "--heads",
+    "2",
+    "--layers",
+    "1",
+]
 
 
 def _run(module: str, *argv: str, timeout: float = 180, env=None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
-    return subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env=env)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", module, *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
 
 
 # -- 1, 2: no prefix matching, one line for an unknown flag -------------------------------------
@@ -68,8 +95,12 @@ def test_every_parser_refuses_prefixes():
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["--step", "5"])
     assert exc.value.code == 2
-    src = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(ROOT, "fastpar"))
-           for f in fs if f.endswith(".py")]  # fmt: skip
+    src = [
+        os.path.join(d, f)
+        for d, _, fs in os.walk(os.path.join(ROOT, "fastpar"))
+        for f in fs
+        if f.endswith(".py")
+    ]
     for path in src:
         with open(path) as f:
             assert "argparse.ArgumentParser(" not in f.read(), path
@@ -107,8 +138,9 @@ def test_verify_has_its_own_help():
     assert "(default 30)" in " ".join(train.split("\n  --steps STEPS", 1)[1].split()[:12])
 
 
-@pytest.mark.parametrize("module", ["fastpar.export", "fastpar.checkpoint", "fastpar.tokenizer",
-                                    "fastpar.mesh"])  # fmt: skip
+@pytest.mark.parametrize(
+    "module", ["fastpar.export", "fastpar.checkpoint", "fastpar.tokenizer", "fastpar.mesh"]
+)
 def test_each_command_has_its_own_help(module):
     r = _run(module, "--help", timeout=60)
     assert r.returncode == 0 and "Train a GPT" not in r.stdout
@@ -137,8 +169,7 @@ def _llama_without_plan(tmp_path, monkeypatch):
     return str(config), str(plan_file), plan
 
 
-HF = ["--tp", "2", "--pp", "1", "--dp", "1", "--steps", "2", "--seq-len", "16",
-      "--batch-size", "4"]  # fmt: skip
+HF = ["--tp", "2", "--pp", "1", "--dp", "1", "--steps", "2", "--seq-len", "16", "--batch-size", "4"]
 
 
 def test_plan_trains_a_family_without_a_built_in_plan(tmp_path, monkeypatch, capfd):
@@ -157,12 +188,14 @@ def test_plan_file_errors(tmp_path, monkeypatch, capsys):
     cases = {
         "missing.json": (None, "cannot read it"),
         "bad.json": ("{", "not valid JSON"),
-        "typo.json": (json.dumps({**plan, "model.layers.*.self_attn.qproj": "column"}),
-                      "matches no module of LlamaForCausalLM; the nearest module is"),
+        "typo.json": (
+            json.dumps({**plan, "model.layers.*.self_attn.qproj": "column"}),
+            "matches no module of LlamaForCausalLM; the nearest module is",
+        ),
         "style.json": (json.dumps({**plan, "lm_head": "diagonal"}), "style must be one of"),
-        "head.json": (json.dumps({**plan, "lm_head": "row"}), "plan it \"column\""),
+        "head.json": (json.dumps({**plan, "lm_head": "row"}), 'plan it "column"'),
         "plan.yaml": ("", "name a .toml or a .json file"),
-    }  # fmt: skip
+    }
     for name, (text, message) in cases.items():
         path = tmp_path / name
         if text is not None:
@@ -181,8 +214,18 @@ def test_eta_leaves_the_compile_step_out():
 
     def row(step, elapsed, **kw):
         rec = {"step": step, "loss": 1.0, "lr": 0.1, "grad_norm": 1.0, "skipped": False}
-        return metrics_row(cfg, [rec], seconds=1.0, elapsed=elapsed, steps_run=step, flops=1.0,
-                           device=torch.device("cpu"), mem=(1.0, None), skipped_steps=0, **kw)  # fmt: skip
+        return metrics_row(
+            cfg,
+            [rec],
+            seconds=1.0,
+            elapsed=elapsed,
+            steps_run=step,
+            flops=1.0,
+            device=torch.device("cpu"),
+            mem=(1.0, None),
+            skipped_steps=0,
+            **kw,
+        )
 
     assert row(2, 101.0)["eta_s"] == pytest.approx(101.0 / 2 * 8)  # without --compile
     assert row(1, 100.0, compile_s=100.0, compile_steps=1)["eta_s"] is None  # no rate yet
@@ -222,13 +265,30 @@ def test_done_line():
 
 
 def test_header_names_what_changes_the_math():
-    cfg = TrainConfig(recompute="attention", compile=True, sequence_parallel=True, fused_ce=True,
-                      loss_normalization="sequence", capacity_factor=1.5, expert_bias=True,
-                      z_loss_coef=1e-3)  # fmt: skip
+    cfg = TrainConfig(
+        recompute="attention",
+        compile=True,
+        sequence_parallel=True,
+        fused_ce=True,
+        loss_normalization="sequence",
+        capacity_factor=1.5,
+        expert_bias=True,
+        z_loss_coef=1e-3,
+    )
     line = header_line(cfg, "gloo", 1000, 500)
-    for word in ("fastpar.train: gpt,", "recompute attention", "compile", "sequence parallel",
-                 "fused CE", "sequence loss normalisation", "MoE every 2: top-2 of 4 experts",
-                 "capacity 1.5", "expert bias", "z-loss 0.001", "1,000 parameters"):  # fmt: skip
+    for word in (
+        "fastpar.train: gpt,",
+        "recompute attention",
+        "compile",
+        "sequence parallel",
+        "fused CE",
+        "sequence loss normalisation",
+        "MoE every 2: top-2 of 4 experts",
+        "capacity 1.5",
+        "expert bias",
+        "z-loss 0.001",
+        "1,000 parameters",
+    ):
         assert word in line, (word, line)
     plain = math_settings(TrainConfig(moe_every=0))
     assert plain == ["token loss normalisation"]
@@ -269,12 +329,36 @@ def test_default_world_note_through_the_cli():
         "import sys, fastpar.train.cli as c; c.cpu_cores = lambda: 2; "
         "sys.exit(c.main(sys.argv[1:]))"
     )
-    argv = ["--steps", "1", "--layers", "2", "--hidden", "16", "--heads",
-            "2", "--seq-len", "8", "--batch-size", "8"]  # fmt: skip
-    r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
-                       timeout=180, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})  # fmt: skip
+    argv = [
+        "--steps",
+        "1",
+        "--layers",
+        "2",
+        "--hidden",
+        "16",
+        "--heads",
+        "2",
+        "--seq-len",
+        "8",
+        "--batch-size",
+        "8",
+    ]
+    r = subprocess.run(
+        [sys.executable, "-c", code, *argv],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "note: no layout flags: running the default world of 8 ranks" in r.stderr
-    r = subprocess.run([sys.executable, "-c", code, *SMALL], capture_output=True, text=True,
-                       timeout=180, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", code, *SMALL],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert r.returncode == 0 and "note:" not in r.stderr

@@ -100,11 +100,21 @@ def _check(hq, hkv, chunk, kind, math_only):
     ]:
         assert torch.isfinite(t).all(), f"{name} on cp rank {rank} is not finite"
     length = max(seq, q.shape[-1])
-    assert_agree(out, [r[0] for r in runs], exact[0], length=length,
-                 what=f"{kind} attention output on cp rank {rank}")  # fmt: skip
+    assert_agree(
+        out,
+        [r[0] for r in runs],
+        exact[0],
+        length=length,
+        what=f"{kind} attention output on cp rank {rank}",
+    )
     for i, (name, got) in enumerate(zip("qkv", mine, strict=True)):
-        assert_agree(got.grad, [r[1][i] for r in runs], exact[1][i], length=length,
-                     what=f"{kind} d{name} on cp rank {rank}")  # fmt: skip
+        assert_agree(
+            got.grad,
+            [r[1][i] for r in runs],
+            exact[1][i],
+            length=length,
+            what=f"{kind} d{name} on cp rank {rank}",
+        )
     if kind == "ring":  # mixed rows: a row of many documents makes every block masked
         assert stats["blocks_total"] > 0 and stats["blocks_masked"] > 0
     return True
@@ -244,8 +254,13 @@ def _model_step(kind: str, layout: dict, extra: dict, ref_losses, refs, length):
     mean = loss.detach().clone()
     dist.all_reduce(mean, group=mesh.cp_group)
     where = f"cp rank {mesh.cp_rank}"
-    assert_agree(mean / mesh.cp_size, ref_losses[:2], ref_losses[2], length=length,
-                 what=f"loss (mean over cp) on {where}")  # fmt: skip
+    assert_agree(
+        mean / mesh.cp_size,
+        ref_losses[:2],
+        ref_losses[2],
+        length=length,
+        what=f"loss (mean over cp) on {where}",
+    )
     count = 0
     for name, p in model.named_parameters():
         assert p.grad is not None, f"{name} got no gradient"
@@ -256,8 +271,13 @@ def _model_step(kind: str, layout: dict, extra: dict, ref_losses, refs, length):
         single, twin, exact = (
             local_slice(r[name], p, param_layout(p).fused) if sharded else r[name] for r in refs
         )
-        assert_agree(grad, [single, twin], exact, length=length,
-                     what=f"grad of {name} (mean over cp) on {where}")  # fmt: skip
+        assert_agree(
+            grad,
+            [single, twin],
+            exact,
+            length=length,
+            what=f"grad of {name} (mean over cp) on {where}",
+        )
         count += 1
     assert count == len(refs[0])
     return count

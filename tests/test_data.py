@@ -84,25 +84,47 @@ def _wide_bin(path):  # uint32 ids, to be read as uint16
 BAD_DATA = [
     ("empty.txt", lambda p: p.write_bytes(b""), "empty.txt is empty (0 bytes): pass a text file"),
     ("empty.bin", lambda p: p.write_bytes(b""), "empty.bin is empty (0 bytes): pass a .bin file"),
-    ("odd.bin", lambda p: p.write_bytes(b"\x01" * 1001),
-     "odd.bin has 1001 bytes, not a whole number of uint16 ids (2 bytes each): pass the "
-     "--data-dtype it was written with"),
-    ("wide.bin", _wide_bin, "wide.bin: every second uint16 id is 0, as when uint32 ids are read "
-     "as uint16 (their high halves): pass --data-dtype uint32"),
-    ("rows.npy", lambda p: np.save(p, np.ones((20, 100), dtype=np.int32)),
-     "rows.npy holds a 2-D array of shape (20, 100), not one stream of token ids: save a 1-D "
-     "array"),
+    (
+        "odd.bin",
+        lambda p: p.write_bytes(b"\x01" * 1001),
+        "odd.bin has 1001 bytes, not a whole number of uint16 ids (2 bytes each): pass the "
+        "--data-dtype it was written with",
+    ),
+    (
+        "wide.bin",
+        _wide_bin,
+        "wide.bin: every second uint16 id is 0, as when uint32 ids are read "
+        "as uint16 (their high halves): pass --data-dtype uint32",
+    ),
+    (
+        "rows.npy",
+        lambda p: np.save(p, np.ones((20, 100), dtype=np.int32)),
+        "rows.npy holds a 2-D array of shape (20, 100), not one stream of token ids: save a 1-D "
+        "array",
+    ),
     ("one.npy", lambda p: np.save(p, np.array(5)), "one.npy holds a 0-D array of shape ()"),
-    ("float.npy", lambda p: np.save(p, np.arange(1000, dtype=np.float64) + 0.5),
-     "float.npy holds float64 values, not integer token ids"),
-    ("objects.npy", _object_npy, "objects.npy is not a .npy array of token ids numpy can "
-     "memory-map"),
-    ("text.npy", lambda p: p.write_text("not an array"), "text.npy is not a .npy array of token "
-     "ids numpy can memory-map"),
+    (
+        "float.npy",
+        lambda p: np.save(p, np.arange(1000, dtype=np.float64) + 0.5),
+        "float.npy holds float64 values, not integer token ids",
+    ),
+    (
+        "objects.npy",
+        _object_npy,
+        "objects.npy is not a .npy array of token ids numpy can memory-map",
+    ),
+    (
+        "text.npy",
+        lambda p: p.write_text("not an array"),
+        "text.npy is not a .npy array of token ids numpy can memory-map",
+    ),
     ("folder", lambda p: p.mkdir(), "is a directory: pass one file of text or token ids"),
-    ("short.txt", lambda p: p.write_text("hi"), "short.txt: 2 tokens, fewer than the 66 one "
-     "sequence needs (seq_len + 2): use more data"),
-]  # fmt: skip
+    (
+        "short.txt",
+        lambda p: p.write_text("hi"),
+        "short.txt: 2 tokens, fewer than the 66 one sequence needs (seq_len + 2): use more data",
+    ),
+]
 
 
 @pytest.mark.parametrize("name,write,message", BAD_DATA, ids=[b[0] for b in BAD_DATA])
@@ -149,8 +171,12 @@ def test_a_vocabulary_past_uint16_needs_data_dtype_uint32(command, tmp_path, mon
     assert main([*flags, "--data-dtype", "uint16"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
-    for part in (str(path), "--data-dtype uint16 cannot hold the ids of a 70000-token",
-                 "(up to 69999; uint16 ends at 65535)", "pass --data-dtype uint32"):  # fmt: skip
+    for part in (
+        str(path),
+        "--data-dtype uint16 cannot hold the ids of a 70000-token",
+        "(up to 69999; uint16 ends at 65535)",
+        "pass --data-dtype uint32",
+    ):
         assert part in err, err
     cfg, tokens = prepare(build_parser().parse_args([*flags, "--data-dtype", "uint32"]))
     assert cfg.data_dtype == "uint32" and np.array_equal(np.asarray(tokens), ids)
@@ -158,15 +184,17 @@ def test_a_vocabulary_past_uint16_needs_data_dtype_uint32(command, tmp_path, mon
     # files of a large vocabulary need none either (their ids are not read as uint16)
     small = tmp_path / "small.bin"
     (np.arange(2000, dtype=np.uint16) % 512).tofile(small)
-    cfg, tokens = prepare(build_parser().parse_args([*SMALL_RUN, "--data", str(small),
-                                                     "--vocab-size", "512"]))  # fmt: skip
+    cfg, tokens = prepare(
+        build_parser().parse_args([*SMALL_RUN, "--data", str(small), "--vocab-size", "512"])
+    )
     assert cfg.data_dtype == "uint16" and tokens.dtype == np.uint16
     np.save(tmp_path / "wide.npy", ids)
     text = tmp_path / "t.txt"
     text.write_text("some text " * 100)
     for other in (tmp_path / "wide.npy", text):
-        cfg, _ = prepare(build_parser().parse_args([*SMALL_RUN, "--data", str(other),
-                                                    "--vocab-size", "70000"]))  # fmt: skip
+        cfg, _ = prepare(
+            build_parser().parse_args([*SMALL_RUN, "--data", str(other), "--vocab-size", "70000"])
+        )
         assert cfg.data_dtype is None
     # a size that is no whole number of the dtype's ids: refused, with either dtype
     (tmp_path / "odd.bin").write_bytes(b"\x01" * 4002)
@@ -192,8 +220,10 @@ def test_a_sequence_longer_than_the_data_is_refused(capsys, monkeypatch):
     monkeypatch.setattr(memory, "_ram_available", lambda: 2**50)  # the data, not the memory
     n = len(data.load_tokens())  # the embedded corpus
     assert main([*SMALL_RUN, "--seq-len", str(n)]) == 2
-    assert (f"the embedded corpus: {n} tokens, fewer than the {n + 2} one sequence needs "
-            f"(seq_len + 2): use more data or --seq-len {n - 2} or less") in capsys.readouterr().err  # fmt: skip
+    assert (
+        f"the embedded corpus: {n} tokens, fewer than the {n + 2} one sequence needs "
+        f"(seq_len + 2): use more data or --seq-len {n - 2} or less"
+    ) in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -215,8 +245,12 @@ def test_tokenizer_command_trains_a_byte_level_bpe(tokenizer_file, tmp_path, cap
         assert tok.decode(ids) == text  # byte level: every text round-trips, nothing unknown
     corpus = tmp_path / "c.txt"
     corpus.write_text("abc abd abe " * 50)
-    assert tokenizer_main(["--vocab-size", "5000", "--out", str(tmp_path / "t.json"),
-                           "--data", str(corpus)]) == 0  # fmt: skip
+    assert (
+        tokenizer_main(
+            ["--vocab-size", "5000", "--out", str(tmp_path / "t.json"), "--data", str(corpus)]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "the corpus allowed" in out and "wrote" in out  # too little text for 5000 tokens
     assert tokenizer_main(["--vocab-size", "200", "--out", str(tmp_path / "x.json")]) == 2
@@ -252,9 +286,12 @@ def test_out_of_vocabulary_ids_fail_before_any_rank_starts(command, tmp_path, mo
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     for part in (
-        str(path), "the largest token id is 300", "the vocabulary has 256 tokens",
-        "pass --vocab-size 301 or more", "read as uint16",
-    ):  # fmt: skip
+        str(path),
+        "the largest token id is 300",
+        "the vocabulary has 256 tokens",
+        "pass --vocab-size 301 or more",
+        "read as uint16",
+    ):
         assert part in err, err
     neg = tmp_path / "neg.npy"
     np.save(neg, np.array([1, 2, -4, 3] * 100, dtype=np.int64))

@@ -138,8 +138,11 @@ def test_document_batch_takes_the_streams_windows_and_masks_boundaries():
     assert torch.equal(x, sx) and ((y == sy) | (y == -100)).all()
     seen = set()
     for r in range(32):  # a row starts anywhere (mid-document too): find it in the tokens
-        s = next(s for s in range(len(tokens) - seq) if tokens[s : s + seq + 1] == [
-            *x[r].tolist(), int(sy[r, -1])])  # fmt: skip
+        s = next(
+            s
+            for s in range(len(tokens) - seq)
+            if tokens[s : s + seq + 1] == [*x[r].tolist(), int(sy[r, -1])]
+        )
         seen.add(s)
         ex, ey, ed = _expected(tokens, starts, mask, s, seq)
         assert x[r].tolist() == ex and y[r].tolist() == ey and d[r].tolist() == ed

@@ -26,9 +26,17 @@ def test_llama_run_exports_and_matches(tmp_path, capsys):
     tok = str(tmp_path / "tok.json")
     assert tokenizer_main(["--vocab-size", "300", "--out", tok]) == 0
     path = _train(
-        tmp_path, model_type="llama", tokenizer=tok, tp=2, pp=2, dp=2, ep=1, moe_every=0,
-        kv_heads=2, qk_norm=True,
-    )  # fmt: skip
+        tmp_path,
+        model_type="llama",
+        tokenizer=tok,
+        tp=2,
+        pp=2,
+        dp=2,
+        ep=1,
+        moe_every=0,
+        kv_heads=2,
+        qk_norm=True,
+    )
     out = str(tmp_path / "hf")
     assert export_main([path, out, "--check", "--generate", "5", "--prompt", "Simple is"]) == 0
     text = capsys.readouterr().out

@@ -28,8 +28,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _run(tmp_path, module: str, *argv: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": ROOT, "HF_MODULES_CACHE": str(tmp_path / "hf_modules")}
-    return subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT, env=env)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", module, *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+    )
 
 
 def _load(out: str):
@@ -45,8 +51,9 @@ def test_the_default_run_exports_and_loads_in_transformers(tmp_path):
     """``python -m fastpar.train`` with no model flags (world 8: dp 2 x tp 2 x pp 2, ep 2; gpt,
     RMSNorm, MoE every 2nd block), then ``python -m fastpar.export --check --generate``."""
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
-    r = _run(tmp_path, "fastpar.train", "--steps", "2", "--checkpoint-dir", ckpt,
-             "--save-every", "2")  # fmt: skip
+    r = _run(
+        tmp_path, "fastpar.train", "--steps", "2", "--checkpoint-dir", ckpt, "--save-every", "2"
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "MoE every 2" in r.stdout and "world 8" in r.stdout
     r = _run(tmp_path, "fastpar.export", ckpt, out, "--check", "--generate", "6")
@@ -75,8 +82,9 @@ def test_the_default_run_exports_and_loads_in_transformers(tmp_path):
         exact = cast(copy.deepcopy(ours), torch.float64)(ids)
         loss = hf(ids, labels=ids).loss
     assert_agree(got, single, exact, length=_length(cfg, cfg.seq_len), what="exported logits")
-    want = torch.nn.functional.cross_entropy(exact[:, :-1].reshape(-1, exact.shape[-1]),
-                                             ids[:, 1:].reshape(-1))  # fmt: skip
+    want = torch.nn.functional.cross_entropy(
+        exact[:, :-1].reshape(-1, exact.shape[-1]), ids[:, 1:].reshape(-1)
+    )
     single_loss = torch.nn.functional.cross_entropy(
         single[:, :-1].reshape(-1, single.shape[-1]), ids[:, 1:].reshape(-1)
     )
@@ -118,8 +126,12 @@ def test_every_gpt_option_computes_fastpars_function(tmp_path, name):
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     out = str(tmp_path / "hf")
     config = gpt_code.hf_config(cfg.model())
-    export_hf(gpt_code.to_hf(state, cfg.model()), out, FastparGPTForCausalLM.config_class(**config),
-              model_class=FastparGPTForCausalLM)  # fmt: skip
+    export_hf(
+        gpt_code.to_hf(state, cfg.model()),
+        out,
+        FastparGPTForCausalLM.config_class(**config),
+        model_class=FastparGPTForCausalLM,
+    )
     gpt_code.write_code(out)
     hf = _load(out)
     assert hf.config.tie_word_embeddings is not cfg.untied

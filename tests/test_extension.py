@@ -29,8 +29,10 @@ def test_cuda_sources_compile_with_nvcc(tmp_path):
     for cu in sorted(CSRC.glob("*.cu")):
         out = subprocess.run(
             ["nvcc", "-arch=sm_90", "-O2", "-c", str(cu), "-o", str(tmp_path / (cu.stem + ".o"))],
-            capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 0, f"{cu.name} does not compile:\n{out.stderr[-3000:]}"
 
 
@@ -45,8 +47,10 @@ def test_pack_kernels_use_wide_words_and_no_per_word_division(tmp_path):
     ptx = tmp_path / "pack_kernels.ptx"
     out = subprocess.run(
         ["nvcc", "-arch=sm_90", "-O2", "-ptx", str(CSRC / "pack_kernels.cu"), "-o", str(ptx)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     text = ptx.read_text()
     for load in ("v4.u32", "v2.u32", "u32", "u16", "u8"):
@@ -89,10 +93,21 @@ def test_cuda_glue_compiles(tmp_path):
     unit = tmp_path / "cuda_branches.cpp"
     unit.write_text("".join(f'#include "{cpp}"\n' for cpp in sources))
     out = subprocess.run(
-        ["g++", "-std=c++20", "-w", "-fsyntax-only", "-DFASTPAR_WITH_CUDA",
-         "-DTORCH_EXTENSION_NAME=_C", "-DTORCH_API_INCLUDE_EXTENSION_H", *flags, str(unit)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            "g++",
+            "-std=c++20",
+            "-w",
+            "-fsyntax-only",
+            "-DFASTPAR_WITH_CUDA",
+            "-DTORCH_EXTENSION_NAME=_C",
+            "-DTORCH_API_INCLUDE_EXTENSION_H",
+            *flags,
+            str(unit),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     names = ", ".join(p.name for p in sources)
     assert out.returncode == 0, f"{names} (CUDA branches) do not compile:\n{out.stderr[-3000:]}"
 

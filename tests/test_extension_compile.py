@@ -157,8 +157,11 @@ def _moe_compiled(capacity_factor, trace_autograd_ops: bool) -> dict:
         moe.aux_loss_scale = 0.0
         moe64 = exact_copy(moe)  # the same layer in float64: the exact math
         results = []
-        for f, m, dt in ((moe, moe, torch.float32), (moe64, moe64, torch.float64),
-                         (torch.compile(moe, backend=counter), moe, torch.float32)):  # fmt: skip
+        for f, m, dt in (
+            (moe, moe, torch.float32),
+            (moe64, moe64, torch.float64),
+            (torch.compile(moe, backend=counter), moe, torch.float32),
+        ):
             m.zero_grad(set_to_none=True)
             xi = x.clone().to(dt).requires_grad_()
             y = f(xi)

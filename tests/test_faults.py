@@ -26,10 +26,29 @@ pytestmark = pytest.mark.skipif(
 #: a model that starts in about a second and runs a step in milliseconds; a constant LR, so a
 #: run's steps do not depend on --steps
 SMALL = [
-    "--pp", "1", "--ep", "1", "--moe-every", "0", "--batch-size", "4", "--seq-len", "16",
-    "--hidden", "32", "--heads", "2", "--layers", "2", "--lr-schedule", "constant",
-    "--warmup", "0", "--log-every", "1",
-]  # fmt: skip
+    "--pp",
+    "1",
+    "--ep",
+    "1",
+    "--moe-every",
+    "0",
+    "--batch-size",
+    "4",
+    "--seq-len",
+    "16",
+    "--hidden",
+    "32",
+    "--heads",
+    "2",
+    "--layers",
+    "2",
+    "--lr-schedule",
+    "constant",
+    "--warmup",
+    "0",
+    "--log-every",
+    "1",
+]
 SLACK = 10.0  # seconds past the collective timeout, generous for 2 busy cores
 
 
@@ -39,8 +58,16 @@ class Job:
     def __init__(self, *args: str, torchrun: int = 0):
         launcher = [sys.executable, "-m", "fastpar.train"]
         if torchrun:
-            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc-per-node", str(torchrun), "-m", "fastpar.train"]  # fmt: skip
+            launcher = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                str(torchrun),
+                "-m",
+                "fastpar.train",
+            ]
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
         # a background job (CI) inherits SIGINT ignored; a user's Ctrl-C reaches a foreground one
         self.proc = subprocess.Popen(
@@ -145,8 +172,9 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_it():
 
 @pytest.mark.slow
 def test_a_stopped_rank_under_torchrun_ends_the_job_within_the_timeout_naming_it():
-    with job("--dp", "2", "--tp", "1", "--steps", "100000", "--collective-timeout", "5",
-             torchrun=2) as j:  # fmt: skip
+    with job(
+        "--dp", "2", "--tp", "1", "--steps", "100000", "--collective-timeout", "5", torchrun=2
+    ) as j:
         j.wait_for_step(2, ranks=2)
         stopped = j.ranks[1]
         with open(f"/proc/{stopped}/environ", "rb") as f:
@@ -166,8 +194,9 @@ def _preempt(ckpt: str, sig: signal.Signals, torchrun: int = 0) -> int:
     """Run until step 2, send ``sig`` (to the launcher; to one rank under torchrun), check that
     every rank stopped after one same step, with a checkpoint of it, and no process left.
     Returns the step."""
-    with job("--dp", "2", "--tp", "1", "--steps", "100000", "--checkpoint-dir", ckpt,
-             torchrun=torchrun) as j:  # fmt: skip
+    with job(
+        "--dp", "2", "--tp", "1", "--steps", "100000", "--checkpoint-dir", ckpt, torchrun=torchrun
+    ) as j:
         j.wait_for_step(2, ranks=2)
         os.kill(j.ranks[1] if torchrun else j.proc.pid, sig)
         code, _ = j.finish()
@@ -184,8 +213,9 @@ def _preempt(ckpt: str, sig: signal.Signals, torchrun: int = 0) -> int:
 def test_sigterm_to_the_launcher_saves_the_step_and_resume_continues_it(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     step = _preempt(ckpt, signal.SIGTERM)
-    with job("--dp", "2", "--tp", "1", "--steps", str(step + 2), "--checkpoint-dir", ckpt,
-             "--resume") as resumed:  # fmt: skip
+    with job(
+        "--dp", "2", "--tp", "1", "--steps", str(step + 2), "--checkpoint-dir", ckpt, "--resume"
+    ) as resumed:
         assert resumed.finish()[0] == 0, resumed.text[-3000:]
     with job("--dp", "2", "--tp", "1", "--steps", str(step + 2)) as straight:
         assert straight.finish()[0] == 0, straight.text[-3000:]
@@ -214,8 +244,20 @@ def test_sigkill_of_the_launcher_leaves_no_rank_running():
 # -- a diverged run ----------------------------------------------------------------------------
 def test_a_non_finite_loss_stops_the_run_and_is_not_saved(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    with job("--dp", "2", "--tp", "1", "--steps", "50", "--lr", "1e30", "--save-every", "1",
-             "--checkpoint-dir", ckpt) as j:  # fmt: skip
+    with job(
+        "--dp",
+        "2",
+        "--tp",
+        "1",
+        "--steps",
+        "50",
+        "--lr",
+        "1e30",
+        "--save-every",
+        "1",
+        "--checkpoint-dir",
+        ckpt,
+    ) as j:
         code, _ = j.finish()
     assert code == 1
     m = re.search(r"diverged at step (\d+): the loss is nan \(fp32, --lr 1e\+30\)", j.text)
@@ -229,8 +271,20 @@ def test_a_non_finite_loss_stops_the_run_and_is_not_saved(tmp_path):
 
 
 def test_fp16_stops_after_max_skipped_steps_in_a_row():
-    with job("--dp", "2", "--tp", "1", "--steps", "50", "--lr", "1e30", "--precision", "fp16",
-             "--max-skipped-steps", "3") as j:  # fmt: skip
+    with job(
+        "--dp",
+        "2",
+        "--tp",
+        "1",
+        "--steps",
+        "50",
+        "--lr",
+        "1e30",
+        "--precision",
+        "fp16",
+        "--max-skipped-steps",
+        "3",
+    ) as j:
         code, _ = j.finish()
     assert code == 1
     m = re.search(r"diverged at step (\d+): 3 steps in a row \(steps (\d+)-(\d+)\) skipped", j.text)
@@ -241,8 +295,22 @@ def test_fp16_stops_after_max_skipped_steps_in_a_row():
 
 def test_weights_that_overflow_fp16_are_never_saved(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    with job("--dp", "2", "--tp", "1", "--steps", "50", "--lr", "1e30", "--precision", "fp16",
-             "--save-every", "1", "--checkpoint-dir", ckpt) as j:  # fmt: skip
+    with job(
+        "--dp",
+        "2",
+        "--tp",
+        "1",
+        "--steps",
+        "50",
+        "--lr",
+        "1e30",
+        "--precision",
+        "fp16",
+        "--save-every",
+        "1",
+        "--checkpoint-dir",
+        ckpt,
+    ) as j:
         code, _ = j.finish()
     assert code == 1
     assert re.search(r"diverged at step 1: the weights are no longer finite in fp16", j.text), (

@@ -26,9 +26,11 @@ SEQ = 16
 
 def _doc_ids(lengths=LENGTHS) -> torch.Tensor:
     return torch.stack(
-        [torch.repeat_interleave(torch.arange(len(r)) + 3 * i, torch.tensor(r)) for i, r in
-         enumerate(lengths)]
-    )  # fmt: skip
+        [
+            torch.repeat_interleave(torch.arange(len(r)) + 3 * i, torch.tensor(r))
+            for i, r in enumerate(lengths)
+        ]
+    )
 
 
 def _ids(rows: int = 2, seed: int = 0) -> torch.Tensor:
@@ -92,8 +94,10 @@ def test_gradients_match_dense_references(family):
     packed = {_hf_name(n, family): g for n, g in zip(params, grads, strict=True)}
 
     # the sum of each document's run alone
-    ref = sum(_loss_sum(model(ids[r : r + 1, a:b]), ids[r : r + 1, a:b],
-                        doc_ids[r : r + 1, a:b]) for r, a, b in _spans(LENGTHS))  # fmt: skip
+    ref = sum(
+        _loss_sum(model(ids[r : r + 1, a:b]), ids[r : r + 1, a:b], doc_ids[r : r + 1, a:b])
+        for r, a, b in _spans(LENGTHS)
+    )
     torch.testing.assert_close(loss, ref, rtol=0, atol=1e-10)
     alone = torch.autograd.grad(ref, list(params.values()))
     for (name, g), want in zip(packed.items(), alone, strict=True):  # same order
@@ -105,8 +109,9 @@ def test_gradients_match_dense_references(family):
     allowed = (doc_ids[:, :, None] == doc_ids[:, None, :]) & causal
     mask = torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, float("-inf"))
     positions = Documents.of(doc_ids).positions()
-    out = stock(input_ids=ids, attention_mask=mask[:, None], position_ids=positions,
-                use_cache=False).logits  # fmt: skip
+    out = stock(
+        input_ids=ids, attention_mask=mask[:, None], position_ids=positions, use_cache=False
+    ).logits
     dense_loss = _loss_sum(out, ids, doc_ids)
     torch.testing.assert_close(loss, dense_loss, rtol=0, atol=1e-10)
     dense = dict(stock.named_parameters())
@@ -150,8 +155,10 @@ def test_without_documents_as_before(family, attn):
     """No documents current: HF's model, bit for bit (fp32, the fallback attention)."""
     model, stock = _model(family, attn, torch.float32), _stock(family, attn, torch.float32)
     cfg = next(m for m in model.modules() if hasattr(m, "config")).config
-    assert cfg._attn_implementation == {"sdpa": "fastpar_documents",
-                                        "eager": "fastpar_documents_eager"}[attn]  # fmt: skip
+    assert (
+        cfg._attn_implementation
+        == {"sdpa": "fastpar_documents", "eager": "fastpar_documents_eager"}[attn]
+    )
     assert stock.config._attn_implementation == attn
     ids = _ids()
     assert torch.equal(model(ids), stock(input_ids=ids, use_cache=False).logits)
@@ -214,9 +221,14 @@ def transformers_config(name: str):
     import transformers
 
     return getattr(transformers, name)(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
 
 
 def _tp_logits(family: str) -> tuple[float, float]:

@@ -29,8 +29,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "fastpar"
 
 LAYERS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("switches",), "the FASTPAR_* environment switches and their API"),
-    (("version", "profiling", "debug", "reference", "data", "tolerance", "cliutil", "families"),
-     "leaves: torch, numpy, the standard library and the switches"),
+    (
+        ("version", "profiling", "debug", "reference", "data", "tolerance", "cliutil", "families"),
+        "leaves: torch, numpy, the standard library and the switches",
+    ),
     (("mesh",), "rank layout, ParallelMesh, placement (parameter marks, replica groups, ranks)"),
     (("launch",), "the rank launcher (processes, their errors and timeouts)"),
     (("comm",), "differentiable collectives over a group"),
@@ -48,7 +50,7 @@ LAYERS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("testing",), "the multi-rank harness (re-exports check_parallel)"),
     (("train",), "the training command"),
     (("verify", "export", "info", "tokenizer"), "command-line entry points"),
-)  # fmt: skip
+)
 """Bottom first: (units, what the layer is)."""
 
 _MODELS = next(i for i, (units, _) in enumerate(LAYERS) if "models" in units)
@@ -298,9 +300,12 @@ def test_the_checks_find_cycles_upward_and_hidden_imports(tmp_path):
     assert missing == ["pkg/side2.py:2 imports pkg.missing, which does not exist"]
     graph = edges(imports)
     assert sorted(graph) == [
-        ("high", "low"), ("high.__main__", "high"), ("low", "high"), ("side", "side2"),
+        ("high", "low"),
+        ("high.__main__", "high"),
+        ("low", "high"),
+        ("side", "side2"),
         ("side2", "pkg"),
-    ]  # fmt: skip
+    ]
     assert [i.in_function for i in graph[("low", "high")]] == [True]
     layers = ((("pkg",), ""), (("low", "side", "side2"), ""), (("high",), ""))
     bad = against_layers(graph, layers)

@@ -338,10 +338,12 @@ def test_fused_adamw_triton_interpreted():
     for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         exact = _exact_adamw(p0[i], [g[i] for g in fed], beta1=0.9, weight_decay=0.1, lr=1e-2)
         _agree_param(a.detach(), b.detach(), exact[0], f"param {i}")
-        _assert_moments(opt.state[a]["exp_avg"], ref_opt.state[b]["exp_avg"], exact[1],
-                        f"exp_avg {i}")  # fmt: skip
-        _assert_moments(opt.state[a]["exp_avg_sq"], ref_opt.state[b]["exp_avg_sq"], exact[2],
-                        f"exp_avg_sq {i}")  # fmt: skip
+        _assert_moments(
+            opt.state[a]["exp_avg"], ref_opt.state[b]["exp_avg"], exact[1], f"exp_avg {i}"
+        )
+        _assert_moments(
+            opt.state[a]["exp_avg_sq"], ref_opt.state[b]["exp_avg_sq"], exact[2], f"exp_avg_sq {i}"
+        )
         assert int(opt.state[a]["step"]) == 3
 
 
@@ -370,8 +372,9 @@ def test_flat_kernel_cuda(numel, g_dtype, lp_dtype):
     if lp_dtype is not None:
         _assert_copy(got[3], got[0], exact=True)
     oracle = _torch_adamw(p0.cuda(), [g.cuda() for g in grads], beta1=0.9, weight_decay=0.1)
-    for name, a, b, c in zip(("param", "exp_avg", "exp_avg_sq"), got[:3], oracle, exact,
-                             strict=True):  # fmt: skip
+    for name, a, b, c in zip(
+        ("param", "exp_avg", "exp_avg_sq"), got[:3], oracle, exact, strict=True
+    ):
         agree(a.cpu(), b.cpu(), c, f"{name} against torch on CUDA", length=1)
 
 

@@ -104,9 +104,13 @@ def test_unaligned_tensors_take_the_unhinted_group_and_match_the_reference():
             for _ in range(2):
                 step += 1
                 op.adamw_step_multi_(
-                    params, grads, [s[0] for s in state], [s[1] for s in state], steps=step,
+                    params,
+                    grads,
+                    [s[0] for s in state],
+                    [s[1] for s in state],
+                    steps=step,
                     **HYPER,
-                )  # fmt: skip
+                )
         outs.append([t.clone() for t in params])
     hyper = {key: HYPER[key] for key in ("lr", "beta1", "beta2", "eps", "weight_decay")}
     for i, (a, b) in enumerate(zip(*outs, strict=True)):
@@ -189,10 +193,14 @@ SCALARS |= dict.fromkeys(("decay", "w1", "beta2", "w2", "eps"), "fp32")
 @pytest.mark.parametrize("form", ["flat", "multi"])
 @pytest.mark.parametrize(
     "g,lp,m",
-    [("fp32", None, "fp32"), ("bf16", "bf16", "fp32"), ("fp16", "fp16", "fp32"),
-     ("bf16", "bf16", "bf16")],
+    [
+        ("fp32", None, "fp32"),
+        ("bf16", "bf16", "fp32"),
+        ("fp16", "fp16", "fp32"),
+        ("bf16", "bf16", "bf16"),
+    ],
     ids=["fp32", "bf16-copy", "fp16-copy", "bf16-moments"],
-)  # fmt: skip
+)
 def test_kernels_compile_to_wide_accesses_within_the_register_budget(form, g, lp, m, tmp_path):
     """Every flag on (unscale, clip, inf skip, weight decay, a copy when ``lp``), 16-byte aligned
     pointers as Triton specialises them on a real launch (flat) or as the launcher hints them

@@ -196,8 +196,9 @@ def test_two_ranks_under_triton(vocab, rows):
     for rank, (loss, grad) in enumerate(results):
         cols = slice(rank * n_local, (rank + 1) * n_local)
         agree(loss, single_loss.detach(), want.detach(), f"rank {rank}: loss", length=vocab)
-        agree(grad, single_grad[:, cols], want_grad[:, cols], f"rank {rank}: gradient",
-              length=vocab)  # fmt: skip
+        agree(
+            grad, single_grad[:, cols], want_grad[:, cols], f"rank {rank}: gradient", length=vocab
+        )
 
 
 # --- GPU tier -----------------------------------------------------------------------------------
@@ -214,8 +215,13 @@ def test_cuda_kernels_match_reference(dtype, rows, cols, n_valid):
     k = _kernels()
     stats = k.local_stats(x, t, 0, n_valid, -100)
     exact_stats = ref.local_stats(x.double(), t, 0, n_valid, -100)
-    _agree_stats(stats, ref.local_stats(x, t, 0, n_valid, -100), exact_stats, f"{dtype} stats",
-                 length=n_valid)  # fmt: skip
+    _agree_stats(
+        stats,
+        ref.local_stats(x, t, 0, n_valid, -100),
+        exact_stats,
+        f"{dtype} stats",
+        length=n_valid,
+    )
     row_max, log_s, _, _ = ref.combine_stats(stats[None])
     g = torch.rand(rows, device="cuda") * (t != -100)
     args = grad_spec(0, n_valid, n_valid)
@@ -268,8 +274,9 @@ def test_cuda_more_than_2_31_elements():
     grad = k.grad_logits(x, t, row_max, log_s, g, **args)
     want_grad = ref.grad_logits(x[tail], t[tail], row_max[tail], log_s[tail], g[tail], **args)
     exact_grad = _exact_grad(x[tail], t[tail], row_max[tail], log_s[tail], g[tail], **args)
-    agree(grad[tail], want_grad, exact_grad, "last rows' gradient", length=cols,
-          dtype=torch.bfloat16)  # fmt: skip
+    agree(
+        grad[tail], want_grad, exact_grad, "last rows' gradient", length=cols, dtype=torch.bfloat16
+    )
 
 
 # --- CPU tier: the kernels compile for a Hopper GPU (no GPU needed) -----------------------------

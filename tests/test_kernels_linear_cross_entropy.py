@@ -150,8 +150,9 @@ def test_op_under_triton_equals_reference_and_torch(
         loss.sum().backward()
     single = ref.linear_cross_entropy(h, w, t, **opts)  # the pure-torch reference, fp32
     exact = _torch(h, w, t, reduction, alpha, z)
-    _agree_all((loss.detach(), hh.grad, ww.grad), single, exact, "triton",
-               length=max(rows, vocab, hidden))  # fmt: skip
+    _agree_all(
+        (loss.detach(), hh.grad, ww.grad), single, exact, "triton", length=max(rows, vocab, hidden)
+    )
 
 
 def _ranks_under_triton(vocab: int, rows: int, hidden: int) -> bytes:
@@ -200,8 +201,13 @@ def test_ranks_under_triton(tp, vocab, rows, hidden):
         s_w, e_w = padded(s_w), padded(e_w)
         for rank, (loss, gh, gw) in enumerate(per[i] for per in results):
             rows_ = slice(rank * n_local, (rank + 1) * n_local)
-            _agree_all((loss, gh, gw), (s_loss, s_h, s_w[rows_]), (e_loss, e_h, e_w[rows_]),
-                       f"{reduction} rank {rank}", length=max(rows, vocab, hidden))  # fmt: skip
+            _agree_all(
+                (loss, gh, gw),
+                (s_loss, s_h, s_w[rows_]),
+                (e_loss, e_h, e_w[rows_]),
+                f"{reduction} rank {rank}",
+                length=max(rows, vocab, hidden),
+            )
 
 
 # --- GPU tier -----------------------------------------------------------------------------------
@@ -251,8 +257,13 @@ def test_cuda_op_equals_torch_and_saves_memory(dtype):
     h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     exact_loss = F.cross_entropy(F.linear(h64, w64), t, label_smoothing=0.1)
     exact = (exact_loss.detach(), *torch.autograd.grad(exact_loss, (h64, w64)))
-    for name, a, b, c in zip(("loss", "d hidden", "d weight"), (fused[0], *fused[1]),
-                             (plain[0], *plain[1]), exact, strict=True):  # fmt: skip
+    for name, a, b, c in zip(
+        ("loss", "d hidden", "d weight"),
+        (fused[0], *fused[1]),
+        (plain[0], *plain[1]),
+        exact,
+        strict=True,
+    ):
         agree(a, b, c, f"{dtype} {name}", length=max(n, vocab), dtype=dtype)
 
 

@@ -218,8 +218,9 @@ def _agree_op(got, want, exact, where: str, k: int, h: int) -> None:
     by the rule (sums over the choices, and d probs a dot product over H)."""
     assert got[0].equal(want[0]), f"{where}: permuted rows"
     assert got[4].slots.cpu().equal(want[4].slots), f"{where}: slots"
-    for name, n, a, b, c in zip(("output", "d x", "d probs"), (k, k, h), got[1:4], want[1:4],
-                                exact[1:4], strict=True):  # fmt: skip
+    for name, n, a, b, c in zip(
+        ("output", "d x", "d probs"), (k, k, h), got[1:4], want[1:4], exact[1:4], strict=True
+    ):
         agree(a, b, c, f"{where}: {name}", length=n)
 
 
@@ -279,8 +280,9 @@ def test_cuda_kernels_match_reference(dtype, kind, t, k, e, capacity, h):
     agree(got, ref.unpermute(src, slots, probs), exact, "unpermute", length=k, dtype=dtype)
     got_dx = kern.unpermute(src, slots, None)
     exact = ref.unpermute(src.double(), slots, None)
-    agree(got_dx, ref.unpermute(src, slots, None), exact, "unpermute, weight 1", length=k,
-          dtype=dtype)  # fmt: skip
+    agree(
+        got_dx, ref.unpermute(src, slots, None), exact, "unpermute, weight 1", length=k, dtype=dtype
+    )
     buf, out = _guarded(rows, h, dtype, "cuda")
     d_src, d_probs = kern.unpermute_backward(g, src, slots, probs, kept, capacity, out=out)
     w_src, w_probs = ref.unpermute_backward(g, src, slots, probs, kept, capacity)

@@ -101,8 +101,9 @@ def _empty() -> None:
     mesh = make_mesh(pp=2)
     stage, _ = build_stage(blocks(4), 2, mesh.pp_rank, costs=[1] * 6)
     ddp = DistributedDataParallel(stage, mesh=mesh)
-    engine = PipelineEngine(ddp, mesh, OneFOneB(2), loss_fn=token_sum, no_sync=ddp.no_sync,
-                            normalization="token")  # fmt: skip
+    engine = PipelineEngine(
+        ddp, mesh, OneFOneB(2), loss_fn=token_sum, no_sync=ddp.no_sync, normalization="token"
+    )
     x, y = batch(0, 8)
     loss = engine.train_step(x, torch.full_like(y, -100))
     assert float(loss) == 0.0

@@ -175,8 +175,10 @@ def test_init_under_torchrun(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
     out = subprocess.run(
         [*torchrun, "--standalone", "--nproc-per-node", "4", str(script)],
-        capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [(tmp_path / f"job.py.{r}.out").read_text() for r in range(4)]
     # pp groups of 4 ranks, tp=2, pp=2: [0, 2] and [1, 3]; sums 2^0+2^2 = 5, 2^1+2^3 = 10

@@ -118,10 +118,19 @@ def loop_oracle_default_order(world, tp, pp, ep):
     ]
     emb = [[g[0], g[-1]] if pp > 1 else [g[0]] for g in pp_g]
     return {
-        "tp": tp_g, "pp": pp_g, "dp": dp_g, "mp": mp, "tp-dp": tp_dp, "embedding": emb,
-        "ep": ep_g, "expert-dp": edp_g, "tp-ep": tp_ep,
-        "cp": [[r] for r in range(world)], "dp-cp": dp_g, "tp-cp": tp_g,  # cp = 1
-    }  # fmt: skip
+        "tp": tp_g,
+        "pp": pp_g,
+        "dp": dp_g,
+        "mp": mp,
+        "tp-dp": tp_dp,
+        "embedding": emb,
+        "ep": ep_g,
+        "expert-dp": edp_g,
+        "tp-ep": tp_ep,
+        "cp": [[r] for r in range(world)],
+        "dp-cp": dp_g,
+        "tp-cp": tp_g,  # cp = 1
+    }
 
 
 def test_megatron_docstring_example():
@@ -175,10 +184,20 @@ def test_pp1_embedding_is_first_rank_only():
 
 # Megatron-Core's own layout test matrix (nodes × 8 GPUs, cp = 1) for tp, pp, ep.
 MEGATRON_CASES = [
-    (1, 1, 1, 1), (8, 8, 1, 1), (8, 2, 2, 1), (8, 2, 4, 1), (24, 8, 3, 1), (32, 2, 4, 1),
-    (64, 8, 8, 1), (64, 2, 1, 4), (128, 4, 8, 1), (128, 4, 8, 4), (256, 4, 8, 4),
-    (512, 4, 2, 8), (768, 4, 8, 1),
-]  # fmt: skip
+    (1, 1, 1, 1),
+    (8, 8, 1, 1),
+    (8, 2, 2, 1),
+    (8, 2, 4, 1),
+    (24, 8, 3, 1),
+    (32, 2, 4, 1),
+    (64, 8, 8, 1),
+    (64, 2, 1, 4),
+    (128, 4, 8, 1),
+    (128, 4, 8, 4),
+    (256, 4, 8, 4),
+    (512, 4, 2, 8),
+    (768, 4, 8, 1),
+]
 
 
 @pytest.mark.parametrize("world,tp,pp,ep", MEGATRON_CASES)
@@ -209,9 +228,19 @@ def test_random_layouts_properties():
     for world, tp, pp, ep, order, cp in RANDOM_LAYOUTS:
         layout = MeshLayout(world, tp=tp, pp=pp, ep=ep, order=order, cp=cp)
         groups = layout.groups
-        sizes = {"tp": tp, "pp": pp, "dp": layout.dp, "mp": tp * pp, "tp-dp": tp * layout.dp,
-                 "ep": ep, "expert-dp": layout.expert_dp, "tp-ep": tp * ep, "cp": cp,
-                 "dp-cp": layout.dp * cp, "tp-cp": tp * cp}  # fmt: skip
+        sizes = {
+            "tp": tp,
+            "pp": pp,
+            "dp": layout.dp,
+            "mp": tp * pp,
+            "tp-dp": tp * layout.dp,
+            "ep": ep,
+            "expert-dp": layout.expert_dp,
+            "tp-ep": tp * ep,
+            "cp": cp,
+            "dp-cp": layout.dp * cp,
+            "tp-cp": tp * cp,
+        }
         want = numpy_oracle(world, tp, pp, ep, order, cp)
         assert groups == want, (world, tp, pp, ep, order, cp)
         for kind, size in sizes.items():
@@ -252,23 +281,44 @@ def test_dense_and_expert_pipelines_agree_when_pp_last(order):
     "kwargs,match",
     [
         (dict(world_size=12, tp=5), r"world_size 12 is not divisible by tp\*pp = 5\*1"),
-        (dict(world_size=16, tp=2, pp=3), r"not divisible by tp\*pp = 2\*3 = 6.*pp must be one of \[1, 2, 4, 8\]"),
-        (dict(world_size=16, tp=2, pp=2, ep=3), r"data-parallel size 4 .* not divisible by ep 3; ep must be one of \[1, 2, 4\]"),
+        (
+            dict(world_size=16, tp=2, pp=3),
+            r"not divisible by tp\*pp = 2\*3 = 6.*pp must be one of \[1, 2, 4, 8\]",
+        ),
+        (
+            dict(world_size=16, tp=2, pp=2, ep=3),
+            r"data-parallel size 4 .* not divisible by ep 3; ep must be one of \[1, 2, 4\]",
+        ),
         (dict(world_size=8, order="tp-cp-dp-pp"), r"missing \['ep'\]"),
         (dict(world_size=8, order="tp-cp-cp-ep-dp-pp"), r"repeats \['cp'\]"),
         (dict(world_size=12, tp=2, cp=4), r"not divisible by tp\*cp\*pp = 2\*4\*1 = 8"),
-        (dict(world_size=6, cp=3, ep=4), r"data-parallel size 2 .* times cp 3 is not divisible by ep 4"),
+        (
+            dict(world_size=6, cp=3, ep=4),
+            r"data-parallel size 2 .* times cp 3 is not divisible by ep 4",
+        ),
         (dict(world_size=8, order="tp-xx-dp-pp"), r"unknown token\(s\) \['xx'\]"),
         (dict(world_size=8, order="tp-dp-pp"), r"missing \['ep'\]"),
         (dict(world_size=8, order="tp-dp-dp-pp"), r"repeats \['dp'\]"),
-        (dict(world_size=8, pp=2, ep=2, order="tp-pp-ep-dp"), r"order 'tp-pp-ep-dp' with tp=1 cp=1 ep=2 dp=4 pp=2 does not end with 'pp' while pp > 1 and the expert grid's data-parallel size dp\*cp/ep = 4\*1/2 = 2 differs from the dense grid's dp = 4; Megatron-Core forbids this .*put 'pp' last, e.g. 'tp-cp-ep-dp-pp'$"),
-        (dict(world_size=4, cp=2, pp=2, order="tp-cp-pp-dp-ep"), r"dp\*cp/ep = 1\*2/1 = 2 differs from the dense grid's dp = 1, and rank 1 is in stage 0 of the dense grid but stage 1 of the expert grid.*Megatron-Core forbids"),
-        (dict(world_size=8, cp=2, pp=2, ep=2, order="tp-cp-pp-dp-ep"), r"other pipeline groups than the dense grid: rank 1 is in stage 0 of the dense grid but stage 1 of the expert grid.*Megatron-Core forbids this \(rule: equal pipeline groups\); put 'pp' last"),
-        (dict(world_size=8, tp=2, cp=2, order="cp-tp-dp-ep-pp"), r"gives rank 0 the tp group \[0, 2\] in the dense grid but \[0, 1\] in the expert grid; fastpar's rule \(not Megatron-Core's\).*put 'tp' first"),
+        (
+            dict(world_size=8, pp=2, ep=2, order="tp-pp-ep-dp"),
+            r"order 'tp-pp-ep-dp' with tp=1 cp=1 ep=2 dp=4 pp=2 does not end with 'pp' while pp > 1 and the expert grid's data-parallel size dp\*cp/ep = 4\*1/2 = 2 differs from the dense grid's dp = 4; Megatron-Core forbids this .*put 'pp' last, e.g. 'tp-cp-ep-dp-pp'$",
+        ),
+        (
+            dict(world_size=4, cp=2, pp=2, order="tp-cp-pp-dp-ep"),
+            r"dp\*cp/ep = 1\*2/1 = 2 differs from the dense grid's dp = 1, and rank 1 is in stage 0 of the dense grid but stage 1 of the expert grid.*Megatron-Core forbids",
+        ),
+        (
+            dict(world_size=8, cp=2, pp=2, ep=2, order="tp-cp-pp-dp-ep"),
+            r"other pipeline groups than the dense grid: rank 1 is in stage 0 of the dense grid but stage 1 of the expert grid.*Megatron-Core forbids this \(rule: equal pipeline groups\); put 'pp' last",
+        ),
+        (
+            dict(world_size=8, tp=2, cp=2, order="cp-tp-dp-ep-pp"),
+            r"gives rank 0 the tp group \[0, 2\] in the dense grid but \[0, 1\] in the expert grid; fastpar's rule \(not Megatron-Core's\).*put 'tp' first",
+        ),
         (dict(world_size=0), r"world_size must be a positive integer, got 0"),
         (dict(world_size=8, tp=-2), r"tp must be a positive integer, got -2"),
     ],
-)  # fmt: skip
+)
 def test_bad_layouts_raise_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MeshLayout(**kwargs)

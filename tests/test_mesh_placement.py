@@ -33,8 +33,13 @@ def _placement(tp: int, ep: int) -> dict:
     mark_duplicated(tied, mesh.group("ep"))
     expert = torch.nn.Parameter(torch.zeros(2, 3))
     mark_expert(expert, mesh.ep_group, 2 * ep)
-    params = {"plain": plain, "replicated": replicated, "sharded": sharded, "tied": tied,
-              "expert": expert}  # fmt: skip
+    params = {
+        "plain": plain,
+        "replicated": replicated,
+        "sharded": sharded,
+        "tied": tied,
+        "expert": expert,
+    }
     first = {k: holds_reference_copy(p, mesh) for k, p in params.items()}
     zero = {k: holds_reference_copy(p, mesh, data_parallel=False) for k, p in params.items()}
     no_ties = holds_reference_copy(tied, mesh, duplicates=False)

@@ -34,13 +34,16 @@ CASES = {
     "llama-cp2-tp2": ("llama", dict(cp=2, tp=2), dict(kv_heads=2)),
     "gpt-cp2-tp2-sp": ("gpt", dict(cp=2, tp=2), dict(sequence_parallel=True)),
     "llama-cp2-moe": ("llama", dict(cp=2), dict(moe_every=2, z_loss_coef=0.1, aux_loss_coef=0.3)),
-    "llama-cp2-tp2-sp-moe": ("llama", dict(cp=2, tp=2),
-                             dict(moe_every=2, sequence_parallel=True, aux_loss="sequence")),
+    "llama-cp2-tp2-sp-moe": (
+        "llama",
+        dict(cp=2, tp=2),
+        dict(moe_every=2, sequence_parallel=True, aux_loss="sequence"),
+    ),
     "llama-cp2-a2a": ("llama", dict(cp=2), dict(kv_heads=2, cp_attention="all-to-all")),
     # ignored targets that fall unevenly on the cp ranks: the loss is still the sequence's mean
     "gpt-cp2-ignored": ("gpt", dict(cp=2), dict(ignored=5)),
     "llama-cp4-tp2-ignored": ("llama", dict(cp=4, tp=2), dict(ignored=3, kv_heads=2)),
-}  # fmt: skip
+}
 
 
 def _model(kind: str, mesh, extra: dict):
@@ -95,8 +98,13 @@ def _step(kind: str, layout: dict, extra: dict, ref_losses, refs, length):
     mean = loss.detach().clone()
     dist.all_reduce(mean, group=mesh.cp_group)
     where = f"cp rank {mesh.cp_rank}, tp rank {mesh.tp_rank}"
-    assert_agree(mean / mesh.cp_size, ref_losses[:2], ref_losses[2], length=length,
-                 what=f"loss (mean over cp) on {where}")  # fmt: skip
+    assert_agree(
+        mean / mesh.cp_size,
+        ref_losses[:2],
+        ref_losses[2],
+        length=length,
+        what=f"loss (mean over cp) on {where}",
+    )
     count = 0
     for name, p in model.named_parameters():
         assert p.grad is not None, f"{name} got no gradient"
@@ -104,8 +112,13 @@ def _step(kind: str, layout: dict, extra: dict, ref_losses, refs, length):
         dist.all_reduce(grad, group=mesh.cp_group)
         grad /= mesh.cp_size
         single, twin, exact = (_local(r[name], p) for r in refs)
-        assert_agree(grad, [single, twin], exact, length=length,
-                     what=f"grad of {name} (mean over cp) on {where}")  # fmt: skip
+        assert_agree(
+            grad,
+            [single, twin],
+            exact,
+            length=length,
+            what=f"grad of {name} (mean over cp) on {where}",
+        )
         layout_ = param_layout(p)
         if layout_ is None or layout_.kind == "replicated":  # copies over TP agree
             # bit for bit: every TP rank computes these from the same inputs with the same

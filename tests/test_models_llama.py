@@ -35,31 +35,76 @@ from fastpar.tolerance import nudge
 # odd sizes everywhere: vocab not a multiple of TP, head_dim != hidden / heads, ffn odd
 VARIANTS = {
     "llama-gqa-untied": dict(
-        vocab_size=101, hidden=40, heads=4, kv_heads=2, head_dim=12, ffn=58, rope_theta=5e5,
+        vocab_size=101,
+        hidden=40,
+        heads=4,
+        kv_heads=2,
+        head_dim=12,
+        ffn=58,
+        rope_theta=5e5,
         norm_eps=1e-5,
     ),
     "qwen3-qknorm-tied": dict(
-        vocab_size=97, hidden=36, heads=6, kv_heads=2, ffn=50, qk_norm=True, tie_embeddings=True,
+        vocab_size=97,
+        hidden=36,
+        heads=6,
+        kv_heads=2,
+        ffn=50,
+        qk_norm=True,
+        tie_embeddings=True,
         rope_theta=1e6,
     ),
     "qwen2-bias-mqa": dict(
-        vocab_size=89, hidden=48, heads=4, kv_heads=1, head_dim=10, ffn=70, attention_bias=True,
+        vocab_size=89,
+        hidden=48,
+        heads=4,
+        kv_heads=1,
+        head_dim=10,
+        ffn=70,
+        attention_bias=True,
     ),
     # MoE: layer 1 of 2 sparse (decoder_sparse_step 2), expert width != dense width
     "qwen3moe-every2-gqa": dict(
-        vocab_size=83, hidden=36, heads=6, kv_heads=2, ffn=50, qk_norm=True, moe_every=2,
-        num_experts=4, top_k=2, moe_ffn=22, rope_theta=1e6,
+        vocab_size=83,
+        hidden=36,
+        heads=6,
+        kv_heads=2,
+        ffn=50,
+        qk_norm=True,
+        moe_every=2,
+        num_experts=4,
+        top_k=2,
+        moe_ffn=22,
+        rope_theta=1e6,
     ),
     "qwen3moe-raw-top3-tied": dict(
-        vocab_size=79, hidden=32, heads=4, kv_heads=1, head_dim=10, ffn=40, qk_norm=True,
-        moe_every=1, num_experts=6, top_k=3, moe_ffn=18, norm_topk_prob=False,
+        vocab_size=79,
+        hidden=32,
+        heads=4,
+        kv_heads=1,
+        head_dim=10,
+        ffn=40,
+        qk_norm=True,
+        moe_every=1,
+        num_experts=6,
+        top_k=3,
+        moe_ffn=18,
+        norm_topk_prob=False,
         tie_embeddings=True,
     ),
     "mixtral-gqa": dict(
-        vocab_size=91, hidden=40, heads=4, kv_heads=2, head_dim=12, moe_every=1, num_experts=4,
-        top_k=2, moe_ffn=26, norm_eps=1e-5,
+        vocab_size=91,
+        hidden=40,
+        heads=4,
+        kv_heads=2,
+        head_dim=12,
+        moe_every=1,
+        num_experts=4,
+        top_k=2,
+        moe_ffn=26,
+        norm_eps=1e-5,
     ),
-}  # fmt: skip
+}
 HF_TYPE = {
     "llama-gqa-untied": "llama",
     "qwen3-qknorm-tied": "qwen3",
@@ -242,9 +287,16 @@ def test_hf_mapping_refuses_what_it_cannot_map():
     hf_moe = {}
     for qk_norm in (True, False):  # Qwen3-MoE, Mixtral: each maps back to its own config
         moe = dataclasses.replace(
-            cfg, qk_norm=qk_norm, moe_every=1, num_experts=2, top_k=1, moe_ffn=4, ffn=4,
-            kv_heads=2, head_dim=8,
-        )  # fmt: skip
+            cfg,
+            qk_norm=qk_norm,
+            moe_every=1,
+            num_experts=2,
+            top_k=1,
+            moe_ffn=4,
+            ffn=4,
+            kv_heads=2,
+            head_dim=8,
+        )
         torch.manual_seed(0)
         weights = {
             k: v.detach() for k, v in torch.nn.Sequential(*build_llama(moe)).named_parameters()
@@ -423,10 +475,22 @@ def test_a_checkpoint_trained_at_dp_tp_pp_ep_exports_to_hf(family, tmp_path):
     options, arch = TRAINED[family]
     ckpt = tmp_path / "ckpt"
     cfg = TrainConfig(
-        model_type="llama", tp=2, pp=2, dp=2, kv_heads=2, steps=2, batch_size=8,
-        seq_len=16, hidden=32, layers=2, ffn=48, quiet=True, checkpoint_dir=str(ckpt),
-        save_every=2, **options,
-    )  # fmt: skip
+        model_type="llama",
+        tp=2,
+        pp=2,
+        dp=2,
+        kv_heads=2,
+        steps=2,
+        batch_size=8,
+        seq_len=16,
+        hidden=32,
+        layers=2,
+        ffn=48,
+        quiet=True,
+        checkpoint_dir=str(ckpt),
+        save_every=2,
+        **options,
+    )
     launch(cfg)
     state = export_state_dict(ckpt / "step_000002")
     model_cfg = cfg.model()
@@ -449,9 +513,14 @@ def test_a_checkpoint_trained_at_dp_tp_pp_ep_exports_to_hf(family, tmp_path):
 
 @pytest.mark.parametrize(
     "routing",
-    [dict(router_score="sigmoid"), dict(expert_bias=True), dict(shared_expert_ffn=8),
-     dict(router_groups=2, router_group_topk=1), dict(routed_scaling_factor=2.0)],
-)  # fmt: skip
+    [
+        dict(router_score="sigmoid"),
+        dict(expert_bias=True),
+        dict(shared_expert_ffn=8),
+        dict(router_groups=2, router_group_topk=1),
+        dict(routed_scaling_factor=2.0),
+    ],
+)
 def test_deepseek_style_routing_has_no_hf_export(routing):
     """Qwen3-MoE / Mixtral route by a plain softmax top-k: exporting another routing under
     their names would load as a model computing another function."""

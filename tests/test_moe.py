@@ -164,8 +164,11 @@ def _ep_parity(num_experts: int, capacity_factor, top_k: int, policy: str) -> No
     y = moe(xp)
     (y * gs[rank]).sum().add(moe.aux_loss).backward()
     n = max(21 * ep, 20)  # the tokens an expert's gradient sums over, the FFN width
-    for what, got, i in (("output", y, 0), ("input grad", xp.grad, 1),
-                         ("router grad", moe.router.weight.grad, 2)):  # fmt: skip
+    for what, got, i in (
+        ("output", y, 0),
+        ("input grad", xp.grad, 1),
+        ("router grad", moe.router.weight.grad, 2),
+    ):
         agree(got, single[i][rank], exact[i][rank], what, length=n)
     lo = rank * moe.num_local
     for name in ("w1", "b1", "w2", "b2"):
@@ -218,8 +221,10 @@ def _dp_ep_training(kind: str) -> list[float]:
         model.module = TinyMoEModel(mesh=mesh)
         opt = ZeroOptimizer(
             torch.optim.SGD(model.module.parameters(), lr=0.2, momentum=0.9),
-            stage=int(kind[-1]), mesh=mesh, bucket_size_mb=1e-3,
-        )  # fmt: skip
+            stage=int(kind[-1]),
+            mesh=mesh,
+            bucket_size_mb=1e-3,
+        )
         model.forward = model.module.forward
     # SGD: linear in the gradients, so fp32 rounding is not amplified as Adam's m / sqrt(v)
     # amplifies it for near-zero gradients

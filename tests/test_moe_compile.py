@@ -79,8 +79,9 @@ def _eager_and_compiled(module: nn.Module, xs, backend: str, fullgraph: bool, ex
     triples = []
     for i, x in enumerate(xs):
         g = torch.randn(x.shape, generator=torch.Generator().manual_seed(100 + i))
-        triples.append((run(module, module, x, g), run(compiled, module, x, g),
-                        run(exact, exact, x, g)))  # fmt: skip
+        triples.append(
+            (run(module, module, x, g), run(compiled, module, x, g), run(exact, exact, x, g))
+        )
     return triples, counter
 
 
@@ -166,15 +167,23 @@ def test_trainer_default_model_shape_one_graph_equals_eager():
     for m in model.modules():
         if isinstance(m, MoE):
             m.aux_loss_scale = 0.25
-    ids = [torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(i)) for i in range(2)]  # fmt: skip
+    ids = [
+        torch.randint(
+            0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(i)
+        )
+        for i in range(2)
+    ]
     model64 = exact_copy(model)
     counter = CompileCounterWithBackend("aot_eager")
     step = torch.compile(lambda t: lm_loss(model(t), t, cfg), backend=counter, fullgraph=True)
     length = max(2 * cfg.seq_len, *(max(p.shape) for p in model.parameters()))
     for t in ids:
         results = []
-        for m, f in ((model, lambda t: lm_loss(model(t), t, cfg)), (model, step),
-                     (model64, lambda t: lm_loss(model64(t), t, cfg))):  # fmt: skip
+        for m, f in (
+            (model, lambda t: lm_loss(model(t), t, cfg)),
+            (model, step),
+            (model64, lambda t: lm_loss(model64(t), t, cfg)),
+        ):
             m.zero_grad(set_to_none=True)
             loss = f(t)
             loss.backward()

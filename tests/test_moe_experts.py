@@ -122,10 +122,22 @@ def _layer(kind, capacity_factor, shared: bool, gate: bool, mesh=None, dtype=F64
     expert, act, bias = KINDS[kind]
     torch.manual_seed(0)
     return MoE(
-        H, FFN, E, K, expert=expert, activation=act, bias=bias, capacity_factor=capacity_factor,
-        min_capacity=None, shared_ffn_hidden_size=SHARED if shared else None, shared_gate=gate,
-        mesh=mesh, dtype=dtype, overlap_chunks=chunks, aux_loss_in_backward=False,
-    )  # fmt: skip
+        H,
+        FFN,
+        E,
+        K,
+        expert=expert,
+        activation=act,
+        bias=bias,
+        capacity_factor=capacity_factor,
+        min_capacity=None,
+        shared_ffn_hidden_size=SHARED if shared else None,
+        shared_gate=gate,
+        mesh=mesh,
+        dtype=dtype,
+        overlap_chunks=chunks,
+        aux_loss_in_backward=False,
+    )
 
 
 def _tokens(rank: int, t: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,8 +244,17 @@ def test_shared_expert_by_hand_with_and_without_gate():
     x = [1, 2]: x W1 + b1 = [1, -2] + [0, 1] -> relu [1, 0]; W2 -> [2, 0]; + b2 -> [2.5, 0.5];
     the gate's sigmoid(0 · x) = 1/2 halves it."""
     for gate, want in ((False, [2.5, 0.5]), (True, [1.25, 0.25])):
-        moe = MoE(2, 3, 2, 1, expert="mlp", activation="relu", capacity_factor=None,
-                  shared_ffn_hidden_size=2, shared_gate=gate)  # fmt: skip
+        moe = MoE(
+            2,
+            3,
+            2,
+            1,
+            expert="mlp",
+            activation="relu",
+            capacity_factor=None,
+            shared_ffn_hidden_size=2,
+            shared_gate=gate,
+        )
         with torch.no_grad():
             for w in (moe.w2, moe.b2):
                 w.zero_()
@@ -328,9 +349,14 @@ def _hf_block(seed: int = 0):
     if not hasattr(q, "Qwen2MoeSparseMoeBlock"):
         pytest.skip("this transformers has no Qwen2MoeSparseMoeBlock")
     cfg = transformers.Qwen2MoeConfig(
-        hidden_size=H, moe_intermediate_size=FFN, shared_expert_intermediate_size=SHARED,
-        num_experts=E, num_experts_per_tok=K, norm_topk_prob=False, hidden_act="silu",
-    )  # fmt: skip
+        hidden_size=H,
+        moe_intermediate_size=FFN,
+        shared_expert_intermediate_size=SHARED,
+        num_experts=E,
+        num_experts_per_tok=K,
+        norm_topk_prob=False,
+        hidden_act="silu",
+    )
     torch.manual_seed(seed)
     block = q.Qwen2MoeSparseMoeBlock(cfg)
     with torch.no_grad():  # HF leaves the fused experts uninitialised and the router at zero
@@ -343,9 +369,18 @@ def _from_hf(block, mesh=None) -> MoE:
     """The documented mapping: router = gate.weight; w1, w2 = from_hf(gate_up_proj,
     down_proj); shared.w1 = cat(gate_proj, up_proj).t(), shared.w2 = down_proj.t()."""
     moe = MoE(
-        H, FFN, E, K, expert="swiglu", capacity_factor=None, normalize_topk=False,
-        shared_ffn_hidden_size=SHARED, shared_gate=True, mesh=mesh, aux_loss=None,
-    )  # fmt: skip
+        H,
+        FFN,
+        E,
+        K,
+        expert="swiglu",
+        capacity_factor=None,
+        normalize_topk=False,
+        shared_ffn_hidden_size=SHARED,
+        shared_gate=True,
+        mesh=mesh,
+        aux_loss=None,
+    )
     lo, n = (dist.get_rank() * moe.num_local, moe.num_local) if mesh else (0, E)
     w1, w2 = experts.from_hf(block.experts.gate_up_proj, block.experts.down_proj)
     se = block.shared_expert

@@ -41,8 +41,19 @@ def _expert(kind: str, w: dict, e: int, x: torch.Tensor) -> torch.Tensor:
     return w["w2"][e] @ F.gelu(w["w1"][e] @ x + w["b1"][e]) + w["b2"][e]
 
 
-def reference_moe(x, w, kind, *, top_k, capacity_factor, drop_policy="position",
-                  normalize_topk=None, min_capacity=2, aux_loss_coef=0.0, z_loss_coef=0.0):  # fmt: skip
+def reference_moe(
+    x,
+    w,
+    kind,
+    *,
+    top_k,
+    capacity_factor,
+    drop_policy="position",
+    normalize_topk=None,
+    min_capacity=2,
+    aux_loss_coef=0.0,
+    z_loss_coef=0.0,
+):
     """y [T, H], the aux loss and the routing (chosen experts, -1 where dropped) of a MoE layer,
     one token at a time, in ``x``'s dtype. ``w``: "router" [E, H] and the experts' weights in
     nn.Linear layouts (see ``_weights``). ``normalize_topk`` None: renormalise when top_k > 1
@@ -158,9 +169,13 @@ def _parity(kind: str, mode: str, overlap_chunks: int, transport: str) -> int:
     ((y * gs[rank]).sum() + moe.aux_loss).backward()
     n = max(sum(t.shape[0] for t in xs), FFN, H)  # the tokens an expert's gradient sums over
     for i, (what, got) in enumerate(
-        (("output", y), ("aux loss", moe.aux_loss), ("input grad", x.grad),
-         ("router grad", moe.router.weight.grad))
-    ):  # fmt: skip
+        (
+            ("output", y),
+            ("aux loss", moe.aux_loss),
+            ("input grad", x.grad),
+            ("router grad", moe.router.weight.grad),
+        )
+    ):
         agree(got, single[rank][i], exact[rank][i], what, length=n)
     for name, g in grads32.items():
         sl = slice(lo, lo + n_local)

@@ -88,8 +88,9 @@ def _check(impl, counts, gated, bias, activation, dtype, device="cpu", exact=Fal
     for c in (torch.tensor(counts, device=device), counts):  # counts as a tensor or a list
         y, grads = _run(impl, x, c, w, grad, gated, activation)
         assert y.shape == want.shape and y.dtype == dtype
-        for name, a, b, e in zip(("y", *names), [y, *grads], [want, *want_grads],
-                                 [ref, *ref_grads], strict=True):  # fmt: skip
+        for name, a, b, e in zip(
+            ("y", *names), [y, *grads], [want, *want_grads], [ref, *ref_grads], strict=True
+        ):
             assert (a is None) == (b is None), name
             if a is None:
                 continue

@@ -40,22 +40,52 @@ COUNTS = (11, 14)  # tokens of EP rank 0, 1 (dropless: uneven)
 LENGTH = max(sum(COUNTS), 2 * FFN * 2)  # the tokens a weight gradient sums over, the widths
 
 FAMILIES = {  # name: (module, class, config class, config kwargs)
-    "mixtral": ("mixtral", "MixtralSparseMoeBlock", "MixtralConfig",
-                dict(intermediate_size=FFN, num_local_experts=4, num_experts_per_tok=2)),
-    "qwen3_moe": ("qwen3_moe", "Qwen3MoeSparseMoeBlock", "Qwen3MoeConfig",
-                  dict(moe_intermediate_size=FFN, num_experts=4, num_experts_per_tok=2,
-                       norm_topk_prob=True)),
-    "qwen3_moe-raw": ("qwen3_moe", "Qwen3MoeSparseMoeBlock", "Qwen3MoeConfig",
-                      dict(moe_intermediate_size=FFN, num_experts=4, num_experts_per_tok=2,
-                           norm_topk_prob=False)),
-    "qwen2_moe": ("qwen2_moe", "Qwen2MoeSparseMoeBlock", "Qwen2MoeConfig",
-                  dict(moe_intermediate_size=FFN, num_experts=4, num_experts_per_tok=2,
-                       shared_expert_intermediate_size=5, norm_topk_prob=False)),
-    "deepseek_v3": ("deepseek_v3", "DeepseekV3MoE", "DeepseekV3Config",
-                    dict(moe_intermediate_size=FFN, n_routed_experts=8, num_experts_per_tok=3,
-                         n_group=4, topk_group=2, n_shared_experts=2, routed_scaling_factor=2.5,
-                         norm_topk_prob=True)),
-}  # fmt: skip
+    "mixtral": (
+        "mixtral",
+        "MixtralSparseMoeBlock",
+        "MixtralConfig",
+        dict(intermediate_size=FFN, num_local_experts=4, num_experts_per_tok=2),
+    ),
+    "qwen3_moe": (
+        "qwen3_moe",
+        "Qwen3MoeSparseMoeBlock",
+        "Qwen3MoeConfig",
+        dict(moe_intermediate_size=FFN, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
+    ),
+    "qwen3_moe-raw": (
+        "qwen3_moe",
+        "Qwen3MoeSparseMoeBlock",
+        "Qwen3MoeConfig",
+        dict(moe_intermediate_size=FFN, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False),
+    ),
+    "qwen2_moe": (
+        "qwen2_moe",
+        "Qwen2MoeSparseMoeBlock",
+        "Qwen2MoeConfig",
+        dict(
+            moe_intermediate_size=FFN,
+            num_experts=4,
+            num_experts_per_tok=2,
+            shared_expert_intermediate_size=5,
+            norm_topk_prob=False,
+        ),
+    ),
+    "deepseek_v3": (
+        "deepseek_v3",
+        "DeepseekV3MoE",
+        "DeepseekV3Config",
+        dict(
+            moe_intermediate_size=FFN,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=2,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+        ),
+    ),
+}
 
 
 def _block(family: str, **overrides):
@@ -279,8 +309,14 @@ def test_bf16_block_agrees_by_the_rule_and_exports_exactly(family):
     x = _clear_tokens(block, 25) if family == "mixtral" else _tokens(0, 25)[0].bfloat16()
     runs = _runs(block, x, torch.zeros_like(x))
     with torch.no_grad():
-        agree(moe(x), [r[0] for r in runs[:2]], runs[2][0], "output", length=LENGTH,
-              dtype=torch.bfloat16)  # fmt: skip
+        agree(
+            moe(x),
+            [r[0] for r in runs[:2]],
+            runs[2][0],
+            "output",
+            length=LENGTH,
+            dtype=torch.bfloat16,
+        )
     out = moe_to_hf_state_dict(moe)
     for k, v in block.state_dict().items():
         assert out[k].dtype == v.dtype and torch.equal(out[k], v), k

@@ -38,8 +38,9 @@ def _compare(capacity_factor, transport: str) -> dict:
     layers = {}
     for k in (1, 2, 4):
         torch.manual_seed(0)
-        layers[k] = MoE(16, 24, 8, top_k=2, capacity_factor=capacity_factor, overlap_chunks=k,
-                        mesh=mesh)  # fmt: skip
+        layers[k] = MoE(
+            16, 24, 8, top_k=2, capacity_factor=capacity_factor, overlap_chunks=k, mesh=mesh
+        )
     layers["exact"] = exact_copy(layers[1])  # the plain layer in float64: the exact math
     names = ["output", "input grad", *[f"grad {n}" for n, _ in layers[1].named_parameters()]]
     results = {}

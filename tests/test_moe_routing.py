@@ -167,8 +167,10 @@ def test_sequence_aux_loss_by_hand():
     routing = r(logits, seq_len=2)
     ids = routing.expert_ids.tolist()
     assert ids == [[0], [0], [1], [0]]
-    p = [[math.exp(a) / (math.exp(a) + math.exp(b)), math.exp(b) / (math.exp(a) + math.exp(b))]
-         for a, b in logits.tolist()]  # fmt: skip
+    p = [
+        [math.exp(a) / (math.exp(a) + math.exp(b)), math.exp(b) / (math.exp(a) + math.exp(b))]
+        for a, b in logits.tolist()
+    ]
     want = (
         _balance_by_hand(p[:2], ids[:2], 1, 2, 1.0) + _balance_by_hand(p[2:], ids[2:], 1, 2, 1.0)
     ) / 2
@@ -189,8 +191,9 @@ def _margin_tokens() -> torch.Tensor:
 
 
 def test_expert_bias_update_over_steps_by_hand():
-    r = _router(2, top_k=1, score="sigmoid", expert_bias=True, bias_update_rate=0.1,
-                capacity_factor=None)  # fmt: skip
+    r = _router(
+        2, top_k=1, score="sigmoid", expert_bias=True, bias_update_rate=0.1, capacity_factor=None
+    )
     x = _margin_tokens()
     loads, biases = [], []
     for _ in range(3):
@@ -239,12 +242,16 @@ def test_expert_bias_survives_a_fastpar_checkpoint(tmp_path):
         model[0].expert_bias.copy_(torch.tensor([0.01, -0.02, 0.03, -0.04]))
     path = str(tmp_path / "c")
     assert "0.tokens_per_expert" not in model.state_dict()
-    checkpoint.save(path, model_params={k: v for k, v in state(model).items()
-                                        if k in model.state_dict()}, step=1)  # fmt: skip
+    checkpoint.save(
+        path,
+        model_params={k: v for k, v in state(model).items() if k in model.state_dict()},
+        step=1,
+    )
     torch.manual_seed(1)
     fresh = torch.nn.Sequential(TopKRouter(4, 4, score="sigmoid", expert_bias=True))
-    checkpoint.load(path, model_params={k: v for k, v in state(fresh).items()
-                                        if k in fresh.state_dict()})  # fmt: skip
+    checkpoint.load(
+        path, model_params={k: v for k, v in state(fresh).items() if k in fresh.state_dict()}
+    )
     assert torch.equal(fresh[0].expert_bias, model[0].expert_bias)
     assert torch.equal(fresh[0].weight, model[0].weight)
 
@@ -254,8 +261,16 @@ def _bias_over_dp() -> list[float]:
     0, 1, 1, 2 (load [1, 2, 1]): both update from the summed load [5, 2, 1]."""
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(_router(3, top_k=1, score="sigmoid", expert_bias=True,
-                                        bias_update_rate=0.25, capacity_factor=None))  # fmt: skip
+    model = torch.nn.Sequential(
+        _router(
+            3,
+            top_k=1,
+            score="sigmoid",
+            expert_bias=True,
+            bias_update_rate=0.25,
+            capacity_factor=None,
+        )
+    )
     hi, lo = _logit(0.9), _logit(0.1)
     rows = {0: [[hi, lo, lo]] * 4, 1: [[hi, lo, lo]] + [[lo, hi, lo]] * 2 + [[lo, lo, hi]]}[rank]
     model(torch.tensor(rows))
@@ -268,8 +283,9 @@ def test_expert_bias_is_identical_on_every_data_parallel_replica():
     # summed load [5, 2, 1], mean 8/3: expert 0 over, experts 1 and 2 under
     assert out[0] == out[1] == pytest.approx([-0.25, 0.25, 0.25])
     # without the reduction rank 1 alone (load [1, 2, 1], mean 4/3) would move 0 up, 1 down
-    r = _router(3, top_k=1, score="sigmoid", expert_bias=True, bias_update_rate=0.25,
-                capacity_factor=None)  # fmt: skip
+    r = _router(
+        3, top_k=1, score="sigmoid", expert_bias=True, bias_update_rate=0.25, capacity_factor=None
+    )
     hi, lo = _logit(0.9), _logit(0.1)
     r(torch.tensor([[hi, lo, lo]] + [[lo, hi, lo]] * 2 + [[lo, lo, hi]]))
     r.update_expert_bias()
@@ -297,15 +313,32 @@ def test_bad_routing_arguments():
 H, FFN, E = 10, 12, 8
 MODES = {
     "softmax-top2": dict(top_k=2, capacity_factor=None),
-    "deepseek-v3": dict(top_k=2, capacity_factor=None, score="sigmoid", expert_bias=True,
-                        num_groups=4, group_topk=2, scaling_factor=2.5, aux_loss="sequence"),
-    "sigmoid-top1-scaled": dict(top_k=1, capacity_factor=None, score="sigmoid",
-                                scaling_factor=1.5, z_loss_coef=1e-3),
-    "megatron-drops": dict(top_k=2, capacity_factor=0.5, min_capacity=None,
-                           drop_policy="weights", drop_weights="keep"),
-    "groups-probs-drops": dict(top_k=2, capacity_factor=0.75, min_capacity=2, drop_policy="probs",
-                               num_groups=2, group_topk=1, aux_loss="sequence"),
-}  # fmt: skip
+    "deepseek-v3": dict(
+        top_k=2,
+        capacity_factor=None,
+        score="sigmoid",
+        expert_bias=True,
+        num_groups=4,
+        group_topk=2,
+        scaling_factor=2.5,
+        aux_loss="sequence",
+    ),
+    "sigmoid-top1-scaled": dict(
+        top_k=1, capacity_factor=None, score="sigmoid", scaling_factor=1.5, z_loss_coef=1e-3
+    ),
+    "megatron-drops": dict(
+        top_k=2, capacity_factor=0.5, min_capacity=None, drop_policy="weights", drop_weights="keep"
+    ),
+    "groups-probs-drops": dict(
+        top_k=2,
+        capacity_factor=0.75,
+        min_capacity=2,
+        drop_policy="probs",
+        num_groups=2,
+        group_topk=1,
+        aux_loss="sequence",
+    ),
+}
 BIAS = torch.tensor([0.05, -0.1, 0.0, 0.2, -0.05, 0.1, 0.0, -0.2])
 
 
@@ -399,8 +432,11 @@ def _ep_parity_all_modes() -> None:
         (y * gs[rank]).sum().add(moe.aux_loss).backward()
         if opts["capacity_factor"] is not None:  # the case exercises its drop semantics
             assert int(moe.stats["num_dropped"]) > 0, mode
-        for what, got, i in (("output", y, 0), ("input grad", xp.grad, 1),
-                             ("router grad", moe.router.weight.grad, 2)):  # fmt: skip
+        for what, got, i in (
+            ("output", y, 0),
+            ("input grad", xp.grad, 1),
+            ("router grad", moe.router.weight.grad, 2),
+        ):
             agree(got, single[i][rank], exact[i][rank], f"{mode}: {what}", length=n)
         sl = slice(rank * moe.num_local, (rank + 1) * moe.num_local)
         for name in ("w1", "b1", "w2", "b2"):
@@ -436,8 +472,11 @@ def test_every_mode_compiles_to_one_graph_equal_to_eager(mode):
     x0 = torch.randn(2, 6, H, generator=torch.Generator().manual_seed(3))
     _same_routing(moe, moe64, [x0])
     results = []
-    for f, m, dtype in ((moe, moe, torch.float32), (compiled, moe, torch.float32),
-                        (moe64, moe64, torch.float64)):  # fmt: skip
+    for f, m, dtype in (
+        (moe, moe, torch.float32),
+        (compiled, moe, torch.float32),
+        (moe64, moe64, torch.float64),
+    ):
         x = x0.to(dtype, copy=True).requires_grad_()
         m.zero_grad(set_to_none=True)
         before = None if m.router.expert_bias is None else m.router.tokens_per_expert.clone()

@@ -45,8 +45,19 @@ EXPERTS = {
 
 def _layer(mesh, routing, kind, capacity, **kw) -> MoE:
     torch.manual_seed(0)
-    moe = MoE(H, FFN, E, K, capacity_factor=capacity, min_capacity=None, aux_loss_coef=0.3,
-              mesh=mesh, **ROUTINGS[routing], **EXPERTS[kind], **kw)  # fmt: skip
+    moe = MoE(
+        H,
+        FFN,
+        E,
+        K,
+        capacity_factor=capacity,
+        min_capacity=None,
+        aux_loss_coef=0.3,
+        mesh=mesh,
+        **ROUTINGS[routing],
+        **EXPERTS[kind],
+        **kw,
+    )
     if moe.router.expert_bias is not None:  # a bias that changes the choice
         moe.router.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.1, 0.0]))
     return moe
@@ -87,16 +98,18 @@ def _local(full: torch.Tensor, p: torch.Tensor, mesh, name: str, moe: MoE) -> to
     layout = param_layout(p)
     if layout is not None and layout.kind == "sharded":
         halves = full.chunk(layout.fused, layout.dim)
-        full = torch.cat([h.chunk(mesh.tp_size, layout.dim)[mesh.tp_rank] for h in halves],
-                         layout.dim)  # fmt: skip
+        full = torch.cat(
+            [h.chunk(mesh.tp_size, layout.dim)[mesh.tp_rank] for h in halves], layout.dim
+        )
     return full
 
 
 def _check(routing, kind, layout, ep, capacity):
     mesh = make_mesh(tp=2, ep=ep)
     sp = layout in ("sp", "sp+etp")
-    moe = _layer(mesh, routing, kind, capacity, sequence_parallel=sp,
-                 expert_tp=layout in ("etp", "sp+etp"))  # fmt: skip
+    moe = _layer(
+        mesh, routing, kind, capacity, sequence_parallel=sp, expert_tp=layout in ("etp", "sp+etp")
+    )
     ref = _layer(None, routing, kind, capacity)
     ref64 = exact_copy(ref)
     batches = [_batch(r) for r in range(mesh.dp_size)]
@@ -186,8 +199,9 @@ def _errors():
             MoE(H, ffn, E, K, mesh=mesh, **kw)
         except ValueError as e:
             msgs.append(str(e))
-    moe = MoE(H, FFN, E, K, mesh=mesh, sequence_parallel=True, capacity_factor=None,
-              aux_loss="sequence")  # fmt: skip
+    moe = MoE(
+        H, FFN, E, K, mesh=mesh, sequence_parallel=True, capacity_factor=None, aux_loss="sequence"
+    )
     try:
         moe(torch.randn(6, H))
     except ValueError as e:
@@ -234,8 +248,18 @@ def test_verify_deepseek_style_moe_at_dp2_ep2_tp2(model, sp, expert_tp, zero):
     from fastpar.train import TrainConfig
     from fastpar.verify import compare
 
-    cfg = TrainConfig(**SMALL, **DEEPSEEK_FLAGS, model_type=model, tp=2, dp=2, ep=2, zero=zero,
-                      moe_every=2, sequence_parallel=sp, moe_expert_tp=expert_tp)  # fmt: skip
+    cfg = TrainConfig(
+        **SMALL,
+        **DEEPSEEK_FLAGS,
+        model_type=model,
+        tp=2,
+        dp=2,
+        ep=2,
+        zero=zero,
+        moe_every=2,
+        sequence_parallel=sp,
+        moe_expert_tp=expert_tp,
+    )
     ok, text = compare(cfg)
     assert ok, text
 
@@ -243,7 +267,8 @@ def test_verify_deepseek_style_moe_at_dp2_ep2_tp2(model, sp, expert_tp, zero):
 def test_sequence_parallel_moe_with_capacity_is_refused_by_the_model():
     from fastpar.train import TrainConfig
 
-    cfg = TrainConfig(**SMALL, tp=2, dp=1, ep=1, moe_every=2, sequence_parallel=True,
-                      capacity_factor=1.25)  # fmt: skip
+    cfg = TrainConfig(
+        **SMALL, tp=2, dp=1, ep=1, moe_every=2, sequence_parallel=True, capacity_factor=1.25
+    )
     with pytest.raises(ValueError, match=r"capacity_factor=1\.25 would drop per chunk"):
         cfg.check()

@@ -30,8 +30,19 @@ ROUTINGS = {
 
 def _moe(routing="softmax", aux_loss="micro_batch", capacity=None, **kw) -> MoE:
     torch.manual_seed(0)
-    moe = MoE(H, FFN, E, K, capacity_factor=capacity, min_capacity=None, aux_loss=aux_loss,
-              aux_loss_coef=0.3, z_loss_coef=0.1, **ROUTINGS[routing], **kw)  # fmt: skip
+    moe = MoE(
+        H,
+        FFN,
+        E,
+        K,
+        capacity_factor=capacity,
+        min_capacity=None,
+        aux_loss=aux_loss,
+        aux_loss_coef=0.3,
+        z_loss_coef=0.1,
+        **ROUTINGS[routing],
+        **kw,
+    )
     if moe.router.expert_bias is not None:  # a bias that changes the choice
         moe.router.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.1, 0.0]))
     return moe
@@ -180,8 +191,9 @@ def test_no_mask_is_the_unmasked_computation_bit_for_bit(aux_loss, routing):
             f = counts.to(torch.float32) / (B * S * K)
             bal = coef * E * (f * p.mean(dim=0)).sum()
         else:
-            c = torch.zeros(B, E).scatter_add_(1, r.expert_ids.reshape(B, S * K),
-                                               torch.ones(B, S * K))  # fmt: skip
+            c = torch.zeros(B, E).scatter_add_(
+                1, r.expert_ids.reshape(B, S * K), torch.ones(B, S * K)
+            )
             bal = coef * E * ((c / (S * K)) * p.reshape(B, S, E).mean(1)).sum(-1).mean()
         z = moe.router.z_loss_coef * torch.logsumexp(r.logits, -1).square().mean()
         every = _aux(moe, x, torch.ones(B, S, dtype=torch.bool))
@@ -246,8 +258,9 @@ def _two_ranks(layout: str):
 
     from fastpar.parallel.context import split_sequence
 
-    mesh = make_mesh(**({"cp": 2} if layout == "cp2" else {"ep": 2} if layout == "ep2"
-                        else {"tp": 2}))  # fmt: skip
+    mesh = make_mesh(
+        **({"cp": 2} if layout == "cp2" else {"ep": 2} if layout == "ep2" else {"tp": 2})
+    )
     rank = dist.get_rank()
     out = {}
     for aux_loss in ("micro_batch", "sequence"):

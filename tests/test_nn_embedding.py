@@ -45,8 +45,14 @@ def _parity(vocab: int, padding_idx) -> None:
     # a lookup, and the other ranks' exact zeros added to it: bit for bit
     assert torch.equal(yp, yr.detach()), "output differs from nn.Embedding's"
     yp.backward(gy)
-    agree(emb.weight.grad, ref.weight.grad, ref64.weight.grad, "weight grad", length=ids.numel(),
-          param=emb.weight)  # fmt: skip
+    agree(
+        emb.weight.grad,
+        ref.weight.grad,
+        ref64.weight.grad,
+        "weight grad",
+        length=ids.numel(),
+        param=emb.weight,
+    )
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

@@ -94,11 +94,16 @@ def _column_parity(gather_output: bool, bias: bool, pad: bool) -> None:
         agree(yp, _cols(yr, w), _cols(y64, w), "local output", length=n)
         yp.backward(_cols(gy, w))
     agree(xp.grad, xr.grad, x64.grad, "input grad", length=n)
-    agree(col.weight.grad, ref.weight.grad, ref64.weight.grad, "weight grad", length=n,
-          param=col.weight)  # fmt: skip
+    agree(
+        col.weight.grad,
+        ref.weight.grad,
+        ref64.weight.grad,
+        "weight grad",
+        length=n,
+        param=col.weight,
+    )
     if bias:
-        agree(col.bias.grad, ref.bias.grad, ref64.bias.grad, "bias grad", length=n,
-              param=col.bias)  # fmt: skip
+        agree(col.bias.grad, ref.bias.grad, ref64.bias.grad, "bias grad", length=n, param=col.bias)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -139,8 +144,14 @@ def _row_parity(input_is_parallel: bool, bias: bool) -> None:
         return g.chunk(world, -1)[rank] if input_is_parallel else g
 
     agree(xp.grad, mine(xr.grad), mine(x64.grad), "input grad", length=n)
-    agree(row.weight.grad, ref.weight.grad, ref64.weight.grad, "weight grad", length=n,
-          param=row.weight)  # fmt: skip
+    agree(
+        row.weight.grad,
+        ref.weight.grad,
+        ref64.weight.grad,
+        "weight grad",
+        length=n,
+        param=row.weight,
+    )
     if bias:
         agree(row.bias.grad, ref.bias.grad, ref64.bias.grad, "bias grad", length=n)
 
@@ -199,8 +210,9 @@ def _mlp_training(sequence_parallel: bool) -> list[float]:
     every parameter after 5 AdamW steps, judged by the rule against the dense MLP's fp32 run,
     its twin and its float64 run (``train_references``)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    refs = train_references(lambda: DenseMLP(36, 64), _mlp_loss, STEPS, length=64, seed=5,
-                            lr=LR, weight_decay=WD)  # fmt: skip
+    refs = train_references(
+        lambda: DenseMLP(36, 64), _mlp_loss, STEPS, length=64, seed=5, lr=LR, weight_decay=WD
+    )
     torch.manual_seed(5)
     par = ParallelMLP(36, 64, sequence_parallel)
     refs.local = lambda t, name: local_slice(t, par.get_parameter(name))
@@ -269,8 +281,13 @@ def _sp_column_input_grad() -> None:
     y = col(xp)
     agree(y, yr, y64, "output (full sequence)", length=n)
     y.backward(gy)
-    agree(xp.grad, xr.grad.chunk(world, 0)[rank], x64.grad.chunk(world, 0)[rank],
-          "input grad chunk", length=n)  # fmt: skip
+    agree(
+        xp.grad,
+        xr.grad.chunk(world, 0)[rank],
+        x64.grad.chunk(world, 0)[rank],
+        "input grad chunk",
+        length=n,
+    )
 
 
 @pytest.mark.parametrize("world", [2, 4])

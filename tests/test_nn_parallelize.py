@@ -62,8 +62,9 @@ def _train_and_compare(model_name: str, steps: int = 4) -> list[float]:
 
     torch.manual_seed(0)
     length = reduction_length(build(), idx)
-    refs = train_references(build, dense_loss, steps, length=length, seed=0, lr=3e-3,
-                            weight_decay=0.01)  # fmt: skip
+    refs = train_references(
+        build, dense_loss, steps, length=length, seed=0, lr=3e-3, weight_decay=0.01
+    )
 
     def logits_agree(step, actual, what, cut=lambda t: t):
         single, twin, exact = (cut(run[step]) for run in logits_of_runs)

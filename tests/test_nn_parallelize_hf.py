@@ -125,8 +125,14 @@ def _one_step(family: str, tp: int) -> list:
     count = 0
     for name, p in par.named_parameters(remove_duplicate=False):
         assert p.grad is not None, f"{name} got no gradient"
-        _agree_runs(p.grad, runs, lambda r, k=name: r[2][k], f"grad of {name}", n,
-                    lambda t, p=p: _expected_grad(p, t))  # fmt: skip
+        _agree_runs(
+            p.grad,
+            runs,
+            lambda r, k=name: r[2][k],
+            f"grad of {name}",
+            n,
+            lambda t, p=p: _expected_grad(p, t),
+        )
         layout = param_layout(p)
         if layout is None or layout.kind == "replicated":  # copies agree across the TP group
             _same_on_every_rank(p.grad, mesh.tp_group, f"grad of replicated {name}")
@@ -171,9 +177,11 @@ def _train(family: str, tp: int, wrapper: str, refs: References, steps: int = 5)
     engine = None
     if wrapper == "zero3":
         engine = Zero3(
-            model, lambda ps: FusedAdamW(ps, lr=1e-2, weight_decay=0.01), mesh=mesh,
+            model,
+            lambda ps: FusedAdamW(ps, lr=1e-2, weight_decay=0.01),
+            mesh=mesh,
             wrap=(_decoder_layer(model),),
-        )  # fmt: skip
+        )
         forward, opt = engine, engine
     elif wrapper == "ddp":
         forward = DistributedDataParallel(model, mesh=mesh)
@@ -182,8 +190,9 @@ def _train(family: str, tp: int, wrapper: str, refs: References, steps: int = 5)
         forward = model
         opt = ZeroOptimizer(
             FusedAdamW(model.parameters(), lr=1e-2, weight_decay=0.01),
-            stage=int(wrapper[-1]), mesh=mesh,
-        )  # fmt: skip
+            stage=int(wrapper[-1]),
+            mesh=mesh,
+        )
     for step in range(steps):
         ids, labels = local(step)
         loss = forward(input_ids=ids, labels=labels).loss
@@ -221,8 +230,9 @@ def _reference(family: str, steps: int = 5) -> References:
         return _loss_of(family, model, *_batch(family, step))
 
     # (train_references casts with fastpar.tolerance.cast: float64 MoE experts run HF's loop)
-    return train_references(lambda: build(family), loss, steps, length=_length(family),
-                            lr=1e-2, weight_decay=0.01)  # fmt: skip
+    return train_references(
+        lambda: build(family), loss, steps, length=_length(family), lr=1e-2, weight_decay=0.01
+    )
 
 
 @pytest.mark.parametrize("layout", ["dp2", "tp2-dp2"])
@@ -365,8 +375,10 @@ class _WidthReader(torch.nn.Module):
 
     def forward(self, x):
         b, t, _ = x.shape
-        q, k, v = (p(x).view(b, t, self.num_heads, -1).transpose(1, 2)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))  # fmt: skip
+        q, k, v = (
+            p(x).view(b, t, self.num_heads, -1).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         scale = (self.width // self.num_heads) ** -0.5  # width is not divided: scale changes
         y = torch.softmax(q @ k.transpose(-1, -2) * scale, -1) @ v
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
@@ -375,10 +387,12 @@ class _WidthReader(torch.nn.Module):
 def _width_reader(extra) -> float:
     torch.manual_seed(0)
     model = parallelize(
-        _WidthReader(), {"[qkv]_proj": "column", "o_proj": "row"}, group=None,
+        _WidthReader(),
+        {"[qkv]_proj": "column", "o_proj": "row"},
+        group=None,
         example_inputs=torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(3)),
         heads=extra,
-    )  # fmt: skip
+    )
     return model.fastpar_plan.output_rel_diff
 
 
@@ -394,8 +408,12 @@ def _gpt2_as_linear() -> list:
     split_size is found without heads=."""
     dense = build("gpt2")
     for block in dense.transformer.h:
-        for parent, attr in ((block.attn, "c_attn"), (block.attn, "c_proj"),
-                             (block.mlp, "c_fc"), (block.mlp, "c_proj")):  # fmt: skip
+        for parent, attr in (
+            (block.attn, "c_attn"),
+            (block.attn, "c_proj"),
+            (block.mlp, "c_fc"),
+            (block.mlp, "c_proj"),
+        ):
             conv = getattr(parent, attr)
             lin = torch.nn.Linear(*conv.weight.shape)
             with torch.no_grad():
@@ -495,8 +513,14 @@ def _readme_snippet(plan: dict) -> list:
     _agree_runs(loss_p, runs, lambda r: r[1], "loss", n)
     loss_p.backward()
     for name, p in par.named_parameters():
-        _agree_runs(p.grad, runs, lambda r, k=name: r[2][k], f"grad of {name}", n,
-                    lambda t, p=p: _expected_grad(p, t))  # fmt: skip
+        _agree_runs(
+            p.grad,
+            runs,
+            lambda r, k=name: r[2][k],
+            f"grad of {name}",
+            n,
+            lambda t, p=p: _expected_grad(p, t),
+        )
     return par.fastpar_plan.found_by_probe
 
 

@@ -140,8 +140,14 @@ def _grads_and_training(family: str, tmp: str):
             ref_opt.zero_grad()
     trained = [{n: t.detach().clone() for n, t in r.named_parameters()} for r in refs]
     for name, p in model.named_parameters():
-        _agree(p.detach(), [trained[0][name], trained[1][name]], trained[2][name],
-               f"after 3 steps {name}", n, p)  # fmt: skip
+        _agree(
+            p.detach(),
+            [trained[0][name], trained[1][name]],
+            trained[2][name],
+            f"after 3 steps {name}",
+            n,
+            p,
+        )
     # the sharded model saves as the HF model, and loads back: a round trip, bit for bit
     save_hf(model, tmp, mesh=mesh)
     fresh = parallelize(_model(family), mesh=mesh)

@@ -120,9 +120,14 @@ def test_a_skipped_step_writes_nothing_and_bad_dtypes_are_refused():
     ms[0].fill_(0.3)
     before = [t.clone() for t in (ps[0], ms[0], vs[0])]
     op.adamw_step_(
-        ps[0], torch.full_like(ps[0], float("inf")), ms[0], vs[0], step=torch.ones(()),
-        found_inf=torch.ones(()), **HYPER,
-    )  # fmt: skip
+        ps[0],
+        torch.full_like(ps[0], float("inf")),
+        ms[0],
+        vs[0],
+        step=torch.ones(()),
+        found_inf=torch.ones(()),
+        **HYPER,
+    )
     for a, b in zip((ps[0], ms[0], vs[0]), before, strict=True):
         assert torch.equal(a, b)
     with pytest.raises(TypeError, match="the moments must both be fp32 or both bf16"):

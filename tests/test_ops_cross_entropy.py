@@ -143,8 +143,14 @@ def _check(case: Case, results: list, tp: int, case_index: int) -> None:
         assert torch.isfinite(loss).all() and torch.isfinite(grad).all(), where
         assert_loss_agrees(loss, single_loss, exact_loss, where, length=_length(case))
         cols = slice(rank * n_local, (rank + 1) * n_local)
-        agree(grad, single_grad[..., cols], exact_grad[..., cols], f"{where}: gradient",
-              length=_length(case), dtype=case.dtype)  # fmt: skip
+        agree(
+            grad,
+            single_grad[..., cols],
+            exact_grad[..., cols],
+            f"{where}: gradient",
+            length=_length(case),
+            dtype=case.dtype,
+        )
         padding_cols = [c for c in range(n_local) if rank * n_local + c >= case.vocab]
         assert (grad[..., padding_cols] == 0).all(), f"{where}: padding columns got a gradient"
 

@@ -67,8 +67,9 @@ def test_matches_float64_dense_reference(layout, heads):
     twin = _run(dense_document_attention, twin_in, ids, grad_out, torch.float32)
     exact = _run(dense_document_attention, qkv, ids, grad_out, torch.float64)
     also = _run(document_attention, qkv, ids, grad_out, torch.float64)  # float64 path works
-    for name, a, s, tw, e, a64 in zip(("out", "dq", "dk", "dv"), actual, single, twin, exact, also,
-                                      strict=True):  # fmt: skip
+    for name, a, s, tw, e, a64 in zip(
+        ("out", "dq", "dk", "dv"), actual, single, twin, exact, also, strict=True
+    ):
         tolerance.assert_agree(a, [s, tw], e, length=max(T, D), dtype=torch.float32, what=name)
         assert a64.dtype == torch.float64
         torch.testing.assert_close(a64, e, rtol=1e-10, atol=1e-10)
@@ -100,9 +101,11 @@ def test_one_document_per_row_is_causal_sdpa():
         q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True
     )
     exact = F.scaled_dot_product_attention(
-        q.double(), k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1),
+        q.double(),
+        k.double().repeat_interleave(2, 1),
+        v.double().repeat_interleave(2, 1),
         is_causal=True,
-    )  # fmt: skip
+    )
     tolerance.assert_agree(got, want, exact, length=max(T, D), dtype=torch.float32)
 
 

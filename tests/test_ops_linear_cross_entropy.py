@@ -100,8 +100,9 @@ def _references(case: Case, upstream: torch.Tensor | None = None) -> list[tuple]
         h = hidden.to(dtype, copy=True).requires_grad_()
         w = weight.to(dtype, copy=True).requires_grad_()
         logits = F.linear(h, w).reshape(-1, case.vocab)
-        loss = case_loss(logits if dtype == torch.float64 else logits.float(), target.reshape(-1),
-                         case)  # fmt: skip
+        loss = case_loss(
+            logits if dtype == torch.float64 else logits.float(), target.reshape(-1), case
+        )
         (loss * upstream.to(loss.dtype)).sum().backward()
         out.append((loss.detach(), h.grad, w.grad))
     return out
@@ -158,8 +159,7 @@ def _check(case: Case, results: list, tp: int, i: int) -> None:
         assert_loss_agrees(loss, single_loss, exact_loss, where, length=n, dtype=case.dtype)
         agree(gh, single_h, exact_h, f"{where}: d hidden", length=n, dtype=case.dtype)
         rows = slice(rank * n_local, (rank + 1) * n_local)
-        agree(gw, single_w[rows], exact_w[rows], f"{where}: d weight", length=n,
-              dtype=case.dtype)  # fmt: skip
+        agree(gw, single_w[rows], exact_w[rows], f"{where}: d weight", length=n, dtype=case.dtype)
         pad_rows = [j for j in range(n_local) if rank * n_local + j >= case.vocab]
         assert (gw[pad_rows] == 0).all(), f"{where}: padding rows got a gradient"
 
@@ -203,8 +203,9 @@ def test_partial_hidden_grad_sums_to_the_full_one():
     case = Case(vocab=123, padded=True, label_smoothing=0.1)
     (_, single_h, _), (_, exact_h, _) = _references(case, upstream=torch.tensor(1.0))
     assert not torch.allclose(parts[0].double(), exact_h, atol=1e-4)
-    agree(parts[0] + parts[1], single_h, exact_h, "sum of the partial d hidden",
-          length=_length(case))  # fmt: skip
+    agree(
+        parts[0] + parts[1], single_h, exact_h, "sum of the partial d hidden", length=_length(case)
+    )
 
 
 def _torch_linear_ce(h, w, t, **kw) -> list[tuple]:
@@ -231,8 +232,9 @@ def test_reference_oracle_equals_torch():
             got = ref.linear_cross_entropy(
                 h, w, t, reduction=reduction, label_smoothing=0.1, chunk_size=chunk
             )
-            for name, a, b, c in zip(("loss", "d hidden", "d weight"), got, single, exact,
-                                     strict=True):  # fmt: skip
+            for name, a, b, c in zip(
+                ("loss", "d hidden", "d weight"), got, single, exact, strict=True
+            ):
                 agree(a, b, c, f"{reduction} chunk={chunk}: {name}", length=41)
 
 

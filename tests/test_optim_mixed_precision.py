@@ -123,8 +123,14 @@ def test_fp16_tracks_the_exact_math_and_never_writes_nan(fused):
     exact = _float64_run(start, fused, x, y, skips)
     length = max(x.numel(), 32)  # the loss sums 8 x 16 values; the widest layer is 32
     for step in range(STEPS_FP16):  # a step's loss depends on the earlier steps' skips only
-        assert_agree(losses_half[step], [r[0][step] for r in single], exact[step], length=length,
-                     dtype=torch.float16, what=f"fp16 loss of step {step + 1}")  # fmt: skip
+        assert_agree(
+            losses_half[step],
+            [r[0][step] for r in single],
+            exact[step],
+            length=length,
+            dtype=torch.float16,
+            what=f"fp16 loss of step {step + 1}",
+        )
         for name, (_, theirs) in zip(("the torch-only fp16 run", "its twin"), single, strict=True):
             assert theirs[step] == skips[step], (
                 f"step {step + 1}: {name} skipped {theirs[step]}, the optimizer {skips[step]}"
@@ -234,16 +240,22 @@ def _clip_parity(tp: int) -> None:
             o.step()
         skipped, norm = opt_p.step()
         assert not skipped
-        assert_agree(norm, want[:2], want[2], length=length,
-                     what=f"norm at step {step} on rank {rank}")  # fmt: skip
+        assert_agree(
+            norm, want[:2], want[2], length=length, what=f"norm at step {step} on rank {rank}"
+        )
     named = [dict(m.named_parameters()) for m in refs]
     for name, p in par.named_parameters():
         expect = [
             r[name].detach() if param_layout(p) is None else local_slice(r[name].detach(), p)
             for r in named
         ]
-        assert_agree(p.detach(), expect[:2], expect[2], length=length,
-                     what=f"{name} after clipped steps on rank {rank}")  # fmt: skip
+        assert_agree(
+            p.detach(),
+            expect[:2],
+            expect[2],
+            length=length,
+            what=f"{name} after clipped steps on rank {rank}",
+        )
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

@@ -92,9 +92,22 @@ def test_forcing_triton_on_cpu_is_allowed(monkeypatch):
 @pytest.mark.slow  # the mesh CLI in subprocesses: about 8 s
 def test_mesh_cli(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "fastpar.mesh", "--world-size", "16", "--tp", "2", "--pp", "4", "--json"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "fastpar.mesh",
+            "--world-size",
+            "16",
+            "--tp",
+            "2",
+            "--pp",
+            "4",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     import json
 
@@ -104,15 +117,33 @@ def test_mesh_cli(tmp_path):
     assert doc["ranks"][5] == {"tp": 1, "pp": 1, "dp": 0, "cp": 0, "ep": 0, "expert-dp": 0}
     bad = subprocess.run(
         [sys.executable, "-m", "fastpar.mesh", "--world-size", "12", "--tp", "5"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2
     assert "error: world_size 12 is not divisible by tp*pp = 5*1" in bad.stderr
     env = dict(os.environ)
     chk = subprocess.run(
-        [sys.executable, "-m", "fastpar.mesh", "--world-size", "8", "--tp", "2", "--pp", "2", "--ep", "2", "--check"],
-        capture_output=True, text=True, timeout=120, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "fastpar.mesh",
+            "--world-size",
+            "8",
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--ep",
+            "2",
+            "--check",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert chk.returncode == 0, chk.stderr
     assert "check ok: 8 gloo ranks created every group" in chk.stdout
 

@@ -62,11 +62,21 @@ def _check(hq, hkv, chunk, kind="ring"):
     (out * split_sequence(g, None, dim=2)).sum().backward()
     length = max(seq, q.shape[-1])  # a row of scores sums over the keys, dq too; dk, dv: queries
     rank = dist.get_rank()
-    assert_agree(out, [r[0] for r in runs], exact[0], length=length,
-                 what=f"attention output on cp rank {rank}")  # fmt: skip
+    assert_agree(
+        out,
+        [r[0] for r in runs],
+        exact[0],
+        length=length,
+        what=f"attention output on cp rank {rank}",
+    )
     for i, (name, got) in enumerate(zip("qkv", mine, strict=True)):
-        assert_agree(got.grad, [r[1][i] for r in runs], exact[1][i], length=length,
-                     what=f"d{name} on cp rank {rank}")  # fmt: skip
+        assert_agree(
+            got.grad,
+            [r[1][i] for r in runs],
+            exact[1][i],
+            length=length,
+            what=f"d{name} on cp rank {rank}",
+        )
     return True
 
 

@@ -57,10 +57,13 @@ def _length(micro: int, world: int) -> int:
 
 def _reference(steps: int, micro: int, world: int, opt_name: str, lr: float = 0.05):
     return references(
-        _model, mse_loss(micro, world, 7, 5), steps,
+        _model,
+        mse_loss(micro, world, 7, 5),
+        steps,
         lambda model: _make_opt(opt_name, model.parameters(), lr, reference=True),
-        length=_length(micro, world), lr=lr * 0.2,
-    )  # fmt: skip
+        length=_length(micro, world),
+        lr=lr * 0.2,
+    )
 
 
 def _make_opt(name: str, params, lr: float, reference: bool = False):

@@ -90,9 +90,12 @@ def _protocol() -> dict:
             params = [p.detach().clone() for p in net.parameters()]
         sent = sum(v for k, v in w.comm_bytes_by.items() if k != "summon")
         out[stage] = dict(
-            skipped=(skipped.dtype, skipped.dim(), bool(skipped)), norm=(norm.dtype, float(norm)),
-            params=params, seen=seen, sent=(w.comm_bytes, sent),
-        )  # fmt: skip
+            skipped=(skipped.dtype, skipped.dim(), bool(skipped)),
+            norm=(norm.dtype, float(norm)),
+            params=params,
+            seen=seen,
+            sent=(w.comm_bytes, sent),
+        )
     return out
 
 
@@ -103,16 +106,25 @@ def _loss(model: nn.Module, step: int, dtype: torch.dtype) -> torch.Tensor:
 
 def test_every_stage_speaks_one_protocol_and_trains_alike():
     # one clipped SGD step on the whole batch: fp32, its twin, float64
-    refs = references(_mlp, _loss, 1, lambda m: torch.optim.SGD(m.parameters(), lr=LR),
-                      length=2 * 4 * 5, clip=CLIP)  # fmt: skip
+    refs = references(
+        _mlp,
+        _loss,
+        1,
+        lambda m: torch.optim.SGD(m.parameters(), lr=LR),
+        length=2 * 4 * 5,
+        clip=CLIP,
+    )
     names = [n for n, _ in _mlp().named_parameters()]
     for rank, out in enumerate(run_ranks(_protocol, 2)):
         for stage, r in out.items():
             assert r["skipped"] == (torch.bool, 0, False)
             assert r["norm"][0] == torch.float32
             where = f"rank {rank}, stage {stage}: "
-            check([norm(refs, 0, r["norm"][1])]
-                  + [refs.param(n, p) for n, p in zip(names, r["params"], strict=True)], where)  # fmt: skip
+            check(
+                [norm(refs, 0, r["norm"][1])]
+                + [refs.param(n, p) for n, p in zip(names, r["params"], strict=True)],
+                where,
+            )
             # between steps .grad is None after zero_grad() at every stage; after
             # zero_grad(set_to_none=False) a zeroed view at stages 0 and 1, None at 2 and 3
             n = len(names)
@@ -186,12 +198,24 @@ SMALL = dict(steps=3, batch_size=8, seq_len=32, hidden=32, heads=4, layers=2, qu
     "layout",
     [
         dict(tp=1, pp=2, dp=2, ep=2, zero=3),
-        dict(tp=1, pp=2, dp=2, ep=1, zero=3, model_type="llama", kv_heads=2, qk_norm=True,
-             moe_every=0, schedule="gpipe", microbatches=4, recompute=True),
+        dict(
+            tp=1,
+            pp=2,
+            dp=2,
+            ep=1,
+            zero=3,
+            model_type="llama",
+            kv_heads=2,
+            qk_norm=True,
+            moe_every=0,
+            schedule="gpipe",
+            microbatches=4,
+            recompute=True,
+        ),
         dict(tp=1, pp=2, dp=2, ep=2, zero=3, precision="fp16"),
     ],
     ids=["gpt-moe", "llama-recompute", "gpt-moe-fp16"],
-)  # fmt: skip
+)
 def test_zero3_under_a_pipeline_with_tied_embeddings(layout):
     """ZeRO-3 x PP 2 in the trainer: the token embedding (first stage) and the LM head (last
     stage) share one weight, each stage's copy sharded over its DP group; MoE blocks (GPT), fp16
@@ -207,8 +231,15 @@ H, M = 6, 2  # width, micro-batches
 
 def _moe_net(aux_in_backward: bool = True) -> nn.Sequential:
     torch.manual_seed(0)
-    moe = MoE(H, 8, 4, top_k=2, capacity_factor=None, aux_loss_coef=0.5,
-              aux_loss_in_backward=aux_in_backward)  # fmt: skip
+    moe = MoE(
+        H,
+        8,
+        4,
+        top_k=2,
+        capacity_factor=None,
+        aux_loss_coef=0.5,
+        aux_loss_in_backward=aux_in_backward,
+    )
     return nn.Sequential(nn.Linear(H, H), moe, nn.Linear(H, H))
 
 
@@ -232,16 +263,24 @@ def _engine_aux_weight() -> list:
     errors = []
     for recompute, aux in ((False, True), (True, True), (False, False)):
         stage, (lo, hi) = build_stage(list(_moe_net()), 2, mesh.pp_rank, costs=[1, 2, 1])
-        engine = PipelineEngine(stage, mesh, GPipe(M), loss_fn=F.mse_loss, scale_loss=scale,
-                                recompute=recompute, moe_aux_loss=aux)  # fmt: skip
+        engine = PipelineEngine(
+            stage,
+            mesh,
+            GPipe(M),
+            loss_fn=F.mse_loss,
+            scale_loss=scale,
+            recompute=recompute,
+            moe_aux_loss=aux,
+        )
         engine.train_step(x, y)
         ref, ref64 = (nn.Sequential(*list(net)[lo:hi]) for net in (dense, dense64))
         for (name, p), q, q64 in zip(
             stage.named_parameters(), ref.parameters(), ref64.parameters(), strict=True
         ):
             if aux:  # the longest sum: the 12 tokens
-                agree(p.grad, q.grad, q64.grad, f"recompute={recompute}: gradient {name}",
-                      length=12)  # fmt: skip
+                agree(
+                    p.grad, q.grad, q64.grad, f"recompute={recompute}: gradient {name}", length=12
+                )
             elif p.grad is not None and q.grad is not None:
                 errors.append(float((p.grad - q.grad).abs().max()))
     return errors

@@ -113,9 +113,12 @@ def dense_references(
         widest = max(max(p.shape) for m in make() for p in m.parameters())
         length = max(size * T, widest)
     return references(
-        lambda: nn.Sequential(*make()), run_loss, steps,
-        lambda model: torch.optim.SGD(model.parameters(), lr=lr), length=length,
-    )  # fmt: skip
+        lambda: nn.Sequential(*make()),
+        run_loss,
+        steps,
+        lambda model: torch.optim.SGD(model.parameters(), lr=lr),
+        length=length,
+    )
 
 
 def dense_name(name: str, lo: int) -> str:
@@ -434,9 +437,18 @@ def _tuple_bytes(mesh) -> int:
 )
 def test_tuple_messages_equal_unpipelined(pp, schedule, m, recompute, measure):
     peaks = run_ranks(
-        _pipelined, pp, schedule, m, recompute, dense_references(tuple_blocks, 2, 12),
-        make=tuple_blocks, size=12, costs=[1] * 6, measure=measure, bytes_per_step=_tuple_bytes,
-    )  # fmt: skip
+        _pipelined,
+        pp,
+        schedule,
+        m,
+        recompute,
+        dense_references(tuple_blocks, 2, 12),
+        make=tuple_blocks,
+        size=12,
+        costs=[1] * 6,
+        measure=measure,
+        bytes_per_step=_tuple_bytes,
+    )
     if measure:  # the tensors autograd saved are counted beyond the stored stage inputs
         stored_input = 12 // m * T * H * 4 * 2 + 12 // m * T * (8 + 1) + 12 // m * 4
         assert all(peak > stored_input for peak in peaks[1:])
@@ -468,8 +480,9 @@ def _shapes_batch(step: int):
     """Step 0: 4 x T ids; step 1: 6 x (T - 2) — every slot of the messages changes shape."""
     size, seq = ((4, T), (6, T - 2))[step]
     g = torch.Generator().manual_seed(seq)
-    return torch.randint(0, V, (size, seq), generator=g), torch.randint(0, V, (size, seq),
-                                                                       generator=g)  # fmt: skip
+    return torch.randint(0, V, (size, seq), generator=g), torch.randint(
+        0, V, (size, seq), generator=g
+    )
 
 
 def _tuple_shapes(static: bool, refs: tolerance.References) -> None:

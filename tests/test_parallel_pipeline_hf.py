@@ -99,9 +99,12 @@ def hf_references(family: str, attn: str, tie: bool = False, pad: int = 0):
     """Two SGD steps (lr 0.5) of the unpipelined model: fp32, its twin, float64; the longest
     reduction is the vocabulary (beside 72 tokens, width 32, FFN 40)."""
     return references(
-        lambda: hf_model(family, attn, tie), _loss(pad), 2,
-        lambda model: torch.optim.SGD(model.parameters(), lr=0.5), length=max(VOCAB, BATCH * SEQ),
-    )  # fmt: skip
+        lambda: hf_model(family, attn, tie),
+        _loss(pad),
+        2,
+        lambda model: torch.optim.SGD(model.parameters(), lr=0.5),
+        length=max(VOCAB, BATCH * SEQ),
+    )
 
 
 def _pipelined(
@@ -241,9 +244,14 @@ def test_hf_errors():
     with pytest.raises(ValueError, match="the model has 4 blocks but the pipeline has 5 stages"):
         build_stage(blocks, 5, 0)
     gemma = transformers.GemmaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
     with pytest.raises(ValueError, match=r"model_type 'gemma'.*not a supported decoder family"):
         hf_decoder_blocks(transformers.AutoModelForCausalLM.from_config(gemma))
     with pytest.raises(ValueError, match="attn_implementation='flex_attention'"):
@@ -273,8 +281,10 @@ def _sdpa_padding_varies(static: bool) -> None:
     loss_p = engine.train_step((ids, mask), targets)
     means = []
     for net in (dense, exact_copy(dense)):  # fp32, and the exact math (float64)
-        halves = [loss_fn(net(i, attention_mask=a).logits, t)
-                  for i, a, t in zip(ids.chunk(2), mask.chunk(2), targets.chunk(2), strict=True)]  # fmt: skip
+        halves = [
+            loss_fn(net(i, attention_mask=a).logits, t)
+            for i, a, t in zip(ids.chunk(2), mask.chunk(2), targets.chunk(2), strict=True)
+        ]
         means.append((halves[0] + halves[1]).detach() / 2)
     assert torch.isfinite(means[1]), "the float64 loss is not finite"  # (an infinite bound)
     agree(loss_p, *means, "loss", length=max(VOCAB, BATCH * SEQ))

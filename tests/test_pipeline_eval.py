@@ -51,9 +51,14 @@ def _eval(schedule: str, m: int, v: int, make=blocks, n: int = 6, size: int = 12
 
 @pytest.mark.parametrize(
     "pp, schedule, m, v",
-    [(2, "gpipe", 4, 1), (2, "1f1b", 3, 1), (4, "1f1b", 4, 1), (2, "interleaved", 4, 2),
-     (4, "interleaved", 4, 2)],
-)  # fmt: skip
+    [
+        (2, "gpipe", 4, 1),
+        (2, "1f1b", 3, 1),
+        (4, "1f1b", 4, 1),
+        (2, "interleaved", 4, 2),
+        (4, "interleaved", 4, 2),
+    ],
+)
 def test_eval_step_equals_unpipelined(pp, schedule, m, v):
     run_ranks(_eval, pp, schedule, m, v)
 
@@ -67,8 +72,15 @@ def test_forward_only_schedule():
     only = make_schedule("interleaved", 4, 2).forward_only()
     assert only == ForwardOnly(4, 2)
     assert [(i, c) for _, i, c in only.actions(2, 0)] == [
-        (0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)
-    ]  # fmt: skip
+        (0, 0),
+        (1, 0),
+        (0, 1),
+        (1, 1),
+        (2, 0),
+        (3, 0),
+        (2, 1),
+        (3, 1),
+    ]
     assert ForwardOnly(8).bubble_fraction(4) == pytest.approx(3 / 11)
 
 
@@ -89,10 +101,12 @@ SMALL = dict(steps=4, batch_size=8, seq_len=16, hidden=32, heads=4, layers=2, qu
 
 @pytest.mark.parametrize(
     "layout",
-    [dict(tp=1, pp=2, dp=2, ep=2, zero=1, schedule="1f1b"),
-     dict(tp=1, pp=2, dp=2, ep=1, zero=0, schedule="interleaved", virtual_stages=2)],
+    [
+        dict(tp=1, pp=2, dp=2, ep=2, zero=1, schedule="1f1b"),
+        dict(tp=1, pp=2, dp=2, ep=1, zero=0, schedule="interleaved", virtual_stages=2),
+    ],
     ids=["1f1b", "interleaved"],
-)  # fmt: skip
+)
 def test_trainer_val_loss_equals_single_process(layout):
     """--eval-every 2: the val_loss of steps 2 and 4 equals the single-process model's on the
     held-out batches (and training reads only the ids before them, or the losses differ)."""
@@ -110,14 +124,29 @@ def test_val_loss_in_the_log_line_and_metrics(tmp_path, capsys):
     from fastpar.train import TrainConfig, launch
 
     metrics = tmp_path / "m.jsonl"
-    cfg = TrainConfig(**{**SMALL, "quiet": False, "tp": 1, "pp": 2, "dp": 1, "ep": 1,
-                         "eval_every": 3, "log_every": 10, "metrics_file": str(metrics)})  # fmt: skip
+    cfg = TrainConfig(
+        **{
+            **SMALL,
+            "quiet": False,
+            "tp": 1,
+            "pp": 2,
+            "dp": 1,
+            "ep": 1,
+            "eval_every": 3,
+            "log_every": 10,
+            "metrics_file": str(metrics),
+        }
+    )
     records = launch(cfg)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == [3, 4]  # evaluated steps are logged; 4 is the last
     assert all(isinstance(r["val_loss"], float) and r["val_loss"] > 0 for r in rows)
-    assert [r.get("val_loss") for r in records] == [None, None, rows[0]["val_loss"],
-                                                   rows[1]["val_loss"]]  # fmt: skip
+    assert [r.get("val_loss") for r in records] == [
+        None,
+        None,
+        rows[0]["val_loss"],
+        rows[1]["val_loss"],
+    ]
 
 
 def test_held_out_split_rule():

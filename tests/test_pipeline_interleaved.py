@@ -88,8 +88,9 @@ def test_interleaved_equals_unpipelined(pp, v, m, recompute):
 
 
 def test_interleaved_tuple_messages_equal_unpipelined():
-    run_ranks(_interleaved, 2, 2, 4, True, 4, _refs(4, tuple_blocks, 12), make=tuple_blocks,
-              size=12)  # fmt: skip
+    run_ranks(
+        _interleaved, 2, 2, 4, True, 4, _refs(4, tuple_blocks, 12), make=tuple_blocks, size=12
+    )
 
 
 @pytest.mark.parametrize(
@@ -234,15 +235,37 @@ SMALL = dict(steps=3, batch_size=8, seq_len=16, hidden=32, heads=4, layers=2, qu
     "layout",
     [
         dict(tp=2, pp=2, dp=2, ep=2, zero=1, virtual_stages=2, microbatches=2),
-        dict(tp=1, pp=4, dp=1, ep=1, zero=0, virtual_stages=2, microbatches=4, layers=6,
-             recompute=True),
+        dict(
+            tp=1,
+            pp=4,
+            dp=1,
+            ep=1,
+            zero=0,
+            virtual_stages=2,
+            microbatches=4,
+            layers=6,
+            recompute=True,
+        ),
         dict(tp=1, pp=2, dp=2, ep=2, zero=2, virtual_stages=3, microbatches=4, layers=4),
-        dict(tp=1, pp=2, dp=2, ep=2, zero=1, virtual_stages=2, microbatches=5,
-             microbatch_group_size=3, batch_size=10),
+        dict(
+            tp=1,
+            pp=2,
+            dp=2,
+            ep=2,
+            zero=1,
+            virtual_stages=2,
+            microbatches=5,
+            microbatch_group_size=3,
+            batch_size=10,
+        ),
     ],
-    ids=["tp2-pp2-dp2-ep2-z1-v2", "pp4-z0-v2-recompute", "pp2-dp2-ep2-z2-v3",
-         "pp2-dp2-ep2-z1-v2-m5-g3"],
-)  # fmt: skip
+    ids=[
+        "tp2-pp2-dp2-ep2-z1-v2",
+        "pp4-z0-v2-recompute",
+        "pp2-dp2-ep2-z2-v3",
+        "pp2-dp2-ep2-z1-v2-m5-g3",
+    ],
+)
 def test_verify_interleaved_agrees_with_single_process(layout):
     """The trainer's interleaved run (losses, grad norms, parameters after the steps through a
     checkpoint) equals the single-process model, composed with TP, DP, EP and ZeRO."""
@@ -257,21 +280,58 @@ def test_verify_interleaved_agrees_with_single_process(layout):
     "argv,message",
     [
         (["--virtual-stages", "2"], "--virtual-stages 2 needs --schedule interleaved"),
-        (["--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "3",
-          "--batch-size", "12"], "needs --microbatches (3) to be a multiple of --pp 2"),
-        (["--schedule", "interleaved", "--virtual-stages", "4", "--layers", "4"],
-         "--pp 2 x --virtual-stages 4 needs 8 model chunks"),
-        (["--schedule", "interleaved", "--virtual-stages", "2", "--zero", "3"],
-         "--schedule interleaved with --zero 3 is not supported"),
+        (
+            [
+                "--schedule",
+                "interleaved",
+                "--virtual-stages",
+                "2",
+                "--microbatches",
+                "3",
+                "--batch-size",
+                "12",
+            ],
+            "needs --microbatches (3) to be a multiple of --pp 2",
+        ),
+        (
+            ["--schedule", "interleaved", "--virtual-stages", "4", "--layers", "4"],
+            "--pp 2 x --virtual-stages 4 needs 8 model chunks",
+        ),
+        (
+            ["--schedule", "interleaved", "--virtual-stages", "2", "--zero", "3"],
+            "--schedule interleaved with --zero 3 is not supported",
+        ),
         (["--schedule", "interleaved", "--pp", "1", "--dp", "4"], "needs --pp 2 or more"),
         (["--schedule", "zb"], "schedule must be one of gpipe, 1f1b, interleaved"),
         (["--microbatch-group-size", "2"], "--microbatch-group-size 2 orders the model chunks"),
-        (["--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "4",
-          "--microbatch-group-size", "3"], "leave a last group of 1, fewer than the pipeline"),
-        (["--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "4",
-          "--microbatch-group-size", "0"], "--microbatch-group-size 0 must be >= 1"),
+        (
+            [
+                "--schedule",
+                "interleaved",
+                "--virtual-stages",
+                "2",
+                "--microbatches",
+                "4",
+                "--microbatch-group-size",
+                "3",
+            ],
+            "leave a last group of 1, fewer than the pipeline",
+        ),
+        (
+            [
+                "--schedule",
+                "interleaved",
+                "--virtual-stages",
+                "2",
+                "--microbatches",
+                "4",
+                "--microbatch-group-size",
+                "0",
+            ],
+            "--microbatch-group-size 0 must be >= 1",
+        ),
     ],
-)  # fmt: skip
+)
 def test_cli_refuses_impossible_interleaved_runs(argv, message, capsys, monkeypatch):
     from _no_ranks import forbid_ranks
 

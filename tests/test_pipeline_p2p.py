@@ -58,8 +58,23 @@ def _channel(static: bool, early) -> list:
 def test_early_receives_keep_message_order(static, early):
     log = run_ranks(_channel, 2, static, early)[1]
     posts = static and early is None  # posted only with shapes agreed, on CPU (gloo)
-    assert log == [False, 0.0, posts, posts, 1.0, 2.0, 3.0, posts, int(posts), 4.0, posts,
-                   [0.0, 0], [1.0, 1], [2.0, 2], 0]  # fmt: skip
+    assert log == [
+        False,
+        0.0,
+        posts,
+        posts,
+        1.0,
+        2.0,
+        3.0,
+        posts,
+        int(posts),
+        4.0,
+        posts,
+        [0.0, 0],
+        [1.0, 1],
+        [2.0, 2],
+        0,
+    ]
 
 
 def _both(name: str, v: int, m: int, make, n: int, recompute: bool) -> int:

@@ -104,9 +104,13 @@ def _references(m: int, make, n: int):
     if make is not _mlp:
         return dense_references(functools.partial(make, n), 2, 4 * m)
     return dense_references(
-        functools.partial(_mlp, n), 2, 4 * m, data=functools.partial(_mlp_batch, 4 * m),
-        loss=nn.functional.mse_loss, length=4 * m * 12,
-    )  # fmt: skip
+        functools.partial(_mlp, n),
+        2,
+        4 * m,
+        data=functools.partial(_mlp_batch, 4 * m),
+        loss=nn.functional.mse_loss,
+        length=4 * m * 12,
+    )
 
 
 @pytest.mark.parametrize("p, m", CASES)
@@ -201,9 +205,13 @@ def test_direct_weight_grads_equal_the_engines_bit_for_bit(dtype, monkeypatch):
         assert torch.equal(engine, plain)
     assert len(fired) == 4 * len(list(base.parameters()))  # each hook once per backward
     assert sorted(taken) == sorted(
-        ([("AddmmBackward0", True)] * 3 + [("MmBackward0", True)] * 2
-         + [("NativeLayerNormBackward0", False)]) * 2
-    ), taken  # fmt: skip
+        (
+            [("AddmmBackward0", True)] * 3
+            + [("MmBackward0", True)] * 2
+            + [("NativeLayerNormBackward0", False)]
+        )
+        * 2
+    ), taken
 
 
 @pytest.mark.parametrize("meet", ["two casts", "a root off the path"])

@@ -34,9 +34,17 @@ SELECTIVE = ("attention", "mlp", "every:2")
 M = 4  # micro-batches
 GPT = GPTConfig(vocab_size=48, seq_len=8, hidden=32, heads=4, layers=4, tie_embeddings=False)
 LLAMA = LlamaConfig(
-    vocab_size=48, seq_len=8, hidden=32, heads=4, kv_heads=2, layers=4, ffn=64,
-    moe_every=2, num_experts=4, top_k=2,
-)  # fmt: skip
+    vocab_size=48,
+    seq_len=8,
+    hidden=32,
+    heads=4,
+    kv_heads=2,
+    layers=4,
+    ffn=64,
+    moe_every=2,
+    num_experts=4,
+    top_k=2,
+)
 MODELS = {"gpt": (GPT, build_gpt), "llama": (LLAMA, build_llama)}
 
 
@@ -151,9 +159,12 @@ def _pipelined(name, policy, schedule, dropout=False, seed=0):
         stage, rng = build_stage(blocks, 2, mesh.pp_rank, costs=costs)
         ranges = [rng]
     engine = PipelineEngine(
-        stage, mesh, make_schedule(schedule, M, v), loss_fn=lambda o, t: lm_loss(o, t, cfg, mesh),
+        stage,
+        mesh,
+        make_schedule(schedule, M, v),
+        loss_fn=lambda o, t: lm_loss(o, t, cfg, mesh),
         recompute=RecomputePolicy.parse(policy).kind == "full",
-    )  # fmt: skip
+    )
     x, y = _data()
     torch.manual_seed(seed)
     loss = engine.train_step(x if mesh.is_first_stage else None, y if mesh.is_last_stage else None)
@@ -233,9 +244,19 @@ def test_verify_composes_with_tp_dp_ep_zero(policy, layout):
     from fastpar.verify import compare
 
     cfg = TrainConfig(
-        model_type="llama", ep=2, microbatches=2, recompute=policy, steps=2, batch_size=8,
-        layers=2, hidden=32, heads=4, seq_len=16, moe_every=2, **layout,
-    )  # fmt: skip
+        model_type="llama",
+        ep=2,
+        microbatches=2,
+        recompute=policy,
+        steps=2,
+        batch_size=8,
+        layers=2,
+        hidden=32,
+        heads=4,
+        seq_len=16,
+        moe_every=2,
+        **layout,
+    )
     ok, report = compare(cfg)
     assert ok, report
     assert f"recompute {policy}" in report

@@ -26,8 +26,21 @@ from fastpar.testing import run_ranks
 from fastpar.train import TrainConfig, memory
 from fastpar.train.build import Trainer
 
-BASE = dict(tp=1, pp=2, dp=1, ep=1, moe_every=0, layers=6, hidden=64, heads=4, seq_len=64,
-            batch_size=8, microbatches=4, steps=1, quiet=True)  # fmt: skip
+BASE = dict(
+    tp=1,
+    pp=2,
+    dp=1,
+    ep=1,
+    moe_every=0,
+    layers=6,
+    hidden=64,
+    heads=4,
+    seq_len=64,
+    batch_size=8,
+    microbatches=4,
+    steps=1,
+    quiet=True,
+)
 
 
 class SavedBytes:
@@ -84,12 +97,16 @@ def _peak(cfg: TrainConfig) -> int:
 
 @pytest.mark.parametrize(
     "layout",
-    [dict(schedule="gpipe"), dict(schedule="1f1b"),
-     dict(schedule="interleaved", virtual_stages=2), dict(schedule="zb-h1"),
-     dict(schedule="1f1b", model_type="llama", kv_heads=2),
-     dict(schedule="zb-h1", model_type="llama", pp=4, microbatches=8, batch_size=16)],
+    [
+        dict(schedule="gpipe"),
+        dict(schedule="1f1b"),
+        dict(schedule="interleaved", virtual_stages=2),
+        dict(schedule="zb-h1"),
+        dict(schedule="1f1b", model_type="llama", kv_heads=2),
+        dict(schedule="zb-h1", model_type="llama", pp=4, microbatches=8, batch_size=16),
+    ],
     ids=["gpipe", "1f1b", "interleaved", "zb-h1", "llama-gqa-1f1b", "llama-zb-h1-pp4"],
-)  # fmt: skip
+)
 def test_estimate_matches_the_saved_activations(layout):
     cfg = TrainConfig(**{**BASE, **layout})
     cfg.check()

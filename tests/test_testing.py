@@ -228,8 +228,10 @@ print(run_ranks(work, 2, sys.argv[1], timeout=120), flush=True)
 def _sleeper(tmp_path, mode):
     proc = subprocess.Popen(
         [sys.executable, "-c", _SLEEPER, str(tmp_path / "flag"), mode],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     pids = {}
     try:
         pids = _rank_pids(proc.pid, 2, time.monotonic() + 60)

@@ -162,10 +162,33 @@ def test_cli_errors(argv, message, capsys, monkeypatch):
 
 def test_verify_cli_exit_codes():
     out = subprocess.run(
-        [sys.executable, "-m", "fastpar.verify", "--tp", "2", "--pp", "1", "--dp", "2", "--ep", "1",
-         "--moe-every", "0", "--steps", "2", "--layers", "2", "--hidden", "32", "--batch-size", "8"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "fastpar.verify",
+            "--tp",
+            "2",
+            "--pp",
+            "1",
+            "--dp",
+            "2",
+            "--ep",
+            "1",
+            "--moe-every",
+            "0",
+            "--steps",
+            "2",
+            "--layers",
+            "2",
+            "--hidden",
+            "32",
+            "--batch-size",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.strip().endswith("AGREE")
     bad = subprocess.run(
@@ -217,11 +240,36 @@ def test_data_file_and_global_parameter_count(tmp_path, capfd):
 @pytest.mark.slow
 def test_training_under_torchrun(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         "-m", "fastpar.train", "--tp", "2", "--pp", "1", "--dp", "2", "--ep", "2", "--steps", "3",
-         "--batch-size", "8", "--seq-len", "32", "--layers", "2"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            "-m",
+            "fastpar.train",
+            "--tp",
+            "2",
+            "--pp",
+            "1",
+            "--dp",
+            "2",
+            "--ep",
+            "2",
+            "--steps",
+            "3",
+            "--batch-size",
+            "8",
+            "--seq-len",
+            "32",
+            "--layers",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "world 4 = dp 2 x tp 2 x pp 1 (ep 2)" in out.stdout
     assert "step    3/3" in out.stdout
@@ -254,13 +302,38 @@ def test_llama_on_tokenizer_ids_from_a_bin_file(tmp_path, capfd):
     assert tokenizer_main(["--vocab-size", "300", "--out", tok]) == 0
     ids = tokenizers.Tokenizer.from_file(tok).encode(embedded_corpus().decode()).ids
     np.array(ids, dtype=np.uint16).tofile(tmp_path / "train.bin")
-    argv = ["--model", "llama", "--kv-heads", "2", "--qk-norm", "--tokenizer", tok,
-            "--data", str(tmp_path / "train.bin"), "--steps", "3", "--batch-size", "8",
-            "--seq-len", "32", "--layers", "2"]  # fmt: skip
+    argv = [
+        "--model",
+        "llama",
+        "--kv-heads",
+        "2",
+        "--qk-norm",
+        "--tokenizer",
+        tok,
+        "--data",
+        str(tmp_path / "train.bin"),
+        "--steps",
+        "3",
+        "--batch-size",
+        "8",
+        "--seq-len",
+        "32",
+        "--layers",
+        "2",
+    ]
     assert main(argv) == 0
     out = capfd.readouterr()
-    model = LlamaConfig(vocab_size=300, seq_len=32, hidden=64, heads=4, kv_heads=2, layers=2,
-                        qk_norm=True, tie_embeddings=True, moe_every=2)  # fmt: skip
+    model = LlamaConfig(
+        vocab_size=300,
+        seq_len=32,
+        hidden=64,
+        heads=4,
+        kv_heads=2,
+        layers=2,
+        qk_norm=True,
+        tie_embeddings=True,
+        moe_every=2,
+    )
     n = sum(p.numel() for p in torch.nn.Sequential(*build_llama(model)).parameters())
     assert "llama, world 8 = dp 2 x tp 2 x pp 2 (ep 2)" in out.out
     assert f"{n:,} parameters" in out.out  # a 300-token vocabulary: the tokenizer's
@@ -268,8 +341,11 @@ def test_llama_on_tokenizer_ids_from_a_bin_file(tmp_path, capfd):
     assert "huggingface/tokenizers" not in out.err  # no fork-after-parallelism warning
     # the same tokenizer on the text itself, proven equal to the single-process model
     (tmp_path / "corpus.txt").write_text(embedded_corpus().decode())
-    cfg = TrainConfig(**{**SMALL, "steps": 2, **LLAMA, "tp": 2, "pp": 1, "dp": 2, "ep": 2},
-                      tokenizer=tok, data=str(tmp_path / "corpus.txt"))  # fmt: skip
+    cfg = TrainConfig(
+        **{**SMALL, "steps": 2, **LLAMA, "tp": 2, "pp": 1, "dp": 2, "ep": 2},
+        tokenizer=tok,
+        data=str(tmp_path / "corpus.txt"),
+    )
     ok, text = compare(cfg)
     assert ok, text
 

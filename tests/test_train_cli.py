@@ -30,8 +30,15 @@ def test_every_flag_has_help_and_words_are_listed():
         action = actions[f.name]
         assert action.help and len(action.help) > 10, f.name
     text = ap.format_help()
-    for shown in ("{gpt,llama}", "{fp32,bf16,fp16}", "{0,1,2,3}", "{gpipe,1f1b,interleaved,zb-h1}",
-                  "{cosine,constant}", "{rmsnorm,layernorm}", "{uint16,uint32}"):  # fmt: skip
+    for shown in (
+        "{gpt,llama}",
+        "{fp32,bf16,fp16}",
+        "{0,1,2,3}",
+        "{gpipe,1f1b,interleaved,zb-h1}",
+        "{cosine,constant}",
+        "{rmsnorm,layernorm}",
+        "{uint16,uint32}",
+    ):
         assert shown in text, shown
     for markup in ("``", ":class:", ":func:", ":mod:", ".. "):
         assert markup not in text, markup
@@ -75,10 +82,16 @@ def test_json_config(tmp_path):
 @pytest.mark.parametrize(
     "name,text,message",
     [
-        ("a.toml", "batch_sise = 8\n", "unknown key 'batch_sise': did you mean batch_size "
-         "(--batch-size)?"),
-        ("a.json", '{"micro_batches": 2}', "unknown key 'micro_batches': did you mean "
-         "microbatches (--microbatches)?"),
+        (
+            "a.toml",
+            "batch_sise = 8\n",
+            "unknown key 'batch_sise': did you mean batch_size (--batch-size)?",
+        ),
+        (
+            "a.json",
+            '{"micro_batches": 2}',
+            "unknown key 'micro_batches': did you mean microbatches (--microbatches)?",
+        ),
         ("a.toml", "zzz = 1\n", "unknown key 'zzz': the keys are the flags' names"),
         ("a.toml", 'steps = "7"\n', "steps = '7' must be int"),
         ("a.toml", "recompute = 1\n", "recompute = 1 must be bool"),
@@ -86,7 +99,7 @@ def test_json_config(tmp_path):
         ("a.toml", "steps = \n", "cannot read it as TOML"),
         ("a.yaml", "steps: 1\n", "name a .toml or a .json file"),
     ],
-)  # fmt: skip
+)
 def test_bad_config_files_are_one_line(tmp_path, capsys, monkeypatch, name, text, message):
     forbid_ranks(monkeypatch)
     path = tmp_path / name
@@ -105,9 +118,26 @@ def test_a_missing_config_file_is_named(tmp_path, capsys, monkeypatch):
 
 def test_resolved_config_beside_each_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
-    argv = [*ONE_RANK, "--steps", "2", "--save-every", "1", "--batch-size", "4", "--seq-len",
-            "16", "--hidden", "32", "--heads", "2", "--layers", "2", "--quiet",
-            "--checkpoint-dir", str(ckpt)]  # fmt: skip
+    argv = [
+        *ONE_RANK,
+        "--steps",
+        "2",
+        "--save-every",
+        "1",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "16",
+        "--hidden",
+        "32",
+        "--heads",
+        "2",
+        "--layers",
+        "2",
+        "--quiet",
+        "--checkpoint-dir",
+        str(ckpt),
+    ]
     cfg = _parse(argv)
     launch(cfg)
     for step in (1, 2):

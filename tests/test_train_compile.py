@@ -24,11 +24,37 @@ from fastpar.verify import references
 pytestmark = [NO_INDUCTOR, pytest.mark.slow]  # inductor: about 25 s a test on 2 cores
 
 #: the default model's width, heads and sequence (64, 4, 64); two blocks; a constant rate
-DENSE = dict(tp=2, pp=1, dp=1, ep=1, moe_every=0, layers=2, steps=3, batch_size=4, warmup=0,
-             lr_schedule="constant", quiet=True)  # fmt: skip
-MOE = dict(tp=1, pp=1, dp=2, ep=2, moe_every=2, experts=4, top_k=2, layers=2, hidden=32, heads=2,
-           seq_len=16, steps=3, batch_size=4, warmup=0, lr_schedule="constant",
-           quiet=True)  # fmt: skip
+DENSE = dict(
+    tp=2,
+    pp=1,
+    dp=1,
+    ep=1,
+    moe_every=0,
+    layers=2,
+    steps=3,
+    batch_size=4,
+    warmup=0,
+    lr_schedule="constant",
+    quiet=True,
+)
+MOE = dict(
+    tp=1,
+    pp=1,
+    dp=2,
+    ep=2,
+    moe_every=2,
+    experts=4,
+    top_k=2,
+    layers=2,
+    hidden=32,
+    heads=2,
+    seq_len=16,
+    steps=3,
+    batch_size=4,
+    warmup=0,
+    lr_schedule="constant",
+    quiet=True,
+)
 
 
 def _both(cfg: TrainConfig) -> tuple[list[dict], list[dict], bool]:
@@ -58,9 +84,13 @@ def _check(cfg: TrainConfig) -> None:
             for what, r in (("eager", a), ("compiled", b)):
                 c = refs.loss(i, r["loss"])
                 assert c.ok, f"{what}: {c}"
-                c = tolerance.compare(r["grad_norm"], [o.norms[i] for o in ones],
-                                      refs.exact.norms[i], length=refs.length,
-                                      what=f"{what}: grad norm of step {i + 1}")  # fmt: skip
+                c = tolerance.compare(
+                    r["grad_norm"],
+                    [o.norms[i] for o in ones],
+                    refs.exact.norms[i],
+                    length=refs.length,
+                    what=f"{what}: grad norm of step {i + 1}",
+                )
                 assert c.ok, c
         assert compiled[-1]["loss"] < compiled[0]["loss"]  # it trains
 

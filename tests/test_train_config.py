@@ -27,8 +27,10 @@ def _refused(argv, capsys) -> str:
 
 
 FLAG_ERRORS = [
-    (["--lr-schedule", "linear"], "--lr-schedule 'linear' is not a schedule fastpar knows: "
-     "pass one of cosine or constant"),
+    (
+        ["--lr-schedule", "linear"],
+        "--lr-schedule 'linear' is not a schedule fastpar knows: pass one of cosine or constant",
+    ),
     (["--save-every", "-1"], "--save-every -1 must be >= 0 (0: only the last step)"),
     (["--warmup", "-1"], "--warmup -1 must be >= 0 (0: no warm-up)"),
     (["--resume"], "--resume needs --checkpoint-dir DIR"),
@@ -69,12 +71,15 @@ FLAG_ERRORS = [
     (["--collective-timeout", "1e12"], "--collective-timeout 1e+12 exceeds 1e+09 seconds"),
     (["--min-lr", "-1"], "--min-lr -1 must be a finite number >= 0"),
     (["--weight-decay", "-0.1"], "--weight-decay -0.1 must be a finite number >= 0"),
-    (["--lr", "1e-4", "--min-lr", "3e-4"], "--min-lr 0.0003 is above --lr 0.0001: the cosine "
-     "schedule would raise the rate; pass a --min-lr <= 0.0001"),
+    (
+        ["--lr", "1e-4", "--min-lr", "3e-4"],
+        "--min-lr 0.0003 is above --lr 0.0001: the cosine "
+        "schedule would raise the rate; pass a --min-lr <= 0.0001",
+    ),
     (["--capacity-factor", "0"], "--capacity-factor 0 must be a positive finite number"),
     (["--seed", str(2**60)], f"--seed {2**60} is out of range"),
     (["--model", "llama", "--rope-theta", "inf"], "--rope-theta inf must be a finite number"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("argv,message", FLAG_ERRORS, ids=[" ".join(a) for a, _ in FLAG_ERRORS])
@@ -85,13 +90,25 @@ def test_flag_errors_before_any_rank(argv, message, capsys, monkeypatch):
 
 #: the edge of each range, and the words: accepted (no check is stricter than its range)
 ACCEPTED = [
-    ["--warmup", "0"], ["--save-every", "0"], ["--keep-last", "0"], ["--log-every", "1"],
-    ["--max-skipped-steps", "1"], ["--min-lr", "0"], ["--weight-decay", "0"], ["--seed", "-5"],
-    ["--lr-schedule", "constant", "--lr", "1e-4"], ["--lr-schedule", "cosine"], ["--top-k", "4"],
-    ["--moe-every", "0", "--ep", "1"], ["--lr", "3e-4"], ["--collective-timeout", "0.5"],
-    ["--capacity-factor", "0.5"], ["--seq-len", "1"], ["--loss-scale", "1"],
+    ["--warmup", "0"],
+    ["--save-every", "0"],
+    ["--keep-last", "0"],
+    ["--log-every", "1"],
+    ["--max-skipped-steps", "1"],
+    ["--min-lr", "0"],
+    ["--weight-decay", "0"],
+    ["--seed", "-5"],
+    ["--lr-schedule", "constant", "--lr", "1e-4"],
+    ["--lr-schedule", "cosine"],
+    ["--top-k", "4"],
+    ["--moe-every", "0", "--ep", "1"],
+    ["--lr", "3e-4"],
+    ["--collective-timeout", "0.5"],
+    ["--capacity-factor", "0.5"],
+    ["--seq-len", "1"],
+    ["--loss-scale", "1"],
     ["--lr", "1e-4"],  # the cosine floor follows --lr (lr / 10) unless --min-lr is given
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("argv", ACCEPTED, ids=[" ".join(a) for a in ACCEPTED])
@@ -101,8 +118,18 @@ def test_values_at_the_edge_are_accepted(argv):
 
 def test_checkpoint_dir_flags_pass_with_a_directory(tmp_path, capsys, monkeypatch):
     ckpt = str(tmp_path / "ckpt")
-    argv = ["--checkpoint-dir", ckpt, "--save-every", "2", "--keep-last", "1", "--resume",
-            "--allow-fresh", "--allow-other-run", "--allow-schedule-change"]  # fmt: skip
+    argv = [
+        "--checkpoint-dir",
+        ckpt,
+        "--save-every",
+        "2",
+        "--keep-last",
+        "1",
+        "--resume",
+        "--allow-fresh",
+        "--allow-other-run",
+        "--allow-schedule-change",
+    ]
     config_from(build_parser().parse_args(argv)).check()
     forbid_ranks(monkeypatch)
     (tmp_path / "file").write_text("x")
@@ -135,8 +162,9 @@ def test_activation_estimate_by_hand():
     # head (4·4); the MLP its fc and GELU outputs (2·4·256): 4632 in all; the head its norm
     # (516) and the norm's output (4·64), the fp32 logits (4·256), the int64 target and two
     # fp32 statistics (16): 1812
-    cfg = TrainConfig(tp=1, pp=1, dp=1, ep=1, moe_every=0, layers=1, batch_size=1,
-                      microbatches=1, seq_len=1000)  # fmt: skip
+    cfg = TrainConfig(
+        tp=1, pp=1, dp=1, ep=1, moe_every=0, layers=1, batch_size=1, microbatches=1, seq_len=1000
+    )
     one = (8 + 4632 + 1812) * 1000
     assert memory.activation_bytes(cfg) == (one, one)
     # two data-parallel replicas hold two copies on the machine, one each
@@ -146,16 +174,33 @@ def test_activation_estimate_by_hand():
 
 @pytest.mark.parametrize(
     "layout",
-    [{}, dict(moe_every=1), dict(tp=2), dict(pp=2, microbatches=2, batch_size=8),
-     dict(pp=2, microbatches=2, batch_size=8, schedule="gpipe", recompute=True),
-     dict(model_type="llama", precision="bf16")],
+    [
+        {},
+        dict(moe_every=1),
+        dict(tp=2),
+        dict(pp=2, microbatches=2, batch_size=8),
+        dict(pp=2, microbatches=2, batch_size=8, schedule="gpipe", recompute=True),
+        dict(model_type="llama", precision="bf16"),
+    ],
     ids=["gpt", "moe", "tp2", "pp2-1f1b", "pp2-gpipe-recompute", "llama-bf16"],
-)  # fmt: skip
+)
 def test_activation_estimate_is_below_the_measured_memory(layout):
     """The estimate is a lower bound of what the ranks' peak memory grows by with seq_len
     (measured: ru_maxrss of the busiest rank), and not a vacuous one (at least a third)."""
-    base = dict(tp=1, pp=1, dp=1, ep=1, moe_every=0, steps=1, batch_size=4, microbatches=1,
-                layers=2, hidden=64, heads=4, quiet=True)  # fmt: skip
+    base = dict(
+        tp=1,
+        pp=1,
+        dp=1,
+        ep=1,
+        moe_every=0,
+        steps=1,
+        batch_size=4,
+        microbatches=1,
+        layers=2,
+        hidden=64,
+        heads=4,
+        quiet=True,
+    )
     measured, estimated = [], []
     for seq_len in (128, 3072):
         cfg = TrainConfig(**{**base, **layout, "seq_len": seq_len})
@@ -225,9 +270,15 @@ def _torchrun(monkeypatch, world: int, local_rank: int = 0) -> None:
 
 @pytest.mark.parametrize(
     "world,argv,dp",
-    [(None, [], 2), (None, ["--tp", "1", "--pp", "1"], 2), (2, ["--tp", "2", "--pp", "1"], 1),
-     (8, ["--tp", "2", "--pp", "2"], 2), (16, [], 4), (8, ["--dp", "3"], 3)],
-)  # fmt: skip
+    [
+        (None, [], 2),
+        (None, ["--tp", "1", "--pp", "1"], 2),
+        (2, ["--tp", "2", "--pp", "1"], 1),
+        (8, ["--tp", "2", "--pp", "2"], 2),
+        (16, [], 4),
+        (8, ["--dp", "3"], 3),
+    ],
+)
 def test_dp_follows_the_torchrun_world(world, argv, dp, monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
@@ -238,18 +289,38 @@ def test_dp_follows_the_torchrun_world(world, argv, dp, monkeypatch):
 
 
 WORLD_ERRORS = [
-    (2, ["--tp", "2", "--pp", "1", "--dp", "2"],
-     "torchrun started 2 ranks but tp*pp*dp = 2*1*2 = 4: pass --dp 1 --ep 1", True),
-    (2, ["--tp", "2", "--pp", "1"],
-     "torchrun started 2 ranks: dp = 1, which ep 2 does not divide: pass --dp 1 --ep 1", False),
-    (2, [], "torchrun started 2 ranks, not a multiple of tp*pp = 2*2 = 4: pass --pp 1 --dp 1 "
-     "--ep 1", True),
+    (
+        2,
+        ["--tp", "2", "--pp", "1", "--dp", "2"],
+        "torchrun started 2 ranks but tp*pp*dp = 2*1*2 = 4: pass --dp 1 --ep 1",
+        True,
+    ),
+    (
+        2,
+        ["--tp", "2", "--pp", "1"],
+        "torchrun started 2 ranks: dp = 1, which ep 2 does not divide: pass --dp 1 --ep 1",
+        False,
+    ),
+    (
+        2,
+        [],
+        "torchrun started 2 ranks, not a multiple of tp*pp = 2*2 = 4: pass --pp 1 --dp 1 --ep 1",
+        True,
+    ),
     (4, ["--tp", "3", "--pp", "1"], "not a multiple of tp*pp = 3*1 = 3: pass --tp 2 --dp 2", False),
-    (6, ["--batch-size", "12", "--microbatches", "1"], "torchrun started 6 ranks, not a multiple "
-     "of tp*pp = 2*2 = 4: pass --pp 1 --dp 3 --ep 1", True),
-    (6, [], "torchrun started 6 ranks, not a multiple of tp*pp = 2*2 = 4: pass --pp 3 --dp 1 "
-     "--ep 1", True),  # pp 1 would make dp 3, which does not split the batch of 16
-]  # fmt: skip
+    (
+        6,
+        ["--batch-size", "12", "--microbatches", "1"],
+        "torchrun started 6 ranks, not a multiple of tp*pp = 2*2 = 4: pass --pp 1 --dp 3 --ep 1",
+        True,
+    ),
+    (
+        6,
+        [],
+        "torchrun started 6 ranks, not a multiple of tp*pp = 2*2 = 4: pass --pp 3 --dp 1 --ep 1",
+        True,
+    ),  # pp 1 would make dp 3, which does not split the batch of 16
+]
 
 
 @pytest.mark.parametrize("world,argv,message,as_given", WORLD_ERRORS)
@@ -301,10 +372,34 @@ def test_a_silent_rank_outlives_the_rank_that_prints_a_refusal(monkeypatch, caps
 
 @pytest.mark.slow  # two torchrun jobs
 def test_torchrun_without_dp_and_with_a_wrong_one():
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "fastpar.train", "--tp", "2", "--pp", "1", "--ep", "1", "--moe-every", "0",
-           "--steps", "2", "--batch-size", "4", "--seq-len", "16", "--layers", "1",
-           "--hidden", "32"]  # fmt: skip
+    run = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "fastpar.train",
+        "--tp",
+        "2",
+        "--pp",
+        "1",
+        "--ep",
+        "1",
+        "--moe-every",
+        "0",
+        "--steps",
+        "2",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "16",
+        "--layers",
+        "1",
+        "--hidden",
+        "32",
+    ]
     out = subprocess.run(run, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "world 2 = dp 1 x tp 2 x pp 1 (ep 1)" in out.stdout
@@ -313,6 +408,8 @@ def test_torchrun_without_dp_and_with_a_wrong_one():
     assert bad.returncode != 0
     ours = [line for line in bad.stderr.splitlines() if "fastpar" in line or "error:" in line]
     errors = [line for line in ours if line.startswith("error: ")]
-    assert errors == ["error: torchrun started 2 ranks but tp*pp*dp = 2*1*2 = 4: pass --dp 1 "
-                      "(--dp may be left out: it follows the world size), or start 4 ranks"]  # fmt: skip
+    assert errors == [
+        "error: torchrun started 2 ranks but tp*pp*dp = 2*1*2 = 4: pass --dp 1 "
+        "(--dp may be left out: it follows the world size), or start 4 ranks"
+    ]
     assert not any("File " in line and "/fastpar/" in line for line in ours)  # no traceback

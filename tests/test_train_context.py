@@ -14,32 +14,76 @@ from fastpar.verify import compare
 SMALL = dict(steps=3, batch_size=8, seq_len=16, hidden=32, heads=4, layers=2, quiet=True)
 LAYOUTS = {
     "gpt-cp2-tp2-dp2-z1": dict(model_type="gpt", cp=2, tp=2, pp=1, dp=2, ep=1, zero=1, moe_every=0),
-    "llama-cp2-tp2-dp2-z1": dict(model_type="llama", cp=2, tp=2, pp=1, dp=2, ep=1, zero=1,
-                                 moe_every=0, kv_heads=2),
+    "llama-cp2-tp2-dp2-z1": dict(
+        model_type="llama", cp=2, tp=2, pp=1, dp=2, ep=1, zero=1, moe_every=0, kv_heads=2
+    ),
     "gpt-cp2-pp2-z1": dict(model_type="gpt", cp=2, tp=1, pp=2, dp=1, ep=1, zero=1, moe_every=0),
-    "llama-cp2-pp2-dp2-z1": dict(model_type="llama", cp=2, tp=1, pp=2, dp=2, ep=1, zero=1,
-                                 moe_every=0),
-    "llama-cp2-tp2-sp-moe-ep2": dict(model_type="llama", cp=2, tp=2, pp=1, dp=1, ep=2, zero=2,
-                                     moe_every=2, sequence_parallel=True),
-    "llama-cp2-dp2-moe-ep2-z1": dict(model_type="llama", cp=2, tp=1, pp=1, dp=2, ep=2, zero=1,
-                                     moe_every=2),
-    "llama-cp2-dp2-z3": dict(model_type="llama", cp=2, tp=1, pp=1, dp=2, ep=1, zero=3,
-                             moe_every=0),
-    "gpt-cp2-pp2-zb": dict(model_type="gpt", cp=2, tp=1, pp=2, dp=1, ep=1, zero=0, moe_every=0,
-                           schedule="zb-h1"),
+    "llama-cp2-pp2-dp2-z1": dict(
+        model_type="llama", cp=2, tp=1, pp=2, dp=2, ep=1, zero=1, moe_every=0
+    ),
+    "llama-cp2-tp2-sp-moe-ep2": dict(
+        model_type="llama",
+        cp=2,
+        tp=2,
+        pp=1,
+        dp=1,
+        ep=2,
+        zero=2,
+        moe_every=2,
+        sequence_parallel=True,
+    ),
+    "llama-cp2-dp2-moe-ep2-z1": dict(
+        model_type="llama", cp=2, tp=1, pp=1, dp=2, ep=2, zero=1, moe_every=2
+    ),
+    "llama-cp2-dp2-z3": dict(model_type="llama", cp=2, tp=1, pp=1, dp=2, ep=1, zero=3, moe_every=0),
+    "gpt-cp2-pp2-zb": dict(
+        model_type="gpt", cp=2, tp=1, pp=2, dp=1, ep=1, zero=0, moe_every=0, schedule="zb-h1"
+    ),
     "llama-cp4": dict(model_type="llama", cp=4, tp=1, pp=1, dp=1, ep=1, zero=1, moe_every=0),
-    "llama-cp2-tp2-a2a": dict(model_type="llama", cp=2, tp=2, pp=1, dp=1, ep=1, zero=1,
-                              moe_every=0, heads=8, kv_heads=2, cp_attention="all-to-all"),
-    "llama-cp2-pp2-interleaved": dict(model_type="llama", cp=2, tp=1, pp=2, dp=1, ep=1, zero=1,
-                                      moe_every=0, layers=4, schedule="interleaved",
-                                      virtual_stages=2),
-    "gpt-cp2-recompute-attention": dict(model_type="gpt", cp=2, tp=1, pp=1, dp=1, ep=1, zero=1,
-                                        moe_every=0, recompute="attention"),
-    "gpt-cp2-compile": dict(model_type="gpt", cp=2, tp=1, pp=1, dp=1, ep=1, zero=1, moe_every=0,
-                            compile=True, steps=2),
-    "gpt-cp2-dp2-a2a-z2": dict(model_type="gpt", cp=2, tp=1, pp=1, dp=2, ep=1, zero=2,
-                               moe_every=0, cp_attention="all-to-all"),
-}  # fmt: skip
+    "llama-cp2-tp2-a2a": dict(
+        model_type="llama",
+        cp=2,
+        tp=2,
+        pp=1,
+        dp=1,
+        ep=1,
+        zero=1,
+        moe_every=0,
+        heads=8,
+        kv_heads=2,
+        cp_attention="all-to-all",
+    ),
+    "llama-cp2-pp2-interleaved": dict(
+        model_type="llama",
+        cp=2,
+        tp=1,
+        pp=2,
+        dp=1,
+        ep=1,
+        zero=1,
+        moe_every=0,
+        layers=4,
+        schedule="interleaved",
+        virtual_stages=2,
+    ),
+    "gpt-cp2-recompute-attention": dict(
+        model_type="gpt", cp=2, tp=1, pp=1, dp=1, ep=1, zero=1, moe_every=0, recompute="attention"
+    ),
+    "gpt-cp2-compile": dict(
+        model_type="gpt", cp=2, tp=1, pp=1, dp=1, ep=1, zero=1, moe_every=0, compile=True, steps=2
+    ),
+    "gpt-cp2-dp2-a2a-z2": dict(
+        model_type="gpt",
+        cp=2,
+        tp=1,
+        pp=1,
+        dp=2,
+        ep=1,
+        zero=2,
+        moe_every=0,
+        cp_attention="all-to-all",
+    ),
+}
 
 
 @pytest.mark.parametrize(
@@ -58,12 +102,14 @@ def test_verify_under_context_parallelism(name):
     "flags,match",
     [
         (dict(cp=2, seq_len=14), r"--seq-len 14 is not divisible by 4"),
-        (dict(cp=2, tp=4, seq_len=12, sequence_parallel=True),
-         r"this rank's 6 tokens do not split over tp 4"),
+        (
+            dict(cp=2, tp=4, seq_len=12, sequence_parallel=True),
+            r"this rank's 6 tokens do not split over tp 4",
+        ),
         (dict(cp=2, capacity_factor=1.25, moe_every=2), r"--capacity-factor 1.25"),
         (dict(cp=4, heads=2, cp_attention="all-to-all"), r"this rank's 2 query heads"),
     ],
-)  # fmt: skip
+)
 def test_context_parallel_refusals(flags, match):
     cfg = TrainConfig(**{**SMALL, "pp": 1, "dp": 1, "ep": 1, "tp": 1, "moe_every": 0, **flags})
     with pytest.raises(ValueError, match=match):

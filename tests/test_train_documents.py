@@ -20,8 +20,19 @@ from fastpar.train import TrainConfig, batch_of, launch
 from fastpar.train.batches import load_data
 from fastpar.verify import compare
 
-SMALL = dict(steps=2, batch_size=8, microbatches=2, seq_len=32, hidden=32, heads=4, layers=2,
-             quiet=True, eos_id=10, moe_every=0, ep=1)  # fmt: skip
+SMALL = dict(
+    steps=2,
+    batch_size=8,
+    microbatches=2,
+    seq_len=32,
+    hidden=32,
+    heads=4,
+    layers=2,
+    quiet=True,
+    eos_id=10,
+    moe_every=0,
+    ep=1,
+)
 
 
 @pytest.fixture(scope="module")
@@ -223,8 +234,7 @@ def test_bin_with_an_index_of_document_offsets(tmp_path):
     ids.tofile(tmp_path / "tok.bin")
     starts = np.unique(np.r_[0, 41, np.arange(40, 2990, 53), 2999]).astype("<i8")
     starts.tofile(tmp_path / "tok.idx")
-    cfg = TrainConfig(**{**SMALL, "eos_id": None}, data=str(tmp_path / "tok.bin"),
-                      dp=2, pp=1, tp=2)  # fmt: skip
+    cfg = TrainConfig(**{**SMALL, "eos_id": None}, data=str(tmp_path / "tok.bin"), dp=2, pp=1, tp=2)
     assert cfg.packs_documents and "tok.idx" in cfg.document_source
     corpus = load_data(cfg)
     assert corpus.starts.tolist() == starts.tolist()
@@ -282,9 +292,12 @@ def _first_step_gradients(cfg: TrainConfig, refs, corpus=None) -> list[str]:
     trainer = Trainer(cfg, mesh, torch.device("cpu"), corpus)
     x, y = trainer._batch(0)
     trainer.engine.train_step(
-        x if mesh.is_first_stage else None, y if mesh.is_last_stage else None,
-        broadcast_loss=False, valid_tokens=trainer._count(), context=trainer.context,
-    )  # fmt: skip
+        x if mesh.is_first_stage else None,
+        y if mesh.is_last_stage else None,
+        broadcast_loss=False,
+        valid_tokens=trainer._count(),
+        context=trainer.context,
+    )
     params = {checkpoint_name(n, p): p for n, p in trainer.named_parameters().items()}
     refs.local = lambda full, name: localize(full, params[name])
     bad = []
@@ -326,8 +339,16 @@ def test_the_gradient_check_fails_for_a_mean_of_means(data):
     from fastpar.testing import run_ranks
     from fastpar.verify import references
 
-    cfg = TrainConfig(**{**SMALL, "steps": 1}, data=data, dp=2, pp=1, tp=1, cp=2, zero=0,
-                      loss_normalization="sequence")  # fmt: skip
+    cfg = TrainConfig(
+        **{**SMALL, "steps": 1},
+        data=data,
+        dp=2,
+        pp=1,
+        tp=1,
+        cp=2,
+        zero=0,
+        loss_normalization="sequence",
+    )
     corpus = _skewed(cfg)
     refs = references(cfg, corpus)  # (one device's token mean, whatever the run's)
     for lines in run_ranks(_first_step_gradients, cfg.world_size, cfg, refs, corpus):

@@ -15,15 +15,19 @@ from fastpar.verify import compare, reference, references
 SMALL = dict(steps=3, batch_size=8, seq_len=16, hidden=32, heads=4, layers=2, quiet=True)
 LAYOUTS = {
     "gpt-tp2-dp2-z1": dict(model_type="gpt", tp=2, pp=1, dp=2, ep=1, zero=1, moe_every=0),
-    "llama-tp2-pp2-sp": dict(model_type="llama", tp=2, pp=2, dp=1, ep=1, zero=1, moe_every=0,
-                             sequence_parallel=True),
-    "gpt-pp2-dp2-gpipe-z2": dict(model_type="gpt", tp=1, pp=2, dp=2, ep=1, zero=2, moe_every=0,
-                                 schedule="gpipe"),
-    "llama-tp2-cp2-bf16": dict(model_type="llama", tp=2, pp=1, dp=1, ep=1, zero=1, moe_every=0,
-                               precision="bf16", cp=2),
-    "llama-moe-ep2-untied": dict(model_type="llama", tp=1, pp=1, dp=2, ep=2, zero=1,
-                                 moe_every=2, untied=True),
-}  # fmt: skip
+    "llama-tp2-pp2-sp": dict(
+        model_type="llama", tp=2, pp=2, dp=1, ep=1, zero=1, moe_every=0, sequence_parallel=True
+    ),
+    "gpt-pp2-dp2-gpipe-z2": dict(
+        model_type="gpt", tp=1, pp=2, dp=2, ep=1, zero=2, moe_every=0, schedule="gpipe"
+    ),
+    "llama-tp2-cp2-bf16": dict(
+        model_type="llama", tp=2, pp=1, dp=1, ep=1, zero=1, moe_every=0, precision="bf16", cp=2
+    ),
+    "llama-moe-ep2-untied": dict(
+        model_type="llama", tp=1, pp=1, dp=2, ep=2, zero=1, moe_every=2, untied=True
+    ),
+}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -34,8 +38,18 @@ def test_verify_with_the_fused_loss(name):
 
 @pytest.mark.parametrize("model", ["gpt", "llama"])
 def test_fused_loss_trains_like_the_unfused_one(model):
-    cfg = TrainConfig(**{**SMALL, "model_type": model, "tp": 1, "pp": 1, "dp": 2, "ep": 1,
-                         "moe_every": 0, "fused_ce": True})  # fmt: skip
+    cfg = TrainConfig(
+        **{
+            **SMALL,
+            "model_type": model,
+            "tp": 1,
+            "pp": 1,
+            "dp": 2,
+            "ep": 1,
+            "moe_every": 0,
+            "fused_ce": True,
+        }
+    )
     tokens = load_data(cfg)
     fused = reference(cfg, tokens)
     # the unfused loss on one process (it, its twin, float64): the rule of fastpar.tolerance

@@ -20,11 +20,41 @@ from fastpar.models import build_model
 from fastpar.train import TrainConfig, launch, main, metrics
 
 #: 2 ranks (dp 2), dense, a step in milliseconds
-TINY = dict(tp=1, pp=1, dp=2, ep=1, moe_every=0, steps=4, log_every=2, batch_size=4, seq_len=16,
-            hidden=32, heads=2, layers=2, warmup=0, lr_schedule="constant")  # fmt: skip
-KEYS = {"step", "steps", "loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_device",
-        "flops_per_token", "mfu", "mem_kind", "mem_mib", "mem_reserved_mib", "skipped",
-        "skipped_steps", "time", "elapsed_s", "eta_s"}  # fmt: skip
+TINY = dict(
+    tp=1,
+    pp=1,
+    dp=2,
+    ep=1,
+    moe_every=0,
+    steps=4,
+    log_every=2,
+    batch_size=4,
+    seq_len=16,
+    hidden=32,
+    heads=2,
+    layers=2,
+    warmup=0,
+    lr_schedule="constant",
+)
+KEYS = {
+    "step",
+    "steps",
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "tokens_per_s_per_device",
+    "flops_per_token",
+    "mfu",
+    "mem_kind",
+    "mem_mib",
+    "mem_reserved_mib",
+    "skipped",
+    "skipped_steps",
+    "time",
+    "elapsed_s",
+    "eta_s",
+}
 
 
 def _flops_by_hand(cfg: TrainConfig) -> float:
@@ -88,8 +118,12 @@ def test_mfu_needs_a_known_or_given_peak(monkeypatch):
     assert metrics.mfu(1e4, 0, cpu, 4, flops_per_token=2e9, peak_tflops=0.5) == pytest.approx(
         2e9 * 1e4 / (4 * 0.5e12)
     )
-    for name, peak in [("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12),
-                       ("NVIDIA H100 PCIe", 756e12), ("NVIDIA A100-SXM4-80GB", 312e12)]:  # fmt: skip
+    for name, peak in [
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+    ]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, n=name: n)
         got = metrics.mfu(1e4, 0, gpu, 2, flops_per_token=3e9)
         assert got == pytest.approx(3e9 * 1e4 / (2 * peak)), name
@@ -102,15 +136,29 @@ def test_mfu_needs_a_known_or_given_peak(monkeypatch):
 def test_flops_count_llama_gqa_and_moe_by_hand():
     """A Llama with its own head width, untied, with MoE blocks: only top_k / experts of the
     experts count, the router in full; no embedding table; the untied head in full."""
-    cfg = TrainConfig(model_type="llama", hidden=32, heads=4, head_dim=16, kv_heads=2, layers=2,
-                      moe_every=2, experts=4, top_k=1, untied=True, seq_len=16)  # fmt: skip
+    cfg = TrainConfig(
+        model_type="llama",
+        hidden=32,
+        heads=4,
+        head_dim=16,
+        kv_heads=2,
+        layers=2,
+        moe_every=2,
+        experts=4,
+        top_k=1,
+        untied=True,
+        seq_len=16,
+    )
     blocks = build_model(cfg.model(), None)
     params = {id(p): p for b in blocks for p in b.parameters()}
     moe = blocks[2].mlp
     experts = sum(p.numel() for n, p in moe.named_parameters() if not n.startswith("router"))
     n = sum(p.numel() for p in params.values()) - blocks[0].tok.weight.numel() - experts * 3 / 4
-    counts = {"total": sum(p.numel() for p in params.values()),
-              "embedding": blocks[0].tok.weight.numel(), "experts": experts}  # fmt: skip
+    counts = {
+        "total": sum(p.numel() for p in params.values()),
+        "embedding": blocks[0].tok.weight.numel(),
+        "experts": experts,
+    }
     assert metrics.flops_per_token(cfg, counts) == 6 * n + 12 * 2 * 4 * 16 * 16
 
 

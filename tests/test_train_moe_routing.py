@@ -23,20 +23,53 @@ SMALL = dict(steps=3, batch_size=8, seq_len=32, hidden=32, heads=4, layers=2, qu
 # sigmoid scores, a routed scaling factor, 2 of 4 groups, expert bias, a gated shared expert,
 # the per-sequence balancing loss and a z-loss: DeepSeek-V3's MoE block in small
 DEEPSEEK = dict(
-    moe_every=1, experts=8, top_k=2, router_score="sigmoid", routed_scaling_factor=2.5,
-    router_groups=4, router_group_topk=2, expert_bias=True, bias_update_rate=1e-2,
-    shared_expert_ffn=16, shared_expert_gate=True, aux_loss="sequence", aux_loss_coef=1e-3,
+    moe_every=1,
+    experts=8,
+    top_k=2,
+    router_score="sigmoid",
+    routed_scaling_factor=2.5,
+    router_groups=4,
+    router_group_topk=2,
+    expert_bias=True,
+    bias_update_rate=1e-2,
+    shared_expert_ffn=16,
+    shared_expert_gate=True,
+    aux_loss="sequence",
+    aux_loss_coef=1e-3,
     z_loss_coef=1e-3,
-)  # fmt: skip
+)
 LLAMA = dict(model_type="llama", kv_heads=2, ffn=48)
 DP2_EP2 = dict(tp=1, pp=1, dp=2, ep=2)
 FLAGS = [
-    "--model", "llama", "--moe-every", "1", "--experts", "8", "--top-k", "2",
-    "--router-score", "sigmoid", "--routed-scaling-factor", "2.5", "--router-groups", "4",
-    "--router-group-topk", "2", "--expert-bias", "--bias-update-rate", "0.01",
-    "--shared-expert-ffn", "16", "--shared-expert-gate", "--aux-loss", "sequence",
-    "--aux-loss-coef", "0.001", "--z-loss-coef", "0.001",
-]  # fmt: skip
+    "--model",
+    "llama",
+    "--moe-every",
+    "1",
+    "--experts",
+    "8",
+    "--top-k",
+    "2",
+    "--router-score",
+    "sigmoid",
+    "--routed-scaling-factor",
+    "2.5",
+    "--router-groups",
+    "4",
+    "--router-group-topk",
+    "2",
+    "--expert-bias",
+    "--bias-update-rate",
+    "0.01",
+    "--shared-expert-ffn",
+    "16",
+    "--shared-expert-gate",
+    "--aux-loss",
+    "sequence",
+    "--aux-loss-coef",
+    "0.001",
+    "--z-loss-coef",
+    "0.001",
+]
 
 
 def _moes(model_cfg) -> list[MoE]:
@@ -70,9 +103,30 @@ def test_flags_reach_the_llama_moe_blocks():
 
 
 def test_the_command_trains_with_the_routing_flags(capsys):
-    small = ["--tp", "1", "--pp", "1", "--dp", "2", "--ep", "2", "--steps", "2", "--layers", "2",
-             "--hidden", "32", "--ffn", "48", "--kv-heads", "2", "--seq-len", "32",
-             "--batch-size", "8"]  # fmt: skip
+    small = [
+        "--tp",
+        "1",
+        "--pp",
+        "1",
+        "--dp",
+        "2",
+        "--ep",
+        "2",
+        "--steps",
+        "2",
+        "--layers",
+        "2",
+        "--hidden",
+        "32",
+        "--ffn",
+        "48",
+        "--kv-heads",
+        "2",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "8",
+    ]
     assert main([*FLAGS, *small]) == 0
     assert "done: loss" in capsys.readouterr().out
 
@@ -99,29 +153,52 @@ def test_defaults_build_the_same_moe_as_before():
 ERRORS = [
     (dict(router_group_topk=2), "router_group_topk (--router-group-topk) 2 needs router_groups"),
     (dict(router_groups=4), "router_groups (--router-groups) 4 needs router_group_topk"),
-    (dict(router_groups=3, router_group_topk=1), "router_groups (--router-groups) 3 must divide "
-     "the 8 experts (--experts) into equal groups: use a divisor of 8"),
-    (dict(router_groups=4, router_group_topk=5), "router_group_topk (--router-group-topk) 5 must "
-     "be in [1, 4]"),
-    (dict(router_groups=4, router_group_topk=1, top_k=3), "top_k 3 (--top-k) exceeds the 2 "
-     "experts in 1 groups of 2: raise router_group_topk (--router-group-topk) to 2"),
+    (
+        dict(router_groups=3, router_group_topk=1),
+        "router_groups (--router-groups) 3 must divide "
+        "the 8 experts (--experts) into equal groups: use a divisor of 8",
+    ),
+    (
+        dict(router_groups=4, router_group_topk=5),
+        "router_group_topk (--router-group-topk) 5 must be in [1, 4]",
+    ),
+    (
+        dict(router_groups=4, router_group_topk=1, top_k=3),
+        "top_k 3 (--top-k) exceeds the 2 "
+        "experts in 1 groups of 2: raise router_group_topk (--router-group-topk) to 2",
+    ),
     (dict(router_score="relu"), "router_score (--router-score) 'relu' must be one of"),
     (dict(aux_loss="global"), "aux_loss (--aux-loss) 'global' must be one of"),
-    (dict(routed_scaling_factor=0.0), "routed_scaling_factor (--routed-scaling-factor) 0.0 must "
-     "be a positive finite number"),
-    (dict(bias_update_rate=1e-2), "bias_update_rate (--bias-update-rate) 0.01 has no effect "
-     "without expert_bias: add --expert-bias"),
-    (dict(expert_bias=True, bias_update_rate=0.0), "bias_update_rate (--bias-update-rate) 0.0 "
-     "must be a finite number > 0"),
-    (dict(aux_loss="none", aux_loss_coef=0.1), "aux_loss_coef (--aux-loss-coef) 0.1 has no "
-     "effect with aux_loss none"),
+    (
+        dict(routed_scaling_factor=0.0),
+        "routed_scaling_factor (--routed-scaling-factor) 0.0 must be a positive finite number",
+    ),
+    (
+        dict(bias_update_rate=1e-2),
+        "bias_update_rate (--bias-update-rate) 0.01 has no effect "
+        "without expert_bias: add --expert-bias",
+    ),
+    (
+        dict(expert_bias=True, bias_update_rate=0.0),
+        "bias_update_rate (--bias-update-rate) 0.0 must be a finite number > 0",
+    ),
+    (
+        dict(aux_loss="none", aux_loss_coef=0.1),
+        "aux_loss_coef (--aux-loss-coef) 0.1 has no effect with aux_loss none",
+    ),
     (dict(z_loss_coef=-1.0), "z_loss_coef (--z-loss-coef) -1.0 must be a finite number >= 0"),
-    (dict(shared_expert_gate=True), "shared_expert_gate (--shared-expert-gate) needs a shared "
-     "expert: set shared_expert_ffn (--shared-expert-ffn N"),
+    (
+        dict(shared_expert_gate=True),
+        "shared_expert_gate (--shared-expert-gate) needs a shared "
+        "expert: set shared_expert_ffn (--shared-expert-ffn N",
+    ),
     (dict(shared_expert_ffn=0), "shared_expert_ffn (--shared-expert-ffn) 0 must be >= 1"),
-    (dict(moe_every=0, ep=1, expert_bias=True), "expert_bias (--expert-bias) = True is a MoE "
-     "routing option but the model has no MoE blocks: set moe_every (--moe-every, e.g. 2)"),
-]  # fmt: skip
+    (
+        dict(moe_every=0, ep=1, expert_bias=True),
+        "expert_bias (--expert-bias) = True is a MoE "
+        "routing option but the model has no MoE blocks: set moe_every (--moe-every, e.g. 2)",
+    ),
+]
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt"])
@@ -145,8 +222,9 @@ def test_routing_flags_are_refused_before_any_rank(capsys, monkeypatch):
 def test_routing_flags_do_not_apply_with_hf_config(tmp_path):
     path = tmp_path / "config.json"
     path.write_text('{"model_type": "llama", "vocab_size": 64}')
-    cfg = TrainConfig(**{**SMALL, "tp": 1, "pp": 1, "dp": 1, "ep": 1, "hf_config": str(path),
-                         "expert_bias": True})  # fmt: skip
+    cfg = TrainConfig(
+        **{**SMALL, "tp": 1, "pp": 1, "dp": 1, "ep": 1, "hf_config": str(path), "expert_bias": True}
+    )
     with pytest.raises(ValueError, match="--expert-bias does not apply with --hf-config"):
         cfg.check()
 
@@ -190,8 +268,18 @@ def test_verify_fp16_with_skipped_steps():
     taken (which ones depends on rounding: a gradient near fp16's largest value overflows on one
     CPU and not another); verify checks that the trainer skips exactly the reference's steps,
     and each bias moved at most once per taken step."""
-    cfg = TrainConfig(**{**SMALL, **DP2_EP2, **LLAMA, **DEEPSEEK, "precision": "fp16",
-                         "loss_scale": 2.0**18, "steps": 6, "zero": 1})  # fmt: skip
+    cfg = TrainConfig(
+        **{
+            **SMALL,
+            **DP2_EP2,
+            **LLAMA,
+            **DEEPSEEK,
+            "precision": "fp16",
+            "loss_scale": 2.0**18,
+            "steps": 6,
+            "zero": 1,
+        }
+    )
     ok, text = compare(cfg)
     assert ok, text
     run = reference(cfg)

@@ -17,8 +17,20 @@ from fastpar.profiling import nvtx
 from fastpar.train import TrainConfig, launch, main
 
 #: 2 ranks (pp 2), dense
-TINY = dict(tp=1, pp=2, dp=1, ep=1, moe_every=0, steps=4, batch_size=4, seq_len=16, hidden=32,
-            heads=2, layers=2, quiet=True)  # fmt: skip
+TINY = dict(
+    tp=1,
+    pp=2,
+    dp=1,
+    ep=1,
+    moe_every=0,
+    steps=4,
+    batch_size=4,
+    seq_len=16,
+    hidden=32,
+    heads=2,
+    layers=2,
+    quiet=True,
+)
 
 
 def _names(path) -> list[str]:
@@ -72,9 +84,34 @@ def test_profile_flag_errors(argv, message, capsys, monkeypatch, tmp_path):
 
 @pytest.mark.slow  # a profiled training run in a subprocess: about 9 s
 def test_quiet_silences_the_profiler(tmp_path):
-    argv = ["--tp", "1", "--pp", "1", "--dp", "1", "--ep", "1", "--moe-every", "0", "--steps",
-            "2", "--batch-size", "2", "--seq-len", "8", "--hidden", "16", "--heads", "2",
-            "--layers", "1", "--profile", str(tmp_path / "p"), "--profile-steps", "2:2"]  # fmt: skip
+    argv = [
+        "--tp",
+        "1",
+        "--pp",
+        "1",
+        "--dp",
+        "1",
+        "--ep",
+        "1",
+        "--moe-every",
+        "0",
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "8",
+        "--hidden",
+        "16",
+        "--heads",
+        "2",
+        "--layers",
+        "1",
+        "--profile",
+        str(tmp_path / "p"),
+        "--profile-steps",
+        "2:2",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
     run = [sys.executable, "-m", "fastpar.train", *argv]
     loud = subprocess.run(run, capture_output=True, text=True, timeout=120, env=env)

@@ -20,12 +20,36 @@ from fastpar.train import RunStopped, TrainConfig
 from fastpar.train.loop import run
 
 #: 4 ranks (pp 2 x dp 2), a step in milliseconds
-SMALL = dict(tp=1, pp=2, dp=2, ep=1, moe_every=0, zero=1, batch_size=8, seq_len=16, hidden=32,
-             heads=2, layers=2, warmup=0, lr_schedule="constant", quiet=True)  # fmt: skip
+SMALL = dict(
+    tp=1,
+    pp=2,
+    dp=2,
+    ep=1,
+    moe_every=0,
+    zero=1,
+    batch_size=8,
+    seq_len=16,
+    hidden=32,
+    heads=2,
+    layers=2,
+    warmup=0,
+    lr_schedule="constant",
+    quiet=True,
+)
 HOST_READS = ("item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__")
-COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
-               "reduce_scatter_tensor", "all_to_all_single", "barrier", "broadcast_object_list",
-               "all_gather_object", "send", "recv")  # fmt: skip
+COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "barrier",
+    "broadcast_object_list",
+    "all_gather_object",
+    "send",
+    "recv",
+)
 
 
 def _by_the_trainer() -> bool:
@@ -73,8 +97,9 @@ def _count(cfg: TrainConfig) -> dict:
 
 
 def test_unlogged_steps_make_no_host_sync(tmp_path):
-    cfg = TrainConfig(**SMALL, steps=7, log_every=3, checkpoint_dir=str(tmp_path / "ckpt"),
-                      save_every=5)  # fmt: skip
+    cfg = TrainConfig(
+        **SMALL, steps=7, log_every=3, checkpoint_dir=str(tmp_path / "ckpt"), save_every=5
+    )
     for rank, counts in enumerate(run_ranks(_count, cfg.world_size, cfg, timeout=240)):
         assert counts.get("in step", 0) == 0, (rank, counts)
         synced = sorted(k for k in counts if isinstance(k, int))
@@ -127,8 +152,9 @@ def test_a_signal_is_acted_on_at_the_next_logged_step(tmp_path):
 
 def test_a_divergence_between_sync_points_stops_the_next_one_unsaved(tmp_path):
     ckpt = tmp_path / "ckpt"
-    cfg = TrainConfig(**SMALL, steps=20, lr=1e30, log_every=3, save_every=3,
-                      checkpoint_dir=str(ckpt))  # fmt: skip
+    cfg = TrainConfig(
+        **SMALL, steps=20, lr=1e30, log_every=3, save_every=3, checkpoint_dir=str(ckpt)
+    )
     with pytest.raises(RankError) as err:
         run_ranks(run, cfg.world_size, cfg, timeout=240)
     stop = err.value.exception

@@ -98,9 +98,14 @@ def _reference(
         return _make_opt(opt_name, _groups(model) if groups else model.parameters(), reference=True)
 
     return references(
-        Net, mse_loss(micro, world, D_IN, D_OUT), steps, make_opt, clip=clip,
-        length=max(micro * world * 3 * D_OUT, D_H), lr=0.02 if groups else 0.01,
-    )  # fmt: skip
+        Net,
+        mse_loss(micro, world, D_IN, D_OUT),
+        steps,
+        make_opt,
+        clip=clip,
+        length=max(micro * world * 3 * D_OUT, D_H),
+        lr=0.02 if groups else 0.01,
+    )
 
 
 def _train(micro: int, opt_name: str, policy: dict, clip: float | None) -> tuple[list, dict]:
@@ -241,8 +246,9 @@ def test_bf16_trains_like_the_single_process():
     """bf16 parameters with fp32 masters: each step's loss and every parameter after the steps
     against the single-process bf16 run (fp32 masters too) and its twin, judged in bf16's
     precision against the float64 run."""
-    refs = references(Net, _bf16_loss, STEPS, _bf16_opt, length=2 * 3 * D_OUT, lr=0.01,
-                      dtype=torch.bfloat16)  # fmt: skip
+    refs = references(
+        Net, _bf16_loss, STEPS, _bf16_opt, length=2 * 3 * D_OUT, lr=0.01, dtype=torch.bfloat16
+    )
     for losses, params, mem in run_ranks(_bf16, 2):
         check([refs.loss(step, v) for step, v in enumerate(losses)])
         check([refs.param(name, p) for name, p in params.items()])
@@ -251,9 +257,14 @@ def test_bf16_trains_like_the_single_process():
 
 def _tp_dense() -> nn.Module:
     return nn.Sequential(
-        nn.Linear(8, 18), nn.GELU(), nn.Linear(18, 8), nn.GELU(), nn.Linear(8, 10), nn.GELU(),
+        nn.Linear(8, 18),
+        nn.GELU(),
+        nn.Linear(18, 8),
+        nn.GELU(),
+        nn.Linear(8, 10),
+        nn.GELU(),
         nn.Linear(10, 8),
-    )  # fmt: skip
+    )
 
 
 def _tp_dp(fused: bool, persist_below: int, refs) -> None:
@@ -291,8 +302,10 @@ def _tp_dp(fused: bool, persist_below: int, refs) -> None:
         model.zero_grad()
         mean = loss.detach().clone()
         dist.all_reduce(mean, group=mesh.dp_group)
-        check([refs.loss(step, float(mean) / mesh.dp_size), norm(refs, step, grad_norm)],
-              f"step {step + 1}: ")  # fmt: skip
+        check(
+            [refs.loss(step, float(mean) / mesh.dp_size), norm(refs, step, grad_norm)],
+            f"step {step + 1}: ",
+        )
     with model.summon_full_params():
         named = dict(par.named_parameters())
         sliced(refs, named)
@@ -364,8 +377,16 @@ def test_comm_bytes_and_memory(world, persist_below):
         assert mem["total"] < z2["total"]
         if persist_below == 0:
             assert mem["params"] * n == z2["params"]  # params 1/N of ZeRO-2's (same padding)
-            plan = estimate_memory(psi, n, 3, param_bytes=4, grad_bytes=4, optimizer_bytes=8,
-                                   mode="fastpar", bucket_numels=r["numels"])  # fmt: skip
+            plan = estimate_memory(
+                psi,
+                n,
+                3,
+                param_bytes=4,
+                grad_bytes=4,
+                optimizer_bytes=8,
+                mode="fastpar",
+                bucket_numels=r["numels"],
+            )
             assert mem["params"] == plan.params
             assert mem["grads"] == plan.grads
             assert mem["optimizer"] - 4 * r["n_flats"] == plan.optimizer  # + one "step" each
