@@ -149,6 +149,9 @@ class Option:
     deferred: bool = False
     """The flag's default is None, not the field's: left out, the value follows other flags
     (resolved when the config is made from the flags)."""
+    resume: str = ""
+    """Resuming a checkpoint with another value: "refuse" (the value defines the model),
+    "warn" (the checkpoint fits but the run leaves its trajectory), "" (free: the layout)."""
 
     def text(self) -> str:
         """The help text (``help``, called if it is a callable)."""
@@ -165,10 +168,13 @@ def option(
     name: str | None = None,
     deferred: bool = False,
     default_factory=MISSING,
+    resume: str = "",
 ):
     """A ``dataclasses.field`` whose metadata declares its flag (``Option``)."""
+    if resume not in ("", "refuse", "warn"):
+        raise ValueError(f"resume must be '', 'refuse' or 'warn', got {resume!r}")
     words = words if isinstance(words, dict) else tuple(words)
-    meta = {OPTION: Option(help, group, metavar, words, name, deferred)}
+    meta = {OPTION: Option(help, group, metavar, words, name, deferred, resume)}
     if default_factory is not MISSING:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -185,12 +191,36 @@ def flat_name(f: Field) -> str:
     return opt.name if opt is not None and opt.name else f.name
 
 
+def _nested(config: type) -> Callable:
+    """The getter of a flat class's nested ``config``: its flagged fields' flat values, the
+    flat class's fields of the same name (a model's ``capacity_factor``), and what the flat
+    class's ``nested_values(config)`` returns, if it has one (Llama's experts are SwiGLU)."""
+    flagged = {f.name: flat_name(f) for f in fields(config) if option_of(f) is not None}
+
+    def get(self):
+        mine = {f.name for f in fields(self)}
+        kw = {
+            n: getattr(self, flagged.get(n, n)) for n in _names(config) if flagged.get(n, n) in mine
+        }
+        kw.update(getattr(self, "nested_values", lambda _: {})(config))
+        return config(**kw)
+
+    get.__doc__ = f"The {config.__name__} of this config's values."
+    return get
+
+
+def _names(config: type) -> list[str]:
+    return [f.name for f in fields(config)]
+
+
 def flat_fields(*configs: type):
     """Class decorator, applied before ``@dataclass``: every field of ``configs`` that declares
     an ``Option`` becomes a field of the decorated class under its flat name, with the same
     type, default and metadata. The option is declared once (in ``configs``); the flat class
     (the command's config, a model config) holds it under the name its flag and its saved
-    files use."""
+    files use. A config with a ``nested`` name (``RouterConfig.nested`` is "moe_router") is
+    also an attribute of the flat class under that name: the config of its flat fields' values
+    (``cfg.moe_router.score`` is ``cfg.router_score``), its other fields at their defaults."""
 
     def add(cls):
         own = inspect.get_annotations(cls)
@@ -206,6 +236,10 @@ def flat_fields(*configs: type):
                     raise TypeError(f"{cls.__name__}.{name} is already {config.__name__}'s")
                 notes[name] = f.type
                 setattr(cls, name, field(default=f.default, metadata=f.metadata))
+            if getattr(config, "nested", None):
+                if config.nested in own:
+                    raise TypeError(f"{cls.__name__}.{config.nested} is already a field")
+                setattr(cls, config.nested, property(_nested(config)))
         cls.__annotations__ = notes
         return cls
 

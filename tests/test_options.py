@@ -14,7 +14,7 @@ import torch
 from _no_ranks import forbid_ranks
 
 from fastpar.cliutil import flat_fields, flat_name, option, option_of
-from fastpar.models import GPTConfig, LlamaConfig
+from fastpar.models import GPTConfig, LlamaConfig, build_llama
 from fastpar.models.llama import routing_options
 from fastpar.moe import MoE, TopKRouter
 from fastpar.moe.balance import balance_scores
@@ -230,16 +230,29 @@ def test_model_configs_hold_the_routing_fields():
         z_loss_coef=0.1,
     )
     opts = routing_options(cfg)
-    assert opts["router"] == RouterConfig(
-        score="sigmoid",
-        scaling_factor=2.0,
-        num_groups=2,
-        group_topk=1,
-        expert_bias=True,
-        aux_loss=None,
-        z_loss_coef=0.1,
+    # the nested configs: the flat fields, the model's capacity (dropless) and top-k
+    # normalisation, and its SwiGLU experts -- what its MoE layers are built with
+    assert (
+        opts["router"]
+        == cfg.moe_router
+        == RouterConfig(
+            score="sigmoid",
+            scaling_factor=2.0,
+            num_groups=2,
+            group_topk=1,
+            expert_bias=True,
+            aux_loss=None,
+            z_loss_coef=0.1,
+            capacity_factor=None,
+            normalize_topk=True,
+        )
     )
-    assert opts["experts"] == ExpertConfig(shared_ffn_hidden_size=8, shared_gate=True)
+    want = ExpertConfig(expert="swiglu", shared_ffn_hidden_size=8, shared_gate=True)
+    assert opts["experts"] == cfg.moe_experts == want
+    layer = build_llama(cfg)[1].mlp
+    assert (layer.router.config, layer.expert_config) == (cfg.moe_router, want)
+    run = TrainConfig(model_type="llama", moe_every=1, router_score="sigmoid", expert_bias=True)
+    assert run.moe_router == run.model().moe_router and run.moe_experts.expert == "swiglu"
 
 
 # -- the layer takes the configs ----------------------------------------------------------------
@@ -345,3 +358,28 @@ def test_a_config_file_in_the_old_keys_loads(tmp_path):
     router, experts = (routing_options(cfg.model())[k] for k in ("router", "experts"))
     assert (router.score, router.scaling_factor, router.aux_loss) == ("sigmoid", 2.5, None)
     assert experts.shared_gate and experts.shared_ffn_hidden_size == 8
+
+
+def test_every_model_and_routing_flag_says_what_resuming_with_another_value_does():
+    """A flag that changes the model or its routing declares ``resume="refuse"`` or "warn"
+    (the lists checkpoints judge a resume by are read from it), so a new model flag cannot
+    silently resume a checkpoint of another model. The exceptions, each judged elsewhere."""
+    from fastpar.moe.config import ROUTING
+    from fastpar.train.checkpointing import REFUSED, WARNED
+    from fastpar.train.options import MODEL
+
+    elsewhere = {
+        "hf_config": "its content is compared key by key",
+        "vocab_size": "the vocabulary itself is compared",
+        "init_from_hf": "where the first weights come from, not what the model is",
+        "plan": "a TP plan is a layout",
+    }
+    for f in fields(TrainConfig):
+        opt = option_of(f)
+        if opt.group not in (MODEL, ROUTING) or f.name in elsewhere:
+            continue
+        assert opt.resume in ("refuse", "warn"), f"--{f.name} declares no resume"
+        assert f.name in (REFUSED if opt.resume == "refuse" else WARNED)
+    assert not set(REFUSED) & set(WARNED)
+    assert {"hidden", "expert_bias", "shared_expert_ffn"} <= set(REFUSED)
+    assert {"seed", "router_score", "z_loss_coef"} <= set(WARNED)

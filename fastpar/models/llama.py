@@ -36,7 +36,6 @@ from fastpar.moe.config import (
     SCORES,
     ExpertConfig,
     RouterConfig,
-    from_flat,
 )
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear
 
@@ -127,6 +126,13 @@ class LlamaConfig:
 
     def is_moe(self, layer: int) -> bool:
         return is_moe_layer(self, layer)
+
+    def nested_values(self, config: type) -> dict:
+        """``moe_router`` / ``moe_experts`` beyond the flat fields: the router renormalises
+        the top-k weights when ``norm_topk_prob``, the experts are SwiGLU (no biases)."""
+        if config is RouterConfig:
+            return {"normalize_topk": self.norm_topk_prob}
+        return {"expert": "swiglu"} if config is ExpertConfig else {}
 
     def activation_bytes(
         self, tp: int = 1, sp: int = 1, size: int = 4, fused_ce: bool = False
@@ -238,8 +244,7 @@ def check_routing(cfg) -> None:
             f"(--shared-expert-ffn N, its width)"
         )
     _check_groups(cfg)
-    router, _ = from_flat(cfg)  # and whatever else the dataclasses refuse
-    router.check(cfg.num_experts, cfg.top_k)
+    cfg.moe_router.check(cfg.num_experts, cfg.top_k)  # and whatever the dataclasses refuse
 
 
 def _check_groups(cfg) -> None:
@@ -273,11 +278,10 @@ def _check_groups(cfg) -> None:
 
 
 def routing_options(cfg) -> dict:
-    """The MoE keyword arguments of a config's routing fields (``ROUTING_DEFAULTS``):
-    ``router=`` and ``experts=`` (``fastpar.moe.config.from_flat``; at their defaults: today's
+    """The MoE keyword arguments of a model config: ``router=cfg.moe_router`` and
+    ``experts=cfg.moe_experts`` (``fastpar.cliutil.flat_fields``; at their defaults: today's
     router, the same random stream)."""
-    router, experts = from_flat(cfg)
-    return dict(router=router, experts=experts)
+    return dict(router=cfg.moe_router, experts=cfg.moe_experts)
 
 
 def rope_inv_freq(head_dim: int, theta: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -369,14 +373,7 @@ def moe(cfg: LlamaConfig, mesh=None) -> nn.Module:
     """A Llama MoE block: SwiGLU experts (no biases) ``moe_ffn`` wide, the router
     renormalising the top-k weights when ``norm_topk_prob``, with the config's routing options
     (``routing_options``: sigmoid scores, groups, expert bias, shared experts, losses)."""
-    return moe_block(
-        cfg,
-        mesh,
-        ffn=cfg.moe_ffn_size,
-        expert="swiglu",
-        normalize_topk=cfg.norm_topk_prob,
-        **routing_options(cfg),
-    )
+    return moe_block(cfg, mesh, ffn=cfg.moe_ffn_size, **routing_options(cfg))
 
 
 class Block(DecoderBlock):

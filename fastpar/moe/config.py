@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import ClassVar
 
 import torch
 
@@ -70,12 +71,16 @@ class RouterConfig:
     Megatron-Core's and DeepSeek-V3's). Validated on construction; ``check`` adds what needs
     the number of experts."""
 
+    nested: ClassVar[str] = "moe_router"
+    """Its attribute name in a flat config (``fastpar.cliutil.flat_fields``)."""
+
     score: str = option(
         "softmax",
         name="router_score",
         group=ROUTING,
         words=SCORES,
         help="MoE router scores: softmax over the experts, or sigmoid per expert (DeepSeek-V3)",
+        resume="warn",
     )
     """How gate logits become expert scores: a name of ``SCORES``."""
     scaling_factor: float | None = option(
@@ -85,6 +90,7 @@ class RouterConfig:
         metavar="F",
         help="MoE: multiply the routed experts' combine weights by this (DeepSeek-V3 "
         "routed_scaling_factor; default 1)",
+        resume="warn",
     )
     """Multiplies the combine weights (DeepSeek-V3 routed_scaling_factor; None: 1)."""
     num_groups: int | None = option(
@@ -94,6 +100,7 @@ class RouterConfig:
         metavar="N",
         help="MoE group-limited routing: split the experts into N equal groups (DeepSeek-V3 "
         "n_group; needs --router-group-topk)",
+        resume="warn",
     )
     """Group-limited routing: the experts in this many equal groups (None: off)."""
     group_topk: int | None = option(
@@ -103,6 +110,7 @@ class RouterConfig:
         metavar="K",
         help="MoE group-limited routing: each token routes inside its best K groups "
         "(DeepSeek-V3 topk_group; needs --router-groups)",
+        resume="warn",
     )
     """Group-limited routing: each token picks inside its best this-many groups."""
     expert_bias: bool = option(
@@ -112,10 +120,14 @@ class RouterConfig:
         "choice (not the weights); after every optimizer step it moves by --bias-update-rate "
         "against the load counted over data parallelism (a skipped step moves nothing); saved "
         "in checkpoints",
+        resume="refuse",
     )
     """Aux-loss-free balancing: an fp32 ``expert_bias`` buffer [E] steers the choice."""
     bias_update_rate: float = option(
-        1e-3, group=ROUTING, help="--expert-bias: the bias step per optimizer step"
+        1e-3,
+        group=ROUTING,
+        help="--expert-bias: the bias step per optimizer step",
+        resume="warn",
     )
     """The expert-bias step: bias += rate · sign(mean load − load) per optimizer step."""
     aux_loss: str | None = option(
@@ -124,14 +136,21 @@ class RouterConfig:
         words=AUX_LOSS_WORDS,
         help="MoE load-balancing loss: micro_batch (Switch, over a micro-batch's tokens), "
         "sequence (DeepSeek-V3's per-sequence loss), none (e.g. with --expert-bias)",
+        resume="warn",
     )
     """The load-balancing loss: "micro_batch", "sequence", or None ("none": off)."""
     aux_loss_coef: float = option(
-        1e-2, group=ROUTING, help="MoE: the load-balancing loss's coefficient"
+        1e-2,
+        group=ROUTING,
+        help="MoE: the load-balancing loss's coefficient",
+        resume="warn",
     )
     """Coefficient of the load-balancing loss."""
     z_loss_coef: float = option(
-        0.0, group=ROUTING, help="MoE: the router z-loss's coefficient (ST-MoE; 0: off)"
+        0.0,
+        group=ROUTING,
+        help="MoE: the router z-loss's coefficient (ST-MoE; 0: off)",
+        resume="warn",
     )
     """Coefficient of the router z-loss (ST-MoE; 0: off)."""
     normalize_topk: bool | None = None
@@ -176,6 +195,22 @@ class RouterConfig:
         if self.aux_loss not in AUX_LOSSES:
             raise ValueError(f"aux_loss must be one of {AUX_LOSSES}, got {self.aux_loss!r}")
 
+    def words(self) -> list[str]:
+        """The routing in a few words, as a run's header shows it: the score (and scaling),
+        the capacity, the balancing loss, then whatever is on of groups, bias, z-loss."""
+        scale = f", x{self.scaling_factor:g}" if self.scaling_factor is not None else ""
+        cf = self.capacity_factor
+        out = [f"{self.score}{scale}", "dropless" if cf is None else f"capacity {cf:g}"]
+        aux = self.aux_loss
+        out.append(f"aux {aux} {self.aux_loss_coef:g}" if aux is not None else "aux none")
+        if self.num_groups:
+            out.append(f"group-limited {self.group_topk} of {self.num_groups} groups")
+        if self.expert_bias:
+            out.append(f"expert bias {self.bias_update_rate:g}")
+        if self.z_loss_coef:
+            out.append(f"z-loss {self.z_loss_coef:g}")
+        return out
+
     def check(self, num_experts: int, top_k: int) -> int | None:
         """Validates top_k and group-limited routing against ``num_experts``; returns the
         experts summed per group score (None: not group-limited)."""
@@ -214,6 +249,9 @@ class ExpertConfig:
     """What a MoE layer's experts compute (``fastpar.moe.experts`` has the kinds). Validated on
     construction."""
 
+    nested: ClassVar[str] = "moe_experts"
+    """Its attribute name in a flat config (``fastpar.cliutil.flat_fields``)."""
+
     expert: str = "mlp"
     """The expert kind: "mlp", "glu" or "swiglu" (``fastpar.moe.experts.KINDS``)."""
     activation: str | None = None
@@ -227,6 +265,7 @@ class ExpertConfig:
         metavar="N",
         help="MoE: width of a shared expert run on every token beside the routed ones "
         "(DeepSeek / Qwen2-MoE; default: none)",
+        resume="refuse",
     )
     """Width of a shared expert of the same kind on every token (None: none)."""
     shared_gate: bool = option(
@@ -235,8 +274,16 @@ class ExpertConfig:
         group=ROUTING,
         help="MoE: scale the shared expert by sigmoid(x W_g) (Qwen2-MoE; needs "
         "--shared-expert-ffn)",
+        resume="refuse",
     )
     """Scale the shared expert by sigmoid(x W_g) (Qwen2-MoE); needs shared_ffn_hidden_size."""
+
+    def words(self) -> list[str]:
+        """What is on beside the routed experts, in a few words (a run's header)."""
+        if self.shared_ffn_hidden_size is None:
+            return []
+        gate = ", gated" if self.shared_gate else ""
+        return [f"shared expert {self.shared_ffn_hidden_size}{gate}"]
 
     def __post_init__(self) -> None:
         self.resolved()
@@ -283,13 +330,3 @@ FLAT = {
 
 ROUTING_DEFAULTS = {flat: f.default for flat, (_, f) in FLAT.items()}
 """Every flat routing field with its default (what a model without MoE blocks must keep)."""
-
-
-def from_flat(cfg, **router) -> tuple[RouterConfig, ExpertConfig]:
-    """(RouterConfig, ExpertConfig) of a flat config's routing fields (``FLAT``), the
-    ``router`` fields given here on top (a model's ``capacity_factor``, ``normalize_topk``).
-    ValueError as the dataclasses validate."""
-    kw: dict[type, dict] = {RouterConfig: dict(router), ExpertConfig: {}}
-    for flat, (c, f) in FLAT.items():
-        kw[c][f.name] = getattr(cfg, flat)
-    return RouterConfig(**kw[RouterConfig]), ExpertConfig(**kw[ExpertConfig])

@@ -20,8 +20,10 @@ from fastpar.checkpoint.core import _agree
 from fastpar.checkpoint.directory import latest_checkpoint, prune, scan, step_dir
 from fastpar.checkpoint.format import CheckpointError
 from fastpar.checkpoint.lock import DirectoryLock, describe
+from fastpar.cliutil import option_of
 from fastpar.train.batches import SCHEDULE_FIELDS, lr_at
 from fastpar.train.build import Trainer
+from fastpar.train.config import TrainConfig
 
 __all__ = [
     "CONFIG_FILE",
@@ -36,58 +38,26 @@ __all__ = [
 #: the run's resolved settings (every TrainConfig field) in each checkpoint directory
 CONFIG_FILE = "train_config.json"
 
-#: resuming with another value is REFUSED: these define the parameters (their set, their shapes
-#: or what they compute), so the checkpoint's weights would go into another model (or fail on a
-#: shape, with a less helpful message). Also refused: another vocabulary, another --hf-config
-#: content, and --seq-len for the GPT (its learned position table).
-REFUSED = (
-    "model_type",
-    "hidden",
-    "heads",
-    "layers",
-    "ffn",
-    "moe_ffn",
-    "kv_heads",
-    "head_dim",
-    "qk_norm",
-    "attention_bias",
-    "moe_every",
-    "experts",
-    "untied",
-    "norm",
-    "shared_expert_ffn",
-    "shared_expert_gate",
-    "expert_bias",
-)
-#: resuming with another value WARNS: the checkpoint still fits (fp32 masters, optimizer state,
-#: scaler) and the change may be meant (another precision on other hardware, a larger batch),
-#: but the run no longer continues the trajectory it was on (the seed and the batch size choose
-#: the data; the rest change the updates). The layout (tp, pp, dp, ep, zero, micro-batches,
-#: schedule) changes freely: checkpoints reshard exactly. The learning-rate schedule's fields
-#: (``SCHEDULE_FIELDS``, --steps among them) are judged by ``compare_schedule`` instead.
-WARNED = (
-    "seed",
-    "batch_size",
-    "precision",
-    "weight_decay",
-    "max_grad_norm",
-    "loss_scale",
-    "seq_len",
-    "rope_theta",
-    "top_k",
-    "capacity_factor",
-    "data",
-    "data_dtype",
-    "tokenizer",
-    "router_score",
-    "routed_scaling_factor",
-    "router_groups",
-    "router_group_topk",
-    "bias_update_rate",
-    "aux_loss",
-    "aux_loss_coef",
-    "z_loss_coef",
-)
+
+def _resume(kind: str) -> tuple[str, ...]:
+    """The TrainConfig fields whose ``Option.resume`` is ``kind``, in declaration order."""
+    return tuple(f.name for f in dataclasses.fields(TrainConfig) if option_of(f).resume == kind)
+
+
+#: resuming with another value is REFUSED (``option(resume="refuse")``): these define the
+#: parameters (their set, their shapes or what they compute), so the checkpoint's weights would
+#: go into another model (or fail on a shape, with a less helpful message). Also refused:
+#: another vocabulary, another --hf-config content, and --seq-len for the GPT (its learned
+#: position table).
+REFUSED = _resume("refuse")
+#: resuming with another value WARNS (``option(resume="warn")``): the checkpoint still fits
+#: (fp32 masters, optimizer state, scaler) and the change may be meant (another precision on
+#: other hardware, a larger batch), but the run no longer continues the trajectory it was on
+#: (the seed and the batch size choose the data; the rest change the updates). The layout (tp,
+#: pp, dp, ep, zero, micro-batches, schedule) changes freely: checkpoints reshard exactly. The
+#: learning-rate schedule's fields (``SCHEDULE_FIELDS``, --steps among them) are judged by
+#: ``compare_schedule`` instead. Either list is reported sorted by flag.
+WARNED = _resume("warn")
 
 
 def _flag(name: str) -> str:
@@ -117,7 +87,8 @@ def compare_settings(saved: dict, cfg) -> tuple[list[str], list[str]]:
     )
 
     def diff(names):
-        return [f"{_flag(n)} {old[n]} -> {now[n]}" for n in names if n in old and old[n] != now[n]]
+        out = [f"{_flag(n)} {old[n]} -> {now[n]}" for n in names if n in old and old[n] != now[n]]
+        return sorted(out)
 
     refused = [] if cfg.hf_config else diff(refused_fields)
     bin_data = (cfg.data or "").endswith(".bin")  # --data-dtype means nothing for other data

@@ -4,6 +4,7 @@ command line that fills them."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import math
 import os
@@ -100,6 +101,13 @@ class TrainConfig(TrainOptions):
 
             return int(read_config_json(self.hf_config)["vocab_size"])
         return tokenizer_vocab_size(self.tokenizer) if self.tokenizer else 256
+
+    def nested_values(self, config: type) -> dict:
+        """``moe_router`` / ``moe_experts`` as fastpar's model has them (its expert kind, its
+        top-k normalisation); an --hf-config run: the flags' values only."""
+        if self.hf_config:
+            return {}
+        return dataclasses.asdict(getattr(self.model(), config.nested))
 
     def model(self) -> GPTConfig | LlamaConfig:
         shared = dict(

@@ -144,6 +144,7 @@ class TrainOptions:
         MODEL,
         words=("gpt", "llama"),
         help="the model: fastpar's GPT, or its Llama (GQA, RoPE, SwiGLU, RMSNorm)",
+        resume="refuse",
     )
     hf_config: str | None = option(
         None,
@@ -157,10 +158,10 @@ class TrainOptions:
         MODEL,
         help="vocabulary size (default: the tokenizer's, else 256 bytes)",
     )
-    seq_len: int = option(64, MODEL, "tokens per sequence")
-    hidden: int = option(64, MODEL, "model width")
-    heads: int = option(4, MODEL, "attention heads")
-    layers: int = option(4, MODEL, "transformer blocks")
+    seq_len: int = option(64, MODEL, "tokens per sequence", resume="warn")
+    hidden: int = option(64, MODEL, "model width", resume="refuse")
+    heads: int = option(4, MODEL, "attention heads", resume="refuse")
+    layers: int = option(4, MODEL, "transformer blocks", resume="refuse")
     init_from_hf: str | None = option(
         None,
         MODEL,
@@ -173,35 +174,48 @@ class TrainOptions:
         None,
         MODEL,
         help="MLP width (default: gpt 4*hidden, llama 8*hidden/3 rounded up to 64)",
+        resume="refuse",
     )
-    moe_ffn: int | None = option(None, MODEL, "llama: width of each expert (default: --ffn)")
+    moe_ffn: int | None = option(
+        None, MODEL, "llama: width of each expert (default: --ffn)", resume="refuse"
+    )
     kv_heads: int | None = option(
         None,
         MODEL,
         help="llama: key/value heads for grouped-query attention (default: --heads)",
+        resume="refuse",
     )
-    head_dim: int | None = option(None, MODEL, "llama: width of a head (default: hidden / heads)")
-    rope_theta: float = option(10000.0, MODEL, "llama: RoPE base")
-    qk_norm: bool = option(False, MODEL, "llama: Qwen3-style RMSNorm on every query and key head")
-    attention_bias: bool = option(False, MODEL, "llama: Qwen2-style q/k/v bias")
+    head_dim: int | None = option(
+        None, MODEL, "llama: width of a head (default: hidden / heads)", resume="refuse"
+    )
+    rope_theta: float = option(10000.0, MODEL, "llama: RoPE base", resume="warn")
+    qk_norm: bool = option(
+        False, MODEL, "llama: Qwen3-style RMSNorm on every query and key head", resume="refuse"
+    )
+    attention_bias: bool = option(False, MODEL, "llama: Qwen2-style q/k/v bias", resume="refuse")
     norm: str = option(
         "rmsnorm",
         MODEL,
         words=("rmsnorm", "layernorm"),
         help="gpt: the normalisation layers",
+        resume="refuse",
     )
-    untied: bool = option(False, MODEL, "an LM head of its own instead of the embedding's weight")
+    untied: bool = option(
+        False, MODEL, "an LM head of its own instead of the embedding's weight", resume="refuse"
+    )
     moe_every: int = option(
         2,
         MODEL,
         help="every N-th block's MLP is a mixture of experts (0: no MoE blocks)",
+        resume="refuse",
     )
-    experts: int = option(4, MODEL, "experts per MoE layer")
-    top_k: int = option(2, MODEL, "experts each token is routed to")
+    experts: int = option(4, MODEL, "experts per MoE layer", resume="refuse")
+    top_k: int = option(2, MODEL, "experts each token is routed to", resume="warn")
     capacity_factor: float | None = option(
         None,
         MODEL,
         help="MoE capacity factor: tokens over capacity are dropped (default: dropless)",
+        resume="warn",
     )
     plan: str | None = option(
         None,
@@ -220,6 +234,7 @@ class TrainOptions:
         TRAINING,
         help="GLOBAL batch in sequences, over every replica and micro-batch (Megatron: "
         "--global-batch-size; torchtitan's batch size is per replica)",
+        resume="warn",
     )
     fused_ce: bool = option(
         False,
@@ -233,6 +248,7 @@ class TrainOptions:
         words=("fp32", "bf16", "fp16"),
         help="parameters and activations (fp32 master weights for bf16 / fp16; fp16 adds a dynamic "
         "loss scaler)",
+        resume="warn",
     )
     lr: float = option(3e-3, TRAINING, "peak learning rate (AdamW)")
     min_lr: float | None = option(
@@ -247,17 +263,23 @@ class TrainOptions:
         words=LR_SCHEDULES,
         help="after the warm-up: " + "; ".join(f"{k}: {v}" for k, v in LR_SCHEDULES.items()),
     )
-    weight_decay: float = option(0.1, TRAINING, "AdamW weight decay, on matrices only")
-    max_grad_norm: float = option(1.0, TRAINING, "clip the global gradient norm to this")
+    weight_decay: float = option(
+        0.1, TRAINING, "AdamW weight decay, on matrices only", resume="warn"
+    )
+    max_grad_norm: float = option(
+        1.0, TRAINING, "clip the global gradient norm to this", resume="warn"
+    )
     loss_scale: float = option(
         4096.0,
         TRAINING,
         help="fp16: the loss scaler's first scale (Megatron's is 2^32)",
+        resume="warn",
     )
     seed: int = option(
         1234,
         TRAINING,
         help="weights and data: the same seed gives the same run on any layout",
+        resume="warn",
     )
     compile: bool = option(
         False,
@@ -277,6 +299,7 @@ class TrainOptions:
         DATA,
         metavar="FILE",
         help="a text file, a .npy or a .bin file of token ids (default: an embedded corpus)",
+        resume="warn",
     )
     data_dtype: str | None = option(
         None,
@@ -284,12 +307,14 @@ class TrainOptions:
         words=tuple(sorted(BIN_DTYPES)),
         help="ids of a .bin file (default uint16; a vocabulary of more than 65536 tokens needs "
         "uint32, given explicitly)",
+        resume="warn",
     )
     tokenizer: str | None = option(
         None,
         DATA,
         metavar="FILE",
         help="a tokenizer.json (Hugging Face tokenizers) for text data; sets the vocabulary",
+        resume="warn",
     )
     pack: str | None = option(
         None,

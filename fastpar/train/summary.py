@@ -26,23 +26,11 @@ def has_moe(cfg) -> bool:
 
 
 def moe_text(cfg) -> str:
-    """The MoE routing settings in a few words."""
-    parts = [
-        f"MoE every {cfg.moe_every}: top-{cfg.top_k} of {cfg.experts} experts ({cfg.router_score}"
-        + (f", x{cfg.routed_scaling_factor:g}" if cfg.routed_scaling_factor is not None else "")
-        + ")",
-        "dropless" if cfg.capacity_factor is None else f"capacity {cfg.capacity_factor:g}",
-        f"aux {cfg.aux_loss}" + (f" {cfg.aux_loss_coef:g}" if cfg.aux_loss != "none" else ""),
-    ]
-    if cfg.router_groups:
-        parts.append(f"group-limited {cfg.router_group_topk} of {cfg.router_groups} groups")
-    if cfg.expert_bias:
-        parts.append(f"expert bias {cfg.bias_update_rate:g}")
-    if cfg.z_loss_coef:
-        parts.append(f"z-loss {cfg.z_loss_coef:g}")
-    if cfg.shared_expert_ffn:
-        gate = ", gated" if cfg.shared_expert_gate else ""
-        parts.append(f"shared expert {cfg.shared_expert_ffn}{gate}")
+    """The MoE settings in a few words: the blocks, then ``moe_router``'s and ``moe_experts``'
+    own words (``RouterConfig.words``, ``ExpertConfig.words``)."""
+    score, *routing = cfg.moe_router.words()
+    head = f"MoE every {cfg.moe_every}: top-{cfg.top_k} of {cfg.experts} experts ({score})"
+    parts = [head, *routing, *cfg.moe_experts.words()]
     if cfg.moe_expert_tp:
         parts.append("expert TP")
     return ", ".join(parts)
