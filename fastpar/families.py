@@ -13,7 +13,7 @@ own field and lists families by asking here (``names``), never from a list of it
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 MASK_RULES = ("causal", "sliding_window", "layer_types")
 """How a decoder's forward builds its attention masks (``Family.masks``)."""
@@ -59,6 +59,26 @@ class MoEBlock:
 
 
 @dataclass(frozen=True)
+class LlamaMoE:
+    """How a family's config.json holds fastpar's Llama MoE fields (``fastpar.models.llama_hf``
+    writes and reads them by these keys)."""
+
+    title: str
+    """The family as messages name it ("Mixtral")."""
+    experts: tuple[str, ...]
+    """Keys of the expert count: the first is written, any is read."""
+    ffn: str
+    """Key of each expert's width (``moe_ffn``)."""
+    sparse_step: str | None = None
+    """Key of the MoE-block step (``moe_every``); None: every block is a MoE block."""
+    norm_topk: str | None = None
+    """Key of ``norm_topk_prob``; None: the top-k weights are always renormalised."""
+    fixed: Mapping[str, tuple[object, str]] = field(default_factory=dict)
+    """Key -> (the value written, why another is refused): read, a truthy value is refused
+    with the reason (fastpar has no sliding window, jitter or per-layer MoE list)."""
+
+
+@dataclass(frozen=True)
 class Family:
     """What fastpar knows of one HF family; None / False: that part does not support it."""
 
@@ -80,6 +100,11 @@ class Family:
     """The attention has a per-head RMSNorm on q and k (``self_attn.q_norm`` / ``k_norm``)."""
     qkv_bias: bool = False
     """The q / k / v projections always carry a bias and o_proj none (no ``attention_bias``)."""
+    llama_moe: LlamaMoE | None = None
+    """With ``llama_arch``: how its config.json holds the Llama's MoE fields."""
+    llama_fixed: Mapping[str, object] = field(default_factory=dict)
+    """With ``llama_arch``: config.json keys written with these values (what the family would
+    otherwise default to and fastpar's Llama does not compute)."""
 
 
 _DECODER = {
@@ -151,14 +176,38 @@ DEEPSEEK_V3_BLOCK = MoEBlock(
     hub_experts=_HUB,
 )
 _QWEN3 = {**_DECODER, **_QK_NORM}
+_NO_WINDOW = {"use_sliding_window": False, "sliding_window": None}
 
 REGISTRY: dict[str, Family] = {
     f.model_type: f
     for f in (
-        Family("llama", _DECODER, "causal", True, "LlamaForCausalLM"),
+        Family(
+            "llama",
+            _DECODER,
+            "causal",
+            True,
+            "LlamaForCausalLM",
+            llama_fixed={"attention_bias": False, "mlp_bias": False},
+        ),
         Family("mistral", _DECODER, "sliding_window", True),
-        Family("qwen2", _DECODER, "layer_types", True, "Qwen2ForCausalLM", qkv_bias=True),
-        Family("qwen3", _QWEN3, "layer_types", True, "Qwen3ForCausalLM", qk_norm=True),
+        Family(
+            "qwen2",
+            _DECODER,
+            "layer_types",
+            True,
+            "Qwen2ForCausalLM",
+            qkv_bias=True,
+            llama_fixed=_NO_WINDOW,
+        ),
+        Family(
+            "qwen3",
+            _QWEN3,
+            "layer_types",
+            True,
+            "Qwen3ForCausalLM",
+            qk_norm=True,
+            llama_fixed={**_NO_WINDOW, "attention_bias": False},
+        ),
         Family(
             "mixtral",
             {**_DECODER, **_EXPERTS},
@@ -166,6 +215,15 @@ REGISTRY: dict[str, Family] = {
             True,
             "MixtralForCausalLM",
             MIXTRAL_BLOCK,
+            llama_moe=LlamaMoE(
+                "Mixtral",
+                ("num_local_experts",),
+                "intermediate_size",
+                fixed={
+                    "sliding_window": (None, "attention is full (causal) only"),
+                    "router_jitter_noise": (0.0, "fastpar's Llama MoE has no jitter"),
+                },
+            ),
         ),
         Family(
             "qwen2_moe",
@@ -183,6 +241,21 @@ REGISTRY: dict[str, Family] = {
             "Qwen3MoeForCausalLM",
             QWEN3_MOE_BLOCK,
             qk_norm=True,
+            llama_moe=LlamaMoE(
+                "Qwen3-MoE",
+                ("num_experts", "num_local_experts"),  # transformers 5 writes the alias
+                "moe_intermediate_size",
+                "decoder_sparse_step",
+                "norm_topk_prob",
+                fixed={
+                    "mlp_only_layers": (
+                        [],
+                        "fastpar's Llama places its MoE blocks by decoder_sparse_step "
+                        "(moe_every) alone",
+                    )
+                },
+            ),
+            llama_fixed={**_NO_WINDOW, "attention_bias": False},
         ),
         Family("deepseek_v3", moe=DEEPSEEK_V3_BLOCK),
         Family("gpt2", _GPT2, documents=True),

@@ -41,7 +41,7 @@ from fastpar.models import hf_documents
 from fastpar.nn import parallelize
 from fastpar.nn.plan import match, parse_style
 from fastpar.nn.plans import supported
-from fastpar.nn.styles import listing
+from fastpar.nn.styles import STYLES, listing
 from fastpar.parallel.pipeline import hf as pipe
 
 
@@ -207,15 +207,14 @@ def _lm_head_split(model: nn.Module, plan: dict, path: str) -> dict:
         if not fnmatch.fnmatchcase(name, pattern):
             continue
         kind, kwargs = (style, {}) if isinstance(style, str) else style
-        if kind != "column":
+        record = STYLES.get(kind)
+        if record is None or record.vocab_logits is None:
+            able = " or ".join(f'"{s.name}"' for s in STYLES.values() if s.vocab_logits)
             raise ValueError(
-                f'--plan {path}: the LM head {name!r} is planned {kind!r}: plan it "column" '
+                f"--plan {path}: the LM head {name!r} is planned {kind!r}: plan it {able} "
                 "(the trainer keeps its logits split over the vocabulary)"
             )
-        out[pattern], planned = (
-            ("column", {**kwargs, "pad_output": True, "gather_output": False}),
-            True,
-        )
+        out[pattern], planned = (kind, {**kwargs, **record.vocab_logits}), True
     if not planned:
         raise ValueError(
             f'--plan {path}: no entry for the LM head {name!r}: add "{name}" = "column" '

@@ -14,6 +14,7 @@ import torch
 
 from fastpar import families
 from fastpar.models.llama import LlamaConfig
+from fastpar.moe.config import ROUTING_DEFAULTS
 
 __all__ = ["from_hf", "hf_config", "hf_model_type", "to_hf"]
 
@@ -28,14 +29,9 @@ def hf_model_type(cfg: LlamaConfig) -> str:
         )
     if not cfg.moe_every:
         return _dense_family(cfg)
-    routing = {
-        "router_score": (getattr(cfg, "router_score", "softmax"), "softmax"),
-        "routed_scaling_factor": (getattr(cfg, "routed_scaling_factor", None), None),
-        "router_groups": (getattr(cfg, "router_groups", None), None),
-        "expert_bias": (getattr(cfg, "expert_bias", False), False),
-        "shared_expert_ffn": (getattr(cfg, "shared_expert_ffn", None), None),
-    }
-    changed = {k: v for k, (v, default) in routing.items() if v != default}
+    routing = ("router_score", "routed_scaling_factor", "router_groups", "expert_bias")
+    routing += ("shared_expert_ffn",)
+    changed = {k: getattr(cfg, k) for k in routing if getattr(cfg, k) != ROUTING_DEFAULTS[k]}
     if changed:
         raise ValueError(
             f"a MoE model with DeepSeek-style routing or shared experts ({changed}) has no HF "
@@ -49,25 +45,56 @@ def hf_model_type(cfg: LlamaConfig) -> str:
             f"models (Qwen3-MoE, Mixtral) drop no tokens, so they would compute another "
             f"function; train it dropless (capacity_factor=None)"
         )
-    if cfg.qk_norm:
-        return "qwen3_moe"
-    if cfg.attention_bias:
-        raise ValueError(
-            "MoE blocks with attention_bias have no HF family: Mixtral has no q/k/v bias and "
-            "Qwen3-MoE needs qk_norm; drop attention_bias"
+    return _moe_family(cfg)
+
+
+def _attention_words(qk_norm: bool, bias: bool) -> str:
+    return " and ".join(w for w, on in (("qk_norm", qk_norm), ("attention_bias", bias)) if on)
+
+
+def _moe_family(cfg: LlamaConfig) -> str:
+    """The family with ``llama_moe`` whose attention is ``cfg``'s and whose config.json can
+    hold its MoE placement (``moe_every``) and top-k normalisation; ValueError naming why not."""
+    mine = [(n, families.get(n)) for n in families.names("llama_arch")]
+    mine = [(n, f) for n, f in mine if f.llama_moe is not None]
+    want = (bool(cfg.qk_norm), bool(cfg.attention_bias))
+    fits = [(n, f) for n, f in mine if (f.qk_norm, f.qkv_bias) == want]
+    if not fits:
+        have = ", ".join(
+            f"{f.llama_moe.title} ({_attention_words(f.qk_norm, f.qkv_bias) or 'plain attention'})"
+            for _, f in mine
         )
-    if cfg.moe_every != 1:
         raise ValueError(
-            f"moe_every={cfg.moe_every} without qk_norm has no HF family: Mixtral has a MoE in "
-            f"every block; use moe_every=1 (Mixtral) or qk_norm=True (Qwen3-MoE, whose "
-            f"decoder_sparse_step is moe_every)"
+            f"MoE blocks with {_attention_words(*want) or 'plain attention'} have no HF family: "
+            f"the MoE families fastpar's Llama maps are {have}; change the attention to one of them"
         )
-    if not cfg.norm_topk_prob:
-        raise ValueError(
-            "norm_topk_prob=False without qk_norm has no HF family: Mixtral always renormalises "
-            "the top-k routing weights; set norm_topk_prob=True, or qk_norm=True (Qwen3-MoE)"
-        )
-    return "mixtral"
+    others = [f for _, f in mine if (f.qk_norm, f.qkv_bias) != want]
+    for name, family in fits:
+        moe = family.llama_moe
+        if moe.sparse_step is None and cfg.moe_every != 1:
+            alt = "; ".join(
+                f"or qk_norm={o.qk_norm} ({o.llama_moe.title}, whose {o.llama_moe.sparse_step} is moe_every)"
+                for o in others
+                if o.llama_moe.sparse_step
+            )
+            raise ValueError(
+                f"moe_every={cfg.moe_every} without qk_norm has no HF family: {moe.title} has a "
+                f"MoE in every block; use moe_every=1 ({moe.title}) {alt}".rstrip()
+            )
+        if moe.norm_topk is None and not cfg.norm_topk_prob:
+            alt = "; ".join(
+                f"or qk_norm={o.qk_norm} ({o.llama_moe.title})"
+                for o in others
+                if o.llama_moe.norm_topk
+            )
+            raise ValueError(
+                f"norm_topk_prob=False without qk_norm has no HF family: {moe.title} always "
+                f"renormalises the top-k routing weights; set norm_topk_prob=True, {alt}".rstrip(
+                    ", "
+                )
+            )
+        return name
+    raise AssertionError("unreachable")
 
 
 def _dense_family(cfg: LlamaConfig) -> str:
@@ -106,30 +133,16 @@ def hf_config(cfg: LlamaConfig, dtype: str = "float32") -> dict:
         "attention_dropout": 0.0,
         "dtype": dtype,
     }
-    moe = dict(num_experts_per_tok=cfg.top_k, output_router_logits=False)
-    if model_type == "llama":
-        out.update(attention_bias=False, mlp_bias=False)
-    elif model_type == "mixtral":
-        out.update(
-            moe,
-            intermediate_size=cfg.moe_ffn_size,
-            num_local_experts=cfg.num_experts,
-            sliding_window=None,
-            router_jitter_noise=0.0,
-        )
-    else:
-        out.update(use_sliding_window=False, sliding_window=None)
-        if not family.qkv_bias:
-            out["attention_bias"] = False
-        if model_type == "qwen3_moe":
-            out.update(
-                moe,
-                num_experts=cfg.num_experts,
-                moe_intermediate_size=cfg.moe_ffn_size,
-                decoder_sparse_step=cfg.moe_every,
-                mlp_only_layers=[],
-                norm_topk_prob=cfg.norm_topk_prob,
-            )
+    out.update(family.llama_fixed)
+    moe = family.llama_moe
+    if cfg.moe_every:
+        out.update({k: v for k, (v, _) in moe.fixed.items()})
+        out.update(num_experts_per_tok=cfg.top_k, output_router_logits=False)
+        out.update({moe.experts[0]: cfg.num_experts, moe.ffn: cfg.moe_ffn_size})
+        if moe.sparse_step:
+            out[moe.sparse_step] = cfg.moe_every
+        if moe.norm_topk:
+            out[moe.norm_topk] = cfg.norm_topk_prob
     return out
 
 
@@ -209,34 +222,21 @@ def _refuse(config: Mapping, key: str, ok, why: str) -> None:
         raise ValueError(f"from_hf: {key}={value!r} is not supported: {why}")
 
 
-def _moe_options(c: Mapping, model_type: str) -> dict:
-    """LlamaConfig's MoE fields from a Qwen3-MoE or Mixtral config.json (none for the others)."""
-    if model_type == "mixtral":
-        _refuse(c, "sliding_window", lambda v: v is None, "attention is full (causal) only")
-        _refuse(c, "router_jitter_noise", lambda v: not v, "fastpar's Llama MoE has no jitter")
-        return dict(  # intermediate_size, the experts' width, is also ffn (no dense blocks)
-            moe_every=1,
-            num_experts=c["num_local_experts"],
-            top_k=c["num_experts_per_tok"],
-            moe_ffn=c["intermediate_size"],
-            norm_topk_prob=True,
-        )
-    # Qwen3-MoE's num_experts is an alias: transformers 5 writes it as num_local_experts
-    experts = c.get("num_experts") or c.get("num_local_experts")
-    if model_type != "qwen3_moe" or not experts:
+def _moe_options(c: Mapping, family: families.Family) -> dict:
+    """LlamaConfig's MoE fields from a config.json of a family with ``llama_moe`` (none for
+    the others, or when it names no experts)."""
+    moe = family.llama_moe
+    experts = next((c[k] for k in moe.experts if c.get(k)), None) if moe else None
+    if not experts:
         return {}
-    _refuse(
-        c,
-        "mlp_only_layers",
-        lambda v: not v,
-        "fastpar's Llama places its MoE blocks by decoder_sparse_step (moe_every) alone",
-    )
+    for key, (_, why) in moe.fixed.items():
+        _refuse(c, key, lambda v: not v, why)
     return dict(
-        moe_every=c.get("decoder_sparse_step", 1),
+        moe_every=c.get(moe.sparse_step, 1) if moe.sparse_step else 1,
         num_experts=experts,
         top_k=c["num_experts_per_tok"],
-        moe_ffn=c["moe_intermediate_size"],
-        norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+        moe_ffn=c[moe.ffn],
+        norm_topk_prob=bool(c.get(moe.norm_topk, False)) if moe.norm_topk else True,
     )
 
 
@@ -270,7 +270,7 @@ def from_hf(
     if not family.qkv_bias:
         _refuse(c, "attention_bias", lambda v: not v, "fastpar has no o_proj bias")
     heads = c["num_attention_heads"]
-    moe = _moe_options(c, model_type)
+    moe = _moe_options(c, family)
     cfg = LlamaConfig(
         vocab_size=c["vocab_size"],
         seq_len=c.get("max_position_embeddings", 2048),

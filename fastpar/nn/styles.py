@@ -104,6 +104,9 @@ class Style:
     replaces_router: bool = False
     """Swaps a Hugging Face router, whose logits HF's own router aux loss reads
     (``config.output_router_logits=True`` is refused)."""
+    vocab_logits: dict | None = None
+    """The options that make an LM head of this style leave its logits split over the
+    vocabulary (padded), as the vocab-parallel cross-entropy reads them; None: it cannot."""
 
     def splits_output(self, options: dict) -> bool:
         """Whether the output is split over TP (``split_output``)."""
@@ -125,6 +128,7 @@ _STYLES = (
         swap=_from_dense(ColumnParallelLinear),
         layer=True,
         split_output=_unless_gathered,
+        vocab_logits={"pad_output": True, "gather_output": False},
     ),
     Style("row", _needs_linear, swap=_from_dense(RowParallelLinear), layer=True),
     Style("vocab", _needs_embedding, swap=_from_dense(VocabParallelEmbedding), layer=True),
