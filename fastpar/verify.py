@@ -37,19 +37,24 @@ from fastpar.train.loop import evaluates_at
 
 
 def _val_loss(cfg: TrainConfig, parts, held) -> float:
-    """The validation loss on one process: each held-out batch in one piece, its loss the sum
-    over its valid targets over their count, averaged over the batches; eval mode."""
-    model, total = parts.module, 0.0
+    """The validation loss on one process, eval mode, each held-out batch in one piece: under
+    "token" normalisation the sum of the loss over every valid target of every batch over
+    their count; under "sequence" each batch's mean, averaged over the batches."""
+    model, total, count = parts.module, 0.0, 0
     model.eval()
     with torch.no_grad():
         for j in range(cfg.eval_batches):
             x, y, docs = eval_batch(cfg, held, j, parts.hf)
             with documents(docs):
                 logits = model(x)
-            loss = parts.loss_fn(logits, y) / max(1, int((y != IGNORE_INDEX).sum()))
-            total += float(loss) / cfg.eval_batches
+            valid = int((y != IGNORE_INDEX).sum())
+            loss = float(parts.loss_fn(logits, y))  # the sum over the batch's valid targets
+            if cfg.loss_normalization == "token":
+                total, count = total + loss, count + valid
+            else:
+                total, count = total + loss / max(1, valid), count + 1
     model.train()
-    return total
+    return total / max(1, count)
 
 
 def reference_groups(cfg: TrainConfig) -> int:

@@ -390,3 +390,64 @@ def test_hugging_face_families_that_cannot_pack_are_refused(data, tmp_path):
     base = {k: v for k, v in SMALL.items() if k not in ("hidden", "heads", "layers")}
     with pytest.raises(ValueError, match="--pack documents with --hf-config"):
         TrainConfig(**base, hf_config=str(path), data=data, tp=1, pp=1, dp=1).check()
+
+
+def _val_losses(cfg):
+    """On one rank: (the trainer's validation loss; every held-out batch's loss sum and count
+    of valid targets, computed here from the same model on the whole batch)."""
+    from fastpar import ParallelMesh
+    from fastpar.models.documents import documents
+    from fastpar.train.batches import eval_batch
+    from fastpar.train.build import Trainer
+
+    trainer = Trainer(cfg, ParallelMesh(1, 1, 1), torch.device("cpu"))
+    for _ in range(cfg.steps):  # trained: the batches' means differ (at init all are ~ln V)
+        trainer.step()
+    got = trainer.evaluate()
+    model = trainer.stage_module  # pp 1: the whole model
+    model.eval()
+    sums, counts = [], []
+    with torch.no_grad():
+        for j in range(cfg.eval_batches):
+            x, y, docs = eval_batch(cfg, trainer.held_out, j)
+            with documents(docs):
+                logits = model(x).double().reshape(y.numel(), -1)
+            valid = (y != -100).reshape(-1)
+            logp = torch.log_softmax(logits[valid], dim=-1)
+            sums.append(-float(logp.gather(1, y.reshape(-1)[valid][:, None]).sum()))
+            counts.append(int(valid.sum()))
+    return got, sums, counts
+
+
+def test_val_loss_counts_each_held_out_target_once(tmp_path):
+    """Held-out batches with very different counts of valid targets (prompts masked): the
+    validation loss is the sum over every valid target of every batch over their count, not
+    the mean of the batches' means (which this data tells apart); the same at dp 2 x pp 2
+    (``fastpar.verify`` against one device)."""
+    import json
+
+    from fastpar.testing import run_ranks
+    from fastpar.tolerance import floor
+
+    held = dict(eos_id=0, eval_batches=6, eval_every=1, eval_split=0.3, microbatches=1, steps=12)
+    held.update(batch_size=4)  # few rows a batch: their counts and means vary the more
+    path, rng = tmp_path / "uneven.jsonl", torch.Generator().manual_seed(0)
+    with open(path, "w") as f:  # long easy completions beside short random ones
+        for i in range(200):
+            noise = bytes(torch.randint(33, 127, (4,), generator=rng).tolist()).decode()
+            completion = "z" * 90 if i % 3 == 0 else noise
+            f.write(json.dumps({"prompt": f"prompt {i} " * (1 + i % 5), "completion": completion}))
+            f.write("\n")
+    cfg = TrainConfig(**{**SMALL, **held}, data=str(path), dp=1, pp=1, tp=1)
+    got, sums, counts = run_ranks(_val_losses, 1, cfg)[0]
+    assert len(set(counts)) > 1 and min(counts) > 0, counts
+    want = sum(sums) / sum(counts)
+    means = sum(s / c for s, c in zip(sums, counts, strict=True)) / len(sums)
+    # the same fp32 logits: only the loss's fp32 reductions (over the vocabulary and the
+    # targets) differ from the float64 sums here; the two definitions lie far further apart
+    tol = floor(torch.float32, sum(counts) + cfg.vocab, abs(want))
+    assert abs(got - want) <= tol, (got, want, tol, means)
+    assert abs(means - want) > 20 * tol, (means, want, tol)  # the check can fail
+    ok, out = compare(dataclasses.replace(cfg, dp=2, pp=2, microbatches=2, steps=2))
+    assert ok, out
+    assert "val_loss" in out, out

@@ -442,10 +442,13 @@ class Trainer:
         }
 
     def evaluate(self) -> float:
-        """The validation loss: the mean over ``--eval-batches`` held-out batches of the
-        mini-batch loss, pipelined forward-only (``PipelineEngine.eval_step``) and averaged
-        over data parallelism; the same number on every rank (one host sync)."""
-        mesh, total = self.mesh, None
+        """The validation loss over ``--eval-batches`` held-out batches, pipelined forward-only
+        (``PipelineEngine.eval_step``) and averaged over data parallelism; the same number on
+        every rank (one host sync). Under "token" normalisation every valid target of every
+        batch counts once: each batch's loss weighs by its count of valid targets (a batch's
+        mean of a few targets does not weigh as much as one of many); under "sequence" the
+        batches' means are averaged."""
+        mesh, total, count = self.mesh, None, 0
         for j in range(self.cfg.eval_batches):
             x, y = self._batch(j, held_out=True)
             with nvtx(f"eval batch {j}"):
@@ -455,8 +458,10 @@ class Trainer:
                     valid_tokens=self._count(),
                     context=self.context,
                 )  # (broadcast over the pipeline)
-            total = loss.float() if total is None else total + loss.float()
-        total = total / self.cfg.eval_batches
+            weight = self.valid_tokens if self._count() is not None else 1
+            part = loss.float() * weight
+            total, count = (part if total is None else total + part), count + weight
+        total = total / max(count, 1)
         if mesh.dp_size * mesh.cp_size > 1:  # cp ranks: each its chunks' mean
             torch.distributed.all_reduce(total, group=mesh.dp_cp_group)
             total = total / (mesh.dp_size * mesh.cp_size)

@@ -372,7 +372,8 @@ class TrainOptions:
         0,
         EVALUATION,
         help="every N steps (and the last), the validation loss of --eval-batches held-out "
-        "batches, pipelined forward-only, as val_loss in the log line and metrics (0: never)",
+        "batches, pipelined forward-only, as val_loss in the log line and metrics (0: never); "
+        "under --loss-normalization token every valid held-out target counts once",
     )
     eval_batches: int = option(4, EVALUATION, "batches of --batch-size sequences per evaluation")
     eval_split: float = option(
