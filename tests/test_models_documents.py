@@ -72,14 +72,16 @@ def test_documents_are_checked():
         Documents.of(torch.zeros(1, 4))
 
 
-def dense_document_attention(q, k, v, ids):
-    """The reference: a dense [B, 1, T, T] mask (same document, causal) and plain softmax."""
+def dense_document_attention(q, k, v, ids, scale=None):
+    """The reference: a dense [B, 1, T, T] mask (same document, causal) and plain softmax
+    (``scale`` as ``document_attention``'s: None is 1/sqrt(D))."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     t = q.shape[2]
     causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
     mask = (ids[:, :, None] == ids[:, None, :]) & causal
-    s = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    s = q @ k.transpose(-1, -2)
+    s = s / q.shape[-1] ** 0.5 if scale is None else s * scale
     s = s.masked_fill(~mask[:, None], float("-inf"))
     return torch.softmax(s, dim=-1) @ v
 

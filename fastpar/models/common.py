@@ -82,26 +82,35 @@ def positions(t: int, cp_group, device) -> torch.Tensor:
     return local_positions(t * cp, cp, group_rank(cp_group), device)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group=None, kind: str = "ring"):
-    """Causal attention: q [B, Hq, T, D], k / v [B, Hkv, T, D] (Hq a multiple of Hkv) -> [B,
-    Hq, T, D]; over the whole sequence under context parallelism, by ring attention or
-    (``kind`` "all-to-all") head-scattering all-to-alls (``fastpar.parallel.context``)."""
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cp_group=None,
+    kind: str = "ring",
+    *,
+    scale: float | None = None,
+):
+    """Causal attention: q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv] (Hq a multiple
+    of Hkv; Dv may differ from D) -> [B, Hq, T, Dv]; over the whole sequence under context
+    parallelism, by ring attention or (``kind`` "all-to-all") head-scattering all-to-alls
+    (``fastpar.parallel.context``). ``scale``: the softmax scale, default 1/sqrt(D)."""
     docs = current_documents()
     if docs is not None:  # packed rows: attention stops at each document's start
         ids = docs.ids.to(q.device)  # whole rows, also under context parallelism
         if cp_group is None:
-            return document_attention(q, k, v, ids)
+            return document_attention(q, k, v, ids, scale)
         if kind == "all-to-all":
-            return all_to_all_attention(q, k, v, cp_group, doc_ids=ids)
-        return ring_attention(q, k, v, cp_group, doc_ids=ids)
+            return all_to_all_attention(q, k, v, cp_group, scale=scale, doc_ids=ids)
+        return ring_attention(q, k, v, cp_group, scale=scale, doc_ids=ids)
     if cp_group is not None:
         if kind == "all-to-all":
-            return all_to_all_attention(q, k, v, cp_group)
-        return ring_attention(q, k, v, cp_group)
+            return all_to_all_attention(q, k, v, cp_group, scale=scale)
+        return ring_attention(q, k, v, cp_group, scale=scale)
     rep = q.shape[1] // k.shape[1]
     if rep > 1:  # key/value head j serves query heads j·rep .. j·rep + rep - 1
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
 def check_layout(cfg, tp: int, pp: int, ep: int) -> None:

@@ -114,10 +114,11 @@ def valid_targets(targets: torch.Tensor, ignore_index: int = -100) -> int:
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor) -> None:
-    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+    dims_ok = q.dim() == k.dim() == v.dim() == 4 and q.shape[-1] == k.shape[-1]
+    if not dims_ok or k.shape[:3] != v.shape[:3]:
         raise ValueError(
-            f"q must be [B, Hq, T, D] and k / v [B, Hkv, T, D], got {tuple(q.shape)}, "
-            f"{tuple(k.shape)}, {tuple(v.shape)}"
+            f"q must be [B, Hq, T, D], k [B, Hkv, T, D] and v [B, Hkv, T, Dv], got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     b, hq, t, _ = q.shape
     if k.shape[0] != b or k.shape[2] != t or hq % k.shape[1]:
@@ -204,9 +205,10 @@ def document_attention(
     doc_ids: torch.Tensor,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention that stops at documents: q [B, Hq, T, D], k / v [B, Hkv, T, D] (Hq a
-    multiple of Hkv: grouped-query), ``doc_ids`` [B, T] non-decreasing per row -> [B, Hq, T, D];
-    a query sees the keys of its own document at or before it. ``scale`` default 1/sqrt(D).
+    """Causal attention that stops at documents: q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv,
+    T, Dv] (Hq a multiple of Hkv: grouped-query; Dv may differ from D), ``doc_ids`` [B, T]
+    non-decreasing per row -> [B, Hq, T, Dv]; a query sees the keys of its own document at or
+    before it. ``scale`` default 1/sqrt(D).
 
     One causal SDPA call per document (rows of equal document lengths batched together), no
     dense mask; reads ``doc_ids`` to the host once per call (a synchronisation on a GPU); a

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from fastpar.comm import group_rank, group_size
 from fastpar.comm.sequence import (
@@ -202,16 +203,24 @@ def _flash_cpu(q: torch.Tensor) -> bool:
     )
 
 
+def _pad(x: torch.Tensor, d: int) -> torch.Tensor:
+    """``x`` [..., D] with zeros to [..., d] (contiguous): the CPU flash kernels need one head
+    dim for q, k and v; zero columns leave every score and output column exactly as they were
+    and get gradients that are dropped."""
+    return x.contiguous() if x.shape[-1] == d else F.pad(x, (0, d - x.shape[-1]))
+
+
 def _block_forward(q, k, v, causal: bool, scale: float, mask=None):
-    """One (query chunk, key chunk) block: (output [B, H, c, D] fp32, lse [B, H, c] fp32).
+    """One (query chunk, key chunk) block: (output [B, H, c, Dv] fp32, lse [B, H, c] fp32).
     ``mask`` [B, 1, c, c] bool (documents): the keys each query sees; a query that sees none
-    gets output 0 and lse −inf."""
+    gets output 0 and lse −inf. q / k head dim D and v's Dv may differ."""
     if _flash_cpu(q):
         extra = {} if mask is None else {"attn_mask": _additive(mask, q.dtype)}
+        d, dv = max(q.shape[-1], v.shape[-1]), v.shape[-1]
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale, **extra
+            _pad(q, d), _pad(k, d), _pad(v, d), 0.0, causal, scale=scale, **extra
         )
-        out, lse = out.float(), lse.float()
+        out, lse = out[..., :dv].float(), lse.float()
         if mask is not None:  # the kernel reports lse 0 (output 0) for a row that sees nothing
             lse = lse.masked_fill(~mask.any(-1), float("-inf"))
         return out, lse
@@ -231,19 +240,21 @@ def _block_backward(do, q, k, v, out, lse, causal: bool, scale: float, mask=None
     ``mask`` as ``_block_forward``'s (p = 0 where a query does not see a key)."""
     if _flash_cpu(q):
         extra = {} if mask is None else {"attn_mask": _additive(mask, q.dtype)}
+        d = max(q.shape[-1], v.shape[-1])
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do.to(q.dtype).contiguous(),
-            q.contiguous(),
-            k.contiguous(),
-            v.contiguous(),
-            out.to(q.dtype).contiguous(),
+            _pad(do.to(q.dtype), d),
+            _pad(q, d),
+            _pad(k, d),
+            _pad(v, d),
+            _pad(out.to(q.dtype), d),
             lse.contiguous(),
             0.0,
             causal,
             scale=scale,
             **extra,
         )
-        return tuple(g.float() for g in grads)
+        dims = (q.shape[-1], k.shape[-1], v.shape[-1])
+        return tuple(g[..., :n].float() for g, n in zip(grads, dims, strict=True))
     qf, kf, vf, do = q.float(), k.float(), v.float(), do.float()
     p = torch.exp(torch.matmul(qf, kf.transpose(-1, -2)) * scale - lse.unsqueeze(-1))
     if causal:
@@ -256,16 +267,27 @@ def _block_backward(do, q, k, v, out, lse, causal: bool, scale: float, mask=None
     return torch.matmul(ds, kf), torch.matmul(ds.transpose(-1, -2), qf), dv
 
 
-def _ring_blocks(kv: torch.Tensor, group, rep: int):
+def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """K and V (head dims D and Dv, equal or not) in one flat buffer: one transfer a step."""
+    return torch.cat([k.reshape(-1), v.reshape(-1)])
+
+
+def _unpack(kv: torch.Tensor, kshape, vshape) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of K [kshape] and V [vshape] in a buffer of ``_pack``'s layout."""
+    nk = math.prod(kshape)
+    return kv[:nk].view(kshape), kv[nk:].view(vshape)
+
+
+def _ring_blocks(kv: torch.Tensor, shapes, group, rep: int):
     """Yield (source rank, K, V with heads repeated ``rep`` times) of every rank's K/V block
-    [2, B, Hkv, 2c, D] in ring order, own first; the next block is in flight while the caller
-    computes on the current one."""
+    (``_pack``'s buffer of K and V of ``shapes``) in ring order, own first; the next block is
+    in flight while the caller computes on the current one."""
     cp, me = group_size(group), group_rank(group)
     for step in range(cp):
         works = []
         if step < cp - 1:
             nxt, works = _exchange(kv, group)
-        kb, vb = (_expand(t, rep) for t in kv)
+        kb, vb = (_expand(t, rep) for t in _unpack(kv, *shapes))
         yield (me - step) % cp, kb, vb
         _wait(works)
         if step < cp - 1:
@@ -276,12 +298,13 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, scale, doc_ids):
         cp, me = group_size(group), group_rank(group)
-        b, hq, n, d = q.shape
+        b, hq, n, _ = q.shape
         c, rep = n // 2, hq // k.shape[1]
         ends = None if doc_ids is None else _chunk_ends(doc_ids, cp)
-        out = torch.zeros(b, hq, n, d, dtype=torch.float32, device=q.device)
+        out = torch.zeros(b, hq, n, v.shape[-1], dtype=torch.float32, device=q.device)
         lse = torch.full((b, hq, n), float("-inf"), dtype=torch.float32, device=q.device)
-        for src, kb, vb in _ring_blocks(torch.stack([k, v]).contiguous(), group, rep):
+        shapes = (k.shape, v.shape)
+        for src, kb, vb in _ring_blocks(_pack(k, v), shapes, group, rep):
             for i, j, causal, mask in _plan(cp, me, src, ends, doc_ids, c, count=True):
                 qs, ks = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
                 blk, blk_lse = _block_forward(
@@ -304,13 +327,14 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, scale, doc_ids, ends = ctx.group, ctx.scale, ctx.doc_ids, ctx.ends
         cp, me = group_size(group), group_rank(group)
-        b, hq, n, d = q.shape
+        b, hq, n, _ = q.shape
         hkv = k.shape[1]
         c, rep = n // 2, hq // hkv
-        dq = torch.zeros(b, hq, n, d, dtype=torch.float32, device=q.device)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         incoming = None  # (buffer, works): the dK/dV accumulator of the block computed next
-        for src, kb, vb in _ring_blocks(torch.stack([k, v]).contiguous(), group, rep):
-            dkv = torch.zeros(2, b, hkv, n, d, dtype=torch.float32, device=q.device)
+        shapes = (k.shape, v.shape)
+        for src, kb, vb in _ring_blocks(_pack(k, v), shapes, group, rep):
+            dkv = torch.zeros(k.numel() + v.numel(), dtype=torch.float32, device=q.device)
             for i, j, causal, mask in _plan(cp, me, src, ends, doc_ids, c):
                 qs, ks = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
                 gq, gk, gv = _block_backward(
@@ -325,9 +349,9 @@ class _RingAttention(torch.autograd.Function):
                     mask,
                 )
                 dq[:, :, qs] += gq
-                for acc, g in ((dkv[0], gk), (dkv[1], gv)):  # in place: no [n]-sized temporaries
+                for acc, g in zip(_unpack(dkv, *shapes), (gk, gv), strict=True):  # in place
                     if rep > 1:  # query heads j·rep .. j·rep + rep - 1 share K/V head j
-                        g = g.view(b, hkv, rep, c, d).sum(2)
+                        g = g.view(b, hkv, rep, c, g.shape[-1]).sum(2)
                     acc[:, :, ks] += g
             if incoming is not None:  # the previous ranks' share of this block, arrived meanwhile
                 _wait(incoming[1])
@@ -337,7 +361,8 @@ class _RingAttention(torch.autograd.Function):
         if incoming is not None:  # every rank's share of this rank's own block
             _wait(incoming[1])
             dkv = incoming[0]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        dk, dv = _unpack(dkv, *shapes)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def ring_attention(
@@ -350,13 +375,15 @@ def ring_attention(
     doc_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention over the sequence split on ``group`` (docs/context.md): q [B, Hq, 2c,
-    D], k / v [B, Hkv, 2c, D] -> [B, Hq, 2c, D]. ``scale`` defaults to 1/sqrt(D). ``doc_ids``
-    [B, S] (the whole rows' document ids, S = cp · 2c, non-decreasing per row): attention
-    stops at documents, blocks no query sees are skipped (docs/context.md)."""
-    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+    D], k [B, Hkv, 2c, D], v [B, Hkv, 2c, Dv] (Dv may differ from D, as in latent attention)
+    -> [B, Hq, 2c, Dv]. ``scale`` (the softmax scale) defaults to 1/sqrt(D). ``doc_ids`` [B, S]
+    (the whole rows' document ids, S = cp · 2c, non-decreasing per row): attention stops at
+    documents, blocks no query sees are skipped (docs/context.md)."""
+    dims_ok = q.dim() == k.dim() == v.dim() == 4 and q.shape[-1] == k.shape[-1]
+    if not dims_ok or k.shape[:3] != v.shape[:3]:
         raise ValueError(
-            f"ring_attention takes q [B, Hq, T, D] and k, v [B, Hkv, T, D]; got q "
-            f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            f"ring_attention takes q [B, Hq, T, D], k [B, Hkv, T, D] and v [B, Hkv, T, Dv]; "
+            f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     if q.shape[1] % k.shape[1] or q.shape[2] != k.shape[2] or q.shape[2] % 2:
         raise ValueError(

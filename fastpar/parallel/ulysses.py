@@ -44,8 +44,9 @@ def all_to_all_attention(
     doc_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention over the sequence split on ``group`` by head-scattering all-to-alls
-    (module docstring): q [B, Hq, 2c, D], k / v [B, Hkv, 2c, D] -> [B, Hq, 2c, D]. ``doc_ids``
-    [B, S] (whole rows, as ``ring_attention``'s): attention stops at documents."""
+    (module docstring): q [B, Hq, 2c, D], k [B, Hkv, 2c, D], v [B, Hkv, 2c, Dv] (Dv may
+    differ from D) -> [B, Hq, 2c, Dv]. ``scale`` (the softmax scale) defaults to 1/sqrt(D).
+    ``doc_ids`` [B, S] (whole rows, as ``ring_attention``'s): attention stops at documents."""
     cp = group_size(group)
     if doc_ids is not None:
         doc_ids = check_doc_ids(doc_ids, q, cp, "all_to_all_attention")
