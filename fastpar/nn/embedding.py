@@ -62,6 +62,17 @@ def check_ids(ids: torch.Tensor, num_embeddings: int, what: str = "token id") ->
     )
 
 
+def is_scaled_embedding(module: nn.Module) -> bool:
+    """Whether ``module`` is Hugging Face's scaled word embedding (Gemma 3, BART, ...): an
+    ``nn.Embedding`` subclass whose forward is the lookup times its ``embed_scale`` (a feature
+    probe; parallelize's probe check compares the result with the unsplit module's)."""
+    return (
+        isinstance(module, nn.Embedding)
+        and type(module).__name__.endswith("ScaledWordEmbedding")
+        and isinstance(getattr(module, "embed_scale", None), (torch.Tensor, float, int))
+    )
+
+
 class VocabParallelEmbedding(nn.Module):
     """``nn.Embedding`` with the vocabulary split into contiguous ranges over the TP group.
 
@@ -106,19 +117,26 @@ class VocabParallelEmbedding(nn.Module):
             local[: s.valid] = master.weight[s.start : s.start + s.valid]
         self.weight = nn.Parameter(local)
         mark_sharded(self.weight, 0, self.group, num_embeddings)
+        self.register_buffer("embed_scale", None, persistent=False)  # (a scaled embedding's)
 
     @classmethod
     def from_dense(cls, embedding: nn.Embedding, **kwargs) -> VocabParallelEmbedding:
-        """Shard an existing ``nn.Embedding`` (every rank must pass the same weights)."""
+        """Shard an existing ``nn.Embedding`` (every rank must pass the same weights). A scaled
+        embedding (``is_scaled_embedding``: Gemma's, BART's) keeps its scale, applied after the
+        lookup in the weight's dtype as Hugging Face does."""
         if embedding.max_norm is not None or embedding.sparse:
             raise ValueError("VocabParallelEmbedding supports neither max_norm nor sparse")
-        return cls(
+        out = cls(
             embedding.num_embeddings,
             embedding.embedding_dim,
             embedding.padding_idx,
             _master=embedding,
             **kwargs,
         )
+        if is_scaled_embedding(embedding):
+            scale = torch.as_tensor(embedding.embed_scale).detach().clone()
+            out.embed_scale = scale.to(embedding.weight.device)
+        return out
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.check_ids:
@@ -133,7 +151,7 @@ class VocabParallelEmbedding(nn.Module):
                 "every rank of a tensor-parallel group must look up the same token ids",
             )
         if s.world == 1:
-            return F.embedding(ids, self.weight, self.padding_idx)
+            return self._scaled(F.embedding(ids, self.weight, self.padding_idx))
         outside = (ids < s.start) | (ids >= s.start + s.valid)
         local_ids = (ids - s.start).masked_fill(outside, 0)
         pad = self.padding_idx
@@ -142,7 +160,11 @@ class VocabParallelEmbedding(nn.Module):
         )
         out = F.embedding(local_ids, self.weight, local_pad)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_region(out, self.group)
+        return self._scaled(reduce_from_region(out, self.group))
+
+    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        scale = self.embed_scale
+        return out if scale is None else out * scale.to(self.weight.dtype)
 
     def extra_repr(self) -> str:
         s = self.shard

@@ -12,7 +12,7 @@ from torch import nn
 from fastpar import families
 from fastpar.moe.hf import block_adapter
 from fastpar.moe.hf_block import HFMoEBlock
-from fastpar.nn.embedding import VocabParallelEmbedding
+from fastpar.nn.embedding import VocabParallelEmbedding, is_scaled_embedding
 from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear, is_conv1d
 
 
@@ -38,9 +38,10 @@ def _needs_linear(name: str, module: nn.Module, style: str) -> None:
 
 
 def _needs_embedding(name: str, module: nn.Module, style: str) -> None:
-    if type(module) is not nn.Embedding:
+    if type(module) is not nn.Embedding and not is_scaled_embedding(module):
         raise TypeError(
-            f"plan style {style!r} needs an nn.Embedding at {name!r}, found {type(module).__name__}"
+            f"plan style {style!r} needs an nn.Embedding (or Hugging Face's scaled word "
+            f"embedding) at {name!r}, found {type(module).__name__}"
         )
 
 
