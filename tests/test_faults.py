@@ -226,8 +226,12 @@ def test_sigterm_to_the_launcher_saves_the_step_and_resume_continues_it(tmp_path
 
 @pytest.mark.parametrize(
     "sig,torchrun",
-    [(signal.SIGINT, 0), pytest.param(signal.SIGTERM, 2, marks=pytest.mark.slow)],
-    ids=["sigint-launcher", "sigterm-one-rank-torchrun"],
+    [
+        (signal.SIGINT, 0),
+        (signal.SIGHUP, 0),  # a closed terminal / SSH session: checkpoint, then exit
+        pytest.param(signal.SIGTERM, 2, marks=pytest.mark.slow),
+    ],
+    ids=["sigint-launcher", "sighup-launcher", "sigterm-one-rank-torchrun"],
 )
 def test_a_signal_stops_every_rank_after_one_step_and_saves_it(tmp_path, sig, torchrun):
     _preempt(str(tmp_path / "ckpt"), sig, torchrun)

@@ -1,5 +1,5 @@
 """The caller's side of ``run_ranks``: what state a rank's process is in (Linux ``/proc``),
-ending ranks, and forwarding SIGTERM / SIGINT to them."""
+ending ranks, and forwarding SIGTERM / SIGINT / SIGHUP to them."""
 
 from __future__ import annotations
 
@@ -40,8 +40,16 @@ def kill(procs: list[Any]) -> None:
         p.join(timeout=5)
 
 
+#: the signals that end a run gracefully: a scheduler's preemption (SIGTERM), Ctrl-C (SIGINT)
+#: and a closed terminal or SSH session (SIGHUP, where the platform has it)
+STOP_SIGNALS = tuple(
+    s for s in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", None)) if s is not None
+)
+
+
 class Forwarder:
-    """While ranks run, SIGTERM / SIGINT to the caller go to every live rank; a second one kills
+    """While ranks run, SIGTERM / SIGINT / SIGHUP (``STOP_SIGNALS``) to the caller go to every
+    live rank; a second one kills
     them. ``restore`` puts the caller's handlers back, then delivers the first signal received
     to the caller, so that it takes its usual effect once the ranks are gone. Installed only in
     the main thread, and not for a signal the caller ignores."""
@@ -51,7 +59,7 @@ class Forwarder:
         self.owner = os.getpid()  # a forked rank runs this handler until it resets its own
         if threading.current_thread() is not threading.main_thread():
             return
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             old = signal.getsignal(sig)
             if old is not None and old is not signal.SIG_IGN:
                 self.old[sig] = old

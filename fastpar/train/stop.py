@@ -1,6 +1,6 @@
-"""Ending a run early, alike on every rank: preemption (SIGTERM / SIGINT) and divergence. A signal
-only raises a flag; ``agree`` at the next sync point stops every rank after the same step for the
-same cause (docs/training.md, "Inside fastpar.train")."""
+"""Ending a run early, alike on every rank: preemption (SIGTERM / SIGINT, and SIGHUP: a closed
+terminal) and divergence. A signal only raises a flag; ``agree`` at the next sync point stops
+every rank after the same step for the same cause (docs/training.md, "Inside fastpar.train")."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+from fastpar.launch.procs import STOP_SIGNALS  # (SIGTERM, SIGINT, SIGHUP)
 
 
 class RunStopped(SystemExit):
@@ -34,7 +34,7 @@ class RunStopped(SystemExit):
 
 
 class StopSignals:
-    """While active (a context manager), SIGTERM and SIGINT set ``received`` (the first signal's
+    """While active (a context manager), SIGTERM, SIGINT and SIGHUP set ``received`` (the first signal's
     number) instead of ending the process; the previous handlers come back on exit. Only the
     main thread can catch signals: elsewhere this does nothing."""
 
