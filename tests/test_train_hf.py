@@ -101,7 +101,7 @@ def test_loss_falls_through_the_cli(tmp_path, capfd):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--ep", "2"], "--ep 2 with --hf-config: a Hugging Face MoE block stays replicated"),
+        (["--ep", "2"], "--ep 2 with --hf-config: a llama model has no MoE block whose experts"),
         (["--model", "llama"], "--model does not apply with --hf-config"),
         (["--tp", "8", "--dp", "1", "--pp", "1"], "--tp 8 does not divide the config's"),
         (["--seq-len", "100"], "--seq-len 100 exceeds the config's 64 positions"),

@@ -156,6 +156,17 @@ def has_builtin_plan(config) -> bool:
     return family is not None and family.plan is not None
 
 
+def moe_families() -> tuple[str, ...]:
+    """Families whose MoE blocks the "experts" style converts (experts over EP: ``--ep``)."""
+    return families.names("moe")
+
+
+def has_moe_block(config) -> bool:
+    """Whether ``config``'s family has an MoE block fastpar converts (``fastpar.moe.hf``)."""
+    family = families.find(config.model_type)
+    return family is not None and family.moe is not None
+
+
 def read_plan(path: str) -> dict:
     """The plan of a ``--plan`` file (.toml or .json): a table of pattern -> style, or a table
     with a ``plan`` table in it. ValueError naming the file and the fix."""
