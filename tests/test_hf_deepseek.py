@@ -172,3 +172,32 @@ def test_hf_config_trains_at_tp2_ep2(tmp_path):
     ok, text = verify(cfg)
     assert ok, text
     assert text.startswith("hf:") and text.endswith("AGREE")
+
+
+def _pretrained_bias(directory: str) -> list[float]:
+    """A rank of TP 2: the --init-from-hf model of ``directory`` (built-in plan, blocks)
+    filled by ``load_pretrained``; the largest difference of each router score bias from
+    the directory's."""
+    from fastpar.models.hf import hf_blocks, load_config, load_pretrained
+
+    mesh = make_mesh(tp=2)
+    parts = hf_blocks(load_config(f"{directory}/config.json"), mesh)
+    stage = torch.nn.Sequential(*parts.blocks)
+    load_pretrained(parts, stage, directory)
+    want = transformers.AutoModelForCausalLM.from_pretrained(directory).state_dict()
+    got = {  # the blocks keep HF's names under the Sequential's index
+        n.partition(".")[2]: b
+        for n, b in stage.named_buffers()
+        if n.endswith("e_score_correction_bias")
+    }
+    assert got and all(want[n].abs().max() > 0 for n in got)
+    return [float((b - want[n]).abs().max()) for n, b in got.items()]
+
+
+def test_init_from_hf_loads_the_router_score_bias(tmp_path):
+    """The pretrained ``e_score_correction_bias`` (a buffer, not a parameter) is read into
+    the converted router, not left at zero."""
+    directory = str(tmp_path / "pretrained")
+    _model(vocab_size=300).save_pretrained(directory)
+    for diffs in run_ranks(_pretrained_bias, 2, directory):
+        assert diffs == [0.0] * len(diffs)

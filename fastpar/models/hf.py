@@ -357,6 +357,22 @@ def _per_expert(name: str, wmap: dict[str, str]) -> torch.Tensor | None:
     return torch.stack([torch.cat([parts[e, k] for k in ks]) for e, ks in rows.items()])
 
 
+def _saved_buffers(stage: nn.Module, wmap: dict, params: dict) -> dict[str, torch.Tensor]:
+    """The stage's persistent buffers the files hold, under HF names (DeepSeek-V3's router
+    ``gate.e_score_correction_bias``: left out, a pretrained bias would silently stay zero)."""
+    own = {id(p) for p in params.values()}
+    out = {}
+    blocks = (pipe.HFEmbedding, pipe.HFDecoderLayer, pipe.HFHead)
+    for block in stage.modules():  # a virtual stage's chunks hold the blocks one level down
+        if not isinstance(block, (WholeModel, *blocks)):
+            continue
+        module = block.model if isinstance(block, WholeModel) else block
+        for key, t in module.state_dict(keep_vars=True).items():
+            if key in wmap and key not in params and id(t) not in own:
+                out[key] = t
+    return out
+
+
 def load_pretrained(parts: HFParts, stage: nn.Module, directory: str):
     """Fill this rank's ``stage`` (built by ``hf_blocks``, cut by ``build_stage``) with the
     weights of a ``save_pretrained`` directory, each rank reading only its slices
@@ -366,8 +382,9 @@ def load_pretrained(parts: HFParts, stage: nn.Module, directory: str):
     Returns the ``LoadStats``."""
     embed = {id(p): name for name, p in parts.names([parts.blocks[0]]).items()}
     targets = {embed.get(id(p), name): p for name, p in parts.names(stage).items()}
-    stats = load_hf(targets, directory, strict=False)
     wmap = _weight_map(directory)
+    targets.update(_saved_buffers(stage, wmap, targets))
+    stats = load_hf(targets, directory, strict=False)
     for name in list(stats.missing):  # MoE experts saved one by one
         full = _per_expert(name, wmap)
         if full is not None:
