@@ -201,3 +201,12 @@ def test_init_from_hf_loads_the_router_score_bias(tmp_path):
     _model(vocab_size=300).save_pretrained(directory)
     for diffs in run_ranks(_pretrained_bias, 2, directory):
         assert diffs == [0.0] * len(diffs)
+
+
+def test_generate_with_local_heads_equals_the_dense_model():
+    """Greedy decoding at TP 2: the latent KV cache holds every head's key (one compressed
+    latent and one rope key), the split heads read it as the dense model's do."""
+    from test_nn_parallelize_hf import _generate
+
+    got = run_ranks(_generate, 2, FAMILY)
+    assert got[0] == got[1]
