@@ -23,7 +23,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from _hf import build
+from _hf import build, exact
 from _hf import config as hf_config
 from _mesh import make_mesh
 from test_nn_parallelize_hf import _batch, _dense_runs, _expected_grad, _same_on_every_rank
@@ -210,3 +210,31 @@ def test_generate_with_local_heads_equals_the_dense_model():
 
     got = run_ranks(_generate, 2, FAMILY)
     assert got[0] == got[1]
+
+
+def test_init_from_hf_training_exports_with_the_router_score_bias(tmp_path):
+    """--init-from-hf at TP 2 x EP 2: the first loss is the pretrained HF model's (its score
+    bias routing), the checkpoint keeps the bias beside the parameters, and the export is a
+    directory HF loads with the pretrained bias (nothing trains it: HF's model has no update)."""
+    from fastpar.export import main as export_main
+    from fastpar.train import TrainConfig, batch_of, launch, load_data
+
+    directory = str(tmp_path / "pretrained")
+    _model(vocab_size=300).save_pretrained(directory)
+    ckpt = str(tmp_path / "ckpt")
+    cfg = TrainConfig(batch_size=8, seq_len=16, quiet=True, pack="stream", tp=2, ep=2, dp=2,
+                      pp=1, steps=2, init_from_hf=directory, checkpoint_dir=ckpt)  # fmt: skip
+    records = launch(cfg)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager")
+    x, y, _ = batch_of(cfg, load_data(cfg), 0)
+    with torch.no_grad():
+        single = F.cross_entropy(hf(input_ids=x).logits.flatten(0, 1), y.flatten())
+        ref = F.cross_entropy(exact(hf)(input_ids=x).logits.flatten(0, 1), y.flatten())
+    n = reduction_length(hf, x)
+    assert_agree(records[0]["loss"], single, ref, length=n, what="step 1 loss")
+    out = str(tmp_path / "hf_out")
+    assert export_main([ckpt, out]) == 0
+    tuned = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+    biases = [k for k in tuned if k.endswith("e_score_correction_bias")]
+    assert biases and all(torch.equal(tuned[k], hf.state_dict()[k]) for k in biases)
+    assert not torch.equal(tuned["lm_head.weight"], hf.state_dict()["lm_head.weight"])

@@ -141,6 +141,27 @@ class HFParts:
     tie: Callable[[list[nn.Module], object], nn.Parameter | None]
     mask_id: int = -1
 
+    def buffers(self, stage: nn.Module) -> dict[str, torch.Tensor]:
+        """This stage's persistent buffers under HF names (DeepSeek-V3's router
+        ``gate.e_score_correction_bias``): what checkpoints keep beside the parameters."""
+        return persistent_buffers(stage)
+
+
+_BLOCKS = (pipe.HFEmbedding, pipe.HFDecoderLayer, pipe.HFHead)
+
+
+def persistent_buffers(stage: nn.Module) -> dict[str, torch.Tensor]:
+    """The persistent buffers (not parameters) of the HF blocks in ``stage``, by HF name."""
+    params = {id(p) for p in stage.parameters()}
+    out: dict[str, torch.Tensor] = {}
+    for block in stage.modules():  # a virtual stage's chunks hold the blocks one level down
+        if isinstance(block, (WholeModel, *_BLOCKS)):
+            module = block.model if isinstance(block, WholeModel) else block
+            for key, t in module.state_dict(keep_vars=True).items():
+                if id(t) not in params:
+                    out.setdefault(key, t)
+    return out
+
 
 def plan_hint() -> str:
     """What a refusal for a missing plan suggests, listing the styles ``STYLES`` holds now."""
@@ -357,22 +378,6 @@ def _per_expert(name: str, wmap: dict[str, str]) -> torch.Tensor | None:
     return torch.stack([torch.cat([parts[e, k] for k in ks]) for e, ks in rows.items()])
 
 
-def _saved_buffers(stage: nn.Module, wmap: dict, params: dict) -> dict[str, torch.Tensor]:
-    """The stage's persistent buffers the files hold, under HF names (DeepSeek-V3's router
-    ``gate.e_score_correction_bias``: left out, a pretrained bias would silently stay zero)."""
-    own = {id(p) for p in params.values()}
-    out = {}
-    blocks = (pipe.HFEmbedding, pipe.HFDecoderLayer, pipe.HFHead)
-    for block in stage.modules():  # a virtual stage's chunks hold the blocks one level down
-        if not isinstance(block, (WholeModel, *blocks)):
-            continue
-        module = block.model if isinstance(block, WholeModel) else block
-        for key, t in module.state_dict(keep_vars=True).items():
-            if key in wmap and key not in params and id(t) not in own:
-                out[key] = t
-    return out
-
-
 def load_pretrained(parts: HFParts, stage: nn.Module, directory: str):
     """Fill this rank's ``stage`` (built by ``hf_blocks``, cut by ``build_stage``) with the
     weights of a ``save_pretrained`` directory, each rank reading only its slices
@@ -383,7 +388,8 @@ def load_pretrained(parts: HFParts, stage: nn.Module, directory: str):
     embed = {id(p): name for name, p in parts.names([parts.blocks[0]]).items()}
     targets = {embed.get(id(p), name): p for name, p in parts.names(stage).items()}
     wmap = _weight_map(directory)
-    targets.update(_saved_buffers(stage, wmap, targets))
+    # persistent buffers too (DeepSeek-V3's router score bias: else it would stay zero)
+    targets.update({k: t for k, t in persistent_buffers(stage).items() if k in wmap})
     stats = load_hf(targets, directory, strict=False)
     for name in list(stats.missing):  # MoE experts saved one by one
         full = _per_expert(name, wmap)
