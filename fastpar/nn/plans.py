@@ -17,9 +17,10 @@ down-projections and their norms stay whole (``q_a_proj`` "replicate"; their gra
 back whole through the up-projections' input region), and ``kv_a_proj_with_mqa`` is
 "shared_key": the rope key split off its output feeds every local head, so its gradient is
 all-reduced over TP (``fastpar.nn.shared_key``). A template option ``"config.NAME"`` is read
-from the model's config. Mixture-of-experts blocks (Mixtral, Qwen2-MoE, Qwen3-MoE) are "experts":
-fastpar's MoE under HF's names, each expert's FFN split over TP, experts over the mesh's EP group
-(``fastpar.moe.hf_block``); Qwen2-MoE's shared expert is split like a dense MLP.
+from the model's config. Mixture-of-experts blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3)
+are "experts": fastpar's MoE under HF's names, each expert's FFN split over TP, experts over the
+mesh's EP group (``fastpar.moe.hf_block``); Qwen2-MoE's shared expert and DeepSeek-V3's shared
+experts are split like a dense MLP.
 """
 
 from __future__ import annotations
