@@ -12,7 +12,9 @@ at TP 2 and 4, with ``q_lora_rank`` set and None (sharded gradients against thei
 replicated ones equal across the TP group bit for bit); TP 2 x EP 2 with DDP training and the
 HF round trip; with the rope key's region taken away the logits still agree but the gradients
 do not (the known MLA bug: a check of the forward alone would pass); the pipeline split by
-layer at PP 2 (and PP 2 x TP 2); ``--hf-config`` training equal to single-process training.
+layer at PP 2 (and PP 2 x TP 2); ``--hf-config`` training at TP 2 x EP 2 equal to
+single-process training; greedy generation at TP 2; the router's score bias (a buffer) read by
+``--init-from-hf`` and kept by the checkpoint and its export.
 """
 
 from __future__ import annotations
