@@ -128,6 +128,29 @@ _SHARED_EXPERT = {
     "{b}layers.*.mlp.shared_expert.up_proj": "column",
     "{b}layers.*.mlp.shared_expert.down_proj": "row",
 }
+_MLA = {  # DeepSeek-V3's multi-head latent attention, split by heads
+    "{b}layers.*.self_attn.q_proj": "column",  # q_lora_rank None
+    "{b}layers.*.self_attn.q_a_proj": "replicate",  # its q_a_layernorm: whole too
+    "{b}layers.*.self_attn.q_b_proj": "column",
+    "{b}layers.*.self_attn.kv_a_proj_with_mqa": (
+        "shared_key",
+        {"features": "config.qk_rope_head_dim"},  # k_rot: read by every local head
+    ),
+    "{b}layers.*.self_attn.kv_b_proj": "column",
+    "{b}layers.*.self_attn.o_proj": "row",
+}
+_DEEPSEEK_V3 = {
+    "{b}embed_tokens": "vocab",
+    **_MLA,
+    "{b}layers.*.mlp.gate_proj": "column",  # the first_k_dense_replace dense layers
+    "{b}layers.*.mlp.up_proj": "column",
+    "{b}layers.*.mlp.down_proj": "row",
+    "{b}layers.*.mlp": "experts",
+    "{b}layers.*.mlp.shared_experts.gate_proj": "column",
+    "{b}layers.*.mlp.shared_experts.up_proj": "column",
+    "{b}layers.*.mlp.shared_experts.down_proj": "row",
+    "lm_head": "lm_head",
+}
 _GPT2 = {
     "{b}wte": "vocab",
     "{b}h.*.attn.c_attn": ("column", {"fused": 3}),
@@ -257,7 +280,7 @@ REGISTRY: dict[str, Family] = {
             ),
             llama_fixed={**_NO_WINDOW, "attention_bias": False},
         ),
-        Family("deepseek_v3", moe=DEEPSEEK_V3_BLOCK),
+        Family("deepseek_v3", _DEEPSEEK_V3, "causal", moe=DEEPSEEK_V3_BLOCK),
         Family("gpt2", _GPT2, documents=True),
         Family("bert", _BERT),
     )

@@ -195,6 +195,7 @@ def sliced(refs: tolerance.References, named: dict[str, torch.Tensor]) -> None:
 
     def local(full: torch.Tensor, name: str) -> torch.Tensor:
         p = named[name]
-        return full if param_layout(p) is None else local_slice(full, p)
+        layout = param_layout(p)  # fused: a gate | up block split block by block (expert TP)
+        return full if layout is None else local_slice(full, p, layout.fused)
 
     refs.local = local

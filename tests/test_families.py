@@ -37,14 +37,15 @@ PLANNED = {
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
+    "deepseek_v3",
     "gpt2",
     "bert",
 }
-SPLIT = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe"}
+SPLIT = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"}
 DOCUMENTS = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "gpt2"}
 LLAMA_CONVERTS = {"llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"}
 MOE_BLOCKS = {"mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3"}
-STYLES = ["column", "row", "vocab", "per_head", "replicate", "experts"]
+STYLES = ["column", "row", "vocab", "shared_key", "per_head", "replicate", "experts"]
 FAKE = "fake_llama"
 
 
@@ -65,7 +66,7 @@ def test_the_registry_lists_what_every_consumer_supports():
             why = "not a supported decoder family|cannot be split into pipeline blocks"
             with pytest.raises((ValueError, AttributeError), match=why):
                 hf_decoder_blocks(model)
-    for family in ("mixtral", "qwen3_moe", "qwen2_moe"):  # the experts style's blocks
+    for family in ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3"):  # the experts' blocks
         blocks = [m for m in build(family).modules() if is_hf_moe_block(m)]
         assert blocks and {hf_family(b) for b in blocks} == {family}
 
@@ -191,7 +192,12 @@ def test_style_records():
         assert not styles.get(name).options and styles.get(name).swap is None
         with pytest.raises(ValueError, match=f"style '{name}' takes no keyword arguments"):
             parse_style("x", (name, {"a": 1}))
-    assert {n for n, s in styles.STYLES.items() if s.layer} == {"column", "row", "vocab"}
+    assert {n for n, s in styles.STYLES.items() if s.layer} == {
+        "column",
+        "row",
+        "vocab",
+        "shared_key",
+    }
     column = styles.get("column")
     assert column.splits_output({}) and not column.splits_output({"gather_output": True})
     assert not styles.get("row").splits_output({})
@@ -199,6 +205,9 @@ def test_style_records():
         column.check("x", torch.nn.Embedding(3, 2), "column")
     with pytest.raises(TypeError, match=r"needs an nn\.Embedding"):
         styles.get("vocab").check("x", torch.nn.Linear(3, 2), "vocab")
+    with pytest.raises(TypeError, match=r"'shared_key' needs an nn\.Linear at 'x'"):
+        styles.get("shared_key").check("x", torch.nn.Embedding(3, 2), "shared_key")
+    assert not styles.get("shared_key").splits_output({"features": 2})
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])

@@ -34,6 +34,7 @@ def _config_file(tmp_path, family: str, **overrides) -> str:
         ("qwen3", dict(tp=2, pp=2, dp=2, zero=1)),  # tied embeddings across stages, q/k-norm
         ("llama", dict(tp=2, pp=2, dp=2, zero=0, schedule="gpipe", microbatches=4)),
         ("mixtral", dict(tp=2, pp=2, dp=1, zero=2, recompute=True)),
+        ("mixtral", dict(tp=2, pp=1, dp=2, zero=2, ep=2)),  # the experts over the replicas
         ("llama", dict(tp=2, pp=1, dp=2, zero=3)),
         ("gpt2", dict(tp=2, pp=1, dp=2, zero=2)),  # Conv1D, one block
         ("bert", dict(tp=2, pp=1, dp=2, zero=1)),  # masked LM
@@ -43,6 +44,7 @@ def _config_file(tmp_path, family: str, **overrides) -> str:
         "qwen3-tp2pp2dp2-z1",
         "llama-gpipe-z0",
         "mixtral-recompute-z2",
+        "mixtral-ep2-z2",
         "llama-z3",
         "gpt2",
         "bert-mlm",
@@ -101,7 +103,7 @@ def test_loss_falls_through_the_cli(tmp_path, capfd):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--ep", "2"], "--ep 2 with --hf-config: a Hugging Face MoE block stays replicated"),
+        (["--ep", "2"], "--ep 2 with --hf-config: a llama model has no MoE block whose experts"),
         (["--model", "llama"], "--model does not apply with --hf-config"),
         (["--tp", "8", "--dp", "1", "--pp", "1"], "--tp 8 does not divide the config's"),
         (["--seq-len", "100"], "--seq-len 100 exceeds the config's 64 positions"),

@@ -141,6 +141,27 @@ class HFParts:
     tie: Callable[[list[nn.Module], object], nn.Parameter | None]
     mask_id: int = -1
 
+    def buffers(self, stage: nn.Module) -> dict[str, torch.Tensor]:
+        """This stage's persistent buffers under HF names (DeepSeek-V3's router
+        ``gate.e_score_correction_bias``): what checkpoints keep beside the parameters."""
+        return persistent_buffers(stage)
+
+
+_BLOCKS = (pipe.HFEmbedding, pipe.HFDecoderLayer, pipe.HFHead)
+
+
+def persistent_buffers(stage: nn.Module) -> dict[str, torch.Tensor]:
+    """The persistent buffers (not parameters) of the HF blocks in ``stage``, by HF name."""
+    params = {id(p) for p in stage.parameters()}
+    out: dict[str, torch.Tensor] = {}
+    for block in stage.modules():  # a virtual stage's chunks hold the blocks one level down
+        if isinstance(block, (WholeModel, *_BLOCKS)):
+            module = block.model if isinstance(block, WholeModel) else block
+            for key, t in module.state_dict(keep_vars=True).items():
+                if id(t) not in params:
+                    out.setdefault(key, t)
+    return out
+
 
 def plan_hint() -> str:
     """What a refusal for a missing plan suggests, listing the styles ``STYLES`` holds now."""
@@ -154,6 +175,17 @@ def has_builtin_plan(config) -> bool:
     """Whether ``config``'s family has a built-in tensor-parallel plan (``fastpar.nn.plans``)."""
     family = families.find(config.model_type)
     return family is not None and family.plan is not None
+
+
+def moe_families() -> tuple[str, ...]:
+    """Families whose MoE blocks the "experts" style converts (experts over EP: ``--ep``)."""
+    return families.names("moe")
+
+
+def has_moe_block(config) -> bool:
+    """Whether ``config``'s family has an MoE block fastpar converts (``fastpar.moe.hf``)."""
+    family = families.find(config.model_type)
+    return family is not None and family.moe is not None
 
 
 def read_plan(path: str) -> dict:
@@ -354,8 +386,10 @@ def load_pretrained(parts: HFParts, stage: nn.Module, directory: str):
     Returns the ``LoadStats``."""
     embed = {id(p): name for name, p in parts.names([parts.blocks[0]]).items()}
     targets = {embed.get(id(p), name): p for name, p in parts.names(stage).items()}
-    stats = load_hf(targets, directory, strict=False)
     wmap = _weight_map(directory)
+    # persistent buffers too (DeepSeek-V3's router score bias: else it would stay zero)
+    targets.update({k: t for k, t in persistent_buffers(stage).items() if k in wmap})
+    stats = load_hf(targets, directory, strict=False)
     for name in list(stats.missing):  # MoE experts saved one by one
         full = _per_expert(name, wmap)
         if full is not None:

@@ -11,9 +11,16 @@ MLPs by their hidden width, the token embedding by vocabulary rows, and the LM h
 rows with the logits gathered (so Hugging Face's own loss and ``generate()`` work unchanged), or
 left split with ``loss_parallel=True`` for ``fastpar.nn.functional.vocab_parallel_cross_entropy``.
 Per-head norms (Qwen3's ``q_norm`` / ``k_norm``) are "per_head": replicated, their gradient
-all-reduced over TP. Mixture-of-experts blocks (Mixtral, Qwen2-MoE, Qwen3-MoE) are "experts":
-fastpar's MoE under HF's names, each expert's FFN split over TP, experts over the mesh's EP group
-(``fastpar.moe.hf_block``); Qwen2-MoE's shared expert is split like a dense MLP.
+all-reduced over TP. DeepSeek-V3's multi-head latent attention splits its up-projections by
+heads (``q_b_proj`` or ``q_proj``, ``kv_b_proj`` "column", ``o_proj`` "row"); its low-rank
+down-projections and their norms stay whole (``q_a_proj`` "replicate"; their gradients come
+back whole through the up-projections' input region), and ``kv_a_proj_with_mqa`` is
+"shared_key": the rope key split off its output feeds every local head, so its gradient is
+all-reduced over TP (``fastpar.nn.shared_key``). A template option ``"config.NAME"`` is read
+from the model's config. Mixture-of-experts blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3)
+are "experts": fastpar's MoE under HF's names, each expert's FFN split over TP, experts over the
+mesh's EP group (``fastpar.moe.hf_block``); Qwen2-MoE's shared expert and DeepSeek-V3's shared
+experts are split like a dense MLP.
 """
 
 from __future__ import annotations
@@ -40,8 +47,26 @@ def builtin_plan(model: nn.Module, *, loss_parallel: bool = False) -> dict[str, 
     head = ("column", {"pad_output": True, "gather_output": not loss_parallel})
     plan: dict[str, object] = {}
     for pattern, style in template.items():
-        plan[pattern.format(b=base)] = head if style == "lm_head" else style
+        if style == "lm_head":
+            style = head
+        elif not isinstance(style, str):
+            style = (style[0], {k: _config_value(model, v) for k, v in style[1].items()})
+        plan[pattern.format(b=base)] = style
     return plan
+
+
+def _config_value(model: nn.Module, value):
+    """A template option ``"config.NAME"`` is the model config's ``NAME`` (DeepSeek-V3's
+    ``qk_rope_head_dim``); any other value is itself."""
+    if not (isinstance(value, str) and value.startswith("config.")):
+        return value
+    key = value.removeprefix("config.")
+    found = getattr(getattr(model, "config", None), key, None)
+    if found is None:
+        raise ValueError(
+            f"built-in plan option {value!r}: {type(model).__name__}'s config has no {key!r}"
+        )
+    return found
 
 
 def supported() -> str:

@@ -14,6 +14,7 @@ from fastpar.moe.hf import block_adapter
 from fastpar.moe.hf_block import HFMoEBlock
 from fastpar.nn.embedding import VocabParallelEmbedding, is_scaled_embedding
 from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear, is_conv1d
+from fastpar.nn.shared_key import SharedKeyLinear
 
 
 def linear_like(m: nn.Module) -> bool:
@@ -34,6 +35,13 @@ def _needs_linear(name: str, module: nn.Module, style: str) -> None:
         raise TypeError(
             f"plan style {style!r} needs an nn.Linear or a Hugging Face Conv1D at {name!r}, found "
             f"{type(module).__name__}; plan its linear sub-modules instead"
+        )
+
+
+def _needs_nn_linear(name: str, module: nn.Module, style: str) -> None:
+    if not isinstance(module, nn.Linear):
+        raise TypeError(
+            f"plan style {style!r} needs an nn.Linear at {name!r}, found {type(module).__name__}"
         )
 
 
@@ -133,6 +141,7 @@ _STYLES = (
     ),
     Style("row", _needs_linear, swap=_from_dense(RowParallelLinear), layer=True),
     Style("vocab", _needs_embedding, swap=_from_dense(VocabParallelEmbedding), layer=True),
+    Style("shared_key", _needs_nn_linear, swap=_from_dense(SharedKeyLinear), layer=True),
     Style("per_head", _needs_params, options=False, declares=True, reduces_grad=True),
     Style("replicate", _needs_params, options=False, declares=True),
     Style("experts", _needs_moe_block, swap=_experts, skip_unfit=True, replaces_router=True),

@@ -97,10 +97,13 @@ class Parts:
         single-process model's names (``i.mlp.router.expert_bias``; fp32, replicated like the
         router: written once, by DP rank 0 and TP rank 0). The routers' token counts are not
         saved: they are zero between steps (``update_expert_bias`` resets them). With
-        --hf-config: the parameters only (HF blocks have no fastpar routers)."""
+        --hf-config: the parameters and the HF blocks' persistent buffers under HF names
+        (DeepSeek-V3's router ``gate.e_score_correction_bias``)."""
         tensors = dict(self.named_parameters())
         if self.hf is None:
             tensors.update(expert_bias_names(self.module, self.start))
+        else:
+            tensors.update(self.hf.buffers(self.module))
         return tensors
 
     def update_expert_bias(self, skipped: torch.Tensor | bool, group) -> None:

@@ -180,7 +180,13 @@ class TrainConfig(TrainOptions):
 
     def _check_hf(self, defaults: TrainConfig) -> None:
         """--hf-config: the model is the config's; fastpar-model flags do not apply."""
-        from fastpar.models.hf import decoders, is_masked_lm, load_config
+        from fastpar.models.hf import (
+            decoders,
+            has_moe_block,
+            is_masked_lm,
+            load_config,
+            moe_families,
+        )
 
         own = (
             "model_type",
@@ -198,11 +204,6 @@ class TrainConfig(TrainOptions):
             raise ValueError(
                 f"{flag(name)} does not apply with --hf-config (the config sets the model)"
             )
-        if self.ep > 1:
-            raise ValueError(
-                f"--ep {self.ep} with --hf-config: a Hugging Face MoE block stays replicated over "
-                "TP and is not expert-parallel here; use --ep 1"
-            )
         if self.sequence_parallel:
             raise ValueError("--sequence-parallel is not supported with --hf-config")
         if self.fused_ce:
@@ -215,6 +216,12 @@ class TrainConfig(TrainOptions):
             )
         config = load_config(self.hf_config)
         self._check_plan(config)
+        if self.ep > 1 and not has_moe_block(config):
+            raise ValueError(
+                f"--ep {self.ep} with --hf-config: a {config.model_type} model has no MoE block "
+                f"whose experts could split over EP (the families with one: "
+                f"{', '.join(moe_families())}); use --ep 1"
+            )
         if self.vocab_size is not None and self.vocab_size != config.vocab_size:
             raise ValueError(
                 f"--vocab-size {self.vocab_size} differs from the config's vocab_size "

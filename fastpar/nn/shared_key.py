@@ -1,0 +1,100 @@
+"""``SharedKeyLinear``: a replicated linear layer whose last output features are one key that
+every attention head of this rank reads (multi-head latent attention's decoupled rope key,
+``k_rot`` / ``k_pe``, split off DeepSeek-V3's ``kv_a_proj_with_mqa`` and broadcast to every
+head; a multi-query key).
+
+After the heads are split over the TP group, each rank's heads send that key only their own
+share of its gradient: without a reduction the key's gradient, and everything upstream of it,
+is summed over this rank's heads only (the logits still match). ``SharedKeyLinear`` computes
+exactly what the dense linear computes and passes its last ``features`` outputs through
+``copy_to_region`` (identity forward, all-reduce of their gradient over the group backward);
+the other outputs are left alone (in MLA they feed a column-parallel up-projection, whose input
+region reduces their gradient already). The parameters stay the dense layer's own tensors,
+replicated over the group, under the same names.
+
+    attn.kv_a_proj_with_mqa = SharedKeyLinear.from_dense(attn.kv_a_proj_with_mqa,
+                                                         features=qk_rope_head_dim, group=tp)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fastpar.comm import copy_to_region
+from fastpar.mesh.placement import mark_replicated
+from fastpar.nn.linear import resolve_group
+
+
+class SharedKeyLinear(nn.Linear):
+    """y = x Wᵀ + b, whole on every rank of the TP group (input and output [..., in] /
+    [..., out], both replicated). Backward: the gradient of ``y[..., -features:]`` (the key
+    shared by every head of this rank) is all-reduced over ``group``; the rest is not."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        features: int | None = None,
+        group: dist.ProcessGroup | None = None,
+        mesh=None,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.group = resolve_group(group, mesh)
+        self.features = _check_features(
+            out_features if features is None else features, out_features
+        )
+        self._mark()
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, *, features: int | None = None, group=None, mesh=None):
+        """The same layer holding ``linear``'s own parameters (no copy: ties and optimizer
+        references stay valid)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(
+                f"SharedKeyLinear.from_dense needs an nn.Linear, found {type(linear).__name__}"
+            )
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = linear.in_features, linear.out_features
+        layer.weight = linear.weight
+        layer.bias = linear.bias
+        layer.group = resolve_group(group, mesh)
+        out = linear.out_features
+        layer.features = _check_features(out if features is None else features, out)
+        layer.train(linear.training)
+        layer._mark()
+        return layer
+
+    def _mark(self) -> None:
+        for p in (self.weight, self.bias):
+            if p is not None:
+                mark_replicated(p, self.group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        k = self.features
+        if k == self.out_features:
+            return copy_to_region(y, self.group)
+        rest, shared = y.split([self.out_features - k, k], dim=-1)
+        return torch.cat([rest, copy_to_region(shared, self.group)], dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, shared key features={self.features} (last)"
+
+
+def _check_features(features, out_features: int) -> int:
+    if isinstance(features, bool) or not isinstance(features, int):
+        raise TypeError(f"SharedKeyLinear: features must be an int, got {features!r}")
+    if not 0 < features <= out_features:
+        raise ValueError(
+            f"SharedKeyLinear: features={features} must be in 1..{out_features} (the number of "
+            f"the layer's last output features that every head reads)"
+        )
+    return features
