@@ -126,9 +126,7 @@ class DeepSeekConfig:
         return self.yarn_original_seq_len or self.seq_len
 
     def is_moe(self, layer: int) -> bool:
-        return (
-            self.moe_every > 0 and layer >= self.first_k_dense and layer % self.moe_every == 0
-        )
+        return self.moe_every > 0 and layer >= self.first_k_dense and layer % self.moe_every == 0
 
     def activation_bytes(
         self, tp: int = 1, sp: int = 1, size: int = 4, fused_ce: bool = False

@@ -168,7 +168,9 @@ def _shapes(cfg: DeepSeekConfig) -> dict[str, tuple[int, ...]]:
     }
     if cfg.q_lora_rank is not None:
         r = cfg.q_lora_rank
-        out.update({"q_a_proj.weight": (r, h), "q_a_layernorm.weight": (r,), "q_b_proj.weight": (qk, r)})
+        out.update(
+            {"q_a_proj.weight": (r, h), "q_a_layernorm.weight": (r,), "q_b_proj.weight": (qk, r)}
+        )
     return out
 
 

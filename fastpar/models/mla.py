@@ -192,4 +192,3 @@ class LatentAttention(nn.Module):
             q = q * self.q_scale
         out = attend(q, k, v, self.cp_group, self.cp_attention)  # [B, heads/tp, T, v]
         return self.o(out.transpose(1, 2).reshape(b, t, -1))
-

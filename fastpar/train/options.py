@@ -142,8 +142,10 @@ class TrainOptions:
     model_type: str = option(
         "gpt",
         MODEL,
-        words=("gpt", "llama"),
-        help="the model: fastpar's GPT, or its Llama (GQA, RoPE, SwiGLU, RMSNorm)",
+        words=("gpt", "llama", "deepseek"),
+        help="the model: fastpar's GPT, its Llama (GQA, RoPE, SwiGLU, RMSNorm), or its "
+        "DeepSeek-V3 class (multi-head latent attention, DeepSeekMoE after --first-k-dense "
+        "dense blocks)",
     )
     hf_config: str | None = option(
         None,
@@ -174,7 +176,9 @@ class TrainOptions:
         MODEL,
         help="MLP width (default: gpt 4*hidden, llama 8*hidden/3 rounded up to 64)",
     )
-    moe_ffn: int | None = option(None, MODEL, "llama: width of each expert (default: --ffn)")
+    moe_ffn: int | None = option(
+        None, MODEL, "llama / deepseek: width of each expert (default: --ffn)"
+    )
     kv_heads: int | None = option(
         None,
         MODEL,
@@ -184,6 +188,33 @@ class TrainOptions:
     rope_theta: float = option(10000.0, MODEL, "llama: RoPE base")
     qk_norm: bool = option(False, MODEL, "llama: Qwen3-style RMSNorm on every query and key head")
     attention_bias: bool = option(False, MODEL, "llama: Qwen2-style q/k/v bias")
+    q_lora_rank: int = option(
+        32, MODEL, "deepseek: rank of the low-rank query (q_a, norm, q_b; 0: one q projection)"
+    )
+    kv_lora_rank: int = option(32, MODEL, "deepseek: width of the compressed key/value latent")
+    qk_rope_head_dim: int = option(8, MODEL, "deepseek: rotary dims of a query/key head (even)")
+    qk_nope_head_dim: int = option(16, MODEL, "deepseek: dims without position of a query/key head")
+    v_head_dim: int = option(16, MODEL, "deepseek: width of a value head")
+    first_k_dense: int = option(
+        1,
+        MODEL,
+        "deepseek: the first K blocks are dense SwiGLU, the rest MoE (first_k_dense_replace)",
+    )
+    rope_interleave: bool = option(
+        True, MODEL, "deepseek: rotary dims in interleaved pairs (HF rope_interleave)"
+    )
+    yarn_factor: float | None = option(
+        None, MODEL, "deepseek: YaRN rope scaling by this factor (default: plain RoPE)"
+    )
+    yarn_original_seq_len: int | None = option(
+        None, MODEL, "deepseek --yarn-factor: the pre-training length (default: --seq-len)"
+    )
+    yarn_beta_fast: float = option(32.0, MODEL, "deepseek --yarn-factor: beta_fast")
+    yarn_beta_slow: float = option(1.0, MODEL, "deepseek --yarn-factor: beta_slow")
+    yarn_mscale: float = option(1.0, MODEL, "deepseek --yarn-factor: mscale")
+    yarn_mscale_all_dim: float = option(
+        0.0, MODEL, "deepseek --yarn-factor: mscale_all_dim (its square scales the softmax; 0: off)"
+    )
     norm: str = option(
         "rmsnorm",
         MODEL,
@@ -191,10 +222,12 @@ class TrainOptions:
         help="gpt: the normalisation layers",
     )
     untied: bool = option(False, MODEL, "an LM head of its own instead of the embedding's weight")
-    moe_every: int = option(
-        2,
+    moe_every: int | None = option(
+        None,
         MODEL,
-        help="every N-th block's MLP is a mixture of experts (0: no MoE blocks)",
+        deferred=True,
+        help="every N-th block's MLP is a mixture of experts (0: no MoE blocks; default 2; "
+        "deepseek: 1, every block after --first-k-dense)",
     )
     experts: int = option(4, MODEL, "experts per MoE layer")
     top_k: int = option(2, MODEL, "experts each token is routed to")

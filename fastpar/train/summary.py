@@ -22,13 +22,19 @@ def model_label(cfg) -> str:
 
 def has_moe(cfg) -> bool:
     """Whether fastpar's model has MoE blocks (every --moe-every-th of --layers)."""
+    if cfg.model_type == "deepseek" and not cfg.hf_config:
+        return any(cfg.model().is_moe(i) for i in range(cfg.layers))
     return not cfg.hf_config and cfg.moe_every > 0 and cfg.layers >= cfg.moe_every
 
 
 def moe_text(cfg) -> str:
     """The MoE routing settings in a few words."""
+    where = f"every {cfg.moe_every}"
+    if cfg.model_type == "deepseek":  # DeepSeek-V2's moe_layer_freq after the dense blocks
+        every = "" if cfg.moe_every == 1 else f" (every {cfg.moe_every})"
+        where = f"after {cfg.first_k_dense} dense{every}"
     parts = [
-        f"MoE every {cfg.moe_every}: top-{cfg.top_k} of {cfg.experts} experts ({cfg.router_score}"
+        f"MoE {where}: top-{cfg.top_k} of {cfg.experts} experts ({cfg.router_score}"
         + (f", x{cfg.routed_scaling_factor:g}" if cfg.routed_scaling_factor is not None else "")
         + ")",
         "dropless" if cfg.capacity_factor is None else f"capacity {cfg.capacity_factor:g}",
