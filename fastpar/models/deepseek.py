@@ -131,19 +131,19 @@ class DeepSeekConfig:
     def activation_bytes(
         self, tp: int = 1, sp: int = 1, size: int = 4, fused_ce: bool = False
     ) -> Activations:
-        """Bytes per token each kind of block keeps for backward on one rank, estimated
-        (``fastpar.models.activations``): per local head the q_b / q and kv_b outputs, the
-        rotated q and the assembled k and q, the rotary copies and the output; replicated on
-        every rank the latent norms' saves and the shared rotary key; SwiGLU's gate|up, SiLU
-        and product."""
-        heads, qk, rope = self.heads, self.qk_head_dim, self.qk_rope_head_dim
-        per_head = heads * (3 * qk + self.qk_nope_head_dim + 2 * self.v_head_dim + 2 * rope)
-        latent = norm_bytes("rmsnorm", self.kv_lora_rank, size) / size + 3 * rope
+        """Bytes per token each kind of block keeps for backward on one rank
+        (``fastpar.models.activations``): per local head the fused attention's q, k, v and
+        output (zero-padded to one width when v_head_dim differs from the q/k head; else v a
+        view of kv_b's output) and the output projection's input; replicated on every rank
+        the two latent norms' saves (kv_a's output holding the rotary key too); SwiGLU's
+        gate|up, SiLU and product."""
+        qk, v, nope = self.qk_head_dim, self.v_head_dim, self.qk_nope_head_dim
+        width = max(qk, v)
+        per_head = 4 * width + v if qk != v else 3 * qk + nope + 2 * v
+        latent = norm_bytes("rmsnorm", self.kv_lora_rank, size) / size + self.qk_rope_head_dim
         if self.q_lora_rank is not None:
             latent += norm_bytes("rmsnorm", self.q_lora_rank, size) / size
-        if sp > 1:  # the gathered input of the down projections
-            latent += self.hidden
-        attention = per_head + tp * latent  # block_bytes divides the attention by tp
+        attention = self.heads * per_head + tp * latent  # block_bytes divides it by tp
         return activations(
             self, tp, sp, size, fused_ce, attention=attention, mlp=4, expert_ffn=self.moe_ffn_size
         )

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fastpar.comm import copy_to_region, gather_from_sequence, group_size
@@ -142,8 +143,11 @@ class LatentAttention(nn.Module):
             cfg.heads * cfg.v_head_dim, h, bias=False, group=group, sequence_parallel=sp,
             sequence_dim=1,
         )  # fmt: skip
-        # SDPA scales by 1 / sqrt(qk); HF's YaRN scale differs by this factor (on q)
-        self.q_scale = softmax_scale(cfg) * math.sqrt(qk)
+        # the fused kernels want one head width: q / k and v are zero-padded to the wider
+        # (exact: zero columns add nothing to q·k, and v's are cut from the output); SDPA
+        # scales by 1 / sqrt(that width), HF by softmax_scale: the difference goes on q
+        self.width = max(qk, cfg.v_head_dim)
+        self.q_scale = softmax_scale(cfg) * math.sqrt(self.width)
         self.attention_factor = 1.0 if cfg.yarn_factor is None else yarn_attention_factor(cfg)
         self.rope_cfg = cfg  # what yarn_inv_freq reads (float64 runs)
         self._inv_freq = yarn_inv_freq(cfg)  # fp32 on the host like HF's (moved once)
@@ -190,5 +194,6 @@ class LatentAttention(nn.Module):
         k = torch.cat((k_nope, k_pe.expand(-1, self.local, -1, -1)), dim=-1)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        out = attend(q, k, v, self.cp_group, self.cp_attention)  # [B, heads/tp, T, v]
-        return self.o(out.transpose(1, 2).reshape(b, t, -1))
+        q, k, v = (F.pad(z, (0, self.width - z.shape[-1])) for z in (q, k, v))
+        out = attend(q, k, v, self.cp_group, self.cp_attention)[..., : self.v_dim]
+        return self.o(out.transpose(1, 2).reshape(b, t, -1))  # [B, T, heads/tp · v] -> H
