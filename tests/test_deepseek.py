@@ -393,3 +393,30 @@ def test_trainer_flags_of_the_other_models_are_refused():
     ]:
         with pytest.raises(ValueError, match=message):
             TrainConfig(**{**SMALL, "tp": 2, "pp": 1, "dp": 2, "ep": 2, **kwargs}).check()
+
+
+def test_a_checkpoint_trained_at_dp_tp_pp_ep_exports_to_hf(tmp_path):
+    """Trained at dp 2 x tp 2 x pp 2 x ep 2 with DeepSeek-V3 routing (the expert bias moved by
+    the steps), exported by ``python -m fastpar.export``'s code and loaded by transformers'
+    from_pretrained (its default experts implementation): the same logits as the
+    single-process fastpar model holding the checkpoint's tensors, expert biases included."""
+    pytest.importorskip("safetensors")
+    transformers = pytest.importorskip("transformers")
+    from fastpar.export import export, fastpar_model
+    from fastpar.train import TrainConfig, launch
+
+    ckpt = tmp_path / "ckpt"
+    cfg = TrainConfig(model_type="deepseek", **{**SMALL, "steps": 2}, **DEEPSEEK_ROUTING, tp=2,
+                      pp=2, dp=2, ep=2, checkpoint_dir=str(ckpt), save_every=2)  # fmt: skip
+    launch(cfg)
+    _, state, config = export(str(ckpt / "step_000002"), str(tmp_path / "hf"))
+    assert config["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert any(state[k].abs().max() > 0 for k in state if k.endswith("expert_bias"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", attn_implementation="eager"
+    )
+    ours = fastpar_model(cfg, state).model
+    ids = torch.randint(0, cfg.vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), aux_loss_scale(None):
+        runs = [m(ids).view(2, 16, -1) for m in _three(ours)]
+        _agree(hf(ids).logits, runs, "from_pretrained's logits", reduction_length(ours, ids))
