@@ -1,8 +1,10 @@
 """The fastpar DeepSeek (multi-head latent attention + DeepSeekMoE) against Hugging Face's
 ``DeepseekV3ForCausalLM`` (logits, loss and every gradient, the weights mapped both ways, low-rank
-query on and off, YaRN on) and against its single-process self under tensor / sequence
-parallelism (every parameter's gradient on every rank), with the check shown to fail when the
-rotary key's TP region is removed; and ``fastpar.verify --model deepseek``.
+query on and off, YaRN on; HF's weights at TP 2 x EP 2 too) and against its single-process
+self under tensor / sequence parallelism (every parameter's gradient on every rank), with the
+check shown to fail when the rotary key's TP region is removed; ``fastpar.verify --model
+deepseek`` (TP x DP x EP, and with PP and SP); a checkpoint trained at dp x tp x pp x ep
+exported and loaded by from_pretrained.
 
 Judged as tests/test_models_llama.py judges the Llama (``fastpar.tolerance``'s rule): against
 fastpar's single-process model in float64, with the fp32 model and its twin (every weight one
@@ -14,6 +16,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.distributed as dist
 from _mesh import make_mesh
 from _parity import agree, exact_copy, local_slice
 
@@ -302,7 +305,7 @@ def _tp_mismatches(cfg, tp, initial, state, batch, want, length) -> list[str]:
 
 def _tp_parity(*args) -> None:
     bad = _tp_mismatches(*args)
-    assert not bad, f"gradients that disagree on TP rank {dist_rank()}: {bad}"
+    assert not bad, f"gradients that disagree on TP rank {dist.get_rank()}: {bad}"
 
 
 def _tp_parity_without_the_k_pe_region(*args) -> list[str]:
@@ -311,12 +314,6 @@ def _tp_parity_without_the_k_pe_region(*args) -> list[str]:
 
     mla.copy_to_region = lambda x, group=None: x  # this forked rank only
     return _tp_mismatches(*args)
-
-
-def dist_rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank()
 
 
 BASE = dict(
@@ -420,3 +417,68 @@ def test_a_checkpoint_trained_at_dp_tp_pp_ep_exports_to_hf(tmp_path):
     with torch.no_grad(), aux_loss_scale(None):
         runs = [m(ids).view(2, 16, -1) for m in _three(ours)]
         _agree(hf(ids).logits, runs, "from_pretrained's logits", reduction_length(ours, ids))
+
+
+def _hf_weights_at_tp2_ep2(config, hf_state, batch, runs, length) -> None:
+    """HF's weights in a TP 2 x EP 2 (x DP 2) fastpar model, every rank on the same batch:
+    logits, loss and every gradient against the single-process model holding them (an
+    expert's gradient sums both EP ranks' tokens: twice the single-process one)."""
+    from fastpar.checkpoint.state import localize
+    from fastpar.mesh.placement import is_expert
+
+    mesh = make_mesh(tp=2, ep=2, dp=2)
+    cfg, state = from_hf(hf_state, config)
+    par = torch.nn.Sequential(*build_deepseek(cfg, mesh))
+    params = dict(par.named_parameters())
+    import_state_dict(state, params)
+    with torch.no_grad():
+        for name, b in par.named_buffers():
+            if name.endswith("expert_bias"):
+                b.copy_(state[name])
+    (ids, targets), (logits, losses, grads) = batch, runs
+    with aux_loss_scale(None):
+        out = par(ids)
+    full = gather_from_region(out, mesh.tp_group, dim=-1)[:, : cfg.vocab_size]
+    _agree(full, logits, f"logits on rank {dist.get_rank()}", length)
+    loss = deepseek_loss(out, targets, cfg, mesh)
+    _agree(loss, losses, f"loss on rank {dist.get_rank()}", length)
+    loss.backward()
+    for name, p in params.items():
+        scale = 2 if is_expert(p) else 1
+        want = [localize(scale * g[name], p) for g in grads]
+        _agree(p.grad, want, f"grad of {name} on rank {dist.get_rank()}", length)
+
+
+def test_hf_weights_at_tp2_ep2_give_hf_logits_and_gradients():
+    cfg = DeepSeekConfig(layers=3, seq_len=16, **VARIANTS["qlora-yarn-interleaved-groups-shared"])
+    torch.manual_seed(2)
+    hf = _hf_model(hf_config(cfg))
+    _perturb_(hf, 3)
+    hf_state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    got_cfg, state = from_hf(hf_state, hf.config.to_dict())
+    single = torch.nn.Sequential(*build_deepseek(got_cfg))
+    single.load_state_dict(state, strict=True)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    targets = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
+    length = reduction_length(single, ids)
+    logits, losses, grads = [], [], []
+    for m in _three(single):
+        with aux_loss_scale(None):
+            out = m(ids)
+        loss = deepseek_loss(out, targets, got_cfg)
+        loss.backward()
+        logits.append(out.detach())
+        losses.append(loss.detach())
+        grads.append({k: p.grad.clone() for k, p in m.named_parameters()})
+    want = hf(ids).logits
+    _agree(want.detach().flatten(0, 1), logits, "HF's logits", length)
+    torch.nn.functional.cross_entropy(want.flatten(0, 1), targets.flatten()).backward()
+    zeros = {k: torch.zeros_like(b) for k, b in single.named_buffers() if "expert_bias" in k}
+    mapped = [to_hf({**g, **zeros}, got_cfg) for g in grads]
+    for k, p in hf.named_parameters():
+        if p.numel():
+            _agree(p.grad, [g[k] for g in mapped], f"HF's gradient of {k}", length)
+    runs = (logits, losses, grads)
+    run_ranks(
+        _hf_weights_at_tp2_ep2, 4, hf.config.to_dict(), hf_state, (ids, targets), runs, length
+    )
