@@ -125,53 +125,37 @@ def hf_config(cfg: DeepSeekConfig, dtype: str = "float32") -> dict:
     }
 
 
-def _layer_names(cfg: DeepSeekConfig, i: int) -> list[tuple[str, str]]:
-    """(fastpar name, HF name) of layer ``i``'s tensors that map one to one."""
+def _layer_names(cfg: DeepSeekConfig, i: int) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(fastpar name, HF name, shape) of layer ``i``'s tensors that map one to one."""
     src, dst = f"{i + 1}.", f"model.layers.{i}."
     a, b = src + "attn.", dst + "self_attn."
+    h, qk, kv = cfg.hidden, cfg.heads * cfg.qk_head_dim, cfg.kv_lora_rank
     names = [
-        (src + "norm1.weight", dst + "input_layernorm.weight"),
-        (src + "norm2.weight", dst + "post_attention_layernorm.weight"),
-        (a + "kv_a.weight", b + "kv_a_proj_with_mqa.weight"),
-        (a + "kv_norm.weight", b + "kv_a_layernorm.weight"),
-        (a + "kv_b.weight", b + "kv_b_proj.weight"),
-        (a + "o.weight", b + "o_proj.weight"),
+        (src + "norm1.weight", dst + "input_layernorm.weight", (h,)),
+        (src + "norm2.weight", dst + "post_attention_layernorm.weight", (h,)),
+        (a + "kv_a.weight", b + "kv_a_proj_with_mqa.weight", (kv + cfg.qk_rope_head_dim, h)),
+        (a + "kv_norm.weight", b + "kv_a_layernorm.weight", (kv,)),
+        (
+            a + "kv_b.weight",
+            b + "kv_b_proj.weight",
+            (cfg.heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), kv),
+        ),
+        (a + "o.weight", b + "o_proj.weight", (h, cfg.heads * cfg.v_head_dim)),
     ]
-    if cfg.q_lora_rank is None:
-        names.append((a + "q.weight", b + "q_proj.weight"))
+    r = cfg.q_lora_rank
+    if r is None:
+        names.append((a + "q.weight", b + "q_proj.weight", (qk, h)))
     else:
         names += [
-            (a + "q_a.weight", b + "q_a_proj.weight"),
-            (a + "q_norm.weight", b + "q_a_layernorm.weight"),
-            (a + "q_b.weight", b + "q_b_proj.weight"),
+            (a + "q_a.weight", b + "q_a_proj.weight", (r, h)),
+            (a + "q_norm.weight", b + "q_a_layernorm.weight", (r,)),
+            (a + "q_b.weight", b + "q_b_proj.weight", (qk, r)),
         ]
     if cfg.is_moe(i):
-        names.append((src + "mlp.router.weight", dst + "mlp.gate.weight"))
+        names.append((src + "mlp.router.weight", dst + "mlp.gate.weight", (cfg.num_experts, h)))
     else:
-        names.append((src + "mlp.down.weight", dst + "mlp.down_proj.weight"))
+        names.append((src + "mlp.down.weight", dst + "mlp.down_proj.weight", (h, cfg.ffn_size)))
     return names
-
-
-def _shapes(cfg: DeepSeekConfig) -> dict[str, tuple[int, ...]]:
-    """The HF shape of each one-to-one tensor name's suffix (for the error messages)."""
-    h, qk = cfg.hidden, cfg.heads * cfg.qk_head_dim
-    out = {
-        "input_layernorm.weight": (h,),
-        "post_attention_layernorm.weight": (h,),
-        "kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank + cfg.qk_rope_head_dim, h),
-        "kv_a_layernorm.weight": (cfg.kv_lora_rank,),
-        "kv_b_proj.weight": (cfg.heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
-        "o_proj.weight": (h, cfg.heads * cfg.v_head_dim),
-        "q_proj.weight": (qk, h),
-        "mlp.gate.weight": (cfg.num_experts, h),
-        "mlp.down_proj.weight": (h, cfg.ffn_size),
-    }
-    if cfg.q_lora_rank is not None:
-        r = cfg.q_lora_rank
-        out.update(
-            {"q_a_proj.weight": (r, h), "q_a_layernorm.weight": (r,), "q_b_proj.weight": (qk, r)}
-        )
-    return out
 
 
 def to_hf(state: Mapping[str, torch.Tensor], cfg: DeepSeekConfig) -> dict[str, torch.Tensor]:
@@ -181,7 +165,6 @@ def to_hf(state: Mapping[str, torch.Tensor], cfg: DeepSeekConfig) -> dict[str, t
     check_hf(cfg)
     used: set[str] = set()
     out: dict[str, torch.Tensor] = {}
-    shapes = _shapes(cfg)
 
     def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         t = _take(state, name, used)
@@ -192,9 +175,8 @@ def to_hf(state: Mapping[str, torch.Tensor], cfg: DeepSeekConfig) -> dict[str, t
     out["model.embed_tokens.weight"] = take("0.tok.weight", (cfg.vocab_size, cfg.hidden))
     for i in range(cfg.layers):
         src, dst = f"{i + 1}.mlp.", f"model.layers.{i}.mlp."
-        for ours, theirs in _layer_names(cfg, i):
-            suffix = next(k for k in shapes if theirs.endswith(k))
-            out[theirs] = take(ours, shapes[suffix])
+        for ours, theirs, shape in _layer_names(cfg, i):
+            out[theirs] = take(ours, shape)
         if not cfg.is_moe(i):
             gate, up = take(src + "gate_up.weight", (2 * cfg.ffn_size, cfg.hidden)).chunk(2)
             out[dst + "gate_proj.weight"], out[dst + "up_proj.weight"] = gate, up
@@ -273,9 +255,11 @@ def from_hf(
     _refuse(c, "attention_bias", lambda v: not v, "fastpar's MLA has no projection biases")
     heads = c["num_attention_heads"]
     _refuse(
-        c, "num_key_value_heads", lambda v: v in (None, heads), "MLA expands a key and value "
-        "per query head (num_key_value_heads = num_attention_heads)",
-    )  # fmt: skip
+        c,
+        "num_key_value_heads",
+        lambda v: v in (None, heads),
+        "MLA expands a key and value per query head (num_key_value_heads = num_attention_heads)",
+    )
     groups, topk_group = c.get("n_group") or 1, c.get("topk_group") or 1
     shared, moe_ffn = c.get("n_shared_experts") or 0, c["moe_intermediate_size"]
     scaling = float(c.get("routed_scaling_factor", 1.0))
@@ -313,7 +297,7 @@ def from_hf(
     used: set[str] = set()
     state = {"0.tok.weight": _take(hf_state, "model.embed_tokens.weight", used)}
     for i in range(cfg.layers):
-        for ours, theirs in _layer_names(cfg, i):
+        for ours, theirs, _ in _layer_names(cfg, i):
             state[ours] = _take(hf_state, theirs, used)
         src, dst = f"model.layers.{i}.mlp.", f"{i + 1}.mlp."
         if not cfg.is_moe(i):

@@ -140,9 +140,13 @@ class LatentAttention(nn.Module):
             cfg.kv_lora_rank, cfg.heads * (self.nope + cfg.v_head_dim), **kw
         )
         self.o = RowParallelLinear(
-            cfg.heads * cfg.v_head_dim, h, bias=False, group=group, sequence_parallel=sp,
+            cfg.heads * cfg.v_head_dim,
+            h,
+            bias=False,
+            group=group,
+            sequence_parallel=sp,
             sequence_dim=1,
-        )  # fmt: skip
+        )
         # the fused kernels want one head width: q / k and v are zero-padded to the wider
         # (exact: zero columns add nothing to q·k, and v's are cut from the output); SDPA
         # scales by 1 / sqrt(that width), HF by softmax_scale: the difference goes on q
