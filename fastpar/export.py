@@ -51,6 +51,10 @@ def fastpar_model(cfg, state: dict[str, torch.Tensor]) -> torch.nn.Module:
 
     model = torch.nn.Sequential(*build_model(cfg.model(), None))
     import_state_dict(state, dict(model.named_parameters()))
+    with torch.no_grad():  # the routers' expert_bias buffers (--expert-bias) steer the choice
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias") and name in state:
+                b.copy_(state[name])
     return _Logits(model, hf=False)
 
 
@@ -121,13 +125,18 @@ def export(path: str, out_dir: str, tokenizer: str | None = None) -> tuple:
 
 def hf_mapping(cfg):
     """(the module mapping the run's model to Hugging Face, its own HF model class or None):
-    ``fastpar.models.llama_hf`` for --model llama; for --model gpt ``fastpar.models.gpt_hf``
+    ``fastpar.models.llama_hf`` for --model llama, ``fastpar.models.deepseek_hf`` for --model
+    deepseek (DeepseekV3ForCausalLM); for --model gpt ``fastpar.models.gpt_hf``
     (GPT-2) when GPT-2 computes it, else ``fastpar.models.gpt_code`` with
     ``FastparGPTForCausalLM`` (code written beside the weights; needs transformers)."""
     if cfg.model_type == "llama":
         from fastpar.models import llama_hf
 
         return llama_hf, None
+    if cfg.model_type == "deepseek":
+        from fastpar.models import deepseek_hf
+
+        return deepseek_hf, None
     from fastpar.models import gpt_hf
 
     try:

@@ -169,8 +169,18 @@ def test_hf_config_trains_at_tp2_ep2(tmp_path):
 
     path = tmp_path / "deepseek_v3.json"
     path.write_text(json.dumps(hf_config(FAMILY, vocab_size=300).to_dict()))
-    cfg = TrainConfig(steps=3, batch_size=8, seq_len=16, quiet=True, tp=2, ep=2, dp=2, pp=1,
-                      zero=1, hf_config=str(path))  # fmt: skip
+    cfg = TrainConfig(
+        steps=3,
+        batch_size=8,
+        seq_len=16,
+        quiet=True,
+        tp=2,
+        ep=2,
+        dp=2,
+        pp=1,
+        zero=1,
+        hf_config=str(path),
+    )
     ok, text = verify(cfg)
     assert ok, text
     assert text.startswith("hf:") and text.endswith("AGREE")
@@ -224,8 +234,19 @@ def test_init_from_hf_training_exports_with_the_router_score_bias(tmp_path):
     directory = str(tmp_path / "pretrained")
     _model(vocab_size=300).save_pretrained(directory)
     ckpt = str(tmp_path / "ckpt")
-    cfg = TrainConfig(batch_size=8, seq_len=16, quiet=True, pack="stream", tp=2, ep=2, dp=2,
-                      pp=1, steps=2, init_from_hf=directory, checkpoint_dir=ckpt)  # fmt: skip
+    cfg = TrainConfig(
+        batch_size=8,
+        seq_len=16,
+        quiet=True,
+        pack="stream",
+        tp=2,
+        ep=2,
+        dp=2,
+        pp=1,
+        steps=2,
+        init_from_hf=directory,
+        checkpoint_dir=ckpt,
+    )
     records = launch(cfg)
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager")
     x, y, _ = batch_of(cfg, load_data(cfg), 0)

@@ -45,9 +45,11 @@ def _grads(features: int | None) -> None:
     y.backward(grads[rank])
     n = 15 * world  # the longest sum: the key's gradient over the tokens of every rank
     for name, got, single, exact in zip(
-        ("input", "weight", "bias"), (xo.grad, layer.weight.grad, layer.bias.grad), *refs,
+        ("input", "weight", "bias"),
+        (xo.grad, layer.weight.grad, layer.bias.grad),
+        *refs,
         strict=True,
-    ):  # fmt: skip
+    ):
         assert_agree(got, single, exact, length=n, what=f"grad of {name}")
 
 

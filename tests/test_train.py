@@ -143,13 +143,16 @@ def test_profile_writes_chrome_traces(tmp_path):
         (["--precision", "fp8"], "precision must be fp32, bf16 or fp16"),
         (["--qk-norm"], "--qk-norm is a Llama option: add --model llama"),
         (["--kv-heads", "2"], "--kv-heads is a Llama option: add --model llama"),
-        (["--model", "bert"], "model must be gpt or llama, got 'bert'"),
+        (["--model", "bert"], "model must be gpt, llama or deepseek, got 'bert'"),
         (["--model", "llama", "--norm", "layernorm"], "--norm layernorm is a GPT option"),
         (
             ["--model", "llama", "--kv-heads", "2", "--tp", "4", "--pp", "1"],
             "kv_heads 2 are not divisible by tp 4",
         ),
         (["--model", "llama", "--kv-heads", "3"], "kv_heads 3 must divide heads 4"),
+        (["--kv-lora-rank", "8"], "--kv-lora-rank is a DeepSeek option: add --model deepseek"),
+        (["--model", "deepseek", "--cp", "2"], "--cp 2 with --model deepseek"),
+        (["--model", "deepseek", "--norm", "layernorm"], "the DeepSeek uses RMSNorm"),
         (["--data-dtype", "int8"], "data_dtype must be one of ['uint16', 'uint32']"),
     ],
 )

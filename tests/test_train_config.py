@@ -181,8 +181,19 @@ def test_activation_estimate_by_hand():
         dict(pp=2, microbatches=2, batch_size=8),
         dict(pp=2, microbatches=2, batch_size=8, schedule="gpipe", recompute=True),
         dict(model_type="llama", precision="bf16"),
+        dict(model_type="deepseek", moe_every=1),
+        dict(model_type="deepseek", moe_every=0, q_lora_rank=0, v_head_dim=24),
     ],
-    ids=["gpt", "moe", "tp2", "pp2-1f1b", "pp2-gpipe-recompute", "llama-bf16"],
+    ids=[
+        "gpt",
+        "moe",
+        "tp2",
+        "pp2-1f1b",
+        "pp2-gpipe-recompute",
+        "llama-bf16",
+        "deepseek-moe",
+        "deepseek-noq-equal-heads",
+    ],
 )
 def test_activation_estimate_is_below_the_measured_memory(layout):
     """The estimate is a lower bound of what the ranks' peak memory grows by with seq_len

@@ -18,7 +18,7 @@ from fastpar.data import (
     tokenizer_vocab_size,
 )
 from fastpar.mesh import MeshLayout
-from fastpar.models import GPTConfig, LlamaConfig
+from fastpar.models import DeepSeekConfig, GPTConfig, LlamaConfig
 from fastpar.moe.config import ROUTING_DEFAULTS
 from fastpar.parallel.pipeline.recompute import RecomputePolicy
 from fastpar.parallel.pipeline.schedules import SCHEDULES, chunked_names, make_schedule
@@ -46,6 +46,26 @@ DESCRIPTION = (
 )
 
 
+LLAMA_ONLY = ("kv_heads", "head_dim", "qk_norm", "attention_bias")
+"""Flags of --model llama alone (--rope-theta and --moe-ffn are DeepSeek's too)."""
+DEEPSEEK_ONLY = (
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "qk_nope_head_dim",
+    "v_head_dim",
+    "first_k_dense",
+    "rope_interleave",
+    "yarn_factor",
+    "yarn_original_seq_len",
+    "yarn_beta_fast",
+    "yarn_beta_slow",
+    "yarn_mscale",
+    "yarn_mscale_all_dim",
+)
+"""Flags of --model deepseek alone (its latent attention and rope scaling)."""
+
+
 def _first_changed(cfg, defaults, names) -> str | None:
     """The first of ``names`` whose value in ``cfg`` is not the one in ``defaults`` (or None)."""
     return next((n for n in names if getattr(cfg, n) != getattr(defaults, n)), None)
@@ -63,6 +83,8 @@ class TrainConfig(TrainOptions):
             self.recompute = self.recompute.strip().lower() == "full"
         if self.init_from_hf and not self.hf_config:  # the model is the directory's
             self.hf_config = os.path.join(self.init_from_hf, "config.json")
+        if self.moe_every is None:  # DeepSeek: MoE in every block after the dense ones
+            self.moe_every = 1 if self.model_type == "deepseek" else 2
 
     @property
     def recompute_policy(self) -> RecomputePolicy:
@@ -109,7 +131,7 @@ class TrainConfig(TrainOptions):
             return {}
         return dataclasses.asdict(getattr(self.model(), config.nested))
 
-    def model(self) -> GPTConfig | LlamaConfig:
+    def model(self) -> GPTConfig | LlamaConfig | DeepSeekConfig:
         shared = dict(
             vocab_size=self.vocab,
             seq_len=self.seq_len,
@@ -138,30 +160,41 @@ class TrainConfig(TrainOptions):
                 attention_bias=self.attention_bias,
                 **shared,
             )
+        if self.model_type == "deepseek":
+            mla = {n: getattr(self, n) for n in DEEPSEEK_ONLY if n != "q_lora_rank"}
+            return DeepSeekConfig(
+                q_lora_rank=self.q_lora_rank or None,
+                rope_theta=self.rope_theta,
+                moe_ffn=self.moe_ffn,
+                **mla,
+                **shared,
+            )
         return GPTConfig(norm=self.norm, **shared)
 
     def _check_model_flags(self) -> None:
-        if self.model_type not in ("gpt", "llama"):
-            raise ValueError(f"model must be gpt or llama, got {self.model_type!r}")
+        if self.model_type not in ("gpt", "llama", "deepseek"):
+            raise ValueError(f"model must be gpt, llama or deepseek, got {self.model_type!r}")
         defaults = TrainConfig()
         if self.init_from_hf:
             check_init_from_hf(self)
         if self.hf_config:
             self._check_hf(defaults)
-        elif self.model_type == "gpt":
-            llama_only = (
-                "kv_heads",
-                "head_dim",
-                "rope_theta",
-                "qk_norm",
-                "attention_bias",
-                "moe_ffn",
-            )
-            name = _first_changed(self, defaults, llama_only)
-            if name is not None:
-                raise ValueError(f"{flag(name)} is a Llama option: add --model llama")
-        elif self.norm != "rmsnorm":
-            raise ValueError(f"--norm {self.norm} is a GPT option: the Llama uses RMSNorm")
+            return self._check_data_flags()
+        foreign = {  # the other models' own flags
+            "gpt": (*LLAMA_ONLY, "rope_theta", "moe_ffn", *DEEPSEEK_ONLY),
+            "llama": DEEPSEEK_ONLY,
+            "deepseek": LLAMA_ONLY,
+        }[self.model_type]
+        name = _first_changed(self, defaults, foreign)
+        if name is not None:
+            whose, model = ("DeepSeek", "deepseek") if name in DEEPSEEK_ONLY else ("Llama", "llama")
+            raise ValueError(f"{flag(name)} is a {whose} option: add --model {model}")
+        if self.model_type != "gpt" and self.norm != "rmsnorm":
+            whose = "Llama" if self.model_type == "llama" else "DeepSeek"
+            raise ValueError(f"--norm {self.norm} is a GPT option: the {whose} uses RMSNorm")
+        self._check_data_flags()
+
+    def _check_data_flags(self) -> None:
         if self.data_dtype is not None and self.data_dtype not in BIN_DTYPES:
             raise ValueError(
                 f"data_dtype must be one of {sorted(BIN_DTYPES)} (the ids of a .bin file), "
@@ -197,6 +230,7 @@ class TrainConfig(TrainOptions):
             "ffn",
             "moe_ffn",
             "untied",
+            *DEEPSEEK_ONLY,
             *ROUTING_DEFAULTS,
         )
         name = _first_changed(self, defaults, own)

@@ -103,6 +103,8 @@ def model_shape(cfg) -> dict:
             expert_share=1.0,
         )
     head_dim = cfg.head_dim if cfg.model_type == "llama" and cfg.head_dim else None
+    if cfg.model_type == "deepseek":  # scores over the q/k head, the values' sum over v's
+        head_dim = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) / 2
     return dict(
         layers=cfg.layers,
         heads=cfg.heads,

@@ -142,8 +142,10 @@ class TrainOptions:
     model_type: str = option(
         "gpt",
         MODEL,
-        words=("gpt", "llama"),
-        help="the model: fastpar's GPT, or its Llama (GQA, RoPE, SwiGLU, RMSNorm)",
+        words=("gpt", "llama", "deepseek"),
+        help="the model: fastpar's GPT, its Llama (GQA, RoPE, SwiGLU, RMSNorm), or its "
+        "DeepSeek-V3 class (multi-head latent attention, DeepSeekMoE after --first-k-dense "
+        "dense blocks)",
         resume="refuse",
     )
     hf_config: str | None = option(
@@ -177,7 +179,10 @@ class TrainOptions:
         resume="refuse",
     )
     moe_ffn: int | None = option(
-        None, MODEL, "llama: width of each expert (default: --ffn)", resume="refuse"
+        None,
+        MODEL,
+        "llama / deepseek: width of each expert (default: --ffn)",
+        resume="refuse",
     )
     kv_heads: int | None = option(
         None,
@@ -193,6 +198,55 @@ class TrainOptions:
         False, MODEL, "llama: Qwen3-style RMSNorm on every query and key head", resume="refuse"
     )
     attention_bias: bool = option(False, MODEL, "llama: Qwen2-style q/k/v bias", resume="refuse")
+    q_lora_rank: int = option(
+        32,
+        MODEL,
+        "deepseek: rank of the low-rank query (q_a, norm, q_b; 0: one q projection)",
+        resume="refuse",
+    )
+    kv_lora_rank: int = option(
+        32, MODEL, "deepseek: width of the compressed key/value latent", resume="refuse"
+    )
+    qk_rope_head_dim: int = option(
+        8, MODEL, "deepseek: rotary dims of a query/key head (even)", resume="refuse"
+    )
+    qk_nope_head_dim: int = option(
+        16, MODEL, "deepseek: dims without position of a query/key head", resume="refuse"
+    )
+    v_head_dim: int = option(16, MODEL, "deepseek: width of a value head", resume="refuse")
+    first_k_dense: int = option(
+        1,
+        MODEL,
+        "deepseek: the first K blocks are dense SwiGLU, the rest MoE (first_k_dense_replace)",
+        resume="refuse",
+    )
+    rope_interleave: bool = option(
+        True,
+        MODEL,
+        "deepseek: rotary dims in interleaved pairs (HF rope_interleave)",
+        resume="warn",
+    )
+    yarn_factor: float | None = option(
+        None,
+        MODEL,
+        "deepseek: YaRN rope scaling by this factor (default: plain RoPE)",
+        resume="warn",
+    )
+    yarn_original_seq_len: int | None = option(
+        None,
+        MODEL,
+        "deepseek --yarn-factor: the pre-training length (default: --seq-len)",
+        resume="warn",
+    )
+    yarn_beta_fast: float = option(32.0, MODEL, "deepseek --yarn-factor: beta_fast", resume="warn")
+    yarn_beta_slow: float = option(1.0, MODEL, "deepseek --yarn-factor: beta_slow", resume="warn")
+    yarn_mscale: float = option(1.0, MODEL, "deepseek --yarn-factor: mscale", resume="warn")
+    yarn_mscale_all_dim: float = option(
+        0.0,
+        MODEL,
+        "deepseek --yarn-factor: mscale_all_dim (its square scales the softmax; 0: off)",
+        resume="warn",
+    )
     norm: str = option(
         "rmsnorm",
         MODEL,
@@ -203,10 +257,12 @@ class TrainOptions:
     untied: bool = option(
         False, MODEL, "an LM head of its own instead of the embedding's weight", resume="refuse"
     )
-    moe_every: int = option(
-        2,
+    moe_every: int | None = option(
+        None,
         MODEL,
-        help="every N-th block's MLP is a mixture of experts (0: no MoE blocks)",
+        deferred=True,
+        help="every N-th block's MLP is a mixture of experts (0: no MoE blocks; default 2; "
+        "deepseek: 1, every block after --first-k-dense)",
         resume="refuse",
     )
     experts: int = option(4, MODEL, "experts per MoE layer", resume="refuse")

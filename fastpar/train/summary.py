@@ -22,14 +22,20 @@ def model_label(cfg) -> str:
 
 def has_moe(cfg) -> bool:
     """Whether fastpar's model has MoE blocks (every --moe-every-th of --layers)."""
+    if cfg.model_type == "deepseek" and not cfg.hf_config:
+        return any(cfg.model().is_moe(i) for i in range(cfg.layers))
     return not cfg.hf_config and cfg.moe_every > 0 and cfg.layers >= cfg.moe_every
 
 
 def moe_text(cfg) -> str:
-    """The MoE settings in a few words: the blocks, then ``moe_router``'s and ``moe_experts``'
-    own words (``RouterConfig.words``, ``ExpertConfig.words``)."""
+    """The MoE settings in a few words: where the blocks are, then ``moe_router``'s and
+    ``moe_experts``' own words (``RouterConfig.words``, ``ExpertConfig.words``)."""
+    where = f"every {cfg.moe_every}"
+    if cfg.model_type == "deepseek":  # DeepSeek-V2's moe_layer_freq after the dense blocks
+        every = "" if cfg.moe_every == 1 else f" (every {cfg.moe_every})"
+        where = f"after {cfg.first_k_dense} dense{every}"
     score, *routing = cfg.moe_router.words()
-    head = f"MoE every {cfg.moe_every}: top-{cfg.top_k} of {cfg.experts} experts ({score})"
+    head = f"MoE {where}: top-{cfg.top_k} of {cfg.experts} experts ({score})"
     parts = [head, *routing, *cfg.moe_experts.words()]
     if cfg.moe_expert_tp:
         parts.append("expert TP")

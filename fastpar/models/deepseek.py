@@ -1,0 +1,262 @@
+"""A DeepSeek-V3-class decoder built only from fastpar layers: multi-head latent attention
+(``fastpar.models.mla``) and DeepSeekMoE (the first ``first_k_dense`` blocks dense SwiGLU, the
+rest MoE: sigmoid scores, group-limited routing, the expert score-correction bias, shared
+experts, routed scaling, as ``fastpar.moe`` routes them), as pipeline blocks with the same
+protocol as ``build_llama``.
+
+    blocks = build_deepseek(DeepSeekConfig(...), mesh)   # [Embedding, Block x layers, Head]
+    loss = deepseek_loss(logits, targets, cfg, mesh)      # vocab-parallel cross-entropy
+
+HF names both ways (``DeepseekV3ForCausalLM``): ``fastpar.models.deepseek_hf``. The embedding,
+block and head classes are the shared ones (``fastpar.models.common``), so a multi-token
+prediction module can reuse them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch import nn
+
+from fastpar.cliutil import flat_fields
+from fastpar.models.activations import Activations, activations, norm_bytes
+from fastpar.models.common import DecoderBlock, build_decoder, check_layout, lm_loss
+from fastpar.models.llama import MLP, check_routing, moe
+from fastpar.models.mla import LatentAttention
+from fastpar.moe.config import ExpertConfig, RouterConfig
+
+__all__ = ["Block", "DeepSeekConfig", "build_deepseek", "deepseek_loss"]
+
+
+@dataclass(frozen=True)
+@flat_fields(RouterConfig, ExpertConfig)
+class DeepSeekConfig:
+    """Model shape and options of a DeepSeek-V3-class decoder (HF ``DeepseekV3Config``'s names
+    in parentheses). The MoE routing fields (``router_score``, ``expert_bias``,
+    ``router_groups``, ``shared_expert_ffn``, ``routed_scaling_factor``, ...:
+    ``ROUTING_DEFAULTS``) are ``RouterConfig``'s and ``ExpertConfig``'s flagged fields under
+    their flat names (``fastpar.moe.config``); DeepSeek-V3 itself routes with
+    ``router_score="sigmoid"``, ``expert_bias=True``, groups and shared experts."""
+
+    vocab_size: int = 256
+    """Tokens in the vocabulary (padded to a multiple of TP)."""
+    seq_len: int = 64
+    """Longest sequence (max_position_embeddings)."""
+    hidden: int = 64
+    """Model width (hidden_size)."""
+    heads: int = 4
+    """Attention heads (num_attention_heads); divisible by TP."""
+    layers: int = 4
+    """Transformer blocks (num_hidden_layers)."""
+    ffn: int | None = None
+    """The dense blocks' SwiGLU width (intermediate_size). None: 8·hidden/3 rounded up to a
+    multiple of 64."""
+    q_lora_rank: int | None = 32
+    """Rank of the low-rank query (q_a -> RMSNorm -> q_b); None: one q projection."""
+    kv_lora_rank: int = 32
+    """Width of the compressed key/value latent."""
+    qk_rope_head_dim: int = 8
+    """Rotary dims of each query / key head (even); the rotary key is shared by all heads."""
+    qk_nope_head_dim: int = 16
+    """Dims without position of each query / key head."""
+    v_head_dim: int = 16
+    """Width of each value head."""
+    rope_theta: float = 10000.0
+    """RoPE base over the qk_rope_head_dim rotary dims."""
+    rope_interleave: bool = True
+    """The rotary dims pair up interleaved, (x0, x1), (x2, x3), ... (HF rope_interleave,
+    DeepSeek's layout); False: halves, as Llama."""
+    yarn_factor: float | None = None
+    """YaRN context extension (rope_type "yarn"): the factor; None: plain RoPE."""
+    yarn_original_seq_len: int | None = None
+    """YaRN: the pre-training length (original_max_position_embeddings). None: seq_len."""
+    yarn_beta_fast: float = 32.0
+    """YaRN: rotations where extrapolation ends (beta_fast)."""
+    yarn_beta_slow: float = 1.0
+    """YaRN: rotations where interpolation starts (beta_slow)."""
+    yarn_mscale: float = 1.0
+    """YaRN mscale: cos / sin scale mscale(f, mscale) / mscale(f, mscale_all_dim) when both
+    are set."""
+    yarn_mscale_all_dim: float = 0.0
+    """YaRN mscale_all_dim (0: unset): the softmax scale is multiplied by
+    mscale(factor, mscale_all_dim)² (DeepSeek-V3: 1.0)."""
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon of the block and final norms (rms_norm_eps); the latent norms keep
+    1e-6, as HF's."""
+    tie_embeddings: bool = False
+    """The LM head shares the token embedding (tie_word_embeddings)."""
+    first_k_dense: int = 1
+    """The first this-many blocks are dense SwiGLU (first_k_dense_replace)."""
+    moe_every: int = 1
+    """Block i >= first_k_dense is MoE when i % moe_every == 0 (DeepSeek-V2's moe_layer_freq;
+    HF DeepseekV3: 1); 0: no MoE blocks."""
+    num_experts: int = 4
+    """Routed experts (n_routed_experts); divisible by EP."""
+    top_k: int = 2
+    """Experts per token (num_experts_per_tok)."""
+    moe_ffn: int | None = None
+    """Each routed expert's SwiGLU width (moe_intermediate_size). None: ffn."""
+    norm_topk_prob: bool = True
+    """Renormalise each token's k routing weights to sum to one (norm_topk_prob)."""
+    capacity_factor: float | None = None
+    """MoE capacity factor (None: dropless, as HF's)."""
+    overlap_chunks: int = 1
+    """MoE all-to-all / expert-compute overlap chunks (1: none)."""
+    sequence_parallel: bool = False
+    """Split activations between blocks along the sequence over TP."""
+    moe_expert_tp: bool = False
+    """Split each expert's SwiGLU over TP instead of every TP rank holding whole experts."""
+    cp_attention: str = "ring"
+    """Attention under context parallelism (not supported for MLA yet: cp must be 1)."""
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn if self.ffn is not None else 64 * math.ceil(8 * self.hidden / 3 / 64)
+
+    @property
+    def moe_ffn_size(self) -> int:
+        return self.moe_ffn if self.moe_ffn is not None else self.ffn_size
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def yarn_original_len(self) -> int:
+        return self.yarn_original_seq_len or self.seq_len
+
+    def is_moe(self, layer: int) -> bool:
+        return self.moe_every > 0 and layer >= self.first_k_dense and layer % self.moe_every == 0
+
+    def activation_bytes(
+        self, tp: int = 1, sp: int = 1, size: int = 4, fused_ce: bool = False
+    ) -> Activations:
+        """Bytes per token each kind of block keeps for backward on one rank
+        (``fastpar.models.activations``): per local head the fused attention's q, k, v and
+        output (zero-padded to one width when v_head_dim differs from the q/k head; else v a
+        view of kv_b's output) and the output projection's input; replicated on every rank
+        the two latent norms' saves (kv_a's output holding the rotary key too); SwiGLU's
+        gate|up, SiLU and product."""
+        qk, v, nope = self.qk_head_dim, self.v_head_dim, self.qk_nope_head_dim
+        width = max(qk, v)
+        per_head = 4 * width + v if qk != v else 3 * qk + nope + 2 * v
+        latent = norm_bytes("rmsnorm", self.kv_lora_rank, size) / size + self.qk_rope_head_dim
+        if self.q_lora_rank is not None:
+            latent += norm_bytes("rmsnorm", self.q_lora_rank, size) / size
+        attention = self.heads * per_head + tp * latent  # block_bytes divides it by tp
+        return activations(
+            self, tp, sp, size, fused_ce, attention=attention, mlp=4, expert_ffn=self.moe_ffn_size
+        )
+
+    def check(self, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
+        """Raise ValueError naming the bad value and the fix, before anything is built."""
+        for name in ("vocab_size", "seq_len", "hidden", "heads", "layers", "kv_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("qk_nope_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(
+                f"q_lora_rank must be >= 1, or None for a plain q projection, got "
+                f"{self.q_lora_rank}"
+            )
+        if self.qk_rope_head_dim < 2 or self.qk_rope_head_dim % 2:
+            raise ValueError(
+                f"qk_rope_head_dim {self.qk_rope_head_dim} must be even and >= 2 (rotary dims "
+                f"pair up): use an even --qk-rope-head-dim"
+            )
+        if self.heads % tp:
+            raise ValueError(
+                f"heads {self.heads} are not divisible by tp {tp}: every TP rank needs whole "
+                f"heads; use a tp that divides {self.heads} or more heads (--heads)"
+            )
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
+        if self.norm_eps <= 0:
+            raise ValueError(f"norm_eps must be positive, got {self.norm_eps}")
+        self._check_yarn()
+        if self.first_k_dense < 0:
+            raise ValueError(f"first_k_dense must be >= 0, got {self.first_k_dense}")
+        if self.moe_every < 0:
+            raise ValueError(f"moe_every must be >= 0 (0: no MoE blocks), got {self.moe_every}")
+        moe_layers = [i for i in range(self.layers) if self.is_moe(i)]
+        if moe_layers and self.moe_ffn_size < 1:
+            raise ValueError(f"moe_ffn must be >= 1, got {self.moe_ffn}")
+        if moe_layers and not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"top_k {self.top_k} must be in [1, num_experts={self.num_experts}]: use fewer "
+                f"experts per token or more experts"
+            )
+        if len(moe_layers) < self.layers and self.ffn_size % tp:
+            raise ValueError(
+                f"ffn {self.ffn_size} of the dense blocks is not divisible by tp {tp}; use an "
+                f"ffn that is a multiple of {tp}"
+            )
+        if ep > 1 and self.moe_every and not moe_layers:
+            raise ValueError(
+                f"ep={ep} needs MoE layers, but first_k_dense {self.first_k_dense} makes all "
+                f"{self.layers} blocks dense: lower first_k_dense (--first-k-dense) or use ep 1"
+            )
+        check_routing(self)
+        check_layout(self, tp, pp, ep)
+
+    def _check_yarn(self) -> None:
+        f = self.yarn_factor
+        if f is None:
+            changed = self.yarn_original_seq_len is not None or (
+                self.yarn_beta_fast,
+                self.yarn_beta_slow,
+                self.yarn_mscale,
+                self.yarn_mscale_all_dim,
+            ) != (32.0, 1.0, 1.0, 0.0)
+            if changed:
+                raise ValueError(
+                    "the yarn_* options need YaRN on: set yarn_factor (--yarn-factor, e.g. 40)"
+                )
+            return
+        if not (math.isfinite(f) and f > 0):
+            raise ValueError(f"yarn_factor {f} must be a positive finite number (e.g. 40)")
+        if self.yarn_original_seq_len is not None and self.yarn_original_seq_len < 1:
+            raise ValueError(
+                f"yarn_original_seq_len must be >= 1, got {self.yarn_original_seq_len}"
+            )
+        for name in ("yarn_beta_fast", "yarn_beta_slow"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} {value} must be a positive finite number")
+        for name in ("yarn_mscale", "yarn_mscale_all_dim"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} {value} must be a finite number >= 0")
+
+
+class Block(DecoderBlock):
+    """Pre-norm DeepSeek block: x + mla(rmsnorm(x)); x + swiglu_or_moe(rmsnorm(x))."""
+
+    def __init__(self, cfg: DeepSeekConfig, layer: int, mesh=None):
+        super().__init__(
+            cfg,
+            layer,
+            mesh,
+            attention=LatentAttention,
+            mlp=MLP,
+            norm={"eps": cfg.norm_eps},
+            moe=moe,
+        )
+
+
+def build_deepseek(cfg: DeepSeekConfig, mesh=None) -> list[nn.Module]:
+    """Every block of the model: [Embedding, Block x cfg.layers, Head], drawn in this order from
+    the current random stream on every rank (same seed -> same model at any layout). Context
+    parallelism is refused (MLA under cp is not built yet)."""
+    if mesh is not None and getattr(mesh, "cp_size", 1) > 1:
+        raise ValueError(
+            f"DeepSeek (MLA) under context parallelism cp={mesh.cp_size} is not supported yet: "
+            "use cp 1"
+        )
+    return build_decoder(cfg, mesh, Block, eps=cfg.norm_eps)
+
+
+#: mean vocab-parallel cross-entropy of logits [B·T, vocab / tp] against targets [B, T]
+deepseek_loss = lm_loss
