@@ -179,10 +179,7 @@ class TrainOptions:
         resume="refuse",
     )
     moe_ffn: int | None = option(
-        None,
-        MODEL,
-        "llama / deepseek: width of each expert (default: --ffn)",
-        resume="refuse",
+        None, MODEL, "llama / deepseek: width of each expert (default: --ffn)", resume="refuse"
     )
     kv_heads: int | None = option(
         None,
@@ -199,10 +196,7 @@ class TrainOptions:
     )
     attention_bias: bool = option(False, MODEL, "llama: Qwen2-style q/k/v bias", resume="refuse")
     q_lora_rank: int = option(
-        32,
-        MODEL,
-        "deepseek: rank of the low-rank query (q_a, norm, q_b; 0: one q projection)",
-        resume="refuse",
+        32, MODEL, "deepseek: low-rank query's rank (0: one q projection)", resume="refuse"
     )
     kv_lora_rank: int = option(
         32, MODEL, "deepseek: width of the compressed key/value latent", resume="refuse"
@@ -215,37 +209,18 @@ class TrainOptions:
     )
     v_head_dim: int = option(16, MODEL, "deepseek: width of a value head", resume="refuse")
     first_k_dense: int = option(
-        1,
-        MODEL,
-        "deepseek: the first K blocks are dense SwiGLU, the rest MoE (first_k_dense_replace)",
-        resume="refuse",
+        1, MODEL, "deepseek: the first K blocks dense, the rest MoE", resume="refuse"
     )
-    rope_interleave: bool = option(
-        True,
-        MODEL,
-        "deepseek: rotary dims in interleaved pairs (HF rope_interleave)",
-        resume="warn",
-    )
-    yarn_factor: float | None = option(
-        None,
-        MODEL,
-        "deepseek: YaRN rope scaling by this factor (default: plain RoPE)",
-        resume="warn",
-    )
+    rope_interleave: bool = option(True, MODEL, "deepseek: rotary dims paired", resume="warn")
+    yarn_factor: float | None = option(None, MODEL, "deepseek: YaRN scaling factor", resume="warn")
     yarn_original_seq_len: int | None = option(
-        None,
-        MODEL,
-        "deepseek --yarn-factor: the pre-training length (default: --seq-len)",
-        resume="warn",
+        None, MODEL, "deepseek YaRN: pre-training length (default: --seq-len)", resume="warn"
     )
     yarn_beta_fast: float = option(32.0, MODEL, "deepseek --yarn-factor: beta_fast", resume="warn")
     yarn_beta_slow: float = option(1.0, MODEL, "deepseek --yarn-factor: beta_slow", resume="warn")
     yarn_mscale: float = option(1.0, MODEL, "deepseek --yarn-factor: mscale", resume="warn")
     yarn_mscale_all_dim: float = option(
-        0.0,
-        MODEL,
-        "deepseek --yarn-factor: mscale_all_dim (its square scales the softmax; 0: off)",
-        resume="warn",
+        0.0, MODEL, "deepseek YaRN: mscale_all_dim (squared, scales the softmax)", resume="warn"
     )
     norm: str = option(
         "rmsnorm",
