@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fastpar import checkpoint, parity, tolerance
+from fastpar.cliutil import option_of
 from fastpar.launch import RankError
 from fastpar.models.common import IGNORE_INDEX
 from fastpar.models.documents import documents
@@ -34,6 +35,7 @@ from fastpar.train.batches import as_data, eval_batch, split_tokens
 from fastpar.train.build import DTYPES, build
 from fastpar.train.cli import prepare, refuse
 from fastpar.train.loop import evaluates_at
+from fastpar.train.options import CHECKPOINTS
 
 
 def _val_loss(cfg: TrainConfig, parts, held) -> float:
@@ -329,8 +331,28 @@ def parser(hf: bool = False):
     )
 
 
+def training_only(argv: list[str]) -> str | None:
+    """The first flag of ``argv`` that only a training run takes (the checkpoint group's:
+    --resume, --checkpoint-dir, --save-every, ...), or None. verify trains from scratch in a
+    temporary directory of its own, so such a flag would be silently ignored."""
+    flags = {
+        "--" + f.name.replace("_", "-")
+        for f in dataclasses.fields(TrainConfig)
+        if option_of(f).group == CHECKPOINTS
+    }
+    return next((a.split("=", 1)[0] for a in argv if a.split("=", 1)[0] in flags), None)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    flag = training_only(argv)
+    if flag is not None:
+        return refuse(
+            ValueError(
+                f"{flag} is a flag of python -m fastpar.train only: fastpar.verify trains both "
+                f"runs from scratch in a temporary directory and keeps no checkpoint; drop {flag}"
+            )
+        )
     if any(a == "--hf-config" or a.startswith("--hf-config=") for a in argv):
         return _main_hf(argv)
     ap = parser()

@@ -139,6 +139,33 @@ def test_verify_has_its_own_help():
 
 
 @pytest.mark.parametrize(
+    "argv",
+    [
+        ["--resume", "--checkpoint-dir", "ckpt"],
+        ["--checkpoint-dir=ckpt", "--steps", "2"],
+        ["--hf-config", "config.json", "--save-every", "1"],
+    ],
+    ids=["resume", "checkpoint-dir", "hf-save-every"],
+)
+def test_verify_refuses_the_training_only_flags(argv, capsys):
+    """verify trains from scratch in a temporary directory: a checkpoint flag would be ignored
+    (it used to end in two tracebacks, exit 1, naming the temporary directory)."""
+    from fastpar.verify import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    flag = next(
+        a.split("=")[0]
+        for a in argv
+        if a.split("=")[0] in ("--resume", "--checkpoint-dir", "--save-every")
+    )
+    assert (
+        len(err.splitlines()) == 1
+        and f"error: {flag} is a flag of python -m fastpar.train only" in err
+    ), err
+
+
+@pytest.mark.parametrize(
     "module", ["fastpar.export", "fastpar.checkpoint", "fastpar.tokenizer", "fastpar.mesh"]
 )
 def test_each_command_has_its_own_help(module):
