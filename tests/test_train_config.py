@@ -65,9 +65,10 @@ FLAG_ERRORS = [
     (["--collective-timeout", "-5"], "--collective-timeout -5 must be a positive finite number"),
     (["--collective-timeout", "inf"], "--collective-timeout inf must be a positive finite"),
     (["--max-grad-norm", "0"], "--max-grad-norm 0 must be a positive finite number"),
-    (["--loss-scale", "0"], "--loss-scale 0 must be in [1, 3.403e+38]"),
-    (["--loss-scale", "0.5"], "--loss-scale 0.5 must be in [1, 3.403e+38]"),
-    (["--loss-scale", "1e39"], "--loss-scale 1e+39 must be in [1, 3.403e+38]"),
+    (["--loss-scale", "0"], "--loss-scale 0 must be in [1, 2^40 = 1.1e+12]"),
+    (["--loss-scale", "0.5"], "--loss-scale 0.5 must be in [1, 2^40"),
+    (["--loss-scale", "1e39"], "--loss-scale 1e+39 must be in [1, 2^40"),
+    (["--loss-scale", "2e12"], "every non-zero fp16 gradient overflows"),
     (["--collective-timeout", "1e12"], "--collective-timeout 1e+12 exceeds 1e+09 seconds"),
     (["--min-lr", "-1"], "--min-lr -1 must be a finite number >= 0"),
     (["--weight-decay", "-0.1"], "--weight-decay -0.1 must be a finite number >= 0"),
@@ -107,6 +108,7 @@ ACCEPTED = [
     ["--capacity-factor", "0.5"],
     ["--seq-len", "1"],
     ["--loss-scale", "1"],
+    ["--loss-scale", str(2**40)],
     ["--lr", "1e-4"],  # the cosine floor follows --lr (lr / 10) unless --min-lr is given
 ]
 

@@ -21,7 +21,7 @@ from torch import nn
 from fastpar.cliutil import flat_fields
 from fastpar.models.activations import Activations, activations, norm_bytes
 from fastpar.models.common import DecoderBlock, build_decoder, check_layout, lm_loss
-from fastpar.models.llama import MLP, check_routing, moe
+from fastpar.models.llama import MLP, LlamaConfig, check_routing, moe
 from fastpar.models.mla import LatentAttention
 from fastpar.moe.config import ExpertConfig, RouterConfig
 
@@ -124,6 +124,8 @@ class DeepSeekConfig:
     @property
     def yarn_original_len(self) -> int:
         return self.yarn_original_seq_len or self.seq_len
+
+    nested_values = LlamaConfig.nested_values  # SwiGLU experts, norm_topk_prob: as the Llama's
 
     def is_moe(self, layer: int) -> bool:
         return self.moe_every > 0 and layer >= self.first_k_dense and layer % self.moe_every == 0

@@ -56,7 +56,10 @@ SEED_LIMIT = 2**43
 #: the longest --collective-timeout (datetime.timedelta overflows near 8.6e13 s)
 TIMEOUT_LIMIT = 1e9
 #: the fp16 loss scaler's floor, and the largest fp32 value
-LOSS_SCALE_RANGE = (1.0, 3.4028234663852886e38)
+LOSS_SCALE_RANGE = (1.0, 2.0**40)
+"""--loss-scale's bounds: the scaler's floor, and 2^40 ≈ 65504 / 2^-24 (fp16's largest value over
+its smallest positive one): a larger scale overflows every non-zero fp16 gradient, so it could
+only be backed off from, one skipped step at a time."""
 TIMEOUT_ENV = "FASTPAR_COLLECTIVE_TIMEOUT"
 
 
@@ -105,8 +108,9 @@ def check_ranges(cfg) -> None:
     low, high = LOSS_SCALE_RANGE
     if not low <= cfg.loss_scale <= high:
         raise ValueError(
-            f"--loss-scale {_number(cfg.loss_scale)} must be in [{low:g}, {high:.4g}] (the fp16 "
-            f"loss scaler's floor and fp32's largest value), e.g. 4096"
+            f"--loss-scale {_number(cfg.loss_scale)} must be in [{low:g}, 2^40 = {high:.4g}] (the "
+            f"fp16 loss scaler's floor, and the scale past which every non-zero fp16 gradient "
+            f"overflows), e.g. 4096"
         )
     for name in NON_NEGATIVE:
         value = getattr(cfg, name)

@@ -215,6 +215,7 @@ class Divergence:
 
     def __init__(self, cfg, trainer: Trainer) -> None:
         self.cfg, self.trainer, self.streak = cfg, trainer, 0
+        self.clean = False  # whether any step has run without an inf/NaN gradient
 
     def scan(self, records: list[dict]) -> RunStopped | None:
         """The ``RunStopped`` of the first diverged step of ``records`` (its numbers resolved),
@@ -223,6 +224,7 @@ class Divergence:
         for rec in records:
             step = rec["step"]
             self.streak = self.streak + 1 if rec["skipped"] else 0
+            self.clean = self.clean or not rec["skipped"]
             unsaved = f"step {step} not saved" if step == last else f"steps {step}-{last} not saved"
             unsaved += "; lower --lr or resume from an earlier checkpoint"
             if not math.isfinite(rec["loss"]) and cfg.precision != "fp16":
@@ -235,6 +237,17 @@ class Divergence:
             if cfg.max_skipped_steps > 0 and self.streak >= cfg.max_skipped_steps:
                 scaler = self.trainer.scaler
                 scale = f", loss scale now {float(scaler.scale):g}" if scaler else ""
+                if scaler is not None and not self.clean:
+                    return RunStopped(
+                        f"stopped at step {step}: every step so far ({self.streak}) skipped for "
+                        f"inf/NaN gradients while the fp16 loss scaler backs off from its start "
+                        f"--loss-scale {cfg.loss_scale:g} (now {float(scaler.scale):g}): the "
+                        f"start scale is too large, the run has not diverged; pass a lower "
+                        f"--loss-scale (default 4096) or a larger --max-skipped-steps "
+                        f"({cfg.max_skipped_steps})",
+                        last,
+                        "loss scale backing off",
+                    )
                 return RunStopped(
                     f"diverged at step {step}: {self.streak} steps in a row (steps "
                     f"{step - self.streak + 1}-{step}) skipped for inf/NaN gradients{scale} "
