@@ -355,13 +355,21 @@ def test_a_fresh_run_over_another_runs_checkpoints(run_a, tmp_path, capfd):
         rf"step_000002 to step_000004, of run {old}\): pass --resume",
     ):
         _run(checkpoint_dir=d)
-    _run(checkpoint_dir=d, allow_other_run=True, steps=2, seed=7)  # overwrites step 2
-    new = _run_id(os.path.join(d, "step_000002"))
-    assert new != old
+    # another run's checkpoint is never overwritten: a run that would save step 2 is refused
+    # before its first step, and step 2 stays the first run's
+    with pytest.raises(RankError, match=r"would save over another run's checkpoints \(step_000002"):
+        _run(checkpoint_dir=d, allow_other_run=True, steps=2, seed=7)
+    assert _run_id(os.path.join(d, "step_000002")) == old
+    _run(checkpoint_dir=d, allow_other_run=True, steps=3, save_every=3, seed=7)  # step 3 only
+    new = _run_id(os.path.join(d, "step_000003"))
+    assert new != old and _run_id(os.path.join(d, "step_000004")) == old
     capfd.readouterr()
-    resumed = _run(checkpoint_dir=d, resume=True, steps=3, seed=7)  # the new run, not step 4
-    assert _steps(resumed) == [3]
+    resumed = _run(checkpoint_dir=d, resume=True, steps=5, save_every=5, seed=7)  # not step 4
+    assert _steps(resumed) == [4, 5]
     assert f"skipping {d}/step_000004: another run's (run '{old}'" in capfd.readouterr().err
+    assert _run_id(os.path.join(d, "step_000005")) == new
+    with pytest.raises(RankError, match=r"would save over another run's checkpoints \(step_000004"):
+        _run(checkpoint_dir=d, allow_other_run=True, steps=8, save_every=4)  # 4 and 8
 
 
 def test_keep_last_never_deletes_a_checkpoint_being_read(tmp_path, capfd):

@@ -253,6 +253,34 @@ def _plan_fresh(trainer: Trainer, entries) -> str:
     return _new_run_id()
 
 
+def _planned_saves(cfg, start: int) -> set[int]:
+    """The steps after ``start`` this run saves: every --save-every, and the last."""
+    every = range(cfg.save_every, cfg.steps + 1, cfg.save_every) if cfg.save_every else ()
+    return {s for s in (*every, cfg.steps) if s > start}
+
+
+def _refuse_collisions(cfg, entries, run_id: str, start: int) -> None:
+    """Another run's checkpoint is never overwritten: refuse, before the first step, a run that
+    would save a step another run saved in this directory (--allow-other-run writes beside
+    other runs' checkpoints, not over them)."""
+    planned = _planned_saves(cfg, start)
+    clash = [e for e in entries if e.run_id not in (None, run_id) and e.step in planned]
+    if clash:
+        names = ", ".join(e.name for e in clash[:3]) + (", ..." if len(clash) > 3 else "")
+        raise CheckpointError(
+            f"--checkpoint-dir {cfg.checkpoint_dir}: this run would save over another run's "
+            f"checkpoints ({names}, run {clash[0].run_id!r}), which are never overwritten: use "
+            f"an empty directory, or --steps / --save-every that miss those steps"
+        )
+
+
+def _foreign(root: str, step: int, run_id: str) -> str | None:
+    """The run id of another run's checkpoint of ``step`` in ``root``, if there is one."""
+    found = next((e for e in scan(root) if e.step == step), None)
+    theirs = found is not None and found.run_id not in (None, run_id)
+    return found.run_id if theirs else None
+
+
 def _plan(trainer: Trainer) -> tuple[str, str | None]:
     """Rank 0: take the lock, then decide (run id, checkpoint to load)."""
     cfg = trainer.cfg
@@ -270,6 +298,8 @@ def _plan(trainer: Trainer) -> tuple[str, str | None]:
             run_id, path = _plan_resume(trainer, previous, entries)
         else:
             run_id, path = _plan_fresh(trainer, entries), None
+        start = next((e.step for e in entries if e.path == path), 0)
+        _refuse_collisions(cfg, entries, run_id, start)
         lock.update(run_id=run_id)
     except BaseException:
         close_checkpoints(trainer)
@@ -351,10 +381,16 @@ def _save(trainer: Trainer, root: str, step: int, talk: bool) -> None:
     if lock is not None:
         try:
             lock.check()
+            other = _foreign(root, step, trainer.run_id)  # (a stop's save: an unplanned step)
+            if other is not None:
+                raise CheckpointError(
+                    f"not saving step {step}: {step_dir(root, step)} is run {other!r}'s "
+                    "checkpoint, which is never overwritten"
+                )
         except CheckpointError as e:
             error = e
     if not _agree(error is None):
-        raise error or CheckpointError(f"rank 0 lost the lock on {root}")
+        raise error or CheckpointError(f"rank 0 could not save step {step} in {root}")
     cfg, path = trainer.cfg, step_dir(root, step)
     extra = {
         "step": step,
