@@ -8,6 +8,7 @@ differences: docs/training.md ("Inside fastpar.train")."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,9 +20,11 @@ from fastpar.amp import AmpOptimizer, DynamicLossScaler
 from fastpar.checkpoint import stage_param_names
 from fastpar.debug import debug_checks
 from fastpar.mesh import ParallelMesh
-from fastpar.models import build_model, lm_loss, untie_for_pipeline
+from fastpar.models import build_model, untie_for_pipeline
 from fastpar.models.common import IGNORE_INDEX
 from fastpar.models.documents import Documents, documents, valid_targets
+from fastpar.models.mtp import MTPOutput, mtp_loss
+from fastpar.models.mtp import tokens as mtp_tokens
 from fastpar.moe import MoE, TopKRouter, moe_layers, update_expert_bias
 from fastpar.optim import FusedAdamW, MixedPrecisionOptimizer
 from fastpar.parallel import DataParallel, Replicate, Shard
@@ -260,12 +263,13 @@ def build(
     # every forward before any backward (GPipe): the fused CE recomputes its logits in backward
     forwards_first = SCHEDULES[cfg.schedule].forwards_first
 
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss_fn(logits: torch.Tensor | MTPOutput, targets: torch.Tensor) -> torch.Tensor:
+        # (mtp_loss: lm_loss itself for a tensor; with --mtp-depth the same call per depth)
         if exact:  # the same math as either path below (the head returned logits), in float64
-            return lm_loss(logits.flatten(0, -2), targets, model_cfg, mesh, reduction=red)
+            return mtp_loss(_each(logits, _rows), targets, model_cfg, mesh, reduction=red)
         if cfg.fused_ce:  # the head's weight read now: a pipeline's last stage holds a copy
-            return lm_loss(
-                logits.flatten(0, -2),
+            return mtp_loss(
+                _each(logits, _rows),
                 targets,
                 model_cfg,
                 mesh,
@@ -274,8 +278,8 @@ def build(
                 reduction=red,
             )
         # nothing reads the logits after the loss: their gradient takes their buffer
-        return lm_loss(
-            logits.flatten(0, -2).float(),
+        return mtp_loss(
+            _each(logits, lambda t: _rows(t).float()),
             targets,
             model_cfg,
             mesh,
@@ -299,6 +303,15 @@ def build(
         aux_scale,
         bias_routers,
     )
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.flatten(0, -2)
+
+
+def _each(out, fn):
+    """``fn`` of the head's output: of the logits, or of each of an ``MTPOutput``'s."""
+    return out.map(fn) if isinstance(out, MTPOutput) else fn(out)
 
 
 # -- one rank ----------------------------------------------------------------------------------
@@ -359,13 +372,11 @@ class Trainer:
         self.valid_tokens = valid_targets(y, IGNORE_INDEX)  # (host memory: no device sync)
         per = cfg.batch_size // mesh.dp_size
         rows = slice(mesh.dp_rank * per, (mesh.dp_rank + 1) * per)
-        self.context = None if docs is None else self._documents(docs.rows(rows))
         x, y = x[rows], y[rows]
         if self.device.type == "cuda":
-            return (
-                x.pin_memory().to(self.device, non_blocking=True),
-                y.pin_memory().to(self.device, non_blocking=True),
-            )
+            x = x.pin_memory().to(self.device, non_blocking=True)
+            y = y.pin_memory().to(self.device, non_blocking=True)
+        self.context = self._context(None if docs is None else docs.rows(rows), x)
         return x, y
 
     def step(self) -> dict:
@@ -402,18 +413,34 @@ class Trainer:
             "skipped": skipped,
         }
 
-    def _documents(self, docs):
-        """The engine's ``context``: micro-batch i runs inside its rows' documents, on every
-        stage (each reads them from the batch every rank draws alike: nothing extra is sent)."""
-        m, valid = self.cfg.microbatches, docs.valid
-        docs = Documents(
-            docs.ids.to(self.device),
-            docs.reset_positions,
-            None if valid is None else valid.to(self.device),
-        )
-        per = docs.ids.shape[0] // m
-        parts = [docs.rows(slice(i * per, (i + 1) * per)) for i in range(m)]
-        return lambda i: documents(parts[i])
+    def _context(self, docs, x: torch.Tensor):
+        """The engine's ``context`` (None: none needed): micro-batch i runs inside its rows'
+        documents and, with --mtp-depth, its token ids (``fastpar.models.mtp.tokens``: the last
+        stage's MTP modules look up the tokens ahead), on every stage (each reads them from
+        the batch every rank draws alike: nothing extra is sent)."""
+        mtp = getattr(self.model_cfg, "mtp_depth", 0) > 0
+        if docs is None and not mtp:
+            return None
+        m = self.cfg.microbatches
+        per = x.shape[0] // m
+        if docs is not None:
+            valid = docs.valid
+            docs = Documents(
+                docs.ids.to(self.device),
+                docs.reset_positions,
+                None if valid is None else valid.to(self.device),
+            )
+        parts = [
+            None if docs is None else docs.rows(slice(i * per, (i + 1) * per)) for i in range(m)
+        ]
+        ids = list(x.chunk(m)) if mtp else [None] * m
+
+        @contextlib.contextmanager
+        def context(i: int):
+            with documents(parts[i]), mtp_tokens(ids[i]):
+                yield
+
+        return context
 
     def _count(self):
         """The global count of valid targets for the engine ("token" normalisation), or None."""

@@ -128,6 +128,8 @@ class TrainConfig(TrainOptions):
                 moe_ffn=self.moe_ffn,
                 qk_norm=self.qk_norm,
                 attention_bias=self.attention_bias,
+                mtp_depth=self.mtp_depth,
+                mtp_loss_coef=self.mtp_loss_coef,
                 **shared,
             )
         return GPTConfig(norm=self.norm, **shared)
@@ -148,6 +150,8 @@ class TrainConfig(TrainOptions):
                 "qk_norm",
                 "attention_bias",
                 "moe_ffn",
+                "mtp_depth",
+                "mtp_loss_coef",
             )
             name = _first_changed(self, defaults, llama_only)
             if name is not None:
@@ -183,6 +187,8 @@ class TrainConfig(TrainOptions):
             "ffn",
             "moe_ffn",
             "untied",
+            "mtp_depth",
+            "mtp_loss_coef",
             *ROUTING_DEFAULTS,
         )
         name = _first_changed(self, defaults, own)
@@ -413,6 +419,11 @@ class TrainConfig(TrainOptions):
             raise ValueError(
                 f"batch_size {self.batch_size} must split into dp={self.dp} replicas of "
                 f"{self.microbatches} micro-batches each (a multiple of {self.dp * self.microbatches})"
+            )
+        if self.compile and self.mtp_depth:
+            raise ValueError(
+                f"--compile with --mtp-depth {self.mtp_depth}: the MTP head is not proven under "
+                "torch.compile yet; drop --compile or --mtp-depth"
             )
         if not self.hf_config:
             self.model().check(self.tp, self.pp, self.ep)
