@@ -308,3 +308,35 @@ def test_verify_agrees_at_tp2_pp2_dp2_zero1(extra):
     ok, text = compare(cfg)
     assert ok, text
     assert "AGREE" in text
+
+
+# -- the trainer: the MTP loss logged on its own, checkpoints -----------------------------------
+RUN = dict(SMALL, steps=3, dp=2, pp=2, tp=1, mtp_depth=2, lr_schedule="constant")
+
+
+def test_the_logged_mtp_loss_is_what_its_coefficient_multiplies(data):
+    """Step 1 (the same weights whatever the coefficient): the loss at coefficient 1 minus the
+    loss at coefficient 0 is the logged mtp_loss, averaged over the replicas alike."""
+    from _parity import assert_close
+
+    from fastpar.train import launch
+
+    one = launch(TrainConfig(**{**RUN, "steps": 1, "mtp_loss_coef": 1.0}, data=data))[0]
+    zero = launch(TrainConfig(**{**RUN, "steps": 1, "mtp_loss_coef": 0.0}, data=data))[0]
+    assert one["mtp_loss"] > 0
+    assert_close(torch.tensor(one["loss"] - zero["loss"]), torch.tensor(one["mtp_loss"]), "mtp")
+    assert_close(torch.tensor(zero["mtp_loss"]), torch.tensor(one["mtp_loss"]), "mtp at 0")
+
+
+def test_a_resumed_run_continues_as_the_uninterrupted_one(data, tmp_path):
+    """The MTP modules and the last stage's embedding copy are saved and restored: a run
+    resumed from step 2 trains step 3 as the run that never stopped."""
+    from fastpar.train import launch
+
+    whole = launch(TrainConfig(**RUN, data=data))
+    d = str(tmp_path / "ckpt")
+    launch(TrainConfig(**{**RUN, "steps": 2}, data=data, checkpoint_dir=d))
+    resumed = launch(TrainConfig(**RUN, data=data, checkpoint_dir=d, resume=True))
+    assert [r["step"] for r in resumed] == [3]
+    assert resumed[0]["loss"] == whole[-1]["loss"]
+    assert resumed[0]["mtp_loss"] == whole[-1]["mtp_loss"]

@@ -260,7 +260,8 @@ def mtp_loss(
     ``targets`` [B, T]: "sum" the sums, "mean" divided by the count of valid main targets
     (under context parallelism this rank's chunks × cp / the whole rows' count, like
     ``lm_loss``; at least 1). Keyword arguments as ``lm_loss``'s, for every depth.
-    ``parts``: a list that receives (main, MTP term) detached, in the same reduction."""
+    ``parts``: a list that receives the MTP loss without its coefficient, (1 / D) Σ_k CE_k in
+    the same reduction, detached (for the metrics' ``mtp_loss``)."""
     kw = dict(weight=weight, recompute=recompute, inplace_backward=inplace_backward)
     if not isinstance(out, MTPOutput):
         return lm_loss(out, targets, cfg, mesh, reduction=reduction, **kw)
@@ -273,12 +274,12 @@ def mtp_loss(
         terms.append(
             lm_loss(logits, depth_targets(targets, k, keep), cfg, mesh, reduction="sum", **kw)
         )
-    extra = torch.stack(terms).sum() * (cfg.mtp_loss_coef / len(terms))
+    depths = torch.stack(terms).sum() / len(terms)
     if reduction == "mean":
         cp_group = cp_group_of(mesh)  # (the whole rows' count: no all-reduce)
         cp = 1 if cp_group is None else group_size(cp_group)
         scale = cp / (targets != IGNORE_INDEX).sum().float().clamp(min=1)
-        main, extra = main * scale, extra * scale
+        main, depths = main * scale, depths * scale
     if parts is not None and torch.is_grad_enabled():  # once a micro-batch (not a no_grad
-        parts.append((main.detach(), extra.detach()))  # first forward under recompute)
-    return main + extra
+        parts.append(depths.detach())  # first forward under recompute)
+    return main + cfg.mtp_loss_coef * depths

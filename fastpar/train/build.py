@@ -8,7 +8,6 @@ differences: docs/training.md ("Inside fastpar.train")."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,9 +21,8 @@ from fastpar.debug import debug_checks
 from fastpar.mesh import ParallelMesh
 from fastpar.models import build_model, untie_for_pipeline
 from fastpar.models.common import IGNORE_INDEX
-from fastpar.models.documents import Documents, documents, valid_targets
+from fastpar.models.documents import valid_targets
 from fastpar.models.mtp import MTPOutput, mtp_loss
-from fastpar.models.mtp import tokens as mtp_tokens
 from fastpar.moe import MoE, TopKRouter, moe_layers, update_expert_bias
 from fastpar.optim import FusedAdamW, MixedPrecisionOptimizer
 from fastpar.parallel import DataParallel, Replicate, Shard
@@ -46,6 +44,7 @@ from fastpar.train.batches import (
     eval_batch,
     load_data,
     lr_at,
+    microbatch_context,
     split_tokens,
 )
 from fastpar.train.config import TrainConfig
@@ -82,6 +81,10 @@ class Parts:
     moes: list[MoE]
     aux_scale: torch.Tensor | None
     bias_routers: list[TopKRouter] = field(default_factory=list)
+    mtp_terms: list = field(default_factory=list)
+    """--mtp-depth: each training micro-batch's MTP loss without its coefficient, detached, as
+    ``loss_fn`` returned it (``fastpar.models.mtp.mtp_loss``'s ``parts``); the trainer reads
+    and clears it every step."""
 
     @property
     def param_groups(self) -> list[dict]:
@@ -262,6 +265,7 @@ def build(
     red = "sum" if cfg.loss_normalization == "token" else "mean"
     # every forward before any backward (GPipe): the fused CE recomputes its logits in backward
     forwards_first = SCHEDULES[cfg.schedule].forwards_first
+    mtp_terms: list = []
 
     def loss_fn(logits: torch.Tensor | MTPOutput, targets: torch.Tensor) -> torch.Tensor:
         # (mtp_loss: lm_loss itself for a tensor; with --mtp-depth the same call per depth)
@@ -276,6 +280,7 @@ def build(
                 weight=head.weight,
                 recompute=forwards_first,
                 reduction=red,
+                parts=mtp_terms,
             )
         # nothing reads the logits after the loss: their gradient takes their buffer
         return mtp_loss(
@@ -285,6 +290,7 @@ def build(
             mesh,
             inplace_backward=True,
             reduction=red,
+            parts=mtp_terms,
         )
 
     bias_routers = [m.router for m in moes if m.router.expert_bias is not None]
@@ -302,6 +308,7 @@ def build(
         moes,
         aux_scale,
         bias_routers,
+        mtp_terms,
     )
 
 
@@ -376,7 +383,9 @@ class Trainer:
         if self.device.type == "cuda":
             x = x.pin_memory().to(self.device, non_blocking=True)
             y = y.pin_memory().to(self.device, non_blocking=True)
-        self.context = self._context(None if docs is None else docs.rows(rows), x)
+        docs = None if docs is None else docs.rows(rows)
+        mtp = getattr(self.model_cfg, "mtp_depth", 0) > 0
+        self.context = microbatch_context(docs, x, cfg.microbatches, self.device, mtp)
         return x, y
 
     def step(self) -> dict:
@@ -392,6 +401,7 @@ class Trainer:
         t0 = time.perf_counter()
         if self.valid_tokens == 0 and cfg.loss_normalization == "token":
             return self._empty_step(lr, t0)
+        self.parts.mtp_terms.clear()
         loss = self.engine.train_step(
             x if mesh.is_first_stage else None,
             y if mesh.is_last_stage else None,
@@ -411,36 +421,22 @@ class Trainer:
             "loss": None if loss is None else loss.detach().float(),
             "grad_norm": norm,
             "skipped": skipped,
+            **self._mtp_record(),
         }
 
-    def _context(self, docs, x: torch.Tensor):
-        """The engine's ``context`` (None: none needed): micro-batch i runs inside its rows'
-        documents and, with --mtp-depth, its token ids (``fastpar.models.mtp.tokens``: the last
-        stage's MTP modules look up the tokens ahead), on every stage (each reads them from
-        the batch every rank draws alike: nothing extra is sent)."""
-        mtp = getattr(self.model_cfg, "mtp_depth", 0) > 0
-        if docs is None and not mtp:
-            return None
-        m = self.cfg.microbatches
-        per = x.shape[0] // m
-        if docs is not None:
-            valid = docs.valid
-            docs = Documents(
-                docs.ids.to(self.device),
-                docs.reset_positions,
-                None if valid is None else valid.to(self.device),
-            )
-        parts = [
-            None if docs is None else docs.rows(slice(i * per, (i + 1) * per)) for i in range(m)
-        ]
-        ids = list(x.chunk(m)) if mtp else [None] * m
-
-        @contextlib.contextmanager
-        def context(i: int):
-            with documents(parts[i]), mtp_tokens(ids[i]):
-                yield
-
-        return context
+    def _mtp_record(self) -> dict:
+        """--mtp-depth: {"mtp_loss": the step's MTP loss without its coefficient, weighted as
+        the engine weighs each micro-batch's loss (None off the last stage)}; else {}."""
+        if not getattr(self.model_cfg, "mtp_depth", 0):
+            return {}
+        terms = self.parts.mtp_terms
+        if not self.mesh.is_last_stage or not terms:
+            return {"mtp_loss": None}
+        if self.cfg.loss_normalization == "token":  # the engine's dp·cp / the global count
+            weight = self.mesh.dp_size * self.mesh.cp_size / max(1, self.valid_tokens)
+        else:
+            weight = 1.0 / self.cfg.microbatches
+        return {"mtp_loss": torch.stack(terms).sum().float() * weight}
 
     def _count(self):
         """The global count of valid targets for the engine ("token" normalisation), or None."""
