@@ -258,8 +258,19 @@ def _first_step_gradients(cfg: TrainConfig, refs) -> list[str]:
         dict(tp=2, pp=2, mtp_depth=2, untied=True),
         dict(tp=2, pp=2, mtp_depth=2, untied=True, fused_ce=True, sequence_parallel=True),
         dict(tp=2, pp=2, mtp_depth=2, schedule="interleaved", virtual_stages=2, layers=4),
+        dict(tp=1, pp=2, mtp_depth=2, untied=True, schedule="zb-h1"),
+        dict(tp=1, pp=2, mtp_depth=2, schedule="gpipe", recompute=True, fused_ce=True),
     ],
-    ids=["tp2", "pp2", "tp2-pp2-d1-tied", "tp2-pp2-d2-untied", "fused-ce-sp", "interleaved"],
+    ids=[
+        "tp2",
+        "pp2",
+        "tp2-pp2-d1-tied",
+        "tp2-pp2-d2-untied",
+        "fused-ce-sp",
+        "interleaved",
+        "zb-h1",
+        "gpipe-recompute-fused-ce",
+    ],
 )
 def test_every_gradient_on_every_rank_is_the_single_process_models(data, layout):
     from fastpar.testing import run_ranks
