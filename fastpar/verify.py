@@ -23,6 +23,7 @@ from fastpar.cliutil import option_of
 from fastpar.launch import RankError
 from fastpar.models.common import IGNORE_INDEX
 from fastpar.models.documents import documents
+from fastpar.models.mtp import tokens as mtp_tokens
 from fastpar.train import (
     TrainConfig,
     batch_of,
@@ -142,7 +143,8 @@ def reference(
             opt.zero_grad()  # a replica's pieces accumulate in the model's dtype, as on a rank
             for piece in range(r * per, (r + 1) * per):
                 sl = slice(piece * rows, (piece + 1) * rows)
-                with documents(None if docs is None else docs.rows(sl)):  # (packed rows)
+                docs_sl = None if docs is None else docs.rows(sl)  # (packed rows)
+                with documents(docs_sl), mtp_tokens(x[sl]):  # (the ids MTP modules look up)
                     logits = model(x[sl])
                 # the sum over the global count, times the replicas their average divides by
                 loss = parts.loss_fn(logits, y[sl]) * (replicas / count)

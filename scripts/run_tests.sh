@@ -69,9 +69,11 @@ SECOND_PATH=(
     tests/test_train_moe_routing.py::test_verify_fp16_with_skipped_steps
     tests/test_ops_documents.py tests/test_context_documents.py
     tests/test_train_documents.py::test_every_gradient_on_every_rank_is_the_single_process_models
+    tests/test_mtp.py::test_loss_and_gradients_equal_the_papers_definition
+    "tests/test_mtp.py::test_every_gradient_on_every_rank_is_the_single_process_models[tp2-pp2-d2-untied]"
 )
 # the two extra jobs' seconds, for the split (scripts/split_tests.py)
-JOBS=(second=80 interpreter=45)
+JOBS=(second=100 interpreter=45)
 
 LOGS="$(mktemp -d -t fastpar-tests-XXXXXX)"
 trap 'rm -rf "$LOGS"' EXIT

@@ -318,7 +318,11 @@ class Head(nn.Module):
         self.return_hidden = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.norm(x)
+        return self.project(self.norm(x))
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """Normed hidden states [B, T(/tp), H] -> logits [B·T, vocab / tp] by ``weight`` (or,
+        with ``return_hidden``, the hidden states [B·T, H] entered into the TP region)."""
         x = (
             all_gather_reduce_scatter(x, self.group, dim=1)
             if self.sp
@@ -375,18 +379,24 @@ def untie_for_pipeline(blocks: list[nn.Module], mesh) -> nn.Parameter | None:
     ``stage_param_names``), so one tensor serves every pipeline layout."""
 
     head, embed = blocks[-1], blocks[0]
-    if head.weight is not embed.tok.weight:
+    weight = embed.tok.weight
+    tied = head.weight is weight
+    shared = getattr(head, "embedding", None) is weight  # multi-token prediction's lookups
+    if not (tied or shared):
         return None
     if mesh is None or mesh.pp_size == 1:
         return None
     if mesh.is_last_stage:
-        copy = nn.Parameter(embed.tok.weight.detach().clone())
-        layout = param_layout(embed.tok.weight)
+        copy = nn.Parameter(weight.detach().clone())
+        layout = param_layout(weight)
         mark_sharded(copy, layout.dim, layout.group, layout.full_size)
         mark_tied_copy(copy, "0.tok.weight")
-        head.weight = copy
+        if tied:
+            head.weight = copy
+        if shared:
+            head.embedding = copy
         return copy
-    return embed.tok.weight if mesh.is_first_stage else None
+    return weight if mesh.is_first_stage else None
 
 
 def lm_loss(

@@ -30,6 +30,7 @@ from fastpar.models.common import (
     moe_block,
     positions,
 )
+from fastpar.models.mtp import DEFAULT_COEF, add_mtp, check_mtp
 from fastpar.moe.config import (
     AUX_LOSS_WORDS,
     ROUTING_DEFAULTS,
@@ -105,6 +106,12 @@ class LlamaConfig:
     cp_attention: str = "ring"
     """Attention under context parallelism: "ring" (K/V around the cp ranks) or "all-to-all"
     (heads scattered over cp; the local query heads must divide by cp)."""
+    mtp_depth: int = 0
+    """DeepSeek-V3 multi-token prediction: D sequential modules after the model, module k
+    predicting the token k + 1 ahead (``fastpar.models.mtp``; HF num_nextn_predict_layers).
+    0: off."""
+    mtp_loss_coef: float = DEFAULT_COEF
+    """The MTP loss weight lambda: loss = main + lambda / D · sum of the depths' losses."""
 
     @property
     def num_kv_heads(self) -> int:
@@ -194,6 +201,7 @@ class LlamaConfig:
                 f"experts per token or more experts"
             )
         check_routing(self)
+        check_mtp(self)
         check_layout(self, tp, pp, ep)
 
 
@@ -387,8 +395,10 @@ class Block(DecoderBlock):
 
 def build_llama(cfg: LlamaConfig, mesh=None) -> list[nn.Module]:
     """Every block of the model: [Embedding, Block x cfg.layers, Head], drawn in this order from
-    the current random stream on every rank (same seed -> same model at any layout)."""
-    return build_decoder(cfg, mesh, Block, eps=cfg.norm_eps)
+    the current random stream on every rank (same seed -> same model at any layout); with
+    ``mtp_depth`` the head is an ``MTPHead`` whose modules are drawn last."""
+    blocks = build_decoder(cfg, mesh, Block, eps=cfg.norm_eps)
+    return add_mtp(blocks, cfg, mesh, Block)  # (mtp_depth > 0: the head becomes an MTPHead)
 
 
 #: mean vocab-parallel cross-entropy of logits [B·T, vocab / tp] against targets [B, T]

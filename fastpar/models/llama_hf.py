@@ -27,6 +27,12 @@ def hf_model_type(cfg: LlamaConfig) -> str:
             "qk_norm with attention_bias has no HF family: Qwen3 (q/k norm) puts its bias on "
             "o_proj too, Qwen2 (q/k/v bias) has no q/k norm; drop one of the two"
         )
+    if getattr(cfg, "mtp_depth", 0):
+        raise ValueError(
+            f"mtp_depth {cfg.mtp_depth}: the Llama-class HF families have no multi-token "
+            "prediction modules, so their weights have no HF name; keep the fastpar checkpoint "
+            "(or train without --mtp-depth)"
+        )
     if not cfg.moe_every:
         return _dense_family(cfg)
     routing = ("router_score", "routed_scaling_factor", "router_groups", "expert_bias")

@@ -73,6 +73,29 @@ def is_scaled_embedding(module: nn.Module) -> bool:
     )
 
 
+def vocab_parallel_lookup(
+    ids: torch.Tensor,
+    weight: torch.Tensor,
+    shard: VocabShard,
+    group: dist.ProcessGroup | None,
+    padding_idx: int | None = None,
+) -> torch.Tensor:
+    """``VocabParallelEmbedding``'s lookup of ids [...] in this rank's rows ``weight``
+    [per_rank, dim] (``shard``): [..., dim], identical on every rank of ``group`` (one
+    all-reduce; none in backward). For a module that shares another's table (multi-token
+    prediction's lookups in the model's embedding); no id check."""
+    s = shard
+    if s.world == 1:
+        return F.embedding(ids, weight, padding_idx)
+    outside = (ids < s.start) | (ids >= s.start + s.valid)
+    local_ids = (ids - s.start).masked_fill(outside, 0)
+    pad = padding_idx
+    local_pad = pad - s.start if pad is not None and s.start <= pad < s.start + s.valid else None
+    out = F.embedding(local_ids, weight, local_pad)
+    out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+    return reduce_from_region(out, group)
+
+
 class VocabParallelEmbedding(nn.Module):
     """``nn.Embedding`` with the vocabulary split into contiguous ranges over the TP group.
 
@@ -150,17 +173,9 @@ class VocabParallelEmbedding(nn.Module):
                 ids.device,
                 "every rank of a tensor-parallel group must look up the same token ids",
             )
-        if s.world == 1:
-            return self._scaled(F.embedding(ids, self.weight, self.padding_idx))
-        outside = (ids < s.start) | (ids >= s.start + s.valid)
-        local_ids = (ids - s.start).masked_fill(outside, 0)
-        pad = self.padding_idx
-        local_pad = (
-            pad - s.start if pad is not None and s.start <= pad < s.start + s.valid else None
+        return self._scaled(
+            vocab_parallel_lookup(ids, self.weight, s, self.group, self.padding_idx)
         )
-        out = F.embedding(local_ids, self.weight, local_pad)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return self._scaled(reduce_from_region(out, self.group))
 
     def _scaled(self, out: torch.Tensor) -> torch.Tensor:
         scale = self.embed_scale

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+
+import torch
 
 from fastpar.data import (
     IGNORE_INDEX,
@@ -17,7 +20,8 @@ from fastpar.data import (
     load_tokens,
     tokenizer_eos_id,
 )
-from fastpar.models.documents import Documents
+from fastpar.models.documents import Documents, documents
+from fastpar.models.mtp import tokens
 from fastpar.train.config import TrainConfig
 
 
@@ -145,3 +149,29 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
     floor = cfg.lr_floor
     return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def microbatch_context(
+    docs: Documents | None, x: torch.Tensor, microbatches: int, device, mtp: bool
+):
+    """The engine's ``context`` for a replica's rows ``x`` [B, T] (None: none needed): micro-batch
+    i runs inside its rows' documents and, with ``mtp`` (--mtp-depth), its token ids
+    (``fastpar.models.mtp.tokens``: the last stage's MTP modules look up the tokens ahead), on
+    every stage (each reads them from the batch every rank draws alike: nothing extra is
+    sent)."""
+    if docs is None and not mtp:
+        return None
+    per = x.shape[0] // microbatches
+    rows = [slice(i * per, (i + 1) * per) for i in range(microbatches)]
+    if docs is not None:
+        valid = None if docs.valid is None else docs.valid.to(device)
+        docs = Documents(docs.ids.to(device), docs.reset_positions, valid)
+    parts = [None if docs is None else docs.rows(r) for r in rows]
+    ids = [x[r] if mtp else None for r in rows]
+
+    @contextlib.contextmanager
+    def context(i: int):
+        with documents(parts[i]), tokens(ids[i]):
+            yield
+
+    return context

@@ -19,9 +19,10 @@ from fastpar.amp import AmpOptimizer, DynamicLossScaler
 from fastpar.checkpoint import stage_param_names
 from fastpar.debug import debug_checks
 from fastpar.mesh import ParallelMesh
-from fastpar.models import build_model, lm_loss, untie_for_pipeline
+from fastpar.models import build_model, untie_for_pipeline
 from fastpar.models.common import IGNORE_INDEX
-from fastpar.models.documents import Documents, documents, valid_targets
+from fastpar.models.documents import valid_targets
+from fastpar.models.mtp import MTPOutput, mtp_loss
 from fastpar.moe import MoE, TopKRouter, moe_layers, update_expert_bias
 from fastpar.optim import FusedAdamW, MixedPrecisionOptimizer
 from fastpar.parallel import DataParallel, Replicate, Shard
@@ -43,6 +44,7 @@ from fastpar.train.batches import (
     eval_batch,
     load_data,
     lr_at,
+    microbatch_context,
     split_tokens,
 )
 from fastpar.train.config import TrainConfig
@@ -79,6 +81,10 @@ class Parts:
     moes: list[MoE]
     aux_scale: torch.Tensor | None
     bias_routers: list[TopKRouter] = field(default_factory=list)
+    mtp_terms: list = field(default_factory=list)
+    """--mtp-depth: each training micro-batch's MTP loss without its coefficient, detached, as
+    ``loss_fn`` returned it (``fastpar.models.mtp.mtp_loss``'s ``parts``); the trainer reads
+    and clears it every step."""
 
     @property
     def param_groups(self) -> list[dict]:
@@ -262,28 +268,32 @@ def build(
     red = "sum" if cfg.loss_normalization == "token" else "mean"
     # every forward before any backward (GPipe): the fused CE recomputes its logits in backward
     forwards_first = SCHEDULES[cfg.schedule].forwards_first
+    mtp_terms: list = []
 
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss_fn(logits: torch.Tensor | MTPOutput, targets: torch.Tensor) -> torch.Tensor:
+        # (mtp_loss: lm_loss itself for a tensor; with --mtp-depth the same call per depth)
         if exact:  # the same math as either path below (the head returned logits), in float64
-            return lm_loss(logits.flatten(0, -2), targets, model_cfg, mesh, reduction=red)
+            return mtp_loss(_each(logits, _rows), targets, model_cfg, mesh, reduction=red)
         if cfg.fused_ce:  # the head's weight read now: a pipeline's last stage holds a copy
-            return lm_loss(
-                logits.flatten(0, -2),
+            return mtp_loss(
+                _each(logits, _rows),
                 targets,
                 model_cfg,
                 mesh,
                 weight=head.weight,
                 recompute=forwards_first,
                 reduction=red,
+                parts=mtp_terms,
             )
         # nothing reads the logits after the loss: their gradient takes their buffer
-        return lm_loss(
-            logits.flatten(0, -2).float(),
+        return mtp_loss(
+            _each(logits, lambda t: _rows(t).float()),
             targets,
             model_cfg,
             mesh,
             inplace_backward=True,
             reduction=red,
+            parts=mtp_terms,
         )
 
     bias_routers = [m.router for m in moes if m.router.expert_bias is not None]
@@ -301,7 +311,17 @@ def build(
         moes,
         aux_scale,
         bias_routers,
+        mtp_terms,
     )
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.flatten(0, -2)
+
+
+def _each(out, fn):
+    """``fn`` of the head's output: of the logits, or of each of an ``MTPOutput``'s."""
+    return out.map(fn) if isinstance(out, MTPOutput) else fn(out)
 
 
 # -- one rank ----------------------------------------------------------------------------------
@@ -362,13 +382,13 @@ class Trainer:
         self.valid_tokens = valid_targets(y, IGNORE_INDEX)  # (host memory: no device sync)
         per = cfg.batch_size // mesh.dp_size
         rows = slice(mesh.dp_rank * per, (mesh.dp_rank + 1) * per)
-        self.context = None if docs is None else self._documents(docs.rows(rows))
         x, y = x[rows], y[rows]
         if self.device.type == "cuda":
-            return (
-                x.pin_memory().to(self.device, non_blocking=True),
-                y.pin_memory().to(self.device, non_blocking=True),
-            )
+            x = x.pin_memory().to(self.device, non_blocking=True)
+            y = y.pin_memory().to(self.device, non_blocking=True)
+        docs = None if docs is None else docs.rows(rows)
+        mtp = getattr(self.model_cfg, "mtp_depth", 0) > 0
+        self.context = microbatch_context(docs, x, cfg.microbatches, self.device, mtp)
         return x, y
 
     def step(self) -> dict:
@@ -384,6 +404,7 @@ class Trainer:
         t0 = time.perf_counter()
         if self.valid_tokens == 0 and cfg.loss_normalization == "token":
             return self._empty_step(lr, t0)
+        self.parts.mtp_terms.clear()
         loss = self.engine.train_step(
             x if mesh.is_first_stage else None,
             y if mesh.is_last_stage else None,
@@ -403,20 +424,22 @@ class Trainer:
             "loss": None if loss is None else loss.detach().float(),
             "grad_norm": norm,
             "skipped": skipped,
+            **self._mtp_record(),
         }
 
-    def _documents(self, docs):
-        """The engine's ``context``: micro-batch i runs inside its rows' documents, on every
-        stage (each reads them from the batch every rank draws alike: nothing extra is sent)."""
-        m, valid = self.cfg.microbatches, docs.valid
-        docs = Documents(
-            docs.ids.to(self.device),
-            docs.reset_positions,
-            None if valid is None else valid.to(self.device),
-        )
-        per = docs.ids.shape[0] // m
-        parts = [docs.rows(slice(i * per, (i + 1) * per)) for i in range(m)]
-        return lambda i: documents(parts[i])
+    def _mtp_record(self) -> dict:
+        """--mtp-depth: {"mtp_loss": the step's MTP loss without its coefficient, weighted as
+        the engine weighs each micro-batch's loss (None off the last stage)}; else {}."""
+        if not getattr(self.model_cfg, "mtp_depth", 0):
+            return {}
+        terms = self.parts.mtp_terms
+        if not self.mesh.is_last_stage or not terms:
+            return {"mtp_loss": None}
+        if self.cfg.loss_normalization == "token":  # the engine's dp·cp / the global count
+            weight = self.mesh.dp_size * self.mesh.cp_size / max(1, self.valid_tokens)
+        else:
+            weight = 1.0 / self.cfg.microbatches
+        return {"mtp_loss": torch.stack(terms).sum().float() * weight}
 
     def _count(self):
         """The global count of valid targets for the engine ("token" normalisation), or None."""

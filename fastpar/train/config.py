@@ -48,6 +48,8 @@ DESCRIPTION = (
 
 LLAMA_ONLY = ("kv_heads", "head_dim", "qk_norm", "attention_bias")
 """Flags of --model llama alone (--rope-theta and --moe-ffn are DeepSeek's too)."""
+MTP = ("mtp_depth", "mtp_loss_coef")
+"""Multi-token prediction's flags: fastpar's Llama and DeepSeek."""
 DEEPSEEK_ONLY = (
     "q_lora_rank",
     "kv_lora_rank",
@@ -158,6 +160,8 @@ class TrainConfig(TrainOptions):
                 moe_ffn=self.moe_ffn,
                 qk_norm=self.qk_norm,
                 attention_bias=self.attention_bias,
+                mtp_depth=self.mtp_depth,
+                mtp_loss_coef=self.mtp_loss_coef,
                 **shared,
             )
         if self.model_type == "deepseek":
@@ -181,7 +185,7 @@ class TrainConfig(TrainOptions):
             self._check_hf(defaults)
             return self._check_data_flags()
         foreign = {  # the other models' own flags
-            "gpt": (*LLAMA_ONLY, "rope_theta", "moe_ffn", *DEEPSEEK_ONLY),
+            "gpt": (*LLAMA_ONLY, "rope_theta", "moe_ffn", *MTP, *DEEPSEEK_ONLY),
             "llama": DEEPSEEK_ONLY,
             "deepseek": LLAMA_ONLY,
         }[self.model_type]
@@ -231,6 +235,7 @@ class TrainConfig(TrainOptions):
             "moe_ffn",
             "untied",
             *DEEPSEEK_ONLY,
+            *MTP,
             *ROUTING_DEFAULTS,
         )
         name = _first_changed(self, defaults, own)
@@ -462,6 +467,11 @@ class TrainConfig(TrainOptions):
             raise ValueError(
                 f"batch_size {self.batch_size} must split into dp={self.dp} replicas of "
                 f"{self.microbatches} micro-batches each (a multiple of {self.dp * self.microbatches})"
+            )
+        if self.compile and self.mtp_depth:
+            raise ValueError(
+                f"--compile with --mtp-depth {self.mtp_depth}: the MTP head is not proven under "
+                "torch.compile yet; drop --compile or --mtp-depth"
             )
         if not self.hf_config:
             self.model().check(self.tp, self.pp, self.ep)

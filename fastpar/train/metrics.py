@@ -50,6 +50,21 @@ def resolve(records: list[dict], mesh, device: torch.device) -> None:
         r["loss"] = values[i] / (mesh.dp_size * mesh.cp_size)
         r["grad_norm"] = values[k + i]
         r["skipped"] = values[2 * k + i] > 0
+    _resolve_mtp(records, mesh, device)
+
+
+def _resolve_mtp(records: list[dict], mesh, device: torch.device) -> None:
+    """--mtp-depth: each record's ``mtp_loss`` averaged over data parallelism like ``loss``
+    (a skipped empty step's: 0). A no-op for records without one."""
+    if not any("mtp_loss" in r for r in records):
+        return
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    mtp = torch.stack([zero if r.get("mtp_loss") is None else r["mtp_loss"] for r in records])
+    if mesh.pp_size > 1:
+        dist.broadcast(mtp, src=mesh.ranks("pp")[-1], group=mesh.pp_group)
+    dist.all_reduce(mtp, group=mesh.dp_cp_group)
+    for r, value in zip(records, mtp.tolist(), strict=True):
+        r["mtp_loss"] = value / (mesh.dp_size * mesh.cp_size)
 
 
 def _is_embedding(module: torch.nn.Module) -> bool:
@@ -212,6 +227,7 @@ def progress_line(cfg, row: dict) -> str:
         + f" | elapsed {_clock(row['elapsed_s'])} | ETA {_clock(row['eta_s'])}"
         + (" | skipped" if row["skipped"] else "")
         + (f" | val_loss {_num(row['val_loss'])}" if "val_loss" in row else "")
+        + (f" | mtp_loss {_num(row['mtp_loss'])}" if "mtp_loss" in row else "")
     )
 
 
@@ -250,6 +266,8 @@ def metrics_row(
     timed = steps_run - compile_steps
     per_step = (elapsed - compile_s) / timed if timed > 0 else None
     val = {"val_loss": _finite(rec["val_loss"])} if "val_loss" in rec else {}
+    if "mtp_loss" in rec:  # --mtp-depth: loss = the main loss + mtp_loss_coef x mtp_loss
+        val["mtp_loss"] = _finite(rec["mtp_loss"])
     return val | {
         "step": rec["step"],
         "steps": cfg.steps,
@@ -296,6 +314,7 @@ SCALARS = (
     "mem_reserved_mib",
     "skipped_steps",
     "val_loss",
+    "mtp_loss",
 )
 
 

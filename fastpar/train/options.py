@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from fastpar.cliutil import flat_fields, option
 from fastpar.data import BIN_DTYPES
+from fastpar.models.mtp import DEFAULT_COEF
 from fastpar.moe.config import ROUTING, ExpertConfig, RouterConfig
 from fastpar.nn import styles
 from fastpar.parallel.pipeline.schedules import SCHEDULES
@@ -231,6 +232,20 @@ class TrainOptions:
     )
     untied: bool = option(
         False, MODEL, "an LM head of its own instead of the embedding's weight", resume="refuse"
+    )
+    mtp_depth: int = option(
+        0,
+        MODEL,
+        help="llama / deepseek: DeepSeek-V3 multi-token prediction, D sequential modules "
+        "(module k predicts the token k + 1 ahead, sharing the embedding and head; 0: off)",
+        resume="refuse",
+    )
+    mtp_loss_coef: float = option(
+        DEFAULT_COEF,
+        MODEL,
+        help="the MTP loss weight lambda: loss = main + lambda / D * sum of the depths' "
+        "cross-entropies (Megatron's default; DeepSeek-V3 trained with 0.3, then 0.1)",
+        resume="warn",
     )
     moe_every: int | None = option(
         None,

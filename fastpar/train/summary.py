@@ -59,6 +59,8 @@ def math_settings(cfg) -> list[str]:
         out.append(f"--plan {cfg.plan}")
     if has_moe(cfg):
         out.append(moe_text(cfg))
+    if getattr(cfg, "mtp_depth", 0):
+        out.append(f"MTP depth {cfg.mtp_depth} (loss coef {cfg.mtp_loss_coef:g})")
     return out
 
 
