@@ -6,8 +6,12 @@ fix; the model's own shape checks are ``GPTConfig.check`` / ``LlamaConfig.check`
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import os
+
+import torch.distributed as dist
 
 from fastpar.cliutil import check_positive_or_none
 
@@ -257,3 +261,44 @@ def check_world_size(cfg, world: int) -> None:
     raise ValueError(
         f"{what}: pass {changed} (--dp may be left out: it follows the world size){other}"
     )
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> "ranks 0-2, 5"."""
+    spans, start = [], ranks[0]
+    for a, b in zip(ranks, [*ranks[1:], None], strict=True):
+        if b != a + 1:
+            spans.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(spans)
+
+
+class SettingsDiffer(ValueError):
+    """The ranks were started with different settings (``check_same_settings``)."""
+
+
+def check_same_settings(cfg) -> None:
+    """Every rank's resolved settings (every TrainConfig field: model, layout, optimizer,
+    schedule, data, seed, precision) against every other's, before the first step: one small
+    all-gather of a digest (and, only when they differ, of the settings, to name them).
+    ValueError on every rank naming the first differing setting and which ranks hold which
+    value; torchrun nodes started with different flags would otherwise train silently apart."""
+    mine = {k: repr(v) for k, v in dataclasses.asdict(cfg).items()}
+    digest = hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).hexdigest()
+    world = dist.get_world_size()
+    digests: list = [None] * world
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) == 1:
+        return
+    every: list = [None] * world
+    dist.all_gather_object(every, mine)
+    for name in mine:
+        values: dict[str, list[int]] = {}
+        for rank, settings in enumerate(every):
+            values.setdefault(settings.get(name, "<absent>"), []).append(rank)
+        if len(values) > 1:
+            held = "; ".join(f"{v} on {_ranks_text(r)}" for v, r in values.items())
+            raise SettingsDiffer(
+                f"the ranks were started with different settings: {flag(name)} is {held}; "
+                f"start every node (every torchrun agent) with the same flags and config file"
+            )

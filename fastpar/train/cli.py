@@ -19,6 +19,7 @@ from fastpar.cliutil import Option, Parser, option_of, read_table
 from fastpar.launch import RankError
 from fastpar.train.batches import load_data
 from fastpar.train.checks import (
+    SettingsDiffer,
     check_devices,
     check_world_size,
     flag,
@@ -275,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc.exception, (CheckpointError, ValueError, ImportError)):
             return refuse(exc.exception)
         raise
+    except SettingsDiffer as exc:  # under torchrun: every rank says it, local rank 0 prints
+        return refuse(exc)
     if records and not cfg.quiet and "RANK" not in os.environ:
         print(done_line(cfg, records))
     return 0

@@ -16,6 +16,7 @@ from fastpar.checkpoint.directory import step_dir
 from fastpar.mesh import ParallelMesh
 from fastpar.train.build import Trainer
 from fastpar.train.checkpointing import _save, close_checkpoints, open_checkpoints
+from fastpar.train.checks import check_same_settings
 from fastpar.train.compile import compile_blocks
 from fastpar.train.config import TrainConfig
 from fastpar.train.metrics import (
@@ -41,6 +42,7 @@ def run(cfg: TrainConfig, tokens=None) -> list[dict]:
     save it when ``cfg.checkpoint_dir`` is set, and raise ``RunStopped``; so does divergence (a
     non-finite loss in fp32 / bf16, ``cfg.max_skipped_steps`` skipped steps in a row, weights
     about to be saved that are not finite), without saving."""
+    check_same_settings(cfg)  # one small all-gather: nodes started with other flags stop here
     with StopSignals() as signals:
         mesh = ParallelMesh(cfg.tp, cfg.pp, cfg.ep, timeout=cfg.collective_timeout, cp=cfg.cp)
         device = (
