@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import secrets
+import shutil
 import sys
 import time
 from dataclasses import asdict
@@ -18,12 +20,13 @@ import torch.distributed as dist
 
 from fastpar.checkpoint.core import _agree
 from fastpar.checkpoint.directory import latest_checkpoint, prune, scan, step_dir
-from fastpar.checkpoint.format import CheckpointError
+from fastpar.checkpoint.format import PARTIAL_SUFFIX, CheckpointError
 from fastpar.checkpoint.lock import DirectoryLock, describe
 from fastpar.cliutil import option_of
 from fastpar.train.batches import SCHEDULE_FIELDS, lr_at
 from fastpar.train.build import Trainer
 from fastpar.train.config import TrainConfig
+from fastpar.train.stop import RunStopped
 
 __all__ = [
     "CONFIG_FILE",
@@ -373,7 +376,46 @@ def _load(trainer: Trainer, path: str, talk: bool) -> int:
     return trainer.step_count
 
 
-def _save(trainer: Trainer, root: str, step: int, talk: bool) -> None:
+class SaveFailed(RunStopped):
+    """A checkpoint could not be written (a full disk, a lost mount): the run ends, exit 1,
+    with one line naming the path, the cause, the bytes needed and free; earlier checkpoints
+    are untouched and the failed save's partial directory is removed."""
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def _save_failed(exc: BaseException, trainer: Trainer, root: str, step: int) -> str:
+    """Every rank: the one line of a failed save, alike on every rank (one all-gather names the
+    rank whose write failed and its errno); rank 0 removes the partial directory."""
+    mine = (exc.errno, exc.filename) if isinstance(exc, OSError) and exc.errno else None
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    found = next(((r, e) for r, e in enumerate(every) if e is not None), None)
+    path = step_dir(root, step)
+    if found is None:
+        why = f"{type(exc).__name__}: {exc}"
+    else:
+        rank, (code, filename) = found
+        name = errno.errorcode.get(code, str(code))
+        why = f"{os.strerror(code)} ({name}) writing {filename or path} on rank {rank}"
+    if dist.get_rank() == 0:
+        shutil.rmtree(path + PARTIAL_SUFFIX, ignore_errors=True)  # the failed save's shards
+    done = [e for e in scan(root) if e.status == "complete" and e.step != step]
+    # about what one checkpoint takes: the newest complete one, else the tensors held
+    held = sum(t.numel() * t.element_size() for t in trainer.checkpoint_tensors().values())
+    needed = _dir_bytes(done[-1].path) if done else 3 * held * dist.get_world_size()
+    free = shutil.disk_usage(root).free
+    kept = f"the previous checkpoint {done[-1].path} is kept" if done else "nothing saved before"
+    return (
+        f"saving step {step} to {path} failed: {why}; a checkpoint needs about "
+        f"{needed / 2**20:.1f} MiB, {free / 2**20:.1f} MiB are free on {root}; {kept}"
+    )
+
+
+def _save(trainer: Trainer, root: str, step: int, talk: bool) -> bool:
+    """Save ``step`` (every rank); False when it failed under --on-save-error continue."""
     from fastpar import checkpoint
 
     open_checkpoints(trainer, talk)  # a no-op when run() opened them before the first step
@@ -399,19 +441,26 @@ def _save(trainer: Trainer, root: str, step: int, talk: bool) -> None:
         "model": _model_record(cfg),
     }
     ctx = trainer.model.summon_full_params() if cfg.zero == 3 else contextlib.nullcontext()
-    with ctx:
-        checkpoint.save(
-            path,
-            model_params=trainer.checkpoint_tensors(),
-            optimizer=trainer.opt,
-            mesh=trainer.mesh,
-            step=step,
-            extra=extra,
-            overwrite=True,
-            run_id=trainer.run_id,
-        )
-    if dist.get_rank() == 0:
-        write_config_file(cfg, os.path.join(path, CONFIG_FILE))
+    try:
+        with ctx:
+            checkpoint.save(
+                path,
+                model_params=trainer.checkpoint_tensors(),
+                optimizer=trainer.opt,
+                mesh=trainer.mesh,
+                step=step,
+                extra=extra,
+                overwrite=True,
+                run_id=trainer.run_id,
+            )
+        if dist.get_rank() == 0:
+            write_config_file(cfg, os.path.join(path, CONFIG_FILE))
+    except (OSError, CheckpointError) as exc:  # (every rank: the save agrees on failing)
+        text = _save_failed(exc, trainer, root, step)
+        if cfg.on_save_error == "continue" and step < cfg.steps:
+            _warn(f"{text}; training on (--on-save-error continue), the next save retries")
+            return False
+        raise SaveFailed(text, step, "save failed") from None
     if talk:
         print(f"checkpoint: {path}", flush=True)
     if lock is not None and cfg.keep_last > 0:
@@ -422,6 +471,7 @@ def _save(trainer: Trainer, root: str, step: int, talk: bool) -> None:
             _warn(f"--keep-last: kept {p}: it is being read")
     if step >= cfg.steps:
         close_checkpoints(trainer)
+    return True
 
 
 def close_checkpoints(trainer: Trainer) -> None:

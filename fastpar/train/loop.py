@@ -189,8 +189,8 @@ class SyncPoint:
         saved = None
         if _saves(cfg, step) or (cfg.checkpoint_dir and preempted):
             _check_weights(cfg, trainer, step)
-            _save(trainer, cfg.checkpoint_dir, step, self.talk)  # the last step always
-            saved = step_dir(cfg.checkpoint_dir, step)
+            if _save(trainer, cfg.checkpoint_dir, step, self.talk):  # the last step always
+                saved = step_dir(cfg.checkpoint_dir, step)
         if preempted:
             name = signal_name(signum)
             where = f"checkpoint {saved}" if saved else "no checkpoint (no --checkpoint-dir)"

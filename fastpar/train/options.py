@@ -480,6 +480,12 @@ class TrainOptions:
         help="seconds any collective of any process group may wait before the job fails "
         f"(a stuck or dead rank; default {TIMEOUT_ENV}, else {COLLECTIVE_TIMEOUT_S:g})",
     )
+    on_save_error: str = option(
+        "stop",
+        FAILURES,
+        "a failed save (a full disk): stop, or train on",
+        words=("stop", "continue"),
+    )
     max_skipped_steps: int = option(
         20,
         FAILURES,
