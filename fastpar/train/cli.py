@@ -29,6 +29,7 @@ from fastpar.train.config import DESCRIPTION, TrainConfig, config_from
 from fastpar.train.launch import launch
 from fastpar.train.memory import WARN_FRACTION, estimate
 from fastpar.train.options import GROUPS
+from fastpar.train.peers import exit_with_agent
 from fastpar.train.summary import cpu_cores, default_world_note, done_line, layout_given
 
 EPILOG = """\
@@ -265,6 +266,7 @@ def _note_default_world(cfg, argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    exit_with_agent()  # under torchrun, first of all: a worker never outlives its agent
     try:
         cfg, tokens = prepare(build_parser().parse_args(argv))
     except (ValueError, ImportError) as exc:

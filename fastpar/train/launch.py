@@ -14,7 +14,7 @@ from fastpar.train.batches import load_data
 from fastpar.train.checks import check_world_size
 from fastpar.train.config import TrainConfig
 from fastpar.train.loop import run
-from fastpar.train.peers import end_stopped_siblings
+from fastpar.train.peers import end_stopped_siblings, exit_with_agent
 from fastpar.train.stop import RunStopped, StopSignals
 
 
@@ -39,6 +39,7 @@ def launch(cfg: TrainConfig, timeout: float = 24 * 3600.0, tokens=None) -> list[
         tokens = load_data(cfg)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         check_world_size(cfg, int(os.environ["WORLD_SIZE"]))  # one line; the hint fits --ep
+        exit_with_agent()  # a worker never outlives its torchrun agent
         init(cfg.tp, cfg.pp, cfg.ep, cp=cfg.cp, timeout=cfg.collective_timeout)
         try:
             records = _rank_main(cfg, tokens)
