@@ -79,8 +79,15 @@ def _first_step_gradients(cfg: TrainConfig, refs) -> list[str]:
         dict(tp=1, pp=2, mtp_depth=1),
         dict(tp=2, pp=2, mtp_depth=1, untied=True, sequence_parallel=True),
     ],
-    ids=["cp2-ring-docs", "cp2-a2a-docs-no-reset", "cp2-ring-stream", "cp2-tp2-sp", "cp2-tp2-a2a-mtp", "pp2-mtp",
-         "tp2-pp2-mtp-untied-sp"],  # fmt: skip
+    ids=[
+        "cp2-ring-docs",
+        "cp2-a2a-docs-no-reset",
+        "cp2-ring-stream",
+        "cp2-tp2-sp",
+        "cp2-tp2-a2a-mtp",
+        "pp2-mtp",
+        "tp2-pp2-mtp-untied-sp",
+    ],
 )
 def test_every_gradient_on_every_rank_is_the_single_process_models(data, layout):
     from fastpar.testing import run_ranks
@@ -240,3 +247,17 @@ def test_a_checkpoint_with_mtp_exports_for_from_pretrained(tmp_path):
         length = reduction_length(ours, ids)
         agree(hf(ids).logits, runs[:2], runs[2], "from_pretrained's logits", length=length)
     assert check(str(out), cfg, state, "the fox", 3, None)
+
+
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        (dict(mtp_depth=16), r"mtp_depth \(--mtp-depth\) 16 must be below seq_len 16"),
+        (dict(mtp_loss_coef=0.3), r"has no effect without MTP modules"),
+        (dict(cp=2, cp_attention="all-to-all", heads=2, tp=2), r"must divide by it"),
+        (dict(cp=3), r"not divisible by 6"),
+    ],
+)
+def test_the_trainer_refuses_what_it_cannot_run(flags, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**{**VERIFY, **flags}).check()

@@ -7,7 +7,10 @@ protocol as ``build_llama``.
     blocks = build_deepseek(DeepSeekConfig(...), mesh)   # [Embedding, Block x layers, Head]
     loss = deepseek_loss(logits, targets, cfg, mesh)      # vocab-parallel cross-entropy
 
-HF names both ways (``DeepseekV3ForCausalLM``): ``fastpar.models.deepseek_hf``. The embedding,
+With ``mtp_depth`` the head is DeepSeek-V3's multi-token prediction (``fastpar.models.mtp``,
+its blocks DeepSeek blocks); context parallelism runs the latent attention over ring or
+all-to-all attention. HF names both ways (``DeepseekV3ForCausalLM``, MTP layers included):
+``fastpar.models.deepseek_hf``. The embedding,
 block and head classes are the shared ones (``fastpar.models.common``), so a multi-token
 prediction module can reuse them."""
 
