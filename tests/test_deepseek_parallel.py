@@ -4,7 +4,9 @@ references) at CP 2 (ring and all-to-all, packed documents), CP 2 x TP 2 and PP 
 ``fastpar.verify --model deepseek`` AGREE at tp2 x pp2 x dp2 x ep2 with MTP and ZeRO-1 and at
 cp2 x tp2; the MTP weights under DeepSeek-V3's HF names both ways (bit for bit), and a
 checkpoint with MTP exported for ``DeepseekV3ForCausalLM.from_pretrained`` (its logits
-fastpar's, the MTP tensors beside its own). Tolerances: ``fastpar.tolerance``'s rule."""
+fastpar's, the MTP tensors beside its own); the exported MTP tensors in transformers' own
+``MtpLayer`` (its MTP drafter's layer) giving fastpar's depth-1 logits. Tolerances:
+``fastpar.tolerance``'s rule."""
 
 from __future__ import annotations
 
@@ -261,3 +263,74 @@ def test_a_checkpoint_with_mtp_exports_for_from_pretrained(tmp_path):
 def test_the_trainer_refuses_what_it_cannot_run(flags, match):
     with pytest.raises(ValueError, match=match):
         TrainConfig(**{**VERIFY, **flags}).check()
+
+
+def test_the_mtp_module_is_what_transformers_mtp_layer_computes_from_the_exported_weights():
+    """fastpar's depth-1 logits against transformers' own ``MtpLayer`` (the MTP drafter's layer:
+    [enorm(e); hnorm(h)] -> eh_proj -> a ``DeepseekV3DecoderLayer`` -> post_norm, the shared
+    head) holding the exported ``model.layers.{L}.*`` tensors, on the HF model's last hidden
+    state before its final norm: the names mean what DeepSeek-V3's mean."""
+    transformers = pytest.importorskip("transformers")
+    layers = pytest.importorskip("transformers.modeling_layers")
+    from _parity import agree, exact_copy
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    from fastpar.models.mtp import tokens
+    from fastpar.moe.layer import aux_loss_scale
+    from fastpar.parity import reduction_length
+    from fastpar.tolerance import nudge
+
+    cfg = DeepSeekConfig(**HF, mtp_depth=1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*build_deepseek(cfg))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # norms start at one: move them, so a swapped norm shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.add_(0.1 * torch.randn(b.shape, generator=g))
+    hf_state = to_hf(dict(model.state_dict()), cfg)
+    config = transformers.AutoConfig.for_model(**hf_config(cfg))
+    hf = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", experts_implementation="eager"
+    ).eval()
+    main = {k: v for k, v in hf_state.items() if not is_mtp_name(k, cfg)}
+    hf.load_state_dict(main, strict=True)
+    prefix = f"model.layers.{cfg.layers}."
+    norm = ds.DeepseekV3RMSNorm
+    mtp = layers.MtpLayer(config, ds.DeepseekV3DecoderLayer, norm, cfg.layers)
+    mtp.eval()
+    rename = {"shared_head.norm.": "post_norm.", "enorm.": "enorm.", "hnorm.": "hnorm.",
+              "eh_proj.": "eh_proj."}  # fmt: skip
+    theirs = {}
+    for k, v in hf_state.items():
+        if not k.startswith(prefix) or k.endswith(("embed_tokens.weight", "head.weight")):
+            continue
+        rest = k[len(prefix) :]
+        head = next((a for a in rename if rest.startswith(a)), None)
+        theirs[rename[head] + rest[len(head) :] if head else "mtp_block." + rest] = v
+    mtp.load_state_dict(theirs, strict=True)
+    t = cfg.seq_len
+    ids = torch.randint(0, cfg.vocab_size, (2, t), generator=torch.Generator().manual_seed(2))
+    seen = {}
+    hook = hf.model.norm.register_forward_hook(lambda m, args, out: seen.update(h=args[0]))
+    with torch.no_grad(), aux_loss_scale(None):
+        hf(ids)
+        hook.remove()
+        pos = torch.arange(t - 1).expand(2, -1)
+        e = hf.model.embed_tokens(ids[:, 1:])
+        mask = torch.full((t - 1, t - 1), float("-inf")).triu(1)[None, None].expand(2, 1, -1, -1)
+        rope = hf.model.rotary_emb(e, position_ids=pos)
+        out = mtp(e, seen["h"][:, :-1], rope, mask, pos, None)
+        want = hf.lm_head(out)  # [2, t - 1, vocab]
+        model.train()
+        twin = exact_copy(model).float()
+        nudge(twin, seed=1)
+        runs = []
+        for m in (model, twin, exact_copy(model)):
+            with tokens(ids):
+                runs.append(m(ids).depths[0].view(2, t, -1)[:, : t - 1, : cfg.vocab_size])
+        length = reduction_length(model, ids)
+        agree(want, runs[:2], runs[2], "MtpLayer's depth-1 logits", length=length)
