@@ -108,8 +108,11 @@ def export(path: str, out_dir: str, tokenizer: str | None = None) -> tuple:
         except ValueError as exc:
             raise ValueError(f"{path} (--model {cfg.model_type}) does not export: {exc}") from None
         config = {**mapping.hf_config(model_cfg), **dict.fromkeys(SPECIAL_IDS), **ids}
+        # what the HF class does not hold (DeepSeek-V3's MTP layers) is written beside it
+        beside = getattr(mapping, "is_mtp_name", lambda name, cfg: False)
+        extra = {k: hf_state.pop(k) for k in list(hf_state) if beside(k, model_cfg)}
         if model_class is None:
-            export_hf(hf_state, out_dir, config)
+            export_hf(hf_state, out_dir, config, extra=extra)
         else:  # fastpar's own HF model: its config class and code go with the weights
             export_hf(
                 hf_state, out_dir, model_class.config_class(**config), model_class=model_class

@@ -467,7 +467,10 @@ def test_trainer_flags_of_the_other_models_are_refused():
         (dict(model_type="llama", kv_lora_rank=16), "--kv-lora-rank is a DeepSeek option"),
         (dict(model_type="gpt", yarn_factor=2.0), "--yarn-factor is a DeepSeek option"),
         (dict(model_type="deepseek", kv_heads=2), "--kv-heads is a Llama option"),
-        (dict(model_type="deepseek", cp=2), "--cp 2 with --model deepseek"),
+        (
+            dict(model_type="deepseek", cp=2, cp_attention="all-to-all", heads=2),
+            "--cp-attention all-to-all scatters this rank's 1 query heads",
+        ),
         (dict(model_type="deepseek", heads=3), "heads 3 are not divisible by tp 2"),
     ]:
         with pytest.raises(ValueError, match=message):

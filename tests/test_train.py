@@ -151,7 +151,10 @@ def test_profile_writes_chrome_traces(tmp_path):
         ),
         (["--model", "llama", "--kv-heads", "3"], "kv_heads 3 must divide heads 4"),
         (["--kv-lora-rank", "8"], "--kv-lora-rank is a DeepSeek option: add --model deepseek"),
-        (["--model", "deepseek", "--cp", "2"], "--cp 2 with --model deepseek"),
+        (
+            ["--model", "deepseek", "--cp", "2", "--cp-attention", "all-to-all", "--heads", "2"],
+            "--cp-attention all-to-all scatters this rank's 1 query heads",
+        ),
         (["--model", "deepseek", "--norm", "layernorm"], "the DeepSeek uses RMSNorm"),
         (["--data-dtype", "int8"], "data_dtype must be one of ['uint16', 'uint32']"),
     ],

@@ -7,7 +7,10 @@ protocol as ``build_llama``.
     blocks = build_deepseek(DeepSeekConfig(...), mesh)   # [Embedding, Block x layers, Head]
     loss = deepseek_loss(logits, targets, cfg, mesh)      # vocab-parallel cross-entropy
 
-HF names both ways (``DeepseekV3ForCausalLM``): ``fastpar.models.deepseek_hf``. The embedding,
+With ``mtp_depth`` the head is DeepSeek-V3's multi-token prediction (``fastpar.models.mtp``,
+its blocks DeepSeek blocks); context parallelism runs the latent attention over ring or
+all-to-all attention. HF names both ways (``DeepseekV3ForCausalLM``, MTP layers included):
+``fastpar.models.deepseek_hf``. The embedding,
 block and head classes are the shared ones (``fastpar.models.common``), so a multi-token
 prediction module can reuse them."""
 
@@ -23,6 +26,7 @@ from fastpar.models.activations import Activations, activations, norm_bytes
 from fastpar.models.common import DecoderBlock, build_decoder, check_layout, lm_loss
 from fastpar.models.llama import MLP, LlamaConfig, check_routing, moe
 from fastpar.models.mla import LatentAttention
+from fastpar.models.mtp import DEFAULT_COEF, add_mtp, check_mtp
 from fastpar.moe.config import ExpertConfig, RouterConfig
 
 __all__ = ["Block", "DeepSeekConfig", "build_deepseek", "deepseek_loss"]
@@ -107,7 +111,16 @@ class DeepSeekConfig:
     moe_expert_tp: bool = False
     """Split each expert's SwiGLU over TP instead of every TP rank holding whole experts."""
     cp_attention: str = "ring"
-    """Attention under context parallelism (not supported for MLA yet: cp must be 1)."""
+    """Attention under context parallelism: "ring" (K/V around the cp ranks) or "all-to-all"
+    (heads scattered over cp; the local query heads must divide by cp). K is nope + rope
+    wide, V v_head_dim wide, at MLA's softmax scale."""
+    mtp_depth: int = 0
+    """DeepSeek-V3 multi-token prediction: D sequential modules after the model, module k
+    predicting the token k + 1 ahead (``fastpar.models.mtp``; HF num_nextn_predict_layers).
+    Module k's block is layer ``layers + k - 1``: a MoE block where that layer would be one
+    (``is_moe``), as DeepSeek-V3's. 0: off."""
+    mtp_loss_coef: float = DEFAULT_COEF
+    """The MTP loss weight lambda: loss = main + lambda / D · sum of the depths' losses."""
 
     @property
     def ffn_size(self) -> int:
@@ -182,7 +195,9 @@ class DeepSeekConfig:
             raise ValueError(f"first_k_dense must be >= 0, got {self.first_k_dense}")
         if self.moe_every < 0:
             raise ValueError(f"moe_every must be >= 0 (0: no MoE blocks), got {self.moe_every}")
-        moe_layers = [i for i in range(self.layers) if self.is_moe(i)]
+        check_mtp(self)
+        every = self.layers + self.mtp_depth  # the MTP modules' blocks are layers too
+        moe_layers = [i for i in range(every) if self.is_moe(i)]
         if moe_layers and self.moe_ffn_size < 1:
             raise ValueError(f"moe_ffn must be >= 1, got {self.moe_ffn}")
         if moe_layers and not 1 <= self.top_k <= self.num_experts:
@@ -190,7 +205,7 @@ class DeepSeekConfig:
                 f"top_k {self.top_k} must be in [1, num_experts={self.num_experts}]: use fewer "
                 f"experts per token or more experts"
             )
-        if len(moe_layers) < self.layers and self.ffn_size % tp:
+        if len(moe_layers) < every and self.ffn_size % tp:
             raise ValueError(
                 f"ffn {self.ffn_size} of the dense blocks is not divisible by tp {tp}; use an "
                 f"ffn that is a multiple of {tp}"
@@ -198,7 +213,7 @@ class DeepSeekConfig:
         if ep > 1 and self.moe_every and not moe_layers:
             raise ValueError(
                 f"ep={ep} needs MoE layers, but first_k_dense {self.first_k_dense} makes all "
-                f"{self.layers} blocks dense: lower first_k_dense (--first-k-dense) or use ep 1"
+                f"{every} blocks dense: lower first_k_dense (--first-k-dense) or use ep 1"
             )
         check_routing(self)
         check_layout(self, tp, pp, ep)
@@ -250,14 +265,11 @@ class Block(DecoderBlock):
 
 def build_deepseek(cfg: DeepSeekConfig, mesh=None) -> list[nn.Module]:
     """Every block of the model: [Embedding, Block x cfg.layers, Head], drawn in this order from
-    the current random stream on every rank (same seed -> same model at any layout). Context
-    parallelism is refused (MLA under cp is not built yet)."""
-    if mesh is not None and getattr(mesh, "cp_size", 1) > 1:
-        raise ValueError(
-            f"DeepSeek (MLA) under context parallelism cp={mesh.cp_size} is not supported yet: "
-            "use cp 1"
-        )
-    return build_decoder(cfg, mesh, Block, eps=cfg.norm_eps)
+    the current random stream on every rank (same seed -> same model at any layout); with
+    ``mtp_depth`` the head is an ``MTPHead`` whose modules (DeepSeek blocks of layers
+    ``layers .. layers + mtp_depth - 1``) are drawn last."""
+    blocks = build_decoder(cfg, mesh, Block, eps=cfg.norm_eps)
+    return add_mtp(blocks, cfg, mesh, Block)
 
 
 #: mean vocab-parallel cross-entropy of logits [B·T, vocab / tp] against targets [B, T]

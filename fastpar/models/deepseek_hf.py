@@ -5,6 +5,12 @@
     config = hf_config(cfg)               # config.json content (AutoConfig.for_model(**config))
     cfg, state = from_hf(hf_state, config)
 
+With ``mtp_depth`` D, MTP module k lives under decoder layer ``layers + k - 1`` as in
+DeepSeek-V3's checkpoints (``enorm`` / ``hnorm`` / ``eh_proj`` / ``shared_head.norm``, the
+shared ``embed_tokens`` / ``shared_head.head`` repeated, the block's own weights) and config.json
+says ``num_nextn_predict_layers: D``; transformers' model holds no MTP layers (``is_mtp_name``:
+what the export writes beside its weights).
+
 Refused, naming the fix: what HF's DeepSeek-V3 does not compute (softmax routing, token
 dropping, a gated shared expert, MoE blocks other than every block after the first dense ones,
 groups of a single expert), and on import an HF config fastpar's model does not compute (another
@@ -19,13 +25,27 @@ import torch
 from fastpar.models.deepseek import DeepSeekConfig
 from fastpar.models.llama_hf import _refuse, _take
 
-__all__ = ["check_hf", "from_hf", "hf_config", "to_hf"]
+__all__ = ["check_hf", "from_hf", "hf_config", "is_mtp_name", "to_hf"]
 
 ARCH, MODEL_TYPE = "DeepseekV3ForCausalLM", "deepseek_v3"
 
 
 def _moe_layers(cfg: DeepSeekConfig) -> list[int]:
-    return [i for i in range(cfg.layers) if cfg.is_moe(i)]
+    """The MoE layers, the MTP modules' blocks (layers ``layers ..``) counted."""
+    return [i for i in range(cfg.layers + cfg.mtp_depth) if cfg.is_moe(i)]
+
+
+def _mtp_prefixes(cfg: DeepSeekConfig, k: int) -> tuple[str, str]:
+    """(fastpar, HF) name prefixes of MTP module ``k`` (1..D): the head's ``mtp.{k-1}.`` and
+    decoder layer ``layers + k - 1``, where DeepSeek-V3's checkpoints keep it."""
+    return f"{cfg.layers + 1}.mtp.{k - 1}.", f"model.layers.{cfg.layers + k - 1}."
+
+
+def is_mtp_name(name: str, cfg: DeepSeekConfig) -> bool:
+    """Whether the HF tensor ``name`` is one of the MTP layers' (transformers'
+    ``DeepseekV3ForCausalLM`` does not hold them: the export writes them beside its weights)."""
+    prefixes = tuple(_mtp_prefixes(cfg, k)[1] for k in range(1, cfg.mtp_depth + 1))
+    return bool(prefixes) and name.startswith(prefixes)
 
 
 def check_hf(cfg: DeepSeekConfig) -> None:
@@ -34,7 +54,7 @@ def check_hf(cfg: DeepSeekConfig) -> None:
     moe = _moe_layers(cfg)
     if not moe:
         return
-    if moe != list(range(cfg.first_k_dense, cfg.layers)):
+    if moe != list(range(cfg.first_k_dense, cfg.layers + cfg.mtp_depth)):
         raise ValueError(
             f"moe_every={cfg.moe_every} has no HF export: DeepSeek-V3 has a MoE in every block "
             f"after the first first_k_dense={cfg.first_k_dense}; use moe_every=1"
@@ -109,7 +129,7 @@ def hf_config(cfg: DeepSeekConfig, dtype: str = "float32") -> dict:
         "n_group": cfg.router_groups or 1,
         "topk_group": cfg.router_group_topk or 1,
         "num_experts_per_tok": cfg.top_k,
-        "first_k_dense_replace": moe[0] if moe else cfg.layers,
+        "first_k_dense_replace": moe[0] if moe else cfg.layers + cfg.mtp_depth,
         "norm_topk_prob": cfg.norm_topk_prob,
         "hidden_act": "silu",
         "max_position_embeddings": cfg.seq_len,
@@ -120,14 +140,16 @@ def hf_config(cfg: DeepSeekConfig, dtype: str = "float32") -> dict:
         "rope_interleave": cfg.rope_interleave,
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": cfg.mtp_depth,
         "dtype": dtype,
     }
 
 
-def _layer_names(cfg: DeepSeekConfig, i: int) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(fastpar name, HF name, shape) of layer ``i``'s tensors that map one to one."""
-    src, dst = f"{i + 1}.", f"model.layers.{i}."
+def _layer_names(
+    cfg: DeepSeekConfig, i: int, src: str, dst: str
+) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(fastpar name, HF name, shape) of layer ``i``'s tensors that map one to one; the block's
+    names start with ``src`` (fastpar) and ``dst`` (HF)."""
     a, b = src + "attn.", dst + "self_attn."
     h, qk, kv = cfg.hidden, cfg.heads * cfg.qk_head_dim, cfg.kv_lora_rank
     names = [
@@ -158,6 +180,34 @@ def _layer_names(cfg: DeepSeekConfig, i: int) -> list[tuple[str, str, tuple[int,
     return names
 
 
+def _block_to_hf(take, out: dict, cfg: DeepSeekConfig, i: int, src: str, dst: str) -> None:
+    """Layer ``i``'s block (fastpar names under ``src``) into ``out`` under HF's (``dst``)."""
+    for ours, theirs, shape in _layer_names(cfg, i, src, dst):
+        out[theirs] = take(ours, shape)
+    src, dst = src + "mlp.", dst + "mlp."
+    if not cfg.is_moe(i):
+        gate, up = take(src + "gate_up.weight", (2 * cfg.ffn_size, cfg.hidden)).chunk(2)
+        out[dst + "gate_proj.weight"], out[dst + "up_proj.weight"] = gate, up
+        return
+    e, f, h = cfg.num_experts, cfg.moe_ffn_size, cfg.hidden
+    if cfg.expert_bias:
+        bias = take(src + "router.expert_bias", (e,))
+    else:
+        bias = torch.zeros(e, dtype=torch.float32, device=out[dst + "gate.weight"].device)
+    out[dst + "gate.e_score_correction_bias"] = bias
+    w1 = take(src + "w1", (e, h, 2 * f))
+    out[dst + "experts.gate_up_proj"] = w1.transpose(1, 2).contiguous()
+    out[dst + "experts.down_proj"] = take(src + "w2", (e, f, h)).transpose(1, 2).contiguous()
+    fs = cfg.shared_expert_ffn or 0
+    if fs:
+        w1, w2 = take(src + "shared.w1", (h, 2 * fs)), take(src + "shared.w2", (fs, h))
+    else:  # n_shared_experts = 0: HF holds zero-width projections
+        w1, w2 = w1.new_empty(h, 0), w1.new_empty(0, h)
+    out[dst + "shared_experts.gate_proj.weight"] = w1[:, :fs].t()
+    out[dst + "shared_experts.up_proj.weight"] = w1[:, fs:].t()
+    out[dst + "shared_experts.down_proj.weight"] = w2.t()
+
+
 def to_hf(state: Mapping[str, torch.Tensor], cfg: DeepSeekConfig) -> dict[str, torch.Tensor]:
     """fastpar global names -> HF names (``lm_head.weight`` is the embedding itself when tied;
     ``e_score_correction_bias`` the router's ``expert_bias`` buffer, zeros without one).
@@ -174,30 +224,7 @@ def to_hf(state: Mapping[str, torch.Tensor], cfg: DeepSeekConfig) -> dict[str, t
 
     out["model.embed_tokens.weight"] = take("0.tok.weight", (cfg.vocab_size, cfg.hidden))
     for i in range(cfg.layers):
-        src, dst = f"{i + 1}.mlp.", f"model.layers.{i}.mlp."
-        for ours, theirs, shape in _layer_names(cfg, i):
-            out[theirs] = take(ours, shape)
-        if not cfg.is_moe(i):
-            gate, up = take(src + "gate_up.weight", (2 * cfg.ffn_size, cfg.hidden)).chunk(2)
-            out[dst + "gate_proj.weight"], out[dst + "up_proj.weight"] = gate, up
-            continue
-        e, f, h = cfg.num_experts, cfg.moe_ffn_size, cfg.hidden
-        if cfg.expert_bias:
-            bias = take(src + "router.expert_bias", (e,))
-        else:
-            bias = torch.zeros(e, dtype=torch.float32, device=out[dst + "gate.weight"].device)
-        out[dst + "gate.e_score_correction_bias"] = bias
-        w1 = take(src + "w1", (e, h, 2 * f))
-        out[dst + "experts.gate_up_proj"] = w1.transpose(1, 2).contiguous()
-        out[dst + "experts.down_proj"] = take(src + "w2", (e, f, h)).transpose(1, 2).contiguous()
-        fs = cfg.shared_expert_ffn or 0
-        if fs:
-            w1, w2 = take(src + "shared.w1", (h, 2 * fs)), take(src + "shared.w2", (fs, h))
-        else:  # n_shared_experts = 0: HF holds zero-width projections
-            w1, w2 = w1.new_empty(h, 0), w1.new_empty(0, h)
-        out[dst + "shared_experts.gate_proj.weight"] = w1[:, :fs].t()
-        out[dst + "shared_experts.up_proj.weight"] = w1[:, fs:].t()
-        out[dst + "shared_experts.down_proj.weight"] = w2.t()
+        _block_to_hf(take, out, cfg, i, f"{i + 1}.", f"model.layers.{i}.")
     head = f"{cfg.layers + 1}."
     out["model.norm.weight"] = take(head + "norm.weight", (cfg.hidden,))
     if cfg.tie_embeddings:
@@ -205,6 +232,18 @@ def to_hf(state: Mapping[str, torch.Tensor], cfg: DeepSeekConfig) -> dict[str, t
         used.add(head + "weight")  # a pipeline's untied copy of the tied weight, if exported
     else:
         out["lm_head.weight"] = take(head + "weight", (cfg.vocab_size, cfg.hidden))
+    h = cfg.hidden
+    if cfg.mtp_depth:  # the MTP head's embedding (a state_dict's second name of it)
+        used.add(head + "embedding")
+    for k in range(1, cfg.mtp_depth + 1):  # where DeepSeek-V3's checkpoints keep module k
+        src, dst = _mtp_prefixes(cfg, k)
+        out[dst + "embed_tokens.weight"] = out["model.embed_tokens.weight"]  # shared, as
+        out[dst + "shared_head.head.weight"] = out["lm_head.weight"]  # released
+        out[dst + "enorm.weight"] = take(src + "enorm.weight", (h,))
+        out[dst + "hnorm.weight"] = take(src + "hnorm.weight", (h,))
+        out[dst + "eh_proj.weight"] = take(src + "eh_proj.weight", (h, 2 * h))  # [e | h]
+        out[dst + "shared_head.norm.weight"] = take(src + "norm.weight", (h,))
+        _block_to_hf(take, out, cfg, cfg.layers + k - 1, src + "block.", dst)
     unused = sorted(set(state) - used)
     if unused:
         raise ValueError(
@@ -242,6 +281,69 @@ def _rope_options(c: Mapping) -> dict:
     )
 
 
+def _block_from_hf(
+    hf_state: Mapping[str, torch.Tensor], used: set, cfg: DeepSeekConfig, i: int, src: str, dst: str
+) -> dict[str, torch.Tensor]:
+    """Layer ``i``'s block from HF's names under ``src`` -> fastpar's under ``dst``."""
+    state = {
+        ours: _take(hf_state, theirs, used) for ours, theirs, _ in _layer_names(cfg, i, dst, src)
+    }
+    src, dst = src + "mlp.", dst + "mlp."
+    if not cfg.is_moe(i):
+        gate = _take(hf_state, src + "gate_proj.weight", used)
+        up = _take(hf_state, src + "up_proj.weight", used)
+        state[dst + "gate_up.weight"] = torch.cat([gate, up])
+        return state
+    state[dst + "router.expert_bias"] = _take(
+        hf_state, src + "gate.e_score_correction_bias", used
+    ).float()
+    state[dst + "w1"] = _take(hf_state, src + "experts.gate_up_proj", used).transpose(1, 2)
+    state[dst + "w2"] = _take(hf_state, src + "experts.down_proj", used).transpose(1, 2)
+    gate = _take(hf_state, src + "shared_experts.gate_proj.weight", used)
+    up = _take(hf_state, src + "shared_experts.up_proj.weight", used)
+    down = _take(hf_state, src + "shared_experts.down_proj.weight", used)
+    if cfg.shared_expert_ffn:
+        state[dst + "shared.w1"] = torch.cat([gate, up]).t().contiguous()
+        state[dst + "shared.w2"] = down.t().contiguous()
+    return state
+
+
+def _mtp_from_hf(
+    hf_state: Mapping[str, torch.Tensor], used: set, cfg: DeepSeekConfig, k: int
+) -> dict[str, torch.Tensor]:
+    """MTP module ``k`` from decoder layer ``layers + k - 1``; its ``embed_tokens`` and
+    ``shared_head.head`` (DeepSeek-V3's checkpoints repeat them there) must be the model's."""
+    ours, theirs = _mtp_prefixes(cfg, k)
+    if not any(name.startswith(theirs) for name in hf_state):
+        raise ValueError(
+            f"from_hf: the config has num_nextn_predict_layers {cfg.mtp_depth} but the weights "
+            f"hold no {theirs}* (MTP module {k}): load the checkpoint's own safetensors files "
+            "(transformers' model does not keep its MTP layers), or set "
+            "num_nextn_predict_layers 0 to load the model without them"
+        )
+    shared = (("embed_tokens.weight", "model.embed_tokens.weight"),)
+    for name, same in (*shared, ("shared_head.head.weight", "lm_head.weight")):
+        if theirs + name not in hf_state:
+            continue
+        want = hf_state[same] if same in hf_state else hf_state["model.embed_tokens.weight"]
+        if not torch.equal(_take(hf_state, theirs + name, used), want):
+            raise ValueError(
+                f"from_hf: {theirs + name} differs from {same}: fastpar's MTP shares the "
+                "model's embedding and output head"
+            )
+    state = {
+        ours + n: _take(hf_state, theirs + hf, used)
+        for n, hf in (
+            ("enorm.weight", "enorm.weight"),
+            ("hnorm.weight", "hnorm.weight"),
+            ("eh_proj.weight", "eh_proj.weight"),
+            ("norm.weight", "shared_head.norm.weight"),
+        )
+    }
+    block = _block_from_hf(hf_state, used, cfg, cfg.layers + k - 1, theirs, ours + "block.")
+    return {**state, **block}
+
+
 def from_hf(
     hf_state: Mapping[str, torch.Tensor], hf_config_dict: Mapping
 ) -> tuple[DeepSeekConfig, dict[str, torch.Tensor]]:
@@ -263,6 +365,7 @@ def from_hf(
     groups, topk_group = c.get("n_group") or 1, c.get("topk_group") or 1
     shared, moe_ffn = c.get("n_shared_experts") or 0, c["moe_intermediate_size"]
     scaling = float(c.get("routed_scaling_factor", 1.0))
+    depth = int(c.get("num_nextn_predict_layers") or 0)  # DeepSeek-V3's MTP modules
     cfg = DeepSeekConfig(
         vocab_size=c["vocab_size"],
         seq_len=c.get("max_position_embeddings", 2048),
@@ -278,7 +381,7 @@ def from_hf(
         rope_interleave=bool(c.get("rope_interleave", True)),
         norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        first_k_dense=min(c.get("first_k_dense_replace") or 0, c["num_hidden_layers"]),
+        first_k_dense=min(c.get("first_k_dense_replace") or 0, c["num_hidden_layers"] + depth),
         moe_every=1,
         num_experts=c.get("n_routed_experts") or c.get("num_local_experts"),
         top_k=c["num_experts_per_tok"],
@@ -290,6 +393,7 @@ def from_hf(
         router_groups=groups if groups > 1 else None,
         router_group_topk=topk_group if groups > 1 else None,
         shared_expert_ffn=shared * moe_ffn if shared else None,
+        mtp_depth=depth,
         **_rope_options(c),
     )
     cfg.check()
@@ -297,25 +401,7 @@ def from_hf(
     used: set[str] = set()
     state = {"0.tok.weight": _take(hf_state, "model.embed_tokens.weight", used)}
     for i in range(cfg.layers):
-        for ours, theirs, _ in _layer_names(cfg, i):
-            state[ours] = _take(hf_state, theirs, used)
-        src, dst = f"model.layers.{i}.mlp.", f"{i + 1}.mlp."
-        if not cfg.is_moe(i):
-            gate = _take(hf_state, src + "gate_proj.weight", used)
-            up = _take(hf_state, src + "up_proj.weight", used)
-            state[dst + "gate_up.weight"] = torch.cat([gate, up])
-            continue
-        state[dst + "router.expert_bias"] = _take(
-            hf_state, src + "gate.e_score_correction_bias", used
-        ).float()
-        state[dst + "w1"] = _take(hf_state, src + "experts.gate_up_proj", used).transpose(1, 2)
-        state[dst + "w2"] = _take(hf_state, src + "experts.down_proj", used).transpose(1, 2)
-        gate = _take(hf_state, src + "shared_experts.gate_proj.weight", used)
-        up = _take(hf_state, src + "shared_experts.up_proj.weight", used)
-        down = _take(hf_state, src + "shared_experts.down_proj.weight", used)
-        if cfg.shared_expert_ffn:
-            state[dst + "shared.w1"] = torch.cat([gate, up]).t().contiguous()
-            state[dst + "shared.w2"] = down.t().contiguous()
+        state.update(_block_from_hf(hf_state, used, cfg, i, f"model.layers.{i}.", f"{i + 1}."))
     head = f"{cfg.layers + 1}."
     state[head + "norm.weight"] = _take(hf_state, "model.norm.weight", used)
     if cfg.tie_embeddings:
@@ -323,6 +409,8 @@ def from_hf(
         state[head + "weight"] = state["0.tok.weight"]
     else:
         state[head + "weight"] = _take(hf_state, "lm_head.weight", used)
+    for k in range(1, depth + 1):
+        state.update(_mtp_from_hf(hf_state, used, cfg, k))
     unused = sorted(k for k in set(hf_state) - used if not k.endswith("rotary_emb.inv_freq"))
     if unused:
         raise ValueError(

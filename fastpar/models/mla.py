@@ -19,6 +19,13 @@ activation broadcast into every local head (without it each rank's k_pe gradient
 only its own heads' share). Under sequence parallelism the input is all-gathered once
 (``gather_from_sequence``: its backward keeps this rank's chunk of the complete gradient) and
 ``o`` reduce-scatters back to this rank's chunk.
+
+Context parallelism (ring or all-to-all, ``fastpar.models.common.attend``): each rank holds
+its load-balanced chunks of the sequence, rotates q_pe and k_pe at those chunks' global
+positions (``positions``; YaRN's frequencies are position-independent), and attends with K
+(nope + rope wide, the rotary key expanded into every local head) and V (v_head_dim wide) at
+their own widths and MLA's softmax scale; inside packed documents the ring / all-to-all stops
+at each document and the positions restart per document (``reset_positions``).
 """
 
 from __future__ import annotations
@@ -150,8 +157,11 @@ class LatentAttention(nn.Module):
         # the fused kernels want one head width: q / k and v are zero-padded to the wider
         # (exact: zero columns add nothing to q·k, and v's are cut from the output); SDPA
         # scales by 1 / sqrt(that width), HF by softmax_scale: the difference goes on q
+        # (context parallelism passes q, k, v unpadded and the scale to attend: the ring's
+        # blocks take their own widths, and padded values would travel around the ring)
         self.width = max(qk, cfg.v_head_dim)
-        self.q_scale = softmax_scale(cfg) * math.sqrt(self.width)
+        self.softmax_scale = softmax_scale(cfg)
+        self.q_scale = self.softmax_scale * math.sqrt(self.width)
         self.attention_factor = 1.0 if cfg.yarn_factor is None else yarn_attention_factor(cfg)
         self.rope_cfg = cfg  # what yarn_inv_freq reads (float64 runs)
         self._inv_freq = yarn_inv_freq(cfg)  # fp32 on the host like HF's (moved once)
@@ -196,8 +206,11 @@ class LatentAttention(nn.Module):
         k_pe = self._rotate(k_pe.unsqueeze(1), cos, sin)  # [B, 1, T, rope]
         q = torch.cat((q_nope, q_pe), dim=-1)
         k = torch.cat((k_nope, k_pe.expand(-1, self.local, -1, -1)), dim=-1)
+        if self.cp_group is not None:  # K and V of their own widths around the cp ranks
+            out = attend(q, k, v, self.cp_group, self.cp_attention, scale=self.softmax_scale)
+            return self.o(out.transpose(1, 2).reshape(b, t, -1))
         if self.q_scale != 1.0:
             q = q * self.q_scale
         q, k, v = (F.pad(z, (0, self.width - z.shape[-1])) for z in (q, k, v))
-        out = attend(q, k, v, self.cp_group, self.cp_attention)[..., : self.v_dim]
+        out = attend(q, k, v)[..., : self.v_dim]
         return self.o(out.transpose(1, 2).reshape(b, t, -1))  # [B, T, heads/tp · v] -> H

@@ -170,6 +170,8 @@ class TrainConfig(TrainOptions):
                 q_lora_rank=self.q_lora_rank or None,
                 rope_theta=self.rope_theta,
                 moe_ffn=self.moe_ffn,
+                mtp_depth=self.mtp_depth,
+                mtp_loss_coef=self.mtp_loss_coef,
                 **mla,
                 **shared,
             )

@@ -123,11 +123,6 @@ def check_context_parallel(cfg) -> None:
         raise ValueError(f"--cp-attention must be ring or all-to-all, got {cfg.cp_attention!r}")
     if cfg.cp == 1:
         return
-    if cfg.model_type == "deepseek" and not cfg.hf_config:
-        raise ValueError(
-            f"--cp {cfg.cp} with --model deepseek: context parallelism of its latent attention "
-            "is not built yet; use --cp 1"
-        )
     if cfg.cp_attention == "all-to-all" and (cfg.heads // cfg.tp) % cfg.cp:
         raise ValueError(
             f"--cp-attention all-to-all scatters this rank's {cfg.heads // cfg.tp} query heads "

@@ -23,7 +23,7 @@ def model_label(cfg) -> str:
 def has_moe(cfg) -> bool:
     """Whether fastpar's model has MoE blocks (every --moe-every-th of --layers)."""
     if cfg.model_type == "deepseek" and not cfg.hf_config:
-        return any(cfg.model().is_moe(i) for i in range(cfg.layers))
+        return any(cfg.model().is_moe(i) for i in range(cfg.layers + cfg.mtp_depth))
     return not cfg.hf_config and cfg.moe_every > 0 and cfg.layers >= cfg.moe_every
 
 

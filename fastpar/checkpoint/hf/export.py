@@ -228,6 +228,7 @@ def export_hf(
     rename: Rename = None,
     max_shard_size: int | str = DEFAULT_SHARD_SIZE,
     model_class: type | None = None,
+    extra: Mapping[str, torch.Tensor] | None = None,
 ) -> str:
     """Write a Hugging Face model directory (safetensors weights, config.json) that
     ``from_pretrained`` loads with no missing or unexpected keys.
@@ -240,7 +241,9 @@ def export_hf(
     (unlisted names kept). ``max_shard_size``: bytes or "5GB"; above it the weights go to
     several files plus model.safetensors.index.json. ``model_class``: the HF class (default:
     ``config.architectures``, else the first Auto class of the model type whose keys match).
-    Tied aliases the source lacks are added, each as its own tensor. Runs in one process.
+    Tied aliases the source lacks are added, each as its own tensor. ``extra``: tensors under
+    their HF names written beside the model's own, which its class does not hold and
+    ``from_pretrained`` skips (DeepSeek-V3's MTP layers). Runs in one process.
     Returns the absolute path of ``out_dir``.
     """
     cfg = _hf_config(config)
@@ -257,6 +260,10 @@ def export_hf(
         state[hf_name] = t
     sk = _match(state, cfg, model_class)
     state = {n: state[n] for n in sk.shapes}  # the HF model's own order
+    clash = sorted(set(extra or {}) & set(state))
+    if clash:
+        raise CheckpointError(f"extra tensors {_short(clash)} are the model's own: drop them")
+    state.update({n: t.detach() for n, t in (extra or {}).items()})
     cfg.architectures = [sk.cls.__name__]
     floats = {t.dtype for t in state.values() if t.is_floating_point()}
     if len(floats) == 1:
