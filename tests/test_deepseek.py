@@ -442,8 +442,11 @@ DEEPSEEK_ROUTING = dict(
 @pytest.mark.parametrize(
     "layout",
     [
-        dict(tp=2, dp=2, ep=2, pp=1, zero=1),
-        dict(tp=2, dp=2, ep=2, pp=2, zero=1, sequence_parallel=True),
+        # (tests/test_deepseek_parallel.py runs tp2 x pp2 x dp2 x ep2 with MTP in the CPU tier)
+        pytest.param(dict(tp=2, dp=2, ep=2, pp=1, zero=1), marks=pytest.mark.slow),
+        pytest.param(
+            dict(tp=2, dp=2, ep=2, pp=2, zero=1, sequence_parallel=True), marks=pytest.mark.slow
+        ),
     ],
     ids=["tp2-dp2-ep2-z1", "tp2-pp2-dp2-ep2-sp-z1"],
 )

@@ -101,7 +101,7 @@ def _one_step(tp: int, overrides: dict, strict: bool = True) -> dict:
     return {"bad": bad, "unequal": unequal, "rel": plan.output_rel_diff}
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("overrides", [{}, NO_Q_LORA], ids=["q_lora", "no_q_lora"])
 def test_mla_and_moe_at_tp_equal_the_dense_model(tp, overrides):
     for result in run_ranks(_one_step, tp, tp, overrides):
@@ -154,7 +154,9 @@ def _pipelined(tp: int, schedule: str, refs):
     return pipe._pipelined(FAMILY, "eager", tp, schedule, 2, refs)
 
 
-@pytest.mark.parametrize("world, tp, schedule", [(2, 1, "1f1b"), (4, 2, "gpipe")])
+@pytest.mark.parametrize(
+    "world, tp, schedule", [(2, 1, "1f1b"), pytest.param(4, 2, "gpipe", marks=pytest.mark.slow)]
+)
 def test_pipeline_split_by_layer_equals_unpipelined(world, tp, schedule):
     from test_parallel_pipeline_hf import _covers_every_parameter, hf_references
 
@@ -163,6 +165,7 @@ def test_pipeline_split_by_layer_equals_unpipelined(world, tp, schedule):
     _covers_every_parameter(names, FAMILY, tie=False)
 
 
+@pytest.mark.slow  # (tests/test_train_hf.py trains --hf-config --ep 2 in the CPU tier)
 def test_hf_config_trains_at_tp2_ep2(tmp_path):
     from fastpar.train import TrainConfig
     from fastpar.verify import compare as verify

@@ -257,7 +257,10 @@ def _first_step_gradients(cfg: TrainConfig, refs) -> list[str]:
         dict(tp=2, pp=2, mtp_depth=1),
         dict(tp=2, pp=2, mtp_depth=2, untied=True),
         dict(tp=2, pp=2, mtp_depth=2, untied=True, fused_ce=True, sequence_parallel=True),
-        dict(tp=2, pp=2, mtp_depth=2, schedule="interleaved", virtual_stages=2, layers=4),
+        pytest.param(  # (the interleaved MTP: also the slow tier's verify below)
+            dict(tp=2, pp=2, mtp_depth=2, schedule="interleaved", virtual_stages=2, layers=4),
+            marks=pytest.mark.slow,
+        ),
         dict(tp=1, pp=2, mtp_depth=2, untied=True, schedule="zb-h1"),
         dict(tp=1, pp=2, mtp_depth=2, schedule="gpipe", recompute=True, fused_ce=True),
     ],
@@ -308,7 +311,10 @@ def _no_tie(cfg, refs):
 # -- fastpar.verify: the trainer's run against one device ---------------------------------------
 @pytest.mark.parametrize(
     "extra",
-    [dict(), dict(schedule="interleaved", virtual_stages=2)],
+    [
+        dict(),
+        pytest.param(dict(schedule="interleaved", virtual_stages=2), marks=pytest.mark.slow),
+    ],
     ids=["1f1b", "interleaved"],
 )
 def test_verify_agrees_at_tp2_pp2_dp2_zero1(extra):
