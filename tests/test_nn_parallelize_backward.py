@@ -250,7 +250,120 @@ def test_a_failing_parallel_forward_names_the_module_and_the_fix():
         run_ranks(_forward_fails, 2)
     msg = str(info.value)
     assert "failed on the probe input where the dense one ran, in module '<model>'" in msg
-    assert "heads=" in msg and "fused" in msg and "leave the module whole" in msg
+    assert "reshapes a split activation" in msg and "pass heads=" in msg
+    assert "whole (drop its projections from the plan)" in msg
+
+
+def _hf(family: str, **overrides):
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    cls = {"phi3": "Phi3Config", "olmo2": "Olmo2Config", "falcon": "FalconConfig"}[family]
+    if family == "falcon":  # per-head interleaved q|k|v, its own num_kv_heads attribute
+        base = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+        base.update(new_decoder_architecture=False, multi_query=False)
+    if family == "phi3":
+        base["pad_token_id"] = 0  # its default lies outside this small vocabulary
+    cfg = getattr(transformers, cls)(**{**base, **overrides})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).float()
+
+
+_FAMILY_PLANS = {
+    "phi3": {
+        "*.self_attn.qkv_proj": "column",
+        "*.self_attn.o_proj": "row",
+        "*.mlp.gate_up_proj": "column",
+        "*.mlp.down_proj": "row",
+    },
+    "olmo2": _USER_PLAN,
+    "falcon": {
+        "*.self_attention.query_key_value": "column",
+        "*.self_attention.dense": "row",
+        "*.mlp.dense_h_to_4h": "column",
+        "*.mlp.dense_4h_to_h": "row",
+    },
+}
+
+
+def _family(family: str, heads=None) -> str | None:
+    model = _hf(family)
+    parallelize(model, _FAMILY_PLANS[family], make_mesh(tp=2), heads=heads)
+    return model.fastpar_plan.checked
+
+
+@pytest.mark.parametrize(
+    ("family", "expected"),
+    [
+        # a fused q|k|v of unequal blocks (GQA): a plain column split mixes them
+        (
+            "phi3",
+            [
+                "in module 'model.layers.0.self_attn' (Phi3Attention)",
+                "is a fused projection",
+                "('column', {'fused': k})",
+                "leave 'model.layers.0.self_attn' whole",
+            ],
+        ),
+        # a norm over every head's features at once: no exact split
+        (
+            "olmo2",
+            [
+                "in module 'model.layers.0.self_attn.q_norm' (Olmo2RMSNorm)",
+                "applies its 'weight' of width 32",
+                "cannot be split exactly",
+                "leave 'model.layers.0.self_attn' whole",
+            ],
+        ),
+        # a head count under a name parallelize does not know
+        (
+            "falcon",
+            [
+                "in module 'transformer.h.0.self_attention' (FalconAttention)",
+                "pass heads={'*.self_attention': ['num_kv_heads']}",
+            ],
+        ),
+    ],
+)
+def test_refusals_name_the_module_the_cause_and_the_fix(family, expected):
+    with pytest.raises(RankError) as info:
+        run_ranks(_family, 2, family)
+    msg = str(info.value)
+    for part in expected:
+        assert part in msg, (part, msg[:1500])
+
+
+def test_the_fix_a_refusal_names_is_then_checked_forward_and_backward():
+    assert run_ranks(_family, 2, "falcon", {"*.self_attention": ["num_kv_heads"]}) == [
+        "backward",
+        "backward",
+    ]
+
+
+def _weights_kept() -> int:
+    """parallelize perturbs the parameters it checks and puts them back exactly."""
+    from fastpar.checkpoint.state import localize
+
+    dense = _stablelm()
+    par = parallelize(_stablelm(), _USER_PLAN, make_mesh(tp=2))
+    full = dict(dense.named_parameters())
+    count = 0
+    for name, p in par.named_parameters():
+        assert torch.equal(p.detach(), localize(full[name].detach(), p)), name  # bit for bit
+        assert p.grad is None, name
+        count += 1
+    return count
+
+
+def test_the_check_leaves_the_weights_exactly_as_they_were():
+    assert min(run_ranks(_weights_kept, 2)) > 0
 
 
 def test_check_values():

@@ -8,6 +8,7 @@ mix-up cannot hide behind equal values (docs/hf.md, "The check")."""
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -340,54 +341,94 @@ class tracking:
 
 
 _RESHAPE = ("shape '", "is invalid for input of size", "view size", "expanded size", "must match")
+_FUSED = ("qkv", "query_key_value", "gate_up", "c_attn", "w_pack", "fused", "in_proj")
+_DIVIDED = ("num_heads", "n_head", "num_attention_heads", "num_key_value_heads", "n_kv_head")
+_NOT_DIVIDED = ("head_dim", "max_position_embeddings", "rotary_ndims", "rope_dim")
 
 
-def failed_message(model: nn.Module, where, exc: Exception, world: int) -> str:
+def _undivided(module: nn.Module, world: int) -> list[str]:
+    """Integer attributes of ``module`` the split may have left undivided (head counts and
+    widths; those parallelize divides, and per-head sizes, left out), head counts first."""
+    names = [
+        a
+        for a, v in vars(module).items()
+        if isinstance(v, int)
+        and not isinstance(v, bool)
+        and v > 1
+        and v % world == 0
+        and not a.startswith("_")
+        and a not in _DIVIDED + _NOT_DIVIDED
+        and any(k in a for k in ("head", "dim", "size", "emb", "width"))
+    ]
+    return sorted(names, key=lambda a: "head" not in a)
+
+
+def failed_message(model: nn.Module, where, exc: Exception, world: int, split=()) -> str:
     """What to say when the parallel model raised on the probe input where the dense one ran:
-    the module that raised, and the fix that applies."""
+    the module that raised, the likely cause and the fix that applies (``split``: the planned
+    modules whose output is split)."""
     if isinstance(exc, ValueError) and str(exc).startswith("parallelize:"):
         return str(exc)
-    cls = type(model).__name__
     name, module = where[-1] if where else ("", model)
-    text = f"{type(exc).__name__}: {exc}"
+    msg = str(exc)
     at = f"module {name or '<model>'!r} ({type(module).__name__})"
-    # the nearest enclosing module with an integer the split did not divide
-    attrs = []
+    nums = {int(x) for x in re.findall(r"\d+", msg)}
+    # the enclosing module whose projections the plan splits (the attention or MLP block)
+    block = next(
+        (n for n, _ in reversed(where) if any(s.rpartition(".")[0] == n for s in split)), None
+    )
+    fused = [
+        s
+        for s in split
+        if s.rpartition(".")[0] == block and any(k in s.rpartition(".")[2].lower() for k in _FUSED)
+    ]
+    wide = [
+        (p_name, p.shape[-1])
+        for p_name, p in module.named_parameters(recurse=False)
+        if p.dim() and p.shape[-1] % world == 0 and {p.shape[-1], p.shape[-1] // world} <= nums
+    ]
+    whole = f"leave {block or 'the block'!r} whole (drop its projections from the plan)"
+    attrs, owner = [], name
     for n, m in reversed(where):
-        attrs = [
-            a
-            for a, v in vars(m).items()
-            if isinstance(v, int)
-            and not isinstance(v, bool)
-            and v > 1
-            and v % world == 0
-            and not a.startswith("_")
-            and ("head" in a or "dim" in a or "size" in a or "emb" in a)
-        ]
-        if attrs:
-            name = n
+        if attrs := _undivided(m, world):
+            owner = n
             break
-    if any(k in str(exc) for k in _RESHAPE):
+    reshape = any(k in msg for k in _RESHAPE)
+    if wide:
+        p_name, width = wide[0]
         hint = (
-            "it reshapes a split activation with a width or head count the split did not divide"
-            + (
-                f" (candidates on {name!r}: {attrs}: pass heads={{'<pattern of {name}>': [...]}}"
-                " naming the attribute to divide)"
-                if attrs
-                else " (pass heads= naming the attribute to divide)"
-            )
-            + "; a fused projection (q|k|v, or gate|up, in one linear) needs ('column', "
-            "{'fused': k}) so each rank keeps its share of every block; or leave the module whole"
+            f"{name!r} applies its {p_name!r} of width {width} (every head's features) to this "
+            f"rank's share ({width // world}): a norm or scale over the whole projection "
+            f"(statistics across all heads) cannot be split exactly; {whole}"
         )
-    elif "mat1 and mat2" in str(exc) or "size of tensor a" in str(exc):
+    elif reshape and attrs and ("head" in attrs[0] or not fused):
+        pattern = f"*.{owner.rpartition('.')[2]}" if owner else ""
         hint = (
-            "a split activation meets a whole one or a whole weight: plan the layer that "
-            "consumes it ('row' after a 'column'), split a fused projection with "
-            "('column', {'fused': k}), or leave the module whole"
+            "it reshapes a split activation with a head count or width the split did not "
+            f"divide: pass heads={{{pattern!r}: [{attrs[0]!r}]}} (candidates on {owner!r}: "
+            f"{attrs})"
+            + (
+                f"; if {fused[0]!r} is a fused q|k|v, plan it ('column', {{'fused': 3}})"
+                if fused
+                else ""
+            )
+            + f"; or {whole}"
+        )
+    elif fused:
+        hint = (
+            f"{fused[0]!r} is a fused projection (q|k|v or gate|up in one linear): a plain "
+            "'column' split gives each rank a contiguous part of it, not its share of every "
+            "block; plan it ('column', {'fused': k}) when its k blocks are of equal width (its "
+            f"row partner stays 'row'), else {whole}"
+        )
+    elif reshape:
+        hint = (
+            "it reshapes a split activation with a head count or width the split did not "
+            f"divide: pass heads= naming the attribute to divide; or {whole}"
         )
     else:
-        hint = "pass heads= naming any width the model reads, or leave the module whole"
+        hint = f"pass heads= naming any head count or width the model reads, or {whole}"
     return (
-        f"parallelize: the parallel {cls} failed on the probe input where the dense one ran, in "
-        f"{at}: {text}. Likely cause: {hint}"
+        f"parallelize: the parallel {type(model).__name__} failed on the probe input where the "
+        f"dense one ran, in {at}: {type(exc).__name__}: {msg}. Likely cause: {hint}"
     )

@@ -402,7 +402,14 @@ def parallelize(
     mode = _check.check_mode(check)
     inputs = _example_inputs(model, example_inputs) if mode else None
     record = PlanRecord(world, {n: s for n, (s, _) in chosen.items()})
-    watched_params = {n: p for n, p in model.named_parameters() if n in watched_owner}
+    # perturbed for the check and restored after it: the parameters that stay in place (a
+    # swapped module's, an MoE block's router included, are copied into the new module)
+    swapped = {
+        id(p) for n, (s, _) in chosen.items() if STYLES[s].swap for p in modules[n].parameters()
+    }
+    watched_params = {
+        n: p for n, p in model.named_parameters() if n in watched_owner and id(p) not in swapped
+    }
     saved = _check.perturb(watched_params) if inputs is not None and mode == "backward" else {}
     try:
         reduced, ref, sliced = _split(
@@ -426,7 +433,10 @@ def parallelize(
                 try:
                     verdict = _check.parallel_run(model, inputs, ref, tp_group, world, set(sliced))
                 except Exception as exc:
-                    raise ValueError(_check.failed_message(model, where, exc, world)) from exc
+                    split = [n for n, (s, kw) in chosen.items() if splits_output(s, kw)]
+                    raise ValueError(
+                        _check.failed_message(model, where, exc, world, split)
+                    ) from exc
             record.checked, record.unchecked = mode, verdict.unchecked
             record.output_rel_diff = verdict.output.error / max(
                 tolerance.magnitude(ref.out[2]), 1e-30
