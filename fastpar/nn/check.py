@@ -85,8 +85,10 @@ def _run(model, inputs, backward: bool) -> tuple[torch.Tensor, dict[str, torch.T
     if backward and out.requires_grad:
         (out * _weights(out.shape, out.device).to(out.dtype)).sum().backward()
         for n, p in model.named_parameters(remove_duplicate=False):
-            if p.grad is not None:
-                grads[n] = p.grad.detach().clone()
+            if p.grad is not None:  # taken, not copied (a tied name meets it again: kept)
+                grads[n] = p.grad.detach()
+        for p in model.parameters():
+            p.grad = None
     return out.detach().clone(), grads
 
 

@@ -349,10 +349,15 @@ def parallelize(
     ``heads`` maps module-name patterns to extra integer attributes to divide by the TP size
     (say ``{"*.attn": ["n_embd"]}`` for nanoGPT, whose attention reshapes with ``n_embd``).
     ``example_inputs`` (a tensor, a tuple of positional arguments or a dict of keyword
-    arguments) feeds the probe and the output check; by default token ids for a model with an
-    embedding, or a float batch for one that starts with a linear layer. ``check=False`` skips
-    both (then parameters inside split attention modules must be declared "per_head" or
-    "replicate"). ``loss_parallel``: a built-in plan leaves the logits split over the vocabulary
+    arguments) feeds the probe and the check; by default token ids for a model with an
+    embedding, or a float batch for one that starts with a linear layer. ``check``: True (or
+    "backward", the default) runs the parallel model forward and backward on that input against
+    the dense model (fp32, its twin and a float64 copy, ``fastpar.tolerance``'s rule): the
+    output and every parameter's gradient, the parameters that stay in place perturbed first and
+    restored bit for bit (``fastpar.nn.check``; about four forward and three backward passes
+    and, at peak, about 7x the model's fp32 size in memory, freed on return); "forward"
+    compares the output alone; False skips the probe and the check (then parameters inside
+    split attention modules must be declared "per_head" or "replicate"). ``loss_parallel``: a built-in plan leaves the logits split over the vocabulary
     (for ``vocab_parallel_cross_entropy``) instead of gathering them.
     A pattern of the caller's plan that matches nothing is an error (a typo would leave a
     layer dense).
