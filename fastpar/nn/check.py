@@ -80,7 +80,7 @@ def _weights(shape, device) -> torch.Tensor:
 def _run(model, inputs, backward: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     out = first_tensor(model(*inputs[0], **inputs[1]))
     if out is None:
-        raise ValueError("the dense model returned no floating tensor on the probe input")
+        return None, {}
     grads = {}
     if backward and out.requires_grad:
         (out * _weights(out.shape, out.device).to(out.dtype)).sum().backward()
@@ -98,9 +98,27 @@ def _eval(model: nn.Module):
     return was
 
 
-def dense_runs(model: nn.Module, inputs, backward: bool) -> Dense:
+def _copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` sharing its process groups (which cannot be copied)."""
+    memo: dict[int, object] = {}
+    for m in model.modules():
+        for v in vars(m).values():
+            if isinstance(v, dist.ProcessGroup):
+                memo[id(v)] = v
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as exc:
+        raise ValueError(
+            f"parallelize: the check needs a copy of the dense {type(model).__name__} (its "
+            f"float64 reference) and copy.deepcopy failed ({type(exc).__name__}: {exc}); pass "
+            "check=False to skip the probe and the check"
+        ) from exc
+
+
+def dense_runs(model: nn.Module, inputs, backward: bool) -> Dense | None:
     """The fp32 run on ``model`` itself (its gradients are put back as they were), then its
-    twin (one rounding away: ``tolerance.nudge``) and the float64 run on one copy."""
+    twin (one rounding away: ``tolerance.nudge``) and the float64 run on one copy; None when
+    the model returns no floating tensor (nothing to compare)."""
     ref = Dense(backward=backward)
     old_grads = {id(p): p.grad for p in model.parameters()}
     was = _eval(model)
@@ -109,11 +127,13 @@ def dense_runs(model: nn.Module, inputs, backward: bool) -> Dense:
             for p in model.parameters():
                 p.grad = None
             out, grads = _run(model, inputs, backward)
-            ref.out.append(out)
-            ref.grads.append(grads)
             for p in model.parameters():
                 p.grad = old_grads[id(p)]
-            twin = copy.deepcopy(model)
+            if out is None:
+                return None
+            ref.out.append(out)
+            ref.grads.append(grads)
+            twin = _copy(model)
             for p in twin.parameters():
                 p.grad = None
             tolerance.nudge(twin)
@@ -263,9 +283,10 @@ def _grads(named, ref: Dense, verdict: Verdict, tp_group, world: int, own) -> No
             verdict.spread[name] = spread / cmp.bound if cmp.bound > 0 else float(spread > 0) * 1e30
 
 
-def refuse(verdict: Verdict, model: nn.Module, per_head) -> None:
+def refuse(verdict: Verdict, model: nn.Module, per_head, whole=()) -> None:
     """ValueError naming the first disagreeing quantity and its likely cause; None if all
-    agree. ``per_head``: the parameters that see only this rank's heads."""
+    agree. ``per_head``: the parameters that see only this rank's heads; ``whole``: those of
+    modules planned "replicate" (whole activations), the likeliest source of a shared one."""
     out = verdict.ratios.get("output", 0.0)
     bad = [n for n, r in verdict.ratios.items() if n != "output" and r > 1]
     spread = [n for n, r in verdict.spread.items() if r > 1]
@@ -275,7 +296,8 @@ def refuse(verdict: Verdict, model: nn.Module, per_head) -> None:
     # output (last in the model's order), nearest the defect
     wrong = list(dict.fromkeys(bad + spread))
     heads = [n for n in wrong if n in per_head]
-    name = heads[0] if heads else (wrong[-1] if wrong else None)
+    shared = [n for n in wrong if n in whole]
+    name = heads[0] if heads else shared[-1] if shared else wrong[-1] if wrong else None
     cause = (
         "a per-head parameter (a module kept per head, e.g. a ModuleList of norms paired "
         "with the heads by position) that the split pairs with another rank's heads: "

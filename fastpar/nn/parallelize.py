@@ -446,7 +446,8 @@ def parallelize(
             record.output_rel_diff = verdict.output.error / max(
                 tolerance.magnitude(ref.out[2]), 1e-30
             )
-            _check.refuse(verdict, model, set(sliced) | set(record.found_by_probe) | set(reduced))
+            whole = {n for n, o in watched_owner.items() if _keeps_replicated(_style_at(chosen, o))}
+            _check.refuse(verdict, model, set(sliced) | set(reduced), whole)
     finally:
         _check.restore(watched_params, saved)
     guard_save_pretrained(model)  # HF's save_pretrained would write this rank's shards
