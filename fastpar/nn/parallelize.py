@@ -354,7 +354,7 @@ def parallelize(
     "backward", the default) runs the parallel model forward and backward on that input against
     the dense model (fp32, its twin and a float64 copy, ``fastpar.tolerance``'s rule): the
     output and every parameter's gradient, the parameters that stay in place perturbed first and
-    restored bit for bit (``fastpar.nn.check``; about four forward and three backward passes
+    restored bit for bit (``fastpar.nn.check``; about four forward and backward passes
     and, at peak, about 7x the model's fp32 size in memory, freed on return); "forward"
     compares the output alone; False skips the probe and the check (then parameters inside
     split attention modules must be declared "per_head" or "replicate"). ``loss_parallel``: a built-in plan leaves the logits split over the vocabulary
