@@ -203,7 +203,9 @@ def _rank(
     def build():
         torch.manual_seed(seed)
         model = build_model().float()
-        return parallelize(model, plan, mesh, **pkw)
+        # check_parallel proves every gradient over steps itself and reports what disagrees;
+        # parallelize's own backward check would refuse first (parallelize_kwargs may ask it)
+        return parallelize(model, plan, mesh, **{"check": "forward", **pkw})
 
     # 1. tensor parallel alone, full batch: logits, loss, every gradient on this rank
     model = build()

@@ -16,18 +16,25 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
+from fastpar import tolerance
 from fastpar.comm import all_reduce_grad, group_size
 from fastpar.mesh.placement import mark_replicated
+from fastpar.nn import check as _check
 from fastpar.nn import plans as _plans
 from fastpar.nn.guard import guard_save_pretrained
+from fastpar.nn.head_lists import slice_head_lists
 from fastpar.nn.linear import is_conv1d, resolve_group
-from fastpar.nn.plan import HEAD_ATTRS, WIDTH_ATTRS, match, splits_output, static_checks
+from fastpar.nn.plan import (
+    HEAD_ATTRS,
+    WIDTH_ATTRS,
+    head_counts,
+    match,
+    splits_output,
+    static_checks,
+)
 from fastpar.nn.probe import FULL, SPLIT, ProbeFailed, ProbeReport, probe
 from fastpar.nn.styles import STYLES, linear_like
-
-_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-8, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 
 @dataclass
@@ -42,6 +49,12 @@ class PlanRecord:
     found_by_probe: list[str] = field(default_factory=list)
     probed: bool = False
     output_rel_diff: float | None = None
+    checked: str | None = None
+    """Which check ran: "backward" (output and every gradient), "forward" or None."""
+    head_sliced: list[str] = field(default_factory=list)
+    """Parameters of per-head module lists this rank keeps (its heads' share)."""
+    unchecked: list[str] = field(default_factory=list)
+    """Parameters the backward check could not map to a dense gradient (converted MoE)."""
 
 
 def _example_inputs(model: nn.Module, example_inputs) -> tuple[tuple, dict] | None:
@@ -76,12 +89,6 @@ def _example_inputs(model: nn.Module, example_inputs) -> tuple[tuple, dict] | No
             width = w.shape[0] if is_conv1d(m) else w.shape[1]
             return (torch.randn(2, width, generator=g).to(device=device, dtype=w.dtype),), {}
     return None
-
-
-def _first_tensor(out) -> torch.Tensor | None:
-    to_tuple = getattr(out, "to_tuple", None)
-    flat = tree_flatten(to_tuple() if callable(to_tuple) else out)[0]
-    return next((t for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
 
 
 def _owners(modules: Mapping[str, nn.Module]) -> dict[int, list[tuple[str, str]]]:
@@ -261,24 +268,67 @@ def _divide_heads(model, modules, chosen, heads, world) -> None:
             setattr(module, attr, value // world)
 
 
-def _compare_outputs(dense: torch.Tensor, out, tp_group, world: int) -> float:
-    got = _first_tensor(out)
-    if got is None:
-        raise ValueError("the parallel model returned no floating tensor on the probe input")
-    if got.shape != dense.shape and got.shape[:-1] == dense.shape[:-1] and world > 1:
-        parts = [torch.empty_like(got) for _ in range(world)]
-        dist.all_gather(parts, got.contiguous(), group=tp_group)
-        got = torch.cat(parts, -1)[..., : dense.shape[-1]]
-    if got.shape != dense.shape:
-        raise ValueError(
-            f"the parallel model's output has shape {tuple(got.shape)} where the dense model's "
-            f"has {tuple(dense.shape)}: the plan changes the model"
-        )
-    scale = dense.abs().max().float().clamp(min=1e-6)
-    rel = ((got.float() - dense.float()).abs().max() / scale).reshape(1)
-    if world > 1:  # every rank decides alike
-        dist.all_reduce(rel, op=dist.ReduceOp.MAX, group=tp_group)
-    return float(rel)
+def _split(
+    model,
+    modules,
+    chosen,
+    owners,
+    attention,
+    watched,
+    watched_owner,
+    inputs,
+    mode,
+    record,
+    tp_group,
+    mesh,
+    heads,
+    world,
+):
+    """Probe, run the dense references, swap, divide heads, slice per-head lists, retie and
+    hook the reduced gradients; returns (reduced, the dense references or None, sliced)."""
+    ref = None
+    if inputs is not None:
+        styles = {
+            n: SPLIT if splits_output(s, kw) else FULL
+            for n, (s, kw) in chosen.items()
+            if STYLES[s].layer
+        }
+        try:
+            report, _ = probe(model, *inputs, styles, watched)
+        except ProbeFailed as exc:
+            raise ValueError(
+                f"parallelize: the dense {type(model).__name__} failed on the probe input "
+                f"({exc}); pass example_inputs= that its forward accepts, "
+                "or check=False"
+            ) from exc
+        reduced = _analyse(report, chosen, modules, watched_owner)
+        record.probed = True
+        record.found_by_probe = [
+            n for n in reduced if not _declares_reduced(_style_at(chosen, watched_owner[n]))
+        ]
+        ref = _check.dense_runs(model, inputs, backward=mode == "backward")
+    else:
+        reduced = _unprobed(chosen, modules, attention, watched_owner)
+    parents = sorted(
+        {n.rpartition(".")[0] for n, (s, kw) in chosen.items() if splits_output(s, kw)}
+    )
+    counts = {n: set(head_counts(modules[n] if n else model, model).values()) for n in parents}
+    new_modules = _swap(model, modules, chosen, tp_group, mesh)
+    _divide_heads(model, modules, chosen, heads, world)
+    sliced = slice_head_lists(
+        model, modules, [a for a in parents if a in attention], counts, tp_group, world
+    )
+    _retie(owners, modules, new_modules, model)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    # a sliced per-head module is this rank's alone (the others' are gone): never reduced
+    reduced = [n for n in reduced if n in params and n not in set(sliced)]
+    record.grad_reduced, record.head_sliced = sorted(reduced), sorted(sliced)
+    for name in reduced:
+        p = params[name]
+        mark_replicated(p, tp_group)
+        if p.requires_grad and world > 1:
+            all_reduce_grad(p, tp_group)
+    return reduced, ref, sliced
 
 
 def parallelize(
@@ -289,7 +339,7 @@ def parallelize(
     group: dist.ProcessGroup | None = None,
     heads: Mapping[str, list[str]] | None = None,
     example_inputs=None,
-    check: bool = True,
+    check: bool | str = True,
     loss_parallel: bool = False,
 ) -> nn.Module:
     """Swap the modules named by ``plan`` (default: the built-in plan of the model's family)
@@ -299,10 +349,15 @@ def parallelize(
     ``heads`` maps module-name patterns to extra integer attributes to divide by the TP size
     (say ``{"*.attn": ["n_embd"]}`` for nanoGPT, whose attention reshapes with ``n_embd``).
     ``example_inputs`` (a tensor, a tuple of positional arguments or a dict of keyword
-    arguments) feeds the probe and the output check; by default token ids for a model with an
-    embedding, or a float batch for one that starts with a linear layer. ``check=False`` skips
-    both (then parameters inside split attention modules must be declared "per_head" or
-    "replicate"). ``loss_parallel``: a built-in plan leaves the logits split over the vocabulary
+    arguments) feeds the probe and the check; by default token ids for a model with an
+    embedding, or a float batch for one that starts with a linear layer. ``check``: True (or
+    "backward", the default) runs the parallel model forward and backward on that input against
+    the dense model (fp32, its twin and a float64 copy, ``fastpar.tolerance``'s rule): the
+    output and every parameter's gradient, the parameters that stay in place perturbed first and
+    restored bit for bit (``fastpar.nn.check``; about four forward and backward passes
+    and, at peak, about 7x the model's fp32 size in memory, freed on return); "forward"
+    compares the output alone; False skips the probe and the check (then parameters inside
+    split attention modules must be declared "per_head" or "replicate"). ``loss_parallel``: a built-in plan leaves the logits split over the vocabulary
     (for ``vocab_parallel_cross_entropy``) instead of gathering them.
     A pattern of the caller's plan that matches nothing is an error (a typo would leave a
     layer dense).
@@ -349,67 +404,52 @@ def parallelize(
                 declared_owner[name] = n
     watched_owner = {name: declared_owner.get(name, owner) for name, owner in watched_owner.items()}
 
-    inputs = _example_inputs(model, example_inputs) if check else None
+    mode = _check.check_mode(check)
+    inputs = _example_inputs(model, example_inputs) if mode else None
     record = PlanRecord(world, {n: s for n, (s, _) in chosen.items()})
-    dense_out = None
-    if inputs is not None:
-        styles = {
-            n: SPLIT if splits_output(s, kw) else FULL
-            for n, (s, kw) in chosen.items()
-            if STYLES[s].layer
-        }
-        try:
-            report, out = probe(model, *inputs, styles, watched)
-        except ProbeFailed as exc:
-            raise ValueError(
-                f"parallelize: the dense {type(model).__name__} failed on the probe input "
-                f"({exc}); pass example_inputs= that its forward accepts, "
-                "or check=False"
-            ) from exc
-        dense = _first_tensor(out)
-        dense_out = None if dense is None else dense.detach().clone()
-        reduced = _analyse(report, chosen, modules, watched_owner)
-        record.probed = True
-        record.found_by_probe = [
-            n for n in reduced if not _declares_reduced(_style_at(chosen, watched_owner[n]))
-        ]
-    else:
-        reduced = _unprobed(chosen, modules, attention, watched_owner)
-    record.grad_reduced = sorted(reduced)
-
-    new_modules = _swap(model, modules, chosen, tp_group, mesh)
-    _divide_heads(model, modules, chosen, heads, world)
-    _retie(owners, modules, new_modules, model)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    for name in reduced:
-        p = params[name]
-        mark_replicated(p, tp_group)
-        if p.requires_grad and world > 1:
-            all_reduce_grad(p, tp_group)
-
-    if dense_out is not None:
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                out = model(*inputs[0], **inputs[1])
-        except Exception as exc:
-            raise ValueError(
-                f"parallelize: the parallel {type(model).__name__} failed on the probe input where "
-                f"the dense one ran ({type(exc).__name__}: {exc}): the plan changes the model (a "
-                "head count or width the model reads elsewhere? pass heads=)"
-            ) from exc
-        finally:
-            model.train(was_training)
-        rel = _compare_outputs(dense_out, out, tp_group, world)
-        tol = _TOLERANCE.get(dense_out.dtype, 1e-4)
-        record.output_rel_diff = rel
-        if rel > tol:
-            raise ValueError(
-                f"parallelize: on the probe input the parallel model's output differs from the "
-                f"dense model's by {rel:.2e} (relative; tolerance {tol:.0e}): the plan changes what {type(model).__name__} computes "
-                "(a head count or width the model reads elsewhere? pass heads=)"
+    # perturbed for the check and restored after it: the parameters that stay in place (a
+    # swapped module's, an MoE block's router included, are copied into the new module)
+    swapped = {
+        id(p) for n, (s, _) in chosen.items() if STYLES[s].swap for p in modules[n].parameters()
+    }
+    watched_params = {
+        n: p for n, p in model.named_parameters() if n in watched_owner and id(p) not in swapped
+    }
+    saved = _check.perturb(watched_params) if inputs is not None and mode == "backward" else {}
+    try:
+        reduced, ref, sliced = _split(
+            model,
+            modules,
+            chosen,
+            owners,
+            attention,
+            watched,
+            watched_owner,
+            inputs,
+            mode,
+            record,
+            tp_group,
+            mesh,
+            heads,
+            world,
+        )
+        if ref is not None:
+            with _check.tracking(model) as where:
+                try:
+                    verdict = _check.parallel_run(model, inputs, ref, tp_group, world, set(sliced))
+                except Exception as exc:
+                    split = [n for n, (s, kw) in chosen.items() if splits_output(s, kw)]
+                    raise ValueError(
+                        _check.failed_message(model, where, exc, world, split)
+                    ) from exc
+            record.checked, record.unchecked = mode, verdict.unchecked
+            record.output_rel_diff = verdict.output.error / max(
+                tolerance.magnitude(ref.out[2]), 1e-30
             )
+            whole = {n for n, o in watched_owner.items() if _keeps_replicated(_style_at(chosen, o))}
+            _check.refuse(verdict, model, set(sliced) | set(reduced), whole)
+    finally:
+        _check.restore(watched_params, saved)
     guard_save_pretrained(model)  # HF's save_pretrained would write this rank's shards
     model.fastpar_plan = record
     return model

@@ -67,7 +67,7 @@ def _attention_like(name: str, module: nn.Module) -> bool:
     )
 
 
-def _head_counts(module: nn.Module, model: nn.Module) -> dict[str, int]:
+def head_counts(module: nn.Module, model: nn.Module) -> dict[str, int]:
     counts = {a: v for a in HEAD_ATTRS if isinstance(v := getattr(module, a, None), int)}
     config = getattr(module, "config", None) or getattr(model, "config", None)
     for key in CONFIG_HEADS:
@@ -106,7 +106,7 @@ def static_checks(model, modules, chosen, world, heads) -> list[str]:
         if not _attention_like(parent, module):
             continue
         attention.append(parent)
-        for what, value in _head_counts(module, model).items():
+        for what, value in head_counts(module, model).items():
             if value % world:
                 divisors = [d for d in range(1, value + 1) if value % d == 0]
                 raise ValueError(

@@ -1,0 +1,458 @@
+"""``parallelize``'s own check: the dense model (fp32, its one-rounding twin and a float64 copy)
+and the parallel one on the probe input, forward and backward, judged by ``fastpar.tolerance``'s
+rule: the output, and every parameter's gradient against its slice of the dense gradient
+(replicated ones also equal across the TP ranks). Equal-at-init parameters (norms at 1, biases
+at 0) are perturbed first, on every rank alike, and restored exactly afterwards, so a per-head
+mix-up cannot hide behind equal values (docs/hf.md, "The check")."""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from fastpar import tolerance
+from fastpar.mesh.placement import param_layout
+from fastpar.mesh.ranks import group_rank
+
+MODES = (True, False, "backward", "forward")
+_LOSS_SEED, _PERTURB_SEED = 1234, 4321
+
+
+def check_mode(check) -> str | None:
+    """``check`` of ``parallelize`` as "backward", "forward" or None (off); ValueError else."""
+    if check not in MODES:
+        raise ValueError(f"check must be one of {MODES} (True = 'backward'), got {check!r}")
+    return None if check is False else ("backward" if check is True else check)
+
+
+def first_tensor(out) -> torch.Tensor | None:
+    to_tuple = getattr(out, "to_tuple", None)
+    flat = tree_flatten(to_tuple() if callable(to_tuple) else out)[0]
+    return next((t for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+
+
+@torch.no_grad()
+def perturb(params: Mapping[str, nn.Parameter]) -> dict[str, torch.Tensor]:
+    """Move each of ``params`` (the parameters no planned layer owns: norms, per-head scales,
+    biases) by a deterministic random amount (the same on every rank: seeded by position), in
+    place; returns their exact original values for ``restore``."""
+    saved = {}
+    g = torch.Generator().manual_seed(_PERTURB_SEED)
+    for name, p in params.items():
+        if not p.is_floating_point() or p.numel() == 0:
+            continue
+        saved[name] = p.detach().clone()
+        rms = float(p.detach().double().square().mean().sqrt())
+        noise = torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.1 * max(rms, 0.1)
+        p.add_(noise.to(device=p.device, dtype=p.dtype))
+    return saved
+
+
+@torch.no_grad()
+def restore(params: Mapping[str, nn.Parameter], saved: Mapping[str, torch.Tensor]) -> None:
+    for name, value in saved.items():
+        params[name].copy_(value)
+
+
+@dataclass
+class Dense:
+    """The dense runs on the probe input: output and gradients (by name) of the fp32 model,
+    its twin and its float64 copy; ``length``: the longest reduction (the rule's n)."""
+
+    out: list[torch.Tensor] = field(default_factory=list)
+    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    length: int = 1
+    backward: bool = False
+
+
+def _weights(shape, device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(_LOSS_SEED)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(device)
+
+
+def _run(model, inputs, backward: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    out = first_tensor(model(*inputs[0], **inputs[1]))
+    if out is None:
+        return None, {}
+    grads = {}
+    if backward and out.requires_grad:
+        (out * _weights(out.shape, out.device).to(out.dtype)).sum().backward()
+        for n, p in model.named_parameters(remove_duplicate=False):
+            if p.grad is not None:  # taken, not copied (a tied name meets it again: kept)
+                grads[n] = p.grad.detach()
+        for p in model.parameters():
+            p.grad = None
+    return out.detach().clone(), grads
+
+
+def _eval(model: nn.Module):
+    was = model.training
+    model.eval()
+    return was
+
+
+def _copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` sharing its process groups (which cannot be copied)."""
+    memo: dict[int, object] = {}
+    for m in model.modules():
+        for v in vars(m).values():
+            if isinstance(v, dist.ProcessGroup):
+                memo[id(v)] = v
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as exc:
+        raise ValueError(
+            f"parallelize: the check needs a copy of the dense {type(model).__name__} (its "
+            f"float64 reference) and copy.deepcopy failed ({type(exc).__name__}: {exc}); pass "
+            "check=False to skip the probe and the check"
+        ) from exc
+
+
+def dense_runs(model: nn.Module, inputs, backward: bool) -> Dense | None:
+    """The fp32 run on ``model`` itself (its gradients are put back as they were), then its
+    twin (one rounding away: ``tolerance.nudge``) and the float64 run on one copy; None when
+    the model returns no floating tensor (nothing to compare)."""
+    ref = Dense(backward=backward)
+    old_grads = {id(p): p.grad for p in model.parameters()}
+    was = _eval(model)
+    try:
+        with torch.set_grad_enabled(backward):
+            for p in model.parameters():
+                p.grad = None
+            out, grads = _run(model, inputs, backward)
+            for p in model.parameters():
+                p.grad = old_grads[id(p)]
+            if out is None:
+                return None
+            ref.out.append(out)
+            ref.grads.append(grads)
+            twin = _copy(model)
+            for p in twin.parameters():
+                p.grad = None
+            tolerance.nudge(twin)
+            for r in _run(twin, inputs, backward):
+                (ref.out if isinstance(r, torch.Tensor) else ref.grads).append(r)
+            with torch.no_grad():
+                twin.load_state_dict(model.state_dict())
+            for p in twin.parameters():
+                p.grad = None
+            exact = tolerance.cast(twin, torch.float64)
+            args, kwargs = tree_map_float(inputs, torch.float64)
+            for r in _run(exact, (args, kwargs), backward):
+                (ref.out if isinstance(r, torch.Tensor) else ref.grads).append(r)
+            del twin, exact
+    finally:
+        model.train(was)
+    tokens = out.numel() // max(out.shape[-1], 1) if out.dim() else 1
+    widest = max((max(p.shape) for p in model.parameters() if p.dim()), default=1)
+    ref.length = max(tokens, widest, 1)
+    return ref
+
+
+def tree_map_float(inputs, dtype):
+    """(args, kwargs) with their floating tensors cast to ``dtype`` (token ids stay)."""
+
+    def cast(v):
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return v.to(dtype)
+        return v
+
+    args, kwargs = inputs
+    return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+
+def _local(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor | None:
+    """This rank's part of the dense ``full`` per ``p``'s mark (zeros where ``p`` is padded);
+    None where ``p``'s shape cannot be a part of it."""
+    layout = param_layout(p)
+    if layout is None or layout.kind != "sharded":
+        return full if full.shape == p.shape else None
+    d, size, fused = layout.dim, layout.full_size, layout.fused
+    rank, n = group_rank(layout.group), p.shape[d]
+    i = torch.arange(n)
+    if fused > 1:
+        per = n // fused
+        g = (i // per) * (size // fused) + rank * per + i % per
+    else:
+        g = rank * n + i
+    if full.dim() <= d or full.shape[d] != size:
+        return None
+    part = full.index_select(d, g.clamp(max=size - 1).to(full.device))
+    shape = [1] * full.dim()
+    shape[d] = n
+    part = part * (g < size).view(shape).to(part.device, part.dtype)
+    return part if part.shape == p.shape else None
+
+
+@dataclass
+class Verdict:
+    """The check's result: the output's comparison and, per compared parameter, its gradient's
+    comparison (and the spread across TP ranks of a replicated one, as a ratio to its bound)."""
+
+    output: tolerance.Comparison | None = None
+    grads: dict[str, tolerance.Comparison] = field(default_factory=dict)
+    spread: dict[str, float] = field(default_factory=dict)
+    unchecked: list[str] = field(default_factory=list)
+    ratios: dict[str, float] = field(default_factory=dict)
+    """"output" and each compared parameter -> error / bound, the largest over the TP ranks."""
+
+
+def _gather_last(got: torch.Tensor, dense: torch.Tensor, tp_group, world: int) -> torch.Tensor:
+    if got.shape != dense.shape and got.shape[:-1] == dense.shape[:-1] and world > 1:
+        parts = [torch.empty_like(got) for _ in range(world)]
+        dist.all_gather(parts, got.detach().contiguous(), group=tp_group)
+        return torch.cat(parts, -1)[..., : dense.shape[-1]]
+    return got.detach()
+
+
+def parallel_run(model, inputs, ref: Dense, tp_group, world: int, own=frozenset()) -> Verdict:
+    """The parallel ``model`` on the probe input (eval mode; backward when ``ref.backward``),
+    compared with ``ref``; every rank returns the same verdict (ratios max-reduced over TP).
+    ``own``: parameters this rank alone holds (per-head modules sliced with the heads)."""
+    verdict = Verdict()
+    named = dict(model.named_parameters())
+    old_grads = {n: p.grad for n, p in named.items()}
+    was = _eval(model)
+    try:
+        with torch.set_grad_enabled(ref.backward):
+            for p in named.values():
+                p.grad = None
+            got = first_tensor(model(*inputs[0], **inputs[1]))
+            if got is None:
+                raise ValueError(
+                    "the parallel model returned no floating tensor on the probe input"
+                )
+            dense = ref.out[0]
+            full = _gather_last(got, dense, tp_group, world)
+            verdict.output = tolerance.compare(
+                full, ref.out[:2], ref.out[2], length=ref.length, what="output"
+            )
+            if ref.backward and got.requires_grad:
+                w = _weights(dense.shape, got.device)
+                if got.shape != dense.shape:  # split over the last dim: this rank's columns
+                    per, rank = got.shape[-1], group_rank(tp_group)
+                    pad = per * world - dense.shape[-1]
+                    w = torch.cat([w, w.new_zeros((*w.shape[:-1], pad))], -1)
+                    w = w[..., rank * per : (rank + 1) * per]
+                (got * w.to(got.dtype)).sum().backward()
+                _grads(named, ref, verdict, tp_group, world, own)
+            for n, p in named.items():
+                p.grad = old_grads[n]
+    finally:
+        model.train(was)
+    ratios = [verdict.output.ratio if verdict.output is not None else 0.0]
+    names = list(verdict.grads)  # the model's order: the same length on every rank
+    ratios += [verdict.grads[n].ratio for n in names] + [verdict.spread.get(n, 0.0) for n in names]
+    if world > 1:
+        t = torch.tensor(ratios, dtype=torch.float64, device=got.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=tp_group)
+        ratios = t.tolist()
+    verdict.ratios = dict(zip(["output", *names], ratios[: len(names) + 1], strict=True))
+    verdict.spread = dict(zip(names, ratios[len(names) + 1 :], strict=True))
+    return verdict
+
+
+def _grads(named, ref: Dense, verdict: Verdict, tp_group, world: int, own) -> None:
+    single, twin, exact = ref.grads
+    for name, p in named.items():
+        if not p.requires_grad:
+            continue
+        if name not in exact:
+            verdict.unchecked.append(name)
+            continue
+        parts = [_local(t, p) for t in (single.get(name), twin.get(name), exact[name])]
+        if any(t is None for t in parts):
+            verdict.unchecked.append(name)
+            continue
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        cmp = tolerance.compare(grad, parts[:2], parts[2], length=ref.length, what=name)
+        verdict.grads[name] = cmp
+        layout = param_layout(p)
+        if world > 1 and name not in own and (layout is None or layout.kind == "replicated"):
+            hi, lo = grad.detach().double().clone(), grad.detach().double().clone()
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=tp_group)
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=tp_group)
+            spread = float((hi - lo).max()) if hi.numel() else 0.0
+            verdict.spread[name] = spread / cmp.bound if cmp.bound > 0 else float(spread > 0) * 1e30
+
+
+def refuse(verdict: Verdict, model: nn.Module, per_head, whole=()) -> None:
+    """ValueError naming the first disagreeing quantity and its likely cause; None if all
+    agree. ``per_head``: the parameters that see only this rank's heads; ``whole``: those of
+    modules planned "replicate" (whole activations), the likeliest source of a shared one."""
+    out = verdict.ratios.get("output", 0.0)
+    bad = [n for n, r in verdict.ratios.items() if n != "output" and r > 1]
+    spread = [n for n, r in verdict.spread.items() if r > 1]
+    if out <= 1 and not bad and not spread:
+        return
+    # a per-head parameter that disagrees is the likeliest culprit; else the one nearest the
+    # output (last in the model's order), nearest the defect
+    wrong = list(dict.fromkeys(bad + spread))
+    heads = [n for n in wrong if n in per_head]
+    shared = [n for n in wrong if n in whole]
+    name = heads[0] if heads else shared[-1] if shared else wrong[-1] if wrong else None
+    cause = (
+        "a per-head parameter (a module kept per head, e.g. a ModuleList of norms paired "
+        "with the heads by position) that the split pairs with another rank's heads: "
+        "slice it with the heads, or leave that attention module whole"
+    )
+    if not heads:
+        cause = (
+            "the parameters upstream of a module whose output is shared by every local head (as "
+            "MLA's rope key k_rot, broadcast into each head) get only this rank's heads' share "
+            "of its gradient: that activation needs a copy-to-region (identity forward, "
+            "all-reduce backward; fastpar.comm.copy_to_region) where it enters the heads, or "
+            "leave that attention module whole (do not split it)"
+        )
+    others = [n for n in wrong if n != name]
+    listed = f"; {len(others)} more disagree, e.g. {others[:3]}" if others else ""
+    grad = ""
+    if name is not None:
+        across = verdict.spread.get(name, 0.0)
+        grad = (
+            f"the gradient of {name!r} differs from the dense model's ({verdict.grads[name]})"
+            + (
+                f" and its copies differ across the TP ranks ({across:.3g} x its bound)"
+                if across > 1
+                else ""
+            )
+            + listed
+        )
+    if out > 1:
+        raise ValueError(
+            f"parallelize: on the probe input the parallel model's output differs from the dense "
+            f"model's ({verdict.output}; error/bound {out:.3g} over the TP ranks): the plan changes "
+            f"what {type(model).__name__} computes (a head count or width the model reads "
+            "elsewhere? pass heads=)"
+            + (f"; {grad}. Likely cause: {cause}" if heads else (f"; {grad}" if grad else ""))
+        )
+    raise ValueError(
+        f"parallelize: on the probe input {grad}. Likely cause: {cause}. The forward may agree "
+        "while the gradients do not; check='forward' skips this check (not advised)"
+    )
+
+
+class tracking:
+    """Within it, ``where`` (the object it gives) lists the modules running, outermost first:
+    after an exception, the path down to the module that raised."""
+
+    def __init__(self, model: nn.Module):
+        self.model, self.stack, self.handles = model, [], []
+
+    def __enter__(self) -> list[tuple[str, nn.Module]]:
+        for name, m in self.model.named_modules():
+
+            def enter(mod, _args, name=name):
+                self.stack.append((name, mod))
+
+            def leave(mod, _args, _out):
+                if self.stack:
+                    self.stack.pop()
+
+            self.handles += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
+        return self.stack
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+_RESHAPE = ("shape '", "is invalid for input of size", "view size", "expanded size", "must match")
+_FUSED = ("qkv", "query_key_value", "gate_up", "c_attn", "w_pack", "fused", "in_proj")
+_DIVIDED = ("num_heads", "n_head", "num_attention_heads", "num_key_value_heads", "n_kv_head")
+_NOT_DIVIDED = ("head_dim", "max_position_embeddings", "rotary_ndims", "rope_dim")
+
+
+def _undivided(module: nn.Module, world: int) -> list[str]:
+    """Integer attributes of ``module`` the split may have left undivided (head counts and
+    widths; those parallelize divides, and per-head sizes, left out), head counts first."""
+    names = [
+        a
+        for a, v in vars(module).items()
+        if isinstance(v, int)
+        and not isinstance(v, bool)
+        and v > 1
+        and v % world == 0
+        and not a.startswith("_")
+        and a not in _DIVIDED + _NOT_DIVIDED
+        and any(k in a for k in ("head", "dim", "size", "emb", "width"))
+    ]
+    return sorted(names, key=lambda a: "head" not in a)
+
+
+def failed_message(model: nn.Module, where, exc: Exception, world: int, split=()) -> str:
+    """What to say when the parallel model raised on the probe input where the dense one ran:
+    the module that raised, the likely cause and the fix that applies (``split``: the planned
+    modules whose output is split)."""
+    if isinstance(exc, ValueError) and str(exc).startswith("parallelize:"):
+        return str(exc)
+    name, module = where[-1] if where else ("", model)
+    msg = str(exc)
+    at = f"module {name or '<model>'!r} ({type(module).__name__})"
+    nums = {int(x) for x in re.findall(r"\d+", msg)}
+    # the enclosing module whose projections the plan splits (the attention or MLP block)
+    block = next(
+        (n for n, _ in reversed(where) if any(s.rpartition(".")[0] == n for s in split)), None
+    )
+    fused = [
+        s
+        for s in split
+        if s.rpartition(".")[0] == block and any(k in s.rpartition(".")[2].lower() for k in _FUSED)
+    ]
+    wide = [
+        (p_name, p.shape[-1])
+        for p_name, p in module.named_parameters(recurse=False)
+        if p.dim() and p.shape[-1] % world == 0 and {p.shape[-1], p.shape[-1] // world} <= nums
+    ]
+    whole = f"leave {block or 'the block'!r} whole (drop its projections from the plan)"
+    attrs, owner = [], name
+    for n, m in reversed(where):
+        if attrs := _undivided(m, world):
+            owner = n
+            break
+    reshape = any(k in msg for k in _RESHAPE)
+    if wide:
+        p_name, width = wide[0]
+        hint = (
+            f"{name!r} applies its {p_name!r} of width {width} (every head's features) to this "
+            f"rank's share ({width // world}): a norm or scale over the whole projection "
+            f"(statistics across all heads) cannot be split exactly; {whole}"
+        )
+    elif reshape and attrs and ("head" in attrs[0] or not fused):
+        pattern = f"*.{owner.rpartition('.')[2]}" if owner else ""
+        hint = (
+            "it reshapes a split activation with a head count or width the split did not "
+            f"divide: pass heads={{{pattern!r}: [{attrs[0]!r}]}} (candidates on {owner!r}: "
+            f"{attrs})"
+            + (
+                f"; if {fused[0]!r} is a fused q|k|v, plan it ('column', {{'fused': 3}})"
+                if fused
+                else ""
+            )
+            + f"; or {whole}"
+        )
+    elif fused:
+        hint = (
+            f"{fused[0]!r} is a fused projection (q|k|v or gate|up in one linear): a plain "
+            "'column' split gives each rank a contiguous part of it, not its share of every "
+            "block; plan it ('column', {'fused': k}) when its k blocks are of equal width (its "
+            f"row partner stays 'row'), else {whole}"
+        )
+    elif reshape:
+        hint = (
+            "it reshapes a split activation with a head count or width the split did not "
+            f"divide: pass heads= naming the attribute to divide; or {whole}"
+        )
+    else:
+        hint = f"pass heads= naming any head count or width the model reads, or {whole}"
+    return (
+        f"parallelize: the parallel {type(model).__name__} failed on the probe input where the "
+        f"dense one ran, in {at}: {type(exc).__name__}: {msg}. Likely cause: {hint}"
+    )
