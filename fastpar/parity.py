@@ -180,6 +180,7 @@ def _rank(
     refs: tolerance.References,
 ):
     from fastpar import ParallelMesh, parallelize
+    from fastpar.nn.plans import builtin_plan
     from fastpar.optim import FusedAdamW
     from fastpar.parallel import DistributedDataParallel
     from fastpar.zero import Zero3, ZeroOptimizer
@@ -205,7 +206,9 @@ def _rank(
         model = build_model().float()
         # check_parallel proves every gradient over steps itself and reports what disagrees;
         # parallelize's own backward check would refuse first (parallelize_kwargs may ask it)
-        return parallelize(model, plan, mesh, **{"check": "forward", **pkw})
+        # a family without a plan runs whole at tp 1: an empty plan (nothing to split)
+        unplanned = tp == 1 and plan is None and builtin_plan(model) is None
+        return parallelize(model, {} if unplanned else plan, mesh, **{"check": "forward", **pkw})
 
     # 1. tensor parallel alone, full batch: logits, loss, every gradient on this rank
     model = build()

@@ -61,7 +61,8 @@ def _one_step(tp: int, overrides: dict, strict: bool = True) -> dict:
     assert every comparison; else return which quantities disagree."""
     mesh = make_mesh(tp=tp)
     dense = _model(**overrides)
-    par = parallelize(copy.deepcopy(dense), mesh=mesh)
+    # (the planted bug: parallelize's own backward check would refuse it first)
+    par = parallelize(copy.deepcopy(dense), mesh=mesh, check=True if strict else "forward")
     keys = [m for m in par.modules() if isinstance(m, SharedKeyLinear)]
     assert len(keys) == dense.config.num_hidden_layers
     assert all(k.features == dense.config.qk_rope_head_dim for k in keys)

@@ -126,3 +126,38 @@ def test_verify_cli_runs_both_checks(tmp_path, capsys):
     assert verify_main(["--hf-config", path, "--tp", "2", "--dp", "2", "--pp", "1"]) == 0
     out = capsys.readouterr().out
     assert out.count("AGREE") == 2 and "per-head" in out and "training command:" in out
+
+
+def test_a_family_without_a_plan_trains_at_tp1_and_is_refused_only_at_tp2(tmp_path, capsys):
+    """--hf-config of a family with no built-in plan (Gemma 3): at --tp 1 nothing needs
+    splitting, so data parallelism and ZeRO run it (verify AGREE: check_parallel and the
+    training command); at --tp 2 it is refused, naming --plan."""
+    import json
+
+    from fastpar.train import main as train_main
+    from fastpar.verify import main as verify_main
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        sliding_window=8,
+    )
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config.to_dict()))
+    small = ["--steps", "2", "--batch-size", "4", "--seq-len", "16", "--pp", "1", "--ep", "1"]
+    assert (
+        verify_main(["--hf-config", str(path), "--tp", "1", "--dp", "2", "--zero", "1", *small])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert out.count("AGREE") >= 2 and "DISAGREE" not in out, out
+    assert train_main(["--hf-config", str(path), "--tp", "2", "--dp", "1", *small]) == 2
+    err = capsys.readouterr().err
+    assert "model_type 'gemma3_text' has no built-in tensor-parallel plan" in err, err
+    assert "pass --plan FILE" in err

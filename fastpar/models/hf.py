@@ -262,7 +262,7 @@ def hf_blocks(config, mesh, plan: dict | None = None, plan_path: str = "") -> HF
     the family's built-in one; its LM head's logits stay split over the vocabulary."""
     config = copy.deepcopy(config)
     model = build(config)
-    if mesh is not None:
+    if mesh is not None and (plan is not None or mesh.tp_size > 1 or has_builtin_plan(config)):
         if plan is not None:
             plan = _lm_head_split(model, plan, plan_path)
         elif not has_builtin_plan(config):
@@ -271,6 +271,7 @@ def hf_blocks(config, mesh, plan: dict | None = None, plan_path: str = "") -> HF
                 f"{supported()}); {plan_hint()}"
             )
         model = parallelize(model, plan, mesh=mesh, loss_parallel=True)
+    # (tp 1 without a plan: nothing to split; data, pipeline and ZeRO parallelism need none)
     vocab = int(config.vocab_size)
     masked = is_masked_lm(config)
     if config.model_type in decoders() and not masked:

@@ -298,12 +298,12 @@ class TrainConfig(TrainOptions):
 
     def _check_plan(self, config) -> None:
         """--plan FILE: it reads as a plan whose patterns name the model's modules; without
-        it, the family must have a built-in plan."""
+        it, at tp > 1 the family must have a built-in plan."""
         from fastpar.models.hf import check_plan, has_builtin_plan, plan_hint, read_plan
 
         if self.plan:
             check_plan(config, read_plan(self.plan), self.plan)
-        elif not has_builtin_plan(config):
+        elif not has_builtin_plan(config) and self.tp > 1:  # tp 1: nothing to split
             from fastpar.nn.plans import supported
 
             raise ValueError(
