@@ -74,12 +74,10 @@ def _find_cuda_home() -> None:
 
 
 packages = find_packages(include=["fastpar", "fastpar.*"])
-packages += ["fastpar.kernels"] + ["fastpar.kernels." + p for p in find_packages(where="kernels")]
 ext_modules, cmdclass = _extension_modules()
 
 setup(
     packages=packages,
-    package_dir={"fastpar.kernels": "kernels"},
     package_data={"fastpar": ["_C_build.json"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -30,8 +30,18 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "fastpar"
 LAYERS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("switches",), "the FASTPAR_* environment switches and their API"),
     (
-        ("version", "profiling", "debug", "reference", "data", "tolerance", "cliutil", "families"),
-        "leaves: torch, numpy, the standard library and the switches",
+        (
+            "version",
+            "profiling",
+            "debug",
+            "reference",
+            "data",
+            "tolerance",
+            "cliutil",
+            "families",
+            "kernels",
+        ),
+        "leaves: torch, numpy, the standard library and the switches (kernels: Triton)",
     ),
     (("mesh",), "rank layout, ParallelMesh, placement (parameter marks, replica groups, ranks)"),
     (("launch",), "the rank launcher (processes, their errors and timeouts)"),

@@ -11,6 +11,8 @@ import pytest
 
 from fastpar.ops import backend
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def _py(code, cwd=None):
     out = subprocess.run(
@@ -67,15 +69,20 @@ def test_info_command_reports_versions():
     assert "device    " in out.stdout
 
 
-def test_kernels_install_as_subpackage_only(tmp_path):
+def test_kernels_are_a_subpackage_and_nothing_shadows_the_kernels_package():
+    """fastpar's Triton kernels are ``fastpar.kernels``; neither the install nor the source
+    tree holds a top-level ``kernels`` (transformers >= 5.25 imports the ``kernels`` package: a
+    folder of that name at the root would shadow it for every command run from a checkout)."""
     out = _py(
         """
         import importlib.util, fastpar.kernels
-        print(importlib.util.find_spec("kernels") is None, fastpar.kernels.__name__)
+        spec = importlib.util.find_spec("kernels")
+        print(spec is None or "fastpar" not in str(spec.origin), fastpar.kernels.__name__)
         """,
-        cwd=tmp_path,  # away from the source tree, whose kernels/ folder would shadow the test
+        cwd=ROOT,  # from the checkout's root, as the README's commands run
     )
     assert out.split() == ["True", "fastpar.kernels"]
+    assert not os.path.exists(os.path.join(ROOT, "kernels"))
 
 
 @pytest.mark.skipif(not backend.triton_status()[0], reason="Triton is not installed here")
