@@ -205,9 +205,12 @@ def _device_table(
     graph."""
     key = (device, chunk, tuple(groups))
     return cached_table(
-        _TABLES, key, lambda: _build_table(groups, chunk), device,
+        _TABLES,
+        key,
+        lambda: _build_table(groups, chunk),
+        device,
         "unscale_norm: these gradients' pointer table",
-    )  # fmt: skip
+    )
 
 
 def _launch(
