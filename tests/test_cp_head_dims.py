@@ -101,7 +101,7 @@ def _check(dqk, dv, scale, kind, docs, math_only, hq=4, hkv=2, chunk=3):
     return True
 
 
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dqk,dv", [(48, 32), (24, 40)])
 @pytest.mark.parametrize("scale", [None, SCALE])
 @pytest.mark.parametrize("kind", ["ring", "all-to-all"])
@@ -109,14 +109,14 @@ def test_cp_attention_with_value_head_dim_unlike_query_key(cp, dqk, dv, scale, k
     assert all(run_ranks(_check, cp, dqk, dv, scale, kind, False, False))
 
 
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dqk,dv", [(48, 32), (24, 40)])
 @pytest.mark.parametrize("kind", ["ring", "all-to-all"])
 def test_cp_attention_head_dims_with_documents(cp, dqk, dv, kind):
     assert all(run_ranks(_check, cp, dqk, dv, SCALE, kind, True, False))
 
 
-@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("docs", [False, True])
 def test_ring_attention_head_dims_in_fp32_math(cp, docs):
     assert all(run_ranks(_check, cp, 48, 32, SCALE, "ring", docs, True))

@@ -480,6 +480,7 @@ def test_trainer_flags_of_the_other_models_are_refused():
             TrainConfig(**{**SMALL, "tp": 2, "pp": 1, "dp": 2, "ep": 2, **kwargs}).check()
 
 
+@pytest.mark.slow  # (test_deepseek_parallel.py exports a pp 2 checkpoint with MTP in the CPU tier)
 def test_a_checkpoint_trained_at_dp_tp_pp_ep_exports_to_hf(tmp_path):
     """Trained at dp 2 x tp 2 x pp 2 x ep 2 with DeepSeek-V3 routing (the expert bias moved by
     the steps), exported by ``python -m fastpar.export``'s code and loaded by transformers'

@@ -34,9 +34,24 @@ ROUTING = dict(
 )
 # q/k head 6 + 4 = 10 wide, v 5: K and V of other widths around the ring
 MLA = dict(qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, kv_lora_rank=12, q_lora_rank=10)
-SMALL = dict(steps=1, batch_size=4, microbatches=2, seq_len=16, hidden=32, heads=4, layers=2,
-             quiet=True, eos_id=10, dp=1, ep=1, zero=0, model_type="deepseek", experts=4,
-             **MLA, **ROUTING)  # fmt: skip
+SMALL = dict(
+    steps=1,
+    batch_size=4,
+    microbatches=2,
+    seq_len=16,
+    hidden=32,
+    heads=4,
+    layers=2,
+    quiet=True,
+    eos_id=10,
+    dp=1,
+    ep=1,
+    zero=0,
+    model_type="deepseek",
+    experts=4,
+    **MLA,
+    **ROUTING,
+)
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +75,12 @@ def _first_step_gradients(cfg: TrainConfig, refs) -> list[str]:
     trainer = Trainer(cfg, mesh, torch.device("cpu"))
     x, y = trainer._batch(0)
     trainer.engine.train_step(
-        x if mesh.is_first_stage else None, y if mesh.is_last_stage else None,
-        broadcast_loss=False, valid_tokens=trainer._count(), context=trainer.context,
-    )  # fmt: skip
+        x if mesh.is_first_stage else None,
+        y if mesh.is_last_stage else None,
+        broadcast_loss=False,
+        valid_tokens=trainer._count(),
+        context=trainer.context,
+    )
     params = {checkpoint_name(n, p): p for n, p in trainer.named_parameters().items()}
     refs.local = lambda full, name: localize(full, params[name])
     mtp = sum(".mtp." in n for n in params)
@@ -74,12 +92,18 @@ def _first_step_gradients(cfg: TrainConfig, refs) -> list[str]:
     "layout",
     [
         dict(cp=2, tp=1, pp=1),
-        dict(cp=2, tp=1, pp=1, cp_attention="all-to-all", reset_positions=False),
-        dict(cp=2, tp=1, pp=1, pack="stream"),
-        dict(cp=2, tp=2, pp=1, sequence_parallel=True),
+        pytest.param(
+            dict(cp=2, tp=1, pp=1, cp_attention="all-to-all", reset_positions=False),
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(dict(cp=2, tp=1, pp=1, pack="stream"), marks=pytest.mark.slow),
+        pytest.param(dict(cp=2, tp=2, pp=1, sequence_parallel=True), marks=pytest.mark.slow),
         dict(cp=2, tp=2, pp=1, cp_attention="all-to-all", heads=8, mtp_depth=1),
         dict(tp=1, pp=2, mtp_depth=1),
-        dict(tp=2, pp=2, mtp_depth=1, untied=True, sequence_parallel=True),
+        pytest.param(
+            dict(tp=2, pp=2, mtp_depth=1, untied=True, sequence_parallel=True),
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=[
         "cp2-ring-docs",
@@ -126,8 +150,17 @@ def _local_positions(cfg, refs):
 
 
 # -- fastpar.verify: the trainer's run against one device ---------------------------------------
-VERIFY = dict(model_type="deepseek", steps=3, batch_size=8, seq_len=16, hidden=32, heads=4,
-              layers=3, quiet=True, **ROUTING)  # fmt: skip
+VERIFY = dict(
+    model_type="deepseek",
+    steps=3,
+    batch_size=8,
+    seq_len=16,
+    hidden=32,
+    heads=4,
+    layers=3,
+    quiet=True,
+    **ROUTING,
+)
 
 
 @pytest.mark.parametrize(
@@ -148,8 +181,19 @@ def test_verify_deepseek_agrees(layout):
 
 
 # -- HF names of the MTP modules ------------------------------------------------------------------
-HF = dict(vocab_size=61, seq_len=16, hidden=32, heads=4, ffn=40, layers=2, first_k_dense=1,
-          num_experts=4, top_k=2, **MLA, **{**ROUTING, "aux_loss": "none"})  # fmt: skip
+HF = dict(
+    vocab_size=61,
+    seq_len=16,
+    hidden=32,
+    heads=4,
+    ffn=40,
+    layers=2,
+    first_k_dense=1,
+    num_experts=4,
+    top_k=2,
+    **MLA,
+    **{**ROUTING, "aux_loss": "none"},
+)
 
 
 @pytest.mark.parametrize("depth, tied", [(1, False), (2, True)], ids=["d1-untied", "d2-tied"])
@@ -218,17 +262,33 @@ def test_a_checkpoint_with_mtp_exports_for_from_pretrained(tmp_path):
     from fastpar.train import launch
 
     ckpt = tmp_path / "ckpt"
-    cfg = TrainConfig(**{**VERIFY, "steps": 2}, mtp_depth=1, tp=1, pp=2, dp=1, ep=1,
-                      checkpoint_dir=str(ckpt), save_every=2)  # fmt: skip
+    cfg = TrainConfig(
+        **{**VERIFY, "steps": 2},
+        mtp_depth=1,
+        tp=1,
+        pp=2,
+        dp=1,
+        ep=1,
+        checkpoint_dir=str(ckpt),
+        save_every=2,
+    )
     launch(cfg)
     out = tmp_path / "hf"
     _, state, config = export(str(ckpt / "step_000002"), str(out))
     assert config["num_nextn_predict_layers"] == 1
     files = safetensors.load_file(str(out / "model.safetensors"))
     layer = f"model.layers.{cfg.layers}."
-    for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
-                 "shared_head.head.weight", "embed_tokens.weight", "input_layernorm.weight",
-                 "self_attn.kv_b_proj.weight", "mlp.experts.gate_up_proj"):  # fmt: skip
+    for name in (
+        "enorm.weight",
+        "hnorm.weight",
+        "eh_proj.weight",
+        "shared_head.norm.weight",
+        "shared_head.head.weight",
+        "embed_tokens.weight",
+        "input_layernorm.weight",
+        "self_attn.kv_b_proj.weight",
+        "mlp.experts.gate_up_proj",
+    ):
         assert layer + name in files, name
     head = f"{cfg.layers + 1}.mtp.0."
     assert torch.equal(files[layer + "eh_proj.weight"], state[head + "eh_proj.weight"])
@@ -302,8 +362,12 @@ def test_the_mtp_module_is_what_transformers_mtp_layer_computes_from_the_exporte
     norm = ds.DeepseekV3RMSNorm
     mtp = layers.MtpLayer(config, ds.DeepseekV3DecoderLayer, norm, cfg.layers)
     mtp.eval()
-    rename = {"shared_head.norm.": "post_norm.", "enorm.": "enorm.", "hnorm.": "hnorm.",
-              "eh_proj.": "eh_proj."}  # fmt: skip
+    rename = {
+        "shared_head.norm.": "post_norm.",
+        "enorm.": "enorm.",
+        "hnorm.": "hnorm.",
+        "eh_proj.": "eh_proj.",
+    }
     theirs = {}
     for k, v in hf_state.items():
         if not k.startswith(prefix) or k.endswith(("embed_tokens.weight", "head.weight")):

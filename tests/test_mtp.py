@@ -312,7 +312,7 @@ def _no_tie(cfg, refs):
 @pytest.mark.parametrize(
     "extra",
     [
-        dict(),
+        pytest.param(dict(), marks=pytest.mark.slow),
         pytest.param(dict(schedule="interleaved", virtual_stages=2), marks=pytest.mark.slow),
     ],
     ids=["1f1b", "interleaved"],

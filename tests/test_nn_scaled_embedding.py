@@ -86,7 +86,7 @@ def _one_step(tp: int, unscaled: bool = False) -> int:
     return count
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_gemma3_scaled_embedding_splits_over_the_vocabulary(tp):
     counts = run_ranks(_one_step, tp, tp)
     assert counts[0] == len(dict(_gemma3().named_parameters(remove_duplicate=False)))
