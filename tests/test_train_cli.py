@@ -31,7 +31,8 @@ def test_every_flag_has_help_and_words_are_listed():
         assert action.help and len(action.help) > 10, f.name
     text = ap.format_help()
     for shown in (
-        "{gpt,llama}",
+        "{gpt,llama,deepseek}",
+        "{stop,continue}",
         "{fp32,bf16,fp16}",
         "{0,1,2,3}",
         "{gpipe,1f1b,interleaved,zb-h1}",
