@@ -584,6 +584,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint
     assert checkpoint.verify(os.path.join(d, "step_000002"))
 
 
+@pytest.mark.slow
 def test_on_save_error_continue_trains_on_and_saves_at_the_next_save(tmp_path, monkeypatch, capfd):
     d = str(tmp_path / "ckpt")
     _full_disk_at(monkeypatch, 4, rank=0)

@@ -167,7 +167,7 @@ VERIFY = dict(
     "layout",
     [
         dict(tp=2, pp=2, dp=2, ep=2, zero=1, mtp_depth=1),
-        dict(cp=2, tp=2, pp=1, dp=1, ep=1, zero=0),
+        pytest.param(dict(cp=2, tp=2, pp=1, dp=1, ep=1, zero=0), marks=pytest.mark.slow),
     ],
     ids=["tp2-pp2-dp2-ep2-mtp1-z1", "cp2-tp2"],
 )
@@ -246,6 +246,7 @@ def test_from_hf_refuses_mtp_layers_it_cannot_take():
     assert from_hf(without, {**config, "num_nextn_predict_layers": 0})[0].mtp_depth == 0
 
 
+@pytest.mark.slow  # (the MtpLayer test below reads the exported names in the CPU tier)
 def test_a_checkpoint_with_mtp_exports_for_from_pretrained(tmp_path):
     """Trained at pp 2 with one MTP module, exported by ``python -m fastpar.export``'s code:
     from_pretrained's logits equal fastpar's single-process model holding the checkpoint, the

@@ -228,7 +228,7 @@ def test_sigterm_to_the_launcher_saves_the_step_and_resume_continues_it(tmp_path
     "sig,torchrun",
     [
         (signal.SIGINT, 0),
-        (signal.SIGHUP, 0),  # a closed terminal / SSH session: checkpoint, then exit
+        pytest.param(signal.SIGHUP, 0, marks=pytest.mark.slow),  # a closed terminal
         pytest.param(signal.SIGTERM, 2, marks=pytest.mark.slow),
     ],
     ids=["sigint-launcher", "sighup-launcher", "sigterm-one-rank-torchrun"],

@@ -345,6 +345,7 @@ def test_the_logged_mtp_loss_is_what_its_coefficient_multiplies(data):
     assert_close(torch.tensor(zero["mtp_loss"]), torch.tensor(one["mtp_loss"]), "mtp at 0")
 
 
+@pytest.mark.slow
 def test_a_resumed_run_continues_as_the_uninterrupted_one(data, tmp_path):
     """The MTP modules and the last stage's embedding copy are saved and restored: a run
     resumed from step 2 trains step 3 as the run that never stopped."""

@@ -106,7 +106,10 @@ def _peak(cfg: TrainConfig) -> int:
         dict(schedule="1f1b", model_type="llama", kv_heads=2),
         dict(schedule="zb-h1", model_type="llama", pp=4, microbatches=8, batch_size=16),
         dict(schedule="1f1b", tp=2),
-        dict(schedule="1f1b", tp=2, sequence_parallel=True, model_type="llama", kv_heads=2),
+        pytest.param(
+            dict(schedule="1f1b", tp=2, sequence_parallel=True, model_type="llama", kv_heads=2),
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=[
         "gpipe",

@@ -74,7 +74,9 @@ def _agents(node_flags: list[list[str]], out=subprocess.PIPE) -> list[subprocess
 
 
 @pytest.mark.parametrize(
-    "lr", ["1e-3", pytest.param("3e-3", marks=pytest.mark.slow)], ids=["other-lr", "same-lr"]
+    "lr",
+    [pytest.param("1e-3", marks=pytest.mark.slow), pytest.param("3e-3", marks=pytest.mark.slow)],
+    ids=["other-lr", "same-lr"],
 )
 def test_two_torchrun_nodes_with_different_flags_stop_before_the_first_step(lr):
     """With another --lr on node 1 both end with the one-line refusal (exit 2); with the same,
