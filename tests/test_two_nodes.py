@@ -131,7 +131,11 @@ def test_a_worker_whose_agent_is_killed_ends_within_seconds(tmp_path):
             text = (tmp_path / "agents.log").read_text()[-3000:]
             assert time.monotonic() - killed < 20, f"worker {workers[0]} outlived its agent\n{text}"
             time.sleep(0.2)
-        assert "its torchrun agent (pid" in (tmp_path / "agents.log").read_text()
+        # what ended it: the watchdog (fastpar.train.peers), or, when the worker touched the
+        # store first, the store's host (node 0's agent) being gone; the watchdog alone is
+        # proven by test_the_agent_watchdog_ends_an_orphaned_worker
+        text = (tmp_path / "agents.log").read_text()
+        assert "its torchrun agent (pid" in text or "Failed to recv" in text, text[-3000:]
     finally:
         for pid in workers:  # (the pipes stay open while a worker lives)
             with contextlib.suppress(ProcessLookupError):
@@ -140,3 +144,52 @@ def test_a_worker_whose_agent_is_killed_ends_within_seconds(tmp_path):
             p.kill()
             p.communicate()
         log.close()
+
+
+_ORPHAN = """
+import os, sys, time
+from fastpar.train import peers
+peers.exit_with_agent(period=0.05, grace=1.0)
+print("watching", flush=True)
+time.sleep(60)
+"""
+
+_AGENT = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stderr=open(sys.argv[2], "w"),
+                         stdout=subprocess.PIPE, text=True)
+assert child.stdout.readline().strip() == "watching"
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc (Linux)")
+def test_the_agent_watchdog_ends_an_orphaned_worker(tmp_path):
+    """A stand-in agent (the worker's parent) is killed with SIGKILL: the worker's watchdog
+    names it and the worker ends (SIGTERM to itself) within seconds, nothing else touching it."""
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "watchdog-test"}
+    err = tmp_path / "worker.err"
+    agent = subprocess.Popen(
+        [sys.executable, "-c", _AGENT, _ORPHAN, str(err)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    worker = None
+    try:
+        worker = int(agent.stdout.readline())
+        agent.kill()
+        agent.wait()
+        deadline = time.monotonic() + 20
+        while _running(worker):
+            assert time.monotonic() < deadline, f"worker {worker} outlived its agent"
+            time.sleep(0.1)
+        text = err.read_text()
+        assert f"its torchrun agent (pid {agent.pid}) is gone" in text, text
+    finally:
+        if worker is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)
+        agent.kill()
+        agent.communicate()
