@@ -4,7 +4,9 @@ each does forward and backward: docs/layouts.md ("The collectives")."""
 
 from __future__ import annotations
 
+import types
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -96,63 +98,63 @@ class ReduceFromRegion(torch.autograd.Function):
         return grad, None
 
 
-class ScatterToRegion(torch.autograd.Function):
-    """Keep this rank's chunk along ``dim`` forward; all-gather the gradient backward."""
+def _conjugate(
+    name: str,
+    doc: str,
+    forward_op: Callable[[torch.Tensor, int, Group], torch.Tensor],
+    backward_op: Callable[[torch.Tensor, int, Group], torch.Tensor],
+) -> type[torch.autograd.Function]:
+    """The autograd Function ``name``: ``forward_op(x, dim, group)`` forward, ``backward_op`` of
+    the gradient along the same ``dim`` over the same group backward (its conjugate)."""
 
-    @staticmethod
     def forward(ctx, x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
-        return _split(x, dim, group)
+        return forward_op(x, dim, group)
 
-    @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
+        return backward_op(grad, ctx.dim, ctx.group), None, None
+
+    body = {
+        "__doc__": doc,
+        "__module__": __name__,
+        "__qualname__": name,
+        "forward": staticmethod(forward),
+        "backward": staticmethod(backward),
+    }
+    return types.new_class(name, (torch.autograd.Function,), exec_body=lambda ns: ns.update(body))
 
 
-class GatherFromRegion(torch.autograd.Function):
-    """All-gather along ``dim`` forward; keep this rank's chunk of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _split(grad, ctx.dim, ctx.group), None, None
-
-
-class AllGatherReduceScatter(torch.autograd.Function):
+ScatterToRegion = _conjugate(
+    "ScatterToRegion",
+    "Keep this rank's chunk along ``dim`` forward; all-gather the gradient backward.",
+    _split,
+    _all_gather,
+)
+GatherFromRegion = _conjugate(
+    "GatherFromRegion",
+    "All-gather along ``dim`` forward; keep this rank's chunk of the gradient backward.",
+    _all_gather,
+    _split,
+)
+AllGatherReduceScatter = _conjugate(
+    "AllGatherReduceScatter",
     """All-gather along ``dim`` forward; reduce-scatter the gradient backward.
 
     Sequence parallelism's entry into a column-parallel layer: every rank's full-sequence
     gradient is a partial sum, which the reduce-scatter completes and re-shards.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
-
-
-class ReduceScatterAllGather(torch.autograd.Function):
+    """,
+    _all_gather,
+    _reduce_scatter,
+)
+ReduceScatterAllGather = _conjugate(
+    "ReduceScatterAllGather",
     """Reduce-scatter along ``dim`` forward; all-gather the gradient backward.
 
     Sequence parallelism's exit from a row-parallel layer (replaces its all-reduce).
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
+    """,
+    _reduce_scatter,
+    _all_gather,
+)
 
 
 def copy_to_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
