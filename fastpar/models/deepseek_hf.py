@@ -23,7 +23,14 @@ from collections.abc import Mapping
 import torch
 
 from fastpar.models.deepseek import DeepSeekConfig
-from fastpar.models.llama_hf import _refuse, _take
+from fastpar.models.llama_hf import (
+    _check_all_used,
+    _head_from_hf,
+    _head_to_hf,
+    _refuse,
+    _shaped_take,
+    _take,
+)
 
 __all__ = ["check_hf", "from_hf", "hf_config", "is_mtp_name", "to_hf"]
 
@@ -216,22 +223,12 @@ def to_hf(state: Mapping[str, torch.Tensor], cfg: DeepSeekConfig) -> dict[str, t
     used: set[str] = set()
     out: dict[str, torch.Tensor] = {}
 
-    def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        t = _take(state, name, used)
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {shape} for this config")
-        return t
-
+    take = _shaped_take(state, used)
     out["model.embed_tokens.weight"] = take("0.tok.weight", (cfg.vocab_size, cfg.hidden))
     for i in range(cfg.layers):
         _block_to_hf(take, out, cfg, i, f"{i + 1}.", f"model.layers.{i}.")
+    _head_to_hf(take, out, used, cfg)
     head = f"{cfg.layers + 1}."
-    out["model.norm.weight"] = take(head + "norm.weight", (cfg.hidden,))
-    if cfg.tie_embeddings:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
-        used.add(head + "weight")  # a pipeline's untied copy of the tied weight, if exported
-    else:
-        out["lm_head.weight"] = take(head + "weight", (cfg.vocab_size, cfg.hidden))
     h = cfg.hidden
     if cfg.mtp_depth:  # the MTP head's embedding (a state_dict's second name of it)
         used.add(head + "embedding")
@@ -244,12 +241,7 @@ def to_hf(state: Mapping[str, torch.Tensor], cfg: DeepSeekConfig) -> dict[str, t
         out[dst + "eh_proj.weight"] = take(src + "eh_proj.weight", (h, 2 * h))  # [e | h]
         out[dst + "shared_head.norm.weight"] = take(src + "norm.weight", (h,))
         _block_to_hf(take, out, cfg, cfg.layers + k - 1, src + "block.", dst)
-    unused = sorted(set(state) - used)
-    if unused:
-        raise ValueError(
-            f"to_hf: {len(unused)} tensors of the state dict have no HF name under this config "
-            f"(first: {unused[:3]}); is the config the one the model was built with?"
-        )
+    _check_all_used(state, used)
     return out
 
 
@@ -402,13 +394,7 @@ def from_hf(
     state = {"0.tok.weight": _take(hf_state, "model.embed_tokens.weight", used)}
     for i in range(cfg.layers):
         state.update(_block_from_hf(hf_state, used, cfg, i, f"model.layers.{i}.", f"{i + 1}."))
-    head = f"{cfg.layers + 1}."
-    state[head + "norm.weight"] = _take(hf_state, "model.norm.weight", used)
-    if cfg.tie_embeddings:
-        used.add("lm_head.weight")
-        state[head + "weight"] = state["0.tok.weight"]
-    else:
-        state[head + "weight"] = _take(hf_state, "lm_head.weight", used)
+    _head_from_hf(hf_state, used, state, cfg)
     for k in range(1, depth + 1):
         state.update(_mtp_from_hf(hf_state, used, cfg, k))
     unused = sorted(k for k in set(hf_state) - used if not k.endswith("rotary_emb.inv_freq"))

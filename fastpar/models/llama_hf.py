@@ -8,7 +8,7 @@ Which family an option set maps to, and what is not mapped: docs/hf.md ("The nam
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -159,6 +159,49 @@ def _take(state: Mapping[str, torch.Tensor], name: str, used: set) -> torch.Tens
     return state[name]
 
 
+def _shaped_take(state: Mapping[str, torch.Tensor], used: set) -> Callable:
+    """``take(name, shape)``: ``state[name]`` (marked used), refused unless of ``shape``."""
+
+    def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = _take(state, name, used)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {shape} for this config")
+        return t
+
+    return take
+
+
+def _head_to_hf(take: Callable, out: dict, used: set, cfg) -> None:
+    """The final norm and the head under HF names (the embedding itself when tied)."""
+    head = f"{cfg.layers + 1}."
+    out["model.norm.weight"] = take(head + "norm.weight", (cfg.hidden,))
+    if cfg.tie_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+        used.add(head + "weight")  # a pipeline's untied copy of the tied weight, if exported
+    else:
+        out["lm_head.weight"] = take(head + "weight", (cfg.vocab_size, cfg.hidden))
+
+
+def _head_from_hf(hf_state: Mapping[str, torch.Tensor], used: set, state: dict, cfg) -> None:
+    """The final norm and the head under fastpar's names (the embedding when tied)."""
+    head = f"{cfg.layers + 1}."
+    state[head + "norm.weight"] = _take(hf_state, "model.norm.weight", used)
+    if cfg.tie_embeddings:  # the head's alias of the embedding, as in the model's state_dict()
+        used.add("lm_head.weight")
+        state[head + "weight"] = state["0.tok.weight"]
+    else:
+        state[head + "weight"] = _take(hf_state, "lm_head.weight", used)
+
+
+def _check_all_used(state: Mapping[str, torch.Tensor], used: set) -> None:
+    unused = sorted(set(state) - used)
+    if unused:
+        raise ValueError(
+            f"to_hf: {len(unused)} tensors of the state dict have no HF name under this config "
+            f"(first: {unused[:3]}); is the config the one the model was built with?"
+        )
+
+
 def to_hf(state: Mapping[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
     """fastpar global names -> HF names (``lm_head.weight`` is the embedding itself when tied).
     Raises for a missing tensor, a tensor of the wrong shape or one the mapping does not use."""
@@ -167,12 +210,7 @@ def to_hf(state: Mapping[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torc
     used: set[str] = set()
     out: dict[str, torch.Tensor] = {}
 
-    def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        t = _take(state, name, used)
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {shape} for this config")
-        return t
-
+    take = _shaped_take(state, used)
     out["model.embed_tokens.weight"] = take("0.tok.weight", (cfg.vocab_size, cfg.hidden))
     for i in range(cfg.layers):
         src, dst = f"{i + 1}.", f"model.layers.{i}."
@@ -206,19 +244,8 @@ def to_hf(state: Mapping[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torc
         out[dst + "mlp.down_proj.weight"] = take(
             src + "mlp.down.weight", (cfg.hidden, cfg.ffn_size)
         )
-    head = f"{cfg.layers + 1}."
-    out["model.norm.weight"] = take(head + "norm.weight", (cfg.hidden,))
-    if cfg.tie_embeddings:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
-        used.add(head + "weight")  # a pipeline's untied copy of the tied weight, if exported
-    else:
-        out["lm_head.weight"] = take(head + "weight", (cfg.vocab_size, cfg.hidden))
-    unused = sorted(set(state) - used)
-    if unused:
-        raise ValueError(
-            f"to_hf: {len(unused)} tensors of the state dict have no HF name under this config "
-            f"(first: {unused[:3]}); is the config the one the model was built with?"
-        )
+    _head_to_hf(take, out, used, cfg)
+    _check_all_used(state, used)
     return out
 
 
@@ -327,13 +354,7 @@ def from_hf(
         up = _take(hf_state, src + "mlp.up_proj.weight", used)
         state[dst + "mlp.gate_up.weight"] = torch.cat([gate, up])
         state[dst + "mlp.down.weight"] = _take(hf_state, src + "mlp.down_proj.weight", used)
-    head = f"{cfg.layers + 1}."
-    state[head + "norm.weight"] = _take(hf_state, "model.norm.weight", used)
-    if cfg.tie_embeddings:  # the head's alias of the embedding, as in the model's state_dict()
-        used.add("lm_head.weight")
-        state[head + "weight"] = state["0.tok.weight"]
-    else:
-        state[head + "weight"] = _take(hf_state, "lm_head.weight", used)
+    _head_from_hf(hf_state, used, state, cfg)
     unused = sorted(k for k in set(hf_state) - used if not k.endswith("rotary_emb.inv_freq"))
     if unused:
         raise ValueError(
