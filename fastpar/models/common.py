@@ -113,6 +113,13 @@ def attend(
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
+def check_sizes(cfg, names: tuple[str, ...]) -> None:
+    """Raise ValueError for the first of the fields ``names`` of ``cfg`` below 1."""
+    for name in names:
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+
+
 def check_layout(cfg, tp: int, pp: int, ep: int) -> None:
     """The checks every decoder config shares (``cfg`` has ffn_size, layers, moe_every,
     num_experts, seq_len, sequence_parallel). Raises ValueError naming the value and the fix."""

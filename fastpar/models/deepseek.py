@@ -23,7 +23,7 @@ from torch import nn
 
 from fastpar.cliutil import flat_fields
 from fastpar.models.activations import Activations, activations, norm_bytes
-from fastpar.models.common import DecoderBlock, build_decoder, check_layout, lm_loss
+from fastpar.models.common import DecoderBlock, build_decoder, check_layout, check_sizes, lm_loss
 from fastpar.models.llama import MLP, LlamaConfig, check_routing, moe
 from fastpar.models.mla import LatentAttention
 from fastpar.models.mtp import DEFAULT_COEF, add_mtp, check_mtp
@@ -165,12 +165,8 @@ class DeepSeekConfig:
 
     def check(self, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
         """Raise ValueError naming the bad value and the fix, before anything is built."""
-        for name in ("vocab_size", "seq_len", "hidden", "heads", "layers", "kv_lora_rank"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("qk_nope_head_dim", "v_head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        sizes = ("vocab_size", "seq_len", "hidden", "heads", "layers", "kv_lora_rank")
+        check_sizes(self, (*sizes, "qk_nope_head_dim", "v_head_dim"))
         if self.q_lora_rank is not None and self.q_lora_rank < 1:
             raise ValueError(
                 f"q_lora_rank must be >= 1, or None for a plain q projection, got "

@@ -25,6 +25,7 @@ from fastpar.models.common import (
     attend,
     build_decoder,
     check_layout,
+    check_sizes,
     is_moe_layer,
     lm_loss,
     moe_block,
@@ -159,9 +160,7 @@ class LlamaConfig:
 
     def check(self, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
         """Raise ValueError naming the bad value and the fix, before anything is built."""
-        for name in ("vocab_size", "seq_len", "hidden", "heads", "layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_sizes(self, ("vocab_size", "seq_len", "hidden", "heads", "layers"))
         if self.head_dim is None and self.hidden % self.heads:
             raise ValueError(
                 f"hidden {self.hidden} is not divisible by heads {self.heads}: set head_dim "
