@@ -12,6 +12,7 @@ from collections.abc import Mapping
 import torch
 
 from fastpar.models.gpt import GPTConfig
+from fastpar.models.gpt_hf import _gpt2_sizes
 
 __all__ = ["CODE_FILES", "check", "hf_config", "to_hf", "write_code"]
 
@@ -53,12 +54,7 @@ def hf_config(cfg: GPTConfig, dtype: str = "float32") -> dict:
             "AutoConfig": "configuration_fastpar_gpt.FastparGPTConfig",
             "AutoModelForCausalLM": "modeling_fastpar_gpt.FastparGPTForCausalLM",
         },
-        "vocab_size": cfg.vocab_size,
-        "n_positions": cfg.seq_len,
-        "n_embd": cfg.hidden,
-        "n_layer": cfg.layers,
-        "n_head": cfg.heads,
-        "n_inner": cfg.ffn_size,
+        **_gpt2_sizes(cfg),
         "norm": cfg.norm,
         "norm_eps": 1e-6 if cfg.norm == "rmsnorm" else 1e-5,  # fastpar.models.common.Norm's
         "moe_every": cfg.moe_every,

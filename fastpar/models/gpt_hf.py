@@ -35,6 +35,18 @@ def check(cfg: GPTConfig) -> None:
         )
 
 
+def _gpt2_sizes(cfg: GPTConfig) -> dict:
+    """The model's sizes under GPT-2's config.json names (also the exported code's)."""
+    return {
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.seq_len,
+        "n_embd": cfg.hidden,
+        "n_layer": cfg.layers,
+        "n_head": cfg.heads,
+        "n_inner": cfg.ffn_size,
+    }
+
+
 def hf_config(cfg: GPTConfig, dtype: str = "float32") -> dict:
     """config.json content for ``cfg`` (``transformers.GPT2Config``); no special tokens (the
     exporter sets the run's)."""
@@ -42,12 +54,7 @@ def hf_config(cfg: GPTConfig, dtype: str = "float32") -> dict:
     return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
-        "vocab_size": cfg.vocab_size,
-        "n_positions": cfg.seq_len,
-        "n_embd": cfg.hidden,
-        "n_layer": cfg.layers,
-        "n_head": cfg.heads,
-        "n_inner": cfg.ffn_size,
+        **_gpt2_sizes(cfg),
         "activation_function": "gelu",  # F.gelu: exact erf GELU
         "layer_norm_epsilon": LAYER_NORM_EPS,
         "resid_pdrop": 0.0,
