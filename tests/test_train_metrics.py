@@ -209,6 +209,34 @@ def test_flops_count_one_mtp_module_by_hand(model):
     assert c.model().mtp_depth == 1 and _counts(c)["total"] > _counts(cfgs[0])["total"]
 
 
+@pytest.mark.parametrize("model", ["llama", "deepseek"])
+def test_the_layouts_parameter_count_with_mtp_is_the_models(model):
+    """At tp 2 x pp 2 with --mtp-depth 1 the parameters the ranks allocate, each counted once
+    across the layout (``param_counts``: the header's count and the FLOPs' N), are the
+    single-process model's: the last stage's copy of the embedding (the MTP lookups) is not
+    counted twice, and the FLOPs per token are the single-process model's."""
+    from fastpar.testing import run_ranks
+
+    dims = dict(hidden=32, heads=4, layers=2, seq_len=16, **MTP_MODELS[model])
+    cfg = TrainConfig(**dims, tp=2, pp=2, dp=1, ep=1, mtp_depth=1, quiet=True)
+    cfg.check()
+    got = run_ranks(_layout_counts, 4, cfg)
+    counts = got[0][0]
+    assert all(c == counts for c, _ in got), got
+    assert [mtp > 0 for _, mtp in got] == [False, False, True, True]  # the last stage's
+    assert counts == _counts(cfg), (counts, _counts(cfg))
+    assert metrics.flops_per_token(cfg, counts) == metrics.flops_per_token(cfg, _counts(cfg))
+
+
+def _layout_counts(cfg: TrainConfig) -> dict[str, int]:
+    from fastpar import ParallelMesh
+    from fastpar.train.build import Trainer
+
+    trainer = Trainer(cfg, ParallelMesh(cfg.tp, cfg.pp, cfg.ep), torch.device("cpu"))
+    mtp = sum(p.numel() for n, p in trainer.named_parameters().items() if ".mtp." in n)
+    return metrics.param_counts(trainer.stage_module, trainer.mesh, trainer.device), mtp
+
+
 def _counts(cfg: TrainConfig) -> dict[str, int]:
     """``metrics.param_counts`` of the single-process model, without a process group."""
     from fastpar.mesh.placement import is_expert
