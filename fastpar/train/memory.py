@@ -3,11 +3,13 @@ that clearly cannot fit is refused before any rank starts (``check_memory``).
 
 The estimate counts the tensors fastpar's GPT / Llama / DeepSeek blocks save for backward, from
 the model's shapes (each model's ``activation_bytes``: ``fastpar.models.activations``; the
-multi-token prediction modules in the head's block, ``mtp_bytes``), per
-pipeline chunk, held as the schedule holds its micro-batches (``Schedule.held``: GPipe all of
-them, 1F1B ``pp - stage``, interleaved per model chunk, ZB-H1 each until its W); against what
-autograd really saves on CPU ranks it is within 10 % on every rank for GPipe, 1F1B,
-interleaved and ZB-H1 (tests/test_schedule_memory.py). The attention scores are not counted:
+multi-token prediction modules in the head's block, ``mtp_bytes``), per pipeline chunk, held as
+the schedule holds its micro-batches (``Schedule.held``: GPipe all of them, 1F1B ``pp - stage``,
+interleaved per model chunk, ZB-H1 each until its W); against what autograd really saves on CPU
+ranks it is within 10 % on every rank for GPipe, 1F1B, interleaved and ZB-H1
+(tests/test_schedule_memory.py), but ZB-H1 with multi-token prediction: its W's stored output
+gradients, not counted, grow with the MTP modules' matmuls (the estimate 13 % below the measured on
+the last stage of a small Llama at depth 1). The attention scores are not counted:
 ``scaled_dot_product_attention`` runs a fused kernel on CPUs and GPUs alike, which keeps
 O(seq_len) per head, not O(seq_len²). Parameters, gradients, optimizer state, what a backward
 allocates and the allocator's slack come on top, so it is meant as a lower bound of the memory:
