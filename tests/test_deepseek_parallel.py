@@ -1,8 +1,9 @@
 """The fastpar DeepSeek under context parallelism and with multi-token prediction: every
 parameter's gradient on every rank against the single-process model (``fastpar.verify``'s
 references) at CP 2 (ring and all-to-all, packed documents), CP 2 x TP 2 and PP 2 with MTP;
-``fastpar.verify --model deepseek`` AGREE at tp2 x pp2 x dp2 x ep2 with MTP and ZeRO-1 and at
-cp2 x tp2; the MTP weights under DeepSeek-V3's HF names both ways (bit for bit), and a
+``fastpar.verify --model deepseek`` AGREE at tp2 x pp2 x dp2 x ep2 with MTP and ZeRO-1, at
+cp2 x tp2, and with MTP at tp2 x pp2 interleaved with the fused cross-entropy and recompute and
+under ZB-H1; the MTP weights under DeepSeek-V3's HF names both ways (bit for bit), and a
 checkpoint with MTP exported for ``DeepseekV3ForCausalLM.from_pretrained`` (its logits
 fastpar's, the MTP tensors beside its own); the exported MTP tensors in transformers' own
 ``MtpLayer`` (its MTP drafter's layer) giving fastpar's depth-1 logits. Tolerances:
@@ -175,6 +176,30 @@ def test_verify_deepseek_agrees(layout):
     from fastpar.verify import compare
 
     cfg = TrainConfig(**VERIFY, **layout)
+    ok, text = compare(cfg)
+    assert ok, text
+    assert text.endswith("AGREE")
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        pytest.param(
+            dict(schedule="interleaved", virtual_stages=2, layers=4, fused_ce=True, recompute=True),
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(dict(schedule="zb-h1"), marks=pytest.mark.slow),
+    ],
+    ids=["interleaved-fused-ce-recompute", "zb-h1"],
+)
+def test_verify_deepseek_mtp_agrees_under_the_schedules(schedule):
+    """MTP's head (a MoE block, the shared embedding's copy on the last stage) under the
+    interleaved schedule with the fused cross-entropy and full recompute, and under ZB-H1's
+    split backward: the trainer's run at tp 2 x pp 2 against one device."""
+    from fastpar.verify import compare
+
+    layout = dict(tp=2, pp=2, dp=1, ep=1, zero=0, steps=2, mtp_depth=1)
+    cfg = TrainConfig(**{**VERIFY, **layout, **schedule})
     ok, text = compare(cfg)
     assert ok, text
     assert text.endswith("AGREE")

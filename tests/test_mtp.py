@@ -203,7 +203,10 @@ def test_what_cannot_be_exact_is_refused(kwargs, match):
 @pytest.mark.parametrize(
     "flags, match",
     [
-        (dict(mtp_depth=1), r"--mtp-depth is a Llama option: add --model llama"),
+        (
+            dict(mtp_depth=1),
+            r"--mtp-depth is a Llama and DeepSeek option: add --model llama or --model deepseek",
+        ),
         (dict(model_type="llama", mtp_depth=64), r"must be below seq_len 64"),
         (dict(model_type="llama", mtp_depth=1, compile=True), r"--compile with --mtp-depth"),
     ],

@@ -3,7 +3,8 @@
 holds its micro-batches) within 10 % of each rank's measured peak in a real trainer step on
 gloo ranks — GPipe, 1F1B, interleaved (2 chunks a rank) and ZB-H1 (each micro-batch kept
 until its W), GPT and grouped-query Llama, and at TP 2 and TP 2 x sequence parallel (each TP
-rank against its stage's estimate).
+rank against its stage's estimate); with multi-token prediction (the MTP modules on the last
+stage: a Llama, the fused cross-entropy's gradient per depth, a DeepSeek with a MoE MTP block).
 
 Measured: the storages autograd saves for backward (``saved_tensors_hooks``), each counted once
 while any saved tensor still refers to it, the parameters' storages left out; the peak over the
@@ -110,6 +111,10 @@ def _peak(cfg: TrainConfig) -> int:
             dict(schedule="1f1b", tp=2, sequence_parallel=True, model_type="llama", kv_heads=2),
             marks=pytest.mark.slow,
         ),
+        dict(schedule="1f1b", model_type="llama", kv_heads=2, mtp_depth=1),
+        # each MTP module's fused cross-entropy keeps its own head-weight gradient
+        dict(schedule="1f1b", model_type="llama", mtp_depth=2, fused_ce=True, vocab_size=2048),
+        dict(schedule="1f1b", model_type="deepseek", moe_every=1, experts=4, mtp_depth=1),
     ],
     ids=[
         "gpipe",
@@ -120,6 +125,9 @@ def _peak(cfg: TrainConfig) -> int:
         "llama-zb-h1-pp4",
         "tp2-1f1b",
         "llama-tp2-sp-1f1b",
+        "llama-mtp1-1f1b",
+        "llama-mtp2-fused-ce-1f1b",
+        "deepseek-mtp1-1f1b",
     ],
 )
 def test_estimate_matches_the_saved_activations(layout):

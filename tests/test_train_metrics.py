@@ -162,6 +162,96 @@ def test_flops_count_llama_gqa_and_moe_by_hand():
     assert metrics.flops_per_token(cfg, counts) == 6 * n + 12 * 2 * 4 * 16 * 16
 
 
+MTP_MODELS = {
+    # tied; the MTP block (layer 2) a MoE block (every 3rd), the main blocks dense
+    "llama": dict(model_type="llama", kv_heads=2, head_dim=6, moe_every=3, experts=4, top_k=2),
+    "llama-untied": dict(model_type="llama", kv_heads=2, head_dim=6, moe_every=0, untied=True),
+    # latent attention, the MTP block MoE with a shared expert; untied
+    "deepseek": dict(
+        model_type="deepseek",
+        experts=4,
+        top_k=2,
+        moe_ffn=8,
+        shared_expert_ffn=16,
+        qk_nope_head_dim=6,
+        qk_rope_head_dim=4,
+        v_head_dim=5,
+        kv_lora_rank=12,
+        q_lora_rank=10,
+        untied=True,
+    ),
+}
+
+
+@pytest.mark.parametrize("model", list(MTP_MODELS))
+def test_flops_count_one_mtp_module_by_hand(model):
+    """--mtp-depth 1 adds to 6 N + 12 L H Q S what one more layer adds, written here from the
+    dims: its parameters (enorm, hnorm, eh_proj 2H -> H, the block, its final norm; of routed
+    experts top_k of them), the shared head's vocab x H matmul of its logits, and one more
+    layer of attention."""
+    dims = dict(hidden=32, heads=4, layers=2, seq_len=16, vocab_size=256, **MTP_MODELS[model])
+    cfgs = [TrainConfig(**dims, mtp_depth=d) for d in (0, 1)]
+    flops = [metrics.flops_per_token(c, _counts(c)) for c in cfgs]
+    c, h, heads = cfgs[1], 32, 4
+    if model.startswith("llama"):
+        q = 6
+        attention = h * q * (heads + 2 * 2) + heads * q * h  # q|k|v (2 kv heads), o
+        ffn = 64 * math.ceil(8 * h / 3 / 64)  # SwiGLU's default width, also the experts'
+        mlp = 3 * h * ffn if model == "llama-untied" else 4 * h + 2 * 3 * h * ffn
+    else:
+        q = (6 + 4 + 5) / 2  # scores over q/k heads of 10, values of 5
+        q_low = h * 10 + 10 + 10 * heads * 10  # q_a, its norm, q_b (q/k heads of 10)
+        kv_low = h * (12 + 4) + 12 + 12 * heads * (6 + 5)  # kv_a (+ rotary key), norm, kv_b
+        attention = q_low + kv_low + heads * 5 * h  # and o
+        mlp = 4 * h + 2 * 3 * h * 8 + 3 * h * 16  # router, top-2 experts of 8, shared of 16
+    module = 3 * h + 2 * h * h + 2 * h + attention + mlp  # 3 norms, eh_proj, block norms
+    assert flops[1] - flops[0] == 6 * (module + 256 * h) + 12 * heads * q * 16
+    assert c.model().mtp_depth == 1 and _counts(c)["total"] > _counts(cfgs[0])["total"]
+
+
+@pytest.mark.parametrize("model", ["llama", "deepseek"])
+def test_the_layouts_parameter_count_with_mtp_is_the_models(model):
+    """At tp 2 x pp 2 with --mtp-depth 1 the parameters the ranks allocate, each counted once
+    across the layout (``param_counts``: the header's count and the FLOPs' N), are the
+    single-process model's: the last stage's copy of the embedding (the MTP lookups) is not
+    counted twice, and the FLOPs per token are the single-process model's."""
+    from fastpar.testing import run_ranks
+
+    dims = dict(hidden=32, heads=4, layers=2, seq_len=16, **MTP_MODELS[model])
+    cfg = TrainConfig(**dims, tp=2, pp=2, dp=1, ep=1, mtp_depth=1, quiet=True)
+    cfg.check()
+    got = run_ranks(_layout_counts, 4, cfg)
+    counts = got[0][0]
+    assert all(c == counts for c, _ in got), got
+    assert [mtp > 0 for _, mtp in got] == [False, False, True, True]  # the last stage's
+    assert counts == _counts(cfg), (counts, _counts(cfg))
+    assert metrics.flops_per_token(cfg, counts) == metrics.flops_per_token(cfg, _counts(cfg))
+
+
+def _layout_counts(cfg: TrainConfig) -> dict[str, int]:
+    from fastpar import ParallelMesh
+    from fastpar.train.build import Trainer
+
+    trainer = Trainer(cfg, ParallelMesh(cfg.tp, cfg.pp, cfg.ep), torch.device("cpu"))
+    mtp = sum(p.numel() for n, p in trainer.named_parameters().items() if ".mtp." in n)
+    return metrics.param_counts(trainer.stage_module, trainer.mesh, trainer.device), mtp
+
+
+def _counts(cfg: TrainConfig) -> dict[str, int]:
+    """``metrics.param_counts`` of the single-process model, without a process group."""
+    from fastpar.mesh.placement import is_expert
+    from fastpar.moe import moe_layers
+
+    blocks = build_model(cfg.model(), None)
+    params = {id(p): p for b in blocks for p in b.parameters()}
+    experts = {id(p) for b in blocks for m in moe_layers(b) for p in m.parameters() if is_expert(p)}
+    return {
+        "total": sum(p.numel() for p in params.values()),
+        "embedding": blocks[0].tok.weight.numel(),
+        "experts": sum(params[i].numel() for i in experts),
+    }
+
+
 def test_tensorboard_scalars(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

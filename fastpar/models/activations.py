@@ -1,7 +1,7 @@
 """What fastpar's decoder blocks keep for backward, in bytes per token on one rank: the tensors
 autograd saves (each storage once, parameters not counted), counted from the model's shapes.
 ``GPTConfig.activation_bytes`` / ``LlamaConfig.activation_bytes`` give every kind of block as
-``Activations``, from the pieces here.
+``Activations``, from the pieces here; ``mtp_bytes`` a multi-token prediction module's.
 
 Counted as the blocks run (torch's CPU and GPU kernels alike): an RMSNorm keeps its input in
 fp32 (an upcast copy below fp32), its per-token 1 / rms in fp32 and its normalised output in the
@@ -84,3 +84,20 @@ def activations(
     if fused_ce:
         return Activations(8.0, dense, moe, head, 4 * vocab * h)
     return Activations(8.0, dense, moe, head + 4 * vocab + 16)
+
+
+def mtp_bytes(cfg, act: Activations, block: float, sp: int, size: int) -> float:
+    """One multi-token prediction module's bytes per token (``fastpar.models.mtp``), counted by
+    the rules of the blocks ``act`` holds: its lookup of the tokens ahead (the embedding's
+    ids), its two input norms (over the sequence split ``sp`` ways) and eh_proj's input (their
+    outputs side by side, 2·hidden), its decoder block (``block``: ``act.dense`` or
+    ``act.moe``), then its own final norm and the shared head's logits with their loss, as the
+    head's (``act.head``; a fused cross-entropy's ``head_fixed`` is once a module too)."""
+    h = cfg.hidden
+    return (
+        act.embedding
+        + 2 * norm_bytes("rmsnorm", h, size) / sp
+        + 2 * size * h / sp
+        + block
+        + act.head
+    )

@@ -194,6 +194,8 @@ class TrainConfig(TrainOptions):
         name = _first_changed(self, defaults, foreign)
         if name is not None:
             whose, model = ("DeepSeek", "deepseek") if name in DEEPSEEK_ONLY else ("Llama", "llama")
+            if name in MTP:  # the Llama's and the DeepSeek's
+                whose, model = "Llama and DeepSeek", "llama or --model deepseek"
             raise ValueError(f"{flag(name)} is a {whose} option: add --model {model}")
         if self.model_type != "gpt" and self.norm != "rmsnorm":
             whose = "Llama" if self.model_type == "llama" else "DeepSeek"

@@ -1,12 +1,15 @@
 """How much memory one micro-batch's activations need, against what this machine has: a run
 that clearly cannot fit is refused before any rank starts (``check_memory``).
 
-The estimate counts the tensors fastpar's GPT / Llama blocks save for backward, from the
-model's shapes (each model's ``activation_bytes``: ``fastpar.models.activations``), per
-pipeline chunk, held as the schedule holds its micro-batches (``Schedule.held``: GPipe all of
-them, 1F1B ``pp - stage``, interleaved per model chunk, ZB-H1 each until its W); against what
-autograd really saves on CPU ranks it is within 10 % on every rank for GPipe, 1F1B,
-interleaved and ZB-H1 (tests/test_schedule_memory.py). The attention scores are not counted:
+The estimate counts the tensors fastpar's GPT / Llama / DeepSeek blocks save for backward, from
+the model's shapes (each model's ``activation_bytes``: ``fastpar.models.activations``; the
+multi-token prediction modules in the head's block, ``mtp_bytes``), per pipeline chunk, held as
+the schedule holds its micro-batches (``Schedule.held``: GPipe all of them, 1F1B ``pp - stage``,
+interleaved per model chunk, ZB-H1 each until its W); against what autograd really saves on CPU
+ranks it is within 10 % on every rank for GPipe, 1F1B, interleaved and ZB-H1
+(tests/test_schedule_memory.py), but ZB-H1 with multi-token prediction: its W's stored output
+gradients, not counted, grow with the MTP modules' matmuls (the estimate 13 % below the measured on
+the last stage of a small Llama at depth 1). The attention scores are not counted:
 ``scaled_dot_product_attention`` runs a fused kernel on CPUs and GPUs alike, which keeps
 O(seq_len) per head, not O(seq_len²). Parameters, gradients, optimizer state, what a backward
 allocates and the allocator's slack come on top, so it is meant as a lower bound of the memory:
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fastpar.models.activations import mtp_bytes
 from fastpar.parallel.pipeline.partition import partition
 from fastpar.parallel.pipeline.schedules import make_schedule
 
@@ -70,11 +74,15 @@ def stage_bytes(cfg) -> list[int]:
     tokens = (cfg.batch_size // cfg.dp // cfg.microbatches) * cfg.seq_len
     size = 2 if cfg.precision in ("bf16", "fp16") else 4
     act = model.activation_bytes(tp, sp, size, cfg.fused_ce)
-    layers = [act.moe if model.is_moe(i) else act.dense for i in range(model.layers)]
-    blocks = [act.embedding, *layers, act.head]
-    # the fused cross-entropy's gradient of the head weight, unless it is recomputed in
-    # backward (a schedule running every forward first: build's loss)
-    fixed = 0.0 if sched.forwards_first else act.head_fixed
+    depth = getattr(model, "mtp_depth", 0)
+    kinds = [act.moe if model.is_moe(i) else act.dense for i in range(model.layers + depth)]
+    # the head block holds the MTP modules (their blocks layers L .. L + D - 1) after the head
+    head = act.head + sum(mtp_bytes(model, act, b, sp, size) for b in kinds[model.layers :])
+    blocks = [act.embedding, *kinds[: model.layers], head]
+    # the fused cross-entropy's gradient of the head weight (once the main head, once each MTP
+    # module), unless it is recomputed in backward (a schedule running every forward first:
+    # build's loss)
+    fixed = 0.0 if sched.forwards_first else act.head_fixed * (1 + depth)
     ranges = partition([1.0] * len(blocks), pp * v)  # build_stage / build_virtual_stages
     peaks = []
     for s in range(pp):

@@ -102,7 +102,8 @@ def global_param_count(module: torch.nn.Module, mesh, device: torch.device) -> i
 
 def model_shape(cfg) -> dict:
     """What the FLOPs count needs beyond the parameters: layers, heads, head width, hidden,
-    whether the LM head is tied to the embedding; and MoE's top_k / num_experts."""
+    whether the LM head is tied to the embedding; MoE's top_k / num_experts; the MTP modules
+    (--mtp-depth)."""
     if cfg.hf_config:
         from fastpar.models.hf import load_config
 
@@ -116,6 +117,7 @@ def model_shape(cfg) -> dict:
             hidden=c.hidden_size,
             tied=bool(getattr(c, "tie_word_embeddings", False)),
             expert_share=1.0,
+            mtp_depth=0,
         )
     head_dim = cfg.head_dim if cfg.model_type == "llama" and cfg.head_dim else None
     if cfg.model_type == "deepseek":  # scores over the q/k head, the values' sum over v's
@@ -127,17 +129,21 @@ def model_shape(cfg) -> dict:
         hidden=cfg.hidden,
         tied=not cfg.untied,
         expert_share=cfg.top_k / cfg.experts,
+        mtp_depth=cfg.mtp_depth,
     )
 
 
 def flops_per_token(cfg, counts: dict[str, int]) -> float:
-    """Training FLOPs per token (forward + backward): 6 N + 12 L H Q S (the module's
-    docstring says what N counts)."""
+    """Training FLOPs per token (forward + backward): 6 N + 12 L H Q S (docs/metrics.md says
+    what N counts). With --mtp-depth D the MTP modules' parameters are in N like the layers'
+    (their lookups in the shared embedding are not), each module's logits by the shared head
+    add vocab x hidden to N, and its block is one more of the L layers."""
     shape = model_shape(cfg)
     n = counts["total"] - counts["embedding"] - counts["experts"] * (1 - shape["expert_share"])
-    if shape["tied"]:
-        n += cfg.vocab * shape["hidden"]
-    attention = 12 * shape["layers"] * shape["heads"] * shape["head_dim"] * cfg.seq_len
+    depth = shape["mtp_depth"]
+    n += (int(shape["tied"]) + depth) * cfg.vocab * shape["hidden"]
+    layers = shape["layers"] + depth
+    attention = 12 * layers * shape["heads"] * shape["head_dim"] * cfg.seq_len
     return 6.0 * n + attention
 
 
