@@ -60,7 +60,58 @@ def _switches_follow_the_environment(monkeypatch):
     switches.refresh_all()
 
 
+SLOW_LIST = os.path.join(os.path.dirname(__file__), "slow_tier.txt")
+
+
+def _slow_list() -> list[str]:
+    """tests/slow_tier.txt's node ids (a whole line each; '#' starts a comment line)."""
+    with open(SLOW_LIST) as f:
+        return [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def _whole_files(config) -> set[str]:
+    """The test files (relative to the root) this run collects whole: named as a file or under a
+    named folder, not narrowed by ``::`` or ``-k``."""
+    if config.getoption("keyword", ""):
+        return set()
+    root = str(config.rootpath)
+    out = set()
+    for arg in config.args or [os.getcwd()]:
+        if "::" in arg:
+            continue
+        path = os.path.abspath(arg)
+        if os.path.isdir(path):
+            for dirpath, _, names in os.walk(path):
+                out.update(
+                    os.path.relpath(os.path.join(dirpath, n), root)
+                    for n in names
+                    if n.startswith("test_") and n.endswith(".py")
+                )
+        else:
+            out.add(os.path.relpath(path, root))
+    return out
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
+    listed = set(_slow_list())
+    slow = pytest.mark.slow
+    found = set()
+    for item in items:
+        if item.nodeid in listed:
+            item.add_marker(slow)
+            found.add(item.nodeid)
+    whole = _whole_files(config)
+    stale = sorted(n for n in listed - found if n.split("::")[0] in whole)
+    if stale:
+        raise pytest.UsageError(
+            f"tests/slow_tier.txt names {len(stale)} test(s) that were not collected (renamed or "
+            "removed?): " + "; ".join(stale[:5]) + " -- fix or remove those lines"
+        )
+    _skip_by_tier(items)
+
+
+def _skip_by_tier(items) -> None:
     no_interp = pytest.mark.skip(
         reason="interpreter tier: run with TRITON_INTERPRET=1 in its own process "
         "(scripts/run_tests.sh does)"
