@@ -67,6 +67,25 @@ only be backed off from, one skipped step at a time."""
 TIMEOUT_ENV = "FASTPAR_COLLECTIVE_TIMEOUT"
 
 
+def _seconds(raw: str) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        return float("nan")  # refused by TrainConfig.check, which names the variable
+
+
+#: every collective fails after this long instead of hanging (a dead or stuck peer), unless
+#: FASTPAR_COLLECTIVE_TIMEOUT or --collective-timeout says otherwise
+COLLECTIVE_TIMEOUT_S = 300.0
+
+
+def default_collective_timeout() -> float:
+    """--collective-timeout's default: FASTPAR_COLLECTIVE_TIMEOUT seconds, read when a
+    TrainConfig (or the parser) is made, not at import; else ``COLLECTIVE_TIMEOUT_S``."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    return COLLECTIVE_TIMEOUT_S if raw is None else _seconds(raw)
+
+
 def flag(name: str) -> str:
     """The command-line flag of a TrainConfig field."""
     return "--model" if name == "model_type" else "--" + name.replace("_", "-")
