@@ -20,6 +20,7 @@ from torch import nn
 from fastpar import ParallelMesh
 from fastpar.parallel import Shard
 from fastpar.testing import run_ranks
+from fastpar.zero import estimate_memory
 
 STEPS, LR, CLIP = 3, 1e-2, 0.5
 RECORDED = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast")
@@ -65,7 +66,9 @@ def _train(stage: int, native: bool) -> dict:
     if rank == 0:
         torch.manual_seed(0)
     model = _model()
-    unit = {"wrap": (nn.Linear,)} if stage == 3 else {}
+    # ZeRO-3: the 5-element LayerNorm weight and bias and the last bias stay replicated, their
+    # gradients all-reduced over the whole dp
+    unit = {"wrap": (nn.Linear,), "persist_below": 8} if stage == 3 else {}
     w = Shard(model, _adamw, stage=stage, mesh=mesh, max_grad_norm=CLIP, **unit)
     if native:  # the NCCL path (reduce_scatter_tensor, all_gather_into_tensor) on gloo
         for f in w.flats:
@@ -85,7 +88,8 @@ def _train(stage: int, native: bool) -> dict:
         norms.append(float(grad_norm))
     with w.summon_full_params():
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    flats = [(f.padded, f.shard_len, f.size, f.replicate_size) for f in w.flats]
+    flats = [(f.padded, f.shard_len, f.size, f.replicate_size, f.sharded) for f in w.flats]
+    memory = (w.memory_bytes(), [f.bucket.numel for f in w.flats if f.sharded])  # between steps
     return dict(
         losses=losses,
         params=params,
@@ -93,6 +97,7 @@ def _train(stage: int, native: bool) -> dict:
         calls=calls,
         comm=dict(w.comm_bytes_by),
         flats=flats,
+        memory=memory,
         groups=(mesh.ranks("dp-shard-cp"), mesh.ranks("dp-replicate")),
     )
 
@@ -101,9 +106,12 @@ def _check_collectives(stage: int, native: bool, rank: int, out: dict) -> None:
     shard, replicas = out["groups"]
     assert shard == [rank - rank % 2, rank - rank % 2 + 1] and replicas == [rank % 2, rank % 2 + 2]
     world = [0, 1, 2, 3]
-    padded = {p for p, *_ in out["flats"]}
-    shard_lens = {s for _, s, *_ in out["flats"]}
-    kinds = {"shard": 0, "replicate": 0, "norm": 0}
+    sharded = [f for f in out["flats"] if f[4]]
+    padded = {p for p, *_ in sharded}
+    shard_lens = {s for _, s, *_ in sharded}
+    replicated = {p for p, *_, shards in out["flats"] if not shards}
+    assert bool(replicated) == (stage == 3), out["flats"]
+    kinds = {"shard": 0, "replicate": 0, "norm": 0, "replicated": 0}
     for name, ranks, numel in out["calls"]:
         where = f"stage {stage}, rank {rank}: {name} over {ranks} of {numel} elements"
         if ranks == replicas:  # the one all-reduce of each reduced shard
@@ -117,20 +125,28 @@ def _check_collectives(stage: int, native: bool, rank: int, out: dict) -> None:
             if name in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce"):
                 assert numel in padded, where
             kinds["shard"] += 1
-        else:  # nothing else may cross the replicas: only the norm and inf flag, 2 numbers
-            assert ranks == world and name == "all_reduce" and numel == 2, where
-            kinds["norm"] += 1
-    assert all(size == 2 and reps == 2 for *_, size, reps in out["flats"]), out["flats"]
-    assert kinds["replicate"] == STEPS * len(out["flats"]), (stage, kinds)
+        else:  # nothing else crosses the replicas: the norm and inf flag (2 numbers), and the
+            assert ranks == world and name == "all_reduce", where  # replicated flats
+            assert numel == 2 or numel in replicated, where
+            kinds["norm" if numel == 2 else "replicated"] += 1
+    for *_, size, reps, shards in out["flats"]:
+        assert (size, reps) == ((2, 2) if shards else (4, 1)), out["flats"]
+    assert kinds["replicate"] == STEPS * len(sharded), (stage, kinds)
+    assert kinds["replicated"] == STEPS * len(replicated), (stage, kinds)
     assert kinds["norm"] == STEPS and kinds["shard"] > 0, (stage, kinds)
 
 
 def _formula(stage: int, flats: list) -> dict:
     """Payload bytes per step x STEPS (ring model, fp32): over the shard group of S ranks the
     reduce-scatter and the all-gathers (S-1)/S · padded · 4, over the R replicas the all-reduce
-    2 (R-1)/R · (padded / S) · 4."""
-    want = dict.fromkeys(("reduce_scatter", "replicate_all_reduce", "all_gather"), 0.0)
-    for padded, shard_len, s, r in flats:
+    2 (R-1)/R · (padded / S) · 4; a replicated flat's all-reduce over all N = dp ranks
+    2 (N-1)/N · padded · 4."""
+    keys = ("reduce_scatter", "replicate_all_reduce", "all_gather", "all_reduce")
+    want = dict.fromkeys(keys, 0.0)
+    for padded, shard_len, s, r, shards in flats:
+        if not shards:
+            want["all_reduce"] += 2 * (s - 1) / s * padded * 4 * STEPS
+            continue
         ring = (s - 1) / s * padded * 4 * STEPS
         want["reduce_scatter"] += ring
         want["replicate_all_reduce"] += 2 * (r - 1) / r * shard_len * 4 * STEPS
@@ -161,4 +177,22 @@ def test_hybrid_zero_trains_like_one_process_over_the_layout_groups(stage):
         _check_collectives(stage, native, rank, out)
         for key, value in _formula(stage, out["flats"]).items():
             assert out["comm"][key] == pytest.approx(value), (stage, key)
-        assert out["comm"]["all_reduce"] == out["comm"]["tied"] == 0.0
+        assert out["comm"]["tied"] == 0.0
+        # the planner's bytes per rank with the shard group's size: the replicas change nothing
+        held, numels = out["memory"]
+        psi = sum(numels)
+        plan = estimate_memory(
+            psi,
+            2,
+            stage,
+            param_bytes=4,
+            grad_bytes=4,
+            optimizer_bytes=8,
+            mode="fastpar",
+            bucket_numels=numels,
+        )
+        # ZeRO-3's replicated flats: fp32 parameters, reduced gradients, AdamW's two moments
+        rest = sum(p for p, *_, shards in out["flats"] if not shards)
+        steps = 4 * len(out["flats"])  # AdamW's "step" of each flat
+        assert (held["params"], held["grads"]) == (plan.params + 4 * rest, plan.grads + 4 * rest)
+        assert held["optimizer"] == plan.optimizer + 8 * rest + steps, stage
