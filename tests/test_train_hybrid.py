@@ -6,9 +6,13 @@ references and three steps take 12-25 s each here)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
+from fastpar import ParallelMesh
 from fastpar.mesh import MeshLayout
+from fastpar.testing import run_ranks
 from fastpar.train import TrainConfig
+from fastpar.train.build import build
 from fastpar.train.cli import build_parser
 from fastpar.train.summary import header_line, hybrid_line
 from fastpar.verify import compare
@@ -48,6 +52,25 @@ def test_impossible_hybrid_runs_are_refused(kwargs, message):
     cfg = TrainConfig(**SMALL, **{**FOUR, "zero": 1, **kwargs})
     with pytest.raises(ValueError, match=message):
         cfg.check()
+
+
+def _built(zero: int) -> list:
+    cfg = TrainConfig(**SMALL, **{**FOUR, "ep": 2}, zero=zero, dp_shard=2)
+    mesh = ParallelMesh(cfg.tp, cfg.pp, cfg.ep, dp_shard=cfg.dp_shard)
+    parts = build(cfg, mesh, torch.device("cpu"))
+    return [(f.expert, f.sharded, f.size, f.replicate_size) for f in parts.opt.flats]
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_the_trainer_shards_over_the_shard_groups(zero):
+    """The trainer's wrapper takes the mesh's hybrid groups: dense flats shard over dp-shard (2
+    ranks), experts over expert-dp-shard (dp-shard 2 / ep 2 = 1 rank), each all-reduced over
+    its 2 replicas — not over the whole dp."""
+    for flats in run_ranks(_built, 4, zero):
+        assert {(e, sharded, size, reps) for e, sharded, size, reps in flats} == {
+            (False, True, 2, 2),
+            (True, True, 1, 2),
+        }
 
 
 @pytest.mark.slow
