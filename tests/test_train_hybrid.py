@@ -1,7 +1,7 @@
 """Hybrid sharding in the trainer: --dp-shard / --dp-replicate parsed, refused where impossible
 (naming the flags and the fix), printed at start with the groups; ``fastpar.verify`` AGREEs at
-dp-shard 2 x dp-replicate 2 for ZeRO 1 (with experts, ep 2) and ZeRO 3 (slow: 4 ranks, the
-references and three steps take 12-25 s each here)."""
+dp-shard 2 x dp-replicate 2 for ZeRO 1 (with experts, ep 2), ZeRO 3, ZeRO 2 with tp 2 and
+ZeRO 3 with pp 2 and experts (slow: 4 ranks take 12-25 s each here, 8 ranks about 75 s)."""
 
 from __future__ import annotations
 
@@ -74,9 +74,18 @@ def test_the_trainer_shards_over_the_shard_groups(zero):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero, ep", [(1, 2), (3, 1)], ids=["zero1-moe", "zero3"])
-def test_verify_agrees_under_hybrid_sharding(zero, ep):
-    cfg = TrainConfig(**SMALL, **{**FOUR, "ep": ep}, zero=zero, dp_shard=2, dp_replicate=2)
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(zero=1, ep=2),
+        dict(zero=3),
+        dict(zero=2, tp=2),  # 8 ranks, about 75 s here
+        dict(zero=3, pp=2, ep=2),  # 8 ranks: tied embedding over the pipeline, experts
+    ],
+    ids=["zero1-moe", "zero3", "zero2-tp2", "zero3-pp2-moe"],
+)
+def test_verify_agrees_under_hybrid_sharding(layout):
+    cfg = TrainConfig(**SMALL, **{**FOUR, **layout}, dp_shard=2, dp_replicate=2)
     ok, text = compare(cfg)
     assert ok, text
     assert "dp 4 (dp-shard 2 x dp-replicate 2)" in text.splitlines()[0]

@@ -61,9 +61,11 @@ class _Then:
         self.first, self.then = first, then
 
     def wait(self) -> None:
+        if self.then is None:  # waited before: the second collective ran once
+            return
         if self.first is not None:
             self.first.wait()
-        second = self.then()
+        second, self.then = self.then(), None
         if second is not None:
             second.wait()
 

@@ -214,6 +214,24 @@ def infer_dp(tp: int, pp: int, world: int | None, default: int) -> int:
     return world // (tp * pp)
 
 
+def node_local_shard(values: dict) -> dict:
+    """``values`` with --dp-shard set to one node's dp ranks (LOCAL_WORLD_SIZE / (tp*cp)) when
+    torchrun spans several nodes (WORLD_SIZE > LOCAL_WORLD_SIZE), a ZeRO stage shards, neither
+    --dp-shard nor --dp-replicate was given, and a node holds a whole number of dp ranks, fewer
+    than dp: the shard group is then node-local (hybrid sharding, as torchtitan's HSDP). Else
+    unchanged (one node: full sharding)."""
+    if values.get("dp_shard") is not None or values.get("dp_replicate") is not None:
+        return values
+    world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
+    if not values.get("zero") or not (world or "").isdigit() or not (local or "").isdigit():
+        return values
+    tp_cp, dp = values["tp"] * (values.get("cp") or 1), values["dp"]
+    per_node = int(local) // tp_cp if int(local) % tp_cp == 0 else 0
+    if int(local) >= int(world) or per_node < 1 or per_node >= dp or dp % per_node:
+        return values
+    return {**values, "dp_shard": per_node}
+
+
 def _passes(cfg) -> bool:
     try:
         cfg.check()

@@ -27,6 +27,7 @@ from fastpar.train.checks import (
     check_ranges,
     flag,
     infer_dp,
+    node_local_shard,
     torchrun_world_size,
 )
 from fastpar.train.checks import default_collective_timeout as default_collective_timeout
@@ -492,4 +493,4 @@ def config_from(args: argparse.Namespace, world: int | None = None) -> TrainConf
         world = torchrun_world_size() if world is None else world
         tp_cp = values["tp"] * (values.get("cp") or 1)  # dp = world / (tp * cp * pp)
         values["dp"] = infer_dp(tp_cp, values["pp"], world, TrainConfig.dp)
-    return TrainConfig(**values)
+    return TrainConfig(**node_local_shard(values))  # multi-node torchrun: shard in a node

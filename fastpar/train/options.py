@@ -48,8 +48,9 @@ class TrainOptions:
         None,
         LAYOUT,
         metavar="S",
-        help="hybrid sharding (HSDP): ZeRO shards over S consecutive dp ranks (x cp), one node's "
-        "(default: all of dp, full sharding); dp = S x --dp-replicate",
+        help="hybrid sharding (HSDP): ZeRO shards over S consecutive dp ranks (x cp); dp = S x "
+        "--dp-replicate (default: one node's dp ranks under a multi-node torchrun, else all of "
+        "dp: full sharding)",
     )
     dp_replicate: int | None = option(
         None,
