@@ -91,7 +91,7 @@ def test_dp_alone_is_full_sharding(kwargs):
     replicate groups single ranks, and the layout is the one of dp_shard = dp."""
     layout = MeshLayout(**kwargs)
     g = layout.groups
-    assert (layout.dp_shard, layout.dp_replicate, layout.hybrid) == (layout.dp, 1, "")
+    assert (layout.dp_shard, layout.dp_replicate, layout.hybrid) == (layout.dp, 1, False)
     assert g["dp-shard"] == g["dp"] and g["dp-shard-cp"] == g["dp-cp"]
     assert g["expert-dp-shard"] == g["expert-dp"]
     assert g["dp-replicate"] == [[r] for r in range(layout.world_size)]

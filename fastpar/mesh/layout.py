@@ -288,9 +288,9 @@ class MeshLayout:
         return self.world_size // (self.tp * self.cp * self.pp)
 
     @property
-    def hybrid(self) -> str:
-        """ "hybrid" when dp_replicate > 1 (shard inside a group, replicate across), else ""."""
-        return "hybrid" if self.dp_replicate > 1 else ""
+    def hybrid(self) -> bool:
+        """Whether dp_replicate > 1: hybrid sharding (shard inside a group, replicate across)."""
+        return self.dp_replicate > 1
 
     @property
     def expert_dp(self) -> int:
@@ -402,10 +402,14 @@ class MeshLayout:
         lines = [
             f"world_size={self.world_size}  tp={self.tp}  cp={self.cp}  pp={self.pp}  "
             f"dp={self.dp}  ep={self.ep}  expert-dp={self.expert_dp}  order={self.order}"
-            + (self.hybrid and f"  dp-shard={self.dp_shard}  dp-replicate={self.dp_replicate}"),
+            + (
+                f"  dp-shard={self.dp_shard}  dp-replicate={self.dp_replicate}"
+                if self.hybrid
+                else ""
+            ),
             "",
             f"{'rank':>4}  {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>3} {'ep':>3} {'edp':>3}  "
-            + (self.hybrid and f"{'dps':>3} {'dpr':>3}  ")
+            + (f"{'dps':>3} {'dpr':>3}  " if self.hybrid else "")
             + "stage",
         ]
         for r in range(self.world_size):

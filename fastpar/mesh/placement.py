@@ -121,7 +121,7 @@ def sharding_groups(mesh=None, group: Group = None) -> tuple[list[Group], list[G
     (dp_replicate > 1) the dp-shard × cp and expert-dp-shard groups, and the dp-replicate and
     expert-dp-replicate groups (every rank of one holds the same shards)."""
     layout = getattr(mesh, "layout", None)
-    if layout is None or not getattr(layout, "hybrid", ""):
+    if layout is None or not getattr(layout, "hybrid", False):
         return list(data_parallel_groups(mesh, group)), [None, None]
     shards = [mesh.dp_shard_cp_group, mesh.expert_dp_shard_group]
     return shards, [mesh.dp_replicate_group, mesh.expert_dp_replicate_group]
