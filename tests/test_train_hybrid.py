@@ -1,7 +1,8 @@
 """Hybrid sharding in the trainer: --dp-shard / --dp-replicate parsed, refused where impossible
 (naming the flags and the fix), printed at start with the groups; ``fastpar.verify`` AGREEs at
 dp-shard 2 x dp-replicate 2 for ZeRO 1 (with experts, ep 2), ZeRO 3, ZeRO 2 with tp 2 and
-ZeRO 3 with pp 2 and experts (slow: 4 ranks take 12-25 s each here, 8 ranks about 75 s)."""
+ZeRO 3 with pp 2 and experts, ZeRO 3 with cp 2 (slow: 4 ranks take 6-25 s each here, 8 ranks
+up to 75 s)."""
 
 from __future__ import annotations
 
@@ -81,11 +82,13 @@ def test_the_trainer_shards_over_the_shard_groups(zero):
         dict(zero=3),
         dict(zero=2, tp=2),  # 8 ranks, about 75 s here
         dict(zero=3, pp=2, ep=2),  # 8 ranks: tied embedding over the pipeline, experts
+        dict(zero=3, cp=2, dp=2, dp_shard=1, moe_every=0),  # ZeRO shards over the cp ranks
     ],
-    ids=["zero1-moe", "zero3", "zero2-tp2", "zero3-pp2-moe"],
+    ids=["zero1-moe", "zero3", "zero2-tp2", "zero3-pp2-moe", "zero3-cp2"],
 )
 def test_verify_agrees_under_hybrid_sharding(layout):
-    cfg = TrainConfig(**SMALL, **{**FOUR, **layout}, dp_shard=2, dp_replicate=2)
+    cfg = TrainConfig(**SMALL, **{**FOUR, "dp_shard": 2, "dp_replicate": 2, **layout})
     ok, text = compare(cfg)
     assert ok, text
-    assert "dp 4 (dp-shard 2 x dp-replicate 2)" in text.splitlines()[0]
+    shard = layout.get("dp_shard", 2)
+    assert f"(dp-shard {shard} x dp-replicate 2)" in text.splitlines()[0]
