@@ -83,8 +83,18 @@ def test_the_trainer_shards_over_the_shard_groups(zero):
         dict(zero=2, tp=2),  # 8 ranks, about 75 s here
         dict(zero=3, pp=2, ep=2),  # 8 ranks: tied embedding over the pipeline, experts
         dict(zero=3, cp=2, dp=2, dp_shard=1, moe_every=0),  # ZeRO shards over the cp ranks
+        dict(zero=2, precision="bf16"),
+        dict(zero=3, precision="fp16"),  # the loss scaler's inf flag over the whole dp
     ],
-    ids=["zero1-moe", "zero3", "zero2-tp2", "zero3-pp2-moe", "zero3-cp2"],
+    ids=[
+        "zero1-moe",
+        "zero3",
+        "zero2-tp2",
+        "zero3-pp2-moe",
+        "zero3-cp2",
+        "zero2-bf16",
+        "zero3-fp16",
+    ],
 )
 def test_verify_agrees_under_hybrid_sharding(layout):
     cfg = TrainConfig(**SMALL, **{**FOUR, "dp_shard": 2, "dp_replicate": 2, **layout})
