@@ -37,6 +37,7 @@ from fastpar.train.build import DTYPES, build
 from fastpar.train.cli import prepare, refuse
 from fastpar.train.loop import evaluates_at
 from fastpar.train.options import CHECKPOINTS
+from fastpar.train.summary import hybrid_text
 
 
 def _val_loss(cfg: TrainConfig, parts, held) -> float:
@@ -223,7 +224,7 @@ def compare(cfg: TrainConfig, tokens=None) -> tuple[bool, str]:
         )
 
     lines = [
-        f"{cfg.model_name}, layout: dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp}"
+        f"{cfg.model_name}, layout: dp {cfg.dp}{hybrid_text(cfg)} x tp {cfg.tp} x pp {cfg.pp}"
         f"{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} (ep {cfg.ep}), ZeRO-{cfg.zero}, {cfg.precision}, "
         f"{cfg.schedule_label} x {cfg.microbatches}{f', recompute {cfg.recompute_policy}' if cfg.recompute else ''}"
         f"{', sequence parallel' if cfg.sequence_parallel else ''}",

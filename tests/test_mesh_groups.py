@@ -32,6 +32,9 @@ LAYOUTS = [
     # cp after dp: cp ranks stride by tp·dp (a cp-first order is refused: the expert grid's tp
     # lines would not be the dense grid's, and fastpar's experts split over the dense tp group)
     (8, dict(tp=2, cp=2, order="tp-dp-cp-ep-pp")),
+    # hybrid sharding: dp = dp_shard x dp_replicate
+    (8, dict(tp=2, dp_shard=2)),
+    (8, dict(cp=2, ep=2, dp_shard=2)),
 ]
 
 
@@ -46,6 +49,7 @@ def test_groups_reduce_over_listed_ranks(world, kw):
         kw.get("ep", 1),
         kw.get("order", "tp-ep-dp-pp"),
         kw.get("cp", 1),
+        kw.get("dp_shard"),
     )
     for rank, res in enumerate(results):
         for kind in GROUP_KINDS:
@@ -54,7 +58,8 @@ def test_groups_reduce_over_listed_ranks(world, kw):
             assert ranks == expected, (rank, kind)
             assert (members(bits) if bits is not None else []) == expected, (rank, kind)
         c = res["coords"]
-        assert {k: c[k] for k in ("tp", "pp", "dp", "cp", "ep", "expert-dp")} == layout.coords(rank)
+        kinds = ("tp", "pp", "dp", "cp", "ep", "expert-dp", "dp-shard", "dp-replicate")
+        assert {k: c[k] for k in kinds} == layout.coords(rank)
         pp_group = layout.group_of("pp", rank)
         assert c["first"] == (pp_group[0] == rank) and c["last"] == (pp_group[-1] == rank)
         i = pp_group.index(rank)

@@ -62,6 +62,10 @@ def numpy_oracle(world, tp, pp, ep, order, cp=1):
     out["ep"] = groups(expert, "ep")
     out["expert-dp"] = groups(expert, "dp")
     out["tp-ep"] = groups(expert, "tp-ep")
+    # full sharding (no dp_shard): the shard groups are dp's, the replicas single ranks
+    out["dp-shard"], out["dp-shard-cp"] = out["dp"], out["dp-cp"]
+    out["expert-dp-shard"] = out["expert-dp"]
+    out["dp-replicate"] = out["expert-dp-replicate"] = [[r] for r in range(world)]
     return out
 
 
@@ -130,6 +134,12 @@ def loop_oracle_default_order(world, tp, pp, ep):
         "cp": [[r] for r in range(world)],
         "dp-cp": dp_g,
         "tp-cp": tp_g,  # cp = 1
+        # full sharding (no dp_shard): the shard groups are dp's, the replicas single ranks
+        "dp-shard": dp_g,
+        "dp-replicate": [[r] for r in range(world)],
+        "dp-shard-cp": dp_g,
+        "expert-dp-shard": edp_g,
+        "expert-dp-replicate": [[r] for r in range(world)],
     }
 
 

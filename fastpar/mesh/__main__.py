@@ -1,4 +1,5 @@
-"""``python -m fastpar.mesh --world-size 16 --tp 2 --pp 4 [--ep E] [--order O] [--json] [--check]``
+"""``python -m fastpar.mesh --world-size 16 --tp 2 --pp 4 [--ep E] [--dp-shard S] [--dp-replicate R]
+[--order O] [--json] [--check]``
 
 Prints each rank's coordinates and every group of the layout. ``--check`` also starts
 ``--world-size`` CPU ranks (gloo), creates the groups for real and all-reduces over each one,
@@ -21,7 +22,14 @@ def _check(layout: MeshLayout) -> int:
 
     t0 = time.perf_counter()
     results = run_ranks(
-        group_sums, layout.world_size, layout.tp, layout.pp, layout.ep, layout.order, layout.cp
+        group_sums,
+        layout.world_size,
+        layout.tp,
+        layout.pp,
+        layout.ep,
+        layout.order,
+        layout.cp,
+        layout.dp_shard,
     )
     bad = []
     for rank, res in enumerate(results):
@@ -52,6 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--cp", type=int, default=1, help="context-parallel size")
     ap.add_argument(
+        "--dp-shard", type=int, help="hybrid sharding: ranks of dp sharding one copy (default dp)"
+    )
+    ap.add_argument(
+        "--dp-replicate", type=int, help="hybrid sharding: copies (dp = dp-shard x dp-replicate)"
+    )
+    ap.add_argument(
         "--order",
         default=DEFAULT_ORDER,
         help=f"axis order, first fastest (default {DEFAULT_ORDER})",
@@ -63,7 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         layout = MeshLayout(
-            args.world_size, tp=args.tp, pp=args.pp, ep=args.ep, order=args.order, cp=args.cp
+            args.world_size,
+            tp=args.tp,
+            pp=args.pp,
+            ep=args.ep,
+            order=args.order,
+            cp=args.cp,
+            dp_shard=args.dp_shard,
+            dp_replicate=args.dp_replicate,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -78,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                 "dp": layout.dp,
                 "ep": layout.ep,
                 "expert-dp": layout.expert_dp,
+                "dp-shard": layout.dp_shard,
+                "dp-replicate": layout.dp_replicate,
             },
             "order": layout.order,
             "ranks": [layout.coords(r) for r in range(layout.world_size)],

@@ -3,6 +3,9 @@
     dm = mesh.to_device_mesh()            # dims ("pp", "dp", "tp"); ("pp", "edp", "ep", "tp")
     mesh = ParallelMesh.from_device_mesh(dm)   # reuses the DeviceMesh's groups
 
+Hybrid sharding names dp's two parts as torchtitan does, slowest first: ("pp", "dp_replicate",
+"dp_shard", "cp", "tp"); the expert grid ("pp", "edp_replicate", "edp_shard", "ep", "tp").
+
 ``mesh_group(mesh, kind)`` reads a group from either mesh; ``restore_marks`` puts fastpar's
 parameter marks back after ``fully_shard`` (docs/interop.md)."""
 
@@ -20,8 +23,20 @@ from fastpar.mesh.layout import MeshLayout
 from fastpar.mesh.placement import copy_marks
 
 #: DeviceMesh dim name -> the ParallelMesh group kind along it
-DIM_KINDS = {"pp": "pp", "dp": "dp", "edp": "expert-dp", "ep": "ep", "tp": "tp", "cp": "cp"}
+DIM_KINDS = {
+    "pp": "pp",
+    "dp": "dp",
+    "edp": "expert-dp",
+    "ep": "ep",
+    "tp": "tp",
+    "cp": "cp",
+    "dp_replicate": "dp-replicate",
+    "dp_shard": "dp-shard",
+    "edp_replicate": "expert-dp-replicate",
+    "edp_shard": "expert-dp-shard",
+}
 _TOKEN = {"pp": "pp", "dp": "dp", "edp": "dp", "ep": "ep", "tp": "tp", "cp": "cp"}  # dim -> token
+_TOKEN.update(dp_shard="dp", dp_replicate="dp")
 
 
 def is_dtensor(t) -> bool:
@@ -38,7 +53,8 @@ def device_type_of_world() -> str:
 
 def dims_of(layout: MeshLayout, dense: bool) -> list[tuple[str, int]]:
     """(name, size) of each DeviceMesh dim of ``layout``, slowest first: the order reversed;
-    the expert grid ("edp", "ep") unless ``dense`` or ep = 1."""
+    the expert grid ("edp", "ep") unless ``dense`` or ep = 1; with hybrid sharding dp (edp) as
+    its two parts, "dp_replicate" then "dp_shard" ("edp_replicate", "edp_shard")."""
     expert = layout.ep > 1 and not dense
     sizes = layout.expert_sizes if expert else layout.dense_sizes
     out = []
@@ -46,6 +62,10 @@ def dims_of(layout: MeshLayout, dense: bool) -> list[tuple[str, int]]:
         if (token == "ep" and not expert) or (token == "cp" and sizes["cp"] == 1):
             continue
         name = "edp" if token == "dp" and expert else token
+        if token == "dp" and layout.hybrid:
+            r = layout.dp_replicate
+            out += [(f"{name}_replicate", r), (f"{name}_shard", sizes["dp"] // r)]
+            continue
         out.append((name, sizes[token]))
     return out
 
@@ -156,18 +176,29 @@ def layout_of_device_mesh(device_mesh: DeviceMesh) -> tuple[dict, dict[tuple[int
             f"the DeviceMesh dims {names} name both 'dp' and an expert dim; with expert "
             f"parallelism name the data-parallel dims 'edp' and 'ep' (dp = edp x ep)"
         )
+    halves = [n in names for n in ("dp_shard", "dp_replicate")]
+    if any(n in names for n in ("edp_shard", "edp_replicate")) or (
+        any(halves) and ("dp" in names or "ep" in names or not all(halves))
+    ):
+        raise ValueError(
+            f"the DeviceMesh dims {names}: hybrid sharding takes both 'dp_shard' and "
+            f"'dp_replicate' (torchtitan's names), without 'dp' and without expert dims; "
+            f"build expert layouts with ParallelMesh(..., dp_shard=...) and to_device_mesh()"
+        )
     drop = [d for d in range(ranks.dim()) if d not in keep]
     for d in sorted(drop, reverse=True):
         ranks = ranks.select(d, 0)
     names = [names[d] for d in keep]
     strides = _strides(ranks)
     by_speed = sorted((s, _TOKEN[name]) for s, name in zip(strides, names, strict=True) if s)
-    tokens = _complete([token for _, token in by_speed])
+    tokens = _complete(list(dict.fromkeys(token for _, token in by_speed)))
     sizes = dict(zip(names, ranks.shape, strict=True))
     ep = sizes.get("ep", 1)
     kwargs = {"tp": sizes.get("tp", 1), "pp": sizes.get("pp", 1), "ep": ep}
     if sizes.get("cp", 1) > 1:
         kwargs["cp"] = sizes["cp"]
+    if all(halves):
+        kwargs["dp_shard"] = sizes["dp_shard"]
     layout = MeshLayout(dist.get_world_size(), **kwargs, order="-".join(tokens))
     check_same_groups(layout, ranks, names)
     provided: dict[tuple[int, ...], object] = {}

@@ -10,14 +10,19 @@ from fastpar.mesh.layout import GROUP_KINDS
 
 
 def group_sums(
-    tp: int = 1, pp: int = 1, ep: int = 1, order: str = "tp-ep-dp-pp", cp: int = 1
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    order: str = "tp-ep-dp-pp",
+    cp: int = 1,
+    dp_shard: int | None = None,
 ) -> dict:
     """On every rank: build the mesh, all-reduce 2**rank over each of its groups.
 
     Returns {kind: (ranks of this rank's group, the all-reduced sum)}; the sum of 2**r has one
     bit per member, so it names exactly which ranks took part.
     """
-    mesh = ParallelMesh(tp, pp, ep, order=order, cp=cp)
+    mesh = ParallelMesh(tp, pp, ep, order=order, cp=cp, dp_shard=dp_shard)
     out = {}
     for kind in GROUP_KINDS:
         group = mesh.group(kind)
@@ -34,6 +39,8 @@ def group_sums(
         "cp": mesh.cp_rank,
         "ep": mesh.ep_rank,
         "expert-dp": mesh.expert_dp_rank,
+        "dp-shard": mesh.dp_shard_rank,
+        "dp-replicate": mesh.dp_replicate_rank,
         "first": mesh.is_first_stage,
         "last": mesh.is_last_stage,
         "next": mesh.next_rank,

@@ -30,7 +30,10 @@ class ParallelMesh:
     ``mp_group``, ``tp_dp_group``, ``ep_group``, ``expert_dp_group``, ``tp_ep_group``,
     ``cp_group`` / ``dp_cp_group`` / ``tp_cp_group`` (context parallelism: ``cp_size``,
     ``cp_rank``; dense gradients are averaged over ``dp_cp_group``) and
-    ``embedding_group`` (None on ranks that hold no embedding). ``group(kind)`` and
+    ``embedding_group`` (None on ranks that hold no embedding). Hybrid sharding (dp =
+    ``dp_shard_size`` × ``dp_replicate_size``; ``dp_shard_rank``, ``dp_replicate_rank``):
+    ``dp_shard_group``, ``dp_replicate_group``, ``dp_shard_cp_group`` (what ZeRO shards
+    over), ``expert_dp_shard_group``, ``expert_dp_replicate_group``. ``group(kind)`` and
     ``ranks(kind)`` take any kind of ``fastpar.mesh.GROUP_KINDS``.
 
     ``timeout`` (a timedelta or seconds) bounds every collective of every group of the mesh: a
@@ -47,6 +50,8 @@ class ParallelMesh:
         order: str = DEFAULT_ORDER,
         timeout: timedelta | float | None = None,
         cp: int = 1,
+        dp_shard: int | None = None,
+        dp_replicate: int | None = None,
         _provided: dict[tuple[int, ...], dist.ProcessGroup | None] | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
@@ -57,7 +62,16 @@ class ParallelMesh:
             )
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
-        self.layout = MeshLayout(self.world_size, tp=tp, pp=pp, ep=ep, order=order, cp=cp)
+        self.layout = MeshLayout(
+            self.world_size,
+            tp=tp,
+            pp=pp,
+            ep=ep,
+            order=order,
+            cp=cp,
+            dp_shard=dp_shard,
+            dp_replicate=dp_replicate,
+        )
         world_timeout = group_timeout()
         if timeout is None:
             timeout = world_timeout or DEFAULT_TIMEOUT
@@ -89,6 +103,9 @@ class ParallelMesh:
         self.cp_size, self.cp_rank = self.layout.cp, coords["cp"]
         self.ep_size, self.ep_rank = self.layout.ep, coords["ep"]
         self.expert_dp_size, self.expert_dp_rank = self.layout.expert_dp, coords["expert-dp"]
+        self.dp_shard_size, self.dp_shard_rank = self.layout.dp_shard, coords["dp-shard"]
+        self.dp_replicate_size = self.layout.dp_replicate
+        self.dp_replicate_rank = coords["dp-replicate"]
 
     # -- torch DeviceMesh ------------------------------------------------------------------
     def to_device_mesh(self, device_type: str | None = None, *, dense: bool = False):
@@ -134,6 +151,11 @@ class ParallelMesh:
     cp_group = property(lambda self: self._groups["cp"])
     dp_cp_group = property(lambda self: self._groups["dp-cp"])
     tp_cp_group = property(lambda self: self._groups["tp-cp"])
+    dp_shard_group = property(lambda self: self._groups["dp-shard"])
+    dp_replicate_group = property(lambda self: self._groups["dp-replicate"])
+    dp_shard_cp_group = property(lambda self: self._groups["dp-shard-cp"])
+    expert_dp_shard_group = property(lambda self: self._groups["expert-dp-shard"])
+    expert_dp_replicate_group = property(lambda self: self._groups["expert-dp-replicate"])
     ep_group = property(lambda self: self._groups["ep"])
     expert_dp_group = property(lambda self: self._groups["expert-dp"])
     tp_ep_group = property(lambda self: self._groups["tp-ep"])
@@ -159,9 +181,15 @@ class ParallelMesh:
         return None if self.is_first_stage else self._ranks["pp"][self.pp_rank - 1]
 
     def __repr__(self) -> str:
+        hybrid = ""
+        if self.layout.hybrid:
+            hybrid = (
+                f", dp_shard={self.dp_shard_rank}/{self.dp_shard_size}, "
+                f"dp_replicate={self.dp_replicate_rank}/{self.dp_replicate_size}"
+            )
         return (
             f"ParallelMesh(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
-            f"pp={self.pp_rank}/{self.pp_size}, dp={self.dp_rank}/{self.dp_size}, "
+            f"pp={self.pp_rank}/{self.pp_size}, dp={self.dp_rank}/{self.dp_size}{hybrid}, "
             f"ep={self.ep_rank}/{self.ep_size}, order={self.layout.order!r})"
         )
 
@@ -185,6 +213,8 @@ def init(
     order: str = DEFAULT_ORDER,
     backend: str | None = None,
     timeout: timedelta | float | None = None,
+    dp_shard: int | None = None,
+    dp_replicate: int | None = None,
 ) -> ParallelMesh:
     """Initialise torch.distributed from torchrun's environment and build the mesh.
 
@@ -195,11 +225,14 @@ def init(
     group and of every mesh group times out after ``timeout`` (a timedelta or seconds; default
     ``fastpar.mesh.DEFAULT_TIMEOUT``, 10 minutes) instead of hanging. If torch.distributed is
     already initialised, only the mesh's groups take ``timeout`` (default: the default group's).
+    ``dp_shard`` / ``dp_replicate``: hybrid sharding of dp (``ParallelMesh``; default: all of
+    dp shards).
     """
+    hybrid = dict(dp_shard=dp_shard, dp_replicate=dp_replicate)
     if not dist.is_available():
         raise RuntimeError("this torch build has no torch.distributed; install a build with it")
     if dist.is_initialized():
-        return ParallelMesh(tp, pp, ep, order=order, timeout=timeout, cp=cp)
+        return ParallelMesh(tp, pp, ep, order=order, timeout=timeout, cp=cp, **hybrid)
     timeout = as_timeout(DEFAULT_TIMEOUT if timeout is None else timeout)
     world_size = _env_int("WORLD_SIZE")
     rank = _env_int("RANK")
@@ -216,9 +249,9 @@ def init(
             f"(torchrun --nproc-per-node {need} script.py), or run a function on ranks of "
             f"this machine with fastpar.launch.run_ranks(fn, {need})"
         )
-    MeshLayout(
-        world_size or 1, tp=tp, pp=pp, ep=ep, order=order, cp=cp
-    )  # refuse a bad layout early
+    MeshLayout(  # refuse a bad layout early
+        world_size or 1, tp=tp, pp=pp, ep=ep, order=order, cp=cp, **hybrid
+    )
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
@@ -228,4 +261,4 @@ def init(
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
     else:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
-    return ParallelMesh(tp, pp, ep, order=order, timeout=timeout, cp=cp)
+    return ParallelMesh(tp, pp, ep, order=order, timeout=timeout, cp=cp, **hybrid)

@@ -2,7 +2,16 @@
 
 One ``order`` string (first axis fastest, default ``"tp-ep-dp-pp"``) lays out the dense and the
 expert grid, with Megatron-Core's group lists; orders whose grids would not line up are
-refused (docs/layouts.md, "Rank order and the two grids")."""
+refused (docs/layouts.md, "Rank order and the two grids").
+
+Hybrid sharded data parallelism splits the dp axis in two, ``dp = dp_shard × dp_replicate``,
+``dp_shard`` the faster: a dp coordinate d is (shard d mod S, replica d // S), so a shard group
+is S consecutive dp coordinates — with the default order, tp·cp·S consecutive ranks, the ranks
+of a node when they fit in one — and a replicate group takes one rank of each. This is
+torchtitan's ``DeviceMesh`` ("pp", "dp_replicate", "dp_shard", "cp", "tp"), slowest first, and
+refines Megatron-Core's dp group (its ranks in Megatron's order) without moving any rank; the
+ZeRO wrappers shard over "dp-shard-cp" (torchtitan's ``dp_shard_cp``) and all-reduce the
+reduced shard over "dp-replicate" (docs/layouts.md, "Hybrid sharding")."""
 
 from __future__ import annotations
 
@@ -24,9 +33,14 @@ GROUP_KINDS = {
     "embedding": "first and last pipeline stage (tied embedding / LM head); first only if pp = 1",
     "cp": "context parallel: ranks that hold chunks of one sequence",
     "dp-cp": "data × context parallel: the ranks dense gradients are averaged over",
+    "dp-shard": "hybrid sharding: the dp ranks that shard one copy (consecutive dp ranks)",
+    "dp-replicate": "hybrid sharding: one rank of each dp-shard group, same shard (dp / dp-shard)",
+    "dp-shard-cp": "dp-shard × context parallel: the ranks ZeRO shards dense parameters over",
     "tp-cp": "tensor × context parallel: one sequence's ranks in one replica and stage",
     "ep": "expert parallel: ranks that split the experts of one MoE layer",
     "expert-dp": "expert data parallel: replicas of the same experts (dp·cp / ep ranks)",
+    "expert-dp-shard": "hybrid sharding of experts: the expert-dp ranks of one dp-shard-cp block",
+    "expert-dp-replicate": "hybrid sharding of experts: one rank of each expert-dp-shard group",
     "tp-ep": "expert tensor × expert parallel: ranks that hold one stage's experts",
 }
 
@@ -123,6 +137,10 @@ class MeshLayout:
         ep: expert-parallel size; must divide dp × cp.
         order: axis order, first fastest; each of tp/ep/dp/pp once, cp at most once.
         cp: context-parallel size (ranks holding chunks of one sequence).
+        dp_shard: hybrid sharding: the ranks of dp that shard one copy of the weights (None:
+            dp / dp_replicate, i.e. all of dp: full sharding).
+        dp_replicate: hybrid sharding: the copies (None: dp / dp_shard); dp_shard ×
+            dp_replicate = dp. Both are set to the resolved sizes.
     """
 
     world_size: int
@@ -131,10 +149,14 @@ class MeshLayout:
     ep: int = 1
     order: str = DEFAULT_ORDER
     cp: int = 1
+    dp_shard: int | None = None
+    dp_replicate: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "tp", "pp", "ep", "cp"):
+        for name in ("world_size", "tp", "pp", "ep", "cp", "dp_shard", "dp_replicate"):
             value = getattr(self, name)
+            if value is None and name.startswith("dp_"):
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         tokens = parse_order(self.order)
@@ -174,7 +196,51 @@ class MeshLayout:
                 f"data-parallel size {dp} {what} is not divisible by ep {self.ep}; ep must be "
                 f"one of {divisors} {fix}"
             )
+        self._resolve_hybrid(dp)
         self._check_grids_agree(tokens)
+        edpr, dpr = self.groups["expert-dp-replicate"], self.groups["dp-replicate"]
+        if self.ep > 1 and self.hybrid and sorted(edpr) != sorted(dpr):
+            raise ValueError(
+                f"order {self.order!r} gives the experts other replicate groups ({edpr[:2]} ...) "
+                f"than the dense weights ({dpr[:2]} ...) under hybrid sharding; put 'ep' right "
+                f"before 'dp', e.g. {DEFAULT_ORDER!r}"
+            )
+
+    def _resolve_hybrid(self, dp: int) -> None:
+        """Set dp_shard and dp_replicate (S × R = dp), or refuse them naming the fix."""
+        s, r = self.dp_shard, self.dp_replicate
+        what = (
+            f"dp = {dp} (world_size {self.world_size} / (tp*cp*pp = {self.tp}*{self.cp}*{self.pp}))"
+        )
+        divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+        if s is None and r is None:
+            s, r = dp, 1
+        elif r is None or s is None:
+            given, name, other = (s, "dp_shard", "dp_replicate")
+            if s is None:
+                given, name, other = (r, "dp_replicate", "dp_shard")
+            if dp % given:
+                raise ValueError(
+                    f"{name} {given} does not divide {what}; {name} must be one of {divisors} "
+                    f"({other} = dp / {name})"
+                )
+            s, r = (given, dp // given) if name == "dp_shard" else (dp // given, given)
+        elif s * r != dp:
+            raise ValueError(
+                f"dp_shard {s} x dp_replicate {r} = {s * r} is not {what}; choose them with "
+                f"dp_shard * dp_replicate = {dp}, e.g. dp_shard={dp // r if dp % r == 0 else dp}"
+                f" dp_replicate={r if dp % r == 0 else 1}, or give one and let the other follow"
+            )
+        if r > 1 and (s * self.cp) % self.ep:
+            n = s * self.cp
+            raise ValueError(
+                f"hybrid sharding with ep {self.ep} needs ep to divide dp_shard*cp = {s}*"
+                f"{self.cp} = {n} (each shard group holds whole expert-parallel groups); ep "
+                f"must be one of {[e for e in range(1, n + 1) if n % e == 0]}, or dp_shard "
+                f"a multiple of {self.ep}"
+            )
+        object.__setattr__(self, "dp_shard", s)
+        object.__setattr__(self, "dp_replicate", r)
 
     def _check_grids_agree(self, tokens: tuple[str, ...]) -> None:
         """Refuse an order whose expert grid does not line up with the dense grid.
@@ -222,6 +288,11 @@ class MeshLayout:
         return self.world_size // (self.tp * self.cp * self.pp)
 
     @property
+    def hybrid(self) -> bool:
+        """Whether dp_replicate > 1: hybrid sharding (shard inside a group, replicate across)."""
+        return self.dp_replicate > 1
+
+    @property
     def expert_dp(self) -> int:
         """Expert data-parallel size: dp * cp / ep."""
         return self.dp * self.cp // self.ep
@@ -246,6 +317,7 @@ class MeshLayout:
             return grid_groups(self.expert_sizes, tokens, axes)
 
         pp_groups = dense("pp")
+        hybrid = self._hybrid_groups(tokens)
         return {
             "tp": dense("tp"),
             "pp": pp_groups,
@@ -254,11 +326,35 @@ class MeshLayout:
             "tp-dp": dense("tp-dp"),
             "cp": dense("cp"),
             "dp-cp": dense("cp-dp"),
+            "dp-shard": hybrid["dps"],
+            "dp-replicate": hybrid["dpr"],
+            "dp-shard-cp": hybrid["cp-dps"],
             "tp-cp": dense("tp-cp"),
             "embedding": [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in pp_groups],
             "ep": expert("ep"),
             "expert-dp": expert("dp"),
+            "expert-dp-shard": hybrid["edps"],
+            "expert-dp-replicate": hybrid["edpr"],
             "tp-ep": expert("tp-ep"),
+        }
+
+    def _hybrid_groups(self, tokens: tuple[str, ...]) -> dict[str, list[list[int]]]:
+        """The hybrid-sharding groups: each grid's dp axis split into "dps" (dp_shard; expert
+        grid dp_shard·cp/ep) then "dpr" (dp_replicate), the shard part the faster."""
+        split = tuple(t for d in tokens for t in (("dps", "dpr") if d == "dp" else (d,)))
+
+        def grid(sizes: dict[str, int], shard: int, axes: str) -> list[list[int]]:
+            sizes = {**sizes, "dps": shard, "dpr": self.dp_replicate}
+            return grid_groups(sizes, split, axes)
+
+        dense, expert = self.dense_sizes, self.expert_sizes
+        edp_shard = self.expert_dp // self.dp_replicate
+        return {
+            "dps": grid(dense, self.dp_shard, "dps"),
+            "dpr": grid(dense, self.dp_shard, "dpr"),
+            "cp-dps": grid(dense, self.dp_shard, "cp-dps"),
+            "edps": grid(expert, edp_shard, "dps"),
+            "edpr": grid(expert, edp_shard, "dpr"),
         }
 
     def group_of(self, kind: str, rank: int) -> list[int]:
@@ -281,6 +377,8 @@ class MeshLayout:
             "cp": self.group_of("cp", rank).index(rank),
             "ep": self.group_of("ep", rank).index(rank),
             "expert-dp": self.group_of("expert-dp", rank).index(rank),
+            "dp-shard": self.group_of("dp-shard", rank).index(rank),
+            "dp-replicate": self.group_of("dp-replicate", rank).index(rank),
         }
 
     def rank_at(self, *, tp: int = 0, pp: int = 0, dp: int = 0, cp: int = 0) -> int:
@@ -303,18 +401,26 @@ class MeshLayout:
         """A readable text table: sizes, each rank's coordinates, then every group."""
         lines = [
             f"world_size={self.world_size}  tp={self.tp}  cp={self.cp}  pp={self.pp}  "
-            f"dp={self.dp}  ep={self.ep}  expert-dp={self.expert_dp}  order={self.order}",
+            f"dp={self.dp}  ep={self.ep}  expert-dp={self.expert_dp}  order={self.order}"
+            + (
+                f"  dp-shard={self.dp_shard}  dp-replicate={self.dp_replicate}"
+                if self.hybrid
+                else ""
+            ),
             "",
-            f"{'rank':>4}  {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>3} {'ep':>3} {'edp':>3}  stage",
+            f"{'rank':>4}  {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>3} {'ep':>3} {'edp':>3}  "
+            + (f"{'dps':>3} {'dpr':>3}  " if self.hybrid else "")
+            + "stage",
         ]
         for r in range(self.world_size):
             c = self.coords(r)
             stage = "first" if c["pp"] == 0 else ""
             if c["pp"] == self.pp - 1:
                 stage = "first+last" if self.pp == 1 else "last"
+            hybrid = f"{c['dp-shard']:>3} {c['dp-replicate']:>3}  " if self.hybrid else ""
             lines.append(
                 f"{r:>4}  {c['tp']:>3} {c['cp']:>3} {c['pp']:>3} {c['dp']:>3} {c['ep']:>3} "
-                f"{c['expert-dp']:>3}  {stage}"
+                f"{c['expert-dp']:>3}  {hybrid}{stage}"
             )
         for kind, what in GROUP_KINDS.items():
             groups = self.groups[kind]
@@ -333,17 +439,27 @@ def rank_groups(
     ep: int = 1,
     order: str = DEFAULT_ORDER,
     cp: int = 1,
+    dp_shard: int | None = None,
+    dp_replicate: int | None = None,
 ) -> dict[str, list[list[int]]]:
     """Every parallel group of a layout, as lists of global ranks.
 
-    Keys: "tp", "pp", "dp", "mp", "tp-dp", "cp", "dp-cp", "tp-cp", "embedding", "ep",
-    "expert-dp", "tp-ep" (see ``GROUP_KINDS``). dp = world_size / (tp * cp * pp); expert-dp =
-    dp * cp / ep. Raises ValueError for an
-    impossible layout, naming the numbers and what would work.
+    Keys: those of ``GROUP_KINDS``. dp = world_size / (tp * cp * pp) = dp_shard * dp_replicate;
+    expert-dp = dp * cp / ep. Raises ValueError for an impossible layout, naming the numbers
+    and what would work.
 
     >>> g = rank_groups(16, tp=2, pp=4)
     >>> g["dp"][:3], g["pp"][0]
     ([[0, 2], [1, 3], [4, 6]], [0, 4, 8, 12])
     """
-    layout = MeshLayout(world_size, tp=tp, pp=pp, ep=ep, order=order, cp=cp)
+    layout = MeshLayout(
+        world_size,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        order=order,
+        cp=cp,
+        dp_shard=dp_shard,
+        dp_replicate=dp_replicate,
+    )
     return {k: [list(g) for g in v] for k, v in layout.groups.items()}

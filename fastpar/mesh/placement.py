@@ -115,6 +115,18 @@ def data_parallel_groups(mesh=None, group: Group = None) -> tuple[Group, Group]:
     return group, group
 
 
+def sharding_groups(mesh=None, group: Group = None) -> tuple[list[Group], list[Group]]:
+    """([dense, expert] groups ZeRO shards over, [dense, expert] groups of each shard's replicas
+    or None): ``data_parallel_groups`` and no replicas, but under a mesh's hybrid sharding
+    (dp_replicate > 1) the dp-shard × cp and expert-dp-shard groups, and the dp-replicate and
+    expert-dp-replicate groups (every rank of one holds the same shards)."""
+    layout = getattr(mesh, "layout", None)
+    if layout is None or not getattr(layout, "hybrid", False):
+        return list(data_parallel_groups(mesh, group)), [None, None]
+    shards = [mesh.dp_shard_cp_group, mesh.expert_dp_shard_group]
+    return shards, [mesh.dp_replicate_group, mesh.expert_dp_replicate_group]
+
+
 def data_parallel_group(p: torch.Tensor, mesh=None, group: Group = None) -> Group:
     """The group data parallelism replicates ``p`` over (``data_parallel_groups``)."""
     return data_parallel_groups(mesh, group)[is_expert(p)]

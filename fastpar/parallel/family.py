@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastpar.amp.step import OptimizerFront, guarded_step, unscale_and_agree
-from fastpar.mesh.placement import data_parallel_groups, is_expert
+from fastpar.mesh.placement import data_parallel_groups, is_expert, sharding_groups
 from fastpar.mesh.ranks import global_rank, group_rank, group_size
 from fastpar.parallel import layout
 from fastpar.parallel import state as _state
@@ -29,9 +29,13 @@ COUNTERS = (
     "all_gather",
     "tied",
     "summon",
+    "replicate_all_reduce",
 )
 """Keys of ``comm_bytes_by``: ZeRO-3's gathers in forward and backward, reductions, the
-all-gather after a ZeRO-1/2 step, the sums of tied parameters, ``summon_full_params``."""
+all-gather after a ZeRO-1/2 step, the sums of tied parameters, ``summon_full_params``, and
+hybrid sharding's all-reduce of the reduced shards over the replicas. Under hybrid sharding
+the gathers and the reduce-scatter go over the shard group (docs/layouts.md, "Hybrid
+sharding": the formula per group)."""
 
 MakeOptimizer = Callable[[list[list[nn.Parameter]]], torch.optim.Optimizer]
 
@@ -76,7 +80,11 @@ class FlatDataParallel(OptimizerFront):
         dense_group, expert_group = data_parallel_groups(mesh, group)
         self.group = dense_group
         self.dp_size, self.dp_rank = group_size(dense_group), group_rank(dense_group)
-        self._kinds = [(g, group_size(g), group_rank(g)) for g in (dense_group, expert_group)]
+        # (group, size, rank) that replicated flats reduce over, sharded flats shard over
+        # (hybrid sharding: the shard groups), and the groups of the shards' replicas
+        self._full = [(g, group_size(g), group_rank(g)) for g in (dense_group, expert_group)]
+        shards, self._replicas = sharding_groups(mesh, group)
+        self._kinds = [(g, group_size(g), group_rank(g)) for g in shards]
         self.comm_bytes_by = dict.fromkeys(COUNTERS, 0.0)
         self._units = units
         params = list(dict.fromkeys(p for g in groups for p in g))
@@ -120,7 +128,7 @@ class FlatDataParallel(OptimizerFront):
         dense = [p for p in params if not is_expert(p)] + buffers
         experts = [p for p in params if is_expert(p)]
         with torch.no_grad():
-            for tensors, (g, size, _) in zip((dense, experts), self._kinds, strict=True):
+            for tensors, (g, size, _) in zip((dense, experts), self._full, strict=True):
                 if size > 1:
                     for t in tensors:
                         dist.broadcast(t.data, src=global_rank(g, 0), group=g)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastpar.mesh.ranks import Group, global_rank
+from fastpar.mesh.ranks import Group, global_rank, group_rank, group_size
 from fastpar.parallel.buckets import Bucket, payload_bytes
 
 # states of a ZeRO-3 flat's full parameters
@@ -53,13 +53,31 @@ class _Works:
             w.wait()
 
 
+class _Then:
+    """A work handle, then a second collective started once it is done (``then()``: its work
+    or None): hybrid sharding's all-reduce over the replicas of the reduce-scattered shard."""
+
+    def __init__(self, first, then) -> None:
+        self.first, self.then = first, then
+
+    def wait(self) -> None:
+        if self.then is None:  # waited before: the second collective ran once
+            return
+        if self.first is not None:
+            self.first.wait()
+        second, self.then = self.then(), None
+        if second is not None:
+            second.wait()
+
+
 @dataclass(eq=False)
 class FlatShard:
     """One flat buffer (docs/layouts.md): ``bucket`` (layout, reducer state), the ``group`` of
     ``size`` ranks sharding it (this rank ``rank``), ``sharded`` or replicated, the optimizer
     ``param_group``, ``expert`` (sharded over the expert-data-parallel group), the ZeRO-3
-    ``unit``, the groups it is ``tied`` over (a parameter held on several pipeline stages), and
-    ``counts`` (the owner's bytes-sent counters)."""
+    ``unit``, the groups it is ``tied`` over (a parameter held on several pipeline stages),
+    ``counts`` (the owner's bytes-sent counters) and, under hybrid sharding, the ``replicate``
+    group over which every rank holds the same shard (its reduced gradient all-reduced there)."""
 
     bucket: Bucket
     group: Group
@@ -71,6 +89,7 @@ class FlatShard:
     expert: bool = False
     unit: int = 0
     tied: tuple = ()
+    replicate: Group = None
     in_place: bool = False
     grad_persistent: bool = False
     reduced_in_grad: bool = False  # ZeRO-1, fp32: ``reduced`` is grad[lo:lo+S]
@@ -92,6 +111,9 @@ class FlatShard:
 
     def __post_init__(self) -> None:
         self.gloo = dist.is_initialized() and dist.get_backend(self.group) == "gloo"
+        hybrid = self.replicate is not None
+        self.replicate_size = group_size(self.replicate) if hybrid else 1
+        self.replicate_rank = group_rank(self.replicate) if hybrid else 0
 
     # -- layout ----------------------------------------------------------------------------
     @property
@@ -164,12 +186,26 @@ class FlatShard:
         reduce-scatter, in place; replicated: an all-reduce). Returns the work or None."""
         if not self.sharded:
             return self.all_reduce(comm)
-        if self.size == 1:
-            return None
-        self._count("reduce_scatter", "reduce_scatter", comm.numel(), comm.element_size())
-        if self.gloo:
-            return dist.all_reduce(comm, group=self.group, async_op=True)
-        return dist.reduce_scatter_tensor(comm[self.mine], comm, group=self.group, async_op=True)
+        work = None
+        if self.size > 1:
+            self._count("reduce_scatter", "reduce_scatter", comm.numel(), comm.element_size())
+            if self.gloo:
+                work = dist.all_reduce(comm, group=self.group, async_op=True)
+            else:
+                mine = comm[self.mine]
+                work = dist.reduce_scatter_tensor(mine, comm, group=self.group, async_op=True)
+        if self.replicate_size == 1:
+            return work
+        return _Then(work, lambda: self.all_reduce_replicas(comm[self.mine]))
+
+    def all_reduce_replicas(self, shard: torch.Tensor):
+        """Start the in-place all-reduce (sum) of this rank's reduced ``shard`` over the
+        ``replicate`` group (hybrid sharding; counted as "replicate_all_reduce")."""
+        n, e = shard.numel(), shard.element_size()
+        self.counts["replicate_all_reduce"] += payload_bytes(
+            "all_reduce", n, e, self.replicate_size
+        )
+        return dist.all_reduce(shard, group=self.replicate, async_op=True)
 
     def gather(self, key: str):
         """Start the all-gather of ``full`` from each rank's range ``full[self.mine]`` (in

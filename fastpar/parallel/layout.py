@@ -79,19 +79,21 @@ def plan_flats(dp, groups, params, bucket_size_mb, units: Units | None, persist_
     flats = []
     for b in buckets:
         key = keys[b.group_index]
-        g, size, rank = dp._kinds[key.expert]
+        shards = sharded[b.group_index]  # replicated flats: over the whole dp (x cp)
+        g, size, rank = (dp._kinds if shards else dp._full)[key.expert]
         flats.append(
             FlatShard(
                 b,
                 g,
                 size,
                 rank,
-                sharded[b.group_index],
+                shards,
                 dp.comm_bytes_by,
                 param_group=key.param_group,
                 expert=key.expert,
                 unit=key.unit,
                 tied=key.tied,
+                replicate=dp._replicas[key.expert] if shards else None,
             )
         )
     if units is not None:  # reduction order ~ backward order
@@ -141,7 +143,10 @@ def allocate(dp, f: FlatShard, optimizer: bool) -> None:
 
 def counted(dp, p: nn.Parameter, f: FlatShard) -> bool:
     """Whether this rank's part of ``p`` in flat ``f`` enters the global norm: each element
-    once (``fastpar.amp.norm.counts_on_this_rank``; replicated flats on their group's rank 0)."""
+    once (``fastpar.amp.norm.counts_on_this_rank``; replicated flats on their group's rank 0;
+    hybrid sharding: a shard on its replicate group's rank 0)."""
+    if f.replicate_rank != 0:
+        return False
     if dp.mesh is not None:
         return counts_on_this_rank(p, mesh=dp.mesh, dp_replicated=not f.sharded)
     return f.sharded or counts_on_this_rank(p, group=dp.group)

@@ -100,7 +100,7 @@ def checkpoint_pieces(dp) -> list[tuple[nn.Parameter, str, torch.Tensor, int, in
     if dp.optimizer is None:  # gradient synchronisation only: the optimizer is the caller's
         return out
     for f in dp.flats:
-        if not f.sharded and f.rank != 0:
+        if (not f.sharded and f.rank != 0) or f.replicate_rank != 0:  # one writer per piece
             continue
         master = f.master.detach()
         state = dp.optimizer.state.get(f.master, {})

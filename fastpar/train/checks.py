@@ -67,6 +67,25 @@ only be backed off from, one skipped step at a time."""
 TIMEOUT_ENV = "FASTPAR_COLLECTIVE_TIMEOUT"
 
 
+def _seconds(raw: str) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        return float("nan")  # refused by TrainConfig.check, which names the variable
+
+
+#: every collective fails after this long instead of hanging (a dead or stuck peer), unless
+#: FASTPAR_COLLECTIVE_TIMEOUT or --collective-timeout says otherwise
+COLLECTIVE_TIMEOUT_S = 300.0
+
+
+def default_collective_timeout() -> float:
+    """--collective-timeout's default: FASTPAR_COLLECTIVE_TIMEOUT seconds, read when a
+    TrainConfig (or the parser) is made, not at import; else ``COLLECTIVE_TIMEOUT_S``."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    return COLLECTIVE_TIMEOUT_S if raw is None else _seconds(raw)
+
+
 def flag(name: str) -> str:
     """The command-line flag of a TrainConfig field."""
     return "--model" if name == "model_type" else "--" + name.replace("_", "-")
@@ -193,6 +212,24 @@ def infer_dp(tp: int, pp: int, world: int | None, default: int) -> int:
     if world is None or tp < 1 or pp < 1 or world % (tp * pp):
         return default
     return world // (tp * pp)
+
+
+def node_local_shard(values: dict) -> dict:
+    """``values`` with --dp-shard set to one node's dp ranks (LOCAL_WORLD_SIZE / (tp*cp)) when
+    torchrun spans several nodes (WORLD_SIZE > LOCAL_WORLD_SIZE), a ZeRO stage shards, neither
+    --dp-shard nor --dp-replicate was given, and a node holds a whole number of dp ranks, fewer
+    than dp: the shard group is then node-local (hybrid sharding, as torchtitan's HSDP). Else
+    unchanged (one node: full sharding)."""
+    if values.get("dp_shard") is not None or values.get("dp_replicate") is not None:
+        return values
+    world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
+    if not values.get("zero") or not (world or "").isdigit() or not (local or "").isdigit():
+        return values
+    tp_cp, dp = values["tp"] * (values.get("cp") or 1), values["dp"]
+    per_node = int(local) // tp_cp if int(local) % tp_cp == 0 else 0
+    if int(local) >= int(world) or per_node < 1 or per_node >= dp or dp % per_node:
+        return values
+    return {**values, "dp_shard": per_node}
 
 
 def _passes(cfg) -> bool:

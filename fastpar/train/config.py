@@ -17,29 +17,30 @@ from fastpar.data import (
     tokenizer_eos_id,
     tokenizer_vocab_size,
 )
-from fastpar.mesh import MeshLayout
 from fastpar.models import DeepSeekConfig, GPTConfig, LlamaConfig
 from fastpar.moe.config import ROUTING_DEFAULTS
 from fastpar.parallel.pipeline.recompute import RecomputePolicy
 from fastpar.parallel.pipeline.schedules import SCHEDULES, chunked_names, make_schedule
+from fastpar.train.checks import COLLECTIVE_TIMEOUT_S as COLLECTIVE_TIMEOUT_S
+from fastpar.train.checks import _seconds as _seconds
 from fastpar.train.checks import (
     check_ranges,
     flag,
     infer_dp,
+    node_local_shard,
     torchrun_world_size,
 )
+from fastpar.train.checks import default_collective_timeout as default_collective_timeout
 from fastpar.train.config_checks import (
     check_context_parallel,
     check_init_from_hf,
+    check_layout,
     check_packing,
     check_words,
     schedule_refusal,
 )
 from fastpar.train.memory import check_memory
-from fastpar.train.options import COLLECTIVE_TIMEOUT_S as COLLECTIVE_TIMEOUT_S
 from fastpar.train.options import TrainOptions
-from fastpar.train.options import _seconds as _seconds
-from fastpar.train.options import default_collective_timeout as default_collective_timeout
 
 DESCRIPTION = (
     "Train a GPT, a Llama or a Hugging Face model with DP x TP x PP x EP, ZeRO and mixed precision."
@@ -463,7 +464,7 @@ class TrainConfig(TrainOptions):
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero}")
         self._check_schedule()
         RecomputePolicy.parse(self.recompute)  # a bad --recompute: ValueError naming it
-        MeshLayout(self.world_size, tp=self.tp, pp=self.pp, ep=self.ep, cp=self.cp)
+        check_layout(self)  # the mesh's own refusals (hybrid sharding among them)
         self._check_context()
         check_packing(self)
         per_rank = self.batch_size // self.dp
@@ -494,4 +495,4 @@ def config_from(args: argparse.Namespace, world: int | None = None) -> TrainConf
         world = torchrun_world_size() if world is None else world
         tp_cp = values["tp"] * (values.get("cp") or 1)  # dp = world / (tp * cp * pp)
         values["dp"] = infer_dp(tp_cp, values["pp"], world, TrainConfig.dp)
-    return TrainConfig(**values)
+    return TrainConfig(**node_local_shard(values))  # multi-node torchrun: shard in a node

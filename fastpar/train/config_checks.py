@@ -1,6 +1,7 @@
 """The checks of a run's flags that combine several of them, each taking the ``TrainConfig``
 as ``cfg`` (``TrainConfig.check`` calls them): --init-from-hf's directory, packed documents,
-context parallelism, the schedule's refusals, and the words a flag takes. Each failure is one
+context parallelism, the schedule's refusals, the layout (the mesh's own refusals, hybrid
+sharding's among them), and the words a flag takes. Each failure is one
 ValueError line naming the value and the fix."""
 
 from __future__ import annotations
@@ -9,8 +10,39 @@ import os
 from dataclasses import fields
 
 from fastpar.cliutil import option_of
+from fastpar.mesh import MeshLayout
 from fastpar.parallel.pipeline.schedules import SCHEDULES, accepting
 from fastpar.train.checks import flag
+
+
+def mesh_layout(cfg) -> MeshLayout:
+    """The run's ``MeshLayout`` (ValueError for an impossible one, naming the flags)."""
+    try:
+        return MeshLayout(
+            cfg.world_size,
+            tp=cfg.tp,
+            pp=cfg.pp,
+            ep=cfg.ep,
+            cp=cfg.cp,
+            dp_shard=cfg.dp_shard,
+            dp_replicate=cfg.dp_replicate,
+        )
+    except ValueError as exc:
+        if cfg.dp_shard is None and cfg.dp_replicate is None:
+            raise
+        text = str(exc).replace("dp_shard", "--dp-shard").replace("dp_replicate", "--dp-replicate")
+        raise ValueError(text) from None
+
+
+def check_layout(cfg) -> None:
+    """The layout exists; hybrid sharding (--dp-replicate > 1) needs a ZeRO stage to shard."""
+    layout = mesh_layout(cfg)
+    if layout.hybrid and cfg.zero == 0:
+        raise ValueError(
+            f"--dp-shard {layout.dp_shard} --dp-replicate {layout.dp_replicate} with --zero 0: "
+            f"hybrid sharding shards ZeRO's state inside each dp-shard group, and at --zero 0 "
+            f"nothing is sharded; pass --zero 1, 2 or 3, or drop --dp-shard / --dp-replicate"
+        )
 
 
 def check_words(cfg) -> None:

@@ -40,7 +40,8 @@ def launch(cfg: TrainConfig, timeout: float = 24 * 3600.0, tokens=None) -> list[
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         check_world_size(cfg, int(os.environ["WORLD_SIZE"]))  # one line; the hint fits --ep
         exit_with_agent()  # a worker never outlives its torchrun agent
-        init(cfg.tp, cfg.pp, cfg.ep, cp=cfg.cp, timeout=cfg.collective_timeout)
+        hybrid = dict(dp_shard=cfg.dp_shard, dp_replicate=cfg.dp_replicate)
+        init(cfg.tp, cfg.pp, cfg.ep, cp=cfg.cp, timeout=cfg.collective_timeout, **hybrid)
         try:
             records = _rank_main(cfg, tokens)
         except RuntimeError:  # a failed collective: a stopped sibling would hold torchrun 30 s

@@ -30,7 +30,7 @@ from fastpar.train.metrics import (
     resolve,
 )
 from fastpar.train.stop import RunStopped, StopSignals, agree, signal_name, weights_fit
-from fastpar.train.summary import header_line
+from fastpar.train.summary import header_line, hybrid_line
 
 
 def run(cfg: TrainConfig, tokens=None) -> list[dict]:
@@ -44,7 +44,15 @@ def run(cfg: TrainConfig, tokens=None) -> list[dict]:
     about to be saved that are not finite), without saving."""
     check_same_settings(cfg)  # one small all-gather: nodes started with other flags stop here
     with StopSignals() as signals:
-        mesh = ParallelMesh(cfg.tp, cfg.pp, cfg.ep, timeout=cfg.collective_timeout, cp=cfg.cp)
+        mesh = ParallelMesh(
+            cfg.tp,
+            cfg.pp,
+            cfg.ep,
+            timeout=cfg.collective_timeout,
+            cp=cfg.cp,
+            dp_shard=cfg.dp_shard,
+            dp_replicate=cfg.dp_replicate,
+        )
         device = (
             torch.device("cuda", torch.cuda.current_device())
             if dist.get_backend() == "nccl"
@@ -67,6 +75,8 @@ def _train(cfg: TrainConfig, trainer: Trainer, signals: StopSignals) -> list[dic
     if talk:
         n = sum(p.numel() for p in trainer.stage_module.parameters())
         print(header_line(cfg, dist.get_backend(), total_params, n), flush=True)
+        if trainer.mesh.layout.hybrid:
+            print(hybrid_line(cfg, trainer.mesh.layout), flush=True)
         if cfg.packs_documents:
             print(
                 f"packed documents ({cfg.document_source or '--pack documents'}): attention "

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from fastpar.cliutil import flat_fields, option
@@ -15,27 +14,12 @@ from fastpar.models.mtp import DEFAULT_COEF
 from fastpar.moe.config import ROUTING, ExpertConfig, RouterConfig
 from fastpar.nn import styles
 from fastpar.parallel.pipeline.schedules import SCHEDULES
-from fastpar.train.checks import LR_SCHEDULES, TIMEOUT_ENV
-
-
-def _seconds(raw: str) -> float:
-    try:
-        return float(raw)
-    except ValueError:
-        return float("nan")  # refused by TrainConfig.check, which names the variable
-
-
-#: every collective fails after this long instead of hanging (a dead or stuck peer), unless
-#: FASTPAR_COLLECTIVE_TIMEOUT or --collective-timeout says otherwise
-COLLECTIVE_TIMEOUT_S = 300.0
-
-
-def default_collective_timeout() -> float:
-    """--collective-timeout's default: FASTPAR_COLLECTIVE_TIMEOUT seconds, read when a
-    TrainConfig (or the parser) is made, not at import; else ``COLLECTIVE_TIMEOUT_S``."""
-    raw = os.environ.get(TIMEOUT_ENV)
-    return COLLECTIVE_TIMEOUT_S if raw is None else _seconds(raw)
-
+from fastpar.train.checks import (
+    COLLECTIVE_TIMEOUT_S,
+    LR_SCHEDULES,
+    TIMEOUT_ENV,
+    default_collective_timeout,
+)
 
 LAYOUT, MODEL, TRAINING, DATA = "layout", "model", "training", "data"
 CHECKPOINTS, EVALUATION, OUTPUT, FAILURES = "checkpoints", "evaluation", "output", "failures"
@@ -59,6 +43,21 @@ class TrainOptions:
         deferred=True,
         help="data-parallel size (default 2; under torchrun WORLD_SIZE / (tp*pp)); world size = "
         "tp*pp*dp",
+    )
+    dp_shard: int | None = option(
+        None,
+        LAYOUT,
+        metavar="S",
+        help="hybrid sharding (HSDP): ZeRO shards over S consecutive dp ranks (x cp); dp = S x "
+        "--dp-replicate (default: one node's dp ranks under a multi-node torchrun, else all of "
+        "dp: full sharding)",
+    )
+    dp_replicate: int | None = option(
+        None,
+        LAYOUT,
+        metavar="R",
+        help="hybrid sharding: R copies of the shards, the reduced shard all-reduced over them "
+        "(default dp / --dp-shard)",
     )
     ep: int = option(
         2,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 #: the flags that choose the layout; without any of them the run takes the default world
-LAYOUT_FLAGS = ("--dp", "--tp", "--pp", "--cp", "--ep")
+LAYOUT_FLAGS = ("--dp", "--tp", "--pp", "--cp", "--ep", "--dp-shard", "--dp-replicate")
 
 
 def model_label(cfg) -> str:
@@ -64,13 +64,40 @@ def math_settings(cfg) -> list[str]:
     return out
 
 
+def hybrid_text(cfg) -> str:
+    """ " (dp-shard S x dp-replicate R)" under hybrid sharding (--dp-replicate > 1), else ""."""
+    s, r = cfg.dp_shard, cfg.dp_replicate
+    if s is None and r is None:
+        return ""
+    s, r = s or cfg.dp // r, r or cfg.dp // s
+    return f" (dp-shard {s} x dp-replicate {r})" if r > 1 else ""
+
+
 def header_line(cfg, backend: str, total_params: int, held: int) -> str:
     """Rank 0's first line: the model, the layout, and every setting that changes the math."""
     return (
-        f"fastpar.train: {model_label(cfg)}, world {cfg.world_size} = dp {cfg.dp} x tp {cfg.tp} "
+        f"fastpar.train: {model_label(cfg)}, world {cfg.world_size} = dp {cfg.dp}"
+        f"{hybrid_text(cfg)} x tp {cfg.tp} "
         f"x pp {cfg.pp}{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} (ep {cfg.ep}), ZeRO-{cfg.zero}, "
         f"{cfg.precision}, {cfg.schedule_label} x {cfg.microbatches} micro-batches, {backend}; "
         f"{'; '.join(math_settings(cfg))}; {total_params:,} parameters, rank 0 holds {held:,}"
+    )
+
+
+def _groups_text(groups: list[list[int]], most: int = 4) -> str:
+    shown = " ".join(str(g) for g in groups[:most])
+    return shown + (f" ... ({len(groups)} groups)" if len(groups) > most else "")
+
+
+def hybrid_line(cfg, layout) -> str:
+    """Rank 0's second line under hybrid sharding: the groups ZeRO shards over and those the
+    reduced shards are all-reduced over (``fastpar.mesh.MeshLayout`` groups)."""
+    shard = "dp-shard-cp" if layout.cp > 1 else "dp-shard"
+    return (
+        f"hybrid sharding: dp {layout.dp} = dp-shard {layout.dp_shard} x dp-replicate "
+        f"{layout.dp_replicate}; ZeRO-{cfg.zero} shards over {shard} "
+        f"{_groups_text(layout.groups['dp-shard-cp'])}, all-reduces each reduced shard over "
+        f"dp-replicate {_groups_text(layout.groups['dp-replicate'])}"
     )
 
 

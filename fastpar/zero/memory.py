@@ -40,6 +40,8 @@ def estimate_memory(
     ``mode="fastpar"``: fastpar's layout — each bucket padded to a multiple of N (pass the
     bucket sizes, or one bucket of num_params), and an fp32 gradient shard beside a
     low-precision full buffer (stage 1; inside it when gradients are fp32) or alone (stage 2/3).
+    Hybrid sharding (``dp_shard`` × ``dp_replicate``): ``dp_size`` is the shard group's size
+    (dp_shard · cp); the replicas hold the same bytes.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
