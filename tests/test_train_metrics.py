@@ -5,6 +5,7 @@ TensorBoard scalars (or a clear error without the package)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -226,6 +227,32 @@ def test_the_layouts_parameter_count_with_mtp_is_the_models(model):
     assert [mtp > 0 for _, mtp in got] == [False, False, True, True]  # the last stage's
     assert counts == _counts(cfg), (counts, _counts(cfg))
     assert metrics.flops_per_token(cfg, counts) == metrics.flops_per_token(cfg, _counts(cfg))
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_the_counted_parameters_under_zero_are_the_models(zero):
+    """At dp 2 x pp 2 the header's count is the single-process model's under ZeRO-1 and under
+    ZeRO-3 (whose parameters are empty between steps: counted gathered, not as 0)."""
+    from fastpar.testing import run_ranks
+
+    cfg = TrainConfig(
+        model_type="llama", hidden=32, heads=4, layers=2, seq_len=16, tp=1, pp=2, dp=2
+    )
+    cfg = dataclasses.replace(cfg, ep=1, zero=zero, moe_every=0, quiet=True)
+    cfg.check()
+    got = run_ranks(_zero_counts, 4, cfg)
+    assert all(c == got[0][0] for c, _ in got), got
+    assert got[0][0] == _counts(cfg), (got, _counts(cfg))
+    assert all(held > 0 for _, held in got), got
+
+
+def _zero_counts(cfg: TrainConfig):
+    from fastpar import ParallelMesh
+    from fastpar.train.build import Trainer
+    from fastpar.train.loop import model_counts
+
+    trainer = Trainer(cfg, ParallelMesh(cfg.tp, cfg.pp, cfg.ep), torch.device("cpu"))
+    return model_counts(trainer)
 
 
 def _layout_counts(cfg: TrainConfig) -> dict[str, int]:

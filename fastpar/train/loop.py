@@ -67,13 +67,22 @@ def run(cfg: TrainConfig, tokens=None) -> list[dict]:
             close_checkpoints(trainer)
 
 
+def model_counts(trainer: Trainer) -> tuple[dict[str, int], int]:
+    """``param_counts`` of the whole model (the header's count, the FLOPs' N) and the
+    parameters this rank's stage holds in its layout. ZeRO-3's parameters are empty between
+    steps: they are counted gathered (a collective: every rank calls this)."""
+    zero3 = trainer.cfg.zero == 3
+    with trainer.model.summon_full_params() if zero3 else contextlib.nullcontext():
+        counts = param_counts(trainer.stage_module, trainer.mesh, trainer.device)
+        return counts, sum(p.numel() for p in trainer.stage_module.parameters())
+
+
 def _train(cfg: TrainConfig, trainer: Trainer, signals: StopSignals) -> list[dict]:
     talk = dist.get_rank() == 0 and not cfg.quiet
     start = open_checkpoints(trainer, talk)  # lock, run id, resume; 0 without --checkpoint-dir
-    counts = param_counts(trainer.stage_module, trainer.mesh, trainer.device)
+    counts, n = model_counts(trainer)
     total_params = counts["total"]
     if talk:
-        n = sum(p.numel() for p in trainer.stage_module.parameters())
         print(header_line(cfg, dist.get_backend(), total_params, n), flush=True)
         if trainer.mesh.layout.hybrid:
             print(hybrid_line(cfg, trainer.mesh.layout), flush=True)
