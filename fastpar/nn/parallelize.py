@@ -19,7 +19,7 @@ from torch import nn
 
 from fastpar import tolerance
 from fastpar.comm import all_reduce_grad, group_size
-from fastpar.mesh.placement import mark_replicated
+from fastpar.mesh.placement import mark_owned, mark_replicated
 from fastpar.nn import check as _check
 from fastpar.nn import plans as _plans
 from fastpar.nn.guard import guard_save_pretrained
@@ -323,6 +323,8 @@ def _split(
     # a sliced per-head module is this rank's alone (the others' are gone): never reduced
     reduced = [n for n in reduced if n in params and n not in set(sliced)]
     record.grad_reduced, record.head_sliced = sorted(reduced), sorted(sliced)
+    for name in sliced:  # its heads' entries: counted, saved and exported from this rank
+        mark_owned(params[name], tp_group)
     for name in reduced:
         p = params[name]
         mark_replicated(p, tp_group)
