@@ -54,7 +54,8 @@ class PlanRecord:
     head_sliced: list[str] = field(default_factory=list)
     """Parameters of per-head module lists this rank keeps (its heads' share)."""
     unchecked: list[str] = field(default_factory=list)
-    """Parameters the backward check could not map to a dense gradient (converted MoE)."""
+    """Parameters the backward check could not map to a dense gradient (none for the built-in
+    plans: converted MoE experts are compared against their EP and TP slice)."""
 
 
 def _example_inputs(model: nn.Module, example_inputs) -> tuple[tuple, dict] | None:
