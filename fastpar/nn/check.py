@@ -316,8 +316,10 @@ def refuse(verdict: Verdict, model: nn.Module, per_head, whole=()) -> None:
             "the parameters upstream of a module whose output is shared by every local head (as "
             "MLA's rope key k_rot, broadcast into each head) get only this rank's heads' share "
             "of its gradient: that activation needs a copy-to-region (identity forward, "
-            "all-reduce backward; fastpar.comm.copy_to_region) where it enters the heads, or "
-            "leave that attention module whole (do not split it)"
+            "all-reduce backward; fastpar.comm.copy_to_region) where it enters the heads (the "
+            "probe gives it to an nn.Linear whose last output features the heads read; plan "
+            "another such module ('shared_key', {'features': k})), or leave that attention "
+            "module whole (do not split it)"
         )
     others = [n for n in wrong if n != name]
     listed = f"; {len(others)} more disagree, e.g. {others[:3]}" if others else ""
