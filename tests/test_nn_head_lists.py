@@ -155,7 +155,7 @@ def test_checkpoint_at_tp2_holds_every_heads_norm_and_loads_at_tp1(tp2_checkpoin
         assert torch.equal(model(_ids(3)).logits, original(_ids(3)).logits)
 
 
-@pytest.mark.slow  # about 8 s: four ranks, each parallelizes twice
+@pytest.mark.slow  # 4-5 s alone: four ranks, each parallelizes twice
 def test_checkpoint_at_tp2_loads_at_tp4(tp2_checkpoint):
     assert run_ranks(_load_tp4, 4, tp2_checkpoint) == [4, 4, 4, 4]  # layers x (q, k) x 1 head
 

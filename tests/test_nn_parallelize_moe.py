@@ -257,7 +257,7 @@ def _experts_checked(doubled: bool) -> tuple:
     return model.fastpar_plan.checked, model.fastpar_plan.unchecked
 
 
-@pytest.mark.slow  # about 10 s (26 s on a loaded 2-core machine): two parallelizes at EP 2
+@pytest.mark.slow  # 8-26 s (2 cores, as loaded): two parallelizes at EP 2
 def test_backward_check_compares_the_converted_experts():
     # at EP 2 every expert parameter is compared (none left unchecked), and exact
     assert run_ranks(_experts_checked, 2, False) == [("backward", [])] * 2
