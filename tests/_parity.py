@@ -37,7 +37,7 @@ def local_slice(full: torch.Tensor, param: torch.Tensor, fused: int = 1) -> torc
     """This rank's part of ``full``, per ``param``'s mark (padded with zeros like the layer)."""
     layout = param_layout(param)
     assert layout is not None, "parameter carries no fastpar layout mark"
-    if layout.kind == "replicated":
+    if layout.kind in ("replicated", "owned"):  # owned: whole, this rank's own entry
         return full
     world, rank = dist.get_world_size(layout.group), dist.get_rank(layout.group)
     dim = layout.dim

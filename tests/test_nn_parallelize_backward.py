@@ -63,14 +63,26 @@ def _x() -> torch.Tensor:
     return torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(3))
 
 
-def _shared_key(check) -> float:
+def _shared_key(check, auto: bool = False) -> float:
     """Parallelize the shared-key attention; returns the worst gradient error against the
-    dense model's on the check's input, relative to the gradient's size."""
+    dense model's on the check's input, relative to the gradient's size. Without ``auto`` the
+    probe's shared-key region is undone (the defect as it was)."""
+    import sys
+
+    module = sys.modules["fastpar.nn.parallelize"]  # the name is shadowed by the function
+    keep = module._shared_keys
+    if not auto:
+        module._shared_keys = lambda *args, **kwargs: None
     torch.manual_seed(0)
     dense = _SharedKey()
     par = _SharedKey()
     par.load_state_dict(dense.state_dict())
-    parallelize(par, _SHARED_PLAN, group=None, example_inputs=_x(), check=check)
+    try:
+        parallelize(par, _SHARED_PLAN, group=None, example_inputs=_x(), check=check)
+    finally:
+        module._shared_keys = keep
+    if auto:
+        assert par.fastpar_plan.shared_key == ["k_rot"], par.fastpar_plan.shared_key
     for m in (dense, par):
         (
             m(_x()) * torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(4))
@@ -89,6 +101,48 @@ def test_backward_check_refuses_a_shared_activation_without_copy_region():
     assert "the gradient of 'k_rot.weight'" in msg  # the module planned whole that feeds every head
     assert "copy-to-region" in msg and "shared by every local head" in msg
     assert "check='forward'" in msg
+
+
+def test_the_probe_gives_a_shared_key_its_region():
+    # the key every local head reads gets its copy-to-region from the probe: exact
+    assert max(run_ranks(_shared_key, 2, True, True)) < 1e-5
+
+
+def _mla_user_plan() -> tuple:
+    """DeepSeek-V3 (MLA) under a user's attention plan that leaves kv_a_proj_with_mqa
+    'replicate': the probe finds its rope-key features read by every local head."""
+    import fnmatch
+
+    from _hf import build
+
+    from fastpar.nn.plans import builtin_plan
+
+    model = build("deepseek_v3")
+    names = [n for n, _ in model.named_modules()]
+    plan = {
+        k: "replicate" if k.endswith("kv_a_proj_with_mqa") else v
+        for k, v in builtin_plan(model).items()
+        if "self_attn" in k and any(fnmatch.fnmatchcase(n, k) for n in names)
+    }
+    assert "replicate" in plan.values()
+    parallelize(model, plan, make_mesh(tp=2))
+    record = model.fastpar_plan
+    attn = model.model.layers[0].self_attn
+    return record.checked, record.shared_key, attn.kv_a_proj_with_mqa.features
+
+
+@pytest.mark.slow  # about 10 s: DeepSeek-V3 checked at TP 2
+def test_mla_rope_key_left_replicate_gets_its_region():
+    (checked, shared, features), _ = run_ranks(_mla_user_plan, 2)
+    assert checked == "backward"  # and the check passed: every gradient exact
+    assert shared == [f"model.layers.{i}.self_attn.kv_a_proj_with_mqa" for i in (0, 1)]
+    assert features == _qk_rope_head_dim()
+
+
+def _qk_rope_head_dim() -> int:
+    from _hf import build
+
+    return build("deepseek_v3").config.qk_rope_head_dim
 
 
 def _stablelm(seed: int = 0):

@@ -222,3 +222,45 @@ def test_hf_router_aux_loss_is_refused_rather_than_lost():
     not have: parallelize refuses instead of silently dropping that loss term."""
     msg = run_ranks(_router_logits_refused, 2)[0]
     assert "output_router_logits=True" in msg and "output_router_logits=False" in msg
+
+
+class _DoubledGrad(torch.autograd.Function):
+    """Identity forward, twice the gradient backward: a defect the output cannot show."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * g
+
+
+def _experts_checked(doubled: bool) -> tuple:
+    """Mixtral at EP 2: the converted experts (this rank's half, dim 0) are compared by the
+    backward check; with ``doubled`` their gradients are twice the true ones."""
+    from fastpar.moe import experts
+
+    keep = experts.from_hf
+    if doubled:
+
+        def from_hf(gate_up, down):
+            return keep(_DoubledGrad.apply(gate_up), down)
+
+        experts.from_hf = from_hf
+    try:
+        model = parallelize(_model("mixtral"), mesh=make_mesh(ep=2))
+    except ValueError as exc:
+        return "refused", str(exc)
+    finally:
+        experts.from_hf = keep
+    return model.fastpar_plan.checked, model.fastpar_plan.unchecked
+
+
+@pytest.mark.slow  # 8-26 s (2 cores, as loaded): two parallelizes at EP 2
+def test_backward_check_compares_the_converted_experts():
+    # at EP 2 every expert parameter is compared (none left unchecked), and exact
+    assert run_ranks(_experts_checked, 2, False) == [("backward", [])] * 2
+    # a wrong expert gradient (doubled, the forward untouched) is refused, naming it
+    verdict, msg = run_ranks(_experts_checked, 2, True)[0]
+    assert verdict == "refused" and "experts.gate_up_proj" in msg, msg[:1000]

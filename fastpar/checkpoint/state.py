@@ -53,6 +53,8 @@ def _dim_maps(p: torch.Tensor) -> tuple[list[torch.Tensor], list[int], dict]:
         g[g >= full] = -1
         maps[d], gshape[d] = g, full
         desc = {"kind": "sharded", "dim": d, "full_size": full, "fused": fused, "world": world}
+    elif layout is not None and layout.kind == "owned":  # whole, under its own name: one holder
+        desc = {"kind": "owned", "world": group_size(layout.group)}
     ex = expert_layout(p)
     if ex is not None:
         if desc["kind"] == "sharded" and desc["dim"] == 0:

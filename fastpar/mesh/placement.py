@@ -22,10 +22,11 @@ _TIED_NAME = "_fastpar_checkpoint_name"
 @dataclass(frozen=True)
 class ParamLayout:
     """``kind`` "sharded": this rank holds a slice along ``dim`` of a tensor split over
-    ``group``; "replicated": every rank of ``group`` holds the same tensor.
+    ``group``; "replicated": every rank of ``group`` holds the same tensor; "owned": this rank
+    alone of ``group`` holds this whole tensor, under a name of its own (``mark_owned``).
     ``full_size`` is the unpadded size along ``dim`` of the whole tensor (sharded only)."""
 
-    kind: Literal["sharded", "replicated"]
+    kind: Literal["sharded", "replicated", "owned"]
     group: dist.ProcessGroup | None
     dim: int | None = None
     full_size: int | None = None
@@ -48,6 +49,14 @@ def mark_sharded(
 
 def mark_replicated(p: torch.nn.Parameter, group: dist.ProcessGroup | None) -> None:
     setattr(p, _ATTR, ParamLayout("replicated", group))
+
+
+def mark_owned(p: torch.nn.Parameter, group: dist.ProcessGroup | None) -> None:
+    """``p`` is whole and this rank alone of ``group`` holds it; the other ranks hold other
+    tensors of the same list under their own names: a per-head module's parameter, kept by the
+    rank that holds its head (``norms.2.weight`` on one TP rank, ``norms.0.weight`` on another).
+    Not replicated over ``group``: its gradient counts and a checkpoint writes it on this rank."""
+    setattr(p, _ATTR, ParamLayout("owned", group))
 
 
 def param_layout(p: torch.Tensor) -> ParamLayout | None:
@@ -142,7 +151,7 @@ def replica_groups(
 ) -> list[Group]:
     """The groups over each of which every rank holds this very tensor ``p``: the TP group
     (``mesh.tp_group``, else ``group``) for an unmarked parameter, the mark's group for a
-    replicated one (none for a sharded one), each ``mark_duplicated`` group unless
+    replicated one (none for a sharded or owned one), each ``mark_duplicated`` group unless
     ``duplicates=False``, and, with a mesh and ``data_parallel``, ``data_parallel_group(p)``
     (pass ``data_parallel=False`` where the data is sharded over DP: ZeRO)."""
     layout = param_layout(p)

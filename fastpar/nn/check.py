@@ -18,8 +18,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from fastpar import tolerance
-from fastpar.mesh.placement import param_layout
-from fastpar.mesh.ranks import group_rank
+from fastpar.mesh.placement import expert_layout, param_layout
+from fastpar.mesh.ranks import group_rank, group_size
 
 MODES = (True, False, "backward", "forward")
 _LOSS_SEED, _PERTURB_SEED = 1234, 4321
@@ -171,6 +171,10 @@ def tree_map_float(inputs, dtype):
 def _local(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor | None:
     """This rank's part of the dense ``full`` per ``p``'s mark (zeros where ``p`` is padded);
     None where ``p``'s shape cannot be a part of it."""
+    ex = expert_layout(p)
+    if ex is not None and ex.group is not None and full.dim() and full.shape[0] == ex.num_experts:
+        n = p.shape[0]  # dim 0: this EP rank's experts
+        full = full.narrow(0, group_rank(ex.group) * n, n)
     layout = param_layout(p)
     if layout is None or layout.kind != "sharded":
         return full if full.shape == p.shape else None
@@ -272,6 +276,10 @@ def _grads(named, ref: Dense, verdict: Verdict, tp_group, world: int, own) -> No
             verdict.unchecked.append(name)
             continue
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        ex = expert_layout(p)
+        if ex is not None and ex.group is not None and group_size(ex.group) > 1:
+            # every EP rank sends this expert the same probe tokens: ep times the dense sum
+            grad = grad / group_size(ex.group)
         cmp = tolerance.compare(grad, parts[:2], parts[2], length=ref.length, what=name)
         verdict.grads[name] = cmp
         layout = param_layout(p)
@@ -308,8 +316,10 @@ def refuse(verdict: Verdict, model: nn.Module, per_head, whole=()) -> None:
             "the parameters upstream of a module whose output is shared by every local head (as "
             "MLA's rope key k_rot, broadcast into each head) get only this rank's heads' share "
             "of its gradient: that activation needs a copy-to-region (identity forward, "
-            "all-reduce backward; fastpar.comm.copy_to_region) where it enters the heads, or "
-            "leave that attention module whole (do not split it)"
+            "all-reduce backward; fastpar.comm.copy_to_region) where it enters the heads (the "
+            "probe gives it to an nn.Linear whose last output features the heads read; plan "
+            "another such module ('shared_key', {'features': k})), or leave that attention "
+            "module whole (do not split it)"
         )
     others = [n for n in wrong if n != name]
     listed = f"; {len(others)} more disagree, e.g. {others[:3]}" if others else ""

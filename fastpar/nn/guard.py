@@ -16,8 +16,8 @@ class ShardedSaveError(RuntimeError):
 def _partial(p) -> bool:
     """Whether ``p`` holds only this rank's part of its tensor (by its marks)."""
     layout = param_layout(p)
-    if layout is not None and layout.kind == "sharded" and group_size(layout.group) > 1:
-        return True
+    if layout is not None and layout.kind in ("sharded", "owned") and group_size(layout.group) > 1:
+        return True  # an owned tensor: one of a list whose other entries other ranks hold
     ex = expert_layout(p)
     return ex is not None and ex.num_experts != p.shape[0]
 

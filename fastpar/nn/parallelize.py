@@ -19,7 +19,7 @@ from torch import nn
 
 from fastpar import tolerance
 from fastpar.comm import all_reduce_grad, group_size
-from fastpar.mesh.placement import mark_replicated
+from fastpar.mesh.placement import mark_owned, mark_replicated
 from fastpar.nn import check as _check
 from fastpar.nn import plans as _plans
 from fastpar.nn.guard import guard_save_pretrained
@@ -53,8 +53,12 @@ class PlanRecord:
     """Which check ran: "backward" (output and every gradient), "forward" or None."""
     head_sliced: list[str] = field(default_factory=list)
     """Parameters of per-head module lists this rank keeps (its heads' share)."""
+    shared_key: list[str] = field(default_factory=list)
+    """Linear layers made "shared_key" because the probe found their output read by every
+    local head (MLA's rope key left "replicate" or unplanned)."""
     unchecked: list[str] = field(default_factory=list)
-    """Parameters the backward check could not map to a dense gradient (converted MoE)."""
+    """Parameters the backward check could not map to a dense gradient (none for the built-in
+    plans: converted MoE experts are compared against their EP and TP slice)."""
 
 
 def _example_inputs(model: nn.Module, example_inputs) -> tuple[tuple, dict] | None:
@@ -160,6 +164,18 @@ def _analyse(report: ProbeReport, chosen, modules, watched_owner) -> list[str]:
                     f"reducing its gradient over TP would multiply it by the TP size; drop the entry"
                 )
     return reduced
+
+
+def _shared_keys(report: ProbeReport, chosen, modules, record) -> None:
+    """A linear layer no plan swaps whose last output features enter the split heads outside a
+    contraction (MLA's rope key) becomes "shared_key" over those features (their gradient
+    all-reduced over TP); the check then judges the result."""
+    for name, (lo, hi, width, _) in report.shared.items():
+        entry = chosen.get(name)
+        whole = entry is None or entry[0] == "replicate"
+        if whole and type(modules.get(name)) is nn.Linear and hi == width and lo < hi:
+            chosen[name] = ("shared_key", {"features": hi - lo})
+            record.shared_key.append(name)
 
 
 def _unprobed(chosen, modules, attention, watched_owner) -> list[str]:
@@ -302,6 +318,7 @@ def _split(
                 "or check=False"
             ) from exc
         reduced = _analyse(report, chosen, modules, watched_owner)
+        _shared_keys(report, chosen, modules, record)
         record.probed = True
         record.found_by_probe = [
             n for n in reduced if not _declares_reduced(_style_at(chosen, watched_owner[n]))
@@ -323,6 +340,8 @@ def _split(
     # a sliced per-head module is this rank's alone (the others' are gone): never reduced
     reduced = [n for n in reduced if n in params and n not in set(sliced)]
     record.grad_reduced, record.head_sliced = sorted(reduced), sorted(sliced)
+    for name in sliced:  # its heads' entries: counted, saved and exported from this rank
+        mark_owned(params[name], tp_group)
     for name in reduced:
         p = params[name]
         mark_replicated(p, tp_group)

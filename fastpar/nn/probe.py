@@ -50,6 +50,10 @@ class ProbeReport:
     features: dict[str, tuple[str, str]] = field(default_factory=dict)
     mixed: list[tuple[str, str]] = field(default_factory=list)
     output_split: bool = False
+    shared: dict[str, tuple[int, int, int, str]] = field(default_factory=dict)
+    """Unplanned linear layers whose output features [lo, hi) of ``width`` enter an op with a
+    split value outside a contraction (a key broadcast into every local head): module name ->
+    (lo, hi, width, where). Their gradient there is this rank's heads' share only."""
 
 
 def _op_name(func) -> str:
@@ -102,6 +106,12 @@ class _Labeller(TorchFunctionMode):
                     param_widths.setdefault(name, set()).add(t.shape[-1] if t.dim() else None)
         op = _op_name(func)
         where = self.where[-1] if self.where else "<model>"
+        origins = {lab[1] for t in tensors if (lab := self._of(t)) and lab[0] == FULL and lab[1:]}
+        origins.discard(None)
+        if split_src is not None and op not in _CONTRACTIONS:
+            for module, lo, hi, width in origins:
+                self.report.shared.setdefault(module, (lo, hi, width, f"{op} in {where!r}"))
+        origin = _origin(op, args, out, params, full, split_src, origins, self)
         if split_src is not None or full:
             for name in params:
                 self.report.uses.setdefault(name, set()).add(SPLIT if split_src else FULL)
@@ -124,10 +134,41 @@ class _Labeller(TorchFunctionMode):
                 keeps = w is not None and op not in _CONTRACTIONS and t.dim() and t.shape[-1] == w
                 self.label(t, (SPLIT, split_src, w if keeps else None))
             elif full:
-                self.label(t, (FULL,))
+                self.label(t, (FULL, origin(t)))
             else:
                 self.label(t, ("param", frozenset(params)))
         return out
+
+
+_SLICES = {"split", "split_with_sizes", "narrow", "chunk", "tensor_split", "__getitem__"}
+
+
+def _origin(op, args, out, params, full, split_src, origins, mode) -> Callable:
+    """The origin each full output carries: (linear module, lo, hi, width) for the output of a
+    linear layer no plan swaps (features [0, width)) and for a view of features [lo, hi) sliced
+    off it; any other op passes on its inputs' one origin (none when they differ)."""
+    names = {n.rpartition(".")[0] for n in params}
+    if op == "linear" and full and split_src is None and len(names) == 1:
+        (module,) = names
+        return lambda t: (module, 0, t.shape[-1], t.shape[-1]) if t.dim() else None
+    base = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    whole = mode._of(base) if base is not None else None
+    if op in _SLICES and whole is not None and whole[0] == FULL and whole[1:] and whole[1]:
+        module, lo, hi, width = whole[1]
+        if (lo, hi) == (0, width) and base.dim():
+
+            def sliced(t: torch.Tensor):
+                view = t.dim() == base.dim() and t.shape[:-1] == base.shape[:-1]
+                same = t.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+                off = t.storage_offset() - base.storage_offset()
+                fits = 0 <= off <= width - t.shape[-1]
+                if view and same and fits and t.stride() == base.stride():
+                    return (module, off, off + t.shape[-1], width)
+                return whole[1]
+
+            return sliced
+    one = next(iter(origins)) if len(origins) == 1 else None
+    return lambda t: one
 
 
 class ProbeFailed(RuntimeError):
