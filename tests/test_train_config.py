@@ -341,6 +341,8 @@ def test_a_torchrun_world_mismatch_is_one_line_with_a_hint_that_runs(
     world, argv, message, as_given, capsys, monkeypatch
 ):
     forbid_ranks(monkeypatch)
+    slept = []  # a silent local rank waits before it exits (cli.SILENT_RANK_WAIT_S): not here
+    monkeypatch.setattr(cli.time, "sleep", slept.append)
     _torchrun(monkeypatch, world)
     err = _refused(argv, capsys)
     assert message in err
@@ -352,6 +354,7 @@ def test_a_torchrun_world_mismatch_is_one_line_with_a_hint_that_runs(
     assert launched[0].world_size == world
     _torchrun(monkeypatch, world, local_rank=1)  # the other local ranks stay silent
     assert main(argv) == 2 and capsys.readouterr().err == ""
+    assert slept == [cli.SILENT_RANK_WAIT_S]  # it waited, silent
 
 
 def test_launch_under_torchrun_checks_the_world_before_the_process_group(monkeypatch):
