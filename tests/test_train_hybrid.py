@@ -6,13 +6,16 @@ up to 75 s)."""
 
 from __future__ import annotations
 
+import math
+import shutil
+
 import pytest
 import torch
 
 from fastpar import ParallelMesh
 from fastpar.mesh import MeshLayout
 from fastpar.testing import run_ranks
-from fastpar.train import TrainConfig
+from fastpar.train import TrainConfig, launch
 from fastpar.train.build import build
 from fastpar.train.cli import build_parser
 from fastpar.train.summary import header_line, hybrid_line
@@ -102,3 +105,34 @@ def test_verify_agrees_under_hybrid_sharding(layout):
     assert ok, text
     shard = layout.get("dp_shard", 2)
     assert f"(dp-shard {shard} x dp-replicate 2)" in text.splitlines()[0]
+
+
+HSDP = dict(dp_shard=2, dp_replicate=2)
+FULL = dict(dp_shard=None, dp_replicate=None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "saved, resumed",
+    [(HSDP, [FULL, dict(dp_shard=4)]), (FULL, [HSDP])],
+    ids=["hsdp-to-full", "full-to-hsdp"],
+)
+def test_resume_across_hybrid_and_full_sharding(tmp_path, saved, resumed):
+    """A ZeRO-3 run saved at one split of dp 4 resumes at another: the first resumed step's
+    loss is the uninterrupted run's, bit for bit (the parameters, the optimizer state and the
+    data position come back exactly; the loss is the same sum of the same per-rank losses);
+    --dp-shard 4 is full sharding, so it continues bit-identically to --dp 4."""
+    base = dict(SMALL, **FOUR, zero=3, moe_every=0, steps=4)
+    full = launch(TrainConfig(**{**base, **saved}))
+    ckpt = str(tmp_path / "ckpt")
+    launch(TrainConfig(**{**base, **saved, "steps": 2, "checkpoint_dir": ckpt, "save_every": 2}))
+    runs = []
+    for i, layout in enumerate(resumed):
+        copy = shutil.copytree(ckpt, tmp_path / f"copy{i}")  # a resumed run saves its last step
+        cfg = TrainConfig(**{**base, **layout, "checkpoint_dir": str(copy), "resume": True})
+        runs.append(launch(cfg))
+        assert [r["step"] for r in runs[-1]] == [3, 4]
+        assert runs[-1][0]["loss"] == full[2]["loss"], layout
+        assert all(math.isfinite(r["loss"]) for r in runs[-1])
+    for run in runs[1:]:
+        assert [r["loss"] for r in run] == [r["loss"] for r in runs[0]]
