@@ -103,3 +103,32 @@ def test_hybrid_checkpoints_reshard_to_any_layout(tmp_path):
             assert same, f"{where}: the loaded parameters differ from the saved ones"
             if (stage, dp_shard) == LAYOUTS[0]:
                 assert continued, f"{where}: the saved layout does not continue bit-identically"
+
+
+def _rng_restored(root: str) -> dict:
+    """{(saved split, loaded split): rng_restored} for dp 2 = 1 x 2 (hybrid) and 2 x 1 (full)."""
+    torch.manual_seed(0)
+    names = dict(nn.Linear(3, 2).named_parameters())
+    meshes = {(1, 2): ParallelMesh(dp_shard=1), (2, 1): ParallelMesh()}
+    out = {}
+    for saved, mesh in meshes.items():
+        path = os.path.join(root, str(saved))
+        checkpoint.save(path, model_params=names, mesh=mesh, step=1)
+        for loaded, other in meshes.items():
+            info = checkpoint.load(path, model_params=names, mesh=other)
+            record = info["layout"]["mesh"]
+            assert (record["dp_shard"], record["dp_replicate"]) == saved
+            out[saved, loaded] = info["rng_restored"]
+    return out
+
+
+def test_the_layout_record_tells_hybrid_from_full_sharding(tmp_path):
+    """The saved layout names dp-shard x dp-replicate, so the RNG states come back only in the
+    same split (dp 2 = 1 x 2 is not dp 2 = 2 x 1); a record from before these fields (no
+    ``dp_shard``) reads as full sharding."""
+    for got in run_ranks(_rng_restored, 2, str(tmp_path)):
+        assert got == {(a, b): a == b for a in [(1, 2), (2, 1)] for b in [(1, 2), (2, 1)]}
+    old = {"world_size": 2, "mesh": {"tp": 1, "pp": 1, "dp": 2, "ep": 1, "order": "tp-ep-dp-pp"}}
+    mesh = {**old["mesh"], "dp_shard": 2, "dp_replicate": 1}
+    assert checkpoint.core.saved_layout(old) == {"world_size": 2, "mesh": mesh}
+    assert checkpoint.core.saved_layout({"world_size": 1, "mesh": None})["mesh"] is None
