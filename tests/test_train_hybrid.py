@@ -1,8 +1,9 @@
 """Hybrid sharding in the trainer: --dp-shard / --dp-replicate parsed, refused where impossible
 (naming the flags and the fix), printed at start with the groups; ``fastpar.verify`` AGREEs at
-dp-shard 2 x dp-replicate 2 for ZeRO 1 (with experts, ep 2), ZeRO 3, ZeRO 2 with tp 2 and
-ZeRO 3 with pp 2 and experts, ZeRO 3 with cp 2 (slow: 4 ranks take 6-25 s each here, 8 ranks
-up to 75 s)."""
+dp-shard 2 x dp-replicate 2 for ZeRO 1 (with experts, ep 2), ZeRO 3, ZeRO 1, 2 and 3 with tp 2,
+ZeRO 3 with pp 2 and experts, the interleaved and zb-h1 pipelines, expert-bias routing with
+ep 2, ZeRO 3 with cp 2; a run resumes across hybrid and full sharding (slow: 4 ranks take 6-25 s
+each here, 8 ranks up to 75 s)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from fastpar.verify import compare
 
 SMALL = dict(steps=3, batch_size=8, seq_len=32, hidden=32, heads=4, layers=2, quiet=True)
 FOUR = dict(tp=1, pp=1, dp=4, ep=1)
+BIAS = dict(moe_every=1, expert_bias=True, bias_update_rate=1e-2)
 
 
 def test_flags_parse_and_print_the_groups():
@@ -88,6 +90,12 @@ def test_the_trainer_shards_over_the_shard_groups(zero):
         dict(zero=3, cp=2, dp=2, dp_shard=1, moe_every=0),  # ZeRO shards over the cp ranks
         dict(zero=2, precision="bf16"),
         dict(zero=3, precision="fp16"),  # the loss scaler's inf flag over the whole dp
+        dict(zero=1, tp=2, moe_every=0),  # 8 ranks
+        dict(zero=3, tp=2, moe_every=0),  # 8 ranks
+        dict(zero=1, pp=2, layers=4, moe_every=0, schedule="interleaved", virtual_stages=2),
+        dict(zero=2, pp=2, moe_every=0, schedule="zb-h1"),  # zb-h1 refuses ZeRO-3
+        # aux-loss-free balancing: the expert-bias counts summed over the whole dp
+        dict(zero=2, ep=2, experts=8, top_k=2, router_score="sigmoid", **BIAS),
     ],
     ids=[
         "zero1-moe",
@@ -97,10 +105,15 @@ def test_the_trainer_shards_over_the_shard_groups(zero):
         "zero3-cp2",
         "zero2-bf16",
         "zero3-fp16",
+        "zero1-tp2",
+        "zero3-tp2",
+        "zero1-pp2-interleaved",
+        "zero2-pp2-zb-h1",
+        "zero2-ep2-expert-bias",
     ],
 )
 def test_verify_agrees_under_hybrid_sharding(layout):
-    cfg = TrainConfig(**SMALL, **{**FOUR, "dp_shard": 2, "dp_replicate": 2, **layout})
+    cfg = TrainConfig(**{**SMALL, **FOUR, "dp_shard": 2, "dp_replicate": 2, **layout})
     ok, text = compare(cfg)
     assert ok, text
     shard = layout.get("dp_shard", 2)
