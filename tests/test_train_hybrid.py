@@ -8,6 +8,7 @@ each here, 8 ranks up to 75 s)."""
 from __future__ import annotations
 
 import math
+import os
 import shutil
 
 import pytest
@@ -122,30 +123,36 @@ def test_verify_agrees_under_hybrid_sharding(layout):
 
 HSDP = dict(dp_shard=2, dp_replicate=2)
 FULL = dict(dp_shard=None, dp_replicate=None)
+FULL4 = dict(dp_shard=4, dp_replicate=None)  # --dp-shard 4 at dp 4: full sharding, spelled out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "saved, resumed",
-    [(HSDP, [FULL, dict(dp_shard=4)]), (FULL, [HSDP])],
+    "saved, other, same",
+    [(HSDP, [FULL, FULL4], [HSDP]), (FULL, [HSDP], [FULL4])],
     ids=["hsdp-to-full", "full-to-hsdp"],
 )
-def test_resume_across_hybrid_and_full_sharding(tmp_path, saved, resumed):
-    """A ZeRO-3 run saved at one split of dp 4 resumes at another: the first resumed step's
-    loss is the uninterrupted run's, bit for bit (the parameters, the optimizer state and the
-    data position come back exactly; the loss is the same sum of the same per-rank losses);
-    --dp-shard 4 is full sharding, so it continues bit-identically to --dp 4."""
+def test_resume_across_hybrid_and_full_sharding(tmp_path, saved, other, same):
+    """A ZeRO-3 run saved at one split of dp 4 resumes at another (``other``): its first step's
+    loss is the uninterrupted run's, bit for bit (parameters, optimizer state and data position
+    come back exactly; the loss is the same sum of the same per-rank losses), and --dp 4 and
+    --dp-shard 4 continue alike, bit for bit. Resumed in the saved split (``same``, spelled
+    either way), every step is the uninterrupted run's, bit for bit."""
     base = dict(SMALL, **FOUR, zero=3, moe_every=0, steps=4)
-    full = launch(TrainConfig(**{**base, **saved}))
+    full = [r["loss"] for r in launch(TrainConfig(**{**base, **saved}))]
     ckpt = str(tmp_path / "ckpt")
     launch(TrainConfig(**{**base, **saved, "steps": 2, "checkpoint_dir": ckpt, "save_every": 2}))
-    runs = []
-    for i, layout in enumerate(resumed):
-        copy = shutil.copytree(ckpt, tmp_path / f"copy{i}")  # a resumed run saves its last step
+
+    def resume(layout: dict) -> list[float]:
+        copy = shutil.copytree(ckpt, tmp_path / f"copy{len(os.listdir(tmp_path))}")
         cfg = TrainConfig(**{**base, **layout, "checkpoint_dir": str(copy), "resume": True})
-        runs.append(launch(cfg))
-        assert [r["step"] for r in runs[-1]] == [3, 4]
-        assert runs[-1][0]["loss"] == full[2]["loss"], layout
-        assert all(math.isfinite(r["loss"]) for r in runs[-1])
-    for run in runs[1:]:
-        assert [r["loss"] for r in run] == [r["loss"] for r in runs[0]]
+        records = launch(cfg)  # (a resumed run saves its last step: each one resumes a copy)
+        assert [r["step"] for r in records] == [3, 4], layout
+        return [r["loss"] for r in records]
+
+    for layout in same:
+        assert resume(layout) == full[2:], layout
+    others = [resume(layout) for layout in other]
+    for layout, losses in zip(other, others, strict=True):
+        assert losses[0] == full[2], layout
+        assert all(math.isfinite(x) for x in losses) and losses == others[0], layout
