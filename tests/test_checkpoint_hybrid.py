@@ -5,6 +5,7 @@ the saved run's; in the saved layout the next step continues bit-identically."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -14,6 +15,7 @@ from _training import global_batch
 from torch import nn
 
 from fastpar import ParallelMesh, checkpoint
+from fastpar.checkpoint import format as fmt
 from fastpar.parallel import Shard
 from fastpar.testing import run_ranks
 
@@ -119,6 +121,19 @@ def _rng_restored(root: str) -> dict:
             record = info["layout"]["mesh"]
             assert (record["dp_shard"], record["dp_replicate"]) == saved
             out[saved, loaded] = info["rng_restored"]
+    old = os.path.join(root, "old")  # a record from before the hybrid fields
+    checkpoint.save(old, model_params=names, mesh=meshes[2, 1], step=1)
+    if dist.get_rank() == 0:
+        with open(os.path.join(old, fmt.METADATA)) as f:
+            meta = json.load(f)
+        for key in ("dp_shard", "dp_replicate"):
+            del meta["layout"]["mesh"][key]
+        fmt.write_marker(old, fmt.atomic_json(meta, os.path.join(old, fmt.METADATA))[1])
+    dist.barrier()
+    for loaded, other in meshes.items():
+        info = checkpoint.load(old, model_params=names, mesh=other)
+        assert "dp_shard" not in info["layout"]["mesh"]
+        out["old", loaded] = info["rng_restored"]
     return out
 
 
@@ -127,7 +142,11 @@ def test_the_layout_record_tells_hybrid_from_full_sharding(tmp_path):
     same split (dp 2 = 1 x 2 is not dp 2 = 2 x 1); a record from before these fields (no
     ``dp_shard``) reads as full sharding."""
     for got in run_ranks(_rng_restored, 2, str(tmp_path)):
-        assert got == {(a, b): a == b for a in [(1, 2), (2, 1)] for b in [(1, 2), (2, 1)]}
+        splits = [(1, 2), (2, 1)]
+        assert got == {
+            **{(a, b): a == b for a in splits for b in splits},
+            **{("old", b): b == (2, 1) for b in splits},  # as if saved at full sharding
+        }
     old = {"world_size": 2, "mesh": {"tp": 1, "pp": 1, "dp": 2, "ep": 1, "order": "tp-ep-dp-pp"}}
     mesh = {**old["mesh"], "dp_shard": 2, "dp_replicate": 1}
     assert checkpoint.core.saved_layout(old) == {"world_size": 2, "mesh": mesh}
