@@ -5,6 +5,7 @@ the saved run's; in the saved layout the next step continues bit-identically."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -14,6 +15,7 @@ from _training import global_batch
 from torch import nn
 
 from fastpar import ParallelMesh, checkpoint
+from fastpar.checkpoint import format as fmt
 from fastpar.parallel import Shard
 from fastpar.testing import run_ranks
 
@@ -103,3 +105,49 @@ def test_hybrid_checkpoints_reshard_to_any_layout(tmp_path):
             assert same, f"{where}: the loaded parameters differ from the saved ones"
             if (stage, dp_shard) == LAYOUTS[0]:
                 assert continued, f"{where}: the saved layout does not continue bit-identically"
+
+
+def _rng_restored(root: str) -> dict:
+    """{(saved split, loaded split): rng_restored} for dp 2 = 1 x 2 (hybrid) and 2 x 1 (full)."""
+    torch.manual_seed(0)
+    names = dict(nn.Linear(3, 2).named_parameters())
+    meshes = {(1, 2): ParallelMesh(dp_shard=1), (2, 1): ParallelMesh()}
+    out = {}
+    for saved, mesh in meshes.items():
+        path = os.path.join(root, str(saved))
+        checkpoint.save(path, model_params=names, mesh=mesh, step=1)
+        for loaded, other in meshes.items():
+            info = checkpoint.load(path, model_params=names, mesh=other)
+            record = info["layout"]["mesh"]
+            assert (record["dp_shard"], record["dp_replicate"]) == saved
+            out[saved, loaded] = info["rng_restored"]
+    old = os.path.join(root, "old")  # a record from before the hybrid fields
+    checkpoint.save(old, model_params=names, mesh=meshes[2, 1], step=1)
+    if dist.get_rank() == 0:
+        with open(os.path.join(old, fmt.METADATA)) as f:
+            meta = json.load(f)
+        for key in ("dp_shard", "dp_replicate"):
+            del meta["layout"]["mesh"][key]
+        fmt.write_marker(old, fmt.atomic_json(meta, os.path.join(old, fmt.METADATA))[1])
+    dist.barrier()
+    for loaded, other in meshes.items():
+        info = checkpoint.load(old, model_params=names, mesh=other)
+        assert "dp_shard" not in info["layout"]["mesh"]
+        out["old", loaded] = info["rng_restored"]
+    return out
+
+
+def test_the_layout_record_tells_hybrid_from_full_sharding(tmp_path):
+    """The saved layout names dp-shard x dp-replicate, so the RNG states come back only in the
+    same split (dp 2 = 1 x 2 is not dp 2 = 2 x 1); a record from before these fields (no
+    ``dp_shard``) reads as full sharding."""
+    for got in run_ranks(_rng_restored, 2, str(tmp_path)):
+        splits = [(1, 2), (2, 1)]
+        assert got == {
+            **{(a, b): a == b for a in splits for b in splits},
+            **{("old", b): b == (2, 1) for b in splits},  # as if saved at full sharding
+        }
+    old = {"world_size": 2, "mesh": {"tp": 1, "pp": 1, "dp": 2, "ep": 1, "order": "tp-ep-dp-pp"}}
+    mesh = {**old["mesh"], "dp_shard": 2, "dp_replicate": 1}
+    assert checkpoint.core.saved_layout(old) == {"world_size": 2, "mesh": mesh}
+    assert checkpoint.core.saved_layout({"world_size": 1, "mesh": None})["mesh"] is None

@@ -1,10 +1,15 @@
 """Hybrid sharding in the trainer: --dp-shard / --dp-replicate parsed, refused where impossible
 (naming the flags and the fix), printed at start with the groups; ``fastpar.verify`` AGREEs at
-dp-shard 2 x dp-replicate 2 for ZeRO 1 (with experts, ep 2), ZeRO 3, ZeRO 2 with tp 2 and
-ZeRO 3 with pp 2 and experts, ZeRO 3 with cp 2 (slow: 4 ranks take 6-25 s each here, 8 ranks
-up to 75 s)."""
+dp-shard 2 x dp-replicate 2 for ZeRO 1 (with experts, ep 2), ZeRO 3, ZeRO 1, 2 and 3 with tp 2,
+ZeRO 3 with pp 2 and experts, the interleaved and zb-h1 pipelines, expert-bias routing with
+ep 2, ZeRO 3 with cp 2; a run resumes across hybrid and full sharding (slow: 4 ranks take 6-25 s
+each here, 8 ranks up to 75 s)."""
 
 from __future__ import annotations
+
+import math
+import os
+import shutil
 
 import pytest
 import torch
@@ -12,7 +17,7 @@ import torch
 from fastpar import ParallelMesh
 from fastpar.mesh import MeshLayout
 from fastpar.testing import run_ranks
-from fastpar.train import TrainConfig
+from fastpar.train import TrainConfig, launch
 from fastpar.train.build import build
 from fastpar.train.cli import build_parser
 from fastpar.train.summary import header_line, hybrid_line
@@ -20,6 +25,7 @@ from fastpar.verify import compare
 
 SMALL = dict(steps=3, batch_size=8, seq_len=32, hidden=32, heads=4, layers=2, quiet=True)
 FOUR = dict(tp=1, pp=1, dp=4, ep=1)
+BIAS = dict(moe_every=1, expert_bias=True, bias_update_rate=1e-2)
 
 
 def test_flags_parse_and_print_the_groups():
@@ -85,6 +91,12 @@ def test_the_trainer_shards_over_the_shard_groups(zero):
         dict(zero=3, cp=2, dp=2, dp_shard=1, moe_every=0),  # ZeRO shards over the cp ranks
         dict(zero=2, precision="bf16"),
         dict(zero=3, precision="fp16"),  # the loss scaler's inf flag over the whole dp
+        dict(zero=1, tp=2, moe_every=0),  # 8 ranks
+        dict(zero=3, tp=2, moe_every=0),  # 8 ranks
+        dict(zero=1, pp=2, layers=4, moe_every=0, schedule="interleaved", virtual_stages=2),
+        dict(zero=2, pp=2, moe_every=0, schedule="zb-h1"),  # zb-h1 refuses ZeRO-3
+        # aux-loss-free balancing: the expert-bias counts summed over the whole dp
+        dict(zero=2, ep=2, experts=8, top_k=2, router_score="sigmoid", **BIAS),
     ],
     ids=[
         "zero1-moe",
@@ -94,11 +106,53 @@ def test_the_trainer_shards_over_the_shard_groups(zero):
         "zero3-cp2",
         "zero2-bf16",
         "zero3-fp16",
+        "zero1-tp2",
+        "zero3-tp2",
+        "zero1-pp2-interleaved",
+        "zero2-pp2-zb-h1",
+        "zero2-ep2-expert-bias",
     ],
 )
 def test_verify_agrees_under_hybrid_sharding(layout):
-    cfg = TrainConfig(**SMALL, **{**FOUR, "dp_shard": 2, "dp_replicate": 2, **layout})
+    cfg = TrainConfig(**{**SMALL, **FOUR, "dp_shard": 2, "dp_replicate": 2, **layout})
     ok, text = compare(cfg)
     assert ok, text
     shard = layout.get("dp_shard", 2)
     assert f"(dp-shard {shard} x dp-replicate 2)" in text.splitlines()[0]
+
+
+HSDP = dict(dp_shard=2, dp_replicate=2)
+FULL = dict(dp_shard=None, dp_replicate=None)
+FULL4 = dict(dp_shard=4, dp_replicate=None)  # --dp-shard 4 at dp 4: full sharding, spelled out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "saved, other, same",
+    [(HSDP, [FULL, FULL4], [HSDP]), (FULL, [HSDP], [FULL4])],
+    ids=["hsdp-to-full", "full-to-hsdp"],
+)
+def test_resume_across_hybrid_and_full_sharding(tmp_path, saved, other, same):
+    """A ZeRO-3 run saved at one split of dp 4 resumes at another (``other``): its first step's
+    loss is the uninterrupted run's, bit for bit (parameters, optimizer state and data position
+    come back exactly; the loss is the same sum of the same per-rank losses), and --dp 4 and
+    --dp-shard 4 continue alike, bit for bit. Resumed in the saved split (``same``, spelled
+    either way), every step is the uninterrupted run's, bit for bit."""
+    base = dict(SMALL, **FOUR, zero=3, moe_every=0, steps=4)
+    full = [r["loss"] for r in launch(TrainConfig(**{**base, **saved}))]
+    ckpt = str(tmp_path / "ckpt")
+    launch(TrainConfig(**{**base, **saved, "steps": 2, "checkpoint_dir": ckpt, "save_every": 2}))
+
+    def resume(layout: dict) -> list[float]:
+        copy = shutil.copytree(ckpt, tmp_path / f"copy{len(os.listdir(tmp_path))}")
+        cfg = TrainConfig(**{**base, **layout, "checkpoint_dir": str(copy), "resume": True})
+        records = launch(cfg)  # (a resumed run saves its last step: each one resumes a copy)
+        assert [r["step"] for r in records] == [3, 4], layout
+        return [r["loss"] for r in records]
+
+    for layout in same:
+        assert resume(layout) == full[2:], layout
+    others = [resume(layout) for layout in other]
+    for layout, losses in zip(other, others, strict=True):
+        assert losses[0] == full[2], layout
+        assert all(math.isfinite(x) for x in losses) and losses == others[0], layout

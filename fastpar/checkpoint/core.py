@@ -59,12 +59,23 @@ def stage_param_names(stage: nn.Module, start: int) -> dict[str, nn.Parameter]:
 
 
 def layout_of(mesh) -> dict:
-    """The layout a checkpoint is saved under (compared at load to decide on RNG restore)."""
+    """The layout a checkpoint is saved under (compared at load to decide on RNG restore),
+    with the hybrid split of dp (``dp_shard`` x ``dp_replicate``; full sharding: dp x 1)."""
     world = group_size(None)
     if mesh is None:
         return {"world_size": world, "mesh": None}
     sizes = {k: getattr(mesh, f"{k}_size") for k in ("tp", "pp", "dp", "ep")}
-    return {"world_size": world, "mesh": {**sizes, "order": mesh.layout.order}}
+    hybrid = {k: getattr(mesh.layout, k) for k in ("dp_shard", "dp_replicate")}
+    return {"world_size": world, "mesh": {**sizes, **hybrid, "order": mesh.layout.order}}
+
+
+def saved_layout(layout: dict) -> dict:
+    """``layout_of``'s fields of a saved layout record; one written before the hybrid fields
+    existed (no ``dp_shard``) was saved at full sharding: dp_shard = dp, dp_replicate = 1."""
+    mesh = layout.get("mesh")
+    if mesh is not None and "dp_shard" not in mesh:
+        mesh = {**mesh, "dp_shard": mesh["dp"], "dp_replicate": 1}
+    return {"world_size": layout["world_size"], "mesh": mesh}
 
 
 def optimizer_pieces(optimizer) -> list:
@@ -412,7 +423,7 @@ def load(
     if torch.is_tensor(skipped) and common["skipped_steps"] is not None:
         skipped.fill_(common["skipped_steps"])
     restored = False
-    if rng and layout_of(mesh) == {k: reader.layout[k] for k in ("world_size", "mesh")}:
+    if rng and layout_of(mesh) == saved_layout(reader.layout):
         state = reader.rng_state(rank)
         if state is not None:
             set_rng_state(state)
