@@ -28,8 +28,17 @@ from fastpar.parity import reduction_length
 from fastpar.tolerance import nudge
 from fastpar.train import TrainConfig
 
-BASE = dict(vocab_size=53, seq_len=12, hidden=24, heads=4, kv_heads=2, head_dim=6, ffn=20,
-            layers=2, norm_eps=1e-5)  # fmt: skip
+BASE = dict(
+    vocab_size=53,
+    seq_len=12,
+    hidden=24,
+    heads=4,
+    kv_heads=2,
+    head_dim=6,
+    ffn=20,
+    layers=2,
+    norm_eps=1e-5,
+)
 
 
 def _perturb_(model: torch.nn.Module, seed: int) -> None:
@@ -157,7 +166,13 @@ def test_every_target_is_counted_once_and_documents_stop_the_prediction():
         "docs",
         length=length,
     )
-    agree(one_doc, ref_one, _reference_loss(double, cfg, ids, targets, torch.zeros_like(doc_ids)), "rows", length=length)  # fmt: skip
+    agree(
+        one_doc,
+        ref_one,
+        _reference_loss(double, cfg, ids, targets, torch.zeros_like(doc_ids)),
+        "rows",
+        length=length,
+    )
     assert abs(float((with_docs - one_doc).detach())) > 1e-3  # the boundaries matter here
 
 
@@ -217,8 +232,22 @@ def test_the_trainer_refuses_what_it_cannot_run(flags, match):
 
 
 # -- every gradient on every rank, through the trainer ------------------------------------------
-SMALL = dict(steps=1, batch_size=4, microbatches=2, seq_len=16, hidden=32, heads=4, layers=2,
-             quiet=True, eos_id=10, moe_every=0, ep=1, dp=1, zero=0, model_type="llama")  # fmt: skip
+SMALL = dict(
+    steps=1,
+    batch_size=4,
+    microbatches=2,
+    seq_len=16,
+    hidden=32,
+    heads=4,
+    layers=2,
+    quiet=True,
+    eos_id=10,
+    moe_every=0,
+    ep=1,
+    dp=1,
+    zero=0,
+    model_type="llama",
+)
 
 
 @pytest.fixture(scope="module")
@@ -242,9 +271,12 @@ def _first_step_gradients(cfg: TrainConfig, refs) -> list[str]:
     trainer = Trainer(cfg, mesh, torch.device("cpu"))
     x, y = trainer._batch(0)
     trainer.engine.train_step(
-        x if mesh.is_first_stage else None, y if mesh.is_last_stage else None,
-        broadcast_loss=False, valid_tokens=trainer._count(), context=trainer.context,
-    )  # fmt: skip
+        x if mesh.is_first_stage else None,
+        y if mesh.is_last_stage else None,
+        broadcast_loss=False,
+        valid_tokens=trainer._count(),
+        context=trainer.context,
+    )
     params = {checkpoint_name(n, p): p for n, p in trainer.named_parameters().items()}
     refs.local = lambda full, name: localize(full, params[name])
     mtp = sum(".mtp." in n for n in params)
@@ -323,8 +355,20 @@ def _no_tie(cfg, refs):
 def test_verify_agrees_at_tp2_pp2_dp2_zero1(extra):
     from fastpar.verify import compare
 
-    cfg = TrainConfig(model_type="llama", mtp_depth=1, tp=2, pp=2, dp=2, zero=1, steps=3,
-                      quiet=True, seq_len=32, batch_size=8, hidden=32, **extra)  # fmt: skip
+    cfg = TrainConfig(
+        model_type="llama",
+        mtp_depth=1,
+        tp=2,
+        pp=2,
+        dp=2,
+        zero=1,
+        steps=3,
+        quiet=True,
+        seq_len=32,
+        batch_size=8,
+        hidden=32,
+        **extra,
+    )
     ok, text = compare(cfg)
     assert ok, text
     assert "AGREE" in text
