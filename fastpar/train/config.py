@@ -35,6 +35,7 @@ from fastpar.train.config_checks import (
     check_context_parallel,
     check_init_from_hf,
     check_layout,
+    check_optimizer,
     check_packing,
     check_words,
     schedule_refusal,
@@ -465,6 +466,7 @@ class TrainConfig(TrainOptions):
         self._check_schedule()
         RecomputePolicy.parse(self.recompute)  # a bad --recompute: ValueError naming it
         check_layout(self)  # the mesh's own refusals (hybrid sharding among them)
+        check_optimizer(self)
         self._check_context()
         check_packing(self)
         per_rank = self.batch_size // self.dp

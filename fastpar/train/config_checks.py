@@ -178,3 +178,17 @@ def check_context_parallel(cfg) -> None:
             f"--sequence-parallel with --cp {cfg.cp}: this rank's {local} tokens do not split "
             f"over tp {cfg.tp}; use a --seq-len that is a multiple of {cfg.cp * cfg.tp * 2}"
         )
+
+
+def check_optimizer(cfg) -> None:
+    """--optimizer and --optimizer-state-dtype name what is built (the rest is refused, never
+    quietly replaced by AdamW in fp32)."""
+    if cfg.optimizer != "adamw":
+        raise ValueError(
+            f"--optimizer {cfg.optimizer}: not available yet in fastpar.train; use --optimizer adamw"
+        )
+    if cfg.optimizer_state_dtype != "fp32":
+        raise ValueError(
+            f"--optimizer-state-dtype {cfg.optimizer_state_dtype}: not available yet in "
+            "fastpar.train; use --optimizer-state-dtype fp32"
+        )

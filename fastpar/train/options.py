@@ -13,6 +13,7 @@ from fastpar.data import BIN_DTYPES
 from fastpar.models.mtp import DEFAULT_COEF
 from fastpar.moe.config import ROUTING, ExpertConfig, RouterConfig
 from fastpar.nn import styles
+from fastpar.optim.config import OptimizerConfig
 from fastpar.parallel.pipeline.schedules import SCHEDULES
 from fastpar.train.checks import (
     COLLECTIVE_TIMEOUT_S,
@@ -28,7 +29,7 @@ GROUPS = (LAYOUT, MODEL, ROUTING, TRAINING, DATA, CHECKPOINTS, EVALUATION, OUTPU
 
 
 @dataclass
-@flat_fields(RouterConfig, ExpertConfig)
+@flat_fields(RouterConfig, ExpertConfig, OptimizerConfig)
 class TrainOptions:
     """The flags: one field each, listed by --help section (``GROUPS``). "(default X)" is added
     to the help of a flag whose default is not None. The MoE routing flags (``ROUTING``:

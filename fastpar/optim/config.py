@@ -1,0 +1,55 @@
+"""The optimizer's options, each declared once (``OptimizerConfig``): which optimizer
+``python -m fastpar.train`` / ``fastpar.verify`` step with, and the dtype of its state. A field
+that declares an ``Option`` is also a flag of the command under its flat name
+(``fastpar.cliutil.flat_fields``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from fastpar.cliutil import option
+
+OPTIMIZER = "training"
+"""The --help section of the optimizer's flags (the training flags')."""
+
+OPTIMIZERS = ("adamw", "muon")
+STATE_DTYPES = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Which optimizer and its state's dtype (flags ``--optimizer``,
+    ``--optimizer-state-dtype``)."""
+
+    nested: ClassVar[str] = "optim_config"
+    """Its attribute name in a flat config (``fastpar.cliutil.flat_fields``)."""
+
+    name: str = option(
+        "adamw",
+        name="optimizer",
+        group=OPTIMIZER,
+        words=OPTIMIZERS,
+        help="the optimizer: adamw, or muon (Newton-Schulz orthogonalised momentum on each whole "
+        "2-D hidden matrix, AdamW on the rest)",
+        resume="refuse",
+    )
+    """A name of ``OPTIMIZERS``."""
+    state_dtype: str = option(
+        "fp32",
+        name="optimizer_state_dtype",
+        group=OPTIMIZER,
+        words=STATE_DTYPES,
+        help="dtype of the optimizer's moments: fp32, or bf16 (updated in fp32, stored rounded "
+        "to nearest; 4 of AdamW's 12 bytes a parameter saved)",
+        resume="refuse",
+    )
+    """A name of ``STATE_DTYPES``."""
+
+    def __post_init__(self) -> None:
+        for value, words, what in (
+            (self.name, OPTIMIZERS, "--optimizer"),
+            (self.state_dtype, STATE_DTYPES, "--optimizer-state-dtype"),
+        ):
+            if value not in words:
+                raise ValueError(f"{what} {value!r} must be one of {', '.join(words)}")
