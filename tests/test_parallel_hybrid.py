@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from _training import check, check_training, global_batch, mse_loss, norm, references
 from torch import nn
 
-from fastpar import ParallelMesh
+from fastpar import ParallelMesh, tolerance
 from fastpar.parallel import Shard
 from fastpar.testing import run_ranks
 from fastpar.zero import estimate_memory
@@ -196,3 +196,69 @@ def test_hybrid_zero_trains_like_one_process_over_the_layout_groups(stage):
         steps = 4 * len(out["flats"])  # AdamW's "step" of each flat
         assert (held["params"], held["grads"]) == (plan.params + 4 * rest, plan.grads + 4 * rest)
         assert held["optimizer"] == plan.optimizer + 8 * rest + steps, stage
+
+
+def _reduced_grads(stage: int) -> dict:
+    """Two unclipped steps; after each backward, every piece of every parameter this rank's
+    reduced shard holds: (step, name, start, stop, values), and the shards themselves."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = ParallelMesh(dp_shard=2)
+    torch.manual_seed(0)
+    model = _model()
+    names = {id(p): n for n, p in model.named_parameters()}
+    unit = {"wrap": (nn.Linear,), "persist_below": 8} if stage == 3 else {}
+    w = Shard(model, _adamw, stage=stage, mesh=mesh, **unit)
+    pieces, shards = [], []
+    for step in range(2):
+        x, y = global_batch(step, 1, world, 7, 5)
+        F.mse_loss(w(x[0, rank]), y[0, rank]).backward()
+        w.finish_grad_sync()
+        for f, reduced in zip(w.flats, w.shard_grads, strict=True):
+            shards.append((f.sharded, reduced.clone()))
+            for o in f.owned():
+                values = reduced[o.in_shard].clone()
+                pieces.append((step, names[id(f.params[o.index])], o.start, o.stop, values))
+        w.step()
+        w.zero_grad()
+    return dict(pieces=pieces, shards=shards)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_hybrid_zero_reduces_every_gradient_on_every_rank(stage):
+    """Each rank's reduced gradient shard, piece by piece, against the single process's
+    gradient (unclipped, 2 steps); every element of every parameter held by some rank; and the
+    two replicas of a shard (ranks r and r + 2) hold it bit for bit (one all-reduce gives both
+    the same sum), the replicated flats of ZeRO-3 alike on all four ranks."""
+    refs = references(
+        _model, mse_loss(1, 4, 7, 5), 2, lambda m: _adamw(m.parameters()), length=4 * 3 * 5, lr=LR
+    )
+    outs = run_ranks(_reduced_grads, 4, stage)
+    covered = {
+        (s, n): torch.zeros(g.numel(), dtype=torch.int)
+        for s, gs in enumerate(refs.exact.grads)
+        for n, g in gs.items()
+    }
+    bad = []
+    for rank, out in enumerate(outs):
+        for step, name, start, stop, values in out["pieces"]:
+            runs = [r.grads[step][name].flatten()[start:stop] for r in (refs.single, refs.twin)]
+            c = tolerance.compare(
+                values,
+                runs,
+                refs.exact.grads[step][name].flatten()[start:stop],
+                length=refs.length,
+                dtype=torch.float32,
+                what=f"rank {rank}: {name}[{start}:{stop}] (gradient of step {step + 1})",
+            )
+            bad += [] if c.ok else [str(c)]
+            covered[step, name][start:stop] += 1
+    assert not bad, "\n".join(bad[:12])
+    # every element twice (its shard's two replicas); four times in ZeRO-3's replicated flats
+    for (step, name), seen in covered.items():
+        assert set(seen.tolist()) <= {2, 4} and seen.min() > 0, (step, name, seen)
+    for rank, out in enumerate(outs):
+        peers = [r for r in range(4) if r != rank]
+        for i, (sharded, shard) in enumerate(out["shards"]):
+            holders = [rank ^ 2] if sharded else peers  # replica: the other half's same rank
+            for peer in holders:
+                assert torch.equal(shard, outs[peer]["shards"][i][1]), (stage, rank, peer, i)
