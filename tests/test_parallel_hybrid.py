@@ -18,6 +18,8 @@ from _training import check, check_training, global_batch, mse_loss, norm, refer
 from torch import nn
 
 from fastpar import ParallelMesh, tolerance
+from fastpar.amp import FusedAmpStep
+from fastpar.optim import FusedAdamW
 from fastpar.parallel import Shard
 from fastpar.testing import run_ranks
 from fastpar.zero import estimate_memory
@@ -59,7 +61,11 @@ def _recording(calls: list):
             setattr(dist, name, fn)
 
 
-def _train(stage: int, native: bool) -> dict:
+def _fused(params):
+    return FusedAdamW(params, lr=LR, weight_decay=0.01)
+
+
+def _train(stage: int, native: bool, fused: bool = False) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = ParallelMesh(dp_shard=2)
     torch.manual_seed(rank)  # another init on every rank: wrapping broadcasts rank 0's over dp
@@ -69,7 +75,9 @@ def _train(stage: int, native: bool) -> dict:
     # ZeRO-3: the 5-element LayerNorm weight and bias and the last bias stay replicated, their
     # gradients all-reduced over the whole dp
     unit = {"wrap": (nn.Linear,), "persist_below": 8} if stage == 3 else {}
-    w = Shard(model, _adamw, stage=stage, mesh=mesh, max_grad_norm=CLIP, **unit)
+    opt = _fused if fused else _adamw  # fused: the clip folded into FusedAdamW's one pass
+    w = Shard(model, opt, stage=stage, mesh=mesh, max_grad_norm=CLIP, **unit)
+    assert isinstance(w.optimizer, FusedAmpStep) == fused  # guarded_step's fused path
     if native:  # the NCCL path (reduce_scatter_tensor, all_gather_into_tensor) on gloo
         for f in w.flats:
             f.gloo = False
@@ -158,8 +166,8 @@ def _formula(stage: int, flats: list) -> dict:
     return want
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_hybrid_zero_trains_like_one_process_over_the_layout_groups(stage):
+@pytest.mark.parametrize("stage, fused", [(1, False), (2, False), (3, False), (2, True)])
+def test_hybrid_zero_trains_like_one_process_over_the_layout_groups(stage, fused):
     refs = references(
         _model,
         mse_loss(1, 4, 7, 5),
@@ -170,7 +178,7 @@ def test_hybrid_zero_trains_like_one_process_over_the_layout_groups(stage):
         clip=CLIP,
     )
     native = stage != 2  # stages 1 and 3 on torch's native collectives, 2 on gloo's stand-ins
-    outs = run_ranks(_train, 4, stage, native)
+    outs = run_ranks(_train, 4, stage, native, fused)
     check_training(refs, [(o["losses"], o["params"]) for o in outs], f"stage {stage}: ")
     for rank, out in enumerate(outs):
         check([norm(refs, s, v) for s, v in enumerate(out["norms"])], f"rank {rank}: ")

@@ -103,3 +103,17 @@ def test_measured_bytes_match_the_plan(stage, world):
         # moves 2(N-1)/N of the (padded, fp32) parameter count — the "2Ψ" of the paper
         padded = -(-psi // world) * world if stage else psi
         assert comm == pytest.approx(2 * (world - 1) / world * padded * 4)
+
+
+def test_the_planner_cli_shards_over_dp_over_the_replicas(capsys):
+    """``python -m fastpar.zero --dp 64 --dp-replicate 8``: ZeRO's state over the 8 ranks of a
+    shard group (the paper's model, Ψ = 7.5e9: 4Ψ + 12Ψ/8, 2Ψ + 14Ψ/8, 16Ψ/8 GB), not over 64;
+    a replica count that does not divide dp is refused naming both."""
+    from fastpar.zero.__main__ import main
+
+    main(["--params", "7.5e9", "--dp", "64", "--dp-replicate", "8"])
+    row = capsys.readouterr().out.splitlines()[-1].split()
+    assert row == ["64", "120", "41.2", "28.1", "15"], row
+    with pytest.raises(SystemExit):
+        main(["--params", "1e9", "--dp", "6", "--dp-replicate", "4"])
+    assert "--dp-replicate 4 must divide every --dp value; 6" in capsys.readouterr().err

@@ -14,7 +14,10 @@ the last stage of a small Llama at depth 1). The attention scores are not counte
 O(seq_len) per head, not O(seq_len²). Parameters, gradients, optimizer state, what a backward
 allocates and the allocator's slack come on top, so it is meant as a lower bound of the memory:
 measured on CPU ranks (gloo), the real growth with seq_len is never below it
-(tests/test_train_config.py).
+(tests/test_train_config.py). Hybrid sharding changes none of it: a rank's micro-batch is
+``batch_size / dp`` rows whatever the split of dp into dp-shard x dp-replicate, and the
+parameters, gradients and optimizer state a rank holds are those of ZeRO over its shard group
+(``fastpar.zero.estimate_memory`` with the shard group's size).
 """
 
 from __future__ import annotations
