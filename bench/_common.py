@@ -64,12 +64,13 @@ def record_bandwidth(benchmark, moved: int) -> None:
 HIDDEN, LAYERS, BATCH, ITERS = 512, 4, 64, 8
 
 
-def mlp_model() -> torch.nn.Module:
-    """The 4 x Linear(512, 512) + GELU chain every data-parallel benchmark trains."""
+def mlp_model(hidden: int = HIDDEN) -> torch.nn.Module:
+    """The 4 x Linear(512, 512) + GELU chain every data-parallel benchmark trains (``hidden``:
+    another width)."""
     torch.manual_seed(0)
     layers = []
     for _ in range(LAYERS):
-        layers += [torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.GELU()]
+        layers += [torch.nn.Linear(hidden, hidden), torch.nn.GELU()]
     return torch.nn.Sequential(*layers)
 
 

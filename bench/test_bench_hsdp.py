@@ -30,9 +30,9 @@ from fastpar.testing import run_ranks
 SHARD, REPLICATE = 2, 2
 
 
-def _setup(kind: str):
+def _setup(kind: str, hidden: int):
     """(model, step(), zero_grad(), the fastpar wrapper or None)."""
-    model = mlp_model()
+    model = mlp_model(hidden)
     adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-4)  # noqa: E731
     if kind == "fastpar-hsdp":
         mesh = ParallelMesh(dp_shard=SHARD)
@@ -51,10 +51,10 @@ def _setup(kind: str):
     return model, opt.step, opt.zero_grad, None
 
 
-def _side_by_side() -> dict:
+def _side_by_side(hidden: int) -> dict:
     rank = dist.get_rank()
-    setups = {k: _setup(k) for k in ("fastpar-hsdp", "torch-fsdp2-hsdp")}
-    x = torch.randn(BATCH, HIDDEN, generator=torch.Generator().manual_seed(rank))
+    setups = {k: _setup(k, hidden) for k in ("fastpar-hsdp", "torch-fsdp2-hsdp")}
+    x = torch.randn(BATCH, hidden, generator=torch.Generator().manual_seed(rank))
     times = {k: [] for k in setups}
     losses, sent = {}, {}
     z = setups["fastpar-hsdp"][3]
@@ -81,10 +81,11 @@ def _side_by_side() -> dict:
     }
 
 
-def test_hsdp_against_fsdp2_hsdp(benchmark):
+@pytest.mark.parametrize("hidden", [HIDDEN, 2 * HIDDEN])
+def test_hsdp_against_fsdp2_hsdp(benchmark, hidden):
     ours, theirs = "fastpar-hsdp", "torch-fsdp2-hsdp"
-    benchmark.group = "hsdp-vs-fsdp2-2x2"
-    res = benchmark.pedantic(run_ranks, args=(_side_by_side, SHARD * REPLICATE), rounds=1)
+    benchmark.group = f"hsdp-vs-fsdp2-2x2-hidden{hidden}"
+    res = benchmark.pedantic(run_ranks, args=(_side_by_side, SHARD * REPLICATE, hidden), rounds=1)
     t = {k: statistics.median(r["seconds"][k] for r in res) for k in (ours, theirs)}
     padded, s, r = res[0]["padded"], SHARD, REPLICATE
     ring = (s - 1) / s * padded * 4  # over the shard group, per collective
@@ -111,7 +112,7 @@ def test_hsdp_against_fsdp2_hsdp(benchmark):
         want[k] for k in ("all_gather_forward", "all_gather_backward", "reduce_scatter")
     )
     print(
-        f"\nHSDP {s}x{r} {ours} vs {theirs}: step {t[ours] * 1e3:.1f} vs {t[theirs] * 1e3:.1f} ms "
+        f"\nHSDP {s}x{r}, hidden {hidden}: {ours} vs {theirs}: step {t[ours] * 1e3:.1f} vs {t[theirs] * 1e3:.1f} ms "
         f"(peer/fastpar {t[theirs] / t[ours]:.2f}); bytes/step over dp-shard "
         f"{shard_bytes / 2**20:.2f} MiB, over dp-replicate "
         f"{want['replicate_all_reduce'] / 2**20:.2f} MiB (full sharding over 4 ranks: "

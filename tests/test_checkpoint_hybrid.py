@@ -148,6 +148,9 @@ def test_the_layout_record_tells_hybrid_from_full_sharding(tmp_path):
             **{("old", b): b == (2, 1) for b in splits},  # as if saved at full sharding
         }
     old = {"world_size": 2, "mesh": {"tp": 1, "pp": 1, "dp": 2, "ep": 1, "order": "tp-ep-dp-pp"}}
-    mesh = {**old["mesh"], "dp_shard": 2, "dp_replicate": 1}
+    mesh = {**old["mesh"], "dp_shard": 2, "dp_replicate": 1, "cp": 1}
     assert checkpoint.core.saved_layout(old) == {"world_size": 2, "mesh": mesh}
+    # a record from before ``cp``: its world is tp x pp x dp x cp (8 = 1 x 1 x 2 x 4)
+    older = {"world_size": 8, "mesh": {**old["mesh"], "dp_shard": 2, "dp_replicate": 1}}
+    assert checkpoint.core.saved_layout(older)["mesh"]["cp"] == 4
     assert checkpoint.core.saved_layout({"world_size": 1, "mesh": None})["mesh"] is None

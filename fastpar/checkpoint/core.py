@@ -59,22 +59,26 @@ def stage_param_names(stage: nn.Module, start: int) -> dict[str, nn.Parameter]:
 
 
 def layout_of(mesh) -> dict:
-    """The layout a checkpoint is saved under (compared at load to decide on RNG restore),
-    with the hybrid split of dp (``dp_shard`` x ``dp_replicate``; full sharding: dp x 1)."""
+    """The layout a checkpoint is saved under (compared at load to decide on RNG restore):
+    tp, pp, dp, ep, cp, the hybrid split of dp (``dp_shard`` x ``dp_replicate``; full sharding:
+    dp x 1) and the rank order."""
     world = group_size(None)
     if mesh is None:
         return {"world_size": world, "mesh": None}
-    sizes = {k: getattr(mesh, f"{k}_size") for k in ("tp", "pp", "dp", "ep")}
+    sizes = {k: getattr(mesh, f"{k}_size") for k in ("tp", "pp", "dp", "ep", "cp")}
     hybrid = {k: getattr(mesh.layout, k) for k in ("dp_shard", "dp_replicate")}
     return {"world_size": world, "mesh": {**sizes, **hybrid, "order": mesh.layout.order}}
 
 
 def saved_layout(layout: dict) -> dict:
     """``layout_of``'s fields of a saved layout record; one written before the hybrid fields
-    existed (no ``dp_shard``) was saved at full sharding: dp_shard = dp, dp_replicate = 1."""
+    existed (no ``dp_shard``) was saved at full sharding: dp_shard = dp, dp_replicate = 1; one
+    without ``cp``: the world over tp x pp x dp (its ranks' product)."""
     mesh = layout.get("mesh")
     if mesh is not None and "dp_shard" not in mesh:
         mesh = {**mesh, "dp_shard": mesh["dp"], "dp_replicate": 1}
+    if mesh is not None and "cp" not in mesh:
+        mesh = {**mesh, "cp": layout["world_size"] // (mesh["tp"] * mesh["pp"] * mesh["dp"])}
     return {"world_size": layout["world_size"], "mesh": mesh}
 
 
