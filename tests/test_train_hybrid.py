@@ -104,6 +104,7 @@ def test_the_trainer_shards_over_the_shard_groups(zero):
         dict(zero=3, tp=2, moe_every=0),  # 8 ranks
         dict(zero=1, pp=2, layers=4, moe_every=0, schedule="interleaved", virtual_stages=2),
         dict(zero=2, pp=2, moe_every=0, schedule="zb-h1"),  # zb-h1 refuses ZeRO-3
+        dict(zero=3, pp=2, moe_every=0, schedule="gpipe"),
         # aux-loss-free balancing: the expert-bias counts summed over the whole dp
         dict(zero=2, ep=2, experts=8, top_k=2, router_score="sigmoid", **BIAS),
     ],
@@ -119,6 +120,7 @@ def test_the_trainer_shards_over_the_shard_groups(zero):
         "zero3-tp2",
         "zero1-pp2-interleaved",
         "zero2-pp2-zb-h1",
+        "zero3-pp2-gpipe",
         "zero2-ep2-expert-bias",
     ],
 )
