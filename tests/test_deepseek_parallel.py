@@ -15,6 +15,7 @@ import dataclasses
 
 import pytest
 import torch
+from _trainer import first_step_gradients, write_documents
 
 from fastpar.models import DeepSeekConfig, build_deepseek
 from fastpar.models.deepseek_hf import from_hf, hf_config, is_mtp_name, to_hf
@@ -57,36 +58,7 @@ SMALL = dict(
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    """Text with documents of 3 to 21 tokens and empty ones (targets ignored)."""
-    path = tmp_path_factory.mktemp("dsp") / "docs.txt"
-    words = "the quick brown fox jumps over a lazy dog "
-    path.write_text("".join(words[: 2 + 3 * (i % 7)] + "\n" * (1 + i % 3) for i in range(200)))
-    return str(path)
-
-
-def _first_step_gradients(cfg: TrainConfig, refs) -> list[str]:
-    """On this rank: the trainer's first forward and backward (no optimizer step), each
-    parameter's gradient judged against its piece of the single-process model's."""
-    from _mesh import make_mesh
-
-    from fastpar.checkpoint.state import checkpoint_name, localize
-    from fastpar.train import Trainer
-
-    mesh = make_mesh(cfg.tp, cfg.pp, cfg.ep, cp=cfg.cp)
-    trainer = Trainer(cfg, mesh, torch.device("cpu"))
-    x, y = trainer._batch(0)
-    trainer.engine.train_step(
-        x if mesh.is_first_stage else None,
-        y if mesh.is_last_stage else None,
-        broadcast_loss=False,
-        valid_tokens=trainer._count(),
-        context=trainer.context,
-    )
-    params = {checkpoint_name(n, p): p for n, p in trainer.named_parameters().items()}
-    refs.local = lambda full, name: localize(full, params[name])
-    mtp = sum(".mtp." in n for n in params)
-    bad = [str(c) for n, p in params.items() if not (c := refs.grad(0, n, p.grad.double())).ok]
-    return [f"{len(params)} gradients checked, {mtp} of MTP modules", *bad]
+    return write_documents(tmp_path_factory.mktemp("dsp") / "docs.txt")
 
 
 @pytest.mark.parametrize(
@@ -123,7 +95,7 @@ def test_every_gradient_on_every_rank_is_the_single_process_models(data, layout)
     cfg = TrainConfig(**{**SMALL, **layout}, data=data)
     cfg.check()
     refs = references(cfg, None)
-    results = run_ranks(_first_step_gradients, cfg.world_size, cfg, refs)
+    results = run_ranks(first_step_gradients, cfg.world_size, cfg, refs)
     for rank, lines in enumerate(results):
         assert int(lines[0].split()[0]) > 0, lines
         assert len(lines) == 1, f"rank {rank}: " + "\n".join(lines)
@@ -147,7 +119,7 @@ def _local_positions(cfg, refs):
     import fastpar.models.mla as mla
 
     mla.positions = lambda t, cp_group, device: torch.arange(t, device=device)
-    return _first_step_gradients(cfg, refs)
+    return first_step_gradients(cfg, refs)
 
 
 # -- fastpar.verify: the trainer's run against one device ---------------------------------------

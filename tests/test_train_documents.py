@@ -15,6 +15,7 @@ import dataclasses
 
 import pytest
 import torch
+from _trainer import first_step_gradients
 
 from fastpar.train import TrainConfig, batch_of, launch
 from fastpar.train.batches import load_data
@@ -279,35 +280,6 @@ def test_the_command_line_resets_positions_unless_told_not_to():
     assert not config_from(parse(["--eos-id", "10", "--no-reset-positions"]), None).reset_positions
 
 
-def _first_step_gradients(cfg: TrainConfig, refs, corpus=None) -> list[str]:
-    """On this rank: the first step's forward and backward through the trainer's engine (no
-    optimizer step), each parameter's gradient judged against this rank's piece of the
-    single-process model's (``fastpar.tolerance``'s rule; the float64 run as the truth)."""
-    from _mesh import make_mesh
-
-    from fastpar.checkpoint.state import checkpoint_name, localize
-    from fastpar.train import Trainer
-
-    mesh = make_mesh(cfg.tp, cfg.pp, cfg.ep, cp=cfg.cp)
-    trainer = Trainer(cfg, mesh, torch.device("cpu"), corpus)
-    x, y = trainer._batch(0)
-    trainer.engine.train_step(
-        x if mesh.is_first_stage else None,
-        y if mesh.is_last_stage else None,
-        broadcast_loss=False,
-        valid_tokens=trainer._count(),
-        context=trainer.context,
-    )
-    params = {checkpoint_name(n, p): p for n, p in trainer.named_parameters().items()}
-    refs.local = lambda full, name: localize(full, params[name])
-    bad = []
-    for name, p in params.items():
-        c = refs.grad(0, name, p.grad.double())
-        if not c.ok:
-            bad.append(str(c))
-    return [f"{len(params)} gradients checked", *bad]
-
-
 @pytest.mark.parametrize(
     "layout",
     [
@@ -329,7 +301,7 @@ def test_every_gradient_on_every_rank_is_the_single_process_models(data, layout)
     corpus = _skewed(cfg)
     _check_skew(cfg, corpus)
     refs = references(cfg, corpus)
-    run = _first_step_gradients
+    run = first_step_gradients
     for rank, lines in enumerate(run_ranks(run, cfg.world_size, cfg, refs, corpus)):
         assert int(lines[0].split()[0]) > 0, lines
         assert len(lines) == 1, f"rank {rank}: " + "\n".join(lines)
@@ -351,7 +323,7 @@ def test_the_gradient_check_fails_for_a_mean_of_means(data):
     )
     corpus = _skewed(cfg)
     refs = references(cfg, corpus)  # (one device's token mean, whatever the run's)
-    for lines in run_ranks(_first_step_gradients, cfg.world_size, cfg, refs, corpus):
+    for lines in run_ranks(first_step_gradients, cfg.world_size, cfg, refs, corpus):
         assert len(lines) > 1 and "DISAGREE" in lines[1], lines
 
 
