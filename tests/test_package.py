@@ -120,8 +120,10 @@ def test_mesh_cli(tmp_path):
 
     doc = json.loads(out.stdout)
     assert doc["groups"]["pp"] == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
-    assert doc["sizes"] == {"tp": 2, "cp": 1, "pp": 4, "dp": 2, "ep": 1, "expert-dp": 2}
-    assert doc["ranks"][5] == {"tp": 1, "pp": 1, "dp": 0, "cp": 0, "ep": 0, "expert-dp": 0}
+    full = {"dp-shard": 2, "dp-replicate": 1}  # no --dp-shard: full sharding, dp x 1
+    assert doc["sizes"] == {"tp": 2, "cp": 1, "pp": 4, "dp": 2, "ep": 1, "expert-dp": 2, **full}
+    coords = {"tp": 1, "pp": 1, "dp": 0, "cp": 0, "ep": 0, "expert-dp": 0}
+    assert doc["ranks"][5] == {**coords, "dp-shard": 0, "dp-replicate": 0}
     bad = subprocess.run(
         [sys.executable, "-m", "fastpar.mesh", "--world-size", "12", "--tp", "5"],
         capture_output=True,
