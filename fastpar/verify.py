@@ -171,6 +171,8 @@ def reference(
             run.val_losses[step + 1] = _val_loss(cfg, parts, held)
     named = parts.checkpoint_tensors()  # parameters, and the routers' expert biases
     run.params = {name: p.detach().double().clone() for name, p in named.items()}
+    if exact:  # (bf16 moments: what a neighbouring stored value moves each parameter by)
+        run.rounding_slack = {names[id(p)]: s for p, s in opt.rounding_slack.items()}
     return run
 
 
