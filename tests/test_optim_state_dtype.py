@@ -264,3 +264,14 @@ def test_the_planner_counts_the_allocated_bf16_state(stage):
             == full["held"]["optimizer"] - (full["steps"])
         )
     assert adamw_state_bytes() == 12 and adamw_state_bytes(BF16) == 8
+
+
+def test_the_planner_command_takes_the_state_dtype(capsys):
+    from fastpar.zero.__main__ import main
+
+    main(["--params", "1e9", "--dp", "1", "4", "--optimizer-state-dtype", "bf16"])
+    out = capsys.readouterr().out.splitlines()
+    assert "K = 8" in out[0]
+    # the paper's model, K = 8: 2 + 2 + 8 bytes a parameter at DP 1; 2 + 2 + 8/4 at stage 1, DP 4
+    assert out[2].split() == ["1", "12", "12", "12", "12"]
+    assert out[3].split()[:2] == ["4", "12"] and float(out[3].split()[2]) == 6.0
