@@ -30,6 +30,7 @@ from fastpar import tolerance
 from fastpar.ops.adamw import adamw_step_multi_
 from fastpar.optim import FusedAdamW
 from fastpar.parallel import Replicate, Shard
+from fastpar.reference.optimizer import ExactAdamW
 from fastpar.testing import run_ranks
 from fastpar.zero import adamw_state_bytes, estimate_memory
 
@@ -275,3 +276,45 @@ def test_the_planner_command_takes_the_state_dtype(capsys):
     # the paper's model, K = 8: 2 + 2 + 8 bytes a parameter at DP 1; 2 + 2 + 8/4 at stage 1, DP 4
     assert out[2].split() == ["1", "12", "12", "12", "12"]
     assert out[3].split()[:2] == ["4", "12"] and float(out[3].split()[2]) == 6.0
+
+
+@pytest.mark.slow
+def test_the_exact_reference_rounds_and_its_slack_covers_the_run():
+    """``ExactAdamW(state_dtype=bf16)`` (fastpar.verify's float64 reference) stores each moment
+    as float64 AdamW's (``tests/_adamw.py``, from its stored state) rounded to bf16, and allows
+    nothing at the first step. Against the real run (FusedAdamW, bf16 state, fp32) on 2^18
+    elements some moments round the other way (the fp32 value past a bf16 midpoint): the
+    parameters move beyond the fp32 steps' own rounding there, and stay within the slack
+    verify allows (``ADAM_FACTOR`` x ``rounding_slack``) plus that rounding everywhere (measured:
+    7-11 such elements, each at most 0.09 x ``rounding_slack`` beyond the rounding)."""
+    n, steps = 1 << 18, 4
+    gen = torch.Generator().manual_seed(0)
+    p32 = nn.Parameter(torch.randn(n, generator=gen))
+    p64 = nn.Parameter(p32.detach().double())
+    grads = [torch.randn(n, generator=gen) * 1e-2 for _ in range(steps)]
+    run = FusedAdamW([p32], betas=BETAS, state_dtype=BF16, **HYPER)
+    exact = ExactAdamW([{"params": [p64]}], betas=BETAS, state_dtype=BF16, **HYPER)
+    u64 = tolerance.unit_roundoff(torch.float64)
+    m0 = v0 = torch.zeros(n, dtype=torch.float64)
+    rounding = torch.zeros(n, dtype=torch.float64)
+    for s, g in enumerate(grads):
+        p0, g64 = p64.detach().clone(), g.double()
+        p32.grad, p64.grad = g.clone(), g64.clone()
+        run.step()
+        exact.step()
+        _, m64, v64 = exact_adamw_step(
+            p0, m0, v0, g64, s + 1, beta1=BETAS[0], beta2=BETAS[1], **HYPER
+        )
+        state = exact.optimizer.state[p64]
+        m0, v0 = state["exp_avg"].clone(), state["exp_avg_sq"].clone()
+        _check_moment(m0.to(BF16), m64, 8 * u64 * (m64.abs() + g64.abs()), "exp_avg")
+        _check_moment(v0.to(BF16), v64, 8 * u64 * (v64 + g64.square()), "exp_avg_sq")
+        assert torch.equal(m0, m0.to(BF16).double()) and torch.equal(v0, v0.to(BF16).double())
+        if s == 0:
+            assert float(exact.rounding_slack[p64].abs().max()) == 0.0
+        rounding += tolerance.floor(torch.float32, 1, 1.0) * p64.detach().abs()
+    diff = (p32.detach().double() - p64.detach()).abs()
+    slack = tolerance.ADAM_FACTOR * exact.rounding_slack[p64]
+    assert bool((diff <= slack + rounding).all()), float((diff - slack - rounding).max())
+    beyond = int((diff > rounding).sum())
+    assert beyond > 0, "no moment rounded the other way: the slack was not exercised"
