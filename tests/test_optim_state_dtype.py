@@ -239,6 +239,47 @@ def test_data_parallel_bf16_state_is_the_single_process_bit_for_bit(stage):
             assert torch.equal(a, b)
 
 
+def _train(w, steps) -> None:
+    for s in steps:
+        x, y = _batch(s)
+        F.mse_loss(w(x), y).backward()
+        w.step()
+        w.zero_grad()
+
+
+def _resharded(path: str, stage: int, state_dtype: torch.dtype):
+    """2 steps at ZeRO-1 (bf16 state), saved by fastpar.checkpoint; a fresh wrapper at
+    ``stage`` with ``state_dtype`` loads it and trains 2 more: (its parameters, the state's
+    dtypes), or the load's TypeError text."""
+    from fastpar import checkpoint
+
+    w = _wrap(1, _mlp(), BF16)
+    _train(w, range(2))
+    checkpoint.save(path, model_params=dict(w.module.named_parameters()), optimizer=w, step=2)
+    fresh = _wrap(stage, _mlp(), state_dtype)
+    try:
+        with fresh.summon_full_params():  # (ZeRO-3: the full parameters, as the trainer loads)
+            names = dict(fresh.module.named_parameters())
+            checkpoint.load(path, model_params=names, optimizer=fresh)
+    except TypeError as exc:
+        return str(exc)
+    _train(fresh, range(2, 4))
+    with fresh.summon_full_params():
+        params = [p.detach().clone() for p in fresh.module.parameters()]
+    return params, {v.dtype for st in fresh.optimizer.state.values() for v in st.values()}
+
+
+@pytest.mark.parametrize("stage", [3, pytest.param(0, marks=pytest.mark.slow)])
+def test_a_bf16_checkpoint_reshards_across_zero_stages_bit_for_bit(tmp_path, stage):
+    want = _single(4)
+    for params, dtypes in run_ranks(_resharded, 2, str(tmp_path / "ckpt"), stage, BF16):
+        assert dtypes == {torch.float32, BF16}
+        for a, b in zip(params, want, strict=True):
+            assert torch.equal(a, b)
+    for text in run_ranks(_resharded, 2, str(tmp_path / "other"), stage, torch.float32):
+        assert "holds exp_avg in torch.bfloat16" in text
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_the_planner_counts_the_allocated_bf16_state(stage):
     world = 2
