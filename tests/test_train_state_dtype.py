@@ -21,8 +21,11 @@ SMALL = dict(steps=3, batch_size=8, seq_len=32, hidden=32, heads=4, layers=2, qu
 DP2 = dict(tp=1, pp=1, dp=2, ep=1, moe_every=0, optimizer_state_dtype="bf16")
 
 
+TINY = dict(steps=2, batch_size=4, seq_len=16, hidden=16, heads=2, layers=1, quiet=True)
+
+
 def test_verify_agrees_with_bf16_state():
-    ok, text = compare(TrainConfig(**SMALL, **DP2, zero=1))
+    ok, text = compare(TrainConfig(**TINY, **DP2, zero=1))
     assert ok, text
 
 
