@@ -30,9 +30,12 @@ def test_verify_agrees_with_bf16_state():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero", [1, 3])
-def test_verify_agrees_with_bf16_state_at_tp2_pp2_dp2_ep2(zero):
-    cfg = TrainConfig(**SMALL, tp=2, pp=2, dp=2, ep=2, zero=zero, optimizer_state_dtype="bf16")
+@pytest.mark.parametrize(
+    "zero,precision", [(1, "fp32"), (3, "fp32"), (3, "fp16"), (0, "bf16")], ids=str
+)
+def test_verify_agrees_with_bf16_state_at_tp2_pp2_dp2_ep2(zero, precision):
+    layout = dict(tp=2, pp=2, dp=2, ep=2, zero=zero, precision=precision)
+    cfg = TrainConfig(**SMALL, **layout, optimizer_state_dtype="bf16")
     ok, text = compare(cfg)
     assert ok, text
 
