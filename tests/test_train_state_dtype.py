@@ -27,6 +27,7 @@ TINY = dict(steps=2, batch_size=4, seq_len=16, hidden=16, heads=2, layers=1, qui
 def test_verify_agrees_with_bf16_state():
     ok, text = compare(TrainConfig(**TINY, **DP2, zero=1))
     assert ok, text
+    assert text.splitlines()[0].endswith("AdamW moments in bf16"), text
 
 
 @pytest.mark.slow
@@ -97,3 +98,12 @@ def test_resume_with_bf16_state_is_bit_identical(tmp_path, zero):
                 }
             )
         )
+
+
+def test_the_header_names_the_state_dtype():
+    from fastpar.train.summary import header_line
+
+    assert "AdamW moments in bf16" in header_line(TrainConfig(**TINY, **DP2), "gloo", 9, 9)
+    assert "moments" not in header_line(
+        TrainConfig(**TINY, **DP2 | {"optimizer_state_dtype": "fp32"}), "gloo", 9, 9
+    )
