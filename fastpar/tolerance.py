@@ -257,14 +257,17 @@ def nudge(tensors, seed: int = 0) -> None:
 @dataclass
 class Run:
     """One single-process AdamW run: ``before`` (what the caller computed on the fresh model),
-    per step the loss, the gradients by name and AdamW's sqrt(v̂) + eps by name, and the final
-    parameters by name."""
+    per step the loss, the gradients by name and AdamW's sqrt(v̂) + eps by name, the final
+    parameters by name, and (bf16 moments) ``rounding_slack`` by name: the bound on what a
+    moment stored as the neighbouring bf16 value moves each parameter
+    (``fastpar.reference.optimizer.ExactAdamW``)."""
 
     before: Any = None
     losses: list[float] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
     denominators: list[dict[str, torch.Tensor]] = field(default_factory=list)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
+    rounding_slack: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def cast(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -377,7 +380,13 @@ class References:
         return compare(ones[0], ones, g, length=self.length, dtype=self.dtype).bound
 
     def slack(self, name: str) -> torch.Tensor | float:
-        """``adam_slack`` for ``name`` (sliced like the caller's copy)."""
+        """``adam_slack`` for ``name`` (sliced like the caller's copy), plus ``ADAM_FACTOR``
+        times the exact run's ``rounding_slack`` (bf16 moments)."""
+        rounding = self.exact.rounding_slack.get(name)
+        extra = 0.0 if rounding is None else ADAM_FACTOR * self._cut(rounding, name)
+        return extra + self._adam_slack(name)
+
+    def _adam_slack(self, name: str) -> torch.Tensor | float:
         steps = range(len(self.exact.grads))
         if not any(name in self.exact.denominators[t] for t in steps):
             return 0.0

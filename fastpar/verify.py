@@ -171,6 +171,8 @@ def reference(
             run.val_losses[step + 1] = _val_loss(cfg, parts, held)
     named = parts.checkpoint_tensors()  # parameters, and the routers' expert biases
     run.params = {name: p.detach().double().clone() for name, p in named.items()}
+    if exact:  # (bf16 moments: what a neighbouring stored value moves each parameter by)
+        run.rounding_slack = {names[id(p)]: s for p, s in opt.rounding_slack.items()}
     return run
 
 
@@ -227,7 +229,8 @@ def compare(cfg: TrainConfig, tokens=None) -> tuple[bool, str]:
         f"{cfg.model_name}, layout: dp {cfg.dp}{hybrid_text(cfg)} x tp {cfg.tp} x pp {cfg.pp}"
         f"{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} (ep {cfg.ep}), ZeRO-{cfg.zero}, {cfg.precision}, "
         f"{cfg.schedule_label} x {cfg.microbatches}{f', recompute {cfg.recompute_policy}' if cfg.recompute else ''}"
-        f"{', sequence parallel' if cfg.sequence_parallel else ''}",
+        f"{', sequence parallel' if cfg.sequence_parallel else ''}"
+        f"{f', AdamW moments in {cfg.optimizer_state_dtype}' if cfg.optimizer_state_dtype != 'fp32' else ''}",
         tolerance.rule_text(dtype, length),
         f"{'step':>5} {'distributed':>14} {'single-process':>15} {'float64':>12} {'error/bound':>11}"
         f" {'grad-norm dist.':>15} {'single':>10} {'error/bound':>11}",

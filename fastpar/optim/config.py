@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+
 from fastpar.cliutil import option
 
 OPTIMIZER = "training"
@@ -15,6 +17,8 @@ OPTIMIZER = "training"
 
 OPTIMIZERS = ("adamw", "muon")
 STATE_DTYPES = ("fp32", "bf16")
+TORCH_STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""The torch dtype of each ``--optimizer-state-dtype`` word (``FusedAdamW(state_dtype=)``)."""
 
 
 @dataclass(frozen=True)

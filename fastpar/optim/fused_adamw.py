@@ -4,8 +4,8 @@ bit for bit ``torch.optim.AdamW(foreach=False)`` on a CPU.
     opt = FusedAdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     loss.backward(); opt.step(); opt.zero_grad()
 
-Mixed precision without a host sync (``found_inf``, ``grad_scale``, ``clip_coef``, ``amp_step``):
-docs/kernels.md ("AdamW")."""
+Mixed precision without a host sync (``found_inf``, ``grad_scale``, ``clip_coef``, ``amp_step``),
+bf16 moments (``state_dtype=torch.bfloat16``): docs/kernels.md ("AdamW")."""
 
 from __future__ import annotations
 
@@ -14,14 +14,17 @@ from typing import Any
 
 import torch
 
-from fastpar.ops.adamw import adamw_step_multi_
+from fastpar.ops.adamw import MOMENT_DTYPES, adamw_step_multi_
+
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 class FusedAdamW(torch.optim.Optimizer):
     """AdamW with decoupled weight decay over fp32 parameters (any shapes, any devices).
 
     Per-parameter state: ``"step"`` (0-dim fp32 tensor on the parameter's device),
-    ``"exp_avg"``, ``"exp_avg_sq"`` (fp32, the parameter's shape), as torch.optim.AdamW.
+    ``"exp_avg"``, ``"exp_avg_sq"`` (the parameter's shape, in ``state_dtype``: fp32 as
+    torch.optim.AdamW, or bf16 — updated in fp32, stored rounded to nearest even).
     Param groups may override ``lr``, ``betas``, ``eps``, ``weight_decay`` and ``maximize``.
     Use fp32 parameters (for bf16/fp16 models wrap in ``MixedPrecisionOptimizer``, which keeps
     fp32 masters).
@@ -38,7 +41,14 @@ class FusedAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         maximize: bool = False,
+        *,
+        state_dtype: torch.dtype = torch.float32,
     ) -> None:
+        if state_dtype not in MOMENT_DTYPES:
+            raise TypeError(
+                f"state_dtype {state_dtype} is not supported: use torch.float32 or torch.bfloat16"
+            )
+        self.state_dtype = state_dtype
         if isinstance(lr, torch.Tensor):
             raise TypeError("lr must be a python float, not a tensor")
         if not lr >= 0.0:
@@ -53,13 +63,28 @@ class FusedAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """The base class's, then every ``"step"`` moved to its parameter's device as fp32."""
-        super().load_state_dict(state_dict)
+        """The base class's, then every ``"step"`` moved to its parameter's device as fp32 and
+        the moments kept in ``state_dtype``. Moments saved in another dtype are refused (a
+        TypeError): converting them would change the run's math without saying so; build the
+        optimizer with the state's dtype (``--optimizer-state-dtype``) instead."""
+        for index, entry in state_dict["state"].items():
+            for key in MOMENT_KEYS:
+                t = entry.get(key)
+                if torch.is_tensor(t) and t.dtype != self.state_dtype:
+                    raise TypeError(
+                        f"the saved state of parameter {index} holds {key} in {t.dtype}, this "
+                        f"FusedAdamW keeps its moments in {self.state_dtype}: build it with "
+                        f"state_dtype={t.dtype} (--optimizer-state-dtype) to load this state"
+                    )
+        super().load_state_dict(state_dict)  # (casts every tensor to its parameter's dtype)
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state.get(p)
                 if state and "step" in state:
                     state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+                for key in MOMENT_KEYS:  # bf16 -> fp32 -> bf16: exact
+                    if state and torch.is_tensor(state.get(key)):
+                        state[key] = state[key].to(self.state_dtype)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -121,8 +146,10 @@ class FusedAdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    for key in MOMENT_KEYS:
+                        state[key] = torch.zeros_like(
+                            p, dtype=self.state_dtype, memory_format=torch.preserve_format
+                        )
                 lists = by_device.setdefault(p.device, ([], [], [], [], []))
                 for lst, t in zip(
                     lists,

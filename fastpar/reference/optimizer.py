@@ -7,6 +7,11 @@ scaling and the fused kernels are how it rounds, not what it computes. ``ExactAd
 the same in float64 with ``torch.optim.AdamW`` (whose update FusedAdamW reproduces), and skips
 exactly the steps it is told to skip: the steps an fp16 run skipped for inf/NaN gradients, which
 float64 would not overflow on (the skip is a decision of the run under test, not rounding).
+With bf16 moments (``state_dtype=torch.bfloat16``) the stored moments are rounded to bf16 after
+each step, as FusedAdamW stores them: that rounding is part of what the run computes. Where the
+run's moment lands on the other side of a rounding boundary (its fp32 value one rounding away),
+it stores the neighbouring bf16 value: ``rounding_slack`` bounds what that moves each parameter
+(docs/tolerances.md, "bf16 optimizer state").
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class ExactAdamW:
         weight_decay: float = 1e-2,
         max_grad_norm: float | None = None,
         skips: Sequence[bool] = (),
+        state_dtype: torch.dtype = torch.float32,
     ) -> None:
         for group in param_groups:
             for p in group["params"]:
@@ -50,6 +56,11 @@ class ExactAdamW:
         self.steps_taken = 0
         self._skipped = torch.zeros((), dtype=torch.int64)
         self.denominators: list[dict[torch.Tensor, torch.Tensor]] = []
+        # bf16 moments: stored rounded; per parameter the bound on what a neighbouring stored
+        # value moves it by (summed over the steps), and the moments' carried differences
+        self.rounded = state_dtype == torch.bfloat16
+        self.rounding_slack: dict[torch.Tensor, torch.Tensor] = {}
+        self._carried: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def param_groups(self) -> list[dict]:
@@ -85,7 +96,39 @@ class ExactAdamW:
                 g.mul_(coef)
         self.optimizer.step()
         self.denominators.append(self._denominators())
+        if self.rounded:
+            self._round_moments()
         return torch.tensor(False), norm
+
+    def _round_moments(self) -> None:
+        """Store every moment rounded to bf16 (the update used the unrounded values), and add
+        to ``rounding_slack`` the bound of this step's update's change when the run's stored
+        moments differ from these by what earlier steps carried: ``E`` (decayed by beta each
+        step, grown by one bf16 spacing at each rounding: two values ``d`` apart round at most
+        ``d`` + one spacing apart). The update lr · m̂ / (sqrt(v̂) + eps) moves by at most
+        lr · (E_m̂ / D + |m̂| · E_sqrt(v̂) / D²), D = sqrt(v̂) + eps."""
+        for group in self.param_groups:
+            (beta1, beta2), eps, lr = group["betas"], group["eps"], group["lr"]
+            for p in group["params"]:
+                state = self.optimizer.state.get(p)
+                if not state:
+                    continue
+                t = float(state["step"])
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                em, ev = self._carried.get(p, (torch.zeros_like(m), torch.zeros_like(v)))
+                c1, c2 = 1.0 - beta1**t, 1.0 - beta2**t
+                m_hat, v_hat, dv = m.abs() / c1, v / c2, ev / c2
+                root = v_hat.sqrt()
+                d_root = dv / torch.maximum(root, dv.sqrt()).clamp(min=1e-300)  # >= |Δ sqrt|
+                denom = root + eps
+                term = lr * (em / c1 / denom + m_hat * d_root / denom.square())
+                self.rounding_slack[p] = self.rounding_slack.get(p, 0.0) + term
+                rm, rv = m.to(torch.bfloat16).double(), v.to(torch.bfloat16).double()
+                em = beta1 * (em + _bf16_spacing(torch.maximum(m.abs(), rm.abs())))
+                ev = beta2 * (ev + _bf16_spacing(torch.maximum(v, rv)))
+                self._carried[p] = (em, ev)
+                m.copy_(rm)
+                v.copy_(rv)
 
     def _denominators(self) -> dict[torch.Tensor, torch.Tensor]:
         out = {}
@@ -101,3 +144,10 @@ class ExactAdamW:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def _bf16_spacing(x: torch.Tensor) -> torch.Tensor:
+    """The distance between neighbouring bf16 numbers around ``|x|`` (float64; 0 at 0): 2^(e-8)
+    for |x| in [2^(e-1), 2^e) (8 significant bits), at least the smallest subnormal."""
+    _, e = torch.frexp(x.abs())
+    return torch.where(x == 0, 0.0, torch.ldexp(torch.ones_like(x), e - 8).clamp(min=2.0**-133))

@@ -25,6 +25,7 @@ from fastpar.models.documents import valid_targets
 from fastpar.models.mtp import MTPOutput, mtp_loss
 from fastpar.moe import MoE, TopKRouter, moe_layers, update_expert_bias
 from fastpar.optim import FusedAdamW, MixedPrecisionOptimizer
+from fastpar.optim.config import TORCH_STATE_DTYPES
 from fastpar.parallel import DataParallel, Replicate, Shard
 from fastpar.parallel.pipeline import (
     SCHEDULES,
@@ -188,10 +189,11 @@ def _optimizer(cfg, stage, groups, mesh, scaler, block_types, exact=False):
     the engine runs only this rank's last backward outside no_sync, which gives the other
     chunks' parameters no gradient: they count as what no_sync accumulated
     (``find_unused_parameters``), so each is reduced once."""
-    adamw = lambda gs: FusedAdamW(gs, lr=cfg.lr)  # noqa: E731
+    state_dtype = TORCH_STATE_DTYPES[cfg.optimizer_state_dtype]  # the moments' (fp32, bf16)
+    adamw = lambda gs: FusedAdamW(gs, lr=cfg.lr, state_dtype=state_dtype)  # noqa: E731
     clip = cfg.max_grad_norm
-    if exact:  # the same step in float64 (fastpar.verify's exact reference)
-        return stage, ExactAdamW(groups, lr=cfg.lr, max_grad_norm=clip)
+    if exact:  # the same step in float64, the moments stored rounded (fastpar.verify's exact)
+        return stage, ExactAdamW(groups, lr=cfg.lr, max_grad_norm=clip, state_dtype=state_dtype)
     if mesh is None:
         return stage, MixedPrecisionOptimizer(adamw(groups), scaler=scaler, max_grad_norm=clip)
     common = dict(mesh=mesh, param_groups=groups, scaler=scaler, max_grad_norm=clip)

@@ -11,6 +11,7 @@ from dataclasses import fields
 
 from fastpar.cliutil import option_of
 from fastpar.mesh import MeshLayout
+from fastpar.optim.config import TORCH_STATE_DTYPES
 from fastpar.parallel.pipeline.schedules import SCHEDULES, accepting
 from fastpar.train.checks import flag
 
@@ -182,13 +183,13 @@ def check_context_parallel(cfg) -> None:
 
 def check_optimizer(cfg) -> None:
     """--optimizer and --optimizer-state-dtype name what is built (the rest is refused, never
-    quietly replaced by AdamW in fp32)."""
+    quietly replaced by AdamW in fp32): AdamW, its moments in fp32 or bf16."""
     if cfg.optimizer != "adamw":
         raise ValueError(
             f"--optimizer {cfg.optimizer}: not available yet in fastpar.train; use --optimizer adamw"
         )
-    if cfg.optimizer_state_dtype != "fp32":
+    if cfg.optimizer_state_dtype not in TORCH_STATE_DTYPES:
         raise ValueError(
-            f"--optimizer-state-dtype {cfg.optimizer_state_dtype}: not available yet in "
-            "fastpar.train; use --optimizer-state-dtype fp32"
+            f"--optimizer-state-dtype {cfg.optimizer_state_dtype} must be one of "
+            f"{', '.join(TORCH_STATE_DTYPES)}"
         )

@@ -59,6 +59,8 @@ def math_settings(cfg) -> list[str]:
         out.append(f"--plan {cfg.plan}")
     if has_moe(cfg):
         out.append(moe_text(cfg))
+    if cfg.optimizer_state_dtype != "fp32":
+        out.append(f"AdamW moments in {cfg.optimizer_state_dtype}")
     if getattr(cfg, "mtp_depth", 0):
         out.append(f"MTP depth {cfg.mtp_depth} (loss coef {cfg.mtp_loss_coef:g})")
     return out

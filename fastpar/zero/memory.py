@@ -36,7 +36,8 @@ def estimate_memory(
 
     ``mode="paper"``: the ZeRO paper's model — Ψ parameters, 2-byte params and grads, K = 12
     bytes of optimizer state (fp32 master, exp_avg, exp_avg_sq): baseline 16Ψ, stage 1
-    4Ψ + 12Ψ/N, stage 2 2Ψ + 14Ψ/N, stage 3 16Ψ/N.
+    4Ψ + 12Ψ/N, stage 2 2Ψ + 14Ψ/N, stage 3 16Ψ/N. bf16 moments: K = 8
+    (``adamw_state_bytes``).
     ``mode="fastpar"``: fastpar's layout — each bucket padded to a multiple of N (pass the
     bucket sizes, or one bucket of num_params), and an fp32 gradient shard beside a
     low-precision full buffer (stage 1; inside it when gradients are fp32) or alone (stage 2/3).
@@ -74,6 +75,17 @@ def estimate_memory(
     if stage == 2:
         return MemoryEstimate(param_bytes * padded, 4 * shard, k)
     return MemoryEstimate(param_bytes * shard, 4 * shard, k)
+
+
+def adamw_state_bytes(state_dtype: torch.dtype = torch.float32, *, master: bool = True) -> int:
+    """AdamW's optimizer bytes per parameter element, ``estimate_memory``'s ``optimizer_bytes``:
+    exp_avg and exp_avg_sq in ``state_dtype`` (``FusedAdamW(state_dtype=)``), and the fp32
+    master when it is kept apart from the parameters (``master``: bf16 / fp16 parameters).
+    fp32 state 12 (8 without a master), bf16 state 8 (4). The 0-dim "step" of each optimizer
+    tensor (4 bytes per flat) is not counted."""
+    if state_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
+    return (4 if master else 0) + 2 * state_dtype.itemsize
 
 
 def held_bytes(
