@@ -1,0 +1,206 @@
+"""``Muon``: momentum orthogonalised by Newton–Schulz on each whole logical matrix, AdamW
+(``FusedAdamW``) on everything else, under every fastpar layout (docs/muon.md).
+
+    opt = Muon(muon_param_groups(model, weight_decay=0.1), lr=1e-3)
+    loss.backward(); opt.step(); opt.zero_grad()
+
+A param group with ``"muon": True`` holds matrices: whole tensors, tensor-parallel shards
+(``fastpar.mesh.placement`` marks: all-gathered over their TP group, fused blocks split), expert
+stacks (each expert its own matrix) or the data-parallel family's flat shards (each whole
+parameter by one owner rank); ``"muon": False`` groups step with AdamW."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastpar.optim.fused_adamw import FusedAdamW
+from fastpar.optim.muon_matrices import FLAT_ATTR, flat_update, ns_cost, owners, whole_update
+from fastpar.reference.muon import ADJUST_LR, NS_COEFFICIENTS, NS_EPS, NS_STEPS, orthogonalize
+
+ADAMW_MODULES = ("Embedding", "VocabParallelEmbedding", "TopKRouter", "Head", "MTPHead")
+"""Class names whose own parameters go to AdamW by default: embeddings, routers, LM heads."""
+ADAMW_NAMES = ("embed", "lm_head", "wte", "wpe", "router", "mlp.gate.")
+"""Parameter-name fragments that go to AdamW by default (Hugging Face's embeddings, heads and
+MoE routers: ``model.embed_tokens``, ``lm_head``, ``mlp.gate``)."""
+
+IsMatrix = Callable[[str, nn.Parameter, nn.Module], bool]
+
+
+def is_hidden_matrix(name: str, param: nn.Parameter, module: nn.Module) -> bool:
+    """The default rule: a parameter of 2 or more dims (experts: [E, A, B]) that is no
+    embedding, LM head or router (``ADAMW_MODULES``, ``ADAMW_NAMES``)."""
+    if param.dim() < 2 or type(module).__name__ in ADAMW_MODULES:
+        return False
+    return not any(frag in name for frag in ADAMW_NAMES)
+
+
+def muon_param_groups(
+    module: nn.Module, weight_decay: float = 0.1, *, is_matrix: IsMatrix | None = None
+) -> list[dict]:
+    """Muon's groups for ``module``: the hidden matrices (``is_matrix``, default
+    ``is_hidden_matrix``; name, parameter, owning module) with ``"muon": True`` and
+    ``weight_decay``; AdamW's other matrices with ``weight_decay``, its vectors without; empty
+    groups left out; every parameter once."""
+    rule = is_matrix or is_hidden_matrix
+    buckets: dict[str, list] = {"muon": [], "decay": [], "no_decay": []}
+    seen: set[int] = set()
+    for mname, mod in module.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            name = f"{mname}.{pname}" if mname else pname
+            kind = "muon" if rule(name, p, mod) else "decay" if p.dim() >= 2 else "no_decay"
+            buckets[kind].append(p)
+    groups = [
+        {"params": buckets["muon"], "muon": True, "weight_decay": weight_decay},
+        {"params": buckets["decay"], "muon": False, "weight_decay": weight_decay},
+        {"params": buckets["no_decay"], "muon": False, "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon on the ``"muon": True`` groups, AdamW on the others (docs/muon.md).
+
+    Per matrix: ``buf <- lerp(buf, g, 1 - momentum)``, the update ``lerp(g, buf, momentum)``
+    (``nesterov``) or ``buf``, orthogonalised by ``ns_steps`` quintic Newton–Schulz steps
+    (``ns_coefficients``, in ``ns_dtype``, default the parameter's), times the ``adjust_lr``
+    ratio of the matrix's shape; ``p <- p (1 - lr wd) - lr · that``. State: ``momentum_buffer``
+    (Muon), ``step`` / ``exp_avg`` / ``exp_avg_sq`` (AdamW: ``betas``, ``eps``). A nonzero
+    ``found_inf`` attribute (torch's amp protocol) skips the step on the device.
+    ``comm_bytes``: bytes this rank sent for the whole matrices, per kind (ring formula)."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.1,
+        ns_steps: int = NS_STEPS,
+        ns_coefficients: Sequence[float] = NS_COEFFICIENTS,
+        ns_eps: float = NS_EPS,
+        adjust_lr: str = "match_rms_adamw",
+        ns_dtype: torch.dtype | None = None,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+    ) -> None:
+        if not lr >= 0.0:
+            raise ValueError(f"invalid learning rate {lr}: must be >= 0")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"invalid momentum {momentum}: must lie in [0, 1)")
+        if adjust_lr not in ADJUST_LR:
+            raise ValueError(f"adjust_lr {adjust_lr!r} must be one of {', '.join(ADJUST_LR)}")
+        if not (isinstance(ns_steps, int) and ns_steps >= 1):
+            raise ValueError(f"ns_steps must be a positive integer, got {ns_steps!r}")
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            ns_steps=ns_steps,
+            ns_coefficients=tuple(ns_coefficients),
+            ns_eps=ns_eps,
+            adjust_lr=adjust_lr,
+            ns_dtype=ns_dtype,
+            betas=betas,
+            eps=eps,
+            maximize=False,
+            muon=None,
+        )
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            if group["muon"] is None:
+                group["muon"] = all(p.dim() >= 2 for p in group["params"])
+        self._adamw = FusedAdamW([torch.zeros(1, requires_grad=True)])
+        self.comm_bytes = {"tp_gather": 0.0, "dp_gather": 0.0, "dp_scatter": 0.0}
+        self._owners: dict[int, list[int]] = {}
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        found = getattr(self, "found_inf", None)
+        scale = getattr(self, "grad_scale", None)
+        inv = None if scale is None else torch.reciprocal(scale.float())
+        adam = [g for g in self.param_groups if not g["muon"]]
+        if adam:  # a real FusedAdamW over our groups and state (its kernels, its checks)
+            self._adamw.param_groups, self._adamw.state = adam, self.state
+            self._adamw.amp_step(found_inf=found, inv_scale=inv)
+        for group in self.param_groups:
+            if group["muon"]:
+                self._muon_group(group, found, inv)
+        return loss
+
+    def _muon_group(self, group: dict, found, inv) -> None:
+        ortho = partial(
+            orthogonalize,
+            steps=group["ns_steps"],
+            coefficients=group["ns_coefficients"],
+            eps=group["ns_eps"],
+            adjust_lr=group["adjust_lr"],
+            dtype=group["ns_dtype"],
+        )
+        skip_on_host = found is not None and found.device.type == "cpu"
+        if skip_on_host and bool(found.reshape(()) != 0):
+            return  # every rank agreed on found_inf: all skip alike, no collective runs
+        keep = None if found is None or skip_on_host else found.reshape(()) != 0
+        lr, mom, wd = group["lr"], group["momentum"], group["weight_decay"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            g = p.grad if p.grad.dtype == p.dtype else p.grad.to(p.dtype)
+            if inv is not None:
+                g = g * inv.to(g.device)
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            new_buf = buf.lerp(g, 1 - mom)
+            update = g.lerp(new_buf, mom) if group["nesterov"] else new_buf
+            o = self._orthogonalized(p, update, ortho)
+            new_p = p.mul(1 - lr * wd).add_(o, alpha=-lr)
+            if keep is not None:
+                new_buf, new_p = torch.where(keep, buf, new_buf), torch.where(keep, p, new_p)
+            buf.copy_(new_buf)
+            p.copy_(new_p)
+
+    def _orthogonalized(self, p: torch.Tensor, update: torch.Tensor, ortho) -> torch.Tensor:
+        flat = getattr(p, FLAT_ATTR, None)
+        if flat is None:
+            if p.dim() < 2:
+                raise ValueError(
+                    f"Muon: a parameter of shape {tuple(p.shape)} in a 'muon' group: Muon "
+                    "orthogonalises matrices; put vectors in a group with 'muon': False "
+                    "(fastpar.optim.muon_param_groups)"
+                )
+            return whole_update(update, p, ortho, self.comm_bytes)
+        owner = self._owners.get(id(p))
+        if owner is None:
+            costs = [ns_cost(q, s) for q, s in zip(flat.params, flat.shapes, strict=True)]
+            owner = self._owners[id(p)] = owners(costs, flat.size)
+        return flat_update(update, flat, ortho, self.comm_bytes, owner)
+
+    def owner_load(self) -> dict[int, list[float]]:
+        """id(flat master) -> the Newton–Schulz cost each rank owns (its load balance)."""
+        out = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                flat = getattr(p, FLAT_ATTR, None)
+                if flat is None or id(p) not in self._owners:
+                    continue
+                load = [0.0] * flat.size
+                for q, s, r in zip(flat.params, flat.shapes, self._owners[id(p)], strict=True):
+                    load[r] += ns_cost(q, s)
+                out[id(p)] = load
+        return out
