@@ -185,22 +185,41 @@ class Muon(torch.optim.Optimizer):
                     "(fastpar.optim.muon_param_groups)"
                 )
             return whole_update(update, p, ortho, self.comm_bytes)
-        owner = self._owners.get(id(p))
-        if owner is None:
-            costs = [ns_cost(q, s) for q, s in zip(flat.params, flat.shapes, strict=True)]
-            owner = self._owners[id(p)] = owners(costs, flat.size)
-        return flat_update(update, flat, ortho, self.comm_bytes, owner)
+        if id(p) not in self._owners:
+            self._assign_owners()
+        return flat_update(update, flat, ortho, self.comm_bytes, self._owners[id(p)])
 
-    def owner_load(self) -> dict[int, list[float]]:
-        """id(flat master) -> the Newton–Schulz cost each rank owns (its load balance)."""
-        out = {}
+    def _assign_owners(self) -> None:
+        """One owner rank per whole parameter of every flat Muon master, balanced over all the
+        flats that shard over the same group (ZeRO-3 has one flat per unit)."""
+        by_group: dict[int, list] = {}
+        for group in self.param_groups:
+            for p in group["params"] if group["muon"] else ():
+                flat = getattr(p, FLAT_ATTR, None)
+                if flat is not None:
+                    by_group.setdefault(id(flat.group), []).append(p)
+        for masters in by_group.values():
+            items = [(m, i) for m in masters for i in range(len(m._fastpar_flat.params))]
+            flats = [m._fastpar_flat for m in masters]
+            costs = [
+                ns_cost(m._fastpar_flat.params[i], m._fastpar_flat.shapes[i]) for m, i in items
+            ]
+            assigned = owners(costs, flats[0].size)
+            for m in masters:
+                self._owners[id(m)] = []
+            for (m, _), r in zip(items, assigned, strict=True):
+                self._owners[id(m)].append(r)
+
+    def owner_load(self) -> list[list[float]]:
+        """Per group the flats shard over (dense, expert): the Newton–Schulz cost (flops ∝
+        A·B·min(A, B)) each of its ranks owns — the owners' load balance."""
+        loads: dict[int, list[float]] = {}
         for group in self.param_groups:
             for p in group["params"]:
                 flat = getattr(p, FLAT_ATTR, None)
                 if flat is None or id(p) not in self._owners:
                     continue
-                load = [0.0] * flat.size
+                load = loads.setdefault(id(flat.group), [0.0] * flat.size)
                 for q, s, r in zip(flat.params, flat.shapes, self._owners[id(p)], strict=True):
                     load[r] += ns_cost(q, s)
-                out[id(p)] = load
-        return out
+        return list(loads.values())

@@ -153,3 +153,74 @@ def muon_step_(
         o = orthogonalize(update, bl, **options)
         p.mul_(1 - lr * weight_decay)
         p.add_(o, alpha=-lr)
+
+
+class MuonReference:
+    """Muon over whole tensors on one device in any dtype, as ``fastpar.optim.Muon`` steps a
+    model: ``muon_step_`` on the groups with ``"muon": True``, ``torch.optim.AdamW`` (foreach
+    off) on the others. ``blocks(p)``: the separate matrices of ``p``
+    (``fastpar.optim.muon_matrices.blocks_of``; None: each parameter one matrix). Shows
+    ``param_groups``, ``state`` (AdamW's), ``step()`` and ``zero_grad()``."""
+
+    def __init__(
+        self,
+        param_groups: Sequence[dict],
+        *,
+        lr: float,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        blocks=None,
+        **options,
+    ) -> None:
+        self.param_groups = [dict(g) for g in param_groups]
+        adam = [
+            {k: v for k, v in g.items() if k != "muon"} for g in self.param_groups if not g["muon"]
+        ]
+        self.adamw = (
+            torch.optim.AdamW(
+                adam, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False
+            )
+            if adam
+            else None
+        )
+        self.lr, self.momentum, self.nesterov, self.weight_decay = (
+            lr,
+            momentum,
+            nesterov,
+            weight_decay,
+        )
+        self.blocks, self.options = blocks or (lambda p: None), options
+        self.buffers: dict[torch.Tensor, torch.Tensor] = {}
+
+    @property
+    def state(self):
+        return {} if self.adamw is None else self.adamw.state
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if self.adamw is not None:
+            self.adamw.step()
+        for g in self.param_groups:
+            if not g["muon"]:
+                continue
+            ps = [p for p in g["params"] if p.grad is not None]
+            bufs = [self.buffers.setdefault(p, torch.zeros_like(p)) for p in ps]
+            muon_step_(
+                ps,
+                [p.grad for p in ps],
+                bufs,
+                lr=g.get("lr", self.lr),
+                momentum=g.get("momentum", self.momentum),
+                nesterov=g.get("nesterov", self.nesterov),
+                weight_decay=g.get("weight_decay", self.weight_decay),
+                blocks=[self.blocks(p) for p in ps],
+                **self.options,
+            )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for g in self.param_groups:
+            for p in g["params"]:
+                p.grad = None
