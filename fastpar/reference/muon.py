@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from fastpar.reference.optimizer import ExactAdamW
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """(a, b, c) of the quintic iteration X <- a X + (b A + c A²) X, A = X Xᵀ (Keller Jordan's)."""
 NS_STEPS = 5
@@ -175,10 +177,7 @@ class MuonReference:
         blocks=None,
         **options,
     ) -> None:
-        self.param_groups = [dict(g) for g in param_groups]
-        adam = [
-            {k: v for k, v in g.items() if k != "muon"} for g in self.param_groups if not g["muon"]
-        ]
+        adam = [dict(g) for g in param_groups if not g["muon"]]
         self.adamw = (
             torch.optim.AdamW(
                 adam, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False
@@ -186,6 +185,9 @@ class MuonReference:
             if adam
             else None
         )
+        # AdamW's own group dicts (an lr set on one reaches it), then Muon's
+        muon = [{"betas": betas, "eps": eps, **g} for g in param_groups if g["muon"]]
+        self.param_groups = [*(self.adamw.param_groups if adam else []), *muon]
         self.lr, self.momentum, self.nesterov, self.weight_decay = (
             lr,
             momentum,
@@ -224,3 +226,21 @@ class MuonReference:
         for g in self.param_groups:
             for p in g["params"]:
                 p.grad = None
+
+
+class ExactMuon(ExactAdamW):
+    """``fastpar.verify``'s float64 reference of ``--optimizer muon``: ``ExactAdamW``'s norm,
+    clipping and skips around ``MuonReference`` (``muon`` options: its keywords). Its
+    ``denominators`` are AdamW's parameters' only (a Muon matrix gets no AdamW slack)."""
+
+    def __init__(
+        self,
+        param_groups: Sequence[dict],
+        *,
+        lr: float,
+        max_grad_norm: float | None = None,
+        skips: Sequence[bool] = (),
+        **muon,
+    ) -> None:
+        super().__init__(param_groups, lr=lr, max_grad_norm=max_grad_norm, skips=skips)
+        self.optimizer = MuonReference(param_groups, lr=lr, **muon)

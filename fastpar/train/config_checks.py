@@ -183,7 +183,7 @@ def check_context_parallel(cfg) -> None:
 def check_optimizer(cfg) -> None:
     """--optimizer and --optimizer-state-dtype name what is built (the rest is refused, never
     quietly replaced by AdamW in fp32)."""
-    if cfg.optimizer != "adamw":
+    if cfg.optimizer not in ("adamw", "muon"):
         raise ValueError(
             f"--optimizer {cfg.optimizer}: not available yet in fastpar.train; use --optimizer adamw"
         )
