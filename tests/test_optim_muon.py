@@ -15,6 +15,7 @@ from torch import nn
 from fastpar import tolerance
 from fastpar.mesh.placement import mark_blocks
 from fastpar.models import build_model
+from fastpar.models.gpt import GPTConfig
 from fastpar.models.llama import LlamaConfig
 from fastpar.optim import Muon, muon_param_groups
 from fastpar.optim.muon_matrices import blocks_of, owners
@@ -140,7 +141,7 @@ def test_default_rule():
 
 
 def test_refusals():
-    with pytest.raises(ValueError, match="shape \\(4,\\) in a 'muon' group"):
+    with pytest.raises(ValueError, match=r"a parameter of shape \(4,\) in a 'muon' group"):
         p = nn.Parameter(torch.ones(4))
         p.grad = torch.ones(4)
         Muon([{"params": [p], "muon": True}]).step()
@@ -225,3 +226,17 @@ def test_mark_blocks_wins_over_fused():
     p = nn.Parameter(torch.zeros(6, 2))
     mark_blocks(p, 0, (2, 4))
     assert blocks_of(p) == (0, (2, 4), 1)
+
+
+def test_expert_biases_are_vectors():
+    """An expert stack's [E, F] bias is E vectors: AdamW by default, refused in a Muon group."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=32, seq_len=8, hidden=16, heads=2, layers=1, moe_every=1)
+    model = nn.Sequential(*build_model(cfg))
+    groups = muon_param_groups(model)
+    muon = {id(p) for g in groups if g["muon"] for p in g["params"]}
+    moe = model[1].mlp
+    assert id(moe.w1) in muon and id(moe.b1) not in muon and id(moe.b2) not in muon
+    moe.b1.grad = torch.ones_like(moe.b1)
+    with pytest.raises(ValueError, match=r"an expert stack of shape \(4, 64\) in a 'muon'"):
+        Muon([{"params": [moe.b1], "muon": True}]).step()

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastpar.mesh.placement import is_expert
 from fastpar.optim.fused_adamw import FusedAdamW
 from fastpar.optim.muon_matrices import FLAT_ATTR, flat_update, ns_cost, owners, whole_update
 from fastpar.reference.muon import ADJUST_LR, NS_COEFFICIENTS, NS_EPS, NS_STEPS, orthogonalize
@@ -31,10 +32,16 @@ MoE routers: ``model.embed_tokens``, ``lm_head``, ``mlp.gate``)."""
 IsMatrix = Callable[[str, nn.Parameter, nn.Module], bool]
 
 
+def matrix_dims(p: torch.Tensor) -> int:
+    """The dims of each of ``p``'s matrices: an expert stack's dim 0 counts experts (its
+    [E, F] bias is E vectors, its [E, A, B] weight E matrices)."""
+    return p.dim() - (1 if is_expert(p) else 0)
+
+
 def is_hidden_matrix(name: str, param: nn.Parameter, module: nn.Module) -> bool:
-    """The default rule: a parameter of 2 or more dims (experts: [E, A, B]) that is no
+    """The default rule: a matrix (``matrix_dims`` 2: [A, B], experts [E, A, B]) that is no
     embedding, LM head or router (``ADAMW_MODULES``, ``ADAMW_NAMES``)."""
-    if param.dim() < 2 or type(module).__name__ in ADAMW_MODULES:
+    if matrix_dims(param) != 2 or type(module).__name__ in ADAMW_MODULES:
         return False
     return not any(frag in name for frag in ADAMW_NAMES)
 
@@ -119,7 +126,7 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, defaults)
         for group in self.param_groups:
             if group["muon"] is None:
-                group["muon"] = all(p.dim() >= 2 for p in group["params"])
+                group["muon"] = all(matrix_dims(p) == 2 for p in group["params"])
         self._adamw = FusedAdamW([torch.zeros(1, requires_grad=True)])
         self.comm_bytes = {"tp_gather": 0.0, "dp_gather": 0.0, "dp_scatter": 0.0}
         self._owners: dict[int, list[int]] = {}
@@ -178,12 +185,7 @@ class Muon(torch.optim.Optimizer):
     def _orthogonalized(self, p: torch.Tensor, update: torch.Tensor, ortho) -> torch.Tensor:
         flat = getattr(p, FLAT_ATTR, None)
         if flat is None:
-            if p.dim() < 2:
-                raise ValueError(
-                    f"Muon: a parameter of shape {tuple(p.shape)} in a 'muon' group: Muon "
-                    "orthogonalises matrices; put vectors in a group with 'muon': False "
-                    "(fastpar.optim.muon_param_groups)"
-                )
+            _check_matrix(p)
             return whole_update(update, p, ortho, self.comm_bytes)
         if id(p) not in self._owners:
             self._assign_owners()
@@ -199,6 +201,9 @@ class Muon(torch.optim.Optimizer):
                 if flat is not None:
                     by_group.setdefault(id(flat.group), []).append(p)
         for masters in by_group.values():
+            for m in masters:
+                for q, shape in zip(m._fastpar_flat.params, m._fastpar_flat.shapes, strict=True):
+                    _check_matrix(q, shape)  # (ZeRO-3: q is empty between steps)
             items = [(m, i) for m in masters for i in range(len(m._fastpar_flat.params))]
             flats = [m._fastpar_flat for m in masters]
             costs = [
@@ -223,3 +228,14 @@ class Muon(torch.optim.Optimizer):
                 for q, s, r in zip(flat.params, flat.shapes, self._owners[id(p)], strict=True):
                     load[r] += ns_cost(q, s)
         return list(loads.values())
+
+
+def _check_matrix(p: torch.Tensor, shape: torch.Size | None = None) -> None:
+    shape = p.shape if shape is None else shape
+    if len(shape) - is_expert(p) != 2:
+        what = "an expert stack" if is_expert(p) else "a parameter"
+        raise ValueError(
+            f"Muon: {what} of shape {tuple(shape)} in a 'muon' group: Muon orthogonalises "
+            "matrices ([A, B], experts [E, A, B]); put vectors and biases in a group with "
+            "'muon': False (fastpar.optim.muon_param_groups)"
+        )
