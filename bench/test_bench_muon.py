@@ -90,7 +90,8 @@ def _run(name: str) -> dict:
             out["sent"] = sent
             out["formula"] = _formula(model, groups, tp, dp, zero)
             if zero is not None and dp > 1:
-                padded = sum(f.padded for f in wrapper.flats if f.master in _muon_masters(inner))
+                ids_ = {id(m) for m in _muon_masters(inner)}
+                padded = sum(f.padded for f in wrapper.flats if id(f.master) in ids_)
                 out["formula"] += 2 * (dp - 1) / dp * 4 * padded
             loads = inner.owner_load()
             out["balance"] = max((max(x) / (sum(x) / len(x)) for x in loads if sum(x)), default=1)
