@@ -47,6 +47,15 @@ LAYOUTS = {
     "tp2-dp2-zero1-moe-ep2": dict(tp=2, pp=1, dp=2, ep=2, zero=1, moe_every=1),
     "tp2-pp2-dp2-zero1": dict(tp=2, pp=2, dp=2, ep=1, zero=1, layers=4),
     "tp2-pp2-dp2-zero3": dict(tp=2, pp=2, dp=2, ep=1, zero=3, layers=4),
+    "deepseek-tp2-dp2-ep2-zero1": dict(
+        model_type="deepseek", tp=2, pp=1, dp=2, ep=2, zero=1, layers=3
+    ),
+    "llama-mtp-tp2": dict(model_type="llama", tp=2, pp=1, dp=1, ep=1, zero=0, mtp_depth=1),
+    "gpt-expert-tp2": dict(tp=2, pp=1, dp=1, ep=1, zero=0, moe_every=1, moe_expert_tp=True),
+    "hsdp-zero3": dict(tp=1, pp=1, dp=4, ep=1, zero=3, dp_shard=2, dp_replicate=2),
+    "dp2-zero1-bf16": dict(tp=1, pp=1, dp=2, ep=1, zero=1, precision="bf16"),
+    "dp2-zero2-fp16": dict(tp=1, pp=1, dp=2, ep=1, zero=2, precision="fp16"),
+    "cp2": dict(tp=1, pp=1, dp=1, ep=1, zero=0, cp=2),
     "llama-tp2-pp2-dp2-zero3-moe-ep2": dict(
         model_type="llama", kv_heads=2, tp=2, pp=2, dp=2, ep=2, zero=3, layers=4, moe_every=2
     ),
@@ -109,3 +118,46 @@ def test_resume_reshards_zero1_to_zero3_and_tp2(tmp_path):
     assert zero3[0] == full[2] and zero3[1] == pytest.approx(full[3], rel=1e-5)
     full, tp2 = _resume(tmp_path / "b", {}, {"tp": 2, "dp": 2})
     assert tp2 == pytest.approx(full[2:], rel=1e-5)
+
+
+def _hf_file(tmp_path, family: str) -> str:
+    import json
+
+    from _hf import config as hf_config
+
+    path = tmp_path / f"{family}.json"
+    path.write_text(json.dumps(hf_config(family, vocab_size=300).to_dict()))
+    return str(path)
+
+
+@pytest.mark.parametrize("family, what", [("mixtral", "experts"), ("gpt2", "fused weights")])
+def test_hf_families_muon_cannot_tell_apart_are_refused(tmp_path, family, what):
+    pytest.importorskip("transformers")
+    cfg = TrainConfig(
+        **{**SMALL, **MUON, "tp": 1, "pp": 1, "hf_config": _hf_file(tmp_path, family)}
+    )
+    with pytest.raises(ValueError, match=f"--optimizer muon with --hf-config {family}: its {what}"):
+        build(cfg, None, torch.device("cpu"))
+
+
+@pytest.mark.slow
+def test_verify_agrees_on_an_hf_model(tmp_path):
+    """Qwen3 (separate q/k/v projections, q/k norms, tied embeddings across stages)."""
+    pytest.importorskip("transformers")
+    layout = dict(tp=2, pp=2, dp=2, ep=1, zero=1, seq_len=16)
+    cfg = TrainConfig(**{**SMALL, **MUON, **layout, "hf_config": _hf_file(tmp_path, "qwen3")})
+    ok, text = compare(cfg)
+    assert ok, text
+
+
+@pytest.mark.slow
+def test_resume_refuses_another_optimizer_and_warns_on_momentum(tmp_path, capfd):
+    ckpt = str(tmp_path / "ckpt")
+    base = {**RESUME, "steps": 2, "checkpoint_dir": ckpt, "save_every": 2}
+    launch(TrainConfig(**base))
+    with pytest.raises(Exception, match="--optimizer muon -> adamw"):
+        launch(TrainConfig(**{**base, "steps": 3, "resume": True, "optimizer": "adamw"}))
+    launch(
+        TrainConfig(**{**base, "steps": 3, "resume": True, "muon_momentum": 0.9, "quiet": False})
+    )
+    assert "--muon-momentum 0.95 -> 0.9" in capfd.readouterr().err

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from fastpar import families
 from fastpar.optim import Muon, muon_param_groups
 from fastpar.optim.muon_matrices import blocks_of
 from fastpar.reference.muon import ExactMuon
@@ -15,8 +16,30 @@ from fastpar.reference.optimizer import ExactAdamW
 def groups_for(cfg, stage, adamw_groups: Callable) -> list[dict]:
     """The optimizer's parameter groups of ``stage``: ``adamw_groups(stage, weight_decay)``
     for AdamW; for Muon ``fastpar.optim.muon_param_groups`` (its default rule)."""
+    if cfg.optimizer == "muon" and cfg.hf_config:
+        check_hf_muon(cfg)
     make = muon_param_groups if cfg.optimizer == "muon" else adamw_groups
     return make(stage, cfg.weight_decay)
+
+
+def check_hf_muon(cfg) -> None:
+    """Refuse ``--optimizer muon`` for a Hugging Face family whose matrices one process cannot
+    tell apart: fused blocks (GPT-2's ``c_attn``) or experts stacked in one tensor are marked
+    only by the TP / EP plan, so the single-process run (and ``fastpar.verify``'s reference)
+    would orthogonalise them as one matrix (docs/muon.md)."""
+    from fastpar.models.hf import load_config  # transformers: on use
+
+    model_type = load_config(cfg.hf_config).model_type
+    family = families.find(model_type)
+    fused = [k for k, v in ((family and family.plan) or {}).items() if "fused" in str(v)]
+    if family is not None and (family.moe is not None or fused):
+        what = f"fused weights {fused}" if fused else "experts stacked in one tensor"
+        raise ValueError(
+            f"--optimizer muon with --hf-config {model_type}: its {what} are separate matrices "
+            "that only the parallel plan marks, so one process would orthogonalise them as one; "
+            "use --optimizer adamw for this family (or fastpar's own --model-type with --optimizer "
+            "muon)"
+        )
 
 
 def muon_factory(cfg) -> Callable | None:
