@@ -18,6 +18,7 @@ from fastpar.models import build_model
 from fastpar.models.gpt import GPTConfig
 from fastpar.models.llama import LlamaConfig
 from fastpar.optim import Muon, muon_param_groups
+from fastpar.optim import muon as muon_module
 from fastpar.optim.muon_matrices import blocks_of, owners
 from fastpar.reference.muon import lr_ratio, muon_step_, newton_schulz, orthogonalize
 
@@ -210,16 +211,34 @@ def test_muon_fp32_agrees_with_float64():
     assert set(opt.state[model[1].norm1.weight]) == {"step", "exp_avg", "exp_avg_sq"}
 
 
-def test_found_inf_skips_everything():
+@pytest.mark.parametrize("on_device", [False, True])
+def test_found_inf_skips_everything(monkeypatch, on_device):
+    """A raised flag leaves every tensor as it was; a clear one steps as without a flag —
+    read on the host (a CPU flag), or decided on the device (``torch.where``, forced here)."""
+    if on_device:
+        monkeypatch.setattr(muon_module, "skip_on_host", lambda f: None if f is not None else False)
+    ends = {}
+    for flag in (None, 1.0, 0.0):
+        torch.manual_seed(0)
+        model = _llama()
+        opt = Muon(muon_param_groups(model), lr=0.01)
+        for s in range(2):
+            _grads(model, s)
+            opt.found_inf = None if flag is None or s == 0 else torch.full((), flag)
+            opt.step()
+        ends[flag] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        bufs = [opt.state[p].get("momentum_buffer") for p in model.parameters()]
+        ends[flag]["_buf"] = torch.cat([b.reshape(-1) for b in bufs if b is not None])
     torch.manual_seed(0)
     model = _llama()
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = Muon(muon_param_groups(model), lr=0.01)
     _grads(model, 0)
-    opt.found_inf = torch.ones(())
     opt.step()
-    for n, p in model.named_parameters():
-        assert torch.equal(p, before[n]), n
+    after_one = {n: p.detach() for n, p in model.named_parameters()}
+    for n in after_one:
+        assert torch.equal(ends[1.0][n], after_one[n]), n  # step 2 skipped
+        assert torch.equal(ends[0.0][n], ends[None][n]), n  # step 2 taken
+    assert torch.equal(ends[0.0]["_buf"], ends[None]["_buf"])
 
 
 def test_mark_blocks_wins_over_fused():

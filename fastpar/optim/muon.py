@@ -158,10 +158,10 @@ class Muon(torch.optim.Optimizer):
             adjust_lr=group["adjust_lr"],
             dtype=group["ns_dtype"],
         )
-        skip_on_host = found is not None and found.device.type == "cpu"
-        if skip_on_host and bool(found.reshape(()) != 0):
+        skip = skip_on_host(found)
+        if skip:
             return  # every rank agreed on found_inf: all skip alike, no collective runs
-        keep = None if found is None or skip_on_host else found.reshape(()) != 0
+        keep = None if skip is not None else found.reshape(()) != 0  # decided on the device
         lr, mom, wd = group["lr"], group["momentum"], group["weight_decay"]
         for p in group["params"]:
             if p.grad is None:
@@ -228,6 +228,14 @@ class Muon(torch.optim.Optimizer):
                 for q, s, r in zip(flat.params, flat.shapes, self._owners[id(p)], strict=True):
                     load[r] += ns_cost(q, s)
         return list(loads.values())
+
+
+def skip_on_host(found: torch.Tensor | None) -> bool | None:
+    """Whether to skip, when the flag can be read for free (None: no flag, or a CPU one);
+    None when it lives on a device (then the step is computed and discarded there)."""
+    if found is None:
+        return False
+    return bool(found.reshape(()) != 0) if found.device.type == "cpu" else None
 
 
 def _check_matrix(p: torch.Tensor, shape: torch.Size | None = None) -> None:
