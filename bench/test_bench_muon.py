@@ -25,17 +25,22 @@ from fastpar import ParallelMesh
 from fastpar.mesh.placement import param_layout
 from fastpar.models import build_model
 from fastpar.models.gpt import GPTConfig
+from fastpar.models.llama import LlamaConfig
 from fastpar.optim import FusedAdamW, Muon, muon_param_groups
 from fastpar.parallel import Shard
 from fastpar.testing import run_ranks
 
 ITERS = 4
 CFG = GPTConfig(vocab_size=256, seq_len=32, hidden=128, heads=4, layers=2)
+LLAMA = LlamaConfig(
+    vocab_size=256, seq_len=32, hidden=128, heads=4, kv_heads=2, layers=3, moe_every=2
+)
 LAYOUTS = {
-    "tp2": dict(tp=2, zero=None),
-    "dp2-zero1": dict(tp=1, zero=1),
-    "dp2-zero3": dict(tp=1, zero=3),
-    "tp2-dp2-zero1": dict(tp=2, zero=1),
+    "tp2": dict(tp=2, zero=None, world=2),
+    "dp2-zero1": dict(tp=1, zero=1, world=2),
+    "dp2-zero3": dict(tp=1, zero=3, world=2),
+    "tp2-dp2-zero1": dict(tp=2, zero=1, world=4),
+    "llama-moe-dp4-zero3": dict(tp=1, zero=3, world=4, cfg=LLAMA),
 }
 
 
@@ -56,11 +61,12 @@ def _run(name: str) -> dict:
     tp, zero = spec["tp"], spec["zero"]
     mesh = ParallelMesh(tp=tp)
     dp = dist.get_world_size() // tp
-    ids = torch.randint(0, CFG.vocab_size, (4, CFG.seq_len), generator=torch.Generator())
+    cfg = spec.get("cfg", CFG)
+    ids = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), generator=torch.Generator())
     out: dict = {"seconds": {}}
     for kind in ("muon", "adamw"):
         torch.manual_seed(0)
-        model = nn.Sequential(*build_model(CFG, mesh))
+        model = nn.Sequential(*build_model(cfg, mesh))
         groups = muon_param_groups(model, weight_decay=0.1)
         if kind == "adamw":
             groups = [{k: v for k, v in g.items() if k != "muon"} for g in groups]
@@ -94,6 +100,7 @@ def _run(name: str) -> dict:
                 padded = sum(f.padded for f in wrapper.flats if id(f.master) in ids_)
                 out["formula"] += 2 * (dp - 1) / dp * 4 * padded
             loads = inner.owner_load()
+            out["loads"] = [[round(x / max(sum(g), 1), 3) for x in g] for g in loads]
             out["balance"] = max((max(x) / (sum(x) / len(x)) for x in loads if sum(x)), default=1)
     return out
 
@@ -104,7 +111,7 @@ def _muon_masters(opt) -> list:
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_muon_step(benchmark, name):
-    world = 4 if name.count("2") == 2 else 2
+    world = LAYOUTS[name]["world"]
     benchmark.group = f"muon-{name}"
     res = benchmark.pedantic(run_ranks, args=(_run, world, name), rounds=1, iterations=1)
     t = {k: statistics.median(r["seconds"][k] for r in res) for k in ("muon", "adamw")}
@@ -117,11 +124,12 @@ def test_muon_step(benchmark, name):
         sent_bytes_per_rank=sent,
         formula_bytes_per_rank=formula,
         owner_balance_max_over_mean=balance,
+        owner_shares=res[0]["loads"],
     )
     assert statistics.mean(sent) == pytest.approx(formula)
     print(
         f"\n{name} (world {world}): step muon {t['muon'] * 1e3:.1f} ms vs adamw "
         f"{t['adamw'] * 1e3:.1f} ms (x{t['muon'] / t['adamw']:.1f}); sent/rank "
         f"{[round(s / 2**10, 1) for s in sent]} KiB, formula (mean) {formula / 2**10:.1f} KiB; "
-        f"owner load max/mean {balance:.2f}"
+        f"owner load max/mean {balance:.2f} (shares per group {res[0]['loads']})"
     )
