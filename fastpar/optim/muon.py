@@ -108,21 +108,10 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"adjust_lr {adjust_lr!r} must be one of {', '.join(ADJUST_LR)}")
         if not (isinstance(ns_steps, int) and ns_steps >= 1):
             raise ValueError(f"ns_steps must be a positive integer, got {ns_steps!r}")
-        defaults = dict(
-            lr=lr,
-            momentum=momentum,
-            nesterov=nesterov,
-            weight_decay=weight_decay,
-            ns_steps=ns_steps,
-            ns_coefficients=tuple(ns_coefficients),
-            ns_eps=ns_eps,
-            adjust_lr=adjust_lr,
-            ns_dtype=ns_dtype,
-            betas=betas,
-            eps=eps,
-            maximize=False,
-            muon=None,
-        )
+        ns = dict(ns_steps=ns_steps, ns_coefficients=tuple(ns_coefficients), ns_eps=ns_eps)
+        adam = dict(betas=betas, eps=eps, maximize=False)
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
+        defaults.update(ns, adjust_lr=adjust_lr, ns_dtype=ns_dtype, muon=None, **adam)
         super().__init__(params, defaults)
         for group in self.param_groups:
             if group["muon"] is None:
