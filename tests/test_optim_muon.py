@@ -13,13 +13,13 @@ import torch
 from torch import nn
 
 from fastpar import tolerance
-from fastpar.mesh.placement import mark_blocks
+from fastpar.mesh.placement import mark_blocks, mark_expert
 from fastpar.models import build_model
 from fastpar.models.gpt import GPTConfig
 from fastpar.models.llama import LlamaConfig
 from fastpar.optim import Muon, muon_param_groups
 from fastpar.optim import muon as muon_module
-from fastpar.optim.muon_matrices import blocks_of, owners
+from fastpar.optim.muon_matrices import blocks_of, owners, pieces
 from fastpar.reference.muon import lr_ratio, muon_step_, newton_schulz, orthogonalize
 
 
@@ -153,6 +153,20 @@ def test_refusals():
 def test_owners_balance():
     """Costliest first to the least-loaded rank (ties: the lowest): 9 | 5+3+1 | 4+3+2."""
     assert owners([9, 5, 4, 3, 3, 2, 1], 3) == [0, 1, 2, 2, 1, 2, 1]
+
+
+def test_experts_are_owned_apart():
+    """A flat's units of ownership: each expert of a stack (its share of the stack's cost),
+    every other parameter whole; four experts and a matrix over two ranks balance."""
+    w1, w = torch.zeros(4, 8, 16), torch.zeros(16, 16)
+    mark_expert(w1)
+
+    class Flat:
+        params, shapes = [w1, w], [w1.shape, w.shape]
+
+    units = pieces(Flat)
+    assert units == [((0, e), 8 * 16 * 8) for e in range(4)] + [((1, None), 16**3)]
+    assert owners([c for _, c in units], 2) == [1, 1, 1, 1, 0]
 
 
 def _grads(model: nn.Module, step: int) -> None:

@@ -52,6 +52,8 @@ LAYOUTS = {
     ),
     "llama-mtp-tp2": dict(model_type="llama", tp=2, pp=1, dp=1, ep=1, zero=0, mtp_depth=1),
     "gpt-expert-tp2": dict(tp=2, pp=1, dp=1, ep=1, zero=0, moe_every=1, moe_expert_tp=True),
+    "dp2-zero1-moe": dict(tp=1, pp=1, dp=2, ep=1, zero=1, moe_every=1),
+    "dp2-zero3-moe": dict(tp=1, pp=1, dp=2, ep=1, zero=3, moe_every=1),
     "hsdp-zero3": dict(tp=1, pp=1, dp=4, ep=1, zero=3, dp_shard=2, dp_replicate=2),
     "dp2-zero1-bf16": dict(tp=1, pp=1, dp=2, ep=1, zero=1, precision="bf16"),
     "dp2-zero2-fp16": dict(tp=1, pp=1, dp=2, ep=1, zero=2, precision="fp16"),

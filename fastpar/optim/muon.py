@@ -20,7 +20,7 @@ from torch import nn
 
 from fastpar.mesh.placement import is_expert
 from fastpar.optim.fused_adamw import FusedAdamW
-from fastpar.optim.muon_matrices import FLAT_ATTR, flat_update, ns_cost, owners, whole_update
+from fastpar.optim.muon_matrices import FLAT_ATTR, flat_update, owners, pieces, whole_update
 from fastpar.reference.muon import ADJUST_LR, NS_COEFFICIENTS, NS_EPS, NS_STEPS, orthogonalize
 
 ADAMW_MODULES = ("Embedding", "VocabParallelEmbedding", "TopKRouter", "Head", "MTPHead")
@@ -118,7 +118,7 @@ class Muon(torch.optim.Optimizer):
                 group["muon"] = all(matrix_dims(p) == 2 for p in group["params"])
         self._adamw = FusedAdamW([torch.zeros(1, requires_grad=True)])
         self.comm_bytes = {"tp_gather": 0.0, "dp_gather": 0.0, "dp_scatter": 0.0}
-        self._owners: dict[int, list[int]] = {}
+        self._owners: dict[int, list] = {}  # id(flat master) -> [((index, expert), rank, cost)]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -178,11 +178,13 @@ class Muon(torch.optim.Optimizer):
             return whole_update(update, p, ortho, self.comm_bytes)
         if id(p) not in self._owners:
             self._assign_owners()
-        return flat_update(update, flat, ortho, self.comm_bytes, self._owners[id(p)])
+        owner = [(piece, rank) for piece, rank, _ in self._owners[id(p)]]
+        return flat_update(update, flat, ortho, self.comm_bytes, owner)
 
     def _assign_owners(self) -> None:
-        """One owner rank per whole parameter of every flat Muon master, balanced over all the
-        flats that shard over the same group (ZeRO-3 has one flat per unit)."""
+        """One owner rank per piece (a whole parameter, or one expert of a stack) of every flat
+        Muon master, balanced over all the flats that shard over the same group (ZeRO-3 has one
+        flat per unit)."""
         by_group: dict[int, list] = {}
         for group in self.param_groups:
             for p in group["params"] if group["muon"] else ():
@@ -190,19 +192,16 @@ class Muon(torch.optim.Optimizer):
                 if flat is not None:
                     by_group.setdefault(id(flat.group), []).append(p)
         for masters in by_group.values():
+            items = []
             for m in masters:
-                for q, shape in zip(m._fastpar_flat.params, m._fastpar_flat.shapes, strict=True):
+                flat = m._fastpar_flat
+                for q, shape in zip(flat.params, flat.shapes, strict=True):
                     _check_matrix(q, shape)  # (ZeRO-3: q is empty between steps)
-            items = [(m, i) for m in masters for i in range(len(m._fastpar_flat.params))]
-            flats = [m._fastpar_flat for m in masters]
-            costs = [
-                ns_cost(m._fastpar_flat.params[i], m._fastpar_flat.shapes[i]) for m, i in items
-            ]
-            assigned = owners(costs, flats[0].size)
-            for m in masters:
+                items += [(m, piece, cost) for piece, cost in pieces(flat)]
                 self._owners[id(m)] = []
-            for (m, _), r in zip(items, assigned, strict=True):
-                self._owners[id(m)].append(r)
+            assigned = owners([cost for _, _, cost in items], masters[0]._fastpar_flat.size)
+            for (m, piece, cost), rank in zip(items, assigned, strict=True):
+                self._owners[id(m)].append((piece, rank, cost))
 
     def owner_load(self) -> list[list[float]]:
         """Per group the flats shard over (dense, expert): the Newton–Schulz cost (flops ∝
@@ -214,8 +213,8 @@ class Muon(torch.optim.Optimizer):
                 if flat is None or id(p) not in self._owners:
                     continue
                 load = loads.setdefault(id(flat.group), [0.0] * flat.size)
-                for q, s, r in zip(flat.params, flat.shapes, self._owners[id(p)], strict=True):
-                    load[r] += ns_cost(q, s)
+                for _, rank, cost in self._owners[id(p)]:
+                    load[rank] += cost
         return list(loads.values())
 
 

@@ -2,8 +2,9 @@
 shard all-gathered over its TP group into the whole tensor (fused q|k|v, gate|up reordered from
 each rank's share of every block) and sliced back; a flat data-parallel shard (the ``Replicate``
 / ``Shard`` family's 1-D masters, which cut across parameters) all-gathered over its group,
-each whole parameter orthogonalised by one owner rank (balanced by Newton–Schulz cost), and
-the results reduce-scattered back (a sum of one owner's values and zeros: exact)."""
+each whole parameter (each expert of an expert stack) orthogonalised by one owner rank
+(balanced by Newton–Schulz cost), and the results reduce-scattered back (a sum of one owner's
+values and zeros: exact)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from fastpar.mesh.placement import matrix_blocks, param_layout
+from fastpar.mesh.placement import is_expert, matrix_blocks, param_layout
 from fastpar.mesh.ranks import group_rank, group_size
 from fastpar.reference.muon import Blocks
 
@@ -129,12 +130,35 @@ def owners(costs: list[float], size: int) -> list[int]:
     return out
 
 
+Piece = tuple[int, int | None]
+"""One owner's unit of a flat: (the parameter's index in the flat, an expert of its stack, or
+None for the whole parameter)."""
+
+
+def pieces(flat) -> list[tuple[Piece, float]]:
+    """The flat's units of ownership with their ``ns_cost``: each expert of an expert stack
+    apart (each is its own matrix), every other parameter whole."""
+    out: list[tuple[Piece, float]] = []
+    for i, (q, shape) in enumerate(zip(flat.params, flat.shapes, strict=True)):
+        if is_expert(q) and len(shape) == 3 and shape[0] > 1:
+            cost = ns_cost(q, shape) / shape[0]
+            out += [((i, e), cost) for e in range(shape[0])]
+        else:
+            out.append(((i, None), ns_cost(q, shape)))
+    return out
+
+
 def flat_update(
-    update: torch.Tensor, flat, ortho: Orthogonalize, counts: dict, owner: list[int]
+    update: torch.Tensor,
+    flat,
+    ortho: Orthogonalize,
+    counts: dict,
+    owner: list[tuple[Piece, int]],
 ) -> torch.Tensor:
     """The orthogonalised update of this rank's flat shard ``update`` [shard_len]: all-gather
-    the shard into the whole flat, each owner orthogonalises its whole parameters (TP-gathered
-    among its TP peers, which own the same ones), reduce-scatter the sums back."""
+    the shard into the whole flat, each owner orthogonalises its pieces (``owner``: each piece
+    and its rank; TP-gathered among its TP peers, which own the same ones), reduce-scatter the
+    sums back. A replicated (or one-rank) flat: every piece here, nothing sent."""
     gathered = flat.sharded and flat.size > 1
     full = update
     if gathered:
@@ -142,12 +166,13 @@ def flat_update(
         _all_gather(full, update.contiguous(), flat)
         counts["dp_gather"] += ring_bytes(flat.padded, update.element_size(), flat.size)
     out = torch.zeros_like(full)
-    me = flat.rank if gathered else None
-    for i, p in enumerate(flat.params):
-        if me is not None and owner[i] != me:
+    for (i, e), rank in owner:
+        if gathered and rank != flat.rank:
             continue
-        u = flat.view(full, i)
-        flat.view(out, i).copy_(whole_update(u, p, ortho, counts))
+        u, o = flat.view(full, i), flat.view(out, i)
+        if e is not None:
+            u, o = u[e : e + 1], o[e : e + 1]
+        o.copy_(whole_update(u, flat.params[i], ortho, counts))
     if not gathered:
         return out
     counts["dp_scatter"] += ring_bytes(flat.padded, out.element_size(), flat.size)
