@@ -75,6 +75,7 @@ QUICK = {
     "test_bench_linear_cross_entropy.py": [
         "test_linear_cross_entropy[fused-V32768-N4096-H256-forward]",  # each full case: 70-270 s
     ],
+    "test_bench_muon.py": ["test_muon_step[tp2]", "test_muon_step[dp2-zero1]"],
     "test_bench_moe_grouped.py": ["test_moe_grouped_experts[cpu-E8-H256-F512-T1024-balanced-mlp]"],
     "test_bench_moe_layer.py": ["test_moe_layer_step[2-dropless]"],
     "test_bench_moe_overlap.py": [

@@ -107,3 +107,10 @@ def test_the_header_names_the_state_dtype():
     assert "moments" not in header_line(
         TrainConfig(**TINY, **DP2 | {"optimizer_state_dtype": "fp32"}), "gloo", 9, 9
     )
+
+
+def test_muon_with_bf16_state_is_refused():
+    """Muon keeps fp32 state: asking for bf16 moments with it is refused, never ignored."""
+    cfg = TrainConfig(**SMALL, optimizer="muon", optimizer_state_dtype="bf16")
+    with pytest.raises(ValueError, match="--optimizer muon --optimizer-state-dtype bf16: Muon"):
+        cfg.check()

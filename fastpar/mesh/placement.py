@@ -17,6 +17,7 @@ _ATTR = "_fastpar_layout"
 _DUPLICATED = "_fastpar_duplicated_over"
 _EXPERT = "_fastpar_expert"
 _TIED_NAME = "_fastpar_checkpoint_name"
+_BLOCKS = "_fastpar_matrix_blocks"
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,29 @@ def tied_name(p: torch.Tensor) -> str | None:
     return getattr(p, _TIED_NAME, None)
 
 
+@dataclass(frozen=True)
+class MatrixBlocks:
+    """The separate matrices one parameter stacks along ``dim`` of its whole (TP-assembled)
+    tensor: ``repeat`` groups of blocks of ``sizes`` rows each; matrix j is block j of every
+    group, concatenated (a Llama q|k|v grouped by key/value head: sizes (rep·d, d, d), repeat
+    kv_heads; a gated expert's gate|up: sizes (F, F) along dim -1). Read by ``fastpar.optim.Muon``
+    (docs/muon.md)."""
+
+    dim: int
+    sizes: tuple[int, ...]
+    repeat: int = 1
+
+
+def mark_blocks(p: torch.Tensor, dim: int, sizes: tuple[int, ...], repeat: int = 1) -> None:
+    """``p`` stacks several matrices along ``dim`` (``MatrixBlocks``)."""
+    setattr(p, _BLOCKS, MatrixBlocks(dim, tuple(int(s) for s in sizes), int(repeat)))
+
+
+def matrix_blocks(p: torch.Tensor) -> MatrixBlocks | None:
+    """The ``mark_blocks`` mark of ``p``, or None."""
+    return getattr(p, _BLOCKS, None)
+
+
 # -- who holds a copy -------------------------------------------------------------------------
 def data_parallel_groups(mesh=None, group: Group = None) -> tuple[Group, Group]:
     """(dense, expert): the groups data parallelism replicates dense and expert parameters
@@ -173,7 +197,7 @@ def holds_reference_copy(p: torch.Tensor, mesh=None, **kwargs) -> bool:
     return all(group_rank(g) == 0 for g in replica_groups(p, mesh, **kwargs))
 
 
-_MARKS = (_ATTR, _DUPLICATED, _EXPERT, _TIED_NAME)
+_MARKS = (_ATTR, _DUPLICATED, _EXPERT, _TIED_NAME, _BLOCKS)
 
 
 def copy_marks(src: torch.Tensor, dst: torch.Tensor) -> bool:

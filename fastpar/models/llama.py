@@ -18,6 +18,7 @@ from torch import nn
 
 from fastpar.cliutil import check_positive_or_none, flat_fields
 from fastpar.comm import group_size
+from fastpar.mesh.placement import mark_blocks
 from fastpar.models.activations import Activations, activations
 from fastpar.models.common import (
     DecoderBlock,
@@ -318,6 +319,8 @@ class Attention(nn.Module):
         self.qkv = ColumnParallelLinear(
             cfg.hidden, (cfg.heads + 2 * kv) * d, bias=cfg.attention_bias, **kw
         )
+        # separate matrices for Muon: q, k and v, each the same rows of every kv group
+        mark_blocks(self.qkv.weight, 0, (self.rep * d, d, d), kv)
         self.o = RowParallelLinear(cfg.heads * d, cfg.hidden, bias=False, **kw)
         if cfg.qk_norm:  # each rank normalises only its own heads: partial weight gradients
             norm = dict(eps=cfg.norm_eps, group=group, partial_grad=tp > 1)

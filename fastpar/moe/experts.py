@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastpar.mesh.placement import mark_blocks
 from fastpar.moe import grouped
 
 
@@ -181,6 +182,8 @@ class SharedExperts(nn.Module):
         self.gated, self.activation, self.ffn_hidden_size = gated, activation, ffn
         full = init_experts(1, hidden_size, ffn, gated, bias, device, dtype)
         self.w1 = nn.Parameter(full["w1"][0].t().contiguous())
+        if gated:  # gate | up: two matrices for Muon
+            mark_blocks(self.w1, 1, (ffn, ffn))
         self.b1 = nn.Parameter(full["b1"][0].clone()) if bias else None
         self.w2 = nn.Parameter(full["w2"][0].t().contiguous())
         self.b2 = nn.Parameter(full["b2"][0].clone()) if bias else None

@@ -25,7 +25,7 @@ from fastpar.comm import (
 )
 from fastpar.comm.sequence import split_sequence
 from fastpar.mesh.bridge import mesh_group
-from fastpar.mesh.placement import mark_expert, mark_sharded
+from fastpar.mesh.placement import mark_blocks, mark_expert, mark_sharded
 from fastpar.moe import experts, tp
 from fastpar.moe.aux_grad import InjectAuxGrad, block_scale
 from fastpar.moe.aux_grad import aux_loss_scale as aux_loss_scale
@@ -190,6 +190,8 @@ class MoE(nn.Module):
         self.b2 = nn.Parameter(full["b2"][sl].clone()) if "b2" in full else None
         for p in self._expert_params():
             mark_expert(p, self.ep_group if self.ep > 1 else None, num_experts)
+        if self.gated:  # gate | up: two matrices for Muon
+            mark_blocks(self.w1, 2, (ffn_hidden_size, ffn_hidden_size))
         if self.tp_layout == "expert_tp":
             width, fused = (2, 2) if self.gated else (1, 1)
             mark_sharded(self.w1, 2, self.tp_group, width * ffn_hidden_size, fused)

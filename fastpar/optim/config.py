@@ -39,6 +39,15 @@ class OptimizerConfig:
         resume="refuse",
     )
     """A name of ``OPTIMIZERS``."""
+    muon_momentum: float = option(
+        0.95,
+        name="muon_momentum",
+        group=OPTIMIZER,
+        help="--optimizer muon: the momentum of its matrices (Nesterov; AdamW's betas for the "
+        "rest)",
+        resume="warn",
+    )
+    """Muon's momentum, in [0, 1)."""
     state_dtype: str = option(
         "fp32",
         name="optimizer_state_dtype",

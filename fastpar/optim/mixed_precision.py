@@ -23,6 +23,7 @@ from fastpar.amp.step import (
     norm_and_agree,
     unscale_and_agree,
 )
+from fastpar.mesh.placement import copy_marks
 from fastpar.optim.pieces import load_torch_optimizer_pieces, torch_optimizer_pieces
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -79,6 +80,7 @@ class MixedPrecisionOptimizer(OptimizerFront):
                     m = torch.nn.Parameter(
                         p.detach().float().clone(), requires_grad=p.requires_grad
                     )
+                    copy_marks(p, m)  # where it lives (Muon gathers a TP shard's matrix)
                 elif p.dtype == torch.float32:
                     m = p
                 else:

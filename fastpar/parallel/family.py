@@ -96,6 +96,8 @@ class FlatDataParallel(OptimizerFront):
         self.flats = layout.plan_flats(self, groups, params, bucket_size_mb, units, persist_below)
         for f in self.flats:
             layout.allocate(self, f, optimizer=make_optimizer is not None)
+            if f.master is not None:  # which flat a master is a shard of (fastpar.optim.Muon)
+                f.master._fastpar_flat = f
         device = params[0].device if params else torch.device("cpu")
         self._skipped = torch.zeros((), dtype=torch.int64, device=device)
         self.optimizer = None

@@ -37,7 +37,6 @@ from fastpar.parallel.pipeline import (
 )
 from fastpar.parallel.pipeline.recompute import apply_recompute
 from fastpar.profiling import nvtx
-from fastpar.reference.optimizer import ExactAdamW
 from fastpar.tolerance import cast, nudge
 from fastpar.train.batches import (
     as_data,
@@ -49,6 +48,7 @@ from fastpar.train.batches import (
     split_tokens,
 )
 from fastpar.train.config import TrainConfig
+from fastpar.train.optimizers import exact_optimizer, groups_for, muon_factory
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -191,9 +191,9 @@ def _optimizer(cfg, stage, groups, mesh, scaler, block_types, exact=False):
     (``find_unused_parameters``), so each is reduced once."""
     state_dtype = TORCH_STATE_DTYPES[cfg.optimizer_state_dtype]  # the moments' (fp32, bf16)
     adamw = lambda gs: FusedAdamW(gs, lr=cfg.lr, state_dtype=state_dtype)  # noqa: E731
-    clip = cfg.max_grad_norm
+    adamw, clip = muon_factory(cfg) or adamw, cfg.max_grad_norm  # --optimizer muon
     if exact:  # the same step in float64, the moments stored rounded (fastpar.verify's exact)
-        return stage, ExactAdamW(groups, lr=cfg.lr, max_grad_norm=clip, state_dtype=state_dtype)
+        return stage, exact_optimizer(cfg, groups, clip, state_dtype)
     if mesh is None:
         return stage, MixedPrecisionOptimizer(adamw(groups), scaler=scaler, max_grad_norm=clip)
     common = dict(mesh=mesh, param_groups=groups, scaler=scaler, max_grad_norm=clip)
@@ -219,7 +219,7 @@ def build(
     """This rank's parts of ``cfg`` (see docs/training.md); ``mesh`` None: the whole
     model on one process. The same seed gives the same weights on any layout. For
     ``fastpar.verify``'s references (``mesh`` None): ``exact`` builds the same model and step in
-    float64 (``fastpar.reference.optimizer.ExactAdamW``, no loss scaling, the plain loss), and
+    float64 (``fastpar.train.optimizers.exact_optimizer``, no loss scaling, the plain loss), and
     ``twin`` moves every starting weight by one rounding (``fastpar.tolerance.nudge``)."""
     if (exact or twin) and mesh is not None:
         raise ValueError("exact / twin build the single-process reference: pass mesh=None")
@@ -254,7 +254,7 @@ def build(
         if cfg.precision == "fp16" and not exact
         else None
     )
-    groups = param_groups(stage, cfg.weight_decay)
+    groups = groups_for(cfg, stage, param_groups)
     model, opt = _optimizer(cfg, stage, groups, mesh, scaler, block_types, exact)
     no_sync = None if mesh is None else model.no_sync
     moes = moe_layers(stage)

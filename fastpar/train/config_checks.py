@@ -183,10 +183,16 @@ def check_context_parallel(cfg) -> None:
 
 def check_optimizer(cfg) -> None:
     """--optimizer and --optimizer-state-dtype name what is built (the rest is refused, never
-    quietly replaced by AdamW in fp32): AdamW, its moments in fp32 or bf16."""
-    if cfg.optimizer != "adamw":
+    quietly replaced by AdamW in fp32): AdamW, its moments in fp32 or bf16; Muon, in fp32."""
+    if cfg.optimizer not in ("adamw", "muon"):
         raise ValueError(
             f"--optimizer {cfg.optimizer}: not available yet in fastpar.train; use --optimizer adamw"
+        )
+    if cfg.optimizer == "muon" and cfg.optimizer_state_dtype != "fp32":
+        raise ValueError(
+            f"--optimizer muon --optimizer-state-dtype {cfg.optimizer_state_dtype}: Muon keeps "
+            "its momentum (and its AdamW part's moments) in fp32; drop --optimizer-state-dtype, "
+            "or use --optimizer adamw for bf16 moments"
         )
     if cfg.optimizer_state_dtype not in TORCH_STATE_DTYPES:
         raise ValueError(
