@@ -58,6 +58,8 @@ LAYOUTS = {
     "dp2-zero1-bf16": dict(tp=1, pp=1, dp=2, ep=1, zero=1, precision="bf16"),
     "dp2-zero2-fp16": dict(tp=1, pp=1, dp=2, ep=1, zero=2, precision="fp16"),
     "cp2": dict(tp=1, pp=1, dp=1, ep=1, zero=0, cp=2),
+    "tp2-pp2-dp2-ep2-zero1-moe": dict(tp=2, pp=2, dp=2, ep=2, zero=1, layers=4, moe_every=1),
+    "tp2-pp2-dp2-ep2-zero3-moe": dict(tp=2, pp=2, dp=2, ep=2, zero=3, layers=4, moe_every=1),
     "llama-tp2-pp2-dp2-zero3-moe-ep2": dict(
         model_type="llama", kv_heads=2, tp=2, pp=2, dp=2, ep=2, zero=3, layers=4, moe_every=2
     ),
