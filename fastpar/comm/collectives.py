@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from fastpar.flight.record import note_splits
 from fastpar.mesh.ranks import Group, group_rank, group_size
 from fastpar.profiling import nvtx
 
@@ -214,6 +215,7 @@ def _all_to_all(
     x = x.contiguous()
     rows = sum(out_splits) if out_splits is not None else x.shape[0]
     out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    note_splits(group, x, out_splits, in_splits)  # the flight recorder's record of the splits
     with nvtx("all_to_all"):
         dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
     return out

@@ -18,6 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fastpar import flight
+from fastpar.flight.record import torch_buffer
+
 _PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
 
 
@@ -46,6 +49,13 @@ def default_signals() -> None:
             signal.signal(sig, handler)
 
 
+def comm_error(exc: BaseException, tb: str) -> bool:
+    """Whether ``exc`` came out of torch.distributed (a timeout, a closed connection, a
+    mismatch gloo or NCCL found): then the flight recorder's analysis says which collective."""
+    dist_error = getattr(dist, "DistError", ())
+    return isinstance(exc, dist_error) or "torch/distributed/" in tb
+
+
 def worker(
     fn: Callable[..., Any],
     rank: int,
@@ -56,6 +66,7 @@ def worker(
     threads: int,
     conn: Any,
     stack_path: str,
+    flight_dir: str,
     parent_pid: int,
     args: tuple,
     kwargs: dict,
@@ -65,7 +76,8 @@ def worker(
         bind_to_parent(parent_pid, f"fastpar-rank{rank}")
         default_signals()
         with open(stack_path, "w") as stack_file:
-            faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+            flight.arm(flight_dir)  # SIGUSR1: this rank's flight records, and its stack
+            faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True, chain=True)
             try:
                 os.environ.update(
                     RANK=str(rank),
@@ -76,6 +88,7 @@ def worker(
                 if sys.platform.startswith("linux"):
                     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
                 torch.set_num_threads(threads)
+                torch_buffer()  # FASTPAR_FLIGHT=0: torch's recorder off too
                 store = dist.FileStore(store_path, world_size)
                 dist.init_process_group(
                     backend,
@@ -95,6 +108,9 @@ def worker(
                         dist.barrier()
             except BaseException as exc:  # report everything, KeyboardInterrupt included
                 tb = traceback.format_exc()
+                if comm_error(exc, tb):  # the launcher analyses the dumps
+                    with contextlib.suppress(Exception):
+                        flight.dump(flight_dir, f"{type(exc).__name__}: {exc}"[:2000])
                 try:
                     payload = pickle.dumps(exc)
                 except Exception:

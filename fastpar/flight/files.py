@@ -1,0 +1,64 @@
+"""Reading a run's dumps from a directory, waiting for them to come, and the analysis command
+(``python -m fastpar.debug analyse DIR``)."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import time
+
+from fastpar.flight.analyse import Analysis, analyse
+
+PATTERN = re.compile(r"flight_rank(\d+)\.json$")
+
+
+def read_dumps(directory: str) -> list[dict]:
+    """Every readable ``flight_rank<R>.json`` in ``directory``."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(directory, "flight_rank*.json"))):
+        if not PATTERN.search(path):
+            continue
+        try:
+            with open(path) as f:
+                out.append(json.load(f))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def collect(directory: str, ranks, timeout: float, since: float = 0.0) -> list[dict]:
+    """The dumps of ``ranks`` written after ``since`` (epoch seconds), waiting up to
+    ``timeout`` seconds for all of them; then whatever is there."""
+    want = set(ranks)
+    deadline = time.monotonic() + timeout
+    while True:
+        dumps = [d for d in read_dumps(directory) if d.get("time", 0) >= since]
+        if want <= {d["rank"] for d in dumps} or time.monotonic() >= deadline:
+            return dumps
+        time.sleep(0.05)
+
+
+def analyse_dir(directory: str, world_size: int | None = None, known=None) -> Analysis:
+    return analyse(read_dumps(directory), world_size, known)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m fastpar.debug",
+        description="Read the flight recorder's dumps (flight_rank<R>.json) of a failed run and "
+        "name the first collective where the ranks disagree.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("analyse", help="analyse the dumps in DIR")
+    a.add_argument("dir", metavar="DIR")
+    a.add_argument("--world-size", type=int, default=None, help="ranks the run had")
+    args = parser.parse_args(argv)
+    dumps = read_dumps(args.dir)
+    if not dumps:
+        parser.error(f"no flight_rank<R>.json in {args.dir}")
+    print(f"{len(dumps)} dumps in {args.dir} (ranks {sorted(d['rank'] for d in dumps)})")
+    print(analyse(dumps, args.world_size).text())
+    return 0
