@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 Key = tuple[tuple[int, ...], str]  # (member ranks, pg name)
+MAIN_KINDS = ("tp", "pp", "dp", "cp", "ep")  # a group's name: those of its kinds
 
 
 @dataclass
@@ -22,7 +23,8 @@ class Finding:
     order: int  # ties in time: a mismatch before a missing rank
 
     def __str__(self) -> str:
-        return f"group {self.group}: #{self.seq} {self.op}: {self.text}"
+        op = f" {self.op}" if self.op else " (the ranks run different collectives)"
+        return f"group {self.group}: #{self.seq}{op}: {self.text}"
 
 
 @dataclass
@@ -50,7 +52,7 @@ def _who(ranks: list[int]) -> str:
 
 
 def _shape(e: dict) -> str:
-    sizes = ", ".join(str(list(s)) for s in e["in"]) or "-"
+    sizes = ", ".join(str(list(s)) for s in e["in"])
     dtypes = ",".join(sorted(set(e["in_dtypes"])))
     return f"{sizes} {dtypes}".strip()
 
@@ -64,8 +66,9 @@ def _groups(dumps: dict[int, dict], world: int) -> dict[Key, str]:
             if not ranks:
                 continue
             kinds = g.get("kinds") or []
+            main = [k for k in MAIN_KINDS if k in kinds]
             if kinds:
-                label = kinds[0]
+                label = "/".join(main) if main else kinds[0]
             elif len(ranks) == world:
                 label = "world"
             else:
@@ -75,19 +78,25 @@ def _groups(dumps: dict[int, dict], world: int) -> dict[Key, str]:
     return out
 
 
+def _norm(op: str) -> str:
+    return op.replace("_", "")
+
+
 def _entries(d: dict, name: str) -> dict[int, dict]:
+    """This rank's collectives on pg ``name`` by sequence number, each with its fastpar note
+    (``e["note"]``: shape, split sizes, the note's number ``k`` in the group) where it has one."""
     ents = {e["seq"]: dict(e) for e in d.get("collectives", []) if e["group"] == name}
-    a2a = [ents[s] for s in sorted(ents) if ents[s]["op"] == "all_to_all"]
-    notes = [n for n in d.get("ring", []) if n.get("kind") == "splits" and n["group"] == name]
-    # the k-th noted all-to-all is the k-th recorded one: pair them from the newest back
+    notes = [n for n in d.get("ring", []) if n.get("kind") == "collective" and n["group"] == name]
+    # the notes are the recorded collectives fastpar's comm layer ran: pair them from the
+    # newest back, by op and input shape (collectives without a note are skipped)
     i = len(notes) - 1
-    for e in reversed(a2a):
-        while i >= 0 and e["in"] and notes[i]["rows"] != e["in"][0][0]:
-            i -= 1
+    for s in sorted(ents, reverse=True):
         if i < 0:
             break
-        e["splits"] = notes[i]
-        i -= 1
+        e, n = ents[s], notes[i]
+        if _norm(n["op"]) in _norm(e["op"]) and (not e["in"] or list(e["in"][0]) == n["shape"]):
+            e["note"] = n
+            i -= 1
     return ents
 
 
@@ -95,22 +104,19 @@ def _last(ents: dict[int, dict]) -> int:
     return max([*ents, 0])
 
 
-def _splits(label, seq, members, at) -> str | None:
-    """How the split sizes of an all-to-all disagree (None: they pair up, or unknown)."""
-    notes = {r: at[r].get("splits") for r in members if r in at}
-    if len(notes) < len(members) or any(n is None for n in notes.values()):
+def _splits(members: list[int], notes: dict[int, dict]) -> str | None:
+    """How the split sizes of one all-to-all (``notes``: each member's note) disagree (None:
+    they pair up, or they are unknown)."""
+    if any(notes.get(r) is None or notes[r].get("in_splits") is None for r in members):
         return None
     for i, a in enumerate(members):
         for j, b in enumerate(members):
             na, nb = notes[a], notes[b]
-            if not na["in_splits"] or not nb["out_splits"]:
-                continue
             sent, expected = na["in_splits"][j], nb["out_splits"][i]
             if sent != expected:
-                width = na["width"]
                 return (
-                    f"rank {a} sends {[sent, *width]} to rank {b}, rank {b} expects "
-                    f"{[expected, *nb['width']]} from rank {a}"
+                    f"rank {a} sends {[sent, *na['shape'][1:]]} to rank {b}, rank {b} expects "
+                    f"{[expected, *nb['shape'][1:]]} from rank {a}"
                 )
     return None
 
@@ -134,11 +140,10 @@ def _group_finding(label, members, dumps, ents, lasts) -> Finding | None:
         op = next(iter(at.values()))["op"]
         if len(by) > 1:
             text = "; ".join(f"{_who(rs)} {what}" for what, rs in by.items())
-            return Finding(
-                name, s, op if len({e["op"] for e in at.values()}) == 1 else "op", text, t, 0
-            )
+            same = len({e["op"] for e in at.values()}) == 1
+            return Finding(name, s, op if same else "", text, t, 0)
         if op == "all_to_all":
-            bad = _splits(label, s, members, at)
+            bad = _splits(members, {r: e.get("note") for r, e in at.items()})
             if bad:
                 return Finding(name, s, op, bad, t, 0)
         never = [r for r in present if lasts[r] < s]
@@ -152,10 +157,49 @@ def _group_finding(label, members, dumps, ents, lasts) -> Finding | None:
     return None
 
 
-def _absent_findings(groups, by_rank, known, found: set) -> list[Finding]:
-    """For each rank that dumped, its last collective, when its group holds a rank that did
-    not dump (stopped, dead): that rank is the suspect."""
+def _note_text(n: dict) -> str:
+    return f"{n['op']} {n['shape']} {n['dtype']}"
+
+
+def _absent_findings(groups, by_rank, partial, known, found: set) -> list[Finding]:
+    """Findings about the ranks that did not dump (stopped, dead). A rank gloo aborted left
+    its ring file (``partial``): its last note is compared with the same note of the others.
+    Else, each dumped rank's last collective in a group with such a rank names it suspect."""
     out, seen = [], set()
+    for a, ring in sorted(partial.items()):
+        notes = [n for n in ring if n.get("kind") == "collective"]
+        if not notes:
+            continue
+        n = notes[-1]
+        key = next((k for k in groups if k[1] == n["group"] and a in k[0]), None)
+        if key is None:
+            continue
+        members, pg = key
+        name = f"{groups[key]}{ranks_text(members)}"
+        ents = {m: _entries(by_rank[m], pg) for m in members if m in by_rank}
+        same = {
+            m: next((e for e in es.values() if (e.get("note") or {}).get("k") == n["k"]), None)
+            for m, es in ents.items()
+        }
+        why = known.get(a, "stopped, hung or dead")
+        there = {m: e for m, e in same.items() if e is not None}
+        if not there:
+            continue
+        seq, first = next(iter(there.values()))["seq"], next(iter(there.values()))
+        notes_of = {m: e["note"] for m, e in there.items()} | {a: n}
+        bad = _splits(list(members), notes_of) if n["op"] == "all_to_all" else None
+        if bad:
+            text = f"{bad} (rank {a}'s side from its ring file: it {why})"
+        else:
+            by: dict[str, list[int]] = {}
+            for m, note in sorted(notes_of.items()):
+                by.setdefault(_note_text(note), []).append(m)
+            text = "; ".join(f"{_who(rs)} {w}" for w, rs in by.items())
+            text += f" (rank {a}'s from its ring file: it {why})"
+        seen.add(name)
+        out.append(
+            Finding(name, seq, first["op"], text, first["t"], 0 if bad or len(by) > 1 else 2)
+        )
     for r, d in sorted(by_rank.items()):
         if not d.get("collectives"):
             continue
@@ -163,12 +207,9 @@ def _absent_findings(groups, by_rank, known, found: set) -> list[Finding]:
         for (members, pg), label in groups.items():
             absent = [m for m in members if m not in by_rank]
             name = f"{label}{ranks_text(members)}"
-            key = (members, pg, last["seq"])
-            if pg != last["group"] or r not in members or not absent or key in seen:
+            if pg != last["group"] or r not in members or not absent or name in found | seen:
                 continue
-            if name in found:
-                continue
-            seen.add(key)
+            seen.add(name)
             there = [
                 m
                 for m in members
@@ -178,9 +219,9 @@ def _absent_findings(groups, by_rank, known, found: set) -> list[Finding]:
                 )
             ]
             why = "; ".join(
-                f"rank {a} sent no dump ({known.get(a, 'stopped, hung or dead')})" for a in absent
+                f"rank {m} sent no dump ({known.get(m, 'stopped, hung or dead')})" for m in absent
             )
-            text = f"{_who(there)} {_shape(last)}; {why}"
+            text = f"{_who(there)} {_shape(last)}".strip() + f"; {why}"
             out.append(Finding(name, last["seq"], last["op"], text, last["t"], 2))
     return out
 
@@ -231,45 +272,77 @@ def _p2p(dumps: dict[int, dict]) -> list[str]:
     return out
 
 
+def _positions(groups, by_rank) -> dict[int, tuple[str, int, str, tuple]]:
+    """Each dumped rank's last collective: (group name, seq, what, group key)."""
+    out = {}
+    for r, d in by_rank.items():
+        if not d.get("collectives"):
+            continue
+        e = max(d["collectives"], key=lambda e: (e["t"], e["seq"]))
+        key = next((k for k in groups if k[1] == e["group"] and r in k[0]), None)
+        if key is not None:
+            name = f"{groups[key]}{ranks_text(key[0])}"
+            out[r] = (name, e["seq"], f"{e['op']} {_shape(e)}", key)
+    return out
+
+
 def analyse(
     dumps: list[dict], world_size: int | None = None, known: dict | None = None
 ) -> Analysis:
-    """The analysis of ``dumps`` (one dict per rank that dumped; ``known``: {rank: what the
-    launcher knows of a rank that did not, e.g. "stopped (SIGSTOP or a debugger)"})."""
+    """The analysis of ``dumps`` (one dict per rank that dumped, or a ``partial`` one of a
+    rank's ring file; ``known``: {rank: what the launcher knows of a rank that did not dump,
+    e.g. "stopped: SIGSTOP or a debugger"})."""
     known = known or {}
-    by_rank = {int(d["rank"]): d for d in dumps}
+    by_rank = {int(d["rank"]): d for d in dumps if not d.get("partial")}
+    partial = {
+        int(d["rank"]): d.get("ring", [])
+        for d in dumps
+        if d.get("partial") and int(d["rank"]) not in by_rank
+    }
     world = max([world_size or 0, *(int(d.get("world_size", 1)) for d in dumps)])
     groups = _groups(by_rank, world)
+    at = _positions(groups, by_rank)
     result = Analysis()
     behind: list[str] = []
-    waits: dict[int, tuple[str, int, str, list[int]]] = {}
     hints: dict[str, str] = {}
+    lasts_of: dict[tuple, dict[int, int]] = {}
     for (members, pg), label in sorted(groups.items(), key=lambda kv: (len(kv[0][0]), kv[0])):
         members = list(members)
         ents = {r: _entries(by_rank[r], pg) for r in members if r in by_rank}
-        lasts = {r: _last(ents[r]) for r in ents}
+        lasts = lasts_of[(tuple(members), pg)] = {r: _last(ents[r]) for r in ents}
+        name = f"{label}{ranks_text(members)}"
         f = _group_finding(label, members, by_rank, ents, lasts)
         if f is not None:
+            missing = [r for r in lasts if lasts[r] < f.seq]
+            if f.order == 1 and all(r in at and at[r][0] != name for r in missing):
+                f.order = 3  # they wait in another group: a consequence, unless a cycle
             result.findings.append(f)
             hint = _diverged(label, members, by_rank, ents, f.seq)
             if hint:
                 hints[str(f)] = hint
-        name = f"{label}{ranks_text(members)}"
         if lasts and len(set(lasts.values())) > 1:
             top = max(lasts.values())
             late = sorted(r for r in lasts if lasts[r] < top)
             gaps = ", ".join(f"rank {r} by {top - lasts[r]}" for r in late)
             behind.append(f"group {name}: behind #{top}: {gaps}")
-        for r, e in ents.items():
-            pending = [s for s, x in e.items() if not x["done"]]
-            if pending:
-                s = max(pending)
-                others = [m for m in members if m != r and (m not in lasts or lasts[m] < s)]
-                if r not in waits or s > waits[r][1]:
-                    waits[r] = (name, s, f"{e[s]['op']} {_shape(e[s])}", others)
-    result.findings += _absent_findings(groups, by_rank, known, {f.group for f in result.findings})
-    result.findings.sort(key=lambda f: (f.t, f.order))
+    found = {f.group for f in result.findings}
+    result.findings += _absent_findings(groups, by_rank, partial, known, found)
+    result.findings.sort(key=lambda f: (f.order, f.t))
+    waits = {}
+    for r, (name, seq, what, key) in at.items():
+        lasts = lasts_of.get((tuple(key[0]), key[1]), {})
+        others = [m for m in key[0] if m != r and (m not in lasts or lasts[m] < seq)]
+        waits[r] = (name, seq, what, others)
     lines = []
+    cycle = _cycle(waits)
+    if cycle:
+        line = (
+            "wait cycle: "
+            + " -> ".join(f"rank {r} in {waits[r][0]} #{waits[r][1]}" for r in cycle)
+            + f" -> rank {cycle[0]}: these ranks enter their groups in a different order"
+        )
+        if not result.findings or result.findings[0].order == 3:
+            lines.append(line)
     if result.findings:
         result.first = result.findings[0]
         lines.append(f"first disagreement: {result.first}")
@@ -279,18 +352,12 @@ def analyse(
     else:
         lines.append("the dumps show no disagreement between ranks")
     lines += behind[:8]
-    for r in sorted(by_rank):
-        if r in waits:
-            name, s, what, others = waits[r]
-            on = f" for {_who(others)}" if others else ""
-            lines.append(f"rank {r} waits in {name} #{s} {what}{on}")
-    cycle = _cycle(waits)
-    if cycle:
-        lines.append(
-            "wait cycle: "
-            + " -> ".join(f"rank {r} ({waits[r][0]} #{waits[r][1]})" for r in cycle)
-            + f" -> rank {cycle[0]}: these ranks enter their groups in a different order"
-        )
+    for r in sorted(waits):
+        name, s, what, others = waits[r]
+        on = f", waiting for {_who(others)}" if others else ""
+        lines.append(f"rank {r} is last in {name} #{s} {what.strip()}{on}")
+    if cycle and line not in lines:
+        lines.append(line)
     lines += _p2p(by_rank)
     for r in range(world):
         if r not in by_rank:

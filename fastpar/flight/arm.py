@@ -11,7 +11,7 @@ import signal
 import socket
 import threading
 
-from fastpar.flight.record import dump, enabled
+from fastpar.flight.record import dump, enabled, open_ring
 
 _ARMED: dict = {}
 
@@ -33,10 +33,15 @@ def _serve(sock: socket.socket, directory: str) -> None:
                 dump(_ARMED.get("dir", directory), "SIGUSR1")
 
 
-def arm(directory: str) -> bool:
+def arm(directory: str, rank: int) -> bool:
     """From now on SIGUSR1 dumps this rank's records into ``directory`` (main thread only, once
-    per process; not when a wakeup fd is already set, e.g. by asyncio). Returns whether armed."""
-    if not enabled() or threading.current_thread() is not threading.main_thread():
+    per process; not when a wakeup fd is already set, e.g. by asyncio), and fastpar's ring is
+    kept in a file there (``open_ring``). Returns whether SIGUSR1 is armed."""
+    if not enabled():
+        return False
+    with contextlib.suppress(OSError):
+        open_ring(directory, rank)
+    if threading.current_thread() is not threading.main_thread():
         return False
     if _ARMED.get("pid") == os.getpid():
         _ARMED["dir"] = directory

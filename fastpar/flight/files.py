@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -11,12 +12,27 @@ import re
 import time
 
 from fastpar.flight.analyse import Analysis, analyse
+from fastpar.flight.record import read_ring
 
 PATTERN = re.compile(r"flight_rank(\d+)\.json$")
+RING_PATTERN = re.compile(r"ring_rank(\d+)\.bin$")
 
 
 def read_dumps(directory: str) -> list[dict]:
-    """Every readable ``flight_rank<R>.json`` in ``directory``."""
+    """Every readable ``flight_rank<R>.json`` in ``directory``; for a rank without one, what its
+    ring file ``ring_rank<R>.bin`` holds (a dict with ``partial: True``)."""
+    out = _json_dumps(directory)
+    have = {d.get("rank") for d in out}
+    for path in sorted(glob.glob(os.path.join(directory, "ring_rank*.bin"))):
+        m = RING_PATTERN.search(path)
+        if m and int(m.group(1)) not in have:
+            with contextlib.suppress(OSError):
+                ring = read_ring(path)
+                out.append({"rank": int(m.group(1)), "partial": True, "ring": ring})
+    return out
+
+
+def _json_dumps(directory: str) -> list[dict]:
     out = []
     for path in sorted(glob.glob(os.path.join(directory, "flight_rank*.json"))):
         if not PATTERN.search(path):
@@ -35,8 +51,10 @@ def collect(directory: str, ranks, timeout: float, since: float = 0.0) -> list[d
     want = set(ranks)
     deadline = time.monotonic() + timeout
     while True:
-        dumps = [d for d in read_dumps(directory) if d.get("time", 0) >= since]
-        if want <= {d["rank"] for d in dumps} or time.monotonic() >= deadline:
+        dumps = [d for d in read_dumps(directory) if d.get("partial") or d["time"] >= since]
+        if want <= {d["rank"] for d in dumps if not d.get("partial")}:
+            return dumps
+        if time.monotonic() >= deadline:
             return dumps
         time.sleep(0.05)
 
@@ -59,6 +77,7 @@ def main(argv=None) -> int:
     dumps = read_dumps(args.dir)
     if not dumps:
         parser.error(f"no flight_rank<R>.json in {args.dir}")
-    print(f"{len(dumps)} dumps in {args.dir} (ranks {sorted(d['rank'] for d in dumps)})")
+    full = sorted(d["rank"] for d in dumps if not d.get("partial"))
+    print(f"{len(full)} dumps in {args.dir} (ranks {full})")
     print(analyse(dumps, args.world_size).text())
     return 0

@@ -17,9 +17,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import mmap
 import os
 import pickle
 import socket
+import struct
 import sys
 import threading
 import time
@@ -62,10 +64,52 @@ def torch_buffer() -> None:
         os.environ[TORCH_VAR] = "0"
 
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # held by a dump too: the launcher's exit waits for it (``settle``)
 _ring: collections.deque = collections.deque(maxlen=RING)
 _counts: dict[tuple, int] = {}
 _kinds: dict[str, list[str]] = {}  # pg name -> the fastpar kinds that use it
+_file: dict = {}  # the ring's copy on disk: {"map": mmap, "n": entries written}
+SLOT = 512  # bytes a ring entry takes on disk
+
+
+def ring_path(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"ring_rank{rank}.bin")
+
+
+def open_ring(directory: str, rank: int) -> None:
+    """Keep a copy of fastpar's ring in ``directory/ring_rank<R>.bin`` (a memory-mapped file:
+    it outlives the process, so a rank that gloo aborts still leaves its split sizes and
+    shapes behind)."""
+    os.makedirs(directory, exist_ok=True)
+    path = ring_path(directory, rank)
+    with open(path, "wb") as f:
+        f.truncate(RING * SLOT)
+    with open(path, "r+b") as f:
+        _file.update(map=mmap.mmap(f.fileno(), RING * SLOT), n=0, pid=os.getpid())
+
+
+def _append(entry: dict) -> None:  # under _lock
+    _ring.append(entry)
+    m = _file.get("map")
+    if m is None or _file.get("pid") != os.getpid():
+        return
+    data = json.dumps(entry, separators=(",", ":")).encode()[: SLOT - 4]
+    at = (_file["n"] % RING) * SLOT
+    m[at : at + 4 + len(data)] = struct.pack("<I", len(data)) + data
+    _file["n"] += 1
+
+
+def read_ring(path: str) -> list[dict]:
+    """The entries of a ring file, oldest first."""
+    out = []
+    with open(path, "rb") as f:
+        raw = f.read()
+    for at in range(0, len(raw) - 4, SLOT):
+        (size,) = struct.unpack("<I", raw[at : at + 4])
+        if 0 < size <= SLOT - 4:
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(raw[at + 4 : at + 4 + size]))
+    return sorted(out, key=lambda e: e.get("n", 0))
 
 
 def _pg_name(group) -> str:
@@ -89,6 +133,27 @@ def _count(key: tuple) -> int:
     return k
 
 
+def note(group, op: str, x: torch.Tensor, **extra) -> None:
+    """Before fastpar's comm layer runs ``op`` on ``x`` over ``group``: its shape and dtype."""
+    if not enabled():
+        return
+    name = _pg_name(group)
+    with _lock:
+        _append(
+            {
+                "kind": "collective",
+                "group": name,
+                "k": _count(("k", name)),
+                "n": _count(("n",)),
+                "op": op,
+                "shape": list(x.shape),
+                "dtype": str(x.dtype).removeprefix("torch."),
+                "t": time.time(),
+                **extra,
+            }
+        )
+
+
 def note_splits(group, x: torch.Tensor, out_splits, in_splits) -> None:
     """Before an ``all_to_all_single`` of ``x`` over ``group``: its split sizes (None = even)."""
     if not enabled():
@@ -96,20 +161,13 @@ def note_splits(group, x: torch.Tensor, out_splits, in_splits) -> None:
     world = group.size() if group is not None else dist.get_world_size()
     rows = x.shape[0]
     even = [rows // world] * world if rows % world == 0 else None
-    name = _pg_name(group)
-    with _lock:
-        _ring.append(
-            {
-                "kind": "splits",
-                "group": name,
-                "k": _count(("a2a", name)),
-                "rows": rows,
-                "width": list(x.shape[1:]),
-                "in_splits": list(in_splits) if in_splits is not None else even,
-                "out_splits": list(out_splits) if out_splits is not None else even,
-                "t": time.time(),
-            }
-        )
+    note(
+        group,
+        "all_to_all",
+        x,
+        in_splits=list(in_splits) if in_splits is not None else even,
+        out_splits=list(out_splits) if out_splits is not None else even,
+    )
 
 
 def note_p2p(ops: list) -> None:
@@ -120,11 +178,12 @@ def note_p2p(ops: list) -> None:
     with _lock:
         for op, t, peer, _tag in ops:
             what = "send" if op is dist.isend else "recv"
-            _ring.append(
+            _append(
                 {
                     "kind": what,
                     "peer": int(peer),
                     "k": _count((what, int(peer))),
+                    "n": _count(("n",)),
                     "shape": list(t.shape),
                     "dtype": str(t.dtype).removeprefix("torch."),
                     "t": now,
@@ -252,11 +311,18 @@ def dump(directory: str, reason: str = "") -> str | None:
     reader never sees half a file); returns the path (None when recording is off)."""
     if not enabled():
         return None
-    data = snapshot(reason)
-    os.makedirs(directory, exist_ok=True)
-    path = dump_path(directory, data["rank"])
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
-    return path
+    with _lock:
+        data = snapshot(reason)
+        os.makedirs(directory, exist_ok=True)
+        path = dump_path(directory, data["rank"])
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+        return path
+
+
+def settle(timeout: float = 5.0) -> None:
+    """Wait (up to ``timeout`` s) for a dump another thread is writing (before ``os._exit``)."""
+    if _lock.acquire(timeout=timeout):
+        _lock.release()

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fastpar import flight
-from fastpar.flight.record import torch_buffer
+from fastpar.flight.record import settle, torch_buffer
 
 _PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
 
@@ -76,7 +76,7 @@ def worker(
         bind_to_parent(parent_pid, f"fastpar-rank{rank}")
         default_signals()
         with open(stack_path, "w") as stack_file:
-            flight.arm(flight_dir)  # SIGUSR1: this rank's flight records, and its stack
+            flight.arm(flight_dir, rank)  # SIGUSR1: this rank's flight records, and its stack
             faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True, chain=True)
             try:
                 os.environ.update(
@@ -104,8 +104,11 @@ def worker(
                 # through shared memory that dies with this process at os._exit
                 conn.send_bytes(pickle.dumps(("ok", rank, result)))
                 if world_size > 1:  # nobody exits while a peer still finishes its last collective
-                    with contextlib.suppress(Exception):
+                    try:
                         dist.barrier()
+                    except Exception as exc:  # a peer failed: this rank's records too
+                        with contextlib.suppress(Exception):
+                            flight.dump(flight_dir, f"after its result: {type(exc).__name__}")
             except BaseException as exc:  # report everything, KeyboardInterrupt included
                 tb = traceback.format_exc()
                 if comm_error(exc, tb):  # the launcher analyses the dumps
@@ -124,4 +127,5 @@ def worker(
     finally:
         with contextlib.suppress(Exception):
             conn.close()
+        settle()  # a dump SIGUSR1 asked for is written in full
         os._exit(code)  # never run the parent's atexit handlers (pytest's, say) in a fork
