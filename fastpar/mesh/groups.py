@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from fastpar.flight.record import name_group
+from fastpar.flight.record import name_group, torch_buffer
 from fastpar.mesh import bridge
 from fastpar.mesh.layout import DEFAULT_ORDER, GROUP_KINDS, MeshLayout
 from fastpar.mesh.timeout import DEFAULT_TIMEOUT, as_timeout, group_timeout
@@ -265,6 +265,7 @@ def init(
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(_env_int("LOCAL_RANK") or 0)
+    torch_buffer()  # FASTPAR_FLIGHT=0: torch's flight recorder off too
     if world_size is None:
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
