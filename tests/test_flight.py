@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -63,7 +64,7 @@ def test_agreeing_dumps_have_no_finding():
 
 def test_another_op_at_the_same_sequence_number():
     a = series("0", 3)
-    b = series("0", 2) + [coll("0", 3, "broadcast", (2,))]
+    b = [*series("0", 2), coll("0", 3, "broadcast", (2,))]
     result = flight.analyse([dump(0, 2, a), dump(1, 2, b)])
     assert str(result.first) == (
         "group world[0,1]: #3 (the ranks run different collectives): rank 0 all_reduce [4] "
@@ -187,7 +188,12 @@ def test_the_analyse_command_reads_a_directory(tmp_path, capsys):
     assert main(["analyse", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "2 dumps in" in out and "group world[0,1]: #3 all_reduce: rank 0 is in it" in out
-    # the module entry point: python -m fastpar.debug analyse DIR
+
+
+@pytest.mark.slow
+def test_python_m_fastpar_debug_analyse(tmp_path):
+    for d in (dump(0, 2, series("0", 3)), dump(1, 2, series("0", 2))):
+        (tmp_path / f"flight_rank{d['rank']}.json").write_text(json.dumps(d))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     cmd = [sys.executable, "-m", "fastpar.debug", "analyse", str(tmp_path)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)

@@ -24,7 +24,7 @@ def rank_times(ready_s: float, wait_s: float, steps: int, device: torch.device) 
     """One all-gather over the default group of this rank's (``ready_s``, ``wait_s``) over
     ``steps`` steps: the row's ``rank_step_s`` (seconds per step until each rank arrived),
     ``rank_wait_s`` (seconds each waited for the others), ``slowest_rank`` and ``straggle``
-    (its step time over the median of the ranks')."""
+    (its step time over the median of the other ranks')."""
     world = dist.get_world_size()
     mine = torch.tensor([ready_s / max(steps, 1), wait_s], dtype=torch.float64, device=device)
     if world == 1:
@@ -35,7 +35,8 @@ def rank_times(ready_s: float, wait_s: float, steps: int, device: torch.device) 
         rows = out.view(world, 2).tolist()
     step_s = [r[0] for r in rows]
     slowest = max(range(world), key=lambda r: (step_s[r], -rows[r][1]))
-    median = statistics.median(step_s)
+    others = [t for r, t in enumerate(step_s) if r != slowest] or step_s
+    median = statistics.median(others)
     return {
         "rank_step_s": step_s,
         "rank_wait_s": [r[1] for r in rows],
