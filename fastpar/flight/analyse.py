@@ -188,18 +188,18 @@ def _absent_findings(groups, by_rank, partial, known, found: set) -> list[Findin
         seq, first = next(iter(there.values()))["seq"], next(iter(there.values()))
         notes_of = {m: e["note"] for m, e in there.items()} | {a: n}
         bad = _splits(list(members), notes_of) if n["op"] == "all_to_all" else None
+        by: dict[str, list[int]] = {}
+        for m, note in sorted(notes_of.items()):
+            by.setdefault(_note_text(note), []).append(m)
         if bad:
             text = f"{bad} (rank {a}'s side from its ring file: it {why})"
-        else:
-            by: dict[str, list[int]] = {}
-            for m, note in sorted(notes_of.items()):
-                by.setdefault(_note_text(note), []).append(m)
+        elif len(by) > 1:
             text = "; ".join(f"{_who(rs)} {w}" for w, rs in by.items())
             text += f" (rank {a}'s from its ring file: it {why})"
+        else:  # it got as far as the others there: what it did next is unknown
+            continue
         seen.add(name)
-        out.append(
-            Finding(name, seq, first["op"], text, first["t"], 0 if bad or len(by) > 1 else 2)
-        )
+        out.append(Finding(name, seq, first["op"], text, first["t"], 0))
     for r, d in sorted(by_rank.items()):
         if not d.get("collectives"):
             continue

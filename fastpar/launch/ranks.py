@@ -279,4 +279,5 @@ def flight_report(
         elif r in live and r not in known and not procs[r].is_alive():
             known[r] = f"exited ({code}) without a result"
     result = analyse(dumps, world, known)
-    return f"\n--- flight recorder: {len(dumps)} dumps in {directory} ---\n{result.text()}"
+    full = sum(not d.get("partial") for d in dumps)
+    return f"\n--- flight recorder: {full} dumps in {directory} ---\n{result.text()}"

@@ -53,7 +53,10 @@ def comm_error(exc: BaseException, tb: str) -> bool:
     """Whether ``exc`` came out of torch.distributed (a timeout, a closed connection, a
     mismatch gloo or NCCL found): then the flight recorder's analysis says which collective."""
     dist_error = getattr(dist, "DistError", ())
-    return isinstance(exc, dist_error) or "torch/distributed/" in tb
+    if isinstance(exc, dist_error) or "torch/distributed/" in tb:
+        return True
+    last = tb.strip().splitlines()[-1] if tb.strip() else ""  # raised inside backward's hooks
+    return any(word in last for word in ("gloo", "NCCL", "ProcessGroup", "c10d"))
 
 
 def worker(
