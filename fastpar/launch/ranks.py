@@ -264,8 +264,9 @@ def flight_report(
         elif procs[r].is_alive() and pid:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGUSR1)
-    answering = [r for r in range(world) if r not in known and procs[r].is_alive()]
-    dumps = collect(directory, answering + dumped, timeout=3.0, since=since)
+    # every rank not stopped and not killed by a signal dumps: as it fails, or on SIGUSR1
+    answering = [r for r in range(world) if r not in known and (procs[r].exitcode or 0) >= 0]
+    dumps = collect(directory, sorted(set(answering + dumped)), timeout=3.0, since=since)
     if not dumps:
         return ""
     for r in range(world):
