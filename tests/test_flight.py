@@ -133,7 +133,8 @@ def test_a_rank_without_a_dump_is_named_with_what_the_launcher_knows():
     a = [coll("1", 1, "all_reduce", (4,)), coll("1", 2, "all_reduce", (4,), done=False)]
     result = flight.analyse([dump(0, 3, a, groups), dump(2, 3, [], groups)], known={1: "stopped"})
     assert str(result.first) == (
-        "group tp[0,1]: #2 all_reduce: rank 0 [4] float32; rank 1 sent no dump (stopped)"
+        "group tp[0,1]: #2 all_reduce: rank 1 sent no dump (stopped); waiting for it: rank 0 in "
+        "tp[0,1] #2 all_reduce [4] float32"
     )
     assert "no dump from rank 1 (stopped)" in result.lines
 

@@ -120,8 +120,9 @@ def _stops():
 def test_a_stopped_rank():
     report = _fails(_stops, 4)
     assert (
-        "first disagreement: group tp[2,3]: #2 all_reduce: rank 3 [4] float32; rank 2 sent no "
-        "dump (stopped: SIGSTOP or a debugger)"
+        "first disagreement: group dp[0,2]: #2 all_reduce: rank 2 sent no dump (stopped: SIGSTOP "
+        "or a debugger); waiting for it: rank 0 in dp[0,2] #2 all_reduce [4] float32, rank 3 in "
+        "tp[2,3] #2 all_reduce [4] float32"
     ) in report, report
     assert "no dump from rank 2 (stopped: SIGSTOP or a debugger)" in report
 

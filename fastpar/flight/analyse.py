@@ -200,12 +200,13 @@ def _absent_findings(groups, by_rank, partial, known, found: set) -> list[Findin
             continue
         seen.add(name)
         out.append(Finding(name, seq, first["op"], text, first["t"], 0))
+    waiting: dict[tuple[int, ...], list[tuple]] = {}  # absent ranks -> who waits where
     for r, d in sorted(by_rank.items()):
         if not d.get("collectives"):
             continue
         last = max(d["collectives"], key=lambda e: (e["t"], e["seq"]))
         for (members, pg), label in groups.items():
-            absent = [m for m in members if m not in by_rank]
+            absent = tuple(m for m in members if m not in by_rank)
             name = f"{label}{ranks_text(members)}"
             if pg != last["group"] or r not in members or not absent or name in found | seen:
                 continue
@@ -218,11 +219,20 @@ def _absent_findings(groups, by_rank, partial, known, found: set) -> list[Findin
                     e["group"] == pg and e["seq"] == last["seq"] for e in by_rank[m]["collectives"]
                 )
             ]
-            why = "; ".join(
-                f"rank {m} sent no dump ({known.get(m, 'stopped, hung or dead')})" for m in absent
-            )
-            text = f"{_who(there)} {_shape(last)}".strip() + f"; {why}"
-            out.append(Finding(name, last["seq"], last["op"], text, last["t"], 2))
+            waiting.setdefault(absent, []).append((name, last, there))
+    for absent, places in waiting.items():  # one finding per missing rank(s), groups in order
+        places.sort(key=lambda p: p[0])
+        name, last, _ = places[0]
+        why = "; ".join(
+            f"rank {m} sent no dump ({known.get(m, 'stopped, hung or dead')})" for m in absent
+        )
+        where = ", ".join(
+            f"{_who(there)} in {n} #{e['seq']} {e['op']} {_shape(e)}".strip()
+            for n, e, there in places
+        )
+        out.append(
+            Finding(name, last["seq"], last["op"], f"{why}; waiting for it: {where}", last["t"], 2)
+        )
     return out
 
 
