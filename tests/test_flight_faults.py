@@ -20,7 +20,7 @@ from fastpar.comm import all_to_all, gather_from_region
 from fastpar.launch import RankError, run_ranks
 from fastpar.mesh import ParallelMesh
 
-TIMEOUT = 2.0  # seconds a collective waits for a peer
+TIMEOUT = 1.0  # seconds a collective waits for a peer
 
 
 def _fails(fn, world: int) -> str:
