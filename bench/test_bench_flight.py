@@ -94,3 +94,46 @@ def test_cost_per_collective(benchmark):
     print(
         f"\nall-reduce of 16 floats: on {us_on:.1f} us, off {us_off:.1f} us, +{us_on - us_off:.1f} us"
     )
+
+
+def _interleaved(cfg, tokens, steps: int):
+    from fastpar.flight.record import SWITCH
+    from fastpar.mesh import ParallelMesh
+    from fastpar.train.build import Trainer
+
+    mesh = ParallelMesh(cfg.tp, cfg.pp, cfg.ep, cp=cfg.cp)
+    trainer = Trainer(cfg, mesh, torch.device("cpu"), tokens)
+    for _ in range(3):
+        trainer.step()
+    times = {True: [], False: []}
+    for i in range(steps):
+        flag = bool(i % 2)
+        SWITCH.set(flag)
+        dist.barrier()
+        t0 = time.perf_counter()
+        rec = trainer.step()
+        float(rec["grad_norm"])
+        times[flag].append(time.perf_counter() - t0)
+    return statistics.median(times[True]), statistics.median(times[False])
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_notes_on_and_off_step_by_step(benchmark, name):
+    """fastpar's own notes (the ring) on and off every other step in the same ranks (torch's
+    recorder on throughout): the cleanest A/B on a busy machine."""
+    from fastpar.train.batches import load_data
+
+    cfg = TrainConfig(steps=40, quiet=True, **LAYOUTS[name])
+    benchmark.group = "flight-notes"
+    out = benchmark.pedantic(
+        run_ranks,
+        args=(_interleaved, 2, cfg, load_data(cfg), 40),
+        kwargs=dict(timeout=300),
+        rounds=1,
+        iterations=1,
+    )
+    on, off = max(r[0] for r in out), max(r[1] for r in out)
+    benchmark.extra_info.update(layout=name, step_s_on=on, step_s_off=off, ratio=on / off)
+    print(
+        f"\n{name}: notes on {on * 1e3:.2f} ms/step, off {off * 1e3:.2f} ms/step, on/off {on / off:.3f}"
+    )
