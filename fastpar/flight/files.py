@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import glob
 import json
@@ -11,6 +10,7 @@ import os
 import re
 import time
 
+from fastpar.cliutil import Parser
 from fastpar.flight.analyse import Analysis, analyse
 from fastpar.flight.record import read_ring
 
@@ -64,7 +64,7 @@ def analyse_dir(directory: str, world_size: int | None = None, known=None) -> An
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m fastpar.debug",
         description="Read the flight recorder's dumps (flight_rank<R>.json) of a failed run and "
         "name the first collective where the ranks disagree.",

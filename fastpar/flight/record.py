@@ -139,8 +139,9 @@ def _count(key: tuple) -> int:
 
 
 def note(group, op: str, x: torch.Tensor, **extra) -> None:
-    """Before fastpar's comm layer runs ``op`` on ``x`` over ``group``: its shape and dtype."""
-    if not enabled():
+    """Before fastpar's comm layer runs ``op`` on ``x`` over ``group``: its shape and dtype
+    (nothing inside a region ``torch.compile`` traces: its collectives are torch's records)."""
+    if torch.compiler.is_compiling() or not enabled():
         return
     name = _pg_name(group)
     with _lock:
@@ -161,7 +162,7 @@ def note(group, op: str, x: torch.Tensor, **extra) -> None:
 
 def note_splits(group, x: torch.Tensor, out_splits, in_splits) -> None:
     """Before an ``all_to_all_single`` of ``x`` over ``group``: its split sizes (None = even)."""
-    if not enabled():
+    if torch.compiler.is_compiling() or not enabled():
         return
     world = group.size() if group is not None else dist.get_world_size()
     rows = x.shape[0]
@@ -177,7 +178,7 @@ def note_splits(group, x: torch.Tensor, out_splits, in_splits) -> None:
 
 def note_p2p(ops: list) -> None:
     """Before ``batch_isend_irecv``: each ``(dist.isend | dist.irecv, tensor, global peer, tag)``."""
-    if not enabled():
+    if torch.compiler.is_compiling() or not enabled():
         return
     now = time.time()
     with _lock:
