@@ -193,6 +193,9 @@ def test_a_stopped_rank_under_torchrun_ends_the_job_within_the_timeout_naming_it
     # torchrun alone would give the stopped rank its 30 s shutdown grace on top
     assert 4.0 < seconds < 5 + SLACK, j.text[-3000:]
     assert f"no answer from rank {rank} (pid {stopped}): its process is stopped" in j.text
+    # the flight recorder's analysis, printed by the lowest rank that dumped
+    assert "fastpar: flight recorder, 1 dumps in" in j.text, j.text[-3000:]
+    assert re.search(rf"first disagreement: group \S+: #\d+ \w+: rank {rank} sent no dump", j.text)
     assert alive(j.ranks) == []
 
 

@@ -49,14 +49,22 @@ def default_signals() -> None:
             signal.signal(sig, handler)
 
 
-def comm_error(exc: BaseException, tb: str) -> bool:
-    """Whether ``exc`` came out of torch.distributed (a timeout, a closed connection, a
-    mismatch gloo or NCCL found): then the flight recorder's analysis says which collective."""
+#: words of a communication failure's message (gloo's, NCCL's, torch.distributed's)
+COMM_WORDS = ("gloo", "NCCL", "ProcessGroup", "c10d", "imed out", "timeout", "pair closure")
+
+
+def comm_error(exc: BaseException | None, tb: str) -> bool:
+    """Whether ``exc`` (None: judge by the traceback ``tb`` alone) came out of
+    torch.distributed (a timeout, a closed connection, a mismatch gloo or NCCL found): then the
+    flight recorder's analysis says which collective. A work's ``wait()`` raises from C++ with
+    no torch.distributed frame: its message says what it is."""
     dist_error = getattr(dist, "DistError", ())
-    if isinstance(exc, dist_error) or "torch/distributed/" in tb:
+    if (exc is not None and isinstance(exc, dist_error)) or "torch/distributed/" in tb:
         return True
-    last = tb.strip().splitlines()[-1] if tb.strip() else ""  # raised inside backward's hooks
-    return any(word in last for word in ("gloo", "NCCL", "ProcessGroup", "c10d"))
+    last = tb.strip().splitlines()[-1] if tb.strip() else ""
+    return last.startswith(("RuntimeError", "torch.distributed")) and any(
+        word in last for word in COMM_WORDS
+    )
 
 
 def worker(

@@ -49,13 +49,13 @@ def flight_dir(cfg: TrainConfig, temporary: bool = True) -> str | None:
     return os.path.join(tempfile.gettempdir(), f"fastpar-flight-{run}")
 
 
-def _torchrun_report(where: str, began: float, rank: int, world: int) -> None:
+def _torchrun_report(where: str, began: float, rank: int, world: int, known: dict) -> None:
     """Under torchrun, after a failed collective: the lowest rank that dumped (within a few
-    seconds) prints the analysis of every dump there."""
-    dumps = collect(where, range(world), timeout=3.0, since=began)
+    seconds) prints the analysis of every dump there (``known``: ranks it ended, stopped)."""
+    dumps = collect(where, [r for r in range(world) if r not in known], timeout=3.0, since=began)
     full = [d["rank"] for d in dumps if not d.get("partial")]
     if full and rank == min(full):
-        text = analyse(dumps, world).text()
+        text = analyse(dumps, world, known).text()
         print(f"fastpar: flight recorder, {len(full)} dumps in {where}:\n{text}", file=sys.stderr)
 
 
@@ -82,8 +82,8 @@ def launch(cfg: TrainConfig, timeout: float = 24 * 3600.0, tokens=None) -> list[
             records = _rank_main(cfg, tokens)
         except RuntimeError as exc:  # a failed collective: a stopped sibling would hold torchrun
             flight.dump(where, f"{type(exc).__name__}: {exc}"[:2000])
-            end_stopped_siblings()
-            _torchrun_report(where, began, rank, int(os.environ["WORLD_SIZE"]))
+            ended = {r: "stopped: SIGSTOP or a debugger" for r in end_stopped_siblings()}
+            _torchrun_report(where, began, rank, int(os.environ["WORLD_SIZE"]), ended)
             raise
         # every rank is past its last collective, then the groups close in order: a process
         # exiting with live gloo groups while a peer closes its connections can abort
