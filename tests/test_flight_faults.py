@@ -172,3 +172,12 @@ def test_a_rank_ten_times_slower_is_named_in_the_metrics(tmp_path, capfd):
         assert row["straggle"] > 3, row
         assert row["rank_wait_s"][0] > row["rank_wait_s"][1]
     assert "slowest rank 1:" in capfd.readouterr().out
+
+
+@pytest.mark.slow
+def test_fastpar_flight_0_turns_the_recorder_off(monkeypatch):
+    monkeypatch.setenv("FASTPAR_FLIGHT", "0")
+    with pytest.raises(RankError) as info:
+        run_ranks(_skips_one_all_reduce, 2, timeout=60, collective_timeout=TIMEOUT)
+    assert "--- flight recorder:" not in str(info.value)
+    assert "Timed out" in str(info.value)  # the failure itself, as without the recorder

@@ -41,6 +41,8 @@ def arm(directory: str, rank: int) -> bool:
         return False
     with contextlib.suppress(OSError):
         open_ring(directory, rank)
+    # NCCL: torch's own dump on a watchdog timeout lands beside fastpar's (read at group creation)
+    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(directory, "torch_fr_rank"))
     if threading.current_thread() is not threading.main_thread():
         return False
     if _ARMED.get("pid") == os.getpid():
