@@ -245,8 +245,11 @@ def _diverged(label, members, dumps, ents, before: int) -> str | None:
     for s in common:
         if s >= before:
             break
-        where = {r: (ents[r][s]["where"] or ["?"])[0] for r in present}
-        if len(set(where.values())) > 1:
+        stacks = {r: list(ents[r][s]["where"] or ["?"]) for r in present}
+        if len({tuple(v) for v in stacks.values()}) > 1:  # show the first frame that differs
+            depth = min(len(v) for v in stacks.values())
+            i = next((i for i in range(depth) if len({v[i] for v in stacks.values()}) > 1), depth)
+            where = {r: v[i] if i < len(v) else "?" for r, v in stacks.items()}
             by: dict[str, list[int]] = {}
             for r, w in where.items():
                 by.setdefault(w, []).append(r)
