@@ -272,6 +272,27 @@ def _collectives(trace: dict | None) -> list[dict]:
     return out
 
 
+def _from_notes(ring: list[dict]) -> list[dict]:
+    """Without torch's recorder (an older torch): fastpar's notes as the collectives, numbered
+    by their order in each group (the comm layer's collectives only)."""
+    return [
+        {
+            "group": n["group"],
+            "seq": n["k"],
+            "op": n["op"],
+            "in": [n["shape"]],
+            "in_dtypes": [n["dtype"]],
+            "out": [],
+            "out_dtypes": [],
+            "done": True,
+            "t": n["t"],
+            "where": [],
+        }
+        for n in ring
+        if n.get("kind") == "collective"
+    ]
+
+
 def _main_stack() -> list[str]:
     frame = sys._current_frames().get(threading.main_thread().ident)
     return traceback.format_stack(frame)[-12:] if frame is not None else []
@@ -302,7 +323,7 @@ def snapshot(reason: str = "") -> dict:
         "torch_recorder": trace is not None,
         "groups": _groups(),
         "status": status,
-        "collectives": _collectives(trace),
+        "collectives": _collectives(trace) if trace is not None else _from_notes(ring),
         "ring": ring,
         "stack": _main_stack(),
     }
