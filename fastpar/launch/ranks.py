@@ -220,7 +220,7 @@ def _collect(
         if others:
             text += f"\n--- also failed (often as a consequence) ---{others}"
         dumped = [r for r, p in errors if comm_error(None, p[2])]
-        if dumped or silent or any(p[0] == "ProcessDied" for _, p in errors):
+        if dumped or any(p[0] == "ProcessDied" for _, p in errors):  # else its own error says
             where = flight_dir or os.path.join(tmp, "flight")
             text += flight_report(procs, silent, dumped, world, where, began)
         raise RankError(text, rank, exc, tb) from exc
@@ -264,8 +264,8 @@ def flight_report(
         elif procs[r].is_alive() and pid:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGUSR1)
-    # every rank not stopped and not killed by a signal dumps: as it fails, or on SIGUSR1
-    answering = [r for r in range(world) if r not in known and (procs[r].exitcode or 0) >= 0]
+    # every rank still running dumps on SIGUSR1; those whose collective failed did as it failed
+    answering = [r for r in range(world) if r not in known and procs[r].is_alive()]
     dumps = collect(directory, sorted(set(answering + dumped)), timeout=3.0, since=since)
     if not dumps:
         return ""
