@@ -45,15 +45,18 @@ def _json_dumps(directory: str) -> list[dict]:
     return out
 
 
-def collect(directory: str, ranks, timeout: float, since: float = 0.0) -> list[dict]:
+def collect(
+    directory: str, ranks, timeout: float, since: float = 0.0, settle: float = 0.2
+) -> list[dict]:
     """The dumps of ``ranks`` written after ``since`` (epoch seconds), waiting up to
-    ``timeout`` seconds for all of them (and 0.2 s more for others); then whatever is there."""
+    ``timeout`` seconds for all of them (and ``settle`` s more for others); then whatever is
+    there."""
     want = set(ranks)
     deadline = time.monotonic() + timeout
     while True:
         dumps = [d for d in read_dumps(directory) if d.get("partial") or d["time"] >= since]
         if want <= {d["rank"] for d in dumps if not d.get("partial")}:
-            time.sleep(0.2)  # a rank failing at the same moment is still writing its own
+            time.sleep(settle)  # a rank failing at the same moment is still writing its own
             return [d for d in read_dumps(directory) if d.get("partial") or d["time"] >= since]
         if time.monotonic() >= deadline:
             return dumps

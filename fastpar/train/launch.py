@@ -50,9 +50,10 @@ def flight_dir(cfg: TrainConfig, temporary: bool = True) -> str | None:
 
 
 def _torchrun_report(where: str, began: float, rank: int, world: int, known: dict) -> None:
-    """Under torchrun, after a failed collective: the lowest rank that dumped (within a few
-    seconds) prints the analysis of every dump there (``known``: ranks it ended, stopped)."""
-    dumps = collect(where, [r for r in range(world) if r not in known], timeout=3.0, since=began)
+    """Under torchrun, after a failed collective: the lowest rank that dumped (within a
+    second: the agent ends the other workers once one fails) prints the analysis of every dump there (``known``: ranks it ended, stopped)."""
+    others = [r for r in range(world) if r not in known]  # torchrun ends us soon: 1 s at most
+    dumps = collect(where, others, timeout=1.0, since=began, settle=0.0)
     full = [d["rank"] for d in dumps if not d.get("partial")]
     if full and rank == min(full):
         text = analyse(dumps, world, known).text()
