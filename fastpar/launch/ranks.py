@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from fastpar.flight.analyse import analyse
 from fastpar.flight.files import collect
+from fastpar.flight.record import enabled
 from fastpar.launch.procs import Forwarder, kill, process_status, read_file, state
 from fastpar.launch.worker import comm_error, worker
 
@@ -254,7 +255,9 @@ def flight_report(
     """Ask every rank still running for its flight records (SIGUSR1; a stopped one cannot
     answer; ``live``: those that gave no result), wait briefly for their dumps and those of
     ``dumped`` (ranks that dumped as they failed), and return the analysis as a section of the
-    error ("" without dumps)."""
+    error ("" without dumps; nothing with ``FASTPAR_FLIGHT=0``)."""
+    if not enabled():
+        return ""
     known = {}
     for r in range(world):  # those done too: they wait in the launcher's last barrier
         pid = procs[r].pid
