@@ -226,3 +226,29 @@ def test_a_rank_records_groups_splits_and_leaves_a_ring_file(tmp_path):
     assert [(n["op"], n["in_splits"], n["out_splits"]) for n in ring] == [
         ("all_to_all", [3, 1], [3, 1])
     ]
+
+
+def _pipeline_step(cfg, tokens, directory):
+    from fastpar.mesh import ParallelMesh
+    from fastpar.train.build import Trainer
+
+    flight.arm(directory, dist.get_rank())
+    trainer = Trainer(cfg, ParallelMesh(cfg.tp, cfg.pp, cfg.ep), torch.device("cpu"), tokens)
+    trainer.step()
+    return flight.dump(directory, "after a step")
+
+
+@pytest.mark.slow
+def test_a_pipeline_records_its_sends_and_receives(tmp_path):
+    from fastpar.train import TrainConfig
+    from fastpar.train.batches import load_data
+
+    cfg = TrainConfig(tp=1, pp=2, dp=1, ep=1, moe_every=0, microbatches=2, steps=1, quiet=True)
+    run_ranks(_pipeline_step, 2, cfg, load_data(cfg), str(tmp_path), timeout=120)
+    dumps = {d["rank"]: d for d in read_dumps(str(tmp_path))}
+    sent = [
+        (n["k"], n["shape"]) for n in dumps[0]["ring"] if n["kind"] == "send" and n["peer"] == 1
+    ]
+    got = [(n["k"], n["shape"]) for n in dumps[1]["ring"] if n["kind"] == "recv" and n["peer"] == 0]
+    assert sent and sent == got  # every message rank 0 sent, rank 1 received alike
+    assert not any(line.startswith("p2p") for line in flight.analyse(list(dumps.values())).lines)
