@@ -66,6 +66,11 @@ QUICK = {
         "test_document_attention[docs8]",
         "test_causal_work_balance[2]",
     ],
+    "test_bench_flight.py": [
+        "test_train_step_with_and_without_the_recorder[tp2]",
+        "test_cost_per_collective",
+        "test_notes_on_and_off_step_by_step[tp2]",
+    ],
     "test_bench_harness.py": [
         "test_fork_noop[2]",
         "test_fork_full_mesh[4]",

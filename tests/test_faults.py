@@ -167,6 +167,12 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_it():
     assert 4.0 < seconds < 5 + SLACK, j.text[-3000:]  # the 5 s timeout fired, on a tp group
     assert "no answer from rank 2 (its process is stopped: SIGSTOP or a debugger)" in j.text
     assert "Timed out waiting 5000ms" in j.text
+    # the flight recorder: a group the stopped rank left its peers waiting in
+    assert re.search(
+        r"first disagreement: group (dp\[0,2\]|tp\[2,3\]): #\d+ \w+: rank 2 sent no dump "
+        r"\(stopped: SIGSTOP or a debugger\); waiting for it: rank [03] in (dp\[0,2\]|tp\[2,3\])",
+        j.text,
+    ), j.text[-3000:]
     assert alive(j.ranks) == []
 
 
@@ -186,6 +192,9 @@ def test_a_stopped_rank_under_torchrun_ends_the_job_within_the_timeout_naming_it
     # torchrun alone would give the stopped rank its 30 s shutdown grace on top
     assert 4.0 < seconds < 5 + SLACK, j.text[-3000:]
     assert f"no answer from rank {rank} (pid {stopped}): its process is stopped" in j.text
+    # the flight recorder's analysis, printed by the lowest rank that dumped
+    assert "fastpar: flight recorder, 1 dumps in" in j.text, j.text[-3000:]
+    assert re.search(rf"first disagreement: group \S+: #\d+ \w+: rank {rank} sent no dump", j.text)
     assert alive(j.ranks) == []
 
 

@@ -43,6 +43,7 @@ LAYERS: tuple[tuple[tuple[str, ...], str], ...] = (
         ),
         "leaves: torch, numpy, the standard library and the switches (kernels: Triton)",
     ),
+    (("flight",), "the flight recorder: torch's and fastpar's records, dumps, their analysis"),
     (("mesh",), "rank layout, ParallelMesh, placement (parameter marks, replica groups, ranks)"),
     (("launch",), "the rank launcher (processes, their errors and timeouts)"),
     (("comm",), "differentiable collectives over a group"),

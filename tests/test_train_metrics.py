@@ -55,6 +55,10 @@ KEYS = {
     "time",
     "elapsed_s",
     "eta_s",
+    "rank_step_s",
+    "rank_wait_s",
+    "slowest_rank",
+    "straggle",
 }
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from fastpar.flight.record import note, note_splits
 from fastpar.mesh.ranks import Group, group_rank, group_size
 from fastpar.profiling import nvtx
 
@@ -36,6 +37,7 @@ def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     if group_size(group) == 1:
         return x
     x = x.contiguous().clone()
+    note(group, "all_reduce", x)  # the flight recorder's record of it
     with nvtx("all_reduce"):
         dist.all_reduce(x, group=group)
     return x
@@ -56,6 +58,7 @@ def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     dim = dim % x.dim()
     src = x.movedim(dim, 0).contiguous()
     out = torch.empty((world * src.shape[0], *src.shape[1:]), dtype=x.dtype, device=x.device)
+    note(group, "all_gather", src)  # the flight recorder's record of it
     with nvtx("all_gather"):
         dist.all_gather_into_tensor(out, src, group=group)
     return out.movedim(0, dim).contiguous()
@@ -68,6 +71,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     dim = _check_divisible(x, dim, world, "reduce-scatter")
     src = x.movedim(dim, 0).contiguous()
     out = torch.empty((src.shape[0] // world, *src.shape[1:]), dtype=x.dtype, device=x.device)
+    note(group, "reduce_scatter", src)  # the flight recorder's record of it
     with nvtx("reduce_scatter"):
         dist.reduce_scatter_tensor(out, src, group=group)
     return out.movedim(0, dim).contiguous()
@@ -214,6 +218,7 @@ def _all_to_all(
     x = x.contiguous()
     rows = sum(out_splits) if out_splits is not None else x.shape[0]
     out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    note_splits(group, x, out_splits, in_splits)  # the flight recorder's record of the splits
     with nvtx("all_to_all"):
         dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
     return out

@@ -18,8 +18,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fastpar.launch.procs import Forwarder, kill, read_file, state
-from fastpar.launch.worker import worker
+from fastpar.flight.analyse import analyse
+from fastpar.flight.files import collect
+from fastpar.flight.record import enabled
+from fastpar.launch.procs import Forwarder, kill, process_status, read_file, state
+from fastpar.launch.worker import comm_error, worker
 
 #: seconds ``run_ranks`` waits without ``timeout=`` (and without FASTPAR_TEST_TIMEOUT)
 DEFAULT_TIMEOUT_S = 90.0
@@ -81,6 +84,7 @@ def run_ranks(
     start_method: str = "fork",
     threads_per_rank: int | None = None,
     collective_timeout: float | None = None,
+    flight_dir: str | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results in rank order.
@@ -91,6 +95,9 @@ def run_ranks(
     group or a CUDA context (forking those is unsafe); ``fn`` must then be importable.
     ``collective_timeout`` (default: ``timeout``) bounds each collective separately, so a long
     job can have a long ``timeout`` and still fail fast on a stuck collective.
+    A rank whose collective fails, a stuck or stopped rank, or the timeout: every live rank
+    dumps its flight records (``fastpar.flight``) into ``flight_dir`` (default: a temporary
+    directory, removed) and the error's message ends with their analysis.
     ``threads_per_rank`` is 1 for forked ranks (a forked OpenMP pool can hang: GNU libgomp is
     not fork-safe once the parent has used it) and cores / ranks for spawned ones.
     """
@@ -142,6 +149,7 @@ def run_ranks(
                     threads_per_rank,
                     child_end,
                     os.path.join(tmp, f"stack{rank}"),
+                    flight_dir or os.path.join(tmp, "flight"),
                     os.getpid(),
                     args,
                     kwargs,
@@ -155,7 +163,7 @@ def run_ranks(
             conns.append(parent_end)
         if forwarder.received:  # it came while ranks were starting: every rank gets it now
             forwarder.send(forwarder.received[0])
-        return _collect(procs, conns, world_size, timeout, tmp)
+        return _collect(procs, conns, world_size, timeout, tmp, flight_dir)
     finally:
         kill(procs)
         for c in conns:
@@ -164,7 +172,10 @@ def run_ranks(
         forwarder.restore()
 
 
-def _collect(procs: list[Any], conns: list[Any], world: int, timeout: float, tmp: str) -> list:
+def _collect(
+    procs: list[Any], conns: list[Any], world: int, timeout: float, tmp: str, flight_dir
+) -> list:
+    began = time.time()
     deadline = time.monotonic() + timeout
     results: dict[int, Any] = {}
     errors: list[tuple[int, tuple]] = []
@@ -209,6 +220,10 @@ def _collect(procs: list[Any], conns: list[Any], world: int, timeout: float, tmp
         )
         if others:
             text += f"\n--- also failed (often as a consequence) ---{others}"
+        dumped = [r for r, p in errors if comm_error(None, p[2])]
+        if dumped or any(p[0] == "ProcessDied" for _, p in errors):  # else its own error says
+            where = flight_dir or os.path.join(tmp, "flight")
+            text += flight_report(procs, silent, dumped, world, where, began)
         raise RankError(text, rank, exc, tb) from exc
     if pending:  # timed out: ask each live rank for its stack, then kill everything
         live = sorted(pending.values())
@@ -216,8 +231,10 @@ def _collect(procs: list[Any], conns: list[Any], world: int, timeout: float, tmp
             if procs[r].is_alive() and procs[r].pid:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(procs[r].pid, signal.SIGUSR1)
+        where = flight_dir or os.path.join(tmp, "flight")
+        report = flight_report(procs, live, [], world, where, began)
         time.sleep(0.3)
-        stacks = "".join(
+        stacks = report + "".join(
             f"\n--- stack of rank {r} ({state(procs[r].pid)}) ---\n"
             f"{read_file(os.path.join(tmp, f'stack{r}')) or '(none)'}"
             for r in live
@@ -230,3 +247,41 @@ def _collect(procs: list[Any], conns: list[Any], world: int, timeout: float, tmp
             stacks,
         )
     return [results[r] for r in range(world)]
+
+
+def flight_report(
+    procs: list[Any], live: list[int], dumped: list[int], world: int, directory: str, since: float
+) -> str:
+    """Ask every rank still running for its flight records (SIGUSR1; a stopped one cannot
+    answer; ``live``: those that gave no result), wait briefly for their dumps and those of
+    ``dumped`` (ranks that dumped as they failed), and return the analysis as a section of the
+    error ("" without dumps; nothing with ``FASTPAR_FLIGHT=0``)."""
+    if not enabled():
+        return ""
+    known = {}
+    for r in range(world):  # those done too: they wait in the launcher's last barrier
+        pid = procs[r].pid
+        status = process_status(pid) if pid else None
+        if status is not None and status[0] in "Tt":
+            known[r] = "stopped: SIGSTOP or a debugger"
+        elif procs[r].is_alive() and pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+    # every rank still running dumps on SIGUSR1; those whose collective failed did as it failed
+    answering = [r for r in range(world) if r not in known and procs[r].is_alive()]
+    dumps = collect(directory, sorted(set(answering + dumped)), timeout=3.0, since=since)
+    if not dumps:
+        return ""
+    for r in range(world):
+        code = procs[r].exitcode
+        if code is not None and code < 0 and r not in known:
+            known[r] = f"died of {signal.Signals(-code).name}" + (
+                ": gloo aborts a rank that receives more bytes than it expects"
+                if -code == signal.SIGABRT
+                else ""
+            )
+        elif r in live and r not in known and not procs[r].is_alive():
+            known[r] = f"exited ({code}) without a result"
+    result = analyse(dumps, world, known)
+    full = sum(not d.get("partial") for d in dumps)
+    return f"\n--- flight recorder: {full} dumps in {directory} ---\n{result.text()}"

@@ -18,6 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fastpar import flight
+from fastpar.flight.record import settle, torch_buffer
+
 _PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
 
 
@@ -46,6 +49,24 @@ def default_signals() -> None:
             signal.signal(sig, handler)
 
 
+#: words of a communication failure's message (gloo's, NCCL's, torch.distributed's)
+COMM_WORDS = ("gloo", "NCCL", "ProcessGroup", "c10d", "imed out", "timeout", "pair closure")
+
+
+def comm_error(exc: BaseException | None, tb: str) -> bool:
+    """Whether ``exc`` (None: judge by the traceback ``tb`` alone) came out of
+    torch.distributed (a timeout, a closed connection, a mismatch gloo or NCCL found): then the
+    flight recorder's analysis says which collective. A work's ``wait()`` raises from C++ with
+    no torch.distributed frame: its message says what it is."""
+    dist_error = getattr(dist, "DistError", ())
+    if (exc is not None and isinstance(exc, dist_error)) or "torch/distributed/" in tb:
+        return True
+    last = tb.strip().splitlines()[-1] if tb.strip() else ""
+    return last.startswith(("RuntimeError", "torch.distributed")) and any(
+        word in last for word in COMM_WORDS
+    )
+
+
 def worker(
     fn: Callable[..., Any],
     rank: int,
@@ -56,6 +77,7 @@ def worker(
     threads: int,
     conn: Any,
     stack_path: str,
+    flight_dir: str,
     parent_pid: int,
     args: tuple,
     kwargs: dict,
@@ -65,7 +87,8 @@ def worker(
         bind_to_parent(parent_pid, f"fastpar-rank{rank}")
         default_signals()
         with open(stack_path, "w") as stack_file:
-            faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+            flight.arm(flight_dir, rank)  # SIGUSR1: this rank's flight records, and its stack
+            faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True, chain=True)
             try:
                 os.environ.update(
                     RANK=str(rank),
@@ -76,6 +99,7 @@ def worker(
                 if sys.platform.startswith("linux"):
                     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
                 torch.set_num_threads(threads)
+                torch_buffer()  # FASTPAR_FLIGHT=0: torch's recorder off too
                 store = dist.FileStore(store_path, world_size)
                 dist.init_process_group(
                     backend,
@@ -91,10 +115,16 @@ def worker(
                 # through shared memory that dies with this process at os._exit
                 conn.send_bytes(pickle.dumps(("ok", rank, result)))
                 if world_size > 1:  # nobody exits while a peer still finishes its last collective
-                    with contextlib.suppress(Exception):
+                    try:
                         dist.barrier()
+                    except Exception as exc:  # a peer failed: this rank's records too
+                        with contextlib.suppress(Exception):
+                            flight.dump(flight_dir, f"after its result: {type(exc).__name__}")
             except BaseException as exc:  # report everything, KeyboardInterrupt included
                 tb = traceback.format_exc()
+                if comm_error(exc, tb):  # the launcher analyses the dumps
+                    with contextlib.suppress(Exception):
+                        flight.dump(flight_dir, f"{type(exc).__name__}: {exc}"[:2000])
                 try:
                     payload = pickle.dumps(exc)
                 except Exception:
@@ -108,4 +138,5 @@ def worker(
     finally:
         with contextlib.suppress(Exception):
             conn.close()
+        settle()  # a dump SIGUSR1 asked for is written in full
         os._exit(code)  # never run the parent's atexit handlers (pytest's, say) in a fork

@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from fastpar.flight.record import name_group, torch_buffer
 from fastpar.mesh import bridge
 from fastpar.mesh.layout import DEFAULT_ORDER, GROUP_KINDS, MeshLayout
 from fastpar.mesh.timeout import DEFAULT_TIMEOUT, as_timeout, group_timeout
@@ -80,6 +81,10 @@ class ParallelMesh:
         self._ranks: dict[str, list[int]] = {}
         created: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         world = tuple(range(self.world_size))
+        kinds_of: dict[tuple[int, ...], list[str]] = {}  # the flight recorder's group names
+        for kind in GROUP_KINDS:
+            for ranks in self.layout.groups[kind]:
+                kinds_of.setdefault(tuple(ranks), []).append(kind)
         for kind in GROUP_KINDS:
             for ranks in self.layout.groups[kind]:
                 key = tuple(ranks)
@@ -89,7 +94,11 @@ class ParallelMesh:
                     elif key == world and world_timeout == self.timeout:
                         created[key] = dist.group.WORLD
                     else:  # every group its own timeout= (torch's default is 30 min)
-                        created[key] = dist.new_group(list(ranks), timeout=self.timeout)
+                        created[key] = dist.new_group(
+                            list(ranks), timeout=self.timeout, group_desc="/".join(kinds_of[key])
+                        )
+                    if self.rank in ranks and created[key] is not None:
+                        name_group(created[key], kinds_of[key])
                 if self.rank in ranks:
                     self._groups[kind] = created[key]
                     self._ranks[kind] = list(ranks)
@@ -256,6 +265,7 @@ def init(
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(_env_int("LOCAL_RANK") or 0)
+    torch_buffer()  # FASTPAR_FLIGHT=0: torch's flight recorder off too
     if world_size is None:
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from fastpar.flight.record import note_splits
 from fastpar.ops import backend
 from fastpar.switches import Setting, Switch, choice
 
@@ -127,6 +128,7 @@ def start_all_to_all(x: torch.Tensor, group, out_splits, in_splits, kind: str) -
     """Start an all-to-all of the rows of ``x`` over ``kind`` (``transport()``'s answer);
     ``.wait()`` returns the received rows."""
     x = x.contiguous()
+    note_splits(group, x, out_splits, in_splits)  # the flight recorder's record of the splits
     if kind == "extension":
         g = group if group is not None else dist.distributed_c10d._get_default_group()
         out_splits = out_splits or []

@@ -30,6 +30,7 @@ from fastpar.train.metrics import (
     resolve,
 )
 from fastpar.train.stop import RunStopped, StopSignals, agree, signal_name, weights_fit
+from fastpar.train.stragglers import rank_times
 from fastpar.train.summary import header_line, hybrid_line
 
 
@@ -166,8 +167,12 @@ class SyncPoint:
     def __call__(self, pending: list[dict], logged: bool) -> None:
         cfg, trainer, device = self.cfg, self.trainer, self.trainer.device
         rec, step = pending[-1], pending[-1]["step"]
+        if logged and device.type == "cuda":  # this rank's arrival: its queued work done
+            torch.cuda.synchronize(device)
+        arrived = time.perf_counter()
         resolve(pending, trainer.mesh, device)
         seconds = time.perf_counter() - self.since
+        waited = time.perf_counter() - arrived  # for the slowest rank (resolve syncs the ranks)
         if cfg.compile and step == self.start + 1:  # the compile step (resolve synced)
             self.compile_s, self.compile_steps = time.perf_counter() - self.began, 1
         diverged = self.watch.scan(pending)
@@ -191,7 +196,7 @@ class SyncPoint:
                 skipped_steps=self.skipped,
                 compile_s=self.compile_s,
                 compile_steps=self.compile_steps,
-            )
+            ) | rank_times(arrived - self.since, waited, len(pending), device)
             self.skipped = 0
             if self.writer is not None:
                 self.writer.write(row)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from fastpar.amp.norm import counts_on_this_rank
 from fastpar.mesh.placement import is_expert
+from fastpar.train.stragglers import straggler_text
 
 #: dense (no sparsity) bf16 tensor-core peak FLOP/s by device name, for MFU; the first key that
 #: is part of torch.cuda.get_device_name() wins (so "H100 PCIe" before "H100")
@@ -234,6 +235,7 @@ def progress_line(cfg, row: dict) -> str:
         + (" | skipped" if row["skipped"] else "")
         + (f" | val_loss {_num(row['val_loss'])}" if "val_loss" in row else "")
         + (f" | mtp_loss {_num(row['mtp_loss'])}" if "mtp_loss" in row else "")
+        + straggler_text(row)
     )
 
 

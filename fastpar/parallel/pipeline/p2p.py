@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from fastpar.comm.checks import WIRE_DTYPES as _DTYPES
+from fastpar.flight.record import note_p2p
 from fastpar.profiling import nvtx
 
 _MAX_DIMS = 8
@@ -262,6 +263,7 @@ def _start(ops: list) -> list:
     works. CPU tensors (gloo, which does not coalesce): each op directly, what
     ``batch_isend_irecv`` does there, without building a ``P2POp`` per op (~10 us each on 2
     loaded cores); other devices: one ``batch_isend_irecv`` (coalesced on NCCL)."""
+    note_p2p(ops)  # the flight recorder's record of them
     if ops[0][1].device.type == "cpu":
         return [op(t, peer, tag=tag) for op, t, peer, tag in ops]
     return dist.batch_isend_irecv([dist.P2POp(op, t, peer, tag=tag) for op, t, peer, tag in ops])

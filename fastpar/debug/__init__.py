@@ -1,6 +1,7 @@
 """The debug switch: cross-rank input checks that cost one collective per call, turned on by
 ``fastpar.debug_checks(True)``, ``--debug-checks`` or ``FASTPAR_DEBUG_CHECKS=1``
-(docs/development.md, "Cross-rank checks")."""
+(docs/development.md, "Cross-rank checks"). ``python -m fastpar.debug analyse DIR``: the flight
+recorder's analysis of a failed run's dumps (docs/debugging.md)."""
 
 from __future__ import annotations
 
