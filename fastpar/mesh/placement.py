@@ -18,6 +18,7 @@ _DUPLICATED = "_fastpar_duplicated_over"
 _EXPERT = "_fastpar_expert"
 _TIED_NAME = "_fastpar_checkpoint_name"
 _BLOCKS = "_fastpar_matrix_blocks"
+_HEADS = "_fastpar_matrix_heads"
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,26 @@ def matrix_blocks(p: torch.Tensor) -> MatrixBlocks | None:
     return getattr(p, _BLOCKS, None)
 
 
+@dataclass(frozen=True)
+class MatrixHeads:
+    """Attention heads along ``dim`` of ``p``'s whole (TP-assembled) tensor: every ``size``
+    consecutive rows (or columns) are one head's matrix (q|k|v by rows, the output projection
+    by columns). ``fastpar.optim.Muon(per_head=True)`` orthogonalises each apart (docs/muon.md)."""
+
+    dim: int
+    size: int
+
+
+def mark_heads(p: torch.Tensor, dim: int, head_size: int) -> None:
+    """``p`` holds attention heads of ``head_size`` along ``dim`` (``MatrixHeads``)."""
+    setattr(p, _HEADS, MatrixHeads(int(dim), int(head_size)))
+
+
+def matrix_heads(p: torch.Tensor) -> MatrixHeads | None:
+    """The ``mark_heads`` mark of ``p``, or None."""
+    return getattr(p, _HEADS, None)
+
+
 # -- who holds a copy -------------------------------------------------------------------------
 def data_parallel_groups(mesh=None, group: Group = None) -> tuple[Group, Group]:
     """(dense, expert): the groups data parallelism replicates dense and expert parameters
@@ -197,7 +218,7 @@ def holds_reference_copy(p: torch.Tensor, mesh=None, **kwargs) -> bool:
     return all(group_rank(g) == 0 for g in replica_groups(p, mesh, **kwargs))
 
 
-_MARKS = (_ATTR, _DUPLICATED, _EXPERT, _TIED_NAME, _BLOCKS)
+_MARKS = (_ATTR, _DUPLICATED, _EXPERT, _TIED_NAME, _BLOCKS, _HEADS)
 
 
 def copy_marks(src: torch.Tensor, dst: torch.Tensor) -> bool:

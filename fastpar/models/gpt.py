@@ -17,6 +17,7 @@ from torch import nn
 
 from fastpar.cliutil import flat_fields
 from fastpar.comm import group_size
+from fastpar.mesh.placement import mark_heads
 from fastpar.models.activations import Activations, activations
 from fastpar.models.common import (
     DecoderBlock,
@@ -122,6 +123,8 @@ class Attention(nn.Module):
         kw = dict(group=group, sequence_parallel=sp, sequence_dim=1)
         self.qkv = ColumnParallelLinear(cfg.hidden, 3 * cfg.hidden, bias=False, fused=3, **kw)
         self.proj = RowParallelLinear(cfg.hidden, cfg.hidden, bias=False, **kw)
+        mark_heads(self.qkv.weight, 0, self.head_dim)  # Muon(per_head=True): q, k, v per head
+        mark_heads(self.proj.weight, 1, self.head_dim)
         self.cp_group, self.cp_attention = None, "ring"  # the block sets them (cp > 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

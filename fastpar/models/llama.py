@@ -18,7 +18,7 @@ from torch import nn
 
 from fastpar.cliutil import check_positive_or_none, flat_fields
 from fastpar.comm import group_size
-from fastpar.mesh.placement import mark_blocks
+from fastpar.mesh.placement import mark_blocks, mark_heads
 from fastpar.models.activations import Activations, activations
 from fastpar.models.common import (
     DecoderBlock,
@@ -322,6 +322,8 @@ class Attention(nn.Module):
         # separate matrices for Muon: q, k and v, each the same rows of every kv group
         mark_blocks(self.qkv.weight, 0, (self.rep * d, d, d), kv)
         self.o = RowParallelLinear(cfg.heads * d, cfg.hidden, bias=False, **kw)
+        mark_heads(self.qkv.weight, 0, d)  # Muon(per_head=True): every d rows / columns a head
+        mark_heads(self.o.weight, 1, d)
         if cfg.qk_norm:  # each rank normalises only its own heads: partial weight gradients
             norm = dict(eps=cfg.norm_eps, group=group, partial_grad=tp > 1)
             self.q_norm, self.k_norm = Norm(d, **norm), Norm(d, **norm)

@@ -48,6 +48,15 @@ class OptimizerConfig:
         resume="warn",
     )
     """Muon's momentum, in [0, 1)."""
+    muon_per_head: bool = option(
+        False,
+        name="muon_per_head",
+        group=OPTIMIZER,
+        help="--optimizer muon: orthogonalise each attention head's rows of q|k|v and columns "
+        "of the output projection apart (GPT, Llama; not DeepSeek's latent attention)",
+        resume="refuse",
+    )
+    """``Muon(per_head=True)``: each head of a ``mark_heads`` weight its own matrix."""
     state_dtype: str = option(
         "fp32",
         name="optimizer_state_dtype",

@@ -78,7 +78,8 @@ class Muon(torch.optim.Optimizer):
     Per matrix: ``buf <- lerp(buf, g, 1 - momentum)``, the update ``lerp(g, buf, momentum)``
     (``nesterov``) or ``buf``, orthogonalised by ``ns_steps`` quintic Newton–Schulz steps
     (``ns_coefficients``, in ``ns_dtype``, default the parameter's), times the ``adjust_lr``
-    ratio of the matrix's shape; ``p <- p (1 - lr wd) - lr · that``. State: ``momentum_buffer``
+    ratio of the matrix's shape; ``p <- p (1 - lr wd) - lr · that``. ``per_head``: each
+    attention head of a ``mark_heads`` weight is its own matrix (docs/muon.md). State: ``momentum_buffer``
     (Muon), ``step`` / ``exp_avg`` / ``exp_avg_sq`` (AdamW: ``betas``, ``eps``). A nonzero
     ``found_inf`` attribute (torch's amp protocol) skips the step on the device.
     ``comm_bytes``: bytes this rank sent for the whole matrices, per kind (ring formula)."""
@@ -99,6 +100,7 @@ class Muon(torch.optim.Optimizer):
         ns_dtype: torch.dtype | None = None,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
+        per_head: bool = False,
     ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"invalid learning rate {lr}: must be >= 0")
@@ -112,6 +114,7 @@ class Muon(torch.optim.Optimizer):
         adam = dict(betas=betas, eps=eps, maximize=False)
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
         defaults.update(ns, adjust_lr=adjust_lr, ns_dtype=ns_dtype, muon=None, **adam)
+        defaults["per_head"] = bool(per_head)
         super().__init__(params, defaults)
         for group in self.param_groups:
             if group["muon"] is None:
@@ -164,22 +167,22 @@ class Muon(torch.optim.Optimizer):
             buf = state["momentum_buffer"]
             new_buf = buf.lerp(g, 1 - mom)
             update = g.lerp(new_buf, mom) if group["nesterov"] else new_buf
-            o = self._orthogonalized(p, update, ortho)
+            o = self._orthogonalized(p, update, ortho, group.get("per_head", False))
             new_p = p.mul(1 - lr * wd).add_(o, alpha=-lr)
             if keep is not None:
                 new_buf, new_p = torch.where(keep, buf, new_buf), torch.where(keep, p, new_p)
             buf.copy_(new_buf)
             p.copy_(new_p)
 
-    def _orthogonalized(self, p: torch.Tensor, update: torch.Tensor, ortho) -> torch.Tensor:
+    def _orthogonalized(self, p: torch.Tensor, update: torch.Tensor, ortho, per_head: bool):
         flat = getattr(p, FLAT_ATTR, None)
         if flat is None:
             _check_matrix(p)
-            return whole_update(update, p, ortho, self.comm_bytes)
+            return whole_update(update, p, ortho, self.comm_bytes, per_head)
         if id(p) not in self._owners:
             self._assign_owners()
         owner = [(piece, rank) for piece, rank, _ in self._owners[id(p)]]
-        return flat_update(update, flat, ortho, self.comm_bytes, owner)
+        return flat_update(update, flat, ortho, self.comm_bytes, owner, per_head)
 
     def _assign_owners(self) -> None:
         """One owner rank per piece (a whole parameter, or one expert of a stack) of every flat

@@ -13,9 +13,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from fastpar.mesh.placement import is_expert, matrix_blocks, param_layout
+from fastpar.mesh.placement import is_expert, matrix_blocks, matrix_heads, param_layout
 from fastpar.mesh.ranks import group_rank, group_size
-from fastpar.reference.muon import Blocks
+from fastpar.reference.muon import Blocks, head_blocks
 
 FLAT_ATTR = "_fastpar_flat"
 """Attribute of a flat master (``fastpar.parallel``'s ``FlatShard`` sets it): the flat it is
@@ -95,11 +95,19 @@ Orthogonalize = Callable[[torch.Tensor, Blocks | None], torch.Tensor]
 
 
 def whole_update(
-    update: torch.Tensor, p: torch.Tensor, ortho: Orthogonalize, counts: dict | None = None
+    update: torch.Tensor,
+    p: torch.Tensor,
+    ortho: Orthogonalize,
+    counts: dict | None = None,
+    per_head: bool = False,
 ) -> torch.Tensor:
-    """``ortho`` of the whole tensor of ``p`` (gathered), this rank's shard of the result."""
+    """``ortho`` of the whole tensor of ``p`` (gathered), this rank's shard of the result;
+    ``per_head``: each head of a ``mark_heads`` mark its own matrix, in whole-tensor rows."""
     full = assemble(update, p, counts)
-    return local_part(ortho(full, blocks_of(p)), p, update.shape)
+    blocks = blocks_of(p)
+    if per_head:
+        blocks = head_blocks(blocks, matrix_heads(p), full.shape)
+    return local_part(ortho(full, blocks), p, update.shape)
 
 
 def ns_cost(p: torch.Tensor, local: torch.Size) -> float:
@@ -154,6 +162,7 @@ def flat_update(
     ortho: Orthogonalize,
     counts: dict,
     owner: list[tuple[Piece, int]],
+    per_head: bool = False,
 ) -> torch.Tensor:
     """The orthogonalised update of this rank's flat shard ``update`` [shard_len]: all-gather
     the shard into the whole flat, each owner orthogonalises its pieces (``owner``: each piece
@@ -172,7 +181,7 @@ def flat_update(
         u, o = flat.view(full, i), flat.view(out, i)
         if e is not None:
             u, o = u[e : e + 1], o[e : e + 1]
-        o.copy_(whole_update(u, flat.params[i], ortho, counts))
+        o.copy_(whole_update(u, flat.params[i], ortho, counts, per_head))
     if not gathered:
         return out
     counts["dp_scatter"] += ring_bytes(flat.padded, out.element_size(), flat.size)

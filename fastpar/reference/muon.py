@@ -81,6 +81,23 @@ def block_slices(extent: int, blocks: Blocks | None) -> list[list[slice]]:
     return out
 
 
+def head_blocks(blocks: Blocks | None, heads, shape: Sequence[int]) -> Blocks | None:
+    """The separate matrices of a whole tensor of ``shape`` orthogonalised per head: ``heads``
+    (a ``fastpar.mesh.placement.MatrixHeads``: every ``size`` along ``dim`` one head) refines
+    ``blocks`` (each block whole heads, along the same dim); ``blocks`` when ``heads`` is None."""
+    if heads is None:
+        return blocks
+    dim, size = heads.dim % len(shape), heads.size
+    if shape[dim] % size:
+        raise ValueError(f"heads of {size} along dim {dim} do not tile a tensor of {tuple(shape)}")
+    if blocks is not None and (blocks[0] % len(shape) != dim or any(n % size for n in blocks[1])):
+        raise ValueError(
+            f"heads of {size} along dim {dim} do not refine the matrix blocks {blocks} of a "
+            f"tensor of {tuple(shape)}: mark heads along the blocks' dim, whole heads per block"
+        )
+    return (dim, (size,) * (shape[dim] // size), 1)
+
+
 def orthogonalize(
     update: torch.Tensor,
     blocks: Blocks | None = None,
@@ -161,7 +178,9 @@ class MuonReference:
     """Muon over whole tensors on one device in any dtype, as ``fastpar.optim.Muon`` steps a
     model: ``muon_step_`` on the groups with ``"muon": True``, ``torch.optim.AdamW`` (foreach
     off) on the others. ``blocks(p)``: the separate matrices of ``p``
-    (``fastpar.optim.muon_matrices.blocks_of``; None: each parameter one matrix). Shows
+    (``fastpar.optim.muon_matrices.blocks_of``; None: each parameter one matrix), split per head
+    with ``per_head`` where ``heads(p)`` gives its heads (``fastpar.mesh.placement.matrix_heads``;
+    ``head_blocks``). Shows
     ``param_groups``, ``state`` (AdamW's), ``step()`` and ``zero_grad()``."""
 
     def __init__(
@@ -175,8 +194,15 @@ class MuonReference:
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         blocks=None,
+        per_head: bool = False,
+        heads=None,
         **options,
     ) -> None:
+        if per_head and heads is None:
+            raise ValueError(
+                "MuonReference(per_head=True) needs heads=: the heads of a parameter "
+                "(fastpar.mesh.placement.matrix_heads)"
+            )
         adam = [dict(g) for g in param_groups if not g["muon"]]
         self.adamw = (
             torch.optim.AdamW(
@@ -195,6 +221,7 @@ class MuonReference:
             weight_decay,
         )
         self.blocks, self.options = blocks or (lambda p: None), options
+        self.per_head, self.heads = per_head, heads
         self.buffers: dict[torch.Tensor, torch.Tensor] = {}
 
     @property
@@ -218,9 +245,14 @@ class MuonReference:
                 momentum=g.get("momentum", self.momentum),
                 nesterov=g.get("nesterov", self.nesterov),
                 weight_decay=g.get("weight_decay", self.weight_decay),
-                blocks=[self.blocks(p) for p in ps],
+                blocks=[self._blocks(p) for p in ps],
                 **self.options,
             )
+
+    def _blocks(self, p: torch.Tensor) -> Blocks | None:
+        if not self.per_head:
+            return self.blocks(p)
+        return head_blocks(self.blocks(p), self.heads(p), p.shape)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for g in self.param_groups:

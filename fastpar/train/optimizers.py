@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from fastpar import families
+from fastpar.mesh.placement import matrix_heads
 from fastpar.optim import Muon, muon_param_groups
 from fastpar.optim.muon_matrices import blocks_of
 from fastpar.reference.muon import ExactMuon
@@ -20,8 +21,23 @@ def groups_for(cfg, stage, adamw_groups: Callable) -> list[dict]:
     for AdamW; for Muon ``fastpar.optim.muon_param_groups`` (its default rule)."""
     if cfg.optimizer == "muon" and cfg.hf_config:
         check_hf_muon(cfg)
+    check_per_head(cfg)
     make = muon_param_groups if cfg.optimizer == "muon" else adamw_groups
     return make(stage, cfg.weight_decay)
+
+
+def check_per_head(cfg) -> None:
+    """Refuse ``--muon-per-head`` where no weight marks its heads (``mark_heads``: fastpar's
+    GPT and Llama do): AdamW, DeepSeek's latent attention, Hugging Face models (docs/muon.md)."""
+    if not cfg.muon_per_head:
+        return
+    model = f"--hf-config {cfg.hf_config}" if cfg.hf_config else f"--model-type {cfg.model_type}"
+    if cfg.optimizer != "muon" or cfg.hf_config or cfg.model_type == "deepseek":
+        raise ValueError(
+            f"--muon-per-head with --optimizer {cfg.optimizer} {model}: only Muon on fastpar's "
+            "GPT and Llama splits attention heads (DeepSeek's latent attention and Hugging Face "
+            "models are not marked per head); drop --muon-per-head"
+        )
 
 
 def check_hf_muon(cfg) -> None:
@@ -49,7 +65,9 @@ def muon_factory(cfg) -> Callable | None:
     (the update's RMS matched to AdamW's, ``adjust_lr="match_rms_adamw"``)."""
     if cfg.optimizer != "muon":
         return None
-    return lambda groups: Muon(groups, lr=cfg.lr, momentum=cfg.muon_momentum)
+    return lambda groups: Muon(
+        groups, lr=cfg.lr, momentum=cfg.muon_momentum, per_head=cfg.muon_per_head
+    )
 
 
 def exact_optimizer(
@@ -60,5 +78,11 @@ def exact_optimizer(
     if cfg.optimizer != "muon":
         return ExactAdamW(groups, lr=cfg.lr, max_grad_norm=clip, state_dtype=state_dtype)
     return ExactMuon(
-        groups, lr=cfg.lr, max_grad_norm=clip, momentum=cfg.muon_momentum, blocks=blocks_of
+        groups,
+        lr=cfg.lr,
+        max_grad_norm=clip,
+        momentum=cfg.muon_momentum,
+        blocks=blocks_of,
+        per_head=cfg.muon_per_head,
+        heads=matrix_heads,
     )
