@@ -252,3 +252,58 @@ def test_a_pipeline_records_its_sends_and_receives(tmp_path):
     got = [(n["k"], n["shape"]) for n in dumps[1]["ring"] if n["kind"] == "recv" and n["peer"] == 0]
     assert sent and sent == got  # every message rank 0 sent, rank 1 received alike
     assert not any(line.startswith("p2p") for line in flight.analyse(list(dumps.values())).lines)
+
+
+_USR1_SCRIPT = """
+import os, sys, time
+import torch, torch.distributed as dist
+from fastpar.testing import run_ranks
+
+def fn(marker):
+    for i in range(400):  # until the parent has signalled (or 20 s)
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        if i == 3 and dist.get_rank() == 0:
+            open(marker, "w").close()
+        if os.path.exists(marker + ".done"):
+            break
+        time.sleep(0.05)
+    return dist.get_rank()
+
+print(run_ranks(fn, 2, sys.argv[1], timeout=60), flush=True)
+"""
+
+
+def test_sigusr1_to_the_caller_prints_every_ranks_analysis_and_the_run_goes_on(tmp_path):
+    """SIGUSR1 to the process that started the ranks (``python -m fastpar.train`` alike): each
+    live rank dumps, the caller prints the analysis to stderr, and the run still ends well
+    (without the handler SIGUSR1's default action ends the caller)."""
+    import signal
+    import time
+
+    marker = str(tmp_path / "running")
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _USR1_SCRIPT, marker], stdout=out, stderr=err
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(marker) and time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    break
+                time.sleep(0.05)
+            assert os.path.exists(marker), (tmp_path / "err").read_text()
+            proc.send_signal(signal.SIGUSR1)
+            deadline = time.monotonic() + 30  # the ranks keep going while the report waits
+            while "flight recorder" not in (tmp_path / "err").read_text():
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.05)
+            open(marker + ".done", "w").close()
+            assert proc.wait(timeout=60) == 0, (tmp_path / "err").read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert (tmp_path / "out").read_text().strip() == "[0, 1]"
+    text = (tmp_path / "err").read_text()
+    assert "--- flight recorder: 2 dumps in" in text, text
+    assert "no disagreement" in text and "world[0,1]" in text and "all_reduce [4]" in text, text

@@ -9,7 +9,9 @@ import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
@@ -132,6 +134,7 @@ def run_ranks(
     tmp = tempfile.mkdtemp(prefix="fastpar-ranks-")
     store_path = os.path.join(tmp, "store")
     forwarder = Forwarder(procs)
+    asked = _on_usr1(procs, world_size, flight_dir or os.path.join(tmp, "flight"))
     try:
         if start_method == "fork":
             _preimport()
@@ -170,6 +173,30 @@ def run_ranks(
             c.close()
         shutil.rmtree(tmp, ignore_errors=True)
         forwarder.restore()
+        if asked is not None:
+            signal.signal(signal.SIGUSR1, asked)
+
+
+def _on_usr1(procs: list[Any], world: int, directory: str):
+    """While ranks run, SIGUSR1 to the caller asks every rank for its flight records and prints
+    the analysis to stderr; the run goes on (``fastpar.flight``; without it SIGUSR1's default
+    action would end the caller and its ranks). Returns the handler it replaced, or None when
+    none was installed (not the main thread, SIGUSR1 ignored or taken, or FASTPAR_FLIGHT=0)."""
+    owner = os.getpid()
+    if threading.current_thread() is not threading.main_thread() or not enabled():
+        return None
+    old = signal.getsignal(signal.SIGUSR1)
+    if old not in (signal.SIG_DFL, None):
+        return None
+
+    def report(signum, frame) -> None:
+        if os.getpid() != owner:  # a forked rank before it arms its own
+            return
+        text = flight_report(procs, [], [], world, directory, time.time())
+        print(text or "\nfastpar: SIGUSR1: no rank wrote a flight dump", file=sys.stderr)
+
+    signal.signal(signal.SIGUSR1, report)
+    return old
 
 
 def _collect(
