@@ -376,13 +376,26 @@ def test_a_fresh_run_over_another_runs_checkpoints(run_a, tmp_path, capfd):
 def test_keep_last_never_deletes_a_checkpoint_being_read(tmp_path, capfd):
     d = str(tmp_path / "ckpt")
     _run(checkpoint_dir=d, steps=5, save_every=1, keep_last=2)
-    assert sorted(os.listdir(d)) == ["LOCK", "step_000004", "step_000005", "train_config.json"]
+    # (flight/: the run's flight records, docs/debugging.md)
+    assert sorted(os.listdir(d)) == [
+        "LOCK",
+        "flight",
+        "step_000004",
+        "step_000005",
+        "train_config.json",
+    ]
     reader = checkpoint.CheckpointReader(os.path.join(d, "step_000004"))
     try:
         _run(checkpoint_dir=d, steps=7, save_every=1, keep_last=1, resume=True)
     finally:
         reader.release()
-    assert sorted(os.listdir(d)) == ["LOCK", "step_000004", "step_000007", "train_config.json"]
+    assert sorted(os.listdir(d)) == [
+        "LOCK",
+        "flight",
+        "step_000004",
+        "step_000007",
+        "train_config.json",
+    ]
     assert f"--keep-last: kept {d}/step_000004: it is being read" in capfd.readouterr().err
 
 
@@ -580,7 +593,8 @@ def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint
     assert "No space left on device (ENOSPC) writing" in text and "on rank 1" in text, text
     assert re.search(r"needs about [0-9.]+ MiB, [0-9.]+ MiB are free on ", text), text
     assert text.endswith(f"the previous checkpoint {d}/step_000002 is kept"), text
-    assert sorted(os.listdir(d)) == ["LOCK", "step_000002", "train_config.json"]  # no .partial
+    # no .partial (flight/: the run's flight records)
+    assert sorted(os.listdir(d)) == ["LOCK", "flight", "step_000002", "train_config.json"]
     assert checkpoint.verify(os.path.join(d, "step_000002"))
 
 
