@@ -11,7 +11,7 @@ from dataclasses import fields
 
 from fastpar.cliutil import option_of
 from fastpar.mesh import MeshLayout
-from fastpar.optim.config import TORCH_STATE_DTYPES
+from fastpar.optim.config import OptimizerConfig
 from fastpar.parallel.pipeline.schedules import SCHEDULES, accepting
 from fastpar.train.checks import flag
 
@@ -182,20 +182,13 @@ def check_context_parallel(cfg) -> None:
 
 
 def check_optimizer(cfg) -> None:
-    """--optimizer and --optimizer-state-dtype name what is built (the rest is refused, never
-    quietly replaced by AdamW in fp32): AdamW, its moments in fp32 or bf16; Muon, in fp32."""
-    if cfg.optimizer not in ("adamw", "muon"):
-        raise ValueError(
-            f"--optimizer {cfg.optimizer}: not available yet in fastpar.train; use --optimizer adamw"
-        )
+    """--optimizer and --optimizer-state-dtype name what is built (``OptimizerConfig``'s words;
+    the rest is refused, never quietly replaced by AdamW in fp32): AdamW, its moments in fp32 or
+    bf16; Muon, in fp32."""
+    OptimizerConfig(name=cfg.optimizer, state_dtype=cfg.optimizer_state_dtype)
     if cfg.optimizer == "muon" and cfg.optimizer_state_dtype != "fp32":
         raise ValueError(
             f"--optimizer muon --optimizer-state-dtype {cfg.optimizer_state_dtype}: Muon keeps "
             "its momentum (and its AdamW part's moments) in fp32; drop --optimizer-state-dtype, "
             "or use --optimizer adamw for bf16 moments"
-        )
-    if cfg.optimizer_state_dtype not in TORCH_STATE_DTYPES:
-        raise ValueError(
-            f"--optimizer-state-dtype {cfg.optimizer_state_dtype} must be one of "
-            f"{', '.join(TORCH_STATE_DTYPES)}"
         )
