@@ -49,8 +49,91 @@ if SEED_SHIFT:
     _shift_seeds(SEED_SHIFT)
 
 
+POOL = os.environ.get("FASTPAR_TEST_POOL", "1").strip() != "0"
+_current: dict = {}
+
+
+def _why_fork() -> str | None:
+    """The running test has monkeypatched an attribute (the ranks of a fork would see it, the
+    pool's live ranks would not): its run_ranks calls fork."""
+    item = _current.get("item")
+    mp = getattr(item, "funcargs", {}).get("monkeypatch") if item is not None else None
+    if mp is not None and (mp._setattr or any(d is not os.environ for d, _, _ in mp._setitem)):
+        return "the test monkeypatched an attribute"
+    return None
+
+
+def pytest_configure(config):
+    from fastpar.launch import pool
+
+    pool.use_pool(POOL)
+    pool.set_guard(_why_fork)
+
+
+def pytest_unconfigure(config):
+    from fastpar.launch import pool
+
+    pool.use_pool(False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _current["item"] = item
+    try:
+        return (yield)
+    finally:
+        _current.pop("item", None)
+
+
+def _parent_state() -> dict:
+    """What a test may change in the pytest process and must put back (else later tests, and
+    the ranks they fork, inherit it)."""
+    import torch.distributed as dist
+
+    from fastpar import families
+    from fastpar.switches import _SWITCHES
+
+    return {
+        "default dtype": torch.get_default_dtype(),
+        "grad mode": torch.is_grad_enabled(),
+        "a default process group": dist.is_available() and dist.is_initialized(),
+        "HF family registry": sorted(families.REGISTRY),
+        "switch overrides": sorted(
+            (s.env, repr(s._override)) for s in list(_SWITCHES) if s._override is not None
+        ),
+        "environment": sorted(
+            (k, v) for k, v in os.environ.items() if k.startswith(("FASTPAR_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))
+        ),
+    }
+
+
+@pytest.fixture
+def _no_state_leaks():
+    """A test that leaves global state behind in this process fails itself (not the next test
+    that happens to read it): each item of ``_parent_state`` is compared after the test."""
+    before = _parent_state()
+    yield
+    after = _parent_state()
+    leaked = [k for k in before if before[k] != after[k]]
+    if leaked:
+        import torch.distributed as dist
+
+        from fastpar import families  # noqa: F401
+
+        torch.set_default_dtype(before["default dtype"])
+        torch.set_grad_enabled(before["grad mode"])
+        if dist.is_available() and dist.is_initialized() and not before[leaked[0]]:
+            dist.destroy_process_group()
+        pytest.fail(
+            "the test left global state changed in the pytest process: "
+            + "; ".join(f"{k}: {before[k]!r} -> {after[k]!r}" for k in leaked)
+            + " -- restore it (a fixture, try/finally, or monkeypatch)",
+            pytrace=False,
+        )
+
+
 @pytest.fixture(autouse=True)
-def _switches_follow_the_environment(monkeypatch):
+def _switches_follow_the_environment(_no_state_leaks, monkeypatch):
     """fastpar reads each FASTPAR_* switch once per process: after a test that changed one,
     undo the change and read the variables again, so no cached value leaks into later tests."""
     yield

@@ -353,3 +353,12 @@ def settle(timeout: float = 5.0) -> None:
     """Wait (up to ``timeout`` s) for a dump another thread is writing (before ``os._exit``)."""
     if _lock.acquire(timeout=timeout):
         _lock.release()
+
+
+def reset() -> None:
+    """Forget this rank's notes (the next run in the same process starts a fresh ring; the
+    group kinds stay: their groups live on)."""
+    with _lock:
+        _ring.clear()
+        _counts.clear()
+        _file.clear()

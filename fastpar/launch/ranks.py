@@ -23,6 +23,7 @@ import torch.distributed as dist
 from fastpar.flight.analyse import analyse
 from fastpar.flight.files import collect
 from fastpar.flight.record import enabled
+from fastpar.launch import pool
 from fastpar.launch.procs import Forwarder, kill, process_status, read_file, state
 from fastpar.launch.worker import comm_error, worker
 
@@ -129,6 +130,11 @@ def run_ranks(
             "starts an OpenMP thread pool hangs if the parent already used one (GNU libgomp is "
             "not fork-safe); use threads_per_rank=1 or start_method='spawn'"
         )
+    if pool.why_fork(backend, start_method, threads_per_rank, collective_timeout) is None:
+        blob = pool.pack(fn, args, kwargs)
+        if blob is not None:
+            return _run_pooled(blob, world_size, timeout, flight_dir)
+    pool._stats["forked"] += 1
     ctx = mp.get_context(start_method)
     procs, conns = [], []
     tmp = tempfile.mkdtemp(prefix="fastpar-ranks-")
@@ -171,6 +177,30 @@ def run_ranks(
         kill(procs)
         for c in conns:
             c.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        forwarder.restore()
+        if asked is not None:
+            signal.signal(signal.SIGUSR1, asked)
+
+
+def _run_pooled(blob: bytes, world: int, timeout: float, flight_dir: str | None) -> list[Any]:
+    """``run_ranks`` on the live ranks of ``fastpar.launch.pool``; any error or timeout ends
+    the pool (a rank may be stuck in a collective)."""
+    live = pool.pool_for(world)
+    tmp = tempfile.mkdtemp(prefix="fastpar-call-")
+    where = flight_dir or os.path.join(tmp, "flight")
+    forwarder = Forwarder(live.procs)
+    asked = _on_usr1(live.procs, world, where)
+    done = False
+    try:
+        live.send(blob, where)
+        pool._stats["pooled"] += 1
+        results = _collect(live.procs, live.results, world, timeout, live.tmp, where)
+        done = True
+        return results
+    finally:
+        if not done:
+            live.close()
         shutil.rmtree(tmp, ignore_errors=True)
         forwarder.restore()
         if asked is not None:
