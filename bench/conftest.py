@@ -73,6 +73,11 @@ QUICK = {
     ],
     "test_bench_harness.py": [
         "test_fork_noop[2]",
+        "test_fork_noop[8]",
+        "test_pool_noop[2]",
+        "test_pool_noop[8]",
+        "test_pool_full_mesh[8]",
+        "test_fork_full_mesh[8]",
         "test_fork_full_mesh[4]",
         "test_fork_tp1_mesh[2]",
     ],

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The README's test command: set up (first run only), lint, then the test tiers.
-#   CPU tier:          every parity and unit test (multi-rank over gloo).
+# The README's test command: set up (first run only), lint, then every tier. CI (.ci/run) runs
+# exactly this, so every test runs on every landing:
+#   CPU tier:          every parity, unit, fault, CLI, torchrun and compile test (multi-rank over
+#                      gloo, on a pool of live ranks: fastpar/launch/pool.py), the costly ones too.
 #   second path:       the parity-heavy files once more under ATEN_CPU_CAPABILITY=default (ATen's
 #                      scalar kernels: other vector widths, other summation orders), so a verdict
 #                      that holds on one CPU's kernels only fails here (docs/tolerances.md).
@@ -12,9 +14,10 @@
 # two other tiers split over the queues by their recorded seconds (scripts/split_tests.py);
 # each line is prefixed with its queue, and every queue's summary is printed again at the end.
 # Extra arguments: one CPU-tier pytest run with them (say a file or -k), no other tier.
-# Switches (docs/switches.md's table lists every one): FASTPAR_TEST_SLOW (1: the slow tier too),
-# FASTPAR_TEST_SHARDS, FASTPAR_DEBUG_CHECKS (on
-# here for the CPU tier), FASTPAR_TEST_TIMEOUT (run_ranks' default timeout, seconds),
+# Switches (docs/switches.md's table lists every one): FASTPAR_TEST_QUICK (1: leave out the
+# tests marked slow, for local work only; CI never sets it), FASTPAR_TEST_SHARDS,
+# FASTPAR_DEBUG_CHECKS (on here for the CPU tier), FASTPAR_TEST_TIMEOUT (run_ranks' default
+# timeout, seconds), FASTPAR_TEST_POOL (0: fork ranks for every call, no pool),
 # FASTPAR_TEST_SEED (tests/conftest.py), and setup.sh's.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -31,13 +34,19 @@ if [ "$#" -gt 0 ]; then
     echo "== CPU tier: pytest $*"
     exec python -m pytest -m "not cuda and not interpreter" "$@"
 fi
-# the slow tier (inductor compiles, torchrun jobs, the CUDA glue's syntax check, and the costlier
-# cases listed in tests/slow_tier.txt: about 25 minutes on 2 cores) only with FASTPAR_TEST_SLOW=1,
-# so that CI stays within its 20 minutes
-case "${FASTPAR_TEST_SLOW:-0}" in
-    1) CPU=(python -m pytest -m "not cuda and not interpreter") ;;
-    0) CPU=(python -m pytest -m "not cuda and not interpreter and not slow") ;;
-    *) echo "FASTPAR_TEST_SLOW=${FASTPAR_TEST_SLOW} must be 0 or 1 (1 adds the slow tier)" >&2
+# every test by default; FASTPAR_TEST_QUICK=1 leaves out those marked slow (inductor compiles,
+# torchrun jobs, the costlier cases tests/slow_tier.txt lists) for a quicker local run
+if [ -n "${FASTPAR_TEST_SLOW:-}" ]; then
+    echo "FASTPAR_TEST_SLOW is gone: every tier runs by default; FASTPAR_TEST_QUICK=1 leaves" \
+        "out the tests marked slow" >&2
+    exit 2
+fi
+case "${FASTPAR_TEST_QUICK:-0}" in
+    0) CPU=(python -m pytest -m "not cuda and not interpreter") ;;
+    1) CPU=(python -m pytest -m "not cuda and not interpreter and not slow")
+       echo "FASTPAR_TEST_QUICK=1: the tests marked slow are left out (CI runs them)" ;;
+    *) echo "FASTPAR_TEST_QUICK=${FASTPAR_TEST_QUICK} must be 0 or 1 (1 leaves out the tests" \
+           "marked slow)" >&2
        exit 2 ;;
 esac
 
@@ -89,7 +98,7 @@ queue() {  # queue K: its share of the CPU tier's files, then its extra jobs
     done < <(python scripts/split_tests.py "$SHARDS" "$k" "${JOBS[@]}")
     if [ "${#mine[@]}" -gt 0 ]; then
         echo "== CPU tier, queue $k: ${#mine[@]} files"
-        "${CPU[@]}" -p no:cacheprovider "${mine[@]}" || rc=1
+        "${CPU[@]}" -p no:cacheprovider --durations=20 "${mine[@]}" || rc=1
     fi
     for job in "${jobs[@]}"; do
         if [ "$job" = second ]; then

@@ -102,7 +102,9 @@ def _parent_state() -> dict:
             (s.env, repr(s._override)) for s in list(_SWITCHES) if s._override is not None
         ),
         "environment": sorted(
-            (k, v) for k, v in os.environ.items() if k.startswith(("FASTPAR_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))
+            (k, v)
+            for k, v in os.environ.items()
+            if k.startswith(("FASTPAR_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))
         ),
     }
 
