@@ -36,11 +36,6 @@ if [ "$#" -gt 0 ]; then
 fi
 # every test by default; FASTPAR_TEST_QUICK=1 leaves out those marked slow (inductor compiles,
 # torchrun jobs, the costlier cases tests/slow_tier.txt lists) for a quicker local run
-if [ -n "${FASTPAR_TEST_SLOW:-}" ]; then
-    echo "FASTPAR_TEST_SLOW is gone: every tier runs by default; FASTPAR_TEST_QUICK=1 leaves" \
-        "out the tests marked slow" >&2
-    exit 2
-fi
 case "${FASTPAR_TEST_QUICK:-0}" in
     0) CPU=(python -m pytest -m "not cuda and not interpreter") ;;
     1) CPU=(python -m pytest -m "not cuda and not interpreter and not slow")
