@@ -15,7 +15,7 @@ be put back (the default group destroyed, a cached group destroyed) retires the 
 started again for the next call.
 
 ``run_ranks`` uses the pool only where it means the same as a fork: fork start, gloo, one
-thread a rank, no ``collective_timeout``, a function and arguments that pickle, and a caller
+thread a rank, a function and arguments that pickle, and a caller
 whose state a fork would copy and the pool cannot (``set_guard``: the test harness says
 "monkeypatched") unchanged. Any error or timeout kills the pool (a rank may be stuck in a
 collective); the next call starts a new one. Otherwise it forks as before.
@@ -48,7 +48,7 @@ from fastpar.flight.record import settle, torch_buffer
 from fastpar.launch.procs import kill
 from fastpar.launch.worker import bind_to_parent, comm_error, default_signals
 
-#: the pool's default-group timeout (s): a stuck call is ended by the caller's own ``timeout``
+#: the pool's default-group timeout (s) while it starts; each call sets the call's own
 POOL_GROUP_TIMEOUT_S = 1800.0
 
 _enabled = False
@@ -96,13 +96,13 @@ def pack(fn: Callable, args: tuple, kwargs: dict) -> bytes | None:
         return None
 
 
-def why_fork(backend: str, start_method: str, threads_per_rank, collective_timeout) -> str | None:
+def why_fork(backend: str, start_method: str, threads_per_rank) -> str | None:
     if not _enabled:
         return "pool off"
     if start_method != "fork" or backend != "gloo":
         return "not a forked gloo run"
-    if threads_per_rank not in (None, 1) or collective_timeout is not None:
-        return "own threads or collective timeout"
+    if threads_per_rank not in (None, 1):
+        return "more than one thread a rank"
     if dist.is_available() and dist.is_initialized():
         return "the caller holds a process group"
     return _guard() if _guard is not None else None
@@ -172,8 +172,9 @@ class Pool:
     def stack_path(self, rank: int) -> str:
         return os.path.join(self.tmp, f"stack{rank}")
 
-    def send(self, blob: bytes, flight_dir: str) -> None:
+    def send(self, blob: bytes, flight_dir: str, collective_timeout: float) -> None:
         state = {
+            "timeout": collective_timeout,
             "env": dict(os.environ),
             "cwd": os.getcwd(),
             "rng": (torch.get_rng_state(), random.getstate(), _numpy_state()),
@@ -400,6 +401,8 @@ def _serve(rank, world, store_path, tasks, results, fd_sock, tmp, parent_pid) ->
             if status != "ok" or broken:
                 code = 1
                 break
+            if world > 1:  # every rank done before the next call's first collective
+                dist.barrier()
     except BaseException:
         traceback.print_exc()
         code = 1
@@ -426,13 +429,12 @@ def _run(head: bytes, blob: bytes, ids: dict, groups: _GroupCache) -> tuple[str,
 
             np.random.set_state(nrng)
         _apply_switches(state["switches"])
+        # the default group's collectives wait what a fork's would (the mesh's groups take it)
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=state["timeout"]))
         reset_flight()
         flight.arm(flight_dir, int(ids["RANK"]))
         fn, args, kwargs = pickle.loads(blob)
-        result = fn(*args, **kwargs)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()  # every rank done before the next call's first collective
-        return "ok", result
+        return "ok", fn(*args, **kwargs)
     except BaseException as exc:
         tb = traceback.format_exc()
         if comm_error(exc, tb):

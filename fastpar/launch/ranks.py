@@ -130,10 +130,11 @@ def run_ranks(
             "starts an OpenMP thread pool hangs if the parent already used one (GNU libgomp is "
             "not fork-safe); use threads_per_rank=1 or start_method='spawn'"
         )
-    if pool.why_fork(backend, start_method, threads_per_rank, collective_timeout) is None:
+    if pool.why_fork(backend, start_method, threads_per_rank) is None:
         blob = pool.pack(fn, args, kwargs)
         if blob is not None:
-            return _run_pooled(blob, world_size, timeout, flight_dir)
+            waits = timeout if collective_timeout is None else float(collective_timeout)
+            return _run_pooled(blob, world_size, timeout, waits, flight_dir)
     pool._stats["forked"] += 1
     ctx = mp.get_context(start_method)
     procs, conns = [], []
@@ -183,7 +184,9 @@ def run_ranks(
             signal.signal(signal.SIGUSR1, asked)
 
 
-def _run_pooled(blob: bytes, world: int, timeout: float, flight_dir: str | None) -> list[Any]:
+def _run_pooled(
+    blob: bytes, world: int, timeout: float, collective_timeout: float, flight_dir: str | None
+) -> list[Any]:
     """``run_ranks`` on the live ranks of ``fastpar.launch.pool``; any error or timeout ends
     the pool (a rank may be stuck in a collective)."""
     live = pool.pool_for(world)
@@ -193,7 +196,7 @@ def _run_pooled(blob: bytes, world: int, timeout: float, flight_dir: str | None)
     asked = _on_usr1(live.procs, world, where)
     done = False
     try:
-        live.send(blob, where)
+        live.send(blob, where, collective_timeout)
         pool._stats["pooled"] += 1
         results = _collect(live.procs, live.results, world, timeout, live.tmp, where)
         done = True
