@@ -392,7 +392,7 @@ def _serve(rank, world, store_path, tasks, results, fd_sock, tmp, parent_pid) ->
             broken = groups.broken or not dist.is_initialized()
             _restore(base, base_env)
             try:
-                out = pickle.dumps((status, rank, payload))
+                out = pickle.dumps((status, rank, payload, broken))
             except Exception as exc:  # a result that does not pickle: the call's error
                 status = "error"
                 text = f"the result does not pickle: {type(exc).__name__}: {exc}"

@@ -198,8 +198,9 @@ def _run_pooled(
     try:
         live.send(blob, where, collective_timeout)
         pool._stats["pooled"] += 1
-        results = _collect(live.procs, live.results, world, timeout, live.tmp, where)
-        done = True
+        retiring: set[int] = set()
+        results = _collect(live.procs, live.results, world, timeout, live.tmp, where, retiring)
+        done = not retiring
         return results
     finally:
         if not done:
@@ -233,7 +234,13 @@ def _on_usr1(procs: list[Any], world: int, directory: str):
 
 
 def _collect(
-    procs: list[Any], conns: list[Any], world: int, timeout: float, tmp: str, flight_dir
+    procs: list[Any],
+    conns: list[Any],
+    world: int,
+    timeout: float,
+    tmp: str,
+    flight_dir,
+    retiring: set[int] | None = None,
 ) -> list:
     began = time.time()
     deadline = time.monotonic() + timeout
@@ -252,7 +259,9 @@ def _collect(
         for c in ready:
             rank = pending.pop(c)
             try:
-                status, _, payload = pickle.loads(c.recv_bytes())
+                status, _, payload, *more = pickle.loads(c.recv_bytes())
+                if more and more[0] and retiring is not None:  # a pool's rank that will exit
+                    retiring.add(rank)
             except (EOFError, OSError):
                 procs[rank].join(timeout=1)
                 status = "error"
