@@ -57,6 +57,8 @@ def _why_fork() -> str | None:
     """The running test has monkeypatched an attribute (the ranks of a fork would see it, the
     pool's live ranks would not): its run_ranks calls fork."""
     item = _current.get("item")
+    if item is not None and item.get_closest_marker("own_ranks") is not None:
+        return "the test is marked own_ranks"
     mp = getattr(item, "funcargs", {}).get("monkeypatch") if item is not None else None
     if mp is not None and (mp._setattr or any(d is not os.environ for d, _, _ in mp._setitem)):
         return "the test monkeypatched an attribute"

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import inspect
+import multiprocessing as mp
 import os
 import pickle
 import random
@@ -42,11 +43,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fastpar import flight
+from fastpar import families, flight
 from fastpar.flight.record import reset as reset_flight
 from fastpar.flight.record import settle, torch_buffer
 from fastpar.launch.procs import kill
 from fastpar.launch.worker import bind_to_parent, comm_error, default_signals
+from fastpar.switches import _SWITCHES
 
 #: the pool's default-group timeout (s) while it starts; each call sets the call's own
 POOL_GROUP_TIMEOUT_S = 1800.0
@@ -111,13 +113,24 @@ def why_fork(backend: str, start_method: str, threads_per_rank) -> str | None:
 def _fingerprint() -> tuple:
     """What of the caller the ranks copied at the fork and the pool cannot send: a change makes
     the pool start again."""
-    from fastpar import families
-
     return (
         tuple((k, id(v)) for k, v in families.REGISTRY.items()),
         torch.get_default_dtype(),
         tuple(sys.path),
     )
+
+
+_PREIMPORTED = False
+
+
+def preimport() -> None:
+    """Import, once in the parent, what ranks would otherwise each import after the fork:
+    building any torch optimizer imports torch._dynamo (seconds per rank on a small machine)."""
+    global _PREIMPORTED
+    if not _PREIMPORTED:
+        _PREIMPORTED = True
+        with contextlib.suppress(Exception):
+            import torch._dynamo  # noqa: F401
 
 
 def pool_for(world: int) -> Pool:
@@ -135,9 +148,7 @@ class Pool:
     """``world`` live ranks (forked now) in one gloo group."""
 
     def __init__(self, world: int) -> None:
-        from fastpar.launch.ranks import _preimport
-
-        _preimport()
+        preimport()
         self.world = world
         self.tmp = tempfile.mkdtemp(prefix=f"fastpar-pool{world}-")
         self.fingerprint = _fingerprint()
@@ -145,7 +156,7 @@ class Pool:
         self.tasks: list[Any] = []  # the caller's end: call bytes out
         self.results: list[Any] = []  # the caller's end: results in
         self.fds: list[socket.socket] = []  # the caller's stdout / stderr for each call
-        ctx = __import__("multiprocessing").get_context("fork")
+        ctx = mp.get_context("fork")
         store = os.path.join(self.tmp, "store")
         for rank in range(world):
             task_r, task_w = ctx.Pipe(duplex=False)
@@ -207,14 +218,10 @@ def _numpy_state():
 
 
 def _switch_overrides() -> dict[str, Any]:
-    from fastpar.switches import _SWITCHES
-
     return {s.env: s._override for s in list(_SWITCHES) if s._override is not None}
 
 
 def _apply_switches(overrides: dict[str, Any]) -> None:
-    from fastpar.switches import _SWITCHES
-
     for s in list(_SWITCHES):
         s._override = overrides.get(s.env)
         s.refresh()
@@ -290,14 +297,15 @@ def _code(v: Any) -> bool:
 
 def _put_back(saved: dict[str, tuple[Any, dict]]) -> None:
     """What a call rebound on a saved module gets its value back: any attribute of a test
-    module, and a library's functions, classes and modules (its data is left: counters such as
-    torch's group count and lazy caches must keep their new values)."""
+    module, and a library's functions, classes and modules (its data is left, even where a
+    lazy cache now holds a function: counters such as torch's group count and lazy caches must
+    keep their new values)."""
     for name, (mod, attrs) in saved.items():
         now = vars(mod)
         everything = not name.startswith(_PATCHABLE)
         for k, v in attrs.items():
             new = now.get(k, _MISSING)
-            if new is not v and (everything or _code(v) or _code(new)):
+            if new is not v and (everything or _code(v)):
                 with contextlib.suppress(Exception):
                     setattr(mod, k, v)
 
@@ -306,8 +314,6 @@ _MISSING = object()
 
 
 def _base_state() -> dict:
-    from fastpar import families
-
     return {
         "modules": _module_attrs(),
         "cwd": os.getcwd(),
@@ -319,8 +325,6 @@ def _base_state() -> dict:
 
 
 def _restore(base: dict, env: dict) -> None:
-    from fastpar import families
-
     os.environ.clear()
     os.environ.update(env)
     with contextlib.suppress(OSError):

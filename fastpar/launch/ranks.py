@@ -65,19 +65,6 @@ class RankTimeout(RankError, TimeoutError):
     """``run_ranks`` ran past its timeout; the message holds each live rank's stack."""
 
 
-_PREIMPORTED = False
-
-
-def _preimport() -> None:
-    """Import, once in the parent, what ranks would otherwise each import after the fork:
-    building any torch optimizer imports torch._dynamo (seconds per rank on a small machine)."""
-    global _PREIMPORTED
-    if not _PREIMPORTED:
-        _PREIMPORTED = True
-        with contextlib.suppress(Exception):
-            import torch._dynamo  # noqa: F401
-
-
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -144,7 +131,7 @@ def run_ranks(
     asked = _on_usr1(procs, world_size, flight_dir or os.path.join(tmp, "flight"))
     try:
         if start_method == "fork":
-            _preimport()
+            pool.preimport()
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=False)
             p = ctx.Process(
