@@ -24,6 +24,7 @@ os.environ.setdefault("TORCHINDUCTOR_ERROR_ON_CUSTOM_OP_ALIASING", "1")
 
 import pytest
 import torch
+from _disk import small_disk  # noqa: F401 (the fixture: a real small filesystem)
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 SEED_SHIFT = int(os.environ.get("FASTPAR_TEST_SEED", "0") or 0) * 1_000_003
