@@ -329,7 +329,9 @@ def _main_stack() -> list[str]:
 
 
 def snapshot(reason: str = "") -> dict:
-    """This rank's records as one JSON-able dict (the dump's content)."""
+    """This rank's records as one JSON-able dict (the dump's content). Its ``time`` is taken
+    before the records are read: nothing this rank entered after it is in them."""
+    taken = time.time()
     trace = torch_trace()
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
@@ -348,7 +350,7 @@ def snapshot(reason: str = "") -> dict:
         "world_size": world,
         "pid": os.getpid(),
         "host": socket.gethostname(),
-        "time": time.time(),
+        "time": taken,
         "reason": reason,
         "torch_recorder": trace is not None,
         "groups": _groups(),
