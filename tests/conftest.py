@@ -22,8 +22,11 @@ import os
 # fails where CI would. Read when torch._functorch.config is first imported, so set it first.
 os.environ.setdefault("TORCHINDUCTOR_ERROR_ON_CUSTOM_OP_ALIASING", "1")
 
+import faulthandler
+
 import pytest
 import torch
+from _disk import small_disk  # noqa: F401 (the fixture: a real small filesystem)
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 SEED_SHIFT = int(os.environ.get("FASTPAR_TEST_SEED", "0") or 0) * 1_000_003
@@ -134,6 +137,19 @@ def _no_state_leaks():
             + " -- restore it (a fixture, try/finally, or monkeypatch)",
             pytrace=False,
         )
+
+
+def _fatal_errors_to_this_stderr() -> None:
+    """In a process forked from pytest's (a rank): Python's report of a fatal signal goes to
+    this process's own stderr, which pytest captures for the test that started it (printed
+    with that test's failure, as its other output is), not to the terminal's stderr that
+    pytest's faulthandler plugin duplicated at start-up: a rank a test crashes on purpose (gloo
+    aborts it) must not print into a passing run's log."""
+    if faulthandler.is_enabled():
+        faulthandler.enable(file=2, all_threads=True)
+
+
+os.register_at_fork(after_in_child=_fatal_errors_to_this_stderr)
 
 
 @pytest.fixture(autouse=True)

@@ -10,6 +10,7 @@ Loading, exporting and importing copy tensors: bit for bit."""
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
@@ -418,19 +419,21 @@ def test_corrupted_byte_is_refused(tmp_path):
         checkpoint.verify(path)
 
 
-def test_crash_before_the_marker_leaves_nothing_loadable(tmp_path, monkeypatch):
+def _killed_before_the_marker(path: str) -> None:
+    """A save whose process dies of SIGKILL the moment it would write the completion marker."""
+    ckpt_format.write_marker = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+    _tiny_checkpoint(path)
+
+
+def test_crash_before_the_marker_leaves_nothing_loadable(tmp_path):
+    """A real crash (SIGKILL of the saving process) after every file but the marker."""
     path = str(tmp_path / "c")
-
-    def crash(*args, **kwargs):
-        raise RuntimeError("simulated crash")
-
-    monkeypatch.setattr(ckpt_format, "write_marker", crash)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        _tiny_checkpoint(path)
+    with pytest.raises(RankError, match=r"rank 0 exited \(signal 9\) without a result"):
+        run_ranks(_killed_before_the_marker, 1, path)
     assert not os.path.exists(path) and os.path.exists(path + ".partial")
+    assert "rank00000.pt" in os.listdir(path + ".partial")
     with pytest.raises(CheckpointError, match="did not finish"):
         _load_into_fresh(path)
-    monkeypatch.undo()
     _tiny_checkpoint(path)  # the next save replaces the stale partial directory
     assert not os.path.exists(path + ".partial")
     _load_into_fresh(path)
@@ -439,23 +442,27 @@ def test_crash_before_the_marker_leaves_nothing_loadable(tmp_path, monkeypatch):
         _load_into_fresh(path)
 
 
-def test_crash_on_one_rank_fails_every_rank(tmp_path, monkeypatch):
-    path = str(tmp_path / "c")
-    real = ckpt_core._collect
+def _one_shard_too_big(path: str) -> str:
+    """Rank 1 holds 1 MiB, rank 0 16 bytes: on a 256 KiB disk only rank 0's shard fits.
+    Returns how this rank's save failed."""
+    rank = dist.get_rank()
+    w = nn.Parameter(torch.zeros(2**18 if rank == 1 else 4))
+    try:
+        checkpoint.save(path, model_params={f"w{rank}": w}, step=0)
+    except (OSError, CheckpointError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "saved"
 
-    def collect(*args):
-        if dist.get_rank() == 1:
-            raise OSError("disk full")
-        return real(*args)
 
-    monkeypatch.setattr(ckpt_core, "_collect", collect)
-
-    def run():
-        model = nn.Linear(3, 2)
-        checkpoint.save(path, model_params=dict(model.named_parameters()), step=0)
-
-    with pytest.raises(RankError, match=r"disk full|another rank failed"):
-        run_ranks(run, 2)
+def test_a_full_disk_on_one_rank_fails_every_rank(small_disk):
+    """A real full disk (a tmpfs, tests/_disk.py) that only rank 1's shard does not fit: rank
+    1's write fails with ENOSPC naming its file, rank 0's succeeds, and rank 0 fails too (the
+    save agrees on failing before anything is completed)."""
+    path = os.path.join(small_disk(2**18), "c")
+    assert run_ranks(_one_shard_too_big, 2, path) == [
+        f"CheckpointError: another rank failed to write its shard of {path}",
+        f"OSError: [Errno 28] No space left on device: '{path}.partial/rank00001.pt'",
+    ]
     assert not os.path.exists(path)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -559,51 +558,3 @@ def test_a_checkpoint_resumes_exactly_at_another_pipeline_layout(uninterrupted, 
     got = checkpoint.export_state_dict(os.path.join(d, "step_000004"))
     assert set(got) == set(params) == set(runs[1][1])  # the tied embedding: once, at any pp
     assert [n for n in params if not torch.equal(got[n], params[n])] == []
-
-
-def _full_disk_at(monkeypatch, step: int, rank: int) -> None:
-    """Rank ``rank``'s shard of ``step`` fails as a full disk would (the ranks fork from here)."""
-    import errno
-
-    import torch.distributed as dist
-
-    from fastpar.checkpoint import format as fmt
-
-    real = fmt.atomic_torch_save
-
-    def save(obj, path):
-        if f"step_{step:06d}" in path and dist.get_rank() == rank:
-            raise OSError(errno.ENOSPC, "No space left on device", path)
-        return real(obj, path)
-
-    monkeypatch.setattr(fmt, "atomic_torch_save", save)
-
-
-def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_checkpoint(
-    tmp_path, monkeypatch
-):
-    from fastpar.train.checkpointing import SaveFailed
-
-    d = str(tmp_path / "ckpt")
-    _full_disk_at(monkeypatch, 4, rank=1)
-    with pytest.raises(SaveFailed) as info:
-        _run(checkpoint_dir=d, dp=2, batch_size=4)
-    text = str(info.value)
-    assert "\n" not in text and text.startswith(f"saving step 4 to {d}/step_000004 failed: "), text
-    assert "No space left on device (ENOSPC) writing" in text and "on rank 1" in text, text
-    assert re.search(r"needs about [0-9.]+ MiB, [0-9.]+ MiB are free on ", text), text
-    assert text.endswith(f"the previous checkpoint {d}/step_000002 is kept"), text
-    # no .partial (flight/: the run's flight records)
-    assert sorted(os.listdir(d)) == ["LOCK", "flight", "step_000002", "train_config.json"]
-    assert checkpoint.verify(os.path.join(d, "step_000002"))
-
-
-@pytest.mark.slow
-def test_on_save_error_continue_trains_on_and_saves_at_the_next_save(tmp_path, monkeypatch, capfd):
-    d = str(tmp_path / "ckpt")
-    _full_disk_at(monkeypatch, 4, rank=0)
-    records = _run(checkpoint_dir=d, dp=2, batch_size=4, steps=6, on_save_error="continue")
-    assert _steps(records) == [1, 2, 3, 4, 5, 6]
-    assert sorted(e.step for e in scan(d) if e.status == "complete") == [2, 6]
-    err = capfd.readouterr().err
-    assert "saving step 4 to" in err and "training on (--on-save-error continue)" in err, err

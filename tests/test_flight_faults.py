@@ -66,12 +66,17 @@ def _mismatched_splits():
         all_to_all(torch.ones(sum(ins), 64), g, outs, ins)
 
 
-def test_all_to_all_split_sizes_that_do_not_pair_up():
+def test_all_to_all_split_sizes_that_do_not_pair_up(capfd):
     report = _fails(_mismatched_splits, 2)
     assert (
         "first disagreement: group ep[0,1]: #4 all_to_all: rank 0 sends [37, 64] to rank 1, "
         "rank 1 expects [35, 64] from rank 0"
     ) in report, report
+    # gloo aborted rank 1 (it received more bytes than it expected): the abort's report is in
+    # that rank's own stderr, captured here, not printed into a passing run's log
+    # (tests/conftest.py points a forked rank's fatal-error report at its own stderr)
+    err = capfd.readouterr().err
+    assert "gloo::EnforceNotMet" in err and "Fatal Python error: Aborted" in err, err
 
 
 def _tp_gather_mismatch():

@@ -91,9 +91,11 @@ def atomic_write(path: str, write: Callable[[Any], None]) -> tuple[int, str]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
+        if isinstance(e, OSError) and e.errno and e.filename is None:  # a write's: no name
+            raise OSError(e.errno, e.strerror, path) from None
         raise
     fsync_dir(os.path.dirname(path) or ".")
     return w.size, w.sha.hexdigest()

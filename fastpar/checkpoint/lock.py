@@ -116,7 +116,12 @@ class DirectoryLock:
             "heartbeat": now,
             "released": False,
         }
-        self._write()
+        try:
+            self._write()
+        except BaseException:  # (a full disk): not held
+            os.close(fd)
+            self._fd = None
+            raise
         self._thread = threading.Thread(target=self._beat, name="fastpar-lock", daemon=True)
         self._thread.start()
         self.taken_over = bool(previous) and not previous.get("released")
@@ -165,7 +170,8 @@ class DirectoryLock:
     def check(self) -> None:
         """Raise unless the lock file still names this holder (a writer on another host may
         have taken a lock it judged stale)."""
-        current = _read(self._fd) if self._fd is not None else None
+        with self._write_lock:  # (not half way through the heartbeat's rewrite)
+            current = _read(self._fd) if self._fd is not None else None
         if not current or current.get("token") != self._content.get("token"):
             raise LockHeld(
                 f"this run lost the lock on {self.directory} to {describe(current)}; it stops "
@@ -189,8 +195,10 @@ class DirectoryLock:
             if self._fd is None:
                 return
             data = json.dumps(self._content).encode()
-            os.ftruncate(self._fd, 0)
+            # over the old content, then cut to length: truncating first would give the
+            # file's block back, and on a full disk another writer may take it before ours
             os.pwrite(self._fd, data, 0)
+            os.ftruncate(self._fd, len(data))
             os.fsync(self._fd)
 
     def _beat(self) -> None:

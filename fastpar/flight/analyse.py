@@ -146,7 +146,9 @@ def _group_finding(label, members, dumps, ents, lasts) -> Finding | None:
             bad = _splits(members, {r: e.get("note") for r, e in at.items()})
             if bad:
                 return Finding(name, s, op, bad, t, 0)
-        never = [r for r in present if lasts[r] < s]
+        # a rank dumped before any member entered #s (a live run's ranks are dumped moments
+        # apart) may yet arrive: only a rank dumped after it began can be said to be missing
+        never = [r for r in present if lasts[r] < s and dumps[r].get("time", t) >= t]
         if never:
             parts = [f"{_who(sorted(at))} {'are' if len(at) > 1 else 'is'} in it"]
             for r in never:

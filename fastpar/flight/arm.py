@@ -39,8 +39,7 @@ def arm(directory: str, rank: int) -> bool:
     kept in a file there (``open_ring``). Returns whether SIGUSR1 is armed."""
     if not enabled():
         return False
-    with contextlib.suppress(OSError):
-        open_ring(directory, rank)
+    open_ring(directory, rank)  # (where the disk has no room: in memory only, one line says so)
     # NCCL: torch's own dump on a watchdog timeout lands beside fastpar's (read at group creation)
     os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(directory, "torch_fr_rank"))
     if threading.current_thread() is not threading.main_thread():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import collections
 import contextlib
+import errno
 import json
 import mmap
 import os
@@ -77,16 +78,45 @@ def ring_path(directory: str, rank: int) -> str:
     return os.path.join(directory, f"ring_rank{rank}.bin")
 
 
-def open_ring(directory: str, rank: int) -> None:
+def open_ring(directory: str, rank: int) -> str | None:
     """Keep a copy of fastpar's ring in ``directory/ring_rank<R>.bin`` (a memory-mapped file:
     it outlives the process, so a rank that gloo aborts still leaves its split sizes and
-    shapes behind)."""
-    os.makedirs(directory, exist_ok=True)
+    shapes behind). Its blocks are reserved before it is mapped (``posix_fallocate``): a store
+    into a mapped page the filesystem cannot back is a SIGBUS, which would kill every rank the
+    moment the disk fills. An existing file is reused and cleared, never shrunk (another live
+    process mapping it would fault as well). Where the blocks cannot be had (a full disk, a
+    read-only directory), the ring stays in memory only, no file is left, and one line on
+    stderr says so. Returns None when the file is in use, else why not."""
+    with _lock:
+        _file.clear()
     path = ring_path(directory, rank)
-    with open(path, "wb") as f:
-        f.truncate(RING * SLOT)
-    with open(path, "r+b") as f:
-        _file.update(map=mmap.mmap(f.fileno(), RING * SLOT), n=0, pid=os.getpid())
+    size = RING * SLOT
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, size)
+            else:  # (macOS) zeros written are blocks allocated
+                os.pwrite(fd, bytes(size), 0)
+            m = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(path)  # (an earlier run's: not this rank's side)
+        why = f"{e.strerror or e} ({errno.errorcode.get(e.errno or 0, e.errno)})"
+        print(
+            f"fastpar: flight recorder: cannot reserve {path}: {why}; rank {rank} keeps its "
+            "ring in memory only (if it dies, it leaves no ring file)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return why
+    m[:] = bytes(size)  # an earlier run's entries out
+    with _lock:
+        _file.update(map=m, n=0, pid=os.getpid())
+    return None
 
 
 def _append(entry: dict) -> None:  # under _lock
@@ -299,7 +329,9 @@ def _main_stack() -> list[str]:
 
 
 def snapshot(reason: str = "") -> dict:
-    """This rank's records as one JSON-able dict (the dump's content)."""
+    """This rank's records as one JSON-able dict (the dump's content). Its ``time`` is taken
+    before the records are read: nothing this rank entered after it is in them."""
+    taken = time.time()
     trace = torch_trace()
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
@@ -318,7 +350,7 @@ def snapshot(reason: str = "") -> dict:
         "world_size": world,
         "pid": os.getpid(),
         "host": socket.gethostname(),
-        "time": time.time(),
+        "time": taken,
         "reason": reason,
         "torch_recorder": trace is not None,
         "groups": _groups(),
@@ -335,17 +367,30 @@ def dump_path(directory: str, rank: int) -> str:
 
 def dump(directory: str, reason: str = "") -> str | None:
     """Write this rank's ``snapshot`` to ``directory/flight_rank<R>.json`` (atomically: a
-    reader never sees half a file); returns the path (None when recording is off)."""
+    reader never sees half a file); returns the path (None when recording is off, or when the
+    file could not be written: a full disk, which one line on stderr names; nothing is left
+    behind)."""
     if not enabled():
         return None
     with _lock:
         data = snapshot(reason)
-        os.makedirs(directory, exist_ok=True)
         path = dump_path(directory, data["rank"])
         tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
+        try:
+            os.makedirs(directory, exist_ok=True)
+            with open(tmp, "w") as f:
+                json.dump(data, f)
+            os.replace(tmp, path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            why = f"{e.strerror or e} ({errno.errorcode.get(e.errno or 0, e.errno)})"
+            print(
+                f"fastpar: flight recorder: rank {data['rank']} could not write {path}: {why}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return None
         return path
 
 

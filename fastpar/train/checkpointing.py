@@ -129,12 +129,24 @@ def compare_schedule(saved: dict, cfg, step: int) -> tuple[str, str, bool] | Non
 
 
 def write_config_file(cfg, path: str) -> None:
-    """``cfg``'s resolved settings as a JSON ``--config`` file (written whole, then renamed)."""
+    """``cfg``'s resolved settings as a JSON ``--config`` file (written whole, then renamed;
+    when that fails, nothing is left behind and the ``OSError`` names ``path``)."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(asdict(cfg), f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(asdict(cfg), f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise OSError(e.errno, e.strerror, path) from None
+
+
+def _os_error(e: OSError) -> str:
+    """'No space left on device (ENOSPC)'."""
+    name = errno.errorcode.get(e.errno or 0)
+    return f"{e.strerror or e} ({name})" if name else str(e)
 
 
 def _new_run_id() -> str:
@@ -304,10 +316,27 @@ def _plan(trainer: Trainer) -> tuple[str, str | None]:
         start = next((e.step for e in entries if e.path == path), 0)
         _refuse_collisions(cfg, entries, run_id, start)
         lock.update(run_id=run_id)
+        # the run's settings, one file in the run's directory (here: a full disk is the one
+        # line every rank raises, not rank 0's alone)
+        write_config_file(cfg, os.path.join(cfg.checkpoint_dir, CONFIG_FILE))
     except BaseException:
         close_checkpoints(trainer)
         raise
     return run_id, path
+
+
+def _refusal(e: Exception, root: str) -> str:
+    """The one line every rank raises when rank 0 could not open ``root`` for the run."""
+    if isinstance(e, CheckpointError):
+        return str(e)
+    if not (isinstance(e, OSError) and e.errno):
+        return f"--checkpoint-dir {root}: {type(e).__name__}: {e}"
+    text = f"--checkpoint-dir {root}: {e.filename or root}: {_os_error(e)}"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        with contextlib.suppress(OSError):
+            text += f" ({shutil.disk_usage(root).free / 2**20:.1f} MiB are free there)"
+        text += ": free some space, or pass another --checkpoint-dir"
+    return text
 
 
 def open_checkpoints(trainer: Trainer, talk: bool) -> int:
@@ -324,19 +353,12 @@ def open_checkpoints(trainer: Trainer, talk: bool) -> int:
         try:
             decision[0] = ("ok", *_plan(trainer))
         except Exception as e:  # the others wait in the broadcast: tell them, whatever it is
-            text = (
-                str(e)
-                if isinstance(e, CheckpointError)
-                else f"--checkpoint-dir {cfg.checkpoint_dir}: {type(e).__name__}: {e}"
-            )
-            decision[0] = ("error", text, None)
+            decision[0] = ("error", _refusal(e, cfg.checkpoint_dir), None)
     dist.broadcast_object_list(decision, src=0)
     status, first, path = decision[0]
     if status == "error":
         raise CheckpointError(first)
     trainer.run_id = first
-    if dist.get_rank() == 0:  # the run's settings, one file in the run's directory
-        write_config_file(cfg, os.path.join(cfg.checkpoint_dir, CONFIG_FILE))
     start = _load(trainer, path, talk) if path else 0
     trainer._checkpoints_open = start
     return start
@@ -387,31 +409,50 @@ def _dir_bytes(path: str) -> int:
 
 
 def _save_failed(exc: BaseException, trainer: Trainer, root: str, step: int) -> str:
-    """Every rank: the one line of a failed save, alike on every rank (one all-gather names the
-    rank whose write failed and its errno); rank 0 removes the partial directory."""
+    """Every rank: the one line of a failed save, the same on every rank (one all-gather names
+    the rank whose write failed and its errno; rank 0 removes the partial directory, measures
+    what is free and broadcasts the line)."""
     mine = (exc.errno, exc.filename) if isinstance(exc, OSError) and exc.errno else None
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    found = next(((r, e) for r, e in enumerate(every) if e is not None), None)
-    path = step_dir(root, step)
-    if found is None:
-        why = f"{type(exc).__name__}: {exc}"
-    else:
-        rank, (code, filename) = found
-        name = errno.errorcode.get(code, str(code))
-        why = f"{os.strerror(code)} ({name}) writing {filename or path} on rank {rank}"
+    line: list = [None]
     if dist.get_rank() == 0:
+        found = next(((r, e) for r, e in enumerate(every) if e is not None), None)
+        path = step_dir(root, step)
+        if found is None:
+            why = f"{type(exc).__name__}: {exc}"
+        else:
+            rank, (code, filename) = found
+            name = errno.errorcode.get(code, str(code))
+            why = f"{os.strerror(code)} ({name}) writing {filename or path} on rank {rank}"
         shutil.rmtree(path + PARTIAL_SUFFIX, ignore_errors=True)  # the failed save's shards
-    done = [e for e in scan(root) if e.status == "complete" and e.step != step]
-    # about what one checkpoint takes: the newest complete one, else the tensors held
-    held = sum(t.numel() * t.element_size() for t in trainer.checkpoint_tensors().values())
-    needed = _dir_bytes(done[-1].path) if done else 3 * held * dist.get_world_size()
-    free = shutil.disk_usage(root).free
-    kept = f"the previous checkpoint {done[-1].path} is kept" if done else "nothing saved before"
-    return (
-        f"saving step {step} to {path} failed: {why}; a checkpoint needs about "
-        f"{needed / 2**20:.1f} MiB, {free / 2**20:.1f} MiB are free on {root}; {kept}"
-    )
+        done = [e for e in scan(root) if e.status == "complete" and e.step != step]
+        # about what one checkpoint takes: the newest complete one, else the tensors held
+        held = sum(t.numel() * t.element_size() for t in trainer.checkpoint_tensors().values())
+        needed = _dir_bytes(done[-1].path) if done else 3 * held * dist.get_world_size()
+        free = shutil.disk_usage(root).free
+        kept = (
+            f"the previous checkpoint {done[-1].path} is kept" if done else "nothing saved before"
+        )
+        line[0] = (
+            f"saving step {step} to {path} failed: {why}; a checkpoint needs about "
+            f"{needed / 2**20:.1f} MiB, {free / 2**20:.1f} MiB are free on {root}; {kept}"
+        )
+    dist.broadcast_object_list(line, src=0)
+    return line[0]
+
+
+def _copy_settings(cfg, path: str) -> None:
+    """Rank 0, once ``path`` is complete: the run's settings beside it (``CONFIG_FILE``). The
+    checkpoint holds them too (``extra["config"]``), so a disk that filled up in between is a
+    warning, not a failed save: the checkpoint is whole and the next save meets the full disk."""
+    try:
+        write_config_file(cfg, os.path.join(path, CONFIG_FILE))
+    except OSError as e:
+        _warn(
+            f"{path} is complete, but its {CONFIG_FILE} could not be written: {_os_error(e)}; "
+            "the checkpoint holds the same settings"
+        )
 
 
 def _save(trainer: Trainer, root: str, step: int, talk: bool) -> bool:
@@ -453,14 +494,15 @@ def _save(trainer: Trainer, root: str, step: int, talk: bool) -> bool:
                 overwrite=True,
                 run_id=trainer.run_id,
             )
-        if dist.get_rank() == 0:
-            write_config_file(cfg, os.path.join(path, CONFIG_FILE))
     except (OSError, CheckpointError) as exc:  # (every rank: the save agrees on failing)
         text = _save_failed(exc, trainer, root, step)
         if cfg.on_save_error == "continue" and step < cfg.steps:
-            _warn(f"{text}; training on (--on-save-error continue), the next save retries")
+            if dist.get_rank() == 0:  # (the same line on every rank: said once)
+                _warn(f"{text}; training on (--on-save-error continue), the next save retries")
             return False
         raise SaveFailed(text, step, "save failed") from None
+    if dist.get_rank() == 0:
+        _copy_settings(cfg, path)
     if talk:
         print(f"checkpoint: {path}", flush=True)
     if lock is not None and cfg.keep_last > 0:

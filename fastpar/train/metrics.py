@@ -5,10 +5,14 @@ TensorBoard scalars)."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
 import resource
+import sys
+import threading
 import time
 
 import torch
@@ -329,30 +333,88 @@ SCALARS = (
 class MetricsWriter:
     """Rank 0's records of logged steps: one JSON object a line in ``--metrics-file``
     (truncated by a run from step 0, appended to by a resumed one) and scalars under
-    ``--tensorboard DIR``. A no-op when neither is set."""
+    ``--tensorboard DIR``. A no-op when neither is set. A file that cannot be written (a full
+    disk) never ends the run: one warning line says so. A row not written whole is cut off
+    again (the file keeps whole lines) and the next row is tried; TensorBoard, whose writer
+    thread ends at its first error, writes nothing more (that thread's own traceback is not
+    printed: the warning says it)."""
 
     def __init__(self, cfg, resumed: bool) -> None:
-        self.file = self.tb = None
+        self.fd = self.tb = None
+        self.cfg, self.warned = cfg, set()
+        self.hook = None
         if cfg.metrics_file:
-            parent = os.path.dirname(os.path.abspath(cfg.metrics_file))
-            os.makedirs(parent, exist_ok=True)
-            self.file = open(cfg.metrics_file, "a" if resumed else "w")  # noqa: SIM115
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if resumed else os.O_TRUNC)
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(cfg.metrics_file)), exist_ok=True)
+                self.fd = os.open(cfg.metrics_file, flags, 0o644)
+            except OSError as e:
+                self._failed("--metrics-file", cfg.metrics_file, e, "no row is written")
         if cfg.tensorboard:
-            self.tb = open_tensorboard(cfg.tensorboard)
+            self.hook = threading.excepthook
+            threading.excepthook = self._thread_error
+            try:
+                self.tb = open_tensorboard(cfg.tensorboard)
+            except OSError as e:
+                self._failed("--tensorboard", cfg.tensorboard, e, "no scalar is written")
+            except BaseException:  # (no tensorboard package: the run's one-line refusal)
+                threading.excepthook, self.hook = self.hook, None
+                raise
+
+    def _failed(self, flag: str, path: str, e: OSError, then: str) -> None:
+        if flag not in self.warned:
+            self.warned.add(flag)
+            name = errno.errorcode.get(e.errno or 0)
+            why = f"{e.strerror} ({name})" if name else str(e)
+            print(
+                f"warning: {flag} {path}: {why}; {then} (the run goes on)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def _thread_error(self, args) -> None:
+        if type(args.thread).__module__.startswith("tensorboard.") and issubclass(
+            args.exc_type, OSError
+        ):
+            return  # its writer thread's: ``write`` warns
+        (self.hook or threading.__excepthook__)(args)
 
     def write(self, row: dict) -> None:
-        if self.file is not None:
-            self.file.write(json.dumps(row, allow_nan=False) + "\n")
-            self.file.flush()
+        if self.fd is not None:
+            data = memoryview((json.dumps(row, allow_nan=False) + "\n").encode())
+            start = os.fstat(self.fd).st_size
+            try:
+                while data:
+                    data = data[os.write(self.fd, data) :]
+            except OSError as e:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self.fd, start)
+                then = f"the row of step {row['step']} is left out, as is any later one that fails"
+                self._failed("--metrics-file", self.cfg.metrics_file, e, then)
         if self.tb is not None:
-            for name in SCALARS:
-                if row.get(name) is not None:
-                    self.tb.add_scalar(f"train/{name}", row[name], row["step"])
-            self.tb.flush()
+            try:
+                for name in SCALARS:
+                    if row.get(name) is not None:
+                        self.tb.add_scalar(f"train/{name}", row[name], row["step"])
+                self.tb.flush()
+            except OSError as e:
+                then = f"no scalars from step {row['step']} on"
+                self._failed("--tensorboard", self.cfg.tensorboard, e, then)
+                self._close_tb()
+
+    def _close_tb(self) -> None:
+        tb, self.tb = self.tb, None
+        try:
+            tb.close()
+        except OSError as e:  # its last flush
+            self._failed("--tensorboard", self.cfg.tensorboard, e, "its last scalars are lost")
 
     def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
         if self.tb is not None:
-            self.tb.close()
-        self.file = self.tb = None
+            self._close_tb()
+        if self.hook is not None and threading.excepthook == self._thread_error:
+            threading.excepthook = self.hook
+        self.fd = self.tb = self.hook = None
