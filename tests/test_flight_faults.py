@@ -22,6 +22,10 @@ from fastpar.mesh import ParallelMesh
 
 TIMEOUT = 1.0  # seconds a collective waits for a peer
 
+# each planted fault is analysed on fresh ranks: its expected findings name sequence numbers
+# from a group's first collective, which the pool's live ranks are long past
+pytestmark = pytest.mark.own_ranks
+
 
 def _fails(fn, world: int) -> str:
     t0 = time.monotonic()

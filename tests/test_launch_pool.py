@@ -179,8 +179,9 @@ def test_a_test_that_leaks_state_in_the_pytest_process_fails_itself(tmp_path):
     """tests/conftest.py's check, on a copy of it in a pytest of its own: the leaking test fails
     naming what it left, the next one passes."""
     here = os.path.dirname(__file__)
-    with open(os.path.join(here, "conftest.py")) as f:
-        (tmp_path / "conftest.py").write_text(f.read())
+    for name in ("conftest.py", "_disk.py"):  # the conftest and the helper it imports
+        with open(os.path.join(here, name)) as f:
+            (tmp_path / name).write_text(f.read())
     (tmp_path / "slow_tier.txt").write_text("")
     (tmp_path / "test_leak.py").write_text(
         textwrap.dedent(

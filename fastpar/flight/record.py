@@ -283,7 +283,7 @@ def _groups() -> dict[str, dict]:
 def _collectives(trace: dict | None) -> list[dict]:
     out = []
     for e in (trace or {}).get("entries", []):
-        if e.get("is_p2p"):
+        if e.get("is_p2p") or e.get("time_created_ns", 0) / 1e9 < _since[0]:
             continue
         out.append(
             {
@@ -401,9 +401,16 @@ def settle(timeout: float = 5.0) -> None:
 
 
 def reset() -> None:
-    """Forget this rank's notes (the next run in the same process starts a fresh ring; the
-    group kinds stay: their groups live on)."""
+    """Start this rank's records afresh for the next run in the same process (the pool of live
+    ranks: ``fastpar.launch.pool``): fastpar's ring, its counts and group kinds are forgotten
+    (a mesh names its groups again), and a dump leaves out torch's records of collectives
+    created before now (their groups' sequence numbers go on)."""
     with _lock:
         _ring.clear()
         _counts.clear()
         _file.clear()
+        _kinds.clear()
+        _since[0] = time.time()
+
+
+_since = [0.0]  # torch's records older than this are a previous run's (``reset``)
