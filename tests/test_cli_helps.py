@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from _flags import ONE_RANK, argv, tiny_argv
 
 from fastpar.cliutil import Parser, nearest_flag, unknown_text
 from fastpar.train import TrainConfig, main
@@ -24,30 +25,8 @@ from fastpar.train.summary import (
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = [
-    "--tp",
-    "1",
-    "--pp",
-    "1",
-    "--dp",
-    "1",
-    "--ep",
-    "1",
-    "--moe-every",
-    "0",
-    "--steps",
-    "1",
-    "--batch-size",
-    "2",
-    "--seq-len",
-    "8",
-    "--hidden",
-    "16",
-    "--heads",
-    "2",
-    "--layers",
-    "1",
-]
+#: one rank, one step, the log lines on (they are what these tests read)
+SMALL = tiny_argv(ONE_RANK, steps=1, quiet=False)
 
 
 def _run(module: str, *argv: str, timeout: float = 180, env=None) -> subprocess.CompletedProcess:
@@ -196,7 +175,7 @@ def _llama_without_plan(tmp_path, monkeypatch):
     return str(config), str(plan_file), plan
 
 
-HF = ["--tp", "2", "--pp", "1", "--dp", "1", "--steps", "2", "--seq-len", "16", "--batch-size", "4"]
+HF = argv(tp=2, pp=1, dp=1, steps=2, seq_len=16, batch_size=4)
 
 
 def test_plan_trains_a_family_without_a_built_in_plan(tmp_path, monkeypatch, capfd):
@@ -324,11 +303,11 @@ def test_header_names_what_changes_the_math():
 # -- 8: --profile: Kineto's lines on rank 0 only ------------------------------------------------
 @pytest.mark.slow  # two profiled two-rank runs in subprocesses
 def test_profiler_lines_only_on_rank_0(tmp_path):
-    argv = [*SMALL, "--dp", "2", "--batch-size", "4", "--profile", str(tmp_path / "p")]
+    flags = tiny_argv(ONE_RANK, steps=1, quiet=False, dp=2, batch_size=4, profile=tmp_path / "p")
     env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
 
     def kineto_pids(extra: dict) -> set[str]:  # "USDT:<date> <time> <pid>:<tid> File.cpp:52] ..."
-        r = _run("fastpar.train", *argv, env={**env, **extra})
+        r = _run("fastpar.train", *flags, env={**env, **extra})
         assert r.returncode == 0, r.stderr[-2000:]
         return {ln.split()[2].split(":")[0] for ln in r.stderr.splitlines() if ".cpp:" in ln}
 
@@ -356,22 +335,9 @@ def test_default_world_note_through_the_cli():
         "import sys, fastpar.train.cli as c; c.cpu_cores = lambda: 2; "
         "sys.exit(c.main(sys.argv[1:]))"
     )
-    argv = [
-        "--steps",
-        "1",
-        "--layers",
-        "2",
-        "--hidden",
-        "16",
-        "--heads",
-        "2",
-        "--seq-len",
-        "8",
-        "--batch-size",
-        "8",
-    ]
+    flags = tiny_argv(steps=1, quiet=False)  # no layout flag
     r = subprocess.run(
-        [sys.executable, "-c", code, *argv],
+        [sys.executable, "-c", code, *flags],
         capture_output=True,
         text=True,
         timeout=180,

@@ -17,6 +17,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+from _flags import tiny_config
 from _mesh import make_mesh
 from _parity import agree, exact_copy, local_slice
 
@@ -423,7 +424,7 @@ def test_without_the_rotary_key_region_the_gradients_disagree(sp):
 
 
 # -- the trainer and fastpar.verify -------------------------------------------------------------
-SMALL = dict(steps=3, batch_size=8, seq_len=16, hidden=32, heads=4, layers=3, quiet=True)
+SMALL = tiny_config(steps=3, layers=3)
 DEEPSEEK_ROUTING = dict(
     router_score="sigmoid",
     router_groups=2,

@@ -14,6 +14,7 @@ import itertools
 
 import pytest
 import torch
+from _flags import tiny_config
 from _mesh import make_mesh
 from test_parallel_pipeline import (
     batch,
@@ -228,7 +229,7 @@ def test_pp_x_dp_interleaved_reduces_every_gradient_once():
     run_ranks(_pp_dp_interleaved, 4, _refs(4, size=16))
 
 
-SMALL = dict(steps=3, batch_size=8, seq_len=16, hidden=32, heads=4, layers=2, quiet=True)
+SMALL = tiny_config(steps=3)
 
 
 @pytest.mark.parametrize(

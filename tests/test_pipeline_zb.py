@@ -16,6 +16,7 @@ import functools
 
 import pytest
 import torch
+from _flags import tiny_config
 from _mesh import make_mesh
 from test_parallel_pipeline import (
     batch,
@@ -290,7 +291,7 @@ def test_dp_reduces_every_gradient_once(zero):
         assert prompts == ([True] * 3 + [False] if zero < 2 else [False] * 4), prompts
 
 
-SMALL = dict(steps=2, batch_size=8, seq_len=16, hidden=32, heads=4, layers=2, quiet=True)
+SMALL = tiny_config()
 
 
 @pytest.mark.parametrize(

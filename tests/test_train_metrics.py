@@ -15,27 +15,15 @@ import time
 
 import pytest
 import torch
+from _flags import ONE_RANK, tiny_config
 from _no_ranks import forbid_ranks
 
 from fastpar.models import build_model
 from fastpar.train import TrainConfig, launch, main, metrics
 
 #: 2 ranks (dp 2), dense, a step in milliseconds
-TINY = dict(
-    tp=1,
-    pp=1,
-    dp=2,
-    ep=1,
-    moe_every=0,
-    steps=4,
-    log_every=2,
-    batch_size=4,
-    seq_len=16,
-    hidden=32,
-    heads=2,
-    layers=2,
-    warmup=0,
-    lr_schedule="constant",
+TINY = tiny_config(
+    ONE_RANK, dp=2, steps=4, log_every=2, warmup=0, lr_schedule="constant", quiet=None
 )
 KEYS = {
     "step",

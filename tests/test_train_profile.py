@@ -11,26 +11,15 @@ import sys
 
 import pytest
 import torch
+from _flags import ONE_RANK, tiny_argv, tiny_config
 from _no_ranks import forbid_ranks
 
 from fastpar.profiling import nvtx
 from fastpar.train import TrainConfig, launch, main
 
 #: 2 ranks (pp 2), dense
-TINY = dict(
-    tp=1,
-    pp=2,
-    dp=1,
-    ep=1,
-    moe_every=0,
-    steps=4,
-    batch_size=4,
-    seq_len=16,
-    hidden=32,
-    heads=2,
-    layers=2,
-    quiet=True,
-)
+#: 2 ranks (pp 2), a step in milliseconds
+TINY = tiny_config(ONE_RANK, pp=2, steps=4)
 
 
 def _names(path) -> list[str]:
@@ -84,34 +73,7 @@ def test_profile_flag_errors(argv, message, capsys, monkeypatch, tmp_path):
 
 @pytest.mark.slow  # a profiled training run in a subprocess: about 9 s
 def test_quiet_silences_the_profiler(tmp_path):
-    argv = [
-        "--tp",
-        "1",
-        "--pp",
-        "1",
-        "--dp",
-        "1",
-        "--ep",
-        "1",
-        "--moe-every",
-        "0",
-        "--steps",
-        "2",
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "8",
-        "--hidden",
-        "16",
-        "--heads",
-        "2",
-        "--layers",
-        "1",
-        "--profile",
-        str(tmp_path / "p"),
-        "--profile-steps",
-        "2:2",
-    ]
+    argv = tiny_argv(ONE_RANK, quiet=None, profile=tmp_path / "p", profile_steps="2:2")
     env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
     run = [sys.executable, "-m", "fastpar.train", *argv]
     loud = subprocess.run(run, capture_output=True, text=True, timeout=120, env=env)
