@@ -13,7 +13,7 @@ import torch
 from _flags import tiny_config
 from _mesh import make_mesh
 from _parity import agree, exact_copy
-from test_parallel_pipeline import T, V, batch, blocks, loss_fn, tuple_blocks
+from _pipeline import T, V, batch, blocks, loss_fn, tuple_blocks
 from torch import nn
 
 from fastpar.parallel.pipeline import (

@@ -5,7 +5,7 @@ microbatch_group_size_per_vp_stage, m then not always a multiple of p); the sche
 bubble (with and without message latency) and errors.
 
 Pipelined against unpipelined results are judged by ``fastpar.tolerance``'s rule (micro-batch
-sums are not the whole batch's: ``dense_references`` / ``check_step`` of test_parallel_pipeline)."""
+sums are not the whole batch's: ``dense_references`` / ``check_step`` of tests/_pipeline.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 from _flags import tiny_config
 from _mesh import make_mesh
-from test_parallel_pipeline import (
+from _pipeline import (
     batch,
     blocks,
     check_step,

@@ -4,7 +4,7 @@ Linear stacks, GPT-style blocks and tuple messages, through the trainer with TP,
 MoE over EP (each gradient reduced once, each TP collective run once); the order and errors.
 
 Pipelined against unpipelined results are judged by ``fastpar.tolerance``'s rule (micro-batch
-sums are not the whole batch's: ``dense_references`` / ``check_step`` of test_parallel_pipeline).
+sums are not the whole batch's: ``dense_references`` / ``check_step`` of tests/_pipeline.py).
 W's weight gradients are the products autograd would run, so a split backward equals a plain one
 bit for bit; ZB-H1 and 1F1B run the same forward on the same micro-batches, so their losses
 are equal too."""
@@ -18,7 +18,7 @@ import pytest
 import torch
 from _flags import tiny_config
 from _mesh import make_mesh
-from test_parallel_pipeline import (
+from _pipeline import (
     batch,
     blocks,
     check_step,

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _mesh import make_mesh
-from test_parallel_pipeline import (
+from _pipeline import (
     batch,
     blocks,
     check_step,
