@@ -10,6 +10,21 @@ from __future__ import annotations
 TINY = dict(steps=2, batch_size=8, seq_len=16, hidden=32, heads=4, layers=2, quiet=True)
 #: one process, no MoE block (the trainer's defaults are dp x tp 2 x pp 2 with MoE blocks)
 ONE_RANK = dict(tp=1, pp=1, dp=1, ep=1, moe_every=0)
+#: DeepSeek-V3's routing and YaRN in small (``model_type="deepseek"``): sigmoid scores over 2
+#: groups, the expert bias, a scaled and a shared expert, the per-sequence balancing loss
+DEEPSEEK = dict(
+    router_score="sigmoid",
+    router_groups=2,
+    router_group_topk=1,
+    expert_bias=True,
+    routed_scaling_factor=2.5,
+    shared_expert_ffn=16,
+    moe_ffn=8,
+    aux_loss="sequence",
+    yarn_factor=2.0,
+    yarn_original_seq_len=8,
+    yarn_mscale_all_dim=1.0,
+)
 
 
 def tiny_config(*bases: dict, **changes) -> dict:

@@ -1,0 +1,101 @@
+"""The runs fastpar's own models (Llama, DeepSeek) are judged against, by ``fastpar.tolerance``'s
+rule: a model in fp32, its twin (every weight one ulp away) and its float64 copy (``three``,
+``three_runs``), the single-process run a tensor-parallel one is compared with
+(``single_process``), and Hugging Face's model of a config (``hf_model``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from _parity import agree, exact_copy
+
+from fastpar.moe.layer import aux_loss_scale
+from fastpar.parity import reduction_length
+from fastpar.tolerance import nudge
+
+
+def perturb_(model: torch.nn.Module, seed: int) -> None:
+    """Norm weights start at one, biases at the layer's init, routers near-uniform (HF draws
+    them from N(0, 0.02)) and expert biases at zero: move them, so that a swapped or missing
+    norm, bias or router shows in the logits and gradients, and the experts' choice matters."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+            elif "router" in name or name.endswith("mlp.gate.weight"):
+                p.add_(0.5 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith(("expert_bias", "e_score_correction_bias")):
+                b.add_(0.1 * torch.randn(b.shape, generator=g))
+
+
+def three(model: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    """``model`` (fp32), its twin (every weight one ulp away) and its float64 copy: the runs the
+    rule judges against (``fastpar.tolerance``)."""
+    twin = exact_copy(model).float()
+    nudge(twin, seed=1)
+    return model, twin, exact_copy(model)
+
+
+def agree_three(actual, runs, what: str, length: int):
+    """``actual`` against the fp32 run and its twin (``runs[:2]``), float64 ``runs[2]``."""
+    return agree(actual, list(runs[:2]), runs[2], what, length=length)
+
+
+@torch.no_grad()
+def logits_of(models, ids: torch.Tensor, shape) -> list[torch.Tensor]:
+    """Each model's logits on ``ids`` (integer ids: the same input for every dtype)."""
+    return [m(ids).view(shape) for m in models]
+
+
+def without_aux_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """``model(ids)`` with no router aux loss (HF's loss has none unless asked for one)."""
+    with aux_loss_scale(None):
+        return model(ids)
+
+
+def three_runs(model: torch.nn.Module, ids, targets, loss: Callable, forward=None) -> tuple:
+    """The logits, losses (``loss(out, targets)``) and gradients by name of the three runs of
+    ``model`` on one batch; ``forward(m, ids)`` in place of ``m(ids)``."""
+    logits, losses, grads = [], [], []
+    for m in three(model):
+        out = m(ids) if forward is None else forward(m, ids)
+        value = loss(out, targets)
+        value.backward()
+        logits.append(out.detach())
+        losses.append(value.detach())
+        grads.append({k: p.grad.clone() for k, p in m.named_parameters()})
+    return logits, losses, grads
+
+
+def single_process(cfg, build: Callable, loss: Callable, buffers: bool = False):
+    """In this (rank-less) process, the model ``build(cfg)`` drawn under seed 0: its initial
+    weights, its moved weights (``perturb_``; with the buffers, by global name), a batch, the
+    logits, loss (``loss(out, targets, cfg)``) and gradients of its three runs, and the longest
+    reduction."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*build(cfg))
+    initial = {k: v.detach().clone() for k, v in model.named_parameters()}
+    perturb_(model, 1)
+    moved = model.state_dict() if buffers else dict(model.named_parameters())
+    state = {k: v.detach().clone() for k, v in moved.items()}
+    torch.manual_seed(7)
+    ids = torch.randint(0, cfg.vocab_size, (3, cfg.seq_len))
+    targets = torch.randint(0, cfg.vocab_size, (3, cfg.seq_len))
+    want = three_runs(model, ids, targets, lambda out, t: loss(out, t, cfg))
+    return initial, state, (ids, targets), want, reduction_length(model, ids)
+
+
+def hf_model(cfg_dict: dict):
+    """HF's model of the config, with its eager attention and experts (the plain per-expert
+    loop; HF's default grouped_mm experts need widths that are multiples of 16 bytes on CPUs,
+    and are what the from_pretrained tests run)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model(**cfg_dict)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", experts_implementation="eager"
+    )
+    return model.float().eval()
