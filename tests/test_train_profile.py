@@ -1,6 +1,6 @@
 """--profile with --profile-steps A:B: only steps A to B recorded, each in a ProfilerStep#N range
 (N the run's step), fastpar's named ranges visible in a CPU trace (record_function), the flag's
-checks, and --quiet silencing the profiler's own lines."""
+checks, --quiet silencing the profiler's own lines, and Kineto's lines on rank 0 only."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 import torch
 from _flags import ONE_RANK, tiny_argv, tiny_config
 from _no_ranks import forbid_ranks
+from _procs import run_module
 
 from fastpar.profiling import nvtx
 from fastpar.train import TrainConfig, launch, main
@@ -91,3 +92,20 @@ def test_named_ranges_are_record_functions_while_profiling():
     assert "fastpar test range" in {e.key for e in prof.key_averages()}
     with nvtx("outside any profiler"):  # a no-op
         pass
+
+
+# -- 8: --profile: Kineto's lines on rank 0 only ------------------------------------------------
+@pytest.mark.slow  # two profiled two-rank runs in subprocesses
+def test_profiler_lines_only_on_rank_0(tmp_path):
+    flags = tiny_argv(ONE_RANK, steps=1, quiet=False, dp=2, batch_size=4, profile=tmp_path / "p")
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+
+    def kineto_pids(extra: dict) -> set[str]:  # "USDT:<date> <time> <pid>:<tid> File.cpp:52] ..."
+        r = run_module("fastpar.train", *flags, env={**env, **extra})
+        assert r.returncode == 0, r.stderr[-2000:]
+        return {ln.split()[2].split(":")[0] for ln in r.stderr.splitlines() if ".cpp:" in ln}
+
+    assert len(kineto_pids({})) <= 1  # rank 0's lines at most
+    assert len(kineto_pids({"KINETO_LOG_LEVEL": "0"})) >= 1  # asked for: every rank's
+    for rank in (0, 1):
+        assert os.path.getsize(tmp_path / "p" / f"trace_rank{rank}.json") > 0
