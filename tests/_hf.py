@@ -49,7 +49,8 @@ FAMILIES = {
         "AutoModelForCausalLM",
         dict(_ROUTED, shared_expert_intermediate_size=12, norm_topk_prob=False),
     ),
-    "deepseek_v3": (  # MLA (q_lora_rank set; None in tests/test_hf_deepseek.py) + DeepSeekMoE
+    # MLA (q_lora_rank set; None in tests/test_nn_parallelize_deepseek.py) + DeepSeekMoE
+    "deepseek_v3": (
         "DeepseekV3Config",
         "AutoModelForCausalLM",
         dict(

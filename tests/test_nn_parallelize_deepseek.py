@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from _hf import batch, build, dense_runs, exact, generate_at_tp2
 from _hf import config as hf_config
 from _mesh import make_mesh
+from _moe_hf import check_saved_as_hf
 from _parity import local_part, same_on_every_rank
-from test_nn_parallelize_moe import _grads_and_training
 
 from fastpar import parallelize
 from fastpar.moe.hf_block import HFMoEBlock
@@ -137,14 +137,7 @@ def test_without_the_rope_key_region_the_gradients_are_wrong(overrides):
 
 @pytest.mark.slow  # (test_models_deepseek_hf.py: HF weights at TP 2 x EP 2 in the CPU tier)
 def test_tp2_ep2_equals_the_dense_model_and_saves_as_hf(tmp_path):
-    names, trained, n = run_ranks(_grads_and_training, 4, FAMILY, str(tmp_path), timeout=240)[0]
-    assert names, "no MoE block was converted"
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).float()
-    got = dict(loaded.named_parameters())
-    single, twin, exact = trained
-    assert set(got) == set(single)
-    for name, t in single.items():
-        assert_agree(got[name], [t, twin[name]], exact[name], length=n, what=f"loaded {name}")
+    check_saved_as_hf(FAMILY, tmp_path)
 
 
 def _pipelined(tp: int, schedule: str, refs):
