@@ -14,16 +14,9 @@ import itertools
 
 import pytest
 import torch
-from _flags import tiny_config
+from _flags import argv, tiny_config
 from _mesh import make_mesh
-from _pipeline import (
-    batch,
-    blocks,
-    check_step,
-    dense_references,
-    loss_fn,
-    tuple_blocks,
-)
+from _pipeline import batch, blocks, check_step, dense_references, loss_fn, tuple_blocks
 
 from fastpar.parallel.pipeline import (
     GPipe,
@@ -282,16 +275,7 @@ def test_verify_interleaved_agrees_with_single_process(layout):
     [
         (["--virtual-stages", "2"], "--virtual-stages 2 needs --schedule interleaved"),
         (
-            [
-                "--schedule",
-                "interleaved",
-                "--virtual-stages",
-                "2",
-                "--microbatches",
-                "3",
-                "--batch-size",
-                "12",
-            ],
+            argv(schedule="interleaved", virtual_stages=2, microbatches=3, batch_size=12),
             "needs --microbatches (3) to be a multiple of --pp 2",
         ),
         (
@@ -306,29 +290,11 @@ def test_verify_interleaved_agrees_with_single_process(layout):
         (["--schedule", "zb"], "schedule must be one of gpipe, 1f1b, interleaved"),
         (["--microbatch-group-size", "2"], "--microbatch-group-size 2 orders the model chunks"),
         (
-            [
-                "--schedule",
-                "interleaved",
-                "--virtual-stages",
-                "2",
-                "--microbatches",
-                "4",
-                "--microbatch-group-size",
-                "3",
-            ],
+            argv(schedule="interleaved", virtual_stages=2, microbatches=4, microbatch_group_size=3),
             "leave a last group of 1, fewer than the pipeline",
         ),
         (
-            [
-                "--schedule",
-                "interleaved",
-                "--virtual-stages",
-                "2",
-                "--microbatches",
-                "4",
-                "--microbatch-group-size",
-                "0",
-            ],
+            argv(schedule="interleaved", virtual_stages=2, microbatches=4, microbatch_group_size=0),
             "--microbatch-group-size 0 must be >= 1",
         ),
     ],

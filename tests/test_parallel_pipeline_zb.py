@@ -18,15 +18,7 @@ import pytest
 import torch
 from _flags import tiny_config
 from _mesh import make_mesh
-from _pipeline import (
-    batch,
-    blocks,
-    check_step,
-    dense_name,
-    dense_references,
-    loss_fn,
-    tuple_blocks,
-)
+from _pipeline import batch, blocks, check_step, dense_name, dense_references, loss_fn, tuple_blocks
 from torch import nn
 
 from fastpar.parallel.pipeline import (

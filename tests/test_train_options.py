@@ -19,14 +19,7 @@ from fastpar.models import GPTConfig, LlamaConfig, build_llama
 from fastpar.models.llama import routing_options
 from fastpar.moe import MoE, TopKRouter
 from fastpar.moe.balance import balance_scores
-from fastpar.moe.config import (
-    ROUTING,
-    ROUTING_DEFAULTS,
-    SCORES,
-    ExpertConfig,
-    RouterConfig,
-    Score,
-)
+from fastpar.moe.config import ROUTING, ROUTING_DEFAULTS, SCORES, ExpertConfig, RouterConfig, Score
 from fastpar.train import TrainConfig, build_parser, config_from, main
 from fastpar.train.checkpointing import compare_settings, write_config_file
 from fastpar.train.checks import flag

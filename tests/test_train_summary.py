@@ -5,13 +5,10 @@ note on the default world of a small machine."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 from _flags import ONE_RANK, tiny_argv
-from _procs import ROOT, run_module
+from _procs import run_module, run_python
 
 from fastpar.train import TrainConfig
 from fastpar.train.summary import (
@@ -107,22 +104,8 @@ def test_default_world_note_through_the_cli():
         "sys.exit(c.main(sys.argv[1:]))"
     )
     flags = tiny_argv(steps=1, quiet=False)  # no layout flag
-    r = subprocess.run(
-        [sys.executable, "-c", code, *flags],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": ROOT},
-    )
+    r = run_python("-c", code, *flags)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "note: no layout flags: running the default world of 8 ranks" in r.stderr
-    r = subprocess.run(
-        [sys.executable, "-c", code, *SMALL],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": ROOT},
-    )
+    r = run_python("-c", code, *SMALL)
     assert r.returncode == 0 and "note:" not in r.stderr

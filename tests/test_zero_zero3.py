@@ -18,9 +18,10 @@ from _training import (
     check,
     check_training,
     mse_loss,
-    norm,
     references,
     sliced,
+    check_overflow_skipped,
+    tp_dp_steps,
     tp_references,
 )
 from _zero3 import D_H, D_IN, D_OUT, STEPS, Block, Net, batch, full_params, make_opt
@@ -147,12 +148,7 @@ def _fp16_overflow(opt_name: str) -> tuple:
 
 @pytest.mark.parametrize("opt_name", ["adamw", "sgd"])  # skipped on the device / by a host sync
 def test_fp16_overflow_on_one_rank_skips_everywhere(opt_name):
-    out = run_ranks(_fp16_overflow, 2, opt_name)
-    assert out[0] == out[1]
-    skips, unchanged, scale = out[0]
-    assert skips == [False, True, False, False]
-    assert unchanged == [False, True, False, False]
-    assert scale == 512.0
+    check_overflow_skipped(run_ranks(_fp16_overflow, 2, opt_name))
 
 
 def _bf16() -> tuple[list[float], dict, dict]:
@@ -241,19 +237,7 @@ def _tp_dp(fused: bool, persist_below: int, refs) -> None:
         persist_below=persist_below,
         max_grad_norm=0.5,
     )
-    for step in range(STEPS):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(2, 4, 8, generator=g), torch.randn(2, 4, 8, generator=g)
-        loss = F.mse_loss(model(x[mesh.dp_rank]), y[mesh.dp_rank])
-        loss.backward()
-        _, grad_norm = model.step()
-        model.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=mesh.dp_group)
-        check(
-            [refs.loss(step, float(mean) / mesh.dp_size), norm(refs, step, grad_norm)],
-            f"step {step + 1}: ",
-        )
+    tp_dp_steps(model, model, mesh, refs, STEPS)
     with model.summon_full_params():
         named = dict(par.named_parameters())
         sliced(refs, named)
