@@ -1,7 +1,8 @@
 """The runs fastpar's own models (Llama, DeepSeek) are judged against, by ``fastpar.tolerance``'s
 rule: a model in fp32, its twin (every weight one ulp away) and its float64 copy (``three``,
 ``three_runs``), the single-process run a tensor-parallel one is compared with
-(``single_process``), and Hugging Face's model of a config (``hf_model``)."""
+(``single_process``, ``agree_tp_output``), and Hugging Face's model of a config
+(``hf_model``)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,36 @@ import pytest
 import torch
 from _parity import agree, exact_copy
 
+from fastpar.comm import gather_from_region
 from fastpar.moe.layer import aux_loss_scale
 from fastpar.parity import reduction_length
 from fastpar.tolerance import nudge
+
+#: a tiny Llama (``LlamaConfig`` keywords) with a MoE block every second layer: the optimizers'
+#: tests' model
+MOE_LLAMA = dict(vocab_size=32, seq_len=8, hidden=16, heads=4, kv_heads=2, layers=2, moe_every=2)
+
+
+def mla_sizes(q_lora_rank, kv_lora_rank: int, rope: int, nope: int, v: int) -> dict:
+    """DeepSeek's latent attention widths as ``DeepSeekConfig`` keywords."""
+    widths = dict(qk_rope_head_dim=rope, qk_nope_head_dim=nope, v_head_dim=v)
+    return dict(q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank, **widths)
+
+
+def deepseek_moe(first_k_dense: int, experts: int, top_k: int, ffn: int) -> dict:
+    """DeepSeek's MoE blocks (after ``first_k_dense`` dense ones) as ``DeepSeekConfig``
+    keywords."""
+    return dict(first_k_dense=first_k_dense, num_experts=experts, top_k=top_k, moe_ffn=ffn)
+
+
+def yarn(factor: float, original_seq_len: int, mscale_all_dim: float, **rest) -> dict:
+    """YaRN's rotary scaling as ``DeepSeekConfig`` keywords (``rest``: ``yarn_mscale``...)."""
+    return dict(
+        yarn_factor=factor,
+        yarn_original_seq_len=original_seq_len,
+        yarn_mscale_all_dim=mscale_all_dim,
+        **rest,
+    )
 
 
 def perturb_(model: torch.nn.Module, seed: int) -> None:
@@ -87,6 +115,39 @@ def single_process(cfg, build: Callable, loss: Callable, buffers: bool = False):
     targets = torch.randint(0, cfg.vocab_size, (3, cfg.seq_len))
     want = three_runs(model, ids, targets, lambda out, t: loss(out, t, cfg))
     return initial, state, (ids, targets), want, reduction_length(model, ids)
+
+
+def agree_tp_output(out, targets, cfg, mesh, loss: Callable, want, length: int, where: str):
+    """This TP rank's logits ``out`` (gathered over TP, the vocabulary's padding cut) and loss
+    ``loss(out, targets, cfg, mesh)`` against the three runs' (``want``: logits, losses, ...);
+    returns the loss."""
+    full = gather_from_region(out, mesh.tp_group, dim=-1)[:, : cfg.vocab_size]
+    agree_three(full, want[0], f"logits on {where}", length)
+    value = loss(out, targets, cfg, mesh)
+    agree_three(value, want[1], f"loss on {where}", length)
+    return value
+
+
+def check_from_hf(cfg, build: Callable, from_hf: Callable, hf_config: Callable, to_hf: Callable):
+    """HF's model of ``cfg`` (drawn under seed 3, then ``perturb_``) read by ``from_hf``: the
+    same config, HF's logits against fastpar's three runs of what it read, and mapped back by
+    ``to_hf`` the same tensors under the same names, bit for bit (renamed or split copies)."""
+    torch.manual_seed(3)
+    hf = hf_model(hf_config(cfg))
+    perturb_(hf, 4)
+    hf_state = {k: v.detach() for k, v in hf.state_dict().items()}
+    got_cfg, state = from_hf(hf_state, hf.config.to_dict())
+    assert hf_config(got_cfg) == hf_config(cfg)
+    model = torch.nn.Sequential(*build(got_cfg))
+    model.load_state_dict(state, strict=True)
+    ids = torch.randint(0, cfg.vocab_size, (2, 11))
+    with torch.no_grad(), aux_loss_scale(None):
+        runs = logits_of(three(model), ids, (2, 11, -1))
+        agree_three(hf(ids).logits, runs, "HF's logits", reduction_length(model, ids))
+    back = to_hf(state, got_cfg)
+    assert set(back) == set(hf_state)
+    for k, v in back.items():
+        assert torch.equal(v, hf_state[k]), k
 
 
 def hf_model(cfg_dict: dict):

@@ -13,13 +13,19 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _flags import DEEPSEEK, tiny_config
+from _flags import DEEPSEEK, SIGMOID_GROUPS, tiny_config
 from _mesh import make_mesh
-from _model_runs import agree_three, single_process
+from _model_runs import (
+    agree_three,
+    agree_tp_output,
+    deepseek_moe,
+    mla_sizes,
+    single_process,
+    yarn,
+)
 from _parity import local_part
 
 from fastpar.checkpoint import import_state_dict
-from fastpar.comm import gather_from_region
 from fastpar.models import DeepSeekConfig, build_deepseek, deepseek_loss
 from fastpar.testing import run_ranks
 
@@ -64,14 +70,10 @@ def _tp_mismatches(cfg, tp, initial, state, batch, want, length) -> list[str]:
             if name in state:
                 b.copy_(state[name])
     import_state_dict({k: v for k, v in state.items() if k in params}, params)
-    (ids, targets), (ref_logits, ref_losses, ref_grads) = batch, want
-    rank = mesh.tp_rank
-    logits = par(ids)
-    full = gather_from_region(logits, mesh.tp_group, dim=-1)[:, : cfg.vocab_size]
-    agree_three(full, ref_logits, f"logits on TP rank {rank}", length)
-    loss = deepseek_loss(logits, targets, cfg, mesh)
-    agree_three(loss, ref_losses, f"loss on TP rank {rank}", length)
-    loss.backward()
+    (ids, targets), ref_grads = batch, want[2]
+    where = f"TP rank {mesh.tp_rank}"
+    out = agree_tp_output(par(ids), targets, cfg, mesh, deepseek_loss, want, length, where)
+    out.backward()
     bad = []
     for name, p in params.items():
         assert p.grad is not None, f"no gradient for {name}"
@@ -101,26 +103,14 @@ BASE = dict(
     hidden=24,
     heads=4,
     ffn=20,
-    q_lora_rank=10,
-    kv_lora_rank=8,
-    qk_rope_head_dim=4,
-    qk_nope_head_dim=6,
-    v_head_dim=5,
     layers=2,
-    first_k_dense=1,
-    num_experts=4,
-    top_k=2,
-    moe_ffn=6,
-    router_score="sigmoid",
-    expert_bias=True,
-    router_groups=2,
-    router_group_topk=1,
+    **mla_sizes(10, 8, 4, 6, 5),
+    **deepseek_moe(1, 4, 2, 6),
+    **SIGMOID_GROUPS,
     shared_expert_ffn=8,
     routed_scaling_factor=2.0,
     aux_loss="sequence",
-    yarn_factor=2.0,
-    yarn_original_seq_len=4,
-    yarn_mscale_all_dim=1.0,
+    **yarn(2.0, 4, 1.0),
 )
 TP_CASES = {
     "qlora-tp2": (dict(), 2),

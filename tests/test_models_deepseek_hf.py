@@ -18,10 +18,21 @@ import torch
 import torch.distributed as dist
 from _flags import DEEPSEEK, tiny_config
 from _mesh import make_mesh
-from _model_runs import agree_three, hf_model, perturb_, three, three_runs, without_aux_loss
+from _model_runs import (
+    agree_three,
+    agree_tp_output,
+    check_from_hf,
+    deepseek_moe,
+    hf_model,
+    mla_sizes,
+    perturb_,
+    three,
+    three_runs,
+    without_aux_loss,
+    yarn,
+)
 
 from fastpar.checkpoint import import_state_dict
-from fastpar.comm import gather_from_region
 from fastpar.models import DeepSeekConfig, build_deepseek, deepseek_loss
 from fastpar.models.deepseek_hf import from_hf, hf_config, to_hf
 from fastpar.moe.layer import aux_loss_scale
@@ -29,68 +40,40 @@ from fastpar.parity import reduction_length
 from fastpar.testing import run_ranks
 
 ROUTING = dict(router_score="sigmoid", expert_bias=True, aux_loss="none")
+
+
+def _sizes(vocab: int, hidden: int, heads: int, ffn: int) -> dict:
+    """A variant's sizes as ``DeepSeekConfig`` keywords."""
+    return dict(vocab_size=vocab, hidden=hidden, heads=heads, ffn=ffn)
+
+
 # odd sizes: v_head_dim != q/k head dim, rope != nope, vocab not a multiple of TP
 VARIANTS = {
     "qlora-yarn-interleaved-groups-shared": dict(
-        vocab_size=61,
-        hidden=32,
-        heads=4,
-        ffn=40,
-        q_lora_rank=12,
-        kv_lora_rank=10,
-        qk_rope_head_dim=4,
-        qk_nope_head_dim=6,
-        v_head_dim=5,
-        first_k_dense=1,
-        num_experts=4,
-        top_k=2,
-        moe_ffn=8,
+        _sizes(61, 32, 4, 40),
+        **mla_sizes(12, 10, 4, 6, 5),
+        **deepseek_moe(1, 4, 2, 8),
         router_groups=2,
         router_group_topk=1,
         shared_expert_ffn=16,
         routed_scaling_factor=2.5,
-        yarn_factor=2.0,
-        yarn_original_seq_len=8,
-        yarn_mscale=0.7,
-        yarn_mscale_all_dim=1.0,
+        **yarn(2.0, 8, 1.0, yarn_mscale=0.7),
         **ROUTING,
     ),
     "noq-yarn-halves-tied-raw-topk": dict(
-        vocab_size=59,
-        hidden=24,
-        heads=2,
-        ffn=30,
-        q_lora_rank=None,
-        kv_lora_rank=8,
-        qk_rope_head_dim=6,
-        qk_nope_head_dim=4,
-        v_head_dim=7,
+        _sizes(59, 24, 2, 30),
+        **mla_sizes(None, 8, 6, 4, 7),
         rope_interleave=False,
         tie_embeddings=True,
-        first_k_dense=0,
-        num_experts=6,
-        top_k=3,
-        moe_ffn=6,
+        **deepseek_moe(0, 6, 3, 6),
         norm_topk_prob=False,
-        yarn_factor=4.0,
-        yarn_original_seq_len=4,
-        yarn_mscale_all_dim=0.5,
+        **yarn(4.0, 4, 0.5),
         **ROUTING,
     ),
     "qlora-plain-rope-no-bias-two-dense": dict(
-        vocab_size=53,
-        hidden=24,
-        heads=4,
-        ffn=20,
-        q_lora_rank=8,
-        kv_lora_rank=6,
-        qk_rope_head_dim=2,
-        qk_nope_head_dim=6,
-        v_head_dim=4,
-        first_k_dense=2,
-        num_experts=4,
-        top_k=2,
-        moe_ffn=6,
+        _sizes(53, 24, 4, 20),
+        **mla_sizes(8, 6, 2, 6, 4),
+        **deepseek_moe(2, 4, 2, 6),
         router_score="sigmoid",
         aux_loss="none",
         rope_theta=5e5,
@@ -169,22 +152,7 @@ def test_yarn_and_interleave_change_the_function():
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_from_hf_loads_an_hf_model_and_maps_back_bit_for_bit(name):
     cfg = DeepSeekConfig(layers=3, seq_len=16, **VARIANTS[name])
-    torch.manual_seed(3)
-    hf = hf_model(hf_config(cfg))
-    perturb_(hf, 4)
-    hf_state = {k: v.detach() for k, v in hf.state_dict().items()}
-    got_cfg, state = from_hf(hf_state, hf.config.to_dict())
-    assert hf_config(got_cfg) == hf_config(cfg)
-    model = torch.nn.Sequential(*build_deepseek(got_cfg))
-    model.load_state_dict(state, strict=True)
-    ids = torch.randint(0, cfg.vocab_size, (2, 11))
-    with torch.no_grad(), aux_loss_scale(None):
-        runs = [m(ids).view(2, 11, -1) for m in three(model)]
-        agree_three(hf(ids).logits, runs, "HF's logits", reduction_length(model, ids))
-    back = to_hf(state, got_cfg)
-    assert set(back) == set(hf_state)
-    for k, v in back.items():
-        assert torch.equal(v, hf_state[k]), k
+    check_from_hf(cfg, build_deepseek, from_hf, hf_config, to_hf)
 
 
 def test_hf_mapping_refuses_what_hf_does_not_compute():
@@ -278,14 +246,10 @@ def _hf_weights_at_tp2_ep2(config, hf_state, batch, runs, length) -> None:
         for name, b in par.named_buffers():
             if name.endswith("expert_bias"):
                 b.copy_(state[name])
-    (ids, targets), (logits, losses, grads) = batch, runs
-    with aux_loss_scale(None):
-        out = par(ids)
-    full = gather_from_region(out, mesh.tp_group, dim=-1)[:, : cfg.vocab_size]
-    agree_three(full, logits, f"logits on rank {dist.get_rank()}", length)
-    loss = deepseek_loss(out, targets, cfg, mesh)
-    agree_three(loss, losses, f"loss on rank {dist.get_rank()}", length)
-    loss.backward()
+    (ids, targets), grads = batch, runs[2]
+    where = f"rank {dist.get_rank()}"
+    out = without_aux_loss(par, ids)
+    agree_tp_output(out, targets, cfg, mesh, deepseek_loss, runs, length, where).backward()
     for name, p in params.items():
         scale = 2 if is_expert(p) else 1
         want = [localize(scale * g[name], p) for g in grads]

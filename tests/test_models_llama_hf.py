@@ -22,6 +22,7 @@ from _flags import tiny_config
 from _mesh import make_mesh
 from _model_runs import (
     agree_three,
+    check_from_hf,
     hf_model,
     logits_of,
     perturb_,
@@ -36,78 +37,37 @@ from fastpar.models import LlamaConfig, build_llama, from_hf, hf_config, llama_l
 from fastpar.parity import reduction_length
 from fastpar.testing import run_ranks
 
+
+def _sizes(vocab: int, hidden: int, heads: int, kv_heads: int, head_dim=None, ffn=None) -> dict:
+    """A variant's sizes as ``LlamaConfig`` keywords (``head_dim``, ``ffn``: None, the default)."""
+    sizes = dict(vocab_size=vocab, hidden=hidden, heads=heads, kv_heads=kv_heads)
+    return {**sizes, **{k: v for k, v in dict(head_dim=head_dim, ffn=ffn).items() if v is not None}}
+
+
+def _moe(every: int, experts: int, top_k: int, ffn: int) -> dict:
+    """A variant's MoE blocks as ``LlamaConfig`` keywords."""
+    return dict(moe_every=every, num_experts=experts, top_k=top_k, moe_ffn=ffn)
+
+
 # odd sizes everywhere: vocab not a multiple of TP, head_dim != hidden / heads, ffn odd
-VARIANTS = {
-    "llama-gqa-untied": dict(
-        vocab_size=101,
-        hidden=40,
-        heads=4,
-        kv_heads=2,
-        head_dim=12,
-        ffn=58,
-        rope_theta=5e5,
-        norm_eps=1e-5,
-    ),
+VARIANTS = {  # _sizes(vocab, hidden, heads, kv_heads, head_dim, ffn)
+    "llama-gqa-untied": dict(_sizes(101, 40, 4, 2, 12, 58), rope_theta=5e5, norm_eps=1e-5),
     "qwen3-qknorm-tied": dict(
-        vocab_size=97,
-        hidden=36,
-        heads=6,
-        kv_heads=2,
-        ffn=50,
-        qk_norm=True,
-        tie_embeddings=True,
-        rope_theta=1e6,
+        _sizes(97, 36, 6, 2, ffn=50), qk_norm=True, tie_embeddings=True, rope_theta=1e6
     ),
-    "qwen2-bias-mqa": dict(
-        vocab_size=89,
-        hidden=48,
-        heads=4,
-        kv_heads=1,
-        head_dim=10,
-        ffn=70,
-        attention_bias=True,
-    ),
+    "qwen2-bias-mqa": dict(_sizes(89, 48, 4, 1, 10, 70), attention_bias=True),
     # MoE: layer 1 of 2 sparse (decoder_sparse_step 2), expert width != dense width
     "qwen3moe-every2-gqa": dict(
-        vocab_size=83,
-        hidden=36,
-        heads=6,
-        kv_heads=2,
-        ffn=50,
-        qk_norm=True,
-        moe_every=2,
-        num_experts=4,
-        top_k=2,
-        moe_ffn=22,
-        rope_theta=1e6,
+        _sizes(83, 36, 6, 2, ffn=50), qk_norm=True, **_moe(2, 4, 2, 22), rope_theta=1e6
     ),
     "qwen3moe-raw-top3-tied": dict(
-        vocab_size=79,
-        hidden=32,
-        heads=4,
-        kv_heads=1,
-        head_dim=10,
-        ffn=40,
+        _sizes(79, 32, 4, 1, 10, 40),
         qk_norm=True,
-        moe_every=1,
-        num_experts=6,
-        top_k=3,
-        moe_ffn=18,
+        **_moe(1, 6, 3, 18),
         norm_topk_prob=False,
         tie_embeddings=True,
     ),
-    "mixtral-gqa": dict(
-        vocab_size=91,
-        hidden=40,
-        heads=4,
-        kv_heads=2,
-        head_dim=12,
-        moe_every=1,
-        num_experts=4,
-        top_k=2,
-        moe_ffn=26,
-        norm_eps=1e-5,
-    ),
+    "mixtral-gqa": dict(_sizes(91, 40, 4, 2, 12), **_moe(1, 4, 2, 26), norm_eps=1e-5),
 }
 HF_TYPE = {
     "llama-gqa-untied": "llama",
@@ -160,22 +120,7 @@ def test_logits_and_every_gradient_equal_hf(name):
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_from_hf_loads_an_hf_model(name):
     cfg = LlamaConfig(layers=2, seq_len=16, **VARIANTS[name])
-    torch.manual_seed(3)
-    hf = hf_model(hf_config(cfg))
-    perturb_(hf, 4)
-    hf_state = {k: v.detach() for k, v in hf.state_dict().items()}
-    got_cfg, state = from_hf(hf_state, hf.config.to_dict())
-    assert hf_config(got_cfg) == hf_config(cfg)
-    model = torch.nn.Sequential(*build_llama(got_cfg))
-    model.load_state_dict(state, strict=True)
-    ids = torch.randint(0, cfg.vocab_size, (2, 11))
-    runs = logits_of(three(model), ids, (2, 11, -1))
-    with torch.no_grad():
-        agree_three(hf(ids).logits, runs, "HF's logits", reduction_length(model, ids))
-    back = to_hf(state, got_cfg)  # and back again: the same tensors under the same names
-    assert set(back) == set(hf_state)
-    for k, v in back.items():
-        assert torch.equal(v, hf_state[k]), k  # bit for bit: renamed (and split) copies
+    check_from_hf(cfg, build_llama, from_hf, hf_config, to_hf)
 
 
 @pytest.mark.parametrize("name", ["qwen3-qknorm-tied", "llama-gqa-untied"])

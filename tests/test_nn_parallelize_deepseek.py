@@ -25,6 +25,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from _flags import HF_RUN
 from _hf import batch, build, dense_runs, exact, generate_at_tp2
 from _hf import config as hf_config
 from _mesh import make_mesh
@@ -167,18 +168,8 @@ def test_hf_config_trains_at_tp2_ep2(tmp_path):
 
     path = tmp_path / "deepseek_v3.json"
     path.write_text(json.dumps(hf_config(FAMILY, vocab_size=300).to_dict()))
-    cfg = TrainConfig(
-        steps=3,
-        batch_size=8,
-        seq_len=16,
-        quiet=True,
-        tp=2,
-        ep=2,
-        dp=2,
-        pp=1,
-        zero=1,
-        hf_config=str(path),
-    )
+    layout = dict(tp=2, ep=2, dp=2, pp=1, zero=1)
+    cfg = TrainConfig(**{**HF_RUN, "steps": 3}, **layout, hf_config=str(path))
     ok, text = verify(cfg)
     assert ok, text
     assert text.startswith("hf:") and text.endswith("AGREE")
@@ -230,18 +221,9 @@ def test_init_from_hf_training_exports_with_the_router_score_bias(tmp_path):
     directory = str(tmp_path / "pretrained")
     _model(vocab_size=300).save_pretrained(directory)
     ckpt = str(tmp_path / "ckpt")
+    layout = dict(tp=2, ep=2, dp=2, pp=1)
     cfg = TrainConfig(
-        batch_size=8,
-        seq_len=16,
-        quiet=True,
-        pack="stream",
-        tp=2,
-        ep=2,
-        dp=2,
-        pp=1,
-        steps=2,
-        init_from_hf=directory,
-        checkpoint_dir=ckpt,
+        **HF_RUN, **layout, pack="stream", init_from_hf=directory, checkpoint_dir=ckpt
     )
     records = launch(cfg)
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager")

@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from _flags import ONE_RANK, argv, tiny_argv
+from _flags import HF_RUN, ONE_RANK, argv, tiny_argv
 from _hf import GQA, transformers
 from _hf import config as hf_config
 
@@ -20,7 +20,7 @@ from fastpar.train import TrainConfig, launch, main
 from fastpar.verify import compare, references
 from fastpar.verify import main as verify_main
 
-SMALL = dict(steps=3, batch_size=8, seq_len=16, quiet=True, ep=1)
+SMALL = dict(HF_RUN, steps=3, ep=1)
 
 
 def _config_file(tmp_path, family: str, **overrides) -> str:
