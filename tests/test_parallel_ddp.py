@@ -20,12 +20,12 @@ import torch.nn.functional as F
 from _mesh import make_mesh
 from _training import (
     check,
+    check_overflow_skipped,
     check_training,
     global_batch,
     mse_loss,
     references,
     sliced,
-    check_overflow_skipped,
     tp_dp_steps,
     tp_references,
 )
