@@ -150,6 +150,20 @@ def check_from_hf(cfg, build: Callable, from_hf: Callable, hf_config: Callable, 
         assert torch.equal(v, hf_state[k]), k
 
 
+def check_mapping_refusals(state, cfg, to_hf, hf_config, from_hf, bad: dict) -> tuple:
+    """``to_hf`` refuses a tensor with no HF name; ``from_hf`` refuses HF's llama3 RoPE and
+    each config change of ``bad`` (message -> change) of ``to_hf(state, cfg)``. Returns HF's
+    (state, config)."""
+    with pytest.raises(ValueError, match=r"have no HF name.*\['9.extra'\]"):
+        to_hf({**state, "9.extra": torch.zeros(1)}, cfg)
+    hf_state, config = to_hf(state, cfg), hf_config(cfg)
+    llama3 = {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}
+    for message, change in {"rope_type 'llama3' is not supported": llama3, **bad}.items():
+        with pytest.raises(ValueError, match=message):
+            from_hf(hf_state, {**config, **change})
+    return hf_state, config
+
+
 def hf_model(cfg_dict: dict):
     """HF's model of the config, with its eager attention and experts (the plain per-expert
     loop; HF's default grouped_mm experts need widths that are multiples of 16 bytes on CPUs,
