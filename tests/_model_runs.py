@@ -128,6 +128,26 @@ def agree_tp_output(out, targets, cfg, mesh, loss: Callable, want, length: int, 
     return value
 
 
+def against_hf(ours, hf, cfg, loss: Callable, map_grads: Callable) -> tuple:
+    """HF's logits and loss (a cross-entropy) on 3 x 13 ids drawn under seed 5, against the
+    three runs of fastpar's ``ours`` holding the same weights (``loss(out, targets, cfg)``, no
+    aux loss); HF's loss backward. Returns the runs' gradients in HF's names
+    (``map_grads``), HF's parameters by name (ties under each) and the longest reduction."""
+    torch.manual_seed(5)
+    ids = torch.randint(0, cfg.vocab_size, (3, 13))
+    targets = torch.randint(0, cfg.vocab_size, (3, 13))
+    length = reduction_length(ours, ids)
+    run_loss = lambda out, t: loss(out, t, cfg)  # noqa: E731
+    logits, losses, grads = three_runs(ours, ids, targets, run_loss, without_aux_loss)
+    want = hf(ids).logits
+    agree_three(want.detach(), [x.view(3, 13, -1) for x in logits], "HF's logits", length)
+    want_loss = torch.nn.functional.cross_entropy(want.flatten(0, 1), targets.flatten())
+    agree_three(want_loss.detach(), losses, "HF's loss", length)
+    want_loss.backward()
+    hf_params = dict(hf.named_parameters(remove_duplicate=False))
+    return [map_grads(g) for g in grads], hf_params, length
+
+
 def check_from_hf(cfg, build: Callable, from_hf: Callable, hf_config: Callable, to_hf: Callable):
     """HF's model of ``cfg`` (drawn under seed 3, then ``perturb_``) read by ``from_hf``: the
     same config, HF's logits against fastpar's three runs of what it read, and mapped back by

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from _flags import DEEPSEEK, tiny_config
 from _mesh import make_mesh
 from _model_runs import (
+    against_hf,
     agree_three,
     agree_tp_output,
     check_from_hf,
@@ -107,20 +108,8 @@ def test_logits_and_every_gradient_equal_hf(name):
     hf = hf_model(hf_config(cfg))
     assert type(hf).__name__ == "DeepseekV3ForCausalLM"
     hf.load_state_dict(to_hf(_state(ours), cfg), strict=True)
-    torch.manual_seed(5)
-    ids = torch.randint(0, cfg.vocab_size, (3, 13))
-    targets = torch.randint(0, cfg.vocab_size, (3, 13))
-    length = reduction_length(ours, ids)
-    loss = lambda out, t: deepseek_loss(out, t, cfg)  # noqa: E731
-    logits, losses, grads = three_runs(ours, ids, targets, loss, without_aux_loss)
-    logits = [x.view(3, 13, -1) for x in logits]
-    grads = [to_hf({**g, **_bias_zeros(ours)}, cfg) for g in grads]
-    want = hf(ids).logits
-    agree_three(want.detach(), logits, "HF's logits", length)
-    want_loss = torch.nn.functional.cross_entropy(want.flatten(0, 1), targets.flatten())
-    agree_three(want_loss.detach(), losses, "HF's loss", length)
-    want_loss.backward()
-    hf_params = dict(hf.named_parameters(remove_duplicate=False))
+    map_grads = lambda g: to_hf({**g, **_bias_zeros(ours)}, cfg)  # noqa: E731
+    grads, hf_params, length = against_hf(ours, hf, cfg, deepseek_loss, map_grads)
     assert set(hf_params) <= set(grads[0])
     for k in hf_params:
         if hf_params[k].numel() == 0:  # n_shared_experts = 0: zero-width projections

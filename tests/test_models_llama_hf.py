@@ -21,6 +21,7 @@ import torch
 from _flags import tiny_config
 from _mesh import make_mesh
 from _model_runs import (
+    against_hf,
     agree_three,
     check_from_hf,
     check_mapping_refusals,
@@ -28,8 +29,6 @@ from _model_runs import (
     logits_of,
     perturb_,
     three,
-    three_runs,
-    without_aux_loss,
 )
 
 from fastpar.checkpoint import export_hf, import_state_dict
@@ -99,20 +98,8 @@ def test_logits_and_every_gradient_equal_hf(name):
     hf.load_state_dict(to_hf(state, cfg), strict=True)
     if cfg.tie_embeddings:  # HF re-ties after load: one tensor, no stray copy
         assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
-    torch.manual_seed(5)
-    ids = torch.randint(0, cfg.vocab_size, (3, 13))
-    targets = torch.randint(0, cfg.vocab_size, (3, 13))
-    length = reduction_length(ours, ids)
-    loss = lambda out, t: llama_loss(out, t, cfg)  # noqa: E731
-    logits, losses, grads = three_runs(ours, ids, targets, loss, without_aux_loss)
-    logits = [x.view(3, 13, -1) for x in logits]
-    grads = [to_hf(g, cfg) for g in grads]
-    want = hf(ids).logits
-    agree_three(want.detach(), logits, "HF's logits", length)
-    want_loss = torch.nn.functional.cross_entropy(want.flatten(0, 1), targets.flatten())
-    agree_three(want_loss.detach(), losses, "HF's loss", length)
-    want_loss.backward()
-    hf_params = dict(hf.named_parameters(remove_duplicate=False))
+    map_grads = lambda g: to_hf(g, cfg)  # noqa: E731
+    grads, hf_params, length = against_hf(ours, hf, cfg, llama_loss, map_grads)
     assert set(grads[0]) == set(hf_params)
     for k in grads[0]:
         agree_three(hf_params[k].grad, [g[k] for g in grads], f"HF's gradient of {k}", length)
