@@ -6,7 +6,7 @@ first and after how many seconds.
 
     python scripts/planted_faults.py                       # every patch, a markdown table
     python scripts/planted_faults.py cp-loss-mean-of-means  # one (its file name, no .patch)
-    python scripts/planted_faults.py --timeout 900 -- tests/test_zero3.py   # a narrower run
+    python scripts/planted_faults.py --timeout 900 -- tests/test_zero_zero3.py   # a narrower run
 
 Run it from the repository's venv (``source .venv/bin/activate``). Each copy is a ``git
 worktree`` of HEAD (uncommitted changes are not in it) with the built extension copied in;

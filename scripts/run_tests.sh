@@ -71,7 +71,7 @@ SECOND_PATH=(
     tests/test_parallel_ddp.py::test_training_equals_single_process
     "tests/test_moe_tp.py::test_verify_deepseek_style_moe_at_dp2_ep2_tp2[llama-sp-etp-z2]"
     tests/test_models_llama.py::test_tensor_parallel_equals_single_process_on_every_rank
-    tests/test_ops_documents.py tests/test_context_documents.py
+    tests/test_ops_documents.py tests/test_parallel_context_documents.py
     "tests/test_train_documents.py::test_every_gradient_on_every_rank_is_the_single_process_models[cp2-dp2]"
     tests/test_mtp.py::test_loss_and_gradients_equal_the_papers_definition
     "tests/test_mtp.py::test_every_gradient_on_every_rank_is_the_single_process_models[tp2-pp2-d2-untied]"

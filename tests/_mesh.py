@@ -5,7 +5,7 @@ their process group exists only there):
         mesh = make_mesh(tp=2, dp=2)        # 4 ranks: TP 2 x DP 2, refused on another world
         mesh = make_mesh(pp="world")        # one pipeline stage per rank, whatever the world
 
-The tests of ``ParallelMesh`` itself (tests/test_mesh_*.py, tests/test_bridges.py) build it by
+The tests of ``ParallelMesh`` itself (tests/test_mesh_*.py, tests/test_mesh_bridge.py) build it by
 hand.
 """
 

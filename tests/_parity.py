@@ -25,6 +25,7 @@ import torch.distributed as dist
 from fastpar import tolerance
 from fastpar.moe.layer import aux_loss_scale
 from fastpar.nn.marks import param_layout
+from fastpar.ops.moe_permute import moe_permute
 
 TOL = {
     torch.float32: dict(rtol=1e-5, atol=1e-5),
@@ -50,6 +51,24 @@ def local_slice(full: torch.Tensor, param: torch.Tensor, fused: int = 1) -> torc
         shape[dim] = pad
         full = torch.cat([full, full.new_zeros(shape)], dim)
     return full.narrow(dim, rank * per, per)
+
+
+def local_part(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``full`` (a single-process weight or gradient) as ``param`` holds it:
+    ``local_slice`` per its layout mark, the whole of it for an unmarked or replicated one."""
+    layout = param_layout(param)
+    if layout is None or layout.kind == "replicated":
+        return full
+    return local_slice(full, param, layout.fused)
+
+
+def same_on_every_rank(t: torch.Tensor, group, what: str) -> None:
+    """``t`` is the same bits on every rank of ``group`` (a replicated gradient: one
+    all-reduce's result)."""
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    for r, other in enumerate(parts):
+        torch.testing.assert_close(other, t, rtol=0, atol=0, msg=f"{what} differs on rank {r}")
 
 
 def assert_close(actual, expected, what: str, dtype=torch.float32) -> None:
@@ -128,6 +147,54 @@ def moe_rank_references(ref, xs, gs) -> tuple[list, list, list]:
         for x, g in zip(xs, gs, strict=True):
             (ref(x) * g).sum().backward()
     return outs, x_grads, router_grads
+
+
+def same_routing(ref, ref64, xs) -> None:
+    """The premise of comparing with float64: the fp32 and float64 layers route every token alike
+    (the same experts chosen, the same choices dropped). A near-tie of two scores could split
+    them; it fails here, by name, rather than as an error of the size of an expert's output."""
+    with torch.no_grad():
+        for x in xs:
+            kept = []
+            for m in (ref, ref64):
+                t = x.reshape(-1, m.hidden_size).to(m.router.weight.dtype)
+                r = m.router(t, seq_len=x.shape[-2] if x.dim() >= 3 else None)
+                _, info = moe_permute(t, r.expert_ids, m.num_experts, r.capacity, r.order)
+                kept.append(torch.where(info.slots >= 0, r.expert_ids, -1))
+            assert torch.equal(*kept), "fp32 and float64 route differently: a near-tie"
+
+
+def ep_run(moe, ref, xs, gs) -> tuple:
+    """The expert-parallel ``moe`` on this rank's tokens ``xs[rank]`` (output gradient
+    ``gs[rank]``, its aux loss added) beside the single-process ``ref`` and its float64 copy on
+    every rank's (``moe_rank_references``), once they are shown to route alike: (output, input,
+    fp32 references, float64 references, the float64 copy)."""
+    rank = dist.get_rank()
+    ref64 = exact_copy(ref)
+    same_routing(ref, ref64, xs)
+    single = moe_rank_references(ref, xs, gs)  # experts: all tokens
+    exact = moe_rank_references(ref64, [x.double() for x in xs], [g.double() for g in gs])
+    xp = xs[rank].clone().requires_grad_()
+    y = moe(xp)
+    (y * gs[rank]).sum().add(moe.aux_loss).backward()
+    return y, xp, single, exact, ref64
+
+
+def agree_ep(moe, ref, run: tuple, length: int, what: str = "") -> None:
+    """``ep_run``'s output, input gradient and router gradient on this rank, and the gradients
+    of its local experts (a slice of the single process's), by the rule."""
+    rank = dist.get_rank()
+    y, xp, single, exact, ref64 = run
+    for name, got, i in (
+        ("output", y, 0),
+        ("input grad", xp.grad, 1),
+        ("router grad", moe.router.weight.grad, 2),
+    ):
+        agree(got, single[i][rank], exact[i][rank], f"{what}{name}", length=length)
+    sl = slice(rank * moe.num_local, (rank + 1) * moe.num_local)
+    for name in ("w1", "b1", "w2", "b2"):
+        full, full64 = getattr(ref, name).grad[sl], getattr(ref64, name).grad[sl]
+        agree(getattr(moe, name).grad, full, full64, f"{what}expert grad {name}", length=length)
 
 
 #: inductor's generated C++ does not build under ``ATEN_CPU_CAPABILITY=default`` (torch 2.13:

@@ -1,12 +1,37 @@
-"""Processes seen through Linux's /proc, for the tests that signal ranks and launchers."""
+"""Processes: a command run as a user runs it (``run_python``, ``run_module``), and processes
+seen through Linux's /proc, for the tests that signal ranks and launchers."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 import time
 
 from fastpar.testing import process_status
+
+#: the repository: the commands run from it, with it on PYTHONPATH (this checkout's fastpar)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_python(*args, timeout: float = 180, env=None) -> subprocess.CompletedProcess:
+    """``python *args`` from the repository, its output captured as text; ``env`` on top of
+    this process's environment."""
+    env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
+    return subprocess.run(
+        [sys.executable, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+def run_module(module: str, *argv, timeout: float = 180, env=None) -> subprocess.CompletedProcess:
+    """``python -m module *argv``, as ``run_python`` runs it."""
+    return run_python("-m", module, *argv, timeout=timeout, env=env)
 
 
 def children(parent: int) -> dict[int, tuple[str, str]]:

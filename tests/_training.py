@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from _parity import local_slice
 from torch import nn
@@ -155,6 +156,36 @@ def tp_references(build: Callable[[], nn.Module], steps: int) -> tolerance.Refer
         lr=1e-2,
         clip=0.5,
     )
+
+
+def tp_dp_steps(model, opt, mesh, refs: tolerance.References, steps: int) -> list[float]:
+    """``steps`` steps of ``model`` on ``tp_references``' batch, this DP replica its half;
+    ``opt.step()`` returns (skipped, gradient norm). Each step's loss (the replicas' mean) and
+    gradient norm against ``refs``; returns the losses."""
+    losses = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(2, 4, 8, generator=g), torch.randn(2, 4, 8, generator=g)
+        loss = F.mse_loss(model(x[mesh.dp_rank]), y[mesh.dp_rank])
+        loss.backward()
+        _, grad_norm = opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=mesh.dp_group)
+        losses.append(float(mean) / mesh.dp_size)
+        check([refs.loss(step, losses[-1]), norm(refs, step, grad_norm)], f"step {step + 1}: ")
+    return losses
+
+
+def check_overflow_skipped(out: list) -> None:
+    """The ranks' (skips, unchanged, loss scale) of 4 fp16 steps with an inf injected on one
+    rank at step 2: every rank alike, step 2 alone skipped (nothing moved) and the scale halved
+    from 1024."""
+    assert out[0] == out[1]
+    skips, unchanged, scale = out[0]
+    assert skips == [False, True, False, False]
+    assert unchanged == [False, True, False, False]
+    assert scale == 512.0
 
 
 def norm(refs: tolerance.References, step: int, actual) -> tolerance.Comparison:

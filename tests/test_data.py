@@ -11,12 +11,13 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from _flags import ONE_RANK, argv
 from _no_ranks import forbid_ranks
 
 from fastpar import data
 from fastpar.tokenizer import main as tokenizer_main
 
-SMALL_RUN = ["--tp", "1", "--pp", "1", "--dp", "1", "--ep", "1", "--moe-every", "0", "--steps", "1"]
+SMALL_RUN = argv(**ONE_RANK, steps=1)  # the default model
 
 
 @pytest.mark.parametrize("dtype", ["uint16", "uint32"])

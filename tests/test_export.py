@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from _flags import tiny_config
 from _hf import config as hf_config
 from _hf import transformers
 
@@ -13,7 +14,7 @@ from fastpar.export import main as export_main
 from fastpar.tokenizer import main as tokenizer_main
 from fastpar.train import TrainConfig, launch
 
-SMALL = dict(steps=2, batch_size=8, seq_len=32, hidden=32, heads=4, layers=2, quiet=True)
+SMALL = tiny_config(seq_len=32)
 
 
 def _train(tmp_path, **kw) -> str:

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from _flags import SIGMOID_GROUPS
 from _hf import transformers
 
 from fastpar.checkpoint import export_hf
@@ -94,13 +95,8 @@ def test_the_default_run_exports_and_loads_in_transformers(tmp_path):
 OPTIONS = {
     "default": dict(),
     "deepseek-style": dict(
-        router_score="sigmoid",
-        expert_bias=True,
-        router_groups=2,
-        router_group_topk=1,
-        routed_scaling_factor=2.5,
-        shared_expert_ffn=32,
-        shared_expert_gate=True,
+        SIGMOID_GROUPS,
+        **dict(routed_scaling_factor=2.5, shared_expert_ffn=32, shared_expert_gate=True),
         untied=True,
     ),
     "layernorm-moe-top1": dict(norm="layernorm", moe_every=1, top_k=1, ep=1),

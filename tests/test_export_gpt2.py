@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from _flags import tiny_config
 from _hf import transformers
 
 from fastpar.checkpoint import export_state_dict
@@ -19,7 +20,7 @@ from fastpar.tokenizer import main as tokenizer_main
 from fastpar.tolerance import assert_agree, cast
 from fastpar.train import TrainConfig, launch
 
-SMALL = dict(steps=2, batch_size=8, seq_len=32, hidden=32, heads=4, layers=2, quiet=True)
+SMALL = tiny_config(seq_len=32)
 GPT2 = dict(norm="layernorm", moe_every=0, ep=1)
 
 

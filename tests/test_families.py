@@ -16,6 +16,7 @@ import re
 import pytest
 import torch
 from _hf import VOCAB, build, config
+from _moe_hf import BLOCKS, H
 
 from fastpar import ParallelMesh, families, parallelize
 from fastpar.models import hf as models_hf
@@ -242,16 +243,7 @@ def _deepseek_block(cls_name: str):
     transformers = pytest.importorskip("transformers")
     ds = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
     cfg = transformers.DeepseekV3Config(
-        hidden_size=8,
-        hidden_act="silu",
-        moe_intermediate_size=6,
-        n_routed_experts=8,
-        num_experts_per_tok=3,
-        n_group=4,
-        topk_group=2,
-        n_shared_experts=2,
-        routed_scaling_factor=2.5,
-        norm_topk_prob=True,
+        hidden_size=H, hidden_act="silu", **BLOCKS["deepseek_v3"][3]
     )
     block = type(cls_name, (ds.DeepseekV3MoE,), {})(cfg)
     gen = torch.Generator().manual_seed(0)

@@ -1,321 +1,24 @@
-"""The fastpar Llama against Hugging Face's own models (LlamaForCausalLM, Qwen3ForCausalLM,
-Qwen2ForCausalLM, and with MoE blocks Qwen3MoeForCausalLM and MixtralForCausalLM: logits, loss
-and every gradient, weights mapped both ways, export_hf -> from_pretrained, from a checkpoint
-trained at dp x tp x pp x ep too) and against its single-process self under tensor / sequence
-parallelism (initial weights, logits, loss and every gradient on every rank, q/k-norm
-included).
+"""The fastpar Llama against its single-process self under tensor / sequence parallelism (initial
+weights, logits, loss and every gradient on every rank, q/k-norm included), and its config's
+checks (against Hugging Face's models: tests/test_models_llama_hf.py).
 
-Two implementations (or two layouts) of the same math round differently: none of these is bit for
-bit. Each quantity is judged by ``fastpar.tolerance``'s rule against fastpar's single-process
-model in float64 (its norms, RoPE, router and loss keep float64; HF's cast RMSNorm and RoPE to
-fp32, so HF in float64 is no exact reference), with the fp32 model and its twin (every weight one
-ulp away) as the measure of rounding. Against HF, HF's fp32 run is the one judged: a defect in
-either implementation's math puts it far from fastpar's float64 run, while fastpar's own fp32
-run stays within rounding of it. Bit for bit only where nothing is computed: initial weights
-(each TP rank keeps its slice of the same draw) and the name mapping."""
+Two layouts of the same math round differently: none of this is bit for bit. Each quantity is
+judged by ``fastpar.tolerance``'s rule against the single-process model in float64 (its norms,
+RoPE, router and loss keep float64), with the fp32 model and its twin (every weight one ulp
+away) as the measure of rounding (tests/_model_runs.py). Bit for bit only where nothing is
+computed: the initial weights (each TP rank keeps its slice of the same draw)."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import torch
 from _mesh import make_mesh
-from _parity import agree, exact_copy, local_slice
+from _model_runs import agree_three, agree_tp_output, single_process
+from _parity import local_part
 
-from fastpar.checkpoint import export_hf, import_state_dict
-from fastpar.comm import gather_from_region
-from fastpar.models import LlamaConfig, build_llama, from_hf, hf_config, llama_loss, to_hf
-from fastpar.moe.layer import aux_loss_scale
-from fastpar.nn.marks import param_layout
-from fastpar.parity import reduction_length
+from fastpar.checkpoint import import_state_dict
+from fastpar.models import LlamaConfig, build_llama, llama_loss
 from fastpar.testing import run_ranks
-from fastpar.tolerance import nudge
-
-# odd sizes everywhere: vocab not a multiple of TP, head_dim != hidden / heads, ffn odd
-VARIANTS = {
-    "llama-gqa-untied": dict(
-        vocab_size=101,
-        hidden=40,
-        heads=4,
-        kv_heads=2,
-        head_dim=12,
-        ffn=58,
-        rope_theta=5e5,
-        norm_eps=1e-5,
-    ),
-    "qwen3-qknorm-tied": dict(
-        vocab_size=97,
-        hidden=36,
-        heads=6,
-        kv_heads=2,
-        ffn=50,
-        qk_norm=True,
-        tie_embeddings=True,
-        rope_theta=1e6,
-    ),
-    "qwen2-bias-mqa": dict(
-        vocab_size=89,
-        hidden=48,
-        heads=4,
-        kv_heads=1,
-        head_dim=10,
-        ffn=70,
-        attention_bias=True,
-    ),
-    # MoE: layer 1 of 2 sparse (decoder_sparse_step 2), expert width != dense width
-    "qwen3moe-every2-gqa": dict(
-        vocab_size=83,
-        hidden=36,
-        heads=6,
-        kv_heads=2,
-        ffn=50,
-        qk_norm=True,
-        moe_every=2,
-        num_experts=4,
-        top_k=2,
-        moe_ffn=22,
-        rope_theta=1e6,
-    ),
-    "qwen3moe-raw-top3-tied": dict(
-        vocab_size=79,
-        hidden=32,
-        heads=4,
-        kv_heads=1,
-        head_dim=10,
-        ffn=40,
-        qk_norm=True,
-        moe_every=1,
-        num_experts=6,
-        top_k=3,
-        moe_ffn=18,
-        norm_topk_prob=False,
-        tie_embeddings=True,
-    ),
-    "mixtral-gqa": dict(
-        vocab_size=91,
-        hidden=40,
-        heads=4,
-        kv_heads=2,
-        head_dim=12,
-        moe_every=1,
-        num_experts=4,
-        top_k=2,
-        moe_ffn=26,
-        norm_eps=1e-5,
-    ),
-}
-HF_TYPE = {
-    "llama-gqa-untied": "llama",
-    "qwen3-qknorm-tied": "qwen3",
-    "qwen2-bias-mqa": "qwen2",
-    "qwen3moe-every2-gqa": "qwen3_moe",
-    "qwen3moe-raw-top3-tied": "qwen3_moe",
-    "mixtral-gqa": "mixtral",
-}
-
-
-def _perturb_(model: torch.nn.Module, seed: int) -> None:
-    """Norm weights start at one and biases at the layer's init: move them, so that a swapped
-    or missing norm / bias shows in the logits and gradients. Routers (HF draws them from
-    N(0, 0.02), near-uniform routing) are moved too, so the experts' choice matters."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(0.3 * torch.randn(p.shape, generator=g))
-            elif "router" in name or name.endswith("mlp.gate.weight"):
-                p.add_(0.5 * torch.randn(p.shape, generator=g))
-
-
-def _fastpar_model(cfg: LlamaConfig, seed: int = 0) -> torch.nn.Sequential:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(*build_llama(cfg))
-    _perturb_(model, seed + 1)
-    return model
-
-
-def _three(model: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
-    """``model`` (fp32), its twin (every weight one ulp away) and its float64 copy: the runs the
-    rule judges against (``fastpar.tolerance``)."""
-    twin = exact_copy(model).float()
-    nudge(twin, seed=1)
-    return model, twin, exact_copy(model)
-
-
-@torch.no_grad()
-def _logits(models, ids: torch.Tensor, shape) -> list[torch.Tensor]:
-    """Each model's logits on ``ids`` (integer ids: the same input for every dtype)."""
-    return [m(ids).view(shape) for m in models]
-
-
-def _agree(actual, runs, what: str, length: int):
-    """``actual`` against the fp32 run and its twin (``runs[:2]``), float64 ``runs[2]``."""
-    return agree(actual, list(runs[:2]), runs[2], what, length=length)
-
-
-def _hf_model(cfg_dict: dict):
-    """HF's model of the config, with its eager attention and experts (the plain per-expert
-    loop; HF's default grouped_mm experts need widths that are multiples of 16 bytes on CPUs,
-    and are what the from_pretrained tests below run)."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.AutoConfig.for_model(**cfg_dict)
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation="eager", experts_implementation="eager"
-    )
-    return model.float().eval()
-
-
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_logits_and_every_gradient_equal_hf(name):
-    cfg = LlamaConfig(layers=2, seq_len=16, **VARIANTS[name])
-    ours = _fastpar_model(cfg)
-    config = hf_config(cfg)
-    assert config["model_type"] == HF_TYPE[name]
-    hf = _hf_model(config)
-    assert type(hf).__name__ == config["architectures"][0]
-    state = {k: v.detach().clone() for k, v in ours.named_parameters()}
-    hf.load_state_dict(to_hf(state, cfg), strict=True)
-    if cfg.tie_embeddings:  # HF re-ties after load: one tensor, no stray copy
-        assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
-    torch.manual_seed(5)
-    ids = torch.randint(0, cfg.vocab_size, (3, 13))
-    targets = torch.randint(0, cfg.vocab_size, (3, 13))
-    length = reduction_length(ours, ids)
-    logits, losses, grads = [], [], []
-    for model in _three(ours):  # fastpar in fp32, its twin, float64
-        with aux_loss_scale(None):  # HF's loss has no router aux loss unless asked for one
-            out = model(ids)
-        loss = llama_loss(out, targets, cfg)
-        loss.backward()
-        logits.append(out.detach().view(3, 13, -1))
-        losses.append(loss.detach())
-        grads.append(to_hf({k: p.grad for k, p in model.named_parameters()}, cfg))
-    want = hf(ids).logits
-    _agree(want.detach(), logits, "HF's logits", length)
-    want_loss = torch.nn.functional.cross_entropy(want.flatten(0, 1), targets.flatten())
-    _agree(want_loss.detach(), losses, "HF's loss", length)
-    want_loss.backward()
-    hf_params = dict(hf.named_parameters(remove_duplicate=False))
-    assert set(grads[0]) == set(hf_params)
-    for k in grads[0]:
-        _agree(hf_params[k].grad, [g[k] for g in grads], f"HF's gradient of {k}", length)
-
-
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_from_hf_loads_an_hf_model(name):
-    cfg = LlamaConfig(layers=2, seq_len=16, **VARIANTS[name])
-    torch.manual_seed(3)
-    hf = _hf_model(hf_config(cfg))
-    _perturb_(hf, 4)
-    hf_state = {k: v.detach() for k, v in hf.state_dict().items()}
-    got_cfg, state = from_hf(hf_state, hf.config.to_dict())
-    assert hf_config(got_cfg) == hf_config(cfg)
-    model = torch.nn.Sequential(*build_llama(got_cfg))
-    model.load_state_dict(state, strict=True)
-    ids = torch.randint(0, cfg.vocab_size, (2, 11))
-    runs = _logits(_three(model), ids, (2, 11, -1))
-    with torch.no_grad():
-        _agree(hf(ids).logits, runs, "HF's logits", reduction_length(model, ids))
-    back = to_hf(state, got_cfg)  # and back again: the same tensors under the same names
-    assert set(back) == set(hf_state)
-    for k, v in back.items():
-        assert torch.equal(v, hf_state[k]), k  # bit for bit: renamed (and split) copies
-
-
-@pytest.mark.parametrize("name", ["qwen3-qknorm-tied", "llama-gqa-untied"])
-def test_export_hf_loads_with_from_pretrained(name, tmp_path):
-    pytest.importorskip("safetensors")
-    transformers = pytest.importorskip("transformers")
-    cfg = LlamaConfig(layers=2, seq_len=16, **VARIANTS[name])
-    ours = _fastpar_model(cfg)
-    state = {k: v.detach() for k, v in ours.named_parameters()}
-    export_hf(to_hf(state, cfg), tmp_path, hf_config(cfg))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
-    ids = torch.randint(0, cfg.vocab_size, (2, 9))
-    runs = _logits(_three(ours), ids, (2, 9, -1))
-    with torch.no_grad():
-        _agree(hf(ids).logits, runs, "from_pretrained's logits", reduction_length(ours, ids))
-
-
-def test_hf_mapping_refuses_what_it_cannot_map():
-    refused = {
-        r"capacity_factor=1.25 has no HF export: HF's MoE models .* drop no tokens": dict(
-            qk_norm=True, moe_every=2, capacity_factor=1.25
-        ),
-        r"moe_every=2 without qk_norm has no HF family: Mixtral has a MoE in every block; use "
-        r"moe_every=1 \(Mixtral\) or qk_norm=True": dict(moe_every=2),
-        "MoE blocks with attention_bias have no HF family": dict(moe_every=1, attention_bias=True),
-        "norm_topk_prob=False without qk_norm has no HF family: Mixtral always": dict(
-            moe_every=1, norm_topk_prob=False
-        ),
-        "qk_norm with attention_bias has no HF family": dict(qk_norm=True, attention_bias=True),
-    }
-    for message, kwargs in refused.items():
-        with pytest.raises(ValueError, match=message):
-            hf_config(LlamaConfig(**kwargs))
-        with pytest.raises(ValueError, match=message):
-            to_hf({}, LlamaConfig(**kwargs))
-    cfg = LlamaConfig(layers=1, seq_len=8, hidden=16, heads=2, vocab_size=11)
-    torch.manual_seed(0)
-    state = {k: v.detach() for k, v in torch.nn.Sequential(*build_llama(cfg)).named_parameters()}
-    with pytest.raises(ValueError, match=r"1.attn.qkv.weight: shape \(48, 16\), expected"):
-        to_hf(state, dataclasses.replace(cfg, kv_heads=1))
-    with pytest.raises(ValueError, match=r"have no HF name.*\['9.extra'\]"):
-        to_hf({**state, "9.extra": torch.zeros(1)}, cfg)
-    hf_state, config = to_hf(state, cfg), hf_config(cfg)
-    bad = {
-        "rope_type 'llama3' is not supported": {
-            "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}
-        },
-        "mlp_bias=True is not supported": {"mlp_bias": True},
-        "attention_bias=True is not supported: fastpar has no o_proj bias": {
-            "attention_bias": True
-        },
-        "hidden_act='gelu' is not supported": {"hidden_act": "gelu"},
-        "model_type 'gpt2' is not one of": {"model_type": "gpt2"},
-    }
-    for message, change in bad.items():
-        with pytest.raises(ValueError, match=message):
-            from_hf(hf_state, {**config, **change})
-    with pytest.raises(ValueError, match="use_sliding_window=True is not supported"):
-        from_hf(hf_state, {**config, "model_type": "qwen2", "use_sliding_window": True})
-    with pytest.raises(ValueError, match=r"1 tensors have no fastpar name.*mlp.gate_proj.bias"):
-        from_hf({**hf_state, "model.layers.0.mlp.gate_proj.bias": torch.zeros(1)}, config)
-    with pytest.raises(KeyError, match=r"model\.norm\.weight"):
-        from_hf({k: v for k, v in hf_state.items() if k != "model.norm.weight"}, config)
-    hf_moe = {}
-    for qk_norm in (True, False):  # Qwen3-MoE, Mixtral: each maps back to its own config
-        moe = dataclasses.replace(
-            cfg,
-            qk_norm=qk_norm,
-            moe_every=1,
-            num_experts=2,
-            top_k=1,
-            moe_ffn=4,
-            ffn=4,
-            kv_heads=2,
-            head_dim=8,
-        )
-        torch.manual_seed(0)
-        weights = {
-            k: v.detach() for k, v in torch.nn.Sequential(*build_llama(moe)).named_parameters()
-        }
-        hf_moe[qk_norm] = to_hf(weights, moe), hf_config(moe)
-        assert from_hf(*hf_moe[qk_norm])[0] == moe
-    (qwen3_moe, qwen3_moe_config), (mixtral, mixtral_config) = hf_moe[True], hf_moe[False]
-    bad_moe = {
-        r"mlp_only_layers=\[0\] is not supported: fastpar's Llama places its MoE blocks by "
-        "decoder_sparse_step": (qwen3_moe, {**qwen3_moe_config, "mlp_only_layers": [0]}),
-        "router_jitter_noise=0.1 is not supported": (
-            mixtral,
-            {**mixtral_config, "router_jitter_noise": 0.1},
-        ),
-        "sliding_window=8 is not supported": (mixtral, {**mixtral_config, "sliding_window": 8}),
-    }
-    for message, (weights, config_dict) in bad_moe.items():
-        with pytest.raises(ValueError, match=message):
-            from_hf(weights, config_dict)
 
 
 @pytest.mark.parametrize(
@@ -345,42 +48,6 @@ def test_default_ffn_is_swiglu_sized():
 
 
 # -- tensor / sequence parallel: every rank against the single-process model -----------------
-def _gathered_logits(logits: torch.Tensor, cfg: LlamaConfig, mesh) -> torch.Tensor:
-    full = gather_from_region(logits, mesh.tp_group, dim=-1)
-    return full[:, : cfg.vocab_size]
-
-
-def _local(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    layout = param_layout(p)
-    if layout is None or layout.kind == "replicated":
-        return full
-    return local_slice(full, p, layout.fused)
-
-
-def _single_process(cfg: LlamaConfig):
-    """In this (rank-less) process: the initial weights, moved weights, a batch, the logits,
-    loss and gradients of the single-process model — each a list of three runs: fp32, its twin
-    and float64 — and the longest reduction."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*build_llama(cfg))
-    initial = {k: v.detach().clone() for k, v in model.named_parameters()}
-    _perturb_(model, 1)
-    state = {k: v.detach().clone() for k, v in model.named_parameters()}
-    torch.manual_seed(7)
-    ids = torch.randint(0, cfg.vocab_size, (3, cfg.seq_len))
-    targets = torch.randint(0, cfg.vocab_size, (3, cfg.seq_len))
-    logits, losses, grads = [], [], []
-    for m in _three(model):
-        out = m(ids)
-        loss = llama_loss(out, targets, cfg)
-        loss.backward()
-        logits.append(out.detach())
-        losses.append(loss.detach())
-        grads.append({k: p.grad.clone() for k, p in m.named_parameters()})
-    want = (logits, losses, grads)
-    return initial, state, (ids, targets), want, reduction_length(model, ids)
-
-
 def _tp_parity(cfg: LlamaConfig, tp: int, initial, state, batch, want, length) -> None:
     mesh = make_mesh(tp=tp)
     torch.manual_seed(0)
@@ -389,19 +56,16 @@ def _tp_parity(cfg: LlamaConfig, tp: int, initial, state, batch, want, length) -
     assert list(params) == list(initial)
     for name, p in params.items():  # every rank drew the full weights and kept its slice
         # bit for bit: a slice of the same draw, nothing computed
-        assert torch.equal(p.detach(), _local(initial[name], p)), f"initial {name}"
+        assert torch.equal(p.detach(), local_part(initial[name], p)), f"initial {name}"
     import_state_dict(state, params)  # the moved norms and biases, by global name
-    (ids, targets), (ref_logits, ref_losses, ref_grads) = batch, want
+    (ids, targets), ref_grads = batch, want[2]
     rank = mesh.tp_rank
-    logits = par(ids)
-    _agree(_gathered_logits(logits, cfg, mesh), ref_logits, f"logits on TP rank {rank}", length)
-    loss = llama_loss(logits, targets, cfg, mesh)
-    _agree(loss, ref_losses, f"loss on TP rank {rank}", length)
-    loss.backward()
+    out = agree_tp_output(par(ids), targets, cfg, mesh, llama_loss, want, length, f"TP rank {rank}")
+    out.backward()
     for name, p in params.items():
         assert p.grad is not None, f"no gradient for {name}"
-        expect = [_local(g[name], p) for g in ref_grads]
-        _agree(p.grad, expect, f"grad of {name} on TP rank {rank}", length)
+        expect = [local_part(g[name], p) for g in ref_grads]
+        agree_three(p.grad, expect, f"grad of {name} on TP rank {rank}", length)
 
 
 TP_CASES = {
@@ -421,109 +85,4 @@ def test_tensor_parallel_equals_single_process_on_every_rank(case):
     kwargs, tp = TP_CASES[case]
     base = dict(vocab_size=53, seq_len=8, hidden=24, heads=4, kv_heads=2, head_dim=6, ffn=20)
     cfg = LlamaConfig(layers=2, **{**base, **kwargs})
-    run_ranks(_tp_parity, tp, cfg, tp, *_single_process(cfg))
-
-
-def _hf_weights_at_tp(cfg_dict, hf_state, ids, runs, length, tp):
-    mesh = make_mesh(tp=tp)
-    cfg, state = from_hf(hf_state, cfg_dict)
-    par = torch.nn.Sequential(*build_llama(cfg, mesh))
-    import_state_dict(state, dict(par.named_parameters()))
-    with torch.no_grad():
-        got = _gathered_logits(par(ids), cfg, mesh).view(runs[0].shape)
-    _agree(got, runs, f"TP logits on rank {mesh.tp_rank}", length)
-
-
-def test_hf_weights_load_into_a_tensor_parallel_model():
-    """HF's weights in a TP = 2 fastpar model: its logits and HF's own, each against the
-    single-process fastpar model holding them (fp32, twin, float64)."""
-    cfg = LlamaConfig(layers=2, seq_len=12, **VARIANTS["qwen3-qknorm-tied"])
-    torch.manual_seed(2)
-    hf = _hf_model(hf_config(cfg))
-    _perturb_(hf, 3)
-    ids = torch.randint(0, cfg.vocab_size, (2, 12))
-    with torch.no_grad():
-        want = hf(ids).logits
-    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-    got_cfg, ours_state = from_hf(state, hf.config.to_dict())
-    single = torch.nn.Sequential(*build_llama(got_cfg))
-    single.load_state_dict(ours_state, strict=True)
-    runs = _logits(_three(single), ids, want.shape)
-    length = reduction_length(single, ids)
-    _agree(want, runs, "HF's logits", length)
-    run_ranks(_hf_weights_at_tp, 2, hf.config.to_dict(), state, ids, runs, length, 2)
-
-
-TRAINED = {  # (TrainConfig options, the HF class from_pretrained must build)
-    "qwen3-moe": (dict(qk_norm=True, moe_every=2, ep=2), "Qwen3MoeForCausalLM"),
-    "mixtral": (dict(moe_every=1, ep=2, untied=True), "MixtralForCausalLM"),
-    "qwen3-dense": (dict(qk_norm=True, moe_every=0, ep=1), "Qwen3ForCausalLM"),
-}
-
-
-@pytest.mark.parametrize("family", list(TRAINED))
-def test_a_checkpoint_trained_at_dp_tp_pp_ep_exports_to_hf(family, tmp_path):
-    """Trained at dp 2 x tp 2 x pp 2 (x ep 2: MoE experts split over EP; the tied embedding's
-    copy on the last stage), exported, written as an HF directory and loaded by transformers'
-    from_pretrained (its default experts implementation): the same logits as the
-    single-process fastpar model holding the checkpoint's weights."""
-    pytest.importorskip("safetensors")
-    transformers = pytest.importorskip("transformers")
-    from fastpar.checkpoint import export_state_dict
-    from fastpar.train import TrainConfig, launch
-
-    options, arch = TRAINED[family]
-    ckpt = tmp_path / "ckpt"
-    cfg = TrainConfig(
-        model_type="llama",
-        tp=2,
-        pp=2,
-        dp=2,
-        kv_heads=2,
-        steps=2,
-        batch_size=8,
-        seq_len=16,
-        hidden=32,
-        layers=2,
-        ffn=48,
-        quiet=True,
-        checkpoint_dir=str(ckpt),
-        save_every=2,
-        **options,
-    )
-    launch(cfg)
-    state = export_state_dict(ckpt / "step_000002")
-    model_cfg = cfg.model()
-    if model_cfg.tie_embeddings:  # the last stage's copy is saved as the embedding itself
-        assert f"{model_cfg.layers + 1}.weight" not in state and "0.tok.weight" in state
-    export_hf(to_hf(state, model_cfg), tmp_path / "hf", hf_config(model_cfg))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "hf", attn_implementation="eager"
-    )
-    assert type(hf).__name__ == arch
-    ours = torch.nn.Sequential(*build_llama(model_cfg))
-    import_state_dict(state, dict(ours.named_parameters()))  # every parameter (tied: once)
-    ids = torch.randint(
-        0, model_cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)
-    )
-    runs = _logits(_three(ours), ids, (2, 16, -1))
-    with torch.no_grad():
-        _agree(hf(ids).logits, runs, "from_pretrained's logits", reduction_length(ours, ids))
-
-
-@pytest.mark.parametrize(
-    "routing",
-    [
-        dict(router_score="sigmoid"),
-        dict(expert_bias=True),
-        dict(shared_expert_ffn=8),
-        dict(router_groups=2, router_group_topk=1),
-        dict(routed_scaling_factor=2.0),
-    ],
-)
-def test_deepseek_style_routing_has_no_hf_export(routing):
-    """Qwen3-MoE / Mixtral route by a plain softmax top-k: exporting another routing under
-    their names would load as a model computing another function."""
-    cfg = LlamaConfig(layers=2, seq_len=16, moe_every=1, num_experts=4, **routing)
-    with pytest.raises(ValueError, match="DeepSeek-style routing or shared experts"):
-        hf_config(cfg)
+    run_ranks(_tp_parity, tp, cfg, tp, *single_process(cfg, build_llama, llama_loss))

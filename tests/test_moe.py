@@ -6,7 +6,7 @@ Parallel against single-process results are judged by ``fastpar.tolerance``'s ru
 (docs/tolerances.md): each quantity's error against the same math in float64 (the layer's
 ``.double()`` copy) at most 4 x the fp32 single-process run's own plus a floor. Routing is
 discrete: the fp32 and float64 references must pick the same experts and drop the same choices
-(``_same_routing``), so a near-tie shows as that, not as a large error."""
+(``same_routing`` of tests/_parity.py), so a near-tie shows as that, not as a large error."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _mesh import make_mesh
-from _parity import agree, exact_copy, moe_rank_references
+from _parity import agree, agree_ep, ep_run, exact_copy
 from torch import nn
 
 from fastpar.moe import MoE, TopKRouter, capacity_for, moe_aux_loss
@@ -122,26 +122,11 @@ def test_balanced_routing_gives_unit_aux_loss():
     assert balance.item() == pytest.approx(1.0, rel=1e-4)
 
 
-def _same_routing(ref: MoE, ref64: MoE, xs) -> None:
-    """The premise of comparing with float64: the fp32 and float64 layers route every token alike
-    (the same experts chosen, the same choices dropped). A near-tie of two scores could split
-    them; it fails here, by name, rather than as an error of the size of an expert's output."""
-    with torch.no_grad():
-        for x in xs:
-            kept = []
-            for m in (ref, ref64):
-                t = x.reshape(-1, m.hidden_size).to(m.router.weight.dtype)
-                r = m.router(t, seq_len=x.shape[-2] if x.dim() >= 3 else None)
-                _, info = moe_permute(t, r.expert_ids, m.num_experts, r.capacity, r.order)
-                kept.append(torch.where(info.slots >= 0, r.expert_ids, -1))
-            assert torch.equal(*kept), "fp32 and float64 route differently: a near-tie"
-
-
 def _ep_parity(num_experts: int, capacity_factor, top_k: int, policy: str) -> None:
     """Each EP rank routes its own tokens; outputs and all gradients equal the single-process
     layer holding every expert, applied to each rank's tokens (judged by the rule against its
     float64 copy)."""
-    ep, rank = dist.get_world_size(), dist.get_rank()
+    ep = dist.get_world_size()
     mesh = make_mesh(ep=ep)
     kw = dict(
         capacity_factor=capacity_factor,
@@ -152,29 +137,13 @@ def _ep_parity(num_experts: int, capacity_factor, top_k: int, policy: str) -> No
     )
     torch.manual_seed(0)
     ref = MoE(12, 20, num_experts, **kw)
-    ref64 = exact_copy(ref)
     torch.manual_seed(0)
     moe = MoE(12, 20, num_experts, mesh=mesh, **kw)
     xs = [torch.randn(3, 7, 12, generator=torch.Generator().manual_seed(10 + r)) for r in range(ep)]
     gs = [torch.randn(3, 7, 12, generator=torch.Generator().manual_seed(20 + r)) for r in range(ep)]
-    _same_routing(ref, ref64, xs)
-    single = moe_rank_references(ref, xs, gs)  # experts: all tokens
-    exact = moe_rank_references(ref64, [x.double() for x in xs], [g.double() for g in gs])
-    xp = xs[rank].clone().requires_grad_()
-    y = moe(xp)
-    (y * gs[rank]).sum().add(moe.aux_loss).backward()
+    run = ep_run(moe, ref, xs, gs)
     n = max(21 * ep, 20)  # the tokens an expert's gradient sums over, the FFN width
-    for what, got, i in (
-        ("output", y, 0),
-        ("input grad", xp.grad, 1),
-        ("router grad", moe.router.weight.grad, 2),
-    ):
-        agree(got, single[i][rank], exact[i][rank], what, length=n)
-    lo = rank * moe.num_local
-    for name in ("w1", "b1", "w2", "b2"):
-        full, full64 = getattr(ref, name).grad, getattr(ref64, name).grad
-        sl = slice(lo, lo + moe.num_local)
-        agree(getattr(moe, name).grad, full[sl], full64[sl], f"expert grad {name}", length=n)
+    agree_ep(moe, ref, run, n)
 
 
 @pytest.mark.parametrize("ep", [1, 2, 4])

@@ -23,100 +23,20 @@ every run must choose the same experts (checked), so a near-tie fails as that.
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
 import torch.distributed as dist
 from _mesh import make_mesh
+from _moe_hf import BLOCKS, FFN, H, hf_block, tokens
 from _parity import agree, exact_copy
 
 from fastpar.mesh import placement
 from fastpar.moe.hf import moe_from_hf, moe_to_hf_state_dict
 from fastpar.testing import nudge, run_ranks
 
-H, FFN = 8, 6
 COUNTS = (11, 14)  # tokens of EP rank 0, 1 (dropless: uneven)
 LENGTH = max(sum(COUNTS), 2 * FFN * 2)  # the tokens a weight gradient sums over, the widths
-
-FAMILIES = {  # name: (module, class, config class, config kwargs)
-    "mixtral": (
-        "mixtral",
-        "MixtralSparseMoeBlock",
-        "MixtralConfig",
-        dict(intermediate_size=FFN, num_local_experts=4, num_experts_per_tok=2),
-    ),
-    "qwen3_moe": (
-        "qwen3_moe",
-        "Qwen3MoeSparseMoeBlock",
-        "Qwen3MoeConfig",
-        dict(moe_intermediate_size=FFN, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
-    ),
-    "qwen3_moe-raw": (
-        "qwen3_moe",
-        "Qwen3MoeSparseMoeBlock",
-        "Qwen3MoeConfig",
-        dict(moe_intermediate_size=FFN, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False),
-    ),
-    "qwen2_moe": (
-        "qwen2_moe",
-        "Qwen2MoeSparseMoeBlock",
-        "Qwen2MoeConfig",
-        dict(
-            moe_intermediate_size=FFN,
-            num_experts=4,
-            num_experts_per_tok=2,
-            shared_expert_intermediate_size=5,
-            norm_topk_prob=False,
-        ),
-    ),
-    "deepseek_v3": (
-        "deepseek_v3",
-        "DeepseekV3MoE",
-        "DeepseekV3Config",
-        dict(
-            moe_intermediate_size=FFN,
-            n_routed_experts=8,
-            num_experts_per_tok=3,
-            n_group=4,
-            topk_group=2,
-            n_shared_experts=2,
-            routed_scaling_factor=2.5,
-            norm_topk_prob=True,
-        ),
-    ),
-}
-
-
-def _block(family: str, **overrides):
-    transformers = pytest.importorskip("transformers")
-    import importlib
-
-    module, cls, cfg_cls, kw = FAMILIES[family]
-    try:
-        mod = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
-    except ImportError:
-        pytest.skip(f"this transformers has no {module}")
-    if not hasattr(mod, cls):
-        pytest.skip(f"this transformers has no {cls}")
-    kw = {"hidden_size": H, "hidden_act": "silu", **kw, **overrides}
-    cfg = getattr(transformers, cfg_cls)(**kw)
-    block = getattr(mod, cls)(cfg)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # HF leaves the fused experts uninitialised and routers at zero
-        for p in block.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
-        bias = getattr(block.gate, "e_score_correction_bias", None)
-        if bias is not None:  # nonzero, of the scores' size: it changes selections
-            bias.copy_(0.3 * torch.randn(bias.shape, generator=gen))
-    return block
-
-
-def _tokens(rank: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(10 + rank)
-    x = torch.randn(1, t, H, generator=gen)
-    x[:, : t // 2] += 1.0  # skewed towards some experts
-    return x, torch.randn(1, t, H, generator=gen)
 
 
 def _hf_grads(block, family: str) -> dict[str, torch.Tensor]:
@@ -162,10 +82,10 @@ def _agree(got, runs, pick, what):
 
 def _parity(family: str, ep: int) -> None:
     rank = dist.get_rank() if ep > 1 else 0
-    block = _block(family)
+    block = hf_block(family)
     moe = moe_from_hf(block, mesh=make_mesh(ep=ep) if ep > 1 else None)
     counts = COUNTS[:ep] if ep > 1 else (sum(COUNTS),)
-    data = [_tokens(r, t) for r, t in enumerate(counts)]
+    data = [tokens(r, t) for r, t in enumerate(counts)]
     # HF on the whole batch (every rank's tokens): fp32, its twin, float64
     x_all = torch.cat([x for x, _ in data], dim=1)
     runs = _runs(block, x_all, torch.cat([g for _, g in data], dim=1))
@@ -203,27 +123,27 @@ def _parity(family: str, ep: int) -> None:
             assert torch.equal(mine["mlp." + k], expected), k
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(BLOCKS))
 def test_hf_block_parity_ep1(family):
     _parity(family, 1)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(BLOCKS))
 def test_hf_block_parity_ep2(family):
-    _block(family)  # skips here when transformers lacks the block
+    hf_block(family)  # skips here when transformers lacks the block
     run_ranks(_parity, 2, family, 2)
 
 
 def test_deepseek_settings_and_bias_change_the_selection():
     """The DeepSeek-V3 block becomes sigmoid + bias + groups + scaling; its bias and its group
     limit each change HF's own choice of experts on these tokens (so both paths are tested)."""
-    block = _block("deepseek_v3")
+    block = hf_block("deepseek_v3")
     moe = moe_from_hf(block)
     r = moe.router
     assert (r.score, r.num_groups, r.group_topk, r.scaling_factor) == ("sigmoid", 4, 2, 2.5)
     assert torch.equal(r.expert_bias, block.gate.e_score_correction_bias)
     assert moe.shared.ffn_hidden_size == 2 * FFN
-    x = _tokens(0, 25)[0]
+    x = tokens(0, 25)[0]
     with torch.no_grad():
         ids = block.gate(x)[2].sort(-1).values
         block.gate.e_score_correction_bias.zero_()
@@ -238,10 +158,10 @@ def test_deepseek_settings_and_bias_change_the_selection():
 def test_deepseek_without_shared_experts():
     """``n_shared_experts=0``: HF holds zero-width shared projections (adding zero); the layer
     has no shared expert, and the export gives back the zero-width tensors."""
-    block = _block("deepseek_v3", n_shared_experts=0)
+    block = hf_block("deepseek_v3", n_shared_experts=0)
     moe = moe_from_hf(block)
     assert moe.shared is None
-    x = _tokens(0, 25)[0]
+    x = tokens(0, 25)[0]
     runs = _runs(block, x, torch.zeros_like(x))
     with torch.no_grad():
         _agree(moe(x), runs, lambda r: r[0], "output")
@@ -252,7 +172,7 @@ def test_deepseek_without_shared_experts():
 
 
 def test_export_refuses_a_layer_the_family_cannot_hold():
-    moe = moe_from_hf(_block("qwen2_moe"))
+    moe = moe_from_hf(hf_block("qwen2_moe"))
     with pytest.raises(ValueError, match="a mixtral block has no shared experts; this layer has"):
         moe_to_hf_state_dict(moe, family="mixtral")
     with pytest.raises(ValueError, match="a deepseek_v3 block has no shared_gate"):
@@ -261,7 +181,7 @@ def test_export_refuses_a_layer_the_family_cannot_hold():
 
 
 def test_conversion_draws_no_random_numbers_and_keeps_the_mode():
-    block = _block("mixtral").eval()
+    block = hf_block("mixtral").eval()
     state = torch.get_rng_state()
     moe = moe_from_hf(block)
     assert torch.equal(state, torch.get_rng_state())
@@ -271,15 +191,15 @@ def test_conversion_draws_no_random_numbers_and_keeps_the_mode():
 
 def test_refuses_what_moe_cannot_compute():
     with pytest.raises(ValueError, match=r"router_jitter_noise=0\.1 is not supported"):
-        moe_from_hf(_block("mixtral", router_jitter_noise=0.1))
+        moe_from_hf(hf_block("mixtral", router_jitter_noise=0.1))
     with pytest.raises(ValueError, match="approximations such as gelu_new are refused"):
-        moe_from_hf(_block("qwen3_moe", hidden_act="gelu_new"))
+        moe_from_hf(hf_block("qwen3_moe", hidden_act="gelu_new"))
     with pytest.raises(ValueError, match="groups of at least 2"):
-        moe_from_hf(_block("deepseek_v3", n_group=8, topk_group=4))
+        moe_from_hf(hf_block("deepseek_v3", n_group=8, topk_group=4))
     with pytest.raises(ValueError, match="supports the Hugging Face blocks"):
         moe_from_hf(torch.nn.Linear(H, H))
     with pytest.raises(TypeError, match="does not take \\['capacity_factor'\\]"):
-        moe_from_hf(_block("mixtral"), capacity_factor=1.25)
+        moe_from_hf(hf_block("mixtral"), capacity_factor=1.25)
 
 
 def _clear_tokens(block, t: int) -> torch.Tensor:
@@ -287,7 +207,7 @@ def _clear_tokens(block, t: int) -> torch.Tensor:
     least (float64): far above bf16's rounding of a logit (~2^-9 of it), so HF's bf16 gate and
     fastpar's fp32 router choose alike whatever the seed."""
     k = block.gate.top_k
-    x = _tokens(0, 8 * t)[0].bfloat16()
+    x = tokens(0, 8 * t)[0].bfloat16()
     logits = x[0].double() @ block.gate.weight.double().t()
     top = logits.topk(k + 1, dim=-1).values
     clear = (top[:, k - 1] - top[:, k]) > 0.05
@@ -301,12 +221,12 @@ def test_bf16_block_agrees_by_the_rule_and_exports_exactly(family):
     gate in bf16; DeepSeek's gate is fp32 in both): judged by the rule in bf16 against HF's
     block in float64; the export is exact. Mixtral's tokens have clear routing margins (HF's
     bf16 gate rounds its logits to 2^-9: a near-tie there would pick another expert)."""
-    block = _block(family).to(torch.bfloat16)
+    block = hf_block(family).to(torch.bfloat16)
     if family == "deepseek_v3":
         block.gate.float()  # as HF builds it: an fp32 router inside a bf16 model
     moe = moe_from_hf(block)
     assert moe.w1.dtype == torch.bfloat16 and moe.router.weight.dtype == torch.float32
-    x = _clear_tokens(block, 25) if family == "mixtral" else _tokens(0, 25)[0].bfloat16()
+    x = _clear_tokens(block, 25) if family == "mixtral" else tokens(0, 25)[0].bfloat16()
     runs = _runs(block, x, torch.zeros_like(x))
     with torch.no_grad():
         agree(

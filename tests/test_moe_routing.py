@@ -6,7 +6,7 @@ and, at EP 2 / 4, against the single-process layer holding every expert.
 The layer against the dense reference, EP against the single-process layer and compiled against
 eager are judged by ``fastpar.tolerance``'s rule (docs/tolerances.md): the error against the
 same math in float64 at most 4 x the fp32 reference's own plus a floor. Routing is discrete:
-the fp32 and float64 runs must choose alike (``_same_routing``), so a near-tie of two scores
+the fp32 and float64 runs must choose alike (``same_routing`` of tests/_parity.py), so a near-tie of two scores
 fails as that rather than as a large error."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _mesh import make_mesh
-from _parity import agree, exact_copy, moe_rank_references
+from _parity import agree, agree_ep, ep_run, exact_copy, same_routing
 
 from fastpar.moe import MoE, TopKRouter, capacity_for
 from fastpar.moe.balance import update_expert_bias
@@ -352,20 +352,6 @@ def _moe(opts: dict, mesh=None) -> MoE:
     return moe
 
 
-def _same_routing(ref: MoE, ref64: MoE, xs) -> None:
-    """The premise of comparing with float64: the fp32 and float64 layers route every token alike
-    (the same experts chosen, the same choices dropped); a near-tie fails here, by name."""
-    with torch.no_grad():
-        for x in xs:
-            kept = []
-            for m in (ref, ref64):
-                t = x.reshape(-1, H).to(m.router.weight.dtype)
-                r = m.router(t, seq_len=x.shape[-2])
-                _, info = moe_permute(t, r.expert_ids, E, r.capacity, r.order)
-                kept.append(torch.where(info.slots >= 0, r.expert_ids, -1))
-            assert torch.equal(*kept), "fp32 and float64 route differently: a near-tie"
-
-
 def _dense_reference(moe: MoE, x: torch.Tensor, opts: dict, dtype=torch.float64) -> torch.Tensor:
     """Per token: the experts HF's DeepSeek-V3 / Mixtral routers would pick, each run alone,
     computed in ``dtype`` (float64: the exact math; fp32: the same in the working precision)."""
@@ -412,36 +398,19 @@ def test_layer_equals_dense_reference(mode):
 
 
 def _ep_parity_all_modes() -> None:
-    ep, rank = dist.get_world_size(), dist.get_rank()
+    ep = dist.get_world_size()
     mesh = make_mesh(ep=ep)
     n = max(12 * ep, FFN)  # the tokens an expert's gradient sums over, the FFN width
     for mode, opts in MODES.items():
         ref, moe = _moe(opts), _moe(opts, mesh)
-        ref64 = exact_copy(ref)
-        xs = [
-            torch.randn(2, 6, H, generator=torch.Generator().manual_seed(10 + r)) for r in range(ep)
-        ]
-        gs = [
-            torch.randn(2, 6, H, generator=torch.Generator().manual_seed(20 + r)) for r in range(ep)
-        ]
-        _same_routing(ref, ref64, xs)
-        single = moe_rank_references(ref, xs, gs)  # experts: all tokens
-        exact = moe_rank_references(ref64, [x.double() for x in xs], [g.double() for g in gs])
-        xp = xs[rank].clone().requires_grad_()
-        y = moe(xp)
-        (y * gs[rank]).sum().add(moe.aux_loss).backward()
+        seeds = [torch.Generator().manual_seed(10 + r) for r in range(ep)]
+        xs = [torch.randn(2, 6, H, generator=g) for g in seeds]
+        seeds = [torch.Generator().manual_seed(20 + r) for r in range(ep)]
+        gs = [torch.randn(2, 6, H, generator=g) for g in seeds]
+        run = ep_run(moe, ref, xs, gs)
         if opts["capacity_factor"] is not None:  # the case exercises its drop semantics
             assert int(moe.stats["num_dropped"]) > 0, mode
-        for what, got, i in (
-            ("output", y, 0),
-            ("input grad", xp.grad, 1),
-            ("router grad", moe.router.weight.grad, 2),
-        ):
-            agree(got, single[i][rank], exact[i][rank], f"{mode}: {what}", length=n)
-        sl = slice(rank * moe.num_local, (rank + 1) * moe.num_local)
-        for name in ("w1", "b1", "w2", "b2"):
-            full, full64 = getattr(ref, name).grad[sl], getattr(ref64, name).grad[sl]
-            agree(getattr(moe, name).grad, full, full64, f"{mode}: expert grad {name}", length=n)
+        agree_ep(moe, ref, run, n, f"{mode}: ")
         if opts.get("expert_bias"):  # each replica's bias update equals the single process's
             assert update_expert_bias(moe, group=mesh.dp_group) == 1
             ref.router.update_expert_bias()  # counted every rank's tokens (twice: same signs)
@@ -470,7 +439,7 @@ def test_every_mode_compiles_to_one_graph_equal_to_eager(mode):
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(moe, backend=counter, fullgraph=True)
     x0 = torch.randn(2, 6, H, generator=torch.Generator().manual_seed(3))
-    _same_routing(moe, moe64, [x0])
+    same_routing(moe, moe64, [x0])
     results = []
     for f, m, dtype in (
         (moe, moe, torch.float32),

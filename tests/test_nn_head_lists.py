@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from _hf import stablelm, transformers
 from _mesh import make_mesh
 
 from fastpar import parallelize
@@ -23,8 +24,6 @@ from fastpar.nn import param_layout
 from fastpar.parity import reduction_length
 from fastpar.testing import run_ranks
 from fastpar.tolerance import compare, train_references
-
-transformers = pytest.importorskip("transformers", reason="the hf extra (pip install fastpar[hf])")
 
 VOCAB = 61
 _PLAN = {
@@ -39,21 +38,7 @@ _PLAN = {
 def _stablelm(seed: int = 0):
     """A tiny StableLM with one LayerNorm per head (4 heads), every head's norm distinct (at
     init they are all ones: a mix-up of heads would not show)."""
-    cfg = transformers.StableLmConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-        qk_layernorm=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = transformers.StableLmForCausalLM(cfg).float()
+    model = stablelm(VOCAB, seed)
     g = torch.Generator().manual_seed(100 + seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

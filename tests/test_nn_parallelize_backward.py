@@ -12,10 +12,13 @@ Then the refusals of the parallel forward name the module, the cause and the fix
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _hf import WIDTH, stablelm, transformers
 from _mesh import make_mesh
 from torch import nn
 
@@ -24,8 +27,6 @@ from fastpar.nn import param_layout
 from fastpar.parity import reduction_length
 from fastpar.testing import RankError, run_ranks
 from fastpar.tolerance import compare, train_references
-
-transformers = pytest.importorskip("transformers", reason="the hf extra (pip install fastpar[hf])")
 
 VOCAB = 61
 
@@ -145,24 +146,6 @@ def _qk_rope_head_dim() -> int:
     return build("deepseek_v3").config.qk_rope_head_dim
 
 
-def _stablelm(seed: int = 0):
-    cfg = transformers.StableLmConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-        qk_layernorm=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    return transformers.StableLmForCausalLM(cfg).float()
-
-
 _USER_PLAN = {
     "*.self_attn.[qkv]_proj": "column",
     "*.self_attn.o_proj": "row",
@@ -190,7 +173,7 @@ def _stablelm_mixup(check) -> float:
     module, keep = _unsliced()
     module.slice_head_lists = lambda *args, **kwargs: []
     try:
-        dense, par = _stablelm(), _stablelm()
+        dense, par = stablelm(VOCAB), stablelm(VOCAB)
         parallelize(par, _USER_PLAN, make_mesh(tp=2), check=check)
     finally:
         module.slice_head_lists = keep
@@ -226,15 +209,21 @@ def _stablelm_train(steps: int = 3) -> list:
         logits = model(ids).logits
         return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
 
-    length = reduction_length(_stablelm(), _ids(0))
+    length = reduction_length(stablelm(VOCAB), _ids(0))
 
     def logits(model, dtype):
         return model(_ids(0)).logits.detach()
 
     refs = train_references(
-        _stablelm, loss, steps, length=length, lr=1e-2, weight_decay=0.01, before=logits
+        partial(stablelm, VOCAB),
+        loss,
+        steps,
+        length=length,
+        lr=1e-2,
+        weight_decay=0.01,
+        before=logits,
     )
-    par = parallelize(_stablelm(), _USER_PLAN, mesh)
+    par = parallelize(stablelm(VOCAB), _USER_PLAN, mesh)
     record = par.fastpar_plan
     rank = dist.get_rank(mesh.tp_group)
     attn = par.model.layers[0].self_attn
@@ -309,15 +298,8 @@ def test_a_failing_parallel_forward_names_the_module_and_the_fix():
 
 
 def _hf(family: str, **overrides):
-    base = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    base = dict(WIDTH, vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=2)
+    base["max_position_embeddings"] = 64
     cls = {"phi3": "Phi3Config", "olmo2": "Olmo2Config", "falcon": "FalconConfig"}[family]
     if family == "falcon":  # per-head interleaved q|k|v, its own num_kv_heads attribute
         base = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
@@ -409,8 +391,8 @@ def _weights_kept() -> int:
     """parallelize perturbs the parameters it checks and puts them back exactly."""
     from fastpar.checkpoint.state import localize
 
-    dense = _stablelm()
-    par = parallelize(_stablelm(), _USER_PLAN, make_mesh(tp=2))
+    dense = stablelm(VOCAB)
+    par = parallelize(stablelm(VOCAB), _USER_PLAN, make_mesh(tp=2))
     full = dict(dense.named_parameters())
     count = 0
     for name, p in par.named_parameters():

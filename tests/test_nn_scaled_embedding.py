@@ -11,17 +11,14 @@ import copy
 
 import pytest
 import torch
+from _hf import DECODER, VOCAB, agree_grads, agree_runs, dense_runs, transformers
 from _mesh import make_mesh
-from test_nn_parallelize_hf import _agree_runs, _dense_runs, _expected_grad, _same_on_every_rank
 
 from fastpar import parallelize
-from fastpar.nn import VocabParallelEmbedding, param_layout
+from fastpar.nn import VocabParallelEmbedding
 from fastpar.parity import reduction_length
 from fastpar.testing import RankError, run_ranks
 
-transformers = pytest.importorskip("transformers", reason="the hf extra (pip install fastpar[hf])")
-
-VOCAB = 101
 PLAN = {
     "model.embed_tokens": "vocab",
     "model.layers.*.self_attn.q_proj": "column",
@@ -38,17 +35,7 @@ PLAN = {
 
 
 def _gemma3():
-    config = transformers.Gemma3TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=8,
-        max_position_embeddings=64,
-        sliding_window=8,
-    )
+    config = transformers.Gemma3TextConfig(**DECODER, sliding_window=8)
     torch.manual_seed(0)
     return transformers.Gemma3ForCausalLM(config).float()
 
@@ -70,20 +57,11 @@ def _one_step(tp: int, unscaled: bool = False) -> int:
         emb.embed_scale = None
     ids, labels = _batch()
     n = reduction_length(dense, ids)
-    runs = _dense_runs("gemma3", dense, ids, labels)
+    runs = dense_runs("gemma3", dense, ids, labels)
     out = par(input_ids=ids, labels=labels)
-    _agree_runs(out.logits, runs, lambda r: r[0], "logits", n)
+    agree_runs(out.logits, runs, lambda r: r[0], "logits", n)
     out.loss.backward()
-    count = 0
-    for name, p in par.named_parameters(remove_duplicate=False):
-        assert p.grad is not None, f"{name} got no gradient"
-        cut = lambda t, p=p: _expected_grad(p, t)  # noqa: E731
-        _agree_runs(p.grad, runs, lambda r, k=name: r[2][k], f"grad of {name}", n, cut)
-        layout = param_layout(p)
-        if layout is None or layout.kind == "replicated":
-            _same_on_every_rank(p.grad, mesh.tp_group, f"grad of replicated {name}")
-        count += 1
-    return count
+    return agree_grads(par, runs, n, mesh.tp_group)
 
 
 @pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])

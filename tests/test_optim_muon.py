@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from _model_runs import MOE_LLAMA
 from torch import nn
 
 from fastpar import tolerance
@@ -97,18 +98,7 @@ def test_blocks_are_separate_matrices():
 
 
 def _llama() -> nn.Module:
-    cfg = LlamaConfig(
-        vocab_size=32,
-        seq_len=8,
-        hidden=16,
-        heads=4,
-        kv_heads=2,
-        layers=2,
-        moe_every=2,
-        num_experts=2,
-        shared_expert_ffn=8,
-        mtp_depth=1,
-    )
+    cfg = LlamaConfig(**MOE_LLAMA, num_experts=2, shared_expert_ffn=8, mtp_depth=1)
     return nn.Sequential(*build_model(cfg))
 
 

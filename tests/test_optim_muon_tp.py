@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _mesh import make_mesh
+from _model_runs import MOE_LLAMA
 from _parity import local_slice
 from torch import nn
 
@@ -26,23 +27,11 @@ from fastpar.testing import run_ranks
 CONFIGS = {
     "gpt_tp2": (GPTConfig(vocab_size=32, seq_len=8, hidden=16, heads=4, layers=1), dict(tp=2)),
     "llama_moe_tp2": (
-        LlamaConfig(
-            vocab_size=32,
-            seq_len=8,
-            hidden=16,
-            heads=4,
-            kv_heads=2,
-            layers=2,
-            moe_every=2,
-            num_experts=2,
-            moe_expert_tp=True,
-        ),
+        LlamaConfig(**MOE_LLAMA, num_experts=2, moe_expert_tp=True),
         dict(tp=2),
     ),
     "llama_moe_ep2": (
-        LlamaConfig(
-            vocab_size=32, seq_len=8, hidden=16, heads=4, kv_heads=2, layers=2, moe_every=2
-        ),
+        LlamaConfig(**MOE_LLAMA),
         dict(ep=2),
     ),
 }

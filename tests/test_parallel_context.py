@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _context import agree_attention, attention_runs
 
 from fastpar.parallel.context import (
     all_to_all_attention,
@@ -23,7 +24,6 @@ from fastpar.parallel.context import (
     split_sequence,
 )
 from fastpar.testing import run_ranks
-from fastpar.tolerance import assert_agree, nudge
 
 
 def _full(q, k, v):
@@ -38,45 +38,16 @@ def _inputs(hq, hkv, seq, d=8, b=2):
     return q, k, v, torch.randn(b, hq, seq, d, generator=g)
 
 
-def _full_run(q, k, v, g, dtype=torch.float32, twin=False):
-    """Full causal attention on the whole sequence in ``dtype`` (``twin``: q, k, v moved one
-    ulp first): (output, [dq, dk, dv]), each of this rank's tokens."""
-    leaves = [t.to(dtype).clone() for t in (q, k, v)]
-    if twin:
-        nudge(leaves, seed=1)
-    leaves = [t.requires_grad_() for t in leaves]
-    out = _full(*leaves)
-    (out * g.to(dtype)).sum().backward()
-    mine = lambda t: split_sequence(t.detach(), None, dim=2)  # noqa: E731
-    return mine(out), [mine(t.grad) for t in leaves]
-
-
 def _check(hq, hkv, chunk, kind="ring"):
     cp = dist.get_world_size()
     seq = 2 * cp * chunk
     q, k, v, g = _inputs(hq, hkv, seq)
-    runs = [_full_run(q, k, v, g), _full_run(q, k, v, g, twin=True)]  # fp32 and its twin
-    exact = _full_run(q, k, v, g, torch.float64)
+    runs, exact = attention_runs(_full, q, k, v, g)
     mine = [split_sequence(t, None, dim=2).clone().requires_grad_() for t in (q, k, v)]
     out = (ring_attention if kind == "ring" else all_to_all_attention)(*mine)
     (out * split_sequence(g, None, dim=2)).sum().backward()
     length = max(seq, q.shape[-1])  # a row of scores sums over the keys, dq too; dk, dv: queries
-    rank = dist.get_rank()
-    assert_agree(
-        out,
-        [r[0] for r in runs],
-        exact[0],
-        length=length,
-        what=f"attention output on cp rank {rank}",
-    )
-    for i, (name, got) in enumerate(zip("qkv", mine, strict=True)):
-        assert_agree(
-            got.grad,
-            [r[1][i] for r in runs],
-            exact[1][i],
-            length=length,
-            what=f"d{name} on cp rank {rank}",
-        )
+    agree_attention(out, mine, runs, exact, length, f"cp rank {dist.get_rank()}")
     return True
 
 

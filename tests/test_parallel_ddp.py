@@ -20,12 +20,13 @@ import torch.nn.functional as F
 from _mesh import make_mesh
 from _training import (
     check,
+    check_overflow_skipped,
     check_training,
     global_batch,
     mse_loss,
-    norm,
     references,
     sliced,
+    tp_dp_steps,
     tp_references,
 )
 from torch import nn
@@ -172,12 +173,7 @@ def _fp16_overflow(kind: str) -> tuple:
 
 @pytest.mark.parametrize("kind", ["ddp", "zero1", "zero2"])
 def test_fp16_overflow_on_one_rank_skips_everywhere(kind):
-    out = run_ranks(_fp16_overflow, 2, kind)
-    assert out[0] == out[1]
-    skips, unchanged, scale = out[0]
-    assert skips == [False, True, False, False]
-    assert unchanged == [False, True, False, False]
-    assert scale == 512.0
+    check_overflow_skipped(run_ranks(_fp16_overflow, 2, kind))
 
 
 def _tp_dense() -> nn.Module:
@@ -209,18 +205,7 @@ def _tp_dp(kind: str, fused: bool, refs: tolerance.References) -> list[float]:
             mesh=mesh,
             max_grad_norm=0.5,
         )
-    losses = []
-    for step in range(STEPS):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(2, 4, 8, generator=g), torch.randn(2, 4, 8, generator=g)
-        loss = F.mse_loss(model(x[mesh.dp_rank]), y[mesh.dp_rank])
-        loss.backward()
-        _, grad_norm = opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=mesh.dp_group)
-        losses.append(float(mean) / mesh.dp_size)
-        check([refs.loss(step, losses[-1]), norm(refs, step, grad_norm)], f"step {step + 1}: ")
+    losses = tp_dp_steps(model, opt, mesh, refs, STEPS)
     named = dict(par.named_parameters())
     sliced(refs, named)
     check([refs.param(name, p.detach()) for name, p in named.items()], f"after {STEPS} steps: ")

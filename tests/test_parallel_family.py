@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _flags import tiny_config
 from _mesh import make_mesh
 from _parity import agree, exact_copy
 from _training import check, norm, references
@@ -191,7 +192,7 @@ def test_unused_parameters_at_every_stage():
             agree(got, want, want64, f"stage {stage}: a.bias", length=2)
 
 
-SMALL = dict(steps=3, batch_size=8, seq_len=32, hidden=32, heads=4, layers=2, quiet=True)
+SMALL = tiny_config(steps=3, seq_len=32)
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from _hf import VOCAB, build, transformers
+from _hf import GQA, VOCAB, build, transformers
 from _mesh import make_mesh
 from _parity import agree, exact_copy
 from _training import check, references, sliced
@@ -243,15 +243,7 @@ def test_hf_errors():
     blocks = hf_decoder_blocks(hf_model("llama", "sdpa"))  # 2 layers: 4 blocks
     with pytest.raises(ValueError, match="the model has 4 blocks but the pipeline has 5 stages"):
         build_stage(blocks, 5, 0)
-    gemma = transformers.GemmaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-    )
+    gemma = transformers.GemmaConfig(**GQA)
     with pytest.raises(ValueError, match=r"model_type 'gemma'.*not a supported decoder family"):
         hf_decoder_blocks(transformers.AutoModelForCausalLM.from_config(gemma))
     with pytest.raises(ValueError, match="attn_implementation='flex_attention'"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _mesh import make_mesh
-from test_parallel_pipeline import batch, blocks, loss_fn
+from _pipeline import batch, blocks, loss_fn
 from torch import nn
 
 from fastpar.parallel.pipeline import GPipe, PipelineEngine

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from _hf import build, config
+from _hf import build, config, readme_plan
 from torch import nn
 
 from fastpar import parity
@@ -111,19 +111,13 @@ def _qwen3():
     return transformers.AutoModelForCausalLM.from_config(config("qwen3"))
 
 
-def _readme_plan() -> dict:
-    from test_nn_parallelize_hf import _readme_plan as plan
-
-    return plan()
-
-
 SEEDS = range(10)
 
 
 def test_the_readme_plan_agrees_for_every_seed():
     """AGREE on 10 seeds out of 10: the verdict is the layout's, not the seed's (a fixed fp32
     tolerance said DISAGREE for some seeds on a correct layout)."""
-    plan = _readme_plan()
+    plan = readme_plan()
     for seed in SEEDS:
         report = check_parallel(_qwen3, plan, tp=2, dp=2, zero=1, steps=3, seed=seed)
         assert report.ok, f"seed {seed}:\n{report.text}"
@@ -144,7 +138,7 @@ def test_a_planted_bug_disagrees_for_every_seed(bug, monkeypatch):
         monkeypatch.setattr(parallelize_module, "all_reduce_grad", lambda p, group: None)
     else:
         monkeypatch.setattr(fastpar.nn.linear, "copy_to_region", _drop_copy_to_region)
-    plan = _readme_plan()
+    plan = readme_plan()
     for seed in SEEDS:
         report = check_parallel(_qwen3, plan, tp=2, dp=1, zero=0, steps=1, seed=seed)
         assert not report.ok and report.text.endswith("DISAGREE"), f"seed {seed}"

@@ -15,14 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _mesh import make_mesh
-from test_parallel_pipeline import (
-    batch,
-    blocks,
-    check_step,
-    dense_name,
-    dense_references,
-    loss_fn,
-)
+from _pipeline import batch, blocks, check_step, dense_name, dense_references, loss_fn
 
 from fastpar import families, parallelize
 from fastpar.export import hf_mapping

@@ -11,12 +11,11 @@ import os
 from dataclasses import asdict, fields
 
 import pytest
+from _flags import ONE_RANK, tiny_argv
 from _no_ranks import forbid_ranks
 
 from fastpar.checkpoint import verify
 from fastpar.train import TrainConfig, build_parser, config_from, launch, main
-
-ONE_RANK = ["--tp", "1", "--pp", "1", "--dp", "1", "--ep", "1", "--moe-every", "0"]
 
 
 def _parse(argv) -> TrainConfig:
@@ -119,26 +118,7 @@ def test_a_missing_config_file_is_named(tmp_path, capsys, monkeypatch):
 
 def test_resolved_config_beside_each_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
-    argv = [
-        *ONE_RANK,
-        "--steps",
-        "2",
-        "--save-every",
-        "1",
-        "--batch-size",
-        "4",
-        "--seq-len",
-        "16",
-        "--hidden",
-        "32",
-        "--heads",
-        "2",
-        "--layers",
-        "2",
-        "--quiet",
-        "--checkpoint-dir",
-        str(ckpt),
-    ]
+    argv = tiny_argv(ONE_RANK, save_every=1, checkpoint_dir=ckpt)
     cfg = _parse(argv)
     launch(cfg)
     for step in (1, 2):

@@ -10,11 +10,10 @@ import subprocess
 import sys
 
 import pytest
+from _flags import ONE_RANK, argv, tiny_argv
 from _no_ranks import forbid_ranks
 
 from fastpar.train import TrainConfig, build_parser, cli, config_from, launch, main, memory
-
-ONE_RANK = ["--tp", "1", "--pp", "1", "--dp", "1", "--ep", "1", "--moe-every", "0"]
 
 
 def _refused(argv, capsys) -> str:
@@ -164,9 +163,7 @@ def test_activation_estimate_by_hand():
     # head (4·4); the MLP its fc and GELU outputs (2·4·256): 4632 in all; the head its norm
     # (516) and the norm's output (4·64), the fp32 logits (4·256), the int64 target and two
     # fp32 statistics (16): 1812
-    cfg = TrainConfig(
-        tp=1, pp=1, dp=1, ep=1, moe_every=0, layers=1, batch_size=1, microbatches=1, seq_len=1000
-    )
+    cfg = TrainConfig(**ONE_RANK, layers=1, batch_size=1, microbatches=1, seq_len=1000)
     one = (8 + 4632 + 1812) * 1000
     assert memory.activation_bytes(cfg) == (one, one)
     # two data-parallel replicas hold two copies on the machine, one each
@@ -245,12 +242,12 @@ def test_a_sequence_that_cannot_fit_is_refused_with_the_estimate(capsys, monkeyp
 
 
 def test_a_tight_fit_warns_and_runs(capsys, monkeypatch):
-    cfg = config_from(build_parser().parse_args([*ONE_RANK, "--seq-len", "4096"]))
+    cfg = config_from(build_parser().parse_args(argv(**ONE_RANK, seq_len=4096)))
     needed = memory.activation_bytes(cfg)[1]
     _machine(monkeypatch, needed / 0.7 / 2**30)  # 70 % of the memory
     launched = []
     monkeypatch.setattr(cli, "launch", lambda cfg, tokens: launched.append(cfg) or [])
-    assert main([*ONE_RANK, "--seq-len", "4096"]) == 0
+    assert main(argv(**ONE_RANK, seq_len=4096)) == 0
     err = capsys.readouterr().err.strip()
     assert err.startswith("warning: the activations kept for backward") and err.endswith("(70%)")
     assert len(launched) == 1
@@ -398,24 +395,7 @@ def test_torchrun_without_dp_and_with_a_wrong_one():
         "2",
         "-m",
         "fastpar.train",
-        "--tp",
-        "2",
-        "--pp",
-        "1",
-        "--ep",
-        "1",
-        "--moe-every",
-        "0",
-        "--steps",
-        "2",
-        "--batch-size",
-        "4",
-        "--seq-len",
-        "16",
-        "--layers",
-        "1",
-        "--hidden",
-        "32",
+        *tiny_argv(tp=2, pp=1, ep=1, moe_every=0, quiet=False),  # --dp: the world's
     ]
     out = subprocess.run(run, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

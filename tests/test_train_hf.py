@@ -1,7 +1,8 @@
 """``fastpar.train --hf-config`` and ``fastpar.verify --hf-config``: a Hugging Face model from its
 config.json trained through the training command (built-in TP plan, decoder pipeline stages,
 every data-parallel wrapper) equals single-process training of the HF model itself; the
-checkpoint exports to an HF directory that transformers loads with the trained weights."""
+checkpoint exports to an HF directory that transformers loads with the trained weights; --plan
+FILE for a family without a built-in plan, and its errors."""
 
 from __future__ import annotations
 
@@ -10,15 +11,16 @@ import os
 
 import pytest
 import torch
+from _flags import HF_RUN, ONE_RANK, argv, tiny_argv
+from _hf import GQA, transformers
 from _hf import config as hf_config
-from _hf import transformers
 
 from fastpar import checkpoint, tolerance
 from fastpar.train import TrainConfig, launch, main
 from fastpar.verify import compare, references
 from fastpar.verify import main as verify_main
 
-SMALL = dict(steps=3, batch_size=8, seq_len=16, quiet=True, ep=1)
+SMALL = dict(HF_RUN, steps=3, ep=1)
 
 
 def _config_file(tmp_path, family: str, **overrides) -> str:
@@ -138,15 +140,7 @@ def test_a_family_without_a_plan_trains_at_tp1_and_is_refused_only_at_tp2(tmp_pa
     from fastpar.verify import main as verify_main
 
     config = transformers.Gemma3TextConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=64,
-        sliding_window=8,
+        **{**GQA, "vocab_size": 256}, max_position_embeddings=64, sliding_window=8
     )
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config.to_dict()))
@@ -161,3 +155,63 @@ def test_a_family_without_a_plan_trains_at_tp1_and_is_refused_only_at_tp2(tmp_pa
     err = capsys.readouterr().err
     assert "model_type 'gemma3_text' has no built-in tensor-parallel plan" in err, err
     assert "pass --plan FILE" in err
+
+
+# -- 4: --plan FILE -------------------------------------------------------------------------------
+def _llama_without_plan(tmp_path, monkeypatch):
+    """A llama config.json, its family's built-in plan taken away, and that plan as a file."""
+    pytest.importorskip("transformers")
+    import dataclasses
+
+    from _hf import config as hf_config
+
+    from fastpar import families
+
+    template = families.get("llama").plan
+    monkeypatch.setitem(
+        families.REGISTRY, "llama", dataclasses.replace(families.get("llama"), plan=None)
+    )
+    config = tmp_path / "llama.json"
+    config.write_text(json.dumps(hf_config("llama", vocab_size=300).to_dict()))
+    plan = {k.format(b="model."): ("column" if v == "lm_head" else v) for k, v in template.items()}
+    plan_file = tmp_path / "plan.toml"
+    plan_file.write_text("".join(f'"{k}" = "{v}"\n' for k, v in plan.items()))
+    return str(config), str(plan_file), plan
+
+
+HF = argv(tp=2, pp=1, dp=1, steps=2, seq_len=16, batch_size=4)
+
+
+def test_plan_trains_a_family_without_a_built_in_plan(tmp_path, monkeypatch, capfd):
+    config, plan_file, _ = _llama_without_plan(tmp_path, monkeypatch)
+    assert main(["--hf-config", config, *HF]) == 2
+    err = capfd.readouterr().err
+    assert "no built-in tensor-parallel plan" in err and "pass --plan FILE" in err, err
+    assert main(["--hf-config", config, *HF, "--plan", plan_file]) == 0
+    out = capfd.readouterr().out
+    assert f"fastpar.train: llama (--hf-config {config})" in out and "--plan" in out
+    assert "done: loss" in out
+
+
+def test_plan_file_errors(tmp_path, monkeypatch, capsys):
+    config, _, plan = _llama_without_plan(tmp_path, monkeypatch)
+    cases = {
+        "missing.json": (None, "cannot read it"),
+        "bad.json": ("{", "not valid JSON"),
+        "typo.json": (
+            json.dumps({**plan, "model.layers.*.self_attn.qproj": "column"}),
+            "matches no module of LlamaForCausalLM; the nearest module is",
+        ),
+        "style.json": (json.dumps({**plan, "lm_head": "diagonal"}), "style must be one of"),
+        "head.json": (json.dumps({**plan, "lm_head": "row"}), 'plan it "column"'),
+        "plan.yaml": ("", "name a .toml or a .json file"),
+    }
+    for name, (text, message) in cases.items():
+        path = tmp_path / name
+        if text is not None:
+            path.write_text(text)
+        assert main(["--hf-config", config, *HF, "--plan", str(path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"--plan {path}" in err and message in err, err
+    assert main([*tiny_argv(ONE_RANK, steps=1), "--plan", str(tmp_path / "typo.json")]) == 2
+    assert "add --hf-config FILE" in capsys.readouterr().err

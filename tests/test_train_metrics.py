@@ -15,27 +15,16 @@ import time
 
 import pytest
 import torch
+from _flags import ONE_RANK, tiny_config
 from _no_ranks import forbid_ranks
 
 from fastpar.models import build_model
 from fastpar.train import TrainConfig, launch, main, metrics
+from fastpar.train.metrics import metrics_row
 
 #: 2 ranks (dp 2), dense, a step in milliseconds
-TINY = dict(
-    tp=1,
-    pp=1,
-    dp=2,
-    ep=1,
-    moe_every=0,
-    steps=4,
-    log_every=2,
-    batch_size=4,
-    seq_len=16,
-    hidden=32,
-    heads=2,
-    layers=2,
-    warmup=0,
-    lr_schedule="constant",
+TINY = tiny_config(
+    ONE_RANK, dp=2, steps=4, log_every=2, warmup=0, lr_schedule="constant", quiet=None
 )
 KEYS = {
     "step",
@@ -332,3 +321,27 @@ def test_fastpar_imports_without_tensorboard():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "refused:" in out.stdout and "pip install fastpar[tensorboard]" in out.stdout
+
+
+def test_eta_leaves_the_compile_step_out():
+    cfg = TrainConfig(steps=10, batch_size=2, seq_len=8)
+    import torch
+
+    def row(step, elapsed, **kw):
+        rec = {"step": step, "loss": 1.0, "lr": 0.1, "grad_norm": 1.0, "skipped": False}
+        return metrics_row(
+            cfg,
+            [rec],
+            seconds=1.0,
+            elapsed=elapsed,
+            steps_run=step,
+            flops=1.0,
+            device=torch.device("cpu"),
+            mem=(1.0, None),
+            skipped_steps=0,
+            **kw,
+        )
+
+    assert row(2, 101.0)["eta_s"] == pytest.approx(101.0 / 2 * 8)  # without --compile
+    assert row(1, 100.0, compile_s=100.0, compile_steps=1)["eta_s"] is None  # no rate yet
+    assert row(2, 101.0, compile_s=100.0, compile_steps=1)["eta_s"] == pytest.approx(8.0)

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from _flags import tiny_argv, tiny_config
 from _no_ranks import forbid_ranks
 
 from fastpar import checkpoint
@@ -19,7 +20,7 @@ from fastpar.train import TrainConfig, build_parser, config_from, launch, main
 from fastpar.train.build import build
 from fastpar.verify import compare, reference
 
-SMALL = dict(steps=3, batch_size=8, seq_len=32, hidden=32, heads=4, layers=2, quiet=True)
+SMALL = tiny_config(steps=3, seq_len=32)
 # sigmoid scores, a routed scaling factor, 2 of 4 groups, expert bias, a gated shared expert,
 # the per-sequence balancing loss and a z-loss: DeepSeek-V3's MoE block in small
 DEEPSEEK = dict(
@@ -103,30 +104,7 @@ def test_flags_reach_the_llama_moe_blocks():
 
 
 def test_the_command_trains_with_the_routing_flags(capsys):
-    small = [
-        "--tp",
-        "1",
-        "--pp",
-        "1",
-        "--dp",
-        "2",
-        "--ep",
-        "2",
-        "--steps",
-        "2",
-        "--layers",
-        "2",
-        "--hidden",
-        "32",
-        "--ffn",
-        "48",
-        "--kv-heads",
-        "2",
-        "--seq-len",
-        "32",
-        "--batch-size",
-        "8",
-    ]
+    small = tiny_argv(DP2_EP2, ffn=48, kv_heads=2, seq_len=32, quiet=False)
     assert main([*FLAGS, *small]) == 0
     assert "done: loss" in capsys.readouterr().out
 

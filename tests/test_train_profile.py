@@ -1,6 +1,6 @@
 """--profile with --profile-steps A:B: only steps A to B recorded, each in a ProfilerStep#N range
 (N the run's step), fastpar's named ranges visible in a CPU trace (record_function), the flag's
-checks, and --quiet silencing the profiler's own lines."""
+checks, --quiet silencing the profiler's own lines, and Kineto's lines on rank 0 only."""
 
 from __future__ import annotations
 
@@ -11,26 +11,16 @@ import sys
 
 import pytest
 import torch
+from _flags import ONE_RANK, tiny_argv, tiny_config
 from _no_ranks import forbid_ranks
+from _procs import run_module
 
 from fastpar.profiling import nvtx
 from fastpar.train import TrainConfig, launch, main
 
 #: 2 ranks (pp 2), dense
-TINY = dict(
-    tp=1,
-    pp=2,
-    dp=1,
-    ep=1,
-    moe_every=0,
-    steps=4,
-    batch_size=4,
-    seq_len=16,
-    hidden=32,
-    heads=2,
-    layers=2,
-    quiet=True,
-)
+#: 2 ranks (pp 2), a step in milliseconds
+TINY = tiny_config(ONE_RANK, pp=2, steps=4)
 
 
 def _names(path) -> list[str]:
@@ -84,34 +74,7 @@ def test_profile_flag_errors(argv, message, capsys, monkeypatch, tmp_path):
 
 @pytest.mark.slow  # a profiled training run in a subprocess: about 9 s
 def test_quiet_silences_the_profiler(tmp_path):
-    argv = [
-        "--tp",
-        "1",
-        "--pp",
-        "1",
-        "--dp",
-        "1",
-        "--ep",
-        "1",
-        "--moe-every",
-        "0",
-        "--steps",
-        "2",
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "8",
-        "--hidden",
-        "16",
-        "--heads",
-        "2",
-        "--layers",
-        "1",
-        "--profile",
-        str(tmp_path / "p"),
-        "--profile-steps",
-        "2:2",
-    ]
+    argv = tiny_argv(ONE_RANK, quiet=None, profile=tmp_path / "p", profile_steps="2:2")
     env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
     run = [sys.executable, "-m", "fastpar.train", *argv]
     loud = subprocess.run(run, capture_output=True, text=True, timeout=120, env=env)
@@ -129,3 +92,20 @@ def test_named_ranges_are_record_functions_while_profiling():
     assert "fastpar test range" in {e.key for e in prof.key_averages()}
     with nvtx("outside any profiler"):  # a no-op
         pass
+
+
+# -- 8: --profile: Kineto's lines on rank 0 only ------------------------------------------------
+@pytest.mark.slow  # two profiled two-rank runs in subprocesses
+def test_profiler_lines_only_on_rank_0(tmp_path):
+    flags = tiny_argv(ONE_RANK, steps=1, quiet=False, dp=2, batch_size=4, profile=tmp_path / "p")
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+
+    def kineto_pids(extra: dict) -> set[str]:  # "USDT:<date> <time> <pid>:<tid> File.cpp:52] ..."
+        r = run_module("fastpar.train", *flags, env={**env, **extra})
+        assert r.returncode == 0, r.stderr[-2000:]
+        return {ln.split()[2].split(":")[0] for ln in r.stderr.splitlines() if ".cpp:" in ln}
+
+    assert len(kineto_pids({})) <= 1  # rank 0's lines at most
+    assert len(kineto_pids({"KINETO_LOG_LEVEL": "0"})) >= 1  # asked for: every rank's
+    for rank in (0, 1):
+        assert os.path.getsize(tmp_path / "p" / f"trace_rank{rank}.json") > 0

@@ -13,6 +13,7 @@ from collections import defaultdict
 import pytest
 import torch
 import torch.distributed as dist
+from _flags import ONE_RANK, tiny_config
 
 import fastpar.train.build as train_build
 from fastpar.testing import RankError, run_ranks
@@ -20,22 +21,7 @@ from fastpar.train import RunStopped, TrainConfig
 from fastpar.train.loop import run
 
 #: 4 ranks (pp 2 x dp 2), a step in milliseconds
-SMALL = dict(
-    tp=1,
-    pp=2,
-    dp=2,
-    ep=1,
-    moe_every=0,
-    zero=1,
-    batch_size=8,
-    seq_len=16,
-    hidden=32,
-    heads=2,
-    layers=2,
-    warmup=0,
-    lr_schedule="constant",
-    quiet=True,
-)
+SMALL = tiny_config(ONE_RANK, pp=2, dp=2, zero=1, warmup=0, lr_schedule="constant", steps=None)
 HOST_READS = ("item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__")
 COLLECTIVES = (
     "all_reduce",

@@ -7,7 +7,7 @@ multi-token prediction modules in the head's block, ``mtp_bytes``), per pipeline
 the schedule holds its micro-batches (``Schedule.held``: GPipe all of them, 1F1B ``pp - stage``,
 interleaved per model chunk, ZB-H1 each until its W); against what autograd really saves on CPU
 ranks it is within 10 % on every rank for GPipe, 1F1B, interleaved and ZB-H1
-(tests/test_schedule_memory.py), but ZB-H1 with multi-token prediction: its W's stored output
+(tests/test_train_memory.py), but ZB-H1 with multi-token prediction: its W's stored output
 gradients, not counted, grow with the MTP modules' matmuls (the estimate 13 % below the measured on
 the last stage of a small Llama at depth 1). The attention scores are not counted:
 ``scaled_dot_product_attention`` runs a fused kernel on CPUs and GPUs alike, which keeps

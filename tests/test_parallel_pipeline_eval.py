@@ -10,9 +10,10 @@ import copy
 
 import pytest
 import torch
+from _flags import tiny_config
 from _mesh import make_mesh
 from _parity import agree, exact_copy
-from test_parallel_pipeline import T, V, batch, blocks, loss_fn, tuple_blocks
+from _pipeline import T, V, batch, blocks, loss_fn, tuple_blocks
 from torch import nn
 
 from fastpar.parallel.pipeline import (
@@ -96,7 +97,7 @@ def test_engine_needs_a_training_schedule():
 
 
 # -- the trainer's validation loss --------------------------------------------------------------
-SMALL = dict(steps=4, batch_size=8, seq_len=16, hidden=32, heads=4, layers=2, quiet=True)
+SMALL = tiny_config(steps=4)
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _flags import tiny_config
 from _mesh import make_mesh
 from _parity import agree
 from torch import nn
@@ -244,18 +245,8 @@ def test_verify_composes_with_tp_dp_ep_zero(policy, layout):
     from fastpar.verify import compare
 
     cfg = TrainConfig(
-        model_type="llama",
-        ep=2,
-        microbatches=2,
+        **tiny_config(layout, model_type="llama", ep=2, microbatches=2, moe_every=2),
         recompute=policy,
-        steps=2,
-        batch_size=8,
-        layers=2,
-        hidden=32,
-        heads=4,
-        seq_len=16,
-        moe_every=2,
-        **layout,
     )
     ok, report = compare(cfg)
     assert ok, report

@@ -18,12 +18,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _mesh import make_mesh
-from _parity import exact_copy, local_slice
+from _context import SEQ, agree_attention, attention_runs, cp_step, references, token_ids
+from _context import model as context_model
 
-from fastpar.models import GPTConfig, LlamaConfig, build_gpt, build_llama, lm_loss
+from fastpar.models import lm_loss
 from fastpar.models.documents import Documents, documents
-from fastpar.nn.marks import param_layout
 from fastpar.ops.documents import dense_document_attention
 from fastpar.parallel import context
 from fastpar.parallel.context import (
@@ -32,9 +31,7 @@ from fastpar.parallel.context import (
     ring_attention,
     split_sequence,
 )
-from fastpar.parity import reduction_length
 from fastpar.testing import run_ranks
-from fastpar.tolerance import assert_agree, nudge
 
 
 def _row(pattern: list[int], seq: int, first_id: int = 0) -> torch.Tensor:
@@ -67,19 +64,6 @@ def _inputs(hq, hkv, seq, d=8, b=4):
     return q, k, v, torch.randn(b, hq, seq, d, generator=g)
 
 
-def _reference(q, k, v, g, ids, dtype=torch.float32, twin=False):
-    """The dense reference on the whole rows in ``dtype`` (``twin``: inputs one ulp away):
-    (output, [dq, dk, dv]), each of this rank's tokens."""
-    leaves = [t.to(dtype).clone() for t in (q, k, v)]
-    if twin:
-        nudge(leaves, seed=1)
-    leaves = [t.requires_grad_() for t in leaves]
-    out = dense_document_attention(*leaves, ids)
-    (out * g.to(dtype)).sum().backward()
-    mine = lambda t: split_sequence(t.detach(), None, dim=2)  # noqa: E731
-    return mine(out), [mine(t.grad) for t in leaves]
-
-
 def _check(hq, hkv, chunk, kind, math_only):
     if math_only:  # the fp32 math of the blocks instead of the CPU flash kernels
         context._flash_cpu = lambda q: False
@@ -87,8 +71,8 @@ def _check(hq, hkv, chunk, kind, math_only):
     seq = 2 * cp * chunk
     ids = _doc_ids(seq, chunk)
     q, k, v, g = _inputs(hq, hkv, seq)
-    runs = [_reference(q, k, v, g, ids), _reference(q, k, v, g, ids, twin=True)]
-    exact = _reference(q, k, v, g, ids, torch.float64)
+    dense = lambda q, k, v: dense_document_attention(q, k, v, ids)  # noqa: E731
+    runs, exact = attention_runs(dense, q, k, v, g)
     mine = [split_sequence(t, None, dim=2).clone().requires_grad_() for t in (q, k, v)]
     attention = ring_attention if kind == "ring" else all_to_all_attention
     with measure_waits() as stats:
@@ -100,21 +84,7 @@ def _check(hq, hkv, chunk, kind, math_only):
     ]:
         assert torch.isfinite(t).all(), f"{name} on cp rank {rank} is not finite"
     length = max(seq, q.shape[-1])
-    assert_agree(
-        out,
-        [r[0] for r in runs],
-        exact[0],
-        length=length,
-        what=f"{kind} attention output on cp rank {rank}",
-    )
-    for i, (name, got) in enumerate(zip("qkv", mine, strict=True)):
-        assert_agree(
-            got.grad,
-            [r[1][i] for r in runs],
-            exact[1][i],
-            length=length,
-            what=f"{kind} d{name} on cp rank {rank}",
-        )
+    agree_attention(out, mine, runs, exact, length, f"{kind} on cp rank {rank}")
     if kind == "ring":  # mixed rows: a row of many documents makes every block masked
         assert stats["blocks_total"] > 0 and stats["blocks_masked"] > 0
     return True
@@ -204,7 +174,6 @@ def test_doc_ids_are_checked():
 
 # the models under cp 2 inside documents(...) against the single-process models
 
-VOCAB, SEQ = 53, 16
 DOCS = torch.stack([_row([3, 6, 1], SEQ), _row([9, 7], SEQ, first_id=4)])  # chunks of 4 at cp 2
 MODELS = {
     "gpt-cp2": ("gpt", dict(cp=2), {}),
@@ -213,81 +182,11 @@ MODELS = {
 }
 
 
-def _model(kind: str, mesh, extra: dict):
-    torch.manual_seed(0)
-    base = dict(vocab_size=VOCAB, seq_len=SEQ, hidden=32, heads=4, layers=2, **extra)
-    if kind == "llama":
-        cfg = LlamaConfig(**base)
-        return cfg, torch.nn.Sequential(*build_llama(cfg, mesh))
-    cfg = GPTConfig(**base)
-    return cfg, torch.nn.Sequential(*build_gpt(cfg, mesh))
-
-
-def _ids() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
-
-
-def _model_reference(kind: str, extra: dict):
-    """The single-process model inside the documents: loss and gradients of fp32, its twin and
-    float64; and the longest reduction."""
-    cfg, ref = _model(kind, None, extra)
-    twin, exact = exact_copy(ref).float(), exact_copy(ref)
-    nudge(twin, seed=1)
-    ids = _ids()
-    losses, grads = [], []
-    for model in (ref, twin, exact):
-        with documents(Documents.of(DOCS)):
-            loss = lm_loss(model(ids), ids, cfg)
-        loss.backward()
-        losses.append(loss.detach())
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-    return losses, grads, reduction_length(ref, ids)
-
-
-def _model_step(kind: str, layout: dict, extra: dict, ref_losses, refs, length):
-    mesh = make_mesh(**layout)
-    cfg, model = _model(kind, mesh, extra)
-    ids = _ids()
-    with documents(Documents.of(DOCS)):
-        loss = lm_loss(model(ids), ids, cfg, mesh)
-    loss.backward()
-    mean = loss.detach().clone()
-    dist.all_reduce(mean, group=mesh.cp_group)
-    where = f"cp rank {mesh.cp_rank}"
-    assert_agree(
-        mean / mesh.cp_size,
-        ref_losses[:2],
-        ref_losses[2],
-        length=length,
-        what=f"loss (mean over cp) on {where}",
-    )
-    count = 0
-    for name, p in model.named_parameters():
-        assert p.grad is not None, f"{name} got no gradient"
-        grad = p.grad.clone()
-        dist.all_reduce(grad, group=mesh.cp_group)
-        grad /= mesh.cp_size
-        sharded = param_layout(p) is not None and param_layout(p).kind == "sharded"
-        single, twin, exact = (
-            local_slice(r[name], p, param_layout(p).fused) if sharded else r[name] for r in refs
-        )
-        assert_agree(
-            grad,
-            [single, twin],
-            exact,
-            length=length,
-            what=f"grad of {name} (mean over cp) on {where}",
-        )
-        count += 1
-    assert count == len(refs[0])
-    return count
-
-
 @pytest.mark.parametrize("name", list(MODELS))
 def test_models_under_cp_with_documents_equal_the_single_process_model(name):
     kind, layout, extra = MODELS[name]
-    refs = _model_reference(kind, extra)
-    counts = run_ranks(_model_step, layout["cp"], kind, layout, extra, *refs)
+    refs = references(kind, extra, DOCS)
+    counts = run_ranks(cp_step, layout["cp"], kind, layout, extra, DOCS, *refs)
     assert len(set(counts)) == 1 and counts[0] > 0
 
 
@@ -295,8 +194,8 @@ def test_the_documents_change_the_model():
     """The documents matter here (else the model test would not test them): the packed
     model's loss differs from plain causal rows."""
     kind, _, extra = MODELS["gpt-cp2"]
-    cfg, model = _model(kind, None, extra)
-    ids = _ids()
+    cfg, model = context_model(kind, None, extra)
+    ids, _ = token_ids()
     with torch.no_grad():
         plain = lm_loss(model(ids), ids, cfg)
         with documents(Documents.of(DOCS)):

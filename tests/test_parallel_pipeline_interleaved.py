@@ -5,7 +5,7 @@ microbatch_group_size_per_vp_stage, m then not always a multiple of p); the sche
 bubble (with and without message latency) and errors.
 
 Pipelined against unpipelined results are judged by ``fastpar.tolerance``'s rule (micro-batch
-sums are not the whole batch's: ``dense_references`` / ``check_step`` of test_parallel_pipeline)."""
+sums are not the whole batch's: ``dense_references`` / ``check_step`` of tests/_pipeline.py)."""
 
 from __future__ import annotations
 
@@ -14,15 +14,9 @@ import itertools
 
 import pytest
 import torch
+from _flags import argv, tiny_config
 from _mesh import make_mesh
-from test_parallel_pipeline import (
-    batch,
-    blocks,
-    check_step,
-    dense_references,
-    loss_fn,
-    tuple_blocks,
-)
+from _pipeline import batch, blocks, check_step, dense_references, loss_fn, tuple_blocks
 
 from fastpar.parallel.pipeline import (
     GPipe,
@@ -228,7 +222,7 @@ def test_pp_x_dp_interleaved_reduces_every_gradient_once():
     run_ranks(_pp_dp_interleaved, 4, _refs(4, size=16))
 
 
-SMALL = dict(steps=3, batch_size=8, seq_len=16, hidden=32, heads=4, layers=2, quiet=True)
+SMALL = tiny_config(steps=3)
 
 
 @pytest.mark.parametrize(
@@ -281,16 +275,7 @@ def test_verify_interleaved_agrees_with_single_process(layout):
     [
         (["--virtual-stages", "2"], "--virtual-stages 2 needs --schedule interleaved"),
         (
-            [
-                "--schedule",
-                "interleaved",
-                "--virtual-stages",
-                "2",
-                "--microbatches",
-                "3",
-                "--batch-size",
-                "12",
-            ],
+            argv(schedule="interleaved", virtual_stages=2, microbatches=3, batch_size=12),
             "needs --microbatches (3) to be a multiple of --pp 2",
         ),
         (
@@ -305,29 +290,11 @@ def test_verify_interleaved_agrees_with_single_process(layout):
         (["--schedule", "zb"], "schedule must be one of gpipe, 1f1b, interleaved"),
         (["--microbatch-group-size", "2"], "--microbatch-group-size 2 orders the model chunks"),
         (
-            [
-                "--schedule",
-                "interleaved",
-                "--virtual-stages",
-                "2",
-                "--microbatches",
-                "4",
-                "--microbatch-group-size",
-                "3",
-            ],
+            argv(schedule="interleaved", virtual_stages=2, microbatches=4, microbatch_group_size=3),
             "leave a last group of 1, fewer than the pipeline",
         ),
         (
-            [
-                "--schedule",
-                "interleaved",
-                "--virtual-stages",
-                "2",
-                "--microbatches",
-                "4",
-                "--microbatch-group-size",
-                "0",
-            ],
+            argv(schedule="interleaved", virtual_stages=2, microbatches=4, microbatch_group_size=0),
             "--microbatch-group-size 0 must be >= 1",
         ),
     ],

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from _flags import ONE_RANK, tiny_argv
 
 from fastpar.train.checks import node_local_shard
 
@@ -46,9 +47,7 @@ def _free_port() -> int:
 def test_two_torchrun_nodes_shard_inside_each_node():
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    flags = ["--dp", "4", "--tp", "1", "--pp", "1", "--ep", "1", "--moe-every", "0", "--zero", "1"]
-    flags += ["--steps", "2", "--batch-size", "8", "--seq-len", "16", "--hidden", "32"]
-    flags += ["--heads", "4", "--layers", "2"]
+    flags = tiny_argv(ONE_RANK, dp=4, zero=1, quiet=None)
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
     agent += ["--nproc-per-node", "2", "--rdzv-backend", "c10d"]
     agent += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"hsdp{port}"]

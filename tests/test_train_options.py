@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, fields
 
 import pytest
 import torch
+from _flags import tiny_argv
 from _no_ranks import forbid_ranks
 
 from fastpar.cliutil import flat_fields, flat_name, option, option_of
@@ -18,42 +19,15 @@ from fastpar.models import GPTConfig, LlamaConfig, build_llama
 from fastpar.models.llama import routing_options
 from fastpar.moe import MoE, TopKRouter
 from fastpar.moe.balance import balance_scores
-from fastpar.moe.config import (
-    ROUTING,
-    ROUTING_DEFAULTS,
-    SCORES,
-    ExpertConfig,
-    RouterConfig,
-    Score,
-)
+from fastpar.moe.config import ROUTING, ROUTING_DEFAULTS, SCORES, ExpertConfig, RouterConfig, Score
 from fastpar.train import TrainConfig, build_parser, config_from, main
 from fastpar.train.checkpointing import compare_settings, write_config_file
 from fastpar.train.checks import flag
 from fastpar.train.cli import read_config_file
 from fastpar.train.options import GROUPS, TrainOptions
 
-SMALL = [
-    "--tp",
-    "1",
-    "--pp",
-    "1",
-    "--dp",
-    "2",
-    "--ep",
-    "2",
-    "--steps",
-    "1",
-    "--layers",
-    "2",
-    "--hidden",
-    "16",
-    "--heads",
-    "2",
-    "--seq-len",
-    "8",
-    "--batch-size",
-    "4",
-]
+#: MoE blocks (the routing flags apply), dp 2 x ep 2
+SMALL = tiny_argv(tp=1, pp=1, dp=2, ep=2, steps=1)
 #: every key the train_config.json of the code before this change held (its TrainConfig fields)
 _SAVED = """allow_fresh allow_other_run allow_schedule_change attention_bias aux_loss
 aux_loss_coef batch_size bias_update_rate capacity_factor checkpoint_dir collective_timeout

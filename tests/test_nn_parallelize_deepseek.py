@@ -25,11 +25,12 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from _hf import build, exact
+from _flags import HF_RUN
+from _hf import batch, build, dense_runs, exact, generate_at_tp2
 from _hf import config as hf_config
 from _mesh import make_mesh
-from test_nn_parallelize_hf import _batch, _dense_runs, _expected_grad, _same_on_every_rank
-from test_nn_parallelize_moe import _grads_and_training
+from _moe_hf import check_saved_as_hf
+from _parity import local_part, same_on_every_rank
 
 from fastpar import parallelize
 from fastpar.moe.hf_block import HFMoEBlock
@@ -67,9 +68,9 @@ def _one_step(tp: int, overrides: dict, strict: bool = True) -> dict:
     assert len(keys) == dense.config.num_hidden_layers
     assert all(k.features == dense.config.qk_rope_head_dim for k in keys)
     assert any(isinstance(m, HFMoEBlock) for m in par.modules())
-    ids, labels = _batch(FAMILY, 0)
+    ids, labels = batch(FAMILY, 0)
     n = reduction_length(dense, ids)
-    runs = _dense_runs(FAMILY, dense, ids, labels)
+    runs = dense_runs(FAMILY, dense, ids, labels)
     out = par(input_ids=ids, labels=labels)
     out.loss.backward()
     bad, unequal = [], []
@@ -86,11 +87,11 @@ def _one_step(tp: int, overrides: dict, strict: bool = True) -> dict:
     names = set()
     for name, p in par.named_parameters(remove_duplicate=False):
         assert p.grad is not None, f"{name} got no gradient"
-        check(p.grad, lambda r, k=name: r[2][k], name, lambda t, p=p: _expected_grad(p, t))
+        check(p.grad, lambda r, k=name: r[2][k], name, lambda t, p=p: local_part(t, p))
         layout = param_layout(p)
         if layout is None or layout.kind == "replicated":
             try:
-                _same_on_every_rank(p.grad, mesh.tp_group, name)
+                same_on_every_rank(p.grad, mesh.tp_group, name)
             except AssertionError:
                 if strict:
                     raise
@@ -135,16 +136,9 @@ def test_without_the_rope_key_region_the_gradients_are_wrong(overrides):
         assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" in result["unequal"]
 
 
-@pytest.mark.slow  # (test_deepseek.py: HF weights at TP 2 x EP 2 in the CPU tier)
+@pytest.mark.slow  # (test_models_deepseek_hf.py: HF weights at TP 2 x EP 2 in the CPU tier)
 def test_tp2_ep2_equals_the_dense_model_and_saves_as_hf(tmp_path):
-    names, trained, n = run_ranks(_grads_and_training, 4, FAMILY, str(tmp_path), timeout=240)[0]
-    assert names, "no MoE block was converted"
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).float()
-    got = dict(loaded.named_parameters())
-    single, twin, exact = trained
-    assert set(got) == set(single)
-    for name, t in single.items():
-        assert_agree(got[name], [t, twin[name]], exact[name], length=n, what=f"loaded {name}")
+    check_saved_as_hf(FAMILY, tmp_path)
 
 
 def _pipelined(tp: int, schedule: str, refs):
@@ -174,18 +168,8 @@ def test_hf_config_trains_at_tp2_ep2(tmp_path):
 
     path = tmp_path / "deepseek_v3.json"
     path.write_text(json.dumps(hf_config(FAMILY, vocab_size=300).to_dict()))
-    cfg = TrainConfig(
-        steps=3,
-        batch_size=8,
-        seq_len=16,
-        quiet=True,
-        tp=2,
-        ep=2,
-        dp=2,
-        pp=1,
-        zero=1,
-        hf_config=str(path),
-    )
+    layout = dict(tp=2, ep=2, dp=2, pp=1, zero=1)
+    cfg = TrainConfig(**{**HF_RUN, "steps": 3}, **layout, hf_config=str(path))
     ok, text = verify(cfg)
     assert ok, text
     assert text.startswith("hf:") and text.endswith("AGREE")
@@ -223,9 +207,7 @@ def test_init_from_hf_loads_the_router_score_bias(tmp_path):
 def test_generate_with_local_heads_equals_the_dense_model():
     """Greedy decoding at TP 2: the latent KV cache holds every head's key (one compressed
     latent and one rope key), the split heads read it as the dense model's do."""
-    from test_nn_parallelize_hf import _generate
-
-    got = run_ranks(_generate, 2, FAMILY)
+    got = run_ranks(generate_at_tp2, 2, FAMILY)
     assert got[0] == got[1]
 
 
@@ -239,18 +221,9 @@ def test_init_from_hf_training_exports_with_the_router_score_bias(tmp_path):
     directory = str(tmp_path / "pretrained")
     _model(vocab_size=300).save_pretrained(directory)
     ckpt = str(tmp_path / "ckpt")
+    layout = dict(tp=2, ep=2, dp=2, pp=1)
     cfg = TrainConfig(
-        batch_size=8,
-        seq_len=16,
-        quiet=True,
-        pack="stream",
-        tp=2,
-        ep=2,
-        dp=2,
-        pp=1,
-        steps=2,
-        init_from_hf=directory,
-        checkpoint_dir=ckpt,
+        **HF_RUN, **layout, pack="stream", init_from_hf=directory, checkpoint_dir=ckpt
     )
     records = launch(cfg)
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _hf import VOCAB, config
+from _hf import GQA, VOCAB, config
 from torch import nn
 
 from fastpar.models import hf_documents
@@ -220,15 +220,7 @@ def test_refusals():
 def transformers_config(name: str):
     import transformers
 
-    return getattr(transformers, name)(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-    )
+    return getattr(transformers, name)(**GQA)
 
 
 def _tp_logits(family: str) -> tuple[float, float]:

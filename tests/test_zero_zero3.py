@@ -1,17 +1,13 @@
 """ZeRO-3 (``fastpar.zero.Zero3``) equals single-process training on the concatenated batch;
-fp16 overflow agreement, TP x DP, communication and memory accounting, resume and checkpoint
-pieces.
+fp16 overflow agreement, bf16, TP x DP, communication and memory accounting, its arguments (its
+checkpoint state: tests/test_zero_zero3_checkpoint.py).
 
 "Equals" is ``fastpar.tolerance``'s rule (docs/tolerances.md; ``references`` / ``check`` of
 tests/_training.py): sharded gradients are reduce-scattered sums of per-replica means, not the
 single process's sums, so each step's loss, gradient norm and every parameter afterwards are
-judged against the same training in float64, beside the fp32 single-process run and its twin.
-Bit-for-bit equality stays where both sides run the same kernels in the same order: a resumed
-run against the one that saved, checkpoint pieces reloaded."""
+judged against the same training in float64, beside the fp32 single-process run and its twin."""
 
 from __future__ import annotations
-
-import copy
 
 import pytest
 import torch
@@ -20,14 +16,15 @@ import torch.nn.functional as F
 from _mesh import make_mesh
 from _training import (
     check,
+    check_overflow_skipped,
     check_training,
-    global_batch,
     mse_loss,
-    norm,
     references,
     sliced,
+    tp_dp_steps,
     tp_references,
 )
+from _zero3 import D_H, D_IN, D_OUT, STEPS, Block, Net, batch, full_params, make_opt
 from torch import nn
 
 from fastpar.amp import DynamicLossScaler
@@ -36,49 +33,6 @@ from fastpar.nn.marks import mark_expert
 from fastpar.optim import FusedAdamW, MixedPrecisionOptimizer
 from fastpar.testing import run_ranks
 from fastpar.zero import Zero3, ZeroOptimizer, estimate_memory
-
-STEPS = 4
-D_IN, D_H, D_OUT = 7, 13, 5
-
-
-class Block(nn.Module):
-    """A residual MLP block (odd sizes: the flat buffers need padding)."""
-
-    def __init__(self, d: int, h: int) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(d, h), nn.Linear(h, d)
-        self.norm = nn.LayerNorm(d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x + self.fc2(torch.tanh(self.fc1(x))))
-
-
-class Net(nn.Module):
-    """Root parameters (inp, head) around three wrapped blocks."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(D_IN, D_H)
-        self.blocks = nn.ModuleList(Block(D_H, 11) for _ in range(3))
-        self.head = nn.Linear(D_H, D_OUT)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
-
-
-def _global_batch(step: int, micro: int, world: int):
-    return global_batch(step, micro, world, D_IN, D_OUT)  # [micro, rank, batch, features]
-
-
-def _make_opt(name: str, params, reference: bool = False):
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
-    if reference:
-        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.01, foreach=False)
-    return FusedAdamW(params, lr=0.01, weight_decay=0.01)
 
 
 def _groups(net: nn.Module) -> list[dict]:
@@ -94,14 +48,14 @@ def _reference(
     """The single-process training three ways (fp32, its twin, float64): ``References``. With
     ``groups`` AdamW's slack takes the larger learning rate (0.02) for every parameter."""
 
-    def make_opt(model: nn.Module) -> torch.optim.Optimizer:
-        return _make_opt(opt_name, _groups(model) if groups else model.parameters(), reference=True)
+    def reference_opt(model: nn.Module) -> torch.optim.Optimizer:
+        return make_opt(opt_name, _groups(model) if groups else model.parameters(), reference=True)
 
     return references(
         Net,
         mse_loss(micro, world, D_IN, D_OUT),
         steps,
-        make_opt,
+        reference_opt,
         clip=clip,
         length=max(micro * world * 3 * D_OUT, D_H),
         lr=0.02 if groups else 0.01,
@@ -120,13 +74,13 @@ def _train(micro: int, opt_name: str, policy: dict, clip: float | None) -> tuple
             mark_expert(p)
     model = Zero3(
         net,
-        lambda params: _make_opt(opt_name, params),
+        lambda params: make_opt(opt_name, params),
         max_grad_norm=clip,
         **policy,
     )
     losses = []
     for step in range(STEPS):
-        x, y = _global_batch(step, micro, world)
+        x, y = batch(step, micro, world)
         total = torch.zeros(())
         for m in range(micro):  # gradient accumulation: each backward reduce-scatters
             loss = F.mse_loss(model(x[m, rank]), y[m, rank]) / micro
@@ -163,33 +117,28 @@ def test_training_equals_single_process(world, micro, opt_name, policy, clip):
     check_training(refs, run_ranks(_train, world, micro, opt_name, policy, clip))
 
 
-def _full_params(model: Zero3) -> list[torch.Tensor]:
-    with model.summon_full_params():
-        return [p.detach().clone() for p in model.module.parameters()]
-
-
 def _fp16_overflow(opt_name: str) -> tuple:
     """fp16 + dynamic loss scaling + an inf injected on one rank: everyone skips that step."""
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     model = Zero3(
         Net().half(),
-        lambda params: _make_opt(opt_name, params),
+        lambda params: make_opt(opt_name, params),
         wrap=(Block,),
         persist_below=20,
         scaler=DynamicLossScaler(initial_scale=1024.0, hysteresis=1),
     )
     skips, unchanged = [], []
     for step in range(4):
-        x, y = _global_batch(step, 1, world)
-        before = _full_params(model)
+        x, y = batch(step, 1, world)
+        before = full_params(model)
         loss = F.mse_loss(model(x[0, rank].half()).float(), y[0, rank])
         model.scale_loss(loss).backward()
         if step == 1 and rank == world - 1:  # corrupt this rank's shard after the reduction
             model.shard_grads[-1].view(-1)[0] = float("inf")
         skipped, _ = model.step()
         model.zero_grad()
-        after = _full_params(model)
+        after = full_params(model)
         skips.append(bool(skipped))
         unchanged.append(all(torch.equal(a, b) for a, b in zip(before, after, strict=True)))
         assert all(torch.isfinite(p).all() for p in after)
@@ -199,21 +148,16 @@ def _fp16_overflow(opt_name: str) -> tuple:
 
 @pytest.mark.parametrize("opt_name", ["adamw", "sgd"])  # skipped on the device / by a host sync
 def test_fp16_overflow_on_one_rank_skips_everywhere(opt_name):
-    out = run_ranks(_fp16_overflow, 2, opt_name)
-    assert out[0] == out[1]
-    skips, unchanged, scale = out[0]
-    assert skips == [False, True, False, False]
-    assert unchanged == [False, True, False, False]
-    assert scale == 512.0
+    check_overflow_skipped(run_ranks(_fp16_overflow, 2, opt_name))
 
 
 def _bf16() -> tuple[list[float], dict, dict]:
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
-    model = Zero3(Net().to(torch.bfloat16), lambda ps: _make_opt("adamw", ps), wrap=(Block,))
+    model = Zero3(Net().to(torch.bfloat16), lambda ps: make_opt("adamw", ps), wrap=(Block,))
     losses = []
     for step in range(STEPS):
-        x, y = _global_batch(step, 1, world)
+        x, y = batch(step, 1, world)
         loss = F.mse_loss(model(x[0, rank].bfloat16()).float(), y[0, rank])
         loss.backward()
         model.step()
@@ -229,7 +173,7 @@ def _bf16() -> tuple[list[float], dict, dict]:
 
 
 def _bf16_loss(model: nn.Module, step: int, dtype: torch.dtype) -> torch.Tensor:
-    x, y = _global_batch(step, 1, 2)
+    x, y = batch(step, 1, 2)
     out = model(x.reshape(-1, D_IN).to(dtype))
     acc = torch.promote_types(dtype, torch.float32)  # the loss in fp32 (float64 for float64)
     return F.mse_loss(out.to(acc), y.reshape(-1, D_OUT).to(acc))
@@ -238,8 +182,8 @@ def _bf16_loss(model: nn.Module, step: int, dtype: torch.dtype) -> torch.Tensor:
 def _bf16_opt(model: nn.Module) -> torch.optim.Optimizer:
     """What Zero3 runs in bf16 on one process: AdamW on fp32 masters (float64: AdamW as is)."""
     if next(model.parameters()).dtype == torch.float64:
-        return _make_opt("adamw", model.parameters(), reference=True)
-    return MixedPrecisionOptimizer(_make_opt("adamw", model.parameters()))
+        return make_opt("adamw", model.parameters(), reference=True)
+    return MixedPrecisionOptimizer(make_opt("adamw", model.parameters()))
 
 
 def test_bf16_trains_like_the_single_process():
@@ -293,19 +237,7 @@ def _tp_dp(fused: bool, persist_below: int, refs) -> None:
         persist_below=persist_below,
         max_grad_norm=0.5,
     )
-    for step in range(STEPS):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(2, 4, 8, generator=g), torch.randn(2, 4, 8, generator=g)
-        loss = F.mse_loss(model(x[mesh.dp_rank]), y[mesh.dp_rank])
-        loss.backward()
-        _, grad_norm = model.step()
-        model.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, group=mesh.dp_group)
-        check(
-            [refs.loss(step, float(mean) / mesh.dp_size), norm(refs, step, grad_norm)],
-            f"step {step + 1}: ",
-        )
+    tp_dp_steps(model, model, mesh, refs, STEPS)
     with model.summon_full_params():
         named = dict(par.named_parameters())
         sliced(refs, named)
@@ -330,7 +262,7 @@ def _comm_and_memory(persist_below: int) -> dict:
     sent = []
     for step in range(2):
         before = dict(model.comm_bytes_by)
-        x, y = _global_batch(step, 1, world)
+        x, y = batch(step, 1, world)
         F.mse_loss(model(x[0, rank]), y[0, rank]).backward()
         model.step()
         model.zero_grad()
@@ -338,7 +270,7 @@ def _comm_and_memory(persist_below: int) -> dict:
     torch.manual_seed(0)
     net2 = Net()
     z2 = ZeroOptimizer(torch.optim.AdamW(net2.parameters(), lr=1e-3), stage=2)
-    x, y = _global_batch(0, 1, world)
+    x, y = batch(0, 1, world)
     F.mse_loss(net2(x[0, rank]), y[0, rank]).backward()
     z2.step()
     z2.zero_grad()
@@ -395,131 +327,6 @@ def test_comm_bytes_and_memory(world, persist_below):
         assert max(units) <= r["peak"] <= root + 2 * max(units)
 
 
-def _resume() -> bool:
-    """Save the sharded state after 2 steps, continue 2 steps; a fresh Zero3 loading the
-    state continues bit-identically."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-
-    def build(seed: int):
-        torch.manual_seed(seed)
-        return Zero3(
-            Net().half(),
-            lambda ps: FusedAdamW(ps, lr=1e-2),
-            wrap=(Block,),
-            persist_below=20,
-            scaler=DynamicLossScaler(initial_scale=64.0, growth_interval=2),
-            max_grad_norm=1.0,
-        )
-
-    def run(model, steps):
-        losses = []
-        for step in steps:
-            x, y = _global_batch(step, 1, world)
-            loss = F.mse_loss(model(x[0, rank].half()).float(), y[0, rank])
-            model.scale_loss(loss).backward()
-            model.step()
-            model.zero_grad()
-            losses.append(loss.item())
-        return losses
-
-    model = build(0)
-    run(model, range(2))
-    state = copy.deepcopy(model.state_dict())
-    losses = run(model, range(2, 4))
-    model2 = build(1)  # another init: everything comes from the state
-    model2.load_state_dict(state)
-    losses2 = run(model2, range(2, 4))
-    same = all(
-        torch.equal(a, b) for a, b in zip(_full_params(model), _full_params(model2), strict=True)
-    )
-    return same and losses == losses2 and float(model.scaler.scale) == float(model2.scaler.scale)
-
-
-def test_state_dict_resumes_bit_identically():
-    assert run_ranks(_resume, 2) == [True, True]
-
-
-def _pieces(opt_name: str) -> bool:
-    """Export checkpoint pieces, rebuild full local tensors from every rank's pieces, load them
-    into a fresh Zero3 (other init), continue: identical to the original continuing."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-
-    def build(seed: int):
-        torch.manual_seed(seed)
-        net = Net()
-        shapes = [p.shape for p in net.parameters()]
-        model = Zero3(net, lambda ps: _make_opt(opt_name, ps), min_params=150, persist_below=20)
-        return model, shapes
-
-    def run(model, steps):
-        for step in steps:
-            x, y = _global_batch(step, 1, world)
-            F.mse_loss(model(x[0, rank]), y[0, rank]).backward()
-            model.step()
-            model.zero_grad()
-
-    model, shapes = build(0)
-    run(model, range(2))
-    index = {id(p): i for i, p in enumerate(model.module.parameters())}
-    mine = [
-        (index[id(p)], key, piece.clone(), a, z)
-        for p, key, piece, a, z in model.checkpoint_pieces()
-    ]
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, mine)
-    full: dict[tuple[int, str], torch.Tensor] = {}
-    count: dict[tuple[int, str], torch.Tensor] = {}
-    for pieces in everyone:
-        for i, key, piece, a, z in pieces:
-            n = 1 if key == "step" else shapes[i].numel()
-            full.setdefault((i, key), torch.zeros(n))[a:z] = piece
-            count.setdefault((i, key), torch.zeros(n, dtype=torch.int64))[a:z] += 1
-    # every element of every parameter and state is exported by exactly one DP rank
-    keys = (
-        {"param", "momentum_buffer"}
-        if opt_name == "sgd"
-        else {"param", "exp_avg", "exp_avg_sq", "step"}
-    )
-    assert {k for _, k in full} == keys
-    assert len(full) == len(shapes) * len(keys)
-    assert all(bool((c == 1).all()) for c in count.values())
-    run(model, range(2, 4))
-
-    model2, _ = build(1)
-    index2 = {id(p): i for i, p in enumerate(model2.module.parameters())}
-
-    def lookup(p, key):
-        t = full.get((index2[id(p)], key))
-        if t is None:
-            return None
-        return t.reshape(()) if key == "step" else t.reshape(shapes[index2[id(p)]])
-
-    model2.load_checkpoint_pieces(lookup)
-    run(model2, range(2, 4))
-    return all(
-        torch.equal(a, b) for a, b in zip(_full_params(model), _full_params(model2), strict=True)
-    )
-
-
-@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
-def test_checkpoint_pieces_round_trip(opt_name):
-    assert run_ranks(_pieces, 2, opt_name) == [True, True]
-
-
-def _wrong_layout() -> None:
-    model = Zero3(Net(), lambda ps: torch.optim.SGD(ps, lr=0.1), wrap=(Block,))
-    state = model.state_dict()
-    state["dp_rank"] = 1 - state["dp_rank"]
-    model.load_state_dict(state)
-
-
-def test_state_dict_refuses_another_layout():
-    from fastpar.testing import RankError
-
-    with pytest.raises(RankError, match="loads only into the same layout"):
-        run_ranks(_wrong_layout, 2)
-
-
 def test_bad_arguments():
     sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
     with pytest.raises(ValueError, match=r"either wrap= .* or min_params="):
@@ -537,7 +344,7 @@ def test_single_process_without_process_group():
     torch.manual_seed(0)
     model = Zero3(Net(), lambda ps: torch.optim.SGD(ps, lr=0.1), min_params=100)
     for step in range(2):
-        x, y = _global_batch(step, 1, 1)
+        x, y = batch(step, 1, 1)
         F.mse_loss(model(x[0, 0]), y[0, 0]).backward()
         model.step()
         model.zero_grad()

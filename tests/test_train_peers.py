@@ -16,19 +16,20 @@ import sys
 import time
 
 import pytest
+from _flags import ONE_RANK, tiny_argv, tiny_config
 
 from fastpar.launch import process_status
 from fastpar.testing import run_ranks
 from fastpar.train import TrainConfig
 from fastpar.train.checks import SettingsDiffer, check_same_settings
 
-SMALL = dict(steps=2, batch_size=4, seq_len=16, hidden=32, heads=4, layers=2, quiet=True)
+SMALL = tiny_config(ONE_RANK, batch_size=4)
 
 
 def _check(lrs) -> str:
     import torch.distributed as dist
 
-    cfg = TrainConfig(**SMALL, tp=1, pp=1, dp=len(lrs), ep=1, moe_every=0)
+    cfg = TrainConfig(**{**SMALL, "dp": len(lrs)})
     cfg = dataclasses.replace(cfg, lr=lrs[dist.get_rank()])
     try:
         check_same_settings(cfg)
@@ -56,8 +57,7 @@ def _agents(node_flags: list[list[str]], out=subprocess.PIPE) -> list[subprocess
     (a file for a job that is not read while it runs: a full pipe would block the workers)."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    flags = ["--dp", "2", "--tp", "1", "--pp", "1", "--ep", "1", "--moe-every", "0"]
-    flags += [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in SMALL.items()]
+    flags = tiny_argv(SMALL, dp=2)
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(node_flags))]
     agent += ["--nproc-per-node", "1", "--rdzv-backend", "c10d"]
     agent += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"nodes{port}"]

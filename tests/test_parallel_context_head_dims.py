@@ -13,13 +13,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _context import agree_attention, attention_runs
 
 from fastpar.models.common import attend
 from fastpar.models.documents import documents
 from fastpar.ops.documents import dense_document_attention, document_attention
 from fastpar.parallel import context
 from fastpar.parallel.context import all_to_all_attention, ring_attention, split_sequence
-from fastpar.testing import assert_agree, nudge, run_ranks
+from fastpar.testing import assert_agree, run_ranks
 
 SCALE = 0.31  # not 1/sqrt(48) = 0.144 nor 1/sqrt(24) = 0.204: a scale the kernels must be given
 
@@ -53,19 +54,6 @@ def _full(q, k, v, scale, ids):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
-def _full_run(q, k, v, g, scale, ids, dtype=torch.float32, twin=False):
-    """Single-process attention on the whole sequence in ``dtype`` (``twin``: q, k, v moved one
-    ulp first): (output, [dq, dk, dv]), each of this rank's tokens."""
-    leaves = [t.to(dtype).clone() for t in (q, k, v)]
-    if twin:
-        nudge(leaves, seed=1)
-    leaves = [t.requires_grad_() for t in leaves]
-    out = _full(*leaves, scale, ids)
-    (out * g.to(dtype)).sum().backward()
-    mine = lambda t: split_sequence(t.detach(), None, dim=2)  # noqa: E731
-    return mine(out), [mine(t.grad) for t in leaves]
-
-
 def _check(dqk, dv, scale, kind, docs, math_only, hq=4, hkv=2, chunk=3):
     if math_only:  # the fp32 math of the ring's blocks instead of the CPU flash kernels
         context._flash_cpu = lambda q: False
@@ -73,8 +61,7 @@ def _check(dqk, dv, scale, kind, docs, math_only, hq=4, hkv=2, chunk=3):
     seq = 2 * cp * chunk
     ids = _doc_ids(seq, chunk) if docs else None
     q, k, v, g = _inputs(hq, hkv, seq, dqk, dv)
-    runs = [_full_run(q, k, v, g, scale, ids), _full_run(q, k, v, g, scale, ids, twin=True)]
-    exact = _full_run(q, k, v, g, scale, ids, torch.float64)
+    runs, exact = attention_runs(lambda q, k, v: _full(q, k, v, scale, ids), q, k, v, g)
     mine = [split_sequence(t, None, dim=2).clone().requires_grad_() for t in (q, k, v)]
     if docs:  # the models' entry point, inside packed documents
         with documents(ids):
@@ -88,16 +75,9 @@ def _check(dqk, dv, scale, kind, docs, math_only, hq=4, hkv=2, chunk=3):
     length = max(seq, dqk, dv)  # a row of scores sums over the keys, dq too; dk, dv: queries
     rank = dist.get_rank()
     what = f"{kind} q/k {dqk} v {dv} scale {scale} docs {docs} on cp rank {rank}"
-    assert_agree(out, [r[0] for r in runs], exact[0], length=length, what=f"output, {what}")
-    for i, (name, got) in enumerate(zip("qkv", mine, strict=True)):
+    for got in mine:
         assert got.grad.shape == got.shape
-        assert_agree(
-            got.grad,
-            [r[1][i] for r in runs],
-            exact[1][i],
-            length=length,
-            what=f"d{name}, {what}",
-        )
+    agree_attention(out, mine, runs, exact, length, what)
     return True
 
 

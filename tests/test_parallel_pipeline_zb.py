@@ -4,7 +4,7 @@ Linear stacks, GPT-style blocks and tuple messages, through the trainer with TP,
 MoE over EP (each gradient reduced once, each TP collective run once); the order and errors.
 
 Pipelined against unpipelined results are judged by ``fastpar.tolerance``'s rule (micro-batch
-sums are not the whole batch's: ``dense_references`` / ``check_step`` of test_parallel_pipeline).
+sums are not the whole batch's: ``dense_references`` / ``check_step`` of tests/_pipeline.py).
 W's weight gradients are the products autograd would run, so a split backward equals a plain one
 bit for bit; ZB-H1 and 1F1B run the same forward on the same micro-batches, so their losses
 are equal too."""
@@ -16,16 +16,9 @@ import functools
 
 import pytest
 import torch
+from _flags import tiny_config
 from _mesh import make_mesh
-from test_parallel_pipeline import (
-    batch,
-    blocks,
-    check_step,
-    dense_name,
-    dense_references,
-    loss_fn,
-    tuple_blocks,
-)
+from _pipeline import batch, blocks, check_step, dense_name, dense_references, loss_fn, tuple_blocks
 from torch import nn
 
 from fastpar.parallel.pipeline import (
@@ -290,7 +283,7 @@ def test_dp_reduces_every_gradient_once(zero):
         assert prompts == ([True] * 3 + [False] if zero < 2 else [False] * 4), prompts
 
 
-SMALL = dict(steps=2, batch_size=8, seq_len=16, hidden=32, heads=4, layers=2, quiet=True)
+SMALL = tiny_config()
 
 
 @pytest.mark.parametrize(

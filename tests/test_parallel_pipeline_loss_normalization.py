@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _mesh import make_mesh
-from test_parallel_pipeline import V, batch, blocks, check_step, dense_name, dense_references
+from _pipeline import V, batch, blocks, check_step, dense_name, dense_references
 
 from fastpar.parallel import DistributedDataParallel
 from fastpar.parallel.pipeline import OneFOneB, PipelineEngine, build_stage

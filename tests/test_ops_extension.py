@@ -191,9 +191,9 @@ def _opcheck_all_to_all() -> int:
     torch.library.opcheck(torch.ops.fastpar.all_to_all_start.default, args)
     ticket = torch.ops.fastpar.all_to_all_start(*args)
     # opcheck runs an op on copies of its arguments, and a copy of a ticket is not a ticket (a
-    # clear error, tests/test_extension_compile.py), so wait is checked as a part: inside
+    # clear error, tests/test_ops_extension_compile.py), so wait is checked as a part: inside
     # all_to_all above, under torch.compile with the aliasing check as an error
-    # (tests/test_extension_compile.py), and its fake against the real op here
+    # (tests/test_ops_extension_compile.py), and its fake against the real op here
     with FakeTensorMode() as mode:
         fake_x = mode.from_tensor(args[0])
         fake_ticket = torch.ops.fastpar.all_to_all_start(fake_x, *args[1:])

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _mesh import make_mesh
-from test_parallel_pipeline import batch, blocks, loss_fn, tuple_blocks
+from _pipeline import batch, blocks, loss_fn, tuple_blocks
 
 from fastpar.parallel.pipeline import (
     P2P,
