@@ -357,17 +357,19 @@ def judge_gradients(refs, records: list, steps: int) -> tuple[bool, list[str]]:
 
 
 def verify(cfg: TrainConfig, tokens=None, cache=None) -> tuple[bool, str]:
-    """``fastpar.verify.compare`` of ``cfg`` (references from ``cache``), with every rank's
-    reduced gradients judged too (``gradients``): (agree, the report)."""
+    """``fastpar.verify.compare`` of ``cfg`` (references from ``cache``, or computed here),
+    with every rank's reduced gradients judged too (``gradients``): (agree, the report). The
+    references come first: the ranks fork from a process that has run the model's code."""
     from fastpar.train import load_data
-    from fastpar.verify import compare, references
+    from fastpar.verify import ReferenceCache, compare
 
     tokens = load_data(cfg) if tokens is None else tokens
+    cache = ReferenceCache() if cache is None else cache
+    refs = cache.references(cfg, tokens)
     with tempfile.TemporaryDirectory(prefix="fastpar-grads-") as where:
         with gradients(where):
             ok, text = compare(dataclasses.replace(cfg), tokens, cache=cache)
         records = read_gradients(where)
-    refs = references(cfg, tokens) if cache is None else cache.references(cfg, tokens)
     good, lines = judge_gradients(refs, records, cfg.steps)
     if not records:
         good, lines = False, ["no gradient recorded: the ranks did not run the patched trainer"]
