@@ -9,6 +9,7 @@ by the rule of docs/tolerances.md; what is compared: docs/layouts.md."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
 import sys
@@ -16,6 +17,7 @@ import tempfile
 import textwrap
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from fastpar import checkpoint, parity, tolerance
@@ -24,6 +26,7 @@ from fastpar.launch import RankError
 from fastpar.models.common import IGNORE_INDEX
 from fastpar.models.documents import documents
 from fastpar.models.mtp import tokens as mtp_tokens
+from fastpar.parallel.pipeline.schedules import SCHEDULES
 from fastpar.train import (
     TrainConfig,
     batch_of,
@@ -207,17 +210,95 @@ def references(cfg: TrainConfig, tokens) -> tolerance.References:
     return tolerance.References(single, twin, exact, length, lrs, DTYPES[cfg.precision])
 
 
-def compare(cfg: TrainConfig, tokens=None) -> tuple[bool, str]:
+LAYOUT_ONLY = frozenset(
+    {
+        # the layout: how the same math is split over ranks
+        *("tp", "pp", "dp", "ep", "cp", "cp_attention", "zero", "dp_shard", "dp_replicate"),
+        *("schedule", "virtual_stages", "microbatch_group_size", "recompute"),
+        *("sequence_parallel", "moe_expert_tp", "overlap_chunks", "compile"),
+        # replaced in the reference: microbatches (by reference_groups), the normalisation
+        *("microbatches", "loss_normalization"),
+        # how a run is driven and what it writes
+        *("quiet", "log_every", "metrics_file", "tensorboard", "peak_tflops", "profile"),
+        *("profile_steps", "debug_checks", "collective_timeout", "on_save_error"),
+        *("max_skipped_steps", "checkpoint_dir", "save_every", "keep_last", "resume"),
+        *("allow_fresh", "allow_other_run", "allow_schedule_change"),
+    }
+)
+"""The ``TrainConfig`` fields the single-process references never read (``reference`` builds
+the model without a mesh, keeps every activation, runs eagerly): ``reference_key`` leaves them
+out and keeps every other field."""
+
+
+def _digest(data) -> str:
+    """A fingerprint of the training data: the token ids and, for a ``Corpus``, its document
+    starts and loss mask."""
+    h = hashlib.sha256()
+    parts = (data.tokens, data.starts, data.loss_mask) if hasattr(data, "starts") else (data,)
+    for part in parts:
+        if part is None:
+            h.update(b"none")
+            continue
+        a = part.numpy() if isinstance(part, torch.Tensor) else np.asarray(part)
+        h.update(f"{a.dtype}{a.shape}".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def reference_key(cfg: TrainConfig, tokens) -> tuple:
+    """What ``references(cfg, tokens)`` depends on, and nothing else: every field of ``cfg``
+    but ``LAYOUT_ONLY`` (the model, data, steps, precision, optimizer and its state dtype, LR
+    schedule, seed, documents, MTP, fused CE, evaluation, ...), the pieces a global batch runs
+    in (``reference_groups``: dp x micro-batches for fp16 and per-micro-batch MoE statistics,
+    with the replicas those pieces make), whether the fused cross-entropy recomputes its
+    logits in backward (it does under a schedule whose forwards all come first), and a
+    fingerprint of the data (``tokens``: as ``compare`` takes them; None: ``load_data``)."""
+    groups = reference_groups(cfg)
+    fields = tuple(
+        (f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name not in LAYOUT_ONLY
+    )
+    recomputes = SCHEDULES[cfg.schedule].forwards_first if cfg.fused_ce else None
+    data = load_data(cfg) if tokens is None else tokens
+    return fields, groups, cfg.dp if groups > 1 else 1, recomputes, _digest(data)
+
+
+class ReferenceCache:
+    """``references`` computed once per ``reference_key``: layouts whose single-process math is
+    the same share one computation (``compare(..., cache=)``). Holds the last ``size`` keys'
+    (run them one after the other); ``computed`` and ``hits`` count its answers."""
+
+    def __init__(self, size: int = 4) -> None:
+        self.size, self.computed, self.hits = size, 0, 0
+        self._runs: dict[tuple, tolerance.References] = {}
+
+    def references(self, cfg: TrainConfig, tokens) -> tolerance.References:
+        key = reference_key(cfg, tokens)
+        refs = self._runs.pop(key, None)
+        if refs is None:
+            refs = references(cfg, tokens)
+            self.computed += 1
+        else:
+            self.hits += 1
+        self._runs[key] = refs  # the newest last
+        while len(self._runs) > self.size:
+            del self._runs[next(iter(self._runs))]
+        return refs
+
+
+def compare(
+    cfg: TrainConfig, tokens=None, *, cache: ReferenceCache | None = None
+) -> tuple[bool, str]:
     """Run both, return (agree, the report text). ``tokens``: the data, already checked
     (``fastpar.train.load_data``; None: load and check them here). Every quantity is judged by
     ``fastpar.tolerance``'s rule: the distributed run's error against a float64 run of the same
     math, at most a multiple of the single-process run's own (it and its twin one rounding
-    away) plus a floor from the precision and the longest reduction."""
+    away) plus a floor from the precision and the longest reduction. ``cache``: take the
+    references from it (computed there once per ``reference_key``)."""
     cfg.check()
     tokens = load_data(cfg) if tokens is None else tokens
     with tempfile.TemporaryDirectory(prefix="fastpar-verify-") as directory:
         dist_losses, dist_params, dist_vals = _distributed(cfg, directory, tokens)
-    refs = references(cfg, tokens)
+    refs = references(cfg, tokens) if cache is None else cache.references(cfg, tokens)
     single, twin, exact, dtype, length = refs.single, refs.twin, refs.exact, refs.dtype, refs.length
 
     def judge(what, actual, pick):

@@ -44,12 +44,8 @@ LAYOUTS = {
     "tp2": dict(tp=2, pp=1, dp=1, ep=1, zero=0),
     "dp2-zero1": dict(tp=1, pp=1, dp=2, ep=1, zero=1),
     "dp2-zero3": dict(tp=1, pp=1, dp=2, ep=1, zero=3),
-    "tp2-dp2-zero1-moe-ep2": dict(tp=2, pp=1, dp=2, ep=2, zero=1, moe_every=1),
     "tp2-pp2-dp2-zero1": dict(tp=2, pp=2, dp=2, ep=1, zero=1, layers=4),
     "tp2-pp2-dp2-zero3": dict(tp=2, pp=2, dp=2, ep=1, zero=3, layers=4),
-    "deepseek-tp2-dp2-ep2-zero1": dict(
-        model_type="deepseek", tp=2, pp=1, dp=2, ep=2, zero=1, layers=3, moe_every=1
-    ),
     "llama-mtp-tp2": dict(model_type="llama", tp=2, pp=1, dp=1, ep=1, zero=0, mtp_depth=1),
     "gpt-expert-tp2": dict(tp=2, pp=1, dp=1, ep=1, zero=0, moe_every=1, moe_expert_tp=True),
     "dp2-zero1-moe": dict(tp=1, pp=1, dp=2, ep=1, zero=1, moe_every=1),

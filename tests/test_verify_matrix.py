@@ -1,0 +1,277 @@
+"""The verification matrix (``_matrix``): every case of the strength-2 covering array of layout x
+model x feature levels trains under its layout and AGREEs with one device (``fastpar.verify``:
+losses, gradient norms, every final parameter; and every rank's reduced gradient of every
+parameter at every step), its single-process references shared with the cases of the same
+``reference_key`` (the cached references are a fresh computation's, bit for bit); the array
+covers every pair of levels some valid run holds; planted faults DISAGREE; the known bugs the
+matrix stepped around still fail. ``python tests/_matrix.py`` prints the cases and their pair
+coverage."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from _matrix import (
+    COMPILED,
+    case_id,
+    cases,
+    config,
+    matrix,
+    reference_key,
+    refusal,
+    verify,
+)
+from _parity import NO_INDUCTOR
+
+from fastpar.launch import RankError
+from fastpar.train import TrainConfig, launch, load_data
+from fastpar.verify import ReferenceCache, references
+
+CACHE = ReferenceCache(size=2)  # the cases run in groups of one reference_key
+CASES = cases()
+BY_ID = {case_id(row): row for row in CASES}
+
+#: the pairs no valid run holds: the trainer's refusals, levels that mean nothing together
+#: (``VACUOUS``) and the known bugs (``KNOWN_BUGS``)
+EXCLUDED = {
+    "model=deepseek x optimizer=muonheads",  # DeepSeek's latent attention: no heads marked
+    "model=gpt x mtp=mtp1",  # MTP: Llama and DeepSeek
+    "experts=dense x router=capacity",  # (vacuous)
+    "experts=dense x router=deepseek",  # (vacuous)
+    "experts=dense x ep=ep2",  # (vacuous)
+    "experts=dense x ep=ep2etp",  # (vacuous)
+    "router=capacity x cp=ring",  # a capacity would drop per chunk of the sequence
+    "router=capacity x cp=a2a",
+    "documents=docs x recompute=attn",  # (known bug)
+    "loss=fusedce x pp=zb-h1",  # (known bug: refused on the ranks, not by check())
+    "loss=fusedce x zero=z3",  # the fused CE reads the head after ZeRO-3 resharded it
+    "tp=tp1 x ep=ep2etp",  # (vacuous)
+    "tp=tp2sp x pp=zb-h1",  # zb-h1's split backward with sequence-parallel collectives
+    "pp=interleaved x zero=z3",
+    "pp=zb-h1 x zero=z3",
+    "pp=zb-h1 x recompute=attn",  # zb-h1 refuses a selective recompute
+    "dp=hsdp x zero=z0",  # hybrid sharding needs a ZeRO stage to shard
+}
+
+
+def _name(pair) -> str:
+    (f, a), (g, b) = pair
+    return f"{f}={a} x {g}={b}"
+
+
+def test_the_matrix_covers_every_pair_a_run_can_hold():
+    cov = matrix()
+    assert not cov.missing(), [_name(p) for p in cov.missing()]
+    assert {_name(p) for p in cov.excluded} == EXCLUDED, cov.excluded
+    for row in cov.rows:  # every case a run the trainer accepts, at most 8 ranks
+        assert refusal(row) is None
+    assert len(BY_ID) == len(CASES) == len(cov.rows)  # readable ids, one a case
+    # the cases of one reference_key run one after the other
+    keys = [reference_key(r) for r in CASES]
+    assert all(keys.index(k) == i or keys[i - 1] == k for i, k in enumerate(keys))
+
+
+@pytest.mark.parametrize("name", list(BY_ID))
+def test_case_agrees_with_one_device(name):
+    ok, text = verify(config(BY_ID[name]), cache=CACHE)
+    assert ok, text
+
+
+@NO_INDUCTOR
+def test_compiled_case_agrees_with_one_device():
+    """The compile set: one case with --compile (TP collectives, MoE over EP and packed
+    documents inside compiled blocks). Compile is no factor of the matrix: a compiled case
+    costs 25-80 s here, and covering its pairs would take five or more."""
+    assert refusal(COMPILED) is None
+    ok, text = verify(config(COMPILED, compile=True), cache=CACHE)
+    assert ok, text
+
+
+def _equal(a, b, what: str) -> None:
+    """Two reference runs bit for bit: losses, norms, skips, LRs, validation losses, every
+    gradient, AdamW denominator, rounding slack and final tensor."""
+    for field in ("losses", "norms", "skipped", "lrs", "val_losses"):
+        assert getattr(a, field) == getattr(b, field), f"{what}: {field}"
+    for field in ("grads", "denominators"):
+        x, y = getattr(a, field), getattr(b, field)
+        assert len(x) == len(y) and all(s.keys() == t.keys() for s, t in zip(x, y, strict=True))
+        for s, t in zip(x, y, strict=True):
+            assert all(torch.equal(s[k], t[k]) for k in s), f"{what}: {field}"
+    for field in ("params", "rounding_slack"):
+        x, y = getattr(a, field), getattr(b, field)
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), f"{what}: {field}"
+
+
+def _shared(n: int) -> list[tuple[dict, dict]]:
+    """Up to ``n`` pairs of cases with one reference_key and the most different layouts."""
+    groups: dict = {}
+    for row in CASES:
+        groups.setdefault(reference_key(row), []).append(row)
+    pairs = []
+    for rows in groups.values():
+        if len(rows) > 1:
+            a = rows[0]
+            b = max(rows[1:], key=lambda r: sum(r[k] != a[k] for k in r))
+            pairs.append((a, b))
+    # fp32 first (the cheaper references), then the most different layouts
+    pairs.sort(
+        key=lambda ab: (ab[0]["precision"] != "fp32", -sum(ab[0][k] != ab[1][k] for k in ab[0]))
+    )
+    return pairs[:n]
+
+
+def test_shared_references_equal_a_fresh_computation_bit_for_bit():
+    """For cases the matrix runs from one cached computation: the references computed for the
+    other case's own config are the same, bit for bit (the key holds everything they read);
+    and the key does hold what they read: fp16 in dp x micro-batch pieces."""
+    pairs = _shared(3)
+    assert len(pairs) == 3, "the matrix shares references between cases"
+    for a, b in pairs:
+        cfg_a, cfg_b = config(a, steps=2), config(b, steps=2)  # (2 steps: cheaper, same key)
+        cache = ReferenceCache()
+        tokens = load_data(cfg_a)
+        cached = cache.references(cfg_a, tokens)
+        again = cache.references(cfg_b, tokens)
+        assert again is cached and cache.computed == 1 and cache.hits == 1
+        fresh = references(cfg_b, tokens)
+        assert (fresh.length, fresh.lr, fresh.dtype) == (cached.length, cached.lr, cached.dtype)
+        for run in ("single", "twin", "exact"):
+            _equal(getattr(cached, run), getattr(fresh, run), f"{case_id(a)} / {case_id(b)}")
+    # what the key holds is read: fp16 at dp 2 runs the batch in 4 pieces, at dp 1 in 2
+    fp16 = dict(BASE_ROW, precision="fp16")
+    one, two = config(fp16, steps=1), config(dict(fp16, dp="dp2"), steps=1)
+    assert reference_key(fp16) != reference_key(dict(fp16, dp="dp2"))
+    a, b = references(one, None).single.params, references(two, None).single.params
+    assert not all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_key_leaves_out_exactly_the_layout_and_how_a_run_is_driven():
+    """``LAYOUT_ONLY`` names fields of TrainConfig: every flag of the layout, checkpoint, output
+    and failure sections of --help, --compile and --loss-normalization (the reference
+    replaces it), and nothing else. A new flag of those sections fails here until it is
+    listed there (it must not change the single-process math) or kept in the key."""
+    from dataclasses import fields
+
+    from fastpar.cliutil import option_of
+    from fastpar.train.options import CHECKPOINTS, FAILURES, LAYOUT, OUTPUT
+    from fastpar.verify import LAYOUT_ONLY
+
+    driven = {
+        f.name
+        for f in fields(TrainConfig)
+        if option_of(f).group in (LAYOUT, CHECKPOINTS, OUTPUT, FAILURES)
+    }
+    assert driven | {"compile", "loss_normalization"} == LAYOUT_ONLY
+
+
+def test_the_cache_computes_each_key_once_and_keeps_the_last(monkeypatch):
+    import fastpar.verify
+
+    calls = []
+    monkeypatch.setattr(fastpar.verify, "references", lambda cfg, tokens: calls.append(1) or cfg)
+    tokens = torch.arange(300) % 7
+    cache = ReferenceCache(size=2)
+    cfgs = [TrainConfig(seed=s, tp=1, pp=1) for s in (1, 2, 3)]
+    got = [cache.references(c, tokens) for c in (cfgs[0], cfgs[1], cfgs[0], cfgs[2], cfgs[1])]
+    assert got == [cfgs[0], cfgs[1], cfgs[0], cfgs[2], cfgs[1]]
+    assert (cache.computed, cache.hits) == (4, 1)  # cfgs[1] left when cfgs[2] came
+    # another layout of the run of cfgs[1]: the same references
+    layout = TrainConfig(seed=2, tp=2, pp=1, zero=3, sequence_parallel=True, schedule="gpipe")
+    assert cache.references(layout, tokens) is cfgs[1] and cache.computed == 4
+    cache.references(cfgs[1], torch.arange(300) % 5)  # other data: other references
+    cache.references(dataclasses.replace(cfgs[1], steps=4), tokens)  # another run
+    assert cache.computed == 6
+
+
+BASE_ROW = dict(
+    model="llama",
+    experts="dense",
+    router="softmax",
+    precision="fp32",
+    optimizer="adamw",
+    documents="stream",
+    mtp="mtp0",
+    loss="ce",
+    tp="tp1",
+    pp="pp1",
+    dp="dp1",
+    zero="z0",
+    ep="ep1",
+    cp="cp1",
+    recompute="none",
+)
+
+
+def _drop_dp_all_reduce(monkeypatch):
+    from fastpar.parallel.flat import FlatShard
+
+    monkeypatch.setattr(FlatShard, "all_reduce", lambda self, t, key="all_reduce": None)
+
+
+def _drop_tp_input_grad_reduction(monkeypatch):
+    from fastpar.comm.collectives import CopyToRegion
+
+    monkeypatch.setattr(CopyToRegion, "backward", staticmethod(lambda ctx, grad: (grad, None)))
+
+
+def _partial_qk_norm_gradient(monkeypatch):
+    from fastpar.models.common import Norm
+
+    monkeypatch.setattr(Norm, "_full", lambda self, p: p)
+
+
+PLANTED = {
+    # ZeRO-0's all-reduce of the gradients dropped: each replica steps on its own half batch
+    "dp-all-reduce-dropped": (
+        _drop_dp_all_reduce,
+        dict(dp="dp2"),
+        "worst loss or norm: grad norm of step",
+    ),
+    # the all-reduce of a column-parallel layer's input gradient dropped
+    "tp-input-grad-reduction-dropped": (
+        _drop_tp_input_grad_reduction,
+        dict(tp="tp2"),
+        "(gradient of step 1)",
+    ),
+    # Qwen3's per-head q/k norm after the column-split q/k: each TP rank's weight gradient
+    # only its own heads' (docs: "only a gradient-on-every-rank check catches it")
+    "qk-norm-gradient-partial": (
+        _partial_qk_norm_gradient,
+        dict(tp="tp2"),
+        "attn.q_norm.weight (gradient of step 1)",
+    ),
+}
+
+
+@pytest.mark.parametrize("fault", list(PLANTED))
+def test_a_planted_fault_disagrees(monkeypatch, fault):
+    """The ranks fork from here: they run with the fault, the single-process references
+    without it."""
+    plant, layout, named = PLANTED[fault]
+    row = {**BASE_ROW, **layout}
+    assert refusal(row) is None
+    plant(monkeypatch)
+    ok, text = verify(config(row))
+    assert not ok and text.splitlines()[-1] == "DISAGREE", text
+    assert named in text, text
+
+
+KNOWN = [
+    (dict(recompute="attn", documents="docs"), "CheckpointError"),
+    (dict(loss="fusedce", pp="zb-h1"), "zb-h1: the custom autograd Function"),
+]
+
+
+@pytest.mark.parametrize("bug, error", KNOWN, ids=["selective-recompute-documents", "zb-fused-ce"])
+def test_known_bugs_still_fail(bug, error):
+    """The pairs ``KNOWN_BUGS`` keeps out of the matrix: the trainer accepts them
+    (``TrainConfig.check``) and fails on the ranks. When this test fails, the bug is fixed (or
+    refused in check()): drop its entry from ``_matrix.KNOWN_BUGS`` and ``EXCLUDED``."""
+    row = {**BASE_ROW, **bug, "pp": bug.get("pp", "1f1b")}
+    assert refusal(row).startswith("known bug")
+    cfg: TrainConfig = config(row, steps=1)
+    cfg.check()
+    with pytest.raises(RankError, match=error):
+        launch(cfg)
