@@ -29,6 +29,8 @@ import tempfile
 
 import torch
 
+from fastpar.launch import pool
+
 if __package__ in (None, ""):  # python tests/_matrix.py
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -278,7 +280,8 @@ def gradients(directory: str):
     Trainer.__init__, Trainer.step = init, step
     family.FlatDataParallel.step, family.unscale_and_agree = dp_step, unscale
     try:
-        yield
+        with pool.forking("the matrix's gradient capture patches the trainer's classes"):
+            yield
     finally:
         Trainer.__init__, Trainer.step = real[0], real[1]
         family.FlatDataParallel.step, family.unscale_and_agree = real[2], real[3]

@@ -78,6 +78,20 @@ def set_guard(guard: Callable[[], str | None] | None) -> None:
     _guard = guard
 
 
+@contextlib.contextmanager
+def forking(reason: str = "the caller patched what its ranks must see"):
+    """Inside: every ``run_ranks`` call forks fresh ranks (they copy the caller as it is now,
+    patches included); the live pools wait, untouched, for the calls after it."""
+    _forcing.append(reason)
+    try:
+        yield
+    finally:
+        _forcing.remove(reason)
+
+
+_forcing: list[str] = []
+
+
 def stats() -> dict[str, int]:
     """Calls served by the pool, calls forked, pools started (this process)."""
     return dict(_stats)
@@ -105,6 +119,8 @@ def why_fork(backend: str, start_method: str, threads_per_rank) -> str | None:
         return "not a forked gloo run"
     if threads_per_rank not in (None, 1):
         return "more than one thread a rank"
+    if _forcing:
+        return _forcing[-1]
     if dist.is_available() and dist.is_initialized():
         return "the caller holds a process group"
     return _guard() if _guard is not None else None
