@@ -14,6 +14,7 @@ from fastpar import ParallelMesh
 from fastpar.mesh import MeshLayout, rank_groups
 from fastpar.mesh.__main__ import main
 from fastpar.mesh.bridge import groups_along
+from fastpar.mesh.layout import resolve_dp
 from fastpar.testing import run_ranks
 
 # (world, layout keywords) -> the groups, written out by hand
@@ -120,6 +121,54 @@ def test_bad_hybrid_layouts_are_refused(kwargs, message):
         MeshLayout(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "given, resolved",
+    [
+        ((None, 2, 2), (4, 2, 2)),
+        ((4, 2, None), (4, 2, 2)),
+        ((4, None, 2), (4, 2, 2)),
+        ((6, 3, 2), (6, 3, 2)),
+        ((4, None, None), (4, None, None)),  # one of three: the layout gives the others
+        ((None, 2, None), (None, 2, None)),
+        ((None, None, None), (None, None, None)),
+    ],
+)
+def test_any_two_of_dp_shard_and_replicate_give_the_third(given, resolved):
+    assert resolve_dp(*given) == resolved
+
+
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        ((4, 3, 2), r"^dp 4, dp_shard 3 and dp_replicate 2 disagree: dp must be dp_shard x "),
+        ((4, 3, None), r"^dp_shard 3 does not divide dp 4; dp_shard must be one of \[1, 2, 4\]"),
+        ((4, None, 3), r"^dp_replicate 3 does not divide dp 4"),
+        ((0, None, None), r"^dp must be a positive integer, got 0"),
+    ],
+)
+def test_a_contradiction_of_the_three_is_one_line_naming_them(given, message):
+    with pytest.raises(ValueError, match=message) as info:
+        resolve_dp(*given)
+    assert "\n" not in str(info.value)
+
+
+def test_init_checks_dp_against_the_world(monkeypatch):
+    """``fastpar.init(dp=...)`` against WORLD_SIZE, before any process group exists; and in
+    one process with no torchrun, the ranks dp_shard x dp_replicate need."""
+    from fastpar.mesh import init
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(
+        ValueError, match=r"dp 8 needs a world of .* = 8 ranks, but WORLD_SIZE is 4"
+    ):
+        init(dp_shard=2, dp_replicate=4)
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(RuntimeError, match=r"needs 4 or more ranks"):
+        init(dp_shard=2, dp_replicate=2)
+
+
 def test_torchtitan_device_mesh_dims_hold_the_same_groups():
     """torchtitan lays its mesh out (pp, dp_replicate, dp_shard, cp, tp), slowest first: the
     groups along its dims are fastpar's dp-replicate / dp-shard / cp / tp groups."""
@@ -137,7 +186,21 @@ def test_cli_prints_the_groups(capsys):
     assert "dp-shard (4 groups)" in out and "[0, 2] [1, 3] [4, 6] [5, 7]" in out
     assert "dp-replicate (4 groups)" in out and "[0, 4] [1, 5] [2, 6] [3, 7]" in out
     assert main(["--world-size", "8", "--dp-shard", "3", "--dp-replicate", "2"]) == 2
-    assert "dp_shard 3 x dp_replicate 2 = 6 is not dp = 8" in capsys.readouterr().err
+    assert "--world-size 8 is not tp x cp x pp x dp = 1 x 1 x 1 x 6 = 6" in capsys.readouterr().err
+    assert main(["--world-size", "8", "--tp", "4", "--dp-shard", "3"]) == 2
+    assert "dp_shard 3 does not divide dp = 2" in capsys.readouterr().err
+
+
+def test_cli_takes_the_world_from_the_dp_flags(capsys):
+    assert main(["--tp", "2", "--dp-shard", "2", "--dp-replicate", "2"]) == 0
+    assert "world_size=8  tp=2" in capsys.readouterr().out
+    assert main(["--tp", "2", "--dp", "4", "--dp-replicate", "2"]) == 0
+    assert "dp-shard=2  dp-replicate=2" in capsys.readouterr().out
+    assert main(["--dp", "4", "--dp-shard", "2", "--dp-replicate", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "--dp 4, --dp-shard 2 and --dp-replicate 4 disagree" in err
+    assert main(["--tp", "2"]) == 2
+    assert "give --world-size, or --dp" in capsys.readouterr().err
 
 
 def _bridge() -> dict:

@@ -13,12 +13,14 @@ import shutil
 import pytest
 import torch
 
-from fastpar import ParallelMesh, checkpoint
+from fastpar import ParallelMesh, checkpoint, verify
 from fastpar.mesh import MeshLayout
 from fastpar.testing import run_ranks
 from fastpar.train import TrainConfig, launch, load_data
 from fastpar.train.build import build
 from fastpar.train.cli import build_parser
+from fastpar.train.config import config_from
+from fastpar.train.config_checks import mesh_layout
 from fastpar.train.memory import stage_bytes
 from fastpar.train.summary import header_line, hybrid_line
 from fastpar.verify import compare, references
@@ -48,9 +50,10 @@ def test_flags_parse_and_print_the_groups():
     [
         (
             dict(dp_shard=3, dp_replicate=2),
-            r"--dp-shard 3 x --dp-replicate 2 = 6 is not dp = 4 .*--dp-shard=2 --dp-replicate=2",
+            r"^--dp 4, --dp-shard 3 and --dp-replicate 2 disagree: --dp must be --dp-shard x "
+            r"--dp-replicate = 6; give any two of the three and the third follows$",
         ),
-        (dict(dp_replicate=3), r"--dp-replicate 3 does not divide dp = 4"),
+        (dict(dp_replicate=3), r"--dp-replicate 3 does not divide --dp 4"),
         (dict(dp_shard=2, zero=0), r"with --zero 0: .*pass --zero 1, 2 or 3"),
         (dict(dp_shard=1, ep=2), r"ep to divide --dp-shard\*cp = 1\*1 = 1"),
     ],
@@ -59,6 +62,28 @@ def test_impossible_hybrid_runs_are_refused(kwargs, message):
     cfg = TrainConfig(**SMALL, **{**FOUR, "zero": 1, **kwargs})
     with pytest.raises(ValueError, match=message):
         cfg.check()
+
+
+@pytest.mark.parametrize("command", ["train", "verify"])
+@pytest.mark.parametrize(
+    "flags, sizes",
+    [
+        (["--dp-shard", "2", "--dp-replicate", "2"], (4, 2, 2)),  # dp = S x R, not --dp's 2
+        (["--dp", "4", "--dp-shard", "2"], (4, 2, 2)),
+        (["--dp", "4", "--dp-replicate", "2"], (4, 2, 2)),
+        (["--dp", "8", "--dp-shard", "2", "--dp-replicate", "4"], (8, 2, 4)),
+    ],
+)
+def test_any_two_of_dp_shard_and_replicate_give_the_third(command, flags, sizes):
+    """The issue's command, ``fastpar.verify --dp-shard 2 --dp-replicate 2 --tp 1 --pp 1 --ep 1
+    --zero 1``, was refused: --dp kept its default of 2. Parsed as train and verify parse."""
+    parser = build_parser() if command == "train" else verify.parser()
+    argv = [*flags, "--tp", "1", "--pp", "1", "--ep", "1", "--zero", "1"]
+    cfg = config_from(parser.parse_args(argv), world=None)
+    cfg.check()
+    layout = mesh_layout(cfg)
+    assert (cfg.dp, layout.dp_shard, layout.dp_replicate) == sizes
+    assert cfg.world_size == sizes[0]
 
 
 def test_the_activation_planner_is_the_same_for_every_split_of_dp():

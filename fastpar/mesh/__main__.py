@@ -1,6 +1,9 @@
 """``python -m fastpar.mesh --world-size 16 --tp 2 --pp 4 [--ep E] [--dp-shard S] [--dp-replicate R]
 [--order O] [--json] [--check]``
 
+``--world-size`` may be left out where ``--dp`` (or both ``--dp-shard`` and ``--dp-replicate``,
+dp = dp-shard x dp-replicate) gives it: world = tp x cp x pp x dp.
+
 Prints each rank's coordinates and every group of the layout. ``--check`` also starts
 ``--world-size`` CPU ranks (gloo), creates the groups for real and all-reduces over each one,
 confirming every group reduces over exactly the ranks listed.
@@ -13,7 +16,7 @@ import sys
 import time
 
 from fastpar.cliutil import Parser
-from fastpar.mesh.layout import DEFAULT_ORDER, GROUP_KINDS, MeshLayout
+from fastpar.mesh.layout import DEFAULT_ORDER, GROUP_KINDS, MeshLayout, resolve_dp
 
 
 def _check(layout: MeshLayout) -> int:
@@ -52,9 +55,36 @@ def _check(layout: MeshLayout) -> int:
     return 0
 
 
+def _world_size(args) -> int:
+    """--world-size, or tp x cp x pp x dp where dp is given (--dp, or --dp-shard x
+    --dp-replicate); ValueError for a contradiction or neither, naming the flags."""
+    flags = ("--dp", "--dp-shard", "--dp-replicate")
+    dp, _, _ = resolve_dp(args.dp, args.dp_shard, args.dp_replicate, flags)
+    other = args.tp * args.cp * args.pp
+    if args.world_size is None:
+        if dp is None:
+            raise ValueError(
+                "give --world-size, or --dp (or both --dp-shard and --dp-replicate) to set it "
+                "as tp x cp x pp x dp"
+            )
+        return other * dp
+    if dp is not None and args.world_size != other * dp:
+        raise ValueError(
+            f"--world-size {args.world_size} is not tp x cp x pp x dp = {args.tp} x {args.cp} x "
+            f"{args.pp} x {dp} = {other * dp}; give --world-size or the dp flags, or make them "
+            f"agree"
+        )
+    return args.world_size
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = Parser(prog="python -m fastpar.mesh", description=__doc__.splitlines()[0])
-    ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument(
+        "--world-size",
+        type=int,
+        help="number of ranks (default tp x cp x pp x dp, from --dp or --dp-shard x --dp-replicate)",
+    )
+    ap.add_argument("--dp", type=int, help="data-parallel size (default world-size / (tp*cp*pp))")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
@@ -77,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         layout = MeshLayout(
-            args.world_size,
+            _world_size(args),
             tp=args.tp,
             pp=args.pp,
             ep=args.ep,

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from fastpar.flight.record import name_group, torch_buffer
 from fastpar.mesh import bridge
-from fastpar.mesh.layout import DEFAULT_ORDER, GROUP_KINDS, MeshLayout
+from fastpar.mesh.layout import DEFAULT_ORDER, GROUP_KINDS, MeshLayout, resolve_dp
 from fastpar.mesh.timeout import DEFAULT_TIMEOUT, as_timeout, group_timeout
 
 
@@ -213,6 +213,16 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def _check_dp(dp: int | None, world_size: int, other: int) -> None:
+    """The world holds tp*cp*pp x dp ranks where dp is given (ValueError naming both)."""
+    if dp is not None and world_size != other * dp:
+        raise ValueError(
+            f"dp {dp} needs a world of tp*cp*pp x dp = {other} x {dp} = {other * dp} ranks, "
+            f"but WORLD_SIZE is {world_size}; start {other * dp} ranks or change dp (or "
+            f"dp_shard x dp_replicate)"
+        )
+
+
 def init(
     tp: int = 1,
     pp: int = 1,
@@ -224,6 +234,7 @@ def init(
     timeout: timedelta | float | None = None,
     dp_shard: int | None = None,
     dp_replicate: int | None = None,
+    dp: int | None = None,
 ) -> ParallelMesh:
     """Initialise torch.distributed from torchrun's environment and build the mesh.
 
@@ -235,12 +246,15 @@ def init(
     ``fastpar.mesh.DEFAULT_TIMEOUT``, 10 minutes) instead of hanging. If torch.distributed is
     already initialised, only the mesh's groups take ``timeout`` (default: the default group's).
     ``dp_shard`` / ``dp_replicate``: hybrid sharding of dp (``ParallelMesh``; default: all of
-    dp shards).
+    dp shards). ``dp``: the data-parallel size, checked against the world size (default: the
+    world size / (tp*cp*pp)); any two of ``dp``, ``dp_shard``, ``dp_replicate`` give the third.
     """
+    dp, dp_shard, dp_replicate = resolve_dp(dp, dp_shard, dp_replicate)
     hybrid = dict(dp_shard=dp_shard, dp_replicate=dp_replicate)
     if not dist.is_available():
         raise RuntimeError("this torch build has no torch.distributed; install a build with it")
     if dist.is_initialized():
+        _check_dp(dp, dist.get_world_size(), tp * cp * pp)
         return ParallelMesh(tp, pp, ep, order=order, timeout=timeout, cp=cp, **hybrid)
     timeout = as_timeout(DEFAULT_TIMEOUT if timeout is None else timeout)
     world_size = _env_int("WORLD_SIZE")
@@ -250,7 +264,9 @@ def init(
             "RANK and WORLD_SIZE must be set together (torchrun sets both); got "
             f"RANK={os.environ.get('RANK')!r}, WORLD_SIZE={os.environ.get('WORLD_SIZE')!r}"
         )
-    need = tp * pp * ep * cp
+    need = max(tp * pp * ep * cp, tp * cp * pp * (dp or 1))
+    if world_size is not None:
+        _check_dp(dp, world_size, tp * cp * pp)
     if world_size is None and need > 1:
         raise RuntimeError(
             f"fastpar.init(tp={tp}, pp={pp}, ep={ep}, cp={cp}) needs {need} or more ranks, but "

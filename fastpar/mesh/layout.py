@@ -126,6 +126,52 @@ def _pipeline_mismatch(dense_pp: list[list[int]], expert_pp: list[list[int]]) ->
     )
 
 
+def resolve_dp(
+    dp: int | None,
+    dp_shard: int | None,
+    dp_replicate: int | None,
+    names: tuple[str, str, str] = ("dp", "dp_shard", "dp_replicate"),
+) -> tuple[int | None, int | None, int | None]:
+    """Any two of ``dp``, ``dp_shard`` and ``dp_replicate`` determine the third
+    (dp = dp_shard × dp_replicate); returns the three, None where fewer than two were given
+    (the one given stays, the others follow from the world size). A contradiction, a size
+    below 1 or a factor that does not divide dp is one ValueError line naming all of them by
+    ``names`` (the flags' spellings on a command line)."""
+    given = dict(zip(names, (dp, dp_shard, dp_replicate), strict=True))
+    for name, value in given.items():
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    n_dp, n_s, n_r = names
+    if dp is None:
+        return (
+            (dp_shard * dp_replicate if dp_shard and dp_replicate else None),
+            dp_shard,
+            dp_replicate,
+        )
+    if dp_shard is not None and dp_replicate is not None:
+        if dp_shard * dp_replicate != dp:
+            raise ValueError(
+                f"{n_dp} {dp}, {n_s} {dp_shard} and {n_r} {dp_replicate} disagree: {n_dp} must "
+                f"be {n_s} x {n_r} = {dp_shard * dp_replicate}; give any two of the three and "
+                f"the third follows"
+            )
+        return dp, dp_shard, dp_replicate
+    for name, value in ((n_s, dp_shard), (n_r, dp_replicate)):
+        if value is not None and dp % value:
+            divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+            raise ValueError(
+                f"{name} {value} does not divide {n_dp} {dp}; {name} must be one of {divisors} "
+                f"({n_dp} = {n_s} x {n_r})"
+            )
+    if dp_shard is not None:
+        return dp, dp_shard, dp // dp_shard
+    if dp_replicate is not None:
+        return dp, dp // dp_replicate, dp_replicate
+    return dp, None, None
+
+
 @dataclass(frozen=True)
 class MeshLayout:
     """A checked parallel layout of ``world_size`` ranks.

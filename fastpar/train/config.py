@@ -488,11 +488,14 @@ class TrainConfig(TrainOptions):
 
 def config_from(args: argparse.Namespace, world: int | None = None) -> TrainConfig:
     """The TrainConfig of parsed flags. ``world``: the job's world size (default: torchrun's
-    WORLD_SIZE, None when self-started); --dp left out is ``world / (tp * pp)`` under torchrun,
-    else 2. Never raises: ``TrainConfig.check`` and ``check_world_size`` judge the result."""
+    WORLD_SIZE, None when self-started); --dp left out is --dp-shard x --dp-replicate when both
+    are given, else ``world / (tp * cp * pp)`` under torchrun, else 2. Never raises: ``TrainConfig.check`` and ``check_world_size`` judge the result."""
     values = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
     if values["ep"] is None:  # the default: expert parallelism for fastpar's MoE models only
         values["ep"] = 1 if values["hf_config"] or values["init_from_hf"] else TrainConfig.ep
+    shard, replicate = values.get("dp_shard"), values.get("dp_replicate")
+    if values["dp"] is None and shard and replicate:  # any two of dp, S, R give the third
+        values["dp"] = shard * replicate
     if values["dp"] is None:
         world = torchrun_world_size() if world is None else world
         tp_cp = values["tp"] * (values.get("cp") or 1)  # dp = world / (tp * cp * pp)

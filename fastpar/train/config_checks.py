@@ -11,6 +11,7 @@ from dataclasses import fields
 
 from fastpar.cliutil import option_of
 from fastpar.mesh import MeshLayout
+from fastpar.mesh.layout import resolve_dp
 from fastpar.optim.config import OptimizerConfig
 from fastpar.parallel.pipeline.schedules import SCHEDULES, accepting
 from fastpar.train.checks import flag
@@ -18,6 +19,7 @@ from fastpar.train.checks import flag
 
 def mesh_layout(cfg) -> MeshLayout:
     """The run's ``MeshLayout`` (ValueError for an impossible one, naming the flags)."""
+    resolve_dp(cfg.dp, cfg.dp_shard, cfg.dp_replicate, ("--dp", "--dp-shard", "--dp-replicate"))
     try:
         return MeshLayout(
             cfg.world_size,

@@ -42,8 +42,9 @@ class TrainOptions:
         2,
         LAYOUT,
         deferred=True,
-        help="data-parallel size (default 2; under torchrun WORLD_SIZE / (tp*pp)); world size = "
-        "tp*pp*dp",
+        help="data-parallel size (default: --dp-shard x --dp-replicate when both are given, else "
+        "2, under torchrun WORLD_SIZE / (tp*cp*pp)); world size = tp*cp*pp*dp; any two of --dp, "
+        "--dp-shard, --dp-replicate give the third",
     )
     dp_shard: int | None = option(
         None,
