@@ -202,6 +202,24 @@ def _prompt_ids(cfg, prompt: str, tokenizer: str | None) -> torch.Tensor:
     return torch.tensor([ids])
 
 
+def _fitted(ids: torch.Tensor, generate: int, seq_len: int) -> torch.Tensor:
+    """The prompt's first ``seq_len - generate`` tokens (the model saw no position past
+    ``seq_len``), saying so when it cuts; ValueError when ``generate`` leaves no room."""
+    if generate < 0 or generate >= seq_len:
+        raise ValueError(
+            f"--generate {generate} leaves no room for a prompt in the run's seq_len {seq_len}: "
+            f"use 0 to {seq_len - 1}"
+        )
+    room = seq_len - generate
+    if ids.shape[1] > room:
+        print(
+            f"the prompt's {ids.shape[1]} tokens + --generate {generate} exceed the run's seq_len "
+            f"{seq_len}: checking with its first {room} tokens"
+        )
+        ids = ids[:, :room]
+    return ids
+
+
 def _greedy(model: torch.nn.Module, ids: torch.Tensor, n: int) -> torch.Tensor:
     """n greedy tokens without a cache (fastpar's model recomputes the prefix each time)."""
     with torch.no_grad():
@@ -224,12 +242,7 @@ def check(out_dir: str, cfg, state, prompt: str, generate: int, tokenizer: str |
     hf = transformers.AutoModelForCausalLM.from_pretrained(out_dir, **kw)
     hf.eval()
     ours = fastpar_model(cfg, state).eval()
-    ids = _prompt_ids(cfg, prompt, tokenizer)
-    if ids.shape[1] + generate > cfg.seq_len:
-        raise ValueError(
-            f"prompt ({ids.shape[1]} tokens) + --generate {generate} exceeds the run's seq_len "
-            f"{cfg.seq_len}: use a shorter prompt or fewer tokens"
-        )
+    ids = _fitted(_prompt_ids(cfg, prompt, tokenizer), generate, cfg.seq_len)
     with torch.no_grad():
         got, single = hf(ids).logits, ours(ids)
         exact = cast(copy.deepcopy(ours), torch.float64)(ids)

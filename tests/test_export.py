@@ -57,6 +57,26 @@ def test_hf_config_run_exports_under_its_own_names(tmp_path, capsys):
     assert "LlamaForCausalLM" in capsys.readouterr().out
 
 
+def test_check_with_its_defaults_fits_a_short_model(tmp_path, capsys):
+    """The default prompt (24 bytes) on a model trained at --seq-len 16: cut to fit, said so;
+    a --generate that leaves no room for a prompt is refused naming the range."""
+    path = _train(tmp_path, seq_len=16, tp=1, pp=1, dp=1, ep=1)
+    assert export_main([path, str(tmp_path / "hf"), "--check"]) == 0
+    text = capsys.readouterr().out
+    assert (
+        "the prompt's 24 tokens + --generate 0 exceed the run's seq_len 16: checking with its "
+        "first 16 tokens" in text
+    )
+    assert "over 16 tokens" in text and ": equal" in text
+    assert export_main([path, str(tmp_path / "hf2"), "--check", "--generate", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "first 12 tokens" in text and "the same tokens" in text
+    assert export_main([path, str(tmp_path / "hf3"), "--check", "--generate", "16"]) == 2
+    assert "--generate 16 leaves no room for a prompt in the run's seq_len 16: use 0 to 15" in (
+        capsys.readouterr().err
+    )
+
+
 def test_errors(tmp_path, capsys):
     dropping = _train(tmp_path, tp=1, pp=1, dp=1, ep=1, capacity_factor=1.25)
     assert export_main([dropping, str(tmp_path / "hf")]) == 2
