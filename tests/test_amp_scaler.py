@@ -192,3 +192,28 @@ def test_an_infinite_scale_from_a_checkpoint_comes_back_finite_and_backs_off():
             s.load_state_dict(state)
     with pytest.raises(ValueError, match="the loaded loss scale must be positive and finite"):
         ConstantLossScaler(4.0).load_state_dict({"scale": float("nan")})
+
+
+@pytest.mark.parametrize("start", [2.0**40, 1e12, 5000.0, 4096.0, 3.0])
+@pytest.mark.parametrize("hysteresis, backoff", [(2, 0.5), (1, 0.5), (3, 0.25)])
+@pytest.mark.parametrize("used", [0, 1])
+def test_overflows_to_counts_the_steps_the_scaler_really_takes(start, hysteresis, backoff, used):
+    """``overflows_to(4096)`` against the state machine itself: after that many overflows the
+    scale is at or below 4096, one fewer and it is not (none where it starts there)."""
+    scaler = DynamicLossScaler(initial_scale=start, hysteresis=hysteresis, backoff_factor=backoff)
+    for _ in range(used):  # a state part-way: hysteresis spent, the scale maybe lower
+        scaler.update(True)
+    n = scaler.overflows_to(4096.0)
+    before = scaler.state_dict()
+    taken = 0
+    while float(scaler.scale) > 4096.0:
+        scaler.update(True)
+        taken += 1
+    assert n == taken, (n, taken)
+    scaler.load_state_dict(before)
+    assert scaler.overflows_to(float(scaler.scale)) == 0
+
+
+def test_overflows_to_the_floor_counts_the_floor_as_reached():
+    scaler = DynamicLossScaler(initial_scale=64.0, min_scale=8.0, hysteresis=1)
+    assert scaler.overflows_to(1.0) == 3  # 64 -> 32 -> 16 -> 8, the floor

@@ -7,6 +7,7 @@ which no back-off could bring back, never arises.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Literal
 
@@ -187,6 +188,17 @@ class DynamicLossScaler(_Scaled):
         self._pending.append((host, event))
         while self._pending and self._pending[0][1].query():
             self._report(bool(self._pending.pop(0)[0]))
+
+    def overflows_to(self, scale: float) -> int:
+        """How many overflowing steps in a row, from the present state, bring the scale down to
+        ``scale`` or below (0 if it is already there; the hysteresis left is used up first; the
+        floor counts as reached). Reads the state on the host (a sync on a GPU: call it once)."""
+        now, left = float(self._scale), int(self._hysteresis_tracker)
+        target = max(float(scale), self.min_scale)
+        if now <= target:
+            return 0
+        halvings = math.ceil(math.log(now / target) / -math.log(self.backoff_factor) - 1e-9)
+        return max(left - 1, 0) + halvings
 
     def _report(self, stuck: bool) -> None:
         if not stuck:

@@ -242,6 +242,12 @@ class Divergence:
     def __init__(self, cfg, trainer: Trainer) -> None:
         self.cfg, self.trainer, self.streak = cfg, trainer, 0
         self.clean = False  # whether any step has run without an inf/NaN gradient
+        # the back-off from a start scale above the default is not counted: every accepted
+        # --loss-scale (up to 2^40) comes down to the default's 4096 before
+        # --max-skipped-steps applies, as a run started there would
+        scaler = trainer.scaler
+        down = getattr(scaler, "overflows_to", None)
+        self.backing_off = down(TrainConfig.loss_scale) if down is not None else 0
 
     def scan(self, records: list[dict]) -> RunStopped | None:
         """The ``RunStopped`` of the first diverged step of ``records`` (its numbers resolved),
@@ -260,14 +266,22 @@ class Divergence:
                     last,
                     "non-finite loss",
                 )
-            if cfg.max_skipped_steps > 0 and self.streak >= cfg.max_skipped_steps:
+            allowed = cfg.max_skipped_steps + (0 if self.clean else self.backing_off)
+            if cfg.max_skipped_steps > 0 and self.streak >= allowed:
                 scaler = self.trainer.scaler
                 scale = f", loss scale now {float(scaler.scale):g}" if scaler else ""
                 if scaler is not None and not self.clean:
+                    free = (
+                        f"; its first {self.backing_off} skipped steps, the back-off to "
+                        f"{TrainConfig.loss_scale:g}, not counted"
+                        if self.backing_off
+                        else ""
+                    )
                     return RunStopped(
                         f"stopped at step {step}: every step so far ({self.streak}) skipped for "
                         f"inf/NaN gradients while the fp16 loss scaler backs off from its start "
-                        f"--loss-scale {cfg.loss_scale:g} (now {float(scaler.scale):g}): the "
+                        f"--loss-scale {cfg.loss_scale:g} (now {float(scaler.scale):g}"
+                        f"{free}): the "
                         f"start scale is too large, the run has not diverged; pass a lower "
                         f"--loss-scale (default 4096) or a larger --max-skipped-steps "
                         f"({cfg.max_skipped_steps})",

@@ -491,7 +491,8 @@ class TrainOptions:
         20,
         FAILURES,
         help="end the run after this many consecutive steps skipped for inf/NaN gradients (the "
-        "fp16 loss scaler's, or a non-finite gradient norm)",
+        "fp16 loss scaler's, or a non-finite gradient norm); the back-off from a --loss-scale "
+        "above 4096 down to 4096 is not counted",
     )
     debug_checks: bool = option(
         False,
