@@ -237,12 +237,12 @@ def generate_at_tp2(family: str) -> list:
 
 
 def readme_plan() -> dict:
-    """The plan of docs/hf.md's "or a plan of your own" snippet, as written there."""
+    """The plan of docs/hf.md's example (``PLAN = {...}``, a plan of one's own), as written."""
     import ast
     import pathlib
 
     lines = (pathlib.Path(__file__).parents[1] / "docs" / "hf.md").read_text().splitlines()
-    first = next(i for i, line in enumerate(lines) if "# or a plan of your own" in line)
-    last = next(i for i in range(first, len(lines)) if lines[i].strip() == "},")
+    first = next(i for i, line in enumerate(lines) if line.startswith("PLAN = {"))
+    last = next(i for i in range(first, len(lines)) if lines[i].strip() == "}")
     body = [line.split("  #")[0] for line in lines[first : last + 1]]
-    return ast.literal_eval("\n".join(body).strip().rstrip(","))
+    return ast.literal_eval("\n".join(body).removeprefix("PLAN = "))

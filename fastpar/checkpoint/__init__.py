@@ -17,6 +17,7 @@ from fastpar.checkpoint.dcp import from_dtensor_state_dict, to_dtensor_state_dic
 from fastpar.checkpoint.directory import latest_checkpoint
 from fastpar.checkpoint.export import export_state_dict, import_state_dict
 from fastpar.checkpoint.format import CheckpointError
+from fastpar.checkpoint.gather import gather_grads, gather_like
 from fastpar.checkpoint.hf import (
     LoadStats,
     ShardedSaveError,
@@ -47,6 +48,8 @@ __all__ = [
     "export_hf",
     "export_state_dict",
     "from_dtensor_state_dict",
+    "gather_grads",
+    "gather_like",
     "gather_state",
     "guard_save_pretrained",
     "import_state_dict",

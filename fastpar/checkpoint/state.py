@@ -4,7 +4,11 @@ the unsharded, unpadded global tensor (``global_index``), read from the paramete
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
+from torch import nn
 
 from fastpar.mesh.placement import (
     expert_layout,
@@ -173,3 +177,26 @@ def writes_on_this_rank(p: torch.Tensor, mesh, *, dp_sharded: bool) -> bool:
     if mesh is None:
         return True
     return holds_reference_copy(p, mesh, data_parallel=not dp_sharded, duplicates=False)
+
+
+def _groups_by_identity(tensors: Mapping[str, torch.Tensor]) -> list[tuple[list[str], Any]]:
+    """[(every name of one tensor object, that tensor)] in first-seen order (ties grouped)."""
+    out: dict[int, tuple[list[str], Any]] = {}
+    for name, t in tensors.items():
+        out.setdefault(id(t), ([], t))[0].append(name)
+    return list(out.values())
+
+
+def _targets(model_or_named_params) -> list[tuple[list[str], torch.Tensor]]:
+    """[(names of one tensor, tensor)]: a module's parameters and persistent buffers (tied
+    parameters under all their names), or a {name: tensor} dict."""
+    if isinstance(model_or_named_params, nn.Module):
+        tensors = model_or_named_params.state_dict(keep_vars=True)
+    elif isinstance(model_or_named_params, Mapping):
+        tensors = model_or_named_params
+    else:
+        raise TypeError(
+            f"expected an nn.Module or a {{name: tensor}} dict, got "
+            f"{type(model_or_named_params).__name__}"
+        )
+    return _groups_by_identity(tensors)

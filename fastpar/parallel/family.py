@@ -341,6 +341,31 @@ class FlatDataParallel(OptimizerFront):
         """This rank's fp32 reduced gradients, one per flat ([S]; [padded] when replicated)."""
         return [f.reduced for f in self.flats]
 
+    def grad_pieces(self) -> list[tuple[nn.Parameter, torch.Size, torch.Tensor, int, int]]:
+        """(parameter, its local shape, values, start, stop): the reduced gradient this rank
+        holds for the optimizer, per parameter piece (elements [start, stop) of the flattened
+        local parameter), one holder per piece among the data-parallel replicas (the first);
+        tied copies summed over their stages (on a copy: ``step`` sums its own). Call it after
+        backward (``finish_grad_sync`` under a pipeline), before ``step``: what
+        ``fastpar.checkpoint.gather_grads(..., wrapper=)`` reads. Collective over the tied
+        groups. Values are scaled by the loss scale under fp16, as the optimizer sees them."""
+        self.finish_grad_sync()
+        out: list = []
+        for f in self.flats:
+            src = f.grad if f.in_place else f.reduced
+            if src is None:
+                continue
+            if f.tied and not f.in_place:
+                src = src.clone()
+                for g in f.tied:
+                    dist.all_reduce(src, group=g)
+            if (not f.sharded and f.rank != 0) or f.replicate_rank != 0:
+                continue
+            for o in f.owned():
+                values = src[o.shard_start : o.shard_stop].detach()
+                out.append((f.params[o.index], f.shapes[o.index], values, o.start, o.stop))
+        return out
+
     @contextlib.contextmanager
     def summon_full_params(self) -> Iterator[None]:
         """The full parameters, readable inside the block: gathered at stage 3 (collective:

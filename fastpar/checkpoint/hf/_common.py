@@ -6,10 +6,8 @@ from __future__ import annotations
 import importlib
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
 
-import torch
-from torch import nn
+from fastpar.checkpoint.state import _groups_by_identity, _targets  # noqa: F401 (re-exported)
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -56,26 +54,3 @@ def _short(names, limit: int = 8) -> str:
     names = list(names)
     more = f", ... ({len(names)} in all)" if len(names) > limit else ""
     return ", ".join(repr(n) for n in names[:limit]) + more
-
-
-def _groups_by_identity(tensors: Mapping[str, torch.Tensor]) -> list[tuple[list[str], Any]]:
-    """[(every name of one tensor object, that tensor)] in first-seen order (ties grouped)."""
-    out: dict[int, tuple[list[str], Any]] = {}
-    for name, t in tensors.items():
-        out.setdefault(id(t), ([], t))[0].append(name)
-    return list(out.values())
-
-
-def _targets(model_or_named_params) -> list[tuple[list[str], torch.Tensor]]:
-    """[(names of one tensor, tensor)]: a module's parameters and persistent buffers (tied
-    parameters under all their names), or a {name: tensor} dict."""
-    if isinstance(model_or_named_params, nn.Module):
-        tensors = model_or_named_params.state_dict(keep_vars=True)
-    elif isinstance(model_or_named_params, Mapping):
-        tensors = model_or_named_params
-    else:
-        raise TypeError(
-            f"load_hf takes an nn.Module or a {{name: tensor}} dict, got "
-            f"{type(model_or_named_params).__name__}"
-        )
-    return _groups_by_identity(tensors)
