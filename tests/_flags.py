@@ -53,3 +53,13 @@ def argv(**options) -> list[str]:
         elif value is not None:
             out += [flag, str(value)]
     return out
+
+
+#: the fastpar-model size flags: --hf-config refuses them (its config sets the model)
+SIZES = ("hidden", "heads", "layers")
+
+
+def with_hf_config(config: dict, path: str) -> dict:
+    """``config`` training the Hugging Face model of the config file ``path``: its fastpar-model
+    size flags (``SIZES``) left out."""
+    return {**{k: v for k, v in config.items() if k not in SIZES}, "hf_config": str(path)}

@@ -54,7 +54,8 @@ SMALL = dict(
 
 
 def _run(**overrides) -> list[dict]:
-    return launch(TrainConfig(**{**SMALL, **overrides}))
+    # a value None leaves the field out: its default
+    return launch(TrainConfig(**{k: v for k, v in {**SMALL, **overrides}.items() if v is not None}))
 
 
 def _losses(records) -> list[float]:
@@ -531,7 +532,7 @@ def _model_flags(kind: str, tmp_path_factory) -> dict:
     path = tmp_path_factory.mktemp("qwen3") / "config.json"
     path.write_text(json.dumps(hf.config("qwen3", vocab_size=300).to_dict()))  # tied embeddings
     hf.build("qwen3")  # transformers' model modules imported once, here, not in every rank
-    return dict(hf_config=str(path))
+    return dict(hf_config=str(path), hidden=None, heads=None, layers=None)
 
 
 @pytest.fixture(scope="module", params=["gpt", "llama", "qwen3"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from _flags import tiny_config
+from _flags import SIZES, tiny_config, with_hf_config
 from _hf import config as hf_config
 from _hf import transformers
 
@@ -18,7 +18,8 @@ SMALL = tiny_config(seq_len=32)
 
 
 def _train(tmp_path, **kw) -> str:
-    cfg = TrainConfig(**{**SMALL, **kw, "checkpoint_dir": str(tmp_path / "ckpt"), "save_every": 2})
+    small = {k: v for k, v in SMALL.items() if "hf_config" not in kw or k not in SIZES}
+    cfg = TrainConfig(**{**small, **kw, "checkpoint_dir": str(tmp_path / "ckpt"), "save_every": 2})
     launch(cfg)
     return str(tmp_path / "ckpt" / "step_000002")
 
@@ -52,7 +53,7 @@ def test_llama_run_exports_and_matches(tmp_path, capsys):
 def test_hf_config_run_exports_under_its_own_names(tmp_path, capsys):
     path = tmp_path / "llama.json"
     path.write_text(json.dumps(hf_config("llama", vocab_size=300).to_dict()))
-    ckpt = _train(tmp_path, hf_config=str(path), tp=2, pp=2, dp=1, ep=1)
+    ckpt = _train(tmp_path, **with_hf_config(dict(tp=2, pp=2, dp=1, ep=1), path))
     assert export_main([ckpt, str(tmp_path / "hf"), "--check"]) == 0
     assert "LlamaForCausalLM" in capsys.readouterr().out
 

@@ -15,6 +15,7 @@ import dataclasses
 
 import pytest
 import torch
+from _flags import with_hf_config
 from _trainer import first_step_gradients
 
 from fastpar.train import TrainConfig, batch_of, launch
@@ -344,9 +345,7 @@ def test_hugging_face_models_with_packed_documents_agree(data, tmp_path, family,
 
     path = tmp_path / f"{family}.json"
     path.write_text(json.dumps(hf_config(family, vocab_size=300).to_dict()))
-    base = {**SMALL, **layout, "hf_config": str(path), "microbatches": 2}
-    for key in ("hidden", "heads", "layers"):
-        base.pop(key)
+    base = with_hf_config({**SMALL, **layout, "microbatches": 2}, path)
     cfg = TrainConfig(**base, data=data)
     ok, text = compare(cfg)
     assert ok, text

@@ -111,6 +111,13 @@ def test_loss_falls_through_the_cli(tmp_path, capfd):
         (["--seq-len", "100"], "--seq-len 100 exceeds the config's 64 positions"),
         (["--vocab-size", "512"], "--vocab-size 512 differs from the config's vocab_size 300"),
         (["--sequence-parallel"], "--sequence-parallel is not supported with --hf-config"),
+        # the size flags were ignored: the run trained the config's model
+        (["--hidden", "128"], "--hidden does not apply with --hf-config (the config sets"),
+        (["--layers", "8"], "--layers does not apply with --hf-config"),
+        (["--heads", "8"], "--heads does not apply with --hf-config"),
+        (["--rope-theta", "5e5"], "--rope-theta does not apply with --hf-config"),
+        (["--experts", "8"], "--experts does not apply with --hf-config"),
+        (["--moe-every", "3"], "--moe-every does not apply with --hf-config"),
     ],
 )
 def test_cli_errors(tmp_path, capsys, extra, message):

@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from _flags import tiny_argv, tiny_config
+from _flags import tiny_argv, tiny_config, with_hf_config
 from _no_ranks import forbid_ranks
 
 from fastpar import checkpoint
@@ -201,7 +201,7 @@ def test_routing_flags_do_not_apply_with_hf_config(tmp_path):
     path = tmp_path / "config.json"
     path.write_text('{"model_type": "llama", "vocab_size": 64}')
     cfg = TrainConfig(
-        **{**SMALL, "tp": 1, "pp": 1, "dp": 1, "ep": 1, "hf_config": str(path), "expert_bias": True}
+        **with_hf_config({**SMALL, "tp": 1, "pp": 1, "dp": 1, "ep": 1, "expert_bias": True}, path)
     )
     with pytest.raises(ValueError, match="--expert-bias does not apply with --hf-config"):
         cfg.check()

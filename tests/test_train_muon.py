@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from _flags import with_hf_config
 
 from fastpar.optim import Muon
 from fastpar.optim import muon_matrices as mm
@@ -134,7 +135,7 @@ def _hf_file(tmp_path, family: str) -> str:
 def test_hf_families_muon_cannot_tell_apart_are_refused(tmp_path, family, what):
     pytest.importorskip("transformers")
     cfg = TrainConfig(
-        **{**SMALL, **MUON, "tp": 1, "pp": 1, "hf_config": _hf_file(tmp_path, family)}
+        **with_hf_config({**SMALL, **MUON, "tp": 1, "pp": 1}, _hf_file(tmp_path, family))
     )
     with pytest.raises(ValueError, match=f"--optimizer muon with --hf-config {family}: its {what}"):
         build(cfg, None, torch.device("cpu"))
@@ -145,7 +146,7 @@ def test_verify_agrees_on_an_hf_model(tmp_path):
     """Qwen3 (separate q/k/v projections, q/k norms, tied embeddings across stages)."""
     pytest.importorskip("transformers")
     layout = dict(tp=2, pp=2, dp=2, ep=1, zero=1, seq_len=16)
-    cfg = TrainConfig(**{**SMALL, **MUON, **layout, "hf_config": _hf_file(tmp_path, "qwen3")})
+    cfg = TrainConfig(**with_hf_config({**SMALL, **MUON, **layout}, _hf_file(tmp_path, "qwen3")))
     ok, text = compare(cfg)
     assert ok, text
 

@@ -233,6 +233,7 @@ class TrainConfig(TrainOptions):
 
         own = (
             "model_type",
+            *("hidden", "heads", "layers", "rope_theta", "norm", "experts", "top_k"),
             "kv_heads",
             "head_dim",
             "qk_norm",
@@ -245,6 +246,8 @@ class TrainConfig(TrainOptions):
             *ROUTING_DEFAULTS,
         )
         name = _first_changed(self, defaults, own)
+        if name is None and self.moe_every not in (0, defaults.moe_every):
+            name = "moe_every"  # 0 (no fastpar MoE block) says nothing about the config's
         if name is not None:
             raise ValueError(
                 f"{flag(name)} does not apply with --hf-config (the config sets the model)"
