@@ -240,6 +240,43 @@ def test_check_refuses_detached_shards_however_called():
     run_ranks(_state_dict_check, 2, timeout=120)
 
 
+def _nested_check() -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    mesh = make_mesh(tp=2)
+    model = _tp_model(mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()  # the moments exist
+    # a module's state dict one level down (a trainer's {"model": ..., "optim": ...})
+    with pytest.raises(ValueError, match=r"state_dict\['model'\]\['col.weight'\].*split over 2"):
+        check_dcp_state_dict({"model": model.state_dict(), "step": 3})
+    with pytest.raises(ValueError, match=r"state_dict\['parts'\]\[1\]\['w'\].*split over 2"):
+        check_dcp_state_dict({"parts": [{}, {"w": model["row"].weight.detach()}]})
+    # the optimizer's moments of a split weight are shards too (their own tensors, no marks):
+    # torch's get_state_dict keys them by the parameter's name; the step count passes
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = optim_sd["state"]
+    assert state["col.weight"]["exp_avg"].shape == model["col"].weight.shape
+    with pytest.raises(ValueError, match=r"\['state'\]\['col.weight'\]\['exp_avg'\].*split"):
+        check_dcp_state_dict({"optim": optim_sd}, model)
+    replicated = {k: v for k, v in state.items() if k.startswith(("ln", "row.bias"))}
+    check_dcp_state_dict({"optim": {"state": replicated}}, model)
+    # torch's own optimizer.state_dict() numbers the parameters: traced with optimizer=
+    numbered = opt.state_dict()
+    first = next(i for i, p in enumerate(model.parameters()) if p is model["col"].weight)
+    with pytest.raises(ValueError, match=rf"\['state'\]\[{first}\]\['exp_avg'\].*split"):
+        check_dcp_state_dict({"optim": numbered}, optimizer=opt)
+    # without the optimizer its numbers name nothing: documented as not traced
+    check_dcp_state_dict({"optim": numbered})
+    del model_sd
+
+
+def test_check_looks_inside_nested_dicts_and_the_optimizer_state():
+    run_ranks(_nested_check, 2, timeout=120)
+
+
 def test_marked_shard_registry_holds_parameters_weakly():
     p = nn.Parameter(torch.randn(4, 3))
     e = nn.Parameter(torch.randn(2, 3))

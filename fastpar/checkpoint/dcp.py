@@ -197,30 +197,62 @@ def load(model_params: Mapping[str, torch.Tensor], checkpoint_id, mesh, **kwargs
     from_dtensor_state_dict(state_dict, model_params, mesh)
 
 
-def check_state_dict(state_dict: Mapping, model: nn.Module | None = None) -> None:
-    """Raise if ``state_dict`` (for DCP) holds a plain tensor that is this rank's shard of a
-    tensor split over several ranks (a fastpar TP or EP mark): DCP would save one rank's shard
-    and reload it everywhere. A value is checked by its own marks (``named_parameters()``),
-    by those of ``model``'s parameter of the same name, and by those of the live marked
-    parameter whose memory it is (``fastpar.mesh.placement.marked_shard_of``), so the detached
-    tensors of ``model.state_dict()`` are refused too. A copy (``.clone()``, a tensor moved to
-    another device) cannot be traced back to its parameter and is not refused."""
+def check_state_dict(
+    state_dict: Mapping,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> None:
+    """Raise if ``state_dict`` (for DCP) holds, at any depth (nested dicts, lists, an optimizer's
+    state), a plain tensor that is this rank's shard of a tensor split over several ranks (a
+    fastpar TP or EP mark): DCP would save one rank's shard and reload it everywhere. A value is
+    checked by its own marks (``named_parameters()``), by those of the live marked parameter
+    whose memory it is (``fastpar.mesh.placement.marked_shard_of``), so the detached tensors of
+    ``model.state_dict()`` are refused too, and by those of the parameter it belongs to: under a
+    key that is the name of ``model``'s parameter (a value, or a non-scalar tensor anywhere
+    inside it: the per-parameter optimizer state of
+    ``torch.distributed.checkpoint.state_dict.get_state_dict``, keyed by names) or, with
+    ``optimizer``, under ``state`` / its parameter's number (``optimizer.state_dict()``). A
+    copy (``.clone()``, a tensor moved to another device) under no such key cannot be traced
+    back to its parameter and is not refused."""
     marked = dict(model.named_parameters(remove_duplicate=False)) if model is not None else {}
-    index = None
-    for name, value in state_dict.items():
+    numbered: dict[int, torch.Tensor] = {}
+    if optimizer is not None:  # optimizer.state_dict() numbers its parameters group by group
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        numbered = dict(enumerate(params))
+    index: dict | None = None
+
+    def walk(value, where: str, owner: torch.Tensor | None, key) -> None:
+        nonlocal index
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                here = owner
+                if isinstance(k, str) and k in marked:
+                    here = marked[k]
+                elif isinstance(k, int) and key == "state" and k in numbered:
+                    here = numbered[k]
+                walk(v, f"{where}[{k!r}]", here, k)
+            return
+        if isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, f"{where}[{i}]", owner, key)
+            return
         if not isinstance(value, torch.Tensor) or is_dtensor(value):
-            continue
-        ranks = max(_split_over(value), _split_over(marked.get(name)))
+            return
+        ranks = _split_over(value)
+        if owner is not None and value.dim() > 0:  # a scalar (a step count) is no shard
+            ranks = max(ranks, _split_over(owner))
         if ranks == 1:
             index = marked_shard_index() if index is None else index
             ranks = _split_over(marked_shard_of(value, index))
         if ranks > 1:
             raise ValueError(
-                f"state_dict[{name!r}] is this rank's shard of a tensor split over {ranks} "
-                f"ranks: torch.distributed.checkpoint would keep one rank's shard and reload it "
-                f"on every rank; convert with fastpar.checkpoint.dcp.to_dtensor_state_dict("
+                f"{where} is this rank's shard of a tensor split over {ranks} ranks: "
+                f"torch.distributed.checkpoint would keep one rank's shard and reload it on "
+                f"every rank; convert with fastpar.checkpoint.dcp.to_dtensor_state_dict("
                 f"params, mesh), or use fastpar.checkpoint.save"
             )
+
+    walk(state_dict, "state_dict", None, None)
 
 
 def _split_over(t: torch.Tensor | None) -> int:
