@@ -205,6 +205,17 @@ def test_a_vocabulary_past_uint16_needs_data_dtype_uint32(command, tmp_path, mon
     )
 
 
+def test_a_missing_bin_file_is_missing_whatever_the_vocabulary(tmp_path, capsys):
+    """The file's absence first: the uint32 rule for a vocabulary above 65,535 is about a file."""
+    from fastpar.train import main
+
+    missing = str(tmp_path / "missing.bin")
+    for vocab in ("512", "70000"):
+        assert main([*SMALL_RUN, "--data", missing, "--vocab-size", vocab]) == 2
+        err = capsys.readouterr().err
+        assert f"data file {missing!r} does not exist" in err and "uint32" not in err
+
+
 def test_bin_dtype(tmp_path):
     assert data.bin_dtype(None, 65_536, "x.bin") == "uint16"  # ids 0..65535 fit
     assert data.bin_dtype("uint32", 512, "x.bin") == "uint32"

@@ -219,6 +219,8 @@ class TrainConfig(TrainOptions):
                     f">= {n}"
                 )
         if (self.data or "").endswith(".bin"):  # resolved here: checkpoints record it
+            if not os.path.isfile(self.data):  # before its dtype: no file, no dtype to choose
+                raise ValueError(f"data file {self.data!r} does not exist")
             self.data_dtype = bin_dtype(self.data_dtype, self.vocab, self.data)
 
     def _check_hf(self, defaults: TrainConfig) -> None:
