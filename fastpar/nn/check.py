@@ -99,12 +99,16 @@ def _eval(model: nn.Module):
 
 
 def _copy(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` sharing its process groups (which cannot be copied)."""
+    """A deep copy of ``model`` sharing its process groups (which cannot be copied) and its
+    modules' ``config`` objects (read, not changed, by the runs: ``_configs_kept``)."""
     memo: dict[int, object] = {}
     for m in model.modules():
         for v in vars(m).values():
             if isinstance(v, dist.ProcessGroup):
                 memo[id(v)] = v
+        cfg = getattr(m, "config", None)
+        if cfg is not None and not isinstance(cfg, (nn.Module, torch.Tensor)):
+            memo[id(cfg)] = cfg
     try:
         return copy.deepcopy(model, memo)
     except Exception as exc:
@@ -113,6 +117,26 @@ def _copy(model: nn.Module) -> nn.Module:
             f"float64 reference) and copy.deepcopy failed ({type(exc).__name__}: {exc}); pass "
             "check=False to skip the probe and the check"
         ) from exc
+
+
+class _configs_kept:
+    """Within it, the model's ``config`` objects may change; their attributes are put back on
+    exit."""
+
+    def __init__(self, model: nn.Module):
+        self.saved = {}
+        for m in model.modules():
+            cfg = getattr(m, "config", None)
+            if cfg is not None and hasattr(cfg, "__dict__") and id(cfg) not in self.saved:
+                self.saved[id(cfg)] = (cfg, dict(vars(cfg)))
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc) -> None:
+        for cfg, attrs in self.saved.values():
+            vars(cfg).clear()
+            vars(cfg).update(attrs)
 
 
 def dense_runs(model: nn.Module, inputs, backward: bool) -> Dense | None:
@@ -139,14 +163,15 @@ def dense_runs(model: nn.Module, inputs, backward: bool) -> Dense | None:
             tolerance.nudge(twin)
             for r in _run(twin, inputs, backward):
                 (ref.out if isinstance(r, torch.Tensor) else ref.grads).append(r)
-            with torch.no_grad():
-                twin.load_state_dict(model.state_dict())
             for p in twin.parameters():
                 p.grad = None
-            exact = tolerance.cast(twin, torch.float64)
-            args, kwargs = tree_map_float(inputs, torch.float64)
-            for r in _run(exact, (args, kwargs), backward):
-                (ref.out if isinstance(r, torch.Tensor) else ref.grads).append(r)
+            with _configs_kept(model):  # cast may switch a shared config's experts path
+                exact = tolerance.cast(twin, torch.float64)
+                with torch.no_grad():  # the model's own values, promoted as they are copied
+                    exact.load_state_dict(model.state_dict())
+                args, kwargs = tree_map_float(inputs, torch.float64)
+                for r in _run(exact, (args, kwargs), backward):
+                    (ref.out if isinstance(r, torch.Tensor) else ref.grads).append(r)
             del twin, exact
     finally:
         model.train(was)
@@ -154,6 +179,131 @@ def dense_runs(model: nn.Module, inputs, backward: bool) -> Dense | None:
     widest = max((max(p.shape) for p in model.parameters() if p.dim()), default=1)
     ref.length = max(tokens, widest, 1)
     return ref
+
+
+_SIMPLE = (int, float, bool, str, type(None))
+
+
+def _simple_attrs(module: nn.Module) -> dict[str, object]:
+    """The plain values a module keeps (head counts, a sliding window, a flag): what may make
+    two blocks with equal parameters compute otherwise."""
+    out = {}
+    for k, v in vars(module).items():
+        if k.startswith("_") or k == "training":
+            continue
+        if isinstance(v, _SIMPLE) or (
+            isinstance(v, tuple) and all(isinstance(x, _SIMPLE) for x in v)
+        ):
+            out[k] = v
+        elif callable(v) and not isinstance(v, (nn.Module, torch.Tensor, type)):
+            # a function kept as an attribute (an activation): by name, else by identity
+            qual = getattr(v, "__qualname__", None)
+            out[k] = (getattr(v, "__module__", None), qual) if qual else ("id", id(v))
+    return out
+
+
+def _numbers(values: list) -> bool:
+    """Whether ``values`` (one per child, in order) number the children: n, n + 1, ..."""
+    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+    return ints and values == list(range(values[0], values[0] + len(values)))
+
+
+def distinct_blocks(model: nn.Module, chosen: Mapping[str, tuple]) -> dict[str, dict[str, str]]:
+    """{name of an outermost ``nn.ModuleList``: {child's key: the key of the first child of its
+    kind}} for the lists whose children repeat. Two children are of a kind when they have the
+    same class, submodules, parameter shapes and dtypes, buffers (values too), planned styles
+    and plain attributes (values, tuples of them, functions; one that numbers the children,
+    as ``layer_idx``, left out). The probe and the
+    check run on the first child of each kind only (``only``); what the probe finds for it
+    holds for its copies (``to_copies``)."""
+    out: dict[str, dict[str, str]] = {}
+    inside: list[str] = []
+    for name, lst in model.named_modules():
+        if not isinstance(lst, nn.ModuleList) or len(lst) < 2:
+            continue
+        if any(name == p or name.startswith(p + ".") for p in inside):
+            continue  # inside a list already considered (experts inside a block: all kept)
+        inside.append(name)
+        children = list(lst._modules.items())
+        attrs = {
+            k: {(rel, a): v for rel, m in c.named_modules() for a, v in _simple_attrs(m).items()}
+            for k, c in children
+        }
+        keys = set().union(*(a.keys() for a in attrs.values()))
+        numbering = {  # an attribute that counts the children (layer_idx): not their kind
+            key for key in keys if _numbers([a.get(key) for a in attrs.values()])
+        }
+        first: dict = {}  # kind -> [(key, buffers)] of the first child of each kind
+        rep = {}
+        for k, c in children:
+            prefix = f"{name}.{k}" if name else k
+            kind = (
+                type(c),
+                tuple((rel, type(m)) for rel, m in c.named_modules()),
+                tuple(
+                    (rel, tuple(p.shape), p.dtype, p.requires_grad)
+                    for rel, p in c.named_parameters(remove_duplicate=False)
+                ),
+                tuple((rel, tuple(b.shape), b.dtype) for rel, b in c.named_buffers()),
+                tuple(
+                    (n[len(prefix) :], repr(style))
+                    for n, style in chosen.items()
+                    if n == prefix or n.startswith(prefix + ".")
+                ),
+                tuple(
+                    sorted(
+                        (repr(key), repr(v)) for key, v in attrs[k].items() if key not in numbering
+                    )
+                ),
+            )
+            buffers = [b for _, b in c.named_buffers()]
+            same = [  # equal buffer values too (a per-block table of numbers)
+                r
+                for r, theirs in first.get(kind, [])
+                if all(torch.equal(a, b) for a, b in zip(buffers, theirs, strict=True))
+            ]
+            if not same:
+                first.setdefault(kind, []).append((k, buffers))
+            rep[k] = same[0] if same else k
+        if len(set(rep.values())) < len(children):
+            out[name] = rep
+    return out
+
+
+def to_copies(names, blocks: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
+    """{name: the name it stands for}: each of ``names`` under a kept child of ``blocks``, and
+    the same name under each copy of that child."""
+    out = {n: n for n in names}
+    for lst, rep in blocks.items():
+        for key, first in rep.items():
+            if key == first:
+                continue
+            head, other = f"{lst}.{first}" if lst else first, f"{lst}.{key}" if lst else key
+            for n in names:
+                if n == head or n.startswith(head + "."):
+                    out[other + n[len(head) :]] = n
+    return out
+
+
+class only:
+    """Within it, each ``nn.ModuleList`` named in ``blocks`` (``distinct_blocks``) holds only
+    the first child of each kind, under its own key (parameter names unchanged); restored on
+    exit."""
+
+    def __init__(self, model: nn.Module, blocks: Mapping[str, Mapping[str, str]]):
+        self.model, self.blocks, self.saved = model, blocks, []
+
+    def __enter__(self) -> None:
+        modules = dict(self.model.named_modules())
+        for name, keep in self.blocks.items():
+            lst = modules[name]
+            self.saved.append((lst, lst._modules))
+            lst._modules = {k: v for k, v in lst._modules.items() if keep.get(k) == k}
+
+    def __exit__(self, *exc) -> None:
+        for lst, children in self.saved:
+            lst._modules = children
+        self.saved.clear()
 
 
 def tree_map_float(inputs, dtype):
@@ -188,6 +338,9 @@ def _local(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor | None:
         g = rank * n + i
     if full.dim() <= d or full.shape[d] != size:
         return None
+    if fused == 1 and (rank + 1) * n <= size:  # a plain slice, no padding: a view
+        part = full.narrow(d, rank * n, n)
+        return part if part.shape == p.shape else None
     part = full.index_select(d, g.clamp(max=size - 1).to(full.device))
     shape = [1] * full.dim()
     shape[d] = n
@@ -265,6 +418,7 @@ def parallel_run(model, inputs, ref: Dense, tp_group, world: int, own=frozenset(
 
 def _grads(named, ref: Dense, verdict: Verdict, tp_group, world: int, own) -> None:
     single, twin, exact = ref.grads
+    copies: dict[str, torch.Tensor] = {}  # replicated gradients: equal on every TP rank
     for name, p in named.items():
         if not p.requires_grad:
             continue
@@ -284,11 +438,18 @@ def _grads(named, ref: Dense, verdict: Verdict, tp_group, world: int, own) -> No
         verdict.grads[name] = cmp
         layout = param_layout(p)
         if world > 1 and name not in own and (layout is None or layout.kind == "replicated"):
-            hi, lo = grad.detach().double().clone(), grad.detach().double().clone()
-            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=tp_group)
-            dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=tp_group)
-            spread = float((hi - lo).max()) if hi.numel() else 0.0
-            verdict.spread[name] = spread / cmp.bound if cmp.bound > 0 else float(spread > 0) * 1e30
+            copies[name] = grad.detach().double().reshape(-1)
+    if copies:  # the spread across the TP ranks of every copy, in one collective: max(g), max(-g)
+        flat = torch.cat(list(copies.values()))
+        both = torch.cat([flat, -flat])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=tp_group)
+        spreads = (both[: flat.numel()] + both[flat.numel() :]).split(
+            [t.numel() for t in copies.values()]
+        )
+        for (name, _), spread in zip(copies.items(), spreads, strict=True):
+            spread = float(spread.max()) if spread.numel() else 0.0
+            bound = verdict.grads[name].bound
+            verdict.spread[name] = spread / bound if bound > 0 else float(spread > 0) * 1e30
 
 
 def refuse(verdict: Verdict, model: nn.Module, per_head, whole=()) -> None:

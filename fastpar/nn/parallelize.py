@@ -299,8 +299,10 @@ def _split(
     mesh,
     heads,
     world,
+    blocks,
 ):
-    """Probe, run the dense references, swap, divide heads, slice per-head lists, retie and
+    """Probe, run the dense references (``blocks``: each distinct block once, emptied when
+    the model cannot run so), swap, divide heads, slice per-head lists, retie and
     hook the reduced gradients; returns (reduced, the dense references or None, sliced)."""
     ref = None
     if inputs is not None:
@@ -310,20 +312,40 @@ def _split(
             if STYLES[s].layer
         }
         try:
-            report, _ = probe(model, *inputs, styles, watched)
+            try:  # each distinct block once (a model that cannot run so: all of them)
+                with _check.only(model, blocks):
+                    report, _ = probe(model, *inputs, styles, watched)
+            except ProbeFailed:
+                if not blocks:
+                    raise
+                blocks.clear()
+                report, _ = probe(model, *inputs, styles, watched)
         except ProbeFailed as exc:
             raise ValueError(
                 f"parallelize: the dense {type(model).__name__} failed on the probe input "
                 f"({exc}); pass example_inputs= that its forward accepts, "
                 "or check=False"
             ) from exc
+        # what the probe saw of a block's parameters and modules holds for its copies
+        uses = _check.to_copies(report.uses, blocks)
+        report.uses = {n: report.uses[first] for n, first in uses.items()}
+        shared = _check.to_copies(report.shared, blocks)
+        report.shared = {n: report.shared[first] for n, first in shared.items()}
         reduced = _analyse(report, chosen, modules, watched_owner)
         _shared_keys(report, chosen, modules, record)
         record.probed = True
         record.found_by_probe = [
             n for n in reduced if not _declares_reduced(_style_at(chosen, watched_owner[n]))
         ]
-        ref = _check.dense_runs(model, inputs, backward=mode == "backward")
+        backward = mode == "backward"
+        try:  # each distinct block once (a model that cannot run so: all of them)
+            with _check.only(model, blocks):
+                ref = _check.dense_runs(model, inputs, backward=backward)
+        except Exception:
+            if not blocks:
+                raise
+            blocks.clear()
+            ref = _check.dense_runs(model, inputs, backward=backward)
     else:
         reduced = _unprobed(chosen, modules, attention, watched_owner)
     parents = sorted(
@@ -374,7 +396,8 @@ def parallelize(
     the dense model (fp32, its twin and a float64 copy, ``fastpar.tolerance``'s rule): the
     output and every parameter's gradient, the parameters that stay in place perturbed first and
     restored bit for bit (``fastpar.nn.check``; about four forward and backward passes
-    and, at peak, about 7x the model's fp32 size in memory, freed on return); "forward"
+    of the embeddings, the head and the first block of each kind in a stack of repeated blocks
+    and, at peak, about 7x their fp32 size in memory, freed on return); "forward"
     compares the output alone; False skips the probe and the check (then parameters inside
     split attention modules must be declared "per_head" or "replicate"). ``loss_parallel``: a built-in plan leaves the logits split over the vocabulary
     (for ``vocab_parallel_cross_entropy``) instead of gathering them.
@@ -435,6 +458,8 @@ def parallelize(
         n: p for n, p in model.named_parameters() if n in watched_owner and id(p) not in swapped
     }
     saved = _check.perturb(watched_params) if inputs is not None and mode == "backward" else {}
+    # the check runs each distinct block of a repeated stack once (docs/hf.md, "The check")
+    blocks = _check.distinct_blocks(model, chosen) if inputs is not None else {}
     try:
         reduced, ref, sliced = _split(
             model,
@@ -451,9 +476,10 @@ def parallelize(
             mesh,
             heads,
             world,
+            blocks,
         )
         if ref is not None:
-            with _check.tracking(model) as where:
+            with _check.tracking(model) as where, _check.only(model, blocks):
                 try:
                     verdict = _check.parallel_run(model, inputs, ref, tp_group, world, set(sliced))
                 except Exception as exc:
