@@ -54,10 +54,15 @@ def test_single_process_roundtrip(tmp_path):
     assert checkpoint.verify(path)["step"] == 2 and not os.path.exists(path + ".old")
 
 
-def test_truncated_shard_is_refused(tmp_path):
+def _saved_shard(tmp_path) -> tuple[str, str]:
+    """A ``_tiny_checkpoint`` under ``tmp_path``: (its path, its rank 0's shard)."""
     path = str(tmp_path / "c")
     _tiny_checkpoint(path)
-    shard = os.path.join(path, "rank00000.pt")
+    return path, os.path.join(path, "rank00000.pt")
+
+
+def test_truncated_shard_is_refused(tmp_path):
+    path, shard = _saved_shard(tmp_path)
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) // 2)
     with pytest.raises(CheckpointError, match=r"rank00000\.pt has \d+ bytes.*truncated"):
@@ -65,9 +70,7 @@ def test_truncated_shard_is_refused(tmp_path):
 
 
 def test_corrupted_byte_is_refused(tmp_path):
-    path = str(tmp_path / "c")
-    _tiny_checkpoint(path)
-    shard = os.path.join(path, "rank00000.pt")
+    path, shard = _saved_shard(tmp_path)
     with open(shard, "r+b") as f:
         f.seek(os.path.getsize(shard) // 2)
         byte = f.read(1)

@@ -178,6 +178,21 @@ def test_hf_mapping_refuses_what_hf_does_not_compute():
         from_hf({**hf_state, "model.layers.3.mlp.gate.weight": torch.zeros(1)}, config)
 
 
+def _trained_and_exported(tmp_path, **layout):
+    """A DeepSeek of 3 layers under DeepSeek-V3's routing trained 2 steps at ``layout``, saved at
+    step 2 and exported by ``python -m fastpar.export``'s code to ``tmp_path / "hf"``: (the
+    run's TrainConfig, the exported state, the HF config)."""
+    from fastpar.export import export
+    from fastpar.train import TrainConfig, launch
+
+    ckpt = tmp_path / "ckpt"
+    run = tiny_config(DEEPSEEK, model_type="deepseek", layers=3, **layout)
+    cfg = TrainConfig(**run, checkpoint_dir=str(ckpt), save_every=2)
+    launch(cfg)
+    _, state, config = export(str(ckpt / "step_000002"), str(tmp_path / "hf"))
+    return cfg, state, config
+
+
 @pytest.mark.slow  # (a pp 2 checkpoint with MTP is exported below in the CPU tier)
 def test_a_checkpoint_trained_at_dp_tp_pp_ep_exports_to_hf(tmp_path):
     """Trained at dp 2 x tp 2 x pp 2 x ep 2 with DeepSeek-V3 routing (the expert bias moved by
@@ -186,23 +201,9 @@ def test_a_checkpoint_trained_at_dp_tp_pp_ep_exports_to_hf(tmp_path):
     single-process fastpar model holding the checkpoint's tensors, expert biases included."""
     pytest.importorskip("safetensors")
     transformers = pytest.importorskip("transformers")
-    from fastpar.export import export, fastpar_model
-    from fastpar.train import TrainConfig, launch
+    from fastpar.export import fastpar_model
 
-    ckpt = tmp_path / "ckpt"
-    cfg = TrainConfig(
-        model_type="deepseek",
-        **tiny_config(layers=3),
-        **DEEPSEEK,
-        tp=2,
-        pp=2,
-        dp=2,
-        ep=2,
-        checkpoint_dir=str(ckpt),
-        save_every=2,
-    )
-    launch(cfg)
-    _, state, config = export(str(ckpt / "step_000002"), str(tmp_path / "hf"))
+    cfg, state, config = _trained_and_exported(tmp_path, tp=2, pp=2, dp=2, ep=2)
     assert config["architectures"] == ["DeepseekV3ForCausalLM"]
     assert any(state[k].abs().max() > 0 for k in state if k.endswith("expert_bias"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(
@@ -269,19 +270,11 @@ def test_hf_weights_at_tp2_ep2_give_hf_logits_and_gradients():
 
 
 # -- HF names of the MTP modules ------------------------------------------------------------------
-MTP_HF = dict(
-    vocab_size=61,
-    seq_len=16,
-    hidden=32,
-    heads=4,
-    ffn=40,
-    layers=2,
-    first_k_dense=1,
-    num_experts=4,
-    top_k=2,
-    **mla_sizes(10, 12, 4, 6, 5),
+MTP_HF = {
+    **_sizes(61, 32, 4, 40),
+    **dict(seq_len=16, layers=2, **deepseek_moe(1, 4, 2, 8), **mla_sizes(10, 12, 4, 6, 5)),
     **{**DEEPSEEK, "aux_loss": "none"},
-)
+}
 
 
 @pytest.mark.parametrize("depth, tied", [(1, False), (2, True)], ids=["d1-untied", "d2-tied"])
@@ -344,30 +337,13 @@ def test_a_checkpoint_with_mtp_exports_for_from_pretrained(tmp_path):
     transformers = pytest.importorskip("transformers")
     from _parity import agree, exact_copy
 
-    from fastpar.export import check, export, fastpar_model
+    from fastpar.export import check, fastpar_model
     from fastpar.moe.layer import aux_loss_scale
     from fastpar.parity import reduction_length
     from fastpar.tolerance import nudge
-    from fastpar.train import TrainConfig, launch
 
-    ckpt = tmp_path / "ckpt"
-    cfg = TrainConfig(
-        **tiny_config(
-            DEEPSEEK,
-            model_type="deepseek",
-            layers=3,
-            mtp_depth=1,
-            tp=1,
-            pp=2,
-            dp=1,
-            ep=1,
-            checkpoint_dir=str(ckpt),
-            save_every=2,
-        )
-    )
-    launch(cfg)
+    cfg, state, config = _trained_and_exported(tmp_path, mtp_depth=1, tp=1, pp=2, dp=1, ep=1)
     out = tmp_path / "hf"
-    _, state, config = export(str(ckpt / "step_000002"), str(out))
     assert config["num_nextn_predict_layers"] == 1
     files = safetensors.load_file(str(out / "model.safetensors"))
     layer = f"model.layers.{cfg.layers}."
