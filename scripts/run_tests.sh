@@ -73,8 +73,8 @@ SECOND_PATH=(
     tests/test_models_llama.py::test_tensor_parallel_equals_single_process_on_every_rank
     tests/test_ops_documents.py tests/test_parallel_context_documents.py
     "tests/test_train_documents.py::test_every_gradient_on_every_rank_is_the_single_process_models[cp2-dp2]"
-    tests/test_mtp.py::test_loss_and_gradients_equal_the_papers_definition
-    "tests/test_mtp.py::test_every_gradient_on_every_rank_is_the_single_process_models[tp2-pp2-d2-untied]"
+    tests/test_models_mtp.py::test_loss_and_gradients_equal_the_papers_definition
+    "tests/test_models_mtp.py::test_every_gradient_on_every_rank_is_the_single_process_models[tp2-pp2-d2-untied]"
 )
 # the two extra jobs' seconds, for the split (scripts/split_tests.py)
 JOBS=(second=100 interpreter=45)

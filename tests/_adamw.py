@@ -10,11 +10,15 @@ order). ``exact_adamw`` writes the update out in float64, the exact math a round
 judged against by ``fastpar.tolerance``'s rule (``fastpar.reference.adamw`` computes in fp32
 whatever its inputs, so a float64 run of it is not exact). For whole models,
 ``fastpar.tolerance.train_references`` (AdamW) and tests/_training.py (any optimizer).
+``same_fmas()``: whether a kernel's moment updates and torch's CPU ones round alike here (then
+the moments are compared bit for bit).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from collections.abc import Callable, Iterable
 
 import torch
@@ -101,3 +105,42 @@ def exact_adamw(
         g = -g if maximize else g
         p, m, v = exact_adamw_step(p, m, v, g, t, **hyper)
     return p, m, v
+
+
+@functools.cache
+def fma_rounds_once() -> bool:
+    """Whether ``tl.fma`` rounds once here: fma(a, a, -(1 + 2^-11)) with a = 1 + 2^-12 is
+    2^-24 exactly, but 0 when a·a is first rounded to fp32 (1 + 2^-11, a tie to even)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe(a_ptr, c_ptr, out_ptr):
+        tl.store(out_ptr, tl.fma(tl.load(a_ptr), tl.load(a_ptr), tl.load(c_ptr)))
+
+    out = torch.zeros(1)
+    probe[(1,)](torch.tensor([1 + 2.0**-12]), torch.tensor([-(1 + 2.0**-11)]), out)
+    return out.item() == 2.0**-24
+
+
+# c + a·a and c + w·(end − c) are 2^-24 exactly, 0 when the product is rounded first
+PROBE_A, PROBE_C = 1 + 2.0**-12, -(1 + 2.0**-11)
+PROBE_END, PROBE_W = 3 + 2.0**-11, 0.25 + 2.0**-14  # end − c = 4 + 2^-10, w·(end − c) = a·a
+
+
+@functools.cache
+def torch_cpu_fuses() -> bool:
+    """Whether torch's CPU lerp and addcmul (the reference's and torch.optim.AdamW's moment
+    updates) round each multiply-add once, as its AVX2 / AVX-512 kernels do (its portable
+    kernels, ``ATEN_CPU_CAPABILITY=default``, round the product first)."""
+    c = torch.full((17,), PROBE_C)  # a vectorised part and a scalar tail
+    lerp = torch.lerp(c, torch.full_like(c, PROBE_END), PROBE_W)
+    fma = c.clone().addcmul_(torch.full_like(c, PROBE_A), torch.full_like(c, PROBE_A))
+    return bool((lerp == 2.0**-24).all() and (fma == 2.0**-24).all())
+
+
+def same_fmas() -> bool:
+    """Whether the kernel's moment updates and torch's CPU ones are the same operations with the
+    same roundings (then the moments are bit for bit the same)."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return torch_cpu_fuses() and (not interpreted or fma_rounds_once())

@@ -16,6 +16,12 @@ ONE_RANK = dict(tp=1, pp=1, dp=1, ep=1, moe_every=0)
 SIGMOID_GROUPS = dict(
     router_score="sigmoid", router_groups=2, router_group_topk=1, expert_bias=True
 )
+#: DeepSeek-style MoE blocks (test_moe_tp's and the verification matrix's): the sigmoid groups, a
+#: scaled and a shared expert, the per-sequence balancing loss and a z-loss
+DEEPSEEK_STYLE = dict(
+    SIGMOID_GROUPS,
+    **dict(routed_scaling_factor=1.5, shared_expert_ffn=16, aux_loss="sequence", z_loss_coef=0.01),
+)
 #: DeepSeek-V3's routing in small (``model_type="deepseek"``): its router, a scaled and a shared
 #: expert, the per-sequence balancing loss; YaRN on
 DEEPSEEK = dict(

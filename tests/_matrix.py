@@ -35,24 +35,14 @@ if __package__ in (None, ""):  # python tests/_matrix.py
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _covering import Coverage, Factor, Row, covering, row_pairs
+from _flags import DEEPSEEK_STYLE, tiny_config
 
 from fastpar.train import TrainConfig
 
 #: every case: a small model, 3 steps of a global batch of 8 sequences of 16 tokens
-BASE = dict(
-    steps=3, batch_size=8, seq_len=16, hidden=32, heads=4, layers=2, microbatches=2, quiet=True
-)
-#: DeepSeek-V3's routing on the MoE blocks (test_moe_tp's flags)
-DEEPSEEK_ROUTING = dict(
-    router_score="sigmoid",
-    router_groups=2,
-    router_group_topk=1,
-    expert_bias=True,
-    routed_scaling_factor=1.5,
-    shared_expert_ffn=16,
-    aux_loss="sequence",
-    z_loss_coef=0.01,
-)
+BASE = tiny_config(steps=3, microbatches=2)
+#: DeepSeek-style routing on the MoE blocks (test_moe_tp's flags)
+DEEPSEEK_ROUTING = DEEPSEEK_STYLE
 MAX_WORLD = 8
 #: a group of rows sharing their references goes on while each row covers this many new pairs
 MIN_GAIN = 16

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from _flags import ONE_RANK, tiny_config
 from _mesh import make_mesh
 from torch import nn
 
@@ -75,20 +76,7 @@ def run_dir(tmp_path_factory):
     """A fastpar.train run at TP=2 saving steps 1 and 2."""
     root = tmp_path_factory.mktemp("run")
     cfg = TrainConfig(
-        steps=2,
-        batch_size=4,
-        seq_len=16,
-        hidden=32,
-        heads=4,
-        layers=1,
-        quiet=True,
-        tp=2,
-        pp=1,
-        dp=1,
-        ep=1,
-        moe_every=0,
-        model_type="llama",
-        kv_heads=2,
+        **tiny_config(ONE_RANK, batch_size=4, layers=1, tp=2, model_type="llama", kv_heads=2),
         checkpoint_dir=str(root / "ckpt"),
         save_every=1,
     )

@@ -145,16 +145,8 @@ def test_a_full_disk_under_the_flight_recorder_metrics_and_tensorboard_is_still_
     d, rows, tb = (os.path.join(disk, n) for n in ("ckpt", "m.jsonl", "tb"))
     _after_save(monkeypatch, {16: lambda: fill(disk, leave=0)})
     with pytest.raises(SaveFailed) as info:  # not RankError: no rank died of SIGBUS
-        _run(
-            checkpoint_dir=d,
-            steps=32,
-            save_every=16,
-            tp=2,
-            dp=1,
-            log_every=1,
-            metrics_file=rows,
-            tensorboard=tb,
-        )
+        outputs = dict(log_every=1, metrics_file=rows, tensorboard=tb)
+        _run(checkpoint_dir=d, steps=32, save_every=16, tp=2, dp=1, **outputs)
     text = str(info.value)
     assert "\n" not in text and text.startswith(f"saving step 32 to {d}/step_000032 failed: "), text
     assert text.endswith(f"the previous checkpoint {d}/step_000016 is kept"), text

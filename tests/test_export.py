@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from _flags import SIZES, tiny_config, with_hf_config
+from _flags import ONE_RANK, SIZES, tiny_config, with_hf_config
 from _hf import config as hf_config
 from _hf import transformers
 
@@ -27,18 +27,8 @@ def _train(tmp_path, **kw) -> str:
 def test_llama_run_exports_and_matches(tmp_path, capsys):
     tok = str(tmp_path / "tok.json")
     assert tokenizer_main(["--vocab-size", "300", "--out", tok]) == 0
-    path = _train(
-        tmp_path,
-        model_type="llama",
-        tokenizer=tok,
-        tp=2,
-        pp=2,
-        dp=2,
-        ep=1,
-        moe_every=0,
-        kv_heads=2,
-        qk_norm=True,
-    )
+    layout = dict(ONE_RANK, tp=2, pp=2, dp=2)
+    path = _train(tmp_path, model_type="llama", tokenizer=tok, **layout, kv_heads=2, qk_norm=True)
     out = str(tmp_path / "hf")
     assert export_main([path, out, "--check", "--generate", "5", "--prompt", "Simple is"]) == 0
     text = capsys.readouterr().out

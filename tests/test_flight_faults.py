@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from _flags import ONE_RANK, tiny_config
 
 from fastpar import flight
 from fastpar.comm import all_to_all, gather_from_region
@@ -159,19 +160,9 @@ def test_a_rank_ten_times_slower_is_named_in_the_metrics(tmp_path, capfd):
     from fastpar.train.batches import load_data
 
     path = tmp_path / "m.jsonl"
+    # (not quiet: the slowest rank is named in the progress lines)
     cfg = TrainConfig(
-        tp=1,
-        pp=1,
-        dp=2,
-        ep=1,
-        moe_every=0,
-        steps=4,
-        log_every=1,
-        batch_size=4,
-        seq_len=16,
-        hidden=32,
-        heads=2,
-        layers=2,
+        **tiny_config(ONE_RANK, dp=2, steps=4, log_every=1, batch_size=4, heads=2, quiet=None),
         metrics_file=str(path),
     )
     run_ranks(_slow_rank, 2, cfg, load_data(cfg), timeout=120)

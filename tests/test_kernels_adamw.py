@@ -14,7 +14,7 @@ order: the same operations in the same order) wherever both round each multiply-
 addcmul do in its AVX2 / AVX-512 kernels. The interpreter of Triton 3.8 and older emulates the
 fma as ``x * y + z``, and torch's portable kernels (``ATEN_CPU_CAPABILITY=default``) compute
 ``a * b + c`` too, rounding twice; there (found by running a multiply-add whose two roundings
-differ, ``_same_fmas``) the moments are judged by the rule against float64 instead. The param
+differ, ``same_fmas``) the moments are judged by the rule against float64 instead. The param
 is judged by the rule
 of ``fastpar.tolerance`` (``_parity.agree``, length 1: an elementwise update): its error against
 AdamW written out in float64 (``_exact_adamw``; ``fastpar.reference.adamw`` computes in fp32
@@ -32,11 +32,10 @@ torch.optim.AdamW on CUDA, and a shard of more than 2^31 elements (int64 offsets
 from __future__ import annotations
 
 import functools
-import os
 
 import pytest
 import torch
-from _adamw import exact_adamw, torch_adamw
+from _adamw import exact_adamw, same_fmas, torch_adamw
 from _parity import agree
 
 from fastpar import tolerance
@@ -70,49 +69,10 @@ def _assert_exact(got: torch.Tensor, want: torch.Tensor) -> None:
     assert torch.equal(got, want), f"{int((got != want).sum())} of {got.numel()} differ"
 
 
-@functools.cache
-def _fma_rounds_once() -> bool:
-    """Whether ``tl.fma`` rounds once here: fma(a, a, -(1 + 2^-11)) with a = 1 + 2^-12 is
-    2^-24 exactly, but 0 when a·a is first rounded to fp32 (1 + 2^-11, a tie to even)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def probe(a_ptr, c_ptr, out_ptr):
-        tl.store(out_ptr, tl.fma(tl.load(a_ptr), tl.load(a_ptr), tl.load(c_ptr)))
-
-    out = torch.zeros(1)
-    probe[(1,)](torch.tensor([1 + 2.0**-12]), torch.tensor([-(1 + 2.0**-11)]), out)
-    return out.item() == 2.0**-24
-
-
-# c + a·a and c + w·(end − c) are 2^-24 exactly, 0 when the product is rounded first
-PROBE_A, PROBE_C = 1 + 2.0**-12, -(1 + 2.0**-11)
-PROBE_END, PROBE_W = 3 + 2.0**-11, 0.25 + 2.0**-14  # end − c = 4 + 2^-10, w·(end − c) = a·a
-
-
-@functools.cache
-def _torch_cpu_fuses() -> bool:
-    """Whether torch's CPU lerp and addcmul (the reference's and torch.optim.AdamW's moment
-    updates) round each multiply-add once, as its AVX2 / AVX-512 kernels do (its portable
-    kernels, ``ATEN_CPU_CAPABILITY=default``, round the product first)."""
-    c = torch.full((17,), PROBE_C)  # a vectorised part and a scalar tail
-    lerp = torch.lerp(c, torch.full_like(c, PROBE_END), PROBE_W)
-    fma = c.clone().addcmul_(torch.full_like(c, PROBE_A), torch.full_like(c, PROBE_A))
-    return bool((lerp == 2.0**-24).all() and (fma == 2.0**-24).all())
-
-
-def _same_fmas() -> bool:
-    """Whether the kernel's moment updates and torch's CPU ones are the same operations with the
-    same roundings (then the moments are bit for bit the same)."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    return _torch_cpu_fuses() and (not interpreted or _fma_rounds_once())
-
-
 def _assert_moments(got: torch.Tensor, want: torch.Tensor, exact: torch.Tensor, what: str) -> None:
     """exp_avg / exp_avg_sq of a kernel against torch's CPU ones (``want``): bit for bit where
-    both round each multiply-add once (``_same_fmas``), else by the rule against float64."""
-    if _same_fmas():
+    both round each multiply-add once (``same_fmas``), else by the rule against float64."""
+    if same_fmas():
         _assert_exact(got, want)
     else:
         agree(got, want, exact, what, length=1)

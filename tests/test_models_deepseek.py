@@ -154,7 +154,7 @@ SMALL = tiny_config(steps=3, layers=3)
 @pytest.mark.parametrize(
     "layout",
     [
-        # (tests/test_deepseek_parallel.py runs tp2 x pp2 x dp2 x ep2 with MTP in the CPU tier)
+        # (tests/test_models_deepseek_parallel.py runs tp2 x pp2 x dp2 x ep2 with MTP in the CPU tier)
         pytest.param(dict(tp=2, dp=2, ep=2, pp=1, zero=1), marks=pytest.mark.slow),
         pytest.param(
             dict(tp=2, dp=2, ep=2, pp=2, zero=1, sequence_parallel=True), marks=pytest.mark.slow

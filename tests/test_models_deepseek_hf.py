@@ -2,7 +2,10 @@
 ``DeepseekV3ForCausalLM``: logits, loss and every gradient, the weights mapped both ways
 (``fastpar.models.deepseek_hf``), low-rank query on and off, YaRN on; HF's weights at TP 2 x
 EP 2; a checkpoint trained at dp x tp x pp x ep exported and loaded by from_pretrained; what HF
-does not compute refused.
+does not compute refused. Multi-token prediction: the MTP weights under DeepSeek-V3's HF names
+both ways (bit for bit), a checkpoint with MTP exported for ``from_pretrained`` (its logits
+fastpar's, the MTP tensors beside its own), and the exported MTP tensors in transformers' own
+``MtpLayer`` (its MTP drafter's layer) giving fastpar's depth-1 logits.
 
 Judged as tests/test_models_llama_hf.py judges the Llama (``fastpar.tolerance``'s rule):
 against fastpar's single-process model in float64, with the fp32 model and its twin (every
@@ -36,7 +39,7 @@ from _model_runs import (
 
 from fastpar.checkpoint import import_state_dict
 from fastpar.models import DeepSeekConfig, build_deepseek, deepseek_loss
-from fastpar.models.deepseek_hf import from_hf, hf_config, to_hf
+from fastpar.models.deepseek_hf import from_hf, hf_config, is_mtp_name, to_hf
 from fastpar.moe.layer import aux_loss_scale
 from fastpar.parity import reduction_length
 from fastpar.testing import run_ranks
@@ -175,7 +178,22 @@ def test_hf_mapping_refuses_what_hf_does_not_compute():
         from_hf({**hf_state, "model.layers.3.mlp.gate.weight": torch.zeros(1)}, config)
 
 
-@pytest.mark.slow  # (test_deepseek_parallel.py exports a pp 2 checkpoint with MTP in the CPU tier)
+def _trained_and_exported(tmp_path, **layout):
+    """A DeepSeek of 3 layers under DeepSeek-V3's routing trained 2 steps at ``layout``, saved at
+    step 2 and exported by ``python -m fastpar.export``'s code to ``tmp_path / "hf"``: (the
+    run's TrainConfig, the exported state, the HF config)."""
+    from fastpar.export import export
+    from fastpar.train import TrainConfig, launch
+
+    ckpt = tmp_path / "ckpt"
+    run = tiny_config(DEEPSEEK, model_type="deepseek", layers=3, **layout)
+    cfg = TrainConfig(**run, checkpoint_dir=str(ckpt), save_every=2)
+    launch(cfg)
+    _, state, config = export(str(ckpt / "step_000002"), str(tmp_path / "hf"))
+    return cfg, state, config
+
+
+@pytest.mark.slow  # (a pp 2 checkpoint with MTP is exported below in the CPU tier)
 def test_a_checkpoint_trained_at_dp_tp_pp_ep_exports_to_hf(tmp_path):
     """Trained at dp 2 x tp 2 x pp 2 x ep 2 with DeepSeek-V3 routing (the expert bias moved by
     the steps), exported by ``python -m fastpar.export``'s code and loaded by transformers'
@@ -183,23 +201,9 @@ def test_a_checkpoint_trained_at_dp_tp_pp_ep_exports_to_hf(tmp_path):
     single-process fastpar model holding the checkpoint's tensors, expert biases included."""
     pytest.importorskip("safetensors")
     transformers = pytest.importorskip("transformers")
-    from fastpar.export import export, fastpar_model
-    from fastpar.train import TrainConfig, launch
+    from fastpar.export import fastpar_model
 
-    ckpt = tmp_path / "ckpt"
-    cfg = TrainConfig(
-        model_type="deepseek",
-        **tiny_config(layers=3),
-        **DEEPSEEK,
-        tp=2,
-        pp=2,
-        dp=2,
-        ep=2,
-        checkpoint_dir=str(ckpt),
-        save_every=2,
-    )
-    launch(cfg)
-    _, state, config = export(str(ckpt / "step_000002"), str(tmp_path / "hf"))
+    cfg, state, config = _trained_and_exported(tmp_path, tp=2, pp=2, dp=2, ep=2)
     assert config["architectures"] == ["DeepseekV3ForCausalLM"]
     assert any(state[k].abs().max() > 0 for k in state if k.endswith("expert_bias"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(
@@ -263,3 +267,189 @@ def test_hf_weights_at_tp2_ep2_give_hf_logits_and_gradients():
     run_ranks(
         _hf_weights_at_tp2_ep2, 4, hf.config.to_dict(), hf_state, (ids, targets), runs, length
     )
+
+
+# -- HF names of the MTP modules ------------------------------------------------------------------
+MTP_HF = {
+    **_sizes(61, 32, 4, 40),
+    **dict(seq_len=16, layers=2, **deepseek_moe(1, 4, 2, 8), **mla_sizes(10, 12, 4, 6, 5)),
+    **{**DEEPSEEK, "aux_loss": "none"},
+}
+
+
+@pytest.mark.parametrize("depth, tied", [(1, False), (2, True)], ids=["d1-untied", "d2-tied"])
+def test_mtp_weights_map_to_deepseek_v3_names_and_back_bit_for_bit(depth, tied):
+    cfg = DeepSeekConfig(**MTP_HF, mtp_depth=depth, tie_embeddings=tied)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*build_deepseek(cfg))
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.normal_()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    hf = to_hf(state, cfg)
+    config = hf_config(cfg)
+    assert config["num_nextn_predict_layers"] == depth
+    assert config["first_k_dense_replace"] == 1
+    for k in range(1, depth + 1):
+        layer, ours = f"model.layers.{cfg.layers + k - 1}.", f"{cfg.layers + 1}.mtp.{k - 1}."
+        assert torch.equal(hf[layer + "enorm.weight"], state[ours + "enorm.weight"])
+        assert torch.equal(hf[layer + "hnorm.weight"], state[ours + "hnorm.weight"])
+        assert torch.equal(hf[layer + "eh_proj.weight"], state[ours + "eh_proj.weight"])
+        assert torch.equal(hf[layer + "shared_head.norm.weight"], state[ours + "norm.weight"])
+        assert torch.equal(hf[layer + "shared_head.head.weight"], hf["lm_head.weight"])
+        assert torch.equal(hf[layer + "embed_tokens.weight"], hf["model.embed_tokens.weight"])
+        # DeepSeek-V3's MTP blocks are MoE blocks (every layer after first_k_dense is)
+        assert layer + "mlp.gate.e_score_correction_bias" in hf
+        assert layer + "self_attn.kv_a_proj_with_mqa.weight" in hf
+        assert is_mtp_name(layer + "eh_proj.weight", cfg)
+    assert not is_mtp_name(f"model.layers.{cfg.layers - 1}.mlp.gate.weight", cfg)
+    got_cfg, back = from_hf(hf, config)
+    assert dataclasses.replace(got_cfg, aux_loss=cfg.aux_loss) == cfg  # (HF has no aux loss)
+    # (the MTP head's "embedding" is a second name of 0.tok.weight)
+    want = {k: t for k, t in state.items() if k != f"{cfg.layers + 1}.embedding"}
+    assert sorted(back) == sorted(want)
+    for k, t in want.items():
+        assert torch.equal(back[k], t), k
+
+
+def test_from_hf_refuses_mtp_layers_it_cannot_take():
+    cfg = DeepSeekConfig(**MTP_HF, mtp_depth=1)
+    torch.manual_seed(0)
+    state = dict(torch.nn.Sequential(*build_deepseek(cfg)).state_dict())
+    hf, config = to_hf(state, cfg), hf_config(cfg)
+    without = {k: v for k, v in hf.items() if not is_mtp_name(k, cfg)}
+    with pytest.raises(ValueError, match=r"num_nextn_predict_layers 1 but the weights hold no"):
+        from_hf(without, config)
+    other = dict(hf, **{"model.layers.2.shared_head.head.weight": hf["lm_head.weight"] + 1})
+    with pytest.raises(ValueError, match=r"shared_head.head.weight differs from lm_head.weight"):
+        from_hf(other, config)
+    assert from_hf(without, {**config, "num_nextn_predict_layers": 0})[0].mtp_depth == 0
+
+
+@pytest.mark.slow  # (the MtpLayer test below reads the exported names in the CPU tier)
+def test_a_checkpoint_with_mtp_exports_for_from_pretrained(tmp_path):
+    """Trained at pp 2 with one MTP module, exported by ``python -m fastpar.export``'s code:
+    from_pretrained's logits equal fastpar's single-process model holding the checkpoint, the
+    MTP tensors lie in the safetensors files under DeepSeek-V3's names, and from_hf of those
+    files gives the checkpoint's tensors back bit for bit."""
+    safetensors = pytest.importorskip("safetensors.torch")
+    transformers = pytest.importorskip("transformers")
+    from _parity import agree, exact_copy
+
+    from fastpar.export import check, fastpar_model
+    from fastpar.moe.layer import aux_loss_scale
+    from fastpar.parity import reduction_length
+    from fastpar.tolerance import nudge
+
+    cfg, state, config = _trained_and_exported(tmp_path, mtp_depth=1, tp=1, pp=2, dp=1, ep=1)
+    out = tmp_path / "hf"
+    assert config["num_nextn_predict_layers"] == 1
+    files = safetensors.load_file(str(out / "model.safetensors"))
+    layer = f"model.layers.{cfg.layers}."
+    for name in (
+        "enorm.weight",
+        "hnorm.weight",
+        "eh_proj.weight",
+        "shared_head.norm.weight",
+        "shared_head.head.weight",
+        "embed_tokens.weight",
+        "input_layernorm.weight",
+        "self_attn.kv_b_proj.weight",
+        "mlp.experts.gate_up_proj",
+    ):
+        assert layer + name in files, name
+    head = f"{cfg.layers + 1}.mtp.0."
+    assert torch.equal(files[layer + "eh_proj.weight"], state[head + "eh_proj.weight"])
+    got_cfg, back = from_hf(files, config)
+    assert (got_cfg.mtp_depth, got_cfg.layers, got_cfg.first_k_dense) == (1, cfg.layers, 1)
+    assert set(back) - set(state) == {f"{cfg.layers + 1}.weight"}  # the tied head, named
+    assert set(state) <= set(back)
+    for k, t in state.items():
+        assert torch.equal(back[k], t), k
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    assert type(hf).__name__ == "DeepseekV3ForCausalLM"
+    ours = fastpar_model(cfg, state).model.eval()
+    ids = torch.randint(0, cfg.vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    twin = exact_copy(ours).float()
+    nudge(twin, seed=1)
+    with torch.no_grad(), aux_loss_scale(None):
+        runs = [m(ids).view(2, 16, -1) for m in (ours, twin, exact_copy(ours))]
+        length = reduction_length(ours, ids)
+        agree(hf(ids).logits, runs[:2], runs[2], "from_pretrained's logits", length=length)
+    assert check(str(out), cfg, state, "the fox", 3, None)
+
+
+def test_the_mtp_module_is_what_transformers_mtp_layer_computes_from_the_exported_weights():
+    """fastpar's depth-1 logits against transformers' own ``MtpLayer`` (the MTP drafter's layer:
+    [enorm(e); hnorm(h)] -> eh_proj -> a ``DeepseekV3DecoderLayer`` -> post_norm, the shared
+    head) holding the exported ``model.layers.{L}.*`` tensors, on the HF model's last hidden
+    state before its final norm: the names mean what DeepSeek-V3's mean."""
+    transformers = pytest.importorskip("transformers")
+    layers = pytest.importorskip("transformers.modeling_layers")
+    from _parity import agree, exact_copy
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    from fastpar.models.mtp import tokens
+    from fastpar.moe.layer import aux_loss_scale
+    from fastpar.parity import reduction_length
+    from fastpar.tolerance import nudge
+
+    cfg = DeepSeekConfig(**MTP_HF, mtp_depth=1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*build_deepseek(cfg))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # norms start at one: move them, so a swapped norm shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.add_(0.1 * torch.randn(b.shape, generator=g))
+    hf_state = to_hf(dict(model.state_dict()), cfg)
+    config = transformers.AutoConfig.for_model(**hf_config(cfg))
+    hf = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", experts_implementation="eager"
+    ).eval()
+    main = {k: v for k, v in hf_state.items() if not is_mtp_name(k, cfg)}
+    hf.load_state_dict(main, strict=True)
+    prefix = f"model.layers.{cfg.layers}."
+    norm = ds.DeepseekV3RMSNorm
+    mtp = layers.MtpLayer(config, ds.DeepseekV3DecoderLayer, norm, cfg.layers)
+    mtp.eval()
+    rename = {
+        "shared_head.norm.": "post_norm.",
+        "enorm.": "enorm.",
+        "hnorm.": "hnorm.",
+        "eh_proj.": "eh_proj.",
+    }
+    theirs = {}
+    for k, v in hf_state.items():
+        if not k.startswith(prefix) or k.endswith(("embed_tokens.weight", "head.weight")):
+            continue
+        rest = k[len(prefix) :]
+        head = next((a for a in rename if rest.startswith(a)), None)
+        theirs[rename[head] + rest[len(head) :] if head else "mtp_block." + rest] = v
+    mtp.load_state_dict(theirs, strict=True)
+    t = cfg.seq_len
+    ids = torch.randint(0, cfg.vocab_size, (2, t), generator=torch.Generator().manual_seed(2))
+    seen = {}
+    hook = hf.model.norm.register_forward_hook(lambda m, args, out: seen.update(h=args[0]))
+    with torch.no_grad(), aux_loss_scale(None):
+        hf(ids)
+        hook.remove()
+        pos = torch.arange(t - 1).expand(2, -1)
+        e = hf.model.embed_tokens(ids[:, 1:])
+        mask = torch.full((t - 1, t - 1), float("-inf")).triu(1)[None, None].expand(2, 1, -1, -1)
+        rope = hf.model.rotary_emb(e, position_ids=pos)
+        out = mtp(e, seen["h"][:, :-1], rope, mask, pos, None)
+        want = hf.lm_head(out)  # [2, t - 1, vocab]
+        model.train()
+        twin = exact_copy(model).float()
+        nudge(twin, seed=1)
+        runs = []
+        for m in (model, twin, exact_copy(model)):
+            with tokens(ids):
+                runs.append(m(ids).depths[0].view(2, t, -1)[:, : t - 1, : cfg.vocab_size])
+        length = reduction_length(model, ids)
+        agree(want, runs[:2], runs[2], "MtpLayer's depth-1 logits", length=length)

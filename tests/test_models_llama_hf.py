@@ -166,17 +166,8 @@ def test_hf_mapping_refuses_what_it_cannot_map():
         from_hf({k: v for k, v in hf_state.items() if k != "model.norm.weight"}, config)
     hf_moe = {}
     for qk_norm in (True, False):  # Qwen3-MoE, Mixtral: each maps back to its own config
-        moe = dataclasses.replace(
-            cfg,
-            qk_norm=qk_norm,
-            moe_every=1,
-            num_experts=2,
-            top_k=1,
-            moe_ffn=4,
-            ffn=4,
-            kv_heads=2,
-            head_dim=8,
-        )
+        experts = dict(moe_every=1, num_experts=2, top_k=1, moe_ffn=4, ffn=4)
+        moe = dataclasses.replace(cfg, qk_norm=qk_norm, **experts, kv_heads=2, head_dim=8)
         torch.manual_seed(0)
         weights = {
             k: v.detach() for k, v in torch.nn.Sequential(*build_llama(moe)).named_parameters()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from _flags import DEEPSEEK_STYLE, tiny_config
 from _mesh import make_mesh
 from _parity import agree, exact_copy
 
@@ -218,17 +219,8 @@ def test_clear_errors_for_what_a_tp_layout_cannot_do():
     assert "batch-first" in msgs[3] and "(6, 8)" in msgs[3]
 
 
-DEEPSEEK_FLAGS = dict(
-    router_score="sigmoid",
-    router_groups=2,
-    router_group_topk=1,
-    expert_bias=True,
-    routed_scaling_factor=1.5,
-    shared_expert_ffn=16,
-    aux_loss="sequence",
-    z_loss_coef=0.01,
-)
-SMALL = dict(steps=3, batch_size=8, seq_len=16, hidden=32, heads=4, layers=2, quiet=True, pp=1)
+DEEPSEEK_FLAGS = DEEPSEEK_STYLE
+SMALL = tiny_config(steps=3, pp=1)
 
 
 @pytest.mark.parametrize(

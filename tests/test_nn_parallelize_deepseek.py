@@ -142,23 +142,22 @@ def test_tp2_ep2_equals_the_dense_model_and_saves_as_hf(tmp_path):
 
 
 def _pipelined(tp: int, schedule: str, refs):
-    """tests/test_parallel_pipeline_hf.py's pipelined run, parallelized (tp > 1) with the
-    built-in plan instead of that file's Llama-shaped one."""
-    import test_parallel_pipeline_hf as pipe
+    """tests/_pipeline_hf.py's pipelined run, parallelized (tp > 1) with the family's built-in
+    plan instead of that module's Llama-shaped one."""
+    from _pipeline_hf import pipelined
 
-    pipe.PLAN = None  # parallelize(model, None, mesh): the family's built-in plan
-    return pipe._pipelined(FAMILY, "eager", tp, schedule, 2, refs)
+    return pipelined(FAMILY, "eager", tp, schedule, 2, refs, plan=None)
 
 
 @pytest.mark.parametrize(
     "world, tp, schedule", [(2, 1, "1f1b"), pytest.param(4, 2, "gpipe", marks=pytest.mark.slow)]
 )
 def test_pipeline_split_by_layer_equals_unpipelined(world, tp, schedule):
-    from test_parallel_pipeline_hf import _covers_every_parameter, hf_references
+    from _pipeline_hf import covers_every_parameter, hf_references
 
     refs = hf_references(FAMILY, "eager")
     names = run_ranks(_pipelined, world, tp, schedule, refs, timeout=240)
-    _covers_every_parameter(names, FAMILY, tie=False)
+    covers_every_parameter(names, FAMILY, tie=False)
 
 
 @pytest.mark.slow  # (tests/test_train_hf.py trains --hf-config --ep 2 in the CPU tier)

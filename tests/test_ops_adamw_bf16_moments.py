@@ -12,7 +12,7 @@ fp32 (the param from the unrounded values), stored rounded to nearest even.
 The moments do not depend on the param: the kernels compute them with the reference's fp32
 operations in torch's order (an fma for the lerp and for v·β2 + (1 − β2)·g·g) and round them
 once, so they are compared bit for bit wherever torch's CPU kernels round each multiply-add once
-too (``test_kernels_adamw._same_fmas``; its portable kernels, ``ATEN_CPU_CAPABILITY=default``,
+too (``tests/_adamw.py``'s ``same_fmas``; its portable kernels, ``ATEN_CPU_CAPABILITY=default``,
 do not: there the moments are judged by the rule). The params are judged by the rule of
 ``fastpar.tolerance`` (``_parity.agree``, length 1: an elementwise update): their error against
 the same steps in float64 driven by the moments the kernels stored before each step (rounding
@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _adamw import exact_adamw_step
+from _adamw import exact_adamw_step, same_fmas
 from _parity import agree
-from test_kernels_adamw import _same_fmas
 
 from fastpar.ops import adamw as op
 from fastpar.ops import backend
@@ -140,13 +139,13 @@ def _compare(got, want, exact) -> None:
     """Params by the rule against float64 (the kernels' IEEE sqrt against the CPU's moves them
     by an ulp now and then); moments bit for bit (they do not depend on the param: the same
     fp32 operations in the same order, rounded once) where torch's CPU multiply-adds round
-    once like the kernels' (``_same_fmas``), else by the rule in their storage dtype."""
+    once like the kernels' (``same_fmas``), else by the rule in their storage dtype."""
     for i, (a, b, c) in enumerate(zip(got[0], want[0], exact[0], strict=True)):
         agree(a, b, c, f"param {i}", length=1)
     for k, name in ((1, "exp_avg"), (2, "exp_avg_sq")):
         for i, (a, b, c) in enumerate(zip(got[k], want[k], exact[k], strict=True)):
             assert a.dtype == b.dtype, (name, i)
-            if _same_fmas():
+            if same_fmas():
                 assert torch.equal(a, b), f"{name} {i}: not bit for bit the reference path's"
             else:
                 agree(a, b, c, f"{name} {i}", length=1, dtype=a.dtype)

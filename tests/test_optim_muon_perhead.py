@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _flags import tiny_config
 from _mesh import make_mesh
 from _parity import local_slice
 from torch import nn
@@ -223,7 +224,7 @@ def test_flag_reaches_muon_and_its_reference():
             groups_for(cfg, model, lambda stage, wd: [])
 
 
-SMALL = dict(steps=3, batch_size=8, seq_len=32, hidden=32, heads=4, layers=2, quiet=True)
+SMALL = tiny_config(steps=3, seq_len=32)
 
 
 VERIFY = {

@@ -229,29 +229,11 @@ SMALL = tiny_config(steps=3)
     "layout",
     [
         dict(tp=2, pp=2, dp=2, ep=2, zero=1, virtual_stages=2, microbatches=2),
-        dict(
-            tp=1,
-            pp=4,
-            dp=1,
-            ep=1,
-            zero=0,
-            virtual_stages=2,
-            microbatches=4,
-            layers=6,
-            recompute=True,
-        ),
+        dict(tp=1, pp=4, dp=1, ep=1, zero=0, virtual_stages=2, microbatches=4)
+        | dict(layers=6, recompute=True),
         dict(tp=1, pp=2, dp=2, ep=2, zero=2, virtual_stages=3, microbatches=4, layers=4),
-        dict(
-            tp=1,
-            pp=2,
-            dp=2,
-            ep=2,
-            zero=1,
-            virtual_stages=2,
-            microbatches=5,
-            microbatch_group_size=3,
-            batch_size=10,
-        ),
+        dict(tp=1, pp=2, dp=2, ep=2, zero=1, virtual_stages=2, microbatches=5)
+        | dict(microbatch_group_size=3, batch_size=10),
     ],
     ids=[
         "tp2-pp2-dp2-ep2-z1-v2",

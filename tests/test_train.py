@@ -8,13 +8,17 @@ import os
 import subprocess
 import sys
 
+import _flags
 import pytest
+from _flags import ONE_RANK, tiny_config
 from _no_ranks import forbid_ranks
 
 from fastpar.train import TrainConfig, launch, main
 from fastpar.verify import compare
 
-SMALL = dict(steps=4, batch_size=8, seq_len=32, hidden=32, heads=4, layers=2, quiet=True)
+SMALL = tiny_config(steps=4, seq_len=32)
+#: the command-line runs' length and model (the rest the defaults)
+CLI_RUN = dict(steps=3, batch_size=8, seq_len=32, layers=2)
 
 
 @pytest.mark.parametrize(
@@ -168,29 +172,13 @@ def test_cli_errors(argv, message, capsys, monkeypatch):
 
 
 def test_verify_cli_exit_codes():
+    layout = dict(ONE_RANK, tp=2, dp=2)
     out = subprocess.run(
         [
             sys.executable,
             "-m",
             "fastpar.verify",
-            "--tp",
-            "2",
-            "--pp",
-            "1",
-            "--dp",
-            "2",
-            "--ep",
-            "1",
-            "--moe-every",
-            "0",
-            "--steps",
-            "2",
-            "--layers",
-            "2",
-            "--hidden",
-            "32",
-            "--batch-size",
-            "8",
+            *_flags.argv(**layout, steps=2, layers=2, hidden=32, batch_size=8),
         ],
         capture_output=True,
         text=True,
@@ -223,19 +211,8 @@ def test_data_file_and_global_parameter_count(tmp_path, capfd):
 
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
-    argv = [
-        "--steps",
-        "3",
-        "--data",
-        str(text),
-        "--batch-size",
-        "8",
-        "--seq-len",
-        "32",
-        "--layers",
-        "2",
-    ]
-    assert main(argv) == 0
+    args = _flags.argv(data=str(text), **CLI_RUN)
+    assert main(args) == 0
     out = capfd.readouterr().out  # the ranks are forked processes: capture file descriptors
     cfg = TrainConfig(layers=2, seq_len=32)
     model = torch.nn.Sequential(*build_gpt(cfg.model()))
@@ -246,33 +223,9 @@ def test_data_file_and_global_parameter_count(tmp_path, capfd):
 
 @pytest.mark.slow
 def test_training_under_torchrun(tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "4",
-            "-m",
-            "fastpar.train",
-            "--tp",
-            "2",
-            "--pp",
-            "1",
-            "--dp",
-            "2",
-            "--ep",
-            "2",
-            "--steps",
-            "3",
-            "--batch-size",
-            "8",
-            "--seq-len",
-            "32",
-            "--layers",
-            "2",
-        ],
+        [*torchrun, "4", "-m", "fastpar.train", *_flags.argv(tp=2, pp=1, dp=2, ep=2, **CLI_RUN)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -309,38 +262,13 @@ def test_llama_on_tokenizer_ids_from_a_bin_file(tmp_path, capfd):
     assert tokenizer_main(["--vocab-size", "300", "--out", tok]) == 0
     ids = tokenizers.Tokenizer.from_file(tok).encode(embedded_corpus().decode()).ids
     np.array(ids, dtype=np.uint16).tofile(tmp_path / "train.bin")
-    argv = [
-        "--model",
-        "llama",
-        "--kv-heads",
-        "2",
-        "--qk-norm",
-        "--tokenizer",
-        tok,
-        "--data",
-        str(tmp_path / "train.bin"),
-        "--steps",
-        "3",
-        "--batch-size",
-        "8",
-        "--seq-len",
-        "32",
-        "--layers",
-        "2",
-    ]
-    assert main(argv) == 0
+    data = str(tmp_path / "train.bin")
+    args = _flags.argv(model_type="llama", kv_heads=2, qk_norm=True, tokenizer=tok, data=data)
+    args += _flags.argv(**CLI_RUN)
+    assert main(args) == 0
     out = capfd.readouterr()
-    model = LlamaConfig(
-        vocab_size=300,
-        seq_len=32,
-        hidden=64,
-        heads=4,
-        kv_heads=2,
-        layers=2,
-        qk_norm=True,
-        tie_embeddings=True,
-        moe_every=2,
-    )
+    sizes = dict(vocab_size=300, seq_len=32, hidden=64, heads=4, kv_heads=2, layers=2)
+    model = LlamaConfig(**sizes, qk_norm=True, tie_embeddings=True, moe_every=2)
     n = sum(p.numel() for p in torch.nn.Sequential(*build_llama(model)).parameters())
     assert "llama, world 8 = dp 2 x tp 2 x pp 2 (ep 2)" in out.out
     assert f"{n:,} parameters" in out.out  # a 300-token vocabulary: the tokenizer's

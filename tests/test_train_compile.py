@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 import torch
+from _flags import ONE_RANK, tiny_config
 from _parity import NO_INDUCTOR
 
 from fastpar import tolerance
@@ -23,38 +24,11 @@ from fastpar.verify import references
 
 pytestmark = [NO_INDUCTOR, pytest.mark.slow]  # inductor: about 25 s a test on 2 cores
 
-#: the default model's width, heads and sequence (64, 4, 64); two blocks; a constant rate
-DENSE = dict(
-    tp=2,
-    pp=1,
-    dp=1,
-    ep=1,
-    moe_every=0,
-    layers=2,
-    steps=3,
-    batch_size=4,
-    warmup=0,
-    lr_schedule="constant",
-    quiet=True,
-)
-MOE = dict(
-    tp=1,
-    pp=1,
-    dp=2,
-    ep=2,
-    moe_every=2,
-    experts=4,
-    top_k=2,
-    layers=2,
-    hidden=32,
-    heads=2,
-    seq_len=16,
-    steps=3,
-    batch_size=4,
-    warmup=0,
-    lr_schedule="constant",
-    quiet=True,
-)
+#: 3 steps of 4 sequences at a constant rate
+CONSTANT = dict(steps=3, batch_size=4, warmup=0, lr_schedule="constant", quiet=True)
+#: the default model's width, heads and sequence (64, 4, 64); two blocks
+DENSE = dict(ONE_RANK, tp=2, layers=2, **CONSTANT)
+MOE = tiny_config(ONE_RANK, CONSTANT, dp=2, ep=2, moe_every=2, experts=4, top_k=2, heads=2)
 
 
 def _both(cfg: TrainConfig) -> tuple[list[dict], list[dict], bool]:

@@ -199,18 +199,7 @@ def test_activation_estimate_is_below_the_measured_memory(layout):
     """The estimate is a lower bound of what the ranks' peak memory grows by with seq_len
     (measured: ru_maxrss of the busiest rank), and not a vacuous one (at least a third)."""
     base = dict(
-        tp=1,
-        pp=1,
-        dp=1,
-        ep=1,
-        moe_every=0,
-        steps=1,
-        batch_size=4,
-        microbatches=1,
-        layers=2,
-        hidden=64,
-        heads=4,
-        quiet=True,
+        ONE_RANK, steps=1, batch_size=4, microbatches=1, layers=2, hidden=64, heads=4, quiet=True
     )
     measured, estimated = [], []
     for seq_len in (128, 3072):

@@ -7,66 +7,36 @@ and the fix."""
 from __future__ import annotations
 
 import pytest
+from _flags import tiny_config
 from _parity import NO_INDUCTOR
 
 from fastpar.train import TrainConfig
 from fastpar.verify import compare
 
-SMALL = dict(steps=3, batch_size=8, seq_len=16, hidden=32, heads=4, layers=2, quiet=True)
+SMALL = tiny_config(steps=3)
+
+
+def _cp(model_type: str, cp=2, tp=1, pp=1, dp=1, ep=1, zero=1, moe_every=0, **more) -> dict:
+    """A layout of ``model_type``: cp 2, no other parallelism, ZeRO-1, no MoE block, but for
+    what is given; ``more``: flags beside the layout."""
+    layout = dict(cp=cp, tp=tp, pp=pp, dp=dp, ep=ep, zero=zero, moe_every=moe_every)
+    return dict(model_type=model_type, **layout, **more)
+
+
 LAYOUTS = {
-    "gpt-cp2-tp2-dp2-z1": dict(model_type="gpt", cp=2, tp=2, pp=1, dp=2, ep=1, zero=1, moe_every=0),
-    "llama-cp2-tp2-dp2-z1": dict(
-        model_type="llama", cp=2, tp=2, pp=1, dp=2, ep=1, zero=1, moe_every=0, kv_heads=2
+    "gpt-cp2-tp2-dp2-z1": _cp("gpt", tp=2, dp=2),
+    "llama-cp2-tp2-dp2-z1": _cp("llama", tp=2, dp=2, kv_heads=2),
+    "llama-cp2-tp2-sp-moe-ep2": _cp(
+        "llama", tp=2, ep=2, zero=2, moe_every=2, sequence_parallel=True
     ),
-    "llama-cp2-tp2-sp-moe-ep2": dict(
-        model_type="llama",
-        cp=2,
-        tp=2,
-        pp=1,
-        dp=1,
-        ep=2,
-        zero=2,
-        moe_every=2,
-        sequence_parallel=True,
-    ),
-    "llama-cp2-dp2-moe-ep2-z1": dict(
-        model_type="llama", cp=2, tp=1, pp=1, dp=2, ep=2, zero=1, moe_every=2
-    ),
-    "llama-cp2-dp2-z3": dict(model_type="llama", cp=2, tp=1, pp=1, dp=2, ep=1, zero=3, moe_every=0),
-    "gpt-cp2-pp2-zb": dict(
-        model_type="gpt", cp=2, tp=1, pp=2, dp=1, ep=1, zero=0, moe_every=0, schedule="zb-h1"
-    ),
-    "llama-cp4": dict(model_type="llama", cp=4, tp=1, pp=1, dp=1, ep=1, zero=1, moe_every=0),
-    "llama-cp2-tp2-a2a": dict(
-        model_type="llama",
-        cp=2,
-        tp=2,
-        pp=1,
-        dp=1,
-        ep=1,
-        zero=1,
-        moe_every=0,
-        heads=8,
-        kv_heads=2,
-        cp_attention="all-to-all",
-    ),
-    "gpt-cp2-recompute-attention": dict(
-        model_type="gpt", cp=2, tp=1, pp=1, dp=1, ep=1, zero=1, moe_every=0, recompute="attention"
-    ),
-    "gpt-cp2-compile": dict(
-        model_type="gpt", cp=2, tp=1, pp=1, dp=1, ep=1, zero=1, moe_every=0, compile=True, steps=2
-    ),
-    "gpt-cp2-dp2-a2a-z2": dict(
-        model_type="gpt",
-        cp=2,
-        tp=1,
-        pp=1,
-        dp=2,
-        ep=1,
-        zero=2,
-        moe_every=0,
-        cp_attention="all-to-all",
-    ),
+    "llama-cp2-dp2-moe-ep2-z1": _cp("llama", dp=2, ep=2, moe_every=2),
+    "llama-cp2-dp2-z3": _cp("llama", dp=2, zero=3),
+    "gpt-cp2-pp2-zb": _cp("gpt", pp=2, zero=0, schedule="zb-h1"),
+    "llama-cp4": _cp("llama", cp=4),
+    "llama-cp2-tp2-a2a": _cp("llama", tp=2, heads=8, kv_heads=2, cp_attention="all-to-all"),
+    "gpt-cp2-recompute-attention": _cp("gpt", recompute="attention"),
+    "gpt-cp2-compile": _cp("gpt", compile=True, steps=2),
+    "gpt-cp2-dp2-a2a-z2": _cp("gpt", dp=2, zero=2, cp_attention="all-to-all"),
 }
 
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from _flags import tiny_config
 
 from fastpar.train import TrainConfig, load_data
 from fastpar.verify import compare, reference, references
 
-SMALL = dict(steps=3, batch_size=8, seq_len=16, hidden=32, heads=4, layers=2, quiet=True)
+SMALL = tiny_config(steps=3)
 LAYOUTS = {
     "gpt-tp2-dp2-z1": dict(model_type="gpt", tp=2, pp=1, dp=2, ep=1, zero=1, moe_every=0),
     "llama-tp2-pp2-sp": dict(

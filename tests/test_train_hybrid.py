@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 import torch
+from _flags import tiny_config
 
 from fastpar import ParallelMesh, checkpoint, verify
 from fastpar.mesh import MeshLayout
@@ -25,7 +26,7 @@ from fastpar.train.memory import stage_bytes
 from fastpar.train.summary import header_line, hybrid_line
 from fastpar.verify import compare, references
 
-SMALL = dict(steps=3, batch_size=8, seq_len=32, hidden=32, heads=4, layers=2, quiet=True)
+SMALL = tiny_config(steps=3, seq_len=32)
 FOUR = dict(tp=1, pp=1, dp=4, ep=1)
 BIAS = dict(moe_every=1, expert_bias=True, bias_update_rate=1e-2)
 

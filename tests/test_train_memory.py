@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _flags import ONE_RANK, tiny_config
 
 from fastpar import ParallelMesh
 from fastpar.parallel.pipeline import (
@@ -28,21 +29,8 @@ from fastpar.testing import run_ranks
 from fastpar.train import TrainConfig, memory
 from fastpar.train.build import Trainer
 
-BASE = dict(
-    tp=1,
-    pp=2,
-    dp=1,
-    ep=1,
-    moe_every=0,
-    layers=6,
-    hidden=64,
-    heads=4,
-    seq_len=64,
-    batch_size=8,
-    microbatches=4,
-    steps=1,
-    quiet=True,
-)
+#: (TINY's heads, batch and quiet)
+BASE = tiny_config(ONE_RANK, pp=2, layers=6, hidden=64, seq_len=64, microbatches=4, steps=1)
 
 
 class SavedBytes:

@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 from _flags import ONE_RANK, tiny_config
+from _model_runs import mla_sizes
 from _no_ranks import forbid_ranks
 
 from fastpar.models import build_model
@@ -130,19 +131,9 @@ def test_mfu_needs_a_known_or_given_peak(monkeypatch):
 def test_flops_count_llama_gqa_and_moe_by_hand():
     """A Llama with its own head width, untied, with MoE blocks: only top_k / experts of the
     experts count, the router in full; no embedding table; the untied head in full."""
-    cfg = TrainConfig(
-        model_type="llama",
-        hidden=32,
-        heads=4,
-        head_dim=16,
-        kv_heads=2,
-        layers=2,
-        moe_every=2,
-        experts=4,
-        top_k=1,
-        untied=True,
-        seq_len=16,
-    )
+    width = dict(hidden=32, heads=4, head_dim=16, kv_heads=2)
+    moe = dict(moe_every=2, experts=4, top_k=1)
+    cfg = TrainConfig(model_type="llama", **width, layers=2, **moe, untied=True, seq_len=16)
     blocks = build_model(cfg.model(), None)
     params = {id(p): p for b in blocks for p in b.parameters()}
     moe = blocks[2].mlp
@@ -162,18 +153,9 @@ MTP_MODELS = {
     "llama-untied": dict(model_type="llama", kv_heads=2, head_dim=6, moe_every=0, untied=True),
     # latent attention, the MTP block MoE with a shared expert; untied
     "deepseek": dict(
-        model_type="deepseek",
-        experts=4,
-        top_k=2,
-        moe_ffn=8,
-        shared_expert_ffn=16,
-        qk_nope_head_dim=6,
-        qk_rope_head_dim=4,
-        v_head_dim=5,
-        kv_lora_rank=12,
-        q_lora_rank=10,
-        untied=True,
-    ),
+        model_type="deepseek", experts=4, top_k=2, moe_ffn=8, shared_expert_ffn=16, untied=True
+    )
+    | mla_sizes(10, 12, 4, 6, 5),
 }
 
 

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from _flags import with_hf_config
+from _flags import tiny_config, with_hf_config
 
 from fastpar.optim import Muon
 from fastpar.optim import muon_matrices as mm
@@ -17,7 +17,7 @@ from fastpar.train import TrainConfig, build_parser, launch
 from fastpar.train.build import build
 from fastpar.verify import compare
 
-SMALL = dict(steps=3, batch_size=8, seq_len=32, hidden=32, heads=4, layers=2, quiet=True)
+SMALL = tiny_config(steps=3, seq_len=32)
 MUON = dict(optimizer="muon")
 
 

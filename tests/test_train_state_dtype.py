@@ -11,17 +11,18 @@ import json
 import os
 
 import pytest
+from _flags import tiny_config
 
 import fastpar.train.build
 from fastpar.launch import RankError
 from fastpar.train import TrainConfig, launch
 from fastpar.verify import compare
 
-SMALL = dict(steps=3, batch_size=8, seq_len=32, hidden=32, heads=4, layers=2, quiet=True)
+SMALL = tiny_config(steps=3, seq_len=32)
 DP2 = dict(tp=1, pp=1, dp=2, ep=1, moe_every=0, optimizer_state_dtype="bf16")
 
 
-TINY = dict(steps=2, batch_size=4, seq_len=16, hidden=16, heads=2, layers=1, quiet=True)
+TINY = tiny_config(batch_size=4, hidden=16, heads=2, layers=1)
 
 
 def test_verify_agrees_with_bf16_state():

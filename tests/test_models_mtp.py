@@ -18,8 +18,9 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from _flags import tiny_config
 from _parity import agree, exact_copy
-from _trainer import first_step_gradients, write_documents
+from _trainer import FIRST_STEP, every_gradient_agrees, first_step_gradients, write_documents
 
 from fastpar.models import LlamaConfig, build_llama, lm_loss
 from fastpar.models.common import IGNORE_INDEX, Head
@@ -233,22 +234,7 @@ def test_the_trainer_refuses_what_it_cannot_run(flags, match):
 
 
 # -- every gradient on every rank, through the trainer ------------------------------------------
-SMALL = dict(
-    steps=1,
-    batch_size=4,
-    microbatches=2,
-    seq_len=16,
-    hidden=32,
-    heads=4,
-    layers=2,
-    quiet=True,
-    eos_id=10,
-    moe_every=0,
-    ep=1,
-    dp=1,
-    zero=0,
-    model_type="llama",
-)
+SMALL = tiny_config(FIRST_STEP, moe_every=0, model_type="llama")
 
 
 @pytest.fixture(scope="module")
@@ -283,16 +269,7 @@ def data(tmp_path_factory):
     ],
 )
 def test_every_gradient_on_every_rank_is_the_single_process_models(data, layout):
-    from fastpar.testing import run_ranks
-    from fastpar.verify import references
-
-    cfg = TrainConfig(**{**SMALL, **layout}, data=data)
-    cfg.check()
-    refs = references(cfg, None)
-    results = run_ranks(first_step_gradients, cfg.world_size, cfg, refs)
-    for rank, lines in enumerate(results):
-        assert int(lines[0].split()[0]) > 0, lines
-        assert len(lines) == 1, f"rank {rank}: " + "\n".join(lines)
+    results = every_gradient_agrees(TrainConfig(**{**SMALL, **layout}, data=data))
     assert sum(int(lines[0].split()[3]) for lines in results) > 0  # the last stage's MTP
 
 
@@ -327,20 +304,8 @@ def _no_tie(cfg, refs):
 def test_verify_agrees_at_tp2_pp2_dp2_zero1(extra):
     from fastpar.verify import compare
 
-    cfg = TrainConfig(
-        model_type="llama",
-        mtp_depth=1,
-        tp=2,
-        pp=2,
-        dp=2,
-        zero=1,
-        steps=3,
-        quiet=True,
-        seq_len=32,
-        batch_size=8,
-        hidden=32,
-        **extra,
-    )
+    run = dict(steps=3, quiet=True, seq_len=32, batch_size=8, hidden=32)
+    cfg = TrainConfig(model_type="llama", mtp_depth=1, tp=2, pp=2, dp=2, zero=1, **run, **extra)
     ok, text = compare(cfg)
     assert ok, text
     assert "AGREE" in text

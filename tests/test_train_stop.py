@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from _flags import argv
 from _procs import alive, children, kill_all
 
 from fastpar.checkpoint import CheckpointError, export_state_dict, verify
@@ -25,30 +26,10 @@ pytestmark = pytest.mark.skipif(
 
 #: a model that starts in about a second and runs a step in milliseconds; a constant LR, so a
 #: run's steps do not depend on --steps
-SMALL = [
-    "--pp",
-    "1",
-    "--ep",
-    "1",
-    "--moe-every",
-    "0",
-    "--batch-size",
-    "4",
-    "--seq-len",
-    "16",
-    "--hidden",
-    "32",
-    "--heads",
-    "2",
-    "--layers",
-    "2",
-    "--lr-schedule",
-    "constant",
-    "--warmup",
-    "0",
-    "--log-every",
-    "1",
-]
+MODEL = dict(batch_size=4, seq_len=16, hidden=32, heads=2, layers=2)
+SMALL = argv(pp=1, ep=1, moe_every=0, **MODEL, lr_schedule="constant", warmup=0, log_every=1)
+#: fp16 at an LR that overflows every step
+FP16_OVERFLOWS = dict(dp=2, tp=1, steps=50, lr="1e30", precision="fp16")
 SLACK = 10.0  # seconds past the collective timeout, generous for 2 busy cores
 
 
@@ -284,20 +265,7 @@ def test_a_non_finite_loss_stops_the_run_and_is_not_saved(tmp_path):
 
 
 def test_fp16_stops_after_max_skipped_steps_in_a_row():
-    with job(
-        "--dp",
-        "2",
-        "--tp",
-        "1",
-        "--steps",
-        "50",
-        "--lr",
-        "1e30",
-        "--precision",
-        "fp16",
-        "--max-skipped-steps",
-        "3",
-    ) as j:
+    with job(*argv(**FP16_OVERFLOWS, max_skipped_steps=3)) as j:
         code, _ = j.finish()
     assert code == 1
     m = re.search(r"diverged at step (\d+): 3 steps in a row \(steps (\d+)-(\d+)\) skipped", j.text)
@@ -323,22 +291,7 @@ def test_fp16_trains_from_the_largest_accepted_loss_scale():
 
 def test_weights_that_overflow_fp16_are_never_saved(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    with job(
-        "--dp",
-        "2",
-        "--tp",
-        "1",
-        "--steps",
-        "50",
-        "--lr",
-        "1e30",
-        "--precision",
-        "fp16",
-        "--save-every",
-        "1",
-        "--checkpoint-dir",
-        ckpt,
-    ) as j:
+    with job(*argv(**FP16_OVERFLOWS, save_every=1, checkpoint_dir=ckpt)) as j:
         code, _ = j.finish()
     assert code == 1
     assert re.search(r"diverged at step 1: the weights are no longer finite in fp16", j.text), (
