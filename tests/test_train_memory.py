@@ -170,6 +170,7 @@ def test_the_registry_declares_what_each_schedule_takes():
     assert [n for n, cls in SCHEDULES.items() if cls.forwards_first] == ["gpipe"]
     assert not ZeroBubbleH1.accepts("zero3") and not Interleaved.accepts("zero3")
     assert OneFOneB.accepts("zero3") and GPipe.accepts("sequence_parallel_tp")
+    assert all(cls.accepts("sequence_parallel_tp") for cls in SCHEDULES.values())
     with pytest.raises(ValueError, match="feature must be one of"):
         OneFOneB.accepts("zero-3")
     assert make_schedule("interleaved", 4, 2, 2) == Interleaved(4, 2, 2)

@@ -250,9 +250,6 @@ class ZeroBubbleH1(Schedule):
             "too)",
             "zero3": "ZeRO-3's gathers follow one backward per forward",
             "hf_config": "not supported yet",
-            "sequence_parallel_tp": "gives gradients that differ from the single-process "
-            "model's (fastpar.verify DISAGREES on some runs: the split backward and the "
-            "sequence-parallel collectives)",
         }
     )
 
