@@ -229,6 +229,33 @@ def test_prompt_weights_fall_back_when_two_weight_sides_meet(meet):
     assert torch.equal(dx, ref[0]) and torch.equal(w.grad, ref[1])
 
 
+@pytest.mark.parametrize("prompt", [False, True], ids=["at-end", "prompt"])
+def test_a_parameters_tensor_hook_runs_once(prompt):
+    """A parameter's own tensor hook (``register_hook``: ``all_reduce_grad``'s sum over TP, a
+    MoE expert's under sequence parallelism) runs once in W, as in a plain backward, also
+    behind a node W reruns through the engine (a LayerNorm, a product with a weight): it ran
+    twice there (``autograd.grad`` runs it on the gradient it captures), summing twice."""
+    torch.manual_seed(0)
+    norm, lin, w = nn.LayerNorm(4), nn.Linear(4, 4), nn.Parameter(torch.randn(4))
+    params = [*norm.parameters(), w, *lin.parameters()]
+    calls: list[int] = []
+    for i, p in enumerate(params):  # a hook that changes the gradient, as a sum over TP does
+        p.register_hook(lambda g, i=i: (calls.append(i), g * 2)[1])
+    x = torch.randn(3, 4, requires_grad=True)
+    g = torch.randn(3, 4)
+    lin(norm(x) * w).backward(g)
+    ref, ref_calls = [p.grad.clone() for p in params], sorted(calls)
+    for p in params:
+        p.grad = None
+    calls.clear()
+    split = SplitBackward([lin(norm(x) * w)], [g], [x])
+    split.input_grads()
+    assert calls == []
+    split.weights(prompt=prompt)
+    assert sorted(calls) == ref_calls == list(range(len(params)))
+    assert all(torch.equal(p.grad, r) for p, r in zip(params, ref, strict=True))
+
+
 def test_refuses_a_parameter_used_twice():
     lin = nn.Linear(4, 4)
     x = torch.randn(2, 4, requires_grad=True)
@@ -294,13 +321,15 @@ SMALL = tiny_config()
         dict(tp=1, pp=4, dp=1, ep=1, zero=0, microbatches=8, layers=2),
         dict(tp=1, pp=2, dp=2, ep=1, zero=2, microbatches=4, recompute=True),
         dict(tp=2, pp=2, dp=1, ep=1, zero=1, microbatches=2, recompute=True),
+        dict(tp=2, pp=2, dp=1, ep=1, zero=1, microbatches=4, sequence_parallel=True),
     ],
-    ids=["pp2-dp2-z1-m4", "pp4-m8", "pp2-dp2-z2-full", "tp2-pp2-full"],
+    ids=["pp2-dp2-z1-m4", "pp4-m8", "pp2-dp2-z2-full", "tp2-pp2-full", "tp2-pp2-sp"],
 )
 def test_verify_zb_agrees_with_single_process(layout):
     """The trainer's zb-h1 run (losses, grad norms — a gradient reduced twice moves it — and
     the parameters after the steps) equals the single-process model: DP + ZeRO-1, TP (its
-    collectives run once, in B or W), MoE experts over EP."""
+    collectives run once, in B or W) with and without sequence parallelism (its norms' weight
+    gradients all-reduced in W), MoE experts over EP."""
     from fastpar.train import TrainConfig
     from fastpar.verify import compare
 
@@ -368,3 +397,56 @@ def test_refuses_a_custom_function_of_a_weight():
     out = _WeightTimesX.apply(x, w)
     with pytest.raises(ValueError, match="custom autograd Function _WeightTimesX"):
         SplitBackward([out], [torch.ones_like(out)], [x]).input_grads()
+
+
+def _sp_norms_w(found_in: str) -> list[bool]:
+    """2 TP ranks, each its own chunk of the sequence through norms whose weight gradients are
+    partial sums (all-reduced over TP in backward: sequence parallelism's norms) between
+    linears: one prompt split backward against a plain one, per parameter bit for bit. The
+    nodes of the activation path are found in ascending creation order on rank 0 and
+    descending on rank 1 when ``found_in`` is "opposite orders" (two ranks' allocation
+    histories make a set's order differ so)."""
+    import torch.distributed as dist
+
+    from fastpar.models.common import Norm
+    from fastpar.parallel.pipeline import zb
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(3):
+        layers += [Norm(8, "layernorm", group=None, partial_grad=True), nn.Linear(8, 8)]
+    stage = nn.Sequential(*layers)
+    with torch.no_grad():  # distinct norm weights, so that mismatched sums show
+        for i, p in enumerate(stage.parameters()):
+            p.add_(0.1 * i)
+    x = torch.randn(4 + rank, 8, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    g = torch.randn(4 + rank, 8, generator=torch.Generator().manual_seed(10 + rank))
+    stage(x).backward(g)
+    ref = [p.grad.clone() for p in stage.parameters()]
+    stage.zero_grad(set_to_none=True)
+
+    closure = zb._closure
+
+    def ordered(roots, targets):
+        found = sorted(closure(roots, targets), key=lambda n: n._sequence_nr())
+        return dict.fromkeys(found[::-1] if rank == 1 else found).keys()
+
+    if found_in == "opposite orders":
+        zb._closure = ordered  # this rank's process only
+    try:
+        out = stage(x)
+        split = SplitBackward([out], [g], [x])
+        split.input_grads()
+        split.weights(prompt=True)  # each norm's weight side (its all-reduce) on its own
+    finally:
+        zb._closure = closure
+    return [torch.equal(p.grad, r) for p, r in zip(stage.parameters(), ref, strict=True)]
+
+
+@pytest.mark.parametrize("found_in", ["set order", "opposite orders"])
+def test_w_collectives_pair_up_whatever_order_the_graph_is_found_in(found_in):
+    """W runs the intermediates' weight sides in the graph's creation order, not a set's: the
+    TP ranks' all-reduces of sequence-parallel norm weight gradients pair up (they were paired
+    by the nodes' addresses: zb-h1 with --sequence-parallel at tp 2 DISAGREED)."""
+    assert run_ranks(_sp_norms_w, 2, found_in) == [[True] * 12] * 2

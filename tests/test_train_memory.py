@@ -4,11 +4,13 @@ holds its micro-batches) within 10 % of each rank's measured peak in a real trai
 gloo ranks — GPipe, 1F1B, interleaved (2 chunks a rank) and ZB-H1 (each micro-batch kept
 until its W), GPT and grouped-query Llama, and at TP 2 and TP 2 x sequence parallel (each TP
 rank against its stage's estimate); with multi-token prediction (the MTP modules on the last
-stage: a Llama, the fused cross-entropy's gradient per depth, a DeepSeek with a MoE MTP block).
+stage: a Llama, the fused cross-entropy's gradient per depth, a DeepSeek with a MoE MTP block),
+under ZB-H1 too, and ZB-H1 with full recompute (its B's recomputed graph lives until the W).
 
-Measured: the storages autograd saves for backward (``saved_tensors_hooks``), each counted once
-while any saved tensor still refers to it, the parameters' storages left out; the peak over the
-step of the sum, per rank."""
+Measured: the storages autograd saves for backward (``saved_tensors_hooks``) and, under a split
+backward, the output gradients each B stores for its W (``SplitBackward.grad_in``, until the W
+ends), each counted once while any of them still refers to it, the parameters' storages left
+out; the peak over the step of the sum, per rank."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from fastpar.parallel.pipeline import (
     ZeroBubbleH1,
     make_schedule,
 )
+from fastpar.parallel.pipeline.zb import SplitBackward
 from fastpar.testing import run_ranks
 from fastpar.train import TrainConfig, memory
 from fastpar.train.build import Trainer
@@ -42,18 +45,25 @@ class SavedBytes:
         self.refs: dict[int, int] = {}
         self.live = self.peak = 0
 
-    def pack(self, t: torch.Tensor):
+    def hold(self, t: torch.Tensor) -> tuple[int, int] | None:
+        """Count ``t``'s storage (a parameter's: not) until ``release(*held)``."""
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr in self.params:
-            return t
+            return None
         if not self.refs.get(ptr):
             self.live += storage.nbytes()
             self.peak = max(self.peak, self.live)
         self.refs[ptr] = self.refs.get(ptr, 0) + 1
+        return ptr, storage.nbytes()
+
+    def pack(self, t: torch.Tensor):
+        held = self.hold(t)
+        if held is None:
+            return t
         # held detached: a node's own output held with its grad_fn would make a cycle through
         # the graph that nothing collects (autograd holds saved outputs without it)
-        return _Saved(self, t.detach(), ptr, storage.nbytes())
+        return _Saved(self, t.detach(), *held)
 
     @staticmethod
     def unpack(held):
@@ -76,12 +86,32 @@ class _Saved:
 
 
 def _peak(cfg: TrainConfig) -> int:
-    """This rank's peak of saved bytes in one training step of ``cfg``."""
+    """This rank's peak of saved bytes in one training step of ``cfg``; under a split
+    backward with the output gradients each B stores for its W (``SplitBackward.grad_in``)."""
     trainer = Trainer(cfg, ParallelMesh(cfg.tp, cfg.pp, cfg.ep), torch.device("cpu"))
     counter = SavedBytes(trainer.stage_module.parameters())
-    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-        trainer.step()
-    assert counter.live == 0, counter.live  # every graph freed by the end of the step
+    stored: dict[int, list] = {}
+    b_pass, w_pass = SplitBackward.input_grads, SplitBackward.weights
+
+    def input_grads(split):
+        got = b_pass(split)
+        grads = [g for gs in split.grad_in.values() for g in gs if g is not None]
+        stored[id(split)] = [counter.hold(g) for g in grads]
+        return got
+
+    def weights(split, prompt=False):
+        w_pass(split, prompt)
+        for held in stored.pop(id(split)):
+            if held is not None:
+                counter.release(*held)
+
+    SplitBackward.input_grads, SplitBackward.weights = input_grads, weights
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+            trainer.step()
+    finally:  # a pool's rank serves later calls
+        SplitBackward.input_grads, SplitBackward.weights = b_pass, w_pass
+    assert counter.live == 0 and not stored, counter.live  # every graph freed by the step's end
     return counter.peak
 
 
@@ -103,6 +133,10 @@ def _peak(cfg: TrainConfig) -> int:
         # each MTP module's fused cross-entropy keeps its own head-weight gradient
         dict(schedule="1f1b", model_type="llama", mtp_depth=2, fused_ce=True, vocab_size=2048),
         dict(schedule="1f1b", model_type="deepseek", moe_every=1, experts=4, mtp_depth=1),
+        # ZB-H1's B stores the output gradients W reads: the MTP modules' too
+        dict(schedule="zb-h1", model_type="llama", kv_heads=2, mtp_depth=1),
+        dict(schedule="zb-h1", model_type="deepseek", moe_every=1, experts=4, mtp_depth=1),
+        dict(schedule="zb-h1", recompute=True),
     ],
     ids=[
         "gpipe",
@@ -116,6 +150,9 @@ def _peak(cfg: TrainConfig) -> int:
         "llama-mtp1-1f1b",
         "llama-mtp2-fused-ce-1f1b",
         "deepseek-mtp1-1f1b",
+        "llama-mtp1-zb-h1",
+        "deepseek-mtp1-zb-h1",
+        "zb-h1-full-recompute",
     ],
 )
 def test_estimate_matches_the_saved_activations(layout):
@@ -148,8 +185,17 @@ def test_held_weighs_each_chunk():
     sched = Interleaved(4, 2)
     assert sched.held(2, 0, [1, 10]) == 23
     assert sched.held(2, 0) == sched.max_in_flight(2, 0) == 5
-    with pytest.raises(ValueError, match="1 sizes for 2 chunks"):
+    with pytest.raises(ValueError, match="1 sizes, 2 stored for 2 chunks"):
         sched.held(2, 0, [1])
+
+
+def test_held_adds_what_a_split_backward_stores_until_w():
+    """ZB-H1 on its last rank of 2 (F0 B0 F1 B1 W0 F2 B2 W1 ...): 1 a forward, 10 more from its
+    B until its W, so two micro-batches past B: 22. Without a split backward nothing is
+    stored."""
+    assert ZeroBubbleH1(4).held(2, 1, [1], [10]) == 22
+    assert ZeroBubbleH1(4).held(2, 1, [1]) == ZeroBubbleH1(4).max_in_flight(2, 1) == 2
+    assert OneFOneB(4).held(2, 1, [1], [10]) == 1
 
 
 def test_the_registry_declares_what_each_schedule_takes():
@@ -158,6 +204,7 @@ def test_the_registry_declares_what_each_schedule_takes():
     assert [n for n, cls in SCHEDULES.items() if cls.forwards_first] == ["gpipe"]
     assert not ZeroBubbleH1.accepts("zero3") and not Interleaved.accepts("zero3")
     assert OneFOneB.accepts("zero3") and GPipe.accepts("sequence_parallel_tp")
+    assert all(cls.accepts("sequence_parallel_tp") for cls in SCHEDULES.values())
     with pytest.raises(ValueError, match="feature must be one of"):
         OneFOneB.accepts("zero-3")
     assert make_schedule("interleaved", 4, 2, 2) == Interleaved(4, 2, 2)

@@ -48,7 +48,6 @@ EXCLUDED = {
     "loss=fusedce x pp=zb-h1",  # (known bug: refused on the ranks, not by check())
     "loss=fusedce x zero=z3",  # the fused CE reads the head after ZeRO-3 resharded it
     "tp=tp1 x ep=ep2etp",  # (vacuous)
-    "tp=tp2sp x pp=zb-h1",  # zb-h1's split backward with sequence-parallel collectives
     "pp=interleaved x zero=z3",
     "pp=zb-h1 x zero=z3",
     "pp=zb-h1 x recompute=attn",  # zb-h1 refuses a selective recompute

@@ -9,8 +9,14 @@ run's dtype; a LayerNorm its input and per-token mean and 1 / rms; the linear la
 its input (the whole sequence, gathered, under sequence parallelism); the fused attention kernel
 its q, k, v, output (the output projection's input is a view of it) and per-head log-sum-exp in
 fp32, not the scores. Not counted: RoPE's cos / sin (per position, not per token), the
-router's indices and probabilities beyond one index and weight a routed copy, and anything a
-backward allocates (gradients, the split backward's stored output gradients).
+router's indices and probabilities beyond one index and weight a routed copy, and what a
+backward allocates and frees.
+
+A split backward (ZB-H1) also keeps, from a micro-batch's B until its W, the gradient of the
+output of every node that takes a weight (each linear layer's and norm's output gradient,
+``SplitBackward.grad_in``: W's ``x^T g``): ``block_grads``, ``head_grads``, ``mtp_grads`` in
+``Activations``' ``*_grads`` (in the run's dtype). The stage that takes the token ids keeps
+none (nothing it computes reaches an input that needs a gradient: its backward is all W).
 """
 
 from __future__ import annotations
@@ -29,6 +35,10 @@ class Activations:
     moe: float
     head: float
     head_fixed: float = 0.0
+    #: a split backward's stored output gradients a token, from B until W (``block_grads``)
+    dense_grads: float = 0.0
+    moe_grads: float = 0.0
+    head_grads: float = 0.0
 
 
 def norm_bytes(kind: str, width: int, size: int) -> float:
@@ -70,20 +80,56 @@ def block_bytes(
     return dense, moe
 
 
+def block_grads(
+    cfg, tp: int, sp: int, size: int, *, attention: float, mlp_in: int, expert_ffn: int
+) -> tuple[float, float]:
+    """(dense, MoE) bytes per token of the output gradients a split backward keeps for W in a
+    pre-norm block: the two norms' outputs (over the sequence split ``sp`` ways), the
+    attention's ``attention`` elements of weight-taking outputs (its input projections and
+    per-head norms, over ``tp``) and its output projection's (whole: the partial sums before
+    the reduction), then the MLP's input projection (``mlp_in`` units of ``cfg.ffn_size``:
+    2 gated, 1 not) and output; for a MoE block the router's scores and, a routed copy, the
+    expert's two products (a shared expert's, and its gate's, on every token)."""
+    h = cfg.hidden
+    base = 2 * h / sp + attention / tp + h
+    dense = base + mlp_in * cfg.ffn_size / tp + h
+    routed = cfg.top_k if cfg.capacity_factor is None else 0
+    moe = base + cfg.num_experts / sp + routed * (mlp_in * expert_ffn / tp + h)
+    if cfg.shared_expert_ffn is not None:
+        moe += mlp_in * cfg.shared_expert_ffn + h + (1 if cfg.shared_expert_gate else 0)
+    return size * dense, size * moe
+
+
 def activations(
-    cfg, tp: int, sp: int, size: int, fused_ce: bool, norm: str = "rmsnorm", **block
+    cfg,
+    tp: int,
+    sp: int,
+    size: int,
+    fused_ce: bool,
+    norm: str = "rmsnorm",
+    *,
+    attention_grads: float = 0.0,
+    mlp_in: int = 1,
+    **block,
 ) -> Activations:
     """Every block's bytes (``Activations``): ``block_bytes(cfg, ..., **block)`` for the
     decoder blocks; the embedding keeps its int64 token ids; the head its final norm and that
     norm's output, then the logits in fp32 with two fp32 statistics and the int64 target a
     token (vocab-parallel cross-entropy), or with ``fused_ce`` (linear cross-entropy, its
-    gradients computed in forward) the head weight's gradient in fp32 once a micro-batch."""
+    gradients computed in forward) the head weight's gradient in fp32 once a micro-batch.
+    The stored output gradients: ``block_grads(cfg, ..., attention=attention_grads,
+    mlp_in=mlp_in)``; the head's final norm output (the logits' gradient overwrites the saved
+    logits: the trainer's cross-entropy runs ``inplace_backward``)."""
     dense, moe = block_bytes(cfg, tp, sp, size, norm=norm, **block)
+    dense_g, moe_g = block_grads(
+        cfg, tp, sp, size, attention=attention_grads, mlp_in=mlp_in, expert_ffn=block["expert_ffn"]
+    )
     h, vocab = cfg.hidden, cfg.vocab_size / tp
     head = norm_bytes(norm, h, size) / sp + size * h
+    grads = dict(dense_grads=dense_g, moe_grads=moe_g, head_grads=size * h / sp)
     if fused_ce:
-        return Activations(8.0, dense, moe, head, 4 * vocab * h)
-    return Activations(8.0, dense, moe, head + 4 * vocab + 16)
+        return Activations(8.0, dense, moe, head, 4 * vocab * h, **grads)
+    return Activations(8.0, dense, moe, head + 4 * vocab + 16, **grads)
 
 
 def mtp_bytes(cfg, act: Activations, block: float, sp: int, size: int) -> float:
@@ -101,3 +147,11 @@ def mtp_bytes(cfg, act: Activations, block: float, sp: int, size: int) -> float:
         + block
         + act.head
     )
+
+
+def mtp_grads(cfg, act: Activations, block: float, sp: int, size: int) -> float:
+    """One multi-token prediction module's stored output gradients a token (``block_grads``):
+    its two input norms' outputs side by side (the concatenation's gradient, which theirs
+    are views of), eh_proj's output (over the sequence split ``sp`` ways), its block's
+    (``block``: ``act.dense_grads`` or ``act.moe_grads``) and the head's (``act.head_grads``)."""
+    return size * 3 * cfg.hidden / sp + block + act.head_grads

@@ -159,8 +159,23 @@ class DeepSeekConfig:
         if self.q_lora_rank is not None:
             latent += norm_bytes("rmsnorm", self.q_lora_rank, size) / size
         attention = self.heads * per_head + tp * latent  # block_bytes divides it by tp
+        # stored output gradients: q (or q_b) and kv_b per head; replicated, kv_a's output and
+        # the latent norms' (q_a's and its norm's too)
+        replicated = self.kv_lora_rank + self.qk_rope_head_dim + self.kv_lora_rank
+        if self.q_lora_rank is not None:
+            replicated += 2 * self.q_lora_rank
+        grads = self.heads * (qk + nope + v) + tp * replicated
         return activations(
-            self, tp, sp, size, fused_ce, attention=attention, mlp=4, expert_ffn=self.moe_ffn_size
+            self,
+            tp,
+            sp,
+            size,
+            fused_ce,
+            attention=attention,
+            mlp=4,
+            expert_ffn=self.moe_ffn_size,
+            attention_grads=grads,
+            mlp_in=2,
         )
 
     def check(self, tp: int = 1, pp: int = 1, ep: int = 1) -> None:

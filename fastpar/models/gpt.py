@@ -97,7 +97,8 @@ class GPTConfig:
         (``fastpar.models.activations``): q|k|v in one buffer, the attention output; a GELU
         MLP's fc and GELU outputs."""
         block = dict(attention=4 * self.hidden, mlp=2, expert_ffn=self.ffn_size)
-        return activations(self, tp, sp, size, fused_ce, self.norm, **block)
+        grads = dict(attention_grads=3 * self.hidden, mlp_in=1)  # q|k|v; fc
+        return activations(self, tp, sp, size, fused_ce, self.norm, **block, **grads)
 
     def check(self, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
         """Raise ValueError naming the bad value and the fix, before anything is built."""

@@ -152,11 +152,22 @@ class LlamaConfig:
         head instead; q/k-norms' saves; SwiGLU's gate|up, SiLU and product."""
         q, kv = self.heads * self.head_size, self.num_kv_heads * self.head_size
         attention = 2 * q + (kv + q + 2 * kv if q == kv else 2 * q)
+        grads = q + 2 * kv  # (stored output gradients: q|k|v, the q/k-norms' outputs)
         if self.qk_norm:  # a norm over each head's values (its input a copy), per head 1 / rms
             heads = self.heads + self.num_kv_heads
             attention += ((4 + 2 * size) * (q + kv) + 4 * heads) / size
+            grads += q + kv
         return activations(
-            self, tp, sp, size, fused_ce, attention=attention, mlp=4, expert_ffn=self.moe_ffn_size
+            self,
+            tp,
+            sp,
+            size,
+            fused_ce,
+            attention=attention,
+            mlp=4,
+            expert_ffn=self.moe_ffn_size,
+            attention_grads=grads,
+            mlp_in=2,
         )
 
     def check(self, tp: int = 1, pp: int = 1, ep: int = 1) -> None:

@@ -5,11 +5,11 @@ The estimate counts the tensors fastpar's GPT / Llama / DeepSeek blocks save for
 the model's shapes (each model's ``activation_bytes``: ``fastpar.models.activations``; the
 multi-token prediction modules in the head's block, ``mtp_bytes``), per pipeline chunk, held as
 the schedule holds its micro-batches (``Schedule.held``: GPipe all of them, 1F1B ``pp - stage``,
-interleaved per model chunk, ZB-H1 each until its W); against what autograd really saves on CPU
-ranks it is within 10 % on every rank for GPipe, 1F1B, interleaved and ZB-H1
-(tests/test_train_memory.py), but ZB-H1 with multi-token prediction: its W's stored output
-gradients, not counted, grow with the MTP modules' matmuls (the estimate 13 % below the measured on
-the last stage of a small Llama at depth 1). The attention scores are not counted:
+interleaved per model chunk, ZB-H1 each until its W, and from its B the output gradients its
+W reads: ``Activations``' ``*_grads``); against what autograd really saves on CPU ranks (and,
+under ZB-H1, the output gradients its B stores) it is within 10 % on every rank for GPipe,
+1F1B, interleaved and ZB-H1, with multi-token prediction and full recompute too
+(tests/test_train_memory.py). The attention scores are not counted:
 ``scaled_dot_product_attention`` runs a fused kernel on CPUs and GPUs alike, which keeps
 O(seq_len) per head, not O(seq_len²). Parameters, gradients, optimizer state, what a backward
 allocates and the allocator's slack come on top, so it is meant as a lower bound of the memory:
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastpar.models.activations import mtp_bytes
+from fastpar.models.activations import mtp_bytes, mtp_grads
 from fastpar.parallel.pipeline.partition import partition
 from fastpar.parallel.pipeline.schedules import make_schedule
 
@@ -66,8 +66,9 @@ def stage_bytes(cfg) -> list[int]:
     what each of its chunks keeps per micro-batch (the model's ``activation_bytes`` of its
     blocks, partitioned as the trainer does), held as the schedule holds them (``held``:
     1F1B ``pp - stage`` micro-batches in flight, GPipe all, interleaved per chunk, ZB-H1 until
-    each W); with --recompute full each micro-batch keeps only its stage input and one chunk
-    is recomputed at a time."""
+    each W, with the output gradients stored from its B); with --recompute full each
+    micro-batch keeps only its stage input and one chunk is recomputed at a time (ZB-H1: its
+    B recomputes, and that graph lives until the W)."""
     model = cfg.model()
     sched = make_schedule(
         cfg.schedule, cfg.microbatches, cfg.virtual_stages, cfg.microbatch_group_size
@@ -86,18 +87,29 @@ def stage_bytes(cfg) -> list[int]:
     # module), unless it is recomputed in backward (a schedule running every forward first:
     # build's loss)
     fixed = 0.0 if sched.forwards_first else act.head_fixed * (1 + depth)
+    # a split backward's stored output gradients (none in the chunk that takes the token ids)
+    g_kinds = [act.moe_grads if model.is_moe(i) else act.dense_grads for i in range(len(kinds))]
+    g_head = act.head_grads + sum(
+        mtp_grads(model, act, g, sp, size) for g in g_kinds[model.layers :]
+    )
+    grads = [0.0, *g_kinds[: model.layers], g_head]
     ranges = partition([1.0] * len(blocks), pp * v)  # build_stage / build_virtual_stages
     peaks = []
     for s in range(pp):
         mine = ranges[s::pp]
         full = [sum(blocks[a:b]) * tokens + (fixed if b == len(blocks) else 0) for a, b in mine]
+        stored = [0.0 if a == 0 else sum(grads[a:b]) * tokens for a, b in mine]
         if cfg.recompute is True:  # full; a selective policy is counted as none (an upper bound)
             width = model.hidden / sp * size  # a later stage's input: the hidden states
             kept = [(act.embedding if a == 0 else width) * tokens for a, _ in mine]
+            if sched.splits_backward:  # B recomputes the forward, whose graph lives until W
+                rebuilt = [f - k + g for f, k, g in zip(full, kept, stored, strict=True)]
+                peaks.append(sched.held(pp, s, kept, rebuilt))
+                continue
             extra = max(f - k for f, k in zip(full, kept, strict=True))
             peaks.append(sched.held(pp, s, kept) + extra)
         else:
-            peaks.append(sched.held(pp, s, full))
+            peaks.append(sched.held(pp, s, full, stored))
     return [int(p) for p in peaks]
 
 

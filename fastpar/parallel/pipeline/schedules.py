@@ -95,18 +95,34 @@ class Schedule:
         rank (over all its chunks)."""
         return int(self.held(num_stages, stage))
 
-    def held(self, num_stages: int, stage: int, sizes: Sequence[float] | None = None) -> float:
+    def held(
+        self,
+        num_stages: int,
+        stage: int,
+        sizes: Sequence[float] | None = None,
+        stored: Sequence[float] | None = None,
+    ) -> float:
         """The peak, over this rank's steps, of what its forwards keep until their backward
         (a split backward's W, which frees the graph B kept): ``sizes[c]`` for each
         micro-batch of chunk c that ran forward and not yet backward (default 1 a chunk:
-        chunk-forwards in flight)."""
-        sizes = [1.0] * self.virtual_stages if sizes is None else list(sizes)
-        if len(sizes) != self.virtual_stages:
-            raise ValueError(f"{len(sizes)} sizes for {self.virtual_stages} chunks a rank")
+        chunk-forwards in flight), plus, for a schedule that ``splits_backward``,
+        ``stored[c]`` for each whose B ran and W not (what B keeps for W: the output
+        gradients, a recomputed graph; default nothing)."""
+        v = self.virtual_stages
+        sizes = [1.0] * v if sizes is None else list(sizes)
+        stored = [0.0] * v if stored is None else list(stored)
+        if len(sizes) != v or len(stored) != v:
+            raise ValueError(f"{len(sizes)} sizes, {len(stored)} stored for {v} chunks a rank")
         live = peak = 0.0
-        frees = "W" if self.splits_backward else "B"  # a split backward frees at W
         for kind, _, c in self.actions(num_stages, stage):
-            live += sizes[c] if kind == "F" else -sizes[c] if kind == frees else 0.0
+            if kind == "F":
+                live += sizes[c]
+            elif kind == "W":  # a split backward frees at W
+                live -= sizes[c] + stored[c]
+            elif self.splits_backward:
+                live += stored[c]
+            else:
+                live -= sizes[c]
             peak = max(peak, live)
         return peak
 
@@ -250,9 +266,6 @@ class ZeroBubbleH1(Schedule):
             "too)",
             "zero3": "ZeRO-3's gathers follow one backward per forward",
             "hf_config": "not supported yet",
-            "sequence_parallel_tp": "gives gradients that differ from the single-process "
-            "model's (fastpar.verify DISAGREES on some runs: the split backward and the "
-            "sequence-parallel collectives)",
         }
     )
 

@@ -5,6 +5,8 @@ per micro-batch and each collective runs once; how, and what is refused: docs/pi
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
@@ -53,7 +55,10 @@ class SplitBackward:
         self.r_set = r_set
         children: dict = {}  # weight-side child edge -> the node of R it hangs from
         hooks = []
-        for n in r_set:
+        # in creation order, latest first (a plain backward's order), never the set's: W runs
+        # the intermediates' weight sides in this order, so every TP rank issues its
+        # collectives (a sequence-parallel norm's weight-gradient all-reduce) in the same order
+        for n in _graph_order(r_set):
             out_edges = [(c, k) for c, k in n.next_functions if c is not None and c not in r_set]
             if not out_edges:
                 continue
@@ -108,9 +113,10 @@ class SplitBackward:
                 if not outs:
                     continue
                 kids = [GradientEdge(c, k) for c, k in out_edges]
-                res = torch.autograd.grad(
-                    [e for e, _ in outs], kids, [g for _, g in outs], allow_unused=True
-                )
+                with _leaf_hooks_held(out_edges):
+                    res = torch.autograd.grad(
+                        [e for e, _ in outs], kids, [g for _, g in outs], allow_unused=True
+                    )
                 mine = [(e, g) for e, g in zip(kids, res, strict=True) if g is not None]
             if apart and mine:
                 torch.autograd.backward([e for e, _ in mine], [g for _, g in mine])
@@ -125,6 +131,32 @@ class SplitBackward:
             torch.autograd.backward(edges, grads)
         self.captured = self.grad_in = {}
         self.roots = self.grads = []
+
+
+@contextlib.contextmanager
+def _leaf_hooks_held(edges):
+    """The tensor hooks (``register_hook``) of the parameters ``edges`` lead to held back:
+    ``autograd.grad`` runs an input's tensor hooks on the gradient it captures there, and W's
+    backward into the parameters runs them again (an ``all_reduce_grad`` hook, a MoE expert's
+    under sequence parallelism, would sum over TP twice). They run once, in that backward."""
+    held = []
+    for c, _ in edges:
+        p = getattr(c, "variable", None)  # an AccumulateGrad: the parameter itself
+        if p is not None and p._backward_hooks:
+            held.append((p, p._backward_hooks))
+            p._backward_hooks = None
+    try:
+        yield
+    finally:
+        for p, hooks in held:  # the same dict: the hooks' handles still remove them
+            p._backward_hooks = hooks
+
+
+def _graph_order(nodes) -> list:
+    """``nodes`` (autograd nodes of one graph) latest-created first: the same order on every
+    rank that built the same graph. A set's own order follows the nodes' addresses, which two
+    ranks' allocation histories make differ."""
+    return sorted(nodes, key=lambda n: n._sequence_nr(), reverse=True)
 
 
 def _direct_weight_grads(n, out_edges, got) -> list | None:
