@@ -343,6 +343,8 @@ def test_verify_zb_agrees_with_single_process(layout):
         (dict(recompute="attention"), "zb-h1 with a selective --recompute"),
         (dict(zero=3, dp=2), "zb-h1 with --zero 3"),
         (dict(virtual_stages=2), "needs --schedule interleaved"),
+        # refused before any rank starts (the ranks refused it, each, one step in)
+        (dict(fused_ce=True), "zb-h1 with --fused-ce at --pp > 1: the fused linear"),
     ],
 )
 def test_config_refusals(flags, match):

@@ -366,6 +366,7 @@ class TrainConfig(TrainOptions):
             "selective_recompute": bool(self.recompute) and self.recompute is not True,
             "zero3": self.zero == 3,
             "hf_config": bool(self.hf_config),
+            "fused_ce": self.fused_ce and self.pp > 1,
         }
         for feature in [f for f, on in wanted.items() if on and not sched.accepts(f)]:
             raise ValueError(schedule_refusal(self, feature, sched))

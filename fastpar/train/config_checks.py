@@ -145,6 +145,11 @@ def schedule_refusal(cfg, feature: str, sched) -> str:
         )
     if feature == "hf_config":
         return f"{head} --hf-config is {why}; use --schedule {accepting('hf_config')}"
+    if feature == "fused_ce":
+        return (
+            f"{head} --fused-ce at --pp > 1: {why}; use --schedule {accepting('fused_ce')}, or "
+            "drop --fused-ce"
+        )
     return (
         f"{head} --sequence-parallel at --tp > 1 {why}; use --schedule "
         f"{accepting('sequence_parallel_tp')}, or drop --sequence-parallel"

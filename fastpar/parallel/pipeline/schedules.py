@@ -266,6 +266,9 @@ class ZeroBubbleH1(Schedule):
             "too)",
             "zero3": "ZeRO-3's gathers follow one backward per forward",
             "hf_config": "not supported yet",
+            "fused_ce": "the fused linear cross-entropy is one autograd Function taking the "
+            "head's weight and its input: its backward would run in both the B and the W pass "
+            "(its collective twice)",
         }
     )
 
@@ -483,6 +486,7 @@ FEATURES = {
     "zero3": "a ZeRO-3 data-parallel wrapper (parameters gathered around its forward)",
     "hf_config": "a Hugging Face model's pipeline blocks",
     "sequence_parallel_tp": "sequence parallelism at tensor-parallel size > 1",
+    "fused_ce": "the fused linear cross-entropy (--fused-ce) on a pipeline's last stage",
 }
 
 
