@@ -273,8 +273,10 @@ def test_the_command_line_resets_positions_unless_told_not_to():
         dict(dp=2, pp=2, tp=2, zero=0),
         dict(dp=2, pp=1, tp=1, cp=2, zero=0),
         dict(dp=2, pp=1, tp=1, ep=2, moe_every=1, experts=4, top_k=2, zero=0),
+        # the checkpointed blocks run again in backward: inside their micro-batch's documents
+        dict(dp=2, pp=2, tp=1, zero=0, recompute="attention", model_type="llama"),
     ],
-    ids=["dp2-pp2-tp2", "cp2-dp2", "dp2-ep2-moe"],
+    ids=["dp2-pp2-tp2", "cp2-dp2", "dp2-ep2-moe", "dp2-pp2-recompute-attention"],
 )
 def test_every_gradient_on_every_rank_is_the_single_process_models(data, layout):
     """Documents crossing micro-batch, stage and cp-chunk boundaries, ignored targets uneven:

@@ -98,7 +98,7 @@ class StepRunner:
                 else:
                     defers = getattr(self.grad_sync, "defers_reduction_in_no_sync", False)
                     prompt = not sync and bool(defers)
-                with nvtx(f"stage{r} weight grad {label}"), no_sync:
+                with nvtx(f"stage{r} weight grad {label}"), no_sync, self._in_context():
                     entry.pop("split").weights(prompt=prompt)
                 busy += time.perf_counter() - t0
                 live -= entry["bytes"]
@@ -106,7 +106,7 @@ class StepRunner:
                 entry = saved[(i, c)]
                 slots = entry.get("slots")
                 t0 = time.perf_counter()
-                with nvtx(f"stage{r} input grad {label}"):
+                with nvtx(f"stage{r} input grad {label}"), self._in_context():
                     dx = self._backward_input(c, entry, got, slots, ys[i] if last else None, device)
                 busy += time.perf_counter() - t0
                 if not first and dx is not None:
@@ -117,7 +117,7 @@ class StepRunner:
                 t0 = time.perf_counter()
                 sync = k == last_backward or self.no_sync is None
                 no_sync = contextlib.nullcontext() if sync else self.no_sync()
-                with nvtx(f"stage{r} backward {label}"), no_sync:
+                with nvtx(f"stage{r} backward {label}"), no_sync, self._in_context():
                     self._backward(c, entry, got, slots, ys[i] if last else None, device)
                 busy += time.perf_counter() - t0
                 live -= entry["bytes"]
@@ -195,9 +195,14 @@ class StepRunner:
             return None
         return got[0] if single else tuple(got)
 
+    def _in_context(self):
+        """The engine's ``context`` of the running action's micro-batch (its packed documents,
+        its MTP tokens): around its forward, and around its backward too, where a checkpointed
+        block (--recompute) runs its forward again and must see the same documents."""
+        return self._context(self._mb) if self._context is not None else contextlib.nullcontext()
+
     def _run(self, c: int, x, target):
-        ctx = self._context(self._mb) if self._context is not None else contextlib.nullcontext()
-        with ctx:
+        with self._in_context():
             out = self.chunks[c](x)
         if target is None:
             return out
