@@ -12,6 +12,7 @@ The cases are ordered so that those sharing their single-process references
 (``fastpar.verify.reference_key``) run one after the other, from a ``ReferenceCache``.
 
     python tests/_matrix.py            # the cases, their pair coverage and the excluded pairs
+    python tests/_matrix.py --write    # tests/verify_matrix.txt, after a change of the table
 
 Compile is not a factor: a compiled case costs 25-80 s here (inductor, each rank), and
 covering its pairs would take at least five of them; ``COMPILED`` turns it on for one case.
@@ -114,6 +115,46 @@ SAFE = {"model": "llama", "experts": "moe", "dp": "dp2", "zero": "z1"}
 FACTORS = [Factor(name, tuple(levels), SAFE.get(name, "")) for name, levels in TABLE.items()]
 
 
+LAYOUT = ("tp", "pp", "dp", "ep", "cp", "zero")
+#: layouts the matrix holds whatever else it needs (the generator picks the rest of each row):
+#: those of the hand-written verify cases it replaced (python -m fastpar.train's default first)
+SEEDS = [
+    dict(zip(LAYOUT, layout.split(), strict=True))
+    for layout in (
+        "tp2 1f1b dp2 ep2 cp1 z1",
+        "tp2 gpipe dp2 ep2 cp1 z0",
+        "tp2sp pp1 dp2 ep2 cp1 z1",
+        "tp2 pp1 dp2 ep2etp cp1 z1",
+        "tp2 interleaved dp2 ep2 cp1 z1",
+        "tp2 pp1 dp2 ep1 cp1 z1",
+        "tp2 1f1b dp2 ep1 cp1 z3",
+        "tp1 1f1b dp2 ep2 cp1 z3",
+        "tp2 zb-h1 dp1 ep1 cp1 z0",
+        "tp1 zb-h1 dp2 ep2 cp1 z1",
+        "tp2 pp1 dp2 ep1 ring z1",
+        "tp1 1f1b dp1 ep1 ring z1",
+        "tp1 1f1b dp2 ep1 ring z1",
+        "tp2sp pp1 dp1 ep2 ring z2",
+        "tp1 zb-h1 dp1 ep1 ring z0",
+        "tp1 interleaved dp1 ep1 ring z1",
+        "tp1 gpipe dp2 ep1 cp1 z2",
+        "tp1 pp1 hsdp ep1 cp1 z3",
+        "tp1 1f1b hsdp ep2 cp1 z3",
+        "tp2sp pp1 hsdp ep1 cp1 z1",
+        "tp1 interleaved hsdp ep1 cp1 z1",
+        "tp1 zb-h1 hsdp ep1 cp1 z2",
+        "tp1 gpipe hsdp ep1 cp1 z3",
+        "tp2 pp1 dp1 ep1 cp1 z0",
+        "tp1 pp1 dp2 ep1 cp1 z1",
+        "tp1 pp1 dp2 ep1 cp1 z3",
+        "tp2 pp1 dp2 ep2 cp1 z1",
+        "tp2 1f1b dp2 ep1 cp1 z1",
+        "tp2 1f1b dp2 ep2 cp1 z3",
+        "tp2 1f1b dp2 ep2 cp1 z0",
+    )
+]
+
+
 def _vacuous(row: Row) -> str | None:
     if row["experts"] == "dense" and row["router"] != "softmax":
         return f"router {row['router']} without MoE blocks is the dense model"
@@ -180,27 +221,28 @@ def refusal(row: Row) -> str | None:
 def matrix(min_gain: int = MIN_GAIN) -> Coverage:
     """The covering array of ``FACTORS`` (computed once a process), its rows in groups that
     share their references (``REFERENCE``, ``same_references``)."""
-    return covering(FACTORS, refusal, shared=REFERENCE, same=same_references, min_gain=min_gain)
-
-
-_loaded: dict = {}
+    return covering(
+        FACTORS,
+        refusal,
+        shared=REFERENCE,
+        same=same_references,
+        min_gain=min_gain,
+        seeds=SEEDS,
+    )
 
 
 def reference_key(row: Row) -> tuple:
-    """``fastpar.verify.reference_key`` of ``row``'s run (remembered; the data loaded once)."""
+    """``fastpar.verify.reference_key`` of ``row``'s run, for grouping and ordering the cases:
+    the data are the embedded corpus for every row (their fields, in the key, say how it is
+    cut), so a one-element stand-in takes their fingerprint's place (remembered)."""
     return _key(tuple(row.items()))
 
 
 @functools.cache
 def _key(items: tuple) -> tuple:
-    from fastpar.train import load_data
     from fastpar.verify import reference_key as key
 
-    cfg = config(dict(items))
-    source = (cfg.data, cfg.eos_id, cfg.pack, cfg.tokenizer)
-    if source not in _loaded:
-        _loaded[source] = load_data(cfg)
-    return key(cfg, _loaded[source])
+    return key(config(dict(items)), torch.zeros(1))
 
 
 def same_references(a: Row, b: Row) -> bool:
@@ -214,13 +256,42 @@ def case_id(row: Row) -> str:
     return "-".join(parts)
 
 
-def cases() -> list[Row]:
-    """The matrix's rows, those sharing their references (``reference_key``) one after the
-    other (groups in the order of their first row)."""
+def generate() -> list[Row]:
+    """The matrix's rows (``matrix()``), those sharing their references (``reference_key``)
+    one after the other (groups in the order of their first row)."""
     groups: dict[tuple, list[Row]] = {}
     for row in matrix().rows:
         groups.setdefault(reference_key(row), []).append(row)
     return [row for rows in groups.values() for row in rows]
+
+
+CASES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verify_matrix.txt")
+"""``generate()``'s rows as ``python tests/_matrix.py --write`` wrote them (the generation
+judges some 25,000 rows by ``TrainConfig.check()``: seconds, too slow for every collection);
+``test_verify_matrix`` fails when the file is not what the table generates."""
+
+
+def cases() -> list[Row]:
+    """The cases, from ``CASES_FILE``."""
+    rows = []
+    with open(CASES_FILE) as f:
+        for line in f:
+            if line.strip() and not line.startswith("#"):
+                rows.append(dict(zip(TABLE, line.split(), strict=True)))
+    return rows
+
+
+def write() -> None:
+    names = " ".join(TABLE)
+    with open(CASES_FILE, "w") as f:
+        f.write(
+            "# The verification matrix's cases (tests/_matrix.py, tests/test_verify_matrix.py),\n"
+            "# written by python tests/_matrix.py --write: one a line, the levels of\n"
+            f"# {names}\n"
+            "# (those sharing their single-process references one after the other).\n"
+        )
+        for row in generate():
+            f.write(" ".join(row.values()) + "\n")
 
 
 #: the compile set: one case of the matrix run again with --compile (TP collectives, MoE over
@@ -384,7 +455,7 @@ def verify(cfg: TrainConfig, tokens=None, cache=None) -> tuple[bool, str]:
 def text() -> str:
     """The cases (one a line: its references' group, every factor's level), the pair
     coverage, how many pairs each case covers first, and the excluded pairs with why."""
-    cov, rows = matrix(), cases()
+    cov, rows = matrix(), generate()
     refs: dict[tuple, int] = {}
     widths = {f.name: max(len(f.name), *(len(v) for v in f.levels)) for f in cov.factors}
     out = ["  ".join(["case", "refs", "new"] + [f.name.ljust(widths[f.name]) for f in FACTORS])]
@@ -407,10 +478,16 @@ def text() -> str:
         "",
         "excluded pairs (no valid run holds them):",
     ]
+    if not os.path.exists(CASES_FILE) or cases() != rows:
+        out.insert(0, f"({CASES_FILE} holds other cases: python tests/_matrix.py --write)\n")
     for (a, b), why in cov.excluded.items():
         out.append(f"  {a[0]}={a[1]} x {b[0]}={b[1]}: {why.splitlines()[0]}")
     return "\n".join(out)
 
 
 if __name__ == "__main__":
-    print(text())
+    if sys.argv[1:] == ["--write"]:
+        write()
+        print(f"wrote {CASES_FILE}")
+    else:
+        print(text())

@@ -14,28 +14,10 @@ from fastpar.verify import compare
 
 SMALL = dict(steps=3, batch_size=8, seq_len=16, hidden=32, heads=4, layers=2, quiet=True)
 LAYOUTS = {
-    "gpt-cp2-tp2-dp2-z1": dict(model_type="gpt", cp=2, tp=2, pp=1, dp=2, ep=1, zero=1, moe_every=0),
-    "llama-cp2-tp2-dp2-z1": dict(
-        model_type="llama", cp=2, tp=2, pp=1, dp=2, ep=1, zero=1, moe_every=0, kv_heads=2
-    ),
-    "llama-cp2-tp2-sp-moe-ep2": dict(
-        model_type="llama",
-        cp=2,
-        tp=2,
-        pp=1,
-        dp=1,
-        ep=2,
-        zero=2,
-        moe_every=2,
-        sequence_parallel=True,
-    ),
     "llama-cp2-dp2-moe-ep2-z1": dict(
         model_type="llama", cp=2, tp=1, pp=1, dp=2, ep=2, zero=1, moe_every=2
     ),
     "llama-cp2-dp2-z3": dict(model_type="llama", cp=2, tp=1, pp=1, dp=2, ep=1, zero=3, moe_every=0),
-    "gpt-cp2-pp2-zb": dict(
-        model_type="gpt", cp=2, tp=1, pp=2, dp=1, ep=1, zero=0, moe_every=0, schedule="zb-h1"
-    ),
     "llama-cp4": dict(model_type="llama", cp=4, tp=1, pp=1, dp=1, ep=1, zero=1, moe_every=0),
     "llama-cp2-tp2-a2a": dict(
         model_type="llama",

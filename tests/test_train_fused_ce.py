@@ -15,7 +15,6 @@ from fastpar.verify import compare, reference, references
 
 SMALL = dict(steps=3, batch_size=8, seq_len=16, hidden=32, heads=4, layers=2, quiet=True)
 LAYOUTS = {
-    "gpt-tp2-dp2-z1": dict(model_type="gpt", tp=2, pp=1, dp=2, ep=1, zero=1, moe_every=0),
     "llama-tp2-pp2-sp": dict(
         model_type="llama", tp=2, pp=2, dp=1, ep=1, zero=1, moe_every=0, sequence_parallel=True
     ),

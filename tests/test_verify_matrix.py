@@ -18,6 +18,7 @@ from _matrix import (
     case_id,
     cases,
     config,
+    generate,
     matrix,
     reference_key,
     refusal,
@@ -63,6 +64,7 @@ def _name(pair) -> str:
 
 def test_the_matrix_covers_every_pair_a_run_can_hold():
     cov = matrix()
+    assert generate() == CASES, "tests/verify_matrix.txt is stale: python tests/_matrix.py --write"
     assert not cov.missing(), [_name(p) for p in cov.missing()]
     assert {_name(p) for p in cov.excluded} == EXCLUDED, cov.excluded
     for row in cov.rows:  # every case a run the trainer accepts, at most 8 ranks
