@@ -20,6 +20,7 @@ import re
 import pytest
 import torch.distributed as dist
 from _disk import fill
+from _flags import ONE_RANK, tiny_config
 
 from fastpar import checkpoint
 from fastpar.checkpoint import CheckpointError
@@ -30,21 +31,13 @@ from fastpar.train import TrainConfig, launch
 from fastpar.train.checkpointing import SaveFailed
 
 MiB = 2**20
-SMALL = dict(
+SMALL = tiny_config(
+    ONE_RANK,
     steps=4,
     save_every=2,
     batch_size=4,
-    seq_len=16,
-    hidden=32,
-    heads=4,
-    layers=2,
-    tp=1,
-    pp=1,
     dp=2,
-    ep=1,
-    moe_every=0,
     microbatches=1,
-    quiet=True,
     collective_timeout=30,  # a rank left alone in a collective fails the test within that
 )
 #: what a rank that died or a writer that broke would leave on stderr

@@ -47,7 +47,7 @@ from fastpar import families, flight
 from fastpar.flight.record import reset as reset_flight
 from fastpar.flight.record import settle, torch_buffer
 from fastpar.launch.procs import kill
-from fastpar.launch.worker import bind_to_parent, comm_error, default_signals
+from fastpar.launch.worker import bind_to_parent, default_signals, error_report
 from fastpar.switches import _SWITCHES
 
 #: the pool's default-group timeout (s) while it starts; each call sets the call's own
@@ -456,12 +456,4 @@ def _run(head: bytes, blob: bytes, ids: dict, groups: _GroupCache) -> tuple[str,
         fn, args, kwargs = pickle.loads(blob)
         return "ok", fn(*args, **kwargs)
     except BaseException as exc:
-        tb = traceback.format_exc()
-        if comm_error(exc, tb):
-            with contextlib.suppress(Exception):
-                flight.dump(flight_dir, f"{type(exc).__name__}: {exc}"[:2000])
-        try:
-            payload = pickle.dumps(exc)
-        except Exception:
-            payload = None
-        return "error", (type(exc).__name__, str(exc), tb, payload)
+        return "error", error_report(exc, flight_dir)

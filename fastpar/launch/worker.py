@@ -67,6 +67,21 @@ def comm_error(exc: BaseException | None, tb: str) -> bool:
     )
 
 
+def error_report(exc: BaseException, flight_dir: str) -> tuple:
+    """What a rank sends back for ``exc`` (inside its ``except``): (type name, message,
+    traceback, the pickled exception or None). A communication failure dumps this rank's flight
+    records first, for the launcher's analysis."""
+    tb = traceback.format_exc()
+    if comm_error(exc, tb):
+        with contextlib.suppress(Exception):
+            flight.dump(flight_dir, f"{type(exc).__name__}: {exc}"[:2000])
+    try:
+        payload = pickle.dumps(exc)
+    except Exception:
+        payload = None
+    return type(exc).__name__, str(exc), tb, payload
+
+
 def worker(
     fn: Callable[..., Any],
     rank: int,
@@ -121,17 +136,7 @@ def worker(
                         with contextlib.suppress(Exception):
                             flight.dump(flight_dir, f"after its result: {type(exc).__name__}")
             except BaseException as exc:  # report everything, KeyboardInterrupt included
-                tb = traceback.format_exc()
-                if comm_error(exc, tb):  # the launcher analyses the dumps
-                    with contextlib.suppress(Exception):
-                        flight.dump(flight_dir, f"{type(exc).__name__}: {exc}"[:2000])
-                try:
-                    payload = pickle.dumps(exc)
-                except Exception:
-                    payload = None
-                conn.send_bytes(
-                    pickle.dumps(("error", rank, (type(exc).__name__, str(exc), tb, payload)))
-                )
+                conn.send_bytes(pickle.dumps(("error", rank, error_report(exc, flight_dir))))
                 code = 1
             # no destroy_process_group: tearing gloo down while a slower peer still finishes
             # its last collective can abort; os._exit closes every connection instead
