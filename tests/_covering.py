@@ -146,13 +146,15 @@ def covering(
     shared: Sequence[str] = (),
     same: Callable[[Row, Row], bool] | None = None,
     min_gain: int = 1,
+    seeds: Sequence[Row] = (),
 ) -> Coverage:
     """A strength-2 covering array of ``factors`` whose every row ``refusal`` accepts.
 
     ``shared``: factors whose levels rows share in groups (what an expensive per-row
     computation depends on: with them equal, rows can share it): after a group's first row,
     the next rows keep its levels of ``shared`` (and are ``same(row, first)``) while each still
-    covers at least ``min_gain`` new pairs; then a new group starts."""
+    covers at least ``min_gain`` new pairs; then a new group starts. ``seeds``: partial rows
+    the array must hold (each completed greedily, first, and never dropped)."""
     factors = list(factors)
     names = [f.name for f in factors]
     if len(set(names)) != len(names):
@@ -166,10 +168,9 @@ def covering(
         if search.complete(dict(pair)) is None:
             cov.excluded[pair] = search.reason(dict(pair))
     grow = _Rows(search, pairs, set(cov.required))
-    while grow.uncovered:
-        first = grow.next({}, None)
-        if first is None:  # every required pair has a completion: a seed always has one
-            raise AssertionError(f"no row covers any of {sorted(grow.uncovered)[:3]}")
+    kept = set()
+
+    def group(first: Row) -> None:  # the first row, then the rows sharing its references
         cov.rows.append(grow.take(first))
         base = {n: first[n] for n in shared}
         accept = None if same is None else functools.partial(_same_as, same, first)
@@ -178,7 +179,19 @@ def covering(
             if row is None or grow.gain(row) < min_gain:
                 break
             cov.rows.append(grow.take(row))
-    cov.rows = _drop_redundant(factors, cov.rows)
+
+    for seed in seeds:
+        first = grow.next(dict(seed), None) or search.complete(dict(seed))  # (no new pair left)
+        if first is None:
+            raise ValueError(f"seed {dict(seed)}: no valid row holds it")
+        kept.add(len(cov.rows))
+        group(first)
+    while grow.uncovered:
+        first = grow.next({}, None)
+        if first is None:  # every required pair has a completion: a seed always has one
+            raise AssertionError(f"no row covers any of {sorted(grow.uncovered)[:3]}")
+        group(first)
+    cov.rows = _drop_redundant(factors, cov.rows, kept)
     for i, row in enumerate(cov.rows):
         for p in row_pairs(factors, row):
             cov.covered.setdefault(p, i)
@@ -241,13 +254,14 @@ def _gain(index: dict[str, int], uncovered: set[Pair], row: Row, mine: Level) ->
     )
 
 
-def _drop_redundant(factors: Sequence[Factor], rows: list[Row]) -> list[Row]:
-    """Without the rows (last first) whose every pair another kept row holds."""
+def _drop_redundant(factors: Sequence[Factor], rows: list[Row], kept=frozenset()) -> list[Row]:
+    """Without the rows (last first; not those ``kept``) whose every pair another kept row
+    holds."""
     counts = Counter(p for row in rows for p in row_pairs(factors, row))
     dropped = set()
     for i in reversed(range(len(rows))):
         mine = row_pairs(factors, rows[i])
-        if all(counts[p] > 1 for p in mine):
+        if i not in kept and all(counts[p] > 1 for p in mine):
             dropped.add(i)
             counts.subtract(mine)
     return [row for i, row in enumerate(rows) if i not in dropped]

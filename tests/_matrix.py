@@ -5,13 +5,17 @@ every pair of levels of two factors that some valid run can hold is in at least 
 A row is valid when ``TrainConfig.check()`` (and the optimizer's build-time check) accepts its
 run, the world has at most ``MAX_WORLD`` ranks, no level is vacuous in it (``VACUOUS``: a
 router option without MoE blocks, expert TP without TP) and it is not a known bug
-(``KNOWN_BUGS``). Each case runs ``fastpar.verify``
-(losses, gradient norms and every final parameter by the tolerance rule) and judges every
-rank's reduced gradient of every parameter at every step by the same rule (``gradients``).
+(``KNOWN_BUGS``). The matrix also holds every layout of ``SEEDS``. Each case runs
+``fastpar.verify`` (losses, gradient norms and every final parameter by the tolerance rule)
+and judges every rank's reduced gradient of every parameter at every step by the same rule
+(``gradients``), after checking every router's top-k choice of every token against the float64
+run's (``routes``: a near tie takes float64's choice and is named; a choice otherwise beyond
+rounding DISAGREEs).
 The cases are ordered so that those sharing their single-process references
 (``fastpar.verify.reference_key``) run one after the other, from a ``ReferenceCache``.
 
     python tests/_matrix.py            # the cases, their pair coverage and the excluded pairs
+    python tests/_matrix.py --write    # tests/verify_matrix.txt, after a change of the table
 
 Compile is not a factor: a compiled case costs 25-80 s here (inductor, each rank), and
 covering its pairs would take at least five of them; ``COMPILED`` turns it on for one case.
@@ -23,6 +27,7 @@ import contextlib
 import dataclasses
 import functools
 import glob
+import math
 import os
 import sys
 import tempfile
@@ -104,6 +109,46 @@ SAFE = {"model": "llama", "experts": "moe", "dp": "dp2", "zero": "z1"}
 FACTORS = [Factor(name, tuple(levels), SAFE.get(name, "")) for name, levels in TABLE.items()]
 
 
+LAYOUT = ("tp", "pp", "dp", "ep", "cp", "zero")
+#: layouts the matrix holds whatever else it needs (the generator picks the rest of each row):
+#: those of the hand-written verify cases it replaced (python -m fastpar.train's default first)
+SEEDS = [
+    dict(zip(LAYOUT, layout.split(), strict=True))
+    for layout in (
+        "tp2 1f1b dp2 ep2 cp1 z1",
+        "tp2 gpipe dp2 ep2 cp1 z0",
+        "tp2sp pp1 dp2 ep2 cp1 z1",
+        "tp2 pp1 dp2 ep2etp cp1 z1",
+        "tp2 interleaved dp2 ep2 cp1 z1",
+        "tp2 pp1 dp2 ep1 cp1 z1",
+        "tp2 1f1b dp2 ep1 cp1 z3",
+        "tp1 1f1b dp2 ep2 cp1 z3",
+        "tp2 zb-h1 dp1 ep1 cp1 z0",
+        "tp1 zb-h1 dp2 ep2 cp1 z1",
+        "tp2 pp1 dp2 ep1 ring z1",
+        "tp1 1f1b dp1 ep1 ring z1",
+        "tp1 1f1b dp2 ep1 ring z1",
+        "tp2sp pp1 dp1 ep2 ring z2",
+        "tp1 zb-h1 dp1 ep1 ring z0",
+        "tp1 interleaved dp1 ep1 ring z1",
+        "tp1 gpipe dp2 ep1 cp1 z2",
+        "tp1 pp1 hsdp ep1 cp1 z3",
+        "tp1 1f1b hsdp ep2 cp1 z3",
+        "tp2sp pp1 hsdp ep1 cp1 z1",
+        "tp1 interleaved hsdp ep1 cp1 z1",
+        "tp1 zb-h1 hsdp ep1 cp1 z2",
+        "tp1 gpipe hsdp ep1 cp1 z3",
+        "tp2 pp1 dp1 ep1 cp1 z0",
+        "tp1 pp1 dp2 ep1 cp1 z1",
+        "tp1 pp1 dp2 ep1 cp1 z3",
+        "tp2 pp1 dp2 ep2 cp1 z1",
+        "tp2 1f1b dp2 ep1 cp1 z1",
+        "tp2 1f1b dp2 ep2 cp1 z3",
+        "tp2 1f1b dp2 ep2 cp1 z0",
+    )
+]
+
+
 def _vacuous(row: Row) -> str | None:
     if row["experts"] == "dense" and row["router"] != "softmax":
         return f"router {row['router']} without MoE blocks is the dense model"
@@ -147,9 +192,9 @@ def config(row: Row, **extra) -> TrainConfig:
 
 
 def refusal(row: Row) -> str | None:
-    """Why ``row`` is not a run to verify (None: it is): a vacuous level, more than
-    ``MAX_WORLD`` ranks, or the trainer's own refusal (``TrainConfig.check``; Muon's per-head
-    check at build)."""
+    """Why ``row`` is not a run to verify (None: it is): a vacuous level, a known bug, more
+    than ``MAX_WORLD`` ranks, or the trainer's own refusal (``TrainConfig.check``; Muon's
+    per-head check at build)."""
     from fastpar.train.optimizers import check_per_head
 
     why = VACUOUS(row) or KNOWN_BUGS(row)
@@ -170,27 +215,28 @@ def refusal(row: Row) -> str | None:
 def matrix(min_gain: int = MIN_GAIN) -> Coverage:
     """The covering array of ``FACTORS`` (computed once a process), its rows in groups that
     share their references (``REFERENCE``, ``same_references``)."""
-    return covering(FACTORS, refusal, shared=REFERENCE, same=same_references, min_gain=min_gain)
-
-
-_loaded: dict = {}
+    return covering(
+        FACTORS,
+        refusal,
+        shared=REFERENCE,
+        same=same_references,
+        min_gain=min_gain,
+        seeds=SEEDS,
+    )
 
 
 def reference_key(row: Row) -> tuple:
-    """``fastpar.verify.reference_key`` of ``row``'s run (remembered; the data loaded once)."""
+    """``fastpar.verify.reference_key`` of ``row``'s run, for grouping and ordering the cases:
+    the data are the embedded corpus for every row (their fields, in the key, say how it is
+    cut), so a one-element stand-in takes their fingerprint's place (remembered)."""
     return _key(tuple(row.items()))
 
 
 @functools.cache
 def _key(items: tuple) -> tuple:
-    from fastpar.train import load_data
     from fastpar.verify import reference_key as key
 
-    cfg = config(dict(items))
-    source = (cfg.data, cfg.eos_id, cfg.pack, cfg.tokenizer)
-    if source not in _loaded:
-        _loaded[source] = load_data(cfg)
-    return key(cfg, _loaded[source])
+    return key(config(dict(items)), torch.zeros(1))
 
 
 def same_references(a: Row, b: Row) -> bool:
@@ -204,13 +250,42 @@ def case_id(row: Row) -> str:
     return "-".join(parts)
 
 
-def cases() -> list[Row]:
-    """The matrix's rows, those sharing their references (``reference_key``) one after the
-    other (groups in the order of their first row)."""
+def generate() -> list[Row]:
+    """The matrix's rows (``matrix()``), those sharing their references (``reference_key``)
+    one after the other (groups in the order of their first row)."""
     groups: dict[tuple, list[Row]] = {}
     for row in matrix().rows:
         groups.setdefault(reference_key(row), []).append(row)
     return [row for rows in groups.values() for row in rows]
+
+
+CASES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verify_matrix.txt")
+"""``generate()``'s rows as ``python tests/_matrix.py --write`` wrote them (the generation
+judges some 25,000 rows by ``TrainConfig.check()``: seconds, too slow for every collection);
+``test_verify_matrix`` fails when the file is not what the table generates."""
+
+
+def cases() -> list[Row]:
+    """The cases, from ``CASES_FILE``."""
+    rows = []
+    with open(CASES_FILE) as f:
+        for line in f:
+            if line.strip() and not line.startswith("#"):
+                rows.append(dict(zip(TABLE, line.split(), strict=True)))
+    return rows
+
+
+def write() -> None:
+    names = " ".join(TABLE)
+    with open(CASES_FILE, "w") as f:
+        f.write(
+            "# The verification matrix's cases (tests/_matrix.py, tests/test_verify_matrix.py),\n"
+            "# written by python tests/_matrix.py --write: one a line, the levels of\n"
+            f"# {names}\n"
+            "# (those sharing their single-process references one after the other).\n"
+        )
+        for row in generate():
+            f.write(" ".join(row.values()) + "\n")
 
 
 #: the compile set: one case of the matrix run again with --compile (TP collectives, MoE over
@@ -234,6 +309,283 @@ COMPILED = dict(
 )
 
 
+# -- every router's choice against the float64 run's --------------------------------------------
+# A token whose two best experts score within rounding of each other (a near tie) may go to
+# either: in bf16 / fp16 the rounding of the router's input (2^-8, 2^-11 of it) moves a score by
+# 1e-3 and more, and FASTPAR_TEST_SEED=3 drew a token two experts scored 2.7e-5 apart in
+# float64 (gpt-moe-fp16-muonheads-tp2sp-z2-ep2-ring, step 1). A flipped token's share of the
+# expert, router and upstream gradients moves by percents of the value, which the rule's bound
+# (rounding) does not allow, and the run would DISAGREE while correct. So the matrix compares
+# every rank's top-k choice of every token with the float64 run's: a token routed otherwise by
+# a score gap within rounding (``tie_bound``) is a near tie and takes the float64 run's choice,
+# reported; one routed otherwise beyond rounding is a defect (DISAGREE), as is a router input
+# that matches no token of the float64 run within rounding. Every gradient is judged after it.
+_routes: dict = {}
+
+
+def _selection(router, probs: torch.Tensor) -> torch.Tensor:
+    """What ``router`` picks its top-k by: its scores, plus the expert bias."""
+    sel = probs.detach()
+    if router.expert_bias is not None:
+        sel = sel + router.expert_bias.to(sel.dtype)
+    return sel
+
+
+@contextlib.contextmanager
+def recording_routes(store: dict):
+    """While inside: every training-mode router call of the single-process references
+    (``fastpar.verify.reference``: the run, its twin, float64) appends (router input, selection
+    scores, expert ids) to ``store[(run, step, router weight's name)]``."""
+    import fastpar.verify as verify_module
+    from fastpar.moe.router import TopKRouter
+
+    real = (verify_module.reference, verify_module.build, verify_module.batch_of)
+    real_forward = TopKRouter.forward
+    now: dict = {}
+
+    def reference(cfg, tokens=None, *, exact=False, twin=False, skips=()):
+        now.update(run="exact" if exact else "twin" if twin else "single", step=None)
+        try:
+            return real[0](cfg, tokens, exact=exact, twin=twin, skips=skips)
+        finally:
+            now.clear()
+
+    def build(*args, **kwargs):
+        parts = real[1](*args, **kwargs)
+        now["names"] = {id(p): n for n, p in parts.named_parameters().items()}
+        return parts
+
+    def batch_of(cfg, data, step, *args, **kwargs):
+        now["step"] = step
+        return real[2](cfg, data, step, *args, **kwargs)
+
+    def forward(self, x, seq_len=None, valid=None):
+        r = real_forward(self, x, seq_len, valid)
+        if now.get("step") is not None and self.training and torch.is_grad_enabled():
+            key = (now["run"], now["step"], now["names"][id(self.weight)])
+            sel = _selection(self, r.router_probs).double()
+            store.setdefault(key, []).append((x.detach().double(), sel, r.expert_ids.clone()))
+        return r
+
+    verify_module.reference, verify_module.build, verify_module.batch_of = (
+        reference,
+        build,
+        batch_of,
+    )
+    TopKRouter.forward = forward
+    try:
+        yield
+    finally:
+        verify_module.reference, verify_module.build, verify_module.batch_of = real
+        TopKRouter.forward = real_forward
+
+
+@dataclasses.dataclass
+class RouteTable:
+    """One router at one step of the float64 run, every token of the global batch: its input
+    ``x`` [N, H], selection scores ``sel`` [N, E] and choice ``ids`` [N, k]; ``radius``: how far
+    (L2) a correct run's router input may lie from it; ``tie``: how far apart two experts' scores
+    may be for rounding to swap them (``tie_bound``); ``flips``: tokens the single-process run
+    and its twin routed otherwise than float64."""
+
+    x: torch.Tensor
+    sel: torch.Tensor
+    ids: torch.Tensor
+    radius: float
+    tie: float
+    flips: dict
+
+
+def _sets(ids: torch.Tensor) -> list[frozenset]:
+    return [frozenset(r.tolist()) for r in ids]
+
+
+def tie_bound(runs, exact: torch.Tensor, dtype: torch.dtype, length: int) -> float:
+    """The rule's bound on one score (``fastpar.tolerance``), over all of them: ``FACTOR`` x
+    the largest error of the single-process runs' scores against float64, plus the floor."""
+    from fastpar import tolerance
+
+    err = max(tolerance.max_error(r, exact) for r in runs)
+    return tolerance.FACTOR * err + tolerance.floor(dtype, length, tolerance.magnitude(exact))
+
+
+def route_tables(store: dict, dtype: torch.dtype, length: int) -> dict:
+    """``recording_routes``' records as {(step, name): RouteTable}."""
+    from fastpar import tolerance
+
+    tables = {}
+    for (run, step, name), calls in store.items():
+        if run != "exact":
+            continue
+        x, sel, ids = (torch.cat(part) for part in zip(*calls, strict=True))
+        others = {
+            r: [torch.cat(p) for p in zip(*store[(r, step, name)], strict=True)]
+            for r in ("single", "twin")
+        }
+        dist_x = max(float((o[0] - x).norm(dim=1).max()) for o in others.values())
+        scale = float(x.norm(dim=1).max())
+        radius = tolerance.FACTOR * dist_x + tolerance.floor(dtype, length, scale)
+        tie = tie_bound([o[1] for o in others.values()], sel, dtype, length)
+        flips = {
+            r: sum(a != b for a, b in zip(_sets(o[2]), _sets(ids), strict=True))
+            for r, o in others.items()
+        }
+        tables[(step, name)] = RouteTable(x, sel, ids, radius, tie, flips)
+    return tables
+
+
+def _choice(router, sel: torch.Tensor) -> frozenset:
+    """The experts ``router`` picks by the selection scores ``sel`` [E] of one token."""
+    from fastpar.moe import balance
+
+    if router.num_groups is None:
+        ids = torch.topk(sel, router.top_k).indices
+    else:
+        ids = balance.group_limited_topk(
+            sel[None],
+            router.top_k,
+            router.num_groups,
+            router.group_topk,
+            router.group_score_topk,
+        )[0]
+    return frozenset(ids.tolist())
+
+
+def swap_distance(router, sel: torch.Tensor, choice: frozenset) -> float:
+    """The least d such that moving each of the float64 run's selection scores ``sel`` [E] by
+    at most d (``choice``'s experts up, the others down) makes ``router`` pick ``choice``: half
+    the score gap for a plain top-k, a group's gap too when group-limited (bisection)."""
+    sel = sel.detach()
+    if _choice(router, sel) == choice:
+        return 0.0
+    sign = torch.full_like(sel, -1.0)
+    sign[sorted(choice)] = 1.0
+    lo, hi = 0.0, float(sel.max() - sel.min()) + 1.0
+    if _choice(router, sel + hi * sign) != choice:
+        return math.inf
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if _choice(router, sel + mid * sign) == choice else (mid, hi)
+    return hi
+
+
+@contextlib.contextmanager
+def routes(tables: dict):
+    """While inside: every router of a rank forked from this process (inside ``gradients``,
+    which names its steps and routers) compares its choice of each token with the float64
+    run's (``tables``, ``route_tables``): the token matched by its router input (the nearest of
+    the float64 run's at that step, within ``radius``; tokens of the same input within it are
+    one); a choice otherwise by a score gap within ``tie`` takes the float64 run's ids (a near
+    tie), beyond it stays (a defect). Events go to ``_capture["routing"]`` (``judge_routing``)."""
+    from fastpar.moe.router import TopKRouter
+
+    real = TopKRouter.forward
+
+    def forward(self, x, seq_len=None, valid=None):
+        r = real(self, x, seq_len, valid)
+        if not (self.training and torch.is_grad_enabled() and "trainer" in _capture):
+            return r
+        name = _routes["names"][id(self.weight)]
+        table = tables.get((_capture["step"], name))
+        if table is None:
+            _capture["routing"].append(("unknown", _capture["step"], name, x.shape[0]))
+            return r
+        return _pin(self, r, x, valid, table, name)
+
+    TopKRouter.forward = forward
+    try:
+        yield
+    finally:
+        TopKRouter.forward = real
+        _routes.clear()
+
+
+def _pin(router, r, x: torch.Tensor, valid, table: RouteTable, name: str):
+    """``r`` with each near tie routed as the float64 run (``routes``)."""
+    step, events = _capture["step"], _capture["routing"]
+    d = torch.cdist(x.detach().double(), table.x)
+    near, j = d.min(dim=1)
+    mine, theirs = _sets(r.expert_ids), _sets(table.ids[j])
+    pinned = r.expert_ids.clone()
+    for t in range(x.shape[0]):
+        if near[t] > table.radius:
+            events.append(("unmatched", step, name, float(near[t]), table.radius))
+            continue
+        if mine[t] == theirs[t]:
+            continue
+        same = (d[t] <= near[t] + table.radius).nonzero().flatten()  # one input, within rounding
+        if any(_sets(table.ids[s : s + 1])[0] == mine[t] for s in same.tolist()):
+            continue
+        gap = swap_distance(router, table.sel[j[t]], mine[t])
+        if gap > table.tie:
+            events.append(
+                ("beyond", step, name, sorted(mine[t]), sorted(theirs[t]), gap, table.tie)
+            )
+            continue
+        events.append(("tie", step, name, sorted(mine[t]), sorted(theirs[t]), gap, table.tie))
+        own = _selection(router, r.router_probs)[t]
+        ids = table.ids[j[t]].to(pinned.device)
+        pinned[t] = ids[own[ids].argsort(descending=True)]
+    events.append(("tokens", step, name, x.shape[0]))
+    if torch.equal(pinned, r.expert_ids):
+        return r
+    if router.expert_bias is not None:  # the counts the trainer's bias step reads
+        ones = torch.ones(pinned.numel(), dtype=torch.int64, device=pinned.device)
+        if valid is not None:
+            ones = valid.to(pinned.device).repeat_interleave(router.top_k).to(torch.int64)
+        router.tokens_per_expert.index_add_(0, r.expert_ids.reshape(-1), -ones)
+        router.tokens_per_expert.index_add_(0, pinned.reshape(-1), ones)
+    probs = r.router_probs.gather(1, pinned)
+    order = None
+    if router.drop_policy != "position":
+        ranked = probs if router.drop_policy == "probs" else router._topk_weights(probs)
+        order = torch.sort(ranked.t().reshape(-1), descending=True, stable=True).indices
+    return dataclasses.replace(r, expert_ids=pinned, probs=probs, order=order)
+
+
+#: how many near ties and how many defects ``judge_routing`` names (it counts them all)
+SHOWN = 10
+
+
+def judge_routing(tables: dict, events: list) -> tuple[bool, list[str]]:
+    """``routes``' events: agree unless a token was routed otherwise beyond rounding, matched
+    no float64 token or a router was not in the float64 run; the near ties named."""
+    tokens = sum(e[3] for e in events if e[0] == "tokens")
+    ties = [e for e in events if e[0] == "tie"]
+    bad = [e for e in events if e[0] in ("beyond", "unmatched", "unknown")]
+    lines = [
+        f"{tokens} routed tokens against float64's choice: {len(ties)} near ties routed as "
+        f"float64, {len(bad)} otherwise beyond rounding or unmatched"
+    ]
+    shown = ties[:SHOWN] + bad[:SHOWN]
+    for kind, step, name, *rest in shown:
+        if kind in ("tie", "beyond"):
+            mine, theirs, gap, tie = rest
+            verdict = "a near tie, routed as float64" if kind == "tie" else "beyond rounding"
+            lines.append(
+                f"{name} (step {step + 1}): {verdict}: a token to experts {mine} for float64's "
+                f"{theirs}: float64's scores moved by {gap:.3g} each pick them, rounding moves "
+                f"a score by up to {tie:.3g}{'' if kind == 'tie' else ' -- DISAGREE'}"
+            )
+        elif kind == "unmatched":
+            lines.append(
+                f"{name} (step {step + 1}): a router input {rest[0]:.3g} from every float64 "
+                f"token's (rounding: {rest[1]:.3g}) -- DISAGREE"
+            )
+        else:
+            lines.append(f"{name} (step {step + 1}): no float64 router of that name -- DISAGREE")
+    if len(ties) + len(bad) > len(shown):
+        lines.append(f"(and {len(ties) + len(bad) - len(shown)} more)")
+    for (step, name), t in sorted(tables.items()):
+        for run, n in t.flips.items():
+            if n:
+                lines.append(
+                    f"(the single-process {run} routed {n} token(s) of {name} at step {step + 1} "
+                    "otherwise than float64: its gradients' bound there is the looser)"
+                )
+    return not bad, lines
+
+
 # -- every rank's gradients -------------------------------------------------------------------
 _capture: dict = {}
 
@@ -247,13 +599,17 @@ def gradients(directory: str):
     ``directory/rank<R>.pt``. Patches the trainer's classes in this process (a forked rank
     inherits them); ``read_gradients`` collects them."""
     import fastpar.parallel.family as family
+    from fastpar.checkpoint.state import checkpoint_name
     from fastpar.train.build import Trainer
 
     real = (Trainer.__init__, Trainer.step, family.FlatDataParallel.step, family.unscale_and_agree)
 
     def init(self, *args, **kwargs):
         real[0](self, *args, **kwargs)
-        _capture.update(trainer=self, records=[], step=0)
+        _capture.update(trainer=self, records=[], step=0, routing=[])
+        _routes["names"] = {
+            id(p): checkpoint_name(n, p) for n, p in self.named_parameters().items()
+        }
 
     def step(self, *args, **kwargs):
         _capture["step"] = self.step_count
@@ -300,6 +656,8 @@ def _record(directory: str, scaler) -> None:
             _capture["records"].append((_capture["step"], names[id(p)], where, values))
     path = os.path.join(directory, f"rank{dist.get_rank()}.pt")
     torch.save(_capture["records"], path)
+    path = os.path.join(directory, f"routing{dist.get_rank()}.pt")
+    torch.save(_capture["routing"], path)
 
 
 def read_gradients(directory: str) -> list:
@@ -307,6 +665,14 @@ def read_gradients(directory: str) -> list:
     out = []
     for path in sorted(glob.glob(os.path.join(directory, "rank*.pt"))):
         out += torch.load(path, weights_only=True)
+    return out
+
+
+def read_routing(directory: str) -> list:
+    """Every rank's routing events (``routes``)."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(directory, "routing*.pt"))):
+        out += torch.load(path, weights_only=False)
     return out
 
 
@@ -358,23 +724,35 @@ def verify(cfg: TrainConfig, tokens=None, cache=None) -> tuple[bool, str]:
 
     tokens = load_data(cfg) if tokens is None else tokens
     cache = ReferenceCache() if cache is None else cache
-    refs = cache.references(cfg, tokens)
+    store: dict = {}
+    computed = cache.computed
+    with recording_routes(store):
+        refs = cache.references(cfg, tokens)
+    if cache.computed > computed:  # (else the cache's, computed here before)
+        refs.routes = route_tables(store, refs.dtype, refs.length)
+    tables = getattr(refs, "routes", None)
+    if tables is None:
+        raise RuntimeError("the cached references were computed without their routing")
     with tempfile.TemporaryDirectory(prefix="fastpar-grads-") as where:
-        with gradients(where):
+        with gradients(where), routes(tables):
             ok, text = compare(dataclasses.replace(cfg), tokens, cache=cache)
-        records = read_gradients(where)
+        records, events = read_gradients(where), read_routing(where)
     good, lines = judge_gradients(refs, records, cfg.steps)
     if not records:
         good, lines = False, ["no gradient recorded: the ranks did not run the patched trainer"]
+    # (a router on the ranks that the float64 run did not record is judged too: "unknown")
+    routed, route_lines = judge_routing(tables, events) if tables or events else (True, [])
+    good = good and routed
     verdict = "AGREE" if ok and good else "DISAGREE"
-    return ok and good, "\n".join([text, "every rank's gradients:", *lines, verdict])
+    out = [text, *(["every router's choice:", *route_lines] if tables or events else [])]
+    return ok and good, "\n".join([*out, "every rank's gradients:", *lines, verdict])
 
 
 # -- printing -----------------------------------------------------------------------------------
 def text() -> str:
     """The cases (one a line: its references' group, every factor's level), the pair
     coverage, how many pairs each case covers first, and the excluded pairs with why."""
-    cov, rows = matrix(), cases()
+    cov, rows = matrix(), generate()
     refs: dict[tuple, int] = {}
     widths = {f.name: max(len(f.name), *(len(v) for v in f.levels)) for f in cov.factors}
     out = ["  ".join(["case", "refs", "new"] + [f.name.ljust(widths[f.name]) for f in FACTORS])]
@@ -397,10 +775,16 @@ def text() -> str:
         "",
         "excluded pairs (no valid run holds them):",
     ]
+    if not os.path.exists(CASES_FILE) or cases() != rows:
+        out.insert(0, f"({CASES_FILE} holds other cases: python tests/_matrix.py --write)\n")
     for (a, b), why in cov.excluded.items():
         out.append(f"  {a[0]}={a[1]} x {b[0]}={b[1]}: {why.splitlines()[0]}")
     return "\n".join(out)
 
 
 if __name__ == "__main__":
-    print(text())
+    if sys.argv[1:] == ["--write"]:
+        write()
+        print(f"wrote {CASES_FILE}")
+    else:
+        print(text())

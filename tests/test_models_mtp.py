@@ -1,8 +1,8 @@
 """Multi-token prediction (``fastpar.models.mtp``): the model's MTP loss and gradients against a
 reference written here from DeepSeek-V3's definition (section 2.2), every gradient on every rank
 against the single-process model at TP 2, PP 2 and TP 2 x PP 2 (depth 1 and 2, tied and untied,
-packed documents and ignored targets), ``fastpar.verify`` AGREE with 1F1B and interleaved, MTP
-off exactly today's model, and the refusals.
+packed documents and ignored targets), MTP off exactly today's model, and the refusals
+(``fastpar.verify`` of the trainer with MTP: tests/test_verify_matrix.py).
 
 The reference reuses the model's transformer blocks (the main model's and each depth's block,
 tested on their own elsewhere) and writes the rest by hand: RMSNorm, the concatenation
@@ -292,23 +292,7 @@ def _no_tie(cfg, refs):
     return first_step_gradients(cfg, refs)
 
 
-# -- fastpar.verify: the trainer's run against one device ---------------------------------------
-@pytest.mark.parametrize(
-    "extra",
-    [
-        pytest.param(dict(), marks=pytest.mark.slow),
-        pytest.param(dict(schedule="interleaved", virtual_stages=2), marks=pytest.mark.slow),
-    ],
-    ids=["1f1b", "interleaved"],
-)
-def test_verify_agrees_at_tp2_pp2_dp2_zero1(extra):
-    from fastpar.verify import compare
-
-    run = dict(steps=3, quiet=True, seq_len=32, batch_size=8, hidden=32)
-    cfg = TrainConfig(model_type="llama", mtp_depth=1, tp=2, pp=2, dp=2, zero=1, **run, **extra)
-    ok, text = compare(cfg)
-    assert ok, text
-    assert "AGREE" in text
+# (fastpar.verify of the trainer with MTP: tests/test_verify_matrix.py's mtp1 cases)
 
 
 # -- the trainer: the MTP loss logged on its own, checkpoints -----------------------------------

@@ -1,7 +1,8 @@
 """Selective recompute (``fastpar.parallel.pipeline.recompute``): every policy gives the loss and
 every gradient of the model that keeps all its activations — without a pipeline, and at pp 2
 under GPipe, 1F1B and interleaved 1F1B — on GPT and on Llama with MoE blocks (auxiliary loss on);
-dropout masks are replayed; the CLI's --recompute words; fastpar.verify at tp2 x pp2 x dp2.
+dropout masks are replayed; the CLI's --recompute words; fastpar.verify at tp2 x pp2 x dp2 (mlp,
+every:K; attention: tests/test_verify_matrix.py).
 
 A recomputed forward runs the kernels the first forward ran on the same inputs, so one process
 with and without a policy gives the same bits: compared for equality. The pipelined runs against
@@ -233,12 +234,11 @@ def test_refuses_a_block_without_the_submodule():
 
 @pytest.mark.parametrize(
     "policy, layout",
-    [
-        ("attention", dict(tp=2, pp=2, dp=2, zero=1, schedule="1f1b")),
+    [  # (attention: tests/test_verify_matrix.py's attn cases)
         ("mlp", dict(tp=2, pp=2, dp=2, zero=2, schedule="interleaved", virtual_stages=2)),
         ("every:1", dict(tp=1, pp=2, dp=2, zero=3, schedule="gpipe")),
     ],
-    ids=["tp2-pp2-dp2-z1-attention", "tp2-pp2-dp2-z2-interleaved-mlp", "pp2-dp2-z3-every1"],
+    ids=["tp2-pp2-dp2-z2-interleaved-mlp", "pp2-dp2-z3-every1"],
 )
 def test_verify_composes_with_tp_dp_ep_zero(policy, layout):
     """fastpar.verify's reference keeps every activation (``build`` without a mesh)."""

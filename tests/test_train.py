@@ -51,8 +51,9 @@ VERIFY = [
 ]
 
 
-# VERIFY[1] (GPipe with recompute at tp 2 x pp 2 x dp 2): tests/test_verify_matrix.py
-@pytest.mark.parametrize("i", [0, 2, 3, 4, 5, 6], ids=str)
+# VERIFY[0, 1, 6] (tp 2 x pp 2 x dp 2 x ep 2: ZeRO-1, GPipe with recompute, fp16):
+# tests/test_verify_matrix.py
+@pytest.mark.parametrize("i", [2, 3, 4, 5], ids=str)
 def test_verify_agrees_with_single_process(i):
     cfg = TrainConfig(**{**SMALL, "steps": 3, **VERIFY[i]})
     ok, text = compare(cfg)
@@ -75,7 +76,7 @@ LLAMA_VARIANTS = [
 ]
 
 
-@pytest.mark.parametrize("i", range(len(VERIFY)), ids=[str(i) for i in range(len(VERIFY))])
+@pytest.mark.parametrize("i", range(1, len(VERIFY)), ids=str)  # (0: the matrix's llama cases)
 def test_llama_verify_agrees_with_single_process(i):
     cfg = TrainConfig(**{**SMALL, "steps": 3, **VERIFY[i], **LLAMA, **LLAMA_VARIANTS[i]})
     ok, text = compare(cfg)

@@ -24,14 +24,8 @@ def _cp(model_type: str, cp=2, tp=1, pp=1, dp=1, ep=1, zero=1, moe_every=0, **mo
 
 
 LAYOUTS = {
-    "gpt-cp2-tp2-dp2-z1": _cp("gpt", tp=2, dp=2),
-    "llama-cp2-tp2-dp2-z1": _cp("llama", tp=2, dp=2, kv_heads=2),
-    "llama-cp2-tp2-sp-moe-ep2": _cp(
-        "llama", tp=2, ep=2, zero=2, moe_every=2, sequence_parallel=True
-    ),
     "llama-cp2-dp2-moe-ep2-z1": _cp("llama", dp=2, ep=2, moe_every=2),
     "llama-cp2-dp2-z3": _cp("llama", dp=2, zero=3),
-    "gpt-cp2-pp2-zb": _cp("gpt", pp=2, zero=0, schedule="zb-h1"),
     "llama-cp4": _cp("llama", cp=4),
     "llama-cp2-tp2-a2a": _cp("llama", tp=2, heads=8, kv_heads=2, cp_attention="all-to-all"),
     "gpt-cp2-recompute-attention": _cp("gpt", recompute="attention"),

@@ -16,7 +16,6 @@ from fastpar.verify import compare, reference, references
 
 SMALL = tiny_config(steps=3)
 LAYOUTS = {
-    "gpt-tp2-dp2-z1": dict(model_type="gpt", tp=2, pp=1, dp=2, ep=1, zero=1, moe_every=0),
     "llama-tp2-pp2-sp": dict(
         model_type="llama", tp=2, pp=2, dp=1, ep=1, zero=1, moe_every=0, sequence_parallel=True
     ),

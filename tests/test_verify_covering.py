@@ -91,6 +91,17 @@ def test_a_safe_level_lets_partial_rows_complete():
     assert not cov.missing()
 
 
+def test_seeds_are_held_completed_and_kept():
+    seeds = [{"a": "a2", "b": "b2"}, {"d": "d3"}]
+    cov = covering(TABLE, _constrained, seeds=seeds)
+    assert all(_constrained(row) is None for row in cov.rows) and not cov.missing()
+    for seed in seeds:
+        assert any(all(row[k] == v for k, v in seed.items()) for row in cov.rows)
+    assert cov.rows[0]["c"] == "c0"  # a2 with b2 needs c0: the seed was completed validly
+    with pytest.raises(ValueError, match="no valid row holds it"):  # (an excluded pair)
+        covering(TABLE, _constrained, seeds=[{"a": "a1", "b": "b1"}])
+
+
 def test_the_same_table_gives_the_same_rows():
     first = covering(TABLE, _constrained)
     again = covering(list(TABLE), _constrained)

@@ -15,12 +15,15 @@ import pytest
 import torch
 from _matrix import (
     COMPILED,
+    RouteTable,
     case_id,
     cases,
     config,
+    generate,
     matrix,
     reference_key,
     refusal,
+    swap_distance,
     verify,
 )
 from _parity import NO_INDUCTOR
@@ -62,6 +65,7 @@ def _name(pair) -> str:
 
 def test_the_matrix_covers_every_pair_a_run_can_hold():
     cov = matrix()
+    assert generate() == CASES, "tests/verify_matrix.txt is stale: python tests/_matrix.py --write"
     assert not cov.missing(), [_name(p) for p in cov.missing()]
     assert {_name(p) for p in cov.excluded} == EXCLUDED, cov.excluded
     for row in cov.rows:  # every case a run the trainer accepts, at most 8 ranks
@@ -215,6 +219,22 @@ def _drop_tp_input_grad_reduction(monkeypatch):
     monkeypatch.setattr(CopyToRegion, "backward", staticmethod(lambda ctx, grad: (grad, None)))
 
 
+def _third_expert_for_the_second(monkeypatch):
+    from fastpar.moe.router import TopKRouter
+
+    real = TopKRouter.forward
+
+    def forward(self, x, seq_len=None, valid=None):
+        r = real(self, x, seq_len, valid)
+        if torch.distributed.is_initialized():  # (the ranks: the references route right)
+            ids = r.expert_ids.clone()
+            ids[0, 1] = r.router_probs[0].topk(3).indices[2]  # token 0: its third-best expert
+            r = dataclasses.replace(r, expert_ids=ids, probs=r.router_probs.gather(1, ids))
+        return r
+
+    monkeypatch.setattr(TopKRouter, "forward", forward)
+
+
 def _partial_qk_norm_gradient(monkeypatch):
     from fastpar.models.common import Norm
 
@@ -233,6 +253,13 @@ PLANTED = {
         _drop_tp_input_grad_reduction,
         dict(tp="tp2"),
         "(gradient of step 1)",
+    ),
+    # the router's second choice of each call's first token its third-best expert, on the
+    # ranks: a wrong decision, caught by the check of every router's choice (``routes``)
+    "router-choice-wrong": (
+        _third_expert_for_the_second,
+        dict(experts="moe", tp="tp2", dp="dp2", ep="ep2"),
+        "beyond rounding: a token to experts",
     ),
     # Qwen3's per-head q/k norm after the column-split q/k: each TP rank's weight gradient
     # only its own heads' (docs: "only a gradient-on-every-rank check catches it")
@@ -255,6 +282,86 @@ def test_a_planted_fault_disagrees(monkeypatch, fault):
     ok, text = verify(config(row))
     assert not ok and text.splitlines()[-1] == "DISAGREE", text
     assert named in text, text
+
+
+def test_a_near_tie_takes_float64s_choice_and_a_wrong_choice_stays():
+    """``_matrix.routes``' judge of one router call: a token routed otherwise than the float64
+    run by scores within rounding of each other takes float64's experts (a near tie); one
+    routed otherwise by a gap beyond rounding keeps its choice and is a defect."""
+    from _matrix import _capture, _pin
+
+    from fastpar.moe.router import TopKRouter
+
+    router = TopKRouter(4, 4, top_k=2)
+    with torch.no_grad():  # token 0: experts 0 and 1 one part in 1e6 apart, ahead of 2, 3
+        router.weight.copy_(torch.eye(4))
+        router.weight[1, 0] = 1.0 + 1e-6
+    x = torch.tensor([[0.5, 0.0, 0.0, 0.0], [0.0, 0.0, 2.0, 1.0]])
+    r = router(x)
+    assert set(r.expert_ids[0].tolist()) == {0, 1} and set(r.expert_ids[1].tolist()) == {2, 3}
+    assert swap_distance(router, r.router_probs[0].double(), frozenset({0, 1})) == 0.0
+    # float64's scores: token 0 to {0, 2}, its expert 2 one part in 1e7 ahead of 1 (a near
+    # tie); token 1 to {0, 2}, its expert 0 far ahead of 3 (a defect)
+    sel = torch.tensor([[0.4, 0.3 - 1e-7, 0.3, 0.0], [0.4, 0.05, 0.5, 0.05]], dtype=torch.float64)
+    ids = torch.tensor([[0, 2], [2, 0]])
+    table = RouteTable(x.double(), sel, ids, radius=1e-3, tie=1e-4, flips={})
+    _capture.update(step=0, routing=[])
+    try:
+        out = _pin(router, r, x, None, table, "router.weight")
+        events = list(_capture["routing"])
+    finally:
+        _capture.clear()
+    assert set(out.expert_ids[0].tolist()) == {0, 2}  # the near tie: float64's experts
+    assert torch.equal(out.expert_ids[1], r.expert_ids[1])  # the defect: its own, judged
+    assert torch.equal(out.probs, r.router_probs.gather(1, out.expert_ids))
+    kinds = [e[0] for e in events]
+    assert kinds == ["tie", "beyond", "tokens"], events
+    assert events[0][5] <= 1e-4 < events[1][5]
+
+
+SEED_3 = dict(  # FASTPAR_TEST_SEED=3 drew a near tie at step 1 on its router (fp16)
+    model="gpt",
+    experts="moe",
+    router="softmax",
+    precision="fp16",
+    optimizer="muonheads",
+    documents="stream",
+    mtp="mtp0",
+    loss="ce",
+    tp="tp2sp",
+    pp="pp1",
+    dp="dp1",
+    zero="z2",
+    ep="ep2",
+    cp="ring",
+    recompute="none",
+)
+
+
+def test_a_near_tie_of_the_router_agrees_with_every_gradient_judged(monkeypatch):
+    """The case FASTPAR_TEST_SEED=3 made DISAGREE by 5x on its expert, router and embedding
+    gradients at step 1: one token whose two experts float64 scores 5.8e-6 apart (its
+    fp16 router input rounds 1e-3 of it), routed by the ranks to the other. The matrix routes
+    such a token as float64 (named in the report) and judges every gradient: AGREE, and no
+    gradient left unjudged. Run at that seed whatever FASTPAR_TEST_SEED is."""
+    from conftest import SEED_SHIFT
+
+    extra = 3 * 1_000_003 - SEED_SHIFT
+    if extra:
+        seed, generator = torch.manual_seed, torch.Generator
+
+        class Shifted(generator):
+            def manual_seed(self, s):
+                return super().manual_seed(int(s) + extra)
+
+        monkeypatch.setattr(torch, "manual_seed", lambda s: seed(int(s) + extra))
+        monkeypatch.setattr(torch.random, "manual_seed", lambda s: seed(int(s) + extra))
+        monkeypatch.setattr(torch, "Generator", Shifted)
+    ok, text = verify(config(SEED_3))
+    assert ok, text
+    assert "every rank's gradients:" in text and "not judged" not in text
+    assert "0 otherwise beyond rounding or unmatched" in text, text
+    assert "a near tie, routed as float64: a token to experts" in text, text  # (drawn)
 
 
 KNOWN = [
