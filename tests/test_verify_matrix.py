@@ -28,8 +28,7 @@ from _matrix import (
 )
 from _parity import NO_INDUCTOR
 
-from fastpar.launch import RankError
-from fastpar.train import TrainConfig, launch, load_data
+from fastpar.train import TrainConfig, load_data
 from fastpar.verify import ReferenceCache, references
 
 CACHE = ReferenceCache(size=2)  # the cases run in groups of one reference_key
@@ -47,8 +46,7 @@ EXCLUDED = {
     "experts=dense x ep=ep2etp",  # (vacuous)
     "router=capacity x cp=ring",  # a capacity would drop per chunk of the sequence
     "router=capacity x cp=a2a",
-    "documents=docs x recompute=attn",  # (known bug)
-    "loss=fusedce x pp=zb-h1",  # (known bug: refused on the ranks, not by check())
+    "loss=fusedce x pp=zb-h1",  # zb-h1 refuses the fused CE at pp > 1 (B and W)
     "loss=fusedce x zero=z3",  # the fused CE reads the head after ZeRO-3 resharded it
     "tp=tp1 x ep=ep2etp",  # (vacuous)
     "pp=interleaved x zero=z3",
@@ -364,20 +362,12 @@ def test_a_near_tie_of_the_router_agrees_with_every_gradient_judged(monkeypatch)
     assert "a near tie, routed as float64: a token to experts" in text, text  # (drawn)
 
 
-KNOWN = [
-    (dict(recompute="attn", documents="docs"), "CheckpointError"),
-    (dict(loss="fusedce", pp="zb-h1"), "zb-h1: the custom autograd Function"),
-]
-
-
-@pytest.mark.parametrize("bug, error", KNOWN, ids=["selective-recompute-documents", "zb-fused-ce"])
-def test_known_bugs_still_fail(bug, error):
-    """The pairs ``KNOWN_BUGS`` keeps out of the matrix: the trainer accepts them
-    (``TrainConfig.check``) and fails on the ranks. When this test fails, the bug is fixed (or
-    refused in check()): drop its entry from ``_matrix.KNOWN_BUGS`` and ``EXCLUDED``."""
-    row = {**BASE_ROW, **bug, "pp": bug.get("pp", "1f1b")}
-    assert refusal(row).startswith("known bug")
-    cfg: TrainConfig = config(row, steps=1)
-    cfg.check()
-    with pytest.raises(RankError, match=error):
-        launch(cfg)
+def test_the_bugs_once_known_are_gone():
+    """What KNOWN_BUGS kept out: packed documents with a selective --recompute now run (a case
+    holds the pair: the coverage test) and agree with one device; --fused-ce with zb-h1 is
+    refused by TrainConfig.check(), before any rank starts."""
+    docs = {**BASE_ROW, "recompute": "attn", "documents": "docs"}
+    assert refusal(docs) is None
+    assert any(r["recompute"] == "attn" and r["documents"] == "docs" for r in CASES)
+    fused = {**BASE_ROW, "loss": "fusedce", "pp": "zb-h1"}
+    assert "zb-h1 with --fused-ce at --pp > 1" in refusal(fused)
