@@ -15,7 +15,6 @@ import pytest
 import torch
 from _matrix import (
     COMPILED,
-    RouteTable,
     case_id,
     cases,
     config,
@@ -23,9 +22,9 @@ from _matrix import (
     matrix,
     reference_key,
     refusal,
-    swap_distance,
     verify,
 )
+from _matrix_routes import RouteTable, swap_distance
 from _parity import NO_INDUCTOR
 
 from fastpar.train import TrainConfig, load_data
