@@ -22,14 +22,11 @@ def write_documents(path) -> str:
     return str(path)
 
 
-def first_step_gradients(cfg: TrainConfig, refs, corpus=None) -> list[str]:
-    """On this rank: the first step's forward and backward through the trainer's engine (no
-    optimizer step), each parameter's gradient judged against this rank's piece of the
-    single-process model's (``fastpar.tolerance``'s rule; the float64 run as the truth).
-    Returns ``["N gradients checked, M of MTP modules", *each disagreement]``."""
+def first_backward(cfg: TrainConfig, corpus=None):
+    """On this rank: the trainer of ``cfg`` and its first step's forward and backward through
+    the engine (no optimizer step); returns (trainer, mesh)."""
     from _mesh import make_mesh
 
-    from fastpar.checkpoint.state import checkpoint_name, localize
     from fastpar.train import Trainer
 
     mesh = make_mesh(cfg.tp, cfg.pp, cfg.ep, cp=cfg.cp)
@@ -42,6 +39,17 @@ def first_step_gradients(cfg: TrainConfig, refs, corpus=None) -> list[str]:
         valid_tokens=trainer._count(),
         context=trainer.context,
     )
+    return trainer, mesh
+
+
+def first_step_gradients(cfg: TrainConfig, refs, corpus=None) -> list[str]:
+    """On this rank: the first step's forward and backward through the trainer's engine (no
+    optimizer step), each parameter's gradient judged against this rank's piece of the
+    single-process model's (``fastpar.tolerance``'s rule; the float64 run as the truth).
+    Returns ``["N gradients checked, M of MTP modules", *each disagreement]``."""
+    from fastpar.checkpoint.state import checkpoint_name, localize
+
+    trainer, _ = first_backward(cfg, corpus)
     params = {checkpoint_name(n, p): p for n, p in trainer.named_parameters().items()}
     refs.local = lambda full, name: localize(full, params[name])
     mtp = sum(".mtp." in n for n in params)

@@ -158,18 +158,9 @@ def test_two_tensors_under_one_name_are_refused():
 def _first_step(cfg: TrainConfig, refs, use_wrapper: bool) -> list[str] | None:
     """This rank's first forward and backward (no optimizer step); the gradients gathered on
     rank 0 and judged there by the tolerance rule against the single-process model's."""
-    from fastpar.train import Trainer
+    from _trainer import first_backward
 
-    mesh = make_mesh(cfg.tp, cfg.pp, cfg.ep, cp=cfg.cp)
-    trainer = Trainer(cfg, mesh, torch.device("cpu"))
-    x, y = trainer._batch(0)
-    trainer.engine.train_step(
-        x if mesh.is_first_stage else None,
-        y if mesh.is_last_stage else None,
-        broadcast_loss=False,
-        valid_tokens=trainer._count(),
-        context=trainer.context,
-    )
+    trainer, mesh = first_backward(cfg)
     wrapper = trainer.model if use_wrapper else None
     full = gather_grads(trainer.named_parameters(), mesh=mesh, wrapper=wrapper)
     if full is None:
