@@ -282,10 +282,10 @@ def test_a_planted_fault_disagrees(monkeypatch, fault):
 
 
 def test_a_near_tie_takes_float64s_choice_and_a_wrong_choice_stays():
-    """``_matrix.routes``' judge of one router call: a token routed otherwise than the float64
+    """``_matrix_routes.routes``' judge of one router call: a token routed otherwise than the float64
     run by scores within rounding of each other takes float64's experts (a near tie); one
     routed otherwise by a gap beyond rounding keeps its choice and is a defect."""
-    from _matrix import _capture, _pin
+    from _matrix_routes import _capture, _pin
 
     from fastpar.moe.router import TopKRouter
 
