@@ -60,7 +60,8 @@ def errors(x: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
     """|x - exact| elementwise in float64: equal values (infinities alike) and NaN-for-NaN are
     0, a non-finite value against a finite one is inf."""
     b = exact.detach().to(device=x.device, dtype=torch.float64)
-    diff = torch.sub(x.detach(), b).abs_()  # in float64: x promoted element by element
+    a = x.detach() if x.is_floating_point() else x.detach().double()  # (bool: no subtraction)
+    diff = torch.sub(a, b).abs_()  # in float64: x promoted element by element
     if diff.numel() == 0 or torch.isfinite(diff.max()):  # no inf or NaN on either side
         return diff
     a, b = x.detach().double(), exact.detach().double().to(x.device)
@@ -80,7 +81,7 @@ def max_error(x: torch.Tensor, exact: torch.Tensor) -> float:
 
 def magnitude(exact: torch.Tensor) -> float:
     """max |exact| over its finite values (0 for an empty tensor)."""
-    t = exact.detach()
+    t = exact.detach() if exact.is_floating_point() else exact.detach().double()
     if t.numel() == 0:
         return 0.0
     lo, hi = torch.aminmax(t)  # one pass, no copy
