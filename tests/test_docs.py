@@ -75,3 +75,55 @@ def test_the_readme_is_short_and_links_every_docs_page():
     assert len(text.split()) <= 1600, "the README is one page: move details to docs/"
     unlinked = [p.name for p in DOCS.glob("*.md") if f"docs/{p.name}" not in text]
     assert not unlinked, f"docs pages the README does not link: {unlinked}"
+
+
+#: a path of the repository in backticks: under one of its folders (what a run writes under
+#: bench/results/ left out), or a bare Python file's name
+REPO_PATH = re.compile(
+    r"^(?:(?:fastpar|tests|scripts|docs|\.ci)/[\w./*-]*|bench/(?!results/)[\w./*-]*|[\w-]+\.py)$"
+)
+FOLDERS = ("fastpar", "tests", "scripts", "bench", "docs", ".ci")
+#: a module or attribute of fastpar in backticks (``fastpar.nn.check.distinct_blocks``)
+DOTTED = re.compile(r"^fastpar(?:\.[A-Za-z_]\w*)+$")
+
+
+def _resolves(dotted: str) -> bool:
+    import importlib
+
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
+
+
+def test_every_path_and_module_named_in_the_docs_exists():
+    """A path (`fastpar/nn/check.py`, `tests/test_docs.py`, `checks.py`) or a module or attribute
+    (`fastpar.checkpoint.gather_grads`) named in backticks outside code blocks: drift is a
+    failure (a renamed file, a removed function)."""
+    root, missing = DOCS.parent, []
+    for page in [*DOCS.glob("*.md"), root / "README.md"]:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for span in re.findall(r"`([^`\n]+)`", text):
+            name = re.sub(r"(?:\(\))?(?:::.*|:\d+(?:-\d+)?)?$", "", span.strip())
+            if REPO_PATH.match(name):
+                if "/" not in name:  # a bare file name: somewhere in the repository's folders
+                    ok = (root / name).exists() or any(
+                        any((root / d).glob(f"**/{name}")) for d in FOLDERS
+                    )
+                else:
+                    ok = any(root.glob(name)) if "*" in name else (root / name).exists()
+            elif DOTTED.match(name):
+                ok = _resolves(name)
+            else:
+                continue
+            if not ok:
+                missing.append(f"{page.name}: {span}")
+    assert not missing, missing

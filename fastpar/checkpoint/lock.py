@@ -208,18 +208,6 @@ class DirectoryLock:
                 self._write()
 
 
-def read_holder(directory: str) -> dict | None:
-    """The content of ``directory``'s lock file (the last holder), or None."""
-    try:
-        fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        return _read(fd)
-    finally:
-        os.close(fd)
-
-
 def _read(fd: int) -> dict | None:
     try:
         data = os.pread(fd, 1 << 16, 0)

@@ -100,11 +100,6 @@ def param_counts(module: torch.nn.Module, mesh, device: torch.device) -> dict[st
     return {"total": total, "embedding": emb, "experts": exp}
 
 
-def global_param_count(module: torch.nn.Module, mesh, device: torch.device) -> int:
-    """Parameters of the whole model, each counted once across the layout (one all-reduce)."""
-    return param_counts(module, mesh, device)["total"]
-
-
 def model_shape(cfg) -> dict:
     """What the FLOPs count needs beyond the parameters: layers, heads, head width, hidden,
     whether the LM head is tied to the embedding; MoE's top_k / num_experts; the MTP modules
