@@ -18,7 +18,7 @@ SMALL = tiny_config(
 
 def run(**changes) -> list[dict]:
     """The records of a run of ``SMALL`` with ``changes`` (a value None: the field's default)."""
-    return launch(TrainConfig(**{k: v for k, v in {**SMALL, **changes}.items() if v is not None}))
+    return launch(TrainConfig(**tiny_config(SMALL, **changes)))
 
 
 def losses(records) -> list[float]:

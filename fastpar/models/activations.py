@@ -100,6 +100,26 @@ def block_grads(
     return size * dense, size * moe
 
 
+def swiglu_activations(
+    cfg, tp: int, sp: int, size: int, fused_ce: bool, attention: float, attention_grads: float
+) -> Activations:
+    """``activations`` of a block of RMSNorm, ``attention`` values saved a token and a SwiGLU
+    MLP (the Llama's, the DeepSeek's): gate|up, SiLU and product saved, the gradients of the
+    MLP's two inputs stored for W; ``attention_grads``: the attention's stored gradients."""
+    return activations(
+        cfg,
+        tp,
+        sp,
+        size,
+        fused_ce,
+        attention=attention,
+        mlp=4,
+        expert_ffn=cfg.moe_ffn_size,
+        attention_grads=attention_grads,
+        mlp_in=2,
+    )
+
+
 def activations(
     cfg,
     tp: int,

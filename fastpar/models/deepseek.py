@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from fastpar.cliutil import flat_fields
-from fastpar.models.activations import Activations, activations, norm_bytes
+from fastpar.models.activations import Activations, norm_bytes, swiglu_activations
 from fastpar.models.common import DecoderBlock, build_decoder, check_layout, check_sizes, lm_loss
 from fastpar.models.llama import MLP, LlamaConfig, check_routing, moe
 from fastpar.models.mla import LatentAttention
@@ -165,18 +165,7 @@ class DeepSeekConfig:
         if self.q_lora_rank is not None:
             replicated += 2 * self.q_lora_rank
         grads = self.heads * (qk + nope + v) + tp * replicated
-        return activations(
-            self,
-            tp,
-            sp,
-            size,
-            fused_ce,
-            attention=attention,
-            mlp=4,
-            expert_ffn=self.moe_ffn_size,
-            attention_grads=grads,
-            mlp_in=2,
-        )
+        return swiglu_activations(self, tp, sp, size, fused_ce, attention, grads)
 
     def check(self, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
         """Raise ValueError naming the bad value and the fix, before anything is built."""

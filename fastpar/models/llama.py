@@ -19,7 +19,7 @@ from torch import nn
 from fastpar.cliutil import check_positive_or_none, flat_fields
 from fastpar.comm import group_size
 from fastpar.mesh.placement import mark_blocks, mark_heads
-from fastpar.models.activations import Activations, activations
+from fastpar.models.activations import Activations, swiglu_activations
 from fastpar.models.common import (
     DecoderBlock,
     Norm,
@@ -157,18 +157,7 @@ class LlamaConfig:
             heads = self.heads + self.num_kv_heads
             attention += ((4 + 2 * size) * (q + kv) + 4 * heads) / size
             grads += q + kv
-        return activations(
-            self,
-            tp,
-            sp,
-            size,
-            fused_ce,
-            attention=attention,
-            mlp=4,
-            expert_ffn=self.moe_ffn_size,
-            attention_grads=grads,
-            mlp_in=2,
-        )
+        return swiglu_activations(self, tp, sp, size, fused_ce, attention, grads)
 
     def check(self, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
         """Raise ValueError naming the bad value and the fix, before anything is built."""
