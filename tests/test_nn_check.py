@@ -2,9 +2,12 @@
 ``distinct_blocks``, ``only``): the copies of a block do not run during the check, a block
 that differs from the first in anything that may change what it computes (a plain attribute,
 a function, a buffer's values, its plan) is checked itself, and a model that cannot run on the
-first of each kind alone is checked whole."""
+first of each kind alone is checked whole. Its dense runs: the float64 one on the model itself
+(put back bit for bit), the twin only where the fp32 run alone cannot pass a quantity."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ import torch.nn.functional as F
 from _mesh import make_mesh
 from torch import nn
 
-from fastpar import parallelize
+from fastpar import parallelize, tolerance
 from fastpar.nn import check as _check
 from fastpar.testing import RankError, run_ranks
 
@@ -102,3 +105,49 @@ def test_distinct_blocks_tells_kinds_apart():
     assert _check.distinct_blocks(Stack(n=2, mixed=(1,)), {}) == {}
     # a list of one, or none: nothing to leave out
     assert _check.distinct_blocks(nn.Sequential(nn.Linear(2, 2)), {}) == {}
+
+
+def test_the_dense_runs_equal_copies_and_leave_the_model_as_it_was():
+    model, x = Stack(n=2), ((_x(),), {})
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 7.0)
+    ref = _check.dense_runs(model, x, backward=True)
+    try:
+        after = model.state_dict()
+        assert all(torch.equal(after[n], t) and after[n].dtype == t.dtype for n, t in before.items())
+        assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in model.parameters())
+        # the float64 run (in place, promoted) is a float64 copy's, bit for bit
+        out64, grads64 = _check._run(copy.deepcopy(model).double(), ((_x().double(),), {}), True)
+        assert torch.equal(ref.exact, out64) and ref.grads[-1].keys() == grads64.keys()
+        assert all(torch.equal(ref.grads[-1][n], g) for n, g in grads64.items())
+        # the twin runs when asked, once, and is tolerance.nudge's twin of a copy
+        assert len(ref.out) == 2 and len(ref.single) == 1
+        twin = copy.deepcopy(model)
+        tolerance.nudge(twin)
+        out_t, grads_t = _check._run(twin, x, True)
+        assert ref.add_twin() and not ref.add_twin() and len(ref.single) == 2
+        assert torch.equal(ref.out[1], out_t) and not torch.equal(out_t, ref.out[0])
+        assert all(torch.equal(ref.grads[1][n], g) for n, g in grads_t.items())
+        assert all(torch.equal(model.state_dict()[n], t) for n, t in before.items())
+    finally:
+        _check.forget_weights()
+
+
+def _twin_runs(mixed) -> int:
+    """parallelize on a Stack (``mixed``: its blocks that are not exact once split); returns how
+    many times the check ran the twin, -1 after a refusal."""
+    runs, add = [], _check.Dense.add_twin
+    _check.Dense.add_twin = lambda self: runs.append(1) or add(self)
+    try:
+        parallelize(Stack(mixed=mixed), PLAN, make_mesh(tp=2), example_inputs=_x())
+    except ValueError:
+        return -len(runs)
+    finally:
+        _check.Dense.add_twin = add
+    return len(runs)
+
+
+def test_the_twin_runs_only_where_the_fp32_run_alone_cannot_pass_a_quantity():
+    assert run_ranks(_twin_runs, 2, ()) == [0, 0]  # exact: passed on the fp32 run's error
+    assert run_ranks(_twin_runs, 2, (0,)) == [-1, -1]  # over the bound: judged again, refused

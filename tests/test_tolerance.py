@@ -40,9 +40,21 @@ def _cases():
     x3[4, 4] = math.nan  # NaN against a finite value
     yield "nan", x3, exact
     yield "empty", torch.zeros(0), torch.zeros(0, dtype=torch.float64)
+    # longer than max_error's chunks (2^16), the special values in the later ones
+    n = 3 * 2**16 + 5
+    exact = torch.randn(n, generator=g, dtype=torch.float64)
+    x4 = (exact + 1e-6 * torch.randn(n, generator=g, dtype=torch.float64)).float()
+    x4[2**16 + 3] = 7.0  # the largest error, in the second chunk
+    yield "chunks", x4, exact
+    x5, special = x4.clone(), exact.clone()
+    special[2**17 + 1], x5[3 * 2**16 + 4] = math.inf, math.nan  # in the third and the last
+    yield "chunks-special", x5, special
 
 
-@pytest.mark.parametrize("case", ["finite", "special", "nan", "empty"])
+CASES = ["finite", "special", "nan", "empty", "chunks", "chunks-special"]
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_errors_magnitude_and_compare_follow_their_definitions(case):
     _, x, exact = next(c for c in _cases() if c[0] == case)
     want = _errors(x, exact)

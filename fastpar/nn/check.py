@@ -64,21 +64,72 @@ def restore(params: Mapping[str, nn.Parameter], saved: Mapping[str, torch.Tensor
 @dataclass
 class Dense:
     """The dense runs on the probe input: output and gradients (by name) of the fp32 model,
-    its twin and its float64 copy; ``length``: the longest reduction (the rule's n)."""
+    its twin and its float64 copy; ``length``: the longest reduction (the rule's n). The twin
+    runs only when asked (``add_twin``): a quantity within the rule's bound on the fp32 run's
+    error alone is within it on the larger of the two runs' errors too."""
 
     out: list[torch.Tensor] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
     length: int = 1
     backward: bool = False
+    twin: nn.Module | None = None
+    """A copy of the dense model (``_copy``: its weights shared) until ``add_twin`` runs it."""
+    inputs: tuple = ((), {})
+
+    @property
+    def single(self) -> list[torch.Tensor]:
+        return self.out[:-1]
+
+    @property
+    def exact(self) -> torch.Tensor:
+        return self.out[-1]
+
+    def single_grads(self, name: str) -> list[torch.Tensor | None]:
+        return [g.get(name) for g in self.grads[:-1]]
+
+    def add_twin(self) -> bool:
+        """Run the twin (every weight ``tolerance.nudge``d) and insert its output and gradients
+        beside the fp32 run's; False when it has already run."""
+        if self.twin is None:
+            return False
+        twin, self.twin = self.twin, None
+        g = torch.Generator().manual_seed(0)  # tolerance.nudge(twin), out of place
+        with torch.no_grad():
+            for p in twin.parameters():
+                p.data = tolerance.nudged(p.detach(), g)
+        was = _eval(twin)
+        try:
+            with torch.set_grad_enabled(self.backward):
+                out, grads = _run(twin, self.inputs, self.backward)
+        finally:
+            twin.train(was)
+        self.out.insert(1, out)
+        self.grads.insert(1, grads)
+        return True
+
+
+_WEIGHTS: dict[tuple, torch.Tensor] = {}
 
 
 def _weights(shape, device) -> torch.Tensor:
-    g = torch.Generator().manual_seed(_LOSS_SEED)
-    return torch.randn(shape, generator=g, dtype=torch.float64).to(device)
+    """The loss's fixed random weights of an output of ``shape`` (float64, seeded): drawn once
+    per shape and device for the four runs of a check, not kept after it (``forget_weights``)."""
+    key = (tuple(shape), str(device))
+    if key not in _WEIGHTS:
+        g = torch.Generator().manual_seed(_LOSS_SEED)
+        draw = torch.randn(shape, generator=g)  # fp32 draws, exact in float64: 5x cheaper
+        _WEIGHTS[key] = draw.to(device=device, dtype=torch.float64)
+    return _WEIGHTS[key]
 
 
-def _run(model, inputs, backward: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    out = first_tensor(model(*inputs[0], **inputs[1]))
+def forget_weights() -> None:
+    _WEIGHTS.clear()
+
+
+def _run(model, inputs, backward: bool, out=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The model's forward on ``inputs`` (or its output ``out`` of a forward already run),
+    then the backward of the loss; returns (the output, the gradients by name, taken)."""
+    out = first_tensor(model(*inputs[0], **inputs[1]) if out is None else out)
     if out is None:
         return None, {}
     grads = {}
@@ -99,9 +150,16 @@ def _eval(model: nn.Module):
 
 
 def _copy(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` sharing its process groups (which cannot be copied) and its
-    modules' ``config`` objects (read, not changed, by the runs: ``_configs_kept``)."""
+    """A deep copy of ``model`` sharing its process groups (which cannot be copied), its
+    modules' ``config`` objects (read, not changed, by the runs: ``_configs_kept``) and the
+    memory of its parameters and buffers (new tensor objects over the same values: nothing
+    that splits or runs the model writes into a weight; ``Dense.add_twin`` gives the copy's
+    parameters new values of their own)."""
     memo: dict[int, object] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(p.detach(), p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = b.detach()
     for m in model.modules():
         for v in vars(m).values():
             if isinstance(v, dist.ProcessGroup):
@@ -114,7 +172,7 @@ def _copy(model: nn.Module) -> nn.Module:
     except Exception as exc:
         raise ValueError(
             f"parallelize: the check needs a copy of the dense {type(model).__name__} (its "
-            f"float64 reference) and copy.deepcopy failed ({type(exc).__name__}: {exc}); pass "
+            f"one-rounding twin) and copy.deepcopy failed ({type(exc).__name__}: {exc}); pass "
             "check=False to skip the probe and the check"
         ) from exc
 
@@ -139,40 +197,59 @@ class _configs_kept:
             vars(cfg).update(attrs)
 
 
-def dense_runs(model: nn.Module, inputs, backward: bool) -> Dense | None:
-    """The fp32 run on ``model`` itself (its gradients are put back as they were), then its
-    twin (one rounding away: ``tolerance.nudge``) and the float64 run on one copy; None when
-    the model returns no floating tensor (nothing to compare)."""
-    ref = Dense(backward=backward)
+class _promoted:
+    """Within it, every floating parameter and buffer of ``model`` holds its own values
+    promoted to float64 (and an HF MoE block its eager experts path: ``tolerance.cast``); the
+    original tensors, gradients and configs are put back on exit, bit for bit."""
+
+    def __init__(self, model: nn.Module):
+        self.model, self.saved = model, []
+        self.configs = _configs_kept(model)
+
+    def __enter__(self) -> nn.Module:
+        with torch.no_grad():
+            for t in [*self.model.parameters(), *self.model.buffers()]:
+                if t.is_floating_point():
+                    self.saved.append((t, t.data, t.grad))
+                    t.grad = None
+                    t.data = t.data.to(torch.float64)
+        tolerance.eager_experts(self.model)
+        return self.model
+
+    def __exit__(self, *exc) -> None:
+        for t, data, grad in self.saved:
+            t.data = data
+            t.grad = grad
+        self.configs.__exit__(*exc)
+
+
+def dense_runs(model: nn.Module, inputs, backward: bool, out=None) -> Dense | None:
+    """The fp32 run and the float64 run on ``model`` itself (its values promoted in place and
+    put back, its gradients left as they were), and a copy of it for the twin (run only when
+    asked: ``Dense.add_twin``); None when the model returns no floating tensor (nothing to
+    compare). ``out``: the fp32 forward's output where it has run (the probe's, in eval mode,
+    with gradients when ``backward``)."""
+    ref = Dense(backward=backward, inputs=inputs)
     old_grads = {id(p): p.grad for p in model.parameters()}
     was = _eval(model)
     try:
         with torch.set_grad_enabled(backward):
             for p in model.parameters():
                 p.grad = None
-            out, grads = _run(model, inputs, backward)
+            out, grads = _run(model, inputs, backward, out)
             for p in model.parameters():
                 p.grad = old_grads[id(p)]
             if out is None:
                 return None
             ref.out.append(out)
             ref.grads.append(grads)
-            twin = _copy(model)
-            for p in twin.parameters():
+            ref.twin = _copy(model)
+            for p in ref.twin.parameters():
                 p.grad = None
-            tolerance.nudge(twin)
-            for r in _run(twin, inputs, backward):
-                (ref.out if isinstance(r, torch.Tensor) else ref.grads).append(r)
-            for p in twin.parameters():
-                p.grad = None
-            with _configs_kept(model):  # cast may switch a shared config's experts path
-                exact = tolerance.cast(twin, torch.float64)
-                with torch.no_grad():  # the model's own values, promoted as they are copied
-                    exact.load_state_dict(model.state_dict())
+            with _promoted(model):
                 args, kwargs = tree_map_float(inputs, torch.float64)
-                for r in _run(exact, (args, kwargs), backward):
+                for r in _run(model, (args, kwargs), backward):
                     (ref.out if isinstance(r, torch.Tensor) else ref.grads).append(r)
-            del twin, exact
     finally:
         model.train(was)
     tokens = out.numel() // max(out.shape[-1], 1) if out.dim() else 1
@@ -372,8 +449,10 @@ def _gather_last(got: torch.Tensor, dense: torch.Tensor, tp_group, world: int) -
 def parallel_run(model, inputs, ref: Dense, tp_group, world: int, own=frozenset()) -> Verdict:
     """The parallel ``model`` on the probe input (eval mode; backward when ``ref.backward``),
     compared with ``ref``; every rank returns the same verdict (ratios max-reduced over TP).
-    ``own``: parameters this rank alone holds (per-head modules sliced with the heads)."""
-    verdict = Verdict()
+    ``own``: parameters this rank alone holds (per-head modules sliced with the heads). Judged
+    on the fp32 run's error first; where a quantity is over its bound, again with the twin's
+    (``Dense.add_twin``: the same verdict as judging on both at once, at a fourth run's cost
+    only where it can change it)."""
     named = dict(model.named_parameters())
     old_grads = {n: p.grad for n, p in named.items()}
     was = _eval(model)
@@ -388,9 +467,6 @@ def parallel_run(model, inputs, ref: Dense, tp_group, world: int, own=frozenset(
                 )
             dense = ref.out[0]
             full = _gather_last(got, dense, tp_group, world)
-            verdict.output = tolerance.compare(
-                full, ref.out[:2], ref.out[2], length=ref.length, what="output"
-            )
             if ref.backward and got.requires_grad:
                 w = _weights(dense.shape, got.device)
                 if got.shape != dense.shape:  # split over the last dim: this rank's columns
@@ -399,16 +475,28 @@ def parallel_run(model, inputs, ref: Dense, tp_group, world: int, own=frozenset(
                     w = torch.cat([w, w.new_zeros((*w.shape[:-1], pad))], -1)
                     w = w[..., rank * per : (rank + 1) * per]
                 (got * w.to(got.dtype)).sum().backward()
-                _grads(named, ref, verdict, tp_group, world, own)
+            verdict = _judge(full, named, ref, tp_group, world, own, got.requires_grad)
+            if max(verdict.ratios.values()) > 1 and ref.add_twin():  # the same on every rank
+                verdict = _judge(full, named, ref, tp_group, world, own, got.requires_grad)
             for n, p in named.items():
                 p.grad = old_grads[n]
     finally:
         model.train(was)
-    ratios = [verdict.output.ratio if verdict.output is not None else 0.0]
+    return verdict
+
+
+def _judge(full, named, ref: Dense, tp_group, world: int, own, grads: bool) -> Verdict:
+    verdict = Verdict()
+    verdict.output = tolerance.compare(
+        full, ref.single, ref.exact, length=ref.length, what="output"
+    )
+    if ref.backward and grads:
+        _grads(named, ref, verdict, tp_group, world, own)
+    ratios = [verdict.output.ratio]
     names = list(verdict.grads)  # the model's order: the same length on every rank
     ratios += [verdict.grads[n].ratio for n in names] + [verdict.spread.get(n, 0.0) for n in names]
     if world > 1:
-        t = torch.tensor(ratios, dtype=torch.float64, device=got.device)
+        t = torch.tensor(ratios, dtype=torch.float64, device=full.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=tp_group)
         ratios = t.tolist()
     verdict.ratios = dict(zip(["output", *names], ratios[: len(names) + 1], strict=True))
@@ -417,7 +505,7 @@ def parallel_run(model, inputs, ref: Dense, tp_group, world: int, own=frozenset(
 
 
 def _grads(named, ref: Dense, verdict: Verdict, tp_group, world: int, own) -> None:
-    single, twin, exact = ref.grads
+    exact = ref.grads[-1]
     copies: dict[str, torch.Tensor] = {}  # replicated gradients: equal on every TP rank
     for name, p in named.items():
         if not p.requires_grad:
@@ -425,7 +513,8 @@ def _grads(named, ref: Dense, verdict: Verdict, tp_group, world: int, own) -> No
         if name not in exact:
             verdict.unchecked.append(name)
             continue
-        parts = [_local(t, p) for t in (single.get(name), twin.get(name), exact[name])]
+        parts = [_local(t, p) if t is not None else None for t in ref.single_grads(name)]
+        parts.append(_local(exact[name], p))
         if any(t is None for t in parts):
             verdict.unchecked.append(name)
             continue
@@ -434,7 +523,7 @@ def _grads(named, ref: Dense, verdict: Verdict, tp_group, world: int, own) -> No
         if ex is not None and ex.group is not None and group_size(ex.group) > 1:
             # every EP rank sends this expert the same probe tokens: ep times the dense sum
             grad = grad / group_size(ex.group)
-        cmp = tolerance.compare(grad, parts[:2], parts[2], length=ref.length, what=name)
+        cmp = tolerance.compare(grad, parts[:-1], parts[-1], length=ref.length, what=name)
         verdict.grads[name] = cmp
         layout = param_layout(p)
         if world > 1 and name not in own and (layout is None or layout.kind == "replicated"):

@@ -311,15 +311,16 @@ def _split(
             for n, (s, kw) in chosen.items()
             if STYLES[s].layer
         }
-        try:
+        backward = mode == "backward"
+        try:  # the probe's forward is the check's fp32 run (docs/hf.md, "The check")
             try:  # each distinct block once (a model that cannot run so: all of them)
                 with _check.only(model, blocks):
-                    report, _ = probe(model, *inputs, styles, watched)
+                    report, out = probe(model, *inputs, styles, watched, grad=backward)
             except ProbeFailed:
                 if not blocks:
                     raise
                 blocks.clear()
-                report, _ = probe(model, *inputs, styles, watched)
+                report, out = probe(model, *inputs, styles, watched, grad=backward)
         except ProbeFailed as exc:
             raise ValueError(
                 f"parallelize: the dense {type(model).__name__} failed on the probe input "
@@ -337,10 +338,9 @@ def _split(
         record.found_by_probe = [
             n for n in reduced if not _declares_reduced(_style_at(chosen, watched_owner[n]))
         ]
-        backward = mode == "backward"
         try:  # each distinct block once (a model that cannot run so: all of them)
             with _check.only(model, blocks):
-                ref = _check.dense_runs(model, inputs, backward=backward)
+                ref = _check.dense_runs(model, inputs, backward=backward, out=out)
         except Exception:
             if not blocks:
                 raise
@@ -489,12 +489,13 @@ def parallelize(
                     ) from exc
             record.checked, record.unchecked = mode, verdict.unchecked
             record.output_rel_diff = verdict.output.error / max(
-                tolerance.magnitude(ref.out[2]), 1e-30
+                tolerance.magnitude(ref.exact), 1e-30
             )
             whole = {n for n, o in watched_owner.items() if _keeps_replicated(_style_at(chosen, o))}
             _check.refuse(verdict, model, set(sliced) | set(reduced), whole)
     finally:
         _check.restore(watched_params, saved)
+        _check.forget_weights()
     guard_save_pretrained(model)  # HF's save_pretrained would write this rank's shards
     model.fastpar_plan = record
     return model

@@ -181,11 +181,13 @@ def probe(
     kwargs: Mapping,
     styles: Mapping[str, str],
     watched: Mapping[int, str],
+    grad: bool = False,
 ):
     """Run ``model(*inputs, **kwargs)`` once under the labeller; returns (``ProbeReport``, the
-    model's output). ``styles`` maps planned module names to "split" (their output is split)
-    or "full"; ``watched`` maps id(parameter) to its name for the parameters no planned module
-    owns. Raises ``ProbeFailed`` when the model's forward raises."""
+    model's output: with ``grad``, one backward can follow, as the check's fp32 run does).
+    ``styles`` maps planned module names to "split" (their output is split) or "full";
+    ``watched`` maps id(parameter) to its name for the parameters no planned module owns.
+    Raises ``ProbeFailed`` when the model's forward raises."""
     report = ProbeReport()
     mode = _Labeller(watched, report)
     modules = dict(model.named_modules())
@@ -222,7 +224,7 @@ def probe(
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), mode:
+        with torch.set_grad_enabled(grad), mode:
             for t in tree_flatten((inputs, dict(kwargs)))[0]:
                 if isinstance(t, torch.Tensor):
                     mode.label(t, (FULL,))
