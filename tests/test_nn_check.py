@@ -115,7 +115,9 @@ def test_the_dense_runs_equal_copies_and_leave_the_model_as_it_was():
     ref = _check.dense_runs(model, x, backward=True)
     try:
         after = model.state_dict()
-        assert all(torch.equal(after[n], t) and after[n].dtype == t.dtype for n, t in before.items())
+        assert all(
+            torch.equal(after[n], t) and after[n].dtype == t.dtype for n, t in before.items()
+        )
         assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in model.parameters())
         # the float64 run (in place, promoted) is a float64 copy's, bit for bit
         out64, grads64 = _check._run(copy.deepcopy(model).double(), ((_x().double(),), {}), True)
