@@ -8,6 +8,7 @@ transformers")."""
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ import torch
 
 from fastpar.cliutil import Parser
 from fastpar.data import EOS_TOKENS
+from fastpar.models import native
 from fastpar.tolerance import cast, compare
 
 
@@ -128,28 +130,17 @@ def export(path: str, out_dir: str, tokenizer: str | None = None) -> tuple:
 
 def hf_mapping(cfg):
     """(the module mapping the run's model to Hugging Face, its own HF model class or None):
-    ``fastpar.models.llama_hf`` for --model llama, ``fastpar.models.deepseek_hf`` for --model
-    deepseek (DeepseekV3ForCausalLM); for --model gpt ``fastpar.models.gpt_hf``
-    (GPT-2) when GPT-2 computes it, else ``fastpar.models.gpt_code`` with
-    ``FastparGPTForCausalLM`` (code written beside the weights; needs transformers)."""
-    if cfg.model_type == "llama":
-        from fastpar.models import llama_hf
-
-        return llama_hf, None
-    if cfg.model_type == "deepseek":
-        from fastpar.models import deepseek_hf
-
-        return deepseek_hf, None
-    from fastpar.models import gpt_hf
-
-    try:
-        gpt_hf.check(cfg.model())
-        return gpt_hf, None
-    except ValueError:
-        from fastpar.models import gpt_code
-        from fastpar.models.hf_code.modeling_fastpar_gpt import FastparGPTForCausalLM
-
-        return gpt_code, FastparGPTForCausalLM
+    the native model's ``exporter`` (``fastpar.models.native``: ``llama_hf``, ``deepseek_hf``
+    (DeepseekV3ForCausalLM), ``gpt_hf`` (GPT-2) when GPT-2 computes the GPT, else ``gpt_code``
+    with ``FastparGPTForCausalLM``, code written beside the weights; needs transformers)."""
+    model = native.get(cfg.model_type)
+    if model.exporter is None:
+        raise ValueError(f"--model {cfg.model_type} does not export to Hugging Face")
+    mapping, model_class = model.exporter(cfg)
+    if model_class is not None:
+        where, _, name = model_class.rpartition(".")
+        model_class = getattr(importlib.import_module(where), name)
+    return mapping, model_class
 
 
 def is_custom_code(out_dir: str) -> bool:

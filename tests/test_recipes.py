@@ -1,5 +1,5 @@
 """The recipes of docs/contributing.md, done: a new router score, a new Hugging Face family, a
-new tensor-parallel style and a new pipeline schedule, each added by the recipe's steps only
+new tensor-parallel style, a new pipeline schedule and a new native model, each added by the recipe's steps only
 (an entry in its registry, here monkeypatched), then accepted by every place that reads the
 registry and computing what it should."""
 
@@ -19,7 +19,7 @@ from _pipeline import batch, blocks, check_step, dense_name, dense_references, l
 
 from fastpar import families, parallelize
 from fastpar.export import hf_mapping
-from fastpar.models import hf_documents, llama_hf
+from fastpar.models import LlamaConfig, build_llama, build_model, hf_documents, llama_hf, native
 from fastpar.moe import SCORES, MoE
 from fastpar.moe.balance import balance_scores
 from fastpar.moe.config import Score
@@ -32,6 +32,8 @@ from fastpar.parallel.pipeline.hf import hf_decoder_blocks
 from fastpar.parallel.pipeline.schedules import SCHEDULES, Schedule, make_schedule
 from fastpar.testing import check_parallel, run_ranks
 from fastpar.train import TrainConfig, build_parser, config_from, memory
+from fastpar.train.optimizers import check_per_head
+from fastpar.verify import main as verify_main
 
 ONE_RANK = dict(tp=1, pp=1, dp=1, ep=1, steps=1, batch_size=4, microbatches=1, quiet=True)
 
@@ -273,3 +275,62 @@ def test_new_tp_style(monkeypatch):
     # an unregistered name is refused, naming the known ones (the new one among them)
     with pytest.raises(ValueError, match=r"style must be one of .*'row_whole_input'\]"):
         parallelize(_llama_model(), {"lm_head": "row_whole_inputs"})
+
+
+# -- a new native model: its NativeModel record ------------------------------------------------
+QWEN2ISH = native.NativeModel(
+    name="qwen2ish",
+    label="Qwen2-ish",
+    config=LlamaConfig,
+    build=build_llama,
+    flags=("kv_heads", "rope_theta"),
+    kwargs=lambda f: {"kv_heads": f.kv_heads, "rope_theta": f.rope_theta, "attention_bias": True},
+    moe_every=0,
+    per_head_muon=False,
+)
+"""Fastpar's Llama with q/k/v biases always on (Qwen2's attention), taking --kv-heads and
+--rope-theta, no MoE blocks unless asked, Muon over whole matrices only; it does not export."""
+
+
+def test_new_native_model(monkeypatch, capsys):
+    from _flags import tiny_argv, tiny_config
+
+    name = QWEN2ISH.name
+    with pytest.raises(ValueError, match="--model must be gpt, llama or deepseek, got 'qwen2ish'"):
+        TrainConfig(**tiny_config(model_type=name)).check()
+    monkeypatch.setitem(native.REGISTRY, name, QWEN2ISH)  # the recipe's one step
+
+    # the command line lists it and takes it; its config is its record's
+    parser = build_parser()
+    assert "{gpt,llama,deepseek,qwen2ish}" in parser.format_help()
+    cfg = config_from(parser.parse_args(["--model", name, "--kv-heads", "2"]))
+    model = cfg.model()
+    assert type(model) is LlamaConfig and model.attention_bias and model.kv_heads == 2
+    assert cfg.moe_every == 0  # its default
+    blocks = build_model(TrainConfig(**tiny_config(model_type=name)).model())  # 2 blocks
+    assert [n for b in blocks for n, _ in b.named_parameters() if "bias" in n] == [
+        "attn.qkv.bias"
+    ] * 2
+    # its flags are its own: another model's is refused naming who takes it, and its own
+    # flags on a model that does not take them name it beside the Llama
+    with pytest.raises(ValueError, match=r"--qk-norm is a Llama option: add --model llama$"):
+        TrainConfig(**tiny_config(model_type=name, qk_norm=True)).check()
+    with pytest.raises(
+        ValueError, match="--kv-heads is a Llama and Qwen2-ish option: add --model llama or "
+    ):
+        TrainConfig(**tiny_config(kv_heads=2)).check()
+    with pytest.raises(ValueError, match="--norm layernorm is a GPT option: the Qwen2-ish uses"):
+        TrainConfig(**tiny_config(model_type=name, norm="layernorm")).check()
+    with pytest.raises(ValueError, match="--muon-per-head with --optimizer muon"):
+        check_per_head(
+            TrainConfig(**tiny_config(model_type=name, optimizer="muon", muon_per_head=True))
+        )
+    with pytest.raises(ValueError, match="--model qwen2ish does not export"):
+        hf_mapping(cfg)
+    assert memory.stage_bytes(TrainConfig(**tiny_config(ONE_RANK, model_type=name)))
+
+    # trained at tp 2 x dp 2 with ZeRO-1, proven by fastpar.verify against one process: the
+    # losses, every gradient and the weights after 2 steps under the tolerance rule
+    argv = tiny_argv(model_type=name, kv_heads=2, tp=2, dp=2, pp=1, ep=1, zero=1)
+    assert verify_main(argv) == 0, capsys.readouterr().out
+    assert "AGREE" in capsys.readouterr().out

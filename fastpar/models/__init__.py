@@ -4,6 +4,7 @@ pipeline blocks [embedding, block x layers, head]."""
 
 from __future__ import annotations
 
+from fastpar.models import native
 from fastpar.models.common import lm_loss, untie_for_pipeline
 from fastpar.models.deepseek import DeepSeekConfig, build_deepseek, deepseek_loss
 from fastpar.models.gpt import GPTConfig, build_gpt, gpt_loss
@@ -11,17 +12,10 @@ from fastpar.models.llama import LlamaConfig, build_llama, llama_loss
 from fastpar.models.llama_hf import from_hf, hf_config, to_hf
 
 
-def build_model(cfg: GPTConfig | LlamaConfig | DeepSeekConfig, mesh=None):
-    """``build_gpt``, ``build_llama`` or ``build_deepseek``, whichever ``cfg`` configures."""
-    if isinstance(cfg, GPTConfig):
-        return build_gpt(cfg, mesh)
-    if isinstance(cfg, LlamaConfig):
-        return build_llama(cfg, mesh)
-    if isinstance(cfg, DeepSeekConfig):
-        return build_deepseek(cfg, mesh)
-    raise TypeError(
-        f"expected a GPTConfig, a LlamaConfig or a DeepSeekConfig, got {type(cfg).__name__}"
-    )
+def build_model(cfg, mesh=None):
+    """The native model ``cfg`` configures (``fastpar.models.native``: ``build_gpt``,
+    ``build_llama``, ``build_deepseek``, or a registered one's)."""
+    return native.of_config(cfg).build(cfg, mesh)
 
 
 __all__ = [
@@ -38,6 +32,7 @@ __all__ = [
     "hf_config",
     "llama_loss",
     "lm_loss",
+    "native",
     "to_hf",
     "untie_for_pipeline",
 ]

@@ -23,6 +23,7 @@ from fastpar.checkpoint.directory import latest_checkpoint, prune, scan, step_di
 from fastpar.checkpoint.format import PARTIAL_SUFFIX, CheckpointError
 from fastpar.checkpoint.lock import DirectoryLock, describe
 from fastpar.cliutil import option_of
+from fastpar.models import native
 from fastpar.train.batches import SCHEDULE_FIELDS, lr_at
 from fastpar.train.build import Trainer
 from fastpar.train.config import TrainConfig
@@ -86,7 +87,7 @@ def compare_settings(saved: dict, cfg) -> tuple[list[str], list[str]]:
     each "--flag OLD -> NEW" (see ``REFUSED`` / ``WARNED`` for which is which and why)."""
     old, now = saved.get("config") or {}, asdict(cfg)
     refused_fields = REFUSED + (
-        ("seq_len",) if cfg.model_type == "gpt" and not cfg.hf_config else ()
+        ("seq_len",) if not cfg.hf_config and native.get(cfg.model_type).learned_positions else ()
     )
 
     def diff(names):

@@ -17,7 +17,7 @@ from fastpar.data import (
     tokenizer_eos_id,
     tokenizer_vocab_size,
 )
-from fastpar.models import DeepSeekConfig, GPTConfig, LlamaConfig
+from fastpar.models import native
 from fastpar.moe.config import ROUTING_DEFAULTS
 from fastpar.parallel.pipeline.recompute import RecomputePolicy
 from fastpar.parallel.pipeline.schedules import SCHEDULES, chunked_names, make_schedule
@@ -48,26 +48,7 @@ DESCRIPTION = (
 )
 
 
-LLAMA_ONLY = ("kv_heads", "head_dim", "qk_norm", "attention_bias")
-"""Flags of --model llama alone (--rope-theta and --moe-ffn are DeepSeek's too)."""
-MTP = ("mtp_depth", "mtp_loss_coef")
-"""Multi-token prediction's flags: fastpar's Llama and DeepSeek."""
-DEEPSEEK_ONLY = (
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_rope_head_dim",
-    "qk_nope_head_dim",
-    "v_head_dim",
-    "first_k_dense",
-    "rope_interleave",
-    "yarn_factor",
-    "yarn_original_seq_len",
-    "yarn_beta_fast",
-    "yarn_beta_slow",
-    "yarn_mscale",
-    "yarn_mscale_all_dim",
-)
-"""Flags of --model deepseek alone (its latent attention and rope scaling)."""
+_NORMS = {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}
 
 
 def _first_changed(cfg, defaults, names) -> str | None:
@@ -88,7 +69,8 @@ class TrainConfig(TrainOptions):
         if self.init_from_hf and not self.hf_config:  # the model is the directory's
             self.hf_config = os.path.join(self.init_from_hf, "config.json")
         if self.moe_every is None:  # DeepSeek: MoE in every block after the dense ones
-            self.moe_every = 1 if self.model_type == "deepseek" else 2
+            model = native.REGISTRY.get(self.model_type)  # (an unknown one is refused later)
+            self.moe_every = model.moe_every if model is not None else 2
 
     @property
     def recompute_policy(self) -> RecomputePolicy:
@@ -135,8 +117,11 @@ class TrainConfig(TrainOptions):
             return {}
         return dataclasses.asdict(getattr(self.model(), config.nested))
 
-    def model(self) -> GPTConfig | LlamaConfig | DeepSeekConfig:
-        shared = dict(
+    def model(self):
+        """The native model's config (``fastpar.models.native``): the shared shape fields from
+        the flags, and the model's own (``NativeModel.kwargs``)."""
+        model = native.get(self.model_type)
+        return model.config(
             vocab_size=self.vocab,
             seq_len=self.seq_len,
             hidden=self.hidden,
@@ -153,55 +138,32 @@ class TrainConfig(TrainOptions):
             moe_expert_tp=self.moe_expert_tp,
             cp_attention=self.cp_attention,
             **{name: getattr(self, name) for name in ROUTING_DEFAULTS},
+            **model.kwargs(self),
         )
-        if self.model_type == "llama":
-            return LlamaConfig(
-                kv_heads=self.kv_heads,
-                head_dim=self.head_dim,
-                rope_theta=self.rope_theta,
-                moe_ffn=self.moe_ffn,
-                qk_norm=self.qk_norm,
-                attention_bias=self.attention_bias,
-                mtp_depth=self.mtp_depth,
-                mtp_loss_coef=self.mtp_loss_coef,
-                **shared,
-            )
-        if self.model_type == "deepseek":
-            mla = {n: getattr(self, n) for n in DEEPSEEK_ONLY if n != "q_lora_rank"}
-            return DeepSeekConfig(
-                q_lora_rank=self.q_lora_rank or None,
-                rope_theta=self.rope_theta,
-                moe_ffn=self.moe_ffn,
-                mtp_depth=self.mtp_depth,
-                mtp_loss_coef=self.mtp_loss_coef,
-                **mla,
-                **shared,
-            )
-        return GPTConfig(norm=self.norm, **shared)
 
     def _check_model_flags(self) -> None:
-        if self.model_type not in ("gpt", "llama", "deepseek"):
-            raise ValueError(f"model must be gpt, llama or deepseek, got {self.model_type!r}")
+        model = native.get(self.model_type)  # (a ValueError naming the models)
         defaults = TrainConfig()
         if self.init_from_hf:
             check_init_from_hf(self)
         if self.hf_config:
             self._check_hf(defaults)
             return self._check_data_flags()
-        foreign = {  # the other models' own flags
-            "gpt": (*LLAMA_ONLY, "rope_theta", "moe_ffn", *MTP, *DEEPSEEK_ONLY),
-            "llama": DEEPSEEK_ONLY,
-            "deepseek": LLAMA_ONLY,
-        }[self.model_type]
+        foreign = [n for n in native.own_flags() if n not in model.flags]  # others' own flags
         name = _first_changed(self, defaults, foreign)
         if name is not None:
-            whose, model = ("DeepSeek", "deepseek") if name in DEEPSEEK_ONLY else ("Llama", "llama")
-            if name in MTP:  # the Llama's and the DeepSeek's
-                whose, model = "Llama and DeepSeek", "llama or --model deepseek"
-            raise ValueError(f"{flag(name)} is a {whose} option: add --model {model}")
-        if self.model_type != "gpt" and self.norm != "rmsnorm":
-            whose = "Llama" if self.model_type == "llama" else "DeepSeek"
-            raise ValueError(f"--norm {self.norm} is a GPT option: the {whose} uses RMSNorm")
+            takes = native.owners(name)
+            whose = " and ".join(m.label for m in takes)
+            raise ValueError(
+                f"{flag(name)} is a {whose} option: add --model "
+                + " or --model ".join(m.name for m in takes)
+            )
+        if self.norm not in model.norms:
+            norms = [m.label for m in native.REGISTRY.values() if self.norm in m.norms]
+            uses = " or ".join(_NORMS.get(n, n) for n in model.norms)
+            raise ValueError(
+                f"--norm {self.norm} is a {' and '.join(norms)} option: the {model.label} uses {uses}"
+            )
         self._check_data_flags()
 
     def _check_data_flags(self) -> None:
@@ -235,16 +197,9 @@ class TrainConfig(TrainOptions):
 
         own = (
             "model_type",
-            *("hidden", "heads", "layers", "rope_theta", "norm", "experts", "top_k"),
-            "kv_heads",
-            "head_dim",
-            "qk_norm",
-            "attention_bias",
-            "ffn",
-            "moe_ffn",
+            *("hidden", "heads", "layers", "rope_theta", "norm", "experts", "top_k", "ffn"),
             "untied",
-            *DEEPSEEK_ONLY,
-            *MTP,
+            *native.own_flags(),
             *ROUTING_DEFAULTS,
         )
         name = _first_changed(self, defaults, own)

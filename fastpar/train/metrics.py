@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from fastpar.amp.norm import counts_on_this_rank
 from fastpar.mesh.placement import is_expert
+from fastpar.models import native
 from fastpar.train.stragglers import straggler_text
 
 #: dense (no sparsity) bf16 tensor-core peak FLOP/s by device name, for MFU; the first key that
@@ -119,9 +120,8 @@ def model_shape(cfg) -> dict:
             expert_share=1.0,
             mtp_depth=0,
         )
-    head_dim = cfg.head_dim if cfg.model_type == "llama" and cfg.head_dim else None
-    if cfg.model_type == "deepseek":  # scores over the q/k head, the values' sum over v's
-        head_dim = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) / 2
+    width = native.get(cfg.model_type).head_dim  # (DeepSeek: q/k's and v's widths averaged)
+    head_dim = width(cfg) if width is not None else None
     return dict(
         layers=cfg.layers,
         heads=cfg.heads,

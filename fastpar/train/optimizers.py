@@ -10,6 +10,7 @@ import torch
 
 from fastpar import families
 from fastpar.mesh.placement import matrix_heads
+from fastpar.models import native
 from fastpar.optim import Muon, muon_param_groups
 from fastpar.optim.muon_matrices import blocks_of
 from fastpar.reference.muon import ExactMuon
@@ -32,7 +33,7 @@ def check_per_head(cfg) -> None:
     if not cfg.muon_per_head:
         return
     model = f"--hf-config {cfg.hf_config}" if cfg.hf_config else f"--model-type {cfg.model_type}"
-    if cfg.optimizer != "muon" or cfg.hf_config or cfg.model_type == "deepseek":
+    if cfg.optimizer != "muon" or cfg.hf_config or not native.get(cfg.model_type).per_head_muon:
         raise ValueError(
             f"--muon-per-head with --optimizer {cfg.optimizer} {model}: only Muon on fastpar's "
             "GPT and Llama splits attention heads (DeepSeek's latent attention and Hugging Face "

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from fastpar.cliutil import flat_fields, option
 from fastpar.data import BIN_DTYPES
+from fastpar.models import native
 from fastpar.models.mtp import DEFAULT_COEF
 from fastpar.moe.config import ROUTING, ExpertConfig, RouterConfig
 from fastpar.nn import styles
@@ -144,7 +145,7 @@ class TrainOptions:
     model_type: str = option(
         "gpt",
         MODEL,
-        words=("gpt", "llama", "deepseek"),
+        words=native.REGISTRY,
         help="the model: fastpar's GPT, its Llama (GQA, RoPE, SwiGLU, RMSNorm), or its "
         "DeepSeek-V3 class (multi-head latent attention, DeepSeekMoE after --first-k-dense "
         "dense blocks)",

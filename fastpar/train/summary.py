@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+from fastpar.models import native
+
 #: the flags that choose the layout; without any of them the run takes the default world
 LAYOUT_FLAGS = ("--dp", "--tp", "--pp", "--cp", "--ep", "--dp-shard", "--dp-replicate")
 
@@ -22,18 +24,17 @@ def model_label(cfg) -> str:
 
 def has_moe(cfg) -> bool:
     """Whether fastpar's model has MoE blocks (every --moe-every-th of --layers)."""
-    if cfg.model_type == "deepseek" and not cfg.hf_config:
-        return any(cfg.model().is_moe(i) for i in range(cfg.layers + cfg.mtp_depth))
-    return not cfg.hf_config and cfg.moe_every > 0 and cfg.layers >= cfg.moe_every
+    if cfg.hf_config:
+        return False
+    model = cfg.model()
+    return any(model.is_moe(i) for i in range(cfg.layers + cfg.mtp_depth))
 
 
 def moe_text(cfg) -> str:
     """The MoE settings in a few words: where the blocks are, then ``moe_router``'s and
     ``moe_experts``' own words (``RouterConfig.words``, ``ExpertConfig.words``)."""
-    where = f"every {cfg.moe_every}"
-    if cfg.model_type == "deepseek":  # DeepSeek-V2's moe_layer_freq after the dense blocks
-        every = "" if cfg.moe_every == 1 else f" (every {cfg.moe_every})"
-        where = f"after {cfg.first_k_dense} dense{every}"
+    moe_where = None if cfg.hf_config else native.get(cfg.model_type).moe_where
+    where = moe_where(cfg) if moe_where is not None else f"every {cfg.moe_every}"
     score, *routing = cfg.moe_router.words()
     head = f"MoE {where}: top-{cfg.top_k} of {cfg.experts} experts ({score})"
     parts = [head, *routing, *cfg.moe_experts.words()]
