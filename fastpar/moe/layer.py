@@ -9,6 +9,9 @@ One forward, capacity against dropless mode and the weights' initialisation: doc
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -222,6 +225,19 @@ class MoE(nn.Module):
         if self.cp > 1:  # a sequence's tokens lie on every cp (and, routed locally, tp) rank
             local = self.tp_layout == "sequence"
             self.router.token_group = mesh_group(mesh, "tp-cp") if local else self.cp_group
+
+    # The pipeline's protocols (fastpar.parallel.pipeline.protocols): the engine weighs the aux
+    # loss by this context around its forwards; a recomputation keeps aux_loss and stats.
+    aux_loss_weight = staticmethod(aux_loss_scale)
+
+    @contextlib.contextmanager
+    def keep_forward_state(self) -> Iterator[None]:
+        """Around a recomputation: ``aux_loss`` and ``stats`` put back as they were before."""
+        aux, stats = self.aux_loss, self.stats
+        try:
+            yield
+        finally:
+            self.aux_loss, self.stats = aux, stats
 
     def _expert_params(self) -> tuple[nn.Parameter, ...]:
         return tuple(p for p in (self.w1, self.b1, self.w2, self.b2) if p is not None)

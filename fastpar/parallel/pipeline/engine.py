@@ -20,9 +20,9 @@ from torch import nn
 
 from fastpar.mesh.placement import mark_duplicated
 from fastpar.mesh.ranks import global_rank
-from fastpar.moe.layer import aux_loss_scale
 from fastpar.parallel.pipeline.p2p import P2P
 from fastpar.parallel.pipeline.partition import VirtualStages
+from fastpar.parallel.pipeline.protocols import aux_loss_weighed
 from fastpar.parallel.pipeline.runner import StepRunner
 from fastpar.parallel.pipeline.schedules import Schedule
 from fastpar.parallel.protocols import DataParallel, GradSync
@@ -75,8 +75,8 @@ class PipelineEngine(StepRunner):
     optimizer's) multiplies each micro-batch loss before its backward. ``grad_sync``: the
     data-parallel wrapper whose gradients the backward passes fill (default: the stage, when it
     is one); ``no_sync``: a context for all micro-batches but the last (default: the
-    wrapper's). ``moe_aux_loss``: weigh MoE auxiliary losses like a micro-batch's loss (module
-    docstring). ``static_shapes``: whether
+    wrapper's). ``moe_aux_loss``: weigh the stage's auxiliary losses (its MoE layers',
+    ``protocols.AuxLoss``) like a micro-batch's loss. ``static_shapes``: whether
     activation shapes are the same for every micro-batch (agreed once). Statistics of the last
     step are in ``stats``: busy (forwards and backwards), send (posting sends and early
     receives), recv (in receives, mostly waiting for a peer) and wall seconds, the
@@ -177,8 +177,8 @@ class PipelineEngine(StepRunner):
         t_step = time.perf_counter()
         self.p2p.send_s = self.p2p.recv_s = 0.0
         actions = self.schedule.actions(mesh.pp_size, mesh.pp_rank)
-        moe = aux_loss_scale(self._aux_scale(device) if self.moe_aux_loss else None)
-        with moe:
+        aux = aux_loss_weighed(self.chunks, self._aux_scale(device) if self.moe_aux_loss else None)
+        with aux:
             t_actions = time.perf_counter()
             busy, peak = self._run_steps(actions, xs, ys, device, saved, losses)
             t_done = time.perf_counter()

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fastpar.moe import MoE, moe_layers
+from fastpar.parallel.pipeline.protocols import forward_state_kept, keeping_state
 
 ATTENTION_NAMES = ("attn", "self_attn")
 MLP_NAMES = ("mlp", "block_sparse_moe", "feed_forward")
@@ -81,8 +81,12 @@ def checkpoint_module(module: nn.Module) -> nn.Module:
             "torch.compile (fastpar.train compiles after building)"
         )
     inner = module.forward
-    moes = moe_layers(module)
-    kw = {"context_fn": lambda: (contextlib.nullcontext(), _keep_moe_state(moes))} if moes else {}
+    kept = keeping_state(module)  # an MoE's aux_loss and stats (protocols.ForwardState)
+
+    def recomputing():  # the first forward runs as it is; the recomputation keeps the state
+        return contextlib.nullcontext(), forward_state_kept(kept)
+
+    kw = {"context_fn": recomputing} if kept else {}
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):
@@ -93,19 +97,6 @@ def checkpoint_module(module: nn.Module) -> nn.Module:
     module.forward = forward
     module._fastpar_recompute = True
     return module
-
-
-@contextlib.contextmanager
-def _keep_moe_state(moes: list[MoE]) -> Iterator[None]:
-    """Around a recomputation: the MoE layers' ``aux_loss`` and ``stats`` are put back as the
-    last first-forward left them (a recomputation in backward, e.g. of micro-batch 0 after
-    micro-batch 3's forward, must not replace what the step reports)."""
-    kept = [(m, m.aux_loss, m.stats) for m in moes]
-    try:
-        yield
-    finally:
-        for m, aux, stats in kept:
-            m.aux_loss, m.stats = aux, stats
 
 
 def apply_recompute(

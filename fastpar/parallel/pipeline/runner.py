@@ -1,10 +1,13 @@
 """The step loop of ``PipelineEngine``: one schedule's actions ``(kind, micro-batch, chunk)`` for
 this rank, forwards and backwards (B and W for zero bubble), over the engine's P2P channels, one
-tag per (virtual stage, direction) (docs/pipelines.md, "Inside the engine")."""
+tag per (virtual stage, direction) (docs/pipelines.md, "Inside the engine"). Each kind is a
+``Step`` in a table (``STEPS``, ``SPLIT_STEPS``): what it receives and what it runs, over the
+state the steps share (``Steps``)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 
 import torch
@@ -28,6 +31,203 @@ def grad_tag(vstage: int) -> int:
     return 2 * vstage + 1
 
 
+@dataclasses.dataclass
+class Action:
+    """The ``k``-th action of this rank, on virtual stage ``s`` (``first`` / ``last`` of the
+    pipeline's virtual stages)."""
+
+    k: int
+    kind: str
+    i: int  # micro-batch
+    c: int  # model chunk
+    s: int
+    first: bool
+    last: bool
+    label: str
+
+
+@dataclasses.dataclass
+class Steps:
+    """The state the steps of one ``_run_steps`` share: what they read (the engine, the
+    micro-batches, the stored forwards) and what they account (stored bytes and their peak,
+    busy seconds)."""
+
+    engine: StepRunner
+    actions: list
+    xs: list | None
+    ys: list | None
+    device: torch.device
+    saved: dict
+    losses: list
+    p2p: object
+    train: bool
+    table: dict
+    live: int = 0
+    peak: int = 0
+    busy: float = 0.0
+    p: int = dataclasses.field(init=False)  # pipeline ranks
+    r: int = dataclasses.field(init=False)  # this rank
+    nv: int = dataclasses.field(init=False)  # its model chunks
+    last_vs: int = dataclasses.field(init=False)  # the last virtual stage
+    last_backward: int = dataclasses.field(init=False)  # the action ending the backward, or -1
+
+    def __post_init__(self) -> None:
+        mesh = self.engine.mesh
+        self.p, self.r, self.nv = mesh.pp_size, mesh.pp_rank, len(self.engine.chunks)
+        self.last_vs = self.p * self.nv - 1
+        ends = [k for k, a in enumerate(self.actions) if self.step(a[0]).ends_backward]
+        self.last_backward = ends[-1] if ends else -1
+
+    def step(self, kind: str) -> Step:
+        if kind not in self.table:
+            raise ValueError(f"pipeline step kind {kind!r}: this schedule runs {list(self.table)}")
+        return self.table[kind]
+
+    def action(self, k: int) -> Action:
+        kind, i, c = self.actions[k]
+        s = c * self.p + self.r
+        label = f"mb{i}" + (f" chunk{c}" if self.nv > 1 else "")
+        return Action(k, kind, i, c, s, s == 0, s == self.last_vs, label)
+
+    def recv_need(self, k: int):
+        """What action ``k`` receives before its compute: ``(peer, tag)``, None, or
+        ``_UNKNOWN``."""
+        a = self.action(k)
+        return self.step(a.kind).recv(a, self)
+
+    def sync(self, a: Action) -> tuple[bool, contextlib.AbstractContextManager]:
+        """Whether action ``a`` ends this rank's backward (the gradients reduce), and the
+        context it runs in: the engine's ``no_sync()`` where it does not."""
+        no_sync = self.engine.no_sync
+        sync = a.k == self.last_backward or no_sync is None
+        return sync, contextlib.nullcontext() if sync else no_sync()
+
+
+class Step:
+    """One kind of action: ``recv``, what it receives before its compute (``(peer, tag)``,
+    None, or ``_UNKNOWN``); ``run``, the compute and its sends. ``ends_backward``: the kind
+    whose last action ends a micro-batch's backward (outside ``no_sync``)."""
+
+    ends_backward = False
+
+    def recv(self, a: Action, st: Steps):
+        return None
+
+    def run(self, a: Action, got, st: Steps) -> None:
+        raise NotImplementedError
+
+
+class Forward(Step):
+    """F: the chunk's forward (the loss on the last virtual stage), its output sent on."""
+
+    def recv(self, a: Action, st: Steps):
+        return None if a.first else (st.p2p.prev, act_tag(a.s))
+
+    def run(self, a: Action, got, st: Steps) -> None:
+        engine, p2p = st.engine, st.p2p
+        x = st.xs[a.i] if a.first else got
+        t0 = time.perf_counter()
+        target = st.ys[a.i] if a.last else None
+        if not st.train:
+            with nvtx(f"stage{st.r} eval forward {a.label}"), torch.no_grad():
+                out = engine._run(a.c, x, target)
+            entry, nbytes = {}, 0
+        else:
+            entry, nbytes = engine._forward(a.c, x, target, a.first, a.last, st.device, a.label)
+            out = entry.pop("_out")
+            st.saved[(a.i, a.c)] = entry
+        st.live += nbytes
+        st.peak = max(st.peak, st.live)
+        st.busy += time.perf_counter() - t0
+        if a.last:
+            st.losses.append(out.detach())
+        elif isinstance(out, torch.Tensor):
+            p2p.send(out, p2p.next, tag=act_tag(a.s + 1))
+        elif not st.train:
+            p2p.send(tuple_message(out), p2p.next, tag=act_tag(a.s + 1))
+        else:
+            out = tuple_message(out)
+            flags = engine._grad_flags[a.c] if engine.recompute else _requires_grad(out)
+            entry["slots"] = [j for j, f in enumerate(flags) if f]
+            p2p.send(out, p2p.next, requires_grad=flags, tag=act_tag(a.s + 1))
+
+
+class Backward(Step):
+    """B: the whole backward of a forward, its input gradient sent back."""
+
+    ends_backward = True
+
+    def recv(self, a: Action, st: Steps):
+        if a.last:
+            return None
+        entry = st.saved.get((a.i, a.c))
+        if entry is None:  # its forward has not run: which slots get a gradient is not known
+            return _UNKNOWN
+        slots = entry.get("slots")  # None: a single-tensor output; [] no slot requires grad
+        return (st.p2p.next, grad_tag(a.s)) if slots is None or slots else None
+
+    def run(self, a: Action, got, st: Steps) -> None:
+        engine = st.engine
+        entry = st.saved.pop((a.i, a.c))
+        slots = entry.get("slots")  # None: a single-tensor output
+        t0 = time.perf_counter()
+        _, no_sync = st.sync(a)
+        with nvtx(f"stage{st.r} backward {a.label}"), no_sync, engine._in_context():
+            target = st.ys[a.i] if a.last else None
+            engine._backward(a.c, entry, got, slots, target, st.device)
+        st.busy += time.perf_counter() - t0
+        st.live -= entry["bytes"]
+        if not a.first:
+            engine._send_input_grad(entry["x"], st.p2p, grad_tag(a.s - 1))
+
+
+class InputGrad(Backward):
+    """B of a split backward (zero bubble): the input gradient only, sent back at once; the
+    weight half waits in the stored entry for W."""
+
+    ends_backward = False
+
+    def run(self, a: Action, got, st: Steps) -> None:
+        engine = st.engine
+        entry = st.saved[(a.i, a.c)]
+        slots = entry.get("slots")
+        t0 = time.perf_counter()
+        with nvtx(f"stage{st.r} input grad {a.label}"), engine._in_context():
+            target = st.ys[a.i] if a.last else None
+            dx = engine._backward_input(a.c, entry, got, slots, target, st.device)
+        st.busy += time.perf_counter() - t0
+        if not a.first and dx is not None:
+            st.p2p.send(dx, st.p2p.prev, tag=grad_tag(a.s - 1))
+
+
+class WeightGrad(Step):
+    """W of a split backward: the weight gradients B left, the entry's bytes freed."""
+
+    ends_backward = True
+
+    def run(self, a: Action, got, st: Steps) -> None:
+        engine = st.engine
+        entry = st.saved.pop((a.i, a.c))
+        t0 = time.perf_counter()
+        sync, no_sync = st.sync(a)
+        # W as several engine calls only where no reducer waits for the end of one
+        # backward: no gradient sync at all, or one deferring inside no_sync
+        if engine.grad_sync is None and engine.no_sync is None:
+            prompt = True
+        else:
+            defers = getattr(engine.grad_sync, "defers_reduction_in_no_sync", False)
+            prompt = not sync and bool(defers)
+        with nvtx(f"stage{st.r} weight grad {a.label}"), no_sync, engine._in_context():
+            entry.pop("split").weights(prompt=prompt)
+        st.busy += time.perf_counter() - t0
+        st.live -= entry["bytes"]
+
+
+#: the step of each action kind: a schedule whose backward is whole, and a split one
+STEPS: dict[str, Step] = {"F": Forward(), "B": Backward()}
+SPLIT_STEPS: dict[str, Step] = {"F": Forward(), "B": InputGrad(), "W": WeightGrad()}
+
+
 class StepRunner:
     """Mixed into ``PipelineEngine``: ``_run_steps`` and what it needs (``self.chunks``,
     ``self.mesh``, ``self.p2p``, ``self.recompute``, ...)."""
@@ -36,96 +236,24 @@ class StepRunner:
         """The schedule's forwards and backwards; returns (busy seconds, peak stored bytes).
         ``train=False``: forwards only, under no_grad, nothing stored."""
         p2p = self.p2p if p2p is None else p2p
-        mesh, nv = self.mesh, len(self.chunks)
-        p, r = mesh.pp_size, mesh.pp_rank
-        last_vs = p * nv - 1
-        split = self.schedule.splits_backward  # "B": input grad only; "W": weight grads
-        backwards = [k for k, a in enumerate(actions) if a[0] == ("W" if split else "B")]
-        last_backward = backwards[-1] if backwards else -1
-        live = peak = 0
-        busy = 0.0
+        table = SPLIT_STEPS if self.schedule.splits_backward else STEPS
+        st = Steps(self, actions, xs, ys, device, saved, losses, p2p, train, table)
         ahead = 0  # the actions before this one have their receives posted early or need none
-
-        for k, (kind, i, c) in enumerate(actions):
-            self._mb = i  # (``context``: the micro-batch of this action)
-            s = c * p + r
-            first, last = s == 0, s == last_vs
-            label = f"mb{i}" + (f" chunk{c}" if nv > 1 else "")
-            need = _recv_need(actions[k], saved, p, r, last_vs, p2p)
+        for k in range(len(actions)):
+            a = st.action(k)
+            self._mb = a.i  # (``context``: the micro-batch of this action)
+            need = st.recv_need(k)
             got = None if need is None else p2p.recv(need[0], device, tag=need[1])
             ahead = max(ahead, k + 1)
             while ahead < min(k + 1 + LOOKAHEAD, len(actions)):  # post the next receives
-                nxt = _recv_need(actions[ahead], saved, p, r, last_vs, p2p)
+                nxt = st.recv_need(ahead)
                 if nxt is _UNKNOWN or (nxt and not p2p.post_recv(nxt[0], device, tag=nxt[1])):
                     break  # receives are posted in order: none later before this one
                 ahead += 1
-            if kind == "F":
-                x = xs[i] if first else got
-                t0 = time.perf_counter()
-                target = ys[i] if last else None
-                if not train:
-                    with nvtx(f"stage{r} eval forward {label}"), torch.no_grad():
-                        out = self._run(c, x, target)
-                    entry, nbytes = {}, 0
-                else:
-                    entry, nbytes = self._forward(c, x, target, first, last, device, label)
-                    out = entry.pop("_out")
-                    saved[(i, c)] = entry
-                live += nbytes
-                peak = max(peak, live)
-                busy += time.perf_counter() - t0
-                if last:
-                    losses.append(out.detach())
-                elif isinstance(out, torch.Tensor):
-                    p2p.send(out, p2p.next, tag=act_tag(s + 1))
-                else:
-                    out = tuple_message(out)
-                    if not train:
-                        p2p.send(out, p2p.next, tag=act_tag(s + 1))
-                        continue
-                    flags = self._grad_flags[c] if self.recompute else _requires_grad(out)
-                    entry["slots"] = [j for j, f in enumerate(flags) if f]
-                    p2p.send(out, p2p.next, requires_grad=flags, tag=act_tag(s + 1))
-            elif kind == "W":
-                entry = saved.pop((i, c))
-                t0 = time.perf_counter()
-                sync = k == last_backward or self.no_sync is None
-                no_sync = contextlib.nullcontext() if sync else self.no_sync()
-                # W as several engine calls only where no reducer waits for the end of one
-                # backward: no gradient sync at all, or one deferring inside no_sync
-                if self.grad_sync is None and self.no_sync is None:
-                    prompt = True
-                else:
-                    defers = getattr(self.grad_sync, "defers_reduction_in_no_sync", False)
-                    prompt = not sync and bool(defers)
-                with nvtx(f"stage{r} weight grad {label}"), no_sync, self._in_context():
-                    entry.pop("split").weights(prompt=prompt)
-                busy += time.perf_counter() - t0
-                live -= entry["bytes"]
-            elif split:
-                entry = saved[(i, c)]
-                slots = entry.get("slots")
-                t0 = time.perf_counter()
-                with nvtx(f"stage{r} input grad {label}"), self._in_context():
-                    dx = self._backward_input(c, entry, got, slots, ys[i] if last else None, device)
-                busy += time.perf_counter() - t0
-                if not first and dx is not None:
-                    p2p.send(dx, p2p.prev, tag=grad_tag(s - 1))
-            else:
-                entry = saved.pop((i, c))
-                slots = entry.get("slots")  # None: a single-tensor output
-                t0 = time.perf_counter()
-                sync = k == last_backward or self.no_sync is None
-                no_sync = contextlib.nullcontext() if sync else self.no_sync()
-                with nvtx(f"stage{r} backward {label}"), no_sync, self._in_context():
-                    self._backward(c, entry, got, slots, ys[i] if last else None, device)
-                busy += time.perf_counter() - t0
-                live -= entry["bytes"]
-                if not first:
-                    self._send_input_grad(entry["x"], p2p, grad_tag(s - 1))
+            st.step(a.kind).run(a, got, st)
         if p2p.posted_recvs():  # every early receive belongs to an action of this step
             raise RuntimeError(f"{p2p.posted_recvs()} early pipeline receives left unmatched")
-        return busy, peak
+        return st.busy, st.peak
 
     def _forward(self, c, x, target, first, last, device, label) -> tuple[dict, int]:
         """A training forward of chunk ``c``: the entry its backward needs (its output under
@@ -242,22 +370,6 @@ class StepRunner:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = self._run(c, x, target)
         return out, counted[0]
-
-
-def _recv_need(action, saved: dict, p: int, r: int, last_vs: int, p2p):
-    """What ``action`` receives before its compute: ``(peer, tag)``, None, or ``_UNKNOWN``
-    (a backward whose forward has not run: which slots get a gradient is not known yet)."""
-    kind, i, c = action
-    s = c * p + r
-    if kind == "F":
-        return None if s == 0 else (p2p.prev, act_tag(s))
-    if kind == "W" or s == last_vs:
-        return None
-    entry = saved.get((i, c))
-    if entry is None:
-        return _UNKNOWN
-    slots = entry.get("slots")  # None: a single-tensor output; [] no slot requires grad
-    return (p2p.next, grad_tag(s)) if slots is None or slots else None
 
 
 def _get_rng(device: torch.device) -> tuple:

@@ -1,0 +1,59 @@
+"""What a module inside a stage may declare for the pipeline, which asks ``module.modules()`` for
+it instead of naming the class (``fastpar.moe.MoE`` implements both; nothing here imports it):
+
+* ``ForwardState``: ``keep_forward_state()``, a context around a recomputation of the module's
+  forward that puts back, on exit, what the forward leaves on the module (an ``MoE``'s
+  ``aux_loss`` and ``stats``): a recomputation in backward, e.g. of micro-batch 0 after
+  micro-batch 3's forward, must not replace what the step reports;
+* ``AuxLoss``: ``aux_loss_weight(scale)``, a context around the engine's forwards inside which
+  the module sends its auxiliary loss into backward scaled by ``scale`` (None: not at all), as
+  if ``scale · aux_loss`` were added to the loss. Each distinct hook is entered once (an
+  ``MoE``'s is one static context for every layer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+
+@runtime_checkable
+class ForwardState(Protocol):
+    def keep_forward_state(self) -> contextlib.AbstractContextManager[None]: ...
+
+
+@runtime_checkable
+class AuxLoss(Protocol):
+    def aux_loss_weight(
+        self, scale: float | torch.Tensor | None
+    ) -> contextlib.AbstractContextManager[None]: ...
+
+
+def keeping_state(module: nn.Module) -> list[nn.Module]:
+    """The modules among ``module`` and its sub-modules that keep a forward's state
+    (``ForwardState``), in ``modules()`` order."""
+    return [m for m in module.modules() if callable(getattr(m, "keep_forward_state", None))]
+
+
+@contextlib.contextmanager
+def forward_state_kept(modules: Iterable[nn.Module]):
+    """Every module's ``keep_forward_state()`` entered, in order."""
+    with contextlib.ExitStack() as stack:
+        for m in modules:
+            stack.enter_context(m.keep_forward_state())
+        yield
+
+
+@contextlib.contextmanager
+def aux_loss_weighed(modules: Iterable[nn.Module], scale: float | torch.Tensor | None):
+    """Each distinct ``aux_loss_weight`` hook of ``modules`` and their sub-modules entered
+    once with ``scale``."""
+    hooks = (getattr(m, "aux_loss_weight", None) for c in modules for m in c.modules())
+    with contextlib.ExitStack() as stack:
+        for hook in dict.fromkeys(h for h in hooks if callable(h)):
+            stack.enter_context(hook(scale))
+        yield
