@@ -14,12 +14,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fastpar import tolerance
+from fastpar.comm import plain
 from fastpar.tolerance import Comparison
 
 ADAM_EPS = 1e-4
@@ -216,7 +216,7 @@ def _rank(
     logits = _forward_logits(model, first).detach()
     if logits.shape != first_logits.shape and tp > 1:  # vocabulary-split logits: gather them
         parts = [torch.empty_like(logits) for _ in range(tp)]
-        dist.all_gather(parts, logits.contiguous(), group=mesh.tp_group)
+        plain.all_gather(parts, logits.contiguous(), group=mesh.tp_group)
         logits = torch.cat(parts, -1)[..., : first_logits.shape[-1]]
     logits_cmp = check("logits", logits, lambda b: b[0])
     model.zero_grad()
@@ -262,7 +262,7 @@ def _rank(
         opt.step()
         opt.zero_grad()
         mean = value.detach().float().reshape(1).clone()
-        dist.all_reduce(mean, group=mesh.dp_group)
+        plain.all_reduce(mean, group=mesh.dp_group)
         mean = float(mean) / mesh.dp_size
         losses.append((mean, refs.single.losses[step], refs.exact.losses[step]))
         step_cmps.append(refs.loss(step, mean))

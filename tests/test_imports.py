@@ -46,7 +46,7 @@ LAYERS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("flight",), "the flight recorder: torch's and fastpar's records, dumps, their analysis"),
     (("mesh",), "rank layout, ParallelMesh, placement (parameter marks, replica groups, ranks)"),
     (("launch",), "the rank launcher (processes, their errors and timeouts)"),
-    (("comm",), "differentiable collectives over a group"),
+    (("comm",), "every collective: differentiable ones over a group, plain wraps the rest"),
     (("ops",), "autograd Functions; each picks Triton, the extension or the reference"),
     (("amp",), "loss scalers, the global norm, the guarded step: ops and placement suffice"),
     (("optim",), "FusedAdamW, fp32 masters, the checkpoint-pieces protocol"),
@@ -329,3 +329,140 @@ def test_the_checks_find_cycles_upward_and_hidden_imports(tmp_path):
         ("low", "high.__main__"): "low imports the entry point high.__main__: "
         "pkg/low/a.py:2 (in a function)"
     }
+
+
+COLLECTIVES = frozenset(
+    {
+        "all_reduce",
+        "all_reduce_coalesced",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_coalesced",
+        "all_gather_object",
+        "reduce",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "broadcast",
+        "broadcast_object_list",
+        "barrier",
+        "monitored_barrier",
+        "all_to_all",
+        "all_to_all_single",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+        "send_object_list",
+        "recv_object_list",
+        "batch_isend_irecv",
+        "gather",
+        "gather_object",
+        "scatter",
+        "scatter_object_list",
+        "_all_gather_base",
+        "_reduce_scatter_base",
+    }
+)
+"""torch.distributed's collectives and point-to-point calls: fastpar runs them in fastpar/comm/
+only (``fastpar.comm.plain`` wraps the non-differentiable ones)."""
+
+DIRECT_ALLOWED: dict[tuple[str, str], str] = {
+    # (file, function): why it calls torch.distributed itself; each unit sits below comm
+    ("fastpar/mesh/check.py", "group_sums"): "mesh: proves each new group spans its ranks",
+    (
+        "fastpar/launch/pool.py",
+        "_serve",
+    ): "launch: a pool rank's start-up and between-call barriers",
+    ("fastpar/launch/worker.py", "worker"): "launch: a rank's start-up and exit barriers",
+}
+"""The places outside fastpar/comm/ allowed to call a collective directly: group creation and
+its check in mesh/, process start-up in launch/. The test fails on any other, and on an entry
+no longer needed."""
+
+
+def _aliases(tree: ast.AST) -> dict[str, str]:
+    """Local name -> the dotted module or object it stands for, from every import of ``tree``."""
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                out[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                out[a.asname or a.name] = f"{node.module}.{a.name}"
+    return out
+
+
+def _dotted(node: ast.AST, aliases: dict[str, str]) -> str | None:
+    """``dist.all_reduce`` -> ``torch.distributed.all_reduce`` (None for anything but a name
+    or a chain of attributes)."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([aliases.get(node.id, node.id), *reversed(parts)])
+
+
+def direct_collectives(root: pathlib.Path) -> list[tuple[str, str, int, str]]:
+    """(file, enclosing function's qualified name or ``<module>``, line, callee) of every call
+    of a torch.distributed collective outside ``root``/comm/."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = str(path.relative_to(root.parent))
+        if path.relative_to(root).parts[0] == "comm":
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        aliases = _aliases(tree)
+        stack: list[tuple[ast.AST, str]] = [(tree, "<module>")]
+        while stack:
+            node, where = stack.pop()
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                where = node.name if where == "<module>" else f"{where}.{node.name}"
+            stack += [(child, where) for child in ast.iter_child_nodes(node)]
+            if not isinstance(node, ast.Call):
+                continue
+            name = _dotted(node.func, aliases) or ""
+            if name.startswith("torch.distributed.") and name.split(".")[-1] in COLLECTIVES:
+                found.append((rel, where, node.lineno, name))
+    return sorted(found)
+
+
+def test_collectives_run_in_comm_only():
+    """Every torch.distributed collective of fastpar is called in fastpar/comm/ (a function of
+    ``fastpar.comm``, e.g. ``fastpar.comm.plain``), but in the places of ``DIRECT_ALLOWED``."""
+    found = direct_collectives(ROOT)
+    bad = [
+        f"{f}:{line} ({where}) calls {name}"
+        for f, where, line, name in found
+        if (f, where) not in DIRECT_ALLOWED
+    ]
+    assert bad == [], "call these through fastpar/comm/ (fastpar.comm.plain):\n" + "\n".join(bad)
+    unused = sorted(set(DIRECT_ALLOWED) - {(f, where) for f, where, *_ in found})
+    assert unused == [], (
+        f"no direct collective there any more, so remove from DIRECT_ALLOWED: {unused}"
+    )
+
+
+def test_the_collective_check_sees_every_spelling(tmp_path):
+    """A small package calling collectives by an alias, by ``torch.distributed.`` and by an
+    imported name, in a function, a method and at module level: each is found, where it is;
+    comm/'s own calls, other torch.distributed calls and mere references are not."""
+    pkg = tmp_path / "pkg"
+    files = {
+        "__init__.py": "",
+        "comm/__init__.py": "import torch.distributed as dist\ndist.all_reduce(x)\n",
+        "a.py": "import torch.distributed as dist\ndef f(t):\n    dist.all_reduce(t)\n    dist.get_rank()\n",
+        "b.py": "import torch\nclass C:\n    def g(self):\n        torch.distributed.barrier()\n",
+        "c.py": "from torch.distributed import broadcast as b\nb(t, src=0)\n",
+        "d.py": "from torch import distributed\ndef h():\n    return distributed.isend\n",
+    }
+    for name, text in files.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(text)
+    assert direct_collectives(pkg) == [
+        ("pkg/a.py", "f", 3, "torch.distributed.all_reduce"),
+        ("pkg/b.py", "C.g", 4, "torch.distributed.barrier"),
+        ("pkg/c.py", "<module>", 2, "torch.distributed.broadcast"),
+    ]

@@ -39,11 +39,12 @@ COLLECTIVES = (
 
 
 def _by_the_trainer() -> bool:
-    """Whether the nearest fastpar frame up the stack is the trainer's own code."""
+    """Whether the nearest fastpar frame up the stack is the trainer's own code (the thin
+    wrappers of ``fastpar.comm.plain`` skipped: the collective is its caller's)."""
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
-        if name == "fastpar" or name.startswith("fastpar."):
+        if name != "fastpar.comm.plain" and (name == "fastpar" or name.startswith("fastpar.")):
             return name.startswith("fastpar.train.")
         frame = frame.f_back
     return False

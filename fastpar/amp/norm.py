@@ -10,6 +10,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from fastpar.comm import plain
 from fastpar.mesh.bridge import is_dtensor
 from fastpar.mesh.placement import holds_reference_copy, is_expert, param_layout, replica_groups
 from fastpar.mesh.ranks import group_rank, group_size
@@ -105,14 +106,14 @@ def all_reduce_norm_and_inf(
     rank's inf makes every rank's flag 1. Returns (found_inf in {0., 1.}, global L2 norm)."""
     both = torch.stack([found_inf.float().reshape(()), sumsq.float().reshape(())])
     if dist.is_initialized():
-        dist.all_reduce(both, group=reduction_group(mesh, group))
+        plain.all_reduce(both, group=reduction_group(mesh, group))
     return (both[0] > 0).float(), both[1].sqrt()
 
 
 def all_reduce_max(value: torch.Tensor, *, mesh=None, group=None) -> torch.Tensor:
     value = value.float().reshape(()).clone()
     if dist.is_initialized():
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=reduction_group(mesh, group))
+        plain.all_reduce(value, op=dist.ReduceOp.MAX, group=reduction_group(mesh, group))
     return value
 
 

@@ -35,6 +35,7 @@ from fastpar.checkpoint.state import (
     sharding,
     writes_on_this_rank,
 )
+from fastpar.comm import plain
 from fastpar.mesh.ranks import group_rank, group_size
 from fastpar.optim.pieces import (
     CheckpointPieces,
@@ -130,7 +131,7 @@ def _agree_token(ok: bool, token: int) -> tuple[bool, int]:
         else torch.device("cpu")
     )
     flag = torch.tensor([0 if ok else 1, token], dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    plain.all_reduce(flag, op=dist.ReduceOp.MAX)
     return not bool(flag[0].item()), int(flag[1].item())
 
 

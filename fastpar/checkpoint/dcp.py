@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastpar.checkpoint.state import checkpoint_name, global_shape
+from fastpar.comm import plain
 from fastpar.mesh.bridge import is_dtensor
 from fastpar.mesh.placement import expert_layout, marked_shard_index, marked_shard_of, param_layout
 from fastpar.mesh.ranks import group_rank, group_size
@@ -78,7 +79,7 @@ def _fused_to_global_chunk(p: torch.Tensor, plan: _Plan, group) -> torch.Tensor:
     world, k = group_size(group), plan.fused
     local = p.detach().movedim(plan.dim, 0).contiguous()
     gathered = local.new_empty((world * local.shape[0], *local.shape[1:]))
-    dist.all_gather_into_tensor(gathered, local, group=group)
+    plain.all_gather_into_tensor(gathered, local, group=group)
     per = local.shape[0] // k
     full = gathered.view(world, k, per, *local.shape[1:]).transpose(0, 1).reshape(gathered.shape)
     return full.chunk(world, 0)[group_rank(group)].movedim(0, plan.dim).contiguous()
@@ -90,7 +91,7 @@ def _global_chunk_to_fused(local: torch.Tensor, plan: _Plan, group) -> torch.Ten
     world, k = group_size(group), plan.fused
     chunk = local.movedim(plan.dim, 0).contiguous()
     full = chunk.new_empty((world * chunk.shape[0], *chunk.shape[1:]))
-    dist.all_gather_into_tensor(full, chunk, group=group)
+    plain.all_gather_into_tensor(full, chunk, group=group)
     per = chunk.shape[0] // k
     mine = full.view(k, world, per, *chunk.shape[1:])[:, group_rank(group)]
     return mine.reshape(chunk.shape).movedim(0, plan.dim)

@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fastpar.checkpoint.format import CheckpointError
@@ -31,6 +30,7 @@ from fastpar.checkpoint.state import (
     global_shape,
     writes_on_this_rank,
 )
+from fastpar.comm import plain
 from fastpar.mesh.placement import param_layout
 from fastpar.mesh.ranks import group_rank, group_size
 
@@ -52,7 +52,7 @@ def _union(named: Mapping[str, torch.Tensor], world: int, staged: bool) -> list[
         return list(named)
     everyone: list = [None] * world
     mine = [(n, getattr(param_layout(t), "kind", None) == "owned") for n, t in named.items()]
-    dist.all_gather_object(everyone, mine)
+    plain.all_gather_object(everyone, mine)
     held = [dict(names) for names in everyone]
     union = list(dict.fromkeys(n for names in everyone for n, _ in names))
     if staged:
@@ -92,7 +92,7 @@ def _gather(
         gathered = [mine]
         if world > 1:
             gathered = [None] * world if rank == dst else None
-            dist.gather_object(mine, gathered, dst=dst)
+            plain.gather_object(mine, gathered, dst=dst)
         if out is not None and error is None:
             try:
                 out[name] = _assemble(name, [p for ps in gathered for p in ps], what)
@@ -101,7 +101,7 @@ def _gather(
     errors = [(error, source)]
     if world > 1:
         errors = [None] * world
-        dist.all_gather_object(errors, (error, source))
+        plain.all_gather_object(errors, (error, source))
     # a rank's own failure first: the destination's gaps may only follow from it
     failed = sorted((not src, i, e) for i, (e, src) in enumerate(errors) if e is not None)
     if failed:

@@ -1,4 +1,5 @@
-"""Differentiable collectives (autograd Functions with an explicit group)."""
+"""Every collective of fastpar: differentiable ones (autograd Functions with an explicit group)
+here, torch.distributed's non-differentiable ones wrapped as they are in ``fastpar.comm.plain``."""
 
 from __future__ import annotations
 

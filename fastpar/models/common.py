@@ -10,7 +10,6 @@ and returns one tensor (ids [B, T] -> [B, T(/tp), H] -> ... -> logits [B·T, voc
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -19,6 +18,7 @@ from fastpar.comm import (
     copy_to_region,
     group_rank,
     group_size,
+    plain,
     scatter_to_sequence,
 )
 from fastpar.mesh.placement import mark_sharded, mark_tied_copy, param_layout
@@ -450,5 +450,5 @@ def lm_loss(
     if cp_group is None or summed:
         return loss
     count = (targets != IGNORE_INDEX).sum().float()
-    dist.all_reduce(count, group=cp_group)  # the whole sequence's tokens (no host sync)
+    plain.all_reduce(count, group=cp_group)  # the whole sequence's tokens (no host sync)
     return loss * group_size(cp_group) / count.clamp(min=1)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastpar.comm import group_size, reduce_from_region
+from fastpar.comm import group_size, plain, reduce_from_region
 from fastpar.moe import config as scores
 
 
@@ -175,7 +175,7 @@ def _sum_over_token_groups(routers: list, load: torch.Tensor) -> None:
     for g in {id(g): g for g, _, _ in spans if _world(g) > 1}.values():
         rows = torch.cat([torch.arange(a, b) for h, a, b in spans if h is g]).to(load.device)
         part = load.index_select(0, rows)
-        dist.all_reduce(part, group=g)
+        plain.all_reduce(part, group=g)
         load.index_copy_(0, rows, part)
 
 
@@ -196,7 +196,7 @@ def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None = None)
         return 0
     load = torch.cat([r.tokens_per_expert for r in routers])
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(load, group=group)
+        plain.all_reduce(load, group=group)
     _sum_over_token_groups(routers, load)
     for r, n in zip(routers, load.split([r.num_experts for r in routers]), strict=True):
         bias_step(r.expert_bias, n, r.bias_update_rate)

@@ -10,12 +10,11 @@ docs/moe.md ("Hugging Face MoE blocks"). transformers is never imported here."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fastpar import families
-from fastpar.comm import group_rank
+from fastpar.comm import group_rank, plain
 from fastpar.moe import experts, tp
 from fastpar.moe.layer import MoE
 
@@ -255,7 +254,7 @@ def _gather(w: torch.Tensor, group, world: int, dim: int = 0, fused: int = 1) ->
     group = group.get_group() if isinstance(group, DeviceMesh) else group  # a 1-D mesh: its group
     local = w.movedim(dim, 0).contiguous()
     out = local.new_empty((world * local.shape[0], *local.shape[1:]))
-    dist.all_gather_into_tensor(out, local, group=group)
+    plain.all_gather_into_tensor(out, local, group=group)
     per = local.shape[0] // fused
     out = out.view(world, fused, per, *local.shape[1:]).transpose(0, 1).reshape(out.shape)
     return out.movedim(0, dim)

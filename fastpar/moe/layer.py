@@ -23,6 +23,7 @@ from fastpar.comm import (
     gather_from_sequence,
     group_rank,
     group_size,
+    plain,
     reduce_from_region,
     scatter_to_sequence,
 )
@@ -432,7 +433,7 @@ class MoE(nn.Module):
             return
         mine = torch.tensor([tokens, capacity], dtype=torch.int64, device=device)
         got = [torch.empty_like(mine) for _ in range(self.ep)]
-        dist.all_gather(got, mine, group=self.ep_group)
+        plain.all_gather(got, mine, group=self.ep_group)
         all_tokens = [int(g[0]) for g in got]
         capacities = [int(g[1]) for g in got]
         if len(set(capacities)) > 1:

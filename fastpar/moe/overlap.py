@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from fastpar.comm import plain
 from fastpar.flight.record import note_splits
 from fastpar.ops import backend
 from fastpar.switches import Setting, Switch, choice
@@ -136,7 +137,7 @@ def start_all_to_all(x: torch.Tensor, group, out_splits, in_splits, kind: str) -
         return _Pending(keep=x, ticket=ticket, out_splits=out_splits)
     rows = sum(out_splits) if out_splits is not None else x.shape[0]
     out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True)
+    work = plain.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True)
     return _Pending(out, work=work, keep=x)
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from fastpar import tolerance
+from fastpar.comm import plain
 from fastpar.mesh.placement import expert_layout, param_layout
 from fastpar.mesh.ranks import group_rank, group_size
 
@@ -441,7 +442,7 @@ class Verdict:
 def _gather_last(got: torch.Tensor, dense: torch.Tensor, tp_group, world: int) -> torch.Tensor:
     if got.shape != dense.shape and got.shape[:-1] == dense.shape[:-1] and world > 1:
         parts = [torch.empty_like(got) for _ in range(world)]
-        dist.all_gather(parts, got.detach().contiguous(), group=tp_group)
+        plain.all_gather(parts, got.detach().contiguous(), group=tp_group)
         return torch.cat(parts, -1)[..., : dense.shape[-1]]
     return got.detach()
 
@@ -497,7 +498,7 @@ def _judge(full, named, ref: Dense, tp_group, world: int, own, grads: bool) -> V
     ratios += [verdict.grads[n].ratio for n in names] + [verdict.spread.get(n, 0.0) for n in names]
     if world > 1:
         t = torch.tensor(ratios, dtype=torch.float64, device=full.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=tp_group)
+        plain.all_reduce(t, op=dist.ReduceOp.MAX, group=tp_group)
         ratios = t.tolist()
     verdict.ratios = dict(zip(["output", *names], ratios[: len(names) + 1], strict=True))
     verdict.spread = dict(zip(names, ratios[len(names) + 1 :], strict=True))
@@ -531,7 +532,7 @@ def _grads(named, ref: Dense, verdict: Verdict, tp_group, world: int, own) -> No
     if copies:  # the spread across the TP ranks of every copy, in one collective: max(g), max(-g)
         flat = torch.cat(list(copies.values()))
         both = torch.cat([flat, -flat])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=tp_group)
+        plain.all_reduce(both, op=dist.ReduceOp.MAX, group=tp_group)
         spreads = (both[: flat.numel()] + both[flat.numel() :]).split(
             [t.numel() for t in copies.values()]
         )

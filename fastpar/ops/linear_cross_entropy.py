@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from fastpar import debug
+from fastpar.comm import plain
 from fastpar.comm.checks import check_same
 from fastpar.comm.collectives import copy_to_region
 from fastpar.ops import backend
@@ -69,7 +70,7 @@ def _gatherer(target, group, tp: int, n_local: int, vocab_size: int, ignore_inde
         else:
             send = stats.contiguous()
             out = torch.empty((tp * stats.shape[0], 4), dtype=stats.dtype, device=stats.device)
-            dist.all_gather_into_tensor(out, send, group=group)
+            plain.all_gather_into_tensor(out, send, group=group)
             out = out.view(tp, stats.shape[0], 4)
         if first:  # after the gather: every rank sees the same values and raises alike
             _check_fit(n_local, tp, vocab_size)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from fastpar.comm import plain
 from fastpar.mesh.placement import is_expert, matrix_blocks, matrix_heads, param_layout
 from fastpar.mesh.ranks import group_rank, group_size
 from fastpar.reference.muon import Blocks, head_blocks
@@ -67,7 +68,7 @@ def assemble(update: torch.Tensor, p: torch.Tensor, counts: dict | None = None) 
     layout, world, _ = split
     u = update.contiguous()
     chunks = [torch.empty_like(u) for _ in range(world)]
-    dist.all_gather(chunks, u, group=layout.group)
+    plain.all_gather(chunks, u, group=layout.group)
     if counts is not None:
         counts["tp_gather"] += ring_bytes(u.numel() * world, u.element_size(), world)
     if layout.fused == 1:
@@ -190,15 +191,15 @@ def flat_update(
 
 def _all_gather(full: torch.Tensor, shard: torch.Tensor, flat) -> None:
     if dist.get_backend(flat.group) == "gloo":
-        dist.all_gather(list(full.chunk(flat.size)), shard, group=flat.group)
+        plain.all_gather(list(full.chunk(flat.size)), shard, group=flat.group)
     else:
-        dist.all_gather_into_tensor(full, shard, group=flat.group)
+        plain.all_gather_into_tensor(full, shard, group=flat.group)
 
 
 def _reduce_scatter(full: torch.Tensor, flat) -> torch.Tensor:
     if dist.get_backend(flat.group) == "gloo":  # gloo: the sum everywhere, then this range
-        dist.all_reduce(full, group=flat.group)
+        plain.all_reduce(full, group=flat.group)
         return full[flat.mine]
     shard = torch.empty_like(full[flat.mine])
-    dist.reduce_scatter_tensor(shard, full, group=flat.group)
+    plain.reduce_scatter_tensor(shard, full, group=flat.group)
     return shard

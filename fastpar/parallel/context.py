@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fastpar.comm import group_rank, group_size
+from fastpar.comm import group_rank, group_size, plain
 from fastpar.comm.sequence import (
     check_doc_ids,
     local_positions,  # noqa: F401 (re-exported)
@@ -37,11 +37,7 @@ def _peers(group) -> tuple[int, int]:
 
 def _post(send: torch.Tensor, recv: torch.Tensor, group, tag: int) -> list:
     nxt, prv = _peers(group)
-    ops = [
-        dist.P2POp(dist.isend, send, nxt, group, tag),
-        dist.P2POp(dist.irecv, recv, prv, group, tag),
-    ]
-    return dist.batch_isend_irecv(ops)
+    return plain.exchange(send, recv, nxt, prv, group, tag)
 
 
 def _transfer(send: torch.Tensor, recv: torch.Tensor, group, tag: int) -> None:

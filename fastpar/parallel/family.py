@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastpar.amp.step import OptimizerFront, guarded_step, unscale_and_agree
+from fastpar.comm import plain
 from fastpar.mesh.placement import data_parallel_groups, is_expert, sharding_groups
 from fastpar.mesh.ranks import global_rank, group_rank, group_size
 from fastpar.parallel import layout
@@ -133,7 +134,7 @@ class FlatDataParallel(OptimizerFront):
             for tensors, (g, size, _) in zip((dense, experts), self._full, strict=True):
                 if size > 1:
                     for t in tensors:
-                        dist.broadcast(t.data, src=global_rank(g, 0), group=g)
+                        plain.broadcast(t.data, src=global_rank(g, 0), group=g)
 
     # -- gradients ------------------------------------------------------------------------------
     @property
@@ -236,7 +237,7 @@ class FlatDataParallel(OptimizerFront):
             self.comm_bytes_by["tied"] += payload_bytes(
                 "all_reduce", t.numel(), t.element_size(), group_size(g)
             )
-            dist.all_reduce(t, group=g)
+            plain.all_reduce(t, group=g)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The next backward accumulates from zero, at every stage. Gradients live in this
@@ -358,7 +359,7 @@ class FlatDataParallel(OptimizerFront):
             if f.tied and not f.in_place:
                 src = src.clone()
                 for g in f.tied:
-                    dist.all_reduce(src, group=g)
+                    plain.all_reduce(src, group=g)
             if (not f.sharded and f.rank != 0) or f.replicate_rank != 0:
                 continue
             for o in f.owned():

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fastpar.comm import plain
 from fastpar.mesh.ranks import Group, global_rank, group_rank, group_size
 from fastpar.parallel.buckets import Bucket, payload_bytes
 
@@ -178,7 +179,7 @@ class FlatShard:
         if self.size == 1:
             return None
         self._count("all_reduce", key, t.numel(), t.element_size())
-        return dist.all_reduce(t, group=self.group, async_op=True)
+        return plain.all_reduce(t, group=self.group, async_op=True)
 
     def reduce(self, comm: torch.Tensor):
         """Start summing the full gradient ``comm`` [padded] over the group, so that
@@ -190,10 +191,10 @@ class FlatShard:
         if self.size > 1:
             self._count("reduce_scatter", "reduce_scatter", comm.numel(), comm.element_size())
             if self.gloo:
-                work = dist.all_reduce(comm, group=self.group, async_op=True)
+                work = plain.all_reduce(comm, group=self.group, async_op=True)
             else:
                 mine = comm[self.mine]
-                work = dist.reduce_scatter_tensor(mine, comm, group=self.group, async_op=True)
+                work = plain.reduce_scatter_tensor(mine, comm, group=self.group, async_op=True)
         if self.replicate_size == 1:
             return work
         return _Then(work, lambda: self.all_reduce_replicas(comm[self.mine]))
@@ -205,7 +206,7 @@ class FlatShard:
         self.counts["replicate_all_reduce"] += payload_bytes(
             "all_reduce", n, e, self.replicate_size
         )
-        return dist.all_reduce(shard, group=self.replicate, async_op=True)
+        return plain.all_reduce(shard, group=self.replicate, async_op=True)
 
     def gather(self, key: str):
         """Start the all-gather of ``full`` from each rank's range ``full[self.mine]`` (in
@@ -218,7 +219,7 @@ class FlatShard:
             s = self.shard_len
             return _Works(
                 [
-                    dist.broadcast(
+                    plain.broadcast(
                         full[r * s : (r + 1) * s],
                         src=global_rank(self.group, r),
                         group=self.group,
@@ -227,4 +228,4 @@ class FlatShard:
                     for r in range(self.size)
                 ]
             )
-        return dist.all_gather_into_tensor(full, full[self.mine], group=self.group, async_op=True)
+        return plain.all_gather_into_tensor(full, full[self.mine], group=self.group, async_op=True)

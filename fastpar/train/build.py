@@ -17,6 +17,7 @@ from torch import nn
 
 from fastpar.amp import AmpOptimizer, DynamicLossScaler
 from fastpar.checkpoint import stage_param_names
+from fastpar.comm import plain
 from fastpar.debug import debug_checks
 from fastpar.mesh import ParallelMesh
 from fastpar.models import build_model, untie_for_pipeline
@@ -491,6 +492,6 @@ class Trainer:
             total, count = (part if total is None else total + part), count + weight
         total = total / max(count, 1)
         if mesh.dp_size * mesh.cp_size > 1:  # cp ranks: each its chunks' mean
-            torch.distributed.all_reduce(total, group=mesh.dp_cp_group)
+            plain.all_reduce(total, group=mesh.dp_cp_group)
             total = total / (mesh.dp_size * mesh.cp_size)
         return float(total)

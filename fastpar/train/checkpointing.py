@@ -23,6 +23,7 @@ from fastpar.checkpoint.directory import latest_checkpoint, prune, scan, step_di
 from fastpar.checkpoint.format import PARTIAL_SUFFIX, CheckpointError
 from fastpar.checkpoint.lock import DirectoryLock, describe
 from fastpar.cliutil import option_of
+from fastpar.comm import plain
 from fastpar.models import native
 from fastpar.train.batches import SCHEDULE_FIELDS, lr_at
 from fastpar.train.build import Trainer
@@ -355,7 +356,7 @@ def open_checkpoints(trainer: Trainer, talk: bool) -> int:
             decision[0] = ("ok", *_plan(trainer))
         except Exception as e:  # the others wait in the broadcast: tell them, whatever it is
             decision[0] = ("error", _refusal(e, cfg.checkpoint_dir), None)
-    dist.broadcast_object_list(decision, src=0)
+    plain.broadcast_object_list(decision, src=0)
     status, first, path = decision[0]
     if status == "error":
         raise CheckpointError(first)
@@ -415,7 +416,7 @@ def _save_failed(exc: BaseException, trainer: Trainer, root: str, step: int) -> 
     what is free and broadcasts the line)."""
     mine = (exc.errno, exc.filename) if isinstance(exc, OSError) and exc.errno else None
     every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    plain.all_gather_object(every, mine)
     line: list = [None]
     if dist.get_rank() == 0:
         found = next(((r, e) for r, e in enumerate(every) if e is not None), None)
@@ -439,7 +440,7 @@ def _save_failed(exc: BaseException, trainer: Trainer, root: str, step: int) -> 
             f"saving step {step} to {path} failed: {why}; a checkpoint needs about "
             f"{needed / 2**20:.1f} MiB, {free / 2**20:.1f} MiB are free on {root}; {kept}"
         )
-    dist.broadcast_object_list(line, src=0)
+    plain.broadcast_object_list(line, src=0)
     return line[0]
 
 

@@ -14,6 +14,7 @@ import os
 import torch.distributed as dist
 
 from fastpar.cliutil import check_positive_or_none
+from fastpar.comm import plain
 
 #: --lr-schedule: what comes after the warm-up
 LR_SCHEDULES = {
@@ -324,11 +325,11 @@ def check_same_settings(cfg) -> None:
     digest = hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).hexdigest()
     world = dist.get_world_size()
     digests: list = [None] * world
-    dist.all_gather_object(digests, digest)
+    plain.all_gather_object(digests, digest)
     if len(set(digests)) == 1:
         return
     every: list = [None] * world
-    dist.all_gather_object(every, mine)
+    plain.all_gather_object(every, mine)
     for name in mine:
         values: dict[str, list[int]] = {}
         for rank, settings in enumerate(every):

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from fastpar import flight
+from fastpar.comm import plain
 from fastpar.flight.analyse import analyse
 from fastpar.flight.files import collect
 from fastpar.flight.record import DIR_VAR
@@ -89,7 +90,7 @@ def launch(cfg: TrainConfig, timeout: float = 24 * 3600.0, tokens=None) -> list[
         # every rank is past its last collective, then the groups close in order: a process
         # exiting with live gloo groups while a peer closes its connections can abort
         # ("terminate called without an active exception")
-        dist.barrier()
+        plain.barrier()
         dist.destroy_process_group()
         return records
     if torch.cuda.is_available():

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fastpar.amp.norm import counts_on_this_rank
+from fastpar.comm import plain
 from fastpar.mesh.placement import is_expert
 from fastpar.models import native
 from fastpar.train.stragglers import straggler_text
@@ -46,8 +47,8 @@ def resolve(records: list[dict], mesh, device: torch.device) -> None:
     zero = torch.zeros((), dtype=torch.float32, device=device)
     losses = torch.stack([zero if r["loss"] is None else r["loss"] for r in records])
     if mesh.pp_size > 1:
-        dist.broadcast(losses, src=mesh.ranks("pp")[-1], group=mesh.pp_group)
-    dist.all_reduce(losses, group=mesh.dp_cp_group)  # cp ranks: each its chunks' mean
+        plain.broadcast(losses, src=mesh.ranks("pp")[-1], group=mesh.pp_group)
+    plain.all_reduce(losses, group=mesh.dp_cp_group)  # cp ranks: each its chunks' mean
     norms = torch.stack([r["grad_norm"].reshape(()).float() for r in records])
     skipped = torch.stack([r["skipped"].reshape(()).float() for r in records])
     values = torch.cat([losses, norms.to(device), skipped.to(device)]).tolist()
@@ -67,8 +68,8 @@ def _resolve_mtp(records: list[dict], mesh, device: torch.device) -> None:
     zero = torch.zeros((), dtype=torch.float32, device=device)
     mtp = torch.stack([zero if r.get("mtp_loss") is None else r["mtp_loss"] for r in records])
     if mesh.pp_size > 1:
-        dist.broadcast(mtp, src=mesh.ranks("pp")[-1], group=mesh.pp_group)
-    dist.all_reduce(mtp, group=mesh.dp_cp_group)
+        plain.broadcast(mtp, src=mesh.ranks("pp")[-1], group=mesh.pp_group)
+    plain.all_reduce(mtp, group=mesh.dp_cp_group)
     for r, value in zip(records, mtp.tolist(), strict=True):
         r["mtp_loss"] = value / (mesh.dp_size * mesh.cp_size)
 
@@ -96,7 +97,7 @@ def param_counts(module: torch.nn.Module, mesh, device: torch.device) -> dict[st
             counts[1] += p.numel() if id(p) in embedding else 0
             counts[2] += p.numel() if id(p) in experts else 0
     t = torch.tensor(counts, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
+    plain.all_reduce(t)
     total, emb, exp = (int(v) for v in t.tolist())
     return {"total": total, "embedding": emb, "experts": exp}
 
@@ -188,7 +189,7 @@ def reserved_mib(device: torch.device, mesh=None) -> float | None:
     if device.type != "cuda":
         return None
     t = torch.tensor([torch.cuda.max_memory_reserved(device) / 2**20], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    plain.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fastpar.comm import plain
 from fastpar.launch.procs import STOP_SIGNALS  # (SIGTERM, SIGINT, SIGHUP)
 
 
@@ -65,7 +66,7 @@ def agree(
     """One MAX all-reduce over the default group: (the largest signal number any rank received,
     0 for none; whether any rank found a divergence; the largest peak memory in MiB)."""
     flags = torch.tensor([float(signum), float(diverged), float(mem_mib)], device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    plain.all_reduce(flags, op=dist.ReduceOp.MAX)
     sig, bad, mem = flags.tolist()
     return int(sig), bad > 0, mem
 
@@ -76,7 +77,7 @@ def weights_fit(tensors, dtype: torch.dtype, device: torch.device) -> bool:
     peaks = [t.detach().abs().amax().float().to(device) for t in tensors if t.numel()]
     peak = torch.stack(peaks).max() if peaks else torch.zeros((), device=device)
     flag = (peak <= torch.finfo(dtype).max).float().reshape(1)  # False for inf and NaN
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    plain.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item() > 0)
 
 

@@ -16,6 +16,8 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from fastpar.comm import plain
+
 #: the progress line names the slowest rank when it is this many times the median
 SHOW_RATIO = 1.5
 
@@ -31,7 +33,7 @@ def rank_times(ready_s: float, wait_s: float, steps: int, device: torch.device) 
         rows = [mine.tolist()]
     else:
         out = torch.empty(2 * world, dtype=torch.float64, device=device)
-        dist.all_gather_into_tensor(out, mine)
+        plain.all_gather_into_tensor(out, mine)
         rows = out.view(world, 2).tolist()
     step_s = [r[0] for r in rows]
     slowest = max(range(world), key=lambda r: (step_s[r], -rows[r][1]))

@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from fastpar.comm import plain
 from fastpar.mesh.placement import mark_duplicated
 from fastpar.mesh.ranks import global_rank
 from fastpar.parallel.pipeline.p2p import P2P
@@ -40,7 +40,7 @@ def tie_across_stages(param: torch.Tensor, mesh) -> None:
         return
     mark_duplicated(param, group)
     with torch.no_grad():
-        dist.broadcast(param.data, src=global_rank(group, 0), group=group)
+        plain.broadcast(param.data, src=global_rank(group, 0), group=group)
 
 
 def _chunks_of(stage: nn.Module | Sequence[nn.Module], v: int) -> list:
@@ -244,7 +244,7 @@ class PipelineEngine(StepRunner):
             count = sum((_target_of(y) != self.ignore_index).sum() for y in ys)
             count = torch.as_tensor(count, device=device).to(torch.float64)
             if replicas > 1:  # on the device: no host sync
-                dist.all_reduce(count, group=mesh.dp_cp_group)
+                plain.all_reduce(count, group=mesh.dp_cp_group)
         else:
             count = torch.as_tensor(valid_tokens, dtype=torch.float64).to(device)
         self._token_weight = replicas / count.clamp(min=1)
@@ -254,7 +254,7 @@ class PipelineEngine(StepRunner):
         loss = torch.stack(losses).sum() if mesh.is_last_stage else None
         if broadcast_loss and mesh.pp_size > 1:
             buf = loss.clone() if mesh.is_last_stage else torch.zeros((), device=device)
-            dist.broadcast(buf, src=mesh.ranks("pp")[-1], group=mesh.pp_group)
+            plain.broadcast(buf, src=mesh.ranks("pp")[-1], group=mesh.pp_group)
             loss = buf
         return loss
 
@@ -272,7 +272,7 @@ class PipelineEngine(StepRunner):
         for p in self.tied:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=mesh.embedding_group)
+            plain.all_reduce(p.grad, group=mesh.embedding_group)
 
 
 def _check_split(stage, grad_sync, recompute: bool) -> None:  # recompute: B recomputes first

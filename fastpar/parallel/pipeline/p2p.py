@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fastpar.comm import plain
 from fastpar.comm.checks import WIRE_DTYPES as _DTYPES
-from fastpar.flight.record import note_p2p
 from fastpar.profiling import nvtx
 
 _MAX_DIMS = 8
@@ -113,7 +113,7 @@ class P2P:
         self.bytes_sent += sum(t.numel() * t.element_size() for t in data)
         if ops:
             with nvtx(f"send to {peer}"):
-                self._pending += [(w, data) for w in _start(ops)]
+                self._pending += [(w, data) for w in plain.start_p2p(ops)]
 
     def send(self, msg: Message, peer: int, *, requires_grad=None, tag: int = 0) -> None:
         """Post the transfer of ``msg`` to ``peer`` (not waited for). For a tuple,
@@ -187,7 +187,7 @@ class P2P:
     @staticmethod
     def _wait_recv(bufs: list[torch.Tensor], peer: int, tag: int = 0) -> None:
         if bufs:
-            for w in _start([(dist.irecv, b, peer, tag) for b in bufs]):
+            for w in plain.start_p2p([(dist.irecv, b, peer, tag) for b in bufs]):
                 w.wait()
 
     @staticmethod
@@ -224,7 +224,9 @@ class P2P:
         meta = self._recv_meta[key]
         msg, bufs = self._buffers(meta, device)
         ops = [(dist.irecv, b, peer, tag) for b in bufs]
-        self._early.setdefault(key, deque()).append((msg, meta, _start(ops) if ops else []))
+        self._early.setdefault(key, deque()).append(
+            (msg, meta, plain.start_p2p(ops) if ops else [])
+        )
         return True
 
     def posted_recvs(self) -> int:
@@ -256,14 +258,3 @@ class P2P:
         for w, _ in self._pending:
             w.wait()
         self._pending.clear()
-
-
-def _start(ops: list) -> list:
-    """Start ``ops``, each ``(dist.isend | dist.irecv, tensor, global peer, tag)``; their
-    works. CPU tensors (gloo, which does not coalesce): each op directly, what
-    ``batch_isend_irecv`` does there, without building a ``P2POp`` per op (~10 us each on 2
-    loaded cores); other devices: one ``batch_isend_irecv`` (coalesced on NCCL)."""
-    note_p2p(ops)  # the flight recorder's record of them
-    if ops[0][1].device.type == "cpu":
-        return [op(t, peer, tag=tag) for op, t, peer, tag in ops]
-    return dist.batch_isend_irecv([dist.P2POp(op, t, peer, tag=tag) for op, t, peer, tag in ops])
