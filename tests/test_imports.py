@@ -292,6 +292,13 @@ def test_library_imports_fastpar_at_module_level(scanned):
     assert hidden == [], "move these to the top of their module:\n" + "\n".join(hidden)
 
 
+def _write(pkg, files: dict[str, str]) -> None:
+    """A small package on disk: ``files`` maps paths under ``pkg`` to their text."""
+    for name, text in files.items():
+        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / name).write_text(text)
+
+
 def test_the_checks_find_cycles_upward_and_hidden_imports(tmp_path):
     """A small package with each fault: the checks above must name every one of them."""
     pkg = tmp_path / "pkg"
@@ -304,9 +311,7 @@ def test_the_checks_find_cycles_upward_and_hidden_imports(tmp_path):
         "side.py": "import importlib\nM = importlib.import_module('pkg.side2')\n",
         "side2.py": "from pkg import nothing_here\nimport pkg.missing\n",
     }
-    for name, text in files.items():
-        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
-        (pkg / name).write_text(text)
+    _write(pkg, files)
     imports, missing = scan(pkg, optional=("pkg._C",))
     assert missing == ["pkg/side2.py:2 imports pkg.missing, which does not exist"]
     graph = edges(imports)
@@ -458,9 +463,7 @@ def test_the_collective_check_sees_every_spelling(tmp_path):
         "c.py": "from torch.distributed import broadcast as b\nb(t, src=0)\n",
         "d.py": "from torch import distributed\ndef h():\n    return distributed.isend\n",
     }
-    for name, text in files.items():
-        (pkg / name).parent.mkdir(parents=True, exist_ok=True)
-        (pkg / name).write_text(text)
+    _write(pkg, files)
     assert direct_collectives(pkg) == [
         ("pkg/a.py", "f", 3, "torch.distributed.all_reduce"),
         ("pkg/b.py", "C.g", 4, "torch.distributed.barrier"),
