@@ -152,10 +152,34 @@ class Option:
     resume: str = ""
     """Resuming a checkpoint with another value: "refuse" (the value defines the model),
     "warn" (the checkpoint fits but the run leaves its trajectory), "" (free: the layout)."""
+    at_least: float | None = None
+    """The bound: the least value (a float must also be finite); None: no lower bound."""
+    positive: bool = False
+    """The bound: a finite number > 0."""
+    note: str = ""
+    """Words the bound's error adds in parentheses: what the least value means ("0: never"), a
+    unit, an example."""
 
     def text(self) -> str:
         """The help text (``help``, called if it is a callable)."""
         return self.help() if callable(self.help) else self.help
+
+    def out_of_bounds(self, shown: str, value) -> str | None:
+        """The one-line error for ``value`` of the flag ``shown`` outside the bound (None: within
+        it, or left out): "--lr 0 must be a positive finite number", "--warmup -1 must be >= 0
+        (0: no warm-up)", "--min-lr -1 must be a finite number >= 0"."""
+        low = self.at_least
+        if value is None or (low is None and not self.positive):
+            return None
+        finite, number = math.isfinite(value), isinstance(value, float)
+        if self.positive and not (finite and value > 0):
+            bound = "a positive finite number"
+        elif low is not None and not (finite and value >= low):
+            bound = f"a finite number >= {low:g}" if number else f">= {low}"
+        else:
+            return None
+        note = f" ({self.note})" if self.note else ""
+        return f"{shown} {f'{value:g}' if number else value} must be {bound}{note}"
 
 
 def option(
@@ -169,12 +193,17 @@ def option(
     deferred: bool = False,
     default_factory=MISSING,
     resume: str = "",
+    at_least: float | None = None,
+    positive: bool = False,
+    note: str = "",
 ):
-    """A ``dataclasses.field`` whose metadata declares its flag (``Option``)."""
+    """A ``dataclasses.field`` whose metadata declares its flag (``Option``) and its bound
+    (``at_least=1``, ``positive=True``; ``Option.out_of_bounds``)."""
     if resume not in ("", "refuse", "warn"):
         raise ValueError(f"resume must be '', 'refuse' or 'warn', got {resume!r}")
     words = words if isinstance(words, dict) else tuple(words)
-    meta = {OPTION: Option(help, group, metavar, words, name, deferred, resume)}
+    opt = Option(help, group, metavar, words, name, deferred, resume, at_least, positive, note)
+    meta = {OPTION: opt}
     if default_factory is not MISSING:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)

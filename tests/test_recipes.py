@@ -1,7 +1,8 @@
 """The recipes of docs/contributing.md, done: a new router score, a new Hugging Face family, a
-new tensor-parallel style, a new pipeline schedule and a new native model, each added by the recipe's steps only
-(an entry in its registry, here monkeypatched), then accepted by every place that reads the
-registry and computing what it should."""
+new tensor-parallel style, a new pipeline schedule, a new flag and a new native model, each
+added by the recipe's steps only (an entry in its registry, here monkeypatched; a flag's
+field), then accepted by every place that reads the registry (the field) and computing what
+it should."""
 
 from __future__ import annotations
 
@@ -334,3 +335,27 @@ def test_new_native_model(monkeypatch, capsys):
     argv = tiny_argv(model_type=name, kv_heads=2, tp=2, dp=2, pp=1, ep=1, zero=1)
     assert verify_main(argv) == 0, capsys.readouterr().out
     assert "AGREE" in capsys.readouterr().out
+
+
+# -- a new flag: a field of TrainOptions, its bound declared on it ----------------------------
+def test_new_flag(monkeypatch):
+    from fastpar.cliutil import option
+    from fastpar.train import cli
+    from fastpar.train.options import TRAINING
+
+    @dataclasses.dataclass
+    class Config(TrainConfig):  # TrainOptions with one more field, as the recipe's step 1
+        ema_every: int = option(
+            0, TRAINING, "average the weights every N steps", at_least=0, note="0: off"
+        )
+
+    monkeypatch.setattr(cli, "TrainConfig", Config)
+    parser = cli.build_parser()
+    (section,) = [g for g in parser._action_groups if g.title == TRAINING]
+    (action,) = [a for a in section._group_actions if "--ema-every" in a.option_strings]
+    assert action.help == "average the weights every N steps (default %(default)s)"
+    assert parser.parse_args(["--ema-every", "3"]).ema_every == 3
+    assert parser.parse_args([]).ema_every == 0
+    Config(**ONE_RANK, ema_every=0).check()  # its least value
+    with pytest.raises(ValueError, match=r"^--ema-every -1 must be >= 0 \(0: off\)$"):
+        Config(**ONE_RANK, ema_every=-1).check()

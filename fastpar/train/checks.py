@@ -1,4 +1,5 @@
-"""Checks of a run's flags before any rank starts: each value's range, the words a flag takes,
+"""Checks of a run's flags before any rank starts: each value within the bound its option
+declares (``check_bounds``) and the ranges of a few more, the words a flag takes,
 the flags that need --checkpoint-dir, and the world size under torchrun (whose hint is a layout
 that itself passes every check). Each failure is one ValueError line naming the value and the
 fix; the model's own shape checks are ``GPTConfig.check`` / ``LlamaConfig.check``."""
@@ -13,7 +14,7 @@ import os
 
 import torch.distributed as dist
 
-from fastpar.cliutil import check_positive_or_none
+from fastpar.cliutil import option_of
 from fastpar.comm import plain
 
 #: --lr-schedule: what comes after the warm-up
@@ -22,40 +23,11 @@ LR_SCHEDULES = {
     "constant": "--lr to the end",
 }
 
-#: integer flags: the smallest value and what it means
-AT_LEAST = {
-    "tp": (1, ""),
-    "pp": (1, ""),
-    "dp": (1, ""),
-    "ep": (1, ""),
-    "cp": (1, ""),
-    "microbatches": (1, ""),
-    "virtual_stages": (1, ""),
-    "eval_every": (0, " (0: no evaluation)"),
-    "eval_batches": (1, ""),
-    "steps": (1, ""),
-    "batch_size": (1, ""),
-    "seq_len": (1, ""),
-    "hidden": (1, ""),
-    "heads": (1, ""),
-    "layers": (1, ""),
-    "experts": (1, ""),
-    "top_k": (1, ""),
-    "overlap_chunks": (1, " (1: no overlap)"),
-    "log_every": (1, " (1: every step)"),
-    "max_skipped_steps": (1, ""),
-    "moe_every": (0, " (0: no MoE blocks)"),
-    "warmup": (0, " (0: no warm-up)"),
-    "save_every": (0, " (0: only the last step)"),
-    "keep_last": (0, " (0: keep every checkpoint)"),
-}
-#: integer flags whose default None means "follow another flag": at least 1 when given
-OPTIONAL_AT_LEAST_1 = ("ffn", "microbatch_group_size")
-#: float flags that must be finite and > 0, or finite and >= 0
-POSITIVE = ("lr", "max_grad_norm", "collective_timeout")
-NON_NEGATIVE = ("min_lr", "weight_decay")
 #: flags that only mean something with --checkpoint-dir
-NEED_CHECKPOINT_DIR = ("resume", "save_every", "keep_last", "allow_fresh", "allow_other_run")
+NEED_CHECKPOINT_DIR = (
+    *("resume", "save_every", "keep_last", "allow_fresh", "allow_other_run"),
+    "allow_schedule_change",
+)
 #: the seed enters the batch generator as seed * 1_000_003 + step (a 64-bit seed)
 SEED_LIMIT = 2**43
 #: the longest --collective-timeout (datetime.timedelta overflows near 8.6e13 s)
@@ -92,38 +64,35 @@ def flag(name: str) -> str:
     return "--model" if name == "model_type" else "--" + name.replace("_", "-")
 
 
-def _number(value) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
+def check_bounds(cfg) -> None:
+    """Every flag within the bound its option declares (``Option.out_of_bounds``)."""
+    for f in dataclasses.fields(cfg):
+        opt = option_of(f)
+        if opt is not None and (error := opt.out_of_bounds(flag(f.name), getattr(cfg, f.name))):
+            raise ValueError(error)
 
 
-def _timeout_from_env(value: float) -> bool:
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None:
-        return False
+def _check_collective_timeout(cfg) -> None:
+    """A --collective-timeout out of its bound that came from FASTPAR_COLLECTIVE_TIMEOUT names
+    the variable."""
+    value, raw = cfg.collective_timeout, os.environ.get(TIMEOUT_ENV)
+    if raw is None or (math.isfinite(value) and value > 0):
+        return
     try:
-        return float(raw) == value or math.isnan(value)
+        from_env = float(raw) == value or math.isnan(value)
     except ValueError:
-        return True
+        from_env = True
+    if from_env:
+        raise ValueError(
+            f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds: set it to one (e.g. "
+            f"300), or pass --collective-timeout SECONDS"
+        )
 
 
 def check_ranges(cfg) -> None:
     """Every numeric flag within its range, every word one the run knows."""
-    for name, (low, meaning) in AT_LEAST.items():
-        if getattr(cfg, name) < low:
-            raise ValueError(f"{flag(name)} {getattr(cfg, name)} must be >= {low}{meaning}")
-    for name in OPTIONAL_AT_LEAST_1:
-        value = getattr(cfg, name)
-        if value is not None and value < 1:
-            raise ValueError(f"{flag(name)} {value} must be >= 1 (or left out: its default)")
-    for name in POSITIVE:
-        value = getattr(cfg, name)
-        if not (math.isfinite(value) and value > 0):
-            if name == "collective_timeout" and _timeout_from_env(value):
-                raise ValueError(
-                    f"{TIMEOUT_ENV}={os.environ[TIMEOUT_ENV]!r} is not a positive number of "
-                    f"seconds: set it to one (e.g. 300), or pass --collective-timeout SECONDS"
-                )
-            raise ValueError(f"{flag(name)} {_number(value)} must be a positive finite number")
+    _check_collective_timeout(cfg)
+    check_bounds(cfg)
     if cfg.collective_timeout > TIMEOUT_LIMIT:
         raise ValueError(
             f"--collective-timeout {cfg.collective_timeout:g} exceeds {TIMEOUT_LIMIT:g} seconds: "
@@ -132,18 +101,12 @@ def check_ranges(cfg) -> None:
     low, high = LOSS_SCALE_RANGE
     if not low <= cfg.loss_scale <= high:
         raise ValueError(
-            f"--loss-scale {_number(cfg.loss_scale)} must be in [{low:g}, 2^40 = {high:.4g}] (the "
+            f"--loss-scale {cfg.loss_scale:g} must be in [{low:g}, 2^40 = {high:.4g}] (the "
             f"fp16 loss scaler's floor, and the scale past which every non-zero fp16 gradient "
             f"overflows), e.g. 4096"
         )
-    for name in NON_NEGATIVE:
-        value = getattr(cfg, name)
-        if value is not None and not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"{flag(name)} {_number(value)} must be a finite number >= 0")
     if not math.isfinite(cfg.rope_theta):
         raise ValueError(f"--rope-theta {cfg.rope_theta} must be a finite number (e.g. 10000)")
-    cf = cfg.capacity_factor
-    check_positive_or_none("--capacity-factor", cf, _number(cf), "1.25", "for dropless routing")
     if cfg.moe_every and cfg.top_k > cfg.experts:
         raise ValueError(
             f"--top-k {cfg.top_k} exceeds --experts {cfg.experts}: each token picks top_k "

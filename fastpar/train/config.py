@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import math
 import os
 from dataclasses import dataclass, fields
 
@@ -285,7 +284,7 @@ class TrainConfig(TrainOptions):
         return first, last
 
     def _check_outputs(self) -> None:
-        """--profile-steps, --peak-tflops, --metrics-file and --tensorboard."""
+        """--profile-steps, --metrics-file and --tensorboard."""
         if self.profile_steps is not None:
             what = f"--profile-steps {self.profile_steps!r}"
             if not self.profile:
@@ -299,9 +298,6 @@ class TrainConfig(TrainOptions):
                     f"{what} must satisfy 1 <= A <= B <= --steps {self.steps} (steps A to B "
                     f"are recorded, both included)"
                 )
-        peak = self.peak_tflops
-        if peak is not None and not (math.isfinite(peak) and peak > 0):
-            raise ValueError(f"--peak-tflops {peak:g} must be a positive finite number (TFLOP/s)")
         if self.metrics_file and os.path.isdir(self.metrics_file):
             raise ValueError(f"--metrics-file {self.metrics_file} is a directory: pass a file")
         if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
@@ -408,11 +404,6 @@ class TrainConfig(TrainOptions):
         torchrun by ``check_world_size``). Resolves --data-dtype left out for a .bin file
         (``fastpar.data.bin_dtype``)."""
         check_ranges(self)
-        if self.allow_schedule_change and not self.checkpoint_dir:
-            raise ValueError(
-                "--allow-schedule-change needs --checkpoint-dir DIR (where the run's checkpoints "
-                "are written and read): add it, or drop --allow-schedule-change"
-            )
         self._check_outputs()
         if self.plan and not self.hf_config:
             raise ValueError(

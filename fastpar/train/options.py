@@ -37,8 +37,12 @@ class TrainOptions:
     ``router_score``, ``expert_bias``, ...) are ``RouterConfig``'s and ``ExpertConfig``'s
     flagged fields, added under their flat names (``fastpar.cliutil.flat_fields``)."""
 
-    tp: int = option(2, LAYOUT, "tensor-parallel size: ranks that split every layer's matrices")
-    pp: int = option(2, LAYOUT, "pipeline-parallel size: ranks that split the layers into stages")
+    tp: int = option(
+        2, LAYOUT, "tensor-parallel size: ranks that split every layer's matrices", at_least=1
+    )
+    pp: int = option(
+        2, LAYOUT, "pipeline-parallel size: ranks that split the layers into stages", at_least=1
+    )
     dp: int = option(
         2,
         LAYOUT,
@@ -46,6 +50,7 @@ class TrainOptions:
         help="data-parallel size (default: --dp-shard x --dp-replicate when both are given, else "
         "2, under torchrun WORLD_SIZE / (tp*cp*pp)); world size = tp*cp*pp*dp; any two of --dp, "
         "--dp-shard, --dp-replicate give the third",
+        at_least=1,
     )
     dp_shard: int | None = option(
         None,
@@ -68,12 +73,14 @@ class TrainOptions:
         deferred=True,
         help="expert-parallel size, a divisor of dp: ranks that split each MoE layer's experts "
         "(default 2; 1 with --hf-config)",
+        at_least=1,
     )
     cp: int = option(
         1,
         LAYOUT,
         help="context-parallel size: each sequence split over CP ranks (2*cp chunks, ring "
         "attention; --model gpt / llama)",
+        at_least=1,
     )
     cp_attention: str = option(
         "ring",
@@ -94,6 +101,7 @@ class TrainOptions:
         LAYOUT,
         help="NUMBER of micro-batches each replica splits its share of --batch-size into (not a "
         "micro-batch size, as Megatron's --micro-batch-size is)",
+        at_least=1,
     )
     schedule: str = option(
         "1f1b",
@@ -108,6 +116,7 @@ class TrainOptions:
         LAYOUT,
         help="--schedule interleaved: model chunks per pipeline rank (virtual stages, placed "
         "round-robin; --microbatches a multiple of --pp)",
+        at_least=1,
     )
     microbatch_group_size: int | None = option(
         None,
@@ -117,6 +126,8 @@ class TrainOptions:
         "turn (Megatron's --microbatch-group-size-per-virtual-pipeline-stage; default --pp). "
         "Above --pp it gives the ring slack that hides message latency, for (V - 1)(G - pp) "
         "more chunk activations in flight",
+        at_least=1,
+        note="or left out: its default",
     )
     recompute: bool | str = option(
         False,
@@ -141,6 +152,8 @@ class TrainOptions:
         1,
         LAYOUT,
         help="MoE: split the all-to-all into K chunks overlapped with expert GEMMs (1: no overlap)",
+        at_least=1,
+        note="1: no overlap",
     )
     model_type: str = option(
         "gpt",
@@ -163,10 +176,10 @@ class TrainOptions:
         MODEL,
         help="vocabulary size (default: the tokenizer's, else 256 bytes)",
     )
-    seq_len: int = option(64, MODEL, "tokens per sequence", resume="warn")
-    hidden: int = option(64, MODEL, "model width", resume="refuse")
-    heads: int = option(4, MODEL, "attention heads", resume="refuse")
-    layers: int = option(4, MODEL, "transformer blocks", resume="refuse")
+    seq_len: int = option(64, MODEL, "tokens per sequence", resume="warn", at_least=1)
+    hidden: int = option(64, MODEL, "model width", resume="refuse", at_least=1)
+    heads: int = option(4, MODEL, "attention heads", resume="refuse", at_least=1)
+    layers: int = option(4, MODEL, "transformer blocks", resume="refuse", at_least=1)
     init_from_hf: str | None = option(
         None,
         MODEL,
@@ -180,6 +193,8 @@ class TrainOptions:
         MODEL,
         help="MLP width (default: gpt 4*hidden, llama 8*hidden/3 rounded up to 64)",
         resume="refuse",
+        at_least=1,
+        note="or left out: its default",
     )
     moe_ffn: int | None = option(
         None, MODEL, "llama / deepseek: width of each expert (default: --ffn)", resume="refuse"
@@ -256,14 +271,18 @@ class TrainOptions:
         help="every N-th block's MLP is a mixture of experts (0: no MoE blocks; default 2; "
         "deepseek: 1, every block after --first-k-dense)",
         resume="refuse",
+        at_least=0,
+        note="0: no MoE blocks",
     )
-    experts: int = option(4, MODEL, "experts per MoE layer", resume="refuse")
-    top_k: int = option(2, MODEL, "experts each token is routed to", resume="warn")
+    experts: int = option(4, MODEL, "experts per MoE layer", resume="refuse", at_least=1)
+    top_k: int = option(2, MODEL, "experts each token is routed to", resume="warn", at_least=1)
     capacity_factor: float | None = option(
         None,
         MODEL,
         help="MoE capacity factor: tokens over capacity are dropped (default: dropless)",
         resume="warn",
+        positive=True,
+        note="e.g. 1.25, or left out: dropless routing",
     )
     plan: str | None = option(
         None,
@@ -276,13 +295,16 @@ class TrainOptions:
             "it); the LM head's logits stay split over the vocabulary"
         ),
     )
-    steps: int = option(30, TRAINING, "optimizer steps to train (Megatron: --train-iters)")
+    steps: int = option(
+        30, TRAINING, "optimizer steps to train (Megatron: --train-iters)", at_least=1
+    )
     batch_size: int = option(
         16,
         TRAINING,
         help="GLOBAL batch in sequences, over every replica and micro-batch (Megatron: "
         "--global-batch-size; torchtitan's batch size is per replica)",
         resume="warn",
+        at_least=1,
     )
     fused_ce: bool = option(
         False,
@@ -298,13 +320,16 @@ class TrainOptions:
         "loss scaler)",
         resume="warn",
     )
-    lr: float = option(3e-3, TRAINING, "peak learning rate (AdamW)")
+    lr: float = option(3e-3, TRAINING, "peak learning rate (AdamW)", positive=True)
     min_lr: float | None = option(
         None,
         TRAINING,
         help="where the cosine schedule ends (default: --lr / 10; Megatron's is 0)",
+        at_least=0,
     )
-    warmup: int = option(5, TRAINING, "linear warm-up steps from 0 to --lr")
+    warmup: int = option(
+        5, TRAINING, "linear warm-up steps from 0 to --lr", at_least=0, note="0: no warm-up"
+    )
     lr_schedule: str = option(
         "cosine",
         TRAINING,
@@ -312,10 +337,10 @@ class TrainOptions:
         help="after the warm-up: " + "; ".join(f"{k}: {v}" for k, v in LR_SCHEDULES.items()),
     )
     weight_decay: float = option(
-        0.1, TRAINING, "AdamW weight decay, on matrices only", resume="warn"
+        0.1, TRAINING, "AdamW weight decay, on matrices only", resume="warn", at_least=0
     )
     max_grad_norm: float = option(
-        1.0, TRAINING, "clip the global gradient norm to this", resume="warn"
+        1.0, TRAINING, "clip the global gradient norm to this", resume="warn", positive=True
     )
     loss_scale: float = option(
         4096.0,
@@ -391,8 +416,20 @@ class TrainOptions:
         help="where checkpoints (step_N directories, each with its train_config.json) are written "
         "and resumed from; the last step is always saved",
     )
-    save_every: int = option(0, CHECKPOINTS, "also save every N steps (0: only the last step)")
-    keep_last: int = option(0, CHECKPOINTS, "keep only the newest N checkpoints (0: keep all)")
+    save_every: int = option(
+        0,
+        CHECKPOINTS,
+        "also save every N steps (0: only the last step)",
+        at_least=0,
+        note="0: only the last step",
+    )
+    keep_last: int = option(
+        0,
+        CHECKPOINTS,
+        "keep only the newest N checkpoints (0: keep all)",
+        at_least=0,
+        note="0: keep every checkpoint",
+    )
     resume: bool = option(
         False,
         CHECKPOINTS,
@@ -422,8 +459,12 @@ class TrainOptions:
         help="every N steps (and the last), the validation loss of --eval-batches held-out "
         "batches, pipelined forward-only, as val_loss in the log line and metrics (0: never); "
         "under --loss-normalization token every valid held-out target counts once",
+        at_least=0,
+        note="0: no evaluation",
     )
-    eval_batches: int = option(4, EVALUATION, "batches of --batch-size sequences per evaluation")
+    eval_batches: int = option(
+        4, EVALUATION, "batches of --batch-size sequences per evaluation", at_least=1
+    )
     eval_split: float = option(
         0.1,
         EVALUATION,
@@ -435,6 +476,8 @@ class TrainOptions:
         OUTPUT,
         help="print and record a line every N steps, and the last (steps in between make no host "
         "sync)",
+        at_least=1,
+        note="1: every step",
     )
     quiet: bool = option(
         False,
@@ -461,6 +504,8 @@ class TrainOptions:
         metavar="TFLOPS",
         help="one device's peak TFLOP/s for MFU (default: known GPUs' dense bf16 peak; none on "
         "CPUs, so no MFU there)",
+        positive=True,
+        note="TFLOP/s",
     )
     profile: str | None = option(
         None,
@@ -481,6 +526,7 @@ class TrainOptions:
         default_factory=default_collective_timeout,
         help="seconds any collective of any process group may wait before the job fails "
         f"(a stuck or dead rank; default {TIMEOUT_ENV}, else {COLLECTIVE_TIMEOUT_S:g})",
+        positive=True,
     )
     on_save_error: str = option(
         "stop",
@@ -494,6 +540,7 @@ class TrainOptions:
         help="end the run after this many consecutive steps skipped for inf/NaN gradients (the "
         "fp16 loss scaler's, or a non-finite gradient norm); the back-off from a --loss-scale "
         "above 4096 down to 4096 is not counted",
+        at_least=1,
     )
     debug_checks: bool = option(
         False,
