@@ -26,12 +26,12 @@ import torch
 import torch.distributed as dist
 from _common import cpu_peak_and_held
 
-from fastpar.parallel import context
 from fastpar.parallel.context import (
     all_to_all_attention,
     measure_waits,
     ring_attention,
 )
+from fastpar.parallel.context import ring as context
 from fastpar.testing import run_ranks
 
 B, H, D, S = 1, 4, 32, 1024

@@ -307,7 +307,7 @@ def gradients(directory: str):
     clipping), as (step, name, global flat indices, values unscaled) per parameter piece, to
     ``directory/rank<R>.pt``. Patches the trainer's classes in this process (a forked rank
     inherits them); ``read_gradients`` collects them."""
-    import fastpar.parallel.family as family
+    import fastpar.parallel.data.family as family
     from fastpar.checkpoint.state import checkpoint_name
     from fastpar.train.build import Trainer
 

@@ -2,8 +2,9 @@
 
 Every module under ``fastpar/`` is parsed (``ast``: nothing is imported, no side effect) and each
 import of a fastpar module, at module level or inside a function, becomes an edge between two
-units: a subpackage (``amp`` for everything under ``fastpar/amp/``), a top-level module
-(``data`` for ``fastpar/data.py``) or the package root (``fastpar``: ``fastpar/__init__.py``,
+units: a subpackage (``amp`` for everything under ``fastpar/amp/``; each subpackage of
+``parallel`` is one, ``parallel.data`` for ``fastpar/parallel/data/``), a top-level module
+(``verify`` for ``fastpar/verify.py``) or the package root (``fastpar``: ``fastpar/__init__.py``,
 reached by ``import fastpar`` or ``from fastpar import <a name that is no submodule>``). The
 parent packages Python runs on the way (``fastpar/__init__.py`` before every ``fastpar.x``) are
 not edges. A ``__main__`` module is an entry point (``python -m fastpar.mesh``): it may import
@@ -48,13 +49,19 @@ LAYERS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("launch",), "the rank launcher (processes, their errors and timeouts)"),
     (("comm",), "every collective: differentiable ones over a group, plain wraps the rest"),
     (("ops",), "autograd Functions; each picks Triton, the extension or the reference"),
+    (("parallel.context",), "context parallelism: ring and all-to-all attention (comm, ops)"),
     (("amp",), "loss scalers, the global norm, the guarded step: ops and placement suffice"),
     (("optim",), "FusedAdamW, fp32 masters, the checkpoint-pieces protocol"),
+    (
+        ("parallel.data",),
+        "data parallelism: one family over flat shards, buckets (amp, optim, placement, comm)",
+    ),
+    (("parallel",), "fastpar.parallel: re-exports parallel.data's wrappers and protocols"),
+    (("parallel.pipeline",), "the pipeline: partition, schedules, engine (data's GradSync)"),
     (("moe",), "router and MoE layer (placement, comm and ops)"),
     (("nn",), "tensor-parallel layers and parallelize; re-exports MoE as fastpar.nn.MoE"),
     (("fastpar",), "the package root: re-exports mesh and nn.parallelize"),
-    (("parallel",), "data parallelism, buckets, the pipeline engine"),
-    (("zero",), "ZeRO-1/2/3 on amp's guarded step and parallel's buckets"),
+    (("zero",), "ZeRO-1/2/3 on amp's guarded step and parallel.data's family"),
     (("checkpoint",), "save / load / reshard / HF; reads marks, optimizer protocols"),
     (("models",), "GPT and Llama from fastpar layers, HF model builders"),
     (("parity",), "check_parallel: a layout against the single-process model"),
@@ -158,12 +165,19 @@ def scan(
     return sorted(found, key=lambda i: (i.path, i.line, i.target)), missing
 
 
+SPLIT = ("parallel",)
+"""Subpackages whose own subpackages are units (``parallel.data`` for everything under
+``fastpar/parallel/data/``); the subpackage's ``__init__`` is a unit of its own (``parallel``)."""
+
+
 def unit(module: str) -> str:
-    """The unit of a dotted module: its top-level subpackage or module, ``fastpar`` for the
-    root, the module itself for a ``__main__``."""
+    """The unit of a dotted module: its top-level subpackage or module (a subpackage of one of
+    ``SPLIT``), ``fastpar`` for the root, the module itself for a ``__main__``."""
     parts = module.split(".")
     if parts[-1] == "__main__":
         return ".".join(parts[1:])
+    if len(parts) > 2 and parts[1] in SPLIT:
+        return ".".join(parts[1:3])
     return parts[1] if len(parts) > 1 else parts[0]
 
 

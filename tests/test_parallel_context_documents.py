@@ -24,13 +24,13 @@ from _context import model as context_model
 from fastpar.models import lm_loss
 from fastpar.models.documents import Documents, documents
 from fastpar.ops.documents import dense_document_attention
-from fastpar.parallel import context
 from fastpar.parallel.context import (
     all_to_all_attention,
     measure_waits,
     ring_attention,
     split_sequence,
 )
+from fastpar.parallel.context import ring as context
 from fastpar.testing import run_ranks
 
 

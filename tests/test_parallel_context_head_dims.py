@@ -18,8 +18,8 @@ from _context import agree_attention, attention_runs
 from fastpar.models.common import attend
 from fastpar.models.documents import documents
 from fastpar.ops.documents import dense_document_attention, document_attention
-from fastpar.parallel import context
 from fastpar.parallel.context import all_to_all_attention, ring_attention, split_sequence
+from fastpar.parallel.context import ring as context
 from fastpar.testing import assert_agree, run_ranks
 
 SCALE = 0.31  # not 1/sqrt(48) = 0.144 nor 1/sqrt(24) = 0.204: a scale the kernels must be given

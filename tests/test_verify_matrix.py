@@ -205,7 +205,7 @@ BASE_ROW = dict(
 
 
 def _drop_dp_all_reduce(monkeypatch):
-    from fastpar.parallel.flat import FlatShard
+    from fastpar.parallel.data.flat import FlatShard
 
     monkeypatch.setattr(FlatShard, "all_reduce", lambda self, t, key="all_reduce": None)
 

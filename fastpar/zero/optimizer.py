@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fastpar.amp.scaler import ConstantLossScaler, DynamicLossScaler
-from fastpar.parallel.family import FlatDataParallel
+from fastpar.parallel.data.family import FlatDataParallel
 
 
 class ZeroOptimizer(FlatDataParallel):

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fastpar.amp.scaler import ConstantLossScaler, DynamicLossScaler
-from fastpar.parallel.flat import FlatShard
-from fastpar.parallel.replicate import Shard
+from fastpar.parallel.data.flat import FlatShard
+from fastpar.parallel.data.replicate import Shard
 
 
 class Zero3(Shard):

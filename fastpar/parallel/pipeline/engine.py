@@ -20,12 +20,12 @@ from torch import nn
 from fastpar.comm import plain
 from fastpar.mesh.placement import mark_duplicated
 from fastpar.mesh.ranks import global_rank
+from fastpar.parallel.data.protocols import DataParallel, GradSync
 from fastpar.parallel.pipeline.p2p import P2P
 from fastpar.parallel.pipeline.partition import VirtualStages
 from fastpar.parallel.pipeline.protocols import aux_loss_weighed
 from fastpar.parallel.pipeline.runner import StepRunner
 from fastpar.parallel.pipeline.schedules import Schedule
-from fastpar.parallel.protocols import DataParallel, GradSync
 
 EVAL_TAG = 1 << 16  # eval's channels: tags offset by this (its own P2P, its own headers)
 

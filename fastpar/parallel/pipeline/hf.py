@@ -39,8 +39,8 @@ from torch import nn
 
 from fastpar import families
 from fastpar.mesh.placement import mark_replicated, mark_sharded, mark_tied_copy, param_layout
+from fastpar.parallel.data.protocols import DataParallel
 from fastpar.parallel.pipeline.engine import tie_across_stages
-from fastpar.parallel.protocols import DataParallel
 
 # each family's record (fastpar.families) says which masks its model forward builds (its
 # ``masks``): "causal" (one causal mask for every layer), "sliding_window" (one mask for every

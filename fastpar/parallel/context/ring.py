@@ -1,7 +1,8 @@
-"""Context parallelism: a long sequence split over the ``cp`` ranks, with ring attention
-(``ring_attention``) or all-to-all attention (``all_to_all_attention``, Ulysses), both exact and
-stopping at packed documents' boundaries. The layout, the ring, the document blocks and
-``measure_waits``: docs/context.md ("Inside fastpar.parallel.context")."""
+"""Ring attention for context parallelism (``ring_attention``): each rank keeps its chunks of
+the queries while the keys and values go round the ``cp`` ranks, exact and stopping at packed
+documents' boundaries; ``measure_waits`` times the ring's waits. The layout, the ring, the
+document blocks: docs/context.md ("Inside fastpar.parallel.context"), whose package re-exports
+``ring_attention`` and ``measure_waits``."""
 
 from __future__ import annotations
 
@@ -17,13 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fastpar.comm import group_rank, group_size, plain
-from fastpar.comm.sequence import (
-    check_doc_ids,
-    local_positions,  # noqa: F401 (re-exported)
-    rank_chunks,
-    split_sequence,  # noqa: F401 (re-exported)
-)
-from fastpar.parallel.ulysses import all_to_all_attention  # noqa: F401 (re-exported)
+from fastpar.comm.sequence import check_doc_ids, rank_chunks
 
 
 def _peers(group) -> tuple[int, int]:

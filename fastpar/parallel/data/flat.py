@@ -14,7 +14,7 @@ from torch import nn
 
 from fastpar.comm import plain
 from fastpar.mesh.ranks import Group, global_rank, group_rank, group_size
-from fastpar.parallel.buckets import Bucket, payload_bytes
+from fastpar.parallel.data.buckets import Bucket, payload_bytes
 
 # states of a ZeRO-3 flat's full parameters
 FREE = "free"  # params point at empty tensors, full storage has 0 bytes

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastpar.parallel.replicate import Replicate
+from fastpar.parallel.data.replicate import Replicate
 
 
 class DistributedDataParallel(Replicate):

@@ -16,11 +16,11 @@ from fastpar.amp.step import OptimizerFront, guarded_step, unscale_and_agree
 from fastpar.comm import plain
 from fastpar.mesh.placement import data_parallel_groups, is_expert, sharding_groups
 from fastpar.mesh.ranks import global_rank, group_rank, group_size
-from fastpar.parallel import layout
-from fastpar.parallel import state as _state
-from fastpar.parallel.buckets import Bucket, BucketReducer, payload_bytes
-from fastpar.parallel.flat import FlatShard
-from fastpar.parallel.units import Units
+from fastpar.parallel.data import layout
+from fastpar.parallel.data import state as _state
+from fastpar.parallel.data.buckets import Bucket, BucketReducer, payload_bytes
+from fastpar.parallel.data.flat import FlatShard
+from fastpar.parallel.data.units import Units
 
 COUNTERS = (
     "all_gather_forward",

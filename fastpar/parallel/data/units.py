@@ -13,7 +13,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
-from fastpar.parallel.flat import FREE, GATHERED, GATHERING, RESHARDED, FlatShard
+from fastpar.parallel.data.flat import FREE, GATHERED, GATHERING, RESHARDED, FlatShard
 
 
 @dataclass(eq=False)

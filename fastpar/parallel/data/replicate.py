@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastpar.parallel.family import FlatDataParallel, MakeOptimizer
-from fastpar.parallel.units import Units
+from fastpar.parallel.data.family import FlatDataParallel, MakeOptimizer
+from fastpar.parallel.data.units import Units
 
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
 

@@ -5,7 +5,8 @@ Flats: per (optimizer param group, dense / expert) size-capped buckets in revers
 order (stages 0-2), or per ZeRO-3 unit one flat per (param group, dense / expert, dtype,
 persistent) in registration order, the units in reverse order and the root last (roughly the
 order backward produces gradients); a parameter tied over pipeline stages is alone in its flat,
-so every holder has the same layout. Tensors per stage: the table of ``fastpar.parallel.family``.
+so every holder has the same layout. Tensors per stage: the table of
+``fastpar.parallel.data.family``.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from torch import nn
 
 from fastpar.amp.norm import counts_on_this_rank
 from fastpar.mesh.placement import duplicated_over, is_expert
-from fastpar.parallel.buckets import build_buckets
-from fastpar.parallel.flat import FlatShard
-from fastpar.parallel.units import Units
+from fastpar.parallel.data.buckets import build_buckets
+from fastpar.parallel.data.flat import FlatShard
+from fastpar.parallel.data.units import Units
 
 
 @dataclass(frozen=True)
