@@ -26,7 +26,8 @@ from fastpar.models.activations import Activations, norm_bytes, swiglu_activatio
 from fastpar.models.common import DecoderBlock, build_decoder, check_layout, check_sizes, lm_loss
 from fastpar.models.llama import MLP, LlamaConfig, check_routing, moe
 from fastpar.models.mla import LatentAttention
-from fastpar.models.mtp import DEFAULT_COEF, add_mtp, check_mtp
+from fastpar.models.mtp import add_mtp, check_mtp
+from fastpar.models.shape import SwiGLUShape
 from fastpar.moe.config import ExpertConfig, RouterConfig
 
 __all__ = ["Block", "DeepSeekConfig", "build_deepseek", "deepseek_loss"]
@@ -34,27 +35,20 @@ __all__ = ["Block", "DeepSeekConfig", "build_deepseek", "deepseek_loss"]
 
 @dataclass(frozen=True)
 @flat_fields(RouterConfig, ExpertConfig)
-class DeepSeekConfig:
+class DeepSeekConfig(SwiGLUShape):
     """Model shape and options of a DeepSeek-V3-class decoder (HF ``DeepseekV3Config``'s names
     in parentheses). The MoE routing fields (``router_score``, ``expert_bias``,
     ``router_groups``, ``shared_expert_ffn``, ``routed_scaling_factor``, ...:
     ``ROUTING_DEFAULTS``) are ``RouterConfig``'s and ``ExpertConfig``'s flagged fields under
     their flat names (``fastpar.moe.config``); DeepSeek-V3 itself routes with
-    ``router_score="sigmoid"``, ``expert_bias=True``, groups and shared experts."""
+    ``router_score="sigmoid"``, ``expert_bias=True``, groups and shared experts.
+    ``SwiGLUShape``'s fields as DeepSeek has them: ``ffn`` is the dense blocks' width (None:
+    8·hidden/3 rounded up to a multiple of 64), ``norm_eps`` the block and final norms' (the
+    latent norms keep 1e-6, as HF's), MTP module k's block is layer ``layers + k - 1`` (a MoE
+    block where that layer would be one, as DeepSeek-V3's), and under all-to-all context
+    parallelism the heads are MLA's (K qk_nope_head_dim + qk_rope_head_dim wide, V
+    v_head_dim wide)."""
 
-    vocab_size: int = 256
-    """Tokens in the vocabulary (padded to a multiple of TP)."""
-    seq_len: int = 64
-    """Longest sequence (max_position_embeddings)."""
-    hidden: int = 64
-    """Model width (hidden_size)."""
-    heads: int = 4
-    """Attention heads (num_attention_heads); divisible by TP."""
-    layers: int = 4
-    """Transformer blocks (num_hidden_layers)."""
-    ffn: int | None = None
-    """The dense blocks' SwiGLU width (intermediate_size). None: 8·hidden/3 rounded up to a
-    multiple of 64."""
     q_lora_rank: int | None = 32
     """Rank of the low-rank query (q_a -> RMSNorm -> q_b); None: one q projection."""
     kv_lora_rank: int = 32
@@ -65,8 +59,6 @@ class DeepSeekConfig:
     """Dims without position of each query / key head."""
     v_head_dim: int = 16
     """Width of each value head."""
-    rope_theta: float = 10000.0
-    """RoPE base over the qk_rope_head_dim rotary dims."""
     rope_interleave: bool = True
     """The rotary dims pair up interleaved, (x0, x1), (x2, x3), ... (HF rope_interleave,
     DeepSeek's layout); False: halves, as Llama."""
@@ -84,43 +76,11 @@ class DeepSeekConfig:
     yarn_mscale_all_dim: float = 0.0
     """YaRN mscale_all_dim (0: unset): the softmax scale is multiplied by
     mscale(factor, mscale_all_dim)² (DeepSeek-V3: 1.0)."""
-    norm_eps: float = 1e-6
-    """RMSNorm epsilon of the block and final norms (rms_norm_eps); the latent norms keep
-    1e-6, as HF's."""
-    tie_embeddings: bool = False
-    """The LM head shares the token embedding (tie_word_embeddings)."""
     first_k_dense: int = 1
     """The first this-many blocks are dense SwiGLU (first_k_dense_replace)."""
     moe_every: int = 1
     """Block i >= first_k_dense is MoE when i % moe_every == 0 (DeepSeek-V2's moe_layer_freq;
     HF DeepseekV3: 1); 0: no MoE blocks."""
-    num_experts: int = 4
-    """Routed experts (n_routed_experts); divisible by EP."""
-    top_k: int = 2
-    """Experts per token (num_experts_per_tok)."""
-    moe_ffn: int | None = None
-    """Each routed expert's SwiGLU width (moe_intermediate_size). None: ffn."""
-    norm_topk_prob: bool = True
-    """Renormalise each token's k routing weights to sum to one (norm_topk_prob)."""
-    capacity_factor: float | None = None
-    """MoE capacity factor (None: dropless, as HF's)."""
-    overlap_chunks: int = 1
-    """MoE all-to-all / expert-compute overlap chunks (1: none)."""
-    sequence_parallel: bool = False
-    """Split activations between blocks along the sequence over TP."""
-    moe_expert_tp: bool = False
-    """Split each expert's SwiGLU over TP instead of every TP rank holding whole experts."""
-    cp_attention: str = "ring"
-    """Attention under context parallelism: "ring" (K/V around the cp ranks) or "all-to-all"
-    (heads scattered over cp; the local query heads must divide by cp). K is nope + rope
-    wide, V v_head_dim wide, at MLA's softmax scale."""
-    mtp_depth: int = 0
-    """DeepSeek-V3 multi-token prediction: D sequential modules after the model, module k
-    predicting the token k + 1 ahead (``fastpar.models.mtp``; HF num_nextn_predict_layers).
-    Module k's block is layer ``layers + k - 1``: a MoE block where that layer would be one
-    (``is_moe``), as DeepSeek-V3's. 0: off."""
-    mtp_loss_coef: float = DEFAULT_COEF
-    """The MTP loss weight lambda: loss = main + lambda / D · sum of the depths' losses."""
 
     @property
     def ffn_size(self) -> int:

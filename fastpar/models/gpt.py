@@ -32,6 +32,7 @@ from fastpar.models.common import (
     untie_for_pipeline,
 )
 from fastpar.models.llama import check_routing, routing_options
+from fastpar.models.shape import DecoderShape
 from fastpar.moe.config import ExpertConfig, RouterConfig
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear
 
@@ -48,7 +49,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 @flat_fields(RouterConfig, ExpertConfig)
-class GPTConfig:
+class GPTConfig(DecoderShape):
     """Model shape and options.
 
     vocab_size: tokens (256 for byte-level text). seq_len: context length. hidden: model width.
@@ -66,22 +67,8 @@ class GPTConfig:
     under context parallelism (``fastpar.parallel.context``).
     """
 
-    vocab_size: int = 256
-    seq_len: int = 64
-    hidden: int = 64
-    heads: int = 4
-    layers: int = 4
-    ffn: int | None = None
-    moe_every: int = 0
-    num_experts: int = 4
-    top_k: int = 2
-    capacity_factor: float | None = None
-    overlap_chunks: int = 1
     norm: str = "rmsnorm"
     tie_embeddings: bool = True
-    sequence_parallel: bool = False
-    moe_expert_tp: bool = False
-    cp_attention: str = "ring"
 
     @property
     def ffn_size(self) -> int:

@@ -32,7 +32,8 @@ from fastpar.models.common import (
     moe_block,
     positions,
 )
-from fastpar.models.mtp import DEFAULT_COEF, add_mtp, check_mtp
+from fastpar.models.mtp import add_mtp, check_mtp
+from fastpar.models.shape import SwiGLUShape
 from fastpar.moe.config import (
     AUX_LOSS_WORDS,
     ROUTING_DEFAULTS,
@@ -47,73 +48,24 @@ __all__ = ["Block", "LlamaConfig", "build_llama", "check_routing", "llama_loss",
 
 @dataclass(frozen=True)
 @flat_fields(RouterConfig, ExpertConfig)
-class LlamaConfig:
-    """Model shape and options of a Llama-class decoder. The MoE routing fields
+class LlamaConfig(SwiGLUShape):
+    """Model shape and options of a Llama-class decoder: ``SwiGLUShape``'s fields (its
+    ``ffn_size``: 8·hidden/3 rounded up to a multiple of 64 where ``ffn`` is None, about the
+    parameters of a 4·hidden GELU MLP; MoE blocks where (i + 1) % moe_every == 0, 0-based, HF
+    Qwen3-MoE's decoder_sparse_step) and its own below. The MoE routing fields
     (``router_score``, ``expert_bias``, ``shared_expert_ffn``, ...: ``ROUTING_DEFAULTS``) are
     ``RouterConfig``'s and ``ExpertConfig``'s flagged fields under their flat names
     (``fastpar.moe.config``, which documents them)."""
 
-    vocab_size: int = 256
-    """Tokens in the vocabulary (the embedding and LM head rows; padded to a multiple of TP)."""
-    seq_len: int = 64
-    """Longest sequence (HF's max_position_embeddings); RoPE needs no table, so it only bounds
-    the input length."""
-    hidden: int = 64
-    """Model width (HF hidden_size)."""
-    heads: int = 4
-    """Query heads (HF num_attention_heads); divisible by TP."""
     kv_heads: int | None = None
     """Key/value heads for grouped-query attention (HF num_key_value_heads); divides heads and
     is divisible by TP. None: heads (multi-head attention)."""
     head_dim: int | None = None
     """Width of one head (even, for RoPE). None: hidden // heads."""
-    layers: int = 4
-    """Transformer blocks (HF num_hidden_layers)."""
-    ffn: int | None = None
-    """SwiGLU width (HF intermediate_size). None: 8·hidden/3 rounded up to a multiple of 64
-    (about the parameters of a 4·hidden GELU MLP)."""
-    rope_theta: float = 10000.0
-    """RoPE base: inverse frequencies theta^(-2i / head_dim)."""
-    norm_eps: float = 1e-6
-    """RMSNorm epsilon (HF rms_norm_eps), for every norm including q/k-norm."""
     qk_norm: bool = False
     """Qwen3: RMSNorm over head_dim on every query and key head, before RoPE."""
     attention_bias: bool = False
     """Qwen2: bias on the q, k and v projections (not on the output projection)."""
-    tie_embeddings: bool = False
-    """The LM head shares the token embedding (HF tie_word_embeddings)."""
-    moe_every: int = 0
-    """Blocks i with (i + 1) % moe_every == 0 (0-based) replace their MLP with a MoE of SwiGLU
-    experts (0: none); HF Qwen3-MoE's decoder_sparse_step (Mixtral: 1)."""
-    num_experts: int = 4
-    """MoE experts (divisible by EP)."""
-    top_k: int = 2
-    """Experts per token (HF num_experts_per_tok)."""
-    moe_ffn: int | None = None
-    """Each expert's SwiGLU width (HF moe_intermediate_size; Mixtral's intermediate_size).
-    None: ffn."""
-    norm_topk_prob: bool = True
-    """Renormalise each token's k routing weights to sum to one (HF Qwen3-MoE norm_topk_prob;
-    Mixtral always does). False: the raw softmax probabilities."""
-    capacity_factor: float | None = None
-    """MoE capacity factor (None: dropless, as HF's MoE models are)."""
-    overlap_chunks: int = 1
-    """MoE all-to-all / expert-compute overlap chunks (1: none)."""
-    sequence_parallel: bool = False
-    """Split activations between blocks along the sequence over TP (MoE blocks then route
-    each TP rank's chunk, dropless, or gather it with moe_expert_tp)."""
-    moe_expert_tp: bool = False
-    """Split each expert's SwiGLU over TP (expert tensor parallelism, ``fastpar.moe.tp``)
-    instead of every TP rank holding whole experts."""
-    cp_attention: str = "ring"
-    """Attention under context parallelism: "ring" (K/V around the cp ranks) or "all-to-all"
-    (heads scattered over cp; the local query heads must divide by cp)."""
-    mtp_depth: int = 0
-    """DeepSeek-V3 multi-token prediction: D sequential modules after the model, module k
-    predicting the token k + 1 ahead (``fastpar.models.mtp``; HF num_nextn_predict_layers).
-    0: off."""
-    mtp_loss_coef: float = DEFAULT_COEF
-    """The MTP loss weight lambda: loss = main + lambda / D · sum of the depths' losses."""
 
     @property
     def num_kv_heads(self) -> int:

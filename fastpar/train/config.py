@@ -17,6 +17,7 @@ from fastpar.data import (
     tokenizer_vocab_size,
 )
 from fastpar.models import native
+from fastpar.models.shape import DecoderShape
 from fastpar.moe.config import ROUTING_DEFAULTS
 from fastpar.parallel.pipeline.recompute import RecomputePolicy
 from fastpar.parallel.pipeline.schedules import SCHEDULES, chunked_names, make_schedule
@@ -117,25 +118,18 @@ class TrainConfig(TrainOptions):
         return dataclasses.asdict(getattr(self.model(), config.nested))
 
     def model(self):
-        """The native model's config (``fastpar.models.native``): the shared shape fields from
-        the flags, and the model's own (``NativeModel.kwargs``)."""
+        """The native model's config (``fastpar.models.native``): ``DecoderShape``'s fields
+        from the flags of the same name (``--experts``, ``--untied`` and the vocabulary under
+        theirs), the routing flags, and the model's own (``NativeModel.kwargs``)."""
         model = native.get(self.model_type)
+        renamed = {"num_experts": self.experts, "tie_embeddings": not self.untied}
+        renamed["vocab_size"] = self.vocab
+        shape = {
+            f.name: getattr(self, f.name) for f in fields(DecoderShape) if f.name not in renamed
+        }
         return model.config(
-            vocab_size=self.vocab,
-            seq_len=self.seq_len,
-            hidden=self.hidden,
-            heads=self.heads,
-            layers=self.layers,
-            ffn=self.ffn,
-            moe_every=self.moe_every,
-            num_experts=self.experts,
-            top_k=self.top_k,
-            capacity_factor=self.capacity_factor,
-            overlap_chunks=self.overlap_chunks,
-            tie_embeddings=not self.untied,
-            sequence_parallel=self.sequence_parallel,
-            moe_expert_tp=self.moe_expert_tp,
-            cp_attention=self.cp_attention,
+            **shape,
+            **renamed,
             **{name: getattr(self, name) for name in ROUTING_DEFAULTS},
             **model.kwargs(self),
         )
