@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from fastpar.comm import (
     all_reduce_grad,
@@ -29,6 +30,7 @@ from fastpar.comm import (
 )
 from fastpar.comm.sequence import split_sequence
 from fastpar.mesh.bridge import mesh_group
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_blocks, mark_expert, mark_sharded
 from fastpar.moe import experts, tp
 from fastpar.moe.aux_grad import InjectAuxGrad, block_scale
@@ -128,7 +130,7 @@ class MoE(nn.Module):
         sequence_parallel: bool = False,
         expert_tp: bool = False,
         sequence_dim: int = 1,
-        mesh=None,
+        mesh: ParallelMesh | DeviceMesh | None = None,
         ep_group: dist.ProcessGroup | None = None,
         tp_group: dist.ProcessGroup | None = None,
         cp_group: dist.ProcessGroup | None = None,

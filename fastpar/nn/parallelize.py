@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from fastpar import tolerance
 from fastpar.comm import all_reduce_grad, group_size
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_owned, mark_replicated
 from fastpar.nn import check as _check
 from fastpar.nn import plans as _plans
@@ -213,7 +215,9 @@ def _check_router_logits(model: nn.Module) -> None:
         )
 
 
-def _swap(model, modules, chosen, tp_group, mesh=None) -> dict[str, nn.Module]:
+def _swap(
+    model, modules, chosen, tp_group, mesh: ParallelMesh | DeviceMesh | None = None
+) -> dict[str, nn.Module]:
     new_modules = {}
     for n, (style, kwargs) in chosen.items():
         swap = STYLES[style].swap
@@ -296,7 +300,7 @@ def _split(
     mode,
     record,
     tp_group,
-    mesh,
+    mesh: ParallelMesh | DeviceMesh | None,
     heads,
     world,
     blocks,
@@ -375,7 +379,7 @@ def _split(
 def parallelize(
     model: nn.Module,
     plan: Mapping[str, object] | None = None,
-    mesh=None,
+    mesh: ParallelMesh | DeviceMesh | None = None,
     *,
     group: dist.ProcessGroup | None = None,
     heads: Mapping[str, list[str]] | None = None,
