@@ -236,8 +236,3 @@ def mesh_group(mesh, kind: str = "tp") -> dist.ProcessGroup | None:
             f"pass a process group as group="
         )
     return getattr(mesh, attr)
-
-
-def tensor_parallel_group(mesh) -> dist.ProcessGroup | None:
-    """``mesh_group(mesh, "tp")``: the group the tensor-parallel layers split over."""
-    return mesh_group(mesh, "tp")

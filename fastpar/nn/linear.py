@@ -28,7 +28,7 @@ from fastpar.comm import (
     scatter_to_region,
 )
 from fastpar.comm.checks import check_same
-from fastpar.mesh.bridge import tensor_parallel_group
+from fastpar.mesh.bridge import mesh_group
 from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_replicated, mark_sharded
 
@@ -40,7 +40,7 @@ def resolve_group(
     ``tp_group``, or a torch ``DeviceMesh``'s "tp" dim: ``fastpar.mesh.bridge``), else
     ``group`` (None = the default group)."""
     if mesh is not None:
-        tp_group = tensor_parallel_group(mesh)
+        tp_group = mesh_group(mesh, "tp")
         if group is not None and group is not tp_group:
             raise ValueError("pass either group= or mesh=, not both")
         return tp_group
