@@ -52,7 +52,7 @@ IGNORE_INDEX = -100
 
 def cp_group_of(mesh: ParallelMesh | None):
     """The mesh's context-parallel group, or None without context parallelism."""
-    return mesh.cp_group if mesh is not None and getattr(mesh, "cp_size", 1) > 1 else None
+    return mesh.context_group if mesh is not None else None
 
 
 def cp_split(x: torch.Tensor, cp_group) -> torch.Tensor:

@@ -152,8 +152,8 @@ class MoE(nn.Module):
         tp.check(self.tp_layout, self.tp, ffn_hidden_size, capacity_factor, overlap_chunks)
         self.sequence_parallel, self.expert_tp = sequence_parallel, expert_tp
         self.sequence_dim = sequence_dim
-        if mesh is not None and getattr(mesh, "cp_size", 1) > 1:
-            cp_group = mesh_group(mesh, "cp")
+        if mesh is not None:  # (a DeviceMesh: no context parallelism)
+            cp_group = getattr(mesh, "context_group", None)
         self.cp_group = cp_group
         self.cp = group_size(cp_group) if cp_group is not None else 1
         if self.cp > 1 and capacity_factor is not None:
