@@ -12,12 +12,13 @@ import torch.distributed as dist
 
 from fastpar.comm import plain
 from fastpar.mesh.bridge import is_dtensor
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import holds_reference_copy, is_expert, param_layout, replica_groups
 from fastpar.mesh.ranks import group_rank, group_size
 
 
 def counts_on_this_rank(
-    p: torch.Tensor, *, mesh=None, group=None, dp_replicated: bool = True
+    p: torch.Tensor, *, mesh: ParallelMesh | None = None, group=None, dp_replicated: bool = True
 ) -> bool:
     """Whether ``p``'s gradient enters the global norm on this rank (see docs/layouts.md).
 
@@ -39,7 +40,7 @@ def _members(group) -> set[int]:
 
 
 def dtensor_counts_on_this_rank(
-    p: torch.Tensor, dt, *, mesh=None, group=None, dp_replicated: bool = True
+    p: torch.Tensor, dt, *, mesh: ParallelMesh | None = None, group=None, dp_replicated: bool = True
 ) -> bool:
     """Whether the local tensor of the DTensor ``dt`` (``p``'s gradient) counts here: this rank
     is coordinate 0 of each Replicate dim of ``dt``'s DeviceMesh, and group rank 0 of each of
@@ -72,7 +73,7 @@ def dtensor_counts_on_this_rank(
     return True
 
 
-def _check_marks_survived(params: list[torch.Tensor], *, mesh, group) -> None:
+def _check_marks_survived(params: list[torch.Tensor], *, mesh: ParallelMesh | None, group) -> None:
     """Under FSDP2 + fastpar TP every parameter is a new DTensor without fastpar's marks: with
     none marked at all, TP-sharded weights would count as replicated (silently too small)."""
     tp = mesh.tp_size if mesh is not None else group_size(group)
@@ -94,13 +95,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_dtensor(t) else t
 
 
-def reduction_group(mesh=None, group=None):
+def reduction_group(mesh: ParallelMesh | None = None, group=None):
     """Every rank that takes part in the step: the world with a mesh, else ``group``."""
     return None if mesh is not None else group
 
 
 def all_reduce_norm_and_inf(
-    sumsq: torch.Tensor, found_inf: torch.Tensor, *, mesh=None, group=None
+    sumsq: torch.Tensor, found_inf: torch.Tensor, *, mesh: ParallelMesh | None = None, group=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One all-reduce (SUM) of [found_inf, sum of squares] over every rank taking part: any
     rank's inf makes every rank's flag 1. Returns (found_inf in {0., 1.}, global L2 norm)."""
@@ -110,7 +111,9 @@ def all_reduce_norm_and_inf(
     return (both[0] > 0).float(), both[1].sqrt()
 
 
-def all_reduce_max(value: torch.Tensor, *, mesh=None, group=None) -> torch.Tensor:
+def all_reduce_max(
+    value: torch.Tensor, *, mesh: ParallelMesh | None = None, group=None
+) -> torch.Tensor:
     value = value.float().reshape(()).clone()
     if dist.is_initialized():
         plain.all_reduce(value, op=dist.ReduceOp.MAX, group=reduction_group(mesh, group))
@@ -121,7 +124,7 @@ def global_grad_norm(
     params: Iterable[torch.Tensor],
     *,
     norm_type: float = 2.0,
-    mesh=None,
+    mesh: ParallelMesh | None = None,
     group=None,
     dp_replicated: bool = True,
 ) -> torch.Tensor:
@@ -157,7 +160,7 @@ def clip_grad_norm_(
     max_norm: float,
     *,
     norm_type: float = 2.0,
-    mesh=None,
+    mesh: ParallelMesh | None = None,
     group=None,
     dp_replicated: bool = True,
     eps: float = 1e-6,

@@ -13,6 +13,7 @@ import torch
 
 from fastpar.amp.norm import all_reduce_norm_and_inf
 from fastpar.amp.protocols import FusedAmpStep, takes_grads
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.ops.unscale_norm import clip_coefficient, norm_and_inf, unscale_and_norm
 
 
@@ -48,7 +49,9 @@ def inv_scale_of(scaler, device) -> torch.Tensor:
     return scaler.inv_scale.to(device=device, dtype=torch.float32)
 
 
-def unscale_and_agree(passes: Sequence[Pass], scaler, device, *, mesh=None, group=None):
+def unscale_and_agree(
+    passes: Sequence[Pass], scaler, device, *, mesh: ParallelMesh | None = None, group=None
+):
     """Unscale every gradient (by 1/scale; in place or into fp32 outputs), raise one flag on
     any inf/NaN and sum the squares of the counted ones; then one all-reduce over every rank
     taking part. Returns (found_inf 0-dim fp32 in {0, 1}, global norm 0-dim fp32)."""
@@ -70,7 +73,12 @@ ReadPass = tuple[Sequence[torch.Tensor], bool]
 
 
 def norm_and_agree(
-    passes: Sequence[ReadPass], inv_scale: torch.Tensor, device, *, mesh=None, group=None
+    passes: Sequence[ReadPass],
+    inv_scale: torch.Tensor,
+    device,
+    *,
+    mesh: ParallelMesh | None = None,
+    group=None,
 ):
     """``unscale_and_agree`` without writing anything: the flag and the sum of squares of the
     counted gradients' ``fp32(g) · inv_scale`` (``fastpar.ops.unscale_norm.norm_and_inf``),

@@ -36,6 +36,7 @@ from fastpar.checkpoint.state import (
     writes_on_this_rank,
 )
 from fastpar.comm import plain
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.ranks import group_rank, group_size
 from fastpar.optim.pieces import (
     CheckpointPieces,
@@ -59,7 +60,7 @@ def stage_param_names(stage: nn.Module, start: int) -> dict[str, nn.Parameter]:
     return out
 
 
-def layout_of(mesh) -> dict:
+def layout_of(mesh: ParallelMesh | None) -> dict:
     """The layout a checkpoint is saved under (compared at load to decide on RNG restore):
     tp, pp, dp, ep, cp, the hybrid split of dp (``dp_shard`` x ``dp_replicate``; full sharding:
     dp x 1) and the rank order."""
@@ -135,7 +136,9 @@ def _agree_token(ok: bool, token: int) -> tuple[bool, int]:
     return not bool(flag[0].item()), int(flag[1].item())
 
 
-def _collect(model_params: Mapping[str, torch.Tensor], optimizer, mesh) -> tuple:
+def _collect(
+    model_params: Mapping[str, torch.Tensor], optimizer, mesh: ParallelMesh | None
+) -> tuple:
     """This rank's pieces: (entries for the shard file, holds {name: [keys]}, tensors)."""
     pairs = global_names(model_params)
     names: dict[int, str] = {}
@@ -214,7 +217,7 @@ def save(
     *,
     model_params: Mapping[str, torch.Tensor],
     optimizer: Any = None,
-    mesh=None,
+    mesh: ParallelMesh | None = None,
     step: int,
     extra: dict | None = None,
     scaler=None,
@@ -384,7 +387,7 @@ def load(
     *,
     model_params: Mapping[str, torch.Tensor],
     optimizer: Any = None,
-    mesh=None,
+    mesh: ParallelMesh | None = None,
     scaler=None,
     rng: bool = True,
 ) -> dict:

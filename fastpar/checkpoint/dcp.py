@@ -19,6 +19,7 @@ from torch import nn
 from fastpar.checkpoint.state import checkpoint_name, global_shape
 from fastpar.comm import plain
 from fastpar.mesh.bridge import is_dtensor
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import expert_layout, marked_shard_index, marked_shard_of, param_layout
 from fastpar.mesh.ranks import group_rank, group_size
 
@@ -39,7 +40,7 @@ class _Plan:
     fused: int = 1
 
 
-def _plan(name: str, p: torch.Tensor, sub, mesh) -> _Plan:
+def _plan(name: str, p: torch.Tensor, sub, mesh: ParallelMesh) -> _Plan:
     from torch.distributed.tensor import Replicate, Shard
 
     if is_dtensor(p):
@@ -97,7 +98,7 @@ def _global_chunk_to_fused(local: torch.Tensor, plan: _Plan, group) -> torch.Ten
     return mine.reshape(chunk.shape).movedim(0, plan.dim)
 
 
-def _local_of(p: torch.Tensor, plan: _Plan, mesh) -> torch.Tensor:
+def _local_of(p: torch.Tensor, plan: _Plan, mesh: ParallelMesh) -> torch.Tensor:
     if plan.dim is None:
         return p.detach()
     if plan.fused > 1:
@@ -106,12 +107,12 @@ def _local_of(p: torch.Tensor, plan: _Plan, mesh) -> torch.Tensor:
     return local if local.is_contiguous() else local.contiguous()
 
 
-def _sub_mesh(mesh, device_mesh):
+def _sub_mesh(mesh: ParallelMesh, device_mesh):
     device_mesh = mesh.to_device_mesh() if device_mesh is None else device_mesh
     return device_mesh[tuple(n for n in device_mesh.mesh_dim_names if n != "pp")]
 
 
-def _plans(model_params: Mapping[str, torch.Tensor], mesh, device_mesh):
+def _plans(model_params: Mapping[str, torch.Tensor], mesh: ParallelMesh, device_mesh):
     """(checkpoint name, parameter, plan) of every entry; one entry per checkpoint name."""
     sub = _sub_mesh(mesh, device_mesh)
     seen: dict[str, torch.Tensor] = {}
@@ -128,7 +129,7 @@ def _plans(model_params: Mapping[str, torch.Tensor], mesh, device_mesh):
 
 
 def to_dtensor_state_dict(
-    model_params: Mapping[str, torch.Tensor], mesh, *, device_mesh=None
+    model_params: Mapping[str, torch.Tensor], mesh: ParallelMesh, *, device_mesh=None
 ) -> dict:
     """{checkpoint name: DTensor of the global tensor} for ``model_params`` ({name: local
     tensor}, e.g. ``dict(model.named_parameters())``), for ``torch.distributed.checkpoint``'s
@@ -154,7 +155,9 @@ def to_dtensor_state_dict(
 
 
 @torch.no_grad()
-def from_dtensor_state_dict(state_dict: Mapping, model_params: Mapping[str, torch.Tensor], mesh):
+def from_dtensor_state_dict(
+    state_dict: Mapping, model_params: Mapping[str, torch.Tensor], mesh: ParallelMesh
+):
     """Write the DTensors of ``state_dict`` (``to_dtensor_state_dict`` of these parameters,
     after ``dcp.load``) into fastpar's local tensors ``model_params``; padding rows stay zero.
     Collective over TP when a fused tensor is present."""
@@ -180,7 +183,9 @@ def from_dtensor_state_dict(state_dict: Mapping, model_params: Mapping[str, torc
             p.copy_(local)
 
 
-def save(model_params: Mapping[str, torch.Tensor], checkpoint_id, mesh, **kwargs) -> None:
+def save(
+    model_params: Mapping[str, torch.Tensor], checkpoint_id, mesh: ParallelMesh, **kwargs
+) -> None:
     """``torch.distributed.checkpoint.save`` of ``to_dtensor_state_dict(model_params, mesh)``;
     ``kwargs`` go to DCP (storage_writer, planner, ...)."""
     import torch.distributed.checkpoint as dcp
@@ -188,7 +193,9 @@ def save(model_params: Mapping[str, torch.Tensor], checkpoint_id, mesh, **kwargs
     dcp.save(to_dtensor_state_dict(model_params, mesh), checkpoint_id=checkpoint_id, **kwargs)
 
 
-def load(model_params: Mapping[str, torch.Tensor], checkpoint_id, mesh, **kwargs) -> None:
+def load(
+    model_params: Mapping[str, torch.Tensor], checkpoint_id, mesh: ParallelMesh, **kwargs
+) -> None:
     """``torch.distributed.checkpoint.load`` into ``model_params`` under this (any) layout:
     DTensors from the marks, DCP's resharding read, then the write-back into the locals."""
     import torch.distributed.checkpoint as dcp

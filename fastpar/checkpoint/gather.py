@@ -31,6 +31,7 @@ from fastpar.checkpoint.state import (
     writes_on_this_rank,
 )
 from fastpar.comm import plain
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import param_layout
 from fastpar.mesh.ranks import group_rank, group_size
 
@@ -147,12 +148,16 @@ def _assemble(name: str, pieces: list[Piece], what: str) -> torch.Tensor:
     return full.view(shape)
 
 
-def _staged(mesh) -> bool:
+def _staged(mesh: ParallelMesh | None) -> bool:
     return mesh is not None and mesh.pp_size > 1
 
 
 def _whole_pieces(
-    named: Mapping[str, torch.Tensor], value_of, mesh, mapper: PieceMapper, key: str
+    named: Mapping[str, torch.Tensor],
+    value_of,
+    mesh: ParallelMesh | None,
+    mapper: PieceMapper,
+    key: str,
 ) -> Callable[[str], list[Piece]]:
     """pieces_of for tensors held whole, one per parameter: ``value_of(name, t)``, in ``t``'s
     local shape; sent by the first holder of each copy (every holder without a mesh)."""
@@ -175,7 +180,9 @@ def _whole_pieces(
     return pieces_of
 
 
-def gather_state(model_or_named_params, *, mesh=None, dst: int = 0) -> dict | None:
+def gather_state(
+    model_or_named_params, *, mesh: ParallelMesh | None = None, dst: int = 0
+) -> dict | None:
     """{name: full global tensor} of a sharded model's parameters and persistent buffers (a
     module, or a {name: tensor} dict) on global rank ``dst``, None on the other ranks
     (collective over the default group: every rank calls it). Every rank holds the same names
@@ -188,7 +195,9 @@ def gather_state(model_or_named_params, *, mesh=None, dst: int = 0) -> dict | No
     return _gather(names, pieces_of, dst=dst, what="the tensor")
 
 
-def gather_like(values, model_or_named_params, *, mesh=None, dst: int = 0) -> dict | None:
+def gather_like(
+    values, model_or_named_params, *, mesh: ParallelMesh | None = None, dst: int = 0
+) -> dict | None:
     """{name: whole tensor} on ``dst`` of ``values`` ({name: tensor}), each held on this rank
     the way the model's parameter of that name is (its local shape, its marks): an optimizer
     moment, an update, a difference of two runs. A name this rank holds but ``values`` lacks
@@ -205,7 +214,9 @@ def gather_like(values, model_or_named_params, *, mesh=None, dst: int = 0) -> di
     return _gather(names, pieces_of, dst=dst, what="the value")
 
 
-def gather_grads(model_or_named_params, *, mesh=None, dst: int = 0, wrapper=None) -> dict | None:
+def gather_grads(
+    model_or_named_params, *, mesh: ParallelMesh | None = None, dst: int = 0, wrapper=None
+) -> dict | None:
     """{name: whole gradient} on ``dst`` of every parameter that requires one, in the
     single-process model's shapes (None on the other ranks; collective over the default
     group). Each rank's gradient is read as it holds it after backward: ``p.grad`` (plain

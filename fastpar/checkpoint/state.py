@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import (
     expert_layout,
     holds_reference_copy,
@@ -168,7 +169,7 @@ class PieceMapper:
         return encode_runs(g[keep]), values.cpu()[keep]
 
 
-def writes_on_this_rank(p: torch.Tensor, mesh, *, dp_sharded: bool) -> bool:
+def writes_on_this_rank(p: torch.Tensor, mesh: ParallelMesh | None, *, dp_sharded: bool) -> bool:
     """Whether this rank writes its copy of ``p`` (or of its optimizer pieces): the rank that
     holds the reference copy (``fastpar.mesh.placement``) over the TP group for unmarked and
     replicated parameters and the DP (expert-DP) group unless ``dp_sharded`` (ZeRO). Without a

@@ -7,9 +7,9 @@ bottom layer every package asks: ``placement`` (parameter marks, reference copie
 
 from __future__ import annotations
 
-from fastpar.mesh.bridge import restore_marks
 from fastpar.mesh.groups import ParallelMesh, init
 from fastpar.mesh.layout import GROUP_KINDS, MeshLayout, rank_groups
+from fastpar.mesh.placement import restore_marks
 from fastpar.mesh.timeout import DEFAULT_TIMEOUT, group_timeout
 
 __all__ = [

@@ -6,21 +6,18 @@
 Hybrid sharding names dp's two parts as torchtitan does, slowest first: ("pp", "dp_replicate",
 "dp_shard", "cp", "tp"); the expert grid ("pp", "edp_replicate", "edp_shard", "ep", "tp").
 
-``mesh_group(mesh, kind)`` reads a group from either mesh; ``restore_marks`` puts fastpar's
-parameter marks back after ``fully_shard`` (docs/interop.md)."""
+``mesh_group(mesh, kind)`` reads a group from either mesh (``placement.restore_marks`` puts
+fastpar's parameter marks back after ``fully_shard``, docs/interop.md)."""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fastpar.mesh.layout import MeshLayout
-from fastpar.mesh.placement import copy_marks
 
 #: DeviceMesh dim name -> the ParallelMesh group kind along it
 DIM_KINDS = {
@@ -239,27 +236,3 @@ def mesh_group(mesh, kind: str = "tp") -> dist.ProcessGroup | None:
             f"pass a process group as group="
         )
     return getattr(mesh, attr)
-
-
-def tensor_parallel_group(mesh) -> dist.ProcessGroup | None:
-    """``mesh_group(mesh, "tp")``: the group the tensor-parallel layers split over."""
-    return mesh_group(mesh, "tp")
-
-
-def restore_marks(marked: Mapping[str, torch.Tensor], module: nn.Module) -> int:
-    """Put the fastpar marks of ``marked`` ({name: parameter}, taken before wrapping) on
-    ``module``'s parameters of the same names; returns how many parameters carry marks.
-
-    ``torch.distributed.fsdp.fully_shard`` replaces every parameter by a new DTensor
-    parameter and drops fastpar's marks with the old object; without them the global grad
-    norm (``fastpar.amp``) would take TP-sharded weights for replicated ones::
-
-        before = dict(model.named_parameters())
-        fully_shard(model, mesh=mesh.to_device_mesh()["dp"])
-        fastpar.mesh.restore_marks(before, model)
-    """
-    now = dict(module.named_parameters())
-    missing = sorted(set(marked) - set(now))
-    if missing:
-        raise KeyError(f"parameters {missing[:5]} are not in the module; pass its own names")
-    return sum(copy_marks(marked[name], now[name]) for name in marked)

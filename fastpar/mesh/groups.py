@@ -30,7 +30,8 @@ class ParallelMesh:
     ``ep_rank``, ``expert_dp_rank``; groups: ``tp_group``, ``pp_group``, ``dp_group``,
     ``mp_group``, ``tp_dp_group``, ``ep_group``, ``expert_dp_group``, ``tp_ep_group``,
     ``cp_group`` / ``dp_cp_group`` / ``tp_cp_group`` (context parallelism: ``cp_size``,
-    ``cp_rank``; dense gradients are averaged over ``dp_cp_group``) and
+    ``cp_rank``; dense gradients are averaged over ``dp_cp_group``; ``context_group``: the
+    cp group, None without context parallelism) and
     ``embedding_group`` (None on ranks that hold no embedding). Hybrid sharding (dp =
     ``dp_shard_size`` × ``dp_replicate_size``; ``dp_shard_rank``, ``dp_replicate_rank``):
     ``dp_shard_group``, ``dp_replicate_group``, ``dp_shard_cp_group`` (what ZeRO shards
@@ -115,6 +116,7 @@ class ParallelMesh:
         self.dp_shard_size, self.dp_shard_rank = self.layout.dp_shard, coords["dp-shard"]
         self.dp_replicate_size = self.layout.dp_replicate
         self.dp_replicate_rank = coords["dp-replicate"]
+        self.context_group = self._groups["cp"] if self.cp_size > 1 else None
 
     # -- torch DeviceMesh ------------------------------------------------------------------
     def to_device_mesh(self, device_type: str | None = None, *, dense: bool = False):

@@ -5,13 +5,18 @@ so which rank holds its reference copy (docs/layouts.md, "Parameter marks")."""
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from fastpar.mesh.ranks import Group, group_rank
+
+if TYPE_CHECKING:
+    from fastpar.mesh.groups import ParallelMesh
 
 _ATTR = "_fastpar_layout"
 _DUPLICATED = "_fastpar_duplicated_over"
@@ -159,7 +164,9 @@ def matrix_heads(p: torch.Tensor) -> MatrixHeads | None:
 
 
 # -- who holds a copy -------------------------------------------------------------------------
-def data_parallel_groups(mesh=None, group: Group = None) -> tuple[Group, Group]:
+def data_parallel_groups(
+    mesh: ParallelMesh | None = None, group: Group = None
+) -> tuple[Group, Group]:
     """(dense, expert): the groups data parallelism replicates dense and expert parameters
     over, and reduces their gradients over — the mesh's dp × cp group (context-parallel ranks
     hold the same weights; without context parallelism it is the dp group) and its expert-dp
@@ -169,7 +176,9 @@ def data_parallel_groups(mesh=None, group: Group = None) -> tuple[Group, Group]:
     return group, group
 
 
-def sharding_groups(mesh=None, group: Group = None) -> tuple[list[Group], list[Group]]:
+def sharding_groups(
+    mesh: ParallelMesh | None = None, group: Group = None
+) -> tuple[list[Group], list[Group]]:
     """([dense, expert] groups ZeRO shards over, [dense, expert] groups of each shard's replicas
     or None): ``data_parallel_groups`` and no replicas, but under a mesh's hybrid sharding
     (dp_replicate > 1) the dp-shard × cp and expert-dp-shard groups, and the dp-replicate and
@@ -181,14 +190,16 @@ def sharding_groups(mesh=None, group: Group = None) -> tuple[list[Group], list[G
     return shards, [mesh.dp_replicate_group, mesh.expert_dp_replicate_group]
 
 
-def data_parallel_group(p: torch.Tensor, mesh=None, group: Group = None) -> Group:
+def data_parallel_group(
+    p: torch.Tensor, mesh: ParallelMesh | None = None, group: Group = None
+) -> Group:
     """The group data parallelism replicates ``p`` over (``data_parallel_groups``)."""
     return data_parallel_groups(mesh, group)[is_expert(p)]
 
 
 def replica_groups(
     p: torch.Tensor,
-    mesh=None,
+    mesh: ParallelMesh | None = None,
     *,
     group: Group = None,
     data_parallel: bool = True,
@@ -212,7 +223,7 @@ def replica_groups(
     return groups
 
 
-def holds_reference_copy(p: torch.Tensor, mesh=None, **kwargs) -> bool:
+def holds_reference_copy(p: torch.Tensor, mesh: ParallelMesh | None = None, **kwargs) -> bool:
     """Whether this rank is rank 0 of every one of ``replica_groups(p, mesh, **kwargs)``: the
     one rank, among all that hold this data, that counts or writes it."""
     return all(group_rank(g) == 0 for g in replica_groups(p, mesh, **kwargs))
@@ -278,3 +289,22 @@ def marked_shard_of(
     if key is None:
         return None
     return (marked_shard_index() if index is None else index).get(key)
+
+
+def restore_marks(marked: Mapping[str, torch.Tensor], module: nn.Module) -> int:
+    """Put the fastpar marks of ``marked`` ({name: parameter}, taken before wrapping) on
+    ``module``'s parameters of the same names; returns how many parameters carry marks.
+
+    ``torch.distributed.fsdp.fully_shard`` replaces every parameter by a new DTensor
+    parameter and drops fastpar's marks with the old object; without them the global grad
+    norm (``fastpar.amp``) would take TP-sharded weights for replicated ones::
+
+        before = dict(model.named_parameters())
+        fully_shard(model, mesh=mesh.to_device_mesh()["dp"])
+        fastpar.mesh.restore_marks(before, model)
+    """
+    now = dict(module.named_parameters())
+    missing = sorted(set(marked) - set(now))
+    if missing:
+        raise KeyError(f"parameters {missing[:5]} are not in the module; pass its own names")
+    return sum(copy_marks(marked[name], now[name]) for name in marked)

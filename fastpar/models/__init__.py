@@ -4,6 +4,7 @@ pipeline blocks [embedding, block x layers, head]."""
 
 from __future__ import annotations
 
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.models import native
 from fastpar.models.common import lm_loss, untie_for_pipeline
 from fastpar.models.deepseek import DeepSeekConfig, build_deepseek, deepseek_loss
@@ -12,7 +13,7 @@ from fastpar.models.llama import LlamaConfig, build_llama, llama_loss
 from fastpar.models.llama_hf import from_hf, hf_config, to_hf
 
 
-def build_model(cfg, mesh=None):
+def build_model(cfg, mesh: ParallelMesh | None = None):
     """The native model ``cfg`` configures (``fastpar.models.native``: ``build_gpt``,
     ``build_llama``, ``build_deepseek``, or a registered one's)."""
     return native.of_config(cfg).build(cfg, mesh)

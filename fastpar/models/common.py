@@ -21,6 +21,7 @@ from fastpar.comm import (
     plain,
     scatter_to_sequence,
 )
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_sharded, mark_tied_copy, param_layout
 from fastpar.models.documents import current as current_documents
 from fastpar.moe import MoE
@@ -39,7 +40,7 @@ from fastpar.parallel.context import (
 from fastpar.reference.precision import upcast
 
 
-def tp_group_of(mesh):
+def tp_group_of(mesh: ParallelMesh | None):
     """The mesh's tensor-parallel group (None without a mesh: the default group, size 1 when
     no process group exists)."""
     return mesh.tp_group if mesh is not None else None
@@ -49,9 +50,9 @@ IGNORE_INDEX = -100
 """Targets that count for nothing in ``lm_loss`` (the cross-entropy's default)."""
 
 
-def cp_group_of(mesh):
+def cp_group_of(mesh: ParallelMesh | None):
     """The mesh's context-parallel group, or None without context parallelism."""
-    return mesh.cp_group if mesh is not None and getattr(mesh, "cp_size", 1) > 1 else None
+    return mesh.context_group if mesh is not None else None
 
 
 def cp_split(x: torch.Tensor, cp_group) -> torch.Tensor:
@@ -166,7 +167,7 @@ def is_moe_layer(cfg, layer: int) -> bool:
     return cfg.moe_every > 0 and (layer + 1) % cfg.moe_every == 0
 
 
-def moe_block(cfg, mesh=None, *, ffn: int | None = None, **options) -> MoE:
+def moe_block(cfg, mesh: ParallelMesh | None = None, *, ffn: int | None = None, **options) -> MoE:
     """The MoE that replaces a block's MLP (experts over the mesh's EP group): ``ffn`` wide
     (default ``cfg.ffn_size``); ``options`` go to ``MoE`` (e.g. ``expert="swiglu"``). At
     tp > 1 it follows the model: sequence parallel when the model is (its input is this rank's
@@ -247,7 +248,7 @@ class Embedding(nn.Module):
         vocab_size: int,
         hidden: int,
         seq_len: int,
-        mesh=None,
+        mesh: ParallelMesh | None = None,
         *,
         sequence_parallel: bool = False,
         learned_positions: bool = False,
@@ -284,7 +285,17 @@ class DecoderBlock(nn.Module):
     the norms' weight gradients are partial.
     """
 
-    def __init__(self, cfg, layer: int, mesh, *, attention, mlp, norm: dict, moe=moe_block):
+    def __init__(
+        self,
+        cfg,
+        layer: int,
+        mesh: ParallelMesh | None,
+        *,
+        attention,
+        mlp,
+        norm: dict,
+        moe=moe_block,
+    ):
         super().__init__()
         group = tp_group_of(mesh)
         sp = cfg.sequence_parallel and group_size(group) > 1
@@ -311,7 +322,7 @@ class Head(nn.Module):
         self,
         hidden: int,
         weight: nn.Parameter,
-        mesh=None,
+        mesh: ParallelMesh | None = None,
         *,
         norm: str = "rmsnorm",
         eps: float | None = None,
@@ -340,13 +351,19 @@ class Head(nn.Module):
         return F.linear(x, self.weight).flatten(0, 1)
 
 
-def mesh_sizes(mesh) -> tuple[int, int, int]:
+def mesh_sizes(mesh: ParallelMesh | None) -> tuple[int, int, int]:
     """(tp, pp, ep) of the mesh; (1, 1, 1) without one."""
     return (mesh.tp_size, mesh.pp_size, mesh.ep_size) if mesh is not None else (1, 1, 1)
 
 
 def build_decoder(
-    cfg, mesh, block, *, learned_positions: bool = False, norm: str = "rmsnorm", eps=None
+    cfg,
+    mesh: ParallelMesh | None,
+    block,
+    *,
+    learned_positions: bool = False,
+    norm: str = "rmsnorm",
+    eps=None,
 ) -> list[nn.Module]:
     """[Embedding, block(cfg, i, mesh) for i < cfg.layers, Head] after ``cfg.check``, drawn in
     this order from the current random stream on every rank (same seed -> the same model at
@@ -378,7 +395,7 @@ def build_decoder(
     return [embed, *blocks, head]
 
 
-def untie_for_pipeline(blocks: list[nn.Module], mesh) -> nn.Parameter | None:
+def untie_for_pipeline(blocks: list[nn.Module], mesh: ParallelMesh | None) -> nn.Parameter | None:
     """With pp > 1 the embedding (first stage) and a tied head (last stage) live on different
     ranks: give the head its own copy of the weight, marked and synced as tied. Returns the
     tied parameter this rank holds (None if it holds neither end). Checkpoints save and load
@@ -410,7 +427,7 @@ def lm_loss(
     logits: torch.Tensor,
     targets: torch.Tensor,
     cfg,
-    mesh=None,
+    mesh: ParallelMesh | None = None,
     *,
     weight: torch.Tensor | None = None,
     recompute: bool = False,

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from fastpar.cliutil import flat_fields
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.models.activations import Activations, norm_bytes, swiglu_activations
 from fastpar.models.common import DecoderBlock, build_decoder, check_layout, check_sizes, lm_loss
 from fastpar.models.llama import MLP, LlamaConfig, check_routing, moe
@@ -211,7 +212,7 @@ class DeepSeekConfig(SwiGLUShape):
 class Block(DecoderBlock):
     """Pre-norm DeepSeek block: x + mla(rmsnorm(x)); x + swiglu_or_moe(rmsnorm(x))."""
 
-    def __init__(self, cfg: DeepSeekConfig, layer: int, mesh=None):
+    def __init__(self, cfg: DeepSeekConfig, layer: int, mesh: ParallelMesh | None = None):
         super().__init__(
             cfg,
             layer,
@@ -223,7 +224,7 @@ class Block(DecoderBlock):
         )
 
 
-def build_deepseek(cfg: DeepSeekConfig, mesh=None) -> list[nn.Module]:
+def build_deepseek(cfg: DeepSeekConfig, mesh: ParallelMesh | None = None) -> list[nn.Module]:
     """Every block of the model: [Embedding, Block x cfg.layers, Head], drawn in this order from
     the current random stream on every rank (same seed -> same model at any layout); with
     ``mtp_depth`` the head is an ``MTPHead`` whose modules (DeepSeek blocks of layers

@@ -17,6 +17,7 @@ from torch import nn
 
 from fastpar.cliutil import flat_fields
 from fastpar.comm import group_size
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_heads
 from fastpar.models.activations import Activations, activations
 from fastpar.models.common import (
@@ -136,7 +137,7 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
-def moe(cfg: GPTConfig, mesh=None) -> nn.Module:
+def moe(cfg: GPTConfig, mesh: ParallelMesh | None = None) -> nn.Module:
     """A GPT MoE block: GELU experts with biases, the config's routing options
     (``fastpar.models.llama.routing_options``)."""
     return moe_block(cfg, mesh, **routing_options(cfg))
@@ -145,13 +146,13 @@ def moe(cfg: GPTConfig, mesh=None) -> nn.Module:
 class Block(DecoderBlock):
     """Pre-norm GPT block: x + attn(norm(x)); x + mlp_or_moe(norm(x))."""
 
-    def __init__(self, cfg: GPTConfig, layer: int, mesh=None):
+    def __init__(self, cfg: GPTConfig, layer: int, mesh: ParallelMesh | None = None):
         super().__init__(
             cfg, layer, mesh, attention=Attention, mlp=MLP, norm={"kind": cfg.norm}, moe=moe
         )
 
 
-def build_gpt(cfg: GPTConfig, mesh=None) -> list[nn.Module]:
+def build_gpt(cfg: GPTConfig, mesh: ParallelMesh | None = None) -> list[nn.Module]:
     """Every block of the model: [Embedding, Block x cfg.layers, Head]. Draws them in this order
     from the current random stream on every rank (same seed -> same model at any layout)."""
     return build_decoder(cfg, mesh, Block, learned_positions=True, norm=cfg.norm)

@@ -37,6 +37,7 @@ from fastpar.checkpoint.hf import load_hf
 from fastpar.checkpoint.hf._common import _short
 from fastpar.checkpoint.hf.load import _read_into, _weight_map
 from fastpar.cliutil import read_table
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.models import hf_documents
 from fastpar.nn import parallelize
 from fastpar.nn.plan import match, parse_style
@@ -255,7 +256,9 @@ def _lm_head_split(model: nn.Module, plan: dict, path: str) -> dict:
     return out
 
 
-def hf_blocks(config, mesh, plan: dict | None = None, plan_path: str = "") -> HFParts:
+def hf_blocks(
+    config, mesh: ParallelMesh | None, plan: dict | None = None, plan_path: str = ""
+) -> HFParts:
     """Build, parallelize and cut the model of ``config`` for this rank's mesh (a copy of
     ``config``: the model's attention is switched to the documents-aware one, the caller's
     config is left as it was). ``plan``: a ``--plan`` file's plan (``read_plan``) instead of

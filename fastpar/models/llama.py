@@ -18,6 +18,7 @@ from torch import nn
 
 from fastpar.cliutil import check_positive_or_none, flat_fields
 from fastpar.comm import group_size
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_blocks, mark_heads
 from fastpar.models.activations import Activations, swiglu_activations
 from fastpar.models.common import (
@@ -333,7 +334,7 @@ class MLP(nn.Module):
         return self.down(F.silu(gate) * up)
 
 
-def moe(cfg: LlamaConfig, mesh=None) -> nn.Module:
+def moe(cfg: LlamaConfig, mesh: ParallelMesh | None = None) -> nn.Module:
     """A Llama MoE block: SwiGLU experts (no biases) ``moe_ffn`` wide, the router
     renormalising the top-k weights when ``norm_topk_prob``, with the config's routing options
     (``routing_options``: sigmoid scores, groups, expert bias, shared experts, losses)."""
@@ -343,13 +344,13 @@ def moe(cfg: LlamaConfig, mesh=None) -> nn.Module:
 class Block(DecoderBlock):
     """Pre-norm Llama block: x + attn(rmsnorm(x)); x + swiglu_or_moe(rmsnorm(x))."""
 
-    def __init__(self, cfg: LlamaConfig, layer: int, mesh=None):
+    def __init__(self, cfg: LlamaConfig, layer: int, mesh: ParallelMesh | None = None):
         super().__init__(
             cfg, layer, mesh, attention=Attention, mlp=MLP, norm={"eps": cfg.norm_eps}, moe=moe
         )
 
 
-def build_llama(cfg: LlamaConfig, mesh=None) -> list[nn.Module]:
+def build_llama(cfg: LlamaConfig, mesh: ParallelMesh | None = None) -> list[nn.Module]:
     """Every block of the model: [Embedding, Block x cfg.layers, Head], drawn in this order from
     the current random stream on every rank (same seed -> same model at any layout); with
     ``mtp_depth`` the head is an ``MTPHead`` whose modules are drawn last."""

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastpar.comm import copy_to_region, group_size, scatter_to_sequence
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.models.common import (
     IGNORE_INDEX,
     Embedding,
@@ -147,7 +148,7 @@ class MTPLayer(nn.Module):
     and output, and ``norm``, the final norm its logits go through (HF's
     ``shared_head.norm``). Drawn in this order: enorm, hnorm, eh_proj, block, norm."""
 
-    def __init__(self, cfg, k: int, mesh, block: Callable, norm: dict):
+    def __init__(self, cfg, k: int, mesh: ParallelMesh | None, block: Callable, norm: dict):
         super().__init__()
         group = tp_group_of(mesh)
         sp = cfg.sequence_parallel and group_size(group) > 1
@@ -169,7 +170,13 @@ class MTPHead(Head):
     ``tokens`` and it returns an ``MTPOutput``; in eval mode only the main logits, as a
     ``Head`` does (the validation loss is the main model's)."""
 
-    def __init__(self, head: Head, embed: Embedding, layers: Sequence[MTPLayer], mesh=None):
+    def __init__(
+        self,
+        head: Head,
+        embed: Embedding,
+        layers: Sequence[MTPLayer],
+        mesh: ParallelMesh | None = None,
+    ):
         nn.Module.__init__(self)
         self.group, self.sp, self.return_hidden = head.group, head.sp, head.return_hidden
         self.norm, self.weight = head.norm, head.weight
@@ -210,7 +217,9 @@ class MTPHead(Head):
         return MTPOutput(main, tuple(depths), keep)
 
 
-def add_mtp(blocks: list[nn.Module], cfg, mesh, block: Callable) -> list[nn.Module]:
+def add_mtp(
+    blocks: list[nn.Module], cfg, mesh: ParallelMesh | None, block: Callable
+) -> list[nn.Module]:
     """``blocks`` ([Embedding, ..., Head]) with the head replaced by an ``MTPHead`` of
     ``cfg.mtp_depth`` modules whose blocks ``block(cfg, layer, mesh)`` builds (drawn after
     every other weight: the main model is the same with MTP on or off). Depth 0: unchanged."""
@@ -247,7 +256,7 @@ def mtp_loss(
     out: torch.Tensor | MTPOutput,
     targets: torch.Tensor,
     cfg,
-    mesh=None,
+    mesh: ParallelMesh | None = None,
     *,
     weight: torch.Tensor | None = None,
     recompute: bool = False,

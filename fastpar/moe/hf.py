@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fastpar import families
 from fastpar.comm import group_rank, plain
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.moe import experts, tp
 from fastpar.moe.layer import MoE
 
@@ -160,7 +161,9 @@ def _groups(gate: nn.Module, experts: int, family: str) -> dict:
 
 
 @torch.no_grad()
-def moe_from_hf(block: nn.Module, *, mesh=None, ep_group=None, **options) -> MoE:
+def moe_from_hf(
+    block: nn.Module, *, mesh: ParallelMesh | DeviceMesh | None = None, ep_group=None, **options
+) -> MoE:
     """A ``MoE`` computing what the HF ``block`` computes (see the module docstring); with
     ``mesh`` (its EP group) or ``ep_group``, this rank holds its slice of the experts.
     ``options``: any of ``OPTIONS`` (e.g. ``aux_loss="micro_batch"`` to train with fastpar's

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_expert, mark_sharded
 from fastpar.moe import experts
 from fastpar.moe.hf import block_adapter, hf_family, moe_from_hf
@@ -59,7 +61,14 @@ class HFMoEBlock(nn.Module):
     ``MoE``, under the block's own names (docs/moe.md). ``mesh``: experts over its EP
     group, and over its TP group with ``expert_tp``; ``options`` go to ``moe_from_hf``."""
 
-    def __init__(self, block: nn.Module, *, mesh=None, expert_tp: bool = True, **options) -> None:
+    def __init__(
+        self,
+        block: nn.Module,
+        *,
+        mesh: ParallelMesh | DeviceMesh | None = None,
+        expert_tp: bool = True,
+        **options,
+    ) -> None:
         super().__init__()
         self.family = hf_family(block)
         adapter = block_adapter(block)

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from fastpar.comm import (
     all_reduce_grad,
@@ -29,6 +30,7 @@ from fastpar.comm import (
 )
 from fastpar.comm.sequence import split_sequence
 from fastpar.mesh.bridge import mesh_group
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_blocks, mark_expert, mark_sharded
 from fastpar.moe import experts, tp
 from fastpar.moe.aux_grad import InjectAuxGrad, block_scale
@@ -128,7 +130,7 @@ class MoE(nn.Module):
         sequence_parallel: bool = False,
         expert_tp: bool = False,
         sequence_dim: int = 1,
-        mesh=None,
+        mesh: ParallelMesh | DeviceMesh | None = None,
         ep_group: dist.ProcessGroup | None = None,
         tp_group: dist.ProcessGroup | None = None,
         cp_group: dist.ProcessGroup | None = None,
@@ -150,8 +152,8 @@ class MoE(nn.Module):
         tp.check(self.tp_layout, self.tp, ffn_hidden_size, capacity_factor, overlap_chunks)
         self.sequence_parallel, self.expert_tp = sequence_parallel, expert_tp
         self.sequence_dim = sequence_dim
-        if mesh is not None and getattr(mesh, "cp_size", 1) > 1:
-            cp_group = mesh_group(mesh, "cp")
+        if mesh is not None:  # (a DeviceMesh: no context parallelism)
+            cp_group = getattr(mesh, "context_group", None)
         self.cp_group = cp_group
         self.cp = group_size(cp_group) if cp_group is not None else 1
         if self.cp > 1 and capacity_factor is not None:

@@ -9,10 +9,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from fastpar import debug
 from fastpar.comm import group_rank, group_size, reduce_from_region
 from fastpar.comm.checks import check_same, digest
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_sharded
 from fastpar.nn.linear import resolve_group
 
@@ -117,7 +119,7 @@ class VocabParallelEmbedding(nn.Module):
         *,
         check_ids: bool = True,
         group: dist.ProcessGroup | None = None,
-        mesh=None,
+        mesh: ParallelMesh | DeviceMesh | None = None,
         device=None,
         dtype=None,
         _master: nn.Embedding | None = None,

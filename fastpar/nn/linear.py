@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from fastpar import debug
 from fastpar.comm import (
@@ -27,16 +28,19 @@ from fastpar.comm import (
     scatter_to_region,
 )
 from fastpar.comm.checks import check_same
-from fastpar.mesh.bridge import tensor_parallel_group
+from fastpar.mesh.bridge import mesh_group
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_replicated, mark_sharded
 
 
-def resolve_group(group: dist.ProcessGroup | None, mesh) -> dist.ProcessGroup | None:
+def resolve_group(
+    group: dist.ProcessGroup | None, mesh: ParallelMesh | DeviceMesh | None
+) -> dist.ProcessGroup | None:
     """The tensor-parallel group: that of ``mesh`` if one is given (a ``ParallelMesh``'s
     ``tp_group``, or a torch ``DeviceMesh``'s "tp" dim: ``fastpar.mesh.bridge``), else
     ``group`` (None = the default group)."""
     if mesh is not None:
-        tp_group = tensor_parallel_group(mesh)
+        tp_group = mesh_group(mesh, "tp")
         if group is not None and group is not tp_group:
             raise ValueError("pass either group= or mesh=, not both")
         return tp_group
@@ -134,7 +138,7 @@ class ColumnParallelLinear(_FromDense, nn.Module):
         fused: int = 1,
         pad_output: bool = False,
         group: dist.ProcessGroup | None = None,
-        mesh=None,
+        mesh: ParallelMesh | DeviceMesh | None = None,
         device=None,
         dtype=None,
         _master: nn.Linear | None = None,
@@ -229,7 +233,7 @@ class RowParallelLinear(_FromDense, nn.Module):
         sequence_dim: int = 0,
         skip_bias_add: bool = False,
         group: dist.ProcessGroup | None = None,
-        mesh=None,
+        mesh: ParallelMesh | DeviceMesh | None = None,
         device=None,
         dtype=None,
         _master: nn.Linear | None = None,

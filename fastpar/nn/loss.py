@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.nn.linear import resolve_group
 from fastpar.ops.cross_entropy import vocab_parallel_cross_entropy
 
@@ -34,7 +36,7 @@ class VocabParallelCrossEntropy(nn.Module):
         *,
         vocab_size: int | None = None,
         group: dist.ProcessGroup | None = None,
-        mesh=None,
+        mesh: ParallelMesh | DeviceMesh | None = None,
     ) -> None:
         super().__init__()
         if reduction not in ("mean", "sum", "none"):

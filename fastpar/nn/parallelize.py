@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from fastpar import tolerance
 from fastpar.comm import all_reduce_grad, group_size
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_owned, mark_replicated
 from fastpar.nn import check as _check
 from fastpar.nn import plans as _plans
@@ -213,13 +215,13 @@ def _check_router_logits(model: nn.Module) -> None:
         )
 
 
-def _swap(model, modules, chosen, tp_group, mesh=None) -> dict[str, nn.Module]:
+def _swap(model, modules, chosen, tp_group, ep_group=None) -> dict[str, nn.Module]:
     new_modules = {}
     for n, (style, kwargs) in chosen.items():
         swap = STYLES[style].swap
         if swap is None:
             continue
-        new = swap(modules[n], tp_group, mesh, **kwargs)
+        new = swap(modules[n], tp_group, ep_group, **kwargs)
         parent_name, _, attr = n.rpartition(".")
         setattr(modules[parent_name] if parent_name else model, attr, new)
         new_modules[n] = new
@@ -296,7 +298,7 @@ def _split(
     mode,
     record,
     tp_group,
-    mesh,
+    ep_group,
     heads,
     world,
     blocks,
@@ -352,7 +354,7 @@ def _split(
         {n.rpartition(".")[0] for n, (s, kw) in chosen.items() if splits_output(s, kw)}
     )
     counts = {n: set(head_counts(modules[n] if n else model, model).values()) for n in parents}
-    new_modules = _swap(model, modules, chosen, tp_group, mesh)
+    new_modules = _swap(model, modules, chosen, tp_group, ep_group)
     _divide_heads(model, modules, chosen, heads, world)
     sliced = slice_head_lists(
         model, modules, [a for a in parents if a in attention], counts, tp_group, world
@@ -375,7 +377,7 @@ def _split(
 def parallelize(
     model: nn.Module,
     plan: Mapping[str, object] | None = None,
-    mesh=None,
+    mesh: ParallelMesh | DeviceMesh | None = None,
     *,
     group: dist.ProcessGroup | None = None,
     heads: Mapping[str, list[str]] | None = None,
@@ -404,7 +406,8 @@ def parallelize(
     A pattern of the caller's plan that matches nothing is an error (a typo would leave a
     layer dense).
     """
-    tp_group = resolve_group(group, mesh)
+    tp_group = resolve_group(group, mesh)  # the groups, once: a DeviceMesh has no ep group
+    ep_group = mesh.ep_group if getattr(mesh, "ep_size", 1) > 1 else None
     world = group_size(tp_group)
     strict = plan is not None
     if plan is None:
@@ -473,7 +476,7 @@ def parallelize(
             mode,
             record,
             tp_group,
-            mesh,
+            ep_group,
             heads,
             world,
             blocks,

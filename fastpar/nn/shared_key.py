@@ -22,8 +22,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from fastpar.comm import copy_to_region
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_replicated
 from fastpar.nn.linear import resolve_group
 
@@ -41,7 +43,7 @@ class SharedKeyLinear(nn.Linear):
         *,
         features: int | None = None,
         group: dist.ProcessGroup | None = None,
-        mesh=None,
+        mesh: ParallelMesh | DeviceMesh | None = None,
         device=None,
         dtype=None,
     ) -> None:
@@ -53,7 +55,14 @@ class SharedKeyLinear(nn.Linear):
         self._mark()
 
     @classmethod
-    def from_dense(cls, linear: nn.Linear, *, features: int | None = None, group=None, mesh=None):
+    def from_dense(
+        cls,
+        linear: nn.Linear,
+        *,
+        features: int | None = None,
+        group=None,
+        mesh: ParallelMesh | DeviceMesh | None = None,
+    ):
         """The same layer holding ``linear``'s own parameters (no copy: ties and optimizer
         references stay valid)."""
         if not isinstance(linear, nn.Linear):

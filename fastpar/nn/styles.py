@@ -68,15 +68,14 @@ def _needs_params(name: str, module: nn.Module, style: str) -> None:
 
 
 def _from_dense(layer: type) -> Callable[..., nn.Module]:
-    def swap(module: nn.Module, tp_group, mesh, **options) -> nn.Module:
+    def swap(module: nn.Module, tp_group, ep_group, **options) -> nn.Module:
         return layer.from_dense(module, group=tp_group, **options)
 
     return swap
 
 
-def _experts(block: nn.Module, tp_group, mesh, **options) -> nn.Module:
+def _experts(block: nn.Module, tp_group, ep_group, **options) -> nn.Module:
     """An HF MoE block -> ``HFMoEBlock`` over the TP group (and the mesh's EP group)."""
-    ep_group = mesh.ep_group if getattr(mesh, "ep_size", 1) > 1 else None
     return HFMoEBlock(block, tp_group=tp_group, ep_group=ep_group, **options)
 
 
@@ -95,7 +94,7 @@ class Style:
     options: bool = True
     """Whether it takes keyword options (``(name, {...})`` in a plan)."""
     swap: Callable[..., nn.Module] | None = None
-    """(module, tp_group, mesh, **options) -> the module put in its place; None: it stays."""
+    """(module, tp_group, ep_group, **options) -> the module put in its place; None: it stays."""
     layer: bool = False
     """Swapped for a fastpar TP layer that owns its parameters' sharding: the probe watches
     its output, not its parameters."""

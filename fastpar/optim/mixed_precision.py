@@ -23,6 +23,7 @@ from fastpar.amp.step import (
     norm_and_agree,
     unscale_and_agree,
 )
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import copy_marks
 from fastpar.optim.pieces import load_torch_optimizer_pieces, torch_optimizer_pieces
 
@@ -50,7 +51,7 @@ class MixedPrecisionOptimizer(OptimizerFront):
         *,
         scaler: DynamicLossScaler | ConstantLossScaler | None = None,
         max_grad_norm: float | None = None,
-        mesh=None,
+        mesh: ParallelMesh | None = None,
         group: dist.ProcessGroup | None = None,
         dp_replicated: bool = True,
         fold_unscale: bool | None = None,

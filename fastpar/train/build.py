@@ -183,7 +183,7 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def _optimizer(cfg, stage, groups, mesh, scaler, block_types, exact=False):
+def _optimizer(cfg, stage, groups, mesh: ParallelMesh | None, scaler, block_types, exact=False):
     """(what the engine runs, the optimizer wrapper): the data-parallel wrapper of the ZeRO
     stage, which owns the optimizer step and sums the tied embedding's gradients itself;
     ``mesh`` None: the plain module and the mixed-precision AdamW of one process. Interleaved:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from fastpar.amp.norm import counts_on_this_rank
 from fastpar.comm import plain
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import is_expert
 from fastpar.models import native
 from fastpar.train.stragglers import straggler_text
@@ -36,7 +37,7 @@ PEAK_FLOPS = {
 TENSORBOARD_HINT = "pip install fastpar[tensorboard]"
 
 
-def resolve(records: list[dict], mesh, device: torch.device) -> None:
+def resolve(records: list[dict], mesh: ParallelMesh, device: torch.device) -> None:
     """Turn the device tensors of ``records`` (``Trainer.step``'s, of the steps since the last
     call) into numbers, alike on every rank: ``loss`` averaged over data parallelism (the last
     pipeline stage's, broadcast over the pipeline group), ``grad_norm`` (global already) and
@@ -60,7 +61,7 @@ def resolve(records: list[dict], mesh, device: torch.device) -> None:
     _resolve_mtp(records, mesh, device)
 
 
-def _resolve_mtp(records: list[dict], mesh, device: torch.device) -> None:
+def _resolve_mtp(records: list[dict], mesh: ParallelMesh, device: torch.device) -> None:
     """--mtp-depth: each record's ``mtp_loss`` averaged over data parallelism like ``loss``
     (a skipped empty step's: 0). A no-op for records without one."""
     if not any("mtp_loss" in r for r in records):
@@ -80,7 +81,9 @@ def _is_embedding(module: torch.nn.Module) -> bool:
     return isinstance(module, (torch.nn.Embedding, VocabParallelEmbedding))
 
 
-def param_counts(module: torch.nn.Module, mesh, device: torch.device) -> dict[str, int]:
+def param_counts(
+    module: torch.nn.Module, mesh: ParallelMesh | None, device: torch.device
+) -> dict[str, int]:
     """Parameters of the whole model, each counted once across the layout (one all-reduce):
     ``total``; ``embedding`` (of embedding tables); ``experts`` (of fastpar MoE layers' experts,
     the router and shared experts left out)."""
@@ -183,7 +186,7 @@ def memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def reserved_mib(device: torch.device, mesh=None) -> float | None:
+def reserved_mib(device: torch.device, mesh: ParallelMesh | None = None) -> float | None:
     """The largest peak of memory reserved by torch's CUDA caching allocator over the ranks
     (one MAX all-reduce); None off CUDA."""
     if device.type != "cuda":

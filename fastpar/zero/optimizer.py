@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fastpar.amp.scaler import ConstantLossScaler, DynamicLossScaler
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.parallel.data.family import FlatDataParallel
 
 
@@ -36,7 +37,7 @@ class ZeroOptimizer(FlatDataParallel):
         optimizer: torch.optim.Optimizer,
         *,
         stage: int = 1,
-        mesh=None,
+        mesh: ParallelMesh | None = None,
         group: dist.ProcessGroup | None = None,
         bucket_size_mb: float = 25.0,
         scaler: DynamicLossScaler | ConstantLossScaler | None = None,

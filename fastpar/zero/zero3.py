@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastpar.amp.scaler import ConstantLossScaler, DynamicLossScaler
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.parallel.data.flat import FlatShard
 from fastpar.parallel.data.replicate import Shard
 
@@ -42,7 +43,7 @@ class Zero3(Shard):
         module: nn.Module,
         optimizer_factory: Callable[[list], torch.optim.Optimizer],
         *,
-        mesh=None,
+        mesh: ParallelMesh | None = None,
         group: dist.ProcessGroup | None = None,
         wrap: Sequence[type] | None = None,
         min_params: int | None = None,

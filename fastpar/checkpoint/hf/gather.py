@@ -12,13 +12,14 @@ from fastpar.checkpoint.format import CheckpointError
 from fastpar.checkpoint.gather import gather_state
 from fastpar.checkpoint.hf._common import DEFAULT_SHARD_SIZE, Rename
 from fastpar.checkpoint.hf.export import export_hf
+from fastpar.mesh.groups import ParallelMesh
 
 
 def save_hf(
     model,
     out_dir: str | os.PathLike,
     *,
-    mesh=None,
+    mesh: ParallelMesh | None = None,
     config=None,
     dtype: torch.dtype | None = None,
     rename: Rename = None,

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.parallel.data.replicate import Replicate
 
 
@@ -29,7 +30,7 @@ class DistributedDataParallel(Replicate):
         self,
         module: nn.Module,
         *,
-        mesh=None,
+        mesh: ParallelMesh | None = None,
         group: dist.ProcessGroup | None = None,
         bucket_size_mb: float = 25.0,
         reduce_dtype: torch.dtype | None = None,

@@ -14,6 +14,7 @@ from torch import nn
 
 from fastpar.amp.step import OptimizerFront, guarded_step, unscale_and_agree
 from fastpar.comm import plain
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import data_parallel_groups, is_expert, sharding_groups
 from fastpar.mesh.ranks import global_rank, group_rank, group_size
 from fastpar.parallel.data import layout
@@ -55,7 +56,7 @@ class FlatDataParallel(OptimizerFront):
         make_optimizer: MakeOptimizer | None,
         *,
         stage: int,
-        mesh=None,
+        mesh: ParallelMesh | None = None,
         group: dist.ProcessGroup | None = None,
         bucket_size_mb: float | None = 25.0,
         reduce_dtype: torch.dtype | None = torch.float32,

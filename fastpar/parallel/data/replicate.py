@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.parallel.data.family import FlatDataParallel, MakeOptimizer
 from fastpar.parallel.data.units import Units
 
@@ -56,7 +57,7 @@ class Replicate(FlatDataParallel, nn.Module):
         module: nn.Module,
         optimizer_factory: OptimizerFactory | None = None,
         *,
-        mesh=None,
+        mesh: ParallelMesh | None = None,
         group: dist.ProcessGroup | None = None,
         param_groups: list[dict] | None = None,
         scaler=None,
@@ -114,7 +115,7 @@ class Shard(FlatDataParallel, nn.Module):
         optimizer_factory: OptimizerFactory,
         *,
         stage: int = 3,
-        mesh=None,
+        mesh: ParallelMesh | None = None,
         group: dist.ProcessGroup | None = None,
         param_groups: list[dict] | None = None,
         scaler=None,

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from fastpar.comm import plain
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_duplicated
 from fastpar.mesh.ranks import global_rank
 from fastpar.parallel.data.protocols import DataParallel, GradSync
@@ -30,7 +31,7 @@ from fastpar.parallel.pipeline.schedules import Schedule
 EVAL_TAG = 1 << 16  # eval's channels: tags offset by this (its own P2P, its own headers)
 
 
-def tie_across_stages(param: torch.Tensor, mesh) -> None:
+def tie_across_stages(param: torch.Tensor, mesh: ParallelMesh) -> None:
     """Declare ``param`` shared by the first and last stage (held on both): mark it duplicated
     over the embedding group (``fastpar.mesh.placement``: the grad norm counts it once, on the
     group's first rank) and copy that first rank's value — the first stage's — to the last.
@@ -89,7 +90,7 @@ class PipelineEngine(StepRunner):
     def __init__(
         self,
         stage: nn.Module | Sequence[nn.Module],
-        mesh,
+        mesh: ParallelMesh,
         schedule: Schedule,
         *,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastpar import families
+from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_replicated, mark_sharded, mark_tied_copy, param_layout
 from fastpar.parallel.data.protocols import DataParallel
 from fastpar.parallel.pipeline.engine import tie_across_stages
@@ -288,7 +289,7 @@ def _name_in(block: nn.Module, p: nn.Parameter) -> str:
     return next(name for name, q in block.named_parameters() if q is p)
 
 
-def hf_tie_across_stages(blocks: list[nn.Module], mesh) -> nn.Parameter | None:
+def hf_tie_across_stages(blocks: list[nn.Module], mesh: ParallelMesh | None) -> nn.Parameter | None:
     """Tied word embeddings (``lm_head.weight is model.embed_tokens.weight``) with pp > 1: the
     last stage's head gets its own copy of the weight (the same TP layout mark), and both ends
     are tied with ``tie_across_stages`` (marked duplicated over the embedding group, the copy set
