@@ -63,6 +63,21 @@ def _op_name(func) -> str:
     return name
 
 
+def _tensors(obj, out: list | None = None) -> list[torch.Tensor]:
+    """The tensors in ``obj`` (nested tuples, lists and dicts, a ModelOutput's values), in
+    order: what ``tree_flatten`` finds there, without its per-node cost on every op."""
+    out = [] if out is None else out
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            _tensors(o, out)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            _tensors(o, out)
+    return out
+
+
 class _Labeller(TorchFunctionMode):
     def __init__(self, watched: Mapping[int, str], report: ProbeReport):
         super().__init__()
@@ -89,7 +104,7 @@ class _Labeller(TorchFunctionMode):
         out = func(*args, **kwargs)
         if self.suspended:
             return out
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        tensors = _tensors((args, kwargs))
         split_src, full, params, widths, param_widths = None, False, set(), set(), {}
         for t in tensors:
             lab = self._of(t)
@@ -123,7 +138,7 @@ class _Labeller(TorchFunctionMode):
             self.report.mixed.append((f"{op} in {where!r}", split_src))
         if split_src is None and not full and not params:
             return out
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        outs = _tensors(out)
         in_place = op.endswith("_") or op in ("__setitem__", "__iadd__", "__imul__")
         if in_place and args and isinstance(args[0], torch.Tensor):
             outs.append(args[0])  # in place: the destination takes the label
