@@ -153,3 +153,28 @@ def _twin_runs(mixed) -> int:
 def test_the_twin_runs_only_where_the_fp32_run_alone_cannot_pass_a_quantity():
     assert run_ranks(_twin_runs, 2, ()) == [0, 0]  # exact: passed on the fp32 run's error
     assert run_ranks(_twin_runs, 2, (0,)) == [-1, -1]  # over the bound: judged again, refused
+
+
+def _spread(offset: float) -> tuple[float, float]:
+    """A replicated parameter whose gradient is the dense one +offset x its bound on TP rank 0
+    and -offset x it on rank 1: (its ratio to its bound, its spread across the ranks over the
+    bound), as ``_judge`` reduces them."""
+    mesh = make_mesh(tp=2)
+    exact = torch.linspace(1, 2, 4, dtype=torch.float64)
+    single = exact.float()
+    bound = tolerance.compare(single, [single], exact, length=4).bound
+    p = nn.Parameter(single.clone())
+    sign = 1 if mesh.tp_rank == 0 else -1
+    p.grad = (exact + sign * offset * bound).float()
+    out = torch.zeros(2, dtype=torch.float64)
+    ref = _check.Dense(out=[out.float(), out], grads=[{"w": single}, {"w": exact}], length=4)
+    ref.backward = True
+    verdict = _check._judge(out.float(), {"w": p}, ref, mesh.tp_group, 2, set(), True)
+    return verdict.ratios["w"], verdict.spread["w"]
+
+
+def test_a_replicated_gradient_that_differs_across_the_tp_ranks_is_refused():
+    (ratio, spread), other = run_ranks(_spread, 2, 0.8)
+    assert other == (ratio, spread)  # every rank judges alike
+    assert 0.6 < ratio < 1 and 1.4 < spread < 1.8  # within its bound on each rank, 1.6 apart
+    assert run_ranks(_spread, 2, 0.0)[0][1] == 0.0

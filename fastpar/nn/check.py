@@ -477,7 +477,8 @@ def parallel_run(model, inputs, ref: Dense, tp_group, world: int, own=frozenset(
                     w = w[..., rank * per : (rank + 1) * per]
                 (got * w.to(got.dtype)).sum().backward()
             verdict = _judge(full, named, ref, tp_group, world, own, got.requires_grad)
-            if max(verdict.ratios.values()) > 1 and ref.add_twin():  # the same on every rank
+            over = max([*verdict.ratios.values(), *verdict.spread.values()]) > 1
+            if over and ref.add_twin():  # (the ratios are max-reduced: the same on every rank)
                 verdict = _judge(full, named, ref, tp_group, world, own, got.requires_grad)
             for n, p in named.items():
                 p.grad = old_grads[n]
@@ -487,27 +488,41 @@ def parallel_run(model, inputs, ref: Dense, tp_group, world: int, own=frozenset(
 
 
 def _judge(full, named, ref: Dense, tp_group, world: int, own, grads: bool) -> Verdict:
+    """The verdict on this rank's output and gradients, every ratio max-reduced over TP in one
+    collective, with each replicated gradient's spread across the TP ranks: max(g) + max(-g)
+    over its bound (the smallest of the ranks' bounds: the largest ratio)."""
     verdict = Verdict()
     verdict.output = tolerance.compare(
         full, ref.single, ref.exact, length=ref.length, what="output"
     )
-    if ref.backward and grads:
-        _grads(named, ref, verdict, tp_group, world, own)
-    ratios = [verdict.output.ratio]
+    copies = _grads(named, ref, verdict, world, own) if ref.backward and grads else {}
     names = list(verdict.grads)  # the model's order: the same length on every rank
-    ratios += [verdict.grads[n].ratio for n in names] + [verdict.spread.get(n, 0.0) for n in names]
+    ratios = [verdict.output.ratio] + [verdict.grads[n].ratio for n in names]
+    spread = dict.fromkeys(names, 0.0)
     if world > 1:
-        t = torch.tensor(ratios, dtype=torch.float64, device=full.device)
+        n, k = len(ratios), len(copies)
+        flat = torch.cat([g.double().reshape(-1) for g in copies.values()]) if copies else None
+        head = [*ratios, *(-verdict.grads[name].bound for name in copies)]
+        t = torch.tensor(head, dtype=torch.float64, device=full.device)
+        t = torch.cat([t, flat, -flat]) if flat is not None else t
         plain.all_reduce(t, op=dist.ReduceOp.MAX, group=tp_group)
-        ratios = t.tolist()
-    verdict.ratios = dict(zip(["output", *names], ratios[: len(names) + 1], strict=True))
-    verdict.spread = dict(zip(names, ratios[len(names) + 1 :], strict=True))
+        ratios, bounds = t[:n].tolist(), (-t[n : n + k]).tolist()
+        if flat is not None:
+            hi, lo = t[n + k : n + k + flat.numel()], t[n + k + flat.numel() :]
+            parts = (hi + lo).split([g.numel() for g in copies.values()])
+            for name, part, bound in zip(copies, parts, bounds, strict=True):
+                top = float(part.max()) if part.numel() else 0.0
+                spread[name] = top / bound if bound > 0 else float(top > 0) * 1e30
+    verdict.ratios = dict(zip(["output", *names], ratios, strict=True))
+    verdict.spread = spread
     return verdict
 
 
-def _grads(named, ref: Dense, verdict: Verdict, tp_group, world: int, own) -> None:
+def _grads(named, ref: Dense, verdict: Verdict, world: int, own) -> dict[str, torch.Tensor]:
+    """Each gradient of this rank against its part of the dense ones, into ``verdict``;
+    returns the replicated ones (equal on every TP rank: their spread is measured)."""
     exact = ref.grads[-1]
-    copies: dict[str, torch.Tensor] = {}  # replicated gradients: equal on every TP rank
+    copies: dict[str, torch.Tensor] = {}
     for name, p in named.items():
         if not p.requires_grad:
             continue
@@ -528,18 +543,8 @@ def _grads(named, ref: Dense, verdict: Verdict, tp_group, world: int, own) -> No
         verdict.grads[name] = cmp
         layout = param_layout(p)
         if world > 1 and name not in own and (layout is None or layout.kind == "replicated"):
-            copies[name] = grad.detach().double().reshape(-1)
-    if copies:  # the spread across the TP ranks of every copy, in one collective: max(g), max(-g)
-        flat = torch.cat(list(copies.values()))
-        both = torch.cat([flat, -flat])
-        plain.all_reduce(both, op=dist.ReduceOp.MAX, group=tp_group)
-        spreads = (both[: flat.numel()] + both[flat.numel() :]).split(
-            [t.numel() for t in copies.values()]
-        )
-        for (name, _), spread in zip(copies.items(), spreads, strict=True):
-            spread = float(spread.max()) if spread.numel() else 0.0
-            bound = verdict.grads[name].bound
-            verdict.spread[name] = spread / bound if bound > 0 else float(spread > 0) * 1e30
+            copies[name] = grad.detach()
+    return copies
 
 
 def refuse(verdict: Verdict, model: nn.Module, per_head, whole=()) -> None:
