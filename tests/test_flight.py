@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from fastpar import flight
 from fastpar.flight.files import main, read_dumps
-from fastpar.flight.record import read_ring
+from fastpar.flight.record import _where, read_ring
 from fastpar.launch import run_ranks
 
 
@@ -325,3 +325,14 @@ def test_sigusr1_to_the_caller_prints_every_ranks_analysis_and_the_run_goes_on(t
     assert "the dumps show no disagreement between ranks" in text, text
     for r in range(2):
         assert f"rank {r} is last in world[0,1] #5 all_reduce [4] float32\n" in text, text
+
+
+def test_where_a_collective_comes_from_skips_the_modules_it_passes_through():
+    torch_file = os.path.join(os.path.dirname(torch.__file__), "distributed", "c10d.py")
+    frames = [
+        {"filename": torch_file, "line": 1, "name": "all_reduce"},
+        {"filename": "/src/fastpar/comm/plain.py", "line": 20, "name": "all_reduce"},
+        {"filename": "/src/fastpar/train/metrics.py", "line": 7, "name": "resolve"},
+        {"filename": "/src/fastpar/train/loop.py", "line": 9, "name": "run"},
+    ]
+    assert _where(frames) == ["train/metrics.py:7 resolve", "train/loop.py:9 run"]

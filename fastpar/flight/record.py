@@ -241,12 +241,20 @@ _DTYPES = {
 }
 
 
+_PASS_THROUGH = os.path.join("fastpar", "comm", "plain.py")
+"""The module every non-differentiable collective passes through: never where it comes from."""
+
+
 def _where(frames: list[dict]) -> list[str]:
+    """The innermost ``FRAMES`` frames of a collective's stack outside torch, multiprocessing
+    and ``fastpar/comm/plain.py``: "dir/file.py:line function" each."""
     torch_dir = os.path.dirname(torch.__file__)
     keep = []
     for f in frames or []:
         path = f.get("filename", "")
         if path.startswith(torch_dir) or "multiprocessing" in path or path.startswith("<"):
+            continue
+        if path.endswith(_PASS_THROUGH):
             continue
         short = "/".join(path.split("/")[-2:])
         keep.append(f"{short}:{f.get('line')} {f.get('name')}")
