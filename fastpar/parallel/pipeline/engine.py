@@ -24,7 +24,7 @@ from fastpar.mesh.ranks import global_rank
 from fastpar.parallel.data.protocols import DataParallel, GradSync
 from fastpar.parallel.pipeline.p2p import P2P
 from fastpar.parallel.pipeline.partition import VirtualStages
-from fastpar.parallel.pipeline.protocols import aux_loss_weighed
+from fastpar.parallel.pipeline.protocols import aux_loss_hooks, aux_loss_weighed
 from fastpar.parallel.pipeline.runner import StepRunner
 from fastpar.parallel.pipeline.schedules import Schedule
 
@@ -126,6 +126,7 @@ class PipelineEngine(StepRunner):
         self.stage, self.mesh, self.schedule = stage, mesh, schedule
         self.loss_fn, self.recompute, self.no_sync = loss_fn, recompute, no_sync
         self.grad_sync, self.moe_aux_loss = grad_sync, moe_aux_loss
+        self._aux_hooks: list | None = None  # (protocols.aux_loss_hooks)
         self.scale_loss, self.tied = scale_loss, list(tied)
         self.measure_activations = measure_activations
         self.normalization, self.ignore_index = normalization, ignore_index
@@ -178,7 +179,11 @@ class PipelineEngine(StepRunner):
         t_step = time.perf_counter()
         self.p2p.send_s = self.p2p.recv_s = 0.0
         actions = self.schedule.actions(mesh.pp_size, mesh.pp_rank)
-        aux = aux_loss_weighed(self.chunks, self._aux_scale(device) if self.moe_aux_loss else None)
+        if self._aux_hooks is None:  # the chunks' MoE layers, found on the first step only
+            self._aux_hooks = aux_loss_hooks(self.chunks)
+        aux = aux_loss_weighed(
+            self._aux_hooks, self._aux_scale(device) if self.moe_aux_loss else None
+        )
         with aux:
             t_actions = time.perf_counter()
             busy, peak = self._run_steps(actions, xs, ys, device, saved, losses)

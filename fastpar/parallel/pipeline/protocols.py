@@ -48,12 +48,17 @@ def forward_state_kept(modules: Iterable[nn.Module]):
         yield
 
 
-@contextlib.contextmanager
-def aux_loss_weighed(modules: Iterable[nn.Module], scale: float | torch.Tensor | None):
-    """Each distinct ``aux_loss_weight`` hook of ``modules`` and their sub-modules entered
-    once with ``scale``."""
+def aux_loss_hooks(modules: Iterable[nn.Module]) -> list:
+    """The distinct ``aux_loss_weight`` hooks (``AuxLoss``) of ``modules`` and their
+    sub-modules, in order: found once, entered every step (``aux_loss_weighed``)."""
     hooks = (getattr(m, "aux_loss_weight", None) for c in modules for m in c.modules())
+    return list(dict.fromkeys(h for h in hooks if callable(h)))
+
+
+@contextlib.contextmanager
+def aux_loss_weighed(hooks: Iterable, scale: float | torch.Tensor | None):
+    """Each of ``hooks`` (``aux_loss_hooks``) entered with ``scale``."""
     with contextlib.ExitStack() as stack:
-        for hook in dict.fromkeys(h for h in hooks if callable(h)):
+        for hook in hooks:
             stack.enter_context(hook(scale))
         yield
