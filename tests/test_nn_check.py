@@ -16,6 +16,7 @@ from _mesh import make_mesh
 from torch import nn
 
 from fastpar import parallelize, tolerance
+from fastpar.nn import blocks as _blocks
 from fastpar.nn import check as _check
 from fastpar.testing import RankError, run_ranks
 
@@ -92,19 +93,19 @@ def test_a_model_that_cannot_run_on_the_first_blocks_is_checked_whole():
 
 def test_distinct_blocks_tells_kinds_apart():
     model = Stack(n=5)
-    assert _check.distinct_blocks(model, {}) == {"blocks": dict.fromkeys("01234", "0")}
+    assert _blocks.distinct_blocks(model, {}) == {"blocks": dict.fromkeys("01234", "0")}
     model.blocks[2].up.bias.data[0] += 1  # parameter values do not make a kind: checked alike
     model.blocks[3].register_buffer("table", torch.zeros(2))
     model.blocks[4].register_buffer("table", torch.ones(2))  # same shape, other values
     model.blocks[1].act = torch.tanh  # a function kept as an attribute
-    kinds = _check.distinct_blocks(model, {})["blocks"]
+    kinds = _blocks.distinct_blocks(model, {})["blocks"]
     assert kinds == {"0": "0", "1": "1", "2": "0", "3": "3", "4": "4"}
     # a planned style on one block makes it its own kind; two blocks: both kept, none left out
     plan = {"blocks.2.up": ("column", {})}
-    assert _check.distinct_blocks(Stack(n=3), plan) == {"blocks": {"0": "0", "1": "0", "2": "2"}}
-    assert _check.distinct_blocks(Stack(n=2, mixed=(1,)), {}) == {}
+    assert _blocks.distinct_blocks(Stack(n=3), plan) == {"blocks": {"0": "0", "1": "0", "2": "2"}}
+    assert _blocks.distinct_blocks(Stack(n=2, mixed=(1,)), {}) == {}
     # a list of one, or none: nothing to leave out
-    assert _check.distinct_blocks(nn.Sequential(nn.Linear(2, 2)), {}) == {}
+    assert _blocks.distinct_blocks(nn.Sequential(nn.Linear(2, 2)), {}) == {}
 
 
 def test_the_dense_runs_equal_copies_and_leave_the_model_as_it_was():

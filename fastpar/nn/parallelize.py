@@ -22,7 +22,9 @@ from fastpar import tolerance
 from fastpar.comm import all_reduce_grad, group_size
 from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_owned, mark_replicated
+from fastpar.nn import blocks as _blocks
 from fastpar.nn import check as _check
+from fastpar.nn import diagnose as _diagnose
 from fastpar.nn import plans as _plans
 from fastpar.nn.guard import guard_save_pretrained
 from fastpar.nn.head_lists import slice_head_lists
@@ -316,7 +318,7 @@ def _split(
         backward = mode == "backward"
         try:  # the probe's forward is the check's fp32 run (docs/hf.md, "The check")
             try:  # each distinct block once (a model that cannot run so: all of them)
-                with _check.only(model, blocks):
+                with _blocks.only(model, blocks):
                     report, out = probe(model, *inputs, styles, watched, grad=backward)
             except ProbeFailed:
                 if not blocks:
@@ -330,9 +332,9 @@ def _split(
                 "or check=False"
             ) from exc
         # what the probe saw of a block's parameters and modules holds for its copies
-        uses = _check.to_copies(report.uses, blocks)
+        uses = _blocks.to_copies(report.uses, blocks)
         report.uses = {n: report.uses[first] for n, first in uses.items()}
-        shared = _check.to_copies(report.shared, blocks)
+        shared = _blocks.to_copies(report.shared, blocks)
         report.shared = {n: report.shared[first] for n, first in shared.items()}
         reduced = _analyse(report, chosen, modules, watched_owner)
         _shared_keys(report, chosen, modules, record)
@@ -341,7 +343,7 @@ def _split(
             n for n in reduced if not _declares_reduced(_style_at(chosen, watched_owner[n]))
         ]
         try:  # each distinct block once (a model that cannot run so: all of them)
-            with _check.only(model, blocks):
+            with _blocks.only(model, blocks):
                 ref = _check.dense_runs(model, inputs, backward=backward, out=out)
         except Exception:
             if not blocks:
@@ -462,7 +464,7 @@ def parallelize(
     }
     saved = _check.perturb(watched_params) if inputs is not None and mode == "backward" else {}
     # the check runs each distinct block of a repeated stack once (docs/hf.md, "The check")
-    blocks = _check.distinct_blocks(model, chosen) if inputs is not None else {}
+    blocks = _blocks.distinct_blocks(model, chosen) if inputs is not None else {}
     try:
         reduced, ref, sliced = _split(
             model,
@@ -482,20 +484,20 @@ def parallelize(
             blocks,
         )
         if ref is not None:
-            with _check.tracking(model) as where, _check.only(model, blocks):
+            with _diagnose.tracking(model) as where, _blocks.only(model, blocks):
                 try:
                     verdict = _check.parallel_run(model, inputs, ref, tp_group, world, set(sliced))
                 except Exception as exc:
                     split = [n for n, (s, kw) in chosen.items() if splits_output(s, kw)]
                     raise ValueError(
-                        _check.failed_message(model, where, exc, world, split)
+                        _diagnose.failed_message(model, where, exc, world, split)
                     ) from exc
             record.checked, record.unchecked = mode, verdict.unchecked
             record.output_rel_diff = verdict.output.error / max(
                 tolerance.magnitude(ref.exact), 1e-30
             )
             whole = {n for n, o in watched_owner.items() if _keeps_replicated(_style_at(chosen, o))}
-            _check.refuse(verdict, model, set(sliced) | set(reduced), whole)
+            _diagnose.refuse(verdict, model, set(sliced) | set(reduced), whole)
     finally:
         _check.restore(watched_params, saved)
         _check.forget_weights()
