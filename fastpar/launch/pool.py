@@ -187,7 +187,7 @@ class Pool:
             "env": dict(os.environ),
             "cwd": os.getcwd(),
             "rng": (torch.get_rng_state(), random.getstate(), _numpy_state()),
-            "switches": _switch_overrides(),
+            "switches": {s.env: s._override for s in list(_SWITCHES) if s._override is not None},
             "flight_dir": flight_dir,
         }
         head = pickle.dumps(state)
@@ -213,10 +213,6 @@ def _numpy_state():
         return np.random.get_state()
     except Exception:
         return None
-
-
-def _switch_overrides() -> dict[str, Any]:
-    return {s.env: s._override for s in list(_SWITCHES) if s._override is not None}
 
 
 def _apply_switches(overrides: dict[str, Any]) -> None:
@@ -289,10 +285,6 @@ def _module_attrs() -> dict[str, tuple[Any, dict]]:
     }
 
 
-def _code(v: Any) -> bool:
-    return callable(v) or inspect.ismodule(v)
-
-
 def _put_back(saved: dict[str, tuple[Any, dict]]) -> None:
     """What a call rebound on a saved module gets its value back: any attribute of a test
     module, and a library's functions, classes and modules (its data is left, even where a
@@ -303,7 +295,7 @@ def _put_back(saved: dict[str, tuple[Any, dict]]) -> None:
         everything = not name.startswith(_PATCHABLE)
         for k, v in attrs.items():
             new = now.get(k, _MISSING)
-            if new is not v and (everything or _code(v)):
+            if new is not v and (everything or callable(v) or inspect.ismodule(v)):
                 with contextlib.suppress(Exception):
                     setattr(mod, k, v)
 

@@ -261,10 +261,6 @@ def hf_named_parameters(blocks: Iterable[nn.Module]) -> Iterator[tuple[str, nn.P
                 yield name, p
 
 
-def _name_in(block: nn.Module, p: nn.Parameter) -> str:
-    return next(name for name, q in block.named_parameters() if q is p)
-
-
 def hf_tie_across_stages(blocks: list[nn.Module], mesh: ParallelMesh | None) -> nn.Parameter | None:
     """Tied word embeddings (``lm_head.weight is model.embed_tokens.weight``) with pp > 1: the
     last stage's head gets its own copy of the weight (the same TP layout mark), and both ends
@@ -291,7 +287,7 @@ def hf_tie_across_stages(blocks: list[nn.Module], mesh: ParallelMesh | None) -> 
             mark_sharded(tied, layout.dim, layout.group, layout.full_size, layout.fused)
         elif layout is not None:
             mark_replicated(tied, layout.group)
-        mark_tied_copy(tied, _name_in(embed, weight))
+        mark_tied_copy(tied, next(n for n, q in embed.named_parameters() if q is weight))
         lm_head.weight = tied
     else:
         return None
