@@ -1,13 +1,7 @@
 """Hugging Face model families: one record per ``config.model_type``, the one table every part
-that treats a family specially reads — the built-in TP plan (``fastpar.nn.plans``), the MoE
-block adapter (``fastpar.moe.hf``), the pipeline split (``fastpar.parallel.pipeline.hf``), the
-``--hf-config`` builder, packed documents and the fastpar-Llama conversion (``fastpar.models``).
-
-A record is plain data (patterns, names, rule words), so this module is a leaf: the MoE layer,
-``nn`` and ``parallel`` all read it though it imports none of them; each consumer interprets its
-own field and lists families by asking here (``names``), never from a list of its own.
-``register`` adds a family (say a new model_type reusing a known record through
-``dataclasses.replace``) and every consumer sees it at once.
+that treats a family specially reads (the TP plans, the MoE adapter, the pipeline split,
+``--hf-config``, packed documents, the Llama conversion). Plain data, so a leaf; ``register``
+adds a family and every consumer sees it (docs/contributing.md, "A new Hugging Face family").
 """
 
 from __future__ import annotations

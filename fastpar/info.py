@@ -61,15 +61,12 @@ def report() -> str:
     """The text ``python -m fastpar.info`` prints."""
     _, triton_text = backend.triton_status()
     _, ext_text = backend.extension_status()
-    if torch.cuda.is_available():
-        device, dev_type = (
-            f"cuda ({torch.cuda.get_device_name(0)}, {torch.cuda.device_count()} visible)",
-            "cuda",
-        )
+    dev_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev_type == "cuda":
+        device = f"cuda ({torch.cuda.get_device_name(0)}, {torch.cuda.device_count()} visible)"
     else:
-        device, dev_type = (
-            f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
-            "cpu",
+        device = (
+            f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
         )
     lines = [
         f"fastpar   {fastpar.__version__}",

@@ -8,6 +8,7 @@ compare")."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Callable, Mapping
@@ -104,10 +105,6 @@ def _forward_logits(model: nn.Module, batch) -> torch.Tensor:
 
 def _rows(batch, start: int, stop: int):
     return tree_map(lambda t: t[start:stop] if isinstance(t, torch.Tensor) else t, batch)
-
-
-def _batch_size(batch) -> int:
-    return next(t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)).shape[0]
 
 
 def _in_dtype(batch_fn: Callable[[int], object], dtype: torch.dtype) -> Callable[[int], object]:
@@ -235,7 +232,7 @@ def _rank(
 
     # 2. data parallel + ZeRO: the per-step loss and the parameters after `steps` AdamW steps
     model = build()
-    rows = _batch_size(batch(0))
+    rows = next(t for t in tree_flatten(batch(0))[0] if isinstance(t, torch.Tensor)).shape[0]
     if rows % mesh.dp_size:
         raise ValueError(f"the batch has {rows} rows, not divisible by dp={mesh.dp_size}")
     per = rows // mesh.dp_size
@@ -243,18 +240,14 @@ def _rank(
     if zero == 3:
         block = _block_type(model)
         policy = {"wrap": (block,)} if block is not None else {"min_params": 1}
-        engine = Zero3(model, lambda ps: adamw(ps), mesh=mesh, **policy)
+        engine = Zero3(model, adamw, mesh=mesh, **policy)
         forward, opt = engine, engine
     elif zero == 0:
         forward = DistributedDataParallel(model, mesh=mesh)
         opt = adamw(model.parameters())
     else:
         forward = model
-        opt = ZeroOptimizer(
-            FusedAdamW(model.parameters(), lr=lr, weight_decay=weight_decay, eps=ADAM_EPS),
-            stage=zero,
-            mesh=mesh,
-        )
+        opt = ZeroOptimizer(adamw(model.parameters()), stage=zero, mesh=mesh)
     losses, step_cmps = [], []
     for step in range(steps):
         value = loss(forward, _rows(batch(step), *sl))
@@ -266,7 +259,7 @@ def _rank(
         mean = float(mean) / mesh.dp_size
         losses.append((mean, refs.single.losses[step], refs.exact.losses[step]))
         step_cmps.append(refs.loss(step, mean))
-    ctx = engine.summon_full_params() if zero == 3 else _nullcontext()
+    ctx = engine.summon_full_params() if zero == 3 else contextlib.nullcontext()
     with ctx:
         named = dict(model.named_parameters())
         refs.local = lambda t, n: _local(t, named[n])  # this rank's slice of each tensor
@@ -281,14 +274,6 @@ def _rank(
         _worst(params, "-"),
         grad_reduced,
     )
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def check_parallel(

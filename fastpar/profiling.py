@@ -35,7 +35,3 @@ def nvtx(name: str) -> Iterator[None]:
             torch.cuda.nvtx.range_push(name)
             stack.callback(torch.cuda.nvtx.range_pop)
         yield
-
-
-#: the same context manager under a device-neutral name
-named_range = nvtx

@@ -133,43 +133,39 @@ def reference(
             run.grads.append(
                 {names[id(p)]: torch.zeros_like(p, dtype=torch.float64) for p in params}
             )
-            for log, value in ((run.losses, 0.0), (run.norms, 0.0), (run.skipped, True)):
-                log.append(value)
-            run.lrs.append(lr)
+            total, norm, skipped = 0.0, 0.0, True
             if exact:
                 run.denominators.append(dict(run.denominators[-1]) if run.denominators else {})
-            if evaluates_at(cfg, step + 1):
-                run.val_losses[step + 1] = _val_loss(cfg, parts, held)
-            continue
-        total, acc = 0.0, [torch.zeros_like(p, dtype=acc_dtype) for p in params]
-        per, rows = groups // replicas, x.shape[0] // groups
-        for r in range(replicas):
-            opt.zero_grad()  # a replica's pieces accumulate in the model's dtype, as on a rank
-            for piece in range(r * per, (r + 1) * per):
-                sl = slice(piece * rows, (piece + 1) * rows)
-                docs_sl = None if docs is None else docs.rows(sl)  # (packed rows)
-                with documents(docs_sl), mtp_tokens(x[sl]):  # (the ids MTP modules look up)
-                    logits = model(x[sl])
-                # the sum over the global count, times the replicas their average divides by
-                loss = parts.loss_fn(logits, y[sl]) * (replicas / count)
-                opt.scale_loss(loss).backward()
-                total += float(loss.detach()) / replicas
+        else:
+            total, acc = 0.0, [torch.zeros_like(p, dtype=acc_dtype) for p in params]
+            per, rows = groups // replicas, x.shape[0] // groups
+            for r in range(replicas):
+                opt.zero_grad()  # a replica's pieces accumulate in the model's dtype, as on a rank
+                for piece in range(r * per, (r + 1) * per):
+                    sl = slice(piece * rows, (piece + 1) * rows)
+                    docs_sl = None if docs is None else docs.rows(sl)  # (packed rows)
+                    with documents(docs_sl), mtp_tokens(x[sl]):  # (the ids MTP modules look up)
+                        logits = model(x[sl])
+                    # the sum over the global count, times the replicas their average divides by
+                    loss = parts.loss_fn(logits, y[sl]) * (replicas / count)
+                    opt.scale_loss(loss).backward()
+                    total += float(loss.detach()) / replicas
+                for a, p in zip(acc, params, strict=True):
+                    if p.grad is not None:
+                        a.add_(p.grad.to(acc_dtype), alpha=1.0 / replicas)
             for a, p in zip(acc, params, strict=True):
-                if p.grad is not None:
-                    a.add_(p.grad.to(acc_dtype), alpha=1.0 / replicas)
-        for a, p in zip(acc, params, strict=True):
-            p.grad = a.to(p.dtype)
-        scale = float(opt.scaler.scale) if getattr(opt, "scaler", None) is not None else 1.0
-        run.grads.append({names[id(p)]: p.grad.double() / scale for p in params})
-        skipped, norm = opt.step()
-        parts.update_expert_bias(skipped, None)  # the trainer's bias step (counts: every replica)
-        opt.zero_grad()
+                p.grad = a.to(p.dtype)
+            scale = float(opt.scaler.scale) if getattr(opt, "scaler", None) is not None else 1.0
+            run.grads.append({names[id(p)]: p.grad.double() / scale for p in params})
+            skipped, norm = opt.step()
+            parts.update_expert_bias(skipped, None)  # the trainer's bias step (every replica)
+            opt.zero_grad()
+            if exact:
+                run.denominators.append({names[id(p)]: d for p, d in opt.denominators[-1].items()})
         run.losses.append(total)
         run.norms.append(float(norm))
         run.skipped.append(bool(skipped))
         run.lrs.append(lr)
-        if exact:
-            run.denominators.append({names[id(p)]: d for p, d in opt.denominators[-1].items()})
         if evaluates_at(cfg, step + 1):
             run.val_losses[step + 1] = _val_loss(cfg, parts, held)
     named = parts.checkpoint_tensors()  # parameters, and the routers' expert biases

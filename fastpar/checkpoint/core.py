@@ -394,16 +394,9 @@ def load(
     """Load a checkpoint into this rank's ``model_params`` (global names) and ``optimizer``,
     under any layout. Restores the scaler (default ``optimizer.scaler``) and, when saved under
     the same layout and ``rng``, this rank's RNG states. No collective. Returns {"step",
-    "extra", "rng_restored", "layout" (the saved one)}.
-
-    Reads only what this rank holds (``fastpar.checkpoint.reader`` says what is read and what
-    checked): the metadata's spans name the records of each rank file that cover this rank's
-    elements; a file mostly needed is read whole (sha256 checked), others record by record
-    (each record's CRC-32 checked) after their index (its run and save id checked); bytes not
-    read are not checked (``verify`` checks every file). Only this rank's part of each tensor
-    is built. Under the layout it was saved with, a rank reads about its own file (measured
-    1.15x at TP=4 in tests/test_checkpoint_read.py); after a change, its records (pieces are
-    cut at ``spans.PIECE_BYTES``) plus each file's index."""
+    "extra", "rng_restored", "layout" (the saved one)}. Reads and checks only the records
+    covering this rank's elements (``fastpar.checkpoint.reader``; docs/checkpoints.md,
+    "Loading reads only what a rank needs")."""
     reader = path if isinstance(path, CheckpointReader) else CheckpointReader(os.fspath(path))
     pairs = global_names(model_params)
     check_model(reader, dict(pairs))

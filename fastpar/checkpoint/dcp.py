@@ -210,18 +210,11 @@ def check_state_dict(
     model: nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> None:
-    """Raise if ``state_dict`` (for DCP) holds, at any depth (nested dicts, lists, an optimizer's
-    state), a plain tensor that is this rank's shard of a tensor split over several ranks (a
-    fastpar TP or EP mark): DCP would save one rank's shard and reload it everywhere. A value is
-    checked by its own marks (``named_parameters()``), by those of the live marked parameter
-    whose memory it is (``fastpar.mesh.placement.marked_shard_of``), so the detached tensors of
-    ``model.state_dict()`` are refused too, and by those of the parameter it belongs to: under a
-    key that is the name of ``model``'s parameter (a value, or a non-scalar tensor anywhere
-    inside it: the per-parameter optimizer state of
-    ``torch.distributed.checkpoint.state_dict.get_state_dict``, keyed by names) or, with
-    ``optimizer``, under ``state`` / its parameter's number (``optimizer.state_dict()``). A
-    copy (``.clone()``, a tensor moved to another device) under no such key cannot be traced
-    back to its parameter and is not refused."""
+    """Raise if ``state_dict`` (for DCP) holds, at any depth, a plain tensor that is this rank's
+    shard of a tensor split over several ranks (a fastpar TP or EP mark): DCP would save one
+    rank's shard and reload it everywhere. A value is traced by its own marks, by its memory
+    (``fastpar.mesh.placement.marked_shard_of``) and by the parameter whose name (``model``) or
+    number (``optimizer``) it is under: docs/interop.md."""
     marked = dict(model.named_parameters(remove_duplicate=False)) if model is not None else {}
     numbered: dict[int, torch.Tensor] = {}
     if optimizer is not None:  # optimizer.state_dict() numbers its parameters group by group

@@ -1,18 +1,8 @@
 """Whole tensors on one rank from any layout: ``gather_state`` (the parameters and buffers),
 ``gather_grads`` (each parameter's gradient) and ``gather_like`` (any tensor held like a
-parameter: an optimizer moment, an update, a difference), each in the single-process model's
-shape, to compare with one device's or to save.
-
-Where each element of a rank's tensor sits in the global one comes from the parameter marks
-(``fastpar.checkpoint.state.global_index``): tensor- and sequence-parallel shards (fused blocks,
-a padded vocabulary), expert-parallel experts, per-head entries one rank owns, pipeline stages
-(with ``mesh``: a name held on some stages only), tied copies. ZeRO's reduced gradient shards
-come from the wrapper (``gather_grads(..., wrapper=dp)``). With ``mesh`` each piece is sent by
-the first of the ranks holding the same data (without: by every holder); elements that two
-ranks send must be equal, so copies that disagree, or two tensors under one name, are refused. Every rank calls these functions (one ``gather_object`` per name over
-the default group); an error on any rank — a name no rank sent, pieces that do not cover a
-tensor, a tensor of the wrong shape — is raised on every rank, after the last collective, so
-no rank is left waiting."""
+parameter), each in the single-process model's shape, placed by the parameter marks
+(``fastpar.checkpoint.state.global_index``). Collective over the default group; errors are
+raised on every rank (docs/checkpoints.md, "Whole tensors on one rank")."""
 
 from __future__ import annotations
 

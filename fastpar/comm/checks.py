@@ -1,13 +1,9 @@
 """Cross-rank agreement checks: do all ranks of a group pass the same shapes and ids?
 
-``check_same(what, fields, group, device)`` is the debug check (see ``fastpar.debug``): it
-hashes a fixed 64-element int64 summary of ``fields`` and all-reduces (max) the pair
-``(hash, −hash)`` over ``group`` (16 bytes, then one host sync): the ranks agree when the max
-of the hashes is the min. Only when they do not (every rank sees that alike) does a second
-collective all-gather the summaries, so that every rank raises the same ``ValueError`` naming
-each rank's value. ``digest(ids)`` condenses an integer tensor to one 0-dim int64 on its
-device (no sync), so contents can be compared too. ``raise_if_disagree`` formats and raises
-from values the caller gathered itself (the cross-entropy's free check).
+``check_same`` (the debug check, docs/development.md "Cross-rank checks") all-reduces a hash of
+a summary of ``fields`` and, only when the ranks differ, all-gathers the summaries so every rank
+raises the same ``ValueError`` naming each rank's value. ``digest`` condenses an integer tensor
+on its device (no sync); ``raise_if_disagree`` raises from values the caller gathered itself.
 """
 
 from __future__ import annotations

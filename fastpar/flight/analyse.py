@@ -100,10 +100,6 @@ def _entries(d: dict, name: str) -> dict[int, dict]:
     return ents
 
 
-def _last(ents: dict[int, dict]) -> int:
-    return max([*ents, 0])
-
-
 def _splits(members: list[int], notes: dict[int, dict]) -> str | None:
     """How the split sizes of one all-to-all (``notes``: each member's note) disagree (None:
     they pair up, or they are unknown)."""
@@ -159,10 +155,6 @@ def _group_finding(label, members, dumps, ents, lasts) -> Finding | None:
     return None
 
 
-def _note_text(n: dict) -> str:
-    return f"{n['op']} {n['shape']} {n['dtype']}"
-
-
 def _absent_findings(groups, by_rank, partial, known, found: set) -> list[Finding]:
     """Findings about the ranks that did not dump (stopped, dead). A rank gloo aborted left
     its ring file (``partial``): its last note is compared with the same note of the others.
@@ -192,7 +184,7 @@ def _absent_findings(groups, by_rank, partial, known, found: set) -> list[Findin
         bad = _splits(list(members), notes_of) if n["op"] == "all_to_all" else None
         by: dict[str, list[int]] = {}
         for m, note in sorted(notes_of.items()):
-            by.setdefault(_note_text(note), []).append(m)
+            by.setdefault(f"{note['op']} {note['shape']} {note['dtype']}", []).append(m)
         if bad:
             text = f"{bad} (rank {a}'s side from its ring file: it {why})"
         elif len(by) > 1:
@@ -324,7 +316,7 @@ def analyse(
     for (members, pg), label in sorted(groups.items(), key=lambda kv: (len(kv[0][0]), kv[0])):
         members = list(members)
         ents = {r: _entries(by_rank[r], pg) for r in members if r in by_rank}
-        lasts = lasts_of[(tuple(members), pg)] = {r: _last(ents[r]) for r in ents}
+        lasts = lasts_of[(tuple(members), pg)] = {r: max([*ents[r], 0]) for r in ents}
         name = f"{label}{ranks_text(members)}"
         f = _group_finding(label, members, by_rank, ents, lasts)
         if f is not None:

@@ -1,15 +1,9 @@
 """What this rank records of its communication, and its dump.
 
-Every collective on every group is recorded by torch's own flight recorder (on for gloo and
-NCCL in torch 2.13; ``TORCH_FR_BUFFER_SIZE`` entries, 2000 by default): group, sequence number
-in that group, op, shapes, dtypes, stack, and whether it completed. It does not record what
-fastpar needs on top: which fastpar kinds a group is (``name_group``), the split sizes of an
-all-to-all (``note_splits``) and the pipeline's sends and receives (``note_p2p``), which go in
-a small ring of fastpar's own (``RING`` entries). ``snapshot`` merges both into one plain dict,
-``dump`` writes it as ``flight_rank<R>.json`` (the format: docs/debugging.md).
-
-``FASTPAR_FLIGHT=0`` turns fastpar's ring and dumps off and, unless ``TORCH_FR_BUFFER_SIZE`` is
-set, torch's recorder too (``torch_buffer``, before the process group exists).
+torch's flight recorder keeps every collective; fastpar's ring (``RING`` entries) what it lacks:
+a group's kinds (``name_group``), an all-to-all's splits (``note_splits``), the pipeline's
+messages (``note_p2p``). ``snapshot`` merges both, ``dump`` writes ``flight_rank<R>.json``
+(docs/debugging.md, "What is recorded").
 """
 
 from __future__ import annotations

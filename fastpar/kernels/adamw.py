@@ -1,18 +1,6 @@
-"""Triton fused AdamW step: one pass per element over a flat shard or many tensors.
-
-Imported as ``fastpar.kernels.adamw``, only when ``fastpar.ops.adamw`` dispatches to Triton. The
-kernels and their math (the same as ``fastpar.reference.adamw``) are in
-``fastpar.kernels.adamw_jit``; this module holds their launchers and pointer tables.
-
-Flat form: one launch over one tensor, ``CHUNK`` elements a program, ``BLOCK`` at a time.
-Multi-tensor form: one launch per (grad dtype, low-precision copy dtype, step dtype, aligned)
-group; an int64 table built on the host from shapes and data pointers (no device value is read)
-holds, per tensor, the pointers of param / grad / exp_avg / exp_avg_sq / copy / step and the
-numel, and per program the tensor it works on and its start offset. A group whose tensors all
-start on 16-byte boundaries hints its table pointers as such (``ALIGNED``: 128-bit accesses).
-Device tables are cached by their pointers and numels (``_device_table``): built and copied
-once per parameter set, then reused every step — no host work beyond the lookup, no copy, so a
-warmed-up step can be captured in a CUDA graph.
+"""Triton fused AdamW step: the launchers and pointer tables of the kernels in
+``fastpar.kernels.adamw_jit``, over a flat shard or many tensors (one launch per dtype group):
+docs/kernels.md ("Inside the kernels").
 """
 
 from __future__ import annotations

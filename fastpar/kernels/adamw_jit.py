@@ -1,31 +1,8 @@
 """The ``@triton.jit`` code of the fused AdamW step (launched by ``fastpar.kernels.adamw``).
 
-Same math and order of operations as ``fastpar.reference.adamw`` (torch.optim.AdamW's
-single-tensor, non-capturable path), element by element in fp32:
-
-* ``g = (fp32(grad) · inv_scale) · clip_coef`` (negated when maximizing);
-* ``p = p · decay``; ``m = fma(w1, g − m, m)`` (torch.lerp; ``fma(w1 − 1, g − m, g)`` when
-  ``w1 ≥ 0.5``); ``v = fma(w2 · g, g, v · β2)`` (torch's mul_ + addcmul_);
-* ``p = p + (−step_size · m) / (sqrt(v) / bc2_sqrt + eps)`` with IEEE division and square root
-  (``div_rn`` / ``sqrt_rn``) and fp-contraction off, so the compiler adds no fma of its own.
-
-Moments may be stored in bf16 (half their memory and traffic): loaded to fp32, updated and used
-for ``p`` unrounded, stored rounded to nearest even.
-
-The step-dependent scalars ``step_size = lr / (1 − β1^t)`` and ``bc2_sqrt = sqrt(1 − β2^t)`` are
-computed by every program in float64 from the step tensor (loaded by pointer: no host sync) and
-rounded once to fp32, as torch does in Python doubles. Triton passes a python float as fp32, so
-``lr``, ``β1`` and ``β2`` travel as the int64 bit patterns of their doubles. ``β^t`` is taken by
-repeated squaring (fp64 multiplications only, no libdevice).
-
-Skipping: ``found_inf != 0`` (loaded by pointer) shrinks every program's range to nothing, so no
-element is loaded or stored. All offsets are int64 (flat shards exceed 2^31 elements).
-
-Flat kernel: programs over one tensor, ``CHUNK`` consecutive elements each, ``BLOCK`` at a time:
-the whole blocks unmasked, then one masked tail block, so aligned data (pointers 16-byte aligned,
-which Triton specialises on) is read and written with 128-bit accesses whatever ``numel`` is.
-Multi-tensor kernel: the same per program, its tensor's pointers and numel read from an int64
-table (``fastpar.kernels.adamw`` builds it), hinted 16-byte aligned under ``ALIGNED``.
+Same math and order of operations as ``fastpar.reference.adamw``, element by element in fp32,
+with IEEE division and square root; the step's scalars in float64 from the step tensor; a
+skipped step touches nothing: docs/kernels.md ("AdamW", "Inside the kernels").
 """
 
 from __future__ import annotations

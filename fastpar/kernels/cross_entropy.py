@@ -1,21 +1,8 @@
 """Triton kernels for the vocab-parallel cross-entropy, and their launchers.
 
-Imported as ``fastpar.kernels.cross_entropy``, only when ``fastpar.ops.cross_entropy``
-dispatches to Triton. No communication happens here: the forward kernel reduces one shard of
-the vocabulary to per-row statistics, the backward kernel writes the gradient of one shard.
-
-* ``_stats_kernel``: one program per row, one pass over the row in ``BLOCK`` chunks (online
-  softmax); writes fp32 ``[N, 4]`` = (max, sum of exp(x - max), target logit, sum of logits),
-  with the same layout as ``fastpar.reference.cross_entropy.local_stats``.
-* ``_grad_kernel``: one program per (row, chunk of ``BLOCK`` columns); writes
-  ``g·(p·(1 + 2z·lse) − (1−α)·onehot − α/V)`` with ``p = exp(x − M − log S)`` straight into a
-  tensor of the logits' dtype (the true-class term is formed in fp32 before the single cast);
-  0 on padding columns. ``IN_PLACE`` (``grad_ptr`` None; the fused linear cross-entropy's chunk
-  buffer, ``fastpar.kernels.linear_cross_entropy``): over the logits themselves, safe because
-  every element is read and written by the same program; rows with ``g == 0`` (ignored
-  targets) are then not read, only zeroed.
-
-Row offsets are int64, so ``rows × V_local`` may exceed 2^31.
+No communication here: ``_stats_kernel`` reduces one vocabulary shard to per-row statistics
+(the layout of ``fastpar.reference.cross_entropy.local_stats``), ``_grad_kernel`` writes one
+shard's gradient (``IN_PLACE``: over the logits): docs/kernels.md ("Inside the kernels").
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """Triton launchers of the chunked (fused) linear cross-entropy.
 
-Imported as ``fastpar.kernels.linear_cross_entropy``, only when
-``fastpar.ops.linear_cross_entropy`` dispatches to Triton. The matmuls stay in torch (cuBLAS);
-a chunk's logits exist in one reused ``[chunk, V_local]`` buffer and the vocab-parallel CE's
-kernels (``fastpar.kernels.cross_entropy``) work on it:
-
-* ``local_stats``: the statistics kernel, per-row (max, sum of exp(x - max), target logit, sum
-  of logits), fp32 ``[C, 4]``.
-* ``grad_logits_``: the gradient kernel in place (``IN_PLACE``): one program per (row, block of
-  ``BLOCK`` columns) overwrites the logits with ``g·(p·(1 + 2z·lse) − (1−α)·onehot − α/V)``,
-  ``p = exp(x − M − log S)``, formed in fp32 (the true-class term included) and cast once to
-  the buffer's dtype; 0 on padding columns. Rows with ``g == 0`` (ignored targets) are not
-  read, only zeroed. Every element is read and written by the same program, so in place is
-  safe. Row offsets are int64.
+The matmuls stay in torch (cuBLAS); the vocab-parallel CE's kernels
+(``fastpar.kernels.cross_entropy``) work on a chunk's reused ``[chunk, V_local]`` logits buffer,
+the gradient in place: docs/kernels.md ("Inside the kernels").
 """
 
 from __future__ import annotations

@@ -1,31 +1,7 @@
 """Triton kernels of MoE permute / unpermute, and their launchers.
 
-Imported as ``fastpar.kernels.moe_permute``, only when ``fastpar.ops.moe_permute`` dispatches to
-Triton. The slots come from ``fastpar.reference.moe_permute.compute_slots`` (torch ops); these
-kernels only move rows. Shapes as there: ``slots [T, k]`` int64 (−1 = dropped), permuted buffer
-``[R, H]`` with ``R = E·C`` (capacity) or ``T·k`` (dropless). No atomics anywhere: every program
-owns the rows it writes, so every result is deterministic.
-
-Every kernel runs on a 2-D grid, (token or row) × (block of ``BLOCK_H`` hidden columns), with
-one-dimensional ``[BLOCK_H]`` accesses: the block is chosen for the hidden size alone (up to
-``MAX_BLOCK_H``, ``BLOCK_H / (32·warps)`` contiguous elements a thread: 128-bit accesses on
-aligned rows), independent of ``k``, which is a compile-time loop over the token's slots (no
-``[k, H]`` tile broadcast through shared memory, and the whole GPU busy for few long rows).
-
-* ``_scatter_kernel``: program (t, b) reads block b of ``src[t]`` once and writes
-  ``w_j · src[t]`` to each kept slot row (a plain copy for permute, ``w = probs`` for the
-  backward of unpermute); with ``DOT`` it also forms the block's share of
-  ``⟨src[t], other[slot_j]⟩`` (the gradient of the routing weights), summed over the blocks
-  afterwards in a fixed order. A slot of −1 (dropped) is never dereferenced, so routing more
-  tokens than fit writes nothing out of bounds.
-* ``_gather_kernel``: ``out[t] = Σ_j w_j · src[slot_j]`` block by block, fp32 accumulation
-  (unpermute, and the backward of permute with ``w = 1``).
-* ``_zero_rows_kernel``: capacity mode only, program (r, b) for the row ``r = e·C + p``; zeroes
-  the block when ``p >= kept_counts[e]`` (kept positions of an expert are exactly
-  ``0 .. kept − 1``). Outputs are ``torch.empty``: rows that a kernel writes are never
-  pre-filled, only the capacity padding rows are zeroed (dropless outputs have none).
-
-Row offsets are int64 (``R × H`` may exceed 2^31).
+The slots come from ``fastpar.reference.moe_permute.compute_slots``; these kernels only move
+rows, deterministically (no atomics): docs/kernels.md ("Inside the kernels").
 """
 
 from __future__ import annotations

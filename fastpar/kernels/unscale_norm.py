@@ -1,33 +1,8 @@
 """Triton kernel of the fused gradient pass (unscale + inf/NaN check + sum of squares + max).
 
-Imported as ``fastpar.kernels.unscale_norm``, only when ``fastpar.ops.unscale_norm`` dispatches
-to Triton. Same semantics as ``fastpar.reference.unscale_norm.unscale_stats`` (writes the
-unscaled values) and ``unscaled_stats`` (read-only: ``WRITE=False``, the statistics of the fp32
-products ``g · inv_scale``, nothing stored: 2 B an element read in bf16/fp16, 4 in fp32).
-
-Multi-tensor launch: thousands of tensors are covered by one launch per (grad dtype, out dtype,
-16-byte aligned or not) group. The host builds, from shapes only (no device values are read), one int64 table:
-
-* per tensor: source data pointer, destination data pointer, numel;
-* per program ("block"): the tensor it works on and its int64 start offset in that tensor.
-
-A program covers ``CHUNK`` consecutive elements of one tensor, ``BLOCK`` at a time: it loads,
-multiplies by ``inv_scale`` in fp32, stores once in the destination's dtype, and accumulates the
-square and ``|y|`` of the *stored* value. Full blocks run unmasked (with alignment hints when the
-host saw every pointer 16-byte aligned, so accesses vectorise); one masked step takes the tail. It writes its partial sum of squares and partial max
-to its own slot of two fp32 buffers (one slot per program over all launches of a call).
-
-Determinism: there are no float atomics. Each program reduces its chunk in a fixed order, and
-the partial buffers are reduced with ``torch.sum`` / ``torch.amax`` over a buffer whose shape is
-fixed by the tensors' shapes and dtypes, so equal inputs give bit-identical results.
-
-All offsets are int64 (tensors may exceed 2^31 elements). Launches are chunked at
-``max_programs`` programs (slices of the same table).
-
-Device tables are cached by their pointers and numels (``_device_table``, as in
-``fastpar.kernels.adamw``): built, pinned and copied once per set of gradients, then reused
-every step — no host work beyond the lookup and no copy, so a warmed-up pass can be captured in
-a CUDA graph.
+Same semantics as ``fastpar.reference.unscale_norm`` (``unscale_stats``; ``WRITE=False``:
+``unscaled_stats``). One launch per group of tensors over a pointer table, deterministic
+partial sums: docs/kernels.md ("Inside the kernels").
 """
 
 from __future__ import annotations

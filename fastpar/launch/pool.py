@@ -1,24 +1,6 @@
-"""A pool of live ranks for ``run_ranks``: start-up paid once per world size, not once a call.
-
-A test suite calls ``run_ranks`` thousands of times; each call forks its ranks, rendezvous, and
-builds the same process groups again. With the pool on (``use_pool(True)``; the test suite's
-conftest turns it on), the first call for a world size forks that many ranks, which join one
-gloo group and then serve call after call: the function and its arguments are pickled to them,
-their results come back as from forked ranks. ``dist.new_group`` is cached in the ranks by
-(ranks, timeout, description, call index within the call), so a mesh built again costs nothing.
-
-Between calls every rank puts back what a call may change: the environment (the caller's is
-sent with each call), the working directory, signal handlers, the default dtype, grad mode,
-the thread count, fastpar's switches, its HF family registry and flight records; RNG states
-are the caller's at each call (as a fork would inherit them). A call that leaves what cannot
-be put back (the default group destroyed, a cached group destroyed) retires the pool: it is
-started again for the next call.
-
-``run_ranks`` uses the pool only where it means the same as a fork: fork start, gloo, one
-thread a rank, a function and arguments that pickle, and a caller
-whose state a fork would copy and the pool cannot (``set_guard``: the test harness says
-"monkeypatched") unchanged. Any error or timeout kills the pool (a rank may be stuck in a
-collective); the next call starts a new one. Otherwise it forks as before.
+"""A pool of live ranks for ``run_ranks``: start-up paid once per world size, not once a call
+(``use_pool(True)``). What a call gets, what is put back between calls, and when ``run_ranks``
+forks instead: docs/development.md ("The pool of live ranks").
 """
 
 from __future__ import annotations
@@ -205,7 +187,7 @@ class Pool:
             "env": dict(os.environ),
             "cwd": os.getcwd(),
             "rng": (torch.get_rng_state(), random.getstate(), _numpy_state()),
-            "switches": _switch_overrides(),
+            "switches": {s.env: s._override for s in list(_SWITCHES) if s._override is not None},
             "flight_dir": flight_dir,
         }
         head = pickle.dumps(state)
@@ -231,10 +213,6 @@ def _numpy_state():
         return np.random.get_state()
     except Exception:
         return None
-
-
-def _switch_overrides() -> dict[str, Any]:
-    return {s.env: s._override for s in list(_SWITCHES) if s._override is not None}
 
 
 def _apply_switches(overrides: dict[str, Any]) -> None:
@@ -307,10 +285,6 @@ def _module_attrs() -> dict[str, tuple[Any, dict]]:
     }
 
 
-def _code(v: Any) -> bool:
-    return callable(v) or inspect.ismodule(v)
-
-
 def _put_back(saved: dict[str, tuple[Any, dict]]) -> None:
     """What a call rebound on a saved module gets its value back: any attribute of a test
     module, and a library's functions, classes and modules (its data is left, even where a
@@ -321,7 +295,7 @@ def _put_back(saved: dict[str, tuple[Any, dict]]) -> None:
         everything = not name.startswith(_PATCHABLE)
         for k, v in attrs.items():
             new = now.get(k, _MISSING)
-            if new is not v and (everything or _code(v)):
+            if new is not v and (everything or callable(v) or inspect.ismodule(v)):
                 with contextlib.suppress(Exception):
                     setattr(mod, k, v)
 

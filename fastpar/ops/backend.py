@@ -1,13 +1,9 @@
 """Which implementation an op runs: a Triton kernel, the C++ extension, or the torch reference.
 
-Rule (``select``): an override wins (``use_backend(name)``: for the process, or for a block as a
-context manager; else ``FASTPAR_BACKEND=triton|extension|reference`` in the environment, read
-once per process, see ``fastpar.switches``: ``refresh()`` reads it again); otherwise CUDA tensors
-take Triton when it imports and everything else takes the pure-torch reference. Forcing Triton
-on CPU tensors is how CI runs every kernel under ``TRITON_INTERPRET=1``.
-
-Ops register themselves with ``register_op`` so ``python -m fastpar.info`` can list them.
-Triton and the extension are probed lazily, on first use, never at ``import fastpar``.
+``select``: an override (``use_backend``, else ``FASTPAR_BACKEND``) wins; otherwise CUDA tensors
+take Triton when it imports, everything else the reference (docs/kernels.md, "Choosing a
+backend"). Ops ``register_op`` themselves for ``python -m fastpar.info``; Triton and the
+extension are probed lazily, never at ``import fastpar``.
 """
 
 from __future__ import annotations

@@ -295,11 +295,8 @@ def vocab_parallel_cross_entropy(
     logits, a view of ``logits`` when it is contiguous) instead of a second ``[N, V_local]``
     buffer: the peak is one logits-sized buffer, not two. Only for a caller that does not read
     the logits after backward (a training loop's loss); autograd still refuses another node
-    that saved them and runs later (their version changed).
-
-    Every rank of ``group`` raises the same ``ValueError`` when their shard widths,
-    ``vocab_size``, ``ignore_index`` or targets differ (always checked, at no extra
-    collective), or, with ``fastpar.debug_checks`` on, their shapes, dtypes or options.
+    that saved them and runs later (their version changed). The ranks' agreement is checked
+    (docs/kernels.md, "Vocab-parallel cross-entropy").
     """
     _check(logits, target, reduction, label_smoothing, z_loss)
     tp, rank = _group_info(group)

@@ -87,15 +87,11 @@ def unscale_and_norm(
     ``out[i]`` (same shape, normally fp32 "main" grads) receives ``grads[i] · inv_scale`` and
     the grads are untouched.
 
-    Returns three 0-dim fp32 tensors on the grads' device:
-
-    * found_inf: 1.0 if any unscaled value is inf or NaN, else 0.0. A ``found_inf`` passed in
-      is updated in place to ``max(found_inf, flag)`` (never reset to 0) and returned.
-    * the sum of squares of the unscaled values (fp32 accumulation; 0 when ``norm`` is False;
-      NaN or inf when a value is);
-    * the max |unscaled value| (NaN if one is NaN, inf if one is ±inf).
-
-    No host synchronisation; an empty ``grads`` gives zeros (and leaves ``found_inf`` as is).
+    Returns three 0-dim fp32 tensors on the grads' device: found_inf (1.0 if any unscaled
+    value is inf or NaN, else 0.0; one passed in is raised in place to ``max(found_inf, flag)``
+    and returned), the sum of squares of the unscaled values (0 when ``norm`` is False) and
+    their max |value|, NaN / inf as docs/kernels.md says. No host synchronisation; an empty
+    ``grads`` gives zeros (and leaves ``found_inf`` as is).
     """
     grads = list(grads)
     outs = grads if out is None else list(out)

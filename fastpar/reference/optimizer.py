@@ -1,17 +1,9 @@
 """The training command's optimizer step in float64: the exact reference of ``fastpar.verify``.
 
-The trainer steps with ``MixedPrecisionOptimizer(FusedAdamW(groups))``: the global L2 norm of
-the gradients (before clipping), clipping to ``max_grad_norm`` by ``min(1, max / (norm +
-1e-6))``, then AdamW with decoupled weight decay per parameter group — fp32 masters, loss
-scaling and the fused kernels are how it rounds, not what it computes. ``ExactAdamW`` computes
-the same in float64 with ``torch.optim.AdamW`` (whose update FusedAdamW reproduces), and skips
-exactly the steps it is told to skip: the steps an fp16 run skipped for inf/NaN gradients, which
-float64 would not overflow on (the skip is a decision of the run under test, not rounding).
-With bf16 moments (``state_dtype=torch.bfloat16``) the stored moments are rounded to bf16 after
-each step, as FusedAdamW stores them: that rounding is part of what the run computes. Where the
-run's moment lands on the other side of a rounding boundary (its fp32 value one rounding away),
-it stores the neighbouring bf16 value: ``rounding_slack`` bounds what that moves each parameter
-(docs/tolerances.md, "bf16 optimizer state").
+The trainer's step (the global norm, clipping by ``min(1, max / (norm + 1e-6))``, AdamW per
+parameter group) in float64 with ``torch.optim.AdamW``, skipping exactly the steps the run under
+test skipped; with bf16 moments, rounded as the run stores them (``rounding_slack``:
+docs/tolerances.md, "bf16 optimizer state").
 """
 
 from __future__ import annotations

@@ -28,8 +28,6 @@ from fastpar.parallel.pipeline.protocols import aux_loss_hooks, aux_loss_weighed
 from fastpar.parallel.pipeline.runner import StepRunner
 from fastpar.parallel.pipeline.schedules import Schedule
 
-EVAL_TAG = 1 << 16  # eval's channels: tags offset by this (its own P2P, its own headers)
-
 
 def tie_across_stages(param: torch.Tensor, mesh: ParallelMesh) -> None:
     """Declare ``param`` shared by the first and last stage (held on both): mark it duplicated

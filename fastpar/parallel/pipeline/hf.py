@@ -1,31 +1,7 @@
 """Pipeline blocks for Hugging Face causal-LM decoders (Llama, Mistral, Mixtral, Qwen2, Qwen3,
-Qwen3-MoE), without glue code.
-
-    model = LlamaForCausalLM(config)                   # every rank: the same weights
-    fastpar.parallelize(model, plan, mesh=mesh)        # optional tensor parallelism, first
-    blocks = hf_decoder_blocks(model)                  # [embedding, layer x N, head]
-    stage, _ = build_stage(blocks, mesh.pp_size, mesh.pp_rank)
-    tied = hf_tie_across_stages(blocks, mesh)          # tie_word_embeddings: the head's copy
-    engine = PipelineEngine(stage, mesh, OneFOneB(8), loss_fn=loss_fn,
-                            tied=[] if tied is None else [tied])
-    loss = engine.train_step(input_ids, targets)       # or ((input_ids, attention_mask), ...)
-    names = dict(hf_named_parameters(stage))           # the HF model's own parameter names
-
-The embedding block takes token ids [B, T] (or a tuple ``(input_ids, attention_mask)`` with a
-2D padding mask [B, T]) and does what the HF model's forward does before its first layer: token
-embeddings, position ids 0..T-1, the causal mask(s) built by transformers' own
-``create_causal_mask`` / ``create_sliding_window_causal_mask`` (one per kind of attention the
-model uses; None where HF passes None, e.g. SDPA without padding) and the rotary cos / sin from
-the model's ``rotary_emb``. The message between blocks is the tuple
-``(hidden, cos, sin, position_ids, *masks)``; each layer block calls its HF decoder layer with
-the hidden states, the rotary embeddings, the position ids and its layer's mask, and passes
-the rest on. The head block applies the final norm and ``lm_head`` and returns the logits
-[B, T, vocab] (the targets are the caller's: shift the labels first, as HF's loss does).
-
-What it cannot carry exactly it refuses: KV caches (training only: no cache is ever built),
-``inputs_embeds``, 4D or custom masks, attention implementations other than "eager" and
-"sdpa", and the MoE router's auxiliary loss (``output_router_logits=True``). Parallelize the
-model before building the blocks: they hold its modules as they are at that moment.
+Qwen3-MoE), without glue code: ``hf_decoder_blocks`` gives [embedding, layer x N, head] for
+``build_stage``. The blocks' messages, an example and what is refused: docs/pipelines.md
+("Hugging Face decoders").
 """
 
 from __future__ import annotations
@@ -285,10 +261,6 @@ def hf_named_parameters(blocks: Iterable[nn.Module]) -> Iterator[tuple[str, nn.P
                 yield name, p
 
 
-def _name_in(block: nn.Module, p: nn.Parameter) -> str:
-    return next(name for name, q in block.named_parameters() if q is p)
-
-
 def hf_tie_across_stages(blocks: list[nn.Module], mesh: ParallelMesh | None) -> nn.Parameter | None:
     """Tied word embeddings (``lm_head.weight is model.embed_tokens.weight``) with pp > 1: the
     last stage's head gets its own copy of the weight (the same TP layout mark), and both ends
@@ -315,7 +287,7 @@ def hf_tie_across_stages(blocks: list[nn.Module], mesh: ParallelMesh | None) -> 
             mark_sharded(tied, layout.dim, layout.group, layout.full_size, layout.fused)
         elif layout is not None:
             mark_replicated(tied, layout.group)
-        mark_tied_copy(tied, _name_in(embed, weight))
+        mark_tied_copy(tied, next(n for n, q in embed.named_parameters() if q is weight))
         lm_head.weight = tied
     else:
         return None

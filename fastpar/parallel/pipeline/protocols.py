@@ -1,14 +1,8 @@
 """What a module inside a stage may declare for the pipeline, which asks ``module.modules()`` for
 it instead of naming the class (``fastpar.moe.MoE`` implements both; nothing here imports it):
-
-* ``ForwardState``: ``keep_forward_state()``, a context around a recomputation of the module's
-  forward that puts back, on exit, what the forward leaves on the module (an ``MoE``'s
-  ``aux_loss`` and ``stats``): a recomputation in backward, e.g. of micro-batch 0 after
-  micro-batch 3's forward, must not replace what the step reports;
-* ``AuxLoss``: ``aux_loss_weight(scale)``, a context around the engine's forwards inside which
-  the module sends its auxiliary loss into backward scaled by ``scale`` (None: not at all), as
-  if ``scale · aux_loss`` were added to the loss. Each distinct hook is entered once (an
-  ``MoE``'s is one static context for every layer).
+``ForwardState`` (``keep_forward_state()``: a recomputation puts back what the forward left on
+the module) and ``AuxLoss`` (``aux_loss_weight(scale)``: the auxiliary loss weighed like the
+main loss), docs/pipelines.md.
 """
 
 from __future__ import annotations

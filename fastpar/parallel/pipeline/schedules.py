@@ -1,18 +1,6 @@
-"""Pipeline schedules as data: per-rank ordered lists of steps, with a simulator and a per-rank
-text timeline. A new schedule is a new order, not a new engine.
-
-A step is ``(kind, i)`` — ``("F", i)``: forward of micro-batch i on this rank's stage,
-``("B", i)``: its backward — or, for a schedule whose ranks hold ``v > 1`` model chunks
-(virtual stages, ``Interleaved``), ``(kind, i, c)`` for chunk c of this rank. ``actions``
-gives every schedule's steps as ``(kind, i, c)``. Chunks are placed round-robin: rank r holds
-virtual stages ``r, r + p, r + 2p, ...`` (chunk c is virtual stage ``c * p + r``).
-Communication is implied: a forward receives from the previous virtual stage and sends to the
-next (the last rank's chunk c feeds rank 0's chunk c + 1), a backward receives the output
-gradient from the next virtual stage and sends the input gradient back. A schedule that
-``splits_backward`` (``ZeroBubbleH1``) has three kinds: ``"B"`` computes only the input
-gradient (sent back at once), ``("W", i)`` later the weight gradients of micro-batch i.
-``print(Interleaved(8, 2).timeline(4))`` draws a schedule; ``python -m
-fastpar.parallel.pipeline`` prints every schedule and the bubble table.
+"""Pipeline schedules as data: per-rank ordered lists of steps ``(kind, micro-batch)`` or
+``(kind, micro-batch, chunk)``, with a simulator and a text timeline. A new schedule is a new
+order, not a new engine. Steps, chunks and their messages: docs/pipelines.md ("Schedules").
 """
 
 from __future__ import annotations
@@ -88,7 +76,7 @@ class Schedule:
 
     def forward_only(self) -> ForwardOnly:
         """The forward-only schedule (evaluation) of the same micro-batches and chunks."""
-        return ForwardOnly(self.num_microbatches, self.virtual_stages)
+        return ForwardOnly(self.num_microbatches, self.virtual_stages, self.group_size)
 
     def max_in_flight(self, num_stages: int, stage: int) -> int:
         """Most (micro-batch, chunk) forwards that ran but whose backward has not, on this
@@ -248,14 +236,8 @@ class OneFOneB(Schedule):
 
 
 class ZeroBubbleH1(Schedule):
-    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B's order of
-    forwards and input-gradient backwards (B), each micro-batch's weight gradient (W) deferred
-    into what would be bubble. The order is what a list scheduler gives with unit costs
-    (F = B = W): a rank runs its next F or B (1F1B's order) as soon as its input is ready, a
-    pending W (oldest first) while it waits, and a W first whenever another F would hold more
-    than ``min(p, m)`` micro-batches (F done, W not) — 1F1B's peak, on its first stage; the
-    remaining W last. Steady state F, B, W on every rank; bubble (p - 1)(F + B - W) against
-    1F1B's (p - 1)(F + B + W): ``theory``."""
+    """ZB-H1 (Qi et al., ICLR 2024): 1F1B's order of forwards and input-gradient backwards (B),
+    each weight gradient (W) deferred into what would be bubble (docs/pipelines.md)."""
 
     name: ClassVar[str] = "zb-h1"
     splits_backward: ClassVar[bool] = True
@@ -372,26 +354,35 @@ def _chunk_order(m: int, g: int, v: int, backward: bool) -> list[tuple[int, int]
 
 
 @dataclass(frozen=True)
-class Interleaved(Schedule):
-    """Interleaved 1F1B (Megatron-Core's ``forward_backward_pipelining_with_interleaving``):
-    each rank holds ``virtual_stages`` (v) model chunks, placed round-robin (rank r: virtual
-    stages r, r + p, ...). Rank r runs ``(p - r - 1) * 2 + (v - 1) * g`` warm-up forwards (all
-    ``v * m`` when m == g == p), then one forward / one backward, then the remaining
-    backwards, in the order of ``_chunk_order``: micro-batches in groups of g, every chunk in
-    turn over a group. ``group_size`` g is Megatron's ``microbatch_group_size_per_vp_stage``
-    (None: p; in [p, m], and m % g either 0 or at least p). Needs m a multiple of p when g is
-    p (at p > 1). Bubble (p - 1) / (v m + p - 1) with free messages, whatever g. With g = p the
-    order has no slack around the ring (rank 0's next chunk needs rank p - 1's output of the
-    step just before), so every message's latency adds to the step; each micro-batch beyond p
-    in a group is one step of slack that absorbs it, for (v - 1)(g - p) more chunk-forwards
-    in flight (``simulate(latency=...)`` shows both). Up to about
-    ``(v - 1) g + 2 (p - 1) + 1`` chunk-forwards in flight on rank 0 (more activations than
-    1F1B, each 1/v as large)."""
+class _Chunked(Schedule):
+    """A schedule over ``virtual_stages`` model chunks a rank, ``group_size`` micro-batches a
+    chunk in turn (None: the pipeline size)."""
+
+    virtual_stages: int = 1
+    group_size: int | None = None
+    chunked: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.check(None)
+
+    def check(self, num_stages: int | None) -> None:
+        m, v, g = self.num_microbatches, self.virtual_stages, self.group_size
+        _check_interleaved(m, v, num_stages, type(self).__name__, g)
+
+    def group(self, num_stages: int) -> int:
+        """Micro-batches a chunk runs before the next chunk's turn: ``group_size``, else p."""
+        return num_stages if self.group_size is None else self.group_size
+
+
+@dataclass(frozen=True)
+class Interleaved(_Chunked):
+    """Interleaved 1F1B (Megatron-Core's ``forward_backward_pipelining_with_interleaving``)
+    over ``virtual_stages`` chunks a rank placed round-robin; ``group_size`` is Megatron's
+    ``microbatch_group_size_per_vp_stage``. Warm-up, bubble, latency: docs/pipelines.md."""
 
     virtual_stages: int = 2
-    group_size: int | None = None
     name: ClassVar[str] = "interleaved"
-    chunked: ClassVar[bool] = True
     refuses: ClassVar[Mapping[str, str]] = MappingProxyType(
         {
             "zero3": "ZeRO-3 gathers around the whole stage's forward, model chunks run one by one",
@@ -399,29 +390,11 @@ class Interleaved(Schedule):
         }
     )
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_interleaved(
-            self.num_microbatches, self.virtual_stages, None, "Interleaved", self.group_size
-        )
-
     @classmethod
     def build(
         cls, num_microbatches: int, virtual_stages: int = 1, group_size: int | None = None
     ) -> Schedule:
         return cls(num_microbatches, virtual_stages, group_size)
-
-    def check(self, num_stages: int) -> None:
-        _check_interleaved(
-            self.num_microbatches, self.virtual_stages, num_stages, "Interleaved", self.group_size
-        )
-
-    def group(self, num_stages: int) -> int:
-        """Micro-batches a chunk runs before the next chunk's turn: ``group_size``, else p."""
-        return num_stages if self.group_size is None else self.group_size
-
-    def forward_only(self) -> ForwardOnly:
-        return ForwardOnly(self.num_microbatches, self.virtual_stages, self.group_size)
 
     def warmup(self, num_stages: int, stage: int) -> int:
         p, m, v = num_stages, self.num_microbatches, self.virtual_stages
@@ -444,35 +417,19 @@ class Interleaved(Schedule):
 
 
 @dataclass(frozen=True)
-class ForwardOnly(Schedule):
+class ForwardOnly(_Chunked):
     """Forwards only, no backward (evaluation): micro-batch by micro-batch, or with
-    ``virtual_stages`` > 1 chunks per rank in the interleaved order of ``Interleaved``'s
-    forwards (the same groups of ``group_size`` micro-batches, p unless set)."""
+    ``virtual_stages`` > 1 chunks per rank in the order of ``Interleaved``'s forwards."""
 
-    virtual_stages: int = 1
-    group_size: int | None = None
     name: ClassVar[str] = "forward-only"
-    chunked: ClassVar[bool] = True
     has_backward: ClassVar[bool] = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_interleaved(
-            self.num_microbatches, self.virtual_stages, None, "ForwardOnly", self.group_size
-        )
-
-    def check(self, num_stages: int) -> None:
-        _check_interleaved(
-            self.num_microbatches, self.virtual_stages, num_stages, "ForwardOnly", self.group_size
-        )
 
     def steps(self, num_stages: int, stage: int) -> list[Step]:
         self.check(num_stages)
         m, v = self.num_microbatches, self.virtual_stages
         if v == 1:
             return [("F", i) for i in range(m)]
-        g = num_stages if self.group_size is None else self.group_size
-        return [("F", i, c) for i, c in _chunk_order(m, g, v, backward=False)]
+        return [("F", i, c) for i, c in _chunk_order(m, self.group(num_stages), v, False)]
 
 
 #: the training schedules by their command-line names (``Schedule.name``)
