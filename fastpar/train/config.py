@@ -355,11 +355,6 @@ class TrainConfig(TrainOptions):
                     f"{self.layers} layers, head): use --virtual-stages <= {blocks // self.pp} "
                     f"or --layers >= {self.pp * v - 2}"
                 )
-        if not 0.0 < self.eval_split < 1.0:
-            raise ValueError(
-                f"--eval-split {self.eval_split:g} must be a fraction strictly between 0 and 1 "
-                "(e.g. 0.1: the last 10% of the token ids are held out)"
-            )
 
     @property
     def document_source(self) -> str | None:
