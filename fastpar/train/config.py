@@ -21,7 +21,6 @@ from fastpar.models.shape import DecoderShape
 from fastpar.moe.config import ROUTING_DEFAULTS
 from fastpar.parallel.pipeline.recompute import RecomputePolicy
 from fastpar.parallel.pipeline.schedules import SCHEDULES, chunked_names, make_schedule
-from fastpar.train.checks import COLLECTIVE_TIMEOUT_S as COLLECTIVE_TIMEOUT_S
 from fastpar.train.checks import _seconds as _seconds
 from fastpar.train.checks import (
     check_ranges,
@@ -30,7 +29,6 @@ from fastpar.train.checks import (
     node_local_shard,
     torchrun_world_size,
 )
-from fastpar.train.checks import default_collective_timeout as default_collective_timeout
 from fastpar.train.config_checks import (
     check_context_parallel,
     check_init_from_hf,
@@ -402,8 +400,6 @@ class TrainConfig(TrainOptions):
         self._check_model_flags()
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"precision must be fp32, bf16 or fp16, got {self.precision!r}")
-        if self.zero not in (0, 1, 2, 3):
-            raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero}")
         self._check_schedule()
         RecomputePolicy.parse(self.recompute)  # a bad --recompute: ValueError naming it
         check_layout(self)  # the mesh's own refusals (hybrid sharding among them)
