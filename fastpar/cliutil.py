@@ -246,22 +246,16 @@ def _nested(config: type) -> Callable:
     """The getter of a flat class's nested ``config``: its flagged fields' flat values, the
     flat class's fields of the same name (a model's ``capacity_factor``), and what the flat
     class's ``nested_values(config)`` returns, if it has one (Llama's experts are SwiGLU)."""
-    flagged = {f.name: flat_name(f) for f in fields(config) if option_of(f) is not None}
+    names = {f.name: flat_name(f) for f in fields(config)}  # each field's flat name
 
     def get(self):
         mine = {f.name for f in fields(self)}
-        kw = {
-            n: getattr(self, flagged.get(n, n)) for n in _names(config) if flagged.get(n, n) in mine
-        }
+        kw = {n: getattr(self, flat) for n, flat in names.items() if flat in mine}
         kw.update(getattr(self, "nested_values", lambda _: {})(config))
         return config(**kw)
 
     get.__doc__ = f"The {config.__name__} of this config's values."
     return get
-
-
-def _names(config: type) -> list[str]:
-    return [f.name for f in fields(config)]
 
 
 def flat_fields(*configs: type):

@@ -1,8 +1,9 @@
 """Checks of a run's flags before any rank starts: each value within the bound its option
-declares (``check_bounds``), the words a flag takes,
-the flags that need --checkpoint-dir, and the world size under torchrun (whose hint is a layout
-that itself passes every check). Each failure is one ValueError line naming the value and the
-fix; the model's own shape checks are ``GPTConfig.check`` / ``LlamaConfig.check``."""
+declares (``check_bounds``), the few rules the world-size hint needs first (--top-k, the LR
+schedule, the flags that need --checkpoint-dir), the world size under torchrun (whose hint is a
+layout that itself passes every check) and the ranks' settings alike. Each failure is one
+ValueError line naming the value and the fix; the rules that relate several flags are
+``fastpar.train.config_checks``."""
 
 from __future__ import annotations
 
@@ -85,19 +86,25 @@ def _check_collective_timeout(cfg) -> None:
 
 
 def check_ranges(cfg) -> None:
-    """Every numeric flag within its bound, every word one the run knows."""
+    """Every flag within its bound, then the rules of a few (each a function named after it)."""
     _check_collective_timeout(cfg)
     check_bounds(cfg)
+    check_top_k(cfg)
+    check_lr_schedule(cfg)
+    check_paths(cfg)
+
+
+def check_top_k(cfg) -> None:
+    """Each token picks --top-k distinct experts of --experts."""
     if cfg.moe_every and cfg.top_k > cfg.experts:
         raise ValueError(
             f"--top-k {cfg.top_k} exceeds --experts {cfg.experts}: each token picks top_k "
             f"distinct experts; use --top-k <= {cfg.experts} or more --experts"
         )
-    _check_schedule(cfg)
-    _check_paths(cfg)
 
 
-def _check_schedule(cfg) -> None:
+def check_lr_schedule(cfg) -> None:
+    """--lr-schedule one fastpar knows; under cosine, --min-lr not above --lr."""
     if cfg.lr_schedule not in LR_SCHEDULES:
         words = "; ".join(f"{k}: {v}" for k, v in LR_SCHEDULES.items())
         raise ValueError(
@@ -124,7 +131,7 @@ def check_devices(cfg) -> None:
         )
 
 
-def _check_paths(cfg) -> None:
+def check_paths(cfg) -> None:
     """The flags that need --checkpoint-dir have it; the directories are not files."""
     if not cfg.checkpoint_dir:
         for name in NEED_CHECKPOINT_DIR:

@@ -65,11 +65,8 @@ def launch(cfg: TrainConfig, timeout: float = 24 * 3600.0, tokens=None) -> list[
     """Run ``cfg`` on this machine: under torchrun on its ranks, else on ranks started here.
     Returns rank 0's step records. The data are loaded and every id checked first, before any
     rank starts (under torchrun: before the process group); ``tokens`` passes data already
-    checked (``load_data``). Every group's collectives time out after ``cfg.collective_timeout``
-    seconds (under torchrun, a rank whose collective failed ends its stopped siblings:
-    ``fastpar.train.peers``). Ranks started here die with this process; a SIGTERM / SIGINT to it reaches every
-    rank, which finish their step and save it (``fastpar.train.loop.run``): the ``RunStopped``
-    they raise is raised here (a second signal kills them at once)."""
+    checked (``load_data``). A stuck rank, a signal: docs/training.md, "When things go wrong";
+    the ranks' ``RunStopped`` is raised here."""
     cfg.check()
     if tokens is None:
         tokens = load_data(cfg)
