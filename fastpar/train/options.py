@@ -33,10 +33,8 @@ GROUPS = (LAYOUT, MODEL, ROUTING, TRAINING, DATA, CHECKPOINTS, EVALUATION, OUTPU
 @dataclass
 @flat_fields(RouterConfig, ExpertConfig, OptimizerConfig)
 class TrainOptions(ModelOptions):
-    """The flags: one field each, listed by --help section (``GROUPS``). "(default X)" is added
-    to the help of a flag whose default is not None. The MoE routing flags (``ROUTING``:
-    ``router_score``, ``expert_bias``, ...) are ``RouterConfig``'s and ``ExpertConfig``'s
-    flagged fields, added under their flat names (``fastpar.cliutil.flat_fields``)."""
+    """The flags: one field each, listed by --help section (``GROUPS``); the routing and
+    optimizer flags added under their flat names (``fastpar.cliutil.flat_fields``)."""
 
     tp: int = option(
         2, LAYOUT, "tensor-parallel size: ranks that split every layer's matrices", at_least=1
