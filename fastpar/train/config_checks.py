@@ -395,7 +395,11 @@ def check_fused_ce_zero3(cfg) -> None:
 
 
 def check_packing(cfg) -> None:
-    """--pack / --eos-id: what packed documents can run exactly."""
+    """--pack / --eos-id / --loss-normalization: what packed documents can run exactly."""
+    if cfg.loss_normalization not in ("token", "sequence"):
+        raise ValueError(
+            f"--loss-normalization must be token or sequence, got {cfg.loss_normalization!r}"
+        )
     if cfg.eos_id is not None and not 0 <= cfg.eos_id < cfg.vocab:
         raise ValueError(
             f"--eos-id {cfg.eos_id} is not a token id of the {cfg.vocab}-token vocabulary"
