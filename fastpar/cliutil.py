@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import errno
 import inspect
 import json
 import math
@@ -32,6 +33,12 @@ def check_positive_or_none(label: str, value, shown: str, example: str, absent: 
             f"{label} {shown} must be a positive finite number (e.g. {example}), or left out "
             f"{absent}"
         )
+
+
+def os_error_text(e: OSError) -> str:
+    """An ``OSError`` in words: 'No space left on device (ENOSPC)'."""
+    name = errno.errorcode.get(e.errno or 0)
+    return f"{e.strerror or e} ({name})" if name else str(e)
 
 
 def read_table(path: str, flag: str, holds: str = "settings") -> dict:

@@ -22,7 +22,7 @@ from fastpar.checkpoint.core import _agree
 from fastpar.checkpoint.directory import prune, scan, step_dir
 from fastpar.checkpoint.format import PARTIAL_SUFFIX, CheckpointError
 from fastpar.checkpoint.lock import DirectoryLock, describe
-from fastpar.cliutil import option_of
+from fastpar.cliutil import option_of, os_error_text
 from fastpar.comm import plain
 from fastpar.models import native
 from fastpar.train.batches import SCHEDULE_FIELDS, lr_at
@@ -120,12 +120,6 @@ def write_config_file(cfg, path: str) -> None:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise OSError(e.errno, e.strerror, path) from None
-
-
-def _os_error(e: OSError) -> str:
-    """'No space left on device (ENOSPC)'."""
-    name = errno.errorcode.get(e.errno or 0)
-    return f"{e.strerror or e} ({name})" if name else str(e)
 
 
 def _new_run_id() -> str:
@@ -310,7 +304,7 @@ def _refusal(e: Exception, root: str) -> str:
         return str(e)
     if not (isinstance(e, OSError) and e.errno):
         return f"--checkpoint-dir {root}: {type(e).__name__}: {e}"
-    text = f"--checkpoint-dir {root}: {e.filename or root}: {_os_error(e)}"
+    text = f"--checkpoint-dir {root}: {e.filename or root}: {os_error_text(e)}"
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         with contextlib.suppress(OSError):
             text += f" ({shutil.disk_usage(root).free / 2**20:.1f} MiB are free there)"
@@ -422,7 +416,7 @@ def _copy_settings(cfg, path: str) -> None:
         write_config_file(cfg, os.path.join(path, CONFIG_FILE))
     except OSError as e:
         _warn(
-            f"{path} is complete, but its {CONFIG_FILE} could not be written: {_os_error(e)}; "
+            f"{path} is complete, but its {CONFIG_FILE} could not be written: {os_error_text(e)}; "
             "the checkpoint holds the same settings"
         )
 

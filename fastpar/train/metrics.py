@@ -6,7 +6,6 @@ TensorBoard scalars)."""
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import math
 import os
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from fastpar.amp.norm import counts_on_this_rank
+from fastpar.cliutil import os_error_text
 from fastpar.comm import plain
 from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import is_expert
@@ -351,10 +351,8 @@ class MetricsWriter:
     def _failed(self, flag: str, path: str, e: OSError, then: str) -> None:
         if flag not in self.warned:
             self.warned.add(flag)
-            name = errno.errorcode.get(e.errno or 0)
-            why = f"{e.strerror} ({name})" if name else str(e)
             print(
-                f"warning: {flag} {path}: {why}; {then} (the run goes on)",
+                f"warning: {flag} {path}: {os_error_text(e)}; {then} (the run goes on)",
                 file=sys.stderr,
                 flush=True,
             )
