@@ -45,12 +45,9 @@ class MemoryEstimate:
 
 def stage_bytes(cfg) -> list[int]:
     """The bytes of activations each pipeline rank keeps for backward at its peak in a step:
-    what each of its chunks keeps per micro-batch (the model's ``activation_bytes`` of its
-    blocks, partitioned as the trainer does), held as the schedule holds them (``held``:
-    1F1B ``pp - stage`` micro-batches in flight, GPipe all, interleaved per chunk, ZB-H1 until
-    each W, with the output gradients stored from its B); with --recompute full each
-    micro-batch keeps only its stage input and one chunk is recomputed at a time (ZB-H1: its
-    B recomputes, and that graph lives until the W)."""
+    what each of its chunks keeps per micro-batch, held as the schedule holds them (``held``);
+    with --recompute full each micro-batch keeps only its stage input and one chunk is
+    recomputed at a time (ZB-H1: its B recomputes, and that graph lives until the W)."""
     model = cfg.model()
     sched = make_schedule(
         cfg.schedule, cfg.microbatches, cfg.virtual_stages, cfg.microbatch_group_size

@@ -318,13 +318,10 @@ SCALARS = (
 
 
 class MetricsWriter:
-    """Rank 0's records of logged steps: one JSON object a line in ``--metrics-file``
-    (truncated by a run from step 0, appended to by a resumed one) and scalars under
-    ``--tensorboard DIR``. A no-op when neither is set. A file that cannot be written (a full
-    disk) never ends the run: one warning line says so. A row not written whole is cut off
-    again (the file keeps whole lines) and the next row is tried; TensorBoard, whose writer
-    thread ends at its first error, writes nothing more (that thread's own traceback is not
-    printed: the warning says it)."""
+    """Rank 0's records of logged steps: one JSON object a line in ``--metrics-file`` and
+    scalars under ``--tensorboard DIR`` (a no-op when neither is set). A write that fails (a full
+    disk) is one warning, never the run's end (docs/metrics.md, "The JSONL schema"); the
+    TensorBoard writer thread's own traceback is not printed: the warning says it."""
 
     def __init__(self, cfg, resumed: bool) -> None:
         self.fd = self.tb = None
