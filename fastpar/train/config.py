@@ -1,5 +1,6 @@
-"""The training run's settings (``TrainConfig``), their checks before any rank starts, and the
-command line that fills them."""
+"""The training run's settings (``TrainConfig``: the flags' values and what follows from them),
+its ``check`` (the rules of ``fastpar.train.config_checks`` in order), and ``config_from`` (the
+parsed command line's values)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, fields
 
-from fastpar.data import (
-    index_file,
-    tokenizer_eos_id,
-    tokenizer_vocab_size,
-)
+from fastpar.data import index_file, tokenizer_eos_id, tokenizer_vocab_size
 from fastpar.models import native
 from fastpar.models.shape import DecoderShape
 from fastpar.moe.config import ROUTING_DEFAULTS
