@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import errno
 import inspect
 import json
 import math
@@ -32,6 +33,12 @@ def check_positive_or_none(label: str, value, shown: str, example: str, absent: 
             f"{label} {shown} must be a positive finite number (e.g. {example}), or left out "
             f"{absent}"
         )
+
+
+def os_error_text(e: OSError) -> str:
+    """An ``OSError`` in words: 'No space left on device (ENOSPC)'."""
+    name = errno.errorcode.get(e.errno or 0)
+    return f"{e.strerror or e} ({name})" if name else str(e)
 
 
 def read_table(path: str, flag: str, holds: str = "settings") -> dict:
@@ -154,11 +161,19 @@ class Option:
     "warn" (the checkpoint fits but the run leaves its trajectory), "" (free: the layout)."""
     at_least: float | None = None
     """The bound: the least value (a float must also be finite); None: no lower bound."""
+    at_most: float | None = None
+    """The bound: the largest value ("--x 9 exceeds 8"); None: no upper bound."""
     positive: bool = False
     """The bound: a finite number > 0."""
+    finite: bool = False
+    """The bound: a finite number (no inf, no NaN)."""
     note: str = ""
-    """Words the bound's error adds in parentheses: what the least value means ("0: never"), a
-    unit, an example."""
+    """Words the bound's error adds in parentheses: what the least value means ("0: never"), an
+    example."""
+    unit: str = ""
+    """The unit after ``at_most`` in the error ("exceeds 1e+09 seconds")."""
+    message: str = ""
+    """The whole error instead of the generic one, with ``{flag}`` and ``{value}`` filled in."""
 
     def text(self) -> str:
         """The help text (``help``, called if it is a callable)."""
@@ -168,18 +183,27 @@ class Option:
         """The one-line error for ``value`` of the flag ``shown`` outside the bound (None: within
         it, or left out): "--lr 0 must be a positive finite number", "--warmup -1 must be >= 0
         (0: no warm-up)", "--min-lr -1 must be a finite number >= 0"."""
-        low = self.at_least
-        if value is None or (low is None and not self.positive):
+        low, high, number = self.at_least, self.at_most, isinstance(value, float)
+        if value is None:
             return None
-        finite, number = math.isfinite(value), isinstance(value, float)
+        finite = math.isfinite(value) if number else True
+        above = high is not None and finite and value > high
         if self.positive and not (finite and value > 0):
             bound = "a positive finite number"
         elif low is not None and not (finite and value >= low):
             bound = f"a finite number >= {low:g}" if number else f">= {low}"
-        else:
+        elif (self.finite or high is not None) and not finite:
+            bound = "a finite number"
+        elif not above:
             return None
+        shown_value = f"{value:g}" if number else str(value)
+        if self.message:
+            return self.message.format(flag=shown, value=shown_value)
         note = f" ({self.note})" if self.note else ""
-        return f"{shown} {f'{value:g}' if number else value} must be {bound}{note}"
+        if above:
+            unit = f" {self.unit}" if self.unit else ""
+            return f"{shown} {shown_value} exceeds {high:g}{unit}{note}"
+        return f"{shown} {shown_value} must be {bound}{note}"
 
 
 def option(
@@ -194,15 +218,20 @@ def option(
     default_factory=MISSING,
     resume: str = "",
     at_least: float | None = None,
+    at_most: float | None = None,
     positive: bool = False,
+    finite: bool = False,
     note: str = "",
+    unit: str = "",
+    message: str = "",
 ):
     """A ``dataclasses.field`` whose metadata declares its flag (``Option``) and its bound
-    (``at_least=1``, ``positive=True``; ``Option.out_of_bounds``)."""
+    (``at_least=1``, ``at_most=``, ``positive=True``, ``finite=True``; ``Option.out_of_bounds``)."""
     if resume not in ("", "refuse", "warn"):
         raise ValueError(f"resume must be '', 'refuse' or 'warn', got {resume!r}")
     words = words if isinstance(words, dict) else tuple(words)
-    opt = Option(help, group, metavar, words, name, deferred, resume, at_least, positive, note)
+    bound = (at_least, at_most, positive, finite, note, unit, message)
+    opt = Option(help, group, metavar, words, name, deferred, resume, *bound)
     meta = {OPTION: opt}
     if default_factory is not MISSING:
         return field(default_factory=default_factory, metadata=meta)
@@ -224,22 +253,16 @@ def _nested(config: type) -> Callable:
     """The getter of a flat class's nested ``config``: its flagged fields' flat values, the
     flat class's fields of the same name (a model's ``capacity_factor``), and what the flat
     class's ``nested_values(config)`` returns, if it has one (Llama's experts are SwiGLU)."""
-    flagged = {f.name: flat_name(f) for f in fields(config) if option_of(f) is not None}
+    names = {f.name: flat_name(f) for f in fields(config)}  # each field's flat name
 
     def get(self):
         mine = {f.name for f in fields(self)}
-        kw = {
-            n: getattr(self, flagged.get(n, n)) for n in _names(config) if flagged.get(n, n) in mine
-        }
+        kw = {n: getattr(self, flat) for n, flat in names.items() if flat in mine}
         kw.update(getattr(self, "nested_values", lambda _: {})(config))
         return config(**kw)
 
     get.__doc__ = f"The {config.__name__} of this config's values."
     return get
-
-
-def _names(config: type) -> list[str]:
-    return [f.name for f in fields(config)]
 
 
 def flat_fields(*configs: type):

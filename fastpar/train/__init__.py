@@ -8,11 +8,12 @@ The flags and data: docs/training.md; its modules and one step's flow: docs/arch
 
 from __future__ import annotations
 
+from fastpar.checkpoint.directory import latest_checkpoint
 from fastpar.train.batches import batch_of, load_data, lr_at
 from fastpar.train.build import Parts, Trainer
-from fastpar.train.checkpointing import latest_checkpoint
+from fastpar.train.checks import COLLECTIVE_TIMEOUT_S
 from fastpar.train.cli import build_parser, main
-from fastpar.train.config import COLLECTIVE_TIMEOUT_S, TrainConfig, config_from
+from fastpar.train.config import TrainConfig, config_from
 from fastpar.train.launch import launch
 from fastpar.train.loop import run
 from fastpar.train.stop import RunStopped

@@ -19,26 +19,17 @@ from dataclasses import asdict
 import torch.distributed as dist
 
 from fastpar.checkpoint.core import _agree
-from fastpar.checkpoint.directory import latest_checkpoint, prune, scan, step_dir
+from fastpar.checkpoint.directory import prune, scan, step_dir
 from fastpar.checkpoint.format import PARTIAL_SUFFIX, CheckpointError
 from fastpar.checkpoint.lock import DirectoryLock, describe
-from fastpar.cliutil import option_of
+from fastpar.cliutil import option_of, os_error_text
 from fastpar.comm import plain
 from fastpar.models import native
 from fastpar.train.batches import SCHEDULE_FIELDS, lr_at
 from fastpar.train.build import Trainer
+from fastpar.train.checks import flag
 from fastpar.train.config import TrainConfig
 from fastpar.train.stop import RunStopped
-
-__all__ = [
-    "CONFIG_FILE",
-    "close_checkpoints",
-    "compare_schedule",
-    "compare_settings",
-    "latest_checkpoint",
-    "open_checkpoints",
-    "write_config_file",
-]
 
 #: the run's resolved settings (every TrainConfig field) in each checkpoint directory
 CONFIG_FILE = "train_config.json"
@@ -49,24 +40,10 @@ def _resume(kind: str) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(TrainConfig) if option_of(f).resume == kind)
 
 
-#: resuming with another value is REFUSED (``option(resume="refuse")``): these define the
-#: parameters (their set, their shapes or what they compute), so the checkpoint's weights would
-#: go into another model (or fail on a shape, with a less helpful message). Also refused:
-#: another vocabulary, another --hf-config content, and --seq-len for the GPT (its learned
-#: position table).
+#: the fields whose change a resume refuses (they define the model) and warns about (the run
+#: leaves its trajectory), from ``option(resume=...)``: docs/checkpoints.md, "Resuming"
 REFUSED = _resume("refuse")
-#: resuming with another value WARNS (``option(resume="warn")``): the checkpoint still fits
-#: (fp32 masters, optimizer state, scaler) and the change may be meant (another precision on
-#: other hardware, a larger batch), but the run no longer continues the trajectory it was on
-#: (the seed and the batch size choose the data; the rest change the updates). The layout (tp,
-#: pp, dp, ep, zero, micro-batches, schedule) changes freely: checkpoints reshard exactly. The
-#: learning-rate schedule's fields (``SCHEDULE_FIELDS``, --steps among them) are judged by
-#: ``compare_schedule`` instead. Either list is reported sorted by flag.
 WARNED = _resume("warn")
-
-
-def _flag(name: str) -> str:
-    return "--model" if name == "model_type" else "--" + name.replace("_", "-")
 
 
 def _warn(text: str) -> None:
@@ -92,7 +69,7 @@ def compare_settings(saved: dict, cfg) -> tuple[list[str], list[str]]:
     )
 
     def diff(names):
-        out = [f"{_flag(n)} {old[n]} -> {now[n]}" for n in names if n in old and old[n] != now[n]]
+        out = [f"{flag(n)} {old[n]} -> {now[n]}" for n in names if n in old and old[n] != now[n]]
         return sorted(out)
 
     refused = [] if cfg.hf_config else diff(refused_fields)
@@ -121,7 +98,7 @@ def compare_schedule(saved: dict, cfg, step: int) -> tuple[str, str, bool] | Non
     if cfg.steps > step:  # the step the run goes on with, even past the saved run's end
         end = max(end, step + 1)
     moved = any(lr_at(before, s) != lr_at(cfg, s) for s in range(step, end))
-    flags = "; ".join(f"{_flag(n)} {old[n]} -> {getattr(cfg, n)}" for n in changed)
+    flags = "; ".join(f"{flag(n)} {old[n]} -> {getattr(cfg, n)}" for n in changed)
     rates = f"LR at step {step + 1}: {lr_at(before, step):.6g} -> {lr_at(cfg, step):.6g}"
     if cfg.steps > step + 1:
         rates += (
@@ -143,12 +120,6 @@ def write_config_file(cfg, path: str) -> None:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise OSError(e.errno, e.strerror, path) from None
-
-
-def _os_error(e: OSError) -> str:
-    """'No space left on device (ENOSPC)'."""
-    name = errno.errorcode.get(e.errno or 0)
-    return f"{e.strerror or e} ({name})" if name else str(e)
 
 
 def _new_run_id() -> str:
@@ -333,7 +304,7 @@ def _refusal(e: Exception, root: str) -> str:
         return str(e)
     if not (isinstance(e, OSError) and e.errno):
         return f"--checkpoint-dir {root}: {type(e).__name__}: {e}"
-    text = f"--checkpoint-dir {root}: {e.filename or root}: {_os_error(e)}"
+    text = f"--checkpoint-dir {root}: {e.filename or root}: {os_error_text(e)}"
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         with contextlib.suppress(OSError):
             text += f" ({shutil.disk_usage(root).free / 2**20:.1f} MiB are free there)"
@@ -383,20 +354,13 @@ def _load(trainer: Trainer, path: str, talk: bool) -> int:
         error = e
     if not _agree(error is None):
         raise error or CheckpointError(f"another rank failed to load {path}")
-    trainer.step_count = int(info["step"])
+    cfg, trainer.step_count = trainer.cfg, int(info["step"])
     if talk:
-        done = (
-            "; --steps reached: nothing to train" if trainer.step_count >= trainer.cfg.steps else ""
-        )
-        won = (
-            f"; its weights and optimizer state replace --init-from-hf {trainer.cfg.init_from_hf}'s"
-            if trainer.cfg.init_from_hf
-            else ""
-        )
-        print(
-            f"resume: {path} (step {trainer.step_count}, run {trainer.run_id}){won}{done}",
-            flush=True,
-        )
+        done = "; --steps reached: nothing to train" if trainer.step_count >= cfg.steps else ""
+        hf = cfg.init_from_hf
+        won = f"; its weights and optimizer state replace --init-from-hf {hf}'s" if hf else ""
+        line = f"resume: {path} (step {trainer.step_count}, run {trainer.run_id}){won}{done}"
+        print(line, flush=True)
     return trainer.step_count
 
 
@@ -452,7 +416,7 @@ def _copy_settings(cfg, path: str) -> None:
         write_config_file(cfg, os.path.join(path, CONFIG_FILE))
     except OSError as e:
         _warn(
-            f"{path} is complete, but its {CONFIG_FILE} could not be written: {_os_error(e)}; "
+            f"{path} is complete, but its {CONFIG_FILE} could not be written: {os_error_text(e)}; "
             "the checkpoint holds the same settings"
         )
 

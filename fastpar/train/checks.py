@@ -1,8 +1,9 @@
 """Checks of a run's flags before any rank starts: each value within the bound its option
-declares (``check_bounds``) and the ranges of a few more, the words a flag takes,
-the flags that need --checkpoint-dir, and the world size under torchrun (whose hint is a layout
-that itself passes every check). Each failure is one ValueError line naming the value and the
-fix; the model's own shape checks are ``GPTConfig.check`` / ``LlamaConfig.check``."""
+declares (``check_bounds``), the few rules the world-size hint needs first (--top-k, the LR
+schedule, the flags that need --checkpoint-dir), the world size under torchrun (whose hint is a
+layout that itself passes every check) and the ranks' settings alike. Each failure is one
+ValueError line naming the value and the fix; the rules that relate several flags are
+``fastpar.train.config_checks``."""
 
 from __future__ import annotations
 
@@ -32,11 +33,6 @@ NEED_CHECKPOINT_DIR = (
 SEED_LIMIT = 2**43
 #: the longest --collective-timeout (datetime.timedelta overflows near 8.6e13 s)
 TIMEOUT_LIMIT = 1e9
-#: the fp16 loss scaler's floor, and the largest fp32 value
-LOSS_SCALE_RANGE = (1.0, 2.0**40)
-"""--loss-scale's bounds: the scaler's floor, and 2^40 ≈ 65504 / 2^-24 (fp16's largest value over
-its smallest positive one): a larger scale overflows every non-zero fp16 gradient, so it could
-only be backed off from, one skipped step at a time."""
 TIMEOUT_ENV = "FASTPAR_COLLECTIVE_TIMEOUT"
 
 
@@ -90,35 +86,25 @@ def _check_collective_timeout(cfg) -> None:
 
 
 def check_ranges(cfg) -> None:
-    """Every numeric flag within its range, every word one the run knows."""
+    """Every flag within its bound, then the rules of a few (each a function named after it)."""
     _check_collective_timeout(cfg)
     check_bounds(cfg)
-    if cfg.collective_timeout > TIMEOUT_LIMIT:
-        raise ValueError(
-            f"--collective-timeout {cfg.collective_timeout:g} exceeds {TIMEOUT_LIMIT:g} seconds: "
-            f"pass a timeout a stuck rank is worth waiting for (default 300)"
-        )
-    low, high = LOSS_SCALE_RANGE
-    if not low <= cfg.loss_scale <= high:
-        raise ValueError(
-            f"--loss-scale {cfg.loss_scale:g} must be in [{low:g}, 2^40 = {high:.4g}] (the "
-            f"fp16 loss scaler's floor, and the scale past which every non-zero fp16 gradient "
-            f"overflows), e.g. 4096"
-        )
-    if not math.isfinite(cfg.rope_theta):
-        raise ValueError(f"--rope-theta {cfg.rope_theta} must be a finite number (e.g. 10000)")
+    check_top_k(cfg)
+    check_lr_schedule(cfg)
+    check_paths(cfg)
+
+
+def check_top_k(cfg) -> None:
+    """Each token picks --top-k distinct experts of --experts."""
     if cfg.moe_every and cfg.top_k > cfg.experts:
         raise ValueError(
             f"--top-k {cfg.top_k} exceeds --experts {cfg.experts}: each token picks top_k "
             f"distinct experts; use --top-k <= {cfg.experts} or more --experts"
         )
-    if not -SEED_LIMIT <= cfg.seed <= SEED_LIMIT:
-        raise ValueError(f"--seed {cfg.seed} is out of range: use a seed in ±{SEED_LIMIT}")
-    _check_schedule(cfg)
-    _check_paths(cfg)
 
 
-def _check_schedule(cfg) -> None:
+def check_lr_schedule(cfg) -> None:
+    """--lr-schedule one fastpar knows; under cosine, --min-lr not above --lr."""
     if cfg.lr_schedule not in LR_SCHEDULES:
         words = "; ".join(f"{k}: {v}" for k, v in LR_SCHEDULES.items())
         raise ValueError(
@@ -145,7 +131,7 @@ def check_devices(cfg) -> None:
         )
 
 
-def _check_paths(cfg) -> None:
+def check_paths(cfg) -> None:
     """The flags that need --checkpoint-dir have it; the directories are not files."""
     if not cfg.checkpoint_dir:
         for name in NEED_CHECKPOINT_DIR:

@@ -19,7 +19,7 @@ from fastpar.flight.record import DIR_VAR
 from fastpar.launch import RankError, run_ranks
 from fastpar.mesh import init
 from fastpar.train.batches import load_data
-from fastpar.train.checks import check_world_size
+from fastpar.train.checks import check_devices, check_world_size, torchrun_world_size
 from fastpar.train.config import TrainConfig
 from fastpar.train.loop import run
 from fastpar.train.peers import end_stopped_siblings, exit_with_agent
@@ -65,16 +65,14 @@ def launch(cfg: TrainConfig, timeout: float = 24 * 3600.0, tokens=None) -> list[
     """Run ``cfg`` on this machine: under torchrun on its ranks, else on ranks started here.
     Returns rank 0's step records. The data are loaded and every id checked first, before any
     rank starts (under torchrun: before the process group); ``tokens`` passes data already
-    checked (``load_data``). Every group's collectives time out after ``cfg.collective_timeout``
-    seconds (under torchrun, a rank whose collective failed ends its stopped siblings:
-    ``fastpar.train.peers``). Ranks started here die with this process; a SIGTERM / SIGINT to it reaches every
-    rank, which finish their step and save it (``fastpar.train.loop.run``): the ``RunStopped``
-    they raise is raised here (a second signal kills them at once)."""
+    checked (``load_data``). A stuck rank, a signal: docs/training.md, "When things go wrong";
+    the ranks' ``RunStopped`` is raised here."""
     cfg.check()
     if tokens is None:
         tokens = load_data(cfg)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        check_world_size(cfg, int(os.environ["WORLD_SIZE"]))  # one line; the hint fits --ep
+    world = torchrun_world_size()
+    if world is not None:
+        check_world_size(cfg, world)  # one line; the hint fits --ep
         exit_with_agent()  # a worker never outlives its torchrun agent
         hybrid = dict(dp_shard=cfg.dp_shard, dp_replicate=cfg.dp_replicate)
         where, began, rank = flight_dir(cfg), time.time(), int(os.environ["RANK"])
@@ -85,7 +83,7 @@ def launch(cfg: TrainConfig, timeout: float = 24 * 3600.0, tokens=None) -> list[
         except RuntimeError as exc:  # a failed collective: a stopped sibling would hold torchrun
             flight.dump(where, f"{type(exc).__name__}: {exc}"[:2000])
             ended = {r: "stopped: SIGSTOP or a debugger" for r in end_stopped_siblings()}
-            _torchrun_report(where, began, rank, int(os.environ["WORLD_SIZE"]), ended)
+            _torchrun_report(where, began, rank, world, ended)
             raise
         # every rank is past its last collective, then the groups close in order: a process
         # exiting with live gloo groups while a peer closes its connections can abort
@@ -94,10 +92,7 @@ def launch(cfg: TrainConfig, timeout: float = 24 * 3600.0, tokens=None) -> list[
         dist.destroy_process_group()
         return records
     if torch.cuda.is_available():
-        if torch.cuda.device_count() < cfg.world_size:
-            raise ValueError(
-                f"{cfg.world_size} ranks need {cfg.world_size} GPUs, {torch.cuda.device_count()} visible"
-            )
+        check_devices(cfg)
         # spawned ranks load the data again (memory-mapped or re-tokenised), unchecked
         args, how = (cfg,), dict(backend="nccl", start_method="spawn")
     else:  # forked ranks share the parent's tokens

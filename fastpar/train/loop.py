@@ -36,13 +36,8 @@ from fastpar.train.summary import header_line, hybrid_line
 
 def run(cfg: TrainConfig, tokens=None) -> list[dict]:
     """Train on this rank (the default process group must exist). Returns the step records.
-    ``tokens``: the run's data, already checked (None: load them, unchecked).
-
-    Every collective of every group times out after ``cfg.collective_timeout`` seconds. A
-    SIGTERM / SIGINT to any rank (a scheduler's preemption) lets every rank finish its step,
-    save it when ``cfg.checkpoint_dir`` is set, and raise ``RunStopped``; so does divergence (a
-    non-finite loss in fp32 / bf16, ``cfg.max_skipped_steps`` skipped steps in a row, weights
-    about to be saved that are not finite), without saving."""
+    ``tokens``: the run's data, already checked (None: load them, unchecked). A signal or a
+    divergence raises ``RunStopped`` on every rank (docs/training.md, "When things go wrong")."""
     check_same_settings(cfg)  # one small all-gather: nodes started with other flags stop here
     with StopSignals() as signals:
         mesh = ParallelMesh(

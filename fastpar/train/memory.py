@@ -1,24 +1,6 @@
 """How much memory one micro-batch's activations need, against what this machine has: a run
-that clearly cannot fit is refused before any rank starts (``check_memory``).
-
-The estimate counts the tensors fastpar's GPT / Llama / DeepSeek blocks save for backward, from
-the model's shapes (each model's ``activation_bytes``: ``fastpar.models.activations``; the
-multi-token prediction modules in the head's block, ``mtp_bytes``), per pipeline chunk, held as
-the schedule holds its micro-batches (``Schedule.held``: GPipe all of them, 1F1B ``pp - stage``,
-interleaved per model chunk, ZB-H1 each until its W, and from its B the output gradients its
-W reads: ``Activations``' ``*_grads``); against what autograd really saves on CPU ranks (and,
-under ZB-H1, the output gradients its B stores) it is within 10 % on every rank for GPipe,
-1F1B, interleaved and ZB-H1, with multi-token prediction and full recompute too
-(tests/test_train_memory.py). The attention scores are not counted:
-``scaled_dot_product_attention`` runs a fused kernel on CPUs and GPUs alike, which keeps
-O(seq_len) per head, not O(seq_len²). Parameters, gradients, optimizer state, what a backward
-allocates and the allocator's slack come on top, so it is meant as a lower bound of the memory:
-measured on CPU ranks (gloo), the real growth with seq_len is never below it
-(tests/test_train_config.py). Hybrid sharding changes none of it: a rank's micro-batch is
-``batch_size / dp`` rows whatever the split of dp into dp-shard x dp-replicate, and the
-parameters, gradients and optimizer state a rank holds are those of ZeRO over its shard group
-(``fastpar.zero.estimate_memory`` with the shard group's size).
-"""
+that clearly cannot fit is refused before any rank starts (``check_memory``). What the estimate
+counts, and how close it is: docs/training.md, "Inside fastpar.train"."""
 
 from __future__ import annotations
 
@@ -63,12 +45,9 @@ class MemoryEstimate:
 
 def stage_bytes(cfg) -> list[int]:
     """The bytes of activations each pipeline rank keeps for backward at its peak in a step:
-    what each of its chunks keeps per micro-batch (the model's ``activation_bytes`` of its
-    blocks, partitioned as the trainer does), held as the schedule holds them (``held``:
-    1F1B ``pp - stage`` micro-batches in flight, GPipe all, interleaved per chunk, ZB-H1 until
-    each W, with the output gradients stored from its B); with --recompute full each
-    micro-batch keeps only its stage input and one chunk is recomputed at a time (ZB-H1: its
-    B recomputes, and that graph lives until the W)."""
+    what each of its chunks keeps per micro-batch, held as the schedule holds them (``held``);
+    with --recompute full each micro-batch keeps only its stage input and one chunk is
+    recomputed at a time (ZB-H1: its B recomputes, and that graph lives until the W)."""
     model = cfg.model()
     sched = make_schedule(
         cfg.schedule, cfg.microbatches, cfg.virtual_stages, cfg.microbatch_group_size

@@ -6,7 +6,6 @@ TensorBoard scalars)."""
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import math
 import os
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from fastpar.amp.norm import counts_on_this_rank
+from fastpar.cliutil import os_error_text
 from fastpar.comm import plain
 from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import is_expert
@@ -37,42 +37,37 @@ PEAK_FLOPS = {
 TENSORBOARD_HINT = "pip install fastpar[tensorboard]"
 
 
+def _dp_sum(values: list, mesh: ParallelMesh, device: torch.device) -> torch.Tensor:
+    """``values`` (scalar tensors; None: 0) of the last pipeline stage, summed over dp x cp: one
+    broadcast over the pipeline group, one all-reduce."""
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    out = torch.stack([zero if v is None else v for v in values])
+    if mesh.pp_size > 1:
+        plain.broadcast(out, src=mesh.ranks("pp")[-1], group=mesh.pp_group)
+    plain.all_reduce(out, group=mesh.dp_cp_group)  # cp ranks: each its chunks' mean
+    return out
+
+
 def resolve(records: list[dict], mesh: ParallelMesh, device: torch.device) -> None:
     """Turn the device tensors of ``records`` (``Trainer.step``'s, of the steps since the last
-    call) into numbers, alike on every rank: ``loss`` averaged over data parallelism (the last
-    pipeline stage's, broadcast over the pipeline group), ``grad_norm`` (global already) and
-    ``skipped``. One broadcast over the pipeline group, one all-reduce over data parallelism,
-    one host sync, whatever the number of records."""
+    call) into numbers, alike on every rank: ``loss`` averaged over data parallelism (``_dp_sum``),
+    ``grad_norm`` (global already) and ``skipped``; one host sync, whatever the number of
+    records. --mtp-depth: ``mtp_loss`` averaged as ``loss`` is (a skipped empty step's: 0)."""
     if not records:
         return
-    zero = torch.zeros((), dtype=torch.float32, device=device)
-    losses = torch.stack([zero if r["loss"] is None else r["loss"] for r in records])
-    if mesh.pp_size > 1:
-        plain.broadcast(losses, src=mesh.ranks("pp")[-1], group=mesh.pp_group)
-    plain.all_reduce(losses, group=mesh.dp_cp_group)  # cp ranks: each its chunks' mean
+    losses = _dp_sum([r["loss"] for r in records], mesh, device)
     norms = torch.stack([r["grad_norm"].reshape(()).float() for r in records])
     skipped = torch.stack([r["skipped"].reshape(()).float() for r in records])
     values = torch.cat([losses, norms.to(device), skipped.to(device)]).tolist()
-    k = len(records)
+    k, ranks = len(records), mesh.dp_size * mesh.cp_size
     for i, r in enumerate(records):
-        r["loss"] = values[i] / (mesh.dp_size * mesh.cp_size)
+        r["loss"] = values[i] / ranks
         r["grad_norm"] = values[k + i]
         r["skipped"] = values[2 * k + i] > 0
-    _resolve_mtp(records, mesh, device)
-
-
-def _resolve_mtp(records: list[dict], mesh: ParallelMesh, device: torch.device) -> None:
-    """--mtp-depth: each record's ``mtp_loss`` averaged over data parallelism like ``loss``
-    (a skipped empty step's: 0). A no-op for records without one."""
-    if not any("mtp_loss" in r for r in records):
-        return
-    zero = torch.zeros((), dtype=torch.float32, device=device)
-    mtp = torch.stack([zero if r.get("mtp_loss") is None else r["mtp_loss"] for r in records])
-    if mesh.pp_size > 1:
-        plain.broadcast(mtp, src=mesh.ranks("pp")[-1], group=mesh.pp_group)
-    plain.all_reduce(mtp, group=mesh.dp_cp_group)
-    for r, value in zip(records, mtp.tolist(), strict=True):
-        r["mtp_loss"] = value / (mesh.dp_size * mesh.cp_size)
+    if any("mtp_loss" in r for r in records):
+        mtp = _dp_sum([r.get("mtp_loss") for r in records], mesh, device).tolist()
+        for r, value in zip(records, mtp, strict=True):
+            r["mtp_loss"] = value / ranks
 
 
 def _is_embedding(module: torch.nn.Module) -> bool:
@@ -196,12 +191,6 @@ def reserved_mib(device: torch.device, mesh: ParallelMesh | None = None) -> floa
     return float(t.item())
 
 
-def memory_kind(device: torch.device) -> str:
-    """What ``memory_mib`` measures: "cuda" (peak allocated by tensors) or "rss" (the
-    process's peak resident set: torch itself included)."""
-    return "cuda" if device.type == "cuda" else "rss"
-
-
 def _clock(seconds: float | None) -> str:
     if seconds is None or not math.isfinite(seconds):
         return "?"
@@ -227,10 +216,9 @@ def progress_line(cfg, row: dict) -> str:
     """Rank 0's line for a logged step (``row``: ``metrics_row``'s)."""
     step = row["step"]
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row["time"]))
-    loss = "nan" if row["loss"] is None else f"{row['loss']:.4f}"
     norm = "nan" if row["grad_norm"] is None else f"{row['grad_norm']:.3f}"
     return (
-        f"{stamp} {bar(step, cfg.steps)} step {step:>4}/{cfg.steps} | loss {loss} "
+        f"{stamp} {bar(step, cfg.steps)} step {step:>4}/{cfg.steps} | loss {_num(row['loss'])} "
         f"| lr {row['lr']:.2e} | grad-norm {norm} | {row['tokens_per_s']:,.0f} tok/s "
         f"({row['tokens_per_s_per_device']:,.0f}/device) | {_memory_text(row)}"
         + (f" | MFU {row['mfu']:.1%}" if row["mfu"] is not None else "")
@@ -291,7 +279,7 @@ def metrics_row(
         "mfu": mfu(
             tps, 0, device, cfg.world_size, flops_per_token=flops, peak_tflops=cfg.peak_tflops
         ),
-        "mem_kind": memory_kind(device),
+        "mem_kind": "cuda" if device.type == "cuda" else "rss",  # what ``memory_mib`` measures
         "mem_mib": mem[0],
         "mem_reserved_mib": mem[1],
         "skipped": bool(rec["skipped"]),
@@ -330,13 +318,10 @@ SCALARS = (
 
 
 class MetricsWriter:
-    """Rank 0's records of logged steps: one JSON object a line in ``--metrics-file``
-    (truncated by a run from step 0, appended to by a resumed one) and scalars under
-    ``--tensorboard DIR``. A no-op when neither is set. A file that cannot be written (a full
-    disk) never ends the run: one warning line says so. A row not written whole is cut off
-    again (the file keeps whole lines) and the next row is tried; TensorBoard, whose writer
-    thread ends at its first error, writes nothing more (that thread's own traceback is not
-    printed: the warning says it)."""
+    """Rank 0's records of logged steps: one JSON object a line in ``--metrics-file`` and
+    scalars under ``--tensorboard DIR`` (a no-op when neither is set). A write that fails (a full
+    disk) is one warning, never the run's end (docs/metrics.md, "The JSONL schema"); the
+    TensorBoard writer thread's own traceback is not printed: the warning says it."""
 
     def __init__(self, cfg, resumed: bool) -> None:
         self.fd = self.tb = None
@@ -363,10 +348,8 @@ class MetricsWriter:
     def _failed(self, flag: str, path: str, e: OSError, then: str) -> None:
         if flag not in self.warned:
             self.warned.add(flag)
-            name = errno.errorcode.get(e.errno or 0)
-            why = f"{e.strerror} ({name})" if name else str(e)
             print(
-                f"warning: {flag} {path}: {why}; {then} (the run goes on)",
+                f"warning: {flag} {path}: {os_error_text(e)}; {then} (the run goes on)",
                 file=sys.stderr,
                 flush=True,
             )

@@ -1,29 +1,30 @@
 """Every flag of ``python -m fastpar.train``, each declared once, as a field of ``TrainOptions``
-(``TrainConfig``'s fields) with its help, --help section, words and metavar in its metadata
-(``fastpar.cliutil.option``); the MoE routing flags are ``RouterConfig``'s and
-``ExpertConfig``'s fields (``fastpar.moe.config``). The parser derives from them
-(``fastpar.train.cli.build_parser``)."""
+(``TrainConfig``'s fields; the model's in ``fastpar.train.model_options``) with its help, --help
+section, words, metavar and bound in its metadata (``fastpar.cliutil.option``); the MoE routing
+flags are ``RouterConfig``'s and ``ExpertConfig``'s fields (``fastpar.moe.config``). The parser
+derives from them (``fastpar.train.cli.build_parser``)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from fastpar.cliutil import flat_fields, option
 from fastpar.data import BIN_DTYPES
-from fastpar.models import native
-from fastpar.models.mtp import DEFAULT_COEF
 from fastpar.moe.config import ROUTING, ExpertConfig, RouterConfig
-from fastpar.nn import styles
 from fastpar.optim.config import OptimizerConfig
 from fastpar.parallel.pipeline.schedules import SCHEDULES
 from fastpar.train.checks import (
     COLLECTIVE_TIMEOUT_S,
     LR_SCHEDULES,
+    SEED_LIMIT,
     TIMEOUT_ENV,
+    TIMEOUT_LIMIT,
     default_collective_timeout,
 )
+from fastpar.train.model_options import MODEL, ModelOptions
 
-LAYOUT, MODEL, TRAINING, DATA = "layout", "model", "training", "data"
+LAYOUT, TRAINING, DATA = "layout", "training", "data"
 CHECKPOINTS, EVALUATION, OUTPUT, FAILURES = "checkpoints", "evaluation", "output", "failures"
 GROUPS = (LAYOUT, MODEL, ROUTING, TRAINING, DATA, CHECKPOINTS, EVALUATION, OUTPUT, FAILURES)
 """The sections of --help, in order: every field's ``Option.group`` is one of them."""
@@ -31,11 +32,9 @@ GROUPS = (LAYOUT, MODEL, ROUTING, TRAINING, DATA, CHECKPOINTS, EVALUATION, OUTPU
 
 @dataclass
 @flat_fields(RouterConfig, ExpertConfig, OptimizerConfig)
-class TrainOptions:
-    """The flags: one field each, listed by --help section (``GROUPS``). "(default X)" is added
-    to the help of a flag whose default is not None. The MoE routing flags (``ROUTING``:
-    ``router_score``, ``expert_bias``, ...) are ``RouterConfig``'s and ``ExpertConfig``'s
-    flagged fields, added under their flat names (``fastpar.cliutil.flat_fields``)."""
+class TrainOptions(ModelOptions):
+    """The flags: one field each, listed by --help section (``GROUPS``); the routing and
+    optimizer flags added under their flat names (``fastpar.cliutil.flat_fields``)."""
 
     tp: int = option(
         2, LAYOUT, "tensor-parallel size: ranks that split every layer's matrices", at_least=1
@@ -155,146 +154,6 @@ class TrainOptions:
         at_least=1,
         note="1: no overlap",
     )
-    model_type: str = option(
-        "gpt",
-        MODEL,
-        words=native.REGISTRY,
-        help="the model: fastpar's GPT, its Llama (GQA, RoPE, SwiGLU, RMSNorm), or its "
-        "DeepSeek-V3 class (multi-head latent attention, DeepSeekMoE after --first-k-dense "
-        "dense blocks)",
-        resume="refuse",
-    )
-    hf_config: str | None = option(
-        None,
-        MODEL,
-        metavar="FILE",
-        help="a Hugging Face config.json: train that model (random init) with its family's "
-        "built-in plan instead of the GPT / Llama",
-    )
-    vocab_size: int | None = option(
-        None,
-        MODEL,
-        help="vocabulary size (default: the tokenizer's, else 256 bytes)",
-    )
-    seq_len: int = option(64, MODEL, "tokens per sequence", resume="warn", at_least=1)
-    hidden: int = option(64, MODEL, "model width", resume="refuse", at_least=1)
-    heads: int = option(4, MODEL, "attention heads", resume="refuse", at_least=1)
-    layers: int = option(4, MODEL, "transformer blocks", resume="refuse", at_least=1)
-    init_from_hf: str | None = option(
-        None,
-        MODEL,
-        metavar="DIR",
-        help="a local Hugging Face directory (config.json + *.safetensors, as save_pretrained "
-        "writes it): train that model from its weights (implies --hf-config DIR/config.json; "
-        "each rank reads its slices; fresh optimizer, step 0; --resume's checkpoint wins)",
-    )
-    ffn: int | None = option(
-        None,
-        MODEL,
-        help="MLP width (default: gpt 4*hidden, llama 8*hidden/3 rounded up to 64)",
-        resume="refuse",
-        at_least=1,
-        note="or left out: its default",
-    )
-    moe_ffn: int | None = option(
-        None, MODEL, "llama / deepseek: width of each expert (default: --ffn)", resume="refuse"
-    )
-    kv_heads: int | None = option(
-        None,
-        MODEL,
-        help="llama: key/value heads for grouped-query attention (default: --heads)",
-        resume="refuse",
-    )
-    head_dim: int | None = option(
-        None, MODEL, "llama: width of a head (default: hidden / heads)", resume="refuse"
-    )
-    rope_theta: float = option(10000.0, MODEL, "llama: RoPE base", resume="warn")
-    qk_norm: bool = option(
-        False, MODEL, "llama: Qwen3-style RMSNorm on every query and key head", resume="refuse"
-    )
-    attention_bias: bool = option(False, MODEL, "llama: Qwen2-style q/k/v bias", resume="refuse")
-    q_lora_rank: int = option(
-        32, MODEL, "deepseek: low-rank query's rank (0: one q projection)", resume="refuse"
-    )
-    kv_lora_rank: int = option(
-        32, MODEL, "deepseek: width of the compressed key/value latent", resume="refuse"
-    )
-    qk_rope_head_dim: int = option(
-        8, MODEL, "deepseek: rotary dims of a query/key head (even)", resume="refuse"
-    )
-    qk_nope_head_dim: int = option(
-        16, MODEL, "deepseek: dims without position of a query/key head", resume="refuse"
-    )
-    v_head_dim: int = option(16, MODEL, "deepseek: width of a value head", resume="refuse")
-    first_k_dense: int = option(
-        1, MODEL, "deepseek: the first K blocks dense, the rest MoE", resume="refuse"
-    )
-    rope_interleave: bool = option(True, MODEL, "deepseek: rotary dims paired", resume="warn")
-    yarn_factor: float | None = option(None, MODEL, "deepseek: YaRN scaling factor", resume="warn")
-    yarn_original_seq_len: int | None = option(
-        None, MODEL, "deepseek YaRN: pre-training length (default: --seq-len)", resume="warn"
-    )
-    yarn_beta_fast: float = option(32.0, MODEL, "deepseek --yarn-factor: beta_fast", resume="warn")
-    yarn_beta_slow: float = option(1.0, MODEL, "deepseek --yarn-factor: beta_slow", resume="warn")
-    yarn_mscale: float = option(1.0, MODEL, "deepseek --yarn-factor: mscale", resume="warn")
-    yarn_mscale_all_dim: float = option(
-        0.0, MODEL, "deepseek YaRN: mscale_all_dim (squared, scales the softmax)", resume="warn"
-    )
-    norm: str = option(
-        "rmsnorm",
-        MODEL,
-        words=("rmsnorm", "layernorm"),
-        help="gpt: the normalisation layers",
-        resume="refuse",
-    )
-    untied: bool = option(
-        False, MODEL, "an LM head of its own instead of the embedding's weight", resume="refuse"
-    )
-    mtp_depth: int = option(
-        0,
-        MODEL,
-        help="llama / deepseek: DeepSeek-V3 multi-token prediction, D sequential modules "
-        "(module k predicts the token k + 1 ahead, sharing the embedding and head; 0: off)",
-        resume="refuse",
-    )
-    mtp_loss_coef: float = option(
-        DEFAULT_COEF,
-        MODEL,
-        help="the MTP loss weight lambda: loss = main + lambda / D * sum of the depths' "
-        "cross-entropies (Megatron's default; DeepSeek-V3 trained with 0.3, then 0.1)",
-        resume="warn",
-    )
-    moe_every: int | None = option(
-        None,
-        MODEL,
-        deferred=True,
-        help="every N-th block's MLP is a mixture of experts (0: no MoE blocks; default 2; "
-        "deepseek: 1, every block after --first-k-dense)",
-        resume="refuse",
-        at_least=0,
-        note="0: no MoE blocks",
-    )
-    experts: int = option(4, MODEL, "experts per MoE layer", resume="refuse", at_least=1)
-    top_k: int = option(2, MODEL, "experts each token is routed to", resume="warn", at_least=1)
-    capacity_factor: float | None = option(
-        None,
-        MODEL,
-        help="MoE capacity factor: tokens over capacity are dropped (default: dropless)",
-        resume="warn",
-        positive=True,
-        note="e.g. 1.25, or left out: dropless routing",
-    )
-    plan: str | None = option(
-        None,
-        MODEL,
-        metavar="FILE",
-        help=lambda: (
-            "with --hf-config: the tensor-parallel plan, a TOML or JSON table of "
-            f"module-name pattern -> style ({styles.listing()}; or [style, {{options}}]) as "
-            "fastpar.parallelize takes it, for a family without a built-in plan (or to replace "
-            "it); the LM head's logits stay split over the vocabulary"
-        ),
-    )
     steps: int = option(
         30, TRAINING, "optimizer steps to train (Megatron: --train-iters)", at_least=1
     )
@@ -347,12 +206,19 @@ class TrainOptions:
         TRAINING,
         help="fp16: the loss scaler's first scale (Megatron's is 2^32)",
         resume="warn",
+        at_least=1.0,  # the scaler's floor; 2^40 = 65504 / 2^-24: fp16's largest value over
+        at_most=2.0**40,  # its smallest, a scale at which every non-zero gradient overflows
+        message="{flag} {value} must be in [1, 2^40 = 1.1e+12] (the fp16 loss scaler's floor, "
+        "and the scale past which every non-zero fp16 gradient overflows), e.g. 4096",
     )
     seed: int = option(
         1234,
         TRAINING,
         help="weights and data: the same seed gives the same run on any layout",
         resume="warn",
+        at_least=-SEED_LIMIT,
+        at_most=SEED_LIMIT,
+        message=f"{{flag}} {{value}} is out of range: use a seed in ±{SEED_LIMIT}",
     )
     compile: bool = option(
         False,
@@ -470,6 +336,10 @@ class TrainOptions:
         EVALUATION,
         help="with --eval-every: the fraction of the token ids held out at the END of the data for "
         "validation; training then reads only the ids before it",
+        positive=True,
+        at_most=math.nextafter(1.0, 0.0),  # below 1
+        message="{flag} {value} must be a fraction strictly between 0 and 1 (e.g. 0.1: the last "
+        "10% of the token ids are held out)",
     )
     log_every: int = option(
         1,
@@ -527,6 +397,9 @@ class TrainOptions:
         help="seconds any collective of any process group may wait before the job fails "
         f"(a stuck or dead rank; default {TIMEOUT_ENV}, else {COLLECTIVE_TIMEOUT_S:g})",
         positive=True,
+        at_most=TIMEOUT_LIMIT,
+        unit="seconds",
+        note="pass a timeout a stuck rank is worth waiting for, e.g. 300",
     )
     on_save_error: str = option(
         "stop",

@@ -1,13 +1,6 @@
 """Per-rank step times at each logged step, and the slowest rank: a slow rank shows before it
-becomes a timeout (docs/debugging.md, "Stragglers").
-
-Every rank leaves a sync point at about the same time (its collectives end together); what
-each then takes to arrive at the next one (``ready``: its steps, on CUDA until its queued work
-is done) and how long it waits there for the others (``wait``, through the numbers' first
-collective) are gathered over the world: the rank the others wait for arrives last. The
-collectives inside a step synchronise the ranks too, so a rank's excess shows only from its
-last collective of a step on: ``rank_step_s`` is a lower bound of how much slower it is.
-"""
+becomes a timeout. What is timed, and why ``rank_step_s`` is a lower bound: docs/debugging.md,
+"Stragglers"."""
 
 from __future__ import annotations
 
