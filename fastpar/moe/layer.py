@@ -29,7 +29,7 @@ from fastpar.comm import (
     scatter_to_sequence,
 )
 from fastpar.comm.sequence import split_sequence
-from fastpar.mesh.bridge import mesh_group
+from fastpar.mesh.bridge import as_group
 from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_blocks, mark_expert, mark_sharded
 from fastpar.moe import experts, tp
@@ -144,18 +144,17 @@ class MoE(nn.Module):
         capacity_factor = router.capacity_factor
         if mesh is not None and (ep_group, tp_group, cp_group) != (None, None, None):
             raise ValueError("pass either mesh= or ep_group= / tp_group= / cp_group=, not both")
-        self.ep_group = mesh_group(mesh, "ep") if mesh is not None else ep_group  # or DeviceMesh
-        self.ep = group_size(self.ep_group) if self.ep_group is not None else 1
-        self.tp_group = mesh_group(mesh, "tp") if mesh is not None else tp_group
-        self.tp = group_size(self.tp_group) if self.tp_group is not None else 1
+        if mesh is not None:  # converted once (a DeviceMesh: no context parallelism)
+            ep_group, tp_group = as_group(mesh, "ep"), as_group(mesh, "tp")
+            cp_group = getattr(mesh, "context_group", None)
+        self.ep_group, self.tp_group, self.cp_group = ep_group, tp_group, cp_group
+        self.ep = group_size(ep_group) if ep_group is not None else 1
+        self.tp = group_size(tp_group) if tp_group is not None else 1
+        self.cp = group_size(cp_group) if cp_group is not None else 1
         self.tp_layout = tp.layout_of(self.tp, sequence_parallel, expert_tp)
         tp.check(self.tp_layout, self.tp, ffn_hidden_size, capacity_factor, overlap_chunks)
         self.sequence_parallel, self.expert_tp = sequence_parallel, expert_tp
         self.sequence_dim = sequence_dim
-        if mesh is not None:  # (a DeviceMesh: no context parallelism)
-            cp_group = getattr(mesh, "context_group", None)
-        self.cp_group = cp_group
-        self.cp = group_size(cp_group) if cp_group is not None else 1
         if self.cp > 1 and capacity_factor is not None:
             raise ValueError(
                 f"MoE under context parallelism (cp={self.cp}) routes each rank's chunks of the "
@@ -227,7 +226,7 @@ class MoE(nn.Module):
                 all_reduce_grad(p, self.tp_group)
         if self.cp > 1:  # a sequence's tokens lie on every cp (and, routed locally, tp) rank
             local = self.tp_layout == "sequence"
-            self.router.token_group = mesh_group(mesh, "tp-cp") if local else self.cp_group
+            self.router.token_group = mesh.tp_cp_group if local else self.cp_group
 
     # The pipeline's protocols (fastpar.parallel.pipeline.protocols): the engine weighs the aux
     # loss by this context around its forwards; a recomputation keeps aux_loss and stats.

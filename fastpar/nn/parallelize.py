@@ -20,13 +20,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fastpar import tolerance
 from fastpar.comm import all_reduce_grad, group_size
+from fastpar.mesh.bridge import as_group
 from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_owned, mark_replicated
 from fastpar.nn import check as _check
 from fastpar.nn import plans as _plans
 from fastpar.nn.guard import guard_save_pretrained
 from fastpar.nn.head_lists import slice_head_lists
-from fastpar.nn.linear import is_conv1d, resolve_group
+from fastpar.nn.linear import is_conv1d
 from fastpar.nn.plan import (
     HEAD_ATTRS,
     WIDTH_ATTRS,
@@ -406,7 +407,7 @@ def parallelize(
     A pattern of the caller's plan that matches nothing is an error (a typo would leave a
     layer dense).
     """
-    tp_group = resolve_group(group, mesh)  # the groups, once: a DeviceMesh has no ep group
+    tp_group = as_group(mesh, "tp", group)  # the groups, once: a DeviceMesh has no ep group
     ep_group = mesh.ep_group if getattr(mesh, "ep_size", 1) > 1 else None
     world = group_size(tp_group)
     strict = plan is not None

@@ -25,9 +25,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fastpar.comm import copy_to_region
+from fastpar.mesh.bridge import as_group
 from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_replicated
-from fastpar.nn.linear import resolve_group
 
 
 class SharedKeyLinear(nn.Linear):
@@ -48,7 +48,7 @@ class SharedKeyLinear(nn.Linear):
         dtype=None,
     ) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self.group = resolve_group(group, mesh)
+        self.group = as_group(mesh, "tp", group)
         self.features = _check_features(
             out_features if features is None else features, out_features
         )
@@ -74,7 +74,7 @@ class SharedKeyLinear(nn.Linear):
         layer.in_features, layer.out_features = linear.in_features, linear.out_features
         layer.weight = linear.weight
         layer.bias = linear.bias
-        layer.group = resolve_group(group, mesh)
+        layer.group = as_group(mesh, "tp", group)
         out = linear.out_features
         layer.features = _check_features(out if features is None else features, out)
         layer.train(linear.training)
