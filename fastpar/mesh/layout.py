@@ -2,16 +2,9 @@
 
 One ``order`` string (first axis fastest, default ``"tp-ep-dp-pp"``) lays out the dense and the
 expert grid, with Megatron-Core's group lists; orders whose grids would not line up are
-refused (docs/layouts.md, "Rank order and the two grids").
-
-Hybrid sharded data parallelism splits the dp axis in two, ``dp = dp_shard × dp_replicate``,
-``dp_shard`` the faster: a dp coordinate d is (shard d mod S, replica d // S), so a shard group
-is S consecutive dp coordinates — with the default order, tp·cp·S consecutive ranks, the ranks
-of a node when they fit in one — and a replicate group takes one rank of each. This is
-torchtitan's ``DeviceMesh`` ("pp", "dp_replicate", "dp_shard", "cp", "tp"), slowest first, and
-refines Megatron-Core's dp group (its ranks in Megatron's order) without moving any rank; the
-ZeRO wrappers shard over "dp-shard-cp" (torchtitan's ``dp_shard_cp``) and all-reduce the
-reduced shard over "dp-replicate" (docs/layouts.md, "Hybrid sharding")."""
+refused (docs/layouts.md, "Rank order and the two grids"). Hybrid sharding splits the dp axis
+in two, ``dp = dp_shard × dp_replicate``, ``dp_shard`` the faster (docs/layouts.md, "Hybrid
+sharding")."""
 
 from __future__ import annotations
 

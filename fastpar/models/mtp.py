@@ -1,22 +1,11 @@
 """Multi-token prediction (MTP) as DeepSeek-V3 defines it: D sequential modules after the main
 model, module k predicting the token k + 1 positions ahead, sharing the model's embedding and
-output head.
+output head. What a module computes, which positions are targets and the loss: docs/mtp.md.
 
     blocks = build_llama(LlamaConfig(..., mtp_depth=2), mesh)  # [Embedding, Block x L, MTPHead]
     with tokens(ids):                                          # the ids the MTP modules look up
         out = nn.Sequential(*blocks)(ids)                      # MTPOutput (training mode)
     loss = mtp_loss(out, targets, cfg, mesh)
-
-Module k (1..D) takes h^{k-1} (h^0: the main model's last hidden state, before the final norm)
-and the embedding of the token k positions ahead, ``e = Emb(t_{i+k})``:
-``h^k = Block_k(eh_proj([enorm(e); hnorm(h^{k-1})]))`` (embedding first, as DeepSeek-V3's
-released weights and Megatron order them), then its own final norm and the SHARED head give the
-logits of t_{i+k+1}. The loss is ``main + coef / D · Σ_k CE_k`` where CE_k sums over the valid
-depth-k targets and is divided by what divides the main loss (the paper's 1/T: each valid
-target counted once, the same denominator at every depth). Position i is a depth-k target when
-i + k is inside the row, in the same packed document as i, and the main target of i + k is
-valid (not ignored). The block is any factory ``block(cfg, layer, mesh)`` (layer
-``cfg.layers + k - 1``, HF's numbering of MTP layers); docs/mtp.md has the rest.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """``SharedKeyLinear``: a replicated linear layer whose last output features are one key that
-every attention head of this rank reads (multi-head latent attention's decoupled rope key,
-``k_rot`` / ``k_pe``, split off DeepSeek-V3's ``kv_a_proj_with_mqa`` and broadcast to every
-head; a multi-query key).
-
-After the heads are split over the TP group, each rank's heads send that key only their own
-share of its gradient: without a reduction the key's gradient, and everything upstream of it,
-is summed over this rank's heads only (the logits still match). ``SharedKeyLinear`` computes
-exactly what the dense linear computes and passes its last ``features`` outputs through
-``copy_to_region`` (identity forward, all-reduce of their gradient over the group backward);
-the other outputs are left alone (in MLA they feed a column-parallel up-projection, whose input
-region reduces their gradient already). The parameters stay the dense layer's own tensors,
-replicated over the group, under the same names.
+every attention head of this rank reads (multi-head latent attention's rope key ``k_pe``, split
+off DeepSeek-V3's ``kv_a_proj_with_mqa``): it computes what the dense linear computes and passes
+those ``features`` outputs through ``copy_to_region`` (identity forward, all-reduce of their
+gradient over the group backward), so the key's gradient is every head's, not this rank's
+heads' share (docs/hf.md, the DeepSeek-V3 plan).
 
     attn.kv_a_proj_with_mqa = SharedKeyLinear.from_dense(attn.kv_a_proj_with_mqa,
                                                          features=qk_rope_head_dim, group=tp)
