@@ -151,16 +151,15 @@ class ColumnParallelLinear(_FromDense, nn.Module):
             raise ValueError("gather_output=True is not supported with fused > 1")
         self.out_per_rank = math.ceil(out_features / world)
         master = _master or _master_linear(in_features, out_features, bias, device, dtype)
-        with torch.no_grad():
+
+        def rows(t: torch.Tensor) -> torch.Tensor:  # this rank's share of each fused block
             if fused > 1:
-                w = _fused_slices(master.weight, fused, rank, world)
-                b = None if master.bias is None else _fused_slices(master.bias, fused, rank, world)
-            else:
-                padded = self.out_per_rank * world
-                w = _pad_rows(master.weight, padded).chunk(world, dim=0)[rank]
-                b = None
-                if master.bias is not None:
-                    b = _pad_rows(master.bias, padded).chunk(world, dim=0)[rank]
+                return _fused_slices(t, fused, rank, world)
+            return _pad_rows(t, self.out_per_rank * world).chunk(world, dim=0)[rank]
+
+        with torch.no_grad():
+            w = rows(master.weight)
+            b = None if master.bias is None else rows(master.bias)
         self.weight = nn.Parameter(w.t().contiguous() if self.transposed else w.clone())
         mark_sharded(self.weight, 1 if self.transposed else 0, self.group, out_features, fused)
         if b is not None:
