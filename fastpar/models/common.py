@@ -358,11 +358,6 @@ class Head(nn.Module):
         return F.linear(x, self.weight).flatten(0, 1)
 
 
-def mesh_sizes(mesh: ParallelMesh | None) -> tuple[int, int, int]:
-    """(tp, pp, ep) of the mesh; (1, 1, 1) without one."""
-    return (mesh.tp_size, mesh.pp_size, mesh.ep_size) if mesh is not None else (1, 1, 1)
-
-
 def build_decoder(
     cfg,
     mesh: ParallelMesh | None,
@@ -376,7 +371,7 @@ def build_decoder(
     this order from the current random stream on every rank (same seed -> the same model at
     any layout). Embeddings scaled to N(0, 0.02) (GPT-2's and HF's initializer_range); the head
     is tied to the token embedding or an untied ColumnParallelLinear (vocabulary padded)."""
-    cfg.check(*mesh_sizes(mesh))
+    cfg.check(*((mesh.tp_size, mesh.pp_size, mesh.ep_size) if mesh is not None else (1, 1, 1)))
     embed = Embedding(
         cfg.vocab_size,
         cfg.hidden,

@@ -94,8 +94,8 @@ def _replicated_linear(n_in: int, n_out: int, group) -> nn.Linear:
 
 
 class LatentAttention(nn.Module):
-    """Causal multi-head latent attention, heads split over TP (module docstring): [B, T(/tp),
-    H] -> same. Parameters (this rank's): ``q`` [heads/tp · (nope + rope), H] or ``q_a``
+    """Causal multi-head latent attention, heads split over TP (docs/hf.md): [B, T(/tp), H] ->
+    same. Parameters (this rank's): ``q`` [heads/tp · (nope + rope), H] or ``q_a``
     [q_lora_rank, H] + ``q_norm`` + ``q_b`` [heads/tp · (nope + rope), q_lora_rank]; ``kv_a``
     [kv_lora_rank + rope, H], ``kv_norm``, ``kv_b`` [heads/tp · (nope + v), kv_lora_rank];
     ``o`` [H, heads/tp · v]. Each rank's rows are whole heads, in HF's order."""

@@ -354,8 +354,9 @@ class MoE(nn.Module):
         return y.view(shape)
 
     def _aux_scale(self) -> float | torch.Tensor | None:
-        """The weight this forward's aux loss enters backward with (class docstring); × cp
-        under context parallelism, whose dp × cp gradient average would divide it by cp."""
+        """The weight this forward's aux loss enters backward with (docs/moe.md, "The aux loss
+        in backward"); × cp under context parallelism, whose dp × cp gradient average would
+        divide it by cp."""
         scale = self.aux_loss_scale
         if scale is None:
             scale = block_scale(1.0 if self.aux_loss_in_backward else None)
