@@ -6,8 +6,9 @@
 Hybrid sharding names dp's two parts as torchtitan does, slowest first: ("pp", "dp_replicate",
 "dp_shard", "cp", "tp"); the expert grid ("pp", "edp_replicate", "edp_shard", "ep", "tp").
 
-``mesh_group(mesh, kind)`` reads a group from either mesh (``placement.restore_marks`` puts
-fastpar's parameter marks back after ``fully_shard``, docs/interop.md)."""
+``as_group(mesh, kind)`` reads a group from either mesh, once, where a layer is built
+(``placement.restore_marks`` puts fastpar's parameter marks back after ``fully_shard``,
+docs/interop.md)."""
 
 from __future__ import annotations
 
@@ -212,27 +213,37 @@ def layout_of_device_mesh(device_mesh: DeviceMesh) -> tuple[dict, dict[tuple[int
 _DIM_OF_KIND = {kind: name for name, kind in DIM_KINDS.items()}
 
 
-def mesh_group(mesh, kind: str = "tp") -> dist.ProcessGroup | None:
-    """The process group of ``kind`` (a ``GROUP_KINDS`` key: "tp", "ep", "dp", ...) of a
-    layer's ``mesh=``: a ParallelMesh's (``mesh.tp_group``, ``mesh.ep_group``, ...), or a
-    DeviceMesh's dim of that kind ("tp", "ep", "dp", "pp", "edp" for "expert-dp"); a 1-D
-    DeviceMesh without names is taken whole, as torch's ``parallelize_module`` takes its
-    mesh."""
+def as_group(
+    mesh, kind: str = "tp", group: dist.ProcessGroup | None = None
+) -> dist.ProcessGroup | None:
+    """The process group of ``kind`` (a ``GROUP_KINDS`` key, or "context": the cp group, None
+    without context parallelism) that a layer communicates over, converted once where it is
+    built: ``mesh``'s (a ParallelMesh's ``tp_group``, ``ep_group``, ...; a DeviceMesh's dim of
+    that kind, "edp" for "expert-dp", a 1-D DeviceMesh without names taken whole, as torch's
+    ``parallelize_module`` takes it), else ``group`` (None: the default group). Both given:
+    they must be the same group."""
+    if mesh is None:
+        return group
     if isinstance(mesh, DeviceMesh):
         names, dim = mesh.mesh_dim_names or (), _DIM_OF_KIND.get(kind, kind)
         if dim in names:
-            return mesh.get_group(dim)
-        if mesh.ndim == 1 and not names:
-            return mesh.get_group()
-        raise ValueError(
-            f"mesh= is a DeviceMesh with dims {names or mesh.ndim} and no {dim!r} dim; pass a "
-            f"DeviceMesh that names its {kind} dim {dim!r} (ParallelMesh.to_device_mesh() "
-            f"does), or group=device_mesh.get_group(<dim>)"
-        )
-    attr = f"{kind.replace('-', '_')}_group"  # ParallelMesh.tp_group, .expert_dp_group, ...
-    if not hasattr(mesh, attr):
-        raise TypeError(
-            f"mesh= takes a fastpar ParallelMesh or a torch DeviceMesh, got {type(mesh).__name__}; "
-            f"pass a process group as group="
-        )
-    return getattr(mesh, attr)
+            found = mesh.get_group(dim)
+        elif mesh.ndim == 1 and not names:
+            found = mesh.get_group()
+        else:
+            raise ValueError(
+                f"mesh= is a DeviceMesh with dims {names or mesh.ndim} and no {dim!r} dim; pass a "
+                f"DeviceMesh that names its {kind} dim {dim!r} (ParallelMesh.to_device_mesh() "
+                f"does), or group=device_mesh.get_group(<dim>)"
+            )
+    else:
+        attr = f"{kind.replace('-', '_')}_group"  # ParallelMesh.tp_group, .context_group, ...
+        if not hasattr(mesh, attr):
+            raise TypeError(
+                f"mesh= takes a fastpar ParallelMesh or a torch DeviceMesh, got "
+                f"{type(mesh).__name__}; pass a process group as group="
+            )
+        found = getattr(mesh, attr)
+    if group is not None and group is not found:
+        raise ValueError("pass either group= or mesh=, not both")
+    return found

@@ -25,18 +25,12 @@ class ParallelMesh:
     """This rank's place in a TP / PP / DP / EP layout, with a process group for each kind.
 
     Needs an initialised default process group (``torch.distributed.init_process_group`` or
-    ``fastpar.init``). Sizes: ``tp_size``, ``pp_size``, ``dp_size``, ``ep_size``,
-    ``expert_dp_size``; this rank's coordinates: ``tp_rank``, ``pp_rank``, ``dp_rank``,
-    ``ep_rank``, ``expert_dp_rank``; groups: ``tp_group``, ``pp_group``, ``dp_group``,
-    ``mp_group``, ``tp_dp_group``, ``ep_group``, ``expert_dp_group``, ``tp_ep_group``,
-    ``cp_group`` / ``dp_cp_group`` / ``tp_cp_group`` (context parallelism: ``cp_size``,
-    ``cp_rank``; dense gradients are averaged over ``dp_cp_group``; ``context_group``: the
-    cp group, None without context parallelism) and
-    ``embedding_group`` (None on ranks that hold no embedding). Hybrid sharding (dp =
-    ``dp_shard_size`` × ``dp_replicate_size``; ``dp_shard_rank``, ``dp_replicate_rank``):
-    ``dp_shard_group``, ``dp_replicate_group``, ``dp_shard_cp_group`` (what ZeRO shards
-    over), ``expert_dp_shard_group``, ``expert_dp_replicate_group``. ``group(kind)`` and
-    ``ranks(kind)`` take any kind of ``fastpar.mesh.GROUP_KINDS``.
+    ``fastpar.init``). Sizes and this rank's coordinates ``<axis>_size`` / ``<axis>_rank`` (tp,
+    pp, dp, cp, ep, expert_dp, dp_shard, dp_replicate); a group ``<kind>_group`` for each kind
+    of ``fastpar.mesh.GROUP_KINDS`` ("-" spelt "_": ``tp_group``, ``expert_dp_group``, ...),
+    which ``group(kind)`` and ``ranks(kind)`` also take; ``context_group``: the cp group, None
+    without context parallelism; ``embedding_group`` is None on ranks that hold no embedding.
+    Dense gradients are averaged over ``dp_cp_group``; ZeRO shards over ``dp_shard_cp_group``.
 
     ``timeout`` (a timedelta or seconds) bounds every collective of every group of the mesh: a
     peer that does not answer within it makes the collective raise instead of hanging. Default:

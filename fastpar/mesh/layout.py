@@ -2,16 +2,9 @@
 
 One ``order`` string (first axis fastest, default ``"tp-ep-dp-pp"``) lays out the dense and the
 expert grid, with Megatron-Core's group lists; orders whose grids would not line up are
-refused (docs/layouts.md, "Rank order and the two grids").
-
-Hybrid sharded data parallelism splits the dp axis in two, ``dp = dp_shard × dp_replicate``,
-``dp_shard`` the faster: a dp coordinate d is (shard d mod S, replica d // S), so a shard group
-is S consecutive dp coordinates — with the default order, tp·cp·S consecutive ranks, the ranks
-of a node when they fit in one — and a replicate group takes one rank of each. This is
-torchtitan's ``DeviceMesh`` ("pp", "dp_replicate", "dp_shard", "cp", "tp"), slowest first, and
-refines Megatron-Core's dp group (its ranks in Megatron's order) without moving any rank; the
-ZeRO wrappers shard over "dp-shard-cp" (torchtitan's ``dp_shard_cp``) and all-reduce the
-reduced shard over "dp-replicate" (docs/layouts.md, "Hybrid sharding")."""
+refused (docs/layouts.md, "Rank order and the two grids"). Hybrid sharding splits the dp axis
+in two, ``dp = dp_shard × dp_replicate``, ``dp_shard`` the faster (docs/layouts.md, "Hybrid
+sharding")."""
 
 from __future__ import annotations
 
@@ -54,28 +47,19 @@ def parse_order(order: str) -> tuple[str, ...]:
     if not isinstance(order, str):
         raise TypeError(f"order must be a string such as {DEFAULT_ORDER!r}, got {order!r}")
     tokens = tuple(t.strip().lower() for t in order.split("-"))
+    fix = f"use each of {'/'.join(DIMENSIONS)} exactly once, e.g. {DEFAULT_ORDER!r}"
     unknown = [t for t in tokens if t not in DIMENSIONS]
     if unknown:
-        hint = ""
-        raise ValueError(
-            f"order {order!r} has unknown token(s) {unknown}{hint}; use each of "
-            f"{'/'.join(DIMENSIONS)} exactly once, e.g. {DEFAULT_ORDER!r}"
-        )
+        raise ValueError(f"order {order!r} has unknown token(s) {unknown}; {fix}")
     repeated = sorted({t for t in tokens if tokens.count(t) > 1})
     if repeated:
-        raise ValueError(
-            f"order {order!r} repeats {repeated}; use each of {'/'.join(DIMENSIONS)} exactly "
-            f"once, e.g. {DEFAULT_ORDER!r}"
-        )
+        raise ValueError(f"order {order!r} repeats {repeated}; {fix}")
     if "cp" not in tokens:
         at = tokens.index("tp") + 1 if "tp" in tokens else 0
         tokens = (*tokens[:at], "cp", *tokens[at:])
     missing = [d for d in DIMENSIONS if d not in tokens]
     if missing:
-        raise ValueError(
-            f"order {order!r} is missing {missing}; use each of {'/'.join(DIMENSIONS)} exactly "
-            f"once, e.g. {DEFAULT_ORDER!r}"
-        )
+        raise ValueError(f"order {order!r} is missing {missing}; {fix}")
     return tokens
 
 
@@ -415,17 +399,8 @@ class MeshLayout:
 
     def coords(self, rank: int) -> dict[str, int]:
         """This rank's position along each axis: its index inside its tp/pp/dp/ep/expert-dp group."""
-        self._check_rank(rank)
-        return {
-            "tp": self.group_of("tp", rank).index(rank),
-            "pp": self.group_of("pp", rank).index(rank),
-            "dp": self.group_of("dp", rank).index(rank),
-            "cp": self.group_of("cp", rank).index(rank),
-            "ep": self.group_of("ep", rank).index(rank),
-            "expert-dp": self.group_of("expert-dp", rank).index(rank),
-            "dp-shard": self.group_of("dp-shard", rank).index(rank),
-            "dp-replicate": self.group_of("dp-replicate", rank).index(rank),
-        }
+        kinds = ("tp", "pp", "dp", "cp", "ep", "expert-dp", "dp-shard", "dp-replicate")
+        return {kind: self.group_of(kind, rank).index(rank) for kind in kinds}
 
     def rank_at(self, *, tp: int = 0, pp: int = 0, dp: int = 0, cp: int = 0) -> int:
         """The rank with these dense-grid coordinates (inverse of ``coords``)."""

@@ -1,22 +1,8 @@
 """What fastpar's decoder blocks keep for backward, in bytes per token on one rank: the tensors
 autograd saves (each storage once, parameters not counted), counted from the model's shapes.
 ``GPTConfig.activation_bytes`` / ``LlamaConfig.activation_bytes`` give every kind of block as
-``Activations``, from the pieces here; ``mtp_bytes`` a multi-token prediction module's.
-
-Counted as the blocks run (torch's CPU and GPU kernels alike): an RMSNorm keeps its input in
-fp32 (an upcast copy below fp32), its per-token 1 / rms in fp32 and its normalised output in the
-run's dtype; a LayerNorm its input and per-token mean and 1 / rms; the linear layer after a norm
-its input (the whole sequence, gathered, under sequence parallelism); the fused attention kernel
-its q, k, v, output (the output projection's input is a view of it) and per-head log-sum-exp in
-fp32, not the scores. Not counted: RoPE's cos / sin (per position, not per token), the
-router's indices and probabilities beyond one index and weight a routed copy, and what a
-backward allocates and frees.
-
-A split backward (ZB-H1) also keeps, from a micro-batch's B until its W, the gradient of the
-output of every node that takes a weight (each linear layer's and norm's output gradient,
-``SplitBackward.grad_in``: W's ``x^T g``): ``block_grads``, ``head_grads``, ``mtp_grads`` in
-``Activations``' ``*_grads`` (in the run's dtype). The stage that takes the token ids keeps
-none (nothing it computes reaches an input that needs a gradient: its backward is all W).
+``Activations``, from the pieces here; ``mtp_bytes`` a multi-token prediction module's. What is
+counted and what is not: docs/training.md ("The activation memory estimate").
 """
 
 from __future__ import annotations

@@ -9,7 +9,10 @@ and returns one tensor (ids [B, T] -> [B, T(/tp), H] -> ... -> logits [B·T, voc
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -21,6 +24,7 @@ from fastpar.comm import (
     plain,
     scatter_to_sequence,
 )
+from fastpar.mesh.bridge import as_group
 from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_sharded, mark_tied_copy, param_layout
 from fastpar.models.documents import current as current_documents
@@ -39,20 +43,23 @@ from fastpar.parallel.context import (
 )
 from fastpar.reference.precision import upcast
 
-
-def tp_group_of(mesh: ParallelMesh | None):
-    """The mesh's tensor-parallel group (None without a mesh: the default group, size 1 when
-    no process group exists)."""
-    return mesh.tp_group if mesh is not None else None
-
-
 IGNORE_INDEX = -100
 """Targets that count for nothing in ``lm_loss`` (the cross-entropy's default)."""
 
 
-def cp_group_of(mesh: ParallelMesh | None):
-    """The mesh's context-parallel group, or None without context parallelism."""
-    return mesh.context_group if mesh is not None else None
+class LossGroups(NamedTuple):
+    """The groups ``lm_loss`` communicates over, read off a mesh once (``loss_groups``): the
+    vocabulary's (tp) and the sequence's (cp; None without context parallelism)."""
+
+    tp: dist.ProcessGroup | None = None
+    cp: dist.ProcessGroup | None = None
+
+
+def loss_groups(mesh: ParallelMesh | LossGroups | None) -> LossGroups:
+    """The ``LossGroups`` of ``mesh`` (a ``LossGroups`` as it is; None: no parallelism)."""
+    if isinstance(mesh, LossGroups):
+        return mesh
+    return LossGroups(as_group(mesh), as_group(mesh, "context"))
 
 
 def cp_split(x: torch.Tensor, cp_group) -> torch.Tensor:
@@ -254,10 +261,10 @@ class Embedding(nn.Module):
         learned_positions: bool = False,
     ):
         super().__init__()
-        group = tp_group_of(mesh)
+        group = as_group(mesh)
         self.group, self.seq_len = group, seq_len
         self.sp = sequence_parallel and group_size(group) > 1
-        self.cp_group = cp_group_of(mesh)
+        self.cp_group = as_group(mesh, "context")
         self.tok = VocabParallelEmbedding(vocab_size, hidden, group=group)
         self.pos = nn.Embedding(seq_len, hidden) if learned_positions else None
 
@@ -297,11 +304,11 @@ class DecoderBlock(nn.Module):
         moe=moe_block,
     ):
         super().__init__()
-        group = tp_group_of(mesh)
+        group = as_group(mesh)
         sp = cfg.sequence_parallel and group_size(group) > 1
         self.norm1 = Norm(cfg.hidden, **norm, group=group, partial_grad=sp)
         self.attn = attention(cfg, group, sp)
-        self.attn.cp_group = cp_group_of(mesh)  # under context parallelism: ring or a2a
+        self.attn.cp_group = as_group(mesh, "context")  # under context parallelism: ring or a2a
         self.attn.cp_attention = getattr(cfg, "cp_attention", "ring")
         self.norm2 = Norm(cfg.hidden, **norm, group=group, partial_grad=sp)
         self.mlp = moe(cfg, mesh) if cfg.is_moe(layer) else mlp(cfg, group, sp)
@@ -329,7 +336,7 @@ class Head(nn.Module):
         sequence_parallel: bool = False,
     ):
         super().__init__()
-        group = tp_group_of(mesh)
+        group = as_group(mesh)
         self.group, self.sp = group, sequence_parallel and group_size(group) > 1
         self.norm = Norm(hidden, norm, eps=eps, group=group, partial_grad=self.sp)
         self.weight = weight
@@ -351,11 +358,6 @@ class Head(nn.Module):
         return F.linear(x, self.weight).flatten(0, 1)
 
 
-def mesh_sizes(mesh: ParallelMesh | None) -> tuple[int, int, int]:
-    """(tp, pp, ep) of the mesh; (1, 1, 1) without one."""
-    return (mesh.tp_size, mesh.pp_size, mesh.ep_size) if mesh is not None else (1, 1, 1)
-
-
 def build_decoder(
     cfg,
     mesh: ParallelMesh | None,
@@ -369,7 +371,7 @@ def build_decoder(
     this order from the current random stream on every rank (same seed -> the same model at
     any layout). Embeddings scaled to N(0, 0.02) (GPT-2's and HF's initializer_range); the head
     is tied to the token embedding or an untied ColumnParallelLinear (vocabulary padded)."""
-    cfg.check(*mesh_sizes(mesh))
+    cfg.check(*((mesh.tp_size, mesh.pp_size, mesh.ep_size) if mesh is not None else (1, 1, 1)))
     embed = Embedding(
         cfg.vocab_size,
         cfg.hidden,
@@ -387,7 +389,7 @@ def build_decoder(
         weight = embed.tok.weight
     else:
         weight = ColumnParallelLinear(
-            cfg.hidden, cfg.vocab_size, bias=False, pad_output=True, group=tp_group_of(mesh)
+            cfg.hidden, cfg.vocab_size, bias=False, pad_output=True, group=embed.group
         ).weight
     head = Head(
         cfg.hidden, weight, mesh, norm=norm, eps=eps, sequence_parallel=cfg.sequence_parallel
@@ -427,7 +429,7 @@ def lm_loss(
     logits: torch.Tensor,
     targets: torch.Tensor,
     cfg,
-    mesh: ParallelMesh | None = None,
+    mesh: ParallelMesh | LossGroups | None = None,
     *,
     weight: torch.Tensor | None = None,
     recompute: bool = False,
@@ -435,6 +437,7 @@ def lm_loss(
     reduction: str = "mean",
 ) -> torch.Tensor:
     """Mean vocab-parallel cross-entropy of logits [B·T, vocab / tp] against targets [B, T]
+    over ``mesh``'s groups (or its ``loss_groups``, read once by a caller that loops)
     (``cfg.vocab_size`` is the true vocabulary: padded columns are ignored; targets
     ``IGNORE_INDEX`` count for nothing). Under context parallelism the logits are this rank's
     chunks' (T/cp per row) and the targets are split alike; each rank returns its chunks' loss
@@ -451,11 +454,11 @@ def lm_loss(
     normalisation)."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"lm_loss reduction must be 'mean' or 'sum', got {reduction!r}")
-    cp_group = cp_group_of(mesh)
+    tp_group, cp_group = loss_groups(mesh)
     targets = cp_split(targets, cp_group).reshape(-1)
     summed = reduction == "sum"
     reduction = "mean" if cp_group is None and not summed else "sum"
-    options = dict(group=tp_group_of(mesh), vocab_size=cfg.vocab_size, reduction=reduction)
+    options = dict(group=tp_group, vocab_size=cfg.vocab_size, reduction=reduction)
     if weight is not None:  # the head's region op already sums d hidden over TP
         loss = vocab_parallel_linear_cross_entropy(
             logits, weight, targets, reduce_hidden_grad=False, recompute=recompute, **options

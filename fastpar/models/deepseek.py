@@ -1,18 +1,12 @@
 """A DeepSeek-V3-class decoder built only from fastpar layers: multi-head latent attention
 (``fastpar.models.mla``) and DeepSeekMoE (the first ``first_k_dense`` blocks dense SwiGLU, the
-rest MoE: sigmoid scores, group-limited routing, the expert score-correction bias, shared
-experts, routed scaling, as ``fastpar.moe`` routes them), as pipeline blocks with the same
-protocol as ``build_llama``.
+rest MoE), as pipeline blocks with the same protocol as ``build_llama``.
 
     blocks = build_deepseek(DeepSeekConfig(...), mesh)   # [Embedding, Block x layers, Head]
     loss = deepseek_loss(logits, targets, cfg, mesh)      # vocab-parallel cross-entropy
 
-With ``mtp_depth`` the head is DeepSeek-V3's multi-token prediction (``fastpar.models.mtp``,
-its blocks DeepSeek blocks); context parallelism runs the latent attention over ring or
-all-to-all attention. HF names both ways (``DeepseekV3ForCausalLM``, MTP layers included):
-``fastpar.models.deepseek_hf``. The embedding,
-block and head classes are the shared ones (``fastpar.models.common``), so a multi-token
-prediction module can reuse them."""
+Its layers, multi-token prediction and context parallelism: docs/hf.md ("fastpar's
+DeepSeek"); HF names both ways: ``fastpar.models.deepseek_hf``."""
 
 from __future__ import annotations
 

@@ -5,16 +5,7 @@
     config = hf_config(cfg)               # config.json content (AutoConfig.for_model(**config))
     cfg, state = from_hf(hf_state, config)
 
-With ``mtp_depth`` D, MTP module k lives under decoder layer ``layers + k - 1`` as in
-DeepSeek-V3's checkpoints (``enorm`` / ``hnorm`` / ``eh_proj`` / ``shared_head.norm``, the
-shared ``embed_tokens`` / ``shared_head.head`` repeated, the block's own weights) and config.json
-says ``num_nextn_predict_layers: D``; transformers' model holds no MTP layers (``is_mtp_name``:
-what the export writes beside its weights).
-
-Refused, naming the fix: what HF's DeepSeek-V3 does not compute (softmax routing, token
-dropping, a gated shared expert, MoE blocks other than every block after the first dense ones,
-groups of a single expert), and on import an HF config fastpar's model does not compute (another
-rope type, attention or MLP biases, grouped key/value heads, another activation)."""
+Where the MTP modules live and what is refused either way: docs/hf.md ("fastpar's DeepSeek")."""
 
 from __future__ import annotations
 

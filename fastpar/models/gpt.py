@@ -51,24 +51,13 @@ __all__ = [
 @dataclass(frozen=True)
 @flat_fields(RouterConfig, ExpertConfig)
 class GPTConfig(DecoderShape):
-    """Model shape and options.
-
-    vocab_size: tokens (256 for byte-level text). seq_len: context length. hidden: model width.
-    heads: attention heads (divisible by TP). layers: transformer blocks. ffn: MLP width
-    (default 4·hidden). moe_every: every n-th block is MoE (0: none). num_experts, top_k,
-    capacity_factor (None: dropless), overlap_chunks: MoE options; router_score,
-    routed_scaling_factor, router_groups, router_group_topk, expert_bias, bias_update_rate,
-    shared_expert_ffn, shared_expert_gate, aux_loss, aux_loss_coef, z_loss_coef: the MoE
-    routing options, ``RouterConfig``'s and ``ExpertConfig``'s fields under their flat names
-    (``fastpar.moe.config`` documents them; GELU experts, shared ones alike).
-    norm: "rmsnorm" or
-    "layernorm". tie_embeddings: LM head shares the embedding. sequence_parallel: split
-    activations along the sequence over TP between blocks. moe_expert_tp: split each expert's
-    FFN over TP (``fastpar.moe.tp``). cp_attention: "ring" or "all-to-all", the attention
-    under context parallelism (``fastpar.parallel.context``).
-    """
+    """Model shape and options of the GPT: ``DecoderShape``'s fields (``ffn`` None: 4·hidden)
+    and its own below; the MoE routing fields are ``RouterConfig``'s and ``ExpertConfig``'s
+    flagged fields under their flat names (``fastpar.moe.config`` documents them; GELU
+    experts, shared ones alike)."""
 
     norm: str = "rmsnorm"
+    """The norms: "rmsnorm" or "layernorm"."""
     tie_embeddings: bool = True
 
     @property

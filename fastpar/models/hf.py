@@ -4,18 +4,10 @@
     parts = hf_blocks(config, mesh)                        # parallelized, split into blocks
     stage, (start, _) = build_stage(parts.blocks, mesh.pp_size, mesh.pp_rank)
 
-The model is drawn from the config (random init, the current random stream: the same seed on
-every rank gives the same model), made tensor-parallel with its family's built-in plan
-(``fastpar.parallelize``, the logits left split over the vocabulary for the vocab-parallel
-cross-entropy) and cut into pipeline blocks: decoder families (Llama, Mistral, Qwen2, Qwen3,
-Mixtral, Qwen3-MoE) by ``fastpar.parallel.pipeline.hf`` (any pp), other families (GPT-2, BERT)
-as one block (pp = 1). Causal LMs train on next-token prediction; masked LMs (BERT) on a fixed
-number of masked positions per row (``masked_lm_batch``). transformers is imported when needed.
-
-Packed documents (``fastpar.models.documents``): the causal LMs ``hf_blocks`` builds attend
-within the current documents and take their restarting positions while a ``Documents``
-context is current, and run as before outside one (``fastpar.models.hf_documents``;
-``check_documents(config)`` refuses the families that cannot, e.g. BERT or sliding windows).
+The model is drawn from the config (random init, the current random stream), made
+tensor-parallel with its family's built-in plan (the logits left split over the vocabulary)
+and cut into pipeline blocks (docs/hf.md, "Training an HF model"; packed documents:
+``fastpar.models.hf_documents``). transformers is imported when needed.
 """
 
 from __future__ import annotations

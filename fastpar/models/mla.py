@@ -3,29 +3,9 @@ its YaRN scaling as Hugging Face's ``deepseek_v3`` computes them.
 
     attn = LatentAttention(cfg, group, sp)   # [B, T(/tp), H] -> same
 
-Per token: an optional low-rank query (``q_a`` -> RMSNorm ``q_norm`` -> ``q_b``, or one ``q``
-projection), a compressed key/value latent plus one shared rotary key (``kv_a`` ->
-[c_kv | k_pe]), c_kv normed (``kv_norm``) and expanded per head (``kv_b`` -> [k_nope | v]).
-Each head's query and key are [nope | rope] (qk_nope_head_dim + qk_rope_head_dim wide), its
-value v_head_dim wide.
-
-Tensor parallelism splits the heads: ``q`` / ``q_b`` / ``kv_b`` are column-parallel (whole
-heads per rank), ``o`` row-parallel. The down projections ``q_a`` / ``kv_a`` and their norms
-are replicated: every rank computes them on the whole (gathered, under sequence parallelism)
-sequence, and their gradients are complete on every rank because every gradient flowing back
-into them is summed over TP first: the column-parallel layers' input region (all-reduce
-backward) for the latents, and ``copy_to_region`` for the rotary key k_pe, which is one
-activation broadcast into every local head (without it each rank's k_pe gradient would hold
-only its own heads' share). Under sequence parallelism the input is all-gathered once
-(``gather_from_sequence``: its backward keeps this rank's chunk of the complete gradient) and
-``o`` reduce-scatters back to this rank's chunk.
-
-Context parallelism (ring or all-to-all, ``fastpar.models.common.attend``): each rank holds
-its load-balanced chunks of the sequence, rotates q_pe and k_pe at those chunks' global
-positions (``positions``; YaRN's frequencies are position-independent), and attends with K
-(nope + rope wide, the rotary key expanded into every local head) and V (v_head_dim wide) at
-their own widths and MLA's softmax scale; inside packed documents the ring / all-to-all stops
-at each document and the positions restart per document (``reset_positions``).
+Its projections, how tensor parallelism splits the heads (the rotary key k_pe entering every
+local head through ``copy_to_region``) and context parallelism: docs/hf.md ("fastpar's
+DeepSeek").
 """
 
 from __future__ import annotations
@@ -114,8 +94,8 @@ def _replicated_linear(n_in: int, n_out: int, group) -> nn.Linear:
 
 
 class LatentAttention(nn.Module):
-    """Causal multi-head latent attention, heads split over TP (module docstring): [B, T(/tp),
-    H] -> same. Parameters (this rank's): ``q`` [heads/tp · (nope + rope), H] or ``q_a``
+    """Causal multi-head latent attention, heads split over TP (docs/hf.md): [B, T(/tp), H] ->
+    same. Parameters (this rank's): ``q`` [heads/tp · (nope + rope), H] or ``q_a``
     [q_lora_rank, H] + ``q_norm`` + ``q_b`` [heads/tp · (nope + rope), q_lora_rank]; ``kv_a``
     [kv_lora_rank + rope, H], ``kv_norm``, ``kv_b`` [heads/tp · (nope + v), kv_lora_rank];
     ``o`` [H, heads/tp · v]. Each rank's rows are whole heads, in HF's order."""

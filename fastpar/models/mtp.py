@@ -1,22 +1,11 @@
 """Multi-token prediction (MTP) as DeepSeek-V3 defines it: D sequential modules after the main
 model, module k predicting the token k + 1 positions ahead, sharing the model's embedding and
-output head.
+output head. What a module computes, which positions are targets and the loss: docs/mtp.md.
 
     blocks = build_llama(LlamaConfig(..., mtp_depth=2), mesh)  # [Embedding, Block x L, MTPHead]
     with tokens(ids):                                          # the ids the MTP modules look up
         out = nn.Sequential(*blocks)(ids)                      # MTPOutput (training mode)
     loss = mtp_loss(out, targets, cfg, mesh)
-
-Module k (1..D) takes h^{k-1} (h^0: the main model's last hidden state, before the final norm)
-and the embedding of the token k positions ahead, ``e = Emb(t_{i+k})``:
-``h^k = Block_k(eh_proj([enorm(e); hnorm(h^{k-1})]))`` (embedding first, as DeepSeek-V3's
-released weights and Megatron order them), then its own final norm and the SHARED head give the
-logits of t_{i+k+1}. The loss is ``main + coef / D · Σ_k CE_k`` where CE_k sums over the valid
-depth-k targets and is divided by what divides the main loss (the paper's 1/T: each valid
-target counted once, the same denominator at every depth). Position i is a depth-k target when
-i + k is inside the row, in the same packed document as i, and the main target of i + k is
-valid (not ignored). The block is any factory ``block(cfg, layer, mesh)`` (layer
-``cfg.layers + k - 1``, HF's numbering of MTP layers); docs/mtp.md has the rest.
 """
 
 from __future__ import annotations
@@ -31,16 +20,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastpar.comm import copy_to_region, group_size, scatter_to_sequence
+from fastpar.mesh.bridge import as_group
 from fastpar.mesh.groups import ParallelMesh
 from fastpar.models.common import (
     IGNORE_INDEX,
     Embedding,
     Head,
+    LossGroups,
     Norm,
-    cp_group_of,
     cp_split,
     lm_loss,
-    tp_group_of,
+    loss_groups,
 )
 from fastpar.models.documents import current as current_documents
 from fastpar.nn.embedding import vocab_parallel_lookup
@@ -150,7 +140,7 @@ class MTPLayer(nn.Module):
 
     def __init__(self, cfg, k: int, mesh: ParallelMesh | None, block: Callable, norm: dict):
         super().__init__()
-        group = tp_group_of(mesh)
+        group = as_group(mesh)
         sp = cfg.sequence_parallel and group_size(group) > 1
         kw = dict(**norm, group=group, partial_grad=sp)
         self.enorm, self.hnorm = Norm(cfg.hidden, **kw), Norm(cfg.hidden, **kw)
@@ -170,18 +160,12 @@ class MTPHead(Head):
     ``tokens`` and it returns an ``MTPOutput``; in eval mode only the main logits, as a
     ``Head`` does (the validation loss is the main model's)."""
 
-    def __init__(
-        self,
-        head: Head,
-        embed: Embedding,
-        layers: Sequence[MTPLayer],
-        mesh: ParallelMesh | None = None,
-    ):
+    def __init__(self, head: Head, embed: Embedding, layers: Sequence[MTPLayer]):
         nn.Module.__init__(self)
         self.group, self.sp, self.return_hidden = head.group, head.sp, head.return_hidden
         self.norm, self.weight = head.norm, head.weight
         self.embedding = embed.tok.weight
-        self.shard, self.cp_group = embed.tok.shard, cp_group_of(mesh)
+        self.shard, self.cp_group = embed.tok.shard, embed.cp_group
         self.mtp = nn.ModuleList(layers)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -229,7 +213,7 @@ def add_mtp(
     head, embed = blocks[-1], blocks[0]
     norm = {"kind": head.norm.kind, "eps": head.norm.eps}
     layers = [MTPLayer(cfg, k, mesh, block, norm) for k in range(1, depth + 1)]
-    return [*blocks[:-1], MTPHead(head, embed, layers, mesh)]
+    return [*blocks[:-1], MTPHead(head, embed, layers)]
 
 
 def check_mtp(cfg) -> None:
@@ -256,7 +240,7 @@ def mtp_loss(
     out: torch.Tensor | MTPOutput,
     targets: torch.Tensor,
     cfg,
-    mesh: ParallelMesh | None = None,
+    mesh: ParallelMesh | LossGroups | None = None,
     *,
     weight: torch.Tensor | None = None,
     recompute: bool = False,
@@ -276,17 +260,17 @@ def mtp_loss(
         return lm_loss(out, targets, cfg, mesh, reduction=reduction, **kw)
     if reduction not in ("mean", "sum"):
         raise ValueError(f"mtp_loss reduction must be 'mean' or 'sum', got {reduction!r}")
-    main = lm_loss(out.main, targets, cfg, mesh, reduction="sum", **kw)
+    groups = loss_groups(mesh)  # once, for every depth
+    main = lm_loss(out.main, targets, cfg, groups, reduction="sum", **kw)
     terms = []
     for k, logits in enumerate(out.depths, 1):
         keep = None if out.keep is None else out.keep[k - 1]
         terms.append(
-            lm_loss(logits, depth_targets(targets, k, keep), cfg, mesh, reduction="sum", **kw)
+            lm_loss(logits, depth_targets(targets, k, keep), cfg, groups, reduction="sum", **kw)
         )
     depths = torch.stack(terms).sum() / len(terms)
     if reduction == "mean":
-        cp_group = cp_group_of(mesh)  # (the whole rows' count: no all-reduce)
-        cp = 1 if cp_group is None else group_size(cp_group)
+        cp = 1 if groups.cp is None else group_size(groups.cp)  # (whole rows: no all-reduce)
         scale = cp / (targets != IGNORE_INDEX).sum().float().clamp(min=1)
         main, depths = main * scale, depths * scale
     if parts is not None and torch.is_grad_enabled():  # once a micro-batch (not a no_grad

@@ -1,30 +1,12 @@
-"""Load balancing for ``TopKRouter``: group-limited top-k, auxiliary losses, expert bias.
-
-* ``group_limited_topk``: experts split into ``num_groups`` equal groups (device- / node-limited
-  routing, DeepSeek-V2/V3); a group's score is the sum of its best ``group_score_topk`` selection
-  scores; a token keeps its ``group_topk`` best groups and picks its k experts inside them.
-* ``load_balancing_loss`` (micro-batch: the Switch loss over all T tokens) and
-  ``sequence_balancing_loss`` (DeepSeek-V3's sequence-wise loss, Megatron's "seq_aux_loss": the
-  same loss per sequence, averaged over sequences); ``z_loss`` (ST-MoE).
-* ``update_expert_bias``: aux-loss-free balancing (DeepSeek-V3, arXiv 2408.15664): the bias of
-  each router moves by ``rate · sign(mean load − load)`` from the load its training forwards
-  counted since the last update, summed over ``group`` (the ranks holding replicas of the
-  router: the data-parallel group) so every replica keeps the same bias; one all-reduce for all
-  routers of a model.
+"""Load balancing for ``TopKRouter``: group-limited top-k (``group_limited_topk``), the
+auxiliary losses (``load_balancing_loss``, ``sequence_balancing_loss``, ``z_loss``) and
+aux-loss-free balancing (``update_expert_bias``), as docs/moe.md ("Routing") defines them.
 
 ``group`` (the losses) / ``token_group`` (a router's): the TP group a sequence-parallel layer's
-tokens are split over (``fastpar.moe.tp``); the statistics are then summed over it —
-``reduce_from_region``: all-reduce forward, identity backward, since every rank's copy of
-the loss sends its gradient only to its own tokens — so the loss is the one of the whole
-sequence, the same on every rank. None: the tokens are all here.
-
-``valid`` (the losses, optional ``[T]`` bool): which tokens count — those whose target is
-valid (``fastpar.models.documents.Documents.valid``; prompt tokens and a packed document's last
-token are not). The statistics then run over the valid tokens only: f_i from their routing
-choices, P_i and the z-loss mean over them, each denominator the count of valid tokens
-(summed over ``group`` like the sums, clamped to >= 1), so no valid token anywhere gives a loss
-of 0 with finite (zero) gradients. The sequence loss averages over the sequences holding at
-least one valid token. ``valid=None`` is the unmasked computation, unchanged.
+tokens are split over (``fastpar.moe.tp``); the statistics are then summed over it
+(``reduce_from_region``), so the loss is the whole sequence's on every rank. None: the tokens
+are all here. ``valid`` (optional ``[T]`` bool): the tokens that count, those whose target is
+valid; every denominator is then their count, summed over ``group`` and clamped to >= 1.
 """
 
 from __future__ import annotations

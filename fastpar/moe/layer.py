@@ -29,7 +29,7 @@ from fastpar.comm import (
     scatter_to_sequence,
 )
 from fastpar.comm.sequence import split_sequence
-from fastpar.mesh.bridge import mesh_group
+from fastpar.mesh.bridge import as_group
 from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_blocks, mark_expert, mark_sharded
 from fastpar.moe import experts, tp
@@ -62,58 +62,22 @@ def _eager_only_once() -> None:
 
 
 class MoE(nn.Module):
-    """Mixture of experts over ``num_experts`` two-layer MLPs (H -> F -> H).
+    """Mixture of experts over ``num_experts`` two-layer MLPs (H -> F -> H): ``x [..., H]``
+    -> ``[..., H]``.
 
-    ``expert``: "mlp" (``act(x W1 + b1) W2 + b2``, ``activation`` default "gelu", ``bias``
-    default True), "glu" (``(act(x W_gate + b_gate) * (x W_up + b_up)) W_down + b_down``,
-    ``activation`` default "silu", ``bias`` default False) or "swiglu" (glu with SiLU and no
-    biases; ``activation`` must be left unset or "silu"). ``activation``: "gelu", "gelu_tanh",
-    "relu", "silu". Parameters: ``w1`` [E_local, H, F] (gated: [E_local, H, 2F], gate | up),
-    ``w2`` [E_local, F, H], with ``bias`` ``b1`` [E_local, F or 2F], ``b2`` [E_local, H].
-    ``shared_ffn_hidden_size`` Fs: a shared expert of the same kind, Fs wide, on every token,
-    added to the output (``shared``: dense parameters, not expert-parallel); ``shared_gate``
-    scales it by ``sigmoid(shared_gate(x))`` (``shared_gate``: ``nn.Linear(H, 1, bias=False)``).
-
-    The router's options are ``router=RouterConfig(...)``, the experts' ``experts=
-    ExpertConfig(...)`` (``fastpar.moe.config``); their fields may also be given as keywords
-    (``expert="swiglu"``, ``score="sigmoid"``), which replace the configs'.
-    Router options (see ``fastpar.moe.router``, whose docstring sets fastpar's defaults beside
-    Megatron-Core's and DeepSeek-V3's): ``top_k``, ``score`` (a name of ``SCORES``),
-    ``normalize_topk``, ``scaling_factor``, ``num_groups`` / ``group_topk`` /
-    ``group_score_topk`` (group-limited top-k), ``expert_bias`` / ``bias_update_rate``
-    (aux-loss-free balancing: call ``fastpar.moe.update_expert_bias(model, group)`` once per
-    optimizer step), ``capacity_factor`` (None = dropless), ``min_capacity`` (None = none),
-    ``drop_policy`` ("position" / "probs" / "weights"), ``drop_weights`` ("renormalise" /
-    "keep"), ``aux_loss`` ("micro_batch" / "sequence" / None: a batch-first input [B, S, H]
-    gives the sequences), ``aux_loss_coef``, ``z_loss_coef``, ``jitter``.
-
-    The auxiliary loss reaches backward by itself (as Megatron-Core's aux-loss auto-scaler
-    does): in training mode the layer sends ``scale`` as the gradient of its ``aux_loss``
-    through its output, so a layer used in any loop trains its router without the caller
-    adding anything. ``scale`` is, first found: the layer's ``aux_loss_scale`` attribute (what
-    ``fastpar.train`` sets: 1 / micro-batches × the loss scale), the ``aux_loss_scale(...)``
-    block around the forward (what the pipeline engine sets; ``aux_loss_scale(None)``: not
-    at all), else 1 — right for ``loss.backward()`` on an unscaled loss; with gradient
-    accumulation or loss scaling set ``moe.aux_loss_scale`` to the same weight as the loss.
-    ``aux_loss_in_backward=False`` turns the last default off: the caller then adds
-    ``moe_aux_loss(model)`` (differentiable) to the loss. Once sent to backward, ``aux_loss``
-    and ``moe_aux_loss`` hold detached values (for logging): adding them to the loss, as
-    older fastpar code did, changes nothing and cannot count the aux loss twice.
-
-    ``overlap_chunks`` K > 1 splits the token buffer into K chunks whose all-to-alls overlap the
-    experts' compute (``fastpar.moe.overlap``; K = 1 is the plain layer). It pays where the transport does not
-    compete with the experts for the same processor: NCCL on GPUs, or gloo with spare CPU cores.
-    With every core computing (e.g. two CPU ranks on two cores) gloo's copies take cores from
-    the experts and K > 1 can be slower (``bench/test_bench_moe_overlap.py`` measures both).
-    ``mesh`` (its ep and tp groups) or ``ep_group`` / ``tp_group`` (None = no expert / tensor
-    parallelism). At TP > 1 (``fastpar.moe.tp``): by default every TP rank holds the same
-    tokens and experts; ``expert_tp=True`` splits each expert's FFN over TP (``w1`` / ``b1``
-    by columns, ``w2`` by rows, marked sharded); ``sequence_parallel=True`` takes this rank's
-    chunk of the sequence along ``sequence_dim`` (1: [B, S/tp, H]) and returns the same chunk
-    — routed locally (tokens split over TP; dropless only) or, with ``expert_tp``, gathered
-    over TP first. After a forward:
-    ``aux_loss`` (load balancing + z-loss, differentiable), ``stats`` (device tensors:
-    ``counts`` [E] routed per expert, ``num_dropped``).
+    The experts' kind, activation, biases and shared expert are ``experts=ExpertConfig(...)``,
+    the router's options ``router=RouterConfig(...)`` (``fastpar.moe.config``); their fields
+    may also be given as keywords (``expert="swiglu"``, ``score="sigmoid"``), which replace the
+    configs'. Parameters: ``w1`` [E_local, H, F] (gated: [E_local, H, 2F], gate | up), ``w2``
+    [E_local, F, H], with ``bias`` ``b1`` [E_local, F or 2F], ``b2`` [E_local, H]; ``shared``
+    and ``shared_gate`` (dense). ``mesh`` (its ep, tp and cp groups) or ``ep_group`` /
+    ``tp_group`` / ``cp_group`` (None: none of that parallelism); ``expert_tp``,
+    ``sequence_parallel`` and ``sequence_dim`` pick the layout at TP > 1 (``fastpar.moe.tp``);
+    ``overlap_chunks`` K > 1 overlaps the all-to-alls with the experts (``fastpar.moe.overlap``).
+    The auxiliary loss reaches backward by itself, weighted by ``aux_loss_scale``
+    (``aux_loss_in_backward=False``: the caller adds ``moe_aux_loss(model)``). All of it:
+    docs/moe.md ("Inside the layer"). After a forward: ``aux_loss`` (load balancing + z-loss)
+    and ``stats`` (device tensors: ``counts`` [E] routed per expert, ``num_dropped``).
     """
 
     def __init__(
@@ -144,18 +108,17 @@ class MoE(nn.Module):
         capacity_factor = router.capacity_factor
         if mesh is not None and (ep_group, tp_group, cp_group) != (None, None, None):
             raise ValueError("pass either mesh= or ep_group= / tp_group= / cp_group=, not both")
-        self.ep_group = mesh_group(mesh, "ep") if mesh is not None else ep_group  # or DeviceMesh
-        self.ep = group_size(self.ep_group) if self.ep_group is not None else 1
-        self.tp_group = mesh_group(mesh, "tp") if mesh is not None else tp_group
-        self.tp = group_size(self.tp_group) if self.tp_group is not None else 1
+        if mesh is not None:  # converted once (a DeviceMesh: no context parallelism)
+            ep_group, tp_group = as_group(mesh, "ep"), as_group(mesh, "tp")
+            cp_group = getattr(mesh, "context_group", None)
+        self.ep_group, self.tp_group, self.cp_group = ep_group, tp_group, cp_group
+        self.ep = group_size(ep_group) if ep_group is not None else 1
+        self.tp = group_size(tp_group) if tp_group is not None else 1
+        self.cp = group_size(cp_group) if cp_group is not None else 1
         self.tp_layout = tp.layout_of(self.tp, sequence_parallel, expert_tp)
         tp.check(self.tp_layout, self.tp, ffn_hidden_size, capacity_factor, overlap_chunks)
         self.sequence_parallel, self.expert_tp = sequence_parallel, expert_tp
         self.sequence_dim = sequence_dim
-        if mesh is not None:  # (a DeviceMesh: no context parallelism)
-            cp_group = getattr(mesh, "context_group", None)
-        self.cp_group = cp_group
-        self.cp = group_size(cp_group) if cp_group is not None else 1
         if self.cp > 1 and capacity_factor is not None:
             raise ValueError(
                 f"MoE under context parallelism (cp={self.cp}) routes each rank's chunks of the "
@@ -227,7 +190,7 @@ class MoE(nn.Module):
                 all_reduce_grad(p, self.tp_group)
         if self.cp > 1:  # a sequence's tokens lie on every cp (and, routed locally, tp) rank
             local = self.tp_layout == "sequence"
-            self.router.token_group = mesh_group(mesh, "tp-cp") if local else self.cp_group
+            self.router.token_group = mesh.tp_cp_group if local else self.cp_group
 
     # The pipeline's protocols (fastpar.parallel.pipeline.protocols): the engine weighs the aux
     # loss by this context around its forwards; a recomputation keeps aux_loss and stats.
@@ -391,8 +354,9 @@ class MoE(nn.Module):
         return y.view(shape)
 
     def _aux_scale(self) -> float | torch.Tensor | None:
-        """The weight this forward's aux loss enters backward with (class docstring); × cp
-        under context parallelism, whose dp × cp gradient average would divide it by cp."""
+        """The weight this forward's aux loss enters backward with (docs/moe.md, "The aux loss
+        in backward"); × cp under context parallelism, whose dp × cp gradient average would
+        divide it by cp."""
         scale = self.aux_loss_scale
         if scale is None:
             scale = block_scale(1.0 if self.aux_loss_in_backward else None)

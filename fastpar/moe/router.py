@@ -65,13 +65,9 @@ class TopKRouter(nn.Module):
     ``aux_loss="sequence"``; ``valid [T]`` bool: the tokens the aux losses and expert-bias
     counts count, module docstring).
 
-    Options: ``router=RouterConfig(...)`` (``fastpar.moe.config``, defaults: today's fastpar
-    router), and/or its fields as keywords (``score="sigmoid"``, ``expert_bias=True``, ...),
-    which replace the ``router``'s: ``score`` (a name of ``SCORES``), ``normalize_topk``,
-    ``scaling_factor``, ``num_groups`` / ``group_topk`` / ``group_score_topk``,
-    ``expert_bias`` + ``bias_update_rate``, ``capacity_factor``, ``min_capacity``,
-    ``drop_policy``, ``drop_weights``, ``aux_loss`` + ``aux_loss_coef``, ``z_loss_coef``,
-    ``jitter``. ``config``: the resulting ``RouterConfig``.
+    Options: ``router=RouterConfig(...)`` (``fastpar.moe.config`` documents every field),
+    and/or its fields as keywords (``score="sigmoid"``, ``expert_bias=True``, ...), which
+    replace the ``router``'s. ``config``: the resulting ``RouterConfig``.
     """
 
     def __init__(

@@ -14,9 +14,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from fastpar import debug
 from fastpar.comm import group_rank, group_size, reduce_from_region
 from fastpar.comm.checks import check_same, digest
+from fastpar.mesh.bridge import as_group
 from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_sharded
-from fastpar.nn.linear import resolve_group
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ class VocabParallelEmbedding(nn.Module):
         _master: nn.Embedding | None = None,
     ) -> None:
         super().__init__()
-        self.group = resolve_group(group, mesh)
+        self.group = as_group(mesh, "tp", group)
         self.shard = VocabShard(num_embeddings, group_size(self.group), group_rank(self.group))
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx, self.check_ids = padding_idx, check_ids

@@ -28,23 +28,9 @@ from fastpar.comm import (
     scatter_to_region,
 )
 from fastpar.comm.checks import check_same
-from fastpar.mesh.bridge import mesh_group
+from fastpar.mesh.bridge import as_group
 from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_replicated, mark_sharded
-
-
-def resolve_group(
-    group: dist.ProcessGroup | None, mesh: ParallelMesh | DeviceMesh | None
-) -> dist.ProcessGroup | None:
-    """The tensor-parallel group: that of ``mesh`` if one is given (a ``ParallelMesh``'s
-    ``tp_group``, or a torch ``DeviceMesh``'s "tp" dim: ``fastpar.mesh.bridge``), else
-    ``group`` (None = the default group)."""
-    if mesh is not None:
-        tp_group = mesh_group(mesh, "tp")
-        if group is not None and group is not tp_group:
-            raise ValueError("pass either group= or mesh=, not both")
-        return tp_group
-    return group
 
 
 def _master_linear(in_features, out_features, bias, device, dtype) -> nn.Linear:
@@ -145,7 +131,7 @@ class ColumnParallelLinear(_FromDense, nn.Module):
         _transposed: bool = False,
     ) -> None:
         super().__init__()
-        self.group = resolve_group(group, mesh)
+        self.group = as_group(mesh, "tp", group)
         world, rank = group_size(self.group), group_rank(self.group)
         self.in_features, self.out_features = in_features, out_features
         self.transposed = _transposed
@@ -165,16 +151,15 @@ class ColumnParallelLinear(_FromDense, nn.Module):
             raise ValueError("gather_output=True is not supported with fused > 1")
         self.out_per_rank = math.ceil(out_features / world)
         master = _master or _master_linear(in_features, out_features, bias, device, dtype)
-        with torch.no_grad():
+
+        def rows(t: torch.Tensor) -> torch.Tensor:  # this rank's share of each fused block
             if fused > 1:
-                w = _fused_slices(master.weight, fused, rank, world)
-                b = None if master.bias is None else _fused_slices(master.bias, fused, rank, world)
-            else:
-                padded = self.out_per_rank * world
-                w = _pad_rows(master.weight, padded).chunk(world, dim=0)[rank]
-                b = None
-                if master.bias is not None:
-                    b = _pad_rows(master.bias, padded).chunk(world, dim=0)[rank]
+                return _fused_slices(t, fused, rank, world)
+            return _pad_rows(t, self.out_per_rank * world).chunk(world, dim=0)[rank]
+
+        with torch.no_grad():
+            w = rows(master.weight)
+            b = None if master.bias is None else rows(master.bias)
         self.weight = nn.Parameter(w.t().contiguous() if self.transposed else w.clone())
         mark_sharded(self.weight, 1 if self.transposed else 0, self.group, out_features, fused)
         if b is not None:
@@ -240,7 +225,7 @@ class RowParallelLinear(_FromDense, nn.Module):
         _transposed: bool = False,
     ) -> None:
         super().__init__()
-        self.group = resolve_group(group, mesh)
+        self.group = as_group(mesh, "tp", group)
         world, rank = group_size(self.group), group_rank(self.group)
         self.transposed = _transposed
         if in_features % world:

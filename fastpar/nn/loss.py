@@ -7,8 +7,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from fastpar.mesh.bridge import as_group
 from fastpar.mesh.groups import ParallelMesh
-from fastpar.nn.linear import resolve_group
 from fastpar.ops.cross_entropy import vocab_parallel_cross_entropy
 
 
@@ -50,7 +50,7 @@ class VocabParallelCrossEntropy(nn.Module):
         self.reduction = reduction
         self.z_loss = z_loss
         self.vocab_size = vocab_size
-        self.group = resolve_group(group, mesh)
+        self.group = as_group(mesh, "tp", group)
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(

@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fastpar import tolerance
 from fastpar.comm import all_reduce_grad, group_size
+from fastpar.mesh.bridge import as_group
 from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_owned, mark_replicated
 from fastpar.nn import blocks as _blocks
@@ -28,7 +29,7 @@ from fastpar.nn import diagnose as _diagnose
 from fastpar.nn import plans as _plans
 from fastpar.nn.guard import guard_save_pretrained
 from fastpar.nn.head_lists import slice_head_lists
-from fastpar.nn.linear import is_conv1d, resolve_group
+from fastpar.nn.linear import is_conv1d
 from fastpar.nn.plan import (
     HEAD_ATTRS,
     WIDTH_ATTRS,
@@ -267,9 +268,8 @@ def _retie(owners, modules, new_modules, model) -> None:
             setattr(module(m), p, first)
 
 
-def _divide_heads(model, modules, chosen, heads, world) -> None:
-    parents = {n.rpartition(".")[0] for n, (s, kw) in chosen.items() if splits_output(s, kw)}
-    for n in sorted(parents):
+def _divide_heads(model, modules, parents, heads, world) -> None:
+    for n in parents:
         module = modules[n] if n else model
         extra = [
             a for pat, attrs in (heads or {}).items() if fnmatch.fnmatchcase(n, pat) for a in attrs
@@ -357,7 +357,7 @@ def _split(
     )
     counts = {n: set(head_counts(modules[n] if n else model, model).values()) for n in parents}
     new_modules = _swap(model, modules, chosen, tp_group, ep_group)
-    _divide_heads(model, modules, chosen, heads, world)
+    _divide_heads(model, modules, parents, heads, world)
     sliced = slice_head_lists(
         model, modules, [a for a in parents if a in attention], counts, tp_group, world
     )
@@ -395,20 +395,15 @@ def parallelize(
     (say ``{"*.attn": ["n_embd"]}`` for nanoGPT, whose attention reshapes with ``n_embd``).
     ``example_inputs`` (a tensor, a tuple of positional arguments or a dict of keyword
     arguments) feeds the probe and the check; by default token ids for a model with an
-    embedding, or a float batch for one that starts with a linear layer. ``check``: True (or
-    "backward", the default) runs the parallel model forward and backward on that input against
-    the dense model (fp32, its twin and a float64 copy, ``fastpar.tolerance``'s rule): the
-    output and every parameter's gradient, the parameters that stay in place perturbed first and
-    restored bit for bit (``fastpar.nn.check``; about four forward and backward passes
-    of the embeddings, the head and the first block of each kind in a stack of repeated blocks
-    and, at peak, about 7x their fp32 size in memory, freed on return); "forward"
-    compares the output alone; False skips the probe and the check (then parameters inside
-    split attention modules must be declared "per_head" or "replicate"). ``loss_parallel``: a built-in plan leaves the logits split over the vocabulary
-    (for ``vocab_parallel_cross_entropy``) instead of gathering them.
-    A pattern of the caller's plan that matches nothing is an error (a typo would leave a
-    layer dense).
+    embedding, or a float batch for one that starts with a linear layer. ``check``: True or
+    "backward" (the default: the output and every parameter's gradient against the dense
+    model), "forward" (the output alone) or False (no probe, no check: parameters inside split
+    attention modules must then be declared "per_head" or "replicate"); docs/hf.md, "The
+    check". ``loss_parallel``: a built-in plan leaves the logits split over the vocabulary (for
+    ``vocab_parallel_cross_entropy``) instead of gathering them. A pattern of the caller's plan
+    that matches nothing is an error (a typo would leave a layer dense).
     """
-    tp_group = resolve_group(group, mesh)  # the groups, once: a DeviceMesh has no ep group
+    tp_group = as_group(mesh, "tp", group)  # the groups, once: a DeviceMesh has no ep group
     ep_group = mesh.ep_group if getattr(mesh, "ep_size", 1) > 1 else None
     world = group_size(tp_group)
     strict = plan is not None

@@ -2,25 +2,10 @@
 
 ``fastpar.parallelize(model, mesh=mesh)`` with no plan looks the model up in ``fastpar.families``
 by its ``config.model_type`` (so ``LlamaForCausalLM``, ``LlamaModel`` and
-``LlamaForSequenceClassification`` share one plan) and writes the patterns relative to the base model (``model.`` for a causal LM,
-none for the bare ``LlamaModel``). Entries of a built-in plan may match nothing (a Mixtral has no
-dense MLP; a bare ``BertModel`` has no MLM head); a user's plan may not.
-
-Every family splits attention by heads (q, k, v "column", the output projection "row"), dense
-MLPs by their hidden width, the token embedding by vocabulary rows, and the LM head by vocabulary
-rows with the logits gathered (so Hugging Face's own loss and ``generate()`` work unchanged), or
-left split with ``loss_parallel=True`` for ``fastpar.nn.functional.vocab_parallel_cross_entropy``.
-Per-head norms (Qwen3's ``q_norm`` / ``k_norm``) are "per_head": replicated, their gradient
-all-reduced over TP. DeepSeek-V3's multi-head latent attention splits its up-projections by
-heads (``q_b_proj`` or ``q_proj``, ``kv_b_proj`` "column", ``o_proj`` "row"); its low-rank
-down-projections and their norms stay whole (``q_a_proj`` "replicate"; their gradients come
-back whole through the up-projections' input region), and ``kv_a_proj_with_mqa`` is
-"shared_key": the rope key split off its output feeds every local head, so its gradient is
-all-reduced over TP (``fastpar.nn.shared_key``). A template option ``"config.NAME"`` is read
-from the model's config. Mixture-of-experts blocks (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3)
-are "experts": fastpar's MoE under HF's names, each expert's FFN split over TP, experts over the
-mesh's EP group (``fastpar.moe.hf_block``); Qwen2-MoE's shared expert and DeepSeek-V3's shared
-experts are split like a dense MLP.
+``LlamaForSequenceClassification`` share one plan) and writes the patterns relative to the base
+model (``model.`` for a causal LM, none for the bare ``LlamaModel``). Entries of a built-in plan
+may match nothing (a Mixtral has no dense MLP); a user's plan may not. What each family's plan
+splits: docs/hf.md ("parallelize: built-in plans or your own").
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """``SharedKeyLinear``: a replicated linear layer whose last output features are one key that
-every attention head of this rank reads (multi-head latent attention's decoupled rope key,
-``k_rot`` / ``k_pe``, split off DeepSeek-V3's ``kv_a_proj_with_mqa`` and broadcast to every
-head; a multi-query key).
-
-After the heads are split over the TP group, each rank's heads send that key only their own
-share of its gradient: without a reduction the key's gradient, and everything upstream of it,
-is summed over this rank's heads only (the logits still match). ``SharedKeyLinear`` computes
-exactly what the dense linear computes and passes its last ``features`` outputs through
-``copy_to_region`` (identity forward, all-reduce of their gradient over the group backward);
-the other outputs are left alone (in MLA they feed a column-parallel up-projection, whose input
-region reduces their gradient already). The parameters stay the dense layer's own tensors,
-replicated over the group, under the same names.
+every attention head of this rank reads (multi-head latent attention's rope key ``k_pe``, split
+off DeepSeek-V3's ``kv_a_proj_with_mqa``): it computes what the dense linear computes and passes
+those ``features`` outputs through ``copy_to_region`` (identity forward, all-reduce of their
+gradient over the group backward), so the key's gradient is every head's, not this rank's
+heads' share (docs/hf.md, the DeepSeek-V3 plan).
 
     attn.kv_a_proj_with_mqa = SharedKeyLinear.from_dense(attn.kv_a_proj_with_mqa,
                                                          features=qk_rope_head_dim, group=tp)
@@ -25,9 +18,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fastpar.comm import copy_to_region
+from fastpar.mesh.bridge import as_group
 from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_replicated
-from fastpar.nn.linear import resolve_group
 
 
 class SharedKeyLinear(nn.Linear):
@@ -48,7 +41,7 @@ class SharedKeyLinear(nn.Linear):
         dtype=None,
     ) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self.group = resolve_group(group, mesh)
+        self.group = as_group(mesh, "tp", group)
         self.features = _check_features(
             out_features if features is None else features, out_features
         )
@@ -74,7 +67,7 @@ class SharedKeyLinear(nn.Linear):
         layer.in_features, layer.out_features = linear.in_features, linear.out_features
         layer.weight = linear.weight
         layer.bias = linear.bias
-        layer.group = resolve_group(group, mesh)
+        layer.group = as_group(mesh, "tp", group)
         out = linear.out_features
         layer.features = _check_features(out if features is None else features, out)
         layer.train(linear.training)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
@@ -21,10 +22,10 @@ from fastpar.comm import plain
 from fastpar.debug import debug_checks
 from fastpar.mesh import ParallelMesh
 from fastpar.models import build_model, untie_for_pipeline
-from fastpar.models.common import IGNORE_INDEX
+from fastpar.models.common import IGNORE_INDEX, loss_groups
 from fastpar.models.documents import valid_targets
 from fastpar.models.mtp import MTPOutput, mtp_loss
-from fastpar.moe import MoE, TopKRouter, moe_layers, update_expert_bias
+from fastpar.moe import TopKRouter, moe_layers, update_expert_bias
 from fastpar.optim import FusedAdamW, MixedPrecisionOptimizer
 from fastpar.optim.config import TORCH_STATE_DTYPES
 from fastpar.parallel import DataParallel, Replicate, Shard
@@ -80,7 +81,6 @@ class Parts:
     scaler: DynamicLossScaler | None
     no_sync: Callable | None
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    moes: list[MoE]
     aux_scale: torch.Tensor | None
     bias_routers: list[TopKRouter] = field(default_factory=list)
     mtp_terms: list = field(default_factory=list)
@@ -117,14 +117,10 @@ class Parts:
     def update_expert_bias(self, skipped: torch.Tensor | bool, group) -> None:
         """After an optimizer step: every expert-bias router of the stage moves its bias from
         the tokens this step's training forwards routed, summed over ``group`` (the
-        data-parallel group: the ranks holding replicas of these routers, each routing its
-        own tokens; TP ranks route the same tokens, or, sequence-parallel, sum over their
-        token group inside ``fastpar.moe.update_expert_bias``; None: this process, the
-        single-process reference, whose replicas already count into the same routers) — one
-        all-reduce, no host sync. A skipped step
-        (``skipped``: inf/NaN gradients, agreed on every rank) moves no bias: its counts are
-        zeroed on the device first (sign(0) = 0), then reset, as the step left the weights
-        and optimizer state as they were. A no-op without expert-bias routers."""
+        data-parallel group, whose ranks hold replicas of these routers; None: this process) —
+        one all-reduce, no host sync. A skipped step (``skipped``: inf/NaN gradients, agreed on
+        every rank) moves no bias (docs/moe.md): its counts are zeroed on the device first, then
+        reset. A no-op without expert-bias routers."""
         if not self.bias_routers:
             return
         device = self.bias_routers[0].tokens_per_expert.device
@@ -197,15 +193,18 @@ def _optimizer(cfg, stage, groups, mesh: ParallelMesh | None, scaler, block_type
         return stage, exact_optimizer(cfg, groups, clip, state_dtype)
     if mesh is None:
         return stage, MixedPrecisionOptimizer(adamw(groups), scaler=scaler, max_grad_norm=clip)
-    common = dict(mesh=mesh, param_groups=groups, scaler=scaler, max_grad_norm=clip)
-    if cfg.virtual_stages > 1:
-        common["find_unused_parameters"] = True
-    if cfg.zero == 0:
-        model: DataParallel = Replicate(stage, adamw, **common)
-    elif cfg.zero in (1, 2):
-        model = Shard(stage, adamw, stage=cfg.zero, **common)
-    else:  # ZeRO-3 gathers one transformer block at a time
-        model = Shard(stage, adamw, stage=3, wrap=block_types, **common)
+    wrapper = Replicate  # ZeRO 0
+    if cfg.zero:  # ZeRO-3 gathers one transformer block at a time
+        wrapper = partial(Shard, stage=cfg.zero, wrap=block_types if cfg.zero == 3 else None)
+    model: DataParallel = wrapper(
+        stage,
+        adamw,
+        mesh=mesh,
+        param_groups=groups,
+        scaler=scaler,
+        max_grad_norm=clip,
+        find_unused_parameters=cfg.virtual_stages > 1,
+    )
     return model, model
 
 
@@ -272,17 +271,18 @@ def build(
     # every forward before any backward (GPipe): the fused CE recomputes its logits in backward
     forwards_first = SCHEDULES[cfg.schedule].forwards_first
     mtp_terms: list = []
+    loss_on = loss_groups(mesh)  # read once: the loss runs every micro-batch
 
     def loss_fn(logits: torch.Tensor | MTPOutput, targets: torch.Tensor) -> torch.Tensor:
         # (mtp_loss: lm_loss itself for a tensor; with --mtp-depth the same call per depth)
         if exact:  # the same math as either path below (the head returned logits), in float64
-            return mtp_loss(_each(logits, _rows), targets, model_cfg, mesh, reduction=red)
+            return mtp_loss(_each(logits, _rows), targets, model_cfg, loss_on, reduction=red)
         if cfg.fused_ce:  # the head's weight read now: a pipeline's last stage holds a copy
             return mtp_loss(
                 _each(logits, _rows),
                 targets,
                 model_cfg,
-                mesh,
+                loss_on,
                 weight=head.weight,
                 recompute=forwards_first,
                 reduction=red,
@@ -293,7 +293,7 @@ def build(
             _each(logits, lambda t: _rows(t).float()),
             targets,
             model_cfg,
-            mesh,
+            loss_on,
             inplace_backward=True,
             reduction=red,
             parts=mtp_terms,
@@ -311,7 +311,6 @@ def build(
         scaler,
         no_sync,
         loss_fn,
-        moes,
         aux_scale,
         bias_routers,
         mtp_terms,
@@ -339,7 +338,7 @@ class Trainer:
         self.parts = parts = build(cfg, mesh, device)
         self.stage_module, self.start, self.hf = parts.module, parts.start, parts.hf
         self.model_cfg, self.model, self.opt = parts.model_cfg, parts.model, parts.opt
-        self.scaler, self.moes = parts.scaler, parts.moes
+        self.scaler = parts.scaler
         sched = make_schedule(
             cfg.schedule, cfg.microbatches, cfg.virtual_stages, cfg.microbatch_group_size
         )

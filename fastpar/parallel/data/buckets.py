@@ -117,10 +117,6 @@ class BucketReducer:
             p.register_post_accumulate_grad_hook(self._hook) for b in buckets for p in b.params
         ]
 
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally; the first backward after the block reduces them."""

@@ -16,14 +16,9 @@ from fastpar.parallel.data.replicate import Replicate
 
 class DistributedDataParallel(Replicate):
     """Wrap ``module`` for data parallelism over ``mesh.dp_group`` (or ``group``; None = the
-    default group).
-
-    ``bucket_size_mb``: bucket capacity. ``reduce_dtype``: reduce low-precision gradients in
-    this dtype (e.g. torch.float32 for bf16 gradients; default None: their own).
-    ``find_unused_parameters``: treat parameters that got no gradient in a backward as
-    zero-gradient instead of raising. Parameters and buffers are broadcast from the group's
-    first rank when wrapped. ``comm_bytes`` counts the bytes this rank sent (ring all-reduce:
-    2(N-1)/N of each bucket).
+    default group): ``Replicate``'s arguments (docs/layouts.md, "The data-parallel family")
+    but ``reduce_dtype``, default None here (the gradients' own dtype). Parameters and
+    buffers are broadcast from the group's first rank when wrapped.
     """
 
     def __init__(

@@ -1,14 +1,8 @@
 """What a data-parallel wrapper provides, as runtime-checkable protocols, so callers (the
 pipeline engine, the trainer, a checkpoint) ask ``isinstance(x, GradSync)`` instead of naming
-a class or probing for methods:
-
-* ``GradSync``: what the code driving backward needs — ``no_sync()`` and
-  ``finish_grad_sync()``;
-* ``DataParallel``: a whole member of the family (``Replicate``, ``Shard``; the historical
-  ``DistributedDataParallel``, ``ZeroOptimizer``, ``Zero3`` wrap them): ``GradSync``, the
-  optimizer wrapper of ``fastpar.amp.AmpOptimizer``, the checkpoint pieces of
-  ``fastpar.optim.CheckpointPieces``, and what it holds and sends.
-"""
+a class or probing for methods: ``GradSync`` (what the code driving backward needs) and
+``DataParallel`` (a whole member of the family: ``Replicate``, ``Shard``, and the historical
+``DistributedDataParallel``, ``ZeroOptimizer``, ``Zero3`` that wrap them)."""
 
 from __future__ import annotations
 
