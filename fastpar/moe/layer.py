@@ -190,6 +190,11 @@ class MoE(nn.Module):
                 all_reduce_grad(p, self.tp_group)
         if self.cp > 1:  # a sequence's tokens lie on every cp (and, routed locally, tp) rank
             local = self.tp_layout == "sequence"
+            if local and not hasattr(mesh, "tp_cp_group"):
+                raise ValueError(
+                    "MoE routing a sequence-parallel chunk under context parallelism needs the "
+                    "tp x cp token group: pass mesh= (a ParallelMesh) instead of the groups"
+                )
             self.router.token_group = mesh.tp_cp_group if local else self.cp_group
 
     # The pipeline's protocols (fastpar.parallel.pipeline.protocols): the engine weighs the aux

@@ -25,8 +25,8 @@ from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_owned, mark_replicated
 from fastpar.nn import blocks as _blocks
 from fastpar.nn import check as _check
-from fastpar.nn import diagnose as _diagnose
 from fastpar.nn import plans as _plans
+from fastpar.nn.diagnose import failed_message, refuse, tracking
 from fastpar.nn.guard import guard_save_pretrained
 from fastpar.nn.head_lists import slice_head_lists
 from fastpar.nn.linear import is_conv1d
@@ -401,8 +401,7 @@ def parallelize(
     attention modules must then be declared "per_head" or "replicate"); docs/hf.md, "The
     check". ``loss_parallel``: a built-in plan leaves the logits split over the vocabulary (for
     ``vocab_parallel_cross_entropy``) instead of gathering them. A pattern of the caller's plan
-    that matches nothing is an error (a typo would leave a layer dense).
-    """
+    that matches nothing is an error (a typo would leave a layer dense)."""
     tp_group = as_group(mesh, "tp", group)  # the groups, once: a DeviceMesh has no ep group
     ep_group = mesh.ep_group if getattr(mesh, "ep_size", 1) > 1 else None
     world = group_size(tp_group)
@@ -479,20 +478,18 @@ def parallelize(
             blocks,
         )
         if ref is not None:
-            with _diagnose.tracking(model) as where, _blocks.only(model, blocks):
+            with tracking(model) as where, _blocks.only(model, blocks):
                 try:
                     verdict = _check.parallel_run(model, inputs, ref, tp_group, world, set(sliced))
                 except Exception as exc:
                     split = [n for n, (s, kw) in chosen.items() if splits_output(s, kw)]
-                    raise ValueError(
-                        _diagnose.failed_message(model, where, exc, world, split)
-                    ) from exc
+                    raise ValueError(failed_message(model, where, exc, world, split)) from exc
             record.checked, record.unchecked = mode, verdict.unchecked
             record.output_rel_diff = verdict.output.error / max(
                 tolerance.magnitude(ref.exact), 1e-30
             )
             whole = {n for n, o in watched_owner.items() if _keeps_replicated(_style_at(chosen, o))}
-            _diagnose.refuse(verdict, model, set(sliced) | set(reduced), whole)
+            refuse(verdict, model, set(sliced) | set(reduced), whole)
     finally:
         _check.restore(watched_params, saved)
         _check.forget_weights()
