@@ -20,17 +20,8 @@ from fastpar.parallel.data.family import FlatDataParallel
 
 class ZeroOptimizer(FlatDataParallel):
     """ZeRO-1/2 around ``optimizer`` (built on the model's parameters, before any step).
-
-    ``stage``: 1 shards optimizer state and masters; 2 also shards gradients. ``mesh`` / ``group``:
-    the DP group is ``mesh.dp_group`` (or ``group``, None = the default group); with a mesh the
-    norm and the overflow flag are agreed over the whole world and parameters are counted by
-    their TP marks; without one, the DP group is the whole job. ``reduce_dtype`` (default fp32):
-    dtype of the reduce-scatter for low-precision gradients. ``check_gradients=False`` (only
-    without scaler and clipping) skips the per-step inf check and global norm — one pass over the
-    shards and one small all-reduce — and step() then returns a NaN norm.
-    ``find_unused_parameters``: parameters without a gradient in a backward count as zero
-    instead of raising. Parameters are broadcast from the first DP rank when wrapped.
-    """
+    ``stage``: 1 shards optimizer state and masters; 2 also shards gradients. The other arguments
+    are ``Shard``'s (docs/layouts.md, "The data-parallel family")."""
 
     def __init__(
         self,
