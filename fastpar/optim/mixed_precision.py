@@ -1,12 +1,5 @@
-"""``MixedPrecisionOptimizer``: fp32 master weights around any torch optimizer.
-
-    opt = MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                  scaler=DynamicLossScaler(), max_grad_norm=1.0, mesh=mesh)
-    opt.scale_loss(loss).backward()
-    skipped, grad_norm = opt.step()              # 0-dim device tensors
-
-The step, skipping without a host sync, and the folded step: docs/layouts.md ("Mixed
-precision")."""
+"""``MixedPrecisionOptimizer``: fp32 master weights around any torch optimizer. Its use, the
+step, skipping without a host sync and the folded step: docs/layouts.md ("Mixed precision")."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
 """``ZeroOptimizer``: ZeRO stages 1 and 2 around an existing optimizer — ``fastpar.parallel.Shard``
-(stage 1 or 2) under its historical, optimizer-shaped signature.
-
-    opt = ZeroOptimizer(FusedAdamW(model.parameters(), lr=3e-4), stage=2, mesh=mesh)
-    opt.scale_loss(loss).backward()      # buckets reduce-scatter during backward
-    skipped, grad_norm = opt.step()      # update this rank's shard, all-gather the parameters
-
-It reduces the gradients itself (no ``DistributedDataParallel`` around the model);
-docs/layouts.md ("The data-parallel family")."""
+(stage 1 or 2) under its historical, optimizer-shaped signature; it reduces the gradients
+itself (no ``DistributedDataParallel`` around the model). docs/layouts.md ("The data-parallel
+family", "Historical signatures")."""
 
 from __future__ import annotations
 

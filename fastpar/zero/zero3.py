@@ -1,13 +1,7 @@
 """``Zero3``: ZeRO stage 3 — parameters, gradients and optimizer state sharded over DP —
-``fastpar.parallel.Shard(stage=3)`` under its historical signature.
-
-    model = Zero3(model, optimizer_factory=lambda params: FusedAdamW(params, lr=3e-4),
-                  mesh=mesh, wrap=(nn.TransformerEncoderLayer,))
-    model.scale_loss(loss_fn(model(x), y)).backward()   # units gather, compute, free
-    skipped, grad_norm = model.step()
-
-Between steps the parameters are empty: read them inside ``summon_full_params()``. Layout,
-units and counters: docs/layouts.md ("The data-parallel family")."""
+``fastpar.parallel.Shard(stage=3)`` under its historical signature. Between steps the parameters
+are empty: read them inside ``summon_full_params()``. Layout, units and counters:
+docs/layouts.md ("The data-parallel family")."""
 
 from __future__ import annotations
 
