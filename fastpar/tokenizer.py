@@ -4,11 +4,7 @@
     python -m fastpar.tokenizer --vocab-size 4096 --out tok.json --data my.txt
     python -m fastpar.train --model llama --tokenizer tok.json                  # then train on it
 
-The tokenizer (HF ``tokenizers``: byte-level pre-tokenizer and decoder, BPE model, one special
-token ``<|endoftext|>``) is saved as a tokenizer.json that ``tokenizers.Tokenizer.from_file`` and
-``transformers.PreTrainedTokenizerFast(tokenizer_file=...)`` read. Byte-level: every text
-encodes (no unknown token), so the vocabulary is at least the 256 bytes plus the special token;
-a corpus too small for ``vocab_size`` merges yields a smaller vocabulary (reported).
+What it saves and reads: docs/training.md ("Data").
 """
 
 from __future__ import annotations

@@ -247,11 +247,7 @@ def adam_slack(
     its gradient's error: ``sum_t factor · lr_t · D_t / denominator_t`` with ``D_t`` the largest
     ``grad_bounds[s]`` for s <= t (an error lingers in the moments) and ``denominator_t`` the
     float64 run's sqrt(v̂) + eps at step t (``adam_denominator``); a step of lr 0 (skipped)
-    counts for nothing. AdamW's update
-    lr · m̂ / (sqrt(v̂) + eps) changes by at most a few lr / (sqrt(v̂) + eps) per unit of
-    gradient (exactly lr · eps / (|g| + eps)^2 at the first step): negligible where the gradient
-    stands well above its rounding, up to about lr a step where it does not — there rounding
-    picks the direction, in every run alike, and no layout can be judged by it."""
+    counts for nothing. Why: docs/tolerances.md ("slack")."""
     if not (len(lrs) == len(grad_bounds) == len(denominators)):
         raise ValueError(
             f"adam_slack: {len(lrs)} learning rates, {len(grad_bounds)} gradient bounds and "

@@ -99,15 +99,12 @@ class Run(tolerance.Run):
 def reference(
     cfg: TrainConfig, tokens=None, *, exact: bool = False, twin: bool = False, skips=()
 ) -> Run:
-    """Single-process training with the distributed run's math (see docs/layouts.md).
-    The model, its precision, the optimizer (groups, clipping, loss scaler), the loss and the
-    MoE auxiliary-loss scale are the trainer's own (``fastpar.train.build.build`` without a
-    mesh); only the step is written here, replica by replica. Training reads the trainer's
-    split of the data (``split_tokens``). ``exact``: the same in float64 (skipping the steps
+    """Single-process training with the distributed run's math, built by the trainer's own code
+    (docs/layouts.md, "What fastpar.verify and check_parallel compare"); only the step is
+    written here, replica by replica. ``exact``: the same in float64 (skipping the steps
     ``skips`` names: an fp16 run's decisions); ``twin``: from starting weights one rounding
-    away (``fastpar.tolerance.nudge``). The final tensors are what a checkpoint of the trainer
-    holds: the parameters and, with --expert-bias, every router's ``expert_bias`` (updated after
-    each step from the tokens of every replica, as the trainer's all-reduce over DP sums them)."""
+    away (``fastpar.tolerance.nudge``). The final tensors are the parameters and, with
+    --expert-bias, every router's ``expert_bias`` (updated from every replica's tokens)."""
     groups = reference_groups(cfg)
     replicas = cfg.dp if groups > 1 else 1  # in pieces: each replica's micro-batches
     # one device's objective, whatever the run's: the mean over every valid target

@@ -167,12 +167,7 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Like torch.nn.utils.clip_grad_norm_, for a sharded model: every rank computes the same
     global norm and scales its local gradients by min(1, max_norm / (norm + eps)). Returns the
-    norm (before clipping).
-
-    Also for FSDP2 (``fully_shard``) over fastpar's TP layers, whose gradients are DTensors
-    sharded over dp: pass the fastpar mesh, and ``fastpar.mesh.restore_marks`` after
-    ``fully_shard``. ``torch.nn.utils.clip_grad_norm_`` is wrong there: it computes a norm per
-    TP rank (each rank's own shards), not the model's (see docs/layouts.md)."""
+    norm (before clipping). Also for FSDP2 over fastpar's TP layers (docs/interop.md)."""
     params = [p for p in params if p.grad is not None]
     norm = global_grad_norm(
         params, norm_type=norm_type, mesh=mesh, group=group, dp_replicated=dp_replicated

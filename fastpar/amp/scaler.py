@@ -91,23 +91,10 @@ class ConstantLossScaler(_Scaled):
 
 
 class DynamicLossScaler(_Scaled):
-    """Dynamic loss scaling with hysteresis (Megatron-Core's semantics).
-
-    On an overflow step: the growth count resets and one unit of hysteresis is used; once
-    hysteresis is used up the scale is multiplied by ``backoff_factor`` (never below
-    ``min_scale``). After ``growth_interval`` consecutive clean steps the scale is multiplied by
-    ``growth_factor`` and hysteresis is restored, unless the grown scale would overflow fp32:
-    then the scale stays (the window still restarts). (A clean step does not restore hysteresis
-    by itself.) With ``hysteresis=1`` this is torch.amp.GradScaler's rule (plus the floor).
-
-    All state lives on ``device`` and ``update`` does not synchronise with the host, except for
-    the min-scale policy: ``on_min_scale`` says what happens when a step overflows while the
-    scale is already at ``min_scale`` and hysteresis is used up — "raise" (LossScaleError, the
-    default: training has diverged), "warn" (warn once and keep skipping steps), or "ignore".
-    On a CPU the flag is read at once; on a GPU it is copied to pinned host memory without
-    waiting and looked at once the copy has landed, so the policy acts a step or two late but
-    never synchronises.
-    """
+    """Dynamic loss scaling with hysteresis (Megatron-Core's semantics), its state on ``device``,
+    ``update`` without a host sync. ``on_min_scale``: "raise" (LossScaleError), "warn" or
+    "ignore" when a step overflows at ``min_scale``. The rule: docs/layouts.md ("Mixed
+    precision")."""
 
     def __init__(
         self,

@@ -231,9 +231,8 @@ def save(
     ``scaler`` defaults to ``optimizer.scaler``; ``extra``: anything picklable (data position,
     LR scheduler state), stored once from rank 0; ``rng``: store every rank's RNG states.
     ``path`` must not exist unless ``overwrite``. ``run_id``: the training run's identity,
-    recorded with every rank's shard (with a random id of this save, agreed across ranks):
-    rank 0 refuses to complete a checkpoint holding another save's shard, and readers refuse
-    one whose shards disagree. Returns the absolute path. Needs a filesystem every rank sees."""
+    recorded with every rank's shard (docs/checkpoints.md, "Files"). Returns the absolute path.
+    Needs a filesystem every rank sees."""
     rank, world = group_rank(None), group_size(None)
     final = os.path.abspath(os.fspath(path))
     partial = final + fmt.PARTIAL_SUFFIX

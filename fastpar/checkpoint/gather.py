@@ -209,14 +209,8 @@ def gather_grads(
 ) -> dict | None:
     """{name: whole gradient} on ``dst`` of every parameter that requires one, in the
     single-process model's shapes (None on the other ranks; collective over the default
-    group). Each rank's gradient is read as it holds it after backward: ``p.grad`` (plain
-    tensor, sequence, expert and pipeline parallelism; data parallel after the wrapper's
-    reduction, ``finish_grad_sync`` under a pipeline), or, with ``wrapper`` (a
-    ``fastpar.zero.Shard`` / ``Replicate``), the reduced gradient shards it holds for the
-    optimizer (``wrapper.grad_pieces()``: ZeRO 1-3 and hybrid sharding, tied copies summed).
-    Under fp16 loss scaling the gradients are the scaled ones (divide by the scale).
-    A parameter with no gradient on every rank that holds it (unused, or before backward)
-    is an error naming it."""
+    group): ``p.grad``, or with ``wrapper`` (``Shard`` / ``Replicate``) its reduced gradient
+    shards (docs/checkpoints.md, "Whole tensors on one rank")."""
     named = {
         n: t
         for n, t in _named_tensors(model_or_named_params).items()

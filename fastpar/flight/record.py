@@ -73,14 +73,11 @@ def ring_path(directory: str, rank: int) -> str:
 
 
 def open_ring(directory: str, rank: int) -> str | None:
-    """Keep a copy of fastpar's ring in ``directory/ring_rank<R>.bin`` (a memory-mapped file:
-    it outlives the process, so a rank that gloo aborts still leaves its split sizes and
-    shapes behind). Its blocks are reserved before it is mapped (``posix_fallocate``): a store
-    into a mapped page the filesystem cannot back is a SIGBUS, which would kill every rank the
-    moment the disk fills. An existing file is reused and cleared, never shrunk (another live
-    process mapping it would fault as well). Where the blocks cannot be had (a full disk, a
-    read-only directory), the ring stays in memory only, no file is left, and one line on
-    stderr says so. Returns None when the file is in use, else why not."""
+    """Keep a copy of fastpar's ring in ``directory/ring_rank<R>.bin``, a memory-mapped file
+    whose blocks are reserved first (docs/debugging.md says why). An existing file is reused and
+    cleared, never shrunk (another live process mapping it would fault). Where the blocks cannot
+    be had, the ring stays in memory only, no file is left, and one line on stderr says so.
+    Returns None when the file is in use, else why not."""
     with _lock:
         _file.clear()
     path = ring_path(directory, rank)

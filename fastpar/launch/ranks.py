@@ -78,19 +78,10 @@ def run_ranks(
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results in rank order.
-
-    Each rank has an initialised default process group (``backend``, gloo by default) whose
-    collectives time out with ``timeout``; RANK / WORLD_SIZE / LOCAL_RANK are set in its
-    environment. ``start_method="spawn"`` is available when the caller already holds a process
-    group or a CUDA context (forking those is unsafe); ``fn`` must then be importable.
-    ``collective_timeout`` (default: ``timeout``) bounds each collective separately, so a long
-    job can have a long ``timeout`` and still fail fast on a stuck collective.
-    A rank whose collective fails, a stuck or stopped rank, or the timeout: every live rank
-    dumps its flight records (``fastpar.flight``) into ``flight_dir`` (default: a temporary
-    directory, removed) and the error's message ends with their analysis.
-    ``threads_per_rank`` is 1 for forked ranks (a forked OpenMP pool can hang: GNU libgomp is
-    not fork-safe once the parent has used it) and cores / ranks for spawned ones.
-    """
+    Each rank has an initialised default process group (``backend``, gloo by default) and
+    RANK / WORLD_SIZE / LOCAL_RANK in its environment. The arguments (``timeout``,
+    ``collective_timeout``, ``start_method``, ``threads_per_rank``, ``flight_dir``):
+    docs/development.md ("The rank launcher")."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     timeout = default_timeout() if timeout is None else float(timeout)

@@ -440,10 +440,8 @@ def lm_loss(
     over ``mesh``'s groups (or its ``loss_groups``, read once by a caller that loops)
     (``cfg.vocab_size`` is the true vocabulary: padded columns are ignored; targets
     ``IGNORE_INDEX`` count for nothing). Under context parallelism the logits are this rank's
-    chunks' (T/cp per row) and the targets are split alike; each rank returns its chunks' loss
-    sum × cp / the whole sequence's token count (one small all-reduce of the count over cp),
-    so the data-parallel average over dp × cp is the whole sequence's mean even when ignored
-    targets fall unevenly on the cp ranks. ``weight`` given: ``logits`` are the head's hidden
+    chunks' (T/cp per row), the targets are split alike and the loss is normalised as
+    docs/context.md ("The loss") says. ``weight`` given: ``logits`` are the head's hidden
     states [B·T, H] (``Head.return_hidden``) and the loss is the fused vocab-parallel linear
     cross-entropy against ``weight`` [vocab / tp, H] (chunks of logits only; ``recompute``:
     backward recomputes them, for schedules that hold many micro-batches' graphs, GPipe).

@@ -36,13 +36,9 @@ class DeepSeekConfig(SwiGLUShape):
     ``router_groups``, ``shared_expert_ffn``, ``routed_scaling_factor``, ...:
     ``ROUTING_DEFAULTS``) are ``RouterConfig``'s and ``ExpertConfig``'s flagged fields under
     their flat names (``fastpar.moe.config``); DeepSeek-V3 itself routes with
-    ``router_score="sigmoid"``, ``expert_bias=True``, groups and shared experts.
-    ``SwiGLUShape``'s fields as DeepSeek has them: ``ffn`` is the dense blocks' width (None:
-    8·hidden/3 rounded up to a multiple of 64), ``norm_eps`` the block and final norms' (the
-    latent norms keep 1e-6, as HF's), MTP module k's block is layer ``layers + k - 1`` (a MoE
-    block where that layer would be one, as DeepSeek-V3's), and under all-to-all context
-    parallelism the heads are MLA's (K qk_nope_head_dim + qk_rope_head_dim wide, V
-    v_head_dim wide)."""
+    ``router_score="sigmoid"``, ``expert_bias=True``, groups and shared experts. ``ffn``: the
+    dense blocks' width (None: 8·hidden/3 rounded up to a multiple of 64); ``norm_eps``: the
+    block and final norms' (the latent norms, MTP blocks and CP widths: docs/hf.md)."""
 
     q_lora_rank: int | None = 32
     """Rank of the low-rank query (q_a -> RMSNorm -> q_b); None: one q projection."""

@@ -4,10 +4,7 @@
     parts = hf_blocks(config, mesh)                        # parallelized, split into blocks
     stage, (start, _) = build_stage(parts.blocks, mesh.pp_size, mesh.pp_rank)
 
-The model is drawn from the config (random init, the current random stream), made
-tensor-parallel with its family's built-in plan (the logits left split over the vocabulary)
-and cut into pipeline blocks (docs/hf.md, "Training an HF model"; packed documents:
-``fastpar.models.hf_documents``). transformers is imported when needed.
+What is built: docs/hf.md ("Training an HF model"). transformers is imported when needed.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Packed documents (``fastpar.models.documents``) for Hugging Face causal LMs: an attention
-registered with transformers that stops at documents while a ``Documents`` context is current,
-and runs exactly as before outside one.
-
-    enable(model)                          # hf_blocks does it
-    with documents(Documents.of(doc_ids)):
-        logits = model(input_ids=ids, position_ids=positions(model.config, ids)).logits
-
-How, and what is refused: docs/packing.md ("Hugging Face models on documents")."""
+registered with transformers (``enable(model)``, which ``hf_blocks`` does) that stops at documents
+while a ``Documents`` context is current, and runs exactly as before outside one. How, with
+``positions(config, ids)``, and what is refused: docs/packing.md ("Hugging Face models on
+documents")."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
 """Multi-token prediction (MTP) as DeepSeek-V3 defines it: D sequential modules after the main
 model, module k predicting the token k + 1 positions ahead, sharing the model's embedding and
-output head. What a module computes, which positions are targets and the loss: docs/mtp.md.
-
-    blocks = build_llama(LlamaConfig(..., mtp_depth=2), mesh)  # [Embedding, Block x L, MTPHead]
-    with tokens(ids):                                          # the ids the MTP modules look up
-        out = nn.Sequential(*blocks)(ids)                      # MTPOutput (training mode)
-    loss = mtp_loss(out, targets, cfg, mesh)
-"""
+output head. What a module computes, which positions are targets, the loss and a forward of
+your own (``tokens(ids)``, ``mtp_loss``): docs/mtp.md."""
 
 from __future__ import annotations
 

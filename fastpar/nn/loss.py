@@ -13,19 +13,11 @@ from fastpar.ops.cross_entropy import vocab_parallel_cross_entropy
 
 
 class VocabParallelCrossEntropy(nn.Module):
-    """Cross-entropy of logits sharded over the vocabulary across a tensor-parallel group.
-
-    A drop-in for ``nn.CrossEntropyLoss`` after a ``ColumnParallelLinear`` output layer that
-    does not gather its output: ``forward(logits [..., V_local], target [...] int64 global ids)``
-    returns the fp32 loss (scalar, or the shape of ``target`` for ``reduction="none"``), equal to
-    ``nn.CrossEntropyLoss`` on the full logits plus ``z_loss · logsumexp²`` per row.
-    ``vocab_size``: the global vocabulary when the shards carry padding (default: ``V_local·tp``).
-    ``group``: the tensor-parallel group (default: the world; or ``mesh=``, a ParallelMesh or a
-    torch DeviceMesh with a "tp" dim, as the layers take it); the forward all-gathers ``[N, 4]``
-    fp32 statistics over it and the backward communicates nothing. Ranks whose shard widths or
-    targets differ raise the same ``ValueError`` on every rank (see ``fastpar.debug`` for the
-    checks of shapes, behind ``fastpar.debug_checks``).
-    """
+    """``nn.CrossEntropyLoss`` for logits sharded over the vocabulary across the TP group (after
+    a ``ColumnParallelLinear`` that does not gather its output): ``forward(logits [..., V_local],
+    target [...] int64 global ids)`` is ``vocab_parallel_cross_entropy`` with this module's
+    options: the fp32 loss, one ``[N, 4]`` fp32 all-gather over ``group`` (or ``mesh=``'s "tp")
+    in forward, none in backward."""
 
     def __init__(
         self,

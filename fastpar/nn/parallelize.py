@@ -389,19 +389,9 @@ def parallelize(
 ) -> nn.Module:
     """Swap the modules named by ``plan`` (default: the built-in plan of the model's family)
     for their fastpar twins, in place; returns ``model``. Every TP rank must call it with
-    identical weights (same seed or checkpoint) and identical ``example_inputs``.
-
-    ``heads`` maps module-name patterns to extra integer attributes to divide by the TP size
-    (say ``{"*.attn": ["n_embd"]}`` for nanoGPT, whose attention reshapes with ``n_embd``).
-    ``example_inputs`` (a tensor, a tuple of positional arguments or a dict of keyword
-    arguments) feeds the probe and the check; by default token ids for a model with an
-    embedding, or a float batch for one that starts with a linear layer. ``check``: True or
-    "backward" (the default: the output and every parameter's gradient against the dense
-    model), "forward" (the output alone) or False (no probe, no check: parameters inside split
-    attention modules must then be declared "per_head" or "replicate"); docs/hf.md, "The
-    check". ``loss_parallel``: a built-in plan leaves the logits split over the vocabulary (for
-    ``vocab_parallel_cross_entropy``) instead of gathering them. A pattern of the caller's plan
-    that matches nothing is an error (a typo would leave a layer dense)."""
+    identical weights (same seed or checkpoint) and identical ``example_inputs``. The arguments
+    (``heads``, ``example_inputs``, ``check``, ``loss_parallel``): docs/hf.md ("parallelize:
+    built-in plans or your own")."""
     tp_group = as_group(mesh, "tp", group)  # the groups, once: a DeviceMesh has no ep group
     ep_group = mesh.ep_group if getattr(mesh, "ep_size", 1) > 1 else None
     world = group_size(tp_group)

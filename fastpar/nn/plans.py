@@ -1,11 +1,6 @@
-"""Built-in tensor-parallel plans for Hugging Face model families, chosen by the model's class.
-
-``fastpar.parallelize(model, mesh=mesh)`` with no plan looks the model up in ``fastpar.families``
-by its ``config.model_type`` (so ``LlamaForCausalLM``, ``LlamaModel`` and
-``LlamaForSequenceClassification`` share one plan) and writes the patterns relative to the base
-model (``model.`` for a causal LM, none for the bare ``LlamaModel``). Entries of a built-in plan
-may match nothing (a Mixtral has no dense MLP); a user's plan may not. What each family's plan
-splits: docs/hf.md ("parallelize: built-in plans or your own").
+"""Built-in tensor-parallel plans for Hugging Face model families, chosen by the model's
+``config.model_type`` (``fastpar.families``); how they are found and what each splits: docs/hf.md
+("parallelize: built-in plans or your own").
 """
 
 from __future__ import annotations

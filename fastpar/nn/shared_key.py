@@ -1,9 +1,6 @@
-"""``SharedKeyLinear``: a replicated linear layer whose last output features are one key that
-every attention head of this rank reads (multi-head latent attention's rope key ``k_pe``, split
-off DeepSeek-V3's ``kv_a_proj_with_mqa``): it computes what the dense linear computes and passes
-those ``features`` outputs through ``copy_to_region`` (identity forward, all-reduce of their
-gradient over the group backward), so the key's gradient is every head's, not this rank's
-heads' share (docs/hf.md, the DeepSeek-V3 plan).
+"""``SharedKeyLinear``: a replicated linear layer whose last ``features`` outputs are one key
+every local attention head reads (MLA's rope key ``k_pe``): their gradient is all-reduced over
+the group backward (docs/hf.md, the ``"shared_key"`` style).
 
     attn.kv_a_proj_with_mqa = SharedKeyLinear.from_dense(attn.kv_a_proj_with_mqa,
                                                          features=qk_rope_head_dim, group=tp)

@@ -291,12 +291,8 @@ def vocab_parallel_cross_entropy(
     "sum", or "none" (shape of ``target``, 0 at ignored rows). The loss is always fp32; the
     gradient has the logits' dtype.
 
-    ``inplace_backward``: backward writes the gradient over the logits buffer (the saved
-    logits, a view of ``logits`` when it is contiguous) instead of a second ``[N, V_local]``
-    buffer: the peak is one logits-sized buffer, not two. Only for a caller that does not read
-    the logits after backward (a training loop's loss); autograd still refuses another node
-    that saved them and runs later (their version changed). The ranks' agreement is checked
-    (docs/kernels.md, "Vocab-parallel cross-entropy").
+    ``inplace_backward``: the gradient overwrites the logits (when that is safe, and the ranks'
+    agreement checks: docs/kernels.md, "Vocab-parallel cross-entropy").
     """
     _check(logits, target, reduction, label_smoothing, z_loss)
     tp, rank = _group_info(group)

@@ -99,27 +99,27 @@ def unscale_and_norm(
     device = _device(grads, inv_scale, found_inf)
     _found_inf(found_inf, device)
     inv = _as_inv_scale(inv_scale, device)
-    impl = _impl(device.type)
-    if impl is ref:
-        sumsq, amax = ref.unscale_stats(grads, outs, inv, norm)
-    else:
-        fast = [g.is_contiguous() and o.is_contiguous() for g, o in zip(grads, outs, strict=True)]
-        sumsq, amax = impl.unscale_stats(
-            [g for g, f in zip(grads, fast, strict=True) if f],
-            [o for o, f in zip(outs, fast, strict=True) if f],
-            inv,
-            norm,
-        )
-        if not all(fast):
-            slow_sq, slow_max = ref.unscale_stats(
-                [g for g, f in zip(grads, fast, strict=True) if not f],
-                [o for o, f in zip(outs, fast, strict=True) if not f],
-                inv,
-                norm,
-            )
-            sumsq = sumsq + slow_sq
-            amax = torch.maximum(amax, slow_max)
+    sumsq, amax = _stats(_impl(device.type), "unscale_stats", [grads, outs], inv, norm)
     return _flag(amax, found_inf), sumsq, amax
+
+
+def _stats(impl, name: str, lists: list[list[torch.Tensor]], inv: torch.Tensor, norm: bool):
+    """(sum of squares, max) of ``impl``'s pass ``name`` over ``lists`` (a gradient and its
+    output, or the gradient alone): the kernels take the contiguous ones, the reference the
+    others, combined on the device."""
+    if impl is ref:
+        return getattr(ref, name)(*lists, inv, norm)
+    fast = [all(t.is_contiguous() for t in ts) for ts in zip(*lists, strict=True)]
+
+    def part(keep: bool) -> list[list[torch.Tensor]]:
+        return [[t for t, f in zip(ts, fast, strict=True) if f == keep] for ts in lists]
+
+    sumsq, amax = getattr(impl, name)(*part(True), inv, norm)
+    if not all(fast):
+        slow_sq, slow_max = getattr(ref, name)(*part(False), inv, norm)
+        sumsq = sumsq + slow_sq
+        amax = torch.maximum(amax, slow_max)
+    return sumsq, amax
 
 
 def _found_inf(found_inf: torch.Tensor | None, device: torch.device) -> None:
@@ -159,20 +159,7 @@ def norm_and_inf(
     device = _device(grads, inv_scale, found_inf)
     _found_inf(found_inf, device)
     inv = _as_inv_scale(inv_scale, device)
-    impl = _impl(device.type)
-    if impl is ref:
-        sumsq, amax = ref.unscaled_stats(grads, inv, norm)
-    else:
-        fast = [g.is_contiguous() for g in grads]
-        sumsq, amax = impl.unscaled_stats(
-            [g for g, f in zip(grads, fast, strict=True) if f], inv, norm
-        )
-        if not all(fast):
-            slow_sq, slow_max = ref.unscaled_stats(
-                [g for g, f in zip(grads, fast, strict=True) if not f], inv, norm
-            )
-            sumsq = sumsq + slow_sq
-            amax = torch.maximum(amax, slow_max)
+    sumsq, amax = _stats(_impl(device.type), "unscaled_stats", [grads], inv, norm)
     return _flag(amax, found_inf), sumsq, amax
 
 

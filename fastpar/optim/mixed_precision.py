@@ -1,12 +1,5 @@
-"""``MixedPrecisionOptimizer``: fp32 master weights around any torch optimizer.
-
-    opt = MixedPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                  scaler=DynamicLossScaler(), max_grad_norm=1.0, mesh=mesh)
-    opt.scale_loss(loss).backward()
-    skipped, grad_norm = opt.step()              # 0-dim device tensors
-
-The step, skipping without a host sync, and the folded step: docs/layouts.md ("Mixed
-precision")."""
+"""``MixedPrecisionOptimizer``: fp32 master weights around any torch optimizer. Its use, the
+step, skipping without a host sync and the folded step: docs/layouts.md ("Mixed precision")."""
 
 from __future__ import annotations
 
@@ -33,17 +26,10 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 class MixedPrecisionOptimizer(OptimizerFront):
     """Wraps ``optimizer`` (built on the model's parameters, before any step): fp16/bf16
     parameters get fp32 master copies that the optimizer updates; fp32 parameters are updated
-    as they are. ``scaler`` None means no loss scaling (right for bf16 and fp32).
-
-    ``max_grad_norm``: clip to this global L2 norm (None: no clipping, the norm is still
-    returned). ``mesh`` / ``group``: which ranks take part, for counting each parameter once and
-    agreeing on overflow (see ``fastpar.amp.norm``); ``dp_replicated=False`` when gradients are
-    sharded over DP (ZeRO).
-
-    ``fold_unscale``: unscale inside the optimizer's own pass (docs/layouts.md); None (the
-    default) does so when ``optimizer`` supports it (``fastpar.amp.FoldedAmpStep``), True
-    requires it, False always unscales into fp32 main gradients first.
-    """
+    as they are. ``scaler`` None: no loss scaling (right for bf16 and fp32); ``max_grad_norm``
+    None: no clipping (the norm is still returned); ``mesh`` / ``group``: the ranks that agree on
+    the norm and on overflow (``dp_replicated=False`` under ZeRO: ``fastpar.amp.norm``);
+    ``fold_unscale``: docs/layouts.md ("Mixed precision")."""
 
     def __init__(
         self,

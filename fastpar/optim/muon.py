@@ -73,16 +73,10 @@ def muon_param_groups(
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon on the ``"muon": True`` groups, AdamW on the others (docs/muon.md).
-
-    Per matrix: ``buf <- lerp(buf, g, 1 - momentum)``, the update ``lerp(g, buf, momentum)``
-    (``nesterov``) or ``buf``, orthogonalised by ``ns_steps`` quintic Newton–Schulz steps
-    (``ns_coefficients``, in ``ns_dtype``, default the parameter's), times the ``adjust_lr``
-    ratio of the matrix's shape; ``p <- p (1 - lr wd) - lr · that``. ``per_head``: each
-    attention head of a ``mark_heads`` weight is its own matrix (docs/muon.md). State: ``momentum_buffer``
-    (Muon), ``step`` / ``exp_avg`` / ``exp_avg_sq`` (AdamW: ``betas``, ``eps``). A nonzero
-    ``found_inf`` attribute (torch's amp protocol) skips the step on the device.
-    ``comm_bytes``: bytes this rank sent for the whole matrices, per kind (ring formula)."""
+    """Muon on the ``"muon": True`` groups, AdamW on the others; the update, ``per_head`` and
+    ``comm_bytes``: docs/muon.md. State: ``momentum_buffer`` (Muon), ``step`` / ``exp_avg`` /
+    ``exp_avg_sq`` (AdamW: ``betas``, ``eps``). A nonzero ``found_inf`` attribute (torch's amp
+    protocol) skips the step on the device."""
 
     _step_supports_amp_scaling = True
 

@@ -32,18 +32,9 @@ def estimate_memory(
     mode: str = "paper",
     bucket_numels: list[int] | None = None,
 ) -> MemoryEstimate:
-    """Bytes per rank for ``num_params`` parameters on ``dp_size`` ranks at ZeRO ``stage`` 0-3.
-
-    ``mode="paper"``: the ZeRO paper's model — Ψ parameters, 2-byte params and grads, K = 12
-    bytes of optimizer state (fp32 master, exp_avg, exp_avg_sq): baseline 16Ψ, stage 1
-    4Ψ + 12Ψ/N, stage 2 2Ψ + 14Ψ/N, stage 3 16Ψ/N. bf16 moments: K = 8
-    (``adamw_state_bytes``).
-    ``mode="fastpar"``: fastpar's layout — each bucket padded to a multiple of N (pass the
-    bucket sizes, or one bucket of num_params), and an fp32 gradient shard beside a
-    low-precision full buffer (stage 1; inside it when gradients are fp32) or alone (stage 2/3).
-    Hybrid sharding (``dp_shard`` × ``dp_replicate``): ``dp_size`` is the shard group's size
-    (dp_shard · cp); the replicas hold the same bytes.
-    """
+    """Bytes per rank for ``num_params`` parameters on ``dp_size`` ranks at ZeRO ``stage`` 0-3,
+    by the ZeRO paper's model (``mode="paper"``) or fastpar's layout (``mode="fastpar"``, with
+    ``bucket_numels``): docs/layouts.md ("Memory planner")."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     if dp_size < 1:

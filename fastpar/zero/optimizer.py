@@ -1,12 +1,7 @@
 """``ZeroOptimizer``: ZeRO stages 1 and 2 around an existing optimizer — ``fastpar.parallel.Shard``
-(stage 1 or 2) under its historical, optimizer-shaped signature.
-
-    opt = ZeroOptimizer(FusedAdamW(model.parameters(), lr=3e-4), stage=2, mesh=mesh)
-    opt.scale_loss(loss).backward()      # buckets reduce-scatter during backward
-    skipped, grad_norm = opt.step()      # update this rank's shard, all-gather the parameters
-
-It reduces the gradients itself (no ``DistributedDataParallel`` around the model);
-docs/layouts.md ("The data-parallel family")."""
+(stage 1 or 2) under its historical, optimizer-shaped signature; it reduces the gradients
+itself (no ``DistributedDataParallel`` around the model). docs/layouts.md ("The data-parallel
+family", "Historical signatures")."""
 
 from __future__ import annotations
 
@@ -20,17 +15,8 @@ from fastpar.parallel.data.family import FlatDataParallel
 
 class ZeroOptimizer(FlatDataParallel):
     """ZeRO-1/2 around ``optimizer`` (built on the model's parameters, before any step).
-
-    ``stage``: 1 shards optimizer state and masters; 2 also shards gradients. ``mesh`` / ``group``:
-    the DP group is ``mesh.dp_group`` (or ``group``, None = the default group); with a mesh the
-    norm and the overflow flag are agreed over the whole world and parameters are counted by
-    their TP marks; without one, the DP group is the whole job. ``reduce_dtype`` (default fp32):
-    dtype of the reduce-scatter for low-precision gradients. ``check_gradients=False`` (only
-    without scaler and clipping) skips the per-step inf check and global norm — one pass over the
-    shards and one small all-reduce — and step() then returns a NaN norm.
-    ``find_unused_parameters``: parameters without a gradient in a backward count as zero
-    instead of raising. Parameters are broadcast from the first DP rank when wrapped.
-    """
+    ``stage``: 1 shards optimizer state and masters; 2 also shards gradients. The other arguments
+    are ``Shard``'s (docs/layouts.md, "The data-parallel family")."""
 
     def __init__(
         self,

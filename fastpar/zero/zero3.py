@@ -1,13 +1,7 @@
 """``Zero3``: ZeRO stage 3 — parameters, gradients and optimizer state sharded over DP —
-``fastpar.parallel.Shard(stage=3)`` under its historical signature.
-
-    model = Zero3(model, optimizer_factory=lambda params: FusedAdamW(params, lr=3e-4),
-                  mesh=mesh, wrap=(nn.TransformerEncoderLayer,))
-    model.scale_loss(loss_fn(model(x), y)).backward()   # units gather, compute, free
-    skipped, grad_norm = model.step()
-
-Between steps the parameters are empty: read them inside ``summon_full_params()``. Layout,
-units and counters: docs/layouts.md ("The data-parallel family")."""
+``fastpar.parallel.Shard(stage=3)`` under its historical signature. Between steps the parameters
+are empty: read them inside ``summon_full_params()``. Layout, units and counters:
+docs/layouts.md ("The data-parallel family")."""
 
 from __future__ import annotations
 
@@ -24,19 +18,8 @@ from fastpar.parallel.data.replicate import Shard
 
 
 class Zero3(Shard):
-    """ZeRO-3 around ``module``: ``Shard(module, optimizer_factory, stage=3, ...)``.
-
-    ``optimizer_factory(params)`` builds the inner optimizer on the fp32 master shards: ``params``
-    is a list of masters, or, with ``param_groups`` (a list of dicts whose "params" are model
-    parameters; other keys are passed through), a list of dicts in the same order. ``mesh`` /
-    ``group``: the DP group is ``mesh.dp_group`` (or ``group``, None = the default group); with
-    a mesh the norm and the overflow flag are agreed over the world and parameters counted by
-    their TP marks. ``wrap`` / ``min_params``: the unit policy. ``persist_below``: parameters
-    with fewer elements stay replicated (gradients all-reduced). ``reduce_dtype``: dtype of the
-    gradient collectives (None = the parameters' dtype). ``prefetch``: overlap the next unit's
-    all-gather with the current unit's compute. Parameters and buffers are broadcast from the
-    first rank of their DP (expert-DP) group when wrapped.
-    """
+    """ZeRO-3 around ``module``: ``Shard(module, optimizer_factory, stage=3, ...)``; the
+    arguments: docs/layouts.md ("The data-parallel family")."""
 
     def __init__(
         self,

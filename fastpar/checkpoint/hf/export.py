@@ -231,21 +231,9 @@ def export_hf(
     extra: Mapping[str, torch.Tensor] | None = None,
 ) -> str:
     """Write a Hugging Face model directory (safetensors weights, config.json) that
-    ``from_pretrained`` loads with no missing or unexpected keys.
-
-    ``source``: a fastpar checkpoint directory (``fastpar.checkpoint.save``), a
-    ``CheckpointReader``, or a full state_dict {name: global tensor}. ``config``: a
-    transformers ``PretrainedConfig`` or a config dict (with "model_type"). ``dtype``: cast
-    floating tensors to it (default: as the model held them; a state_dict as given).
-    ``rename``: fastpar name -> HF name, a callable (returning None drops a tensor) or a dict
-    (unlisted names kept). ``max_shard_size``: bytes or "5GB"; above it the weights go to
-    several files plus model.safetensors.index.json. ``model_class``: the HF class (default:
-    ``config.architectures``, else the first Auto class of the model type whose keys match).
-    Tied aliases the source lacks are added, each as its own tensor. ``extra``: tensors under
-    their HF names written beside the model's own, which its class does not hold and
-    ``from_pretrained`` skips (DeepSeek-V3's MTP layers). Runs in one process.
-    Returns the absolute path of ``out_dir``.
-    """
+    ``from_pretrained`` loads with no missing or unexpected keys, from ``source`` (a checkpoint
+    directory, a ``CheckpointReader`` or a full state_dict). Runs in one process; returns the
+    absolute path of ``out_dir``. The arguments: docs/checkpoints.md ("Hugging Face")."""
     cfg = _hf_config(config)
     to_hf = _renamer(rename)
     state: dict[str, torch.Tensor] = {}

@@ -128,16 +128,9 @@ def load_hf(
     rename: Rename = None,
 ) -> LoadStats:
     """Load a Hugging Face safetensors checkpoint (a directory with model.safetensors or
-    model.safetensors.index.json, or one such file) into a model fastpar may have sharded.
-
-    Each rank reads only its own slices, found from the parameter marks (TP-sharded dims,
-    fused blocks, vocabulary padding, experts); unmarked and replicated tensors are read whole.
-    No collective: works on any subset of ranks and without a process group. ``rename``: as in
-    ``export_hf`` (fastpar name -> HF name). ``strict``: raise for model tensors absent from
-    the checkpoint and checkpoint keys no tensor claims (else report them in the stats). A
-    global shape mismatch always raises, before anything is loaded. Tensors whose file dtype
-    differs from the model's are converted, listed in ``stats.converted`` and warned about.
-    """
+    model.safetensors.index.json, or one such file) into a model fastpar may have sharded: each
+    rank reads only its own slices, with no collective. The arguments and what is refused:
+    docs/checkpoints.md ("Hugging Face")."""
     safetensors = _require("safetensors")
     wmap = _weight_map(directory)
     to_hf = _renamer(rename)

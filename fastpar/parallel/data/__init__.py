@@ -1,11 +1,5 @@
 """Data parallelism: one family over flat shards (``fastpar.parallel`` re-exports its names).
-
-``Replicate`` (stage 0), ``Shard`` (ZeRO 1, 2, 3) and ``DistributedDataParallel`` in
-``replicate.py`` / ``ddp.py``, the behaviour they share in ``family.py``, over ``FlatShard``
-(``flat.py``) and the buckets that overlap the gradient collectives with backward
-(``buckets.py``); ``layout.py`` lays the parameters out in flats, ``units.py`` holds the ZeRO-3
-units, ``state.py`` the optimizer state's pieces, ``protocols.py`` the ``DataParallel`` and
-``GradSync`` protocols.
+Its files: docs/architecture.md; how they work: docs/layouts.md ("The data-parallel family").
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """How a data-parallel wrapper lays its parameters out in flats (``FlatShard``), which tensors
-each flat keeps at its ZeRO stage, and which ranges of them the gradient norm counts.
-
-Flats: per (optimizer param group, dense / expert) size-capped buckets in reverse registration
-order (stages 0-2), or per ZeRO-3 unit one flat per (param group, dense / expert, dtype,
-persistent) in registration order, the units in reverse order and the root last (roughly the
-order backward produces gradients); a parameter tied over pipeline stages is alone in its flat,
-so every holder has the same layout. Tensors per stage: the table of
-``fastpar.parallel.data.family``.
+each flat keeps at its ZeRO stage, and which ranges of them the gradient norm counts (the order
+of the flats: docs/layouts.md, "Buckets").
 """
 
 from __future__ import annotations
