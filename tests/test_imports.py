@@ -91,6 +91,7 @@ class Import:
     line: int
     target: str  # the imported fastpar module, dotted (the root for a name of the root)
     in_function: bool
+    typing: bool = False  # under ``if TYPE_CHECKING:``: never run, so it closes no cycle
 
     def where(self) -> str:
         return f"{self.path}:{self.line}{' (in a function)' if self.in_function else ''}"
@@ -146,13 +147,16 @@ def scan(
     for module, path in known.items():
         tree = ast.parse(path.read_text(), filename=str(path))
         rel = str(path.relative_to(root.parent))
-        stack: list[tuple[ast.AST, bool]] = [(tree, False)]
+        stack: list[tuple[ast.AST, bool, bool]] = [(tree, False, False)]
         while stack:
-            node, in_function = stack.pop()
+            node, in_function, typing = stack.pop()
             inner = in_function or isinstance(
                 node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda
             )
-            stack += [(child, inner) for child in ast.iter_child_nodes(node)]
+            hint = typing or (
+                isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            )
+            stack += [(child, inner, hint) for child in ast.iter_child_nodes(node)]
             for target in _targets(node, module, path.name == "__init__.py", known):
                 if target != name and not target.startswith(name + "."):
                     continue
@@ -161,7 +165,7 @@ def scan(
                 if target not in known:
                     missing.append(f"{rel}:{node.lineno} imports {target}, which does not exist")
                     continue
-                found.append(Import(module, rel, node.lineno, target, in_function))
+                found.append(Import(module, rel, node.lineno, target, in_function, typing))
     return sorted(found, key=lambda i: (i.path, i.line, i.target)), missing
 
 
@@ -252,9 +256,10 @@ def describe(cycle: list[str], graph) -> str:
 
 
 def module_graph(imports: list[Import]) -> dict[tuple[str, str], list[Import]]:
+    """Module -> module edges of the imports that run (not those under TYPE_CHECKING)."""
     out: dict[tuple[str, str], list[Import]] = {}
     for imp in imports:
-        if imp.module != imp.target:
+        if imp.module != imp.target and not imp.typing:
             out.setdefault((imp.module, imp.target), []).append(imp)
     return out
 
@@ -324,6 +329,8 @@ def test_the_checks_find_cycles_upward_and_hidden_imports(tmp_path):
         "high/__main__.py": "import pkg.high\n",
         "side.py": "import importlib\nM = importlib.import_module('pkg.side2')\n",
         "side2.py": "from pkg import nothing_here\nimport pkg.missing\n",
+        "low/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.low.c import X\n",
+        "low/c.py": "import pkg.low.b\nX = 1\n",
     }
     _write(pkg, files)
     imports, missing = scan(pkg, optional=("pkg._C",))
@@ -343,6 +350,9 @@ def test_the_checks_find_cycles_upward_and_hidden_imports(tmp_path):
     assert bad[("low", "high")] == "low imports the higher high: pkg/low/a.py:2 (in a function)"
     assert bad[("side", "side2")].startswith("side imports its own layer's side2")
     assert cycles(graph) == [["high", "low"]]
+    hints = [i for i in imports if i.typing]  # low.b -> low.c under TYPE_CHECKING: no cycle
+    assert [(i.module, i.target) for i in hints] == [("pkg.low.b", "pkg.low.c")]
+    assert cycles(module_graph(imports)) == [["pkg.high", "pkg.low", "pkg.low.a"]]  # not b/c
     assert "low -> high (pkg/low/a.py:2 (in a function))" in describe(["high", "low"], graph)
     assert against_layers({("low", "high.__main__"): graph[("low", "high")]}, layers) == {
         ("low", "high.__main__"): "low imports the entry point high.__main__: "
@@ -506,3 +516,30 @@ def test_every_module_under_500_lines(tmp_path):
     (tmp_path / "pkg" / "small.py").write_text("x = 1\n" * 499)
     (tmp_path / "pkg" / "big.py").write_text("x = 1\n" * 500)
     assert long_modules(tmp_path / "pkg") == ["pkg/big.py: 500 lines"]
+
+
+def untyped_meshes(root: pathlib.Path) -> list[str]:
+    """The functions under ``root`` with a ``mesh`` or ``device_mesh`` parameter that has no
+    type annotation."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            a = node.args
+            for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs]:
+                if arg.arg in ("mesh", "device_mesh") and arg.annotation is None:
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name}")
+    return found
+
+
+def test_every_mesh_parameter_is_typed(tmp_path):
+    """Issue 46's "one typed mesh": every ``mesh`` / ``device_mesh`` parameter of fastpar says
+    what it takes (a ParallelMesh, a DeviceMesh, or either where the bridge converts it); the
+    check sees an untyped one."""
+    assert untyped_meshes(ROOT) == [], "annotate these (ParallelMesh | DeviceMesh | None, ...)"
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "m.py").write_text(
+        "def ok(mesh: int = None): ...\ndef bad(x, *, mesh=None): ...\n"
+    )
+    assert untyped_meshes(tmp_path / "pkg") == ["pkg/m.py:2 bad"]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from fastpar.checkpoint.state import checkpoint_name, global_shape
 from fastpar.comm import plain
@@ -107,12 +108,14 @@ def _local_of(p: torch.Tensor, plan: _Plan, mesh: ParallelMesh) -> torch.Tensor:
     return local if local.is_contiguous() else local.contiguous()
 
 
-def _sub_mesh(mesh: ParallelMesh, device_mesh):
+def _sub_mesh(mesh: ParallelMesh, device_mesh: DeviceMesh | None) -> DeviceMesh:
     device_mesh = mesh.to_device_mesh() if device_mesh is None else device_mesh
     return device_mesh[tuple(n for n in device_mesh.mesh_dim_names if n != "pp")]
 
 
-def _plans(model_params: Mapping[str, torch.Tensor], mesh: ParallelMesh, device_mesh):
+def _plans(
+    model_params: Mapping[str, torch.Tensor], mesh: ParallelMesh, device_mesh: DeviceMesh | None
+):
     """(checkpoint name, parameter, plan) of every entry; one entry per checkpoint name."""
     sub = _sub_mesh(mesh, device_mesh)
     seen: dict[str, torch.Tensor] = {}
@@ -129,7 +132,10 @@ def _plans(model_params: Mapping[str, torch.Tensor], mesh: ParallelMesh, device_
 
 
 def to_dtensor_state_dict(
-    model_params: Mapping[str, torch.Tensor], mesh: ParallelMesh, *, device_mesh=None
+    model_params: Mapping[str, torch.Tensor],
+    mesh: ParallelMesh,
+    *,
+    device_mesh: DeviceMesh | None = None,
 ) -> dict:
     """{checkpoint name: DTensor of the global tensor} for ``model_params`` ({name: local
     tensor}, e.g. ``dict(model.named_parameters())``), for ``torch.distributed.checkpoint``'s

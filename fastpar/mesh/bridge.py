@@ -13,12 +13,16 @@ docs/interop.md)."""
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from fastpar.mesh.layout import MeshLayout
+
+if TYPE_CHECKING:
+    from fastpar.mesh.groups import ParallelMesh
 
 #: DeviceMesh dim name -> the ParallelMesh group kind along it
 DIM_KINDS = {
@@ -87,7 +91,9 @@ def check_same_groups(layout: MeshLayout, ranks: torch.Tensor, names) -> None:
             )
 
 
-def to_device_mesh(mesh, device_type: str | None = None, *, dense: bool = False) -> DeviceMesh:
+def to_device_mesh(
+    mesh: ParallelMesh, device_type: str | None = None, *, dense: bool = False
+) -> DeviceMesh:
     """A DeviceMesh over ``mesh``'s ranks whose every dim's group IS ``mesh``'s group of that
     kind (``DeviceMesh.from_group``: nothing is created, nothing communicates)."""
     layout = mesh.layout
@@ -214,7 +220,7 @@ _DIM_OF_KIND = {kind: name for name, kind in DIM_KINDS.items()}
 
 
 def as_group(
-    mesh, kind: str = "tp", group: dist.ProcessGroup | None = None
+    mesh: ParallelMesh | DeviceMesh | None, kind: str = "tp", group: dist.ProcessGroup | None = None
 ) -> dist.ProcessGroup | None:
     """The process group of ``kind`` (a ``GROUP_KINDS`` key, or "context": the cp group, None
     without context parallelism) that a layer communicates over, converted once where it is

@@ -14,6 +14,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from fastpar.flight.record import name_group, torch_buffer
 from fastpar.mesh import bridge
@@ -123,7 +124,7 @@ class ParallelMesh:
 
     @classmethod
     def from_device_mesh(
-        cls, device_mesh, *, timeout: timedelta | float | None = None
+        cls, device_mesh: DeviceMesh, *, timeout: timedelta | float | None = None
     ) -> ParallelMesh:
         """The ParallelMesh of a torch ``DeviceMesh`` over the whole world (say
         ``init_device_mesh("cuda", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))``), its
