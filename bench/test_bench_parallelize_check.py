@@ -23,7 +23,7 @@ SHAPES = {  # layers, hidden, vocab
     "7M-8layers": (8, 256, 2048),
     "3M-4layers-wide-vocab": (4, 128, 8192),
     "13M-16layers": (16, 256, 2048),
-    "1.5M-4layers-hidden128": (4, 128, 2048),  # the check's fixed cost over a tiny build
+    "1.3M-4layers-hidden128": (4, 128, 2048),  # the check's fixed cost over a tiny build
 }
 
 
