@@ -18,6 +18,7 @@ from torch import nn
 from fastpar import parallelize, tolerance
 from fastpar.nn import blocks as _blocks
 from fastpar.nn import check as _check
+from fastpar.nn import exact
 from fastpar.testing import RankError, run_ranks
 
 D, F_ = 8, 16
@@ -179,3 +180,82 @@ def test_a_replicated_gradient_that_differs_across_the_tp_ranks_is_refused():
     assert other == (ratio, spread)  # every rank judges alike
     assert 0.6 < ratio < 1 and 1.4 < spread < 1.8  # within its bound on each rank, 1.6 apart
     assert run_ranks(_spread, 2, 0.0)[0][1] == 0.0
+
+
+class Lookup(nn.Module):
+    """A table (padding row 3) and a head; ``tied``: the head is the table; ``direct``: the
+    table read again outside its own lookup."""
+
+    def __init__(self, tied: bool = False, direct: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = nn.Embedding(12, D, padding_idx=3), nn.Linear(D, 12, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+        self.direct = direct
+
+    def forward(self, ids):
+        h = torch.tanh(self.emb(ids))
+        if self.direct:  # fp32 rows into a float64 sum: promoted silently, no error
+            h = h + self.emb.weight[ids]
+        return self.head(h)
+
+
+_IDS = torch.tensor([[3, 5, 5, 7], [11, 0, 5, 3]])  # repeats, the padding row, both ends
+
+
+@pytest.mark.parametrize(("tied", "direct", "rows"), [(0, 0, 1), (1, 0, 0), (0, 1, 0)])
+def test_the_float64_run_reads_only_the_rows_it_looks_up_and_equals_a_promoted_copy(
+    tied, direct, rows
+):
+    model = Lookup(bool(tied), bool(direct))
+    assert list(exact.compact_tables(model)) == ([] if tied else ["emb.weight"])
+    ref = _check.dense_runs(model, ((_IDS,), {}), backward=True)
+    try:
+        out64, grads64 = _check._run(copy.deepcopy(model).double(), ((_IDS.clone(),), {}), True)
+        got = ref.grads[-1]
+        # a table of its own read by its lookup alone: its rows; read elsewhere too, or tied to
+        # the head: promoted whole (the second try)
+        assert isinstance(got["emb.weight"], exact.Rows) == bool(rows)
+        assert torch.equal(ref.exact, out64) and got.keys() == grads64.keys()
+        named = dict(model.named_parameters(remove_duplicate=False))
+        for n, g in grads64.items():  # bit for bit, dense
+            assert torch.equal(_check._local(got[n], named[n]), g), n
+        assert model.emb.weight.dtype == torch.float32 and "forward" not in vars(model.emb)
+    finally:
+        _check.forget_weights()
+
+
+class _RollGrad(torch.autograd.Function):
+    """Identity forward; backward hands each token's gradient to the next token (its row)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.roll(1, dims=-2)
+
+
+def _vocab_parallel(plant: bool) -> str:
+    """parallelize a Lookup with its table split over the vocabulary (``plant``: the parallel
+    table's gradient rows misattributed, its output exact); returns "" or the refusal."""
+    from fastpar.nn.embedding import VocabParallelEmbedding
+
+    forward = VocabParallelEmbedding.forward
+    if plant:
+        VocabParallelEmbedding.forward = lambda self, ids: _RollGrad.apply(forward(self, ids))
+    try:
+        parallelize(Lookup(), {"emb": "vocab"}, make_mesh(tp=2), example_inputs=_IDS)
+        return ""
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        VocabParallelEmbedding.forward = forward
+
+
+def test_a_vocab_parallel_gradient_fault_is_caught_against_the_looked_up_rows():
+    assert run_ranks(_vocab_parallel, 2, False) == ["", ""]
+    refused = run_ranks(_vocab_parallel, 2, True)
+    assert all("emb.weight" in r and "DISAGREE" in r for r in refused), refused[0]

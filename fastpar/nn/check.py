@@ -20,6 +20,7 @@ from fastpar import tolerance
 from fastpar.comm import plain
 from fastpar.mesh.placement import expert_layout, param_layout
 from fastpar.mesh.ranks import group_rank, group_size
+from fastpar.nn.exact import Rows, promoted, tree_map_float
 
 MODES = (True, False, "backward", "forward")
 _LOSS_SEED, _PERTURB_SEED = 1234, 4321
@@ -151,7 +152,7 @@ def _eval(model: nn.Module):
 
 def _copy(model: nn.Module) -> nn.Module:
     """A deep copy of ``model`` sharing its process groups (which cannot be copied), its
-    modules' ``config`` objects (read, not changed, by the runs: ``_configs_kept``) and the
+    modules' ``config`` objects (read, not changed, by the runs: ``exact.configs_kept``) and the
     memory of its parameters and buffers (new tensor objects over the same values: nothing
     that splits or runs the model writes into a weight; ``Dense.add_twin`` gives the copy's
     parameters new values of their own)."""
@@ -177,52 +178,6 @@ def _copy(model: nn.Module) -> nn.Module:
         ) from exc
 
 
-class _configs_kept:
-    """Within it, the model's ``config`` objects may change; their attributes are put back on
-    exit."""
-
-    def __init__(self, model: nn.Module):
-        self.saved = {}
-        for m in model.modules():
-            cfg = getattr(m, "config", None)
-            if cfg is not None and hasattr(cfg, "__dict__") and id(cfg) not in self.saved:
-                self.saved[id(cfg)] = (cfg, dict(vars(cfg)))
-
-    def __enter__(self) -> None:
-        pass
-
-    def __exit__(self, *exc) -> None:
-        for cfg, attrs in self.saved.values():
-            vars(cfg).clear()
-            vars(cfg).update(attrs)
-
-
-class _promoted:
-    """Within it, every floating parameter and buffer of ``model`` holds its own values
-    promoted to float64 (and an HF MoE block its eager experts path: ``tolerance.cast``); the
-    original tensors, gradients and configs are put back on exit, bit for bit."""
-
-    def __init__(self, model: nn.Module):
-        self.model, self.saved = model, []
-        self.configs = _configs_kept(model)
-
-    def __enter__(self) -> nn.Module:
-        with torch.no_grad():
-            for t in [*self.model.parameters(), *self.model.buffers()]:
-                if t.is_floating_point():
-                    self.saved.append((t, t.data, t.grad))
-                    t.grad = None
-                    t.data = t.data.to(torch.float64)
-        tolerance.eager_experts(self.model)
-        return self.model
-
-    def __exit__(self, *exc) -> None:
-        for t, data, grad in self.saved:
-            t.data = data
-            t.grad = grad
-        self.configs.__exit__(*exc)
-
-
 def dense_runs(model: nn.Module, inputs, backward: bool, out=None) -> Dense | None:
     """The fp32 run and the float64 run on ``model`` itself (its values promoted in place and
     put back, its gradients left as they were), and a copy of it for the twin (run only when
@@ -246,10 +201,9 @@ def dense_runs(model: nn.Module, inputs, backward: bool, out=None) -> Dense | No
             ref.twin = _copy(model)
             for p in ref.twin.parameters():
                 p.grad = None
-            with _promoted(model):
-                args, kwargs = tree_map_float(inputs, torch.float64)
-                for r in _run(model, (args, kwargs), backward):
-                    (ref.out if isinstance(r, torch.Tensor) else ref.grads).append(r)
+            exact, grads = _exact_run(model, inputs, backward)
+            ref.out.append(exact)
+            ref.grads.append(grads)
     finally:
         model.train(was)
     tokens = out.numel() // max(out.shape[-1], 1) if out.dim() else 1
@@ -258,21 +212,37 @@ def dense_runs(model: nn.Module, inputs, backward: bool, out=None) -> Dense | No
     return ref
 
 
-def tree_map_float(inputs, dtype):
-    """(args, kwargs) with their floating tensors cast to ``dtype`` (token ids stay)."""
-
-    def cast(v):
-        if isinstance(v, torch.Tensor) and v.is_floating_point():
-            return v.to(dtype)
-        return v
-
-    args, kwargs = inputs
-    return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+def _exact_run(model: nn.Module, inputs, backward: bool):
+    """``_run`` in float64 (``exact.promoted``): its plain embedding tables looked up row by
+    row, unless a table is read outside its own lookup (an error, a gradient of its own, or a
+    result that is not float64): then again with every value promoted."""
+    args = tree_map_float(inputs, torch.float64)
+    run64 = promoted(model)
+    if run64.compact:
+        try:
+            with run64:
+                out, grads = _run(model, args, backward)
+            if out.dtype == torch.float64 and not any(n in grads for n in run64.compact):
+                return out, {**grads, **run64.row_grads()}
+        except Exception:
+            pass
+        for p in model.parameters():
+            p.grad = None
+        run64 = promoted(model, compact=False)
+    with run64:
+        return _run(model, args, backward)
 
 
 def _local(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor | None:
     """This rank's part of the dense ``full`` per ``p``'s mark (zeros where ``p`` is padded);
-    None where ``p``'s shape cannot be a part of it."""
+    None where ``p``'s shape cannot be a part of it. ``Rows`` (a compact table's gradient,
+    ``exact.promoted``) are made dense: this rank's rows alone where ``p`` is a plain slice
+    of dim 0, else the whole table."""
+    if isinstance(full, Rows):
+        part = _rows_part(full, p)
+        if part is not None:
+            return part
+        full = full.part(0, full.shape[0])
     ex = expert_layout(p)
     if ex is not None and ex.group is not None and full.dim() and full.shape[0] == ex.num_experts:
         n = p.shape[0]  # dim 0: this EP rank's experts
@@ -298,6 +268,19 @@ def _local(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor | None:
     shape[d] = n
     part = part * (g < size).view(shape).to(part.device, part.dtype)
     return part if part.shape == p.shape else None
+
+
+def _rows_part(full: Rows, p: torch.Tensor) -> torch.Tensor | None:
+    """This rank's rows of ``full`` as a dense tensor of ``p``'s shape (its padding rows zero)
+    where ``p`` is the whole table or a plain dim-0 slice of it; None otherwise."""
+    layout = param_layout(p)
+    if expert_layout(p) is not None or tuple(p.shape[1:]) != tuple(full.shape[1:]):
+        return None
+    if layout is None or layout.kind != "sharded":
+        return full.part(0, p.shape[0]) if p.shape[0] == full.shape[0] else None
+    if layout.dim == 0 and layout.fused == 1 and layout.full_size == full.shape[0]:
+        return full.part(group_rank(layout.group) * p.shape[0], p.shape[0])
+    return None
 
 
 @dataclass

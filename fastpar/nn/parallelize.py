@@ -468,7 +468,7 @@ def parallelize(
             blocks,
         )
         if ref is not None:
-            with tracking(model) as where, _blocks.only(model, blocks):
+            with _blocks.only(model, blocks), tracking(model) as where:
                 try:
                     verdict = _check.parallel_run(model, inputs, ref, tp_group, world, set(sliced))
                 except Exception as exc:
