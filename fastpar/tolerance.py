@@ -177,12 +177,13 @@ def compare(
 ) -> Comparison:
     """The rule of this module for one quantity: ``actual`` (the run under test) and ``single``
     (the single-process run in the working precision ``dtype``, default ``single``'s dtype; or a
-    list or tuple of such runs — say the run and its ``nudge``d twin — whose largest error counts)
-    against ``exact`` (the same math in float64); ``length``: the longest reduction feeding the
-    quantity; ``slack``: an error allowed on top, one number or one per element."""
+    list or tuple of such runs — say the run and its ``nudge``d twin — whose largest error counts;
+    none, with ``dtype`` given: the floor alone) against ``exact`` (the same math in float64);
+    ``length``: the longest reduction feeding the quantity; ``slack``: an error allowed on top,
+    one number or one per element."""
     singles = list(single) if isinstance(single, (list, tuple)) else [single]
-    if not singles:
-        raise ValueError(f"{what}: no single-process value to compare with")
+    if not singles and dtype is None:
+        raise ValueError(f"{what}: no single-process value to compare with, and no dtype")
     actual, exact = torch.as_tensor(actual), torch.as_tensor(exact)
     singles = [torch.as_tensor(t) for t in singles]
     if dtype is None:
@@ -195,7 +196,7 @@ def compare(
             )
     same = tuple(actual.shape) == tuple(exact.shape)
     tops, mag = _max_errors([*singles, actual] if same else singles, exact)
-    e_single = max(tops[: len(singles)])
+    e_single = max(tops[: len(singles)], default=0.0)
     fl = floor(dtype, length, mag)
     if not same:
         return Comparison(f"{what} (shape {tuple(actual.shape)})", math.inf, e_single, fl, factor)

@@ -3,7 +3,7 @@
 that differs from the first in anything that may change what it computes (a plain attribute,
 a function, a buffer's values, its plan) is checked itself, and a model that cannot run on the
 first of each kind alone is checked whole. Its dense runs: the float64 one on the model itself
-(put back bit for bit), the twin only where the fp32 run alone cannot pass a quantity."""
+(put back bit for bit), the fp32 gradients and the twin only where they can change the verdict."""
 
 from __future__ import annotations
 
@@ -125,8 +125,14 @@ def test_the_dense_runs_equal_copies_and_leave_the_model_as_it_was():
         out64, grads64 = _check._run(copy.deepcopy(model).double(), ((_x().double(),), {}), True)
         assert torch.equal(ref.exact, out64) and ref.grads[-1].keys() == grads64.keys()
         assert all(torch.equal(ref.grads[-1][n], g) for n, g in grads64.items())
+        # the fp32 output is there; the fp32 gradients when asked, once: a copy's
+        assert len(ref.out) == 2 and len(ref.single) == 1 and len(ref.grads) == 1
+        out32, grads32 = _check._run(copy.deepcopy(model), x, True)
+        assert torch.equal(ref.out[0], out32)
+        assert ref.add_grads() and not ref.add_grads() and len(ref.grads) == 2
+        assert ref.grads[0].keys() == grads32.keys()
+        assert all(torch.equal(ref.grads[0][n], g) for n, g in grads32.items())
         # the twin runs when asked, once, and is tolerance.nudge's twin of a copy
-        assert len(ref.out) == 2 and len(ref.single) == 1
         twin = copy.deepcopy(model)
         tolerance.nudge(twin)
         out_t, grads_t = _check._run(twin, x, True)
@@ -138,23 +144,38 @@ def test_the_dense_runs_equal_copies_and_leave_the_model_as_it_was():
         _check.forget_weights()
 
 
-def _twin_runs(mixed) -> int:
+def _later_runs(mixed) -> tuple[int, int]:
     """parallelize on a Stack (``mixed``: its blocks that are not exact once split); returns how
-    many times the check ran the twin, -1 after a refusal."""
-    runs, add = [], _check.Dense.add_twin
-    _check.Dense.add_twin = lambda self: runs.append(1) or add(self)
+    many times the check ran the fp32 gradients and the twin, negative after a refusal."""
+    runs = {"add_grads": 0, "add_twin": 0}
+    saved = {name: getattr(_check.Dense, name) for name in runs}
+
+    def counted(name):
+        def run(self):
+            made = saved[name](self)
+            runs[name] += made
+            return made
+
+        return run
+
+    for name in runs:
+        setattr(_check.Dense, name, counted(name))
     try:
         parallelize(Stack(mixed=mixed), PLAN, make_mesh(tp=2), example_inputs=_x())
+        sign = 1
     except ValueError:
-        return -len(runs)
+        sign = -1
     finally:
-        _check.Dense.add_twin = add
-    return len(runs)
+        for name, f in saved.items():
+            setattr(_check.Dense, name, f)
+    return sign * runs["add_grads"], sign * runs["add_twin"]
 
 
-def test_the_twin_runs_only_where_the_fp32_run_alone_cannot_pass_a_quantity():
-    assert run_ranks(_twin_runs, 2, ()) == [0, 0]  # exact: passed on the fp32 run's error
-    assert run_ranks(_twin_runs, 2, (0,)) == [-1, -1]  # over the bound: judged again, refused
+def test_the_fp32_gradients_and_the_twin_run_only_where_they_can_change_the_verdict():
+    # exact: every gradient within the floor alone, no fp32 backward, no twin
+    assert run_ranks(_later_runs, 2, ()) == [(0, 0), (0, 0)]
+    # over the floor and over the fp32 run's bound: both made (once), then refused
+    assert run_ranks(_later_runs, 2, (0,)) == [(-1, -1), (-1, -1)]
 
 
 def _spread(offset: float) -> tuple[float, float]:

@@ -64,18 +64,21 @@ def restore(params: Mapping[str, nn.Parameter], saved: Mapping[str, torch.Tensor
 
 @dataclass
 class Dense:
-    """The dense runs on the probe input: output and gradients (by name) of the fp32 model,
-    its twin and its float64 copy; ``length``: the longest reduction (the rule's n). The twin
-    runs only when asked (``add_twin``): a quantity within the rule's bound on the fp32 run's
-    error alone is within it on the larger of the two runs' errors too."""
+    """The dense runs on the probe input: the fp32 model's output (the probe's) and the float64
+    run's output and gradients (by name); ``length``: the longest reduction (the rule's n).
+    The fp32 gradients and the twin run only when asked (``add_grads``, ``add_twin``): a
+    quantity within the rule's floor alone is within its bound on the fp32 run's error, and one
+    within that bound is within it on the larger of the fp32 and twin runs' errors too."""
 
     out: list[torch.Tensor] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
     length: int = 1
     backward: bool = False
-    twin: nn.Module | None = None
-    """A copy of the dense model (``_copy``: its weights shared) until ``add_twin`` runs it."""
+    copy: nn.Module | None = None
+    """A copy of the dense model (``_copy``: its weights shared) for the runs asked later."""
     inputs: tuple = ((), {})
+    runs: int = 0
+    """The later runs made: 1 after ``add_grads``, 2 after ``add_twin``."""
 
     @property
     def single(self) -> list[torch.Tensor]:
@@ -88,25 +91,41 @@ class Dense:
     def single_grads(self, name: str) -> list[torch.Tensor | None]:
         return [g.get(name) for g in self.grads[:-1]]
 
-    def add_twin(self) -> bool:
-        """Run the twin (every weight ``tolerance.nudge``d) and insert its output and gradients
-        beside the fp32 run's; False when it has already run."""
-        if self.twin is None:
+    def add_grads(self) -> bool:
+        """Run the copy in fp32, forward and backward, and insert its gradients before the
+        float64 run's; False when they are there already, or there is no backward."""
+        if self.runs > 0 or not self.backward or self.copy is None:
             return False
-        twin, self.twin = self.twin, None
-        g = torch.Generator().manual_seed(0)  # tolerance.nudge(twin), out of place
+        self.runs = 1
+        self.grads.insert(0, self._run_copy()[1])
+        return True
+
+    def add_twin(self) -> bool:
+        """Run the twin (the copy, every weight ``tolerance.nudge``d) and insert its output and
+        gradients beside the fp32 run's (which it runs first, where it has not run); False when
+        it has already run."""
+        if self.runs > 1 or self.copy is None:
+            return False
+        self.add_grads()
+        self.runs = 2
+        g = torch.Generator().manual_seed(0)  # tolerance.nudge(copy), out of place
         with torch.no_grad():
-            for p in twin.parameters():
+            for p in self.copy.parameters():
                 p.data = tolerance.nudged(p.detach(), g)
-        was = _eval(twin)
+        out, grads = self._run_copy()
+        self.copy = None
+        self.out.insert(1, out)
+        if self.backward:
+            self.grads.insert(1, grads)
+        return True
+
+    def _run_copy(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        was = _eval(self.copy)
         try:
             with torch.set_grad_enabled(self.backward):
-                out, grads = _run(twin, self.inputs, self.backward)
+                return _run(self.copy, self.inputs, self.backward)
         finally:
-            twin.train(was)
-        self.out.insert(1, out)
-        self.grads.insert(1, grads)
-        return True
+            self.copy.train(was)
 
 
 _WEIGHTS: dict[tuple, torch.Tensor] = {}
@@ -178,32 +197,36 @@ def _copy(model: nn.Module) -> nn.Module:
         ) from exc
 
 
-def dense_runs(model: nn.Module, inputs, backward: bool, out=None) -> Dense | None:
-    """The fp32 run and the float64 run on ``model`` itself (its values promoted in place and
-    put back, its gradients left as they were), and a copy of it for the twin (run only when
-    asked: ``Dense.add_twin``); None when the model returns no floating tensor (nothing to
-    compare). ``out``: the fp32 forward's output where it has run (the probe's, in eval mode,
-    with gradients when ``backward``)."""
+def dense_runs(model: nn.Module, inputs, out=None, backward: bool = False) -> Dense | None:
+    """The float64 run on ``model`` itself (its values promoted in place and put back, its
+    gradients left as they were) beside the fp32 output ``out`` (the probe's; run here when
+    None), and a copy of the model for the runs asked later (``Dense.add_grads``,
+    ``Dense.add_twin``); None when the model returns no floating tensor (nothing to
+    compare). ``backward``: gradients too."""
     ref = Dense(backward=backward, inputs=inputs)
-    old_grads = {id(p): p.grad for p in model.parameters()}
     was = _eval(model)
     try:
+        if out is None:
+            with torch.no_grad():
+                out = model(*inputs[0], **inputs[1])
+        out = first_tensor(out)
+        if out is None:
+            return None
+        ref.out.append(out.detach())
+        ref.copy = _copy(model)
+        for p in ref.copy.parameters():
+            p.grad = None
         with torch.set_grad_enabled(backward):
+            old_grads = {id(p): p.grad for p in model.parameters()}
             for p in model.parameters():
                 p.grad = None
-            out, grads = _run(model, inputs, backward, out)
-            for p in model.parameters():
-                p.grad = old_grads[id(p)]
-            if out is None:
-                return None
-            ref.out.append(out)
-            ref.grads.append(grads)
-            ref.twin = _copy(model)
-            for p in ref.twin.parameters():
-                p.grad = None
-            exact, grads = _exact_run(model, inputs, backward)
-            ref.out.append(exact)
-            ref.grads.append(grads)
+            try:
+                exact, grads = _exact_run(model, inputs, backward)
+            finally:
+                for p in model.parameters():
+                    p.grad = old_grads[id(p)]
+        ref.out.append(exact)
+        ref.grads.append(grads)
     finally:
         model.train(was)
     tokens = out.numel() // max(out.shape[-1], 1) if out.dim() else 1
@@ -307,10 +330,10 @@ def _gather_last(got: torch.Tensor, dense: torch.Tensor, tp_group, world: int) -
 def parallel_run(model, inputs, ref: Dense, tp_group, world: int, own=frozenset()) -> Verdict:
     """The parallel ``model`` on the probe input (eval mode; backward when ``ref.backward``),
     compared with ``ref``; every rank returns the same verdict (ratios max-reduced over TP).
-    ``own``: parameters this rank alone holds (per-head modules sliced with the heads). Judged
-    on the fp32 run's error first; where a quantity is over its bound, again with the twin's
-    (``Dense.add_twin``: the same verdict as judging on both at once, at a fourth run's cost
-    only where it can change it)."""
+    ``own``: parameters this rank alone holds (per-head modules sliced with the heads). The
+    gradients are judged on the rule's floor first, then, where a quantity is over it, on the
+    fp32 run's error (``Dense.add_grads``), then on the twin's too (``Dense.add_twin``): the
+    same verdict as judging on all at once, each run made only where it can change it."""
     named = dict(model.named_parameters())
     old_grads = {n: p.grad for n, p in named.items()}
     was = _eval(model)
@@ -334,9 +357,14 @@ def parallel_run(model, inputs, ref: Dense, tp_group, world: int, own=frozenset(
                     w = w[..., rank * per : (rank + 1) * per]
                 (got * w.to(got.dtype)).sum().backward()
             verdict = _judge(full, named, ref, tp_group, world, own, got.requires_grad)
-            over = max([*verdict.ratios.values(), *verdict.spread.values()]) > 1
-            if over and ref.add_twin():  # (the ratios are max-reduced: the same on every rank)
-                verdict = _judge(full, named, ref, tp_group, world, own, got.requires_grad)
+            # judged on the floor first, then on the fp32 run's error, then also on the twin's:
+            # each step only where the last left a quantity over its bound (the ratios are
+            # max-reduced: every rank takes the same steps)
+            for more in (ref.add_grads, ref.add_twin):
+                if max([*verdict.ratios.values(), *verdict.spread.values()]) <= 1:
+                    break
+                if more():
+                    verdict = _judge(full, named, ref, tp_group, world, own, got.requires_grad)
             for n, p in named.items():
                 p.grad = old_grads[n]
     finally:
@@ -396,7 +424,10 @@ def _grads(named, ref: Dense, verdict: Verdict, world: int, own) -> dict[str, to
         if ex is not None and ex.group is not None and group_size(ex.group) > 1:
             # every EP rank sends this expert the same probe tokens: ep times the dense sum
             grad = grad / group_size(ex.group)
-        cmp = tolerance.compare(grad, parts[:-1], parts[-1], length=ref.length, what=name)
+        dtype = None if len(parts) > 1 else grad.dtype  # no fp32 run yet: the floor alone
+        cmp = tolerance.compare(
+            grad, parts[:-1], parts[-1], length=ref.length, dtype=dtype, what=name
+        )
         verdict.grads[name] = cmp
         layout = param_layout(p)
         if world > 1 and name not in own and (layout is None or layout.kind == "replicated"):

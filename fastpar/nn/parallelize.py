@@ -319,12 +319,12 @@ def _split(
         try:  # the probe's forward is the check's fp32 run (docs/hf.md, "The check")
             try:  # each distinct block once (a model that cannot run so: all of them)
                 with _blocks.only(model, blocks):
-                    report, out = probe(model, *inputs, styles, watched, grad=backward)
+                    report, out = probe(model, *inputs, styles, watched)
             except ProbeFailed:
                 if not blocks:
                     raise
                 blocks.clear()
-                report, out = probe(model, *inputs, styles, watched, grad=backward)
+                report, out = probe(model, *inputs, styles, watched)
         except ProbeFailed as exc:
             raise ValueError(
                 f"parallelize: the dense {type(model).__name__} failed on the probe input "
@@ -344,7 +344,7 @@ def _split(
         ]
         try:  # each distinct block once (a model that cannot run so: all of them)
             with _blocks.only(model, blocks):
-                ref = _check.dense_runs(model, inputs, backward=backward, out=out)
+                ref = _check.dense_runs(model, inputs, out, backward)
         except Exception:
             if not blocks:
                 raise

@@ -196,10 +196,9 @@ def probe(
     kwargs: Mapping,
     styles: Mapping[str, str],
     watched: Mapping[int, str],
-    grad: bool = False,
 ):
-    """Run ``model(*inputs, **kwargs)`` once under the labeller; returns (``ProbeReport``, the
-    model's output: with ``grad``, one backward can follow, as the check's fp32 run does).
+    """Run ``model(*inputs, **kwargs)`` once under the labeller, without gradients; returns
+    (``ProbeReport``, the model's output: the check's fp32 output).
     ``styles`` maps planned module names to "split" (their output is split) or "full";
     ``watched`` maps id(parameter) to its name for the parameters no planned module owns.
     Raises ``ProbeFailed`` when the model's forward raises."""
@@ -239,7 +238,7 @@ def probe(
     was_training = model.training
     model.eval()
     try:
-        with torch.set_grad_enabled(grad), mode:
+        with torch.no_grad(), mode:
             for t in tree_flatten((inputs, dict(kwargs)))[0]:
                 if isinstance(t, torch.Tensor):
                     mode.label(t, (FULL,))
