@@ -1,6 +1,6 @@
 """fp8 scaling: the recipes (``Fp8Recipe``), ``quantize`` (amax, scale, saturating cast and the
 transposed copy; Triton on CUDA, the reference elsewhere) and ``scaled_mm`` (torch._scaled_mm
-where it runs, the exact emulation where it does not). No host sync. docs/fp8.md.
+where it runs, the exact emulation where it does not). No host sync. docs/kernels.md, "fp8 scaling".
 """
 
 from __future__ import annotations

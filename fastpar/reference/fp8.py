@@ -1,6 +1,7 @@
 """Pure-torch reference of fp8 scaling: amax per recipe granularity, scales, the saturating cast
 and the scaled GEMM's exact emulation; the CPU path of ``fastpar.ops.fp8`` and the oracle of
-``fastpar.kernels.fp8_cast``. Recipes and what was verified where: docs/fp8.md.
+``fastpar.kernels.fp8_cast``. Recipes and what was verified where:
+docs/kernels.md ("fp8 scaling").
 
 Layout: a quantized operand is 2-D ``[R, C]`` with the GEMM's reduction dim last (C): the
 left operand ``a [M, K]`` as stored, the right one as ``w [N, K]`` (an ``nn.Linear`` weight)
@@ -147,7 +148,7 @@ def scaled_mm_reference(
     a8 ``[M, K]``, b8 ``[K, N]`` fp8 (any layout); scales are the quantize scales (not their
     reciprocals): tensorwise 0-dim and 0-dim, rowwise ``[M, 1]`` and ``[1, N]``, blockwise
     ``[M, K/128]`` (1x128) and ``[K/128, N/128]`` (128x128). Bit for bit torch._scaled_mm's
-    CPU result for tensorwise and rowwise with oneDNN off (docs/fp8.md).
+    CPU result for tensorwise and rowwise with oneDNN off (docs/kernels.md).
     """
     if a8.dim() != 2 or b8.dim() != 2 or a8.shape[1] != b8.shape[0]:
         raise ValueError(
