@@ -147,7 +147,7 @@ def _pair(recipe, da, db, m=48, k=96, n=64, seed=4, dtype=torch.float32):
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_emulation_is_torch_scaled_mm_bit_for_bit(recipe, da, db, out_dtype):
     a, b = _pair(recipe, da, db)
-    assert op.runs_natively(a, b)
+    assert op.runs_natively(a, b, out_dtype)
     emulated = op.scaled_mm(a, b, out_dtype, native=False)
     with torch.backends.mkldnn.flags(enabled=False):
         native = op.scaled_mm(a, b, out_dtype)
@@ -189,6 +189,20 @@ def test_blockwise_emulation_equals_per_block_float64(out_dtype):
     # the dequantized operands are per-block products, bit for bit
     deq = ref.dequantize(a.data, a.scale, "1x128")
     assert torch.equal(deq[:, 128:256], a.data[:, 128:256].float() * a.scale[:, 1:2].reciprocal())
+
+
+def test_which_pairs_run_natively_off_the_cpu():
+    """CUDA's rules (from torch's checks, not run here), seen through meta tensors."""
+
+    def q(dtype, gran):
+        data = torch.empty(32, 32, dtype=dtype, device="meta")
+        return op.Quantized(data, torch.empty(()), None, None, gran)
+
+    assert op.runs_natively(q(E4, "tensor"), q(E5, "tensor"), torch.float32)
+    assert not op.runs_natively(q(E5, "tensor"), q(E5, "tensor"))  # cuBLASLt has no e5m2 x e5m2
+    assert op.runs_natively(q(E4, "row"), q(E4, "row"), torch.bfloat16)
+    assert not op.runs_natively(q(E4, "row"), q(E4, "row"), torch.float32)  # rowwise: bf16 only
+    assert not op.runs_natively(q(E4, "1x128"), q(E4, "128x128"))
 
 
 def test_what_torch_scaled_mm_runs_on_cpu():

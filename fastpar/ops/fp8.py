@@ -123,10 +123,21 @@ def quantize(
     return Quantized(data, scale, data_t, scale_t, gran)
 
 
-def runs_natively(a: Quantized, b: Quantized) -> bool:
-    """Whether ``torch._scaled_mm`` runs this pair here: on CUDA any tensorwise / rowwise pair,
-    on CPU the same (torch 2.13, verified); blockwise only through the emulation."""
-    return a.granularity in ("tensor", "row") and a.granularity == b.granularity
+def runs_natively(a: Quantized, b: Quantized, out_dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether ``scaled_mm`` hands this pair to ``torch._scaled_mm``.
+
+    CPU (torch 2.13, verified by the tests): any tensorwise or rowwise pair, every e4m3 / e5m2
+    pairing, out bf16 or fp32. CUDA (from torch's checks and issue threads, not yet run here):
+    the same pairs but never e5m2 x e5m2 (cuBLASLt), and rowwise only into bf16. Blockwise
+    always takes the emulation (torch's sm_90 blockwise GEMM wants other scale layouts: left
+    for a GPU).
+    """
+    if a.granularity not in ("tensor", "row") or a.granularity != b.granularity:
+        return False
+    if a.data.device.type == "cpu":
+        return True
+    both_e5m2 = a.data.dtype == b.data.dtype == torch.float8_e5m2
+    return not both_e5m2 and (a.granularity == "tensor" or out_dtype == torch.bfloat16)
 
 
 def scaled_mm(
@@ -135,10 +146,11 @@ def scaled_mm(
     """``a @ b.T`` of two quantized operands sharing the reduction dim K: ``a.data [M, K]``,
     ``b.data [N, K]`` (an ``nn.Linear`` weight); returns ``[M, N]`` in ``out_dtype``.
 
-    Tensorwise and rowwise pairs run ``torch._scaled_mm`` (scales passed as reciprocals; on CPU
-    too, where it equals ``fastpar.reference.fp8.scaled_mm_reference`` bit for bit with oneDNN
-    off and within an ulp of out_dtype with it on). Blockwise pairs (a 1x128, b 128x128), which
-    torch._scaled_mm refuses, and ``native=False`` take the exact emulation.
+    Pairs ``runs_natively`` accepts run ``torch._scaled_mm`` (scales passed as reciprocals; on
+    CPU it equals ``fastpar.reference.fp8.scaled_mm_reference`` bit for bit with oneDNN off,
+    and stays within the fp32 error bound with it on). Blockwise pairs (a 1x128, b 128x128),
+    which torch._scaled_mm refuses on CPU, the others and ``native=False`` take the exact
+    emulation (fp32 GEMM of the dequantized operands: slow, for tests and CPU runs).
     """
     if a.granularity == "128x128" or b.granularity not in ("tensor", "row", "128x128"):
         raise ValueError(
@@ -154,7 +166,7 @@ def scaled_mm(
         )
     b8 = b.data.t()  # [K, N], column-major
     scale_b = b.scale if b.scale.dim() == 0 else b.scale.t()  # row [1, N]; 128x128 [K/128, N/128]
-    if native and runs_natively(a, b):
+    if native and runs_natively(a, b, out_dtype):
         return torch._scaled_mm(
             a.data,
             b8,
