@@ -3,13 +3,14 @@ writes the fp8 tensor and, on request, its transposed copy in the same pass.
 
 Same semantics as ``fastpar.reference.fp8`` (``amax``, ``cast``); the op
 (``fastpar.ops.fp8.quantize``) computes the scales between the two launches with the
-reference's own torch code. Both kernels are memory-bound; per element of a bf16 input the
-compulsory bytes are: amax 2 B read (+ 1/32 B of fp32 partial maxima, 4 B per 128 elements);
-cast 2 B read + 1 B written (+ 1 B for the transposed copy): 5-6 B per element in all, so an
-8192 x 8192 bf16 operand moves 336-403 MB, about 0.10-0.12 ms at 3.35 TB/s (H100). Tiles of
-128 x 128 give 8 bf16 (16 B) per thread per load and 16 fp8 bytes per store: the PTX has
-128-bit accesses (tested on CPU by compiling for sm_90); expected 80-85 % of HBM bandwidth,
-not yet measured on a GPU. Offsets are int64 (an operand may exceed 2^31 elements).
+reference's own torch code. Both kernels are memory-bound; per element of a bf16 input they
+move: amax 2 B read (+ 1/32 B of fp32 partial maxima); cast 2 B read + 1 B written (+ 1 B for
+the transposed copy): 5-6 B, where 3-4 B are compulsory (x read once). An 8192 x 8192 bf16
+operand: 336-403 MB, about 0.10-0.12 ms at 3.35 TB/s (H100). Tiles of 128 x 128 give 8 bf16
+(16 B) per thread per load and 16 fp8 bytes per store: the PTX has 128-bit accesses (tested on
+CPU by compiling for sm_90). Expected: about 85 % of HBM bandwidth in bytes moved, so about
+51-57 % counted in compulsory bytes; not yet measured on a GPU. Offsets are int64 (an operand may
+exceed 2^31 elements).
 docs/kernels.md ("fp8 scaling") says what the interpreter gets wrong in the fp8 cast and what
 a GPU must still check.
 """
