@@ -191,6 +191,41 @@ def test_blockwise_emulation_equals_per_block_float64(out_dtype):
     assert torch.equal(deq[:, 128:256], a.data[:, 128:256].float() * a.scale[:, 1:2].reciprocal())
 
 
+@pytest.mark.parametrize("recipe", op.RECIPES)
+def test_the_three_gemms_of_a_linear_layer_against_float64(recipe):
+    """y = x w^T, dx = g w, dw = g^T x from the quantized operands and their transposed copies
+    (blockwise dw: 1x128 by 1x128 along the tokens), each within the fp32 bound of float64."""
+    m, k, n = 256, 128, 384
+    x = op.quantize(_x((m, k), 6, torch.bfloat16, 1.0), recipe, "activation", transpose=True)
+    w = op.quantize(_x((n, k), 7, torch.bfloat16, 1.0), recipe, "weight", transpose=True)
+    g = op.quantize(_x((m, n), 8, torch.bfloat16, 1.0), recipe, "grad", transpose=True)
+
+    def deq(q):  # float64 operand [R, C] from its fp8 values and scales, block by block
+        r, c = q.data.shape
+        return q.data.double() / ref.expand_scale(q.scale.double(), (r, c), q.granularity)
+
+    for a, b, shape in ((x, w, (m, n)), (g, w.t(), (m, k)), (g.t(), x.t(), (n, k))):
+        got = op.scaled_mm(a, b, torch.float32)
+        a64, b64 = deq(a), deq(b).t()
+        assert got.shape == shape
+        exact = a64 @ b64
+        assert bool(
+            (
+                (got.double() - exact).abs() <= _gemm_bound(a64, b64, a64.shape[1], torch.float32)
+            ).all()
+        )
+    # the copies and the originals dequantize to x within half an e4m3 step (2^-4 relative;
+    # 2^-10 / scale in the subnormals)
+    x64 = _x((m, k), 6, torch.bfloat16, 1.0).double()
+    for q, want in ((x, x64), (x.t(), x64.t())):
+        step = ref.expand_scale(q.scale.double(), tuple(want.shape), q.granularity)
+        assert bool(((deq(q) - want).abs() <= 2**-4 * want.abs() + 2**-10 / step).all())
+    with pytest.raises(ValueError, match="transpose=True"):
+        op.quantize(
+            torch.ones(16, 16), recipe if recipe != "blockwise" else "tensorwise", "weight"
+        ).t()
+
+
 def test_which_pairs_run_natively_off_the_cpu():
     """CUDA's rules (from torch's checks, not run here), seen through meta tensors."""
 
@@ -218,6 +253,16 @@ def test_what_torch_scaled_mm_runs_on_cpu():
             torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="must be a matrix"):
         torch._scaled_mm(a8[None], b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    offs = torch.tensor([64, 128], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="'CPU' backend"):
+        torch._scaled_grouped_mm(
+            a8,
+            b8.t().reshape(2, 128, 128).transpose(-2, -1),
+            ones(128),
+            ones(2, 128),
+            offs=offs,
+            out_dtype=torch.bfloat16,
+        )
 
 
 @pytest.mark.parametrize(

@@ -88,6 +88,12 @@ class Quantized(NamedTuple):
     scale_t: torch.Tensor | None
     granularity: str
 
+    def t(self) -> Quantized:
+        """The transposed copy as an operand of its own (``[C, R]``, reduction dim R)."""
+        if self.data_t is None:
+            raise ValueError("this operand has no transposed copy: quantize(..., transpose=True)")
+        return Quantized(self.data_t, self.scale_t, None, None, self.granularity)
+
 
 def _kernels() -> Any:
     return importlib.import_module("fastpar.kernels.fp8_cast")
@@ -144,28 +150,29 @@ def scaled_mm(
     a: Quantized, b: Quantized, out_dtype: torch.dtype = torch.bfloat16, *, native: bool = True
 ) -> torch.Tensor:
     """``a @ b.T`` of two quantized operands sharing the reduction dim K: ``a.data [M, K]``,
-    ``b.data [N, K]`` (an ``nn.Linear`` weight); returns ``[M, N]`` in ``out_dtype``.
+    ``b.data [N, K]`` (an ``nn.Linear`` weight); returns ``[M, N]`` in ``out_dtype``. A linear
+    layer's three GEMMs: ``y = scaled_mm(x, w)``, ``dx = scaled_mm(g, w.t())``,
+    ``dw = scaled_mm(g.t(), x.t())`` (blockwise: 1x128 by 128x128, and 1x128 by 1x128 for dw).
 
     Pairs ``runs_natively`` accepts run ``torch._scaled_mm`` (scales passed as reciprocals; on
     CPU it equals ``fastpar.reference.fp8.scaled_mm_reference`` bit for bit with oneDNN off,
-    and stays within the fp32 error bound with it on). Blockwise pairs (a 1x128, b 128x128),
-    which torch._scaled_mm refuses on CPU, the others and ``native=False`` take the exact
-    emulation (fp32 GEMM of the dequantized operands: slow, for tests and CPU runs).
+    and stays within the fp32 error bound with it on). Blockwise pairs, which
+    torch._scaled_mm refuses on CPU, the others and ``native=False`` take the exact emulation
+    (fp32 GEMM of the dequantized operands: slow, for tests and CPU runs).
     """
-    if a.granularity == "128x128" or b.granularity not in ("tensor", "row", "128x128"):
+    pair = (a.granularity, b.granularity)
+    if a.granularity == "128x128":
         raise ValueError(
-            f"scaled_mm: a is {a.granularity}-scaled, b {b.granularity}-scaled; pass the "
-            "activation (or gradient) first and the weight second"
+            f"scaled_mm: a is 128x128-scaled, b {b.granularity}-scaled; pass the activation "
+            "(or gradient) first and the weight second"
         )
-    if (a.granularity == "1x128") != (b.granularity == "128x128") or (
-        a.granularity in ("tensor", "row") and a.granularity != b.granularity
-    ):
+    if pair not in (("tensor", "tensor"), ("row", "row"), ("1x128", "128x128"), ("1x128", "1x128")):
         raise ValueError(
             f"scaled_mm: a is {a.granularity}-scaled and b {b.granularity}-scaled; quantize both "
             "with one recipe"
         )
     b8 = b.data.t()  # [K, N], column-major
-    scale_b = b.scale if b.scale.dim() == 0 else b.scale.t()  # row [1, N]; 128x128 [K/128, N/128]
+    scale_b = b.scale if b.scale.dim() == 0 else b.scale.t()  # [1, N], [K/128, N/128], [K/128, N]
     if native and runs_natively(a, b, out_dtype):
         return torch._scaled_mm(
             a.data,

@@ -20,6 +20,8 @@ EPS = 1e-12
 BLOCK = 128
 """DeepSeek-V3's block: activations and gradients 1 x 128 along C, weights 128 x 128."""
 GRANULARITIES = ("tensor", "row", "1x128", "128x128")
+"""How a quantized operand is grouped (``expand_scale`` also takes "128x1": a 1x128 operand
+as the GEMM's ``b``)."""
 MULTIPLE = {"tensor": 16, "row": 16, "1x128": BLOCK, "128x128": BLOCK}
 """What every dim of an operand must be a multiple of: torch._scaled_mm's 16, the block's 128."""
 
@@ -86,6 +88,8 @@ def expand_scale(scale: torch.Tensor, shape: tuple[int, int], granularity: str) 
         return scale.expand(r, c)
     if granularity == "1x128":
         return scale.repeat_interleave(BLOCK, dim=1)
+    if granularity == "128x1":  # a 1x128-scaled operand seen transposed (the GEMM's b)
+        return scale.repeat_interleave(BLOCK, dim=0)
     return scale.repeat_interleave(BLOCK, dim=0).repeat_interleave(BLOCK, dim=1)
 
 
@@ -147,7 +151,8 @@ def scaled_mm_reference(
 
     a8 ``[M, K]``, b8 ``[K, N]`` fp8 (any layout); scales are the quantize scales (not their
     reciprocals): tensorwise 0-dim and 0-dim, rowwise ``[M, 1]`` and ``[1, N]``, blockwise
-    ``[M, K/128]`` (1x128) and ``[K/128, N/128]`` (128x128). Bit for bit torch._scaled_mm's
+    ``[M, K/128]`` (1x128) and ``[K/128, N/128]`` (128x128) or ``[K/128, N]`` (b 1x128 along K:
+    the weight-gradient GEMM, both operands transposed copies). Bit for bit torch._scaled_mm's
     CPU result for tensorwise and rowwise with oneDNN off (docs/kernels.md).
     """
     if a8.dim() != 2 or b8.dim() != 2 or a8.shape[1] != b8.shape[0]:
@@ -157,11 +162,13 @@ def scaled_mm_reference(
     m, k = a8.shape
     n = b8.shape[1]
     ga = gb = "row"  # tensorwise and rowwise scales broadcast alike
-    if scale_b.dim() == 2 and tuple(scale_b.shape) != (1, n):  # blockwise: [K/128, N/128]
-        ga, gb = "1x128", "128x128"
+    if scale_b.dim() == 2 and tuple(scale_b.shape) != (1, n):  # blockwise
+        ga = "1x128"
+        gb = "128x1" if tuple(scale_b.shape) == (k // BLOCK, n) else "128x128"
         check_shape(a8.shape, ga, "a")
-        check_shape(b8.shape, gb, "b")
-        want = ((m, k // BLOCK), (k // BLOCK, n // BLOCK))
+        check_shape(b8.shape, ga, "b")
+        nb = n if gb == "128x1" else n // BLOCK
+        want = ((m, k // BLOCK), (k // BLOCK, nb))
         if (tuple(scale_a.shape), tuple(scale_b.shape)) != want:
             raise ValueError(
                 f"scaled_mm: blockwise scales have shapes {tuple(scale_a.shape)} and "
