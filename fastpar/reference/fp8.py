@@ -75,9 +75,9 @@ def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, pow2: bool = False) 
     fp32 mantissa is dropped), so that dequantizing (``1 / scale``) is exact too. amax: any
     float dtype, any shape; the scales have its shape."""
     scale = (fp8_max(dtype) / torch.clamp(amax.to(torch.float64), min=EPS)).to(torch.float32)
-    if pow2:
-        mantissa, exponent = torch.frexp(scale)  # scale = mantissa · 2^exponent, 0.5 <= m < 1
-        scale = torch.where(mantissa > 0, torch.ldexp(torch.ones_like(scale) / 2, exponent), scale)
+    if pow2:  # keep the exponent bits: exact on every device (scales are positive and normal)
+        floor = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
+        scale = torch.where(torch.isnan(scale), scale, floor)
     return scale
 
 
