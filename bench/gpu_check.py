@@ -48,6 +48,7 @@ KERNEL_BENCHES = [
     "test_bench_moe_permute.py",
     "test_bench_moe_overlap.py",
     "test_bench_moe_grouped.py",  # the dropless experts' grouped GEMM
+    "test_bench_fp8_cast.py",  # fp8 amax + cast + transposed copy (issue 47's core)
 ]
 
 

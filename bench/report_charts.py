@@ -40,6 +40,7 @@ BYTE_UNITS = (("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10), ("B", 1.0))
 FAMILIES = (
     "adamw",
     "cross_entropy",
+    "fp8_quantize",
     "moe_permute",
     "moe_unpermute",
     "unscale_norm",
