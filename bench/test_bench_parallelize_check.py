@@ -106,3 +106,79 @@ def test_check_cost_over_the_build(benchmark, shape):
         f"{med['check']:.4f}, torch parallelize_module {med['torch_tp']:.4f}; the check costs "
         f"{cost:.2f}x the build"
     )
+
+
+def _steps(layers: int, hidden: int, seq: int, reps: int) -> dict:
+    """A training step (loss and backward) of one Hugging Face Llama at TP 2, three ways,
+    alternating: fastpar's ``parallelize`` as it is ("shared": the column layers reading one
+    input all-reduce its gradient once, ``fastpar.comm.shared_copy_to_region``), the same with
+    one entry per layer ("each": one all-reduce per layer, as before), and torch's
+    ``parallelize_module`` over the same projections; wall seconds, and each one's losses."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fastpar
+    from fastpar.comm import copy_to_region
+    from fastpar.nn import linear, parallelize
+
+    torch.set_num_threads(1)
+    config = transformers.LlamaConfig(
+        vocab_size=2048,
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=seq,
+    )
+    mesh = fastpar.init(tp=2)
+    torch.manual_seed(0)
+    ours = parallelize(transformers.LlamaForCausalLM(config), mesh=mesh, check=False)
+    torch.manual_seed(0)
+    theirs = transformers.LlamaForCausalLM(config)
+    _torch_tp(theirs, init_device_mesh("cpu", (2,)), layers)
+    ids = torch.randint(0, 2048, (4, seq), generator=torch.Generator().manual_seed(1))
+    shared, each = linear.shared_copy_to_region, (lambda x, group: copy_to_region(x, group))
+    times: dict[str, list[float]] = {"shared": [], "each": [], "torch_tp": []}
+    losses: dict[str, list[float]] = {k: [] for k in times}
+
+    def step(key: str) -> None:
+        model = theirs if key == "torch_tp" else ours
+        linear.shared_copy_to_region = each if key == "each" else shared
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        times[key].append(time.perf_counter() - t0)
+        losses[key].append(float(loss))
+        for p in model.parameters():
+            p.grad = None
+
+    try:
+        for _ in range(reps + 2):  # the first two rounds warm the caches: dropped
+            for key in times:
+                step(key)
+    finally:
+        linear.shared_copy_to_region = shared
+    return {**{k: statistics.median(v[2:]) for k, v in times.items()}, "losses": losses}
+
+
+@pytest.mark.parametrize("hidden", [256])
+def test_hf_llama_step_with_the_shared_entry(benchmark, hidden):
+    benchmark.group = "parallelize-step"
+    results = benchmark.pedantic(
+        run_ranks, args=(_steps, 2, 4, hidden, 64, 15), rounds=1, iterations=1
+    )
+    med = {k: max(r[k] for r in results) for k in ("shared", "each", "torch_tp")}
+    losses = results[0]["losses"]
+    assert losses["shared"][0] == losses["each"][0]  # the same forward
+    benchmark.extra_info.update(
+        **{f"{k}_ms": v * 1e3 for k, v in med.items()},
+        shared_over_each=med["shared"] / med["each"],
+        shared_over_torch_tp=med["shared"] / med["torch_tp"],
+    )
+    print(
+        f"\nLlama hidden {hidden}, 4 layers, seq 64, batch 4, TP 2, wall s of the slower rank: "
+        f"shared {med['shared']:.4f}, one entry per layer {med['each']:.4f}, torch "
+        f"parallelize_module {med['torch_tp']:.4f}; shared / each {med['shared'] / med['each']:.2f}"
+        f", shared / torch {med['shared'] / med['torch_tp']:.2f}"
+    )
