@@ -12,6 +12,7 @@ from fastpar.flight.record import note_p2p
 from fastpar.mesh.ranks import Group
 
 SUM = dist.ReduceOp.SUM
+MAX = dist.ReduceOp.MAX
 
 
 def all_reduce(tensor: torch.Tensor, op=SUM, group: Group = None, async_op: bool = False):

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from fastpar.comm import group_size, plain
 from fastpar.ops import backend
 from fastpar.reference import fp8 as ref
 
@@ -100,7 +101,13 @@ def _kernels() -> Any:
 
 
 def quantize(
-    x: torch.Tensor, recipe: Fp8Recipe | str, role: str, transpose: bool = False
+    x: torch.Tensor,
+    recipe: Fp8Recipe | str,
+    role: str,
+    transpose: bool = False,
+    *,
+    group=None,
+    split_dim: int | None = None,
 ) -> Quantized:
     """Quantize ``x [R, C]`` (fp32 / bf16 / fp16, reduction dim last) for ``role``.
 
@@ -109,24 +116,70 @@ def quantize(
     the ``[C, R]`` copy quantized along R, for the weight-gradient GEMM. CUDA tensors: two
     Triton launches (amax, then cast + copy) around the scales' torch ops; else the reference.
     A shape the recipe cannot take is one ValueError line naming it.
+
+    ``group`` and ``split_dim``: ``x`` is this rank's even slice along ``split_dim`` of one
+    tensor split over ``group``. Every scaling group the split cuts takes its amax over the
+    group (``shared_amax``), so each rank quantizes its slice exactly as one device quantizes
+    the whole tensor: the same scales and the same fp8 values, sliced.
     """
     recipe = recipe_of(recipe)
     gran, dtype = recipe.granularity(role), recipe.dtype(role)
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"quantize: x is {x.dtype}; expected float32, bfloat16 or float16")
     ref.check_shape(x.shape, gran)
-    if backend.select(OP, x.device.type) != "triton":
+    cut, cut_t = split_groups(gran, split_dim, group)
+    triton = backend.select(OP, x.device.type) == "triton"
+    if not triton and not (cut or cut_t):
         return Quantized(*ref.quantize(x, dtype, gran, recipe.pow2, transpose), gran)
-    k = _kernels()
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    amax, amax_t = k.amax(x, gran, transpose)
+    if triton:
+        x = x if x.stride(1) == 1 else x.contiguous()
+        amax, amax_t = _kernels().amax(x, gran, transpose)
+    else:
+        amax = ref.amax(x, gran)
+        own_t = transpose and gran in ("row", "1x128")  # other groups than x's
+        amax_t = ref.amax(x.t(), gran) if own_t else None
+    amax = shared_amax(amax, group) if cut else amax
+    amax_t = shared_amax(amax_t, group) if cut_t and amax_t is not None else amax_t
     scale = ref.scale_from_amax(amax, dtype, recipe.pow2)
     scale_t = None if amax_t is None else ref.scale_from_amax(amax_t, dtype, recipe.pow2)
-    data, data_t = k.cast(x, scale, dtype, gran, transpose=transpose, scale_t=scale_t)
+    if triton:
+        data, data_t = _kernels().cast(x, scale, dtype, gran, transpose=transpose, scale_t=scale_t)
+    else:
+        data = ref.cast(x, scale, dtype, gran)
+        data_t = None
+        if transpose:
+            data_t = (
+                data.t().contiguous()
+                if scale_t is None
+                else ref.cast(x.t(), scale_t, dtype, gran).contiguous()
+            )
     if transpose and scale_t is None:
         scale_t = scale if gran == "tensor" else scale.t().contiguous()
     return Quantized(data, scale, data_t, scale_t, gran)
+
+
+def split_groups(granularity: str, split_dim: int | None, group) -> tuple[bool, bool]:
+    """(whether x's scaling groups, whether its transposed copy's, are cut by a split of x
+    along ``split_dim`` over ``group``). One scale per tensor: always cut. Rows (groups along
+    dim 1): x's when dim 1 is split, the copy's (along dim 0) when dim 0 is. Blocks of 128: never,
+    as each rank's slice is a multiple of 128 along both dims (``check_shape``), so the split
+    falls between blocks."""
+    if group is None or group_size(group) == 1:
+        return False, False
+    if split_dim not in (0, 1):
+        raise ValueError(f"quantize: split_dim must be 0 or 1 with a group, got {split_dim!r}")
+    if granularity == "tensor":
+        return True, True
+    if granularity == "row":
+        return split_dim == 1, split_dim == 0
+    return False, False
+
+
+def shared_amax(amax: torch.Tensor, group) -> torch.Tensor:
+    """``amax`` max-reduced over ``group`` (in fp32: exact for every float dtype's values)."""
+    wide = amax.float().contiguous()
+    plain.all_reduce(wide, op=plain.MAX, group=group)
+    return wide.to(amax.dtype)
 
 
 def runs_natively(a: Quantized, b: Quantized, out_dtype: torch.dtype = torch.bfloat16) -> bool:
