@@ -151,6 +151,15 @@ def _siblings(shared: bool) -> list[int]:
     agree(xp.grad, xr.grad, x64.grad, "input grad", length=16)
     for c, r, r64 in zip(cols, refs, ref64, strict=True):
         agree(c.weight.grad, r.weight.grad, r64.weight.grad, "weight", length=8, param=c.weight)
+    # a changed x (a parameter after its step) gets a new entry in place of the old one
+    key = (id(xp), id(cols[0].group))
+    cols[0](xp)
+    old = collectives._ENTERED[key]
+    with torch.no_grad():
+        xp.mul_(1.0)
+    cols[0](xp)
+    new = collectives._ENTERED[key]
+    assert new[2] is not old[2] and new[1] == xp._version > old[1]
     return counts
 
 
