@@ -83,7 +83,7 @@ def test_new_router_score(monkeypatch):
         assert cfg.router_score == name
         cfg = TrainConfig(**{**ONE_RANK, "model_type": model, "moe_every": 1}, router_score=name)
         cfg.check()
-        assert cfg.model().router_score == name
+        assert cfg.model().moe_router.score == name
 
     # a name not registered is refused, by the layer and by the run's checks
     with pytest.raises(ValueError, match=r"score must be one of .*'sqrt_softplus'.*got 'cube'"):

@@ -90,7 +90,7 @@ def test_flags_reach_the_llama_moe_blocks():
     assert {k: getattr(cfg, k) for k in DEEPSEEK} == DEEPSEEK
     cfg.check()
     model_cfg = cfg.model()
-    assert isinstance(model_cfg, LlamaConfig) and model_cfg.router_groups == 4
+    assert isinstance(model_cfg, LlamaConfig) and model_cfg.moe_router.num_groups == 4
     moes = _moes(model_cfg)
     assert len(moes) == cfg.layers
     for m in moes:

@@ -16,7 +16,7 @@ from _no_ranks import forbid_ranks
 
 from fastpar.cliutil import flat_fields, flat_name, option, option_of
 from fastpar.models import GPTConfig, LlamaConfig, build_llama
-from fastpar.models.llama import routing_options
+from fastpar.models.llama import routing, routing_options
 from fastpar.moe import MoE, TopKRouter
 from fastpar.moe.balance import balance_scores
 from fastpar.moe.config import ROUTING, ROUTING_DEFAULTS, SCORES, ExpertConfig, RouterConfig, Score
@@ -96,8 +96,8 @@ def test_an_unknown_score_is_an_error_in_train_config(model_type):
     assert "router_score (--router-score) 'relu' must be one of ('softmax', 'sigmoid')" in str(
         err.value
     )
-    with pytest.raises(ValueError, match="'relu' must be one of"):
-        LlamaConfig(moe_every=1, router_score="relu").check()
+    with pytest.raises(ValueError, match=r"must be one of .* got 'relu'"):
+        LlamaConfig(moe_every=1, moe_router=RouterConfig(score="relu")).check()
 
 
 def test_an_unknown_score_is_an_error_on_the_command_line(capsys, monkeypatch):
@@ -117,8 +117,9 @@ def test_a_score_added_to_the_registry_routes(monkeypatch):
     x = torch.randn(5, 6)
     want = torch.sigmoid(x @ r.weight.detach().t()) / 2
     torch.testing.assert_close(r(x).router_probs, want)
-    LlamaConfig(moe_every=1, router_score="half").check()
-    assert routing_options(GPTConfig(moe_every=1, router_score="half"))["router"].score == "half"
+    half = RouterConfig(score="half")
+    LlamaConfig(moe_every=1, moe_router=half).check()
+    assert routing_options(GPTConfig(moe_every=1, moe_router=half))["router"].score == "half"
     TrainConfig(tp=1, pp=1, dp=2, ep=2, moe_every=1, router_score="half").check()
     assert _flags(build_parser())["--router-score"].metavar == "{softmax,sigmoid,half}"
 
@@ -189,19 +190,19 @@ def test_a_new_router_field_becomes_a_flag(monkeypatch):
 
 def test_model_configs_hold_the_routing_fields():
     for config in (GPTConfig, LlamaConfig):
-        defaults = {f.name: f.default for f in fields(config)}
-        assert {k: defaults[k] for k in ROUTING_DEFAULTS} == ROUTING_DEFAULTS, config
+        assert routing(config()) == ROUTING_DEFAULTS, config
     cfg = LlamaConfig(
         moe_every=1,
-        router_score="sigmoid",
-        routed_scaling_factor=2.0,
-        router_groups=2,
-        router_group_topk=1,
-        expert_bias=True,
-        shared_expert_ffn=8,
-        shared_expert_gate=True,
-        aux_loss="none",
-        z_loss_coef=0.1,
+        moe_router=RouterConfig(
+            score="sigmoid",
+            scaling_factor=2.0,
+            num_groups=2,
+            group_topk=1,
+            expert_bias=True,
+            aux_loss="none",
+            z_loss_coef=0.1,
+        ),
+        moe_experts=ExpertConfig(shared_ffn_hidden_size=8, shared_gate=True),
     )
     opts = routing_options(cfg)
     # the nested configs: the flat fields, the model's capacity (dropless) and top-k

@@ -11,15 +11,14 @@ DeepSeek"); HF names both ways: ``fastpar.models.deepseek_hf``."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
-from fastpar.cliutil import flat_fields
 from fastpar.mesh.groups import ParallelMesh
 from fastpar.models.activations import Activations, norm_bytes, swiglu_activations
 from fastpar.models.common import DecoderBlock, build_decoder, check_layout, check_sizes, lm_loss
-from fastpar.models.llama import MLP, LlamaConfig, check_routing, moe
+from fastpar.models.llama import MLP, check_routing, moe, sync_routing
 from fastpar.models.mla import LatentAttention
 from fastpar.models.mtp import add_mtp, check_mtp
 from fastpar.models.shape import SwiGLUShape
@@ -29,14 +28,11 @@ __all__ = ["Block", "DeepSeekConfig", "build_deepseek", "deepseek_loss"]
 
 
 @dataclass(frozen=True)
-@flat_fields(RouterConfig, ExpertConfig)
 class DeepSeekConfig(SwiGLUShape):
     """Model shape and options of a DeepSeek-V3-class decoder (HF ``DeepseekV3Config``'s names
-    in parentheses). The MoE routing fields (``router_score``, ``expert_bias``,
-    ``router_groups``, ``shared_expert_ffn``, ``routed_scaling_factor``, ...:
-    ``ROUTING_DEFAULTS``) are ``RouterConfig``'s and ``ExpertConfig``'s flagged fields under
-    their flat names (``fastpar.moe.config``); DeepSeek-V3 itself routes with
-    ``router_score="sigmoid"``, ``expert_bias=True``, groups and shared experts. ``ffn``: the
+    in parentheses). The MoE routing options are ``moe_router`` and ``moe_experts``
+    (``fastpar.moe.config``); DeepSeek-V3 itself routes with ``RouterConfig(score="sigmoid",
+    expert_bias=True)``, groups and shared experts. ``ffn``: the
     dense blocks' width (None: 8·hidden/3 rounded up to a multiple of 64); ``norm_eps``: the
     block and final norms' (the latent norms, MTP blocks and CP widths: docs/hf.md)."""
 
@@ -72,6 +68,16 @@ class DeepSeekConfig(SwiGLUShape):
     moe_every: int = 1
     """Block i >= first_k_dense is MoE when i % moe_every == 0 (DeepSeek-V2's moe_layer_freq;
     HF DeepseekV3: 1); 0: no MoE blocks."""
+    moe_router: RouterConfig = field(default_factory=RouterConfig)
+    """How the MoE blocks route (HF n_group, topk_group, routed_scaling_factor, the
+    e_score_correction_bias); ``capacity_factor`` and ``normalize_topk`` follow the model's
+    (``fastpar.models.llama.sync_routing``)."""
+    moe_experts: ExpertConfig = field(default_factory=lambda: ExpertConfig(expert="swiglu"))
+    """The shared experts (HF n_shared_experts x moe_ffn wide); SwiGLU experts, as the
+    Llama's."""
+
+    def __post_init__(self) -> None:
+        sync_routing(self, normalize_topk=self.norm_topk_prob, expert="swiglu")
 
     @property
     def ffn_size(self) -> int:
@@ -88,8 +94,6 @@ class DeepSeekConfig(SwiGLUShape):
     @property
     def yarn_original_len(self) -> int:
         return self.yarn_original_seq_len or self.seq_len
-
-    nested_values = LlamaConfig.nested_values  # SwiGLU experts, norm_topk_prob: as the Llama's
 
     def is_moe(self, layer: int) -> bool:
         return self.moe_every > 0 and layer >= self.first_k_dense and layer % self.moe_every == 0

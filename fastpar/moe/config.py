@@ -6,8 +6,9 @@ construction; ``SCORES``, the registry of router scores.
               experts=ExpertConfig(expert="swiglu", shared_ffn_hidden_size=1024))
 
 A field that declares an ``Option`` (``fastpar.cliutil.option``) is also a flag of
-``python -m fastpar.train`` and a field of the model configs, under its flat name
-(``score`` is ``router_score``, ``--router-score``): ``fastpar.cliutil.flat_fields`` adds them.
+``python -m fastpar.train`` under its flat name (``score`` is ``router_score``,
+``--router-score``; ``flat_routing`` / ``nested_routing`` map the names); the model configs hold
+the two configs as their ``moe_router`` and ``moe_experts`` fields.
 Capacity and dropping are routing options (the router computes the capacity and picks what an
 over-full expert keeps); their flag, --capacity-factor, is the models' own, whose default is
 dropless where the layer's is 1.25.
@@ -330,3 +331,22 @@ FLAT = {
 
 ROUTING_DEFAULTS = {flat: f.default for flat, (_, f) in FLAT.items()}
 """Every flat routing field with its default (what a model without MoE blocks must keep)."""
+
+
+def flat_routing(router: RouterConfig, kinds: ExpertConfig) -> dict:
+    """The flagged fields of ``router`` and ``kinds`` under their flat names
+    (``{"router_score": router.score, ...}``, ``ROUTING_DEFAULTS``' keys)."""
+    by_class = {RouterConfig: router, ExpertConfig: kinds}
+    return {flat: getattr(by_class[c], f.name) for flat, (c, f) in FLAT.items()}
+
+
+def nested_routing(values: dict) -> tuple[dict, dict]:
+    """Flat routing values (``ROUTING_DEFAULTS``' keys; any other key ignored) as the keyword
+    arguments of ``RouterConfig`` and of ``ExpertConfig``."""
+    router: dict = {}
+    kinds: dict = {}
+    for flat, value in values.items():
+        if flat in FLAT:
+            config, f = FLAT[flat]
+            (router if config is RouterConfig else kinds)[f.name] = value
+    return router, kinds

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 
 from fastpar.data import index_file, tokenizer_eos_id, tokenizer_vocab_size
 from fastpar.models import native
+from fastpar.models.llama import check_routing_values, routed
 from fastpar.models.shape import DecoderShape
 from fastpar.moe.config import ROUTING_DEFAULTS
 from fastpar.parallel.pipeline.recompute import RecomputePolicy
@@ -113,7 +114,8 @@ class TrainConfig(TrainOptions):
         shape = {
             f.name: getattr(self, f.name) for f in fields(DecoderShape) if f.name not in renamed
         }
-        return model.config(
+        return routed(
+            model.config,
             **shape,
             **renamed,
             **{name: getattr(self, name) for name in ROUTING_DEFAULTS},
@@ -171,7 +173,9 @@ class TrainConfig(TrainOptions):
         check_packing(self)
         check_batch_split(self)
         check_compile(self)
-        if not self.hf_config:
+        if not self.hf_config:  # the routing flags by their names, before their configs exist
+            routing = {name: getattr(self, name) for name in ROUTING_DEFAULTS}
+            check_routing_values(routing, self.moe_every, self.experts, self.top_k)
             self.model().check(self.tp, self.pp, self.ep)
             check_memory(self)  # activations that clearly do not fit this machine
         check_words(self)
