@@ -169,8 +169,8 @@ def test_verify_deepseek_agrees(layout):
     from fastpar.train import TrainConfig
     from fastpar.verify import compare
 
-    cfg = TrainConfig(model_type="deepseek", **SMALL, **DEEPSEEK, **layout)
-    assert cfg.moe_every == 1 and cfg.model().is_moe(1) and not cfg.model().is_moe(0)
+    cfg = TrainConfig.from_flags(model_type="deepseek", **SMALL, **DEEPSEEK, **layout)
+    assert cfg.model.moe_every == 1 and cfg.model.is_moe(1) and not cfg.model.is_moe(0)
     ok, text = compare(cfg)
     assert ok, text
     assert text.endswith("AGREE")
@@ -190,4 +190,6 @@ def test_trainer_flags_of_the_other_models_are_refused():
         (dict(model_type="deepseek", heads=3), "heads 3 are not divisible by tp 2"),
     ]:
         with pytest.raises(ValueError, match=message):
-            TrainConfig(**{**SMALL, "tp": 2, "pp": 1, "dp": 2, "ep": 2, **kwargs}).check()
+            TrainConfig.from_flags(
+                **{**SMALL, "tp": 2, "pp": 1, "dp": 2, "ep": 2, **kwargs}
+            ).check()

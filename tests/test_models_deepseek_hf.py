@@ -190,7 +190,7 @@ def _trained_and_exported(tmp_path, **layout):
 
     ckpt = tmp_path / "ckpt"
     run = tiny_config(DEEPSEEK, model_type="deepseek", layers=3, **layout)
-    cfg = TrainConfig(**run, checkpoint_dir=str(ckpt), save_every=2)
+    cfg = TrainConfig.from_flags(**run, checkpoint_dir=str(ckpt), save_every=2)
     launch(cfg)
     _, state, config = export(str(ckpt / "step_000002"), str(tmp_path / "hf"))
     return cfg, state, config
@@ -352,7 +352,7 @@ def test_a_checkpoint_with_mtp_exports_for_from_pretrained(tmp_path):
     out = tmp_path / "hf"
     assert config["num_nextn_predict_layers"] == 1
     files = safetensors.load_file(str(out / "model.safetensors"))
-    layer = f"model.layers.{cfg.layers}."
+    layer = f"model.layers.{cfg.model.layers}."
     for name in (
         "enorm.weight",
         "hnorm.weight",
@@ -365,11 +365,11 @@ def test_a_checkpoint_with_mtp_exports_for_from_pretrained(tmp_path):
         "mlp.experts.gate_up_proj",
     ):
         assert layer + name in files, name
-    head = f"{cfg.layers + 1}.mtp.0."
+    head = f"{cfg.model.layers + 1}.mtp.0."
     assert torch.equal(files[layer + "eh_proj.weight"], state[head + "eh_proj.weight"])
     got_cfg, back = from_hf(files, config)
-    assert (got_cfg.mtp_depth, got_cfg.layers, got_cfg.first_k_dense) == (1, cfg.layers, 1)
-    assert set(back) - set(state) == {f"{cfg.layers + 1}.weight"}  # the tied head, named
+    assert (got_cfg.mtp_depth, got_cfg.layers, got_cfg.first_k_dense) == (1, cfg.model.layers, 1)
+    assert set(back) - set(state) == {f"{cfg.model.layers + 1}.weight"}  # the tied head, named
     assert set(state) <= set(back)
     for k, t in state.items():
         assert torch.equal(back[k], t), k

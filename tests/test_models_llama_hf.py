@@ -241,14 +241,14 @@ def test_a_checkpoint_trained_at_dp_tp_pp_ep_exports_to_hf(family, tmp_path):
 
     options, arch = TRAINED[family]
     ckpt = tmp_path / "ckpt"
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flags(
         **tiny_config(model_type="llama", tp=2, pp=2, dp=2, kv_heads=2, ffn=48, **options),
         checkpoint_dir=str(ckpt),
         save_every=2,
     )
     launch(cfg)
     state = export_state_dict(ckpt / "step_000002")
-    model_cfg = cfg.model()
+    model_cfg = cfg.model
     if model_cfg.tie_embeddings:  # the last stage's copy is saved as the embedding itself
         assert f"{model_cfg.layers + 1}.weight" not in state and "0.tok.weight" in state
     export_hf(to_hf(state, model_cfg), tmp_path / "hf", hf_config(model_cfg))

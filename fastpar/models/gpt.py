@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastpar.cliutil import option
 from fastpar.comm import group_size
 from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_heads
@@ -32,7 +33,7 @@ from fastpar.models.common import (
     untie_for_pipeline,
 )
 from fastpar.models.llama import check_routing, routing_options, sync_routing
-from fastpar.models.shape import DecoderShape
+from fastpar.models.shape import MODEL, DecoderShape
 from fastpar.moe.config import ExpertConfig, RouterConfig
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear
 
@@ -53,7 +54,13 @@ class GPTConfig(DecoderShape):
     and its own below; the MoE routing options are ``moe_router`` and ``moe_experts``
     (``fastpar.moe.config`` documents their fields; GELU experts, shared ones alike)."""
 
-    norm: str = "rmsnorm"
+    norm: str = option(
+        "rmsnorm",
+        MODEL,
+        words=("rmsnorm", "layernorm"),
+        help="gpt: the normalisation layers",
+        resume="refuse",
+    )
     """The norms: "rmsnorm" or "layernorm"."""
     tie_embeddings: bool = True
     moe_router: RouterConfig = field(default_factory=RouterConfig)

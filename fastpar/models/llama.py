@@ -9,6 +9,7 @@ Llama"); HF names both ways: ``fastpar.models.llama_hf``."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastpar.cliutil import check_positive_or_none
+from fastpar.cliutil import check_positive_or_none, option
 from fastpar.comm import group_size
 from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_blocks, mark_heads
@@ -35,7 +36,7 @@ from fastpar.models.common import (
     positions,
 )
 from fastpar.models.mtp import add_mtp, check_mtp
-from fastpar.models.shape import SwiGLUShape
+from fastpar.models.shape import MODEL, SwiGLUShape
 from fastpar.moe.config import (
     AUX_LOSS_WORDS,
     ROUTING_DEFAULTS,
@@ -77,14 +78,23 @@ class LlamaConfig(SwiGLUShape):
     """What the MoE blocks' experts compute beside the routed ones (shared experts); the
     experts are SwiGLU (no biases) whatever ``expert`` says (``sync_routing``)."""
 
-    kv_heads: int | None = None
+    kv_heads: int | None = option(
+        None,
+        MODEL,
+        help="llama: key/value heads for grouped-query attention (default: --heads)",
+        resume="refuse",
+    )
     """Key/value heads for grouped-query attention (HF num_key_value_heads); divides heads and
     is divisible by TP. None: heads (multi-head attention)."""
-    head_dim: int | None = None
+    head_dim: int | None = option(
+        None, MODEL, "llama: width of a head (default: hidden / heads)", resume="refuse"
+    )
     """Width of one head (even, for RoPE). None: hidden // heads."""
-    qk_norm: bool = False
+    qk_norm: bool = option(
+        False, MODEL, "llama: Qwen3-style RMSNorm on every query and key head", resume="refuse"
+    )
     """Qwen3: RMSNorm over head_dim on every query and key head, before RoPE."""
-    attention_bias: bool = False
+    attention_bias: bool = option(False, MODEL, "llama: Qwen2-style q/k/v bias", resume="refuse")
     """Qwen2: bias on the q, k and v projections (not on the output projection)."""
 
     @property
@@ -187,8 +197,11 @@ def sync_routing(cfg, **follow) -> None:
         config = getattr(cfg, name)
         mine = {f.name for f in dataclasses.fields(config)}
         kw = {k: v for k, v in follow.items() if k in mine and getattr(config, k) != v}
-        if kw:
-            object.__setattr__(cfg, name, dataclasses.replace(config, **kw))
+        if kw:  # (a copy: the model's own fields are checked where they are declared)
+            config = copy.copy(config)
+            for k, v in kw.items():
+                object.__setattr__(config, k, v)
+            object.__setattr__(cfg, name, config)
 
 
 def routing(cfg) -> dict:

@@ -147,7 +147,7 @@ def _blocks(cfg: TrainConfig, mesh: ParallelMesh | None):
         plan = read_plan(cfg.plan) if cfg.plan else None
         hf = hf_blocks(load_config(cfg.hf_config), mesh, plan, cfg.plan or "")
         return hf.blocks, hf, hf, hf.block_types, None  # the HF parts hold vocab_size
-    model_cfg = cfg.model()
+    model_cfg = cfg.model
     blocks = build_model(model_cfg, mesh)
     block_types = tuple({type(b) for b in blocks[1:-1]})  # ZeRO-3 gathers one at a time
     return blocks, None, model_cfg, block_types, untie_for_pipeline(blocks, mesh)
