@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import errno
-import inspect
 import json
 import math
 import sys
@@ -298,50 +297,19 @@ def flat_name(f: Field) -> str:
     return opt.name if opt is not None and opt.name else f.name
 
 
-def _nested(config: type) -> Callable:
-    """The getter of a flat class's nested ``config``: its flagged fields' flat values, the
-    flat class's fields of the same name (a model's ``capacity_factor``), and what the flat
-    class's ``nested_values(config)`` returns, if it has one (Llama's experts are SwiGLU)."""
-    names = {f.name: flat_name(f) for f in fields(config)}  # each field's flat name
-
-    def get(self):
-        mine = {f.name for f in fields(self)}
-        kw = {n: getattr(self, flat) for n, flat in names.items() if flat in mine}
-        kw.update(getattr(self, "nested_values", lambda _: {})(config))
-        return config(**kw)
-
-    get.__doc__ = f"The {config.__name__} of this config's values."
-    return get
-
-
-def flat_fields(*configs: type):
-    """Class decorator, applied before ``@dataclass``: every field of ``configs`` that declares
-    an ``Option`` becomes a field of the decorated class under its flat name, with the same
-    type, default and metadata. The option is declared once (in ``configs``); the flat class
-    (the command's config, a model config) holds it under the name its flag and its saved
-    files use. A config with a ``nested`` name (``RouterConfig.nested`` is "moe_router") is
-    also an attribute of the flat class under that name: the config of its flat fields' values
-    (``cfg.moe_router.score`` is ``cfg.router_score``), its other fields at their defaults."""
-
-    def add(cls):
-        own = inspect.get_annotations(cls)
-        notes = dict(own)
-        for config in configs:
-            for f in fields(config):
-                if option_of(f) is None:
-                    continue
-                name = flat_name(f)
-                if f.default is MISSING:
-                    raise TypeError(f"{config.__name__}.{f.name}: a flat field needs a default")
-                if name in own:
-                    raise TypeError(f"{cls.__name__}.{name} is already {config.__name__}'s")
-                notes[name] = f.type
-                setattr(cls, name, field(default=f.default, metadata=f.metadata))
-            if getattr(config, "nested", None):
-                if config.nested in own:
-                    raise TypeError(f"{cls.__name__}.{config.nested} is already a field")
-                setattr(cls, config.nested, property(_nested(config)))
-        cls.__annotations__ = notes
-        return cls
-
-    return add
+def lenient(cls: type, **kw):
+    """``cls(**kw)`` (a frozen dataclass); where its own checks refuse a value, the object
+    holding it unchecked, for a later check to name the flag (``TrainConfig.check``)."""
+    try:
+        return cls(**kw)
+    except (ValueError, TypeError):
+        obj = object.__new__(cls)
+        for f in fields(cls):
+            if f.name in kw:
+                value = kw[f.name]
+            elif f.default_factory is not MISSING:
+                value = f.default_factory()
+            else:
+                value = f.default
+            object.__setattr__(obj, f.name, value)
+        return obj

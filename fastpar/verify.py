@@ -302,7 +302,7 @@ def compare(
         f"{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} (ep {cfg.ep}), ZeRO-{cfg.zero}, {cfg.precision}, "
         f"{cfg.schedule_label} x {cfg.microbatches}{f', recompute {cfg.recompute_policy}' if cfg.recompute else ''}"
         f"{', sequence parallel' if cfg.model.sequence_parallel else ''}"
-        f"{f', AdamW moments in {cfg.optimizer_state_dtype}' if cfg.optimizer_state_dtype != 'fp32' else ''}",
+        f"{f', AdamW moments in {cfg.optimizer.state_dtype}' if cfg.optimizer.state_dtype != 'fp32' else ''}",
         tolerance.rule_text(dtype, length),
         f"{'step':>5} {'distributed':>14} {'single-process':>15} {'float64':>12} {'error/bound':>11}"
         f" {'grad-norm dist.':>15} {'single':>10} {'error/bound':>11}",

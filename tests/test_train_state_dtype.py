@@ -6,7 +6,6 @@ on bit for bit; resuming with another --optimizer-state-dtype is refused."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
@@ -48,7 +47,7 @@ def test_verify_catches_ranks_that_keep_fp32_moments(monkeypatch):
 
     def fp32_on_ranks(cfg, stage, groups, mesh, *args, **kwargs):
         if mesh is not None:
-            cfg = dataclasses.replace(cfg, optimizer_state_dtype="fp32")
+            cfg = cfg.with_flags(optimizer_state_dtype="fp32")
         return real(cfg, stage, groups, mesh, *args, **kwargs)
 
     monkeypatch.setattr(fastpar.train.build, "_optimizer", fp32_on_ranks)

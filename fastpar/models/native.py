@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, dataclass
 from typing import Any
 
-from fastpar.cliutil import FIELD_DEFAULT, Option, option_of
+from fastpar.cliutil import FIELD_DEFAULT, Option, lenient, option_of
 from fastpar.models import deepseek_hf, gpt_code, gpt_hf, llama_hf
 from fastpar.models.deepseek import DeepSeekConfig, build_deepseek
 from fastpar.models.gpt import GPTConfig, build_gpt
@@ -184,24 +184,6 @@ def _has(config: type, path: tuple) -> bool:
     return path[0] in names
 
 
-def _made(cls: type, kw: dict):
-    """``cls(**kw)``; where its own checks refuse a value, the object holding it unchecked
-    (the trainer's checks name the flag: ``fastpar.models.llama.check_routing_values``)."""
-    try:
-        return cls(**kw)
-    except (ValueError, TypeError):
-        obj = object.__new__(cls)
-        for f in dataclasses.fields(cls):
-            if f.name in kw:
-                value = kw[f.name]
-            elif f.default_factory is not MISSING:
-                value = f.default_factory()
-            else:
-                value = f.default
-            object.__setattr__(obj, f.name, value)
-        return obj
-
-
 def config_from_flags(model_type: str, values: dict, **fixed) -> tuple[Any, dict]:
     """(the config of ``--model model_type`` from the flags' ``values`` (flat names; a flag
     left out: its default; a deferred one None: the record's), the values of the flags its
@@ -232,8 +214,8 @@ def config_from_flags(model_type: str, values: dict, **fixed) -> tuple[Any, dict
             inner.setdefault(flag.path[0], {})[flag.path[1]] = value
     for holder, kw in inner.items():
         held = getattr(base, holder)
-        top[holder] = _made(type(held), {**dataclasses.asdict(held), **kw})
-    return _made(model.config, top), other
+        top[holder] = lenient(type(held), **{**dataclasses.asdict(held), **kw})
+    return lenient(model.config, **top), other
 
 
 def flags_of(config, other: dict | None = None) -> dict:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import ClassVar
 
 import torch
 
@@ -71,9 +70,6 @@ class RouterConfig:
     """How a MoE layer routes and balances (``fastpar.moe.router`` sets these defaults beside
     Megatron-Core's and DeepSeek-V3's). Validated on construction; ``check`` adds what needs
     the number of experts."""
-
-    nested: ClassVar[str] = "moe_router"
-    """Its attribute name in a flat config (``fastpar.cliutil.flat_fields``)."""
 
     score: str = option(
         "softmax",
@@ -249,9 +245,6 @@ class RouterConfig:
 class ExpertConfig:
     """What a MoE layer's experts compute (``fastpar.moe.experts`` has the kinds). Validated on
     construction."""
-
-    nested: ClassVar[str] = "moe_experts"
-    """Its attribute name in a flat config (``fastpar.cliutil.flat_fields``)."""
 
     expert: str = "mlp"
     """The expert kind: "mlp", "glu" or "swiglu" (``fastpar.moe.experts.KINDS``)."""

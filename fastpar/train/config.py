@@ -5,12 +5,13 @@ parsed command line's values)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from fastpar.cliutil import Option, option_of
+from fastpar.cliutil import Option, lenient, option_of
 from fastpar.data import index_file, tokenizer_eos_id, tokenizer_vocab_size
 from fastpar.models import DeepSeekConfig, GPTConfig, LlamaConfig, native
 from fastpar.models.llama import check_routing_values
@@ -85,11 +86,19 @@ class TrainConfig(TrainOptions):
         ``experts=8``, ``untied=True``, ``router_score="sigmoid"``: the --config keys); a flag
         left out keeps its default. The one place the flat names meet the nested fields."""
         own = {f.name for f in _own_fields()}
-        model = native.model_flags()
-        unknown = [k for k in values if k not in own and k not in model]
+        model, nested = native.model_flags(), {s.name: (h, n) for h, n, s in _nested_specs()}
+        unknown = [k for k in values if k not in own and k not in model and k not in nested]
         if unknown:
             raise TypeError(f"TrainConfig has no flag {unknown[0]!r}")
-        cfg = cls(**{k: v for k, v in values.items() if k in own})
+        held: dict[str, dict] = {holder: {} for holder, _ in _nested_fields()}
+        for key, (holder, name) in nested.items():
+            if key in values:
+                held[holder][name] = values[key]
+        configs = {
+            holder: lenient(config, **kw)
+            for (holder, config), kw in zip(_nested_fields(), held.values(), strict=True)
+        }
+        cfg = cls(**{k: v for k, v in values.items() if k in own}, **configs)
         cfg.model, cfg.other_model_flags = cfg._model_of(
             {k: v for k, v in values.items() if k in model}
         )
@@ -255,7 +264,34 @@ def flag_specs() -> list[FlagSpec]:
     ]
     first = {f.name for f in fields(ModelOptions)}
     model = [FlagSpec(m.name, m.option, m.default, m.hint) for m in native.model_flags().values()]
-    return [s for s in own if s.name in first] + model + [s for s in own if s.name not in first]
+    held = [spec for _, _, spec in _nested_specs()]
+    return (
+        [s for s in own if s.name in first] + model + [s for s in own if s.name not in first] + held
+    )
+
+
+def _nested_fields() -> list[tuple[str, type]]:
+    """TrainConfig's fields that hold a config whose fields are flags (``optimizer``)."""
+    out = []
+    for f in fields(TrainConfig):
+        if option_of(f) is None and f.default_factory is not MISSING:
+            value = f.default_factory()
+            if dataclasses.is_dataclass(value):
+                out.append((f.name, type(value)))
+    return out
+
+
+def _nested_specs() -> list[tuple[str, str, FlagSpec]]:
+    """(TrainConfig field, its config's field, the flag) of every flag a nested config of
+    TrainConfig declares (``OptimizerConfig.name`` is ``--optimizer``)."""
+    out = []
+    for holder, config in _nested_fields():
+        hints = typing.get_type_hints(config)
+        for f in fields(config):
+            if (opt := option_of(f)) is not None:
+                spec = FlagSpec(opt.name or f.name, opt, f.default, hints[f.name])
+                out.append((holder, f.name, spec))
+    return out
 
 
 def _flag_values(cfg: TrainConfig):
@@ -269,3 +305,5 @@ def _flag_values(cfg: TrainConfig):
     for name in own:
         if name not in first:
             yield name, getattr(cfg, name)
+    for holder, name, spec in _nested_specs():
+        yield spec.name, getattr(getattr(cfg, holder), name)

@@ -7,6 +7,7 @@ naming the value and the fix."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 
@@ -347,10 +348,10 @@ def check_optimizer(cfg) -> None:
     """--optimizer and --optimizer-state-dtype name what is built (``OptimizerConfig``'s words;
     the rest is refused, never quietly replaced by AdamW in fp32): AdamW, its moments in fp32 or
     bf16; Muon, in fp32."""
-    OptimizerConfig(name=cfg.optimizer, state_dtype=cfg.optimizer_state_dtype)
-    if cfg.optimizer == "muon" and cfg.optimizer_state_dtype != "fp32":
+    OptimizerConfig(**dataclasses.asdict(cfg.optimizer))  # (lenient where it refused)
+    if cfg.optimizer.name == "muon" and cfg.optimizer.state_dtype != "fp32":
         raise ValueError(
-            f"--optimizer muon --optimizer-state-dtype {cfg.optimizer_state_dtype}: Muon keeps "
+            f"--optimizer muon --optimizer-state-dtype {cfg.optimizer.state_dtype}: Muon keeps "
             "its momentum (and its AdamW part's moments) in fp32; drop --optimizer-state-dtype, "
             "or use --optimizer adamw for bf16 moments"
         )

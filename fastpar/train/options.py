@@ -9,9 +9,9 @@ metadata (``fastpar.cliutil.option``). The model's flags are its config's fields
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from fastpar.cliutil import flat_fields, option
+from fastpar.cliutil import option
 from fastpar.data import BIN_DTYPES
 from fastpar.models.shape import LAYOUT
 from fastpar.moe.config import ROUTING
@@ -34,12 +34,10 @@ GROUPS = (LAYOUT, MODEL, ROUTING, TRAINING, DATA, CHECKPOINTS, EVALUATION, OUTPU
 
 
 @dataclass
-@flat_fields(OptimizerConfig)
 class TrainOptions(ModelOptions):
     """The trainer's flags: one field each, listed by --help section (``GROUPS``); the
-    optimizer flags added under their flat names (``fastpar.cliutil.flat_fields``). The
-    model's flags, its routing ones included, are its config's fields
-    (``fastpar.models.native.model_flags``)."""
+    optimizer's are ``OptimizerConfig``'s fields, held as ``optimizer``. The model's flags, its
+    routing ones included, are its config's fields (``fastpar.models.native.model_flags``)."""
 
     tp: int = option(
         2, LAYOUT, "tensor-parallel size: ranks that split every layer's matrices", at_least=1
@@ -400,3 +398,6 @@ class TrainOptions(ModelOptions):
         help="cross-rank input checks that cost a collective per call (shapes into TP layers, "
         "cross-entropy targets); also FASTPAR_DEBUG_CHECKS=1",
     )
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """The optimizer and its state's dtype (``--optimizer``, ``--muon-momentum``,
+    ``--muon-per-head``, ``--optimizer-state-dtype``: ``OptimizerConfig``'s flags)."""

@@ -61,8 +61,8 @@ def math_settings(cfg) -> list[str]:
         out.append(f"--plan {cfg.plan}")
     if has_moe(cfg):
         out.append(moe_text(cfg))
-    if cfg.optimizer_state_dtype != "fp32":
-        out.append(f"AdamW moments in {cfg.optimizer_state_dtype}")
+    if cfg.optimizer.state_dtype != "fp32":
+        out.append(f"AdamW moments in {cfg.optimizer.state_dtype}")
     depth = getattr(cfg.model, "mtp_depth", 0)
     if depth:
         out.append(f"MTP depth {depth} (loss coef {cfg.model.mtp_loss_coef:g})")
