@@ -57,7 +57,7 @@ def data(tmp_path_factory):
 def test_every_gradient_on_every_rank_is_the_single_process_models(data, layout):
     cfg = TrainConfig.from_flags(**{**SMALL, **layout}, data=data)
     results = every_gradient_agrees(cfg)
-    if cfg.mtp_depth:
+    if cfg.model.mtp_depth:
         assert sum(int(lines[0].split()[3]) for lines in results) > 0  # the last stage's MTP
 
 
