@@ -108,11 +108,9 @@ def test_a_bin_runs_data_dtype_is_recorded_resolved_and_resumes_quietly(tmp_path
 def test_compare_schedule_and_data_dtype_records():
     """The steps both settings train decide; --data-dtype is compared for a .bin file only
     (a text run recorded "uint16" before it was left unset)."""
-    from dataclasses import asdict
-
     from fastpar.train.checkpointing import compare_schedule, compare_settings
 
-    saved = {"config": asdict(TrainConfig.from_flags(**{**SMALL, "warmup": 5, "steps": 10}))}
+    saved = {"config": TrainConfig.from_flags(**{**SMALL, "warmup": 5, "steps": 10}).flags()}
     assert (
         compare_schedule(saved, TrainConfig.from_flags(**{**SMALL, "warmup": 5, "steps": 10}), 2)
         is None
