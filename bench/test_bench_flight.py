@@ -47,7 +47,7 @@ def _step_seconds(cfg) -> float:
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_train_step_with_and_without_the_recorder(benchmark, name):
-    cfg = TrainConfig(steps=8, quiet=True, **LAYOUTS[name])
+    cfg = TrainConfig.from_flags(steps=8, quiet=True, **LAYOUTS[name])
     benchmark.group = "flight-train-step"
     on, off = [], []
 
@@ -123,7 +123,7 @@ def test_notes_on_and_off_step_by_step(benchmark, name):
     recorder on throughout): the cleanest A/B on a busy machine."""
     from fastpar.train.batches import load_data
 
-    cfg = TrainConfig(steps=40, quiet=True, **LAYOUTS[name])
+    cfg = TrainConfig.from_flags(steps=40, quiet=True, **LAYOUTS[name])
     benchmark.group = "flight-notes"
     out = benchmark.pedantic(
         run_ranks,

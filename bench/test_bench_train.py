@@ -22,10 +22,10 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_train_step_throughput(benchmark, name):
-    cfg = TrainConfig(steps=6, quiet=True, **LAYOUTS[name])
+    cfg = TrainConfig.from_flags(steps=6, quiet=True, **LAYOUTS[name])
     benchmark.group = "train-step"
     records = benchmark.pedantic(launch, args=(cfg,), rounds=1, iterations=1)
     secs = statistics.median(r["seconds"] for r in records[1:])
-    tps = cfg.batch_size * cfg.seq_len / secs
+    tps = cfg.batch_size * cfg.model.seq_len / secs
     benchmark.extra_info.update(step_seconds=secs, tokens_per_second=tps, layout=name)
     print(f"\n{name}: {secs * 1e3:.0f} ms/step, {tps:,.0f} tokens/s (8 CPU ranks)")

@@ -8,12 +8,12 @@ from __future__ import annotations
 import argparse
 import difflib
 import errno
-import inspect
 import json
 import math
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any
 
 
 def nearest_flag(arg: str, options: list[str]) -> str | None:
@@ -136,6 +136,15 @@ OPTION = "fastpar.option"
 """The ``dataclasses.field`` metadata key under which ``option`` keeps a field's ``Option``."""
 
 
+class _FieldDefault:
+    def __repr__(self) -> str:
+        return "FIELD_DEFAULT"
+
+
+FIELD_DEFAULT: Any = _FieldDefault()
+"""``Option.flag_default`` when the flag's default is the field's."""
+
+
 @dataclass(frozen=True)
 class Option:
     """A dataclass field's command-line flag, kept in the field's metadata (``option``)."""
@@ -151,8 +160,15 @@ class Option:
     """The values the flag takes, shown as its metavar; the config's check names a bad one. A
     registry (a dict: its keys) is read when asked, so what is added to it later counts."""
     name: str | None = None
-    """The flat name (a TrainConfig field, ``--<name>``) when it is not the field's own name;
-    ``flat_fields`` adds it to a flat config."""
+    """The flat name (the flag ``--<name>``, its --config / train_config.json key) when it is
+    not the field's own name (``num_experts`` is ``--experts``)."""
+    inverted: bool = False
+    """The flag is the field's negation (``--untied`` is ``not tie_embeddings``)."""
+    zero_is_none: bool = False
+    """The flag's 0 is the field's None (``--q-lora-rank 0``: no low-rank query)."""
+    flag_default: Any = FIELD_DEFAULT
+    """The flag's default where it is not the field's (as the flag says it: the trainer ties
+    a model's head, a ``LlamaConfig`` alone does not)."""
     deferred: bool = False
     """The flag's default is None, not the field's: left out, the value follows other flags
     (resolved when the config is made from the flags)."""
@@ -174,6 +190,18 @@ class Option:
     """The unit after ``at_most`` in the error ("exceeds 1e+09 seconds")."""
     message: str = ""
     """The whole error instead of the generic one, with ``{flag}`` and ``{value}`` filled in."""
+
+    def to_flag(self, value):
+        """A field's value as its flag says it (``inverted``, ``zero_is_none``)."""
+        if self.inverted:
+            return not value
+        return 0 if self.zero_is_none and value is None else value
+
+    def to_field(self, value):
+        """A flag's value as its field holds it (the inverse of ``to_flag``)."""
+        if self.inverted:
+            return not value
+        return None if self.zero_is_none and value == 0 else value
 
     def text(self) -> str:
         """The help text (``help``, called if it is a callable)."""
@@ -214,6 +242,9 @@ def option(
     metavar: str | None = None,
     words=(),
     name: str | None = None,
+    inverted: bool = False,
+    zero_is_none: bool = False,
+    flag_default=FIELD_DEFAULT,
     deferred: bool = False,
     default_factory=MISSING,
     resume: str = "",
@@ -230,8 +261,25 @@ def option(
     if resume not in ("", "refuse", "warn"):
         raise ValueError(f"resume must be '', 'refuse' or 'warn', got {resume!r}")
     words = words if isinstance(words, dict) else tuple(words)
-    bound = (at_least, at_most, positive, finite, note, unit, message)
-    opt = Option(help, group, metavar, words, name, deferred, resume, *bound)
+    opt = Option(
+        help,
+        group,
+        metavar,
+        words,
+        name=name,
+        inverted=inverted,
+        zero_is_none=zero_is_none,
+        flag_default=flag_default,
+        deferred=deferred,
+        resume=resume,
+        at_least=at_least,
+        at_most=at_most,
+        positive=positive,
+        finite=finite,
+        note=note,
+        unit=unit,
+        message=message,
+    )
     meta = {OPTION: opt}
     if default_factory is not MISSING:
         return field(default_factory=default_factory, metadata=meta)
@@ -249,50 +297,19 @@ def flat_name(f: Field) -> str:
     return opt.name if opt is not None and opt.name else f.name
 
 
-def _nested(config: type) -> Callable:
-    """The getter of a flat class's nested ``config``: its flagged fields' flat values, the
-    flat class's fields of the same name (a model's ``capacity_factor``), and what the flat
-    class's ``nested_values(config)`` returns, if it has one (Llama's experts are SwiGLU)."""
-    names = {f.name: flat_name(f) for f in fields(config)}  # each field's flat name
-
-    def get(self):
-        mine = {f.name for f in fields(self)}
-        kw = {n: getattr(self, flat) for n, flat in names.items() if flat in mine}
-        kw.update(getattr(self, "nested_values", lambda _: {})(config))
-        return config(**kw)
-
-    get.__doc__ = f"The {config.__name__} of this config's values."
-    return get
-
-
-def flat_fields(*configs: type):
-    """Class decorator, applied before ``@dataclass``: every field of ``configs`` that declares
-    an ``Option`` becomes a field of the decorated class under its flat name, with the same
-    type, default and metadata. The option is declared once (in ``configs``); the flat class
-    (the command's config, a model config) holds it under the name its flag and its saved
-    files use. A config with a ``nested`` name (``RouterConfig.nested`` is "moe_router") is
-    also an attribute of the flat class under that name: the config of its flat fields' values
-    (``cfg.moe_router.score`` is ``cfg.router_score``), its other fields at their defaults."""
-
-    def add(cls):
-        own = inspect.get_annotations(cls)
-        notes = dict(own)
-        for config in configs:
-            for f in fields(config):
-                if option_of(f) is None:
-                    continue
-                name = flat_name(f)
-                if f.default is MISSING:
-                    raise TypeError(f"{config.__name__}.{f.name}: a flat field needs a default")
-                if name in own:
-                    raise TypeError(f"{cls.__name__}.{name} is already {config.__name__}'s")
-                notes[name] = f.type
-                setattr(cls, name, field(default=f.default, metadata=f.metadata))
-            if getattr(config, "nested", None):
-                if config.nested in own:
-                    raise TypeError(f"{cls.__name__}.{config.nested} is already a field")
-                setattr(cls, config.nested, property(_nested(config)))
-        cls.__annotations__ = notes
-        return cls
-
-    return add
+def lenient(cls: type, **kw):
+    """``cls(**kw)`` (a frozen dataclass); where its own checks refuse a value, the object
+    holding it unchecked, for a later check to name the flag (``TrainConfig.check``)."""
+    try:
+        return cls(**kw)
+    except (ValueError, TypeError):
+        obj = object.__new__(cls)
+        for f in fields(cls):
+            if f.name in kw:
+                value = kw[f.name]
+            elif f.default_factory is not MISSING:
+                value = f.default_factory()
+            else:
+                value = f.default
+            object.__setattr__(obj, f.name, value)
+        return obj

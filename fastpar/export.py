@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import sys
-from dataclasses import fields
 
 import torch
 
@@ -27,6 +26,7 @@ def run_config(path: str):
     """The ``TrainConfig`` saved with a training checkpoint."""
     from fastpar.checkpoint import CheckpointReader
     from fastpar.train import TrainConfig
+    from fastpar.train.config import flag_specs
 
     saved = (CheckpointReader(path).common().get("extra") or {}).get("config")
     if not isinstance(saved, dict):
@@ -34,8 +34,8 @@ def run_config(path: str):
             f"{path} holds no training settings (it was not written by fastpar.train, or by an "
             f"older fastpar): export its tensors with fastpar.checkpoint.export_hf instead"
         )
-    known = {f.name for f in fields(TrainConfig)}
-    return TrainConfig(**{k: v for k, v in saved.items() if k in known})
+    known = {spec.name for spec in flag_specs()}
+    return TrainConfig.from_flags(**{k: v for k, v in saved.items() if k in known})
 
 
 def fastpar_model(cfg, state: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -51,7 +51,7 @@ def fastpar_model(cfg, state: dict[str, torch.Tensor]) -> torch.nn.Module:
         return _Logits(model, hf=True)
     from fastpar.models import build_model
 
-    model = torch.nn.Sequential(*build_model(cfg.model(), None))
+    model = torch.nn.Sequential(*build_model(cfg.model, None))
     import_state_dict(state, dict(model.named_parameters()))
     with torch.no_grad():  # the routers' expert_bias buffers (--expert-bias) steer the choice
         for name, b in model.named_buffers():
@@ -104,7 +104,7 @@ def export(path: str, out_dir: str, tokenizer: str | None = None) -> tuple:
         config = config.to_dict()
     else:
         mapping, model_class = hf_mapping(cfg)
-        model_cfg = cfg.model()
+        model_cfg = cfg.model
         try:
             hf_state = mapping.to_hf(state, model_cfg)
         except ValueError as exc:
@@ -136,7 +136,7 @@ def hf_mapping(cfg):
     model = native.get(cfg.model_type)
     if model.exporter is None:
         raise ValueError(f"--model {cfg.model_type} does not export to Hugging Face")
-    mapping, model_class = model.exporter(cfg)
+    mapping, model_class = model.exporter(cfg.model)
     if model_class is not None:
         where, _, name = model_class.rpartition(".")
         model_class = getattr(importlib.import_module(where), name)
@@ -233,7 +233,7 @@ def check(out_dir: str, cfg, state, prompt: str, generate: int, tokenizer: str |
     hf = transformers.AutoModelForCausalLM.from_pretrained(out_dir, **kw)
     hf.eval()
     ours = fastpar_model(cfg, state).eval()
-    ids = _fitted(_prompt_ids(cfg, prompt, tokenizer), generate, cfg.seq_len)
+    ids = _fitted(_prompt_ids(cfg, prompt, tokenizer), generate, cfg.model.seq_len)
     with torch.no_grad():
         got, single = hf(ids).logits, ours(ids)
         exact = cast(copy.deepcopy(ours), torch.float64)(ids)

@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from fastpar import checkpoint, parity, tolerance
-from fastpar.cliutil import option_of
 from fastpar.launch import RankError
 from fastpar.models.common import IGNORE_INDEX
 from fastpar.models.documents import documents
@@ -38,6 +37,7 @@ from fastpar.train import (
 from fastpar.train.batches import as_data, eval_batch, split_tokens
 from fastpar.train.build import DTYPES, build
 from fastpar.train.cli import prepare, refuse
+from fastpar.train.config import flag_specs
 from fastpar.train.loop import evaluates_at
 from fastpar.train.options import CHECKPOINTS
 from fastpar.train.summary import hybrid_text
@@ -74,11 +74,11 @@ def reference_groups(cfg: TrainConfig) -> int:
     pieces accumulated in fp16, the replicas averaged in fp32)."""
     if cfg.precision == "fp16":  # a skip is decided on each rank's loss-scaled gradient
         return cfg.dp * cfg.microbatches
-    if cfg.hf_config or not cfg.moe_every:
+    if cfg.hf_config or not cfg.model.moe_every:
         return 1
-    per_micro_batch = (cfg.aux_loss == "micro_batch" and cfg.aux_loss_coef > 0) or (
-        cfg.capacity_factor is not None
-    )
+    per_micro_batch = (
+        cfg.model.moe_router.aux_loss == "micro_batch" and cfg.model.moe_router.aux_loss_coef > 0
+    ) or (cfg.model.capacity_factor is not None)
     return cfg.dp * cfg.microbatches if per_micro_batch else 1
 
 
@@ -188,7 +188,7 @@ def reduction_length(cfg: TrainConfig, params: dict[str, torch.Tensor]) -> int:
     """The longest sum a compared quantity comes from, for the rule's floor: the tokens of a
     global batch (a weight gradient sums over them) or the widest parameter dimension."""
     widest = max((max(t.shape, default=1) for t in params.values()), default=1)
-    return max(1, cfg.batch_size * cfg.seq_len, widest)
+    return max(1, cfg.batch_size * cfg.model.seq_len, widest)
 
 
 def references(cfg: TrainConfig, tokens) -> tolerance.References:
@@ -247,9 +247,7 @@ def reference_key(cfg: TrainConfig, tokens) -> tuple:
     logits in backward (it does under a schedule whose forwards all come first), and a
     fingerprint of the data (``tokens``: as ``compare`` takes them; None: ``load_data``)."""
     groups = reference_groups(cfg)
-    fields = tuple(
-        (f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name not in LAYOUT_ONLY
-    )
+    fields = tuple((n, v) for n, v in cfg.flags().items() if n not in LAYOUT_ONLY)
     recomputes = SCHEDULES[cfg.schedule].forwards_first if cfg.fused_ce else None
     data = load_data(cfg) if tokens is None else tokens
     return fields, groups, cfg.dp if groups > 1 else 1, recomputes, _digest(data)
@@ -303,8 +301,8 @@ def compare(
         f"{cfg.model_name}, layout: dp {cfg.dp}{hybrid_text(cfg)} x tp {cfg.tp} x pp {cfg.pp}"
         f"{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} (ep {cfg.ep}), ZeRO-{cfg.zero}, {cfg.precision}, "
         f"{cfg.schedule_label} x {cfg.microbatches}{f', recompute {cfg.recompute_policy}' if cfg.recompute else ''}"
-        f"{', sequence parallel' if cfg.sequence_parallel else ''}"
-        f"{f', AdamW moments in {cfg.optimizer_state_dtype}' if cfg.optimizer_state_dtype != 'fp32' else ''}",
+        f"{', sequence parallel' if cfg.model.sequence_parallel else ''}"
+        f"{f', AdamW moments in {cfg.optimizer.state_dtype}' if cfg.optimizer.state_dtype != 'fp32' else ''}",
         tolerance.rule_text(dtype, length),
         f"{'step':>5} {'distributed':>14} {'single-process':>15} {'float64':>12} {'error/bound':>11}"
         f" {'grad-norm dist.':>15} {'single':>10} {'error/bound':>11}",
@@ -416,9 +414,9 @@ def training_only(argv: list[str]) -> str | None:
     --resume, --checkpoint-dir, --save-every, ...), or None. verify trains from scratch in a
     temporary directory of its own, so such a flag would be silently ignored."""
     flags = {
-        "--" + f.name.replace("_", "-")
-        for f in dataclasses.fields(TrainConfig)
-        if option_of(f).group == CHECKPOINTS
+        "--" + spec.name.replace("_", "-")
+        for spec in flag_specs()
+        if spec.option.group == CHECKPOINTS
     }
     return next((a.split("=", 1)[0] for a in argv if a.split("=", 1)[0] in flags), None)
 

@@ -18,7 +18,7 @@ SMALL = tiny_config(
 
 def run(**changes) -> list[dict]:
     """The records of a run of ``SMALL`` with ``changes`` (a value None: the field's default)."""
-    return launch(TrainConfig(**tiny_config(SMALL, **changes)))
+    return launch(TrainConfig.from_flags(**tiny_config(SMALL, **changes)))
 
 
 def losses(records) -> list[float]:

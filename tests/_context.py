@@ -20,6 +20,7 @@ from _parity import exact_copy, local_part
 
 from fastpar.models import GPTConfig, LlamaConfig, build_gpt, build_llama, lm_loss
 from fastpar.models.documents import Documents, documents
+from fastpar.models.llama import routed
 from fastpar.nn.marks import param_layout
 from fastpar.parallel.context import split_sequence
 from fastpar.parity import reduction_length
@@ -68,9 +69,9 @@ def model(kind: str, mesh, extra: dict):
     torch.manual_seed(0)
     base = dict(vocab_size=VOCAB, seq_len=SEQ, hidden=32, heads=4, layers=2, **extra)
     if kind == "llama":
-        cfg = LlamaConfig(**base)
+        cfg = routed(LlamaConfig, **base)
         return cfg, torch.nn.Sequential(*build_llama(cfg, mesh))
-    cfg = GPTConfig(**base)
+    cfg = routed(GPTConfig, **base)
     return cfg, torch.nn.Sequential(*build_gpt(cfg, mesh))
 
 

@@ -1,5 +1,5 @@
 """The tiny model of the training-command tests, defined once: ``tiny_config(**changes)`` gives
-the ``TrainConfig`` keywords, ``tiny_argv(**changes)`` the command line of
+the flags by their flat names (``TrainConfig.from_flags``' keywords), ``tiny_argv(**changes)`` the command line of
 ``python -m fastpar.train`` / ``fastpar.verify`` / ``main(argv)``; ``argv(**options)`` writes
 any keywords as flags. A test passes only what it changes (a layout, the steps, a flag)."""
 

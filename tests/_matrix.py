@@ -175,7 +175,7 @@ def config(row: Row, **extra) -> TrainConfig:
     fields = dict(BASE)
     for name, level in row.items():
         fields.update(TABLE[name][level])
-    return TrainConfig(**{**fields, **extra})
+    return TrainConfig.from_flags(**{**fields, **extra})
 
 
 def refusal(row: Row) -> str | None:

@@ -75,7 +75,7 @@ def tp2(tmp_path_factory):
 def run_dir(tmp_path_factory):
     """A fastpar.train run at TP=2 saving steps 1 and 2."""
     root = tmp_path_factory.mktemp("run")
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flags(
         **tiny_config(ONE_RANK, batch_size=4, layers=1, tp=2, model_type="llama", kv_heads=2),
         checkpoint_dir=str(root / "ckpt"),
         save_every=1,

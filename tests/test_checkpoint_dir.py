@@ -131,7 +131,7 @@ def _save_at(cfg: TrainConfig, at: list[int]) -> None:
 
 def test_steps_are_ordered_as_numbers_past_999999(tmp_path, capfd):
     d = str(tmp_path / "ckpt")
-    cfg = TrainConfig(**{**SMALL, "checkpoint_dir": d, "steps": 1_000_001})
+    cfg = TrainConfig.from_flags(**{**SMALL, "checkpoint_dir": d, "steps": 1_000_001})
     run_ranks(_save_at, 1, cfg, [999_999, 1_000_000])
     assert sorted(os.listdir(d)) == ["LOCK", "step_1000000", "step_999999", "train_config.json"]
     assert latest_checkpoint(d) == os.path.join(d, "step_1000000")

@@ -45,7 +45,7 @@ BROKEN = ("Traceback", "Fatal Python error", "Bus error", "SIGBUS", "Exception i
 
 
 def _run(**overrides) -> list[dict]:
-    return launch(TrainConfig(**{**SMALL, **overrides}))
+    return launch(TrainConfig.from_flags(**{**SMALL, **overrides}))
 
 
 def _usage(path: str) -> int:
@@ -187,7 +187,7 @@ def test_a_disk_full_before_the_first_step_is_one_line_on_every_rank(small_disk,
     from fastpar.train.batches import load_data
 
     d = small_disk(4096)
-    cfg = TrainConfig(**{**SMALL, "checkpoint_dir": d})
+    cfg = TrainConfig.from_flags(**{**SMALL, "checkpoint_dir": d})
     texts = run_ranks(_refused, 2, cfg, load_data(cfg), flight_dir=os.path.join(d, "flight"))
     assert texts == 2 * [
         f"--checkpoint-dir {d}: {d}/train_config.json: No space left on device (ENOSPC) "

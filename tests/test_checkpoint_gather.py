@@ -194,7 +194,7 @@ def test_a_trainers_gradients_gather_to_one_devices(layout):
     from fastpar.verify import references
 
     changes, use_wrapper = LAYOUTS[layout]
-    cfg = TrainConfig(**tiny_config(**changes, steps=1))
+    cfg = TrainConfig.from_flags(**tiny_config(**changes, steps=1))
     cfg.check()
     refs = references(cfg, None)
     results = run_ranks(_first_step, cfg.world_size, cfg, refs, use_wrapper)

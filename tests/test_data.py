@@ -320,9 +320,9 @@ def test_out_of_vocabulary_ids_fail_before_any_rank_starts(command, tmp_path, mo
 def test_vocab_size_follows_the_tokenizer(tokenizer_file, capsys):
     from fastpar.train import TrainConfig, main
 
-    cfg = TrainConfig(model_type="llama", tokenizer=tokenizer_file)
-    assert cfg.model().vocab_size == 300
-    assert TrainConfig(tokenizer=tokenizer_file, vocab_size=320).model().vocab_size == 320
+    cfg = TrainConfig.from_flags(model_type="llama", tokenizer=tokenizer_file)
+    assert cfg.model.vocab_size == 300
+    assert TrainConfig.from_flags(tokenizer=tokenizer_file, vocab_size=320).model.vocab_size == 320
     assert main([*SMALL_RUN, "--tokenizer", tokenizer_file, "--vocab-size", "299"]) == 2
     assert "--vocab-size 299 is smaller than the 300 tokens of" in capsys.readouterr().err
 

@@ -19,7 +19,9 @@ SMALL = tiny_config(seq_len=32)
 
 def _train(tmp_path, **kw) -> str:
     small = {k: v for k, v in SMALL.items() if "hf_config" not in kw or k not in SIZES}
-    cfg = TrainConfig(**{**small, **kw, "checkpoint_dir": str(tmp_path / "ckpt"), "save_every": 2})
+    cfg = TrainConfig.from_flags(
+        **{**small, **kw, "checkpoint_dir": str(tmp_path / "ckpt"), "save_every": 2}
+    )
     launch(cfg)
     return str(tmp_path / "ckpt" / "step_000002")
 

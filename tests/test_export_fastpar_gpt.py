@@ -45,7 +45,9 @@ def _load(out: str):
 
 def _length(cfg: TrainConfig, tokens: int) -> int:
     """The longest sum into a logit: the hidden or MLP width, or the attended tokens."""
-    return max(cfg.hidden, cfg.ffn or 4 * cfg.hidden, cfg.shared_expert_ffn or 0, tokens)
+    model = cfg.model
+    shared = model.moe_experts.shared_ffn_hidden_size
+    return max(model.hidden, model.ffn or 4 * model.hidden, shared or 0, tokens)
 
 
 def test_the_default_run_exports_and_loads_in_transformers(tmp_path):
@@ -77,12 +79,14 @@ def test_the_default_run_exports_and_loads_in_transformers(tmp_path):
     hf = _load(out)
     assert type(hf).__name__ == "FastparGPTForCausalLM"
     assert hf.lm_head.weight is hf.transformer.wte.weight  # tied, as trained
-    ids = torch.randint(0, cfg.vocab, (3, cfg.seq_len), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(
+        0, cfg.vocab, (3, cfg.model.seq_len), generator=torch.Generator().manual_seed(1)
+    )
     with torch.no_grad():
         got, single = hf(ids).logits, ours(ids)
         exact = cast(copy.deepcopy(ours), torch.float64)(ids)
         loss = hf(ids, labels=ids).loss
-    assert_agree(got, single, exact, length=_length(cfg, cfg.seq_len), what="exported logits")
+    assert_agree(got, single, exact, length=_length(cfg, cfg.model.seq_len), what="exported logits")
     want = torch.nn.functional.cross_entropy(
         exact[:, :-1].reshape(-1, exact.shape[-1]), ids[:, 1:].reshape(-1)
     )
@@ -107,7 +111,7 @@ OPTIONS = {
 
 def _random_model(cfg: TrainConfig, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(*build_model(cfg.model(), None)).eval()
+    model = torch.nn.Sequential(*build_model(cfg.model, None)).eval()
     with torch.no_grad():  # trained biases and norms, not their initial 0 / 1
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             if "norm" in name or name.endswith(("b1", "b2", "bias")):
@@ -117,20 +121,20 @@ def _random_model(cfg: TrainConfig, seed: int) -> torch.nn.Module:
 
 @pytest.mark.parametrize("name", list(OPTIONS))
 def test_every_gpt_option_computes_fastpars_function(tmp_path, name):
-    cfg = TrainConfig(**OPTIONS[name])
+    cfg = TrainConfig.from_flags(**OPTIONS[name])
     model = _random_model(cfg, seed=3)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     out = str(tmp_path / "hf")
-    config = gpt_code.hf_config(cfg.model())
+    config = gpt_code.hf_config(cfg.model)
     export_hf(
-        gpt_code.to_hf(state, cfg.model()),
+        gpt_code.to_hf(state, cfg.model),
         out,
         FastparGPTForCausalLM.config_class(**config),
         model_class=FastparGPTForCausalLM,
     )
     gpt_code.write_code(out)
     hf = _load(out)
-    assert hf.config.tie_word_embeddings is not cfg.untied
+    assert hf.config.tie_word_embeddings is cfg.model.tie_embeddings
     ids = torch.randint(0, cfg.vocab, (2, 48), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         got, single = hf(ids).logits, model(ids).view(*ids.shape, -1)
@@ -139,12 +143,12 @@ def test_every_gpt_option_computes_fastpars_function(tmp_path, name):
 
 
 def test_left_padded_rows_compute_the_unpadded_rows(tmp_path):
-    cfg = TrainConfig()
+    cfg = TrainConfig.from_flags()
     model = _random_model(cfg, seed=4)
     out = str(tmp_path / "hf")
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    config = FastparGPTForCausalLM.config_class(**gpt_code.hf_config(cfg.model()))
-    export_hf(gpt_code.to_hf(state, cfg.model()), out, config, model_class=FastparGPTForCausalLM)
+    config = FastparGPTForCausalLM.config_class(**gpt_code.hf_config(cfg.model))
+    export_hf(gpt_code.to_hf(state, cfg.model), out, config, model_class=FastparGPTForCausalLM)
     gpt_code.write_code(out)
     hf = _load(out)
     g = torch.Generator().manual_seed(5)
@@ -167,4 +171,4 @@ def test_left_padded_rows_compute_the_unpadded_rows(tmp_path):
 
 def test_capacity_factor_is_refused_naming_the_flag():
     with pytest.raises(ValueError, match=r"--capacity-factor 1\.25"):
-        gpt_code.hf_config(TrainConfig(capacity_factor=1.25).model())
+        gpt_code.hf_config(TrainConfig.from_flags(capacity_factor=1.25).model)

@@ -26,7 +26,7 @@ GPT2 = dict(norm="layernorm", moe_every=0, ep=1)
 
 def _train(tmp_path, **kw) -> str:
     ckpt = tmp_path / "ckpt"
-    launch(TrainConfig(**{**SMALL, **kw, "checkpoint_dir": str(ckpt), "save_every": 2}))
+    launch(TrainConfig.from_flags(**{**SMALL, **kw, "checkpoint_dir": str(ckpt), "save_every": 2}))
     return str(ckpt / "step_000002")
 
 
@@ -62,7 +62,9 @@ def test_gpt_run_exports_as_gpt2_with_fastpars_logits(tmp_path, tok, capsys, lay
     with torch.no_grad():
         got, single = hf(ids).logits, ours(ids)
         exact = cast(copy.deepcopy(ours), torch.float64)(ids)
-    length = max(cfg.hidden, 4 * cfg.hidden, SMALL["seq_len"])  # the longest sum into a logit
+    length = max(
+        cfg.model.hidden, 4 * cfg.model.hidden, SMALL["seq_len"]
+    )  # the longest sum into a logit
     assert_agree(got, single, exact, length=length, what="GPT-2 logits")
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
@@ -91,11 +93,11 @@ def test_gpt2_refuses_what_it_cannot_compute_naming_the_option():
     """GPT-2 has LayerNorm and dense blocks only; such runs export as fastpar's own model
     (``tests/test_export_fastpar_gpt.py``), never as a GPT-2 computing something else."""
     with pytest.raises(ValueError, match="--moe-every 2"):
-        gpt_hf.hf_config(TrainConfig(norm="layernorm", moe_every=2).model())
+        gpt_hf.hf_config(TrainConfig.from_flags(norm="layernorm", moe_every=2).model)
     with pytest.raises(ValueError, match="--norm layernorm"):  # the default run: RMSNorm + MoE
-        gpt_hf.hf_config(TrainConfig().model())
+        gpt_hf.hf_config(TrainConfig.from_flags().model)
     with pytest.raises(ValueError, match="--norm layernorm"):
-        gpt_hf.to_hf({}, TrainConfig(moe_every=0, ep=1).model())
+        gpt_hf.to_hf({}, TrainConfig.from_flags(moe_every=0, ep=1).model)
 
 
 def test_rmsnorm_run_exports_as_fastpar_gpt(tmp_path, capsys):

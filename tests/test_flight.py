@@ -254,7 +254,9 @@ def test_a_pipeline_records_its_sends_and_receives(tmp_path):
     from fastpar.train import TrainConfig
     from fastpar.train.batches import load_data
 
-    cfg = TrainConfig(tp=1, pp=2, dp=1, ep=1, moe_every=0, microbatches=2, steps=1, quiet=True)
+    cfg = TrainConfig.from_flags(
+        tp=1, pp=2, dp=1, ep=1, moe_every=0, microbatches=2, steps=1, quiet=True
+    )
     run_ranks(_pipeline_step, 2, cfg, load_data(cfg), str(tmp_path), timeout=120)
     dumps = {d["rank"]: d for d in read_dumps(str(tmp_path))}
     sent = [

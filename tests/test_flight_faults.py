@@ -161,7 +161,7 @@ def test_a_rank_ten_times_slower_is_named_in_the_metrics(tmp_path, capfd):
 
     path = tmp_path / "m.jsonl"
     # (not quiet: the slowest rank is named in the progress lines)
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flags(
         **tiny_config(ONE_RANK, dp=2, steps=4, log_every=1, batch_size=4, heads=2, quiet=None),
         metrics_file=str(path),
     )

@@ -27,6 +27,7 @@ from _parity import local_part
 
 from fastpar.checkpoint import import_state_dict
 from fastpar.models import DeepSeekConfig, build_deepseek, deepseek_loss
+from fastpar.models.llama import routed
 from fastpar.testing import run_ranks
 
 
@@ -44,7 +45,7 @@ from fastpar.testing import run_ranks
     ],
 )
 def test_config_errors_name_the_value_and_the_fix(kwargs, tp, message):
-    cfg = DeepSeekConfig(**kwargs)
+    cfg = routed(DeepSeekConfig, **kwargs)
     if message is None:
         cfg.check(tp=tp)
         with pytest.raises(ValueError, match=r"ep=2 needs MoE layers.*first_k_dense 4"):
@@ -124,7 +125,7 @@ TP_CASES = {
 @pytest.mark.parametrize("case", list(TP_CASES))
 def test_tensor_parallel_equals_single_process_on_every_rank(case):
     kwargs, tp = TP_CASES[case]
-    cfg = DeepSeekConfig(**{**BASE, **kwargs})
+    cfg = routed(DeepSeekConfig, **{**BASE, **kwargs})
     run_ranks(
         _tp_parity, tp, cfg, tp, *single_process(cfg, build_deepseek, deepseek_loss, buffers=True)
     )
@@ -135,7 +136,7 @@ def test_without_the_rotary_key_region_the_gradients_disagree(sp):
     """k_pe (one activation broadcast into every local head) without its copy-to-region:
     logits and loss still agree, but each rank's kv_a (the replicated down projection holding
     k_pe's rows) gets only its own heads' gradient — the check must name it on every rank."""
-    cfg = DeepSeekConfig(**{**BASE, "sequence_parallel": sp})
+    cfg = routed(DeepSeekConfig, **{**BASE, "sequence_parallel": sp})
     results = run_ranks(
         _tp_parity_without_the_k_pe_region,
         2,
@@ -168,8 +169,8 @@ def test_verify_deepseek_agrees(layout):
     from fastpar.train import TrainConfig
     from fastpar.verify import compare
 
-    cfg = TrainConfig(model_type="deepseek", **SMALL, **DEEPSEEK, **layout)
-    assert cfg.moe_every == 1 and cfg.model().is_moe(1) and not cfg.model().is_moe(0)
+    cfg = TrainConfig.from_flags(model_type="deepseek", **SMALL, **DEEPSEEK, **layout)
+    assert cfg.model.moe_every == 1 and cfg.model.is_moe(1) and not cfg.model.is_moe(0)
     ok, text = compare(cfg)
     assert ok, text
     assert text.endswith("AGREE")
@@ -189,4 +190,6 @@ def test_trainer_flags_of_the_other_models_are_refused():
         (dict(model_type="deepseek", heads=3), "heads 3 are not divisible by tp 2"),
     ]:
         with pytest.raises(ValueError, match=message):
-            TrainConfig(**{**SMALL, "tp": 2, "pp": 1, "dp": 2, "ep": 2, **kwargs}).check()
+            TrainConfig.from_flags(
+                **{**SMALL, "tp": 2, "pp": 1, "dp": 2, "ep": 2, **kwargs}
+            ).check()

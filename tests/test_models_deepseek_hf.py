@@ -40,6 +40,7 @@ from _model_runs import (
 from fastpar.checkpoint import import_state_dict
 from fastpar.models import DeepSeekConfig, build_deepseek, deepseek_loss
 from fastpar.models.deepseek_hf import from_hf, hf_config, is_mtp_name, to_hf
+from fastpar.models.llama import routed
 from fastpar.moe.layer import aux_loss_scale
 from fastpar.parity import reduction_length
 from fastpar.testing import run_ranks
@@ -106,7 +107,7 @@ def _bias_zeros(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_logits_and_every_gradient_equal_hf(name):
-    cfg = DeepSeekConfig(layers=3, seq_len=16, **VARIANTS[name])
+    cfg = routed(DeepSeekConfig, layers=3, seq_len=16, **VARIANTS[name])
     ours = _fastpar_model(cfg)
     hf = hf_model(hf_config(cfg))
     assert type(hf).__name__ == "DeepseekV3ForCausalLM"
@@ -123,7 +124,9 @@ def test_logits_and_every_gradient_equal_hf(name):
 def test_yarn_and_interleave_change_the_function():
     """The variants above would pass vacuously if YaRN or the interleaved layout did nothing:
     each changes the logits of the same weights."""
-    cfg = DeepSeekConfig(layers=2, seq_len=16, **VARIANTS["qlora-yarn-interleaved-groups-shared"])
+    cfg = routed(
+        DeepSeekConfig, layers=2, seq_len=16, **VARIANTS["qlora-yarn-interleaved-groups-shared"]
+    )
     model = _fastpar_model(cfg)
     ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -144,7 +147,7 @@ def test_yarn_and_interleave_change_the_function():
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_from_hf_loads_an_hf_model_and_maps_back_bit_for_bit(name):
-    cfg = DeepSeekConfig(layers=3, seq_len=16, **VARIANTS[name])
+    cfg = routed(DeepSeekConfig, layers=3, seq_len=16, **VARIANTS[name])
     check_from_hf(cfg, build_deepseek, from_hf, hf_config, to_hf)
 
 
@@ -160,12 +163,12 @@ def test_hf_mapping_refuses_what_hf_does_not_compute():
         "groups of at least 2 experts": dict(router_groups=4, router_group_topk=2),
     }
     for message, change in refused.items():
-        cfg = DeepSeekConfig(**{**base, **change})
+        cfg = routed(DeepSeekConfig, **{**base, **change})
         with pytest.raises(ValueError, match=message):
             hf_config(cfg)
         with pytest.raises(ValueError, match=message):
             to_hf({}, cfg)
-    cfg = DeepSeekConfig(**base)
+    cfg = routed(DeepSeekConfig, **base)
     state = _state(_fastpar_model(cfg))
     bad = {
         "attention_bias=True is not supported": {"attention_bias": True},
@@ -187,7 +190,7 @@ def _trained_and_exported(tmp_path, **layout):
 
     ckpt = tmp_path / "ckpt"
     run = tiny_config(DEEPSEEK, model_type="deepseek", layers=3, **layout)
-    cfg = TrainConfig(**run, checkpoint_dir=str(ckpt), save_every=2)
+    cfg = TrainConfig.from_flags(**run, checkpoint_dir=str(ckpt), save_every=2)
     launch(cfg)
     _, state, config = export(str(ckpt / "step_000002"), str(tmp_path / "hf"))
     return cfg, state, config
@@ -243,7 +246,9 @@ def _hf_weights_at_tp2_ep2(config, hf_state, batch, runs, length) -> None:
 
 
 def test_hf_weights_at_tp2_ep2_give_hf_logits_and_gradients():
-    cfg = DeepSeekConfig(layers=3, seq_len=16, **VARIANTS["qlora-yarn-interleaved-groups-shared"])
+    cfg = routed(
+        DeepSeekConfig, layers=3, seq_len=16, **VARIANTS["qlora-yarn-interleaved-groups-shared"]
+    )
     torch.manual_seed(2)
     hf = hf_model(hf_config(cfg))
     perturb_(hf, 3)
@@ -279,7 +284,7 @@ MTP_HF = {
 
 @pytest.mark.parametrize("depth, tied", [(1, False), (2, True)], ids=["d1-untied", "d2-tied"])
 def test_mtp_weights_map_to_deepseek_v3_names_and_back_bit_for_bit(depth, tied):
-    cfg = DeepSeekConfig(**MTP_HF, mtp_depth=depth, tie_embeddings=tied)
+    cfg = routed(DeepSeekConfig, **MTP_HF, mtp_depth=depth, tie_embeddings=tied)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*build_deepseek(cfg))
     with torch.no_grad():
@@ -305,7 +310,8 @@ def test_mtp_weights_map_to_deepseek_v3_names_and_back_bit_for_bit(depth, tied):
         assert is_mtp_name(layer + "eh_proj.weight", cfg)
     assert not is_mtp_name(f"model.layers.{cfg.layers - 1}.mlp.gate.weight", cfg)
     got_cfg, back = from_hf(hf, config)
-    assert dataclasses.replace(got_cfg, aux_loss=cfg.aux_loss) == cfg  # (HF has no aux loss)
+    router = dataclasses.replace(got_cfg.moe_router, aux_loss=cfg.moe_router.aux_loss)
+    assert dataclasses.replace(got_cfg, moe_router=router) == cfg  # (HF has no aux loss)
     # (the MTP head's "embedding" is a second name of 0.tok.weight)
     want = {k: t for k, t in state.items() if k != f"{cfg.layers + 1}.embedding"}
     assert sorted(back) == sorted(want)
@@ -314,7 +320,7 @@ def test_mtp_weights_map_to_deepseek_v3_names_and_back_bit_for_bit(depth, tied):
 
 
 def test_from_hf_refuses_mtp_layers_it_cannot_take():
-    cfg = DeepSeekConfig(**MTP_HF, mtp_depth=1)
+    cfg = routed(DeepSeekConfig, **MTP_HF, mtp_depth=1)
     torch.manual_seed(0)
     state = dict(torch.nn.Sequential(*build_deepseek(cfg)).state_dict())
     hf, config = to_hf(state, cfg), hf_config(cfg)
@@ -346,7 +352,7 @@ def test_a_checkpoint_with_mtp_exports_for_from_pretrained(tmp_path):
     out = tmp_path / "hf"
     assert config["num_nextn_predict_layers"] == 1
     files = safetensors.load_file(str(out / "model.safetensors"))
-    layer = f"model.layers.{cfg.layers}."
+    layer = f"model.layers.{cfg.model.layers}."
     for name in (
         "enorm.weight",
         "hnorm.weight",
@@ -359,11 +365,11 @@ def test_a_checkpoint_with_mtp_exports_for_from_pretrained(tmp_path):
         "mlp.experts.gate_up_proj",
     ):
         assert layer + name in files, name
-    head = f"{cfg.layers + 1}.mtp.0."
+    head = f"{cfg.model.layers + 1}.mtp.0."
     assert torch.equal(files[layer + "eh_proj.weight"], state[head + "eh_proj.weight"])
     got_cfg, back = from_hf(files, config)
-    assert (got_cfg.mtp_depth, got_cfg.layers, got_cfg.first_k_dense) == (1, cfg.layers, 1)
-    assert set(back) - set(state) == {f"{cfg.layers + 1}.weight"}  # the tied head, named
+    assert (got_cfg.mtp_depth, got_cfg.layers, got_cfg.first_k_dense) == (1, cfg.model.layers, 1)
+    assert set(back) - set(state) == {f"{cfg.model.layers + 1}.weight"}  # the tied head, named
     assert set(state) <= set(back)
     for k, t in state.items():
         assert torch.equal(back[k], t), k
@@ -395,7 +401,7 @@ def test_the_mtp_module_is_what_transformers_mtp_layer_computes_from_the_exporte
     from fastpar.parity import reduction_length
     from fastpar.tolerance import nudge
 
-    cfg = DeepSeekConfig(**MTP_HF, mtp_depth=1)
+    cfg = routed(DeepSeekConfig, **MTP_HF, mtp_depth=1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*build_deepseek(cfg))
     g = torch.Generator().manual_seed(1)

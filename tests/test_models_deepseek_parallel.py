@@ -55,9 +55,9 @@ def data(tmp_path_factory):
     ],
 )
 def test_every_gradient_on_every_rank_is_the_single_process_models(data, layout):
-    cfg = TrainConfig(**{**SMALL, **layout}, data=data)
+    cfg = TrainConfig.from_flags(**{**SMALL, **layout}, data=data)
     results = every_gradient_agrees(cfg)
-    if cfg.mtp_depth:
+    if cfg.model.mtp_depth:
         assert sum(int(lines[0].split()[3]) for lines in results) > 0  # the last stage's MTP
 
 
@@ -67,7 +67,7 @@ def test_the_cp_gradient_check_fails_with_the_positions_of_one_chunk(data):
     from fastpar.testing import run_ranks
     from fastpar.verify import references
 
-    cfg = TrainConfig(**{**SMALL, "cp": 2, "tp": 1, "pp": 1}, data=data)
+    cfg = TrainConfig.from_flags(**{**SMALL, "cp": 2, "tp": 1, "pp": 1}, data=data)
     refs = references(cfg, None)
     lines = run_ranks(_local_positions, cfg.world_size, cfg, refs)
     assert all(len(r) > 1 and "attn." in "\n".join(r) for r in lines), lines
@@ -95,7 +95,7 @@ VERIFY = tiny_config(DEEPSEEK, model_type="deepseek", steps=3, layers=3)
 def test_verify_deepseek_agrees(layout):
     from fastpar.verify import compare
 
-    cfg = TrainConfig(**VERIFY, **layout)
+    cfg = TrainConfig.from_flags(**VERIFY, **layout)
     ok, text = compare(cfg)
     assert ok, text
     assert text.endswith("AGREE")
@@ -119,7 +119,7 @@ def test_verify_deepseek_mtp_agrees_under_the_schedules(schedule):
     from fastpar.verify import compare
 
     layout = dict(tp=2, pp=2, dp=1, ep=1, zero=0, steps=2, mtp_depth=1)
-    cfg = TrainConfig(**{**VERIFY, **layout, **schedule})
+    cfg = TrainConfig.from_flags(**{**VERIFY, **layout, **schedule})
     ok, text = compare(cfg)
     assert ok, text
     assert text.endswith("AGREE")
@@ -136,4 +136,4 @@ def test_verify_deepseek_mtp_agrees_under_the_schedules(schedule):
 )
 def test_the_trainer_refuses_what_it_cannot_run(flags, match):
     with pytest.raises(ValueError, match=match):
-        TrainConfig(**{**VERIFY, **flags}).check()
+        TrainConfig.from_flags(**{**VERIFY, **flags}).check()

@@ -34,6 +34,7 @@ from _model_runs import (
 from fastpar.checkpoint import export_hf, import_state_dict
 from fastpar.comm import gather_from_region
 from fastpar.models import LlamaConfig, build_llama, from_hf, hf_config, llama_loss, to_hf
+from fastpar.models.llama import routed
 from fastpar.parity import reduction_length
 from fastpar.testing import run_ranks
 
@@ -240,14 +241,14 @@ def test_a_checkpoint_trained_at_dp_tp_pp_ep_exports_to_hf(family, tmp_path):
 
     options, arch = TRAINED[family]
     ckpt = tmp_path / "ckpt"
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flags(
         **tiny_config(model_type="llama", tp=2, pp=2, dp=2, kv_heads=2, ffn=48, **options),
         checkpoint_dir=str(ckpt),
         save_every=2,
     )
     launch(cfg)
     state = export_state_dict(ckpt / "step_000002")
-    model_cfg = cfg.model()
+    model_cfg = cfg.model
     if model_cfg.tie_embeddings:  # the last stage's copy is saved as the embedding itself
         assert f"{model_cfg.layers + 1}.weight" not in state and "0.tok.weight" in state
     export_hf(to_hf(state, model_cfg), tmp_path / "hf", hf_config(model_cfg))
@@ -278,6 +279,6 @@ def test_a_checkpoint_trained_at_dp_tp_pp_ep_exports_to_hf(family, tmp_path):
 def test_deepseek_style_routing_has_no_hf_export(routing):
     """Qwen3-MoE / Mixtral route by a plain softmax top-k: exporting another routing under
     their names would load as a model computing another function."""
-    cfg = LlamaConfig(layers=2, seq_len=16, moe_every=1, num_experts=4, **routing)
+    cfg = routed(LlamaConfig, layers=2, seq_len=16, moe_every=1, num_experts=4, **routing)
     with pytest.raises(ValueError, match="DeepSeek-style routing or shared experts"):
         hf_config(cfg)

@@ -230,7 +230,7 @@ def test_what_cannot_be_exact_is_refused(kwargs, match):
 )
 def test_the_trainer_refuses_what_it_cannot_run(flags, match):
     with pytest.raises(ValueError, match=match):
-        TrainConfig(**flags).check()
+        TrainConfig.from_flags(**flags).check()
 
 
 # -- every gradient on every rank, through the trainer ------------------------------------------
@@ -269,7 +269,7 @@ def data(tmp_path_factory):
     ],
 )
 def test_every_gradient_on_every_rank_is_the_single_process_models(data, layout):
-    results = every_gradient_agrees(TrainConfig(**{**SMALL, **layout}, data=data))
+    results = every_gradient_agrees(TrainConfig.from_flags(**{**SMALL, **layout}, data=data))
     assert sum(int(lines[0].split()[3]) for lines in results) > 0  # the last stage's MTP
 
 
@@ -279,7 +279,9 @@ def test_the_gradient_check_fails_without_the_embeddings_stage_sum(data, monkeyp
     from fastpar.testing import run_ranks
     from fastpar.verify import references
 
-    cfg = TrainConfig(**{**SMALL, "tp": 1, "pp": 2, "mtp_depth": 1, "untied": True}, data=data)
+    cfg = TrainConfig.from_flags(
+        **{**SMALL, "tp": 1, "pp": 2, "mtp_depth": 1, "untied": True}, data=data
+    )
     refs = references(cfg, None)
     lines = run_ranks(_no_tie, cfg.world_size, cfg, refs)
     assert any(len(r) > 1 and "0.tok.weight" in "\n".join(r) for r in lines), lines
@@ -306,8 +308,8 @@ def test_the_logged_mtp_loss_is_what_its_coefficient_multiplies(data):
 
     from fastpar.train import launch
 
-    one = launch(TrainConfig(**{**RUN, "steps": 1, "mtp_loss_coef": 1.0}, data=data))[0]
-    zero = launch(TrainConfig(**{**RUN, "steps": 1, "mtp_loss_coef": 0.0}, data=data))[0]
+    one = launch(TrainConfig.from_flags(**{**RUN, "steps": 1, "mtp_loss_coef": 1.0}, data=data))[0]
+    zero = launch(TrainConfig.from_flags(**{**RUN, "steps": 1, "mtp_loss_coef": 0.0}, data=data))[0]
     assert one["mtp_loss"] > 0
     assert_close(torch.tensor(one["loss"] - zero["loss"]), torch.tensor(one["mtp_loss"]), "mtp")
     assert_close(torch.tensor(zero["mtp_loss"]), torch.tensor(one["mtp_loss"]), "mtp at 0")
@@ -319,10 +321,10 @@ def test_a_resumed_run_continues_as_the_uninterrupted_one(data, tmp_path):
     resumed from step 2 trains step 3 as the run that never stopped."""
     from fastpar.train import launch
 
-    whole = launch(TrainConfig(**RUN, data=data))
+    whole = launch(TrainConfig.from_flags(**RUN, data=data))
     d = str(tmp_path / "ckpt")
-    launch(TrainConfig(**{**RUN, "steps": 2}, data=data, checkpoint_dir=d))
-    resumed = launch(TrainConfig(**RUN, data=data, checkpoint_dir=d, resume=True))
+    launch(TrainConfig.from_flags(**{**RUN, "steps": 2}, data=data, checkpoint_dir=d))
+    resumed = launch(TrainConfig.from_flags(**RUN, data=data, checkpoint_dir=d, resume=True))
     assert [r["step"] for r in resumed] == [3]
     assert resumed[0]["loss"] == whole[-1]["loss"]
     assert resumed[0]["mtp_loss"] == whole[-1]["mtp_loss"]

@@ -160,7 +160,7 @@ def test_layer_one_graph_equals_eager(expert, capacity_factor):
 def test_trainer_default_model_shape_one_graph_equals_eager():
     """The trainer's default model config (GPT, every 2nd block a dropless top-2 MoE over 4
     experts), shrunk to 2 layers / width 32 / 16 tokens for time; one graph."""
-    cfg = dataclasses.replace(TrainConfig().model(), layers=2, hidden=32, seq_len=16)
+    cfg = dataclasses.replace(TrainConfig.from_flags().model, layers=2, hidden=32, seq_len=16)
     assert cfg.capacity_factor is None and cfg.moe_every == 2
     torch.manual_seed(0)
     model = nn.Sequential(*build_model(cfg))

@@ -235,7 +235,7 @@ def test_verify_deepseek_style_moe_at_dp2_ep2_tp2(model, sp, expert_tp, zero):
     from fastpar.train import TrainConfig
     from fastpar.verify import compare
 
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flags(
         **SMALL,
         **DEEPSEEK_FLAGS,
         model_type=model,
@@ -254,7 +254,7 @@ def test_verify_deepseek_style_moe_at_dp2_ep2_tp2(model, sp, expert_tp, zero):
 def test_sequence_parallel_moe_with_capacity_is_refused_by_the_model():
     from fastpar.train import TrainConfig
 
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flags(
         **SMALL, tp=2, dp=1, ep=1, moe_every=2, sequence_parallel=True, capacity_factor=1.25
     )
     with pytest.raises(ValueError, match=r"capacity_factor=1\.25 would drop per chunk"):

@@ -168,7 +168,7 @@ def test_hf_config_trains_at_tp2_ep2(tmp_path):
     path = tmp_path / "deepseek_v3.json"
     path.write_text(json.dumps(hf_config(FAMILY, vocab_size=300).to_dict()))
     layout = dict(tp=2, ep=2, dp=2, pp=1, zero=1)
-    cfg = TrainConfig(**{**HF_RUN, "steps": 3}, **layout, hf_config=str(path))
+    cfg = TrainConfig.from_flags(**{**HF_RUN, "steps": 3}, **layout, hf_config=str(path))
     ok, text = verify(cfg)
     assert ok, text
     assert text.startswith("hf:") and text.endswith("AGREE")
@@ -221,7 +221,7 @@ def test_init_from_hf_training_exports_with_the_router_score_bias(tmp_path):
     _model(vocab_size=300).save_pretrained(directory)
     ckpt = str(tmp_path / "ckpt")
     layout = dict(tp=2, ep=2, dp=2, pp=1)
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flags(
         **HF_RUN, **layout, pack="stream", init_from_hf=directory, checkpoint_dir=ckpt
     )
     records = launch(cfg)

@@ -18,6 +18,7 @@ from fastpar.mesh.placement import mark_blocks, mark_expert
 from fastpar.models import build_model
 from fastpar.models.gpt import GPTConfig
 from fastpar.models.llama import LlamaConfig
+from fastpar.moe.config import ExpertConfig
 from fastpar.optim import Muon, muon_param_groups
 from fastpar.optim import muon as muon_module
 from fastpar.optim.muon_matrices import blocks_of, owners, pieces
@@ -98,7 +99,8 @@ def test_blocks_are_separate_matrices():
 
 
 def _llama() -> nn.Module:
-    cfg = LlamaConfig(**MOE_LLAMA, num_experts=2, shared_expert_ffn=8, mtp_depth=1)
+    experts = ExpertConfig(expert="swiglu", shared_ffn_hidden_size=8)
+    cfg = LlamaConfig(**MOE_LLAMA, num_experts=2, moe_experts=experts, mtp_depth=1)
     return nn.Sequential(*build_model(cfg))
 
 

@@ -210,16 +210,20 @@ def test_per_head_zero1_dp2_agrees(fault):
 
 def test_flag_reaches_muon_and_its_reference():
     assert build_parser().parse_args(["--muon-per-head"]).muon_per_head is True
-    cfg = TrainConfig(optimizer="muon", muon_per_head=True, model_type="llama", tp=1, pp=1)
+    cfg = TrainConfig.from_flags(
+        optimizer="muon", muon_per_head=True, model_type="llama", tp=1, pp=1
+    )
     model = nn.Sequential(*build_model(LLAMA))
     groups = groups_for(cfg, model, None)
     assert muon_factory(cfg)(groups).defaults["per_head"] is True
     exact = groups_for(cfg, nn.Sequential(*build_model(LLAMA)).double(), None)
     assert exact_optimizer(cfg, exact, None).optimizer.per_head is True
-    off = TrainConfig(optimizer="muon", model_type="llama", tp=1, pp=1)
+    off = TrainConfig.from_flags(optimizer="muon", model_type="llama", tp=1, pp=1)
     assert muon_factory(off)(groups).defaults["per_head"] is False
     for bad in (dict(model_type="deepseek"), dict(optimizer="adamw")):
-        cfg = TrainConfig(**{"optimizer": "muon", "muon_per_head": True, "tp": 1, "pp": 1, **bad})
+        cfg = TrainConfig.from_flags(
+            **{"optimizer": "muon", "muon_per_head": True, "tp": 1, "pp": 1, **bad}
+        )
         with pytest.raises(ValueError, match="--muon-per-head with --optimizer"):
             groups_for(cfg, model, lambda stage, wd: [])
 
@@ -243,7 +247,7 @@ def test_verify_catches_per_head_ignored(monkeypatch):
 
     monkeypatch.setattr(mm, "head_blocks", distributed_ignores)
     layout = dict(tp=2, pp=1, dp=2, ep=1, zero=1, moe_every=0, model_type="gpt")
-    cfg = TrainConfig(**{**SMALL, **layout, "optimizer": "muon", "muon_per_head": True})
+    cfg = TrainConfig.from_flags(**{**SMALL, **layout, "optimizer": "muon", "muon_per_head": True})
     ok, text = compare(cfg)
     assert not ok and "DISAGREE" in text, text
 
@@ -254,6 +258,8 @@ def test_resume_refuses_another_per_head(tmp_path):
 
     layout = dict(tp=1, pp=1, dp=2, ep=1, zero=1, moe_every=0, optimizer="muon")
     base = {**SMALL, **layout, "steps": 2, "checkpoint_dir": str(tmp_path), "save_every": 2}
-    launch(TrainConfig(**base))
+    launch(TrainConfig.from_flags(**base))
     with pytest.raises(Exception, match="--muon-per-head False -> True"):
-        launch(TrainConfig(**{**base, "steps": 3, "resume": True, "muon_per_head": True}))
+        launch(
+            TrainConfig.from_flags(**{**base, "steps": 3, "resume": True, "muon_per_head": True})
+        )

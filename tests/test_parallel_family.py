@@ -220,8 +220,8 @@ def test_zero3_under_a_pipeline_with_tied_embeddings(layout):
     stage) share one weight, each stage's copy sharded over its DP group; GPipe over 4
     micro-batches with recomputation (MoE blocks and fp16 loss scaling through the engine:
     tests/test_verify_matrix.py)."""
-    cfg = TrainConfig(**{**SMALL, **layout})
-    assert not cfg.untied
+    cfg = TrainConfig.from_flags(**{**SMALL, **layout})
+    assert cfg.model.tie_embeddings
     ok, text = compare(cfg)
     assert ok, text
 

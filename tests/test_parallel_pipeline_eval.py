@@ -114,7 +114,9 @@ def test_trainer_val_loss_equals_single_process(layout):
     from fastpar.train import TrainConfig
     from fastpar.verify import compare
 
-    ok, text = compare(TrainConfig(**{**SMALL, **layout, "eval_every": 2, "eval_batches": 2}))
+    ok, text = compare(
+        TrainConfig.from_flags(**{**SMALL, **layout, "eval_every": 2, "eval_batches": 2})
+    )
     assert ok, text
     assert "val_loss" in text and "\n    2 " in text.split("val_loss")[1]
 
@@ -125,7 +127,7 @@ def test_val_loss_in_the_log_line_and_metrics(tmp_path, capsys):
     from fastpar.train import TrainConfig, launch
 
     metrics = tmp_path / "m.jsonl"
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flags(
         **{
             **SMALL,
             "quiet": False,
@@ -155,8 +157,11 @@ def test_held_out_split_rule():
     from fastpar.train.batches import check_split, split_tokens
 
     tokens = torch.arange(1000)
-    train, held = split_tokens(TrainConfig(eval_every=5, eval_split=0.1), tokens)
+    train, held = split_tokens(TrainConfig.from_flags(eval_every=5, eval_split=0.1), tokens)
     assert torch.equal(train, tokens[:900]) and torch.equal(held, tokens[900:])
-    assert split_tokens(TrainConfig(), tokens) == (tokens, None)  # no --eval-every: all ids
+    assert split_tokens(TrainConfig.from_flags(), tokens) == (
+        tokens,
+        None,
+    )  # no --eval-every: all ids
     with pytest.raises(ValueError, match="each part needs seq_len"):
-        check_split(TrainConfig(eval_every=1, eval_split=0.01, seq_len=64), tokens)
+        check_split(TrainConfig.from_flags(eval_every=1, eval_split=0.01, seq_len=64), tokens)

@@ -246,7 +246,7 @@ def test_verify_interleaved_agrees_with_single_process(layout):
     from fastpar.train import TrainConfig
     from fastpar.verify import compare
 
-    ok, text = compare(TrainConfig(**{**SMALL, **layout, "schedule": "interleaved"}))
+    ok, text = compare(TrainConfig.from_flags(**{**SMALL, **layout, "schedule": "interleaved"}))
     assert ok, text
 
 

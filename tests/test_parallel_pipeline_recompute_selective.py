@@ -224,7 +224,7 @@ def test_policy_words_and_cli():
     assert parsed("--recompute", "attention") == "attention"
     assert parsed("--recompute", "every:2") == "every:2"
     with pytest.raises(ValueError, match="every:K"):
-        TrainConfig(recompute="every:0", dp=1, tp=1, pp=1, ep=1).check()
+        TrainConfig.from_flags(recompute="every:0", dp=1, tp=1, pp=1, ep=1).check()
 
 
 def test_refuses_a_block_without_the_submodule():
@@ -244,7 +244,7 @@ def test_verify_composes_with_tp_dp_ep_zero(policy, layout):
     """fastpar.verify's reference keeps every activation (``build`` without a mesh)."""
     from fastpar.verify import compare
 
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flags(
         **tiny_config(layout, model_type="llama", ep=2, microbatches=2, moe_every=2),
         recompute=policy,
     )

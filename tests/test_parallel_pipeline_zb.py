@@ -333,7 +333,7 @@ def test_verify_zb_agrees_with_single_process(layout):
     from fastpar.train import TrainConfig
     from fastpar.verify import compare
 
-    ok, text = compare(TrainConfig(**{**SMALL, **layout, "schedule": "zb-h1"}))
+    ok, text = compare(TrainConfig.from_flags(**{**SMALL, **layout, "schedule": "zb-h1"}))
     assert ok, text
 
 
@@ -350,7 +350,7 @@ def test_verify_zb_agrees_with_single_process(layout):
 def test_config_refusals(flags, match):
     from fastpar.train import TrainConfig
 
-    cfg = TrainConfig(**{**SMALL, "pp": 2, "schedule": "zb-h1", **flags})
+    cfg = TrainConfig.from_flags(**{**SMALL, "pp": 2, "schedule": "zb-h1", **flags})
     with pytest.raises(ValueError, match=match):
         cfg.check()
 

@@ -80,16 +80,18 @@ def test_new_router_score(monkeypatch):
     for model in ("gpt", "llama"):
         argv = ["--model", model, "--moe-every", "1", "--router-score", name]
         cfg = config_from(parser.parse_args(argv))
-        assert cfg.router_score == name
-        cfg = TrainConfig(**{**ONE_RANK, "model_type": model, "moe_every": 1}, router_score=name)
+        assert cfg.model.moe_router.score == name
+        cfg = TrainConfig.from_flags(
+            **{**ONE_RANK, "model_type": model, "moe_every": 1}, router_score=name
+        )
         cfg.check()
-        assert cfg.model().router_score == name
+        assert cfg.model.moe_router.score == name
 
     # a name not registered is refused, by the layer and by the run's checks
     with pytest.raises(ValueError, match=r"score must be one of .*'sqrt_softplus'.*got 'cube'"):
         MoE(h, 32, e, k, score="cube")
     with pytest.raises(ValueError, match="cube"):
-        TrainConfig(**ONE_RANK, moe_every=1, router_score="cube").check()
+        TrainConfig.from_flags(**ONE_RANK, moe_every=1, router_score="cube").check()
 
 
 def test_new_router_score_is_not_exported(monkeypatch):
@@ -99,15 +101,15 @@ def test_new_router_score_is_not_exported(monkeypatch):
     pytest.importorskip("transformers")
     name = "sqrt_softplus"
     monkeypatch.setitem(SCORES, name, Score(_sqrt_softplus, _sum_to_one))
-    gpt = TrainConfig(**ONE_RANK, moe_every=1, router_score=name)
+    gpt = TrainConfig.from_flags(**ONE_RANK, moe_every=1, router_score=name)
     mapping, model_class = hf_mapping(gpt)
     with pytest.raises(ValueError, match="--router-score sqrt_softplus: the exported model's code"):
-        mapping.hf_config(gpt.model())  # what the export writes, refused before any file
+        mapping.hf_config(gpt.model)  # what the export writes, refused before any file
     with pytest.raises(ValueError, match="router_score must be 'softmax' or 'sigmoid'"):
         model_class.config_class(router_score=name)  # the standalone code's own guard
-    llama = TrainConfig(**ONE_RANK, model_type="llama", moe_every=1, router_score=name)
+    llama = TrainConfig.from_flags(**ONE_RANK, model_type="llama", moe_every=1, router_score=name)
     with pytest.raises(ValueError, match="has no HF export"):
-        llama_hf.hf_model_type(llama.model())
+        llama_hf.hf_model_type(llama.model)
 
 
 # -- a new pipeline schedule: a Schedule subclass and its entry in SCHEDULES ----------------------
@@ -158,19 +160,21 @@ def test_new_schedule(monkeypatch, capsys):
     pp2 = dict(ONE_RANK, pp=2, batch_size=8, microbatches=4, moe_every=0)
     argv = ["--schedule", name, "--pp", "2", "--microbatches", "4", "--batch-size", "8"]
     assert config_from(parser.parse_args(argv)).schedule == name
-    TrainConfig(**pp2, schedule=name).check()
+    TrainConfig.from_flags(**pp2, schedule=name).check()
     # TrainConfig.check asks what it declares it refuses, and names its reason
     with pytest.raises(ValueError, match=r"gpipe-lifo with --zero 3 .*a made-up refusal"):
-        TrainConfig(**{**pp2, "dp": 2, "batch_size": 16, "zero": 3}, schedule=name).check()
+        TrainConfig.from_flags(
+            **{**pp2, "dp": 2, "batch_size": 16, "zero": 3}, schedule=name
+        ).check()
     with pytest.raises(ValueError, match=r"schedule must be one of .*gpipe-lifo"):
-        TrainConfig(**pp2, schedule="gpipe-fifo").check()
+        TrainConfig.from_flags(**pp2, schedule="gpipe-fifo").check()
 
     # its activation memory: every forward is held until the backwards start, as GPipe's
     m = pp2["microbatches"]
     sched = make_schedule(name, m)
     assert [sched.held(2, s) for s in range(2)] == [m, m]
-    lifo = memory.stage_bytes(TrainConfig(**pp2, schedule=name))
-    one_f_one_b = memory.stage_bytes(TrainConfig(**pp2, schedule="1f1b"))
+    lifo = memory.stage_bytes(TrainConfig.from_flags(**pp2, schedule=name))
+    one_f_one_b = memory.stage_bytes(TrainConfig.from_flags(**pp2, schedule="1f1b"))
     # 1F1B holds p - s micro-batches on stage s (and, without --fused-ce, nothing fixed)
     per_microbatch = [b / h for b, h in zip(one_f_one_b, (2, 1), strict=True)]
     assert lifo == [int(m * b) for b in per_microbatch]
@@ -279,13 +283,17 @@ def test_new_tp_style(monkeypatch):
 
 
 # -- a new native model: its NativeModel record ------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Qwen2ishConfig(LlamaConfig):
+    attention_bias: bool = True  # (not among its flags: always on)
+
+
 QWEN2ISH = native.NativeModel(
     name="qwen2ish",
     label="Qwen2-ish",
-    config=LlamaConfig,
+    config=Qwen2ishConfig,
     build=build_llama,
     flags=("kv_heads", "rope_theta"),
-    kwargs=lambda f: {"kv_heads": f.kv_heads, "rope_theta": f.rope_theta, "attention_bias": True},
     moe_every=0,
     per_head_muon=False,
 )
@@ -298,37 +306,39 @@ def test_new_native_model(monkeypatch, capsys):
 
     name = QWEN2ISH.name
     with pytest.raises(ValueError, match="--model must be gpt, llama or deepseek, got 'qwen2ish'"):
-        TrainConfig(**tiny_config(model_type=name)).check()
+        TrainConfig.from_flags(**tiny_config(model_type=name)).check()
     monkeypatch.setitem(native.REGISTRY, name, QWEN2ISH)  # the recipe's one step
 
     # the command line lists it and takes it; its config is its record's
     parser = build_parser()
     assert "{gpt,llama,deepseek,qwen2ish}" in parser.format_help()
     cfg = config_from(parser.parse_args(["--model", name, "--kv-heads", "2"]))
-    model = cfg.model()
-    assert type(model) is LlamaConfig and model.attention_bias and model.kv_heads == 2
-    assert cfg.moe_every == 0  # its default
-    blocks = build_model(TrainConfig(**tiny_config(model_type=name)).model())  # 2 blocks
+    model = cfg.model
+    assert isinstance(model, LlamaConfig) and model.attention_bias and model.kv_heads == 2
+    assert cfg.model.moe_every == 0  # its default
+    blocks = build_model(TrainConfig.from_flags(**tiny_config(model_type=name)).model)  # 2 blocks
     assert [n for b in blocks for n, _ in b.named_parameters() if "bias" in n] == [
         "attn.qkv.bias"
     ] * 2
     # its flags are its own: another model's is refused naming who takes it, and its own
     # flags on a model that does not take them name it beside the Llama
     with pytest.raises(ValueError, match=r"--qk-norm is a Llama option: add --model llama$"):
-        TrainConfig(**tiny_config(model_type=name, qk_norm=True)).check()
+        TrainConfig.from_flags(**tiny_config(model_type=name, qk_norm=True)).check()
     with pytest.raises(
         ValueError, match="--kv-heads is a Llama and Qwen2-ish option: add --model llama or "
     ):
-        TrainConfig(**tiny_config(kv_heads=2)).check()
+        TrainConfig.from_flags(**tiny_config(kv_heads=2)).check()
     with pytest.raises(ValueError, match="--norm layernorm is a GPT option: the Qwen2-ish uses"):
-        TrainConfig(**tiny_config(model_type=name, norm="layernorm")).check()
+        TrainConfig.from_flags(**tiny_config(model_type=name, norm="layernorm")).check()
     with pytest.raises(ValueError, match="--muon-per-head with --optimizer muon"):
         check_per_head(
-            TrainConfig(**tiny_config(model_type=name, optimizer="muon", muon_per_head=True))
+            TrainConfig.from_flags(
+                **tiny_config(model_type=name, optimizer="muon", muon_per_head=True)
+            )
         )
     with pytest.raises(ValueError, match="--model qwen2ish does not export"):
         hf_mapping(cfg)
-    assert memory.stage_bytes(TrainConfig(**tiny_config(ONE_RANK, model_type=name)))
+    assert memory.stage_bytes(TrainConfig.from_flags(**tiny_config(ONE_RANK, model_type=name)))
 
     # trained at tp 2 x dp 2 with ZeRO-1, proven by fastpar.verify against one process: the
     # losses, every gradient and the weights after 2 steps under the tolerance rule
@@ -340,7 +350,7 @@ def test_new_native_model(monkeypatch, capsys):
 # -- a new flag: a field of TrainOptions, its bound declared on it ----------------------------
 def test_new_flag(monkeypatch):
     from fastpar.cliutil import option
-    from fastpar.train import cli
+    from fastpar.train import cli, config
     from fastpar.train.options import TRAINING
 
     @dataclasses.dataclass
@@ -349,13 +359,13 @@ def test_new_flag(monkeypatch):
             0, TRAINING, "average the weights every N steps", at_least=0, note="0: off"
         )
 
-    monkeypatch.setattr(cli, "TrainConfig", Config)
+    monkeypatch.setattr(config, "TrainConfig", Config)
     parser = cli.build_parser()
     (section,) = [g for g in parser._action_groups if g.title == TRAINING]
     (action,) = [a for a in section._group_actions if "--ema-every" in a.option_strings]
     assert action.help == "average the weights every N steps (default %(default)s)"
     assert parser.parse_args(["--ema-every", "3"]).ema_every == 3
     assert parser.parse_args([]).ema_every == 0
-    Config(**ONE_RANK, ema_every=0).check()  # its least value
+    Config.from_flags(**ONE_RANK, ema_every=0).check()  # its least value
     with pytest.raises(ValueError, match=r"^--ema-every -1 must be >= 0 \(0: off\)$"):
-        Config(**ONE_RANK, ema_every=-1).check()
+        Config.from_flags(**ONE_RANK, ema_every=-1).check()

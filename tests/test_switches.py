@@ -209,10 +209,10 @@ def test_a_forked_rank_reads_the_variables_again(monkeypatch):
 
 def test_timeouts_are_read_when_used_not_at_import(monkeypatch):
     monkeypatch.setenv("FASTPAR_COLLECTIVE_TIMEOUT", "12")
-    assert TrainConfig().collective_timeout == 12.0
+    assert TrainConfig.from_flags().collective_timeout == 12.0
     assert build_parser().parse_args([]).collective_timeout == 12.0
     monkeypatch.delenv("FASTPAR_COLLECTIVE_TIMEOUT")
-    assert TrainConfig().collective_timeout == 300.0
+    assert TrainConfig.from_flags().collective_timeout == 300.0
     monkeypatch.setenv("FASTPAR_TEST_TIMEOUT", "7.5")
     assert default_timeout() == 7.5
     monkeypatch.setenv("FASTPAR_TEST_TIMEOUT", "soon")

@@ -33,7 +33,7 @@ CLI_RUN = dict(steps=3, batch_size=8, seq_len=32, layers=2)
     ids=["dp2-tp2-pp2-ep2-z1", "pp4-dp2-gpipe-z2", "tp4-dp2-ep2-bf16", "tp2-dp4-ep4-z3", "llama"],
 )
 def test_training_runs_and_the_loss_falls(layout):
-    cfg = TrainConfig(**{**SMALL, "steps": 8, **layout})
+    cfg = TrainConfig.from_flags(**{**SMALL, "steps": 8, **layout})
     records = launch(cfg)
     assert len(records) == 8
     assert all(r["loss"] == r["loss"] for r in records)  # no NaN
@@ -55,7 +55,7 @@ VERIFY = [
 # tests/test_verify_matrix.py
 @pytest.mark.parametrize("i", [2, 3, 4, 5], ids=str)
 def test_verify_agrees_with_single_process(i):
-    cfg = TrainConfig(**{**SMALL, "steps": 3, **VERIFY[i]})
+    cfg = TrainConfig.from_flags(**{**SMALL, "steps": 3, **VERIFY[i]})
     ok, text = compare(cfg)
     assert ok, text
     assert "AGREE" in text.splitlines()[-1]
@@ -78,7 +78,7 @@ LLAMA_VARIANTS = [
 
 @pytest.mark.parametrize("i", range(1, len(VERIFY)), ids=str)  # (0: the matrix's llama cases)
 def test_llama_verify_agrees_with_single_process(i):
-    cfg = TrainConfig(**{**SMALL, "steps": 3, **VERIFY[i], **LLAMA, **LLAMA_VARIANTS[i]})
+    cfg = TrainConfig.from_flags(**{**SMALL, "steps": 3, **VERIFY[i], **LLAMA, **LLAMA_VARIANTS[i]})
     ok, text = compare(cfg)
     assert ok, text
     assert text.splitlines()[0].startswith("llama, layout")
@@ -86,11 +86,13 @@ def test_llama_verify_agrees_with_single_process(i):
 
 def test_resume_after_interruption_is_bit_identical(tmp_path):
     base = dict(SMALL, tp=2, pp=2, dp=2, ep=2, zero=1, steps=6)
-    full = launch(TrainConfig(**base))
+    full = launch(TrainConfig.from_flags(**base))
     ckpt = str(tmp_path / "ckpt")
     # "interrupted" after step 4: the run ends there (its ranks exit), a new run resumes
-    first = launch(TrainConfig(**{**base, "steps": 4, "checkpoint_dir": ckpt, "save_every": 2}))
-    resumed = launch(TrainConfig(**{**base, "checkpoint_dir": ckpt, "resume": True}))
+    first = launch(
+        TrainConfig.from_flags(**{**base, "steps": 4, "checkpoint_dir": ckpt, "save_every": 2})
+    )
+    resumed = launch(TrainConfig.from_flags(**{**base, "checkpoint_dir": ckpt, "resume": True}))
     assert [r["step"] for r in resumed] == [5, 6]
     assert [r["loss"] for r in first] == [r["loss"] for r in full[:4]]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full[4:]]
@@ -99,17 +101,19 @@ def test_resume_after_interruption_is_bit_identical(tmp_path):
 def test_resume_skips_a_half_written_checkpoint(tmp_path):
     base = dict(SMALL, tp=1, pp=1, dp=2, ep=1, moe_every=0, zero=0, steps=4)
     ckpt = tmp_path / "ckpt"
-    launch(TrainConfig(**{**base, "checkpoint_dir": str(ckpt), "save_every": 2}))
+    launch(TrainConfig.from_flags(**{**base, "checkpoint_dir": str(ckpt), "save_every": 2}))
     # a crash while saving step 4 left a directory without its completion marker
     (ckpt / "step_000004" / "COMPLETE").unlink()
-    resumed = launch(TrainConfig(**{**base, "checkpoint_dir": str(ckpt), "resume": True}))
+    resumed = launch(
+        TrainConfig.from_flags(**{**base, "checkpoint_dir": str(ckpt), "resume": True})
+    )
     assert [r["step"] for r in resumed] == [3, 4]
 
 
 def test_profile_writes_chrome_traces(tmp_path):
     out = tmp_path / "prof"
     launch(
-        TrainConfig(
+        TrainConfig.from_flags(
             **{
                 **SMALL,
                 "tp": 1,
@@ -198,10 +202,10 @@ def test_verify_cli_exit_codes():
 
 def test_zero3_resume_is_bit_identical(tmp_path):
     base = dict(SMALL, tp=1, pp=1, dp=2, ep=2, zero=3, steps=4)
-    full = launch(TrainConfig(**base))
+    full = launch(TrainConfig.from_flags(**base))
     ckpt = str(tmp_path / "ckpt")
-    launch(TrainConfig(**{**base, "steps": 2, "checkpoint_dir": ckpt, "save_every": 2}))
-    resumed = launch(TrainConfig(**{**base, "checkpoint_dir": ckpt, "resume": True}))
+    launch(TrainConfig.from_flags(**{**base, "steps": 2, "checkpoint_dir": ckpt, "save_every": 2}))
+    resumed = launch(TrainConfig.from_flags(**{**base, "checkpoint_dir": ckpt, "resume": True}))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full[2:]]
 
 
@@ -215,8 +219,8 @@ def test_data_file_and_global_parameter_count(tmp_path, capfd):
     args = _flags.argv(data=str(text), **CLI_RUN)
     assert main(args) == 0
     out = capfd.readouterr().out  # the ranks are forked processes: capture file descriptors
-    cfg = TrainConfig(layers=2, seq_len=32)
-    model = torch.nn.Sequential(*build_gpt(cfg.model()))
+    cfg = TrainConfig.from_flags(layers=2, seq_len=32)
+    model = torch.nn.Sequential(*build_gpt(cfg.model))
     n = sum(p.numel() for p in model.parameters())
     assert f"{n:,} parameters" in out  # counted once across dp x tp x pp x ep
     assert "step    3/3" in out
@@ -277,7 +281,7 @@ def test_llama_on_tokenizer_ids_from_a_bin_file(tmp_path, capfd):
     assert "huggingface/tokenizers" not in out.err  # no fork-after-parallelism warning
     # the same tokenizer on the text itself, proven equal to the single-process model
     (tmp_path / "corpus.txt").write_text(embedded_corpus().decode())
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flags(
         **{**SMALL, "steps": 2, **LLAMA, "tp": 2, "pp": 1, "dp": 2, "ep": 2},
         tokenizer=tok,
         data=str(tmp_path / "corpus.txt"),
@@ -289,9 +293,13 @@ def test_llama_on_tokenizer_ids_from_a_bin_file(tmp_path, capfd):
 def test_the_last_step_is_always_saved(tmp_path):
     ckpt = tmp_path / "ckpt"
     cfg = dict(SMALL, tp=1, pp=1, dp=2, ep=1, moe_every=0, steps=3)
-    launch(TrainConfig(**cfg, checkpoint_dir=str(ckpt)))  # no --save-every
+    launch(TrainConfig.from_flags(**cfg, checkpoint_dir=str(ckpt)))  # no --save-every
     assert sorted(n for n in os.listdir(ckpt) if n.startswith("step_")) == ["step_000003"]
-    launch(TrainConfig(**{**cfg, "steps": 5}, checkpoint_dir=str(tmp_path / "b"), save_every=2))
+    launch(
+        TrainConfig.from_flags(
+            **{**cfg, "steps": 5}, checkpoint_dir=str(tmp_path / "b"), save_every=2
+        )
+    )
     saved = sorted(n for n in os.listdir(tmp_path / "b") if n.startswith("step_"))
     assert saved == ["step_000002", "step_000004", "step_000005"]
 
@@ -299,7 +307,11 @@ def test_the_last_step_is_always_saved(tmp_path):
 def test_the_cosine_floor_follows_the_learning_rate():
     from fastpar.train import lr_at
 
-    cfg = TrainConfig(lr=1e-4, warmup=0, steps=10)
+    cfg = TrainConfig.from_flags(lr=1e-4, warmup=0, steps=10)
     assert lr_at(cfg, 10) == pytest.approx(1e-5)  # lr / 10 at the end
-    assert lr_at(TrainConfig(lr=1e-4, min_lr=0.0, warmup=0, steps=10), 10) == pytest.approx(0.0)
-    assert lr_at(TrainConfig(), 10**6) == pytest.approx(3e-4)  # the old default: 3e-3 / 10
+    assert lr_at(
+        TrainConfig.from_flags(lr=1e-4, min_lr=0.0, warmup=0, steps=10), 10
+    ) == pytest.approx(0.0)
+    assert lr_at(TrainConfig.from_flags(), 10**6) == pytest.approx(
+        3e-4
+    )  # the old default: 3e-3 / 10

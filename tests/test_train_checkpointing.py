@@ -30,7 +30,10 @@ def run_cos(tmp_path_factory):
 
 def _rates(old: dict, new: dict, step: int) -> str:
     """The message's LRs of the two steps after ``step``, from ``lr_at`` of both settings."""
-    was, now = TrainConfig(**{**SMALL, **old}), TrainConfig(**{**SMALL, **new})
+    was, now = (
+        TrainConfig.from_flags(**{**SMALL, **old}),
+        TrainConfig.from_flags(**{**SMALL, **new}),
+    )
     return (
         f"LR at step {step + 1}: {lr_at(was, step):.6g} -> {lr_at(now, step):.6g}, at step "
         f"{step + 2}: {lr_at(was, step + 1):.6g} -> {lr_at(now, step + 1):.6g} (saved -> new)"
@@ -43,9 +46,12 @@ def test_a_changed_schedule_is_refused_unless_allowed(run_cos, change, tmp_path,
     shutil.copytree(run_cos, d)
     new = {**COSINE, **change}
     ((name, value),) = change.items()
-    flag = f"--{name} {getattr(TrainConfig(**SMALL), name)} -> {value}"
+    flag = f"--{name} {getattr(TrainConfig.from_flags(**SMALL), name)} -> {value}"
     rates = _rates(COSINE, new, 2)
-    was, now = TrainConfig(**{**SMALL, **COSINE}), TrainConfig(**{**SMALL, **new})
+    was, now = (
+        TrainConfig.from_flags(**{**SMALL, **COSINE}),
+        TrainConfig.from_flags(**{**SMALL, **new}),
+    )
     assert lr_at(was, 2) != lr_at(now, 2)  # the jump the message names
     with pytest.raises(RankError) as err:
         run(checkpoint_dir=d, resume=True, **new)
@@ -102,18 +108,24 @@ def test_a_bin_runs_data_dtype_is_recorded_resolved_and_resumes_quietly(tmp_path
 def test_compare_schedule_and_data_dtype_records():
     """The steps both settings train decide; --data-dtype is compared for a .bin file only
     (a text run recorded "uint16" before it was left unset)."""
-    from dataclasses import asdict
-
     from fastpar.train.checkpointing import compare_schedule, compare_settings
 
-    saved = {"config": asdict(TrainConfig(**{**SMALL, "warmup": 5, "steps": 10}))}
-    assert compare_schedule(saved, TrainConfig(**{**SMALL, "warmup": 5, "steps": 10}), 2) is None
+    saved = {"config": TrainConfig.from_flags(**{**SMALL, "warmup": 5, "steps": 10}).flags()}
+    assert (
+        compare_schedule(saved, TrainConfig.from_flags(**{**SMALL, "warmup": 5, "steps": 10}), 2)
+        is None
+    )
     # in the warm-up, whose rates --steps does not move: steps 2..3 of both runs
-    assert compare_schedule(saved, TrainConfig(**{**SMALL, "warmup": 5, "steps": 4}), 2)[2] is False
-    assert compare_schedule(saved, TrainConfig(**{**SMALL, "warmup": 5, "steps": 12}), 8)[2]
+    assert (
+        compare_schedule(saved, TrainConfig.from_flags(**{**SMALL, "warmup": 5, "steps": 4}), 2)[2]
+        is False
+    )
+    assert compare_schedule(
+        saved, TrainConfig.from_flags(**{**SMALL, "warmup": 5, "steps": 12}), 8
+    )[2]
     saved["config"]["data_dtype"] = "uint16"
-    assert compare_settings(saved, TrainConfig(**SMALL)) == ([], [])
-    bin_cfg = TrainConfig(**SMALL, data="ids.bin", data_dtype="uint32")
+    assert compare_settings(saved, TrainConfig.from_flags(**SMALL)) == ([], [])
+    bin_cfg = TrainConfig.from_flags(**SMALL, data="ids.bin", data_dtype="uint32")
     assert compare_settings(saved, bin_cfg)[1] == [
         "--data None -> ids.bin",
         "--data-dtype uint16 -> uint32",

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import asdict, fields
 
 import pytest
 from _flags import ONE_RANK, tiny_argv
@@ -16,6 +15,7 @@ from _no_ranks import forbid_ranks
 
 from fastpar.checkpoint import verify
 from fastpar.train import TrainConfig, build_parser, config_from, launch, main
+from fastpar.train.config import flag_specs
 
 
 def _parse(argv) -> TrainConfig:
@@ -25,9 +25,9 @@ def _parse(argv) -> TrainConfig:
 def test_every_flag_has_help_and_words_are_listed():
     ap = build_parser()
     actions = {a.dest: a for a in ap._actions}
-    for f in fields(TrainConfig):
-        action = actions[f.name]
-        assert action.help and len(action.help) > 10, f.name
+    for spec in flag_specs():
+        action = actions[spec.name]
+        assert action.help and len(action.help) > 10, spec.name
     text = ap.format_help()
     for shown in (
         "{gpt,llama,deepseek}",
@@ -69,14 +69,16 @@ def test_toml_config_and_command_line_precedence(tmp_path):
     assert isinstance(_parse(["--config", str(path)]).lr, float)  # TOML's 1 is the float 1.0
     # before or after --config, a flag given wins
     assert _parse(["--steps", "3", f"--config={path}"]).steps == 3
-    assert cfg.seq_len == TrainConfig().seq_len  # neither the file nor the flags: the default
+    assert (
+        cfg.model.seq_len == TrainConfig.from_flags().model.seq_len
+    )  # neither the file nor the flags: the default
 
 
 def test_json_config(tmp_path):
     path = tmp_path / "run.json"
     path.write_text(json.dumps({"hidden": 48, "heads": 6, "min_lr": None, "qk_norm": False}))
     cfg = _parse(["--config", str(path), "--heads", "4"])
-    assert (cfg.hidden, cfg.heads, cfg.min_lr) == (48, 4, None)
+    assert (cfg.model.hidden, cfg.model.heads, cfg.min_lr) == (48, 4, None)
 
 
 @pytest.mark.parametrize(
@@ -124,11 +126,11 @@ def test_resolved_config_beside_each_checkpoint(tmp_path):
     for step in (1, 2):
         step_dir = ckpt / f"step_{step:06d}"
         saved = json.loads((step_dir / "train_config.json").read_text())
-        assert saved == asdict(cfg)
+        assert saved == cfg.flags()
         verify(step_dir)  # the extra file leaves the checkpoint intact
     # the file is itself a --config: the same run, with flags on top
     again = _parse(["--config", str(ckpt / "step_000002" / "train_config.json"), "--steps", "5"])
-    assert asdict(again) == {**asdict(cfg), "steps": 5}
+    assert again.flags() == {**cfg.flags(), "steps": 5}
     assert not [n for n in os.listdir(ckpt / "step_000002") if ".tmp" in n]
 
 

@@ -70,16 +70,16 @@ def _check(cfg: TrainConfig) -> None:
 
 
 def test_compile_dense_default_model_equals_eager():
-    _check(TrainConfig(**DENSE))
+    _check(TrainConfig.from_flags(**DENSE))
 
 
 def test_compile_packed_documents_equals_eager():
     """Packed documents (each line of the embedded corpus, newline-ended, one document): the
     document attention runs eagerly between compiled pieces (one graph break a layer)."""
-    cfg = TrainConfig(**DENSE, eos_id=10)
+    cfg = TrainConfig.from_flags(**DENSE, eos_id=10)
     assert cfg.packs_documents
     _check(cfg)
 
 
 def test_compile_moe_dropless_equals_eager():
-    _check(TrainConfig(**MOE))
+    _check(TrainConfig.from_flags(**MOE))

@@ -146,12 +146,12 @@ def test_a_bad_collective_timeout_variable_is_named(monkeypatch):
     from fastpar.train.config import _seconds
 
     monkeypatch.setenv("FASTPAR_COLLECTIVE_TIMEOUT", "soon")
-    cfg = TrainConfig(collective_timeout=_seconds("soon"))
+    cfg = TrainConfig.from_flags(collective_timeout=_seconds("soon"))
     with pytest.raises(ValueError, match=r"FASTPAR_COLLECTIVE_TIMEOUT='soon' is not a positive"):
         cfg.check()
     monkeypatch.setenv("FASTPAR_COLLECTIVE_TIMEOUT", "-3")
     with pytest.raises(ValueError, match=r"FASTPAR_COLLECTIVE_TIMEOUT='-3' is not a positive"):
-        TrainConfig(collective_timeout=_seconds("-3")).check()
+        TrainConfig.from_flags(collective_timeout=_seconds("-3")).check()
 
 
 # -- memory ------------------------------------------------------------------------------------
@@ -163,11 +163,13 @@ def test_activation_estimate_by_hand():
     # head (4·4); the MLP its fc and GELU outputs (2·4·256): 4632 in all; the head its norm
     # (516) and the norm's output (4·64), the fp32 logits (4·256), the int64 target and two
     # fp32 statistics (16): 1812
-    cfg = TrainConfig(**ONE_RANK, layers=1, batch_size=1, microbatches=1, seq_len=1000)
+    cfg = TrainConfig.from_flags(**ONE_RANK, layers=1, batch_size=1, microbatches=1, seq_len=1000)
     one = (8 + 4632 + 1812) * 1000
     assert memory.activation_bytes(cfg) == (one, one)
     # two data-parallel replicas hold two copies on the machine, one each
-    rank, world = memory.activation_bytes(TrainConfig(**{**vars(cfg), "dp": 2, "batch_size": 2}))
+    rank, world = memory.activation_bytes(
+        TrainConfig.from_flags(**{**cfg.flags(), "dp": 2, "batch_size": 2})
+    )
     assert (rank, world) == (one, 2 * one)
 
 
@@ -203,7 +205,7 @@ def test_activation_estimate_is_below_the_measured_memory(layout):
     )
     measured, estimated = [], []
     for seq_len in (128, 3072):
-        cfg = TrainConfig(**{**base, **layout, "seq_len": seq_len})
+        cfg = TrainConfig.from_flags(**{**base, **layout, "seq_len": seq_len})
         measured.append(launch(cfg)[-1]["max_mem_mib"] * 2**20)
         estimated.append(memory.activation_bytes(cfg)[0])
     grew, est = measured[1] - measured[0], estimated[1] - estimated[0]
@@ -251,7 +253,7 @@ def test_a_gpu_compares_one_rank_with_its_memory(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Fake GPU")
-    cfg = TrainConfig(seq_len=40000)
+    cfg = TrainConfig.from_flags(seq_len=40000)
     est = memory.estimate(cfg)
     assert (est.needed, est.available, est.ranks) == (memory.activation_bytes(cfg)[0], 2**30, 1)
     with pytest.raises(
@@ -352,7 +354,7 @@ def test_launch_under_torchrun_checks_the_world_before_the_process_group(monkeyp
 
     monkeypatch.setattr(fastpar.mesh, "init", no_group)
     _torchrun(monkeypatch, 2)
-    cfg = TrainConfig(tp=2, pp=1, dp=2, ep=1, moe_every=0, steps=1)
+    cfg = TrainConfig.from_flags(tp=2, pp=1, dp=2, ep=1, moe_every=0, steps=1)
     with pytest.raises(ValueError, match=r"^torchrun started 2 ranks but tp\*pp\*dp = 2\*1\*2 = 4"):
         launch(cfg)
 

@@ -42,7 +42,7 @@ LAYOUTS = {
     ],
 )
 def test_verify_under_context_parallelism(name):
-    ok, text = compare(TrainConfig(**{**SMALL, **LAYOUTS[name]}))
+    ok, text = compare(TrainConfig.from_flags(**{**SMALL, **LAYOUTS[name]}))
     assert ok, text
 
 
@@ -59,6 +59,8 @@ def test_verify_under_context_parallelism(name):
     ],
 )
 def test_context_parallel_refusals(flags, match):
-    cfg = TrainConfig(**{**SMALL, "pp": 1, "dp": 1, "ep": 1, "tp": 1, "moe_every": 0, **flags})
+    cfg = TrainConfig.from_flags(
+        **{**SMALL, "pp": 1, "dp": 1, "ep": 1, "tp": 1, "moe_every": 0, **flags}
+    )
     with pytest.raises(ValueError, match=match):
         cfg.check()

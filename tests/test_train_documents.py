@@ -38,7 +38,7 @@ def data(tmp_path_factory):
 
 
 def test_documents_of_a_batch(data):
-    cfg = TrainConfig(**SMALL, data=data, tp=1, pp=1, dp=1)
+    cfg = TrainConfig.from_flags(**SMALL, data=data, tp=1, pp=1, dp=1)
     x, y, docs = batch_of(cfg, load_data(cfg), 0)
     for row_x, row_y, row_d in zip(x, y, docs.ids, strict=True):
         doc = 0
@@ -49,7 +49,7 @@ def test_documents_of_a_batch(data):
     assert torch.equal(docs.valid, y != -100)  # the tokens MoE statistics count
     pos = docs.positions()
     assert (pos[docs.ids != torch.roll(docs.ids, 1, 1)] == 0).all()
-    stream = TrainConfig(**{**SMALL, "eos_id": None}, data=data)
+    stream = TrainConfig.from_flags(**{**SMALL, "eos_id": None}, data=data)
     xs, ys, none = batch_of(stream, load_data(stream), 0)
     assert none is None and torch.equal(xs, x) and (ys != -100).all()  # a stream: same windows
 
@@ -68,12 +68,12 @@ def _skewed(cfg: TrainConfig):
     mask = np.ones(len(corpus), np.uint8)
     per = cfg.batch_size // cfg.dp
     for step in range(cfg.steps):
-        starts = _window_starts(len(corpus), step, cfg.batch_size, cfg.seq_len, cfg.seed)
+        starts = _window_starts(len(corpus), step, cfg.batch_size, cfg.model.seq_len, cfg.seed)
         for r in range(per):  # rank 0's rows: every target masked ...
             s = int(starts[r])
-            mask[s + 1 : s + cfg.seq_len + 1] = 0
+            mask[s + 1 : s + cfg.model.seq_len + 1] = 0
     for step in range(cfg.steps):  # ... but one a row in its second micro-batch
-        starts = _window_starts(len(corpus), step, cfg.batch_size, cfg.seq_len, cfg.seed)
+        starts = _window_starts(len(corpus), step, cfg.batch_size, cfg.model.seq_len, cfg.seed)
         for r in range(per // cfg.microbatches, per):
             s = int(starts[r])
             y = batch_of(cfg, Corpus(corpus.tokens, corpus.starts, None), step)[1][r]
@@ -118,7 +118,7 @@ def _check_skew(cfg: TrainConfig, corpus) -> None:
     ],
 )
 def test_token_normalization_agrees_with_one_device(data, layout):
-    cfg = TrainConfig(**{**SMALL, **layout}, data=data)
+    cfg = TrainConfig.from_flags(**{**SMALL, **layout}, data=data)
     corpus = _skewed(cfg)  # a micro-batch with no valid target, a rank with ten times more
     _check_skew(cfg, corpus)
     ok, text = compare(cfg, corpus)
@@ -137,7 +137,7 @@ def test_token_normalization_agrees_with_one_device(data, layout):
 def test_uneven_batches_agree_and_a_mean_of_means_disagrees(data, layout):
     """The issue's three layouts on batches where one micro-batch has no valid target and one
     rank ten times the other's: AGREE under token normalisation, DISAGREE under sequence."""
-    cfg = TrainConfig(**{**SMALL, **layout}, data=data)
+    cfg = TrainConfig.from_flags(**{**SMALL, **layout}, data=data)
     corpus = _skewed(cfg)
     _check_skew(cfg, corpus)
     ok, text = compare(cfg, corpus)
@@ -157,13 +157,13 @@ def test_uneven_batches_agree_and_a_mean_of_means_disagrees(data, layout):
 )
 def test_what_cannot_be_exact_is_refused(flags, match):
     with pytest.raises(ValueError, match=match):
-        TrainConfig(**{**SMALL, **flags}).check()
+        TrainConfig.from_flags(**{**SMALL, **flags}).check()
 
 
 def test_a_step_with_no_valid_target_is_skipped_and_said(tmp_path, capfd):
     path = tmp_path / "empty.txt"
     path.write_text("\n" * 400)  # every document empty: every target ignored
-    cfg = TrainConfig(**{**SMALL, "quiet": False}, data=str(path), dp=2, pp=1, tp=1)
+    cfg = TrainConfig.from_flags(**{**SMALL, "quiet": False}, data=str(path), dp=2, pp=1, tp=1)
     records = launch(cfg)
     assert [r["skipped"] for r in records] == [True, True], records
     assert all(r["loss"] == 0.0 and r["grad_norm"] == 0.0 for r in records), records
@@ -193,7 +193,7 @@ def test_jsonl_prompts_predict_nothing_and_verify_agrees(tmp_path):
     end, --eos-id 0 appended) count; dp 2 x pp 2 AGREES with one device on the whole batch."""
     from fastpar.data.tokens import _window_starts
 
-    cfg = TrainConfig(**{**SMALL, "eos_id": 0}, data=_jsonl(tmp_path), dp=2, pp=2, tp=1)
+    cfg = TrainConfig.from_flags(**{**SMALL, "eos_id": 0}, data=_jsonl(tmp_path), dp=2, pp=2, tp=1)
     assert cfg.packs_documents and "records" in cfg.document_source
     stream, counts, doc = [], [], []  # plain Python: bytes, whether each counts, its document
     for i, (prompt, completion) in enumerate(_records()):
@@ -202,10 +202,12 @@ def test_jsonl_prompts_predict_nothing_and_verify_agrees(tmp_path):
         counts += [False] * len(prompt) + [True] * (len(completion) + 1)
         doc += [i] * len(body)
     x, y, docs = batch_of(cfg, load_data(cfg), 1)
-    for r, s in enumerate(_window_starts(len(stream), 1, cfg.batch_size, cfg.seq_len, cfg.seed)):
+    for r, s in enumerate(
+        _window_starts(len(stream), 1, cfg.batch_size, cfg.model.seq_len, cfg.seed)
+    ):
         s = int(s)
-        assert x[r].tolist() == stream[s : s + cfg.seq_len]
-        for t in range(cfg.seq_len):
+        assert x[r].tolist() == stream[s : s + cfg.model.seq_len]
+        for t in range(cfg.model.seq_len):
             j = s + t + 1  # the target's offset
             valid = counts[j] and doc[j] == doc[j - 1]
             assert int(y[r, t]) == (stream[j] if valid else -100), (r, t)
@@ -222,15 +224,19 @@ def test_bin_with_an_index_of_document_offsets(tmp_path):
     ids.tofile(tmp_path / "tok.bin")
     starts = np.unique(np.r_[0, 41, np.arange(40, 2990, 53), 2999]).astype("<i8")
     starts.tofile(tmp_path / "tok.idx")
-    cfg = TrainConfig(**{**SMALL, "eos_id": None}, data=str(tmp_path / "tok.bin"), dp=2, pp=1, tp=2)
+    cfg = TrainConfig.from_flags(
+        **{**SMALL, "eos_id": None}, data=str(tmp_path / "tok.bin"), dp=2, pp=1, tp=2
+    )
     assert cfg.packs_documents and "tok.idx" in cfg.document_source
     corpus = load_data(cfg)
     assert corpus.starts.tolist() == starts.tolist()
     x, y, docs = batch_of(cfg, corpus, 0)
     from fastpar.data.tokens import _window_starts
 
-    for r, start in enumerate(_window_starts(len(ids), 0, cfg.batch_size, cfg.seq_len, cfg.seed)):
-        span = np.arange(int(start), int(start) + cfg.seq_len + 1)
+    for r, start in enumerate(
+        _window_starts(len(ids), 0, cfg.batch_size, cfg.model.seq_len, cfg.seed)
+    ):
+        span = np.arange(int(start), int(start) + cfg.model.seq_len + 1)
         doc = np.searchsorted(starts, span, side="right") - 1  # each token's document
         assert x[r].tolist() == ids[span[:-1]].tolist()
         assert docs.ids[r].tolist() == (doc[:-1] - doc[0]).tolist()
@@ -239,7 +245,9 @@ def test_bin_with_an_index_of_document_offsets(tmp_path):
     ok, out = compare(cfg)
     assert ok, out
     with pytest.raises(ValueError, match="--pack stream with"):
-        TrainConfig(**{**SMALL, "eos_id": None}, data=_jsonl(tmp_path), pack="stream").check()
+        TrainConfig.from_flags(
+            **{**SMALL, "eos_id": None}, data=_jsonl(tmp_path), pack="stream"
+        ).check()
 
 
 def test_the_tokenizers_end_of_document_token_packs_by_default(tmp_path):
@@ -249,10 +257,10 @@ def test_the_tokenizers_end_of_document_token_packs_by_default(tmp_path):
     tok = str(tmp_path / "tok.json")
     assert tokenizer_main(["--vocab-size", "300", "--out", tok]) == 0
     base = {**SMALL, "eos_id": None, "vocab_size": 300}
-    cfg = TrainConfig(**base, tokenizer=tok)
+    cfg = TrainConfig.from_flags(**base, tokenizer=tok)
     assert cfg.packs_documents and "tokenizer's end-of-document token (id" in cfg.document_source
-    assert not TrainConfig(**base, tokenizer=tok, pack="stream").packs_documents
-    assert not TrainConfig(**base).packs_documents  # bytes, no eos: a stream
+    assert not TrainConfig.from_flags(**base, tokenizer=tok, pack="stream").packs_documents
+    assert not TrainConfig.from_flags(**base).packs_documents  # bytes, no eos: a stream
     text = "one document<|endoftext|>and the next one<|endoftext|>" * 40
     (tmp_path / "t.txt").write_text(text)
     corpus = load_data(dataclasses.replace(cfg, data=str(tmp_path / "t.txt")))
@@ -282,7 +290,7 @@ def test_every_gradient_on_every_rank_is_the_single_process_models(data, layout)
     """Documents crossing micro-batch, stage and cp-chunk boundaries, ignored targets uneven:
     every rank's gradient of every parameter it holds (replicated copies included) is its
     piece of one device's gradient of the whole batch's token mean."""
-    cfg = TrainConfig(**{**SMALL, **layout, "steps": 1}, data=data)
+    cfg = TrainConfig.from_flags(**{**SMALL, **layout, "steps": 1}, data=data)
     cfg.check()  # (every_gradient_agrees checks it again)
     corpus = _skewed(cfg)
     _check_skew(cfg, corpus)
@@ -294,7 +302,9 @@ def test_the_gradient_check_fails_for_a_mean_of_means(data):
     from fastpar.verify import references
 
     layout = dict(dp=2, pp=1, tp=1, cp=2, zero=0)
-    cfg = TrainConfig(**{**SMALL, "steps": 1}, data=data, **layout, loss_normalization="sequence")
+    cfg = TrainConfig.from_flags(
+        **{**SMALL, "steps": 1}, data=data, **layout, loss_normalization="sequence"
+    )
     corpus = _skewed(cfg)
     refs = references(cfg, corpus)  # (one device's token mean, whatever the run's)
     for lines in run_ranks(first_step_gradients, cfg.world_size, cfg, refs, corpus):
@@ -319,7 +329,7 @@ def test_hugging_face_models_with_packed_documents_agree(data, tmp_path, family,
     path = tmp_path / f"{family}.json"
     path.write_text(json.dumps(hf_config(family, vocab_size=300).to_dict()))
     base = with_hf_config({**SMALL, **layout, "microbatches": 2}, path)
-    cfg = TrainConfig(**base, data=data)
+    cfg = TrainConfig.from_flags(**base, data=data)
     ok, text = compare(cfg)
     assert ok, text
 
@@ -333,7 +343,7 @@ def test_hugging_face_families_that_cannot_pack_are_refused(data, tmp_path):
     path.write_text(json.dumps(hf_config("bert", vocab_size=300).to_dict()))
     base = {k: v for k, v in SMALL.items() if k not in ("hidden", "heads", "layers")}
     with pytest.raises(ValueError, match="--pack documents with --hf-config"):
-        TrainConfig(**base, hf_config=str(path), data=data, tp=1, pp=1, dp=1).check()
+        TrainConfig.from_flags(**base, hf_config=str(path), data=data, tp=1, pp=1, dp=1).check()
 
 
 def _val_losses(cfg):
@@ -382,7 +392,7 @@ def test_val_loss_counts_each_held_out_target_once(tmp_path):
             completion = "z" * 90 if i % 3 == 0 else noise
             f.write(json.dumps({"prompt": f"prompt {i} " * (1 + i % 5), "completion": completion}))
             f.write("\n")
-    cfg = TrainConfig(**{**SMALL, **held}, data=str(path), dp=1, pp=1, tp=1)
+    cfg = TrainConfig.from_flags(**{**SMALL, **held}, data=str(path), dp=1, pp=1, tp=1)
     got, sums, counts = run_ranks(_val_losses, 1, cfg)[0]
     assert len(set(counts)) > 1 and min(counts) > 0, counts
     want = sum(sums) / sum(counts)

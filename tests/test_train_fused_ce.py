@@ -30,13 +30,13 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_verify_with_the_fused_loss(name):
-    ok, text = compare(TrainConfig(**{**SMALL, **LAYOUTS[name], "fused_ce": True}))
+    ok, text = compare(TrainConfig.from_flags(**{**SMALL, **LAYOUTS[name], "fused_ce": True}))
     assert ok, text
 
 
 @pytest.mark.parametrize("model", ["gpt", "llama"])
 def test_fused_loss_trains_like_the_unfused_one(model):
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flags(
         **{
             **SMALL,
             "model_type": model,
@@ -62,4 +62,4 @@ def test_fused_loss_trains_like_the_unfused_one(model):
 
 def test_fused_loss_refusals():
     with pytest.raises(ValueError, match="--fused-ce with --zero 3"):
-        TrainConfig(**{**SMALL, "fused_ce": True, "zero": 3, "moe_every": 0}).check()
+        TrainConfig.from_flags(**{**SMALL, "fused_ce": True, "zero": 3, "moe_every": 0}).check()

@@ -54,7 +54,7 @@ def _config_file(tmp_path, family: str, **overrides) -> str:
     ],
 )
 def test_training_command_equals_single_process(tmp_path, family, layout):
-    cfg = TrainConfig(**{**SMALL, **layout, "hf_config": _config_file(tmp_path, family)})
+    cfg = TrainConfig.from_flags(**{**SMALL, **layout, "hf_config": _config_file(tmp_path, family)})
     ok, text = compare(cfg)
     assert ok, text
     assert text.startswith("hf:") and text.endswith("AGREE")
@@ -62,7 +62,7 @@ def test_training_command_equals_single_process(tmp_path, family, layout):
 
 def test_checkpoint_exports_to_a_directory_transformers_loads(tmp_path):
     path = _config_file(tmp_path, "qwen3")
-    cfg = TrainConfig(**{**SMALL, "tp": 2, "pp": 2, "dp": 2, "hf_config": path})
+    cfg = TrainConfig.from_flags(**{**SMALL, "tp": 2, "pp": 2, "dp": 2, "hf_config": path})
     refs = references(cfg, None)  # single-process: fp32, its twin, float64
     cfg.checkpoint_dir, cfg.save_every = str(tmp_path / "ckpt"), cfg.steps
     launch(cfg)

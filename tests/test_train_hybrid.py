@@ -35,10 +35,10 @@ BIAS = dict(moe_every=1, expert_bias=True, bias_update_rate=1e-2)
 def test_flags_parse_and_print_the_groups():
     ns = build_parser().parse_args(["--dp", "4", "--dp-shard", "2", "--dp-replicate", "2"])
     assert (ns.dp_shard, ns.dp_replicate) == (2, 2)
-    cfg = TrainConfig(**SMALL, **FOUR, zero=1, dp_shard=2)
+    cfg = TrainConfig.from_flags(**SMALL, **FOUR, zero=1, dp_shard=2)
     cfg.check()
     assert "world 4 = dp 4 (dp-shard 2 x dp-replicate 2) x tp 1" in header_line(cfg, "gloo", 9, 9)
-    plain = TrainConfig(**SMALL, **FOUR, zero=1)
+    plain = TrainConfig.from_flags(**SMALL, **FOUR, zero=1)
     assert "dp-shard" not in header_line(plain, "gloo", 9, 9)
     line = hybrid_line(cfg, MeshLayout(4, dp_shard=2))
     assert line == (
@@ -61,7 +61,7 @@ def test_flags_parse_and_print_the_groups():
     ],
 )
 def test_impossible_hybrid_runs_are_refused(kwargs, message):
-    cfg = TrainConfig(**SMALL, **{**FOUR, "zero": 1, **kwargs})
+    cfg = TrainConfig.from_flags(**SMALL, **{**FOUR, "zero": 1, **kwargs})
     with pytest.raises(ValueError, match=message):
         cfg.check()
 
@@ -90,15 +90,15 @@ def test_any_two_of_dp_shard_and_replicate_give_the_third(command, flags, sizes)
 
 def test_the_activation_planner_is_the_same_for_every_split_of_dp():
     """A rank's activations depend on its rows (batch / dp), not on how dp is split."""
-    plain = TrainConfig(**SMALL, **FOUR, zero=3)
+    plain = TrainConfig.from_flags(**SMALL, **FOUR, zero=3)
     for split in (dict(dp_shard=2), dict(dp_shard=1), dict(dp_shard=4)):
-        cfg = TrainConfig(**SMALL, **FOUR, zero=3, **split)
+        cfg = TrainConfig.from_flags(**SMALL, **FOUR, zero=3, **split)
         cfg.check()
         assert stage_bytes(cfg) == stage_bytes(plain) and stage_bytes(cfg)[0] > 0, split
 
 
 def _built(zero: int) -> list:
-    cfg = TrainConfig(**SMALL, **{**FOUR, "ep": 2}, zero=zero, dp_shard=2)
+    cfg = TrainConfig.from_flags(**SMALL, **{**FOUR, "ep": 2}, zero=zero, dp_shard=2)
     mesh = ParallelMesh(cfg.tp, cfg.pp, cfg.ep, dp_shard=cfg.dp_shard)
     parts = build(cfg, mesh, torch.device("cpu"))
     return [(f.expert, f.sharded, f.size, f.replicate_size) for f in parts.opt.flats]
@@ -140,7 +140,7 @@ def test_the_trainer_shards_over_the_shard_groups(zero):
     ],
 )
 def test_verify_agrees_under_hybrid_sharding(layout):
-    cfg = TrainConfig(**{**SMALL, **FOUR, "dp_shard": 2, "dp_replicate": 2, **layout})
+    cfg = TrainConfig.from_flags(**{**SMALL, **FOUR, "dp_shard": 2, "dp_replicate": 2, **layout})
     ok, text = compare(cfg)
     assert ok, text
     shard = layout.get("dp_shard", 2)
@@ -168,14 +168,20 @@ def test_resume_across_hybrid_and_full_sharding(tmp_path, saved, other, same):
     loss and every final parameter, by ``fastpar.verify``'s rule against the uninterrupted
     math in float64 (the state it resumed from is that math's, exactly)."""
     base = dict(SMALL, **FOUR, zero=3, moe_every=0, steps=4)
-    cfg = TrainConfig(**{**base, **saved})
+    cfg = TrainConfig.from_flags(**{**base, **saved})
     full = [r["loss"] for r in launch(cfg)]
     ckpt = str(tmp_path / "ckpt")
-    launch(TrainConfig(**{**base, **saved, "steps": 2, "checkpoint_dir": ckpt, "save_every": 2}))
+    launch(
+        TrainConfig.from_flags(
+            **{**base, **saved, "steps": 2, "checkpoint_dir": ckpt, "save_every": 2}
+        )
+    )
 
     def resume(layout: dict) -> tuple[list[float], dict]:
         copy = shutil.copytree(ckpt, tmp_path / f"copy{len(os.listdir(tmp_path))}")
-        cfg = TrainConfig(**{**base, **layout, "checkpoint_dir": str(copy), "resume": True})
+        cfg = TrainConfig.from_flags(
+            **{**base, **layout, "checkpoint_dir": str(copy), "resume": True}
+        )
         records = launch(cfg)  # (a resumed run saves its last step: each one resumes a copy)
         assert [r["step"] for r in records] == [3, 4], layout
         out = str(copy / "export.pt")

@@ -56,7 +56,9 @@ def test_first_loss_is_the_hf_models_and_the_export_is_the_fine_tuned_model(
 ):
     directory = _pretrained(tmp_path, family)
     ckpt = str(tmp_path / "ckpt")
-    cfg = TrainConfig(**SMALL, **layout, steps=2, init_from_hf=directory, checkpoint_dir=ckpt)
+    cfg = TrainConfig.from_flags(
+        **SMALL, **layout, steps=2, init_from_hf=directory, checkpoint_dir=ckpt
+    )
     assert cfg.hf_config == os.path.join(directory, "config.json")  # the model is the dir's
     records = launch(cfg)
     x, y, docs = batch_of(cfg, load_data(cfg), 0)
@@ -87,14 +89,14 @@ def test_resume_takes_the_checkpoint_not_the_directory(tmp_path):
     directory = _pretrained(tmp_path, "llama")
     ckpt = tmp_path / "ckpt"
     common = dict(SMALL, tp=2, pp=1, dp=1, steps=2, save_every=1, init_from_hf=directory)
-    first = launch(TrainConfig(**common, checkpoint_dir=str(ckpt)))
+    first = launch(TrainConfig.from_flags(**common, checkpoint_dir=str(ckpt)))
     shutil.rmtree(ckpt / "step_000002")
     # the directory now holds other weights of the same model: a resume must not read them
     other = _pretrained(tmp_path, "llama", seed=8)
     for name in os.listdir(other):
         if name.endswith(".safetensors"):
             shutil.copyfile(os.path.join(other, name), os.path.join(directory, name))
-    resumed = launch(TrainConfig(**common, checkpoint_dir=str(ckpt), resume=True))
+    resumed = launch(TrainConfig.from_flags(**common, checkpoint_dir=str(ckpt), resume=True))
     assert [r["step"] for r in resumed] == [2]
     assert resumed[0]["loss"] == first[1]["loss"]  # step 2 from step 1's checkpoint, exactly
 
@@ -102,15 +104,17 @@ def test_resume_takes_the_checkpoint_not_the_directory(tmp_path):
 def test_errors(tmp_path):
     directory = _pretrained(tmp_path, "llama")
     with pytest.raises(ValueError, match=r"holds no config\.json"):
-        TrainConfig(**SMALL, init_from_hf=str(tmp_path)).check()
+        TrainConfig.from_flags(**SMALL, init_from_hf=str(tmp_path)).check()
     other = tmp_path / "other.json"
     raw = json.loads((tmp_path / directory / "config.json").read_text())
     other.write_text(json.dumps(dict(raw, num_hidden_layers=3)))
     with pytest.raises(ValueError, match=r"differs from .*num_hidden_layers.*drop --hf-config"):
-        TrainConfig(**SMALL, init_from_hf=directory, hf_config=str(other)).check()
+        TrainConfig.from_flags(**SMALL, init_from_hf=directory, hf_config=str(other)).check()
     same = tmp_path / "same.json"
     same.write_text(json.dumps(raw))
-    TrainConfig(**SMALL, init_from_hf=directory, hf_config=str(same)).check()  # consistent: ok
+    TrainConfig.from_flags(
+        **SMALL, init_from_hf=directory, hf_config=str(same)
+    ).check()  # consistent: ok
     os.remove(os.path.join(directory, "model.safetensors"))
     with pytest.raises(ValueError, match=r"no \*\.safetensors"):
-        TrainConfig(**SMALL, init_from_hf=directory).check()
+        TrainConfig.from_flags(**SMALL, init_from_hf=directory).check()

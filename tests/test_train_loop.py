@@ -16,7 +16,7 @@ class _Trainer:
 def _stop(start: float, skipped: int, clean_first: bool = False, max_skipped: int = 3):
     """The first step at which ``Divergence`` stops a run whose steps all skip (after one clean
     step with ``clean_first``), with its message; the scaler updated as the trainer does."""
-    cfg = TrainConfig(precision="fp16", loss_scale=start, max_skipped_steps=max_skipped)
+    cfg = TrainConfig.from_flags(precision="fp16", loss_scale=start, max_skipped_steps=max_skipped)
     trainer = _Trainer(start)
     watch = Divergence(cfg, trainer)
     for step in range(1, skipped + 1):

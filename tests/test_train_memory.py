@@ -156,7 +156,7 @@ def _peak(cfg: TrainConfig) -> int:
     ],
 )
 def test_estimate_matches_the_saved_activations(layout):
-    cfg = TrainConfig(**{**BASE, **layout})
+    cfg = TrainConfig.from_flags(**{**BASE, **layout})
     cfg.check()
     measured = run_ranks(_peak, cfg.tp * cfg.pp, cfg)
     estimated = memory.stage_bytes(cfg)
@@ -171,7 +171,7 @@ def test_schedules_differ_as_measured():
     every rank, 1F1B pp - rank on rank r, ZB-H1 on its last rank more than 1F1B (a forward
     runs before the previous micro-batch's W)."""
     est = {
-        s: memory.stage_bytes(TrainConfig(**{**BASE, "schedule": s}))
+        s: memory.stage_bytes(TrainConfig.from_flags(**{**BASE, "schedule": s}))
         for s in ("gpipe", "1f1b", "zb-h1")
     }
     assert est["gpipe"][0] > est["1f1b"][0] and est["gpipe"][1] > est["1f1b"][1]

@@ -5,7 +5,6 @@ TensorBoard scalars (or a clear error without the package)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import re
@@ -55,17 +54,24 @@ KEYS = {
 def _flops_by_hand(cfg: TrainConfig) -> float:
     """6 N + 12 L H Q S, N: every distinct parameter of the single-process model but the token
     and position tables, plus the tied LM head's vocab x hidden matmul."""
-    blocks = build_model(cfg.model(), None)
+    blocks = build_model(cfg.model, None)
     params = {id(p): p for b in blocks for p in b.parameters()}
     total = sum(p.numel() for p in params.values())
     tables = blocks[0].tok.weight.numel() + blocks[0].pos.weight.numel()
-    n = total - tables + cfg.vocab * cfg.hidden  # tied: the head reuses the token table
-    return 6 * n + 12 * cfg.layers * cfg.heads * (cfg.hidden // cfg.heads) * cfg.seq_len
+    n = total - tables + cfg.vocab * cfg.model.hidden  # tied: the head reuses the token table
+    return (
+        6 * n
+        + 12
+        * cfg.model.layers
+        * cfg.model.heads
+        * (cfg.model.hidden // cfg.model.heads)
+        * cfg.model.seq_len
+    )
 
 
 def test_jsonl_schema_and_numbers(tmp_path, capfd):
     path = tmp_path / "run.jsonl"
-    cfg = TrainConfig(**TINY, metrics_file=str(path), peak_tflops=2.0)
+    cfg = TrainConfig.from_flags(**TINY, metrics_file=str(path), peak_tflops=2.0)
     before = time.time()
     records = launch(cfg)
     out = capfd.readouterr().out
@@ -99,11 +105,13 @@ def test_jsonl_schema_and_numbers(tmp_path, capfd):
 def test_a_resumed_run_appends_and_a_fresh_one_starts_afresh(tmp_path):
     path, ckpt = tmp_path / "run.jsonl", tmp_path / "ckpt"
     common = dict(TINY, log_every=1, metrics_file=str(path), checkpoint_dir=str(ckpt), quiet=True)
-    launch(TrainConfig(**{**common, "steps": 2}))
-    launch(TrainConfig(**{**common, "steps": 3}, resume=True))
+    launch(TrainConfig.from_flags(**{**common, "steps": 2}))
+    launch(TrainConfig.from_flags(**{**common, "steps": 3}, resume=True))
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3]
     path.write_text('{"step": 99}\n')
-    launch(TrainConfig(**{**common, "steps": 1, "checkpoint_dir": str(tmp_path / "other")}))
+    launch(
+        TrainConfig.from_flags(**{**common, "steps": 1, "checkpoint_dir": str(tmp_path / "other")})
+    )
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1]
 
 
@@ -133,8 +141,10 @@ def test_flops_count_llama_gqa_and_moe_by_hand():
     experts count, the router in full; no embedding table; the untied head in full."""
     width = dict(hidden=32, heads=4, head_dim=16, kv_heads=2)
     moe = dict(moe_every=2, experts=4, top_k=1)
-    cfg = TrainConfig(model_type="llama", **width, layers=2, **moe, untied=True, seq_len=16)
-    blocks = build_model(cfg.model(), None)
+    cfg = TrainConfig.from_flags(
+        model_type="llama", **width, layers=2, **moe, untied=True, seq_len=16
+    )
+    blocks = build_model(cfg.model, None)
     params = {id(p): p for b in blocks for p in b.parameters()}
     moe = blocks[2].mlp
     experts = sum(p.numel() for n, p in moe.named_parameters() if not n.startswith("router"))
@@ -166,7 +176,7 @@ def test_flops_count_one_mtp_module_by_hand(model):
     experts top_k of them), the shared head's vocab x H matmul of its logits, and one more
     layer of attention."""
     dims = dict(hidden=32, heads=4, layers=2, seq_len=16, vocab_size=256, **MTP_MODELS[model])
-    cfgs = [TrainConfig(**dims, mtp_depth=d) for d in (0, 1)]
+    cfgs = [TrainConfig.from_flags(**dims, mtp_depth=d) for d in (0, 1)]
     flops = [metrics.flops_per_token(c, _counts(c)) for c in cfgs]
     c, h, heads = cfgs[1], 32, 4
     if model.startswith("llama"):
@@ -182,7 +192,7 @@ def test_flops_count_one_mtp_module_by_hand(model):
         mlp = 4 * h + 2 * 3 * h * 8 + 3 * h * 16  # router, top-2 experts of 8, shared of 16
     module = 3 * h + 2 * h * h + 2 * h + attention + mlp  # 3 norms, eh_proj, block norms
     assert flops[1] - flops[0] == 6 * (module + 256 * h) + 12 * heads * q * 16
-    assert c.model().mtp_depth == 1 and _counts(c)["total"] > _counts(cfgs[0])["total"]
+    assert c.model.mtp_depth == 1 and _counts(c)["total"] > _counts(cfgs[0])["total"]
 
 
 @pytest.mark.parametrize("model", ["llama", "deepseek"])
@@ -194,7 +204,7 @@ def test_the_layouts_parameter_count_with_mtp_is_the_models(model):
     from fastpar.testing import run_ranks
 
     dims = dict(hidden=32, heads=4, layers=2, seq_len=16, **MTP_MODELS[model])
-    cfg = TrainConfig(**dims, tp=2, pp=2, dp=1, ep=1, mtp_depth=1, quiet=True)
+    cfg = TrainConfig.from_flags(**dims, tp=2, pp=2, dp=1, ep=1, mtp_depth=1, quiet=True)
     cfg.check()
     got = run_ranks(_layout_counts, 4, cfg)
     counts = got[0][0]
@@ -210,10 +220,10 @@ def test_the_counted_parameters_under_zero_are_the_models(zero):
     ZeRO-3 (whose parameters are empty between steps: counted gathered, not as 0)."""
     from fastpar.testing import run_ranks
 
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flags(
         model_type="llama", hidden=32, heads=4, layers=2, seq_len=16, tp=1, pp=2, dp=2
     )
-    cfg = dataclasses.replace(cfg, ep=1, zero=zero, moe_every=0, quiet=True)
+    cfg = cfg.with_flags(ep=1, zero=zero, moe_every=0, quiet=True)
     cfg.check()
     got = run_ranks(_zero_counts, 4, cfg)
     assert all(c == got[0][0] for c, _ in got), got
@@ -244,7 +254,7 @@ def _counts(cfg: TrainConfig) -> dict[str, int]:
     from fastpar.mesh.placement import is_expert
     from fastpar.moe import moe_layers
 
-    blocks = build_model(cfg.model(), None)
+    blocks = build_model(cfg.model, None)
     params = {id(p): p for b in blocks for p in b.parameters()}
     experts = {id(p) for b in blocks for m in moe_layers(b) for p in m.parameters() if is_expert(p)}
     return {
@@ -259,7 +269,7 @@ def test_tensorboard_scalars(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tb, path = tmp_path / "tb", tmp_path / "run.jsonl"
-    launch(TrainConfig(**TINY, tensorboard=str(tb), metrics_file=str(path), quiet=True))
+    launch(TrainConfig.from_flags(**TINY, tensorboard=str(tb), metrics_file=str(path), quiet=True))
     acc = EventAccumulator(str(tb))
     acc.Reload()
     rows = [json.loads(line) for line in path.read_text().splitlines()]
@@ -306,7 +316,7 @@ def test_fastpar_imports_without_tensorboard():
 
 
 def test_eta_leaves_the_compile_step_out():
-    cfg = TrainConfig(steps=10, batch_size=2, seq_len=8)
+    cfg = TrainConfig.from_flags(steps=10, batch_size=2, seq_len=8)
     import torch
 
     def row(step, elapsed, **kw):

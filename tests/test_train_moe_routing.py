@@ -87,12 +87,12 @@ def _biases(path: str, out) -> dict[str, torch.Tensor]:
 # -- flags -> config -> MoE -------------------------------------------------------------------
 def test_flags_reach_the_llama_moe_blocks():
     cfg = config_from(build_parser().parse_args(FLAGS))
-    assert {k: getattr(cfg, k) for k in DEEPSEEK} == DEEPSEEK
+    assert {k: cfg.flags()[k] for k in DEEPSEEK} == DEEPSEEK
     cfg.check()
-    model_cfg = cfg.model()
-    assert isinstance(model_cfg, LlamaConfig) and model_cfg.router_groups == 4
+    model_cfg = cfg.model
+    assert isinstance(model_cfg, LlamaConfig) and model_cfg.moe_router.num_groups == 4
     moes = _moes(model_cfg)
-    assert len(moes) == cfg.layers
+    assert len(moes) == cfg.model.layers
     for m in moes:
         r = m.router
         assert (r.score, r.scaling_factor, r.num_groups, r.group_topk) == ("sigmoid", 2.5, 4, 2)
@@ -100,7 +100,7 @@ def test_flags_reach_the_llama_moe_blocks():
         assert r.bias_update_rate == 1e-2 and r.normalize_topk
         assert (r.aux_loss, r.aux_loss_coef, r.z_loss_coef) == ("sequence", 1e-3, 1e-3)
         assert m.expert == "swiglu" and m.shared is not None and m.shared_gate is not None
-        assert m.shared.w2.shape == (16, cfg.hidden)
+        assert m.shared.w2.shape == (16, cfg.model.hidden)
 
 
 def test_the_command_trains_with_the_routing_flags(capsys):
@@ -110,9 +110,11 @@ def test_the_command_trains_with_the_routing_flags(capsys):
 
 
 def test_gpt_takes_the_routing_options_too():
-    cfg = TrainConfig(**{**SMALL, **DP2_EP2, **DEEPSEEK, "aux_loss": "none", "aux_loss_coef": 1e-2})
+    cfg = TrainConfig.from_flags(
+        **{**SMALL, **DP2_EP2, **DEEPSEEK, "aux_loss": "none", "aux_loss_coef": 1e-2}
+    )
     cfg.check()
-    model_cfg = cfg.model()
+    model_cfg = cfg.model
     assert isinstance(model_cfg, GPTConfig)
     (m, *_) = _moes(model_cfg)
     assert m.expert == "mlp" and m.router.score == "sigmoid" and m.router.aux_loss is None
@@ -182,7 +184,9 @@ ERRORS = [
 @pytest.mark.parametrize("model_type", ["llama", "gpt"])
 @pytest.mark.parametrize("bad,message", ERRORS, ids=[str(i) for i in range(len(ERRORS))])
 def test_bad_routing_is_one_clear_error(bad, message, model_type):
-    cfg = TrainConfig(**{**SMALL, **DP2_EP2, "experts": 8, "model_type": model_type, **bad})
+    cfg = TrainConfig.from_flags(
+        **{**SMALL, **DP2_EP2, "experts": 8, "model_type": model_type, **bad}
+    )
     with pytest.raises(ValueError) as err:
         cfg.check()
     assert message in str(err.value)
@@ -200,7 +204,7 @@ def test_routing_flags_are_refused_before_any_rank(capsys, monkeypatch):
 def test_routing_flags_do_not_apply_with_hf_config(tmp_path):
     path = tmp_path / "config.json"
     path.write_text('{"model_type": "llama", "vocab_size": 64}')
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flags(
         **with_hf_config({**SMALL, "tp": 1, "pp": 1, "dp": 1, "ep": 1, "expert_bias": True}, path)
     )
     with pytest.raises(ValueError, match="--expert-bias does not apply with --hf-config"):
@@ -209,20 +213,20 @@ def test_routing_flags_do_not_apply_with_hf_config(tmp_path):
 
 # -- the bias update ---------------------------------------------------------------------------
 def test_the_bias_moves_after_a_step_and_not_after_a_skipped_one():
-    cfg = TrainConfig(**{**SMALL, **DP2_EP2, **LLAMA, **DEEPSEEK})
+    cfg = TrainConfig.from_flags(**{**SMALL, **DP2_EP2, **LLAMA, **DEEPSEEK})
     parts = build(cfg, None, torch.device("cpu"))
-    assert len(parts.bias_routers) == cfg.layers
+    assert len(parts.bias_routers) == cfg.model.layers
     ids = torch.randint(0, 256, (4, 32))
     parts.module(ids)
     routers = parts.bias_routers
     counts = [r.tokens_per_expert.clone() for r in routers]
-    assert all(int(c.sum()) == 4 * 32 * cfg.top_k for c in counts)
+    assert all(int(c.sum()) == 4 * 32 * cfg.model.top_k for c in counts)
     parts.update_expert_bias(torch.tensor(True), None)  # skipped: no move, counts reset
     assert all(not r.expert_bias.any() and not r.tokens_per_expert.any() for r in routers)
     parts.module(ids)
     parts.update_expert_bias(torch.tensor(False), None)
     for r, c in zip(routers, counts, strict=True):
-        want = torch.sign(c.float().mean() - c.float()) * cfg.bias_update_rate
+        want = torch.sign(c.float().mean() - c.float()) * cfg.model.moe_router.bias_update_rate
         torch.testing.assert_close(r.expert_bias, want, rtol=0, atol=0)
         assert not r.tokens_per_expert.any()
     with torch.no_grad():  # evaluation counts nothing
@@ -234,9 +238,9 @@ def test_a_skipped_fp16_step_moves_no_bias():
     """fp16 with a loss scale that overflows: the first step is skipped (its bias stays 0),
     the scaler backs off and a later step moves it."""
     base = {**SMALL, **DP2_EP2, **LLAMA, **DEEPSEEK, "precision": "fp16"}
-    skipped = reference(TrainConfig(**{**base, "steps": 1, "loss_scale": 3e38})).params
+    skipped = reference(TrainConfig.from_flags(**{**base, "steps": 1, "loss_scale": 3e38})).params
     assert all(not v.any() for k, v in skipped.items() if k.endswith("expert_bias"))
-    moved = reference(TrainConfig(**{**base, "steps": 1, "loss_scale": 1024.0})).params
+    moved = reference(TrainConfig.from_flags(**{**base, "steps": 1, "loss_scale": 1024.0})).params
     biases = [v for k, v in moved.items() if k.endswith("expert_bias")]
     assert len(biases) == SMALL["layers"] and all(v.any() for v in biases)
 
@@ -246,7 +250,7 @@ def test_verify_fp16_with_skipped_steps():
     taken (which ones depends on rounding: a gradient near fp16's largest value overflows on one
     CPU and not another); verify checks that the trainer skips exactly the reference's steps,
     and each bias moved at most once per taken step."""
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flags(
         **{
             **SMALL,
             **DP2_EP2,
@@ -266,7 +270,10 @@ def test_verify_fp16_with_skipped_steps():
     taken = run.skipped.count(False)
     for name, bias in run.params.items():
         if name.endswith("expert_bias"):
-            assert bias.any() and bias.abs().max() <= taken * cfg.bias_update_rate + 1e-9, name
+            assert (
+                bias.any()
+                and bias.abs().max() <= taken * cfg.model.moe_router.bias_update_rate + 1e-9
+            ), name
 
 
 # -- verify: DP2 x EP2, ZeRO-1 and ZeRO-2 ----------------------------------------------------------
@@ -274,13 +281,13 @@ def test_verify_fp16_with_skipped_steps():
 @pytest.mark.parametrize("model_type", ["llama", "gpt"])
 def test_verify_deepseek_routing_at_dp2_ep2(zero, model_type):
     model = LLAMA if model_type == "llama" else {}
-    cfg = TrainConfig(**{**SMALL, **DP2_EP2, **model, **DEEPSEEK, "zero": zero})
+    cfg = TrainConfig.from_flags(**{**SMALL, **DP2_EP2, **model, **DEEPSEEK, "zero": zero})
     ok, text = compare(cfg)
     assert ok, text
     assert "AGREE" in text.splitlines()[-1]
     params = reference(cfg).params
     biases = {k: v for k, v in params.items() if k.endswith("expert_bias")}
-    assert len(biases) == cfg.layers and all(v.any() for v in biases.values())  # they moved
+    assert len(biases) == cfg.model.layers and all(v.any() for v in biases.values())  # they moved
 
 
 def test_verify_compares_the_biases(monkeypatch):
@@ -288,7 +295,7 @@ def test_verify_compares_the_biases(monkeypatch):
     disagrees, naming one."""
     import fastpar.verify
 
-    cfg = TrainConfig(**{**SMALL, **DP2_EP2, **LLAMA, **DEEPSEEK, "zero": 1})
+    cfg = TrainConfig.from_flags(**{**SMALL, **DP2_EP2, **LLAMA, **DEEPSEEK, "zero": 1})
     real = fastpar.verify.reference
 
     def shifted_biases(cfg, *args, **kwargs):
@@ -307,12 +314,14 @@ def test_verify_compares_the_biases(monkeypatch):
 def test_resume_keeps_the_expert_bias(tmp_path):
     base = {**SMALL, **DP2_EP2, **LLAMA, **DEEPSEEK, "zero": 1, "steps": 6}
     whole = str(tmp_path / "whole")
-    full = launch(TrainConfig(**{**base, "checkpoint_dir": whole}))
+    full = launch(TrainConfig.from_flags(**{**base, "checkpoint_dir": whole}))
     ckpt = str(tmp_path / "ckpt")
-    first = launch(TrainConfig(**{**base, "steps": 4, "checkpoint_dir": ckpt, "save_every": 2}))
+    first = launch(
+        TrainConfig.from_flags(**{**base, "steps": 4, "checkpoint_dir": ckpt, "save_every": 2})
+    )
     mid = _biases(f"{ckpt}/step_000004", tmp_path / "mid.pt")
     assert len(mid) == base["layers"] and all(v.any() for v in mid.values())
-    resumed = launch(TrainConfig(**{**base, "checkpoint_dir": ckpt, "resume": True}))
+    resumed = launch(TrainConfig.from_flags(**{**base, "checkpoint_dir": ckpt, "resume": True}))
     assert [r["step"] for r in resumed] == [5, 6]
     assert [r["loss"] for r in first] == [r["loss"] for r in full[:4]]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full[4:]]

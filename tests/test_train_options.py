@@ -5,18 +5,18 @@ name is an error everywhere (the layer, the models, ``TrainConfig.check``, the c
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import typing
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import pytest
 import torch
 from _flags import tiny_argv
 from _no_ranks import forbid_ranks
 
-from fastpar.cliutil import flat_fields, flat_name, option, option_of
-from fastpar.models import GPTConfig, LlamaConfig, build_llama
-from fastpar.models.llama import routing_options
+from fastpar.cliutil import flat_name, option, option_of
+from fastpar.models import GPTConfig, LlamaConfig, build_llama, native
+from fastpar.models.llama import routing, routing_options
 from fastpar.moe import MoE, TopKRouter
 from fastpar.moe.balance import balance_scores
 from fastpar.moe.config import ROUTING, ROUTING_DEFAULTS, SCORES, ExpertConfig, RouterConfig, Score
@@ -24,7 +24,8 @@ from fastpar.train import TrainConfig, build_parser, config_from, main
 from fastpar.train.checkpointing import compare_settings, write_config_file
 from fastpar.train.checks import flag
 from fastpar.train.cli import read_config_file
-from fastpar.train.options import GROUPS, TrainOptions
+from fastpar.train.config import flag_specs
+from fastpar.train.options import GROUPS
 
 #: MoE blocks (the routing flags apply), dp 2 x ep 2
 SMALL = tiny_argv(tp=1, pp=1, dp=2, ep=2, steps=1)
@@ -88,7 +89,7 @@ def test_an_unknown_score_is_an_error_in_the_layer():
 
 @pytest.mark.parametrize("model_type", ["gpt", "llama"])
 def test_an_unknown_score_is_an_error_in_train_config(model_type):
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flags(
         tp=1, pp=1, dp=2, ep=2, moe_every=1, model_type=model_type, router_score="relu"
     )
     with pytest.raises(ValueError) as err:
@@ -96,8 +97,8 @@ def test_an_unknown_score_is_an_error_in_train_config(model_type):
     assert "router_score (--router-score) 'relu' must be one of ('softmax', 'sigmoid')" in str(
         err.value
     )
-    with pytest.raises(ValueError, match="'relu' must be one of"):
-        LlamaConfig(moe_every=1, router_score="relu").check()
+    with pytest.raises(ValueError, match=r"must be one of .* got 'relu'"):
+        LlamaConfig(moe_every=1, moe_router=RouterConfig(score="relu")).check()
 
 
 def test_an_unknown_score_is_an_error_on_the_command_line(capsys, monkeypatch):
@@ -117,9 +118,10 @@ def test_a_score_added_to_the_registry_routes(monkeypatch):
     x = torch.randn(5, 6)
     want = torch.sigmoid(x @ r.weight.detach().t()) / 2
     torch.testing.assert_close(r(x).router_probs, want)
-    LlamaConfig(moe_every=1, router_score="half").check()
-    assert routing_options(GPTConfig(moe_every=1, router_score="half"))["router"].score == "half"
-    TrainConfig(tp=1, pp=1, dp=2, ep=2, moe_every=1, router_score="half").check()
+    half = RouterConfig(score="half")
+    LlamaConfig(moe_every=1, moe_router=half).check()
+    assert routing_options(GPTConfig(moe_every=1, moe_router=half))["router"].score == "half"
+    TrainConfig.from_flags(tp=1, pp=1, dp=2, ep=2, moe_every=1, router_score="half").check()
     assert _flags(build_parser())["--router-score"].metavar == "{softmax,sigmoid,half}"
 
 
@@ -135,15 +137,14 @@ def test_the_flag_words_are_the_registry():
 
 # -- the flags are the fields ----------------------------------------------------------------
 def test_every_field_has_help_and_a_group():
-    for f in fields(TrainConfig):
-        opt = option_of(f)
-        assert opt is not None, f.name
-        assert opt.text().strip() and opt.group in GROUPS, f.name
+    for spec in flag_specs():
+        opt = spec.option
+        assert opt.text().strip() and opt.group in GROUPS, spec.name
 
 
 def test_the_flags_are_the_fields():
     ap = build_parser()
-    assert set(_flags(ap)) == {flag(f.name) for f in fields(TrainConfig)}
+    assert set(_flags(ap)) == {flag(spec.name) for spec in flag_specs()}
     routing = {
         flag(flat_name(f))
         for c in (RouterConfig, ExpertConfig)
@@ -152,56 +153,61 @@ def test_the_flags_are_the_fields():
     }
     assert routing == set(ROUTING_FLAGS) == _section(ap, ROUTING)
     assert set(ROUTING_DEFAULTS) == {f[2:].replace("-", "_") for f in ROUTING_FLAGS}
-    for f in fields(TrainConfig):  # each flag's help is its field's, in its field's section
-        opt, action = option_of(f), _flags(ap)[flag(f.name)]
-        assert action.help.startswith(opt.text().replace("%", "%%")), f.name
-        assert flag(f.name) in _section(ap, opt.group), f.name
+    for spec in flag_specs():  # each flag's help is its field's, in its field's section
+        opt, action = spec.option, _flags(ap)[flag(spec.name)]
+        assert action.help.startswith(opt.text().replace("%", "%%")), spec.name
+        assert flag(spec.name) in _section(ap, opt.group), spec.name
 
 
-def test_a_new_router_field_becomes_a_flag(monkeypatch):
+def test_a_new_router_field_becomes_a_flag():
+    """A field declared with ``option`` on the RouterConfig a model config holds is a flag of
+    the command, under its flat name, in the routing section; its words are checked."""
+
     @dataclass(frozen=True)
     class Router(RouterConfig):
         knob: float = option(0.5, ROUTING, "a new routing knob", name="router_knob")
         kind: str = option("a", ROUTING, "a new routing word", words=("a", "b"), name="router_kind")
 
-    @dataclass
-    @flat_fields(Router)
-    class Options(TrainOptions):
-        pass
+    @dataclass(frozen=True)
+    class KnobGPT(GPTConfig):
+        moe_router: Router = field(default_factory=Router)
 
-    assert "router_knob" in {f.name for f in fields(Options)}
-    import fastpar.train.cli as cli
+    gpt = native.get("gpt")
+    native.register(dataclasses.replace(gpt, name="knob", config=KnobGPT))
+    try:
+        ap = build_parser()
+        assert "--router-knob" in _section(ap, ROUTING)
+        assert _flags(ap)["--router-knob"].help == "a new routing knob (default %(default)s)"
+        assert ap.parse_args(["--router-knob", "0.25"]).router_knob == 0.25
+        assert ap.parse_args([]).router_knob == 0.5
+        assert {s.name: s.hint for s in flag_specs()}["router_knob"] is float
+        assert _flags(ap)["--router-kind"].metavar == "{a,b}"
+        from fastpar.train.config_checks import check_words
 
-    monkeypatch.setattr(cli, "TrainConfig", Options)
-    ap = cli.build_parser()
-    assert "--router-knob" in _section(ap, ROUTING)
-    assert _flags(ap)["--router-knob"].help == "a new routing knob (default %(default)s)"
-    assert ap.parse_args(["--router-knob", "0.25"]).router_knob == 0.25
-    assert ap.parse_args([]).router_knob == 0.5
-    assert typing.get_type_hints(Options)["router_knob"] is float
-    assert _flags(ap)["--router-kind"].metavar == "{a,b}"
-    from fastpar.train.config_checks import check_words
-
-    check_words(Options(router_kind="b"))
-    with pytest.raises(ValueError, match="--router-kind 'c' must be one of a, b"):
-        check_words(Options(router_kind="c"))
+        cfg = TrainConfig.from_flags(model_type="knob", router_knob=0.25, router_kind="b")
+        assert cfg.model.moe_router.knob == 0.25 and cfg.flags()["router_kind"] == "b"
+        check_words(cfg)
+        with pytest.raises(ValueError, match="--router-kind 'c' must be one of a, b"):
+            check_words(TrainConfig.from_flags(model_type="knob", router_kind="c"))
+    finally:
+        native.unregister("knob")
 
 
 def test_model_configs_hold_the_routing_fields():
     for config in (GPTConfig, LlamaConfig):
-        defaults = {f.name: f.default for f in fields(config)}
-        assert {k: defaults[k] for k in ROUTING_DEFAULTS} == ROUTING_DEFAULTS, config
+        assert routing(config()) == ROUTING_DEFAULTS, config
     cfg = LlamaConfig(
         moe_every=1,
-        router_score="sigmoid",
-        routed_scaling_factor=2.0,
-        router_groups=2,
-        router_group_topk=1,
-        expert_bias=True,
-        shared_expert_ffn=8,
-        shared_expert_gate=True,
-        aux_loss="none",
-        z_loss_coef=0.1,
+        moe_router=RouterConfig(
+            score="sigmoid",
+            scaling_factor=2.0,
+            num_groups=2,
+            group_topk=1,
+            expert_bias=True,
+            aux_loss="none",
+            z_loss_coef=0.1,
+        ),
+        moe_experts=ExpertConfig(shared_ffn_hidden_size=8, shared_gate=True),
     )
     opts = routing_options(cfg)
     # the nested configs: the flat fields, the model's capacity (dropless) and top-k
@@ -225,8 +231,10 @@ def test_model_configs_hold_the_routing_fields():
     assert opts["experts"] == cfg.moe_experts == want
     layer = build_llama(cfg)[1].mlp
     assert (layer.router.config, layer.expert_config) == (cfg.moe_router, want)
-    run = TrainConfig(model_type="llama", moe_every=1, router_score="sigmoid", expert_bias=True)
-    assert run.moe_router == run.model().moe_router and run.moe_experts.expert == "swiglu"
+    run = TrainConfig.from_flags(
+        model_type="llama", moe_every=1, router_score="sigmoid", expert_bias=True
+    )
+    assert run.model.moe_router.expert_bias and run.model.moe_experts.expert == "swiglu"
 
 
 # -- the layer takes the configs ----------------------------------------------------------------
@@ -272,7 +280,7 @@ def test_the_configs_refuse_what_the_layer_refused():
 
 # -- saved settings read as before --------------------------------------------------------------
 def test_train_config_json_keeps_its_keys(tmp_path):
-    assert set(SAVED_KEYS) <= {f.name for f in fields(TrainConfig)}
+    assert set(SAVED_KEYS) <= {spec.name for spec in flag_specs()}
     argv = [
         *SMALL,
         "--moe-every",
@@ -298,9 +306,9 @@ def test_train_config_json_keeps_its_keys(tmp_path):
         True,
         8,
     )
-    assert read_config_file(path) == asdict(cfg)
+    assert read_config_file(path) == cfg.flags()
     again = config_from(build_parser().parse_args(["--config", path]))
-    assert asdict(again) == asdict(cfg)
+    assert again.flags() == cfg.flags() and again.model == cfg.model
     refused, warned = compare_settings({"config": saved}, again)
     assert refused == [] and warned == []
     other = config_from(build_parser().parse_args(["--config", path, "--router-score", "softmax"]))
@@ -326,10 +334,15 @@ def test_a_config_file_in_the_old_keys_loads(tmp_path):
         )
     )
     cfg = config_from(build_parser().parse_args(["--config", str(path), *SMALL]))
-    assert (cfg.router_score, cfg.routed_scaling_factor, cfg.router_groups) == ("sigmoid", 2.5, 2)
-    assert (cfg.shared_expert_gate, cfg.shared_expert_ffn, cfg.aux_loss) == (True, 8, "none")
+    flags = cfg.flags()
+    assert (flags["router_score"], flags["routed_scaling_factor"], flags["router_groups"]) == (
+        "sigmoid",
+        2.5,
+        2,
+    )
+    assert (flags["shared_expert_gate"], flags["shared_expert_ffn"]) == (True, 8)
     cfg.check()
-    router, experts = (routing_options(cfg.model())[k] for k in ("router", "experts"))
+    router, experts = (routing_options(cfg.model)[k] for k in ("router", "experts"))
     assert (router.score, router.scaling_factor, router.aux_loss) == ("sigmoid", 2.5, None)
     assert experts.shared_gate and experts.shared_ffn_hidden_size == 8
 
@@ -348,12 +361,12 @@ def test_every_model_and_routing_flag_says_what_resuming_with_another_value_does
         "init_from_hf": "where the first weights come from, not what the model is",
         "plan": "a TP plan is a layout",
     }
-    for f in fields(TrainConfig):
-        opt = option_of(f)
-        if opt.group not in (MODEL, ROUTING) or f.name in elsewhere:
+    for spec in flag_specs():
+        opt = spec.option
+        if opt.group not in (MODEL, ROUTING) or spec.name in elsewhere:
             continue
-        assert opt.resume in ("refuse", "warn"), f"--{f.name} declares no resume"
-        assert f.name in (REFUSED if opt.resume == "refuse" else WARNED)
+        assert opt.resume in ("refuse", "warn"), f"--{spec.name} declares no resume"
+        assert spec.name in (REFUSED if opt.resume == "refuse" else WARNED)
     assert not set(REFUSED) & set(WARNED)
     assert {"hidden", "expert_bias", "shared_expert_ffn"} <= set(REFUSED)
     assert {"seed", "router_score", "z_loss_coef"} <= set(WARNED)

@@ -29,7 +29,7 @@ SMALL = tiny_config(ONE_RANK, batch_size=4)
 def _check(lrs) -> str:
     import torch.distributed as dist
 
-    cfg = TrainConfig(**{**SMALL, "dp": len(lrs)})
+    cfg = TrainConfig.from_flags(**{**SMALL, "dp": len(lrs)})
     cfg = dataclasses.replace(cfg, lr=lrs[dist.get_rank()])
     try:
         check_same_settings(cfg)

@@ -29,7 +29,7 @@ def _names(path) -> list[str]:
 
 def test_profile_steps_records_only_that_window(tmp_path):
     out = tmp_path / "prof"
-    launch(TrainConfig(**TINY, profile=str(out), profile_steps="2:3"))
+    launch(TrainConfig.from_flags(**TINY, profile=str(out), profile_steps="2:3"))
     assert sorted(os.listdir(out)) == ["trace_rank0.json", "trace_rank1.json"]
     for rank in (0, 1):
         names = _names(out / f"trace_rank{rank}.json")
@@ -43,7 +43,7 @@ def test_profile_steps_records_only_that_window(tmp_path):
 
 def test_profile_without_steps_records_every_step(tmp_path):
     out = tmp_path / "prof"
-    launch(TrainConfig(**{**TINY, "steps": 2, "pp": 1}, profile=str(out)))
+    launch(TrainConfig.from_flags(**{**TINY, "steps": 2, "pp": 1}, profile=str(out)))
     names = _names(out / "trace_rank0.json")
     assert sorted({n for n in names if n.startswith("ProfilerStep#")}) == [
         "ProfilerStep#1",

@@ -47,7 +47,7 @@ def test_end_of_run_summary_and_settings_file(tmp_path):
 
 
 def test_done_line():
-    cfg = TrainConfig(checkpoint_dir="/tmp/x")
+    cfg = TrainConfig.from_flags(checkpoint_dir="/tmp/x")
     recs = [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0, "run_tokens_per_s": 1234.4}]
     assert done_line(cfg, recs) == (
         "done: loss 5.0000 -> 4.0000 over 2 steps, 1,234 tok/s; checkpoint /tmp/x/step_000002, "
@@ -56,7 +56,7 @@ def test_done_line():
 
 
 def test_header_names_what_changes_the_math():
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flags(
         recompute="attention",
         compile=True,
         sequence_parallel=True,
@@ -81,13 +81,13 @@ def test_header_names_what_changes_the_math():
         "1,000 parameters",
     ):
         assert word in line, (word, line)
-    plain = math_settings(TrainConfig(moe_every=0))
+    plain = math_settings(TrainConfig.from_flags(moe_every=0))
     assert plain == ["token loss normalisation"]
 
 
 # -- 9: the default world on a small machine ------------------------------------------------------
 def test_default_world_note():
-    cfg = TrainConfig()
+    cfg = TrainConfig.from_flags()
     note = default_world_note(cfg, given=False, cores=2)
     assert note == (
         "note: no layout flags: running the default world of 8 ranks (dp 2 x tp 2 x pp 2) on 2 "

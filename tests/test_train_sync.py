@@ -84,7 +84,7 @@ def _count(cfg: TrainConfig) -> dict:
 
 
 def test_unlogged_steps_make_no_host_sync(tmp_path):
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flags(
         **SMALL, steps=7, log_every=3, checkpoint_dir=str(tmp_path / "ckpt"), save_every=5
     )
     for rank, counts in enumerate(run_ranks(_count, cfg.world_size, cfg, timeout=240)):
@@ -98,8 +98,8 @@ def _records(cfgs: list[TrainConfig]) -> list[list[dict]]:
 
 
 def test_numbers_read_late_equal_numbers_read_at_once():
-    every = TrainConfig(**SMALL, steps=5, log_every=1)
-    late = TrainConfig(**SMALL, steps=5, log_every=4)
+    every = TrainConfig.from_flags(**SMALL, steps=5, log_every=1)
+    late = TrainConfig.from_flags(**SMALL, steps=5, log_every=4)
     at_once, deferred = run_ranks(_records, every.world_size, [every, late], timeout=240)[0]
     assert [r["step"] for r in deferred] == [1, 2, 3, 4, 5]
     for a, b in zip(at_once, deferred, strict=True):
@@ -131,7 +131,7 @@ def _signalled_at(cfg: TrainConfig, at: int):
 
 def test_a_signal_is_acted_on_at_the_next_logged_step(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    cfg = TrainConfig(**SMALL, steps=20, log_every=4, checkpoint_dir=ckpt)
+    cfg = TrainConfig.from_flags(**SMALL, steps=20, log_every=4, checkpoint_dir=ckpt)
     out = run_ranks(_signalled_at, cfg.world_size, cfg, 2, timeout=240)
     assert out == [(4, "SIGTERM", os.path.join(ckpt, "step_000004"))] * 4
     assert sorted(n for n in os.listdir(ckpt) if n.startswith("step_")) == ["step_000004"]
@@ -139,7 +139,7 @@ def test_a_signal_is_acted_on_at_the_next_logged_step(tmp_path):
 
 def test_a_divergence_between_sync_points_stops_the_next_one_unsaved(tmp_path):
     ckpt = tmp_path / "ckpt"
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flags(
         **SMALL, steps=20, lr=1e30, log_every=3, save_every=3, checkpoint_dir=str(ckpt)
     )
     with pytest.raises(RankError) as err:

@@ -152,16 +152,14 @@ def test_the_key_leaves_out_exactly_the_layout_and_how_a_run_is_driven():
     and failure sections of --help, --compile and --loss-normalization (the reference
     replaces it), and nothing else. A new flag of those sections fails here until it is
     listed there (it must not change the single-process math) or kept in the key."""
-    from dataclasses import fields
-
-    from fastpar.cliutil import option_of
+    from fastpar.train.config import flag_specs
     from fastpar.train.options import CHECKPOINTS, FAILURES, LAYOUT, OUTPUT
     from fastpar.verify import LAYOUT_ONLY
 
     driven = {
-        f.name
-        for f in fields(TrainConfig)
-        if option_of(f).group in (LAYOUT, CHECKPOINTS, OUTPUT, FAILURES)
+        spec.name
+        for spec in flag_specs()
+        if spec.option.group in (LAYOUT, CHECKPOINTS, OUTPUT, FAILURES)
     }
     assert driven | {"compile", "loss_normalization"} == LAYOUT_ONLY
 
@@ -173,12 +171,14 @@ def test_the_cache_computes_each_key_once_and_keeps_the_last(monkeypatch):
     monkeypatch.setattr(fastpar.verify, "references", lambda cfg, tokens: calls.append(1) or cfg)
     tokens = torch.arange(300) % 7
     cache = ReferenceCache(size=2)
-    cfgs = [TrainConfig(seed=s, tp=1, pp=1) for s in (1, 2, 3)]
+    cfgs = [TrainConfig.from_flags(seed=s, tp=1, pp=1) for s in (1, 2, 3)]
     got = [cache.references(c, tokens) for c in (cfgs[0], cfgs[1], cfgs[0], cfgs[2], cfgs[1])]
     assert got == [cfgs[0], cfgs[1], cfgs[0], cfgs[2], cfgs[1]]
     assert (cache.computed, cache.hits) == (4, 1)  # cfgs[1] left when cfgs[2] came
     # another layout of the run of cfgs[1]: the same references
-    layout = TrainConfig(seed=2, tp=2, pp=1, zero=3, sequence_parallel=True, schedule="gpipe")
+    layout = TrainConfig.from_flags(
+        seed=2, tp=2, pp=1, zero=3, sequence_parallel=True, schedule="gpipe"
+    )
     assert cache.references(layout, tokens) is cfgs[1] and cache.computed == 4
     cache.references(cfgs[1], torch.arange(300) % 5)  # other data: other references
     cache.references(dataclasses.replace(cfgs[1], steps=4), tokens)  # another run

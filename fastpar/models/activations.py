@@ -61,8 +61,9 @@ def block_bytes(
     # tokens may be dropped
     routed = cfg.top_k if cfg.capacity_factor is None else 0
     moe = base + routed * (size * (2 * h + mlp * expert_ffn / tp) + 12)
-    if cfg.shared_expert_ffn is not None:  # a dense FFN on every token, not split
-        moe += size * (mlp * cfg.shared_expert_ffn + h)
+    shared = cfg.moe_experts.shared_ffn_hidden_size
+    if shared is not None:  # a dense FFN on every token, not split
+        moe += size * (mlp * shared + h)
     return dense, moe
 
 
@@ -81,8 +82,9 @@ def block_grads(
     dense = base + mlp_in * cfg.ffn_size / tp + h
     routed = cfg.top_k if cfg.capacity_factor is None else 0
     moe = base + cfg.num_experts / sp + routed * (mlp_in * expert_ffn / tp + h)
-    if cfg.shared_expert_ffn is not None:
-        moe += mlp_in * cfg.shared_expert_ffn + h + (1 if cfg.shared_expert_gate else 0)
+    shared = cfg.moe_experts.shared_ffn_hidden_size
+    if shared is not None:
+        moe += mlp_in * shared + h + (1 if cfg.moe_experts.shared_gate else 0)
     return size * dense, size * moe
 
 

@@ -11,67 +11,92 @@ DeepSeek"); HF names both ways: ``fastpar.models.deepseek_hf``."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
-from fastpar.cliutil import flat_fields
+from fastpar.cliutil import option
 from fastpar.mesh.groups import ParallelMesh
 from fastpar.models.activations import Activations, norm_bytes, swiglu_activations
 from fastpar.models.common import DecoderBlock, build_decoder, check_layout, check_sizes, lm_loss
-from fastpar.models.llama import MLP, LlamaConfig, check_routing, moe
+from fastpar.models.llama import MLP, check_routing, moe, sync_routing
 from fastpar.models.mla import LatentAttention
 from fastpar.models.mtp import add_mtp, check_mtp
-from fastpar.models.shape import SwiGLUShape
+from fastpar.models.shape import MODEL, SwiGLUShape
 from fastpar.moe.config import ExpertConfig, RouterConfig
 
 __all__ = ["Block", "DeepSeekConfig", "build_deepseek", "deepseek_loss"]
 
 
 @dataclass(frozen=True)
-@flat_fields(RouterConfig, ExpertConfig)
 class DeepSeekConfig(SwiGLUShape):
     """Model shape and options of a DeepSeek-V3-class decoder (HF ``DeepseekV3Config``'s names
-    in parentheses). The MoE routing fields (``router_score``, ``expert_bias``,
-    ``router_groups``, ``shared_expert_ffn``, ``routed_scaling_factor``, ...:
-    ``ROUTING_DEFAULTS``) are ``RouterConfig``'s and ``ExpertConfig``'s flagged fields under
-    their flat names (``fastpar.moe.config``); DeepSeek-V3 itself routes with
-    ``router_score="sigmoid"``, ``expert_bias=True``, groups and shared experts. ``ffn``: the
+    in parentheses). The MoE routing options are ``moe_router`` and ``moe_experts``
+    (``fastpar.moe.config``); DeepSeek-V3 itself routes with ``RouterConfig(score="sigmoid",
+    expert_bias=True)``, groups and shared experts. ``ffn``: the
     dense blocks' width (None: 8·hidden/3 rounded up to a multiple of 64); ``norm_eps``: the
     block and final norms' (the latent norms, MTP blocks and CP widths: docs/hf.md)."""
 
-    q_lora_rank: int | None = 32
+    q_lora_rank: int | None = option(
+        32,
+        MODEL,
+        "deepseek: low-rank query's rank (0: one q projection)",
+        zero_is_none=True,
+        resume="refuse",
+    )
     """Rank of the low-rank query (q_a -> RMSNorm -> q_b); None: one q projection."""
-    kv_lora_rank: int = 32
+    kv_lora_rank: int = option(
+        32, MODEL, "deepseek: width of the compressed key/value latent", resume="refuse"
+    )
     """Width of the compressed key/value latent."""
-    qk_rope_head_dim: int = 8
+    qk_rope_head_dim: int = option(
+        8, MODEL, "deepseek: rotary dims of a query/key head (even)", resume="refuse"
+    )
     """Rotary dims of each query / key head (even); the rotary key is shared by all heads."""
-    qk_nope_head_dim: int = 16
+    qk_nope_head_dim: int = option(
+        16, MODEL, "deepseek: dims without position of a query/key head", resume="refuse"
+    )
     """Dims without position of each query / key head."""
-    v_head_dim: int = 16
+    v_head_dim: int = option(16, MODEL, "deepseek: width of a value head", resume="refuse")
     """Width of each value head."""
-    rope_interleave: bool = True
+    rope_interleave: bool = option(True, MODEL, "deepseek: rotary dims paired", resume="warn")
     """The rotary dims pair up interleaved, (x0, x1), (x2, x3), ... (HF rope_interleave,
     DeepSeek's layout); False: halves, as Llama."""
-    yarn_factor: float | None = None
+    yarn_factor: float | None = option(None, MODEL, "deepseek: YaRN scaling factor", resume="warn")
     """YaRN context extension (rope_type "yarn"): the factor; None: plain RoPE."""
-    yarn_original_seq_len: int | None = None
+    yarn_original_seq_len: int | None = option(
+        None, MODEL, "deepseek YaRN: pre-training length (default: --seq-len)", resume="warn"
+    )
     """YaRN: the pre-training length (original_max_position_embeddings). None: seq_len."""
-    yarn_beta_fast: float = 32.0
+    yarn_beta_fast: float = option(32.0, MODEL, "deepseek --yarn-factor: beta_fast", resume="warn")
     """YaRN: rotations where extrapolation ends (beta_fast)."""
-    yarn_beta_slow: float = 1.0
+    yarn_beta_slow: float = option(1.0, MODEL, "deepseek --yarn-factor: beta_slow", resume="warn")
     """YaRN: rotations where interpolation starts (beta_slow)."""
-    yarn_mscale: float = 1.0
+    yarn_mscale: float = option(1.0, MODEL, "deepseek --yarn-factor: mscale", resume="warn")
     """YaRN mscale: cos / sin scale mscale(f, mscale) / mscale(f, mscale_all_dim) when both
     are set."""
-    yarn_mscale_all_dim: float = 0.0
+    yarn_mscale_all_dim: float = option(
+        0.0, MODEL, "deepseek YaRN: mscale_all_dim (squared, scales the softmax)", resume="warn"
+    )
     """YaRN mscale_all_dim (0: unset): the softmax scale is multiplied by
     mscale(factor, mscale_all_dim)² (DeepSeek-V3: 1.0)."""
-    first_k_dense: int = 1
+    first_k_dense: int = option(
+        1, MODEL, "deepseek: the first K blocks dense, the rest MoE", resume="refuse"
+    )
     """The first this-many blocks are dense SwiGLU (first_k_dense_replace)."""
     moe_every: int = 1
     """Block i >= first_k_dense is MoE when i % moe_every == 0 (DeepSeek-V2's moe_layer_freq;
     HF DeepseekV3: 1); 0: no MoE blocks."""
+    moe_router: RouterConfig = field(default_factory=RouterConfig)
+    """How the MoE blocks route (HF n_group, topk_group, routed_scaling_factor, the
+    e_score_correction_bias); ``capacity_factor`` and ``normalize_topk`` follow the model's
+    (``fastpar.models.llama.sync_routing``)."""
+    moe_experts: ExpertConfig = field(default_factory=lambda: ExpertConfig(expert="swiglu"))
+    """The shared experts (HF n_shared_experts x moe_ffn wide); SwiGLU experts, as the
+    Llama's."""
+
+    def __post_init__(self) -> None:
+        sync_routing(self, normalize_topk=self.norm_topk_prob, expert="swiglu")
 
     @property
     def ffn_size(self) -> int:
@@ -88,8 +113,6 @@ class DeepSeekConfig(SwiGLUShape):
     @property
     def yarn_original_len(self) -> int:
         return self.yarn_original_seq_len or self.seq_len
-
-    nested_values = LlamaConfig.nested_values  # SwiGLU experts, norm_topk_prob: as the Llama's
 
     def is_moe(self, layer: int) -> bool:
         return self.moe_every > 0 and layer >= self.first_k_dense and layer % self.moe_every == 0

@@ -22,6 +22,7 @@ from fastpar.models.llama_hf import (
     _shaped_take,
     _take,
 )
+from fastpar.moe.config import ExpertConfig, RouterConfig
 
 __all__ = ["check_hf", "from_hf", "hf_config", "is_mtp_name", "to_hf"]
 
@@ -57,9 +58,9 @@ def check_hf(cfg: DeepSeekConfig) -> None:
             f"moe_every={cfg.moe_every} has no HF export: DeepSeek-V3 has a MoE in every block "
             f"after the first first_k_dense={cfg.first_k_dense}; use moe_every=1"
         )
-    if cfg.router_score != "sigmoid":
+    if cfg.moe_router.score != "sigmoid":
         raise ValueError(
-            f"router_score={cfg.router_score!r} has no HF export: DeepSeek-V3 routes by sigmoid "
+            f"router_score={cfg.moe_router.score!r} has no HF export: DeepSeek-V3 routes by sigmoid "
             "scores; set router_score='sigmoid' (--router-score sigmoid)"
         )
     if cfg.capacity_factor is not None:
@@ -67,18 +68,18 @@ def check_hf(cfg: DeepSeekConfig) -> None:
             f"capacity_factor={cfg.capacity_factor} has no HF export: DeepSeek-V3 drops no "
             "tokens; train it dropless (capacity_factor=None)"
         )
-    if cfg.shared_expert_gate:
+    if cfg.moe_experts.shared_gate:
         raise ValueError(
             "shared_expert_gate has no HF export: DeepSeek-V3's shared experts are ungated; "
             "drop --shared-expert-gate"
         )
-    fs, f = cfg.shared_expert_ffn, cfg.moe_ffn_size
+    fs, f = cfg.moe_experts.shared_ffn_hidden_size, cfg.moe_ffn_size
     if fs is not None and fs % f:
         raise ValueError(
             f"shared_expert_ffn={fs} has no HF export: DeepSeek-V3's shared experts are "
             f"n_shared_experts x moe_ffn ({f}) wide; use a multiple of {f}"
         )
-    groups = cfg.router_groups or 1
+    groups = cfg.moe_router.num_groups or 1
     if cfg.num_experts // groups < 2:
         raise ValueError(
             f"{cfg.num_experts} experts in {groups} groups have no HF export: HF scores each "
@@ -105,7 +106,7 @@ def hf_config(cfg: DeepSeekConfig, dtype: str = "float32") -> dict:
     """config.json content for ``cfg`` (``check_hf`` first)."""
     check_hf(cfg)
     moe = _moe_layers(cfg)
-    shared = cfg.shared_expert_ffn
+    shared = cfg.moe_experts.shared_ffn_hidden_size
     return {
         "architectures": [ARCH],
         "model_type": MODEL_TYPE,
@@ -118,14 +119,14 @@ def hf_config(cfg: DeepSeekConfig, dtype: str = "float32") -> dict:
         "num_key_value_heads": cfg.heads,
         "n_shared_experts": 0 if shared is None else shared // cfg.moe_ffn_size,
         "n_routed_experts": cfg.num_experts,
-        "routed_scaling_factor": cfg.routed_scaling_factor or 1.0,
+        "routed_scaling_factor": cfg.moe_router.scaling_factor or 1.0,
         "kv_lora_rank": cfg.kv_lora_rank,
         "q_lora_rank": cfg.q_lora_rank,
         "qk_rope_head_dim": cfg.qk_rope_head_dim,
         "qk_nope_head_dim": cfg.qk_nope_head_dim,
         "v_head_dim": cfg.v_head_dim,
-        "n_group": cfg.router_groups or 1,
-        "topk_group": cfg.router_group_topk or 1,
+        "n_group": cfg.moe_router.num_groups or 1,
+        "topk_group": cfg.moe_router.group_topk or 1,
         "num_experts_per_tok": cfg.top_k,
         "first_k_dense_replace": moe[0] if moe else cfg.layers + cfg.mtp_depth,
         "norm_topk_prob": cfg.norm_topk_prob,
@@ -188,7 +189,7 @@ def _block_to_hf(take, out: dict, cfg: DeepSeekConfig, i: int, src: str, dst: st
         out[dst + "gate_proj.weight"], out[dst + "up_proj.weight"] = gate, up
         return
     e, f, h = cfg.num_experts, cfg.moe_ffn_size, cfg.hidden
-    if cfg.expert_bias:
+    if cfg.moe_router.expert_bias:
         bias = take(src + "router.expert_bias", (e,))
     else:
         bias = torch.zeros(e, dtype=torch.float32, device=out[dst + "gate.weight"].device)
@@ -196,7 +197,7 @@ def _block_to_hf(take, out: dict, cfg: DeepSeekConfig, i: int, src: str, dst: st
     w1 = take(src + "w1", (e, h, 2 * f))
     out[dst + "experts.gate_up_proj"] = w1.transpose(1, 2).contiguous()
     out[dst + "experts.down_proj"] = take(src + "w2", (e, f, h)).transpose(1, 2).contiguous()
-    fs = cfg.shared_expert_ffn or 0
+    fs = cfg.moe_experts.shared_ffn_hidden_size or 0
     if fs:
         w1, w2 = take(src + "shared.w1", (h, 2 * fs)), take(src + "shared.w2", (fs, h))
     else:  # n_shared_experts = 0: HF holds zero-width projections
@@ -285,7 +286,7 @@ def _block_from_hf(
     gate = _take(hf_state, src + "shared_experts.gate_proj.weight", used)
     up = _take(hf_state, src + "shared_experts.up_proj.weight", used)
     down = _take(hf_state, src + "shared_experts.down_proj.weight", used)
-    if cfg.shared_expert_ffn:
+    if cfg.moe_experts.shared_ffn_hidden_size:
         state[dst + "shared.w1"] = torch.cat([gate, up]).t().contiguous()
         state[dst + "shared.w2"] = down.t().contiguous()
     return state
@@ -370,12 +371,16 @@ def from_hf(
         top_k=c["num_experts_per_tok"],
         moe_ffn=moe_ffn,
         norm_topk_prob=bool(c.get("norm_topk_prob", True)),
-        router_score="sigmoid",
-        expert_bias=True,
-        routed_scaling_factor=None if scaling == 1.0 else scaling,
-        router_groups=groups if groups > 1 else None,
-        router_group_topk=topk_group if groups > 1 else None,
-        shared_expert_ffn=shared * moe_ffn if shared else None,
+        moe_router=RouterConfig(
+            score="sigmoid",
+            expert_bias=True,
+            scaling_factor=None if scaling == 1.0 else scaling,
+            num_groups=groups if groups > 1 else None,
+            group_topk=topk_group if groups > 1 else None,
+        ),
+        moe_experts=ExpertConfig(
+            expert="swiglu", shared_ffn_hidden_size=shared * moe_ffn if shared else None
+        ),
         mtp_depth=depth,
         **_rope_options(c),
     )

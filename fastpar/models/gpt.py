@@ -9,13 +9,13 @@ its slices, so any layout starts from the single-process weights; no dropout."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastpar.cliutil import flat_fields
+from fastpar.cliutil import option
 from fastpar.comm import group_size
 from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_heads
@@ -32,8 +32,8 @@ from fastpar.models.common import (
     moe_block,
     untie_for_pipeline,
 )
-from fastpar.models.llama import check_routing, routing_options
-from fastpar.models.shape import DecoderShape
+from fastpar.models.llama import check_routing, routing_options, sync_routing
+from fastpar.models.shape import MODEL, DecoderShape
 from fastpar.moe.config import ExpertConfig, RouterConfig
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear
 
@@ -49,16 +49,28 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-@flat_fields(RouterConfig, ExpertConfig)
 class GPTConfig(DecoderShape):
     """Model shape and options of the GPT: ``DecoderShape``'s fields (``ffn`` None: 4·hidden)
-    and its own below; the MoE routing fields are ``RouterConfig``'s and ``ExpertConfig``'s
-    flagged fields under their flat names (``fastpar.moe.config`` documents them; GELU
-    experts, shared ones alike)."""
+    and its own below; the MoE routing options are ``moe_router`` and ``moe_experts``
+    (``fastpar.moe.config`` documents their fields; GELU experts, shared ones alike)."""
 
-    norm: str = "rmsnorm"
+    norm: str = option(
+        "rmsnorm",
+        MODEL,
+        words=("rmsnorm", "layernorm"),
+        help="gpt: the normalisation layers",
+        resume="refuse",
+    )
     """The norms: "rmsnorm" or "layernorm"."""
     tie_embeddings: bool = True
+    moe_router: RouterConfig = field(default_factory=RouterConfig)
+    """How the MoE blocks route; its ``capacity_factor`` follows the model's
+    (``fastpar.models.llama.sync_routing``)."""
+    moe_experts: ExpertConfig = field(default_factory=ExpertConfig)
+    """What the MoE blocks' experts compute (GELU MLPs with biases; shared experts)."""
+
+    def __post_init__(self) -> None:
+        sync_routing(self)
 
     @property
     def ffn_size(self) -> int:

@@ -35,9 +35,9 @@ def check(cfg: GPTConfig) -> None:
             f"batch routes, so an exported model (dropless, as every Hugging Face MoE) would "
             f"compute another function; train dropless (leave --capacity-factor out)"
         )
-    if cfg.moe_every and cfg.router_score not in EXPORTED_SCORES:
+    if cfg.moe_every and cfg.moe_router.score not in EXPORTED_SCORES:
         raise ValueError(
-            f"--router-score {cfg.router_score}: the exported model's code "
+            f"--router-score {cfg.moe_router.score}: the exported model's code "
             f"(fastpar/models/hf_code/) computes only the scores {EXPORTED_SCORES}; teach it "
             f"this one (docs/contributing.md, 'A new router score') or train with one of those"
         )
@@ -61,15 +61,15 @@ def hf_config(cfg: GPTConfig, dtype: str = "float32") -> dict:
         "num_experts": cfg.num_experts,
         "num_experts_per_tok": cfg.top_k,
         "moe_inner": cfg.ffn_size,  # the GPT's experts are as wide as its MLPs
-        "router_score": cfg.router_score,
+        "router_score": cfg.moe_router.score,
         "normalize_topk": cfg.top_k > 1,  # fastpar's router default
-        "routed_scaling_factor": cfg.routed_scaling_factor,
-        "router_groups": cfg.router_groups,
-        "router_group_topk": cfg.router_group_topk,
+        "routed_scaling_factor": cfg.moe_router.scaling_factor,
+        "router_groups": cfg.moe_router.num_groups,
+        "router_group_topk": cfg.moe_router.group_topk,
         "group_score_topk": None,  # the config fills in fastpar's default, min(2, per group)
-        "expert_bias": cfg.expert_bias,
-        "shared_expert_ffn": cfg.shared_expert_ffn,
-        "shared_expert_gate": cfg.shared_expert_gate,
+        "expert_bias": cfg.moe_router.expert_bias,
+        "shared_expert_ffn": cfg.moe_experts.shared_ffn_hidden_size,
+        "shared_expert_gate": cfg.moe_experts.shared_gate,
         "tie_word_embeddings": cfg.tie_embeddings,
         "use_cache": False,
         "bos_token_id": None,

@@ -9,14 +9,16 @@ Llama"); HF names both ways: ``fastpar.models.llama_hf``."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastpar.cliutil import check_positive_or_none, flat_fields
+from fastpar.cliutil import check_positive_or_none, option
 from fastpar.comm import group_size
 from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_blocks, mark_heads
@@ -34,38 +36,65 @@ from fastpar.models.common import (
     positions,
 )
 from fastpar.models.mtp import add_mtp, check_mtp
-from fastpar.models.shape import SwiGLUShape
+from fastpar.models.shape import MODEL, SwiGLUShape
 from fastpar.moe.config import (
     AUX_LOSS_WORDS,
     ROUTING_DEFAULTS,
     SCORES,
     ExpertConfig,
     RouterConfig,
+    flat_routing,
+    nested_routing,
 )
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["Block", "LlamaConfig", "build_llama", "check_routing", "llama_loss", "routing_options"]
+__all__ = [
+    "Block",
+    "LlamaConfig",
+    "build_llama",
+    "check_routing",
+    "check_routing_values",
+    "llama_loss",
+    "routed",
+    "routing",
+    "routing_options",
+    "sync_routing",
+]
 
 
 @dataclass(frozen=True)
-@flat_fields(RouterConfig, ExpertConfig)
 class LlamaConfig(SwiGLUShape):
     """Model shape and options of a Llama-class decoder: ``SwiGLUShape``'s fields (its
     ``ffn_size``: 8·hidden/3 rounded up to a multiple of 64 where ``ffn`` is None, about the
     parameters of a 4·hidden GELU MLP; MoE blocks where (i + 1) % moe_every == 0, 0-based, HF
-    Qwen3-MoE's decoder_sparse_step) and its own below. The MoE routing fields
-    (``router_score``, ``expert_bias``, ``shared_expert_ffn``, ...: ``ROUTING_DEFAULTS``) are
-    ``RouterConfig``'s and ``ExpertConfig``'s flagged fields under their flat names
-    (``fastpar.moe.config``, which documents them)."""
+    Qwen3-MoE's decoder_sparse_step) and its own below. The MoE routing options are
+    ``moe_router`` and ``moe_experts`` (``fastpar.moe.config`` documents their fields)."""
 
-    kv_heads: int | None = None
+    moe_router: RouterConfig = field(default_factory=RouterConfig)
+    """How the MoE blocks route (score, groups, expert bias, balancing losses). Its
+    ``capacity_factor`` and ``normalize_topk`` follow the model's ``capacity_factor`` and
+    ``norm_topk_prob`` (``sync_routing``)."""
+    moe_experts: ExpertConfig = field(default_factory=lambda: ExpertConfig(expert="swiglu"))
+    """What the MoE blocks' experts compute beside the routed ones (shared experts); the
+    experts are SwiGLU (no biases) whatever ``expert`` says (``sync_routing``)."""
+
+    kv_heads: int | None = option(
+        None,
+        MODEL,
+        help="llama: key/value heads for grouped-query attention (default: --heads)",
+        resume="refuse",
+    )
     """Key/value heads for grouped-query attention (HF num_key_value_heads); divides heads and
     is divisible by TP. None: heads (multi-head attention)."""
-    head_dim: int | None = None
+    head_dim: int | None = option(
+        None, MODEL, "llama: width of a head (default: hidden / heads)", resume="refuse"
+    )
     """Width of one head (even, for RoPE). None: hidden // heads."""
-    qk_norm: bool = False
+    qk_norm: bool = option(
+        False, MODEL, "llama: Qwen3-style RMSNorm on every query and key head", resume="refuse"
+    )
     """Qwen3: RMSNorm over head_dim on every query and key head, before RoPE."""
-    attention_bias: bool = False
+    attention_bias: bool = option(False, MODEL, "llama: Qwen2-style q/k/v bias", resume="refuse")
     """Qwen2: bias on the q, k and v projections (not on the output projection)."""
 
     @property
@@ -89,12 +118,8 @@ class LlamaConfig(SwiGLUShape):
     def is_moe(self, layer: int) -> bool:
         return is_moe_layer(self, layer)
 
-    def nested_values(self, config: type) -> dict:
-        """``moe_router`` / ``moe_experts`` beyond the flat fields: the router renormalises
-        the top-k weights when ``norm_topk_prob``, the experts are SwiGLU (no biases)."""
-        if config is RouterConfig:
-            return {"normalize_topk": self.norm_topk_prob}
-        return {"expert": "swiglu"} if config is ExpertConfig else {}
+    def __post_init__(self) -> None:
+        sync_routing(self, normalize_topk=self.norm_topk_prob, expert="swiglu")
 
     def activation_bytes(
         self, tp: int = 1, sp: int = 1, size: int = 4, fused_ce: bool = False
@@ -163,53 +188,98 @@ def _named(name: str) -> str:
     return f"{name} (--{name.replace('_', '-')})"
 
 
+def sync_routing(cfg, **follow) -> None:
+    """Set the fields of a frozen model config's ``moe_router`` / ``moe_experts`` that follow
+    the model's own: the router's ``capacity_factor`` is the model's, and ``follow`` names
+    the others (``normalize_topk=``, ``expert="swiglu"``)."""
+    follow["capacity_factor"] = cfg.capacity_factor
+    for name in ("moe_router", "moe_experts"):
+        config = getattr(cfg, name)
+        mine = {f.name for f in dataclasses.fields(config)}
+        kw = {k: v for k, v in follow.items() if k in mine and getattr(config, k) != v}
+        if kw:  # (a copy: the model's own fields are checked where they are declared)
+            config = copy.copy(config)
+            for k, v in kw.items():
+                object.__setattr__(config, k, v)
+            object.__setattr__(cfg, name, config)
+
+
+def routing(cfg) -> dict:
+    """A model config's routing options under their flat names (``router_score``,
+    ``expert_bias``, ...: ``ROUTING_DEFAULTS``' keys), as the trainer's flags name them."""
+    return flat_routing(cfg.moe_router, cfg.moe_experts)
+
+
+def routed(config: type, **values):
+    """``config(**values)`` (a GPT, Llama or DeepSeek config class) where ``values`` may name
+    the routing options by their flat names (``router_score="sigmoid"``,
+    ``shared_expert_ffn=16``: the trainer's flags), set on the model's own ``moe_router`` /
+    ``moe_experts`` defaults."""
+    router, kinds = nested_routing(values)
+    own = {k: v for k, v in values.items() if k not in ROUTING_DEFAULTS}
+    if router or kinds:
+        defaults = config()
+        own.setdefault("moe_router", dataclasses.replace(defaults.moe_router, **router))
+        own.setdefault("moe_experts", dataclasses.replace(defaults.moe_experts, **kinds))
+    return config(**own)
+
+
 def check_routing(cfg) -> None:
-    """The MoE routing fields of a GPT or Llama config (``ROUTING_DEFAULTS``): ValueError
+    """The MoE routing options of a GPT, Llama or DeepSeek config (``moe_router``,
+    ``moe_experts``): ``check_routing_values`` of their flat names."""
+    check_routing_values(routing(cfg), cfg.moe_every, cfg.num_experts, cfg.top_k)
+
+
+def check_routing_values(values: dict, moe_every: int, num_experts: int, top_k: int) -> None:
+    """The MoE routing options by their flat names (``ROUTING_DEFAULTS``' keys): ValueError
     naming the field, its fastpar.train flag and the fix; then whatever ``RouterConfig`` /
     ``ExpertConfig`` refuse. Any of them off its default needs MoE blocks (``moe_every``)."""
-    if not cfg.moe_every:
-        changed = [n for n, v in ROUTING_DEFAULTS.items() if getattr(cfg, n) != v]
+    v = values
+    if not moe_every:
+        changed = [n for n, d in ROUTING_DEFAULTS.items() if v[n] != d]
         if changed:
             raise ValueError(
-                f"{_named(changed[0])} = {getattr(cfg, changed[0])!r} is a MoE routing option "
+                f"{_named(changed[0])} = {v[changed[0]]!r} is a MoE routing option "
                 f"but the model has no MoE blocks: set moe_every (--moe-every, e.g. 2) or drop it"
             )
         return
-    if cfg.router_score not in SCORES:  # the registry itself: a score added there is known
+    if v["router_score"] not in SCORES:  # the registry itself: a score added there is known
         raise ValueError(
-            f"{_named('router_score')} {cfg.router_score!r} must be one of {tuple(SCORES)}"
+            f"{_named('router_score')} {v['router_score']!r} must be one of {tuple(SCORES)}"
         )
-    if cfg.aux_loss is not None and cfg.aux_loss not in AUX_LOSS_WORDS:
-        raise ValueError(f"{_named('aux_loss')} {cfg.aux_loss!r} must be one of {AUX_LOSS_WORDS}")
-    sf = cfg.routed_scaling_factor
+    if v["aux_loss"] is not None and v["aux_loss"] not in AUX_LOSS_WORDS:
+        raise ValueError(f"{_named('aux_loss')} {v['aux_loss']!r} must be one of {AUX_LOSS_WORDS}")
+    sf = v["routed_scaling_factor"]
     check_positive_or_none(_named("routed_scaling_factor"), sf, f"{sf}", "2.5", "(1)")
     for name in ("bias_update_rate", "aux_loss_coef", "z_loss_coef"):
-        value, low = getattr(cfg, name), "> 0" if name == "bias_update_rate" else ">= 0"
+        value, low = v[name], "> 0" if name == "bias_update_rate" else ">= 0"
         if not math.isfinite(value) or value < 0 or (value == 0 and low == "> 0"):
             raise ValueError(f"{_named(name)} {value} must be a finite number {low}")
-    if not cfg.expert_bias and cfg.bias_update_rate != ROUTING_DEFAULTS["bias_update_rate"]:
+    if not v["expert_bias"] and v["bias_update_rate"] != ROUTING_DEFAULTS["bias_update_rate"]:
         raise ValueError(
-            f"{_named('bias_update_rate')} {cfg.bias_update_rate} has no effect without "
+            f"{_named('bias_update_rate')} {v['bias_update_rate']} has no effect without "
             f"expert_bias: add --expert-bias (expert_bias=True) or drop it"
         )
-    if cfg.aux_loss in (None, "none") and cfg.aux_loss_coef != ROUTING_DEFAULTS["aux_loss_coef"]:
+    if v["aux_loss"] in (None, "none") and v["aux_loss_coef"] != ROUTING_DEFAULTS["aux_loss_coef"]:
         raise ValueError(
-            f"{_named('aux_loss_coef')} {cfg.aux_loss_coef} has no effect with aux_loss none: "
+            f"{_named('aux_loss_coef')} {v['aux_loss_coef']} has no effect with aux_loss none: "
             f"pass --aux-loss micro_batch or sequence, or drop it"
         )
-    if cfg.shared_expert_ffn is not None and cfg.shared_expert_ffn < 1:
-        raise ValueError(f"{_named('shared_expert_ffn')} {cfg.shared_expert_ffn} must be >= 1")
-    if cfg.shared_expert_gate and cfg.shared_expert_ffn is None:
+    fs = v["shared_expert_ffn"]
+    if fs is not None and fs < 1:
+        raise ValueError(f"{_named('shared_expert_ffn')} {fs} must be >= 1")
+    if v["shared_expert_gate"] and fs is None:
         raise ValueError(
             f"{_named('shared_expert_gate')} needs a shared expert: set shared_expert_ffn "
             f"(--shared-expert-ffn N, its width)"
         )
-    _check_groups(cfg)
-    cfg.moe_router.check(cfg.num_experts, cfg.top_k)  # and whatever the dataclasses refuse
+    _check_groups(v["router_groups"], v["router_group_topk"], num_experts, top_k)
+    router, kinds = nested_routing(v)  # and whatever the dataclasses refuse
+    ExpertConfig(**kinds)
+    RouterConfig(**router).check(num_experts, top_k)
 
 
-def _check_groups(cfg) -> None:
-    groups, topk, e = cfg.router_groups, cfg.router_group_topk, cfg.num_experts
+def _check_groups(groups: int | None, topk: int | None, e: int, top_k: int) -> None:
     if groups is None and topk is None:
         return
     if groups is None:
@@ -230,18 +300,17 @@ def _check_groups(cfg) -> None:
     if not 1 <= topk <= groups:
         raise ValueError(f"{_named('router_group_topk')} {topk} must be in [1, {groups}]")
     reach = topk * (e // groups)
-    if cfg.top_k > reach:
+    if top_k > reach:
         raise ValueError(
-            f"top_k {cfg.top_k} (--top-k) exceeds the {reach} experts in {topk} groups of "
+            f"top_k {top_k} (--top-k) exceeds the {reach} experts in {topk} groups of "
             f"{e // groups}: raise router_group_topk (--router-group-topk) to "
-            f"{math.ceil(cfg.top_k / (e // groups))} or lower --top-k"
+            f"{math.ceil(top_k / (e // groups))} or lower --top-k"
         )
 
 
 def routing_options(cfg) -> dict:
     """The MoE keyword arguments of a model config: ``router=cfg.moe_router`` and
-    ``experts=cfg.moe_experts`` (``fastpar.cliutil.flat_fields``; at their defaults: today's
-    router, the same random stream)."""
+    ``experts=cfg.moe_experts``."""
     return dict(router=cfg.moe_router, experts=cfg.moe_experts)
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from fastpar import families
+from fastpar.models import llama
 from fastpar.models.llama import LlamaConfig
 from fastpar.moe.config import ROUTING_DEFAULTS
 
@@ -37,7 +38,8 @@ def hf_model_type(cfg: LlamaConfig) -> str:
         return _dense_family(cfg)
     routing = ("router_score", "routed_scaling_factor", "router_groups", "expert_bias")
     routing += ("shared_expert_ffn",)
-    changed = {k: getattr(cfg, k) for k in routing if getattr(cfg, k) != ROUTING_DEFAULTS[k]}
+    values = llama.routing(cfg)
+    changed = {k: values[k] for k in routing if values[k] != ROUTING_DEFAULTS[k]}
     if changed:
         raise ValueError(
             f"a MoE model with DeepSeek-style routing or shared experts ({changed}) has no HF "

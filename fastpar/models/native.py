@@ -6,10 +6,13 @@ model is one ``register`` (docs/contributing.md, "A new native model")."""
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass
 from typing import Any
 
+from fastpar.cliutil import FIELD_DEFAULT, Option, lenient, option_of
 from fastpar.models import deepseek_hf, gpt_code, gpt_hf, llama_hf
 from fastpar.models.deepseek import DeepSeekConfig, build_deepseek
 from fastpar.models.gpt import GPTConfig, build_gpt
@@ -35,8 +38,8 @@ _DEEPSEEK_MLA = (
 
 @dataclass(frozen=True)
 class NativeModel:
-    """One of fastpar's own models. ``flags`` reads the trainer's flags object (a
-    ``TrainConfig``: its fields are the flags)."""
+    """One of fastpar's own models. Its config class declares its flags (``model_flags``);
+    the callables below take an instance of it (``TrainConfig.model``)."""
 
     name: str
     """``--model NAME``."""
@@ -49,8 +52,6 @@ class NativeModel:
     flags: tuple[str, ...]
     """The trainer's flags that only some native models take and this one does (another
     model's own flag, changed from its default, is refused naming the models that take it)."""
-    kwargs: Callable[[Any], dict]
-    """``kwargs(flags)``: its config's own keyword arguments (beyond the shared shape fields)."""
     moe_every: int = 2
     """--moe-every's default: MoE in every N-th block."""
     norms: tuple[str, ...] = ("rmsnorm",)
@@ -60,12 +61,12 @@ class NativeModel:
     per_head_muon: bool = True
     """Its attention weights mark their heads (``--muon-per-head`` applies)."""
     head_dim: Callable[[Any], float] | None = None
-    """``head_dim(flags)``: the width attention's FLOPs count per head (default hidden /
+    """``head_dim(config)``: the width attention's FLOPs count per head (default hidden /
     heads)."""
     moe_where: Callable[[Any], str] | None = None
-    """``moe_where(flags)``: where its MoE blocks are, in words (default "every N")."""
+    """``moe_where(config)``: where its MoE blocks are, in words (default "every N")."""
     exporter: Callable[[Any], tuple] | None = None
-    """``exporter(flags)`` -> (the module mapping it to Hugging Face, the dotted name of its own
+    """``exporter(config)`` -> (the module mapping it to Hugging Face, the dotted name of its own
     HF model class, imported when it exports: it needs transformers; or None); None: it does
     not export."""
 
@@ -110,6 +111,132 @@ def of_config(config) -> NativeModel:
     raise TypeError(f"expected a config of a native model ({known}), got {type(config).__name__}")
 
 
+# -- the model flags: the registered config classes' option fields, each declared once ----------
+@dataclass(frozen=True)
+class ModelFlag:
+    """One flag of ``python -m fastpar.train`` that a model config field declares (``option``
+    on ``DecoderShape``, ``SwiGLUShape``, a model's own class, or ``RouterConfig`` /
+    ``ExpertConfig``, which a model holds as ``moe_router`` / ``moe_experts``)."""
+
+    name: str
+    """The flag's flat name (``experts``; ``--experts``, the --config / train_config.json key)."""
+    path: tuple[str, ...]
+    """Where a model config holds it: ("num_experts",), ("moe_router", "score")."""
+    option: Option
+    default: Any
+    """The flag's default as the flag says it (None for a deferred one: ``moe_every``)."""
+    hint: Any
+    """The field's type (``int | None``), for the parser and --config files."""
+
+
+def _declared(cls: type) -> list[tuple[str, dataclasses.Field, type]]:
+    """Every field of the dataclass ``cls`` declared with an ``option`` anywhere in its bases
+    (a subclass that changes a default keeps its base's declaration), bases first."""
+    out: dict[str, tuple[dataclasses.Field, type]] = {}
+    for klass in reversed(cls.__mro__):
+        for name, f in klass.__dict__.get("__dataclass_fields__", {}).items():
+            if name not in out and option_of(f) is not None:
+                out[name] = (f, klass)
+    return [(name, f, klass) for name, (f, klass) in out.items()]
+
+
+def _nested(cls: type) -> list[tuple[str, type]]:
+    """The fields of a model config class that hold a config of their own (``moe_router``)."""
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.default_factory is not MISSING:
+            value = f.default_factory()
+            if dataclasses.is_dataclass(value):
+                out.append((f.name, type(value)))
+    return out
+
+
+def _flag(name: str, path: tuple, f: dataclasses.Field, klass: type) -> ModelFlag:
+    opt = option_of(f)
+    default = opt.to_flag(f.default) if opt.flag_default is FIELD_DEFAULT else opt.flag_default
+    hint = typing.get_type_hints(klass)[f.name]
+    return ModelFlag(name, path, opt, None if opt.deferred else default, hint)
+
+
+_FLAGS: dict[tuple, dict[str, ModelFlag]] = {}
+
+
+def model_flags() -> dict[str, ModelFlag]:
+    """Flat name -> ``ModelFlag`` of every registered model config's flags (the union: a
+    field shared through inheritance is one flag), in registration and declaration order."""
+    key = tuple(m.config for m in REGISTRY.values())
+    if key not in _FLAGS:
+        out: dict[str, ModelFlag] = {}
+        for config in key:
+            for name, f, klass in _declared(config):
+                flat = option_of(f).name or name
+                out.setdefault(flat, _flag(flat, (name,), f, klass))
+            for holder, inner in _nested(config):
+                for name, f, klass in _declared(inner):
+                    flat = option_of(f).name or name
+                    out.setdefault(flat, _flag(flat, (holder, name), f, klass))
+        _FLAGS[key] = out
+    return _FLAGS[key]
+
+
+def _has(config: type, path: tuple) -> bool:
+    names = {f.name for f in dataclasses.fields(config)}
+    return path[0] in names
+
+
+def config_from_flags(model_type: str, values: dict, **fixed) -> tuple[Any, dict]:
+    """(the config of ``--model model_type`` from the flags' ``values`` (flat names; a flag
+    left out: its default; a deferred one None: the record's), the values of the flags its
+    config has no field for that are not at their defaults). ``fixed``: its config's other
+    fields (``vocab_size``). An unknown model: (None, every value given)."""
+    flags = model_flags()
+    if model_type not in REGISTRY:
+        return None, {n: v for n, v in values.items() if n in flags}
+    model = REGISTRY[model_type]
+    base = model.config()
+    top: dict = dict(fixed)
+    inner: dict[str, dict] = {}
+    other = {}
+    some = own_flags()  # (a model's fields for others' flags keep its config's defaults)
+    for name, flag in flags.items():
+        value = values.get(name, flag.default)
+        if name == "moe_every" and value is None:
+            value = model.moe_every
+        takes = name not in some or name in model.flags
+        if not (takes and _has(model.config, flag.path)):
+            if value != flag.default:
+                other[name] = value
+            continue
+        value = flag.option.to_field(value)
+        if len(flag.path) == 1:
+            top[flag.path[0]] = value
+        else:
+            inner.setdefault(flag.path[0], {})[flag.path[1]] = value
+    for holder, kw in inner.items():
+        held = getattr(base, holder)
+        top[holder] = lenient(type(held), **{**dataclasses.asdict(held), **kw})
+    return lenient(model.config, **top), other
+
+
+def flags_of(config, other: dict | None = None) -> dict:
+    """The flags' values of a native model's ``config`` (flat name -> value as the flag says
+    it); a flag it does not take (``config_from_flags``): ``other``'s value, else its
+    default."""
+    out = {}
+    model = of_config(config) if config is not None else None
+    some = own_flags()
+    for name, flag in model_flags().items():
+        takes = model is not None and (name not in some or name in model.flags)
+        if takes and _has(type(config), flag.path):
+            value = config
+            for step in flag.path:
+                value = getattr(value, step)
+            out[name] = flag.option.to_flag(value)
+        else:
+            out[name] = (other or {}).get(name, flag.default)
+    return out
+
+
 def owners(flag: str) -> list[NativeModel]:
     """The native models that take ``flag`` as one of their own."""
     return [m for m in REGISTRY.values() if flag in m.flags]
@@ -124,19 +251,19 @@ def own_flags() -> tuple[str, ...]:
 
 
 # -- the three models ------------------------------------------------------------------------
-def _gpt_exporter(flags) -> tuple:
+def _gpt_exporter(config: GPTConfig) -> tuple:
     """GPT-2 (``gpt_hf``) when GPT-2 computes the model, else fastpar's own HF code
     (``gpt_code`` with ``FastparGPTForCausalLM``, written beside the weights)."""
     try:
-        gpt_hf.check(flags.model())
+        gpt_hf.check(config)
         return gpt_hf, None
     except ValueError:
         return gpt_code, "fastpar.models.hf_code.modeling_fastpar_gpt.FastparGPTForCausalLM"
 
 
-def _deepseek_moe_where(flags) -> str:
-    every = "" if flags.moe_every == 1 else f" (every {flags.moe_every})"
-    return f"after {flags.first_k_dense} dense{every}"  # DeepSeek-V2's moe_layer_freq
+def _deepseek_moe_where(config: DeepSeekConfig) -> str:
+    every = "" if config.moe_every == 1 else f" (every {config.moe_every})"
+    return f"after {config.first_k_dense} dense{every}"  # DeepSeek-V2's moe_layer_freq
 
 
 register(
@@ -145,8 +272,7 @@ register(
         label="GPT",
         config=GPTConfig,
         build=build_gpt,
-        flags=(),
-        kwargs=lambda f: {"norm": f.norm},
+        flags=("norm",),
         norms=("rmsnorm", "layernorm"),
         learned_positions=True,
         exporter=_gpt_exporter,
@@ -159,8 +285,7 @@ register(
         config=LlamaConfig,
         build=build_llama,
         flags=_LLAMA,
-        kwargs=lambda f: {n: getattr(f, n) for n in _LLAMA},
-        head_dim=lambda f: f.head_dim or f.hidden / f.heads,
+        head_dim=lambda c: c.head_dim or c.hidden / c.heads,
         exporter=lambda f: (llama_hf, None),
     )
 )
@@ -171,14 +296,10 @@ register(
         config=DeepSeekConfig,
         build=build_deepseek,
         flags=("rope_theta", "moe_ffn", *MTP_FLAGS, "q_lora_rank", *_DEEPSEEK_MLA),
-        kwargs=lambda f: {
-            "q_lora_rank": f.q_lora_rank or None,
-            **{n: getattr(f, n) for n in ("rope_theta", "moe_ffn", *MTP_FLAGS, *_DEEPSEEK_MLA)},
-        },
         moe_every=1,
         per_head_muon=False,
         # attention's scores over the q/k head, the values' sum over v's
-        head_dim=lambda f: (f.qk_nope_head_dim + f.qk_rope_head_dim + f.v_head_dim) / 2,
+        head_dim=lambda c: (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) / 2,
         moe_where=_deepseek_moe_where,
         exporter=lambda f: (deepseek_hf, None),
     )

@@ -6,8 +6,9 @@ construction; ``SCORES``, the registry of router scores.
               experts=ExpertConfig(expert="swiglu", shared_ffn_hidden_size=1024))
 
 A field that declares an ``Option`` (``fastpar.cliutil.option``) is also a flag of
-``python -m fastpar.train`` and a field of the model configs, under its flat name
-(``score`` is ``router_score``, ``--router-score``): ``fastpar.cliutil.flat_fields`` adds them.
+``python -m fastpar.train`` under its flat name (``score`` is ``router_score``,
+``--router-score``; ``flat_routing`` / ``nested_routing`` map the names); the model configs hold
+the two configs as their ``moe_router`` and ``moe_experts`` fields.
 Capacity and dropping are routing options (the router computes the capacity and picks what an
 over-full expert keeps); their flag, --capacity-factor, is the models' own, whose default is
 dropless where the layer's is 1.25.
@@ -18,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import ClassVar
 
 import torch
 
@@ -70,9 +70,6 @@ class RouterConfig:
     """How a MoE layer routes and balances (``fastpar.moe.router`` sets these defaults beside
     Megatron-Core's and DeepSeek-V3's). Validated on construction; ``check`` adds what needs
     the number of experts."""
-
-    nested: ClassVar[str] = "moe_router"
-    """Its attribute name in a flat config (``fastpar.cliutil.flat_fields``)."""
 
     score: str = option(
         "softmax",
@@ -249,9 +246,6 @@ class ExpertConfig:
     """What a MoE layer's experts compute (``fastpar.moe.experts`` has the kinds). Validated on
     construction."""
 
-    nested: ClassVar[str] = "moe_experts"
-    """Its attribute name in a flat config (``fastpar.cliutil.flat_fields``)."""
-
     expert: str = "mlp"
     """The expert kind: "mlp", "glu" or "swiglu" (``fastpar.moe.experts.KINDS``)."""
     activation: str | None = None
@@ -330,3 +324,22 @@ FLAT = {
 
 ROUTING_DEFAULTS = {flat: f.default for flat, (_, f) in FLAT.items()}
 """Every flat routing field with its default (what a model without MoE blocks must keep)."""
+
+
+def flat_routing(router: RouterConfig, kinds: ExpertConfig) -> dict:
+    """The flagged fields of ``router`` and ``kinds`` under their flat names
+    (``{"router_score": router.score, ...}``, ``ROUTING_DEFAULTS``' keys)."""
+    by_class = {RouterConfig: router, ExpertConfig: kinds}
+    return {flat: getattr(by_class[c], f.name) for flat, (c, f) in FLAT.items()}
+
+
+def nested_routing(values: dict) -> tuple[dict, dict]:
+    """Flat routing values (``ROUTING_DEFAULTS``' keys; any other key ignored) as the keyword
+    arguments of ``RouterConfig`` and of ``ExpertConfig``."""
+    router: dict = {}
+    kinds: dict = {}
+    for flat, value in values.items():
+        if flat in FLAT:
+            config, f = FLAT[flat]
+            (router if config is RouterConfig else kinds)[f.name] = value
+    return router, kinds

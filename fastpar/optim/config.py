@@ -1,12 +1,11 @@
 """The optimizer's options, each declared once (``OptimizerConfig``): which optimizer
 ``python -m fastpar.train`` / ``fastpar.verify`` step with, and the dtype of its state. A field
 that declares an ``Option`` is also a flag of the command under its flat name
-(``fastpar.cliutil.flat_fields``)."""
+(``TrainConfig.optimizer`` holds it: ``fastpar.train.config.flag_specs``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
@@ -25,9 +24,6 @@ TORCH_STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 class OptimizerConfig:
     """Which optimizer and its state's dtype (flags ``--optimizer``,
     ``--optimizer-state-dtype``)."""
-
-    nested: ClassVar[str] = "optim_config"
-    """Its attribute name in a flat config (``fastpar.cliutil.flat_fields``)."""
 
     name: str = option(
         "adamw",

@@ -47,7 +47,7 @@ def load_data(cfg: TrainConfig, check: bool = True):
         hint = ""
         if is_bin:
             hint = f"; read as {dtype}: is --data-dtype the one the file was written with?"
-        check_token_ids(tokens, cfg.vocab, source, min_tokens=cfg.seq_len + 2, hint=hint)
+        check_token_ids(tokens, cfg.vocab, source, min_tokens=cfg.model.seq_len + 2, hint=hint)
         if is_bin and dtype == "uint16":
             check_bin_width(tokens, source)
         check_split(cfg, data)
@@ -95,7 +95,7 @@ def check_split(cfg: TrainConfig, tokens) -> None:
     train, held = split_tokens(cfg, tokens)
     if held is None:
         return
-    need = cfg.seq_len + 2
+    need = cfg.model.seq_len + 2
     if len(held) < need or len(train) < need:
         raise ValueError(
             f"--eval-split {cfg.eval_split:g} of {len(tokens)} token ids leaves {len(train)} for "
@@ -123,10 +123,10 @@ def batch_of(cfg: TrainConfig, data, step: int, hf=None):
             raise ValueError(
                 "packed documents with a masked language model are not supported: use --pack stream"
             )
-        x, y, ids = document_batch(data, step, cfg.batch_size, cfg.seq_len, cfg.seed)
+        x, y, ids = document_batch(data, step, cfg.batch_size, cfg.model.seq_len, cfg.seed)
         valid = y != IGNORE_INDEX  # (the MoE layers' statistics count these tokens only)
         return x, y, Documents.of(ids, reset_positions=cfg.reset_positions, valid=valid)
-    x, y = global_batch(data, step, cfg.batch_size, cfg.seq_len, cfg.seed)
+    x, y = global_batch(data, step, cfg.batch_size, cfg.model.seq_len, cfg.seed)
     if hf is not None and hf.masked:
         from fastpar.models.hf import masked_lm_batch
 

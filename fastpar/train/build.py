@@ -147,7 +147,7 @@ def _blocks(cfg: TrainConfig, mesh: ParallelMesh | None):
         plan = read_plan(cfg.plan) if cfg.plan else None
         hf = hf_blocks(load_config(cfg.hf_config), mesh, plan, cfg.plan or "")
         return hf.blocks, hf, hf, hf.block_types, None  # the HF parts hold vocab_size
-    model_cfg = cfg.model()
+    model_cfg = cfg.model
     blocks = build_model(model_cfg, mesh)
     block_types = tuple({type(b) for b in blocks[1:-1]})  # ZeRO-3 gathers one at a time
     return blocks, None, model_cfg, block_types, untie_for_pipeline(blocks, mesh)
@@ -186,7 +186,7 @@ def _optimizer(cfg, stage, groups, mesh: ParallelMesh | None, scaler, block_type
     the engine runs only this rank's last backward outside no_sync, which gives the other
     chunks' parameters no gradient: they count as what no_sync accumulated
     (``find_unused_parameters``), so each is reduced once."""
-    state_dtype = TORCH_STATE_DTYPES[cfg.optimizer_state_dtype]  # the moments' (fp32, bf16)
+    state_dtype = TORCH_STATE_DTYPES[cfg.optimizer.state_dtype]  # the moments' (fp32, bf16)
     adamw = lambda gs: FusedAdamW(gs, lr=cfg.lr, state_dtype=state_dtype)  # noqa: E731
     adamw, clip = muon_factory(cfg) or adamw, cfg.max_grad_norm  # --optimizer muon
     if exact:  # the same step in float64, the moments stored rounded (fastpar.verify's exact)

@@ -14,7 +14,6 @@ import secrets
 import shutil
 import sys
 import time
-from dataclasses import asdict
 
 import torch.distributed as dist
 
@@ -22,13 +21,13 @@ from fastpar.checkpoint.core import _agree
 from fastpar.checkpoint.directory import prune, scan, step_dir
 from fastpar.checkpoint.format import PARTIAL_SUFFIX, CheckpointError
 from fastpar.checkpoint.lock import DirectoryLock, describe
-from fastpar.cliutil import option_of, os_error_text
+from fastpar.cliutil import os_error_text
 from fastpar.comm import plain
 from fastpar.models import native
 from fastpar.train.batches import SCHEDULE_FIELDS, lr_at
 from fastpar.train.build import Trainer
 from fastpar.train.checks import flag
-from fastpar.train.config import TrainConfig
+from fastpar.train.config import flag_specs
 from fastpar.train.stop import RunStopped
 
 #: the run's resolved settings (every TrainConfig field) in each checkpoint directory
@@ -36,8 +35,8 @@ CONFIG_FILE = "train_config.json"
 
 
 def _resume(kind: str) -> tuple[str, ...]:
-    """The TrainConfig fields whose ``Option.resume`` is ``kind``, in declaration order."""
-    return tuple(f.name for f in dataclasses.fields(TrainConfig) if option_of(f).resume == kind)
+    """The flags whose ``Option.resume`` is ``kind``, in declaration order."""
+    return tuple(spec.name for spec in flag_specs() if spec.option.resume == kind)
 
 
 #: the fields whose change a resume refuses (they define the model) and warns about (the run
@@ -60,10 +59,18 @@ def _model_record(cfg) -> dict:
     return {"vocab": cfg.vocab, "hf_config": hf}
 
 
+def _normalised(old: dict) -> dict:
+    """A checkpoint's flags as this code holds them (its model's through its config: an
+    ``aux_loss`` "none" is None); keys this code does not know kept as they are."""
+    config, other = native.config_from_flags(old.get("model_type", "gpt"), old, vocab_size=256)
+    now = native.flags_of(config, other) if config is not None else {}
+    return {**old, **{k: v for k, v in now.items() if k in old}}
+
+
 def compare_settings(saved: dict, cfg) -> tuple[list[str], list[str]]:
     """(refused, warned) differences between a checkpoint's ``extra`` and the run's ``cfg``,
     each "--flag OLD -> NEW" (see ``REFUSED`` / ``WARNED`` for which is which and why)."""
-    old, now = saved.get("config") or {}, asdict(cfg)
+    old, now = _normalised(saved.get("config") or {}), cfg.flags()
     refused_fields = REFUSED + (
         ("seq_len",) if not cfg.hf_config and native.get(cfg.model_type).learned_positions else ()
     )
@@ -113,7 +120,7 @@ def write_config_file(cfg, path: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "w") as f:
-            json.dump(asdict(cfg), f, indent=2, sort_keys=True)
+            json.dump(cfg.flags(), f, indent=2, sort_keys=True)
             f.write("\n")
         os.replace(tmp, path)
     except OSError as e:
@@ -443,7 +450,7 @@ def _save(trainer: Trainer, root: str, step: int, talk: bool) -> bool:
     cfg, path = trainer.cfg, step_dir(root, step)
     extra = {
         "step": step,
-        "config": asdict(cfg),
+        "config": cfg.flags(),
         "run_id": trainer.run_id,
         "model": _model_record(cfg),
     }

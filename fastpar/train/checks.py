@@ -15,7 +15,6 @@ import os
 
 import torch.distributed as dist
 
-from fastpar.cliutil import option_of
 from fastpar.comm import plain
 
 #: --lr-schedule: what comes after the warm-up
@@ -62,9 +61,8 @@ def flag(name: str) -> str:
 
 def check_bounds(cfg) -> None:
     """Every flag within the bound its option declares (``Option.out_of_bounds``)."""
-    for f in dataclasses.fields(cfg):
-        opt = option_of(f)
-        if opt is not None and (error := opt.out_of_bounds(flag(f.name), getattr(cfg, f.name))):
+    for name, opt, value in cfg.flag_items():
+        if error := opt.out_of_bounds(flag(name), value):
             raise ValueError(error)
 
 
@@ -96,10 +94,12 @@ def check_ranges(cfg) -> None:
 
 def check_top_k(cfg) -> None:
     """Each token picks --top-k distinct experts of --experts."""
-    if cfg.moe_every and cfg.top_k > cfg.experts:
+    model = cfg.model
+    if model is not None and model.moe_every and model.top_k > model.num_experts:
+        top_k, experts = model.top_k, model.num_experts
         raise ValueError(
-            f"--top-k {cfg.top_k} exceeds --experts {cfg.experts}: each token picks top_k "
-            f"distinct experts; use --top-k <= {cfg.experts} or more --experts"
+            f"--top-k {top_k} exceeds --experts {experts}: each token picks top_k "
+            f"distinct experts; use --top-k <= {experts} or more --experts"
         )
 
 
@@ -270,7 +270,7 @@ def check_same_settings(cfg) -> None:
     all-gather of a digest (and, only when they differ, of the settings, to name them).
     ValueError on every rank naming the first differing setting and which ranks hold which
     value; torchrun nodes started with different flags would otherwise train silently apart."""
-    mine = {k: repr(v) for k, v in dataclasses.asdict(cfg).items()}
+    mine = {k: repr(v) for k, v in cfg.flags().items()}
     digest = hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).hexdigest()
     world = dist.get_world_size()
     digests: list = [None] * world

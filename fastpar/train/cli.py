@@ -12,10 +12,9 @@ import os
 import sys
 import time
 import typing
-from dataclasses import fields
 
 from fastpar.checkpoint import CheckpointError
-from fastpar.cliutil import Option, Parser, option_of, read_table
+from fastpar.cliutil import Option, Parser, read_table
 from fastpar.launch import RankError
 from fastpar.train.batches import load_data
 from fastpar.train.checks import (
@@ -25,7 +24,7 @@ from fastpar.train.checks import (
     flag,
     torchrun_world_size,
 )
-from fastpar.train.config import DESCRIPTION, TrainConfig, config_from
+from fastpar.train.config import DESCRIPTION, config_from, flag_specs
 from fastpar.train.launch import launch
 from fastpar.train.memory import WARN_FRACTION, estimate
 from fastpar.train.options import GROUPS
@@ -87,17 +86,16 @@ def build_parser(
         default=None,
         help="read flags from a TOML or JSON file; flags given here override it",
     )
-    own, defaults = dict(defaults or {}), TrainConfig()
-    hints = typing.get_type_hints(TrainConfig)
-    flags = [(f, option_of(f)) for f in fields(TrainConfig)]
-    for f, opt in flags:
-        if opt is None or (opt.group is not None and opt.group not in GROUPS):
-            raise TypeError(f"TrainConfig.{f.name} needs option(..., group=one of {GROUPS})")
-    for title in (*GROUPS, None):  # by section, then the fields' order (the usage line's too)
+    own = dict(defaults or {})
+    specs = flag_specs()
+    for spec in specs:
+        if spec.option.group is not None and spec.option.group not in GROUPS:
+            raise TypeError(f"the flag {spec.name} needs option(..., group=one of {GROUPS})")
+    for title in (*GROUPS, None):  # by section, then the flags' order (the usage line's too)
         where = ap.add_argument_group(title) if title else ap
-        for f, opt in flags:
-            if opt.group == title:
-                _add_flag(where, f.name, opt, getattr(defaults, f.name), hints[f.name])
+        for spec in specs:
+            if spec.option.group == title:
+                _add_flag(where, spec.name, spec.option, spec.default, spec.hint)
     if own:
         ap.set_defaults(**own)  # before --config FILE's, which override them
     return ap
@@ -143,11 +141,10 @@ def _add_flag(where, name: str, opt: Option, value, hint) -> None:
 
 
 # -- --config FILE ----------------------------------------------------------------------------
-#: a config file's keys: each field's name, its flag's name without the dashes, and "model"
-_KEYS = {
-    **{f.name: f.name for f in fields(TrainConfig)},
-    **{flag(f.name)[2:]: f.name for f in fields(TrainConfig)},
-}
+def _keys() -> dict[str, str]:
+    """A config file's keys: each flag's flat name, its flag without the dashes, and "model"."""
+    names = [spec.name for spec in flag_specs()]
+    return {**{n: n for n in names}, **{flag(n)[2:]: n for n in names}}
 
 
 def config_file_path(argv: list[str]) -> str | None:
@@ -196,14 +193,15 @@ def read_config_file(path: str) -> dict:
     """The flags of a TOML or JSON file as {field: value}: keys are the flags' names
     (``batch_size`` or ``batch-size``; ``model`` for --model). An unknown key or a value of the
     wrong type is a ValueError naming the key (and the nearest flag)."""
-    hints = typing.get_type_hints(TrainConfig)
+    hints = {spec.name: spec.hint for spec in flag_specs()}
+    keys = _keys()
     values = {}
     for key, value in _flat(read_table(path, "--config", holds="flags")).items():
-        name = _KEYS.get(key)
+        name = keys.get(key)
         if name is None:
-            near = difflib.get_close_matches(key, list(_KEYS), n=1, cutoff=0.6)
+            near = difflib.get_close_matches(key, list(keys), n=1, cutoff=0.6)
             hint = (
-                f"did you mean {_KEYS[near[0]]} ({flag(_KEYS[near[0]])})?"
+                f"did you mean {keys[near[0]]} ({flag(keys[near[0]])})?"
                 if near
                 else "the keys are the flags' names (python -m fastpar.train --help)"
             )

@@ -7,11 +7,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from dataclasses import dataclass, fields
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
 
+from fastpar.cliutil import Option, lenient, option_of
 from fastpar.data import index_file, tokenizer_eos_id, tokenizer_vocab_size
-from fastpar.models import native
-from fastpar.models.shape import DecoderShape
+from fastpar.models import DeepSeekConfig, GPTConfig, LlamaConfig, native
+from fastpar.models.llama import check_routing_values
 from fastpar.moe.config import ROUTING_DEFAULTS
 from fastpar.parallel.pipeline.recompute import RecomputePolicy
 from fastpar.train.checks import _seconds as _seconds
@@ -35,6 +38,7 @@ from fastpar.train.config_checks import (
     check_words,
 )
 from fastpar.train.memory import check_memory
+from fastpar.train.model_options import ModelOptions
 from fastpar.train.options import TrainOptions
 
 DESCRIPTION = (
@@ -44,8 +48,18 @@ DESCRIPTION = (
 
 @dataclass
 class TrainConfig(TrainOptions):
-    """Everything a run needs (the CLI's flags: the fields of ``TrainOptions``, each with its
-    help in its metadata, ``fastpar.train.options``)."""
+    """Everything a run needs: the trainer's flags (the fields of ``TrainOptions``, each with its
+    help in its metadata, ``fastpar.train.options``) and ``model``, the native model's config,
+    which holds the model's flags (``fastpar.models.native.model_flags``). Made from the flags'
+    flat values by ``from_flags``; ``flags`` gives them back (train_config.json)."""
+
+    model: GPTConfig | LlamaConfig | DeepSeekConfig | None = None
+    """The config of --model (``GPTConfig``, ``LlamaConfig``, ``DeepSeekConfig``, or another
+    registered model's: the model flags' values, the vocabulary ``vocab``); left out, the
+    model flags at their defaults. None for an unknown --model (``check`` names it)."""
+    other_model_flags: dict = field(default_factory=dict)
+    """The model flags --model's config has no field for, given off their defaults (another
+    model's options: ``check`` refuses them naming that model)."""
 
     def __post_init__(self) -> None:
         # --recompute's policy: False (none), True (full: the engine's), or a selective one
@@ -54,9 +68,55 @@ class TrainConfig(TrainOptions):
             self.recompute = self.recompute.strip().lower() == "full"
         if self.init_from_hf and not self.hf_config:  # the model is the directory's
             self.hf_config = os.path.join(self.init_from_hf, "config.json")
-        if self.moe_every is None:  # DeepSeek: MoE in every block after the dense ones
-            model = native.REGISTRY.get(self.model_type)  # (an unknown one is refused later)
-            self.moe_every = model.moe_every if model is not None else 2
+        if self.model is None:
+            self.model, self.other_model_flags = self._model_of(self.other_model_flags)
+
+    def _model_of(self, values: dict) -> tuple[Any, dict]:
+        """(--model's config of the model flags' ``values``, the others given off their
+        defaults): ``fastpar.models.native.config_from_flags`` with this run's vocabulary."""
+        try:
+            vocab = self.vocab
+        except (ValueError, ImportError, OSError):  # a bad --tokenizer: check names it
+            vocab = 256
+        return native.config_from_flags(self.model_type, values, vocab_size=vocab)
+
+    @classmethod
+    def from_flags(cls, **values) -> TrainConfig:
+        """The config of the flags' ``values`` by their flat names (``hidden=64``,
+        ``experts=8``, ``untied=True``, ``router_score="sigmoid"``: the --config keys); a flag
+        left out keeps its default. The one place the flat names meet the nested fields."""
+        own = {f.name for f in _own_fields()}
+        model, nested = native.model_flags(), {s.name: (h, n) for h, n, s in _nested_specs()}
+        unknown = [k for k in values if k not in own and k not in model and k not in nested]
+        if unknown:
+            raise TypeError(f"TrainConfig has no flag {unknown[0]!r}")
+        held: dict[str, dict] = {holder: {} for holder, _ in _nested_fields()}
+        for key, (holder, name) in nested.items():
+            if key in values:
+                held[holder][name] = values[key]
+        configs = {
+            holder: lenient(config, **kw)
+            for (holder, config), kw in zip(_nested_fields(), held.values(), strict=True)
+        }
+        cfg = cls(**{k: v for k, v in values.items() if k in own}, **configs)
+        cfg.model, cfg.other_model_flags = cfg._model_of(
+            {k: v for k, v in values.items() if k in model}
+        )
+        return cfg
+
+    def flags(self) -> dict:
+        """Every flag's value by its flat name, as ``from_flags`` takes them and
+        train_config.json holds them: the trainer's own, then the model's."""
+        return {name: value for name, value in _flag_values(self)}
+
+    def flag_items(self) -> list[tuple[str, Option, object]]:
+        """(flat name, ``Option``, value) of every flag, in ``flag_specs``' order."""
+        values = self.flags()
+        return [(spec.name, spec.option, values[spec.name]) for spec in flag_specs()]
+
+    def with_flags(self, **changes) -> TrainConfig:
+        """This config with ``changes`` (flat names) to some flags."""
+        return type(self).from_flags(**{**self.flags(), **changes})
 
     @property
     def recompute_policy(self) -> RecomputePolicy:
@@ -95,30 +155,6 @@ class TrainConfig(TrainOptions):
 
             return int(read_config_json(self.hf_config)["vocab_size"])
         return tokenizer_vocab_size(self.tokenizer) if self.tokenizer else 256
-
-    def nested_values(self, config: type) -> dict:
-        """``moe_router`` / ``moe_experts`` as fastpar's model has them (its expert kind, its
-        top-k normalisation); an --hf-config run: the flags' values only."""
-        if self.hf_config:
-            return {}
-        return dataclasses.asdict(getattr(self.model(), config.nested))
-
-    def model(self):
-        """The native model's config (``fastpar.models.native``): ``DecoderShape``'s fields
-        from the flags of the same name (``--experts``, ``--untied`` and the vocabulary under
-        theirs), the routing flags, and the model's own (``NativeModel.kwargs``)."""
-        model = native.get(self.model_type)
-        renamed = {"num_experts": self.experts, "tie_embeddings": not self.untied}
-        renamed["vocab_size"] = self.vocab
-        shape = {
-            f.name: getattr(self, f.name) for f in fields(DecoderShape) if f.name not in renamed
-        }
-        return model.config(
-            **shape,
-            **renamed,
-            **{name: getattr(self, name) for name in ROUTING_DEFAULTS},
-            **model.kwargs(self),
-        )
 
     @property
     def profile_window(self) -> tuple[int, int]:
@@ -171,8 +207,11 @@ class TrainConfig(TrainOptions):
         check_packing(self)
         check_batch_split(self)
         check_compile(self)
-        if not self.hf_config:
-            self.model().check(self.tp, self.pp, self.ep)
+        if not self.hf_config:  # the routing flags by their names, before their configs' own
+            flags, model = self.flags(), self.model
+            routing = {name: flags[name] for name in ROUTING_DEFAULTS}
+            check_routing_values(routing, model.moe_every, model.num_experts, model.top_k)
+            model.check(self.tp, self.pp, self.ep)
             check_memory(self)  # activations that clearly do not fit this machine
         check_words(self)
 
@@ -181,7 +220,7 @@ def config_from(args: argparse.Namespace, world: int | None = None) -> TrainConf
     """The TrainConfig of parsed flags. ``world``: the job's world size (default: torchrun's
     WORLD_SIZE, None when self-started); --dp left out is --dp-shard x --dp-replicate when both
     are given, else ``world / (tp * cp * pp)`` under torchrun, else 2. Never raises: ``TrainConfig.check`` and ``check_world_size`` judge the result."""
-    values = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
+    values = {spec.name: getattr(args, spec.name) for spec in flag_specs()}
     if values["ep"] is None:  # the default: expert parallelism for fastpar's MoE models only
         values["ep"] = 1 if values["hf_config"] or values["init_from_hf"] else TrainConfig.ep
     shard, replicate = values.get("dp_shard"), values.get("dp_replicate")
@@ -191,4 +230,80 @@ def config_from(args: argparse.Namespace, world: int | None = None) -> TrainConf
         world = torchrun_world_size() if world is None else world
         tp_cp = values["tp"] * (values.get("cp") or 1)  # dp = world / (tp * cp * pp)
         values["dp"] = infer_dp(tp_cp, values["pp"], world, TrainConfig.dp)
-    return TrainConfig(**node_local_shard(values))  # multi-node torchrun: shard in a node
+    return TrainConfig.from_flags(
+        **node_local_shard(values)
+    )  # multi-node torchrun: shard in a node
+
+
+# -- the flags: the trainer's own fields and the model configs' ------------------------------
+@dataclass(frozen=True)
+class FlagSpec:
+    """One flag of the command: its flat name, its ``Option``, its default (as the flag says
+    it; None for a deferred one) and its value's type."""
+
+    name: str
+    option: Option
+    default: Any
+    hint: Any
+
+
+def _own_fields() -> list:
+    """TrainConfig's fields that are flags (``option``): all but ``model`` and
+    ``other_model_flags``."""
+    return [f for f in fields(TrainConfig) if option_of(f) is not None]
+
+
+def flag_specs() -> list[FlagSpec]:
+    """Every flag of ``python -m fastpar.train``: ``ModelOptions``' (--model, --hf-config,
+    ...), the registered model configs' (``fastpar.models.native.model_flags``), then the
+    rest of ``TrainOptions``'."""
+    defaults, hints = TrainConfig(), typing.get_type_hints(TrainConfig)
+    own = [
+        FlagSpec(f.name, option_of(f), getattr(defaults, f.name), hints[f.name])
+        for f in _own_fields()
+    ]
+    first = {f.name for f in fields(ModelOptions)}
+    model = [FlagSpec(m.name, m.option, m.default, m.hint) for m in native.model_flags().values()]
+    held = [spec for _, _, spec in _nested_specs()]
+    return (
+        [s for s in own if s.name in first] + model + [s for s in own if s.name not in first] + held
+    )
+
+
+def _nested_fields() -> list[tuple[str, type]]:
+    """TrainConfig's fields that hold a config whose fields are flags (``optimizer``)."""
+    out = []
+    for f in fields(TrainConfig):
+        if option_of(f) is None and f.default_factory is not MISSING:
+            value = f.default_factory()
+            if dataclasses.is_dataclass(value):
+                out.append((f.name, type(value)))
+    return out
+
+
+def _nested_specs() -> list[tuple[str, str, FlagSpec]]:
+    """(TrainConfig field, its config's field, the flag) of every flag a nested config of
+    TrainConfig declares (``OptimizerConfig.name`` is ``--optimizer``)."""
+    out = []
+    for holder, config in _nested_fields():
+        hints = typing.get_type_hints(config)
+        for f in fields(config):
+            if (opt := option_of(f)) is not None:
+                spec = FlagSpec(opt.name or f.name, opt, f.default, hints[f.name])
+                out.append((holder, f.name, spec))
+    return out
+
+
+def _flag_values(cfg: TrainConfig):
+    """(flat name, value) of every flag of ``cfg``, in ``flag_specs``' order."""
+    first = {f.name for f in fields(ModelOptions)}
+    own = [f.name for f in _own_fields()]
+    for name in own:
+        if name in first:
+            yield name, getattr(cfg, name)
+    yield from native.flags_of(cfg.model, cfg.other_model_flags).items()
+    for name in own:
+        if name not in first:
+            yield name, getattr(cfg, name)
+    for holder, name, spec in _nested_specs():
+        yield spec.name, getattr(getattr(cfg, holder), name)

@@ -7,11 +7,10 @@ naming the value and the fix."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
-from dataclasses import fields
 
-from fastpar.cliutil import option_of
 from fastpar.data import BIN_DTYPES, bin_dtype, tokenizer_vocab_size
 from fastpar.mesh import MeshLayout
 from fastpar.mesh.layout import resolve_dp
@@ -50,8 +49,10 @@ _NORMS = {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}
 
 
 def _first_changed(cfg, defaults, names) -> str | None:
-    """The first of ``names`` whose value in ``cfg`` is not the one in ``defaults`` (or None)."""
-    return next((n for n in names if getattr(cfg, n) != getattr(defaults, n)), None)
+    """The first of the flags ``names`` whose value in ``cfg`` is not the one in ``defaults``
+    (or None)."""
+    now, then = cfg.flags(), defaults.flags()
+    return next((n for n in names if now[n] != then[n]), None)
 
 
 def check_model_flags(cfg) -> None:
@@ -69,6 +70,13 @@ def check_model_flags(cfg) -> None:
     if cfg.hf_config:
         check_hf_config(cfg, defaults)
         return check_data_flags(cfg)
+    norm = cfg.flags()["norm"]
+    if norm not in model.norms:
+        norms = [m.label for m in native.REGISTRY.values() if norm in m.norms]
+        uses = " or ".join(_NORMS.get(n, n) for n in model.norms)
+        raise ValueError(
+            f"--norm {norm} is a {' and '.join(norms)} option: the {model.label} uses {uses}"
+        )
     foreign = [n for n in native.own_flags() if n not in model.flags]  # others' own flags
     name = _first_changed(cfg, defaults, foreign)
     if name is not None:
@@ -77,12 +85,6 @@ def check_model_flags(cfg) -> None:
         raise ValueError(
             f"{flag(name)} is a {whose} option: add --model "
             + " or --model ".join(m.name for m in takes)
-        )
-    if cfg.norm not in model.norms:
-        norms = [m.label for m in native.REGISTRY.values() if cfg.norm in m.norms]
-        uses = " or ".join(_NORMS.get(n, n) for n in model.norms)
-        raise ValueError(
-            f"--norm {cfg.norm} is a {' and '.join(norms)} option: the {model.label} uses {uses}"
         )
     check_data_flags(cfg)
 
@@ -137,13 +139,13 @@ def check_hf_config(cfg, defaults) -> None:
         *ROUTING_DEFAULTS,
     )
     name = _first_changed(cfg, defaults, own)
-    if name is None and cfg.moe_every not in (0, defaults.moe_every):
+    if name is None and cfg.model.moe_every not in (0, defaults.model.moe_every):
         name = "moe_every"  # 0 (no fastpar MoE block) says nothing about the config's
     if name is not None:
         raise ValueError(
             f"{flag(name)} does not apply with --hf-config (the config sets the model)"
         )
-    if cfg.sequence_parallel:
+    if cfg.model.sequence_parallel:
         raise ValueError("--sequence-parallel is not supported with --hf-config")
     if cfg.fused_ce:
         raise ValueError("--fused-ce needs fastpar's models (--model gpt / llama)")
@@ -172,8 +174,8 @@ def check_hf_config(cfg, defaults) -> None:
             f"the config's vocab_size {config.vocab_size}: use a matching tokenizer"
         )
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if isinstance(limit, int) and cfg.seq_len > limit:
-        raise ValueError(f"--seq-len {cfg.seq_len} exceeds the config's {limit} positions")
+    if isinstance(limit, int) and cfg.model.seq_len > limit:
+        raise ValueError(f"--seq-len {cfg.model.seq_len} exceeds the config's {limit} positions")
     for key in ("num_attention_heads", "num_key_value_heads", "n_head"):
         heads = getattr(config, key, None)
         if isinstance(heads, int) and heads % cfg.tp:
@@ -238,7 +240,7 @@ def check_schedule(cfg) -> None:
         "zero3": cfg.zero == 3,
         "hf_config": bool(cfg.hf_config),
         "fused_ce": cfg.fused_ce and cfg.pp > 1,
-        "sequence_parallel_tp": cfg.sequence_parallel and cfg.tp > 1,
+        "sequence_parallel_tp": cfg.model.sequence_parallel and cfg.tp > 1,
     }
     for feature in [f for f, on in wanted.items() if on and not sched.accepts(f)]:
         raise ValueError(schedule_refusal(cfg, feature, sched))
@@ -274,12 +276,12 @@ def check_schedule(cfg) -> None:
                     f"--microbatch-group-size {g} with --microbatches {cfg.microbatches} "
                     f"and --pp {cfg.pp}: {exc}"
                 ) from None
-        blocks = cfg.layers + 2  # embedding, layers, head
+        blocks = cfg.model.layers + 2  # embedding, layers, head
         if blocks < cfg.pp * v:
             raise ValueError(
                 f"--pp {cfg.pp} x --virtual-stages {v} needs {cfg.pp * v} model chunks of "
                 f"at least one block, but the model has {blocks} blocks (embedding, "
-                f"{cfg.layers} layers, head): use --virtual-stages <= {blocks // cfg.pp} "
+                f"{cfg.model.layers} layers, head): use --virtual-stages <= {blocks // cfg.pp} "
                 f"or --layers >= {cfg.pp * v - 2}"
             )
 
@@ -346,10 +348,10 @@ def check_optimizer(cfg) -> None:
     """--optimizer and --optimizer-state-dtype name what is built (``OptimizerConfig``'s words;
     the rest is refused, never quietly replaced by AdamW in fp32): AdamW, its moments in fp32 or
     bf16; Muon, in fp32."""
-    OptimizerConfig(name=cfg.optimizer, state_dtype=cfg.optimizer_state_dtype)
-    if cfg.optimizer == "muon" and cfg.optimizer_state_dtype != "fp32":
+    OptimizerConfig(**dataclasses.asdict(cfg.optimizer))  # (lenient where it refused)
+    if cfg.optimizer.name == "muon" and cfg.optimizer.state_dtype != "fp32":
         raise ValueError(
-            f"--optimizer muon --optimizer-state-dtype {cfg.optimizer_state_dtype}: Muon keeps "
+            f"--optimizer muon --optimizer-state-dtype {cfg.optimizer.state_dtype}: Muon keeps "
             "its momentum (and its AdamW part's moments) in fp32; drop --optimizer-state-dtype, "
             "or use --optimizer adamw for bf16 moments"
         )
@@ -360,25 +362,25 @@ def check_context_parallel(cfg) -> None:
     chunks again over TP under sequence parallelism."""
     if cfg.cp == 1:
         return
-    if cfg.cp_attention == "all-to-all" and (cfg.heads // cfg.tp) % cfg.cp:
+    if cfg.model.cp_attention == "all-to-all" and (cfg.model.heads // cfg.tp) % cfg.cp:
         raise ValueError(
-            f"--cp-attention all-to-all scatters this rank's {cfg.heads // cfg.tp} query heads "
-            f"(--heads {cfg.heads} / --tp {cfg.tp}) over --cp {cfg.cp}: they must divide by it; "
+            f"--cp-attention all-to-all scatters this rank's {cfg.model.heads // cfg.tp} query heads "
+            f"(--heads {cfg.model.heads} / --tp {cfg.tp}) over --cp {cfg.cp}: they must divide by it; "
             "use --cp-attention ring"
         )
-    if cfg.seq_len % (2 * cfg.cp):
+    if cfg.model.seq_len % (2 * cfg.cp):
         raise ValueError(
             f"--cp {cfg.cp} splits each sequence into 2*cp = {2 * cfg.cp} equal chunks: "
-            f"--seq-len {cfg.seq_len} is not divisible by {2 * cfg.cp}"
+            f"--seq-len {cfg.model.seq_len} is not divisible by {2 * cfg.cp}"
         )
-    if cfg.moe_every and cfg.capacity_factor is not None:
+    if cfg.model.moe_every and cfg.model.capacity_factor is not None:
         raise ValueError(
-            f"--cp {cfg.cp} with --capacity-factor {cfg.capacity_factor}: each rank routes its "
+            f"--cp {cfg.cp} with --capacity-factor {cfg.model.capacity_factor}: each rank routes its "
             "chunks of the sequence, so a capacity would drop per chunk (other tokens than the "
             "single-process model); leave --capacity-factor out (dropless)"
         )
-    local = cfg.seq_len // cfg.cp
-    if cfg.sequence_parallel and cfg.tp > 1 and local % cfg.tp:
+    local = cfg.model.seq_len // cfg.cp
+    if cfg.model.sequence_parallel and cfg.tp > 1 and local % cfg.tp:
         raise ValueError(
             f"--sequence-parallel with --cp {cfg.cp}: this rank's {local} tokens do not split "
             f"over tp {cfg.tp}; use a --seq-len that is a multiple of {cfg.cp * cfg.tp * 2}"
@@ -435,9 +437,10 @@ def check_batch_split(cfg) -> None:
 
 def check_compile(cfg) -> None:
     """--compile is not proven with --mtp-depth."""
-    if cfg.compile and cfg.mtp_depth:
+    depth = getattr(cfg.model, "mtp_depth", 0)
+    if cfg.compile and depth:
         raise ValueError(
-            f"--compile with --mtp-depth {cfg.mtp_depth}: the MTP head is not proven under "
+            f"--compile with --mtp-depth {depth}: the MTP head is not proven under "
             "torch.compile yet; drop --compile or --mtp-depth"
         )
 
@@ -445,9 +448,7 @@ def check_compile(cfg) -> None:
 def check_words(cfg) -> None:
     """Every flag that takes words (``Option.words``) holds one of them (None: left out), for
     whatever the other checks of ``TrainConfig.check`` do not name with their own fix."""
-    for f in fields(cfg):
-        value, words = getattr(cfg, f.name), tuple(option_of(f).words)
+    for name, opt, value in cfg.flag_items():
+        words = tuple(opt.words)
         if words and value is not None and value not in words:
-            raise ValueError(
-                f"{flag(f.name)} {value!r} must be one of {', '.join(map(str, words))}"
-            )
+            raise ValueError(f"{flag(name)} {value!r} must be one of {', '.join(map(str, words))}")

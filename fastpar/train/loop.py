@@ -203,7 +203,7 @@ class SyncPoint:
             timed = step - self.start - self.compile_steps
             seconds = time.perf_counter() - self.began - self.compile_s
             if timed > 0 and seconds > 0:
-                rec["run_tokens_per_s"] = cfg.batch_size * cfg.seq_len * timed / seconds
+                rec["run_tokens_per_s"] = cfg.batch_size * cfg.model.seq_len * timed / seconds
         preempted = bool(signum) and step < cfg.steps
         saved = None
         if _saves(cfg, step) or (cfg.checkpoint_dir and preempted):

@@ -37,7 +37,7 @@ class MemoryEstimate:
         rows = cfg.batch_size // cfg.dp // cfg.microbatches
         whose = "one rank" if self.ranks == 1 else f"the {self.ranks} ranks on this machine"
         return (
-            f"the activations kept for backward ({rows} rows x {cfg.seq_len} tokens a "
+            f"the activations kept for backward ({rows} rows x {cfg.model.seq_len} tokens a "
             f"micro-batch, {cfg.schedule}) need at least {self.needed / GIB:.1f} GiB on {whose}, "
             f"against {self.available / GIB:.1f} GiB of {self.where}"
         )
@@ -48,13 +48,13 @@ def stage_bytes(cfg) -> list[int]:
     what each of its chunks keeps per micro-batch, held as the schedule holds them (``held``);
     with --recompute full each micro-batch keeps only its stage input and one chunk is
     recomputed at a time (ZB-H1: its B recomputes, and that graph lives until the W)."""
-    model = cfg.model()
+    model = cfg.model
     sched = make_schedule(
         cfg.schedule, cfg.microbatches, cfg.virtual_stages, cfg.microbatch_group_size
     )
     tp, pp, v = cfg.tp, cfg.pp, sched.virtual_stages
-    sp = tp if cfg.sequence_parallel else 1
-    tokens = (cfg.batch_size // cfg.dp // cfg.microbatches) * cfg.seq_len
+    sp = tp if cfg.model.sequence_parallel else 1
+    tokens = (cfg.batch_size // cfg.dp // cfg.microbatches) * cfg.model.seq_len
     size = 2 if cfg.precision in ("bf16", "fp16") else 4
     act = model.activation_bytes(tp, sp, size, cfg.fused_ce)
     depth = getattr(model, "mtp_depth", 0)
@@ -141,7 +141,7 @@ def check_memory(cfg) -> MemoryEstimate | None:
     est = estimate(cfg)
     if est is not None and est.needed > est.available:
         raise ValueError(
-            f"--seq-len {cfg.seq_len} --batch-size {cfg.batch_size}: {est.describe(cfg)}; use a "
+            f"--seq-len {cfg.model.seq_len} --batch-size {cfg.batch_size}: {est.describe(cfg)}; use a "
             f"shorter --seq-len, a smaller --batch-size, more --microbatches or more --tp"
         )
     return est

@@ -120,15 +120,15 @@ def model_shape(cfg) -> dict:
             mtp_depth=0,
         )
     width = native.get(cfg.model_type).head_dim  # (DeepSeek: q/k's and v's widths averaged)
-    head_dim = width(cfg) if width is not None else None
+    head_dim = width(cfg.model) if width is not None else None
     return dict(
-        layers=cfg.layers,
-        heads=cfg.heads,
-        head_dim=head_dim or cfg.hidden // cfg.heads,
-        hidden=cfg.hidden,
-        tied=not cfg.untied,
-        expert_share=cfg.top_k / cfg.experts,
-        mtp_depth=cfg.mtp_depth,
+        layers=cfg.model.layers,
+        heads=cfg.model.heads,
+        head_dim=head_dim or cfg.model.hidden // cfg.model.heads,
+        hidden=cfg.model.hidden,
+        tied=cfg.model.tie_embeddings,
+        expert_share=cfg.model.top_k / cfg.model.num_experts,
+        mtp_depth=getattr(cfg.model, "mtp_depth", 0),
     )
 
 
@@ -142,7 +142,7 @@ def flops_per_token(cfg, counts: dict[str, int]) -> float:
     depth = shape["mtp_depth"]
     n += (int(shape["tied"]) + depth) * cfg.vocab * shape["hidden"]
     layers = shape["layers"] + depth
-    attention = 12 * layers * shape["heads"] * shape["head_dim"] * cfg.seq_len
+    attention = 12 * layers * shape["heads"] * shape["head_dim"] * cfg.model.seq_len
     return 6.0 * n + attention
 
 
@@ -261,7 +261,7 @@ def metrics_row(
     ``compile_s`` / ``compile_steps``: the time and steps of --compile's first step, left out
     of the ETA's rate (no rate yet: ETA None until a step after it)."""
     rec = pending[-1]
-    tps = cfg.batch_size * cfg.seq_len * len(pending) / max(seconds, 1e-9)
+    tps = cfg.batch_size * cfg.model.seq_len * len(pending) / max(seconds, 1e-9)
     timed = steps_run - compile_steps
     per_step = (elapsed - compile_s) / timed if timed > 0 else None
     val = {"val_loss": _finite(rec["val_loss"])} if "val_loss" in rec else {}

@@ -20,22 +20,26 @@ from fastpar.reference.optimizer import ExactAdamW
 def groups_for(cfg, stage, adamw_groups: Callable) -> list[dict]:
     """The optimizer's parameter groups of ``stage``: ``adamw_groups(stage, weight_decay)``
     for AdamW; for Muon ``fastpar.optim.muon_param_groups`` (its default rule)."""
-    if cfg.optimizer == "muon" and cfg.hf_config:
+    if cfg.optimizer.name == "muon" and cfg.hf_config:
         check_hf_muon(cfg)
     check_per_head(cfg)
-    make = muon_param_groups if cfg.optimizer == "muon" else adamw_groups
+    make = muon_param_groups if cfg.optimizer.name == "muon" else adamw_groups
     return make(stage, cfg.weight_decay)
 
 
 def check_per_head(cfg) -> None:
     """Refuse ``--muon-per-head`` where no weight marks its heads (``mark_heads``: fastpar's
     GPT and Llama do): AdamW, DeepSeek's latent attention, Hugging Face models (docs/muon.md)."""
-    if not cfg.muon_per_head:
+    if not cfg.optimizer.muon_per_head:
         return
     model = f"--hf-config {cfg.hf_config}" if cfg.hf_config else f"--model-type {cfg.model_type}"
-    if cfg.optimizer != "muon" or cfg.hf_config or not native.get(cfg.model_type).per_head_muon:
+    if (
+        cfg.optimizer.name != "muon"
+        or cfg.hf_config
+        or not native.get(cfg.model_type).per_head_muon
+    ):
         raise ValueError(
-            f"--muon-per-head with --optimizer {cfg.optimizer} {model}: only Muon on fastpar's "
+            f"--muon-per-head with --optimizer {cfg.optimizer.name} {model}: only Muon on fastpar's "
             "GPT and Llama splits attention heads (DeepSeek's latent attention and Hugging Face "
             "models are not marked per head); drop --muon-per-head"
         )
@@ -64,10 +68,13 @@ def check_hf_muon(cfg) -> None:
 def muon_factory(cfg) -> Callable | None:
     """``groups -> Muon`` for ``--optimizer muon`` (None for AdamW): one ``--lr`` for both parts
     (the update's RMS matched to AdamW's, ``adjust_lr="match_rms_adamw"``)."""
-    if cfg.optimizer != "muon":
+    if cfg.optimizer.name != "muon":
         return None
     return lambda groups: Muon(
-        groups, lr=cfg.lr, momentum=cfg.muon_momentum, per_head=cfg.muon_per_head
+        groups,
+        lr=cfg.lr,
+        momentum=cfg.optimizer.muon_momentum,
+        per_head=cfg.optimizer.muon_per_head,
     )
 
 
@@ -76,14 +83,14 @@ def exact_optimizer(
 ) -> ExactAdamW:
     """The same step in float64: ``ExactAdamW`` (its moments stored rounded to ``state_dtype``),
     or for Muon ``ExactMuon``."""
-    if cfg.optimizer != "muon":
+    if cfg.optimizer.name != "muon":
         return ExactAdamW(groups, lr=cfg.lr, max_grad_norm=clip, state_dtype=state_dtype)
     return ExactMuon(
         groups,
         lr=cfg.lr,
         max_grad_norm=clip,
-        momentum=cfg.muon_momentum,
+        momentum=cfg.optimizer.muon_momentum,
         blocks=blocks_of,
-        per_head=cfg.muon_per_head,
+        per_head=cfg.optimizer.muon_per_head,
         heads=matrix_heads,
     )

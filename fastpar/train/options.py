@@ -1,17 +1,20 @@
-"""Every flag of ``python -m fastpar.train``, each declared once, as a field of ``TrainOptions``
-(``TrainConfig``'s fields; the model's in ``fastpar.train.model_options``) with its help, --help
-section, words, metavar and bound in its metadata (``fastpar.cliutil.option``); the MoE routing
-flags are ``RouterConfig``'s and ``ExpertConfig``'s fields (``fastpar.moe.config``). The parser
-derives from them (``fastpar.train.cli.build_parser``)."""
+"""The trainer's flags of ``python -m fastpar.train``, each declared once, as a field of
+``TrainOptions`` (``TrainConfig``'s fields; the model-choosing ones in
+``fastpar.train.model_options``) with its help, --help section, words, metavar and bound in its
+metadata (``fastpar.cliutil.option``). The model's flags are its config's fields (the shape in
+``fastpar.models.shape``, the MoE routing in ``fastpar.moe.config``:
+``fastpar.models.native.model_flags``). The parser derives from both
+(``fastpar.train.cli.build_parser``, ``fastpar.train.config.flag_specs``)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from fastpar.cliutil import flat_fields, option
+from fastpar.cliutil import option
 from fastpar.data import BIN_DTYPES
-from fastpar.moe.config import ROUTING, ExpertConfig, RouterConfig
+from fastpar.models.shape import LAYOUT
+from fastpar.moe.config import ROUTING
 from fastpar.optim.config import OptimizerConfig
 from fastpar.parallel.pipeline.schedules import SCHEDULES
 from fastpar.train.checks import (
@@ -24,17 +27,17 @@ from fastpar.train.checks import (
 )
 from fastpar.train.model_options import MODEL, ModelOptions
 
-LAYOUT, TRAINING, DATA = "layout", "training", "data"
+TRAINING, DATA = "training", "data"
 CHECKPOINTS, EVALUATION, OUTPUT, FAILURES = "checkpoints", "evaluation", "output", "failures"
 GROUPS = (LAYOUT, MODEL, ROUTING, TRAINING, DATA, CHECKPOINTS, EVALUATION, OUTPUT, FAILURES)
 """The sections of --help, in order: every field's ``Option.group`` is one of them."""
 
 
 @dataclass
-@flat_fields(RouterConfig, ExpertConfig, OptimizerConfig)
 class TrainOptions(ModelOptions):
-    """The flags: one field each, listed by --help section (``GROUPS``); the routing and
-    optimizer flags added under their flat names (``fastpar.cliutil.flat_fields``)."""
+    """The trainer's flags: one field each, listed by --help section (``GROUPS``); the
+    optimizer's are ``OptimizerConfig``'s fields, held as ``optimizer``. The model's flags, its
+    routing ones included, are its config's fields (``fastpar.models.native.model_flags``)."""
 
     tp: int = option(
         2, LAYOUT, "tensor-parallel size: ranks that split every layer's matrices", at_least=1
@@ -80,13 +83,6 @@ class TrainOptions(ModelOptions):
         help="context-parallel size: each sequence split over CP ranks (2*cp chunks, ring "
         "attention; --model gpt / llama)",
         at_least=1,
-    )
-    cp_attention: str = option(
-        "ring",
-        LAYOUT,
-        words=("ring", "all-to-all"),
-        help="attention under --cp: ring (K/V passed around the cp ranks) or all-to-all (heads "
-        "scattered over cp, Ulysses; heads / tp must divide by cp)",
     )
     zero: int = option(
         1,
@@ -134,25 +130,6 @@ class TrainOptions(ModelOptions):
         help="recompute activations in backward instead of keeping them: full (--recompute alone: "
         "each micro-batch's whole stage, the pipeline engine's), attention or mlp (that "
         "sub-module of every block), every:K (every K-th block whole), none (--no-recompute)",
-    )
-    sequence_parallel: bool = option(
-        False,
-        LAYOUT,
-        help="split activations between blocks along the sequence over TP (MoE blocks route each "
-        "rank's chunk, dropless; with --moe-expert-tp they gather it)",
-    )
-    moe_expert_tp: bool = option(
-        False,
-        LAYOUT,
-        help="split each MoE expert's FFN over TP (expert tensor parallelism: w1 by columns, w2 by "
-        "rows) instead of every TP rank holding whole experts",
-    )
-    overlap_chunks: int = option(
-        1,
-        LAYOUT,
-        help="MoE: split the all-to-all into K chunks overlapped with expert GEMMs (1: no overlap)",
-        at_least=1,
-        note="1: no overlap",
     )
     steps: int = option(
         30, TRAINING, "optimizer steps to train (Megatron: --train-iters)", at_least=1
@@ -421,3 +398,6 @@ class TrainOptions(ModelOptions):
         help="cross-rank input checks that cost a collective per call (shapes into TP layers, "
         "cross-entropy targets); also FASTPAR_DEBUG_CHECKS=1",
     )
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """The optimizer and its state's dtype (``--optimizer``, ``--muon-momentum``,
+    ``--muon-per-head``, ``--optimizer-state-dtype``: ``OptimizerConfig``'s flags)."""

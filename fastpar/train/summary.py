@@ -26,19 +26,20 @@ def has_moe(cfg) -> bool:
     """Whether fastpar's model has MoE blocks (every --moe-every-th of --layers)."""
     if cfg.hf_config:
         return False
-    model = cfg.model()
-    return any(model.is_moe(i) for i in range(cfg.layers + cfg.mtp_depth))
+    model = cfg.model
+    return any(model.is_moe(i) for i in range(model.layers + getattr(model, "mtp_depth", 0)))
 
 
 def moe_text(cfg) -> str:
     """The MoE settings in a few words: where the blocks are, then ``moe_router``'s and
     ``moe_experts``' own words (``RouterConfig.words``, ``ExpertConfig.words``)."""
     moe_where = None if cfg.hf_config else native.get(cfg.model_type).moe_where
-    where = moe_where(cfg) if moe_where is not None else f"every {cfg.moe_every}"
-    score, *routing = cfg.moe_router.words()
-    head = f"MoE {where}: top-{cfg.top_k} of {cfg.experts} experts ({score})"
-    parts = [head, *routing, *cfg.moe_experts.words()]
-    if cfg.moe_expert_tp:
+    model = cfg.model
+    where = moe_where(model) if moe_where is not None else f"every {model.moe_every}"
+    score, *routing = model.moe_router.words()
+    head = f"MoE {where}: top-{model.top_k} of {model.num_experts} experts ({score})"
+    parts = [head, *routing, *model.moe_experts.words()]
+    if model.moe_expert_tp:
         parts.append("expert TP")
     return ", ".join(parts)
 
@@ -50,7 +51,7 @@ def math_settings(cfg) -> list[str]:
         out.append(f"recompute {cfg.recompute_policy}")
     if cfg.compile:
         out.append("compile")
-    if cfg.sequence_parallel:
+    if cfg.model.sequence_parallel:
         out.append("sequence parallel")
     if cfg.fused_ce:
         out.append("fused CE")
@@ -60,10 +61,11 @@ def math_settings(cfg) -> list[str]:
         out.append(f"--plan {cfg.plan}")
     if has_moe(cfg):
         out.append(moe_text(cfg))
-    if cfg.optimizer_state_dtype != "fp32":
-        out.append(f"AdamW moments in {cfg.optimizer_state_dtype}")
-    if getattr(cfg, "mtp_depth", 0):
-        out.append(f"MTP depth {cfg.mtp_depth} (loss coef {cfg.mtp_loss_coef:g})")
+    if cfg.optimizer.state_dtype != "fp32":
+        out.append(f"AdamW moments in {cfg.optimizer.state_dtype}")
+    depth = getattr(cfg.model, "mtp_depth", 0)
+    if depth:
+        out.append(f"MTP depth {depth} (loss coef {cfg.model.mtp_loss_coef:g})")
     return out
 
 
