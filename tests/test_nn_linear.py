@@ -118,58 +118,6 @@ def test_column_parallel_parity(world):
     run_ranks(cases, world)
 
 
-def _siblings(shared: bool) -> list[int]:
-    """Three column layers (an HF model's q / k / v) reading one x (``shared``) or three equal
-    copies of it, two steps on the same leaf x: the all-reduces of each backward, and every
-    gradient judged against nn.Linear's after both."""
-    from fastpar.comm import collectives
-
-    torch.manual_seed(3)
-    refs = [nn.Linear(16, 8) for _ in range(3)]
-    torch.manual_seed(3)
-    cols = [ColumnParallelLinear(16, 8, gather_output=True) for _ in range(3)]
-    ref64 = [exact_copy(r) for r in refs]
-    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(4))
-    xr, xp, x64 = x.clone().requires_grad_(), x.clone().requires_grad_(), x.double()
-    x64.requires_grad_()
-    counts, reduce = [], collectives._all_reduce
-
-    def counted(t, group):
-        counts[-1] += 1
-        return reduce(t, group)
-
-    collectives._all_reduce = counted
-    try:
-        for _ in range(2):  # the same x twice: the entry of the first step serves the second
-            sum(r(xr).square().sum() for r in refs).backward()
-            sum(r(x64).square().sum() for r in ref64).backward()
-            ys = [c(xp if shared else xp * 1.0) for c in cols]
-            counts.append(0)
-            sum(y.square().sum() for y in ys).backward()
-    finally:
-        collectives._all_reduce = reduce
-    agree(xp.grad, xr.grad, x64.grad, "input grad", length=16)
-    for c, r, r64 in zip(cols, refs, ref64, strict=True):
-        agree(c.weight.grad, r.weight.grad, r64.weight.grad, "weight", length=8, param=c.weight)
-    # a changed x (a parameter after its step) gets a new entry in place of the old one
-    key = (id(xp), id(cols[0].group))
-    cols[0](xp)
-    old = collectives._ENTERED[key]
-    with torch.no_grad():
-        xp.mul_(1.0)
-    cols[0](xp)
-    new = collectives._ENTERED[key]
-    assert new[2] is not old[2] and new[1] == xp._version > old[1]
-    return counts
-
-
-def test_column_layers_reading_one_input_all_reduce_its_gradient_once():
-    # one entry into the TP region for the three: one all-reduce of the summed gradient
-    assert run_ranks(_siblings, 2, True) == [[1, 1], [1, 1]]
-    assert run_ranks(_siblings, 2, False) == [[3, 3], [3, 3]]  # three inputs: three
-    assert run_ranks(_siblings, 1, True) == [[1, 1]]  # a group of one: called, returns it as is
-
-
 def _row_parity(input_is_parallel: bool, bias: bool) -> None:
     torch.manual_seed(3)
     ref = nn.Linear(124, 123, bias=bias)

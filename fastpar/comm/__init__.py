@@ -23,7 +23,6 @@ from fastpar.comm.collectives import (
     reduce_scatter_all_gather,
     scatter_to_region,
     scatter_to_sequence,
-    shared_copy_to_region,
 )
 
 __all__ = [
@@ -46,5 +45,4 @@ __all__ = [
     "reduce_scatter_all_gather",
     "scatter_to_region",
     "scatter_to_sequence",
-    "shared_copy_to_region",
 ]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import types
 import warnings
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -164,36 +163,6 @@ ReduceScatterAllGather = _conjugate(
 
 def copy_to_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     return CopyToRegion.apply(x, group)
-
-
-_ENTERED: dict[tuple, tuple[weakref.ref, int, torch.Tensor]] = {}
-"""(id(x), id(group)) -> (a weak reference to x, x's version, its ``copy_to_region``): one entry
-per live tensor and group, replaced when x changes, gone with x (a view of x: no memory of its
-own)."""
-
-
-def shared_copy_to_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """``copy_to_region(x, group)``, one per tensor: the column-parallel layers reading the same
-    ``x`` (an HF model's q / k / v, its gate / up) share one entry while x lives unchanged, so
-    their input gradients are summed first and all-reduced once instead of once each (the same
-    sum, 2 of 3 collectives spared). A changed ``x`` (its version: a parameter after a step)
-    gets a new entry in place of the old; without autograd, or under torch.compile, every call
-    is its own entry. No collective runs forward either way, and backward every rank's same
-    code shares alike."""
-    if not (x.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
-        return CopyToRegion.apply(x, group)
-    key = (id(x), id(group))
-    hit = _ENTERED.get(key)
-    if hit is not None and hit[0]() is x and hit[1] == x._version:
-        return hit[2]
-    out = CopyToRegion.apply(x, group)
-
-    def drop(ref: weakref.ref, key: tuple = key) -> None:
-        if _ENTERED.get(key, (None,))[0] is ref:
-            del _ENTERED[key]
-
-    _ENTERED[key] = (weakref.ref(x, drop), x._version, out)
-    return out
 
 
 def reduce_from_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:

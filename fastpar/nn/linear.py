@@ -26,7 +26,6 @@ from fastpar.comm import (
     reduce_from_region,
     reduce_scatter_all_gather,
     scatter_to_region,
-    shared_copy_to_region,
 )
 from fastpar.comm.checks import check_same
 from fastpar.mesh.bridge import as_group
@@ -177,8 +176,8 @@ class ColumnParallelLinear(_FromDense, nn.Module):
         self._check_input(x)
         if self.sequence_parallel:
             x = all_gather_reduce_scatter(x, self.group, self.sequence_dim)
-        else:  # one entry shared by the layers reading this x: one all-reduce backward
-            x = shared_copy_to_region(x, self.group)
+        else:
+            x = copy_to_region(x, self.group)
         bias = None if self.skip_bias_add else self.bias
         y = F.linear(x, self._weight(), bias)
         if self.gather_output:
