@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -64,11 +64,12 @@ def restore(params: Mapping[str, nn.Parameter], saved: Mapping[str, torch.Tensor
 
 @dataclass
 class Dense:
-    """The dense runs on the probe input: the fp32 model's output (the probe's) and the float64
-    run's output and gradients (by name); ``length``: the longest reduction (the rule's n).
-    The fp32 gradients and the twin run only when asked (``add_grads``, ``add_twin``): a
-    quantity within the rule's floor alone is within its bound on the fp32 run's error, and one
-    within that bound is within it on the larger of the fp32 and twin runs' errors too."""
+    """The dense runs on the probe input: the float64 run's output and gradients (by name; the
+    probe's run, ``dense_runs``), after the fp32 run's and the twin's once they have run;
+    ``length``: the longest reduction (the rule's n). The fp32 run and the twin run only when
+    asked (``add_grads``, ``add_twin``): a quantity within the rule's floor alone is within its
+    bound on the fp32 run's error, and one within that bound is within it on the larger of the
+    fp32 and twin runs' errors too."""
 
     out: list[torch.Tensor] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
@@ -92,12 +93,15 @@ class Dense:
         return [g.get(name) for g in self.grads[:-1]]
 
     def add_grads(self) -> bool:
-        """Run the copy in fp32, forward and backward, and insert its gradients before the
-        float64 run's; False when they are there already, or there is no backward."""
-        if self.runs > 0 or not self.backward or self.copy is None:
+        """Run the copy in fp32 (forward, and backward when the check has one) and insert its
+        output and gradients before the float64 run's; False when it has run already."""
+        if self.runs > 0 or self.copy is None:
             return False
         self.runs = 1
-        self.grads.insert(0, self._run_copy()[1])
+        out, grads = self._run_copy()
+        self.out.insert(0, out)
+        if self.backward:
+            self.grads.insert(0, grads)
         return True
 
     def add_twin(self) -> bool:
@@ -146,10 +150,16 @@ def forget_weights() -> None:
     _WEIGHTS.clear()
 
 
-def _run(model, inputs, backward: bool, out=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The model's forward on ``inputs`` (or its output ``out`` of a forward already run),
-    then the backward of the loss; returns (the output, the gradients by name, taken)."""
-    out = first_tensor(model(*inputs[0], **inputs[1]) if out is None else out)
+def _call(model, inputs):
+    return model(*inputs[0], **inputs[1])
+
+
+def _run(
+    model, inputs, backward: bool, forward=_call
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``forward(model, inputs)`` (the model's own forward by default), then the backward of the
+    loss; returns (the output, the gradients by name, taken)."""
+    out = first_tensor(forward(model, inputs))
     if out is None:
         return None, {}
     grads = {}
@@ -197,55 +207,54 @@ def _copy(model: nn.Module) -> nn.Module:
         ) from exc
 
 
-def dense_runs(model: nn.Module, inputs, out=None, backward: bool = False) -> Dense | None:
+def dense_runs(
+    model: nn.Module, inputs, backward: bool = False, forward=_call, whole=frozenset()
+) -> Dense | None:
     """The float64 run on ``model`` itself (its values promoted in place and put back, its
-    gradients left as they were) beside the fp32 output ``out`` (the probe's; run here when
-    None), and a copy of the model for the runs asked later (``Dense.add_grads``,
-    ``Dense.add_twin``); None when the model returns no floating tensor (nothing to
-    compare). ``backward``: gradients too."""
+    gradients left as they were; ``forward(model, inputs)`` runs it: parallelize's probe), and a
+    copy of the model for the runs asked later (``Dense.add_grads``, ``Dense.add_twin``); None
+    when the model returns no floating tensor (nothing to compare). ``backward``: gradients
+    too. ``whole``: ids of parameters the float64 run must promote whole (``exact.promoted``)."""
     ref = Dense(backward=backward, inputs=inputs)
     was = _eval(model)
     try:
-        if out is None:
-            with torch.no_grad():
-                out = model(*inputs[0], **inputs[1])
-        out = first_tensor(out)
-        if out is None:
-            return None
-        ref.out.append(out.detach())
-        ref.copy = _copy(model)
-        for p in ref.copy.parameters():
-            p.grad = None
         with torch.set_grad_enabled(backward):
             old_grads = {id(p): p.grad for p in model.parameters()}
             for p in model.parameters():
                 p.grad = None
             try:
-                exact, grads = _exact_run(model, inputs, backward)
+                exact, grads = _exact_run(model, inputs, backward, forward, whole)
             finally:
                 for p in model.parameters():
                     p.grad = old_grads[id(p)]
+        if exact is None:
+            return None
         ref.out.append(exact)
         ref.grads.append(grads)
+        ref.copy = _copy(model)
+        for p in ref.copy.parameters():
+            p.grad = None
     finally:
         model.train(was)
-    tokens = out.numel() // max(out.shape[-1], 1) if out.dim() else 1
+    tokens = exact.numel() // max(exact.shape[-1], 1) if exact.dim() else 1
     widest = max((max(p.shape) for p in model.parameters() if p.dim()), default=1)
     ref.length = max(tokens, widest, 1)
     return ref
 
 
-def _exact_run(model: nn.Module, inputs, backward: bool):
+def _exact_run(model: nn.Module, inputs, backward: bool, forward=_call, whole=frozenset()):
     """``_run`` in float64 (``exact.promoted``): its plain embedding tables looked up row by
     row, unless a table is read outside its own lookup (an error, a gradient of its own, or a
     result that is not float64): then again with every value promoted."""
     args = tree_map_float(inputs, torch.float64)
-    run64 = promoted(model)
+    run64 = promoted(model, whole=whole)
     if run64.compact:
         try:
             with run64:
-                out, grads = _run(model, args, backward)
-            if out.dtype == torch.float64 and not any(n in grads for n in run64.compact):
+                out, grads = _run(model, args, backward, forward)
+            if out is None or (
+                out.dtype == torch.float64 and not any(n in grads for n in run64.compact)
+            ):
                 return out, {**grads, **run64.row_grads()}
         except Exception:
             pass
@@ -253,7 +262,7 @@ def _exact_run(model: nn.Module, inputs, backward: bool):
             p.grad = None
         run64 = promoted(model, compact=False)
     with run64:
-        return _run(model, args, backward)
+        return _run(model, args, backward, forward)
 
 
 def _local(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor | None:
@@ -319,12 +328,19 @@ class Verdict:
     """"output" and each compared parameter -> error / bound, the largest over the TP ranks."""
 
 
-def _gather_last(got: torch.Tensor, dense: torch.Tensor, tp_group, world: int) -> torch.Tensor:
-    if got.shape != dense.shape and got.shape[:-1] == dense.shape[:-1] and world > 1:
-        parts = [torch.empty_like(got) for _ in range(world)]
-        plain.all_gather(parts, got.detach().contiguous(), group=tp_group)
-        return torch.cat(parts, -1)[..., : dense.shape[-1]]
-    return got.detach()
+def _in_place_of(got: torch.Tensor, exact: torch.Tensor, tp_group, world: int) -> torch.Tensor:
+    """``got`` as a tensor of the dense output's shape: itself, or (an output split over its
+    last dim) this rank's columns written over the float64 ``exact``, whose other columns have
+    no error; the largest error over the TP ranks (the judge's max-reduction) is then the
+    gathered output's, against the same bound, with no gather."""
+    if got.shape == exact.shape or got.shape[:-1] != exact.shape[:-1] or world == 1:
+        return got.detach()
+    per, rank = got.shape[-1], group_rank(tp_group)
+    lo = min(rank * per, exact.shape[-1])
+    n = min(per, exact.shape[-1] - lo)  # the padding columns past the dense width: dropped
+    out = exact.clone()
+    out[..., lo : lo + n] = got.detach()[..., :n]
+    return out
 
 
 def parallel_run(model, inputs, ref: Dense, tp_group, world: int, own=frozenset()) -> Verdict:
@@ -346,8 +362,8 @@ def parallel_run(model, inputs, ref: Dense, tp_group, world: int, own=frozenset(
                 raise ValueError(
                     "the parallel model returned no floating tensor on the probe input"
                 )
-            dense = ref.out[0]
-            full = _gather_last(got, dense, tp_group, world)
+            dense = ref.exact
+            full = _in_place_of(got, ref.exact, tp_group, world)
             if ref.backward and got.requires_grad:
                 w = _weights(dense.shape, got.device)
                 if got.shape != dense.shape:  # split over the last dim: this rank's columns
@@ -356,7 +372,7 @@ def parallel_run(model, inputs, ref: Dense, tp_group, world: int, own=frozenset(
                     w = torch.cat([w, w.new_zeros((*w.shape[:-1], pad))], -1)
                     w = w[..., rank * per : (rank + 1) * per]
                 (got * w.to(got.dtype)).sum().backward()
-            verdict = _judge(full, named, ref, tp_group, world, own, got.requires_grad)
+            verdict = _judge(full, got, named, ref, tp_group, world, own)
             # judged on the floor first, then on the fp32 run's error, then also on the twin's:
             # each step only where the last left a quantity over its bound (the ratios are
             # max-reduced: every rank takes the same steps)
@@ -364,7 +380,7 @@ def parallel_run(model, inputs, ref: Dense, tp_group, world: int, own=frozenset(
                 if max([*verdict.ratios.values(), *verdict.spread.values()]) <= 1:
                     break
                 if more():
-                    verdict = _judge(full, named, ref, tp_group, world, own, got.requires_grad)
+                    verdict = _judge(full, got, named, ref, tp_group, world, own)
             for n, p in named.items():
                 p.grad = old_grads[n]
     finally:
@@ -372,15 +388,18 @@ def parallel_run(model, inputs, ref: Dense, tp_group, world: int, own=frozenset(
     return verdict
 
 
-def _judge(full, named, ref: Dense, tp_group, world: int, own, grads: bool) -> Verdict:
-    """The verdict on this rank's output and gradients, every ratio max-reduced over TP in one
-    collective, with each replicated gradient's spread across the TP ranks: max(g) + max(-g)
-    over its bound (the smallest of the ranks' bounds: the largest ratio)."""
+def _judge(full, got, named, ref: Dense, tp_group, world: int, own) -> Verdict:
+    """The verdict on this rank's output (``full``: ``got`` in the dense output's shape,
+    ``_in_place_of``) and gradients, every ratio max-reduced over TP in one collective, with
+    each replicated gradient's spread across the TP ranks: max(g) + max(-g) over its bound (the
+    smallest of the ranks' bounds: the largest ratio). The output's error is then the largest
+    over the ranks (its bound is the same on each)."""
     verdict = Verdict()
     verdict.output = tolerance.compare(
-        full, ref.single, ref.exact, length=ref.length, what="output"
+        full, ref.single, ref.exact, length=ref.length, dtype=got.dtype, what="output"
     )
-    copies = _grads(named, ref, verdict, world, own) if ref.backward and grads else {}
+    grads = ref.backward and got.requires_grad
+    copies = _grads(named, ref, verdict, world, own) if grads else {}
     names = list(verdict.grads)  # the model's order: the same length on every rank
     ratios = [verdict.output.ratio] + [verdict.grads[n].ratio for n in names]
     spread = dict.fromkeys(names, 0.0)
@@ -392,6 +411,8 @@ def _judge(full, named, ref: Dense, tp_group, world: int, own, grads: bool) -> V
         t = torch.cat([t, flat, -flat]) if flat is not None else t
         plain.all_reduce(t, op=dist.ReduceOp.MAX, group=tp_group)
         ratios, bounds = t[:n].tolist(), (-t[n : n + k]).tolist()
+        if verdict.output.bound > 0:
+            verdict.output = replace(verdict.output, error=ratios[0] * verdict.output.bound)
         if flat is not None:
             hi, lo = t[n + k : n + k + flat.numel()], t[n + k + flat.numel() :]
             parts = (hi + lo).split([g.numel() for g in copies.values()])

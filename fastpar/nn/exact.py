@@ -59,10 +59,10 @@ class promoted:
     reads, the same values, and ``row_grads`` gives the table's float64 gradient as those
     rows'."""
 
-    def __init__(self, model: nn.Module, compact: bool = True):
+    def __init__(self, model: nn.Module, compact: bool = True, whole=frozenset()):
         self.model, self.saved = model, []
         self.configs = configs_kept(model)
-        self.compact = compact_tables(model) if compact else {}
+        self.compact = compact_tables(model, whole) if compact else {}
         self.rows: dict[str, list] = {name: [] for name in self.compact}
 
     def __enter__(self) -> None:
@@ -97,10 +97,11 @@ class promoted:
         self.configs.__exit__(*exc)
 
 
-def compact_tables(model: nn.Module) -> dict[str, nn.Embedding]:
+def compact_tables(model: nn.Module, whole=frozenset()) -> dict[str, nn.Embedding]:
     """{parameter name: its ``nn.Embedding``} for the plain tables the float64 run looks up
     row by row instead of promoting whole: nn.Embedding's own forward, no max_norm, a weight
-    no other module holds (a tied head multiplies by all of it)."""
+    no other module holds (a tied head multiplies by all of it) and whose id is not in
+    ``whole`` (a parameter the probe watches: it must meet its ops itself)."""
     holders: dict[int, int] = {}
     for m in model.modules():
         for p in m._parameters.values():
@@ -114,6 +115,7 @@ def compact_tables(model: nn.Module) -> dict[str, nn.Embedding]:
             and m.max_norm is None
             and m.weight.is_floating_point()
             and holders.get(id(m.weight)) == 1
+            and id(m.weight) not in whole
         ):
             out[f"{name}.weight" if name else "weight"] = m
     return out

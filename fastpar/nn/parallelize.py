@@ -316,21 +316,29 @@ def _split(
             if STYLES[s].layer
         }
         backward = mode == "backward"
-        try:  # the probe's forward is the check's fp32 run (docs/hf.md, "The check")
-            try:  # each distinct block once (a model that cannot run so: all of them)
+        reports = []
+
+        def probed(m, args):  # the check's float64 run is the probe's (docs/hf.md, "The check")
+            report, out = probe(m, *args, styles, watched, grad=torch.is_grad_enabled())
+            reports.append(report)
+            return out
+
+        try:  # each distinct block once (a model that cannot run so: all of them)
+            try:
                 with _blocks.only(model, blocks):
-                    report, out = probe(model, *inputs, styles, watched)
+                    ref = _check.dense_runs(model, inputs, backward, probed, set(watched))
             except ProbeFailed:
                 if not blocks:
                     raise
                 blocks.clear()
-                report, out = probe(model, *inputs, styles, watched)
+                ref = _check.dense_runs(model, inputs, backward, probed, set(watched))
         except ProbeFailed as exc:
             raise ValueError(
                 f"parallelize: the dense {type(model).__name__} failed on the probe input "
                 f"({exc}); pass example_inputs= that its forward accepts, "
                 "or check=False"
             ) from exc
+        report = reports[-1]
         # what the probe saw of a block's parameters and modules holds for its copies
         uses = _blocks.to_copies(report.uses, blocks)
         report.uses = {n: report.uses[first] for n, first in uses.items()}
@@ -342,14 +350,6 @@ def _split(
         record.found_by_probe = [
             n for n in reduced if not _declares_reduced(_style_at(chosen, watched_owner[n]))
         ]
-        try:  # each distinct block once (a model that cannot run so: all of them)
-            with _blocks.only(model, blocks):
-                ref = _check.dense_runs(model, inputs, out, backward)
-        except Exception:
-            if not blocks:
-                raise
-            blocks.clear()
-            ref = _check.dense_runs(model, inputs, backward=backward)
     else:
         reduced = _unprobed(chosen, modules, attention, watched_owner)
     parents = sorted(

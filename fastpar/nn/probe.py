@@ -174,10 +174,10 @@ def _origin(op, args, out, params, full, split_src, origins, mode) -> Callable:
 
             def sliced(t: torch.Tensor):
                 view = t.dim() == base.dim() and t.shape[:-1] == base.shape[:-1]
-                same = t.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+                if not view or t.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
+                    return whole[1]
                 off = t.storage_offset() - base.storage_offset()
-                fits = 0 <= off <= width - t.shape[-1]
-                if view and same and fits and t.stride() == base.stride():
+                if 0 <= off <= width - t.shape[-1] and t.stride() == base.stride():
                     return (module, off, off + t.shape[-1], width)
                 return whole[1]
 
@@ -196,9 +196,11 @@ def probe(
     kwargs: Mapping,
     styles: Mapping[str, str],
     watched: Mapping[int, str],
+    grad: bool = False,
 ):
-    """Run ``model(*inputs, **kwargs)`` once under the labeller, without gradients; returns
-    (``ProbeReport``, the model's output: the check's fp32 output).
+    """Run ``model(*inputs, **kwargs)`` once under the labeller (with autograd when ``grad``:
+    the check's float64 run is the probe's, ``check.dense_runs``); returns (``ProbeReport``, the
+    model's output).
     ``styles`` maps planned module names to "split" (their output is split) or "full";
     ``watched`` maps id(parameter) to its name for the parameters no planned module owns.
     Raises ``ProbeFailed`` when the model's forward raises."""
@@ -238,7 +240,7 @@ def probe(
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), mode:
+        with torch.set_grad_enabled(grad), mode:
             for t in tree_flatten((inputs, dict(kwargs)))[0]:
                 if isinstance(t, torch.Tensor):
                     mode.label(t, (FULL,))
