@@ -281,3 +281,26 @@ def test_a_vocab_parallel_gradient_fault_is_caught_against_the_looked_up_rows():
     assert run_ranks(_vocab_parallel, 2, False) == ["", ""]
     refused = run_ranks(_vocab_parallel, 2, True)
     assert all("emb.weight" in r and "DISAGREE" in r for r in refused), refused[0]
+
+
+class _ScalarOfLinear(nn.Module):
+    """An unplanned linear layer's output indexed down to one number (a 0-dim view of it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.a(x)
+        return y * y[0, 0]
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_the_probe_follows_a_scalar_sliced_off_a_linear_output(grad):
+    from fastpar.nn.probe import probe
+
+    model = _ScalarOfLinear()
+    watched = {id(p): n for n, p in model.named_parameters()}
+    report, out = probe(model, (torch.randn(2, 4),), {}, {}, watched, grad=grad)
+    assert out.shape == (2, 4) and out.requires_grad == grad
+    assert report.uses == {"a.weight": {"full"}, "a.bias": {"full"}}
