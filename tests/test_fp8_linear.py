@@ -69,3 +69,184 @@ def test_the_weight_stays_the_leaf_and_fp8_is_not_kept():
     assert y.shape == (2, 24, N) and y.dtype == torch.float32
     y.sum().backward()
     assert w.grad.dtype == torch.float32 and w.grad.shape == (N, K)
+
+
+# -- the tensor-parallel layers against one device ------------------------------------------
+S, B, H = 32, 3, 256  # [sequence, batch, features]: 96 tokens (blockwise pads them to 128)
+
+
+def _layer_case(kind: str, sp: bool, tp: int, rank: int, recipe: str):
+    """(dense layer, its fp8 TP layer, input on this rank, full input, output gradient on this
+    rank, full output gradient). The largest values sit in rank 1's share of every split operand,
+    so a scale left unreduced differs on rank 0."""
+    from _mesh import make_mesh
+
+    from fastpar.nn import ColumnParallelLinear, RowParallelLinear, use_fp8
+
+    mesh = make_mesh(tp=tp)
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(H, H)
+    x, g, half = _t((S, B, H), 11), _t((S, B, H), 12), slice(0, H // 2)
+    # rank 0's share of a group tiny: rowwise scales are powers of two, which an unreduced amax
+    # changes without changing the rounding, but for values that fall below e4m3's normals
+    with torch.no_grad():
+        if kind == "column":
+            dense.weight[H - 3, 5] = 1.5  # an output row of rank 1
+            dense.weight[half, 5] *= 1e-4
+        else:
+            dense.weight[7, H - 5] = 1.5  # an input column of rank 1
+            dense.weight[7, half] *= 1e-4
+    x[2, 1, H - 9] = 40.0  # rank 1's input column (row-parallel) and sequence chunk (not SP)
+    x[2, 1, half] *= 1e-4
+    g[3, 0, H - 2] = 50.0  # rank 1's output column (column-parallel)
+    g[3, 0, half] *= 1e-4
+    cls = ColumnParallelLinear if kind == "column" else RowParallelLinear
+    layer = cls.from_dense(dense, group=mesh.tp_group, sequence_parallel=sp)
+    use_fp8(layer, recipe)
+    x_in, g_in, cols = x, g, slice(rank * H // tp, (rank + 1) * H // tp)
+    if kind == "row":
+        x_in = x[..., cols]
+    else:
+        g_in = g[..., cols]
+    if sp:  # the column layer's input and the row layer's output: this rank's sequence chunk
+        chunk = slice(rank * S // tp, (rank + 1) * S // tp)
+        x_in = x_in[chunk] if kind == "column" else x_in
+        g_in = g_in[chunk] if kind == "row" else g_in
+    return dense, layer, x_in.contiguous(), x, g_in.contiguous(), g, cols
+
+
+def _tp_layer_agrees(kind: str, sp: bool, tp: int, recipe: str, fault: bool) -> list[str]:
+    """This rank's output and every gradient of the fp8 layer against its piece of one
+    device's fp8 run (``linear_reference``, the rule of docs/tolerances.md). Returns each
+    disagreement. ``fault``: the amax max-reduction over TP planted out."""
+    import torch.distributed as dist
+
+    from fastpar.ops import fp8 as ops_fp8
+    from fastpar.tolerance import compare
+
+    if fault:
+        ops_fp8.shared_amax = lambda amax, group: amax
+    rank = dist.get_rank()
+    dense, layer, x_in, x, g_in, g, cols = _layer_case(kind, sp, tp, rank, recipe)
+    x_in.requires_grad_()
+    y = layer(x_in)
+    y.backward(g_in)
+    rec = op.Fp8Recipe(recipe)
+    w, b = dense.weight.detach(), dense.bias.detach()
+    flat = lambda t: t.reshape(-1, H)  # noqa: E731
+    single = linear_reference(flat(x), w, flat(g), rec)
+    exact = linear_reference(flat(x).double(), w.double(), flat(g).double(), rec, exact=True)
+    full = lambda t: t.reshape(S, B, H)  # noqa: E731
+    chunk = slice(rank * S // tp, (rank + 1) * S // tp) if sp else slice(None)
+    bias_g = (g.sum(dim=(0, 1)), g.double().sum(dim=(0, 1)))
+    if kind == "column":  # out: this rank's columns; dx: whole (SP: its chunk); dW: its rows
+        pieces = {
+            "y": (y, lambda r, e: full(r)[..., cols] + (b.double() if e else b)[cols], H),
+            "dx": (x_in.grad, lambda r, e: full(r)[chunk], H),
+            "dW": (layer.weight.grad, lambda r, e: r[cols], S * B),
+            "db": (layer.bias.grad, lambda r, e: bias_g[e][cols], S * B),
+        }
+    else:  # out: whole (SP: its chunk); dx: this rank's columns; dW: its columns
+        pieces = {
+            "y": (y, lambda r, e: full(r)[chunk] + (b.double() if e else b), H),
+            "dx": (x_in.grad, lambda r, e: full(r)[..., cols], H),
+            "dW": (layer.weight.grad, lambda r, e: r[:, cols], S * B),
+            "db": (layer.bias.grad, lambda r, e: bias_g[e], S * B),
+        }
+    which = {"y": 0, "dx": 1, "dW": 2, "db": 0}
+    wrong = []
+    for name, (got, piece, n) in pieces.items():
+        i = which[name]
+        c = compare(got, piece(single[i], False), piece(exact[i], True), length=n, what=name)
+        if not c.ok:
+            wrong.append(f"rank {rank}: {c}")
+    return wrong
+
+
+LAYOUTS = [(1, False), (2, False), (2, True)]
+
+
+@pytest.mark.parametrize("tp,sp", LAYOUTS, ids=["tp1", "tp2", "tp2-sp"])
+@pytest.mark.parametrize("kind", ["column", "row"])
+@pytest.mark.parametrize("recipe", op.RECIPES)
+def test_tp_layer_equals_one_device(recipe, kind, tp, sp):
+    from fastpar.testing import run_ranks
+
+    assert run_ranks(_tp_layer_agrees, tp, kind, sp, tp, recipe, False) == [[]] * tp
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_an_amax_left_unreduced_over_tp_is_caught(recipe, kind):
+    """The same comparison with the max-reduction of the amax over TP planted out: rank 0 then
+    scales with its own slice's amax and the comparison fails (blockwise has nothing to reduce:
+    a split never cuts a block). Rowwise scales are powers of two: a wrong one moves only the
+    values it pushes across e4m3's smallest normal, which ``_layer_case`` plants."""
+    from fastpar.testing import run_ranks
+
+    results = run_ranks(_tp_layer_agrees, 2, kind, False, 2, recipe, True)
+    assert results[0], f"{recipe} {kind}: the planted fault went unnoticed"
+    assert any("DISAGREE" in line for line in results[0])
+
+
+# -- the filter and the refusals ------------------------------------------------------------
+class _Block(torch.nn.Module):
+    def __init__(self, out: int = 256, width: int = 256):
+        from fastpar.nn import ColumnParallelLinear, RowParallelLinear
+
+        super().__init__()
+        self.qkv = ColumnParallelLinear(width, out, bias=False)
+        self.o = RowParallelLinear(out, width, bias=False)
+        self.gate = ColumnParallelLinear(width, 16, bias=False)  # an HF MoE router's name
+        self.lm_head = ColumnParallelLinear(width, 48, bias=False)
+
+
+def _one_rank(fn, *args):
+    from fastpar.testing import run_ranks
+
+    return run_ranks(fn, 1, *args)[0]
+
+
+def _chosen(exclude):
+    from fastpar.nn import use_fp8
+
+    block = _Block()
+    names = use_fp8(block, "tensorwise", exclude=exclude)
+    return names, [n for n, m in block.named_children() if m.fp8 is not None]
+
+
+def test_the_default_filter_keeps_heads_and_routers_in_high_precision():
+    assert _one_rank(_chosen, None) == (["qkv", "o"], ["qkv", "o"])
+    assert _one_rank(_chosen, ("o",)) == (["qkv", "gate", "lm_head"], ["qkv", "gate", "lm_head"])
+
+
+def _refusal(recipe: str, out: int, width: int, device: str = "cpu") -> str:
+    from fastpar.nn import use_fp8
+
+    block = _Block(out, width).to(device)
+    try:
+        use_fp8(block, recipe)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+@pytest.mark.parametrize(
+    "recipe,out,width,says",
+    [
+        ("tensorwise", 200, 256, "qkv (ColumnParallelLinear 256 -> 200, tp 1) has output rows"),
+        ("rowwise", 256, 200, "qkv (ColumnParallelLinear 200 -> 256, tp 1) has in_features 200"),
+        ("blockwise", 192, 256, "qkv (ColumnParallelLinear 256 -> 192, tp 1) has output rows"),
+        ("blockwise", 256, 256, ""),
+    ],
+)
+def test_a_shape_the_recipe_cannot_scale_is_refused_naming_the_module(recipe, out, width, says):
+    text = _one_rank(_refusal, recipe, out, width)
+    assert says in text and "\n" not in text
+    if says:
+        assert "--fp8-exclude 'qkv'" in text
+
+
+def test_a_device_without_fp8_gemms_is_refused():
+    text = _one_rank(_refusal, "tensorwise", 256, 256, "meta")
+    assert text.startswith("fp8: qkv is on meta, which has no fp8 GEMM") and "\n" not in text

@@ -5,6 +5,8 @@ from __future__ import annotations
 from fastpar.mesh.placement import ParamLayout, param_layout
 from fastpar.moe.layer import MoE, moe_aux_loss
 from fastpar.nn.embedding import VocabParallelEmbedding, VocabShard
+from fastpar.nn.fp8 import fp8_linear
+from fastpar.nn.fp8_apply import use_fp8
 from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fastpar.nn.loss import VocabParallelCrossEntropy
 from fastpar.nn.parallelize import parallelize
@@ -17,7 +19,9 @@ __all__ = [
     "VocabParallelCrossEntropy",
     "VocabParallelEmbedding",
     "VocabShard",
+    "fp8_linear",
     "moe_aux_loss",
     "parallelize",
     "param_layout",
+    "use_fp8",
 ]

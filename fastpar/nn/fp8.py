@@ -57,6 +57,14 @@ def row_splits(group) -> Fp8Splits:
     return Fp8Splits(Split(group, 1), Split(group, 1), WHOLE)
 
 
+class Fp8Use(NamedTuple):
+    """A layer's fp8: its recipe, and whether ``torch._scaled_mm`` may run the pairs it takes
+    (``native=False``: the exact emulation always, for a device without fp8 GEMMs)."""
+
+    recipe: fp8.Fp8Recipe
+    native: bool = True
+
+
 def _q(t: torch.Tensor, recipe, role: str, transpose: bool, split: Split) -> fp8.Quantized:
     return fp8.quantize(t, recipe, role, transpose, group=split.group, split_dim=split.dim)
 
@@ -70,14 +78,14 @@ class Fp8LinearFunction(torch.autograd.Function):
     copies only. Collectives: the amax max-reductions ``Fp8Splits`` ask for, nothing else."""
 
     @staticmethod
-    def forward(ctx, x, weight, recipe, splits: Fp8Splits):
+    def forward(ctx, x, weight, recipe, splits: Fp8Splits, native: bool = True):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         m = x.shape[0]
         xp = pad_rows(x, ref_fp8.MULTIPLE[recipe.granularity("activation")])
         xq = _q(xp, recipe, "activation", need_dw, splits.x)
         wq = _q(weight, recipe, "weight", need_dx, splits.weight)
-        y = fp8.scaled_mm(xq, wq, x.dtype)
-        ctx.recipe, ctx.splits, ctx.m = recipe, splits, m
+        y = fp8.scaled_mm(xq, wq, x.dtype, native=native)
+        ctx.recipe, ctx.splits, ctx.m, ctx.native = recipe, splits, m, native
         ctx.dtypes = (x.dtype, weight.dtype)
         ctx.grans = (xq.granularity, wq.granularity)
         ctx.save_for_backward(
@@ -98,25 +106,27 @@ class Fp8LinearFunction(torch.autograd.Function):
         dx = dw = None
         if need_dx:
             wt = fp8.Quantized(w8t, swt, None, None, ctx.grans[1])
-            dx = fp8.scaled_mm(gq, wt, ctx.dtypes[0])[:m]
+            dx = fp8.scaled_mm(gq, wt, ctx.dtypes[0], native=ctx.native)[:m]
         if need_dw:
             xt = fp8.Quantized(x8t, sxt, None, None, ctx.grans[0])
-            dw = fp8.scaled_mm(gq.t(), xt, ctx.dtypes[1])
-        return dx, dw, None, None
+            dw = fp8.scaled_mm(gq.t(), xt, ctx.dtypes[1], native=ctx.native)
+        return dx, dw, None, None, None
 
 
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
-    recipe: fp8.Fp8Recipe | str,
+    recipe: Fp8Use | fp8.Fp8Recipe | str,
     splits: Fp8Splits = ONE_DEVICE,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with the GEMMs in fp8: x ``[..., K]``, weight ``[N, K]``
-    (fp32 / bf16 / fp16), bias added in x's dtype after the GEMM. ``splits``: how x, the weight
-    and the output gradient are split on this rank (``column_splits``, ``row_splits``)."""
-    recipe = fp8.recipe_of(recipe)
+    (fp32 / bf16 / fp16), bias added in x's dtype after the GEMM. ``recipe``: an ``Fp8Use``,
+    or a recipe (``torch._scaled_mm`` where it runs). ``splits``: how x, the weight and the
+    output gradient are split on this rank (``column_splits``, ``row_splits``)."""
+    use = recipe if isinstance(recipe, Fp8Use) else Fp8Use(fp8.recipe_of(recipe))
     lead = x.shape[:-1]
-    y = Fp8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, recipe, splits)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = Fp8LinearFunction.apply(x2, weight, use.recipe, splits, use.native)
     y = y.reshape(*lead, y.shape[-1])
     return y if bias is None else y + bias
