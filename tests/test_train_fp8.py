@@ -46,6 +46,33 @@ def test_fp8_llama_trains_at_tp2(recipe):
     assert losses[-1] < losses[0], losses
 
 
+def _losses(**changes) -> list[tuple[float, float]]:
+    records = launch(TrainConfig.from_flags(**{**LLAMA, "steps": 4, **changes}))
+    return [(r["loss"], r["grad_norm"]) for r in records]
+
+
+def test_zero_bubble_equals_1f1b_in_fp8():
+    """zb-h1 runs the fp8 Function's backward in both its B and its W pass (its gradient's amax
+    max-reduction over TP too, alike on every TP rank): the same losses and norms, bit for bit."""
+    pp = dict(pp=2, layers=2, microbatches=2, sequence_parallel=True)
+    assert _losses(**pp, schedule="zb-h1") == _losses(**pp, schedule="1f1b")
+
+
+LAYOUTS = {
+    "dp2-zero3": dict(dp=2, zero=3),
+    "dp2-zero1-recompute": dict(dp=2, zero=1, recompute="full"),
+    "pp2-interleaved-sp": dict(
+        pp=2, layers=4, schedule="interleaved", virtual_stages=2, sequence_parallel=True
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fp8_trains_under_other_layouts(layout):
+    losses = [loss for loss, _ in _losses(**LAYOUTS[layout], microbatches=2)]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+
+
 def _fp8_layers(cfg: TrainConfig) -> list[str]:
     from _mesh import make_mesh
 
