@@ -1,4 +1,4 @@
-"""The fp8 linear layer (issue 47, points 1, 2 and 8): ``fastpar.nn.fp8.Fp8LinearFunction``
+"""The fp8 linear layer (issue 47, points 1, 2 and 8): ``fastpar.ops.fp8_linear.Fp8LinearFunction``
 against its one-device reference (``fastpar.reference.fp8_linear``), for every recipe; the
 column- and row-parallel layers in fp8 at TP 1 and 2, with and without sequence parallelism,
 against one device's fp8 layer (output and every gradient on every rank); a planted fault (the
@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastpar.nn.fp8 import fp8_linear
 from fastpar.ops import fp8 as op
+from fastpar.ops.fp8_linear import fp8_linear
 from fastpar.reference.fp8_linear import linear_reference
 from fastpar.tolerance import assert_agree
 

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from fastpar.comm import group_size
-from fastpar.nn.fp8 import Fp8Use
 from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fastpar.ops import fp8
+from fastpar.ops.fp8_linear import Fp8Use
 from fastpar.reference.fp8 import MULTIPLE
 
 DEFAULT_EXCLUDE = ("*embed*", "*head", "*router*", "*gate", "*norm*")

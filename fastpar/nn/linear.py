@@ -31,7 +31,7 @@ from fastpar.comm.checks import check_same
 from fastpar.mesh.bridge import as_group
 from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_replicated, mark_sharded
-from fastpar.nn.fp8 import Fp8Use, column_splits, fp8_linear, row_splits
+from fastpar.ops.fp8_linear import Fp8Use, column_splits, fp8_linear, row_splits
 
 
 def _master_linear(in_features, out_features, bias, device, dtype) -> nn.Linear:
@@ -103,7 +103,7 @@ class _FromDense:
 
     def _linear(self, x: torch.Tensor, bias, splits) -> torch.Tensor:
         """``F.linear(x, weight, bias)``, in fp8 when ``self.fp8`` says so (``splits``: how
-        this layer's operands are split over its group, ``fastpar.nn.fp8``)."""
+        this layer's operands are split over its group, ``fastpar.ops.fp8_linear``)."""
         if self.fp8 is None:
             return F.linear(x, self._weight(), bias)
         return fp8_linear(x, self._weight(), self.fp8, splits(self.group), bias)

@@ -1,5 +1,5 @@
 """Pure-torch reference of a whole fp8 linear layer on one device: the forward GEMM and both
-backward GEMMs (``fastpar.nn.fp8``'s oracle). docs/kernels.md, "fp8 linear layers".
+backward GEMMs (``fastpar.ops.fp8_linear``'s oracle). docs/kernels.md, "fp8 linear layers".
 
 ``recipe`` is anything with ``granularity(role)``, ``dtype(role)`` and ``pow2``
 (``fastpar.ops.fp8.Fp8Recipe``; duck-typed, as this leaf imports torch alone). The tokens M are

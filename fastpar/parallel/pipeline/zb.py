@@ -12,7 +12,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 #: custom autograd Functions whose backward may run twice over one graph (pure, context kept; a
 #: collective only one every rank of its group reruns alike): by the forward class's name.
-#: fastpar.nn.fp8's reruns its gradient's amax max-reduction over TP and both GEMMs
+#: fastpar.ops.fp8_linear's reruns its gradient's amax max-reduction over TP and both GEMMs
 RERUNNABLE = {"_GroupedLinear", "Fp8LinearFunction"}
 
 #: compute the weight-side gradients of torch's matrix products directly (docs/pipelines.md)
