@@ -114,3 +114,13 @@ def test_a_shape_blockwise_cannot_scale_is_refused_naming_the_module():
     cfg = TrainConfig.from_flags(**{**LLAMA, "hidden": 64, "ffn": 128, "fp8_recipe": "blockwise"})
     with pytest.raises(RankError, match=r"fp8 blockwise: .*qkv \(ColumnParallelLinear 64 ->"):
         launch(cfg)
+
+
+def test_verify_refuses_fp8(capsys):
+    from _flags import tiny_argv
+
+    from fastpar.verify import main
+
+    assert main(tiny_argv(precision="fp8", tp=2, pp=1, dp=1, ep=1, moe_every=0)) == 2
+    err = capsys.readouterr().err
+    assert "fastpar.verify --precision fp8: its float64 reference has no fp8 rounding" in err
