@@ -124,3 +124,26 @@ def test_verify_refuses_fp8(capsys):
     assert main(tiny_argv(precision="fp8", tp=2, pp=1, dp=1, ep=1, moe_every=0)) == 2
     err = capsys.readouterr().err
     assert "fastpar.verify --precision fp8: its float64 reference has no fp8 rounding" in err
+
+
+def _hf_llama(tmp_path, intermediate: int) -> str:
+    pytest.importorskip("transformers")
+    from _hf import config as hf_config
+
+    path = tmp_path / f"llama{intermediate}.json"
+    cfg = hf_config("llama", vocab_size=300, intermediate_size=intermediate)
+    path.write_text(json.dumps(cfg.to_dict()))
+    return str(path)
+
+
+def test_a_parallelized_hf_model_trains_in_fp8_and_a_bad_shape_is_refused(tmp_path):
+    """--hf-config: the plan's Column / Row layers are fastpar's, so they take fp8 alike (the
+    lm_head stays bf16); an MLP of 40 rows (20 a rank) is refused naming the module."""
+    from _flags import HF_RUN
+
+    run = dict(HF_RUN, steps=4, ep=1, tp=2, pp=1, dp=1, precision="fp8", lr=1e-2, warmup=0)
+    records = launch(TrainConfig.from_flags(**run, hf_config=_hf_llama(tmp_path, 64)))
+    losses = [r["loss"] for r in records]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+    with pytest.raises(RankError, match=r"fp8 tensorwise: 1\.model\.layers\.0\.mlp\.gate_proj "):
+        launch(TrainConfig.from_flags(**run, hf_config=_hf_llama(tmp_path, 40)))

@@ -76,7 +76,7 @@ def check_layer(fqn: str, module: nn.Module, recipe: fp8.Fp8Recipe) -> None:
             f"fp8 {recipe.name}: {fqn} ({kind} {module.in_features} -> {module.out_features}, "
             f"tp {group_size(module.group)}) has {', '.join(bad)}, not a multiple of {multiple}; "
             f"keep it in high precision (--fp8-exclude '{fqn}', use_fp8(exclude=...)) or use "
-            f"{'tensorwise or rowwise' if multiple == 128 else 'another layout'}"
+            f"{'tensorwise or rowwise' if multiple == 128 else 'a --tp that leaves multiples of 16'}"
         )
 
 
