@@ -147,3 +147,13 @@ def test_a_parallelized_hf_model_trains_in_fp8_and_a_bad_shape_is_refused(tmp_pa
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
     with pytest.raises(RankError, match=r"fp8 tensorwise: 1\.model\.layers\.0\.mlp\.gate_proj "):
         launch(TrainConfig.from_flags(**run, hf_config=_hf_llama(tmp_path, 40)))
+
+
+def test_compiled_blocks_train_in_fp8_like_eager():
+    """--compile with blockwise (whose fp8 Function then runs eagerly: inductor fails on its
+    block scales, torch 2.13): the losses of compiled blocks follow eager's (other fusions of
+    the bf16 rest: not bit for bit)."""
+    blockwise = dict(LLAMA, steps=2, fp8_recipe="blockwise")
+    eager = [r["loss"] for r in launch(TrainConfig.from_flags(**blockwise))]
+    compiled = [r["loss"] for r in launch(TrainConfig.from_flags(**blockwise, compile=True))]
+    assert all(abs(c - e) < 1e-2 * abs(e) for c, e in zip(compiled, eager, strict=True))

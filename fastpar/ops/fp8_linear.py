@@ -113,6 +113,15 @@ class Fp8LinearFunction(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
+def _apply(*args):
+    return Fp8LinearFunction.apply(*args)
+
+
+#: under torch.compile, blockwise runs eagerly (a graph break): inductor fails an assertion on
+#: its block scales' reshapes (torch 2.13, CPU); tensorwise and rowwise compile
+_eager_apply = torch.compiler.disable(_apply)
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -127,6 +136,8 @@ def fp8_linear(
     use = recipe if isinstance(recipe, Fp8Use) else Fp8Use(fp8.recipe_of(recipe))
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    y = Fp8LinearFunction.apply(x2, weight, use.recipe, splits, use.native)
+    blockwise = use.recipe.name == "blockwise"
+    apply = _eager_apply if blockwise and torch.compiler.is_compiling() else _apply
+    y = apply(x2, weight, use.recipe, splits, use.native)
     y = y.reshape(*lead, y.shape[-1])
     return y if bias is None else y + bias
