@@ -61,6 +61,8 @@ def test_zero_bubble_equals_1f1b_in_fp8():
 LAYOUTS = {
     "dp2-zero3": dict(dp=2, zero=3),
     "dp2-zero1-recompute": dict(dp=2, zero=1, recompute="full"),
+    "cp2": dict(cp=2),
+    "moe-ep2-dp2": dict(moe_every=1, ep=2, dp=2, moe_ffn=128),  # the experts stay bf16
     "pp2-interleaved-sp": dict(
         pp=2, layers=4, schedule="interleaved", virtual_stages=2, sequence_parallel=True
     ),
