@@ -118,6 +118,13 @@ def test_a_shape_blockwise_cannot_scale_is_refused_naming_the_module():
         launch(cfg)
 
 
+def test_the_header_names_the_recipe():
+    from fastpar.train.summary import header_line
+
+    text = header_line(TrainConfig.from_flags(**{**LLAMA, "fp8_recipe": "rowwise"}), "gloo", 1, 1)
+    assert ", fp8 rowwise, " in text
+
+
 def test_verify_refuses_fp8(capsys):
     from _flags import tiny_argv
 
