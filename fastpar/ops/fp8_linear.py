@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from fastpar.ops import fp8
 from fastpar.reference import fp8 as ref_fp8
@@ -97,6 +98,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         return y[:m] if y.shape[0] != m else y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_y):
         x8t, sxt, w8t, swt = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
