@@ -90,7 +90,7 @@ def _layer_case(kind: str, sp: bool, tp: int, rank: int, recipe: str):
     # rank 0's share of a group tiny: rowwise scales are powers of two, which an unreduced amax
     # changes without changing the rounding, but for values that fall below e4m3's normals
     with torch.no_grad():
-        if kind == "column":
+        if kind != "row":
             dense.weight[H - 3, 5] = 1.5  # an output row of rank 1
             dense.weight[half, 5] *= 1e-4
         else:
@@ -100,17 +100,23 @@ def _layer_case(kind: str, sp: bool, tp: int, rank: int, recipe: str):
     x[2, 1, half] *= 1e-4
     g[3, 0, H - 2] = 50.0  # rank 1's output column (column-parallel)
     g[3, 0, half] *= 1e-4
-    cls = ColumnParallelLinear if kind == "column" else RowParallelLinear
-    layer = cls.from_dense(dense, group=mesh.tp_group, sequence_parallel=sp)
+    cls = RowParallelLinear if kind == "row" else ColumnParallelLinear
+    fused = dict(fused=2) if kind == "fused" else {}
+    layer = cls.from_dense(dense, group=mesh.tp_group, sequence_parallel=sp, **fused)
     use_fp8(layer, recipe)
     x_in, g_in, cols = x, g, slice(rank * H // tp, (rank + 1) * H // tp)
+    if kind == "fused":  # this rank's share of each of the two stacked blocks
+        block, share = H // 2, H // 2 // tp
+        cols = torch.cat(
+            [torch.arange(b * block + rank * share, b * block + (rank + 1) * share) for b in (0, 1)]
+        )
     if kind == "row":
         x_in = x[..., cols]
     else:
         g_in = g[..., cols]
     if sp:  # the column layer's input and the row layer's output: this rank's sequence chunk
         chunk = slice(rank * S // tp, (rank + 1) * S // tp)
-        x_in = x_in[chunk] if kind == "column" else x_in
+        x_in = x_in if kind == "row" else x_in[chunk]
         g_in = g_in[chunk] if kind == "row" else g_in
     return dense, layer, x_in.contiguous(), x, g_in.contiguous(), g, cols
 
@@ -139,7 +145,7 @@ def _tp_layer_agrees(kind: str, sp: bool, tp: int, recipe: str, fault: bool) -> 
     full = lambda t: t.reshape(S, B, H)  # noqa: E731
     chunk = slice(rank * S // tp, (rank + 1) * S // tp) if sp else slice(None)
     bias_g = (g.sum(dim=(0, 1)), g.double().sum(dim=(0, 1)))
-    if kind == "column":  # out: this rank's columns; dx: whole (SP: its chunk); dW: its rows
+    if kind != "row":  # out: this rank's columns; dx: whole (SP: its chunk); dW: its rows
         pieces = {
             "y": (y, lambda r, e: full(r)[..., cols] + (b.double() if e else b)[cols], H),
             "dx": (x_in.grad, lambda r, e: full(r)[chunk], H),
@@ -173,6 +179,40 @@ def test_tp_layer_equals_one_device(recipe, kind, tp, sp):
     from fastpar.testing import run_ranks
 
     assert run_ranks(_tp_layer_agrees, tp, kind, sp, tp, recipe, False) == [[]] * tp
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_fused_column_layer_equals_one_device(recipe):
+    """gate|up (fused=2) at TP 2: each rank holds its share of both blocks; the scales are one
+    device's whole weight's and gradient's all the same (a max over any order)."""
+    from fastpar.testing import run_ranks
+
+    assert run_ranks(_tp_layer_agrees, 2, "fused", True, 2, recipe, False) == [[], []]
+
+
+def _fused_blockwise_refusal() -> str:
+    from _mesh import make_mesh
+
+    from fastpar.nn import ColumnParallelLinear, use_fp8
+
+    layer = ColumnParallelLinear(H, H, fused=2, mesh=make_mesh(tp=2))
+    try:
+        use_fp8(torch.nn.ModuleDict({"gate_up": layer}), "blockwise")
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def test_a_fused_block_share_that_cuts_a_128_block_is_refused():
+    """Blockwise at TP 2 with blocks of 128 rows: 64 of each a rank would cut one device's
+    128 x 128 blocks (its scales could not be one device's): refused."""
+    from fastpar.testing import run_ranks
+
+    text = run_ranks(_fused_blockwise_refusal, 2)[0]
+    assert (
+        "gate_up (ColumnParallelLinear 256 -> 256, tp 2) has each fused block's rows per " in text
+    )
+    assert "rank 64, not a multiple of 128" in text
 
 
 @pytest.mark.parametrize("kind", ["column", "row"])
