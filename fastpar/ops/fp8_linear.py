@@ -120,8 +120,9 @@ def _apply(*args):
 
 
 #: under torch.compile, blockwise runs eagerly (a graph break): inductor fails an assertion on
-#: its block scales' reshapes (torch 2.13, CPU); tensorwise and rowwise compile
-_eager_apply = torch.compiler.disable(_apply)
+#: its block scales' reshapes (torch 2.13, CPU); tensorwise and rowwise compile. (torch's lazy
+#: form: torch.compiler.disable imports dynamo, and with it Triton, at ``import fastpar``)
+_eager_apply = torch._disable_dynamo(_apply)
 
 
 def fp8_linear(
