@@ -290,3 +290,14 @@ def test_a_shape_the_recipe_cannot_scale_is_refused_naming_the_module(recipe, ou
 def test_a_device_without_fp8_gemms_is_refused():
     text = _one_rank(_refusal, "tensorwise", 256, 256, "meta")
     assert text.startswith("fp8: qkv is on meta, which has no fp8 GEMM") and "\n" not in text
+
+
+def test_the_filter_patterns():
+    from fastpar.nn.fp8_apply import parse_patterns, selected
+
+    assert parse_patterns(None) is None and parse_patterns("default") is None
+    assert parse_patterns("") == () and parse_patterns(" *.o , lm_head") == ("*.o", "lm_head")
+    assert selected("1.mlp.gate_up") and selected("1.mlp.gate_proj")
+    assert not any(selected(n) for n in ("lm_head", "1.mlp.gate", "0.embed.proj", "1.router.w"))
+    assert selected("lm_head", exclude=()) and not selected("1.attn.o", exclude=("*.o",))
+    assert not selected("1.attn.qkv", include=("*.mlp.*",))
