@@ -276,6 +276,18 @@ class ReferenceCache:
         return refs
 
 
+def check_precision(cfg: TrainConfig) -> None:
+    """Refuse ``--precision fp8``: the float64 reference has no fp8 rounding, so the rule's
+    bound would be the fp8 error itself, too wide to tell a wrong scale from a right one."""
+    if cfg.precision == "fp8":
+        raise ValueError(
+            "fastpar.verify --precision fp8: its float64 reference has no fp8 rounding, so its "
+            "bound could not tell a wrong fp8 scale from a right one; verify the layout with "
+            "--precision bf16 (the fp8 layers are proven against one device by "
+            "tests/test_fp8_linear.py)"
+        )
+
+
 def compare(
     cfg: TrainConfig, tokens=None, *, cache: ReferenceCache | None = None
 ) -> tuple[bool, str]:
@@ -436,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = parser()
     try:  # the training command's checks: flags, devices, data (every id), memory
         cfg, tokens = prepare(ap.parse_args(argv))
+        check_precision(cfg)
     except (ValueError, ImportError) as exc:
         return refuse(exc)
     ok, text = compare(cfg, tokens)
@@ -451,6 +464,7 @@ def _main_hf(argv: list[str]) -> int:
     ap = parser(hf=True)
     try:
         cfg, tokens = prepare(ap.parse_args(argv))
+        check_precision(cfg)
     except (ValueError, ImportError) as exc:
         return refuse(exc)
     ok = True

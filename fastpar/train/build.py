@@ -26,6 +26,7 @@ from fastpar.models.common import IGNORE_INDEX, loss_groups
 from fastpar.models.documents import valid_targets
 from fastpar.models.mtp import MTPOutput, mtp_loss
 from fastpar.moe import TopKRouter, moe_layers, update_expert_bias
+from fastpar.nn import use_fp8
 from fastpar.optim import FusedAdamW, MixedPrecisionOptimizer
 from fastpar.optim.config import TORCH_STATE_DTYPES
 from fastpar.parallel import DataParallel, Replicate, Shard
@@ -52,7 +53,7 @@ from fastpar.train.batches import (
 from fastpar.train.config import TrainConfig
 from fastpar.train.optimizers import exact_optimizer, groups_for, muon_factory
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = dict(fp32=torch.float32, bf16=torch.bfloat16, fp16=torch.float16, fp8=torch.bfloat16)
 
 
 @dataclass
@@ -238,6 +239,8 @@ def build(
     else:
         stage, (start, _) = build_stage(blocks, pp_size, pp_rank, costs=costs)
     stage = cast(stage.to(device), torch.float64 if exact else DTYPES[cfg.precision])
+    if cfg.precision == "fp8" and not exact:
+        use_fp8(stage, cfg.fp8.recipe, exclude=cfg.fp8.exclude_patterns)
     if cfg.init_from_hf:  # this rank's slices of the pretrained weights (a resumed run's
         # checkpoint overwrites them, and the optimizer state, in ``open_checkpoints``)
         from fastpar.models.hf import load_pretrained

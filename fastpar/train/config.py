@@ -196,8 +196,8 @@ class TrainConfig(TrainOptions):
         check_ranges(self)
         check_outputs(self)
         check_model_flags(self)
-        if self.precision not in ("fp32", "bf16", "fp16"):
-            raise ValueError(f"precision must be fp32, bf16 or fp16, got {self.precision!r}")
+        if self.precision not in ("fp32", "bf16", "fp16", "fp8"):
+            raise ValueError(f"precision must be fp32, bf16, fp16 or fp8, got {self.precision!r}")
         check_schedule(self)
         RecomputePolicy.parse(self.recompute)  # a bad --recompute: ValueError naming it
         check_layout(self)  # the mesh's own refusals (hybrid sharding among them)

@@ -55,7 +55,7 @@ def stage_bytes(cfg) -> list[int]:
     tp, pp, v = cfg.tp, cfg.pp, sched.virtual_stages
     sp = tp if cfg.model.sequence_parallel else 1
     tokens = (cfg.batch_size // cfg.dp // cfg.microbatches) * cfg.model.seq_len
-    size = 2 if cfg.precision in ("bf16", "fp16") else 4
+    size = 2 if cfg.precision in ("bf16", "fp16", "fp8") else 4
     act = model.activation_bytes(tp, sp, size, cfg.fused_ce)
     depth = getattr(model, "mtp_depth", 0)
     kinds = [act.moe if model.is_moe(i) else act.dense for i in range(model.layers + depth)]

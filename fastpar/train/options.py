@@ -15,6 +15,7 @@ from fastpar.cliutil import option
 from fastpar.data import BIN_DTYPES
 from fastpar.models.shape import LAYOUT
 from fastpar.moe.config import ROUTING
+from fastpar.nn.fp8_config import Fp8Config
 from fastpar.optim.config import OptimizerConfig
 from fastpar.parallel.pipeline.schedules import SCHEDULES
 from fastpar.train.checks import (
@@ -151,9 +152,9 @@ class TrainOptions(ModelOptions):
     precision: str = option(
         "fp32",
         TRAINING,
-        words=("fp32", "bf16", "fp16"),
-        help="parameters and activations (fp32 master weights for bf16 / fp16; fp16 adds a dynamic "
-        "loss scaler)",
+        words=("fp32", "bf16", "fp16", "fp8"),
+        help="parameters and activations (fp32 master weights for bf16 / fp16 / fp8; fp16 adds a "
+        "dynamic loss scaler; fp8: bf16 with the linear layers' GEMMs in fp8, --fp8-recipe)",
         resume="warn",
     )
     lr: float = option(3e-3, TRAINING, "peak learning rate (AdamW)", positive=True)
@@ -401,3 +402,5 @@ class TrainOptions(ModelOptions):
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """The optimizer and its state's dtype (``--optimizer``, ``--muon-momentum``,
     ``--muon-per-head``, ``--optimizer-state-dtype``: ``OptimizerConfig``'s flags)."""
+    fp8: Fp8Config = field(default_factory=Fp8Config)
+    """--precision fp8's recipe and filter (``--fp8-recipe``, ``--fp8-exclude``)."""

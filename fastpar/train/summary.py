@@ -84,7 +84,7 @@ def header_line(cfg, backend: str, total_params: int, held: int) -> str:
         f"fastpar.train: {model_label(cfg)}, world {cfg.world_size} = dp {cfg.dp}"
         f"{hybrid_text(cfg)} x tp {cfg.tp} "
         f"x pp {cfg.pp}{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} (ep {cfg.ep}), ZeRO-{cfg.zero}, "
-        f"{cfg.precision}, {cfg.schedule_label} x {cfg.microbatches} micro-batches, {backend}; "
+        f"{cfg.precision}{f' {cfg.fp8.recipe}' if cfg.precision == 'fp8' else ''}, {cfg.schedule_label} x {cfg.microbatches} micro-batches, {backend}; "
         f"{'; '.join(math_settings(cfg))}; {total_params:,} parameters, rank 0 holds {held:,}"
     )
 
