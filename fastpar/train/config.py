@@ -5,13 +5,13 @@ parsed command line's values)."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import functools
 import os
 import typing
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-from fastpar.cliutil import Option, lenient, option_of
+from fastpar.cliutil import Flag, Option, declared_flags, lenient, nested_configs, option_of
 from fastpar.data import index_file, tokenizer_eos_id, tokenizer_vocab_size
 from fastpar.models import DeepSeekConfig, GPTConfig, LlamaConfig, native
 from fastpar.models.llama import check_routing_values
@@ -85,19 +85,15 @@ class TrainConfig(TrainOptions):
         """The config of the flags' ``values`` by their flat names (``hidden=64``,
         ``experts=8``, ``untied=True``, ``router_score="sigmoid"``: the --config keys); a flag
         left out keeps its default. The one place the flat names meet the nested fields."""
-        own = {f.name for f in _own_fields()}
-        model, nested = native.model_flags(), {s.name: (h, n) for h, n, s in _nested_specs()}
-        unknown = [k for k in values if k not in own and k not in model and k not in nested]
+        own, model = {f.name for f in _own_fields()}, native.model_flags()
+        held = {f.name: f.path for f in _held_flags()}
+        unknown = [k for k in values if k not in own and k not in model and k not in held]
         if unknown:
             raise TypeError(f"TrainConfig has no flag {unknown[0]!r}")
-        held: dict[str, dict] = {holder: {} for holder, _ in _nested_fields()}
-        for key, (holder, name) in nested.items():
-            if key in values:
-                held[holder][name] = values[key]
-        configs = {
-            holder: lenient(config, **kw)
-            for (holder, config), kw in zip(_nested_fields(), held.values(), strict=True)
-        }
+        configs = {}
+        for holder, config in nested_configs(TrainConfig):
+            kw = {p[1]: values[k] for k, p in held.items() if p[0] == holder and k in values}
+            configs[holder] = lenient(config, **kw)
         cfg = cls(**{k: v for k, v in values.items() if k in own}, **configs)
         cfg.model, cfg.other_model_flags = cfg._model_of(
             {k: v for k, v in values.items() if k in model}
@@ -106,8 +102,16 @@ class TrainConfig(TrainOptions):
 
     def flags(self) -> dict:
         """Every flag's value by its flat name, as ``from_flags`` takes them and
-        train_config.json holds them: the trainer's own, then the model's."""
-        return {name: value for name, value in _flag_values(self)}
+        train_config.json holds them, in ``flag_specs``' order: ``ModelOptions``', the model's,
+        the rest of the trainer's own, then its nested configs'."""
+        first = {f.name for f in fields(ModelOptions)}
+        own = [f.name for f in _own_fields()]
+        out = {name: getattr(self, name) for name in own if name in first}
+        out.update(native.flags_of(self.model, self.other_model_flags))
+        out.update({name: getattr(self, name) for name in own if name not in first})
+        for f in _held_flags():
+            out[f.name] = functools.reduce(getattr, f.path, self)
+        return out
 
     def flag_items(self) -> list[tuple[str, Option, object]]:
         """(flat name, ``Option``, value) of every flag, in ``flag_specs``' order."""
@@ -230,80 +234,36 @@ def config_from(args: argparse.Namespace, world: int | None = None) -> TrainConf
         world = torchrun_world_size() if world is None else world
         tp_cp = values["tp"] * (values.get("cp") or 1)  # dp = world / (tp * cp * pp)
         values["dp"] = infer_dp(tp_cp, values["pp"], world, TrainConfig.dp)
-    return TrainConfig.from_flags(
-        **node_local_shard(values)
-    )  # multi-node torchrun: shard in a node
+    return TrainConfig.from_flags(**node_local_shard(values))  # multi-node: shard in a node
 
 
 # -- the flags: the trainer's own fields and the model configs' ------------------------------
-@dataclass(frozen=True)
-class FlagSpec:
-    """One flag of the command: its flat name, its ``Option``, its default (as the flag says
-    it; None for a deferred one) and its value's type."""
-
-    name: str
-    option: Option
-    default: Any
-    hint: Any
-
-
 def _own_fields() -> list:
-    """TrainConfig's fields that are flags (``option``): all but ``model`` and
-    ``other_model_flags``."""
+    """TrainConfig's fields that are flags (``option``): all but ``model``,
+    ``other_model_flags`` and the nested configs."""
     return [f for f in fields(TrainConfig) if option_of(f) is not None]
 
 
-def flag_specs() -> list[FlagSpec]:
+def _held_flags() -> list[Flag]:
+    """The flags TrainConfig's nested configs declare (``OptimizerConfig.name`` is
+    ``--optimizer``), their paths from TrainConfig."""
+    return [f for h, c in nested_configs(TrainConfig) for f in declared_flags(c, (h,))]
+
+
+def flag_specs() -> list[Flag]:
     """Every flag of ``python -m fastpar.train``: ``ModelOptions``' (--model, --hf-config,
-    ...), the registered model configs' (``fastpar.models.native.model_flags``), then the
-    rest of ``TrainOptions``'."""
+    ...), the registered model configs' (``fastpar.models.native.model_flags``), the rest of
+    ``TrainOptions``', then the nested configs'."""
     defaults, hints = TrainConfig(), typing.get_type_hints(TrainConfig)
     own = [
-        FlagSpec(f.name, option_of(f), getattr(defaults, f.name), hints[f.name])
+        Flag(f.name, option_of(f), getattr(defaults, f.name), hints[f.name], (f.name,))
         for f in _own_fields()
     ]
     first = {f.name for f in fields(ModelOptions)}
-    model = [FlagSpec(m.name, m.option, m.default, m.hint) for m in native.model_flags().values()]
-    held = [spec for _, _, spec in _nested_specs()]
+    model = list(native.model_flags().values())
     return (
-        [s for s in own if s.name in first] + model + [s for s in own if s.name not in first] + held
+        [s for s in own if s.name in first]
+        + model
+        + [s for s in own if s.name not in first]
+        + _held_flags()
     )
-
-
-def _nested_fields() -> list[tuple[str, type]]:
-    """TrainConfig's fields that hold a config whose fields are flags (``optimizer``)."""
-    out = []
-    for f in fields(TrainConfig):
-        if option_of(f) is None and f.default_factory is not MISSING:
-            value = f.default_factory()
-            if dataclasses.is_dataclass(value):
-                out.append((f.name, type(value)))
-    return out
-
-
-def _nested_specs() -> list[tuple[str, str, FlagSpec]]:
-    """(TrainConfig field, its config's field, the flag) of every flag a nested config of
-    TrainConfig declares (``OptimizerConfig.name`` is ``--optimizer``)."""
-    out = []
-    for holder, config in _nested_fields():
-        hints = typing.get_type_hints(config)
-        for f in fields(config):
-            if (opt := option_of(f)) is not None:
-                spec = FlagSpec(opt.name or f.name, opt, f.default, hints[f.name])
-                out.append((holder, f.name, spec))
-    return out
-
-
-def _flag_values(cfg: TrainConfig):
-    """(flat name, value) of every flag of ``cfg``, in ``flag_specs``' order."""
-    first = {f.name for f in fields(ModelOptions)}
-    own = [f.name for f in _own_fields()]
-    for name in own:
-        if name in first:
-            yield name, getattr(cfg, name)
-    yield from native.flags_of(cfg.model, cfg.other_model_flags).items()
-    for name in own:
-        if name not in first:
-            yield name, getattr(cfg, name)
-    for holder, name, spec in _nested_specs():
-        yield spec.name, getattr(getattr(cfg, holder), name)

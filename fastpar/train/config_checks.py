@@ -80,7 +80,7 @@ def check_model_flags(cfg) -> None:
     foreign = [n for n in native.own_flags() if n not in model.flags]  # others' own flags
     name = _first_changed(cfg, defaults, foreign)
     if name is not None:
-        takes = native.owners(name)
+        takes = [m for m in native.REGISTRY.values() if name in m.flags]
         whose = " and ".join(m.label for m in takes)
         raise ValueError(
             f"{flag(name)} is a {whose} option: add --model "
