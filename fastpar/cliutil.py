@@ -26,16 +26,6 @@ def nearest_flag(arg: str, options: list[str]) -> str | None:
     return near[0] if near else None
 
 
-def check_positive_or_none(label: str, value, shown: str, example: str, absent: str) -> None:
-    """ValueError unless ``value`` is None or a positive finite number: "``label`` ``shown``
-    must be a positive finite number (e.g. ``example``), or left out ``absent``"."""
-    if value is not None and not (math.isfinite(value) and value > 0):
-        raise ValueError(
-            f"{label} {shown} must be a positive finite number (e.g. {example}), or left out "
-            f"{absent}"
-        )
-
-
 def os_error_text(e: OSError) -> str:
     """An ``OSError`` in words: 'No space left on device (ENOSPC)'."""
     name = errno.errorcode.get(e.errno or 0)

@@ -169,11 +169,6 @@ def _moe_width(cfg) -> int:
     return cfg.ffn_size if width is None else width
 
 
-def is_moe_layer(cfg, layer: int) -> bool:
-    """Whether block ``layer`` (0-based) is a MoE block: every ``moe_every``-th one."""
-    return cfg.moe_every > 0 and (layer + 1) % cfg.moe_every == 0
-
-
 def moe_block(cfg, mesh: ParallelMesh | None = None, *, ffn: int | None = None, **options) -> MoE:
     """The MoE that replaces a block's MLP (experts over the mesh's EP group): ``ffn`` wide
     (default ``cfg.ffn_size``); ``options`` go to ``MoE`` (e.g. ``expert="swiglu"``). At

@@ -48,7 +48,6 @@ class DeepSeekConfig(SwiGLUShape):
     kv_lora_rank: int = option(
         32, MODEL, "deepseek: width of the compressed key/value latent", resume="refuse"
     )
-    """Width of the compressed key/value latent."""
     qk_rope_head_dim: int = option(
         8, MODEL, "deepseek: rotary dims of a query/key head (even)", resume="refuse"
     )
@@ -56,9 +55,7 @@ class DeepSeekConfig(SwiGLUShape):
     qk_nope_head_dim: int = option(
         16, MODEL, "deepseek: dims without position of a query/key head", resume="refuse"
     )
-    """Dims without position of each query / key head."""
     v_head_dim: int = option(16, MODEL, "deepseek: width of a value head", resume="refuse")
-    """Width of each value head."""
     rope_interleave: bool = option(True, MODEL, "deepseek: rotary dims paired", resume="warn")
     """The rotary dims pair up interleaved, (x0, x1), (x2, x3), ... (HF rope_interleave,
     DeepSeek's layout); False: halves, as Llama."""
@@ -97,14 +94,6 @@ class DeepSeekConfig(SwiGLUShape):
 
     def __post_init__(self) -> None:
         sync_routing(self, normalize_topk=self.norm_topk_prob, expert="swiglu")
-
-    @property
-    def ffn_size(self) -> int:
-        return self.ffn if self.ffn is not None else 64 * math.ceil(8 * self.hidden / 3 / 64)
-
-    @property
-    def moe_ffn_size(self) -> int:
-        return self.moe_ffn if self.moe_ffn is not None else self.ffn_size
 
     @property
     def qk_head_dim(self) -> int:

@@ -27,7 +27,6 @@ from fastpar.models.common import (
     attend,
     build_decoder,
     check_layout,
-    is_moe_layer,
     lm_loss,
     moe_block,
     untie_for_pipeline,
@@ -75,9 +74,6 @@ class GPTConfig(DecoderShape):
     @property
     def ffn_size(self) -> int:
         return self.ffn if self.ffn is not None else 4 * self.hidden
-
-    def is_moe(self, layer: int) -> bool:
-        return is_moe_layer(self, layer)
 
     def activation_bytes(
         self, tp: int = 1, sp: int = 1, size: int = 4, fused_ce: bool = False

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastpar.cliutil import check_positive_or_none, option
+from fastpar.cliutil import option
 from fastpar.comm import group_size
 from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_blocks, mark_heads
@@ -30,7 +30,6 @@ from fastpar.models.common import (
     build_decoder,
     check_layout,
     check_sizes,
-    is_moe_layer,
     lm_loss,
     moe_block,
     positions,
@@ -104,19 +103,6 @@ class LlamaConfig(SwiGLUShape):
     @property
     def head_size(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden // self.heads
-
-    @property
-    def ffn_size(self) -> int:
-        if self.ffn is not None:
-            return self.ffn
-        return 64 * math.ceil(8 * self.hidden / 3 / 64)
-
-    @property
-    def moe_ffn_size(self) -> int:
-        return self.moe_ffn if self.moe_ffn is not None else self.ffn_size
-
-    def is_moe(self, layer: int) -> bool:
-        return is_moe_layer(self, layer)
 
     def __post_init__(self) -> None:
         sync_routing(self, normalize_topk=self.norm_topk_prob, expert="swiglu")
@@ -250,7 +236,11 @@ def check_routing_values(values: dict, moe_every: int, num_experts: int, top_k: 
     if v["aux_loss"] is not None and v["aux_loss"] not in AUX_LOSS_WORDS:
         raise ValueError(f"{_named('aux_loss')} {v['aux_loss']!r} must be one of {AUX_LOSS_WORDS}")
     sf = v["routed_scaling_factor"]
-    check_positive_or_none(_named("routed_scaling_factor"), sf, f"{sf}", "2.5", "(1)")
+    if sf is not None and not (math.isfinite(sf) and sf > 0):
+        raise ValueError(
+            f"{_named('routed_scaling_factor')} {sf} must be a positive finite number (e.g. 2.5), "
+            "or left out (1)"
+        )
     for name in ("bias_update_rate", "aux_loss_coef", "z_loss_coef"):
         value, low = v[name], "> 0" if name == "bias_update_rate" else ">= 0"
         if not math.isfinite(value) or value < 0 or (value == 0 and low == "> 0"):

@@ -142,14 +142,12 @@ class RouterConfig:
         help="MoE: the load-balancing loss's coefficient",
         resume="warn",
     )
-    """Coefficient of the load-balancing loss."""
     z_loss_coef: float = option(
         0.0,
         group=ROUTING,
         help="MoE: the router z-loss's coefficient (ST-MoE; 0: off)",
         resume="warn",
     )
-    """Coefficient of the router z-loss (ST-MoE; 0: off)."""
     normalize_topk: bool | None = None
     """Renormalise the chosen scores to sum 1 (None: when top_k > 1)."""
     group_score_topk: int | None = None
@@ -270,7 +268,6 @@ class ExpertConfig:
         "--shared-expert-ffn)",
         resume="refuse",
     )
-    """Scale the shared expert by sigmoid(x W_g) (Qwen2-MoE); needs shared_ffn_hidden_size."""
 
     def words(self) -> list[str]:
         """What is on beside the routed experts, in a few words (a run's header)."""
