@@ -19,6 +19,7 @@ from torch import nn
 from fastpar.comm import copy_to_region, gather_from_sequence, group_size
 from fastpar.mesh.placement import mark_replicated
 from fastpar.models.common import Norm, attend, positions
+from fastpar.models.llama import rotate_half
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["LatentAttention", "yarn_attention_factor", "yarn_inv_freq", "yarn_mscale"]
@@ -73,12 +74,6 @@ def yarn_inv_freq(cfg, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     keep = (1 - ramp).to(dtype)  # the share of the extrapolated (unscaled) frequency
     return interpolation * (1 - keep) + extrapolation * keep
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """[..., d] -> [-x[d/2:], x[:d/2]]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,6 @@ class OptimizerConfig:
     """A name of ``OPTIMIZERS``."""
     muon_momentum: float = option(
         0.95,
-        name="muon_momentum",
         group=OPTIMIZER,
         help="--optimizer muon: the momentum of its matrices (Nesterov; AdamW's betas for the "
         "rest)",
@@ -46,7 +45,6 @@ class OptimizerConfig:
     """Muon's momentum, in [0, 1)."""
     muon_per_head: bool = option(
         False,
-        name="muon_per_head",
         group=OPTIMIZER,
         help="--optimizer muon: orthogonalise each attention head's rows of q|k|v and columns "
         "of the output projection apart (GPT, Llama; not DeepSeek's latent attention)",

@@ -93,10 +93,8 @@ def check_init_from_hf(cfg) -> None:
     """--init-from-hf DIR: a save_pretrained directory whose config.json is --hf-config's."""
     from fastpar.models.hf import read_config_json
 
-    what, implied = (
-        f"--init-from-hf {cfg.init_from_hf}",
-        os.path.join(cfg.init_from_hf, "config.json"),
-    )
+    what = f"--init-from-hf {cfg.init_from_hf}"
+    implied = os.path.join(cfg.init_from_hf, "config.json")
     if not os.path.isfile(implied):
         raise ValueError(
             f"{what} holds no config.json: pass a directory written by save_pretrained "
