@@ -19,10 +19,7 @@ class Switch(Generic[T]):
     its value, or raises ValueError; ``check(value)`` validates what the API sets."""
 
     def __init__(
-        self,
-        env: str,
-        parse: Callable[[str | None], T],
-        check: Callable[[Any], T] | None = None,
+        self, env: str, parse: Callable[[str | None], T], check: Callable[[Any], T] | None = None
     ) -> None:
         self.env, self._parse, self._check = env, parse, check or (lambda value: value)
         self._override: Any = None

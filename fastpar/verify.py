@@ -26,14 +26,7 @@ from fastpar.models.common import IGNORE_INDEX
 from fastpar.models.documents import documents
 from fastpar.models.mtp import tokens as mtp_tokens
 from fastpar.parallel.pipeline.schedules import SCHEDULES
-from fastpar.train import (
-    TrainConfig,
-    batch_of,
-    build_parser,
-    launch,
-    load_data,
-    lr_at,
-)
+from fastpar.train import TrainConfig, batch_of, build_parser, launch, load_data, lr_at
 from fastpar.train.batches import as_data, eval_batch, split_tokens
 from fastpar.train.build import DTYPES, build
 from fastpar.train.cli import prepare, refuse

@@ -60,11 +60,7 @@ def _union(named: Mapping[str, torch.Tensor], world: int, staged: bool) -> list[
 
 
 def _gather(
-    names: list[str],
-    pieces_of: Callable[[str], list[Piece]],
-    *,
-    dst: int,
-    what: str,
+    names: list[str], pieces_of: Callable[[str], list[Piece]], *, dst: int, what: str
 ) -> dict | None:
     """{name: whole tensor} on ``dst`` from each rank's ``pieces_of(name)`` (None elsewhere).
     Elements sent by several ranks (copies) must agree. Errors are agreed: every rank

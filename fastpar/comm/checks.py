@@ -103,10 +103,7 @@ def _rank_names(group: dist.ProcessGroup | None, ranks: list[int]) -> str:
 
 
 def raise_if_disagree(
-    what: str,
-    per_rank: dict[str, list[str]],
-    group: dist.ProcessGroup | None,
-    hint: str,
+    what: str, per_rank: dict[str, list[str]], group: dist.ProcessGroup | None, hint: str
 ) -> None:
     """Raise ``ValueError`` naming every field whose value (a string per group rank) differs.
 

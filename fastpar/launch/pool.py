@@ -344,10 +344,7 @@ def _serve(rank, world, store_path, tasks, results, fd_sock, tmp, parent_pid) ->
         flight.arm(os.path.join(tmp, "flight"), rank)
         faulthandler.register(signal.SIGUSR1, file=stack, all_threads=True, chain=True)
         ids = dict(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_WORLD_SIZE=str(world),
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
         )
         os.environ.update(ids)
         if sys.platform.startswith("linux"):

@@ -30,10 +30,7 @@ from fastpar.mesh.placement import mark_sharded, mark_tied_copy, param_layout
 from fastpar.models.documents import current as current_documents
 from fastpar.moe import MoE
 from fastpar.nn import ColumnParallelLinear, VocabParallelEmbedding
-from fastpar.nn.functional import (
-    vocab_parallel_cross_entropy,
-    vocab_parallel_linear_cross_entropy,
-)
+from fastpar.nn.functional import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 from fastpar.ops.documents import document_attention
 from fastpar.parallel.context import (
     all_to_all_attention,

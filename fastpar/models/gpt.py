@@ -36,15 +36,7 @@ from fastpar.models.shape import MODEL, DecoderShape
 from fastpar.moe.config import ExpertConfig, RouterConfig
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear
 
-__all__ = [
-    "Block",
-    "GPTConfig",
-    "Head",
-    "Norm",
-    "build_gpt",
-    "gpt_loss",
-    "untie_for_pipeline",
-]
+__all__ = ["Block", "GPTConfig", "Head", "Norm", "build_gpt", "gpt_loss", "untie_for_pipeline"]
 
 
 @dataclass(frozen=True)

@@ -121,10 +121,7 @@ class RouterConfig:
     )
     """Aux-loss-free balancing: an fp32 ``expert_bias`` buffer [E] steers the choice."""
     bias_update_rate: float = option(
-        1e-3,
-        group=ROUTING,
-        help="--expert-bias: the bias step per optimizer step",
-        resume="warn",
+        1e-3, group=ROUTING, help="--expert-bias: the bias step per optimizer step", resume="warn"
     )
     """The expert-bias step: bias += rate · sign(mean load − load) per optimizer step."""
     aux_loss: str | None = option(
@@ -137,10 +134,7 @@ class RouterConfig:
     )
     """The load-balancing loss: "micro_batch", "sequence", or None ("none": off)."""
     aux_loss_coef: float = option(
-        1e-2,
-        group=ROUTING,
-        help="MoE: the load-balancing loss's coefficient",
-        resume="warn",
+        1e-2, group=ROUTING, help="MoE: the load-balancing loss's coefficient", resume="warn"
     )
     z_loss_coef: float = option(
         0.0,

@@ -281,11 +281,7 @@ def _pipelined(buf: torch.Tensor, chunks, group, work) -> torch.Tensor:
 
     def send(j: int) -> _Pending:
         return start_all_to_all(
-            chunks.take(buf, j),
-            group,
-            chunks.out_splits[j],
-            chunks.in_splits[j],
-            chunks.transport,
+            chunks.take(buf, j), group, chunks.out_splits[j], chunks.in_splits[j], chunks.transport
         )
 
     outgoing = send(0) if k else None

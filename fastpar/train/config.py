@@ -18,12 +18,7 @@ from fastpar.models.llama import check_routing_values
 from fastpar.moe.config import ROUTING_DEFAULTS
 from fastpar.parallel.pipeline.recompute import RecomputePolicy
 from fastpar.train.checks import _seconds as _seconds
-from fastpar.train.checks import (
-    check_ranges,
-    infer_dp,
-    node_local_shard,
-    torchrun_world_size,
-)
+from fastpar.train.checks import check_ranges, infer_dp, node_local_shard, torchrun_world_size
 from fastpar.train.config_checks import (
     check_batch_split,
     check_compile,

@@ -121,13 +121,7 @@ def check_init_from_hf(cfg) -> None:
 
 def check_hf_config(cfg, defaults) -> None:
     """--hf-config: the model is the config's; fastpar-model flags do not apply."""
-    from fastpar.models.hf import (
-        decoders,
-        has_moe_block,
-        is_masked_lm,
-        load_config,
-        moe_families,
-    )
+    from fastpar.models.hf import decoders, has_moe_block, is_masked_lm, load_config, moe_families
 
     own = (
         "model_type",

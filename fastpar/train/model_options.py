@@ -36,9 +36,7 @@ class ModelOptions:
         "built-in plan instead of the GPT / Llama",
     )
     vocab_size: int | None = option(
-        None,
-        MODEL,
-        help="vocabulary size (default: the tokenizer's, else 256 bytes)",
+        None, MODEL, help="vocabulary size (default: the tokenizer's, else 256 bytes)"
     )
     init_from_hf: str | None = option(
         None,

@@ -248,9 +248,7 @@ class TrainOptions(ModelOptions):
         help="the end-of-document token id that splits --data into documents",
     )
     reset_positions: bool = option(
-        True,
-        DATA,
-        help="with --pack documents: positions restart at 0 at each document start",
+        True, DATA, help="with --pack documents: positions restart at 0 at each document start"
     )
     checkpoint_dir: str | None = option(
         None,
@@ -274,9 +272,7 @@ class TrainOptions(ModelOptions):
         note="0: keep every checkpoint",
     )
     resume: bool = option(
-        False,
-        CHECKPOINTS,
-        help="continue from the newest usable checkpoint in --checkpoint-dir",
+        False, CHECKPOINTS, help="continue from the newest usable checkpoint in --checkpoint-dir"
     )
     allow_fresh: bool = option(
         False,
