@@ -141,12 +141,6 @@ def _add_flag(where, name: str, opt: Option, value, hint) -> None:
 
 
 # -- --config FILE ----------------------------------------------------------------------------
-def _keys() -> dict[str, str]:
-    """A config file's keys: each flag's flat name, its flag without the dashes, and "model"."""
-    names = [spec.name for spec in flag_specs()]
-    return {**{n: n for n in names}, **{flag(n)[2:]: n for n in names}}
-
-
 def config_file_path(argv: list[str]) -> str | None:
     """The FILE of ``--config FILE`` (or ``--config=FILE``) in ``argv``, the last one given."""
     path = None
@@ -194,7 +188,7 @@ def read_config_file(path: str) -> dict:
     (``batch_size`` or ``batch-size``; ``model`` for --model). An unknown key or a value of the
     wrong type is a ValueError naming the key (and the nearest flag)."""
     hints = {spec.name: spec.hint for spec in flag_specs()}
-    keys = _keys()
+    keys = {**{n: n for n in hints}, **{flag(n)[2:]: n for n in hints}}  # batch-size, model
     values = {}
     for key, value in _flat(read_table(path, "--config", holds="flags")).items():
         name = keys.get(key)
