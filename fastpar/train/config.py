@@ -9,7 +9,6 @@ import functools
 import os
 import typing
 from dataclasses import dataclass, field, fields
-from typing import Any
 
 from fastpar.cliutil import Flag, Option, declared_flags, lenient, nested_configs, option_of
 from fastpar.data import index_file, tokenizer_eos_id, tokenizer_vocab_size
@@ -54,7 +53,8 @@ class TrainConfig(TrainOptions):
     model flags at their defaults. None for an unknown --model (``check`` names it)."""
     other_model_flags: dict = field(default_factory=dict)
     """The model flags --model's config has no field for, given off their defaults (another
-    model's options: ``check`` refuses them naming that model)."""
+    model's options: ``check`` refuses them naming that model). With ``model`` left out, the
+    model flags' values (flat names) its config is made of (``from_flags``)."""
 
     def __post_init__(self) -> None:
         # --recompute's policy: False (none), True (full: the engine's), or a selective one
@@ -63,17 +63,14 @@ class TrainConfig(TrainOptions):
             self.recompute = self.recompute.strip().lower() == "full"
         if self.init_from_hf and not self.hf_config:  # the model is the directory's
             self.hf_config = os.path.join(self.init_from_hf, "config.json")
-        if self.model is None:
-            self.model, self.other_model_flags = self._model_of(self.other_model_flags)
-
-    def _model_of(self, values: dict) -> tuple[Any, dict]:
-        """(--model's config of the model flags' ``values``, the others given off their
-        defaults): ``fastpar.models.native.config_from_flags`` with this run's vocabulary."""
-        try:
-            vocab = self.vocab
-        except (ValueError, ImportError, OSError):  # a bad --tokenizer: check names it
-            vocab = 256
-        return native.config_from_flags(self.model_type, values, vocab_size=vocab)
+        if self.model is None:  # --model's config, with this run's vocabulary
+            try:
+                vocab = self.vocab
+            except (ValueError, ImportError, OSError):  # a bad --tokenizer: check names it
+                vocab = 256
+            self.model, self.other_model_flags = native.config_from_flags(
+                self.model_type, self.other_model_flags, vocab_size=vocab
+            )
 
     @classmethod
     def from_flags(cls, **values) -> TrainConfig:
@@ -89,11 +86,10 @@ class TrainConfig(TrainOptions):
         for holder, config in nested_configs(TrainConfig):
             kw = {p[1]: values[k] for k, p in held.items() if p[0] == holder and k in values}
             configs[holder] = lenient(config, **kw)
-        cfg = cls(**{k: v for k, v in values.items() if k in own}, **configs)
-        cfg.model, cfg.other_model_flags = cfg._model_of(
-            {k: v for k, v in values.items() if k in model}
+        mine = {k: v for k, v in values.items() if k in model}  # made into ``model``
+        return cls(
+            **{k: v for k, v in values.items() if k in own}, **configs, other_model_flags=mine
         )
-        return cfg
 
     def flags(self) -> dict:
         """Every flag's value by its flat name, as ``from_flags`` takes them and
