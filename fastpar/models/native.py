@@ -72,7 +72,7 @@ class NativeModel:
 
 
 REGISTRY: dict[str, NativeModel] = {}
-"""--model name -> its record: read through ``get`` / ``names``, changed through ``register``."""
+"""--model name -> its record: read through ``get``, changed through ``register``."""
 
 
 def register(model: NativeModel, *, replace: bool = False) -> NativeModel:
@@ -93,13 +93,9 @@ def unregister(name: str) -> NativeModel:
 def get(name: str) -> NativeModel:
     """The record of ``--model name``; ValueError naming the registered ones."""
     if name not in REGISTRY:
-        *others, last = names()
+        *others, last = REGISTRY
         raise ValueError(f"--model must be {', '.join(others)} or {last}, got {name!r}")
     return REGISTRY[name]
-
-
-def names() -> tuple[str, ...]:
-    return tuple(REGISTRY)
 
 
 def of_config(config) -> NativeModel:
