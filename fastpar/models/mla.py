@@ -76,12 +76,6 @@ def yarn_inv_freq(cfg, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return interpolation * (1 - keep) + extrapolation * keep
 
 
-def deinterleave(x: torch.Tensor) -> torch.Tensor:
-    """[..., d]: the pairs (x0, x1), (x2, x3), ... as halves [x0, x2, ... | x1, x3, ...]; HF's
-    interleaved rotary embedding (``rope_interleave``) is the halves' rotation of these."""
-    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
-
-
 def _replicated_linear(n_in: int, n_out: int, group) -> nn.Linear:
     layer = nn.Linear(n_in, n_out, bias=False)
     mark_replicated(layer.weight, group)
@@ -160,8 +154,8 @@ class LatentAttention(nn.Module):
         return cos.to(x.dtype), sin.to(x.dtype)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.interleave:
-            x = deinterleave(x)
+        if self.interleave:  # pairs (x0, x1), ... as halves: HF's rope_interleave rotates these
+            x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
         return x * cos + rotate_half(x) * sin
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
