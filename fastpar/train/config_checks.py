@@ -222,6 +222,19 @@ def check_data_flags(cfg) -> None:
         cfg.data_dtype = bin_dtype(cfg.data_dtype, cfg.vocab, cfg.data)
 
 
+#: the refusal of --schedule S with a feature it does not take (``Schedule.refuses``), after
+#: "--schedule S with": ``why`` the schedule's reason, ``use`` the schedules that take it
+REFUSALS = {
+    "selective_recompute": "a selective --recompute ({recompute}): {why}; use --recompute full "
+    "(the stage recomputed once, before its backward) or none",
+    "zero3": "--zero 3 is not supported ({why}); use --zero 0, 1 or 2, or --schedule {use}",
+    "hf_config": "--hf-config is {why}; use --schedule {use}",
+    "fused_ce": "--fused-ce at --pp > 1: {why}; use --schedule {use}, or drop --fused-ce",
+    "sequence_parallel_tp": "--sequence-parallel at --tp > 1 {why}; use --schedule {use}, or "
+    "drop --sequence-parallel",
+}
+
+
 def check_schedule(cfg) -> None:
     """--schedule, --virtual-stages, --microbatch-group-size and the evaluation flags."""
     if cfg.schedule not in SCHEDULES:
@@ -235,7 +248,9 @@ def check_schedule(cfg) -> None:
         "sequence_parallel_tp": cfg.model.sequence_parallel and cfg.tp > 1,
     }
     for feature in [f for f, on in wanted.items() if on and not sched.accepts(f)]:
-        raise ValueError(schedule_refusal(cfg, feature, sched))
+        why, use = sched.refuses[feature], accepting(feature)
+        text = REFUSALS[feature].format(recompute=cfg.recompute, why=why, use=use)
+        raise ValueError(f"--schedule {cfg.schedule} with {text}")
     if not sched.chunked:
         if v != 1:
             raise ValueError(
@@ -276,33 +291,6 @@ def check_schedule(cfg) -> None:
                 f"{cfg.model.layers} layers, head): use --virtual-stages <= {blocks // cfg.pp} "
                 f"or --layers >= {cfg.pp * v - 2}"
             )
-
-
-def schedule_refusal(cfg, feature: str, sched) -> str:
-    """The message refusing ``cfg``'s --schedule with ``feature`` (``Schedule.refuses``): the
-    schedule's reason, and what to use instead."""
-    why, head = sched.refuses[feature], f"--schedule {cfg.schedule} with"
-    if feature == "selective_recompute":
-        return (
-            f"{head} a selective --recompute ({cfg.recompute}): {why}; use --recompute full "
-            "(the stage recomputed once, before its backward) or none"
-        )
-    if feature == "zero3":
-        return (
-            f"{head} --zero 3 is not supported ({why}); use --zero 0, 1 or 2, or --schedule "
-            f"{accepting('zero3')}"
-        )
-    if feature == "hf_config":
-        return f"{head} --hf-config is {why}; use --schedule {accepting('hf_config')}"
-    if feature == "fused_ce":
-        return (
-            f"{head} --fused-ce at --pp > 1: {why}; use --schedule {accepting('fused_ce')}, or "
-            "drop --fused-ce"
-        )
-    return (
-        f"{head} --sequence-parallel at --tp > 1 {why}; use --schedule "
-        f"{accepting('sequence_parallel_tp')}, or drop --sequence-parallel"
-    )
 
 
 def mesh_layout(cfg) -> MeshLayout:
