@@ -197,10 +197,9 @@ def routing(cfg) -> dict:
 
 
 def routed(config: type, **values):
-    """``config(**values)`` (a GPT, Llama or DeepSeek config class) where ``values`` may name
-    the routing options by their flat names (``router_score="sigmoid"``,
-    ``shared_expert_ffn=16``: the trainer's flags), set on the model's own ``moe_router`` /
-    ``moe_experts`` defaults."""
+    """``config(**values)`` (a GPT, Llama or DeepSeek config class) where ``values`` may name the
+    routing options by their flat names (``router_score="sigmoid"``, ``shared_expert_ffn=16``: the
+    trainer's flags), set on the model's own ``moe_router`` / ``moe_experts`` defaults."""
     router, kinds = nested_routing(values)
     own = {k: v for k, v in values.items() if k not in ROUTING_DEFAULTS}
     if router or kinds:
@@ -346,9 +345,8 @@ class Attention(nn.Module):
         self.cp_group, self.cp_attention = None, "ring"  # the block sets them (cp > 1)
 
     def rope(self, t: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, head_dim] of this rank's positions (0..t-1; under context parallelism
-        its chunks' global positions), computed in fp32 (float64 for a float64 x), in x's
-        dtype."""
+        """cos, sin [T, head_dim] of this rank's positions (0..t-1; under context parallelism its
+        chunks' global positions), computed in fp32 (float64 for a float64 x), in x's dtype."""
         if self._inv_freq.device != x.device:
             self._inv_freq = self._inv_freq.to(x.device)
         inv_freq = self._inv_freq

@@ -61,8 +61,7 @@ class NativeModel:
     per_head_muon: bool = True
     """Its attention weights mark their heads (``--muon-per-head`` applies)."""
     head_dim: Callable[[Any], float] | None = None
-    """``head_dim(config)``: the width attention's FLOPs count per head (default hidden /
-    heads)."""
+    """``head_dim(config)``: the width attention's FLOPs count per head (default hidden / heads)."""
     moe_where: Callable[[Any], str] | None = None
     """``moe_where(config)``: where its MoE blocks are, in words (default "every N")."""
     exporter: Callable[[Any], tuple] | None = None
@@ -166,9 +165,8 @@ def config_from_flags(model_type: str, values: dict, **fixed) -> tuple[Any, dict
 
 
 def flags_of(config, other: dict | None = None) -> dict:
-    """The flags' values of a native model's ``config`` (flat name -> value as the flag says
-    it); a flag it does not take (``config_from_flags``): ``other``'s value, else its
-    default."""
+    """The flags' values of a native model's ``config`` (flat name -> value as the flag says it); a
+    flag it does not take (``config_from_flags``): ``other``'s value, else its default."""
     out = {}
     model = of_config(config) if config is not None else None
     some = own_flags()

@@ -131,9 +131,8 @@ class SwiGLUShape(DecoderShape):
         "(module k predicts the token k + 1 ahead, sharing the embedding and head; 0: off)",
         resume="refuse",
     )
-    """DeepSeek-V3 multi-token prediction: D sequential modules after the model, module k
-    predicting the token k + 1 ahead (``fastpar.models.mtp``; HF num_nextn_predict_layers).
-    0: off."""
+    """DeepSeek-V3 multi-token prediction: D sequential modules after the model, module k predicting
+    the token k + 1 ahead (``fastpar.models.mtp``; HF num_nextn_predict_layers). 0: off."""
     mtp_loss_coef: float = option(
         DEFAULT_COEF,
         MODEL,

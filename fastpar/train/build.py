@@ -168,8 +168,7 @@ def expert_bias_names(stage: nn.Module, start: int) -> dict[str, torch.Tensor]:
 
 
 def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW's groups: weight decay on matrices (dim >= 2), none on vectors; empty ones left
-    out."""
+    """AdamW's groups: weight decay on matrices (dim >= 2), none on vectors; empty ones left out."""
     decay = [p for p in module.parameters() if p.dim() >= 2]
     no_decay = [p for p in module.parameters() if p.dim() < 2]
     groups = [
@@ -180,12 +179,11 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def _optimizer(cfg, stage, groups, mesh: ParallelMesh | None, scaler, block_types, exact=False):
-    """(what the engine runs, the optimizer wrapper): the data-parallel wrapper of the ZeRO
-    stage, which owns the optimizer step and sums the tied embedding's gradients itself;
-    ``mesh`` None: the plain module and the mixed-precision AdamW of one process. Interleaved:
-    the engine runs only this rank's last backward outside no_sync, which gives the other
-    chunks' parameters no gradient: they count as what no_sync accumulated
-    (``find_unused_parameters``), so each is reduced once."""
+    """(what the engine runs, the optimizer wrapper): the data-parallel wrapper of the ZeRO stage,
+    which owns the optimizer step and sums the tied embedding's gradients itself; ``mesh`` None: the
+    plain module and the mixed-precision AdamW of one process. Interleaved: the engine runs only
+    this rank's last backward outside no_sync, which gives the other chunks' parameters no gradient:
+    they count as what no_sync accumulated (``find_unused_parameters``), so each is reduced once."""
     state_dtype = TORCH_STATE_DTYPES[cfg.optimizer.state_dtype]  # the moments' (fp32, bf16)
     adamw = lambda gs: FusedAdamW(gs, lr=cfg.lr, state_dtype=state_dtype)  # noqa: E731
     adamw, clip = muon_factory(cfg) or adamw, cfg.max_grad_norm  # --optimizer muon

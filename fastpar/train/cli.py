@@ -102,9 +102,8 @@ def build_parser(
 
 
 def _add_flag(where, name: str, opt: Option, value, hint) -> None:
-    """The flag of one TrainConfig field, from its ``Option`` (help, words, metavar), its
-    default ``value`` and its type ``hint`` (an Optional's value type: ``int`` of
-    ``int | None``)."""
+    """The flag of one TrainConfig field, from its ``Option`` (help, words, metavar), its default
+    ``value`` and its type ``hint`` (an Optional's value type: ``int`` of ``int | None``)."""
     text = opt.text().replace("%", "%%")  # argparse formats help with %
     metavar = "{" + ",".join(map(str, opt.words)) + "}" if opt.words else opt.metavar
     if name == "recompute":  # a policy; the word alone is full, as it always was

@@ -150,9 +150,8 @@ class SyncPoint:
         self.compile_s, self.compile_steps = 0.0, 0  # --compile: the first step's time
 
     def compiled(self) -> None:
-        """After the first step of a --compile run: its time (compiling included) is kept out
-        of the ETA's rate and of the run's tokens/s (a device sync when it was no sync
-        point)."""
+        """After the first step of a --compile run: its time (compiling included) is kept out of the
+        ETA's rate and of the run's tokens/s (a device sync when it was no sync point)."""
         if self.compile_steps:  # the first step was a sync point: marked there
             return
         if self.trainer.device.type == "cuda":
