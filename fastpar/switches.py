@@ -36,9 +36,8 @@ class Switch(Generic[T]):
         return value
 
     def set(self, value: T | None) -> _Restore:
-        """Set the switch for this process (``None``: back to the variable, read again).
-        Returns an object that, used as a context manager, restores the previous setting on
-        exit."""
+        """Set the switch for this process (``None``: back to the variable, read again). Returns an
+        object that, used as a context manager, restores the previous setting on exit."""
         restore = _Restore(self, self._override)
         if value is not None:
             value = self._check(value)

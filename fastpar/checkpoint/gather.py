@@ -63,8 +63,7 @@ def _gather(
     names: list[str], pieces_of: Callable[[str], list[Piece]], *, dst: int, what: str
 ) -> dict | None:
     """{name: whole tensor} on ``dst`` from each rank's ``pieces_of(name)`` (None elsewhere).
-    Elements sent by several ranks (copies) must agree. Errors are agreed: every rank
-    raises."""
+    Elements sent by several ranks (copies) must agree. Errors are agreed: every rank raises."""
     rank, world = group_rank(None), group_size(None)
     out: dict[str, torch.Tensor] | None = {} if rank == dst else None
     error: str | None = None

@@ -357,10 +357,9 @@ def snapshot(reason: str = "") -> dict:
 
 
 def dump(directory: str, reason: str = "") -> str | None:
-    """Write this rank's ``snapshot`` to ``directory/flight_rank<R>.json`` (atomically: a
-    reader never sees half a file); returns the path (None when recording is off, or when the
-    file could not be written: a full disk, which one line on stderr names; nothing is left
-    behind)."""
+    """Write this rank's ``snapshot`` to ``directory/flight_rank<R>.json`` (atomically: a reader
+    never sees half a file); returns the path (None when recording is off, or when the file could
+    not be written: a full disk, which one line on stderr names; nothing is left behind)."""
     if not enabled():
         return None
     with _lock:

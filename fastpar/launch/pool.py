@@ -223,10 +223,9 @@ def _apply_switches(overrides: dict[str, Any]) -> None:
 
 # -- the rank's side ------------------------------------------------------------------------
 class _GroupCache:
-    """``dist.new_group`` by (ranks, timeout, description, backend, how many such calls this
-    task made before): the k-th identical request of a call gets the k-th group ever made for
-    it, so a call gets as many distinct groups as it asks for, and the next call the same
-    ones."""
+    """``dist.new_group`` by (ranks, timeout, description, backend, how many such calls this task
+    made before): the k-th identical request of a call gets the k-th group ever made for it, so a
+    call gets as many distinct groups as it asks for, and the next call the same ones."""
 
     def __init__(self) -> None:
         self.made: dict[tuple, list] = {}

@@ -89,8 +89,7 @@ class DeepSeekConfig(SwiGLUShape):
     e_score_correction_bias); ``capacity_factor`` and ``normalize_topk`` follow the model's
     (``fastpar.models.llama.sync_routing``)."""
     moe_experts: ExpertConfig = field(default_factory=lambda: ExpertConfig(expert="swiglu"))
-    """The shared experts (HF n_shared_experts x moe_ffn wide); SwiGLU experts, as the
-    Llama's."""
+    """The shared experts (HF n_shared_experts x moe_ffn wide); SwiGLU experts, as the Llama's."""
 
     def __post_init__(self) -> None:
         sync_routing(self, normalize_topk=self.norm_topk_prob, expert="swiglu")
@@ -110,11 +109,10 @@ class DeepSeekConfig(SwiGLUShape):
         self, tp: int = 1, sp: int = 1, size: int = 4, fused_ce: bool = False
     ) -> Activations:
         """Bytes per token each kind of block keeps for backward on one rank
-        (``fastpar.models.activations``): per local head the fused attention's q, k, v and
-        output (zero-padded to one width when v_head_dim differs from the q/k head; else v a
-        view of kv_b's output) and the output projection's input; replicated on every rank
-        the two latent norms' saves (kv_a's output holding the rotary key too); SwiGLU's
-        gate|up, SiLU and product."""
+        (``fastpar.models.activations``): per local head the fused attention's q, k, v and output
+        (zero-padded to one width when v_head_dim differs from the q/k head; else v a view of kv_b's
+        output) and the output projection's input; replicated on every rank the two latent norms'
+        saves (kv_a's output holding the rotary key too); SwiGLU's gate|up, SiLU and product."""
         qk, v, nope = self.qk_head_dim, self.v_head_dim, self.qk_nope_head_dim
         width = max(qk, v)
         per_head = 4 * width + v if qk != v else 3 * qk + nope + 2 * v
