@@ -2,10 +2,7 @@
 the layout options of GPT, Llama and DeepSeek) and ``SwiGLUShape`` (with the RoPE, RMSNorm,
 SwiGLU-expert and multi-token-prediction fields the Llama and the DeepSeek add). A model's
 config inherits one, adds its own fields and may change a default. A field declared with
-``option`` is also a flag of ``python -m fastpar.train`` (its help, section, bound, and what a
-resume with another value does: ``fastpar.cliutil.Option``), under its own name unless
-``name=`` says another (``num_experts`` is ``--experts``; ``tie_embeddings`` is ``--untied``,
-inverted); each flag is declared once, here or on the model's own config class."""
+``option`` is also a flag of ``python -m fastpar.train`` (``fastpar.cliutil.Option``)."""
 
 from __future__ import annotations
 

@@ -5,10 +5,9 @@ construction; ``SCORES``, the registry of router scores.
     moe = MoE(512, 2048, 8, 2, router=RouterConfig(score="sigmoid", expert_bias=True),
               experts=ExpertConfig(expert="swiglu", shared_ffn_hidden_size=1024))
 
-A field that declares an ``Option`` (``fastpar.cliutil.option``) is also a flag of
-``python -m fastpar.train`` under its flat name (``score`` is ``router_score``,
-``--router-score``; ``flat_routing`` / ``nested_routing`` map the names); the model configs hold
-the two configs as their ``moe_router`` and ``moe_experts`` fields.
+A field that declares an ``Option`` is also a flag of ``python -m fastpar.train`` under its flat
+name (``score`` is ``--router-score``: ``flat_routing`` / ``nested_routing``); the model configs
+hold the two as ``moe_router`` and ``moe_experts``.
 Capacity and dropping are routing options (the router computes the capacity and picks what an
 over-full expert keeps); their flag, --capacity-factor, is the models' own, whose default is
 dropless where the layer's is 1.25.

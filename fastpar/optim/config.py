@@ -1,7 +1,6 @@
 """The optimizer's options, each declared once (``OptimizerConfig``): which optimizer
-``python -m fastpar.train`` / ``fastpar.verify`` step with, and the dtype of its state. A field
-that declares an ``Option`` is also a flag of the command under its flat name
-(``TrainConfig.optimizer`` holds it: ``fastpar.train.config.flag_specs``)."""
+``python -m fastpar.train`` / ``fastpar.verify`` step with, and the dtype of its state; each
+field is also a flag of the command (``TrainConfig.optimizer`` holds it)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """The checks of a run's flags that relate several of them, each a function of the
-``TrainConfig`` ``cfg`` named after what it checks, in the order ``TrainConfig.check`` calls them:
-the outputs, the model's flags (--init-from-hf's, --hf-config's), the data's, the schedule, the
-layout (the mesh's own refusals, hybrid sharding's among them), the optimizer, context
-parallelism, packed documents, the batch's split, --compile, and the words a flag takes. Each failure is one ValueError line
-naming the value and the fix."""
+``TrainConfig`` ``cfg`` named after what it checks, in the order ``TrainConfig.check`` calls them.
+Each failure is one ValueError line naming the value and the fix."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """The trainer's own flags in the "model" section of ``python -m fastpar.train --help``: which
-model (``--model``, ``--hf-config``, ``--init-from-hf``, ``--plan``) and its vocabulary, the
-fields of ``ModelOptions``, the base of ``fastpar.train.options.TrainOptions``. The model's shape
-and options are the flags its config class declares (``fastpar.models.shape``, the model's own
-class, ``fastpar.models.native.model_flags``)."""
+model and its vocabulary, the fields of ``ModelOptions``, the base of
+``fastpar.train.options.TrainOptions``."""
 
 from __future__ import annotations
 

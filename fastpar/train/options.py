@@ -1,10 +1,8 @@
 """The trainer's flags of ``python -m fastpar.train``, each declared once, as a field of
-``TrainOptions`` (``TrainConfig``'s fields; the model-choosing ones in
-``fastpar.train.model_options``) with its help, --help section, words, metavar and bound in its
-metadata (``fastpar.cliutil.option``). The model's flags are its config's fields (the shape in
-``fastpar.models.shape``, the MoE routing in ``fastpar.moe.config``:
-``fastpar.models.native.model_flags``). The parser derives from both
-(``fastpar.train.cli.build_parser``, ``fastpar.train.config.flag_specs``)."""
+``TrainOptions`` (``fastpar.cliutil.option``; the model-choosing ones in
+``fastpar.train.model_options``); the model's flags are its config's fields
+(``fastpar.models.native.model_flags``). The parser derives from both
+(``fastpar.train.config.flag_specs``)."""
 
 from __future__ import annotations
 
@@ -36,8 +34,7 @@ GROUPS = (LAYOUT, MODEL, ROUTING, TRAINING, DATA, CHECKPOINTS, EVALUATION, OUTPU
 @dataclass
 class TrainOptions(ModelOptions):
     """The trainer's flags: one field each, listed by --help section (``GROUPS``); the
-    optimizer's are ``OptimizerConfig``'s fields, held as ``optimizer``. The model's flags, its
-    routing ones included, are its config's fields (``fastpar.models.native.model_flags``)."""
+    optimizer's are ``OptimizerConfig``'s fields, held as ``optimizer``."""
 
     tp: int = option(
         2, LAYOUT, "tensor-parallel size: ranks that split every layer's matrices", at_least=1
