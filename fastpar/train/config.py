@@ -32,8 +32,7 @@ from fastpar.train.config_checks import (
     check_words,
 )
 from fastpar.train.memory import check_memory
-from fastpar.train.model_options import ModelOptions
-from fastpar.train.options import TrainOptions
+from fastpar.train.options import ModelOptions, TrainOptions
 
 DESCRIPTION = (
     "Train a GPT, a Llama or a Hugging Face model with DP x TP x PP x EP, ZeRO and mixed precision."

@@ -1,6 +1,6 @@
 """The trainer's flags of ``python -m fastpar.train``, each declared once, as a field of
-``TrainOptions`` (``fastpar.cliutil.option``; the model-choosing ones in
-``fastpar.train.model_options``); the model's flags are its config's fields
+``TrainOptions`` (``fastpar.cliutil.option``; the model-choosing ones of its base
+``ModelOptions``); the model's flags are its config's fields
 (``fastpar.models.native.model_flags``). The parser derives from both
 (``fastpar.train.config.flag_specs``)."""
 
@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 
 from fastpar.cliutil import option
 from fastpar.data import BIN_DTYPES
-from fastpar.models.shape import LAYOUT
+from fastpar.models import native
+from fastpar.models.shape import LAYOUT, MODEL
 from fastpar.moe.config import ROUTING
+from fastpar.nn import styles
 from fastpar.optim.config import OptimizerConfig
 from fastpar.parallel.pipeline.schedules import SCHEDULES
 from fastpar.train.checks import (
@@ -23,12 +25,56 @@ from fastpar.train.checks import (
     TIMEOUT_LIMIT,
     default_collective_timeout,
 )
-from fastpar.train.model_options import MODEL, ModelOptions
 
 TRAINING, DATA = "training", "data"
 CHECKPOINTS, EVALUATION, OUTPUT, FAILURES = "checkpoints", "evaluation", "output", "failures"
 GROUPS = (LAYOUT, MODEL, ROUTING, TRAINING, DATA, CHECKPOINTS, EVALUATION, OUTPUT, FAILURES)
 """The sections of --help, in order: every field's ``Option.group`` is one of them."""
+
+
+@dataclass
+class ModelOptions:
+    """The flags that choose the model (``option(resume=...)``: what resuming a checkpoint with
+    another value does)."""
+
+    model_type: str = option(
+        "gpt",
+        MODEL,
+        words=native.REGISTRY,
+        help="the model: fastpar's GPT, its Llama (GQA, RoPE, SwiGLU, RMSNorm), or its "
+        "DeepSeek-V3 class (multi-head latent attention, DeepSeekMoE after --first-k-dense "
+        "dense blocks)",
+        resume="refuse",
+    )
+    hf_config: str | None = option(
+        None,
+        MODEL,
+        metavar="FILE",
+        help="a Hugging Face config.json: train that model (random init) with its family's "
+        "built-in plan instead of the GPT / Llama",
+    )
+    vocab_size: int | None = option(
+        None, MODEL, help="vocabulary size (default: the tokenizer's, else 256 bytes)"
+    )
+    init_from_hf: str | None = option(
+        None,
+        MODEL,
+        metavar="DIR",
+        help="a local Hugging Face directory (config.json + *.safetensors, as save_pretrained "
+        "writes it): train that model from its weights (implies --hf-config DIR/config.json; "
+        "each rank reads its slices; fresh optimizer, step 0; --resume's checkpoint wins)",
+    )
+    plan: str | None = option(
+        None,
+        MODEL,
+        metavar="FILE",
+        help=lambda: (
+            "with --hf-config: the tensor-parallel plan, a TOML or JSON table of "
+            f"module-name pattern -> style ({styles.listing()}; or [style, {{options}}]) as "
+            "fastpar.parallelize takes it, for a family without a built-in plan (or to replace "
+            "it); the LM head's logits stay split over the vocabulary"
+        ),
+    )
 
 
 @dataclass
