@@ -46,7 +46,9 @@ def use_pool(on: bool) -> None:
     global _enabled
     _enabled = bool(on)
     if not on:
-        close_all()
+        for pool in list(_pools.values()):
+            pool.close()
+        _pools.clear()
 
 
 def enabled() -> bool:
@@ -77,12 +79,6 @@ _forcing: list[str] = []
 def stats() -> dict[str, int]:
     """Calls served by the pool, calls forked, pools started (this process)."""
     return dict(_stats)
-
-
-def close_all() -> None:
-    for pool in list(_pools.values()):
-        pool.close()
-    _pools.clear()
 
 
 def pack(fn: Callable, args: tuple, kwargs: dict) -> bytes | None:

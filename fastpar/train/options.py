@@ -1,8 +1,7 @@
 """The trainer's flags of ``python -m fastpar.train``, each declared once, as a field of
-``TrainOptions`` (``fastpar.cliutil.option``; the model-choosing ones of its base
-``ModelOptions``); the model's flags are its config's fields
-(``fastpar.models.native.model_flags``). The parser derives from both
-(``fastpar.train.config.flag_specs``)."""
+``TrainOptions`` (``fastpar.cliutil.option``; the model-choosing ones of its base ``ModelOptions``);
+the model's flags are its config's fields (``fastpar.models.native.model_flags``). The parser
+derives from both (``fastpar.train.config.flag_specs``)."""
 
 from __future__ import annotations
 
