@@ -295,11 +295,8 @@ def declared_flags(cls: type, holder: tuple[str, ...] = ()) -> list[Flag]:
 def nested_configs(cls: type) -> list[tuple[str, type]]:
     """The fields of the dataclass ``cls`` that hold a dataclass of their own (by their
     default factory: ``moe_router``, ``optimizer``), with its class."""
-    out = []
-    for f in fields(cls):
-        if f.default_factory is not MISSING and is_dataclass(value := f.default_factory()):
-            out.append((f.name, type(value)))
-    return out
+    made = [(f.name, f.default_factory()) for f in fields(cls) if f.default_factory is not MISSING]
+    return [(name, type(value)) for name, value in made if is_dataclass(value)]
 
 
 def lenient(cls: type, **kw):

@@ -52,7 +52,6 @@ class GPTConfig(DecoderShape):
         help="gpt: the normalisation layers",
         resume="refuse",
     )
-    """The norms: "rmsnorm" or "layernorm"."""
     tie_embeddings: bool = True
     moe_router: RouterConfig = field(default_factory=RouterConfig)
     """How the MoE blocks route; its ``capacity_factor`` follows the model's

@@ -33,7 +33,6 @@ class OptimizerConfig:
         "2-D hidden matrix, AdamW on the rest)",
         resume="refuse",
     )
-    """A name of ``OPTIMIZERS``."""
     muon_momentum: float = option(
         0.95,
         group=OPTIMIZER,
@@ -59,7 +58,6 @@ class OptimizerConfig:
         "to nearest; 4 of AdamW's 12 bytes a parameter saved)",
         resume="refuse",
     )
-    """A name of ``STATE_DTYPES``."""
 
     def __post_init__(self) -> None:
         for value, words, what in (

@@ -247,11 +247,8 @@ def build(
         hf.tie(blocks, mesh)
     elif tied is not None:  # Module.to converts parameters in place: `tied` is still ours
         tie_across_stages(tied, mesh)
-    scaler = (
-        DynamicLossScaler(initial_scale=cfg.loss_scale, device=device)
-        if cfg.precision == "fp16" and not exact
-        else None
-    )
+    fp16 = cfg.precision == "fp16" and not exact
+    scaler = DynamicLossScaler(initial_scale=cfg.loss_scale, device=device) if fp16 else None
     groups = groups_for(cfg, stage, param_groups)
     model, opt = _optimizer(cfg, stage, groups, mesh, scaler, block_types, exact)
     no_sync = None if mesh is None else model.no_sync

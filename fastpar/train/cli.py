@@ -86,7 +86,6 @@ def build_parser(
         default=None,
         help="read flags from a TOML or JSON file; flags given here override it",
     )
-    own = dict(defaults or {})
     specs = flag_specs()
     for spec in specs:
         if spec.option.group is not None and spec.option.group not in GROUPS:
@@ -96,8 +95,8 @@ def build_parser(
         for spec in specs:
             if spec.option.group == title:
                 _add_flag(where, spec.name, spec.option, spec.default, spec.hint)
-    if own:
-        ap.set_defaults(**own)  # before --config FILE's, which override them
+    if defaults:
+        ap.set_defaults(**defaults)  # before --config FILE's, which override them
     return ap
 
 

@@ -49,11 +49,8 @@ def run(cfg: TrainConfig, tokens=None) -> list[dict]:
             dp_shard=cfg.dp_shard,
             dp_replicate=cfg.dp_replicate,
         )
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if dist.get_backend() == "nccl"
-            else torch.device("cpu")
-        )
+        nccl = dist.get_backend() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         trainer = Trainer(cfg, mesh, device, tokens)
         if cfg.compile:
             compile_blocks(trainer.stage_module)
