@@ -93,10 +93,9 @@ def stage_bytes(cfg) -> list[int]:
 
 
 def activation_bytes(cfg) -> tuple[int, int] | None:
-    """(the busiest rank, the whole world): the bytes of activations kept for backward at a
-    rank's peak in a step (``stage_bytes``); the world's is the sum of every rank's peak
-    (reached within the same step). None for a --hf-config model (its blocks are Hugging
-    Face's)."""
+    """(the busiest rank, the whole world): the bytes of activations kept for backward at a rank's
+    peak in a step (``stage_bytes``); the world's is the sum of every rank's peak (reached within
+    the same step). None for a --hf-config model (its blocks are Hugging Face's)."""
     if cfg.hf_config:
         return None
     peaks = stage_bytes(cfg)
