@@ -16,14 +16,18 @@ down:
 from __future__ import annotations
 
 import copy
+import json
+import os
 
 import pytest
 import torch
+import torch.distributed as dist
 from _hf import agree_runs, batch, build, dense_runs, lm_loss, longest_reduction
 from _mesh import make_mesh
 from _parity import local_part, same_on_every_rank
 
 from fastpar import parallelize
+from fastpar.checkpoint.lora import load_peft, save_peft
 from fastpar.nn.lora import apply_lora, lora_modules, lora_parameters
 from fastpar.testing import run_ranks
 
@@ -118,3 +122,67 @@ def _tp_parity(tp: int) -> int:
 @pytest.mark.parametrize("tp", [2])
 def test_tp_matches_peft_single_process(tp):
     assert run_ranks(_tp_parity, tp, tp) == [7 * 2 * 2] * tp
+
+
+def _logits(model, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def _save_then_peft_loads(tp: int, directory: str) -> bool:
+    """fastpar's adapters (TP ``tp``) -> save_peft -> PEFT's from_pretrained on rank 0: PEFT's
+    logits equal those of PEFT's own model of the same adapters, bit for bit (the gather is a
+    copy); at TP 1 they equal fastpar's too, bit for bit."""
+    dense = build(FAMILY)
+    ref = peft_model(dense)
+    ids, _ = batch(FAMILY, 0)
+    ours = copy.deepcopy(dense)
+    if tp > 1:
+        ours = parallelize(ours, mesh=make_mesh(tp=tp))
+    fastpar_lora(ours, dict(ref.named_parameters()))
+    save_peft(ours, directory)
+    if dist.get_rank() != 0:
+        return True
+    with open(os.path.join(directory, "adapter_config.json")) as f:
+        config = json.load(f)
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (R, ALPHA, "LORA")
+    assert sorted(config["target_modules"]) == sorted(TARGETS)
+    loaded = peft.PeftModel.from_pretrained(copy.deepcopy(dense), directory)
+    got = _logits(loaded, ids)
+    assert torch.equal(got, _logits(ref, ids))
+    if tp == 1:
+        assert torch.equal(got, _logits(ours, ids))
+    return True
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_save_peft_loads_in_peft(tp, tmp_path):
+    assert all(run_ranks(_save_then_peft_loads, tp, tp, str(tmp_path)))
+
+
+def _peft_saves_fastpar_loads(tp: int, directory: str) -> int:
+    """PEFT's save_pretrained -> load_peft onto the base (TP ``tp``): PEFT's logits, bit for bit
+    at TP 1, by the rule at TP 2."""
+    dense = build(FAMILY)
+    ref = peft_model(dense)
+    if dist.get_rank() == 0:
+        ref.save_pretrained(directory)
+    dist.barrier()
+    ids, labels = batch(FAMILY, 0)
+    ours = copy.deepcopy(dense)
+    if tp > 1:
+        ours = parallelize(ours, mesh=make_mesh(tp=tp))
+    names = load_peft(ours, directory)
+    trained = sorted(n for n, p in ours.named_parameters() if p.requires_grad)
+    assert trained == sorted(n for n, _ in lora_parameters(ours))
+    if tp == 1:
+        assert torch.equal(_logits(ours, ids), _logits(ref, ids))
+    else:
+        runs = dense_runs(FAMILY, ref, ids, labels)
+        agree_runs(_logits(ours, ids), runs, lambda r: r[0], "logits", longest_reduction(FAMILY))
+    return len(names)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_peft_saves_fastpar_loads(tp, tmp_path):
+    assert run_ranks(_peft_saves_fastpar_loads, tp, tp, str(tmp_path)) == [7 * 2] * tp

@@ -97,7 +97,7 @@ class LoRALinear(nn.Module):
         name: str = "the layer",
     ) -> None:
         super().__init__()
-        kind = _kind(base_layer, name)
+        kind = layout_kind(base_layer, name)
         in_f, out_f = base_layer.in_features, base_layer.out_features
         check_rank(name, r, in_f, out_f)
         if not 0.0 <= dropout < 1.0:
@@ -232,7 +232,7 @@ class LoRALinear(nn.Module):
         return f"r={self.r}, alpha={self.alpha}, layout={self.kind}"
 
 
-def _kind(module: nn.Module, name: str) -> str:
+def layout_kind(module: nn.Module, name: str) -> str:
     """ "column", "row" or "dense" for a module LoRA wraps exactly; ValueError otherwise."""
     if isinstance(module, ColumnParallelLinear):
         return "column"
@@ -330,7 +330,7 @@ def apply_lora(
     names = find_targets(model, targets)
     for name in names:
         m = model.get_submodule(name)
-        _kind(m, name)
+        layout_kind(m, name)
         check_rank(name, rank, m.in_features, m.out_features)
     if freeze:
         for p in model.parameters():
