@@ -17,7 +17,14 @@ from fastpar.checkpoint.gather import gather_state
 from fastpar.checkpoint.state import localize
 from fastpar.comm import plain
 from fastpar.mesh.ranks import group_size
-from fastpar.nn.lora import LoRALinear, check_factor, check_rank, layout_kind, lora_modules
+from fastpar.nn.lora import (
+    LoRALinear,
+    check_dropout,
+    check_factor,
+    check_rank,
+    layout_kind,
+    lora_modules,
+)
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -177,6 +184,7 @@ def load_peft(
     path = os.path.join(directory, CONFIG_NAME)
     config, tensors = _read(directory)
     plan = []
+    dropout = float(config.get("lora_dropout") or 0.0)
     for name, f in _by_module(tensors, path).items():
         try:
             m = model.get_submodule(name)
@@ -190,6 +198,7 @@ def load_peft(
         r = _pattern(config.get("rank_pattern") or {}, name, config.get("r", f["lora_A"].shape[0]))
         alpha = _pattern(config.get("alpha_pattern") or {}, name, config.get("lora_alpha", r))
         check_rank(name, r, base.in_features, base.out_features)
+        check_dropout(name, dropout)
         check_factor(name, "lora_A", f["lora_A"], (r, base.in_features))
         check_factor(name, "lora_B", f["lora_B"], (base.out_features, r))
         if isinstance(m, LoRALinear) and (m.r, m.alpha) != (r, alpha):
@@ -201,7 +210,6 @@ def load_peft(
     if freeze:
         for p in model.parameters():
             p.requires_grad_(False)
-    dropout = float(config.get("lora_dropout") or 0.0)
     for name, m, r, alpha, f in plan:
         if isinstance(m, LoRALinear):
             with torch.no_grad():
@@ -212,6 +220,8 @@ def load_peft(
             continue
         parent, _, leaf = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
-        lora = LoRALinear(m, r, alpha, dropout, lora_A=f["lora_A"], lora_B=f["lora_B"], dtype=dtype)
+        lora = LoRALinear(
+            m, r, alpha, dropout, lora_A=f["lora_A"], lora_B=f["lora_B"], dtype=dtype, name=name
+        )
         setattr(owner, leaf, lora)
     return [name for name, *_ in plan]

@@ -260,6 +260,11 @@ def check_rank(name: str, r: int, in_f: int, out_f: int) -> None:
         )
 
 
+def check_dropout(name: str, p: float) -> None:
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"LoRA at {name!r}: dropout {p} is outside [0, 1); pick one in it")
+
+
 def check_factor(name: str, which: str, t: torch.Tensor, shape: tuple[int, int]) -> None:
     """``t`` has the full shape ``shape`` of the adapter factor: ValueError otherwise."""
     if tuple(t.shape) != shape:
@@ -332,13 +337,15 @@ def apply_lora(
         m = model.get_submodule(name)
         layout_kind(m, name)
         check_rank(name, rank, m.in_features, m.out_features)
+        check_dropout(name, dropout)
     if freeze:
         for p in model.parameters():
             p.requires_grad_(False)
     for name in names:
         parent, _, leaf = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
-        setattr(owner, leaf, LoRALinear(getattr(owner, leaf), rank, alpha, dropout, dtype=dtype))
+        lora = LoRALinear(getattr(owner, leaf), rank, alpha, dropout, dtype=dtype, name=name)
+        setattr(owner, leaf, lora)
     return names
 
 
