@@ -11,6 +11,8 @@ slice of B, a partial product, an all-reduce of partial sums) so every quantity 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -75,19 +77,21 @@ def _adapters_agree(par, ref, ref64, n: int, what: str, cmp=agree, same=True) ->
     return out
 
 
-def _column_case(sp, gather, fused: int, pad, bias, cmp=agree, same=True) -> list:
+def _column_case(sp, gather, fused: int, pad, bias, cmp=agree, same=True, dtype=None) -> list:
     in_f, out_f = 22, (21 if pad else 24)
     torch.manual_seed(1)
-    base = nn.Linear(in_f, out_f, bias=bias)
+    base = nn.Linear(in_f, out_f, bias=bias).to(dtype or torch.float32)
     col = ColumnParallelLinear.from_dense(
         base, sequence_parallel=sp, gather_output=gather, fused=fused, pad_output=pad
     )
     ref, ref64, par = _pair(base, col, seed=2)
     g = torch.Generator().manual_seed(3)
     x, gy = torch.randn(S, B_, in_f, generator=g), torch.randn(S, B_, out_f, generator=g)
+    x, gy = x.to(base.weight.dtype), gy.to(base.weight.dtype)
     (yr, xgr), (y64, xg64) = _run(ref, ref64, x, gy)
     n = S * B_
-    what = f"column(sp={sp}, gather={gather}, fused={fused}, pad={pad}, bias={bias})"
+    what = f"column(sp={sp}, gather={gather}, fused={fused}, pad={pad}, bias={bias}, {dtype})"
+    agree = _in(dtype)
     xp = _seq(x, sp).clone().requires_grad_()
     yp = par(xp)
     local = (lambda t: t) if gather else (lambda t: _cols(t, par.lora_B))
@@ -97,17 +101,19 @@ def _column_case(sp, gather, fused: int, pad, bias, cmp=agree, same=True) -> lis
     return _adapters_agree(par, ref, ref64, n, what, cmp, same)
 
 
-def _row_case(sp: bool, parallel_in: bool, bias: bool, cmp=agree, same=True) -> list:
+def _row_case(sp: bool, parallel_in: bool, bias: bool, cmp=agree, same=True, dtype=None) -> list:
     in_f, out_f = 24, 21
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(4)
-    base = nn.Linear(in_f, out_f, bias=bias)
+    base = nn.Linear(in_f, out_f, bias=bias).to(dtype or torch.float32)
     row = RowParallelLinear.from_dense(base, sequence_parallel=sp, input_is_parallel=parallel_in)
     ref, ref64, par = _pair(base, row, seed=5)
     g = torch.Generator().manual_seed(6)
     x, gy = torch.randn(S, B_, in_f, generator=g), torch.randn(S, B_, out_f, generator=g)
+    x, gy = x.to(base.weight.dtype), gy.to(base.weight.dtype)
     (yr, xgr), (y64, xg64) = _run(ref, ref64, x, gy)
-    what = f"row(sp={sp}, input_is_parallel={parallel_in}, bias={bias})"
+    what = f"row(sp={sp}, input_is_parallel={parallel_in}, bias={bias}, {dtype})"
+    agree = _in(dtype)
     mine = (lambda t: t.chunk(world, -1)[rank]) if parallel_in else (lambda t: t)
     xp = mine(x).clone().requires_grad_()
     yp = par(xp)
@@ -115,6 +121,11 @@ def _row_case(sp: bool, parallel_in: bool, bias: bool, cmp=agree, same=True) -> 
     yp.backward(_seq(gy, sp))
     agree(xp.grad, mine(xgr), mine(xg64), f"{what} input grad", length=out_f)
     return _adapters_agree(par, ref, ref64, S * B_, what, cmp, same)
+
+
+def _in(dtype):
+    """``agree`` in the base's working precision (the input, output and their gradients)."""
+    return agree if dtype is None else functools.partial(agree, dtype=dtype)
 
 
 def _layer_cases() -> None:
@@ -131,6 +142,28 @@ def _layer_cases() -> None:
 @pytest.mark.parametrize("world", WORLDS)
 def test_lora_layers_match_single_process(world):
     run_ranks(_layer_cases, world)
+
+
+def _bf16_base_cases() -> None:
+    for sp in (False, True):
+        _column_case(sp, False, fused=1, pad=False, bias=True, dtype=torch.bfloat16)
+        _row_case(sp, True, bias=True, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_bf16_base_fp32_adapters(world):
+    """A bf16 base with fp32 adapters (the default on a bf16 base): the input, output and
+    input gradient judged in bf16, the fp32 adapters' gradients by the fp32 rule, against the
+    single-process LoRA of the same mixed precision and its float64 run."""
+
+    def check():
+        torch.manual_seed(0)
+        lora = LoRALinear(ColumnParallelLinear(8, 8, dtype=torch.bfloat16), 2, 4.0)
+        assert lora.lora_A.dtype == lora.lora_B.dtype == torch.float32
+        assert lora.base_layer.weight.dtype == torch.bfloat16
+        _bf16_base_cases()
+
+    run_ranks(check, world)
 
 
 def _skip_whole_factor_reduction(t, group=None):
