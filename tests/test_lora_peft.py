@@ -27,11 +27,13 @@ from _mesh import make_mesh
 from _parity import local_part, same_on_every_rank
 
 from fastpar import parallelize
+from fastpar.checkpoint.hf import save_hf
 from fastpar.checkpoint.lora import load_peft, save_peft
-from fastpar.nn.lora import apply_lora, lora_modules, lora_parameters
+from fastpar.nn.lora import apply_lora, lora_modules, lora_parameters, merge_lora
 from fastpar.testing import run_ranks
 
 peft = pytest.importorskip("peft", reason="the peft extra (pip install fastpar[peft])")
+transformers = pytest.importorskip("transformers")
 
 FAMILY = "llama"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -186,3 +188,37 @@ def _peft_saves_fastpar_loads(tp: int, directory: str) -> int:
 @pytest.mark.parametrize("tp", [1, 2])
 def test_peft_saves_fastpar_loads(tp, tmp_path):
     assert run_ranks(_peft_saves_fastpar_loads, tp, tp, str(tmp_path)) == [7 * 2] * tp
+
+
+def _merged_export(tp: int, directory: str) -> bool:
+    """``merge_lora`` then ``save_hf``: a plain transformers model. At TP 1 its weights equal
+    PEFT's ``merge_and_unload`` bit for bit (the same W + (B @ A) · scaling in fp32); at TP 1
+    and 2 the reloaded model's logits agree with PEFT's merged model's by the rule."""
+    dense = build(FAMILY)
+    ref = peft_model(dense)
+    ids, labels = batch(FAMILY, 0)
+    ours = copy.deepcopy(dense)
+    if tp > 1:
+        ours = parallelize(ours, mesh=make_mesh(tp=tp))
+    fastpar_lora(ours, dict(ref.named_parameters()))
+    assert len(merge_lora(ours)) == 7 * 2
+    assert not any(".lora_" in n or "base_layer" in n for n, _ in ours.named_parameters())
+    save_hf(ours, directory)
+    if dist.get_rank() != 0:
+        return True
+    merged = copy.deepcopy(ref).merge_and_unload()
+    merged.requires_grad_(True)  # dense_runs takes its gradients too
+    if tp == 1:
+        theirs = merged.state_dict()
+        for name, t in ours.state_dict().items():
+            assert torch.equal(t, theirs[name]), name
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    runs = dense_runs(FAMILY, merged, ids, labels)
+    n = longest_reduction(FAMILY)
+    agree_runs(_logits(reloaded, ids), runs, lambda r: r[0], "merged logits", n)
+    return True
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_merged_export_is_a_plain_transformers_model(tp, tmp_path):
+    assert all(run_ranks(_merged_export, tp, tp, str(tmp_path)))
