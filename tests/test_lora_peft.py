@@ -222,3 +222,35 @@ def _merged_export(tp: int, directory: str) -> bool:
 @pytest.mark.parametrize("tp", [1, 2])
 def test_merged_export_is_a_plain_transformers_model(tp, tmp_path):
     assert all(run_ranks(_merged_export, tp, tp, str(tmp_path)))
+
+
+def test_dropout_draws_peft_mask():
+    """lora_dropout 0.1 in training mode: under the same seed fastpar draws PEFT's masks (the
+    same nn.Dropout on the same inputs in the same module order), so the logits and the adapter
+    gradients are PEFT's bit for bit."""
+    dense = build(FAMILY)
+    torch.manual_seed(SEED)
+    cfg = peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.1)
+    ref = peft.get_peft_model(copy.deepcopy(dense), cfg)
+    ours = copy.deepcopy(dense)
+    torch.manual_seed(SEED)
+    apply_lora(ours, "q,k,v,o,gate,up,down", R, ALPHA, dropout=0.1)
+    theirs = dict(ref.named_parameters())
+    with torch.no_grad():
+        for name, p in lora_parameters(ours):
+            p.copy_(theirs[peft_name(name)] + 0.1 * name.endswith("lora_B"))
+            theirs[peft_name(name)].copy_(p)
+    ref.train()
+    ours.train()
+    ids, labels = batch(FAMILY, 0)
+    outs = []
+    for model in (ref, ours):
+        torch.manual_seed(9)
+        outs.append(model(input_ids=ids).logits)
+        lm_loss(FAMILY, outs[-1], labels).backward()
+    assert torch.equal(outs[0], outs[1])
+    with torch.no_grad():
+        torch.manual_seed(10)
+        assert not torch.equal(ours(input_ids=ids).logits, outs[1])  # another mask
+    for name, p in lora_parameters(ours):
+        assert torch.equal(p.grad, theirs[peft_name(name)].grad), name

@@ -306,3 +306,32 @@ def _training(sp: bool) -> list[float]:
 def test_adapters_train_like_single_process(world, sp):
     out = run_ranks(_training, world, sp)
     assert all(losses == out[0] for losses in out)
+
+
+def _dropout_column(sp: bool) -> None:
+    """Dropout 0.25 on a column adapter: ranks that share their random state draw the single
+    process's mask (on the whole input; under SP on the gathered one), so the output agrees
+    with the single-process LoRA drawn under the same seed."""
+    torch.manual_seed(1)
+    base = nn.Linear(22, 24)
+    a, b = _factors(22, 24, seed=2)
+    ref = LoRALinear(base, R, ALPHA, 0.25, lora_A=a, lora_B=b)
+    ref64 = exact_copy(ref)
+    par = LoRALinear(ColumnParallelLinear.from_dense(base, sequence_parallel=sp), R, ALPHA, 0.25)
+    with torch.no_grad():
+        par.lora_A.copy_(a)
+        par.lora_B.copy_(local_part(b, par.lora_B))
+    x = torch.randn(S, B_, 22, generator=torch.Generator().manual_seed(3))
+    outs = []
+    for model, inp in ((ref, x), (ref64, x.double()), (par, _seq(x, sp))):
+        torch.manual_seed(5)  # the same mask for each
+        outs.append(model(inp))
+    yr, y64, yp = outs
+    undropped = ref.base_layer(x) + F.linear(F.linear(x, a), b) * ref.scaling
+    assert (yr - undropped).abs().max() > 1e-3  # a mask was drawn
+    agree(yp, _cols(yr, par.lora_B), _cols(y64, par.lora_B), f"dropout sp={sp}", length=22)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_column_dropout_draws_the_single_process_mask(world):
+    run_ranks(lambda: [_dropout_column(sp) for sp in (False, True)], world)
