@@ -179,6 +179,10 @@ def _peft_saves_fastpar_loads(tp: int, directory: str) -> int:
     assert trained == sorted(n for n, _ in lora_parameters(ours))
     if tp == 1:
         assert torch.equal(_logits(ours, ids), _logits(ref, ids))
+        wrapped = copy.deepcopy(dense)  # adapters already there: load_peft fills them
+        apply_lora(wrapped, "q,k,v,o,gate,up,down", R, ALPHA)
+        assert load_peft(wrapped, directory) == names
+        assert torch.equal(_logits(wrapped, ids), _logits(ref, ids))
     else:
         runs = dense_runs(FAMILY, ref, ids, labels)
         agree_runs(_logits(ours, ids), runs, lambda r: r[0], "logits", longest_reduction(FAMILY))

@@ -122,6 +122,16 @@ def test_load_adapter_for_another_base_shape(tmp_path):
     _untouched(model)
 
 
+def test_load_onto_an_adapter_of_another_rank(tmp_path):
+    directory = _saved(tmp_path)  # rank 4, alpha 8
+    model = _llama()
+    apply_lora(model, "q", 2, 8)
+    with pytest.raises(ValueError) as e:
+        load_peft(model, directory)
+    _one_line(e, "'model.layers.0.self_attn.q_proj'", "rank 2, alpha 8", "rank 4, alpha 8")
+    _one_line(e, "load onto a model without adapters there")
+
+
 def test_load_unknown_module(tmp_path):
     directory = _saved(tmp_path, num_hidden_layers=3)
     model = _llama()  # two layers

@@ -58,15 +58,16 @@ def _target_modules(model: nn.Module, names: list[str]) -> list[str]:
     return sorted(names) if others else leaves
 
 
-def peft_config(model: nn.Module) -> dict:
-    """The ``adapter_config.json`` of ``model``'s adapters (one rank, alpha and dropout)."""
+def peft_config(model: nn.Module, task_type: str | None = "CAUSAL_LM") -> dict:
+    """The ``adapter_config.json`` of ``model``'s adapters (one rank, alpha and dropout);
+    ``task_type``: PEFT's (``PeftModel.from_pretrained`` picks its model class by it)."""
     mods = list(lora_modules(model))
     if not mods:
         raise ValueError("save_peft: the model has no LoRA adapters; apply_lora first")
     drop = lambda m: getattr(m.lora_dropout, "p", 0.0)  # noqa: E731
     return {
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": task_type,
         "base_model_name_or_path": None,
         "r": _uniform(mods, "rank", lambda m: m.r),
         "lora_alpha": _uniform(mods, "alpha", lambda m: m.alpha),
@@ -85,12 +86,18 @@ def peft_config(model: nn.Module) -> dict:
     }
 
 
-def save_peft(model: nn.Module, directory: str | os.PathLike, *, dst: int = 0) -> None:
+def save_peft(
+    model: nn.Module,
+    directory: str | os.PathLike,
+    *,
+    task_type: str | None = "CAUSAL_LM",
+    dst: int = 0,
+) -> None:
     """Write ``model``'s adapters to ``directory`` as PEFT does, on global rank ``dst``
     (collective over the default group: every rank calls it; the split factors are gathered
     whole). ``peft.PeftModel.from_pretrained(base, directory)`` then computes what ``model``
     does, ``base`` being the model without adapters."""
-    config = peft_config(model)
+    config = peft_config(model, task_type)
     named = {}
     for name, m in lora_modules(model):
         named[f"{PREFIX}{name}.lora_A.weight"] = m.lora_A  # the parameter: its layout mark

@@ -225,8 +225,8 @@ class LoRALinear(nn.Module):
 
     def merged_weight(self) -> torch.Tensor:
         """This rank's part of W + (alpha / r) · B · A in the base's layout and dtype."""
-        w = self.base_layer.weight.detach()
-        return (w.to(self.delta_weight().dtype) + self.delta_weight()).to(w.dtype)
+        w, delta = self.base_layer.weight.detach(), self.delta_weight()
+        return (w.to(delta.dtype) + delta).to(w.dtype)
 
     def extra_repr(self) -> str:
         return f"r={self.r}, alpha={self.alpha}, layout={self.kind}"
