@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -173,3 +175,20 @@ def _odd_rank_at_tp2() -> list:
 def test_rank_is_never_split():
     shapes = run_ranks(_odd_rank_at_tp2, 2)
     assert shapes == [[(3, 8), (3, 3), (3, 3)]] * 2
+
+
+def test_fastpar_never_imports_peft(tmp_path):
+    """PEFT is a test client only: importing fastpar, its LoRA and writing PEFT's files leave
+    peft unimported (its own process: this one may have imported peft)."""
+    code = (
+        "import sys, torch, fastpar\n"
+        "from fastpar.nn.lora import apply_lora\n"
+        "from fastpar.checkpoint.lora import save_peft\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(4, 4))\n"
+        "apply_lora(m, '0', 2, 4)\n"
+        f"save_peft(m, {str(tmp_path)!r})\n"
+        "print('peft' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False"]
