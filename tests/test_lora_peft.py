@@ -45,11 +45,13 @@ def peft_name(name: str) -> str:
     return f"base_model.model.{name}.default.weight"
 
 
-def peft_model(dense):
+def peft_model(dense, targets=TARGETS, **options):
     """PEFT's LoRA on a copy of ``dense`` (A drawn under ``SEED``), every B set non-zero (PEFT's
     zero B would hide B's part of A's gradient)."""
     torch.manual_seed(SEED)
-    cfg = peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=TARGETS, lora_dropout=0.0)
+    cfg = peft.LoraConfig(
+        r=R, lora_alpha=ALPHA, target_modules=targets, lora_dropout=0.0, **options
+    )
     model = peft.get_peft_model(copy.deepcopy(dense), cfg)
     g = torch.Generator().manual_seed(SEED + 1)
     with torch.no_grad():
@@ -59,11 +61,11 @@ def peft_model(dense):
     return model
 
 
-def fastpar_lora(model, peft_params: dict) -> list[str]:
+def fastpar_lora(model, peft_params: dict, targets: str = "q,k,v,o,gate,up,down") -> list[str]:
     """``apply_lora`` on ``model`` under PEFT's seed (A: the same draws), B copied from PEFT's
     (this rank's part); asserts that A came out equal to PEFT's bit for bit."""
     torch.manual_seed(SEED)
-    names = apply_lora(model, "q,k,v,o,gate,up,down", R, ALPHA)
+    names = apply_lora(model, targets, R, ALPHA)
     with torch.no_grad():
         for name, p in lora_parameters(model):
             full = peft_params[peft_name(name)].detach()
@@ -258,3 +260,45 @@ def test_dropout_draws_peft_mask():
         assert not torch.equal(ours(input_ids=ids).logits, outs[1])  # another mask
     for name, p in lora_parameters(ours):
         assert torch.equal(p.grad, theirs[peft_name(name)].grad), name
+
+
+GPT2_TARGETS = ["c_attn", "c_proj", "c_fc"]
+
+
+def _gpt2(tp: int, directory: str) -> int:
+    """GPT-2's Conv1D layers ([in, out] weights; c_attn a fused q|k|v), PEFT with
+    fan_in_fan_out: bit for bit in one process; under parallelize at TP 2 (c_attn a fused,
+    transposed column layer, c_proj row) by the rule; save_peft -> PEFT loads the same adapters
+    (its logits bit for bit those of PEFT's own model)."""
+    dense = build("gpt2")
+    ref = peft_model(dense, GPT2_TARGETS, fan_in_fan_out=True)
+    ids, labels = batch("gpt2", 0)
+    ours = copy.deepcopy(dense)
+    if tp > 1:
+        ours = parallelize(ours, mesh=make_mesh(tp=tp))
+    names = fastpar_lora(ours, dict(ref.named_parameters()), ",".join(GPT2_TARGETS))
+    logits = ours(input_ids=ids).logits
+    if tp == 1:
+        assert torch.equal(logits, ref(input_ids=ids).logits)
+    runs = dense_runs("gpt2", ref, ids, labels)
+    n = longest_reduction("gpt2")
+    agree_runs(logits, runs, lambda r: r[0], "logits", n)
+    lm_loss("gpt2", logits, labels).backward()
+    for name, p in lora_parameters(ours):
+        key = peft_name(name)
+        cut = lambda t, p=p: local_part(t, p)  # noqa: E731
+        agree_runs(p.grad, runs, lambda r, k=key: r[2][k], f"grad of {name}", n, cut)
+    save_peft(ours, directory)
+    if dist.get_rank() == 0:
+        with open(os.path.join(directory, "adapter_config.json")) as f:
+            assert json.load(f)["fan_in_fan_out"] is True
+        loaded = peft.PeftModel.from_pretrained(copy.deepcopy(dense), directory)
+        assert torch.equal(_logits(loaded, ids), _logits(ref, ids))
+    return len(names)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gpt2_conv1d_equals_peft(tp, tmp_path):
+    assert (
+        run_ranks(_gpt2, tp, tp, str(tmp_path)) == [4 * 2] * tp
+    )  # c_attn, attn.c_proj, c_fc, mlp.c_proj

@@ -17,11 +17,13 @@ from fastpar.checkpoint.gather import gather_state
 from fastpar.checkpoint.state import localize
 from fastpar.comm import plain
 from fastpar.mesh.ranks import group_size
+from fastpar.nn.linear import is_conv1d
 from fastpar.nn.lora import (
     LoRALinear,
     check_dropout,
     check_factor,
     check_rank,
+    features,
     layout_kind,
     lora_modules,
 )
@@ -58,6 +60,11 @@ def _target_modules(model: nn.Module, names: list[str]) -> list[str]:
     return sorted(names) if others else leaves
 
 
+def _weight_in_out(base: nn.Module) -> bool:
+    """A Conv1D-layout base ([in, out] weight): PEFT's fan_in_fan_out."""
+    return is_conv1d(base) or bool(getattr(base, "transposed", False))
+
+
 def peft_config(model: nn.Module, task_type: str | None = "CAUSAL_LM") -> dict:
     """The ``adapter_config.json`` of ``model``'s adapters (one rank, alpha and dropout);
     ``task_type``: PEFT's (``PeftModel.from_pretrained`` picks its model class by it)."""
@@ -74,7 +81,7 @@ def peft_config(model: nn.Module, task_type: str | None = "CAUSAL_LM") -> dict:
         "lora_dropout": _uniform(mods, "dropout", drop),
         "target_modules": _target_modules(model, [n for n, _ in mods]),
         "bias": "none",
-        "fan_in_fan_out": False,
+        "fan_in_fan_out": any(_weight_in_out(m.base_layer) for _, m in mods),
         "inference_mode": True,
         "init_lora_weights": True,
         "lora_bias": False,
@@ -204,10 +211,11 @@ def load_peft(
         layout_kind(base, name)
         r = _pattern(config.get("rank_pattern") or {}, name, config.get("r", f["lora_A"].shape[0]))
         alpha = _pattern(config.get("alpha_pattern") or {}, name, config.get("lora_alpha", r))
-        check_rank(name, r, base.in_features, base.out_features)
+        in_f, out_f = features(base)
+        check_rank(name, r, in_f, out_f)
         check_dropout(name, dropout)
-        check_factor(name, "lora_A", f["lora_A"], (r, base.in_features))
-        check_factor(name, "lora_B", f["lora_B"], (base.out_features, r))
+        check_factor(name, "lora_A", f["lora_A"], (r, in_f))
+        check_factor(name, "lora_B", f["lora_B"], (out_f, r))
         if isinstance(m, LoRALinear) and (m.r, m.alpha) != (r, alpha):
             raise ValueError(
                 f"load_peft: {name!r} has an adapter of rank {m.r}, alpha {m.alpha}; the file's "

@@ -98,7 +98,7 @@ class LoRALinear(nn.Module):
     ) -> None:
         super().__init__()
         kind = layout_kind(base_layer, name)
-        in_f, out_f = base_layer.in_features, base_layer.out_features
+        in_f, out_f = features(base_layer)
         check_rank(name, r, in_f, out_f)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(
@@ -142,11 +142,11 @@ class LoRALinear(nn.Module):
 
     @property
     def in_features(self) -> int:
-        return self.base_layer.in_features
+        return features(self.base_layer)[0]
 
     @property
     def out_features(self) -> int:
-        return self.base_layer.out_features
+        return features(self.base_layer)[1]
 
     @property
     def weight(self) -> torch.Tensor:
@@ -221,7 +221,8 @@ class LoRALinear(nn.Module):
         Conv1D-layout base: transposed), in fp32 (fp64 for fp64 adapters)."""
         dtype = torch.float64 if self.lora_A.dtype == torch.float64 else torch.float32
         delta = (self.lora_B.detach().to(dtype) @ self.lora_A.detach().to(dtype)) * self.scaling
-        return delta.t() if getattr(self.base_layer, "transposed", False) else delta
+        conv1d = is_conv1d(self.base_layer) or getattr(self.base_layer, "transposed", False)
+        return delta.t() if conv1d else delta
 
     def merged_weight(self) -> torch.Tensor:
         """This rank's part of W + (alpha / r) · B · A in the base's layout and dtype."""
@@ -238,15 +239,22 @@ def layout_kind(module: nn.Module, name: str) -> str:
         return "column"
     if isinstance(module, RowParallelLinear):
         return "row"
-    if type(module) is nn.Linear:
+    if type(module) is nn.Linear or is_conv1d(module):
         return "dense"
     if isinstance(module, LoRALinear):
         raise ValueError(f"LoRA at {name!r}: it already has an adapter; apply_lora once")
-    what = "a Hugging Face Conv1D" if is_conv1d(module) else type(module).__name__
     raise ValueError(
-        f"LoRA at {name!r}: {what} has no exact adapter layout (only nn.Linear, "
-        f"ColumnParallelLinear and RowParallelLinear); leave it out of the targets"
+        f"LoRA at {name!r}: {type(module).__name__} has no exact adapter layout (only "
+        f"nn.Linear, Hugging Face's Conv1D, ColumnParallelLinear and RowParallelLinear); leave "
+        f"it out of the targets"
     )
+
+
+def features(module: nn.Module) -> tuple[int, int]:
+    """(in, out) of a linear layer (a Conv1D's weight is [in, out])."""
+    if is_conv1d(module):
+        return tuple(module.weight.shape)
+    return module.in_features, module.out_features
 
 
 def check_rank(name: str, r: int, in_f: int, out_f: int) -> None:
@@ -336,7 +344,7 @@ def apply_lora(
     for name in names:
         m = model.get_submodule(name)
         layout_kind(m, name)
-        check_rank(name, rank, m.in_features, m.out_features)
+        check_rank(name, rank, *features(m))
         check_dropout(name, dropout)
     if freeze:
         for p in model.parameters():
