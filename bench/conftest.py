@@ -123,6 +123,10 @@ QUICK = {
     "test_bench_ring_documents.py": ["test_ring_attention_documents[docs8]"],
     "test_bench_tp_layers.py": ["test_mlp_fastpar_vs_dtensor[256-512-2]"],
     "test_bench_train.py": ["test_train_step_throughput[tp2-pp2-dp2-ep2]"],
+    "test_bench_train_gpu.py": [  # CUDA only: skipped on a CPU
+        "test_llama_1p7b_step_on_one_gpu[bf16]",
+        "test_llama_1p7b_step_on_one_gpu[fp8-tensorwise]",
+    ],
     "test_bench_unscale_norm.py": [
         "test_unscale_norm[fastpar-T100-E1e6-fp32]",
         "test_unscale_norm[torch_two_pass-T100-E1e6-fp32]",

@@ -43,12 +43,13 @@ MIN_BENCH_S = 20  # a benchmark file is not started with less than this left
 # the kernels' benchmarks, most wanted first
 KERNEL_BENCHES = [
     "test_bench_cross_entropy.py",
+    "test_bench_fp8_cast.py",  # fp8 amax + cast + transposed copy (issue 47's core)
+    "test_bench_train_gpu.py",  # a 1.7 B Llama's training step, bf16 and fp8: MFU (issue 47)
     "test_bench_unscale_norm.py",
     "test_bench_adamw.py",
     "test_bench_moe_permute.py",
     "test_bench_moe_overlap.py",
     "test_bench_moe_grouped.py",  # the dropless experts' grouped GEMM
-    "test_bench_fp8_cast.py",  # fp8 amax + cast + transposed copy (issue 47's core)
 ]
 
 

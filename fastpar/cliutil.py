@@ -11,8 +11,9 @@ import errno
 import json
 import math
 import sys
+import typing
 from collections.abc import Callable, Iterable
-from dataclasses import MISSING, Field, dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
 from typing import Any
 
 
@@ -23,16 +24,6 @@ def nearest_flag(arg: str, options: list[str]) -> str | None:
         name, [o for o in options if o.startswith("--")], n=1, cutoff=0.6
     )
     return near[0] if near else None
-
-
-def check_positive_or_none(label: str, value, shown: str, example: str, absent: str) -> None:
-    """ValueError unless ``value`` is None or a positive finite number: "``label`` ``shown``
-    must be a positive finite number (e.g. ``example``), or left out ``absent``"."""
-    if value is not None and not (math.isfinite(value) and value > 0):
-        raise ValueError(
-            f"{label} {shown} must be a positive finite number (e.g. {example}), or left out "
-            f"{absent}"
-        )
 
 
 def os_error_text(e: OSError) -> str:
@@ -239,48 +230,18 @@ def option(
     group: str | None = None,
     help: str | Callable[[], str] = "",
     *,
-    metavar: str | None = None,
-    words=(),
-    name: str | None = None,
-    inverted: bool = False,
-    zero_is_none: bool = False,
-    flag_default=FIELD_DEFAULT,
-    deferred: bool = False,
     default_factory=MISSING,
-    resume: str = "",
-    at_least: float | None = None,
-    at_most: float | None = None,
-    positive: bool = False,
-    finite: bool = False,
-    note: str = "",
-    unit: str = "",
-    message: str = "",
+    **kw,
 ):
-    """A ``dataclasses.field`` whose metadata declares its flag (``Option``) and its bound
-    (``at_least=1``, ``at_most=``, ``positive=True``, ``finite=True``; ``Option.out_of_bounds``)."""
+    """A ``dataclasses.field`` whose metadata declares its flag (``Option``: the keywords are its
+    fields) and its bound (``at_least=1``, ``at_most=``, ``positive=True``, ``finite=True``;
+    ``Option.out_of_bounds``)."""
+    resume = kw.get("resume", "")
     if resume not in ("", "refuse", "warn"):
         raise ValueError(f"resume must be '', 'refuse' or 'warn', got {resume!r}")
-    words = words if isinstance(words, dict) else tuple(words)
-    opt = Option(
-        help,
-        group,
-        metavar,
-        words,
-        name=name,
-        inverted=inverted,
-        zero_is_none=zero_is_none,
-        flag_default=flag_default,
-        deferred=deferred,
-        resume=resume,
-        at_least=at_least,
-        at_most=at_most,
-        positive=positive,
-        finite=finite,
-        note=note,
-        unit=unit,
-        message=message,
-    )
-    meta = {OPTION: opt}
+    words = kw.pop("words", ())
+    kw["words"] = words if isinstance(words, dict) else tuple(words)
+    meta = {OPTION: Option(help, group, **kw)}
     if default_factory is not MISSING:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -295,6 +256,47 @@ def flat_name(f: Field) -> str:
     """The name a field of a nested config has in a flat one (``Option.name``, else its own)."""
     opt = option_of(f)
     return opt.name if opt is not None and opt.name else f.name
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One flag a dataclass field declares (``option``)."""
+
+    name: str
+    """Its flat name (``experts``: ``--experts``, the --config / train_config.json key)."""
+    option: Option
+    default: Any
+    """Its default as the flag says it (None for a deferred one)."""
+    hint: Any
+    """The field's type (``int | None``), for the parser and --config files."""
+    path: tuple[str, ...] = ()
+    """Where a config holds it: ("num_experts",), ("moe_router", "score")."""
+
+
+def declared_flags(cls: type, holder: tuple[str, ...] = ()) -> list[Flag]:
+    """The ``Flag`` of every field of the dataclass ``cls`` declared with an ``option`` anywhere
+    in its bases (a subclass that changes a default keeps its base's declaration), bases
+    first; ``holder``: the path of the field that holds a ``cls``."""
+    out: dict[str, Flag] = {}
+    for klass in reversed(cls.__mro__):
+        for name, f in klass.__dict__.get("__dataclass_fields__", {}).items():
+            opt = option_of(f)
+            if name in out or opt is None:
+                continue
+            default = opt.flag_default
+            if default is FIELD_DEFAULT:
+                default = opt.to_flag(f.default)
+            hint = typing.get_type_hints(klass)[name]
+            path = (*holder, name)
+            out[name] = Flag(opt.name or name, opt, None if opt.deferred else default, hint, path)
+    return list(out.values())
+
+
+def nested_configs(cls: type) -> list[tuple[str, type]]:
+    """The fields of the dataclass ``cls`` that hold a dataclass of their own (by their
+    default factory: ``moe_router``, ``optimizer``), with its class."""
+    made = [(f.name, f.default_factory()) for f in fields(cls) if f.default_factory is not MISSING]
+    return [(name, type(value)) for name, value in made if is_dataclass(value)]
 
 
 def lenient(cls: type, **kw):

@@ -143,13 +143,6 @@ def hf_mapping(cfg):
     return mapping, model_class
 
 
-def is_custom_code(out_dir: str) -> bool:
-    """Whether an exported directory carries its model's code (``auto_map`` in config.json):
-    transformers then loads it with ``trust_remote_code=True``."""
-    with open(os.path.join(out_dir, "config.json")) as f:
-        return "auto_map" in json.load(f)
-
-
 #: the special tokens an export carries, each the first of its names the tokenizer has
 SPECIAL_NAMES = {
     "eos": EOS_TOKENS,
@@ -226,7 +219,9 @@ def check(out_dir: str, cfg, state, prompt: str, generate: int, tokenizer: str |
 
     # eager attention and experts: transformers' fused CPU expert kernels need widths that are
     # multiples of 4 elements; the check compares math, not kernels
-    if is_custom_code(out_dir):  # fastpar's own model code, written beside the weights
+    with open(os.path.join(out_dir, "config.json")) as f:
+        custom = "auto_map" in json.load(f)
+    if custom:  # fastpar's own model code, written beside the weights (auto_map names it)
         kw = dict(trust_remote_code=True)
     else:
         kw = dict(attn_implementation="eager", experts_implementation="eager")

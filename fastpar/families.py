@@ -112,10 +112,7 @@ _DECODER = {
     "{b}layers.*.mlp.down_proj": "row",
     "lm_head": "lm_head",
 }
-_QK_NORM = {
-    "{b}layers.*.self_attn.q_norm": "per_head",
-    "{b}layers.*.self_attn.k_norm": "per_head",
-}
+_QK_NORM = {"{b}layers.*.self_attn.q_norm": "per_head", "{b}layers.*.self_attn.k_norm": "per_head"}
 _EXPERTS = {"{b}layers.*.mlp": "experts"}
 _SHARED_EXPERT = {
     "{b}layers.*.mlp.shared_expert.gate_proj": "column",

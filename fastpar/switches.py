@@ -19,10 +19,7 @@ class Switch(Generic[T]):
     its value, or raises ValueError; ``check(value)`` validates what the API sets."""
 
     def __init__(
-        self,
-        env: str,
-        parse: Callable[[str | None], T],
-        check: Callable[[Any], T] | None = None,
+        self, env: str, parse: Callable[[str | None], T], check: Callable[[Any], T] | None = None
     ) -> None:
         self.env, self._parse, self._check = env, parse, check or (lambda value: value)
         self._override: Any = None
@@ -39,9 +36,8 @@ class Switch(Generic[T]):
         return value
 
     def set(self, value: T | None) -> _Restore:
-        """Set the switch for this process (``None``: back to the variable, read again).
-        Returns an object that, used as a context manager, restores the previous setting on
-        exit."""
+        """Set the switch for this process (``None``: back to the variable, read again). Returns an
+        object that, used as a context manager, restores the previous setting on exit."""
         restore = _Restore(self, self._override)
         if value is not None:
             value = self._check(value)

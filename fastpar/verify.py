@@ -26,16 +26,10 @@ from fastpar.models.common import IGNORE_INDEX
 from fastpar.models.documents import documents
 from fastpar.models.mtp import tokens as mtp_tokens
 from fastpar.parallel.pipeline.schedules import SCHEDULES
-from fastpar.train import (
-    TrainConfig,
-    batch_of,
-    build_parser,
-    launch,
-    load_data,
-    lr_at,
-)
+from fastpar.train import TrainConfig, batch_of, build_parser, launch, load_data, lr_at
 from fastpar.train.batches import as_data, eval_batch, split_tokens
 from fastpar.train.build import DTYPES, build
+from fastpar.train.checks import flag
 from fastpar.train.cli import prepare, refuse
 from fastpar.train.config import flag_specs
 from fastpar.train.loop import evaluates_at
@@ -276,6 +270,18 @@ class ReferenceCache:
         return refs
 
 
+def check_precision(cfg: TrainConfig) -> None:
+    """Refuse ``--precision fp8``: the float64 reference has no fp8 rounding, so the rule's
+    bound would be the fp8 error itself, too wide to tell a wrong scale from a right one."""
+    if cfg.precision == "fp8":
+        raise ValueError(
+            "fastpar.verify --precision fp8: its float64 reference has no fp8 rounding, so its "
+            "bound could not tell a wrong fp8 scale from a right one; verify the layout with "
+            "--precision bf16 (the fp8 layers are proven against one device by "
+            "tests/test_fp8_linear.py)"
+        )
+
+
 def compare(
     cfg: TrainConfig, tokens=None, *, cache: ReferenceCache | None = None
 ) -> tuple[bool, str]:
@@ -413,22 +419,18 @@ def training_only(argv: list[str]) -> str | None:
     """The first flag of ``argv`` that only a training run takes (the checkpoint group's:
     --resume, --checkpoint-dir, --save-every, ...), or None. verify trains from scratch in a
     temporary directory of its own, so such a flag would be silently ignored."""
-    flags = {
-        "--" + spec.name.replace("_", "-")
-        for spec in flag_specs()
-        if spec.option.group == CHECKPOINTS
-    }
+    flags = {flag(spec.name) for spec in flag_specs() if spec.option.group == CHECKPOINTS}
     return next((a.split("=", 1)[0] for a in argv if a.split("=", 1)[0] in flags), None)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    flag = training_only(argv)
-    if flag is not None:
+    only = training_only(argv)
+    if only is not None:
         return refuse(
             ValueError(
-                f"{flag} is a flag of python -m fastpar.train only: fastpar.verify trains both "
-                f"runs from scratch in a temporary directory and keeps no checkpoint; drop {flag}"
+                f"{only} is a flag of python -m fastpar.train only: fastpar.verify trains both "
+                f"runs from scratch in a temporary directory and keeps no checkpoint; drop {only}"
             )
         )
     if any(a == "--hf-config" or a.startswith("--hf-config=") for a in argv):
@@ -436,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = parser()
     try:  # the training command's checks: flags, devices, data (every id), memory
         cfg, tokens = prepare(ap.parse_args(argv))
+        check_precision(cfg)
     except (ValueError, ImportError) as exc:
         return refuse(exc)
     ok, text = compare(cfg, tokens)
@@ -451,6 +454,7 @@ def _main_hf(argv: list[str]) -> int:
     ap = parser(hf=True)
     try:
         cfg, tokens = prepare(ap.parse_args(argv))
+        check_precision(cfg)
     except (ValueError, ImportError) as exc:
         return refuse(exc)
     ok = True

@@ -2,7 +2,8 @@
 ``peers`` extra; it runs on CPU through torch._scaled_mm's CPU kernels). torchao's dynamic
 cast of one tensor and ``fastpar.ops.fp8.quantize`` give the same scales and the same fp8 bytes,
 for each recipe torchao shares with fastpar (tensorwise and rowwise; blockwise has no torchao
-float8 counterpart) and each operand role, in fp32 and bf16."""
+float8 counterpart) and each operand role, in fp32 and bf16; and torchao's ``Float8Linear`` and
+``fastpar.ops.fp8_linear.fp8_linear`` give the same output and gradients."""
 
 from __future__ import annotations
 
@@ -69,3 +70,53 @@ def test_a_different_rounding_of_the_scale_is_seen():
     )
     ours = quantize(x, "rowwise", "activation")
     assert not torch.equal(theirs._scale.reshape(ours.scale.shape), ours.scale)
+
+
+def _linear_pair(recipe: str, dtype: torch.dtype, seed: int = 3):
+    """torchao's Float8Linear and fastpar's fp8_linear on the same weight, input and output
+    gradient: ((y, dx, dw) of torchao, the same of fastpar)."""
+    import copy
+
+    from torchao.float8 import convert_to_float8_training
+
+    from fastpar.ops.fp8_linear import fp8_linear
+
+    g = torch.Generator().manual_seed(seed)
+    lin = torch.nn.Linear(256, 128, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(128, 256, generator=g) * 0.05)
+    lin = lin.to(dtype)
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    theirs = convert_to_float8_training(torch.nn.Sequential(copy.deepcopy(lin)), config=config)
+    x = (torch.randn(64, 256, generator=g) * 2).to(dtype)
+    gy = torch.randn(64, 128, generator=g).to(dtype)
+    x1 = x.clone().requires_grad_()
+    y1 = theirs(x1)
+    y1.backward(gy)
+    w2, x2 = lin.weight.detach().clone().requires_grad_(), x.clone().requires_grad_()
+    y2 = fp8_linear(x2, w2, recipe)
+    y2.backward(gy)
+    return (y1.detach(), x1.grad, theirs[0].weight.grad), (y2.detach(), x2.grad, w2.grad)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "dtype"),
+    [("tensorwise", torch.float32), ("tensorwise", torch.bfloat16), ("rowwise", torch.bfloat16)],
+)
+def test_the_fp8_linear_equals_torchaos_float8_linear(recipe, dtype):
+    """Output, input gradient and weight gradient, bit for bit (the same scales, fp8 bytes and
+    torch._scaled_mm calls)."""
+    theirs, ours = _linear_pair(recipe, dtype)
+    for name, a, b in zip(("output", "input grad", "weight grad"), theirs, ours, strict=True):
+        assert a.dtype == b.dtype == dtype and torch.equal(a, b), name
+
+
+def test_torchaos_rowwise_fp32_linear_is_fastpars_rounded_to_bf16():
+    """torchao's rowwise GEMMs with fp32 operands ask torch._scaled_mm for a bf16 result (its
+    float8_ops.py: _scaled_mm had no fp32 output for rowwise scaling) and upcast it; fastpar keeps
+    the fp32 result. Rounded to bf16, fastpar's equal torchao's bit for bit; unrounded they
+    differ (so the comparison can fail)."""
+    theirs, ours = _linear_pair("rowwise", torch.float32)
+    for name, a, b in zip(("output", "input grad", "weight grad"), theirs, ours, strict=True):
+        assert torch.equal(a, b.bfloat16().float()), name
+    assert not torch.equal(theirs[0], ours[0])

@@ -150,7 +150,7 @@ def test_profile_writes_chrome_traces(tmp_path):
             ["--ep", "3", "--dp", "3", "--batch-size", "6", "--microbatches", "1"],
             "num_experts 4 is not divisible by ep 3",
         ),
-        (["--precision", "fp8"], "precision must be fp32, bf16 or fp16"),
+        (["--precision", "fp4"], "precision must be fp32, bf16, fp16 or fp8"),
         (["--qk-norm"], "--qk-norm is a Llama option: add --model llama"),
         (["--kv-heads", "2"], "--kv-heads is a Llama option: add --model llama"),
         (["--model", "bert"], "model must be gpt, llama or deepseek, got 'bert'"),

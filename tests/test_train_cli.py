@@ -32,7 +32,8 @@ def test_every_flag_has_help_and_words_are_listed():
     for shown in (
         "{gpt,llama,deepseek}",
         "{stop,continue}",
-        "{fp32,bf16,fp16}",
+        "{fp32,bf16,fp16,fp8}",
+        "{tensorwise,rowwise,blockwise}",
         "{0,1,2,3}",
         "{gpipe,1f1b,interleaved,zb-h1}",
         "{cosine,constant}",

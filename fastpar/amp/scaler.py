@@ -92,9 +92,8 @@ class ConstantLossScaler(_Scaled):
 
 class DynamicLossScaler(_Scaled):
     """Dynamic loss scaling with hysteresis (Megatron-Core's semantics), its state on ``device``,
-    ``update`` without a host sync. ``on_min_scale``: "raise" (LossScaleError), "warn" or
-    "ignore" when a step overflows at ``min_scale``. The rule: docs/layouts.md ("Mixed
-    precision")."""
+    ``update`` without a host sync. ``on_min_scale``: "raise" (LossScaleError), "warn" or "ignore"
+    when a step overflows at ``min_scale``. The rule: docs/layouts.md ("Mixed precision")."""
 
     def __init__(
         self,

@@ -95,12 +95,6 @@ def norm_and_agree(
     return all_reduce_norm_and_inf(sumsq, found_inf, mesh=mesh, group=group)
 
 
-def supports_device_skip(optimizer: torch.optim.Optimizer) -> bool:
-    """Optimizers that read a device ``found_inf`` attribute (torch's fused ones, fastpar's
-    FusedAdamW): torch's protocol, announced by ``_step_supports_amp_scaling``."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-
-
 @contextlib.contextmanager
 def amp_attributes(optimizer: torch.optim.Optimizer, **values: Any) -> Iterator[None]:
     """Set ``values`` as attributes of ``optimizer`` for the block (torch's protocol for its
@@ -162,7 +156,8 @@ def guarded_step(
     if fused:
         extra = {} if grads_for is None else {"grads": grads_for}
         optimizer.amp_step(found_inf=found, inv_scale=inv_scale, clip_coef=coef, **extra)
-    elif supports_device_skip(optimizer):
+    elif getattr(optimizer, "_step_supports_amp_scaling", False):
+        # torch's protocol: it reads a device found_inf (torch's fused ones, FusedAdamW)
         with amp_attributes(optimizer, grad_scale=None, found_inf=found):
             optimizer.step()
     elif not bool(skipped):

@@ -56,15 +56,11 @@ def resolve(path: str) -> tuple[str, str | None]:
             f"fastpar.train --checkpoint-dir"
         )
     complete = [e for e in entries if e.status == "complete"]
-    skipped = [
-        e
-        for e in entries
-        if e.status != "complete" and (not complete or e.step > complete[-1].step)
-    ]
     if not complete:
         states = ", ".join(f"{e.name} ({e.status}: {e.reason})" for e in entries)
         raise UsageError(f"{path} holds no complete checkpoint: {states}")
     chosen = complete[-1]
+    skipped = [e for e in entries if e.status != "complete" and e.step > chosen.step]
     note = f"{path}: using {chosen.name}, the newest complete of {len(entries)} checkpoints"
     if skipped:
         note += "; skipped newer " + ", ".join(f"{e.name} ({e.status})" for e in skipped)

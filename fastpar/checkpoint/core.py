@@ -126,11 +126,8 @@ def _agree_token(ok: bool, token: int) -> tuple[bool, int]:
     all-reduce."""
     if not dist.is_initialized():
         return ok, token
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if dist.get_backend() == "nccl"
-        else torch.device("cpu")
-    )
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     flag = torch.tensor([0 if ok else 1, token], dtype=torch.int64, device=device)
     plain.all_reduce(flag, op=dist.ReduceOp.MAX)
     return not bool(flag[0].item()), int(flag[1].item())

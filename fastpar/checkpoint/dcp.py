@@ -108,16 +108,12 @@ def _local_of(p: torch.Tensor, plan: _Plan, mesh: ParallelMesh) -> torch.Tensor:
     return local if local.is_contiguous() else local.contiguous()
 
 
-def _sub_mesh(mesh: ParallelMesh, device_mesh: DeviceMesh | None) -> DeviceMesh:
-    device_mesh = mesh.to_device_mesh() if device_mesh is None else device_mesh
-    return device_mesh[tuple(n for n in device_mesh.mesh_dim_names if n != "pp")]
-
-
 def _plans(
     model_params: Mapping[str, torch.Tensor], mesh: ParallelMesh, device_mesh: DeviceMesh | None
 ):
     """(checkpoint name, parameter, plan) of every entry; one entry per checkpoint name."""
-    sub = _sub_mesh(mesh, device_mesh)
+    device_mesh = mesh.to_device_mesh() if device_mesh is None else device_mesh
+    sub = device_mesh[tuple(n for n in device_mesh.mesh_dim_names if n != "pp")]
     seen: dict[str, torch.Tensor] = {}
     out = []
     for name, p in model_params.items():

@@ -60,15 +60,10 @@ def _union(named: Mapping[str, torch.Tensor], world: int, staged: bool) -> list[
 
 
 def _gather(
-    names: list[str],
-    pieces_of: Callable[[str], list[Piece]],
-    *,
-    dst: int,
-    what: str,
+    names: list[str], pieces_of: Callable[[str], list[Piece]], *, dst: int, what: str
 ) -> dict | None:
     """{name: whole tensor} on ``dst`` from each rank's ``pieces_of(name)`` (None elsewhere).
-    Elements sent by several ranks (copies) must agree. Errors are agreed: every rank
-    raises."""
+    Elements sent by several ranks (copies) must agree. Errors are agreed: every rank raises."""
     rank, world = group_rank(None), group_size(None)
     out: dict[str, torch.Tensor] | None = {} if rank == dst else None
     error: str | None = None
@@ -225,18 +220,12 @@ def gather_grads(
         stands: dict[int, torch.Tensor] = {}  # kept alive: the mapper caches by id
         for p, shape, values, start, stop in wrapper.grad_pieces():
             stand = stands.get(id(p))
-            if stand is None:
-                stand = stands[id(p)] = _stand_in(p, shape)
+            if stand is None:  # an empty tensor of the local shape with p's marks (ZeRO-3)
+                stand = stands[id(p)] = torch.empty(tuple(shape))
+                stand.__dict__.update(p.__dict__)
             if mesh is not None and not writes_on_this_rank(stand, mesh, dp_sharded=True):
                 continue  # a TP replica's copy: its first holder sends it
             runs, kept = mapper(stand, "grad", values, start, stop)
             by_id.setdefault(id(p), []).append((runs, kept, global_shape(stand), values.dtype))
         pieces_of = lambda name: by_id.get(id(named[name]), []) if name in named else []  # noqa: E731
     return _gather(names, pieces_of, dst=dst, what="the gradient")
-
-
-def _stand_in(p: torch.Tensor, shape) -> torch.Tensor:
-    """An empty tensor of ``p``'s local ``shape`` with its marks (ZeRO-3 frees the data)."""
-    stand = torch.empty(tuple(shape))
-    stand.__dict__.update(p.__dict__)
-    return stand

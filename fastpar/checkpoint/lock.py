@@ -63,11 +63,10 @@ def describe(holder: dict | None) -> str:
 
 
 class DirectoryLock:
-    """The write lock of ``directory`` (created if needed) for run ``run_id``.
-    ``acquire()`` raises ``LockHeld`` naming a live holder, else takes the lock and returns the
-    previous holder's content (None if never locked; ``taken_over`` tells whether that holder
-    died without releasing it); ``check()`` raises unless the lock still names us;
-    ``release()`` (idempotent) frees it."""
+    """The write lock of ``directory`` (created if needed) for run ``run_id``. ``acquire()`` raises
+    ``LockHeld`` naming a live holder, else takes the lock and returns the previous holder's content
+    (None if never locked; ``taken_over`` tells whether that holder died without releasing it);
+    ``check()`` raises unless the lock still names us; ``release()`` (idempotent) frees it."""
 
     def __init__(
         self,

@@ -276,10 +276,9 @@ class CheckpointReader:
         return total
 
     def _take(self, rank: int, whole: bool, needed, mine, wants, out, done, bad) -> None:
-        """Fill ``out`` from rank ``rank``'s pieces of the keys ``mine``, read whole when
-        ``whole`` or when the file's records holding ``needed`` bytes make up at least
-        ``WHOLE`` of it, else record by record; ``bad``: {key: why} of pieces that do not fit
-        their tensor."""
+        """Fill ``out`` from rank ``rank``'s pieces of the keys ``mine``, read whole when ``whole``
+        or when the file's records holding ``needed`` bytes make up at least ``WHOLE`` of it, else
+        record by record; ``bad``: {key: why} of pieces that do not fit their tensor."""
         entry = self.meta["ranks"][rank]
         big = needed is not None and needed >= WHOLE * entry["bytes"]
         src = self._whole(rank) if whole or big else self._opened(rank)

@@ -9,6 +9,7 @@ on its device (no sync); ``raise_if_disagree`` raises from values the caller gat
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 import zlib
 from collections.abc import Sequence
@@ -62,15 +63,10 @@ def _encode(value: Field) -> list[int] | None:
     if isinstance(value, str):
         return [zlib.crc32(value.encode())]
     dims = [int(d) for d in value]
-    kept = [*dims[: MAX_DIMS - 1], _prod(dims[MAX_DIMS - 1 :])] if len(dims) > MAX_DIMS else dims
+    kept = (
+        [*dims[: MAX_DIMS - 1], math.prod(dims[MAX_DIMS - 1 :])] if len(dims) > MAX_DIMS else dims
+    )
     return [len(dims), *kept, *[0] * (MAX_DIMS - len(kept))]
-
-
-def _prod(dims: list[int]) -> int:
-    out = 1
-    for d in dims:
-        out *= d
-    return out
 
 
 def _decode(mine: Field, slots: list[int]) -> str:
@@ -103,10 +99,7 @@ def _rank_names(group: dist.ProcessGroup | None, ranks: list[int]) -> str:
 
 
 def raise_if_disagree(
-    what: str,
-    per_rank: dict[str, list[str]],
-    group: dist.ProcessGroup | None,
-    hint: str,
+    what: str, per_rank: dict[str, list[str]], group: dist.ProcessGroup | None, hint: str
 ) -> None:
     """Raise ``ValueError`` naming every field whose value (a string per group rank) differs.
 

@@ -25,10 +25,6 @@ EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 IGNORE_INDEX = -100
 
 
-def _as_numpy(tokens: Tokens) -> np.ndarray:
-    return tokens.numpy() if isinstance(tokens, torch.Tensor) else np.asarray(tokens)
-
-
 def _check_starts(starts: np.ndarray, n: int, source: str, fix: str) -> None:
     """ValueError (one line) unless ``starts`` is 1-D, begins at 0, strictly increases and
     stays below ``n``."""
@@ -129,7 +125,8 @@ def eos_starts(tokens: Tokens, eos_id: int | None) -> np.ndarray:
     n = len(tokens)
     if eos_id is None:
         return np.zeros(1, np.int64)
-    after = np.flatnonzero(_as_numpy(tokens) == eos_id).astype(np.int64) + 1
+    ids = tokens.numpy() if isinstance(tokens, torch.Tensor) else np.asarray(tokens)
+    after = np.flatnonzero(ids == eos_id).astype(np.int64) + 1
     return np.concatenate([np.zeros(1, np.int64), after[after < n]])
 
 

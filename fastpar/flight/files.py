@@ -48,9 +48,8 @@ def _json_dumps(directory: str) -> list[dict]:
 def collect(
     directory: str, ranks, timeout: float, since: float = 0.0, settle: float = 0.2
 ) -> list[dict]:
-    """The dumps of ``ranks`` written after ``since`` (epoch seconds), waiting up to
-    ``timeout`` seconds for all of them (and ``settle`` s more for others); then whatever is
-    there."""
+    """The dumps of ``ranks`` written after ``since`` (epoch seconds), waiting up to ``timeout``
+    seconds for all of them (and ``settle`` s more for others); then whatever is there."""
     want = set(ranks)
     deadline = time.monotonic() + timeout
     while True:

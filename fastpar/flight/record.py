@@ -68,10 +68,6 @@ _file: dict = {}  # the ring's copy on disk: {"map": mmap, "n": entries written}
 SLOT = 512  # bytes a ring entry takes on disk
 
 
-def ring_path(directory: str, rank: int) -> str:
-    return os.path.join(directory, f"ring_rank{rank}.bin")
-
-
 def open_ring(directory: str, rank: int) -> str | None:
     """Keep a copy of fastpar's ring in ``directory/ring_rank<R>.bin``, a memory-mapped file
     whose blocks are reserved first (docs/debugging.md says why). An existing file is reused and
@@ -80,7 +76,7 @@ def open_ring(directory: str, rank: int) -> str | None:
     Returns None when the file is in use, else why not."""
     with _lock:
         _file.clear()
-    path = ring_path(directory, rank)
+    path = os.path.join(directory, f"ring_rank{rank}.bin")
     size = RING * SLOT
     try:
         os.makedirs(directory, exist_ok=True)
@@ -360,20 +356,15 @@ def snapshot(reason: str = "") -> dict:
     }
 
 
-def dump_path(directory: str, rank: int) -> str:
-    return os.path.join(directory, f"flight_rank{rank}.json")
-
-
 def dump(directory: str, reason: str = "") -> str | None:
-    """Write this rank's ``snapshot`` to ``directory/flight_rank<R>.json`` (atomically: a
-    reader never sees half a file); returns the path (None when recording is off, or when the
-    file could not be written: a full disk, which one line on stderr names; nothing is left
-    behind)."""
+    """Write this rank's ``snapshot`` to ``directory/flight_rank<R>.json`` (atomically: a reader
+    never sees half a file); returns the path (None when recording is off, or when the file could
+    not be written: a full disk, which one line on stderr names; nothing is left behind)."""
     if not enabled():
         return None
     with _lock:
         data = snapshot(reason)
-        path = dump_path(directory, data["rank"])
+        path = os.path.join(directory, f"flight_rank{data['rank']}.json")
         tmp = f"{path}.{os.getpid()}.tmp"
         try:
             os.makedirs(directory, exist_ok=True)

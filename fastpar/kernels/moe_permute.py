@@ -85,14 +85,7 @@ def _gather_kernel(
 
 
 @triton.jit
-def _zero_rows_kernel(
-    out_ptr,
-    kept_ptr,
-    C,
-    H,
-    out_stride,
-    BLOCK_H: tl.constexpr,
-):
+def _zero_rows_kernel(out_ptr, kept_ptr, C, H, out_stride, BLOCK_H: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     e = r // C
     pos = r - e * C

@@ -46,7 +46,9 @@ def use_pool(on: bool) -> None:
     global _enabled
     _enabled = bool(on)
     if not on:
-        close_all()
+        for pool in list(_pools.values()):
+            pool.close()
+        _pools.clear()
 
 
 def enabled() -> bool:
@@ -77,12 +79,6 @@ _forcing: list[str] = []
 def stats() -> dict[str, int]:
     """Calls served by the pool, calls forked, pools started (this process)."""
     return dict(_stats)
-
-
-def close_all() -> None:
-    for pool in list(_pools.values()):
-        pool.close()
-    _pools.clear()
 
 
 def pack(fn: Callable, args: tuple, kwargs: dict) -> bytes | None:
@@ -223,10 +219,9 @@ def _apply_switches(overrides: dict[str, Any]) -> None:
 
 # -- the rank's side ------------------------------------------------------------------------
 class _GroupCache:
-    """``dist.new_group`` by (ranks, timeout, description, backend, how many such calls this
-    task made before): the k-th identical request of a call gets the k-th group ever made for
-    it, so a call gets as many distinct groups as it asks for, and the next call the same
-    ones."""
+    """``dist.new_group`` by (ranks, timeout, description, backend, how many such calls this task
+    made before): the k-th identical request of a call gets the k-th group ever made for it, so a
+    call gets as many distinct groups as it asks for, and the next call the same ones."""
 
     def __init__(self) -> None:
         self.made: dict[tuple, list] = {}
@@ -344,10 +339,7 @@ def _serve(rank, world, store_path, tasks, results, fd_sock, tmp, parent_pid) ->
         flight.arm(os.path.join(tmp, "flight"), rank)
         faulthandler.register(signal.SIGUSR1, file=stack, all_threads=True, chain=True)
         ids = dict(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_WORLD_SIZE=str(world),
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
         )
         os.environ.update(ids)
         if sys.platform.startswith("linux"):

@@ -48,11 +48,10 @@ STOP_SIGNALS = tuple(
 
 
 class Forwarder:
-    """While ranks run, SIGTERM / SIGINT / SIGHUP (``STOP_SIGNALS``) to the caller go to every
-    live rank; a second one kills
-    them. ``restore`` puts the caller's handlers back, then delivers the first signal received
-    to the caller, so that it takes its usual effect once the ranks are gone. Installed only in
-    the main thread, and not for a signal the caller ignores."""
+    """While ranks run, SIGTERM / SIGINT / SIGHUP (``STOP_SIGNALS``) to the caller go to every live
+    rank; a second one kills them. ``restore`` puts the caller's handlers back, then delivers the
+    first signal received to the caller, so that it takes its usual effect once the ranks are gone.
+    Installed only in the main thread, and not for a signal the caller ignores."""
 
     def __init__(self, procs: list[Any]) -> None:
         self.procs, self.received, self.old = procs, [], {}

@@ -48,11 +48,6 @@ def is_dtensor(t) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
-def device_type_of_world() -> str:
-    """The device a DeviceMesh of this job lives on: "cuda" under NCCL, else "cpu"."""
-    return "cuda" if dist.get_backend() == "nccl" else "cpu"
-
-
 def dims_of(layout: MeshLayout, dense: bool) -> list[tuple[str, int]]:
     """(name, size) of each DeviceMesh dim of ``layout``, slowest first: the order reversed;
     the expert grid ("edp", "ep") unless ``dense`` or ep = 1; with hybrid sharding dp (edp) as
@@ -101,9 +96,11 @@ def to_device_mesh(
     names = tuple(n for n, _ in dims)
     ranks = torch.arange(layout.world_size).reshape([s for _, s in dims])
     check_same_groups(layout, ranks, names)
+    if not device_type:  # where a DeviceMesh of this job lives: "cuda" under NCCL
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     return DeviceMesh.from_group(
         [mesh.group(DIM_KINDS[n]) for n in names],
-        device_type or device_type_of_world(),
+        device_type,
         mesh=ranks,
         mesh_dim_names=names,
     )

@@ -44,11 +44,7 @@ class ParamLayout:
 
 
 def mark_sharded(
-    p: torch.nn.Parameter,
-    dim: int,
-    group: dist.ProcessGroup | None,
-    full_size: int,
-    fused: int = 1,
+    p: torch.nn.Parameter, dim: int, group: dist.ProcessGroup | None, full_size: int, fused: int = 1
 ) -> None:
     setattr(p, _ATTR, ParamLayout("sharded", group, dim, full_size, fused))
     _remember(p)

@@ -46,12 +46,11 @@ def block_bytes(
     expert_ffn: int,
     norm: str = "rmsnorm",
 ) -> tuple[float, float]:
-    """(dense, MoE) bytes per token of a pre-norm block: two norms (over the sequence split
-    ``sp`` ways) and the linear input after each, ``attention`` elements of the attention
-    (q, k, v and output, over ``tp``) plus its per-head log-sum-exp, and the MLP's ``mlp``
-    activations per unit of width (``cfg.ffn_size``), or, for a MoE block, each routed copy's
-    token, its ``mlp`` per unit of ``expert_ffn`` and its output (a shared expert on every
-    token)."""
+    """(dense, MoE) bytes per token of a pre-norm block: two norms (over the sequence split ``sp``
+    ways) and the linear input after each, ``attention`` elements of the attention (q, k, v and
+    output, over ``tp``) plus its per-head log-sum-exp, and the MLP's ``mlp`` activations per unit
+    of width (``cfg.ffn_size``), or, for a MoE block, each routed copy's token, its ``mlp`` per unit
+    of ``expert_ffn`` and its output (a shared expert on every token)."""
     h = cfg.hidden
     base = 2 * (norm_bytes(norm, h, size) / sp + size * h)
     base += size * attention / tp + 4 * cfg.heads / tp

@@ -30,10 +30,7 @@ from fastpar.mesh.placement import mark_sharded, mark_tied_copy, param_layout
 from fastpar.models.documents import current as current_documents
 from fastpar.moe import MoE
 from fastpar.nn import ColumnParallelLinear, VocabParallelEmbedding
-from fastpar.nn.functional import (
-    vocab_parallel_cross_entropy,
-    vocab_parallel_linear_cross_entropy,
-)
+from fastpar.nn.functional import vocab_parallel_cross_entropy, vocab_parallel_linear_cross_entropy
 from fastpar.ops.documents import document_attention
 from fastpar.parallel.context import (
     all_to_all_attention,
@@ -169,17 +166,11 @@ def _moe_width(cfg) -> int:
     return cfg.ffn_size if width is None else width
 
 
-def is_moe_layer(cfg, layer: int) -> bool:
-    """Whether block ``layer`` (0-based) is a MoE block: every ``moe_every``-th one."""
-    return cfg.moe_every > 0 and (layer + 1) % cfg.moe_every == 0
-
-
 def moe_block(cfg, mesh: ParallelMesh | None = None, *, ffn: int | None = None, **options) -> MoE:
-    """The MoE that replaces a block's MLP (experts over the mesh's EP group): ``ffn`` wide
-    (default ``cfg.ffn_size``); ``options`` go to ``MoE`` (e.g. ``expert="swiglu"``). At
-    tp > 1 it follows the model: sequence parallel when the model is (its input is this rank's
-    chunk [B, T/tp, H]), experts split over TP when ``cfg.moe_expert_tp``
-    (``fastpar.moe.tp``)."""
+    """The MoE that replaces a block's MLP (experts over the mesh's EP group): ``ffn`` wide (default
+    ``cfg.ffn_size``); ``options`` go to ``MoE`` (e.g. ``expert="swiglu"``). At tp > 1 it follows
+    the model: sequence parallel when the model is (its input is this rank's chunk [B, T/tp, H]),
+    experts split over TP when ``cfg.moe_expert_tp`` (``fastpar.moe.tp``)."""
     return MoE(
         cfg.hidden,
         ffn if ffn is not None else cfg.ffn_size,
@@ -436,20 +427,18 @@ def lm_loss(
     inplace_backward: bool = False,
     reduction: str = "mean",
 ) -> torch.Tensor:
-    """Mean vocab-parallel cross-entropy of logits [B·T, vocab / tp] against targets [B, T]
-    over ``mesh``'s groups (or its ``loss_groups``, read once by a caller that loops)
-    (``cfg.vocab_size`` is the true vocabulary: padded columns are ignored; targets
-    ``IGNORE_INDEX`` count for nothing). Under context parallelism the logits are this rank's
-    chunks' (T/cp per row), the targets are split alike and the loss is normalised as
-    docs/context.md ("The loss") says. ``weight`` given: ``logits`` are the head's hidden
-    states [B·T, H] (``Head.return_hidden``) and the loss is the fused vocab-parallel linear
-    cross-entropy against ``weight`` [vocab / tp, H] (chunks of logits only; ``recompute``:
-    backward recomputes them, for schedules that hold many micro-batches' graphs, GPipe).
-    ``inplace_backward``: the gradient overwrites the logits (a loop that never reads them
-    again: ``fastpar.ops.cross_entropy``). ``reduction`` "sum": the sum over this rank's valid
-    targets instead (its chunks' under context parallelism; no count, no all-reduce), for a
-    caller that divides by the global batch's count (``PipelineEngine``'s "token"
-    normalisation)."""
+    """Mean vocab-parallel cross-entropy of logits [B·T, vocab / tp] against targets [B, T] over
+    ``mesh``'s groups (or its ``loss_groups``, read once by a caller that loops) (``cfg.vocab_size``
+    is the true vocabulary: padded columns are ignored; targets ``IGNORE_INDEX`` count for nothing).
+    Under context parallelism the logits are this rank's chunks' (T/cp per row), the targets are
+    split alike and the loss is normalised as docs/context.md ("The loss") says. ``weight`` given:
+    ``logits`` are the head's hidden states [B·T, H] (``Head.return_hidden``) and the loss is the
+    fused vocab-parallel linear cross-entropy against ``weight`` [vocab / tp, H] (chunks of logits
+    only; ``recompute``: backward recomputes them, for schedules that hold many micro-batches'
+    graphs, GPipe). ``inplace_backward``: the gradient overwrites the logits (a loop that never
+    reads them again: ``fastpar.ops.cross_entropy``). ``reduction`` "sum": the sum over this rank's
+    valid targets instead (its chunks' under context parallelism; no count, no all-reduce), for a
+    caller that divides by the global batch's count (``PipelineEngine``'s "token" normalisation)."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"lm_loss reduction must be 'mean' or 'sum', got {reduction!r}")
     tp_group, cp_group = loss_groups(mesh)

@@ -48,7 +48,6 @@ class DeepSeekConfig(SwiGLUShape):
     kv_lora_rank: int = option(
         32, MODEL, "deepseek: width of the compressed key/value latent", resume="refuse"
     )
-    """Width of the compressed key/value latent."""
     qk_rope_head_dim: int = option(
         8, MODEL, "deepseek: rotary dims of a query/key head (even)", resume="refuse"
     )
@@ -56,9 +55,7 @@ class DeepSeekConfig(SwiGLUShape):
     qk_nope_head_dim: int = option(
         16, MODEL, "deepseek: dims without position of a query/key head", resume="refuse"
     )
-    """Dims without position of each query / key head."""
     v_head_dim: int = option(16, MODEL, "deepseek: width of a value head", resume="refuse")
-    """Width of each value head."""
     rope_interleave: bool = option(True, MODEL, "deepseek: rotary dims paired", resume="warn")
     """The rotary dims pair up interleaved, (x0, x1), (x2, x3), ... (HF rope_interleave,
     DeepSeek's layout); False: halves, as Llama."""
@@ -92,19 +89,10 @@ class DeepSeekConfig(SwiGLUShape):
     e_score_correction_bias); ``capacity_factor`` and ``normalize_topk`` follow the model's
     (``fastpar.models.llama.sync_routing``)."""
     moe_experts: ExpertConfig = field(default_factory=lambda: ExpertConfig(expert="swiglu"))
-    """The shared experts (HF n_shared_experts x moe_ffn wide); SwiGLU experts, as the
-    Llama's."""
+    """The shared experts (HF n_shared_experts x moe_ffn wide); SwiGLU experts, as the Llama's."""
 
     def __post_init__(self) -> None:
         sync_routing(self, normalize_topk=self.norm_topk_prob, expert="swiglu")
-
-    @property
-    def ffn_size(self) -> int:
-        return self.ffn if self.ffn is not None else 64 * math.ceil(8 * self.hidden / 3 / 64)
-
-    @property
-    def moe_ffn_size(self) -> int:
-        return self.moe_ffn if self.moe_ffn is not None else self.ffn_size
 
     @property
     def qk_head_dim(self) -> int:
@@ -121,11 +109,10 @@ class DeepSeekConfig(SwiGLUShape):
         self, tp: int = 1, sp: int = 1, size: int = 4, fused_ce: bool = False
     ) -> Activations:
         """Bytes per token each kind of block keeps for backward on one rank
-        (``fastpar.models.activations``): per local head the fused attention's q, k, v and
-        output (zero-padded to one width when v_head_dim differs from the q/k head; else v a
-        view of kv_b's output) and the output projection's input; replicated on every rank
-        the two latent norms' saves (kv_a's output holding the rotary key too); SwiGLU's
-        gate|up, SiLU and product."""
+        (``fastpar.models.activations``): per local head the fused attention's q, k, v and output
+        (zero-padded to one width when v_head_dim differs from the q/k head; else v a view of kv_b's
+        output) and the output projection's input; replicated on every rank the two latent norms'
+        saves (kv_a's output holding the rotary key too); SwiGLU's gate|up, SiLU and product."""
         qk, v, nope = self.qk_head_dim, self.v_head_dim, self.qk_nope_head_dim
         width = max(qk, v)
         per_head = 4 * width + v if qk != v else 3 * qk + nope + 2 * v

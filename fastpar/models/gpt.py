@@ -27,7 +27,6 @@ from fastpar.models.common import (
     attend,
     build_decoder,
     check_layout,
-    is_moe_layer,
     lm_loss,
     moe_block,
     untie_for_pipeline,
@@ -37,15 +36,7 @@ from fastpar.models.shape import MODEL, DecoderShape
 from fastpar.moe.config import ExpertConfig, RouterConfig
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear
 
-__all__ = [
-    "Block",
-    "GPTConfig",
-    "Head",
-    "Norm",
-    "build_gpt",
-    "gpt_loss",
-    "untie_for_pipeline",
-]
+__all__ = ["Block", "GPTConfig", "Head", "Norm", "build_gpt", "gpt_loss", "untie_for_pipeline"]
 
 
 @dataclass(frozen=True)
@@ -61,7 +52,6 @@ class GPTConfig(DecoderShape):
         help="gpt: the normalisation layers",
         resume="refuse",
     )
-    """The norms: "rmsnorm" or "layernorm"."""
     tie_embeddings: bool = True
     moe_router: RouterConfig = field(default_factory=RouterConfig)
     """How the MoE blocks route; its ``capacity_factor`` follows the model's
@@ -75,9 +65,6 @@ class GPTConfig(DecoderShape):
     @property
     def ffn_size(self) -> int:
         return self.ffn if self.ffn is not None else 4 * self.hidden
-
-    def is_moe(self, layer: int) -> bool:
-        return is_moe_layer(self, layer)
 
     def activation_bytes(
         self, tp: int = 1, sp: int = 1, size: int = 4, fused_ce: bool = False

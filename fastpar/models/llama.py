@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastpar.cliutil import check_positive_or_none, option
+from fastpar.cliutil import option
 from fastpar.comm import group_size
 from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_blocks, mark_heads
@@ -30,7 +30,6 @@ from fastpar.models.common import (
     build_decoder,
     check_layout,
     check_sizes,
-    is_moe_layer,
     lm_loss,
     moe_block,
     positions,
@@ -104,19 +103,6 @@ class LlamaConfig(SwiGLUShape):
     @property
     def head_size(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden // self.heads
-
-    @property
-    def ffn_size(self) -> int:
-        if self.ffn is not None:
-            return self.ffn
-        return 64 * math.ceil(8 * self.hidden / 3 / 64)
-
-    @property
-    def moe_ffn_size(self) -> int:
-        return self.moe_ffn if self.moe_ffn is not None else self.ffn_size
-
-    def is_moe(self, layer: int) -> bool:
-        return is_moe_layer(self, layer)
 
     def __post_init__(self) -> None:
         sync_routing(self, normalize_topk=self.norm_topk_prob, expert="swiglu")
@@ -211,10 +197,9 @@ def routing(cfg) -> dict:
 
 
 def routed(config: type, **values):
-    """``config(**values)`` (a GPT, Llama or DeepSeek config class) where ``values`` may name
-    the routing options by their flat names (``router_score="sigmoid"``,
-    ``shared_expert_ffn=16``: the trainer's flags), set on the model's own ``moe_router`` /
-    ``moe_experts`` defaults."""
+    """``config(**values)`` (a GPT, Llama or DeepSeek config class) where ``values`` may name the
+    routing options by their flat names (``router_score="sigmoid"``, ``shared_expert_ffn=16``: the
+    trainer's flags), set on the model's own ``moe_router`` / ``moe_experts`` defaults."""
     router, kinds = nested_routing(values)
     own = {k: v for k, v in values.items() if k not in ROUTING_DEFAULTS}
     if router or kinds:
@@ -250,7 +235,11 @@ def check_routing_values(values: dict, moe_every: int, num_experts: int, top_k: 
     if v["aux_loss"] is not None and v["aux_loss"] not in AUX_LOSS_WORDS:
         raise ValueError(f"{_named('aux_loss')} {v['aux_loss']!r} must be one of {AUX_LOSS_WORDS}")
     sf = v["routed_scaling_factor"]
-    check_positive_or_none(_named("routed_scaling_factor"), sf, f"{sf}", "2.5", "(1)")
+    if sf is not None and not (math.isfinite(sf) and sf > 0):
+        raise ValueError(
+            f"{_named('routed_scaling_factor')} {sf} must be a positive finite number (e.g. 2.5), "
+            "or left out (1)"
+        )
     for name in ("bias_update_rate", "aux_loss_coef", "z_loss_coef"):
         value, low = v[name], "> 0" if name == "bias_update_rate" else ">= 0"
         if not math.isfinite(value) or value < 0 or (value == 0 and low == "> 0"):
@@ -356,9 +345,8 @@ class Attention(nn.Module):
         self.cp_group, self.cp_attention = None, "ring"  # the block sets them (cp > 1)
 
     def rope(self, t: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, head_dim] of this rank's positions (0..t-1; under context parallelism
-        its chunks' global positions), computed in fp32 (float64 for a float64 x), in x's
-        dtype."""
+        """cos, sin [T, head_dim] of this rank's positions (0..t-1; under context parallelism its
+        chunks' global positions), computed in fp32 (float64 for a float64 x), in x's dtype."""
         if self._inv_freq.device != x.device:
             self._inv_freq = self._inv_freq.to(x.device)
         inv_freq = self._inv_freq

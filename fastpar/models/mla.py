@@ -19,6 +19,7 @@ from torch import nn
 from fastpar.comm import copy_to_region, gather_from_sequence, group_size
 from fastpar.mesh.placement import mark_replicated
 from fastpar.models.common import Norm, attend, positions
+from fastpar.models.llama import rotate_half
 from fastpar.nn import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["LatentAttention", "yarn_attention_factor", "yarn_inv_freq", "yarn_mscale"]
@@ -73,18 +74,6 @@ def yarn_inv_freq(cfg, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     keep = (1 - ramp).to(dtype)  # the share of the extrapolated (unscaled) frequency
     return interpolation * (1 - keep) + extrapolation * keep
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """[..., d] -> [-x[d/2:], x[:d/2]]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def deinterleave(x: torch.Tensor) -> torch.Tensor:
-    """[..., d]: the pairs (x0, x1), (x2, x3), ... as halves [x0, x2, ... | x1, x3, ...]; HF's
-    interleaved rotary embedding (``rope_interleave``) is the halves' rotation of these."""
-    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
 def _replicated_linear(n_in: int, n_out: int, group) -> nn.Linear:
@@ -165,8 +154,8 @@ class LatentAttention(nn.Module):
         return cos.to(x.dtype), sin.to(x.dtype)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.interleave:
-            x = deinterleave(x)
+        if self.interleave:  # pairs (x0, x1), ... as halves: HF's rope_interleave rotates these
+            x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
         return x * cos + rotate_half(x) * sin
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

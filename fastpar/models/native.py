@@ -7,12 +7,12 @@ model is one ``register`` (docs/contributing.md, "A new native model")."""
 from __future__ import annotations
 
 import dataclasses
-import typing
+import functools
 from collections.abc import Callable
-from dataclasses import MISSING, dataclass
+from dataclasses import dataclass
 from typing import Any
 
-from fastpar.cliutil import FIELD_DEFAULT, Option, lenient, option_of
+from fastpar.cliutil import Flag, declared_flags, lenient, nested_configs
 from fastpar.models import deepseek_hf, gpt_code, gpt_hf, llama_hf
 from fastpar.models.deepseek import DeepSeekConfig, build_deepseek
 from fastpar.models.gpt import GPTConfig, build_gpt
@@ -61,8 +61,7 @@ class NativeModel:
     per_head_muon: bool = True
     """Its attention weights mark their heads (``--muon-per-head`` applies)."""
     head_dim: Callable[[Any], float] | None = None
-    """``head_dim(config)``: the width attention's FLOPs count per head (default hidden /
-    heads)."""
+    """``head_dim(config)``: the width attention's FLOPs count per head (default hidden / heads)."""
     moe_where: Callable[[Any], str] | None = None
     """``moe_where(config)``: where its MoE blocks are, in words (default "every N")."""
     exporter: Callable[[Any], tuple] | None = None
@@ -72,7 +71,7 @@ class NativeModel:
 
 
 REGISTRY: dict[str, NativeModel] = {}
-"""--model name -> its record: read through ``get`` / ``names``, changed through ``register``."""
+"""--model name -> its record: read through ``get``, changed through ``register``."""
 
 
 def register(model: NativeModel, *, replace: bool = False) -> NativeModel:
@@ -93,13 +92,9 @@ def unregister(name: str) -> NativeModel:
 def get(name: str) -> NativeModel:
     """The record of ``--model name``; ValueError naming the registered ones."""
     if name not in REGISTRY:
-        *others, last = names()
+        *others, last = REGISTRY
         raise ValueError(f"--model must be {', '.join(others)} or {last}, got {name!r}")
     return REGISTRY[name]
-
-
-def names() -> tuple[str, ...]:
-    return tuple(REGISTRY)
 
 
 def of_config(config) -> NativeModel:
@@ -112,76 +107,30 @@ def of_config(config) -> NativeModel:
 
 
 # -- the model flags: the registered config classes' option fields, each declared once ----------
-@dataclass(frozen=True)
-class ModelFlag:
-    """One flag of ``python -m fastpar.train`` that a model config field declares (``option``
-    on ``DecoderShape``, ``SwiGLUShape``, a model's own class, or ``RouterConfig`` /
-    ``ExpertConfig``, which a model holds as ``moe_router`` / ``moe_experts``)."""
-
-    name: str
-    """The flag's flat name (``experts``; ``--experts``, the --config / train_config.json key)."""
-    path: tuple[str, ...]
-    """Where a model config holds it: ("num_experts",), ("moe_router", "score")."""
-    option: Option
-    default: Any
-    """The flag's default as the flag says it (None for a deferred one: ``moe_every``)."""
-    hint: Any
-    """The field's type (``int | None``), for the parser and --config files."""
+_FLAGS: dict[tuple, dict[str, Flag]] = {}
 
 
-def _declared(cls: type) -> list[tuple[str, dataclasses.Field, type]]:
-    """Every field of the dataclass ``cls`` declared with an ``option`` anywhere in its bases
-    (a subclass that changes a default keeps its base's declaration), bases first."""
-    out: dict[str, tuple[dataclasses.Field, type]] = {}
-    for klass in reversed(cls.__mro__):
-        for name, f in klass.__dict__.get("__dataclass_fields__", {}).items():
-            if name not in out and option_of(f) is not None:
-                out[name] = (f, klass)
-    return [(name, f, klass) for name, (f, klass) in out.items()]
-
-
-def _nested(cls: type) -> list[tuple[str, type]]:
-    """The fields of a model config class that hold a config of their own (``moe_router``)."""
-    out = []
-    for f in dataclasses.fields(cls):
-        if f.default_factory is not MISSING:
-            value = f.default_factory()
-            if dataclasses.is_dataclass(value):
-                out.append((f.name, type(value)))
-    return out
-
-
-def _flag(name: str, path: tuple, f: dataclasses.Field, klass: type) -> ModelFlag:
-    opt = option_of(f)
-    default = opt.to_flag(f.default) if opt.flag_default is FIELD_DEFAULT else opt.flag_default
-    hint = typing.get_type_hints(klass)[f.name]
-    return ModelFlag(name, path, opt, None if opt.deferred else default, hint)
-
-
-_FLAGS: dict[tuple, dict[str, ModelFlag]] = {}
-
-
-def model_flags() -> dict[str, ModelFlag]:
-    """Flat name -> ``ModelFlag`` of every registered model config's flags (the union: a
-    field shared through inheritance is one flag), in registration and declaration order."""
+def model_flags() -> dict[str, Flag]:
+    """Flat name -> ``Flag`` of every registered model config's flags (``option`` fields of
+    ``DecoderShape``, ``SwiGLUShape``, a model's own class, or of the ``RouterConfig`` /
+    ``ExpertConfig`` it holds as ``moe_router`` / ``moe_experts``; the union: a field shared
+    through inheritance is one flag), in registration and declaration order."""
     key = tuple(m.config for m in REGISTRY.values())
     if key not in _FLAGS:
-        out: dict[str, ModelFlag] = {}
+        out: dict[str, Flag] = {}
         for config in key:
-            for name, f, klass in _declared(config):
-                flat = option_of(f).name or name
-                out.setdefault(flat, _flag(flat, (name,), f, klass))
-            for holder, inner in _nested(config):
-                for name, f, klass in _declared(inner):
-                    flat = option_of(f).name or name
-                    out.setdefault(flat, _flag(flat, (holder, name), f, klass))
+            held = [declared_flags(inner, (h,)) for h, inner in nested_configs(config)]
+            for flag in sum(held, declared_flags(config)):
+                out.setdefault(flag.name, flag)
         _FLAGS[key] = out
     return _FLAGS[key]
 
 
-def _has(config: type, path: tuple) -> bool:
-    names = {f.name for f in dataclasses.fields(config)}
-    return path[0] in names
+def _takes(model: NativeModel, flag: Flag, some: tuple[str, ...]) -> bool:
+    """Whether ``model``'s config holds ``flag`` (one of ``some``, the flags some native model
+    takes as its own, only where it is one of ``model.flags``)."""
+    names = {f.name for f in dataclasses.fields(model.config)}
+    return (flag.name not in some or flag.name in model.flags) and flag.path[0] in names
 
 
 def config_from_flags(model_type: str, values: dict, **fixed) -> tuple[Any, dict]:
@@ -193,7 +142,6 @@ def config_from_flags(model_type: str, values: dict, **fixed) -> tuple[Any, dict
     if model_type not in REGISTRY:
         return None, {n: v for n, v in values.items() if n in flags}
     model = REGISTRY[model_type]
-    base = model.config()
     top: dict = dict(fixed)
     inner: dict[str, dict] = {}
     other = {}
@@ -202,16 +150,14 @@ def config_from_flags(model_type: str, values: dict, **fixed) -> tuple[Any, dict
         value = values.get(name, flag.default)
         if name == "moe_every" and value is None:
             value = model.moe_every
-        takes = name not in some or name in model.flags
-        if not (takes and _has(model.config, flag.path)):
+        if not _takes(model, flag, some):
             if value != flag.default:
                 other[name] = value
-            continue
-        value = flag.option.to_field(value)
-        if len(flag.path) == 1:
-            top[flag.path[0]] = value
+        elif len(flag.path) == 1:
+            top[flag.path[0]] = flag.option.to_field(value)
         else:
-            inner.setdefault(flag.path[0], {})[flag.path[1]] = value
+            inner.setdefault(flag.path[0], {})[flag.path[1]] = flag.option.to_field(value)
+    base = model.config()
     for holder, kw in inner.items():
         held = getattr(base, holder)
         top[holder] = lenient(type(held), **{**dataclasses.asdict(held), **kw})
@@ -219,35 +165,22 @@ def config_from_flags(model_type: str, values: dict, **fixed) -> tuple[Any, dict
 
 
 def flags_of(config, other: dict | None = None) -> dict:
-    """The flags' values of a native model's ``config`` (flat name -> value as the flag says
-    it); a flag it does not take (``config_from_flags``): ``other``'s value, else its
-    default."""
+    """The flags' values of a native model's ``config`` (flat name -> value as the flag says it); a
+    flag it does not take (``config_from_flags``): ``other``'s value, else its default."""
     out = {}
     model = of_config(config) if config is not None else None
     some = own_flags()
     for name, flag in model_flags().items():
-        takes = model is not None and (name not in some or name in model.flags)
-        if takes and _has(type(config), flag.path):
-            value = config
-            for step in flag.path:
-                value = getattr(value, step)
-            out[name] = flag.option.to_flag(value)
+        if model is not None and _takes(model, flag, some):
+            out[name] = flag.option.to_flag(functools.reduce(getattr, flag.path, config))
         else:
             out[name] = (other or {}).get(name, flag.default)
     return out
 
 
-def owners(flag: str) -> list[NativeModel]:
-    """The native models that take ``flag`` as one of their own."""
-    return [m for m in REGISTRY.values() if flag in m.flags]
-
-
 def own_flags() -> tuple[str, ...]:
     """Every flag some native model takes and another may not, in registration order."""
-    seen: dict[str, None] = {}
-    for m in REGISTRY.values():
-        seen.update(dict.fromkeys(m.flags))
-    return tuple(seen)
+    return tuple(dict.fromkeys(name for m in REGISTRY.values() for name in m.flags))
 
 
 # -- the three models ------------------------------------------------------------------------

@@ -2,13 +2,11 @@
 the layout options of GPT, Llama and DeepSeek) and ``SwiGLUShape`` (with the RoPE, RMSNorm,
 SwiGLU-expert and multi-token-prediction fields the Llama and the DeepSeek add). A model's
 config inherits one, adds its own fields and may change a default. A field declared with
-``option`` is also a flag of ``python -m fastpar.train`` (its help, section, bound, and what a
-resume with another value does: ``fastpar.cliutil.Option``), under its own name unless
-``name=`` says another (``num_experts`` is ``--experts``; ``tie_embeddings`` is ``--untied``,
-inverted); each flag is declared once, here or on the model's own config class."""
+``option`` is also a flag of ``python -m fastpar.train`` (``fastpar.cliutil.Option``)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from fastpar.cliutil import option
@@ -82,23 +80,18 @@ class DecoderShape:
         at_least=1,
         note="1: no overlap",
     )
-    """MoE all-to-all / expert-compute overlap chunks (1: none)."""
     sequence_parallel: bool = option(
         False,
         LAYOUT,
         help="split activations between blocks along the sequence over TP (MoE blocks route each "
         "rank's chunk, dropless; with --moe-expert-tp they gather it)",
     )
-    """Split activations between blocks along the sequence over TP (MoE blocks then route
-    each TP rank's chunk, dropless, or gather it with moe_expert_tp)."""
     moe_expert_tp: bool = option(
         False,
         LAYOUT,
         help="split each MoE expert's FFN over TP (expert tensor parallelism: w1 by columns, w2 by "
         "rows) instead of every TP rank holding whole experts",
     )
-    """Split each expert's FFN over TP (expert tensor parallelism, ``fastpar.moe.tp``) instead
-    of every TP rank holding whole experts."""
     cp_attention: str = option(
         "ring",
         LAYOUT,
@@ -106,8 +99,10 @@ class DecoderShape:
         help="attention under --cp: ring (K/V passed around the cp ranks) or all-to-all (heads "
         "scattered over cp, Ulysses; heads / tp must divide by cp)",
     )
-    """Attention under context parallelism: "ring" (K/V around the cp ranks) or "all-to-all"
-    (heads scattered over cp; the local query heads must divide by cp)."""
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block ``layer`` (0-based) is a MoE block: every ``moe_every``-th one."""
+        return self.moe_every > 0 and (layer + 1) % self.moe_every == 0
 
 
 @dataclass(frozen=True)
@@ -133,9 +128,8 @@ class SwiGLUShape(DecoderShape):
         "(module k predicts the token k + 1 ahead, sharing the embedding and head; 0: off)",
         resume="refuse",
     )
-    """DeepSeek-V3 multi-token prediction: D sequential modules after the model, module k
-    predicting the token k + 1 ahead (``fastpar.models.mtp``; HF num_nextn_predict_layers).
-    0: off."""
+    """DeepSeek-V3 multi-token prediction: D sequential modules after the model, module k predicting
+    the token k + 1 ahead (``fastpar.models.mtp``; HF num_nextn_predict_layers). 0: off."""
     mtp_loss_coef: float = option(
         DEFAULT_COEF,
         MODEL,
@@ -143,4 +137,12 @@ class SwiGLUShape(DecoderShape):
         "cross-entropies (Megatron's default; DeepSeek-V3 trained with 0.3, then 0.1)",
         resume="warn",
     )
-    """The MTP loss weight lambda: loss = main + lambda / D · sum of the depths' losses."""
+
+    @property
+    def ffn_size(self) -> int:
+        """``ffn``, else 8·hidden/3 rounded up to a multiple of 64."""
+        return self.ffn if self.ffn is not None else 64 * math.ceil(8 * self.hidden / 3 / 64)
+
+    @property
+    def moe_ffn_size(self) -> int:
+        return self.moe_ffn if self.moe_ffn is not None else self.ffn_size

@@ -18,12 +18,11 @@ _AUX_LOSS_SCALE: contextvars.ContextVar = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def aux_loss_scale(scale: float | torch.Tensor | None) -> Iterator[None]:
-    """Inside the block, every ``MoE`` whose own ``aux_loss_scale`` is None sends its auxiliary
-    loss into backward scaled by ``scale`` (None: not at all), as if ``scale · aux_loss`` were
-    added to the loss. What a pipeline engine sets around its forwards: the weight of one
-    micro-batch's loss (1 / micro-batches, times the loss scale), so no stage needs the final
-    loss. Forwards read it; a scale tensor is read again by the backward, so keep it unchanged
-    until then."""
+    """Inside the block, every ``MoE`` whose own ``aux_loss_scale`` is None sends its auxiliary loss
+    into backward scaled by ``scale`` (None: not at all), as if ``scale · aux_loss`` were added to
+    the loss. What a pipeline engine sets around its forwards: the weight of one micro-batch's loss
+    (1 / micro-batches, times the loss scale), so no stage needs the final loss. Forwards read it; a
+    scale tensor is read again by the backward, so keep it unchanged until then."""
     token = _AUX_LOSS_SCALE.set(scale)
     try:
         yield

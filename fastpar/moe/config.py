@@ -5,10 +5,9 @@ construction; ``SCORES``, the registry of router scores.
     moe = MoE(512, 2048, 8, 2, router=RouterConfig(score="sigmoid", expert_bias=True),
               experts=ExpertConfig(expert="swiglu", shared_ffn_hidden_size=1024))
 
-A field that declares an ``Option`` (``fastpar.cliutil.option``) is also a flag of
-``python -m fastpar.train`` under its flat name (``score`` is ``router_score``,
-``--router-score``; ``flat_routing`` / ``nested_routing`` map the names); the model configs hold
-the two configs as their ``moe_router`` and ``moe_experts`` fields.
+A field that declares an ``Option`` is also a flag of ``python -m fastpar.train`` under its flat
+name (``score`` is ``--router-score``: ``flat_routing`` / ``nested_routing``); the model configs
+hold the two as ``moe_router`` and ``moe_experts``.
 Capacity and dropping are routing options (the router computes the capacity and picks what an
 over-full expert keeps); their flag, --capacity-factor, is the models' own, whose default is
 dropless where the layer's is 1.25.
@@ -121,10 +120,7 @@ class RouterConfig:
     )
     """Aux-loss-free balancing: an fp32 ``expert_bias`` buffer [E] steers the choice."""
     bias_update_rate: float = option(
-        1e-3,
-        group=ROUTING,
-        help="--expert-bias: the bias step per optimizer step",
-        resume="warn",
+        1e-3, group=ROUTING, help="--expert-bias: the bias step per optimizer step", resume="warn"
     )
     """The expert-bias step: bias += rate · sign(mean load − load) per optimizer step."""
     aux_loss: str | None = option(
@@ -137,19 +133,14 @@ class RouterConfig:
     )
     """The load-balancing loss: "micro_batch", "sequence", or None ("none": off)."""
     aux_loss_coef: float = option(
-        1e-2,
-        group=ROUTING,
-        help="MoE: the load-balancing loss's coefficient",
-        resume="warn",
+        1e-2, group=ROUTING, help="MoE: the load-balancing loss's coefficient", resume="warn"
     )
-    """Coefficient of the load-balancing loss."""
     z_loss_coef: float = option(
         0.0,
         group=ROUTING,
         help="MoE: the router z-loss's coefficient (ST-MoE; 0: off)",
         resume="warn",
     )
-    """Coefficient of the router z-loss (ST-MoE; 0: off)."""
     normalize_topk: bool | None = None
     """Renormalise the chosen scores to sum 1 (None: when top_k > 1)."""
     group_score_topk: int | None = None
@@ -270,7 +261,6 @@ class ExpertConfig:
         "--shared-expert-ffn)",
         resume="refuse",
     )
-    """Scale the shared expert by sigmoid(x W_g) (Qwen2-MoE); needs shared_ffn_hidden_size."""
 
     def words(self) -> list[str]:
         """What is on beside the routed experts, in a few words (a run's header)."""

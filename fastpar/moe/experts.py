@@ -131,16 +131,13 @@ def _segments_grouped(x, counts, w1, b1, w2, b2, gated, activation):
     return grouped.grouped_linear(h, w2, b2, offs)
 
 
-def _unbind(t: torch.Tensor | None, n: int) -> list[torch.Tensor | None]:
-    return [None] * n if t is None else list(t.unbind(0))
-
-
 def _segments_loop(x, sizes, w1, b1, w2, b2, gated, activation):
     """Expert by expert; the weights split by ``unbind`` (its backward stacks the E gradients
     once, where indexing ``w1[e]`` would build and add E zero-filled [E, ...] gradients)."""
     outs = []
     n = len(sizes)
-    per_expert = zip(x.split(sizes), *(_unbind(t, n) for t in (w1, b1, w2, b2)), strict=True)
+    weights = ([None] * n if t is None else t.unbind(0) for t in (w1, b1, w2, b2))
+    per_expert = zip(x.split(sizes), *weights, strict=True)
     for part, a1, c1, a2, c2 in per_expert:
         h = hidden(part @ a1 if c1 is None else part @ a1 + c1, gated, activation)
         outs.append(h @ a2 if c2 is None else h @ a2 + c2)

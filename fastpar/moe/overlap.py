@@ -107,10 +107,9 @@ def transport() -> str:
 
 
 class _Pending:
-    """An all-to-all in flight: ``wait()`` returns the received rows. The extension's transfer
-    is keyed by its ticket (``ticket``: its op hands out the rows only once they have arrived);
-    the python transport's by a ``Work`` writing into ``out``. Dropped unwaited, neither
-    leaks."""
+    """An all-to-all in flight: ``wait()`` returns the received rows. The extension's transfer is
+    keyed by its ticket (``ticket``: its op hands out the rows only once they have arrived); the
+    python transport's by a ``Work`` writing into ``out``. Dropped unwaited, neither leaks."""
 
     def __init__(self, out=None, work=None, keep=None, ticket=None, out_splits=None):
         self.out, self.work, self.keep = out, work, keep
@@ -281,11 +280,7 @@ def _pipelined(buf: torch.Tensor, chunks, group, work) -> torch.Tensor:
 
     def send(j: int) -> _Pending:
         return start_all_to_all(
-            chunks.take(buf, j),
-            group,
-            chunks.out_splits[j],
-            chunks.in_splits[j],
-            chunks.transport,
+            chunks.take(buf, j), group, chunks.out_splits[j], chunks.in_splits[j], chunks.transport
         )
 
     outgoing = send(0) if k else None

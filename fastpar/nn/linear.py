@@ -31,6 +31,7 @@ from fastpar.comm.checks import check_same
 from fastpar.mesh.bridge import as_group
 from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_replicated, mark_sharded
+from fastpar.ops.fp8_linear import Fp8Use, column_splits, fp8_linear, row_splits
 
 
 def _master_linear(in_features, out_features, bias, device, dtype) -> nn.Linear:
@@ -92,9 +93,20 @@ class _FromDense:
             fields = {"input shape": tuple(x.shape), "input dtype": x.dtype}
             check_same(name, fields, self.group, x.device, _SAME_BATCH)
 
+    fp8: Fp8Use | None = None
+    """The GEMMs in fp8 with this recipe (``fastpar.nn.fp8_apply.use_fp8``); None: in the
+    parameters' precision."""
+
     def _weight(self) -> torch.Tensor:
         """The weight as ``F.linear`` wants it, [out, in] (a view for a Conv1D layout)."""
         return self.weight.t() if self.transposed else self.weight
+
+    def _linear(self, x: torch.Tensor, bias, splits) -> torch.Tensor:
+        """``F.linear(x, weight, bias)``, in fp8 when ``self.fp8`` says so (``splits``: how
+        this layer's operands are split over its group, ``fastpar.ops.fp8_linear``)."""
+        if self.fp8 is None:
+            return F.linear(x, self._weight(), bias)
+        return fp8_linear(x, self._weight(), self.fp8, splits(self.group), bias)
 
 
 class ColumnParallelLinear(_FromDense, nn.Module):
@@ -179,7 +191,7 @@ class ColumnParallelLinear(_FromDense, nn.Module):
         else:
             x = copy_to_region(x, self.group)
         bias = None if self.skip_bias_add else self.bias
-        y = F.linear(x, self._weight(), bias)
+        y = self._linear(x, bias, column_splits)
         if self.gather_output:
             y = gather_from_region(y, self.group, dim=-1)
             if y.shape[-1] != self.out_features:
@@ -258,7 +270,7 @@ class RowParallelLinear(_FromDense, nn.Module):
         self._check_input(x)
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.group, dim=-1)
-        y = F.linear(x, self._weight())
+        y = self._linear(x, None, row_splits)
         if self.sequence_parallel:
             y = reduce_scatter_all_gather(y, self.group, self.sequence_dim)
         else:

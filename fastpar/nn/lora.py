@@ -47,6 +47,7 @@ from fastpar.nn.linear import (
     _pad_rows,
     is_conv1d,
 )
+from fastpar.ops.fp8_linear import column_splits, row_splits
 
 ALIASES = {
     "q": "q_proj",
@@ -183,7 +184,7 @@ class LoRALinear(nn.Module):
         else:
             x = copy_to_region(x, self.group)
         bias = None if base.skip_bias_add else base.bias
-        y = F.linear(x, base._weight(), bias)
+        y = base._linear(x, bias, column_splits)  # the base's GEMM (in fp8 where it says so)
         a = copy_to_region(self.lora_A, self.group)  # A's gradient: a sum over output columns
         y = (y + self._adapter(x, a, self.lora_B)).to(y.dtype)
         if base.gather_output:
@@ -204,7 +205,7 @@ class LoRALinear(nn.Module):
         base._check_input(x)
         if not base.input_is_parallel:
             x = scatter_to_region(x, self.group, dim=-1)
-        y = F.linear(x, base._weight())
+        y = base._linear(x, None, row_splits)
         b = copy_to_region(self.lora_B, self.group)  # B's gradient: a sum over ranks
         y = (y + self._adapter(x, self.lora_A, b)).to(y.dtype)
         if base.sequence_parallel:

@@ -26,10 +26,6 @@ def is_hf_moe_block(module: nn.Module) -> bool:
     return block_adapter(module) is not None
 
 
-def _has_params(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters())
-
-
 def _needs_linear(name: str, module: nn.Module, style: str) -> None:
     if not linear_like(module):
         raise TypeError(
@@ -63,7 +59,7 @@ def _needs_moe_block(name: str, module: nn.Module, style: str) -> None:
 
 
 def _needs_params(name: str, module: nn.Module, style: str) -> None:
-    if not _has_params(module):
+    if next(module.parameters(), None) is None:
         raise ValueError(f"plan style {style!r} at {name!r}: the module has no parameters")
 
 

@@ -101,11 +101,6 @@ def _built_for_another_torch() -> str | None:
     return None
 
 
-def _forced() -> str | None:
-    name = SWITCH.get()
-    return None if name == "auto" else name
-
-
 class use_backend(Setting):  # lower case: a call and a context manager, like debug_checks
     """Force every op onto ``name`` ("triton", "extension", "reference"; "auto": the rule
     above, whatever ``FASTPAR_BACKEND`` says): for the rest of the process, or, as a context
@@ -124,7 +119,7 @@ def select(op: str, device_type: str) -> str:
     """The backend ``op`` runs for tensors on ``device_type`` ("cuda", "cpu", ...)."""
     info = _OPS.get(op)
     available = info.backends if info else ("reference",)
-    forced = _forced()
+    forced = None if SWITCH.get() == "auto" else SWITCH.get()
     if forced is not None:
         if forced not in available:
             raise ValueError(f"op {op!r} has no {forced!r} backend (it has {available})")

@@ -16,9 +16,7 @@ from fastpar.comm import plain
 from fastpar.comm.checks import check_same
 from fastpar.comm.collectives import copy_to_region
 from fastpar.ops import backend
-from fastpar.ops.cross_entropy import (
-    LOW_AND_FP32 as FLOAT_DTYPES,
-)
+from fastpar.ops.cross_entropy import LOW_AND_FP32 as FLOAT_DTYPES
 from fastpar.ops.cross_entropy import (
     _check_fit,
     _check_ids,

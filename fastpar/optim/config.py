@@ -1,7 +1,6 @@
 """The optimizer's options, each declared once (``OptimizerConfig``): which optimizer
-``python -m fastpar.train`` / ``fastpar.verify`` step with, and the dtype of its state. A field
-that declares an ``Option`` is also a flag of the command under its flat name
-(``TrainConfig.optimizer`` holds it: ``fastpar.train.config.flag_specs``)."""
+``python -m fastpar.train`` / ``fastpar.verify`` step with, and the dtype of its state; each
+field is also a flag of the command (``TrainConfig.optimizer`` holds it)."""
 
 from __future__ import annotations
 
@@ -34,10 +33,8 @@ class OptimizerConfig:
         "2-D hidden matrix, AdamW on the rest)",
         resume="refuse",
     )
-    """A name of ``OPTIMIZERS``."""
     muon_momentum: float = option(
         0.95,
-        name="muon_momentum",
         group=OPTIMIZER,
         help="--optimizer muon: the momentum of its matrices (Nesterov; AdamW's betas for the "
         "rest)",
@@ -46,7 +43,6 @@ class OptimizerConfig:
     """Muon's momentum, in [0, 1)."""
     muon_per_head: bool = option(
         False,
-        name="muon_per_head",
         group=OPTIMIZER,
         help="--optimizer muon: orthogonalise each attention head's rows of q|k|v and columns "
         "of the output projection apart (GPT, Llama; not DeepSeek's latent attention)",
@@ -62,7 +58,6 @@ class OptimizerConfig:
         "to nearest; 4 of AdamW's 12 bytes a parameter saved)",
         resume="refuse",
     )
-    """A name of ``STATE_DTYPES``."""
 
     def __post_init__(self) -> None:
         for value, words, what in (

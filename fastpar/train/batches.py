@@ -28,11 +28,10 @@ from fastpar.train.config import TrainConfig
 # -- data --------------------------------------------------------------------------------------
 def load_data(cfg: TrainConfig, check: bool = True):
     """This run's data: token ids (``fastpar.data.load_tokens``), or with packed documents
-    (``cfg.packs_documents``) a ``fastpar.data.Corpus`` (the ids and their document starts and
-    loss mask: ``load_documents``), every id checked against the vocabulary unless ``check``
-    is False (one pass; the launcher checks once, before the ranks). A .bin file is read as
-    ``bin_dtype`` resolves --data-dtype (an error, even unchecked, when its ids cannot hold the
-    vocabulary)."""
+    (``cfg.packs_documents``) a ``fastpar.data.Corpus`` (the ids and their document starts and loss
+    mask: ``load_documents``), every id checked against the vocabulary unless ``check`` is False
+    (one pass; the launcher checks once, before the ranks). A .bin file is read as ``bin_dtype``
+    resolves --data-dtype (an error, even unchecked, when its ids cannot hold the vocabulary)."""
     is_bin = (cfg.data or "").endswith(".bin")
     dtype = bin_dtype(cfg.data_dtype, cfg.vocab, cfg.data) if is_bin else "uint16"
     if cfg.packs_documents:
@@ -112,12 +111,11 @@ def eval_batch(cfg: TrainConfig, held, j: int, hf=None):
 
 
 def batch_of(cfg: TrainConfig, data, step: int, hf=None):
-    """The global batch of ``step``: (inputs, next-token targets, documents). For a masked LM
-    (BERT through --hf-config) masked inputs and their targets (-100 where nothing is
-    predicted). ``data`` a ``Corpus`` (packed documents): the rows' documents
-    (``fastpar.models.documents.Documents``; None for a stream) and targets -100 where a
-    document's last token would predict the next one's first, or where the loss mask is 0
-    (``fastpar.data.document_batch``)."""
+    """The global batch of ``step``: (inputs, next-token targets, documents). For a masked LM (BERT
+    through --hf-config) masked inputs and their targets (-100 where nothing is predicted). ``data``
+    a ``Corpus`` (packed documents): the rows' documents (``fastpar.models.documents.Documents``;
+    None for a stream) and targets -100 where a document's last token would predict the next one's
+    first, or where the loss mask is 0 (``fastpar.data.document_batch``)."""
     if isinstance(data, Corpus):
         if hf is not None and hf.masked:
             raise ValueError(
@@ -154,11 +152,10 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 def microbatch_context(
     docs: Documents | None, x: torch.Tensor, microbatches: int, device, mtp: bool
 ):
-    """The engine's ``context`` for a replica's rows ``x`` [B, T] (None: none needed): micro-batch
-    i runs inside its rows' documents and, with ``mtp`` (--mtp-depth), its token ids
-    (``fastpar.models.mtp.tokens``: the last stage's MTP modules look up the tokens ahead), on
-    every stage (each reads them from the batch every rank draws alike: nothing extra is
-    sent)."""
+    """The engine's ``context`` for a replica's rows ``x`` [B, T] (None: none needed): micro-batch i
+    runs inside its rows' documents and, with ``mtp`` (--mtp-depth), its token ids
+    (``fastpar.models.mtp.tokens``: the last stage's MTP modules look up the tokens ahead), on every
+    stage (each reads them from the batch every rank draws alike: nothing extra is sent)."""
     if docs is None and not mtp:
         return None
     per = x.shape[0] // microbatches

@@ -26,6 +26,7 @@ from fastpar.models.common import IGNORE_INDEX, loss_groups
 from fastpar.models.documents import valid_targets
 from fastpar.models.mtp import MTPOutput, mtp_loss
 from fastpar.moe import TopKRouter, moe_layers, update_expert_bias
+from fastpar.nn import use_fp8
 from fastpar.optim import FusedAdamW, MixedPrecisionOptimizer
 from fastpar.optim.config import TORCH_STATE_DTYPES
 from fastpar.parallel import DataParallel, Replicate, Shard
@@ -52,7 +53,7 @@ from fastpar.train.batches import (
 from fastpar.train.config import TrainConfig
 from fastpar.train.optimizers import exact_optimizer, groups_for, muon_factory
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = dict(fp32=torch.float32, bf16=torch.bfloat16, fp16=torch.float16, fp8=torch.bfloat16)
 
 
 @dataclass
@@ -168,8 +169,7 @@ def expert_bias_names(stage: nn.Module, start: int) -> dict[str, torch.Tensor]:
 
 
 def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW's groups: weight decay on matrices (dim >= 2), none on vectors; empty ones left
-    out."""
+    """AdamW's groups: weight decay on matrices (dim >= 2), none on vectors; empty ones left out."""
     decay = [p for p in module.parameters() if p.dim() >= 2]
     no_decay = [p for p in module.parameters() if p.dim() < 2]
     groups = [
@@ -180,12 +180,11 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def _optimizer(cfg, stage, groups, mesh: ParallelMesh | None, scaler, block_types, exact=False):
-    """(what the engine runs, the optimizer wrapper): the data-parallel wrapper of the ZeRO
-    stage, which owns the optimizer step and sums the tied embedding's gradients itself;
-    ``mesh`` None: the plain module and the mixed-precision AdamW of one process. Interleaved:
-    the engine runs only this rank's last backward outside no_sync, which gives the other
-    chunks' parameters no gradient: they count as what no_sync accumulated
-    (``find_unused_parameters``), so each is reduced once."""
+    """(what the engine runs, the optimizer wrapper): the data-parallel wrapper of the ZeRO stage,
+    which owns the optimizer step and sums the tied embedding's gradients itself; ``mesh`` None: the
+    plain module and the mixed-precision AdamW of one process. Interleaved: the engine runs only
+    this rank's last backward outside no_sync, which gives the other chunks' parameters no gradient:
+    they count as what no_sync accumulated (``find_unused_parameters``), so each is reduced once."""
     state_dtype = TORCH_STATE_DTYPES[cfg.optimizer.state_dtype]  # the moments' (fp32, bf16)
     adamw = lambda gs: FusedAdamW(gs, lr=cfg.lr, state_dtype=state_dtype)  # noqa: E731
     adamw, clip = muon_factory(cfg) or adamw, cfg.max_grad_norm  # --optimizer muon
@@ -238,6 +237,8 @@ def build(
     else:
         stage, (start, _) = build_stage(blocks, pp_size, pp_rank, costs=costs)
     stage = cast(stage.to(device), torch.float64 if exact else DTYPES[cfg.precision])
+    if cfg.precision == "fp8" and not exact:
+        use_fp8(stage, cfg.fp8.recipe, exclude=cfg.fp8.exclude_patterns)
     if cfg.init_from_hf:  # this rank's slices of the pretrained weights (a resumed run's
         # checkpoint overwrites them, and the optimizer state, in ``open_checkpoints``)
         from fastpar.models.hf import load_pretrained
@@ -249,11 +250,8 @@ def build(
         hf.tie(blocks, mesh)
     elif tied is not None:  # Module.to converts parameters in place: `tied` is still ours
         tie_across_stages(tied, mesh)
-    scaler = (
-        DynamicLossScaler(initial_scale=cfg.loss_scale, device=device)
-        if cfg.precision == "fp16" and not exact
-        else None
-    )
+    fp16 = cfg.precision == "fp16" and not exact
+    scaler = DynamicLossScaler(initial_scale=cfg.loss_scale, device=device) if fp16 else None
     groups = groups_for(cfg, stage, param_groups)
     model, opt = _optimizer(cfg, stage, groups, mesh, scaler, block_types, exact)
     no_sync = None if mesh is None else model.no_sync

@@ -248,17 +248,12 @@ def _plan_fresh(trainer: Trainer, entries) -> str:
     return _new_run_id()
 
 
-def _planned_saves(cfg, start: int) -> set[int]:
-    """The steps after ``start`` this run saves: every --save-every, and the last."""
-    every = range(cfg.save_every, cfg.steps + 1, cfg.save_every) if cfg.save_every else ()
-    return {s for s in (*every, cfg.steps) if s > start}
-
-
 def _refuse_collisions(cfg, entries, run_id: str, start: int) -> None:
     """Another run's checkpoint is never overwritten: refuse, before the first step, a run that
     would save a step another run saved in this directory (--allow-other-run writes beside
     other runs' checkpoints, not over them)."""
-    planned = _planned_saves(cfg, start)
+    every = range(cfg.save_every, cfg.steps + 1, cfg.save_every) if cfg.save_every else ()
+    planned = {s for s in (*every, cfg.steps) if s > start}  # every --save-every, and the last
     clash = [e for e in entries if e.run_id not in (None, run_id) and e.step in planned]
     if clash:
         names = ", ".join(e.name for e in clash[:3]) + (", ..." if len(clash) > 3 else "")

@@ -1,9 +1,8 @@
-"""Checks of a run's flags before any rank starts: each value within the bound its option
-declares (``check_bounds``), the few rules the world-size hint needs first (--top-k, the LR
-schedule, the flags that need --checkpoint-dir), the world size under torchrun (whose hint is a
-layout that itself passes every check) and the ranks' settings alike. Each failure is one
-ValueError line naming the value and the fix; the rules that relate several flags are
-``fastpar.train.config_checks``."""
+"""Checks of a run's flags before any rank starts: each value within the bound its option declares
+(``check_bounds``), the few rules the world-size hint needs first (--top-k, the LR schedule, the
+flags that need --checkpoint-dir), the world size under torchrun (whose hint is a layout that itself
+passes every check) and the ranks' settings alike. Each failure is one ValueError line naming the
+value and the fix; the rules that relate several flags are ``fastpar.train.config_checks``."""
 
 from __future__ import annotations
 

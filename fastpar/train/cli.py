@@ -86,7 +86,6 @@ def build_parser(
         default=None,
         help="read flags from a TOML or JSON file; flags given here override it",
     )
-    own = dict(defaults or {})
     specs = flag_specs()
     for spec in specs:
         if spec.option.group is not None and spec.option.group not in GROUPS:
@@ -96,15 +95,14 @@ def build_parser(
         for spec in specs:
             if spec.option.group == title:
                 _add_flag(where, spec.name, spec.option, spec.default, spec.hint)
-    if own:
-        ap.set_defaults(**own)  # before --config FILE's, which override them
+    if defaults:
+        ap.set_defaults(**defaults)  # before --config FILE's, which override them
     return ap
 
 
 def _add_flag(where, name: str, opt: Option, value, hint) -> None:
-    """The flag of one TrainConfig field, from its ``Option`` (help, words, metavar), its
-    default ``value`` and its type ``hint`` (an Optional's value type: ``int`` of
-    ``int | None``)."""
+    """The flag of one TrainConfig field, from its ``Option`` (help, words, metavar), its default
+    ``value`` and its type ``hint`` (an Optional's value type: ``int`` of ``int | None``)."""
     text = opt.text().replace("%", "%%")  # argparse formats help with %
     metavar = "{" + ",".join(map(str, opt.words)) + "}" if opt.words else opt.metavar
     if name == "recompute":  # a policy; the word alone is full, as it always was
@@ -141,12 +139,6 @@ def _add_flag(where, name: str, opt: Option, value, hint) -> None:
 
 
 # -- --config FILE ----------------------------------------------------------------------------
-def _keys() -> dict[str, str]:
-    """A config file's keys: each flag's flat name, its flag without the dashes, and "model"."""
-    names = [spec.name for spec in flag_specs()]
-    return {**{n: n for n in names}, **{flag(n)[2:]: n for n in names}}
-
-
 def config_file_path(argv: list[str]) -> str | None:
     """The FILE of ``--config FILE`` (or ``--config=FILE``) in ``argv``, the last one given."""
     path = None
@@ -194,7 +186,7 @@ def read_config_file(path: str) -> dict:
     (``batch_size`` or ``batch-size``; ``model`` for --model). An unknown key or a value of the
     wrong type is a ValueError naming the key (and the nearest flag)."""
     hints = {spec.name: spec.hint for spec in flag_specs()}
-    keys = _keys()
+    keys = {**{n: n for n in hints}, **{flag(n)[2:]: n for n in hints}}  # batch-size, model
     values = {}
     for key, value in _flat(read_table(path, "--config", holds="flags")).items():
         name = keys.get(key)

@@ -5,25 +5,19 @@ parsed command line's values)."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import functools
 import os
 import typing
-from dataclasses import MISSING, dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, field, fields
 
-from fastpar.cliutil import Option, lenient, option_of
+from fastpar.cliutil import Flag, Option, declared_flags, lenient, nested_configs, option_of
 from fastpar.data import index_file, tokenizer_eos_id, tokenizer_vocab_size
 from fastpar.models import DeepSeekConfig, GPTConfig, LlamaConfig, native
 from fastpar.models.llama import check_routing_values
 from fastpar.moe.config import ROUTING_DEFAULTS
 from fastpar.parallel.pipeline.recompute import RecomputePolicy
 from fastpar.train.checks import _seconds as _seconds
-from fastpar.train.checks import (
-    check_ranges,
-    infer_dp,
-    node_local_shard,
-    torchrun_world_size,
-)
+from fastpar.train.checks import check_ranges, infer_dp, node_local_shard, torchrun_world_size
 from fastpar.train.config_checks import (
     check_batch_split,
     check_compile,
@@ -38,8 +32,7 @@ from fastpar.train.config_checks import (
     check_words,
 )
 from fastpar.train.memory import check_memory
-from fastpar.train.model_options import ModelOptions
-from fastpar.train.options import TrainOptions
+from fastpar.train.options import ModelOptions, TrainOptions
 
 DESCRIPTION = (
     "Train a GPT, a Llama or a Hugging Face model with DP x TP x PP x EP, ZeRO and mixed precision."
@@ -59,7 +52,8 @@ class TrainConfig(TrainOptions):
     model flags at their defaults. None for an unknown --model (``check`` names it)."""
     other_model_flags: dict = field(default_factory=dict)
     """The model flags --model's config has no field for, given off their defaults (another
-    model's options: ``check`` refuses them naming that model)."""
+    model's options: ``check`` refuses them naming that model). With ``model`` left out, the
+    model flags' values (flat names) its config is made of (``from_flags``)."""
 
     def __post_init__(self) -> None:
         # --recompute's policy: False (none), True (full: the engine's), or a selective one
@@ -68,46 +62,46 @@ class TrainConfig(TrainOptions):
             self.recompute = self.recompute.strip().lower() == "full"
         if self.init_from_hf and not self.hf_config:  # the model is the directory's
             self.hf_config = os.path.join(self.init_from_hf, "config.json")
-        if self.model is None:
-            self.model, self.other_model_flags = self._model_of(self.other_model_flags)
-
-    def _model_of(self, values: dict) -> tuple[Any, dict]:
-        """(--model's config of the model flags' ``values``, the others given off their
-        defaults): ``fastpar.models.native.config_from_flags`` with this run's vocabulary."""
-        try:
-            vocab = self.vocab
-        except (ValueError, ImportError, OSError):  # a bad --tokenizer: check names it
-            vocab = 256
-        return native.config_from_flags(self.model_type, values, vocab_size=vocab)
+        if self.model is None:  # --model's config, with this run's vocabulary
+            try:
+                vocab = self.vocab
+            except (ValueError, ImportError, OSError):  # a bad --tokenizer: check names it
+                vocab = 256
+            self.model, self.other_model_flags = native.config_from_flags(
+                self.model_type, self.other_model_flags, vocab_size=vocab
+            )
 
     @classmethod
     def from_flags(cls, **values) -> TrainConfig:
         """The config of the flags' ``values`` by their flat names (``hidden=64``,
         ``experts=8``, ``untied=True``, ``router_score="sigmoid"``: the --config keys); a flag
         left out keeps its default. The one place the flat names meet the nested fields."""
-        own = {f.name for f in _own_fields()}
-        model, nested = native.model_flags(), {s.name: (h, n) for h, n, s in _nested_specs()}
-        unknown = [k for k in values if k not in own and k not in model and k not in nested]
+        own, model = {f.name for f in _own_fields()}, native.model_flags()
+        held = {f.name: f.path for f in _held_flags()}
+        unknown = [k for k in values if k not in own and k not in model and k not in held]
         if unknown:
             raise TypeError(f"TrainConfig has no flag {unknown[0]!r}")
-        held: dict[str, dict] = {holder: {} for holder, _ in _nested_fields()}
-        for key, (holder, name) in nested.items():
-            if key in values:
-                held[holder][name] = values[key]
-        configs = {
-            holder: lenient(config, **kw)
-            for (holder, config), kw in zip(_nested_fields(), held.values(), strict=True)
-        }
-        cfg = cls(**{k: v for k, v in values.items() if k in own}, **configs)
-        cfg.model, cfg.other_model_flags = cfg._model_of(
-            {k: v for k, v in values.items() if k in model}
+        configs = {}
+        for holder, config in nested_configs(TrainConfig):
+            kw = {p[1]: values[k] for k, p in held.items() if p[0] == holder and k in values}
+            configs[holder] = lenient(config, **kw)
+        mine = {k: v for k, v in values.items() if k in model}  # made into ``model``
+        return cls(
+            **{k: v for k, v in values.items() if k in own}, **configs, other_model_flags=mine
         )
-        return cfg
 
     def flags(self) -> dict:
         """Every flag's value by its flat name, as ``from_flags`` takes them and
-        train_config.json holds them: the trainer's own, then the model's."""
-        return {name: value for name, value in _flag_values(self)}
+        train_config.json holds them, in ``flag_specs``' order: ``ModelOptions``', the model's,
+        the rest of the trainer's own, then its nested configs'."""
+        first = {f.name for f in fields(ModelOptions)}
+        own = [f.name for f in _own_fields()]
+        out = {name: getattr(self, name) for name in own if name in first}
+        out.update(native.flags_of(self.model, self.other_model_flags))
+        out.update({name: getattr(self, name) for name in own if name not in first})
+        for f in _held_flags():
+            out[f.name] = functools.reduce(getattr, f.path, self)
+        return out
 
     def flag_items(self) -> list[tuple[str, Option, object]]:
         """(flat name, ``Option``, value) of every flag, in ``flag_specs``' order."""
@@ -196,8 +190,8 @@ class TrainConfig(TrainOptions):
         check_ranges(self)
         check_outputs(self)
         check_model_flags(self)
-        if self.precision not in ("fp32", "bf16", "fp16"):
-            raise ValueError(f"precision must be fp32, bf16 or fp16, got {self.precision!r}")
+        if self.precision not in ("fp32", "bf16", "fp16", "fp8"):
+            raise ValueError(f"precision must be fp32, bf16, fp16 or fp8, got {self.precision!r}")
         check_schedule(self)
         RecomputePolicy.parse(self.recompute)  # a bad --recompute: ValueError naming it
         check_layout(self)  # the mesh's own refusals (hybrid sharding among them)
@@ -230,80 +224,36 @@ def config_from(args: argparse.Namespace, world: int | None = None) -> TrainConf
         world = torchrun_world_size() if world is None else world
         tp_cp = values["tp"] * (values.get("cp") or 1)  # dp = world / (tp * cp * pp)
         values["dp"] = infer_dp(tp_cp, values["pp"], world, TrainConfig.dp)
-    return TrainConfig.from_flags(
-        **node_local_shard(values)
-    )  # multi-node torchrun: shard in a node
+    return TrainConfig.from_flags(**node_local_shard(values))  # multi-node: shard in a node
 
 
 # -- the flags: the trainer's own fields and the model configs' ------------------------------
-@dataclass(frozen=True)
-class FlagSpec:
-    """One flag of the command: its flat name, its ``Option``, its default (as the flag says
-    it; None for a deferred one) and its value's type."""
-
-    name: str
-    option: Option
-    default: Any
-    hint: Any
-
-
 def _own_fields() -> list:
-    """TrainConfig's fields that are flags (``option``): all but ``model`` and
-    ``other_model_flags``."""
+    """TrainConfig's fields that are flags (``option``): all but ``model``,
+    ``other_model_flags`` and the nested configs."""
     return [f for f in fields(TrainConfig) if option_of(f) is not None]
 
 
-def flag_specs() -> list[FlagSpec]:
+def _held_flags() -> list[Flag]:
+    """The flags TrainConfig's nested configs declare (``OptimizerConfig.name`` is
+    ``--optimizer``), their paths from TrainConfig."""
+    return [f for h, c in nested_configs(TrainConfig) for f in declared_flags(c, (h,))]
+
+
+def flag_specs() -> list[Flag]:
     """Every flag of ``python -m fastpar.train``: ``ModelOptions``' (--model, --hf-config,
-    ...), the registered model configs' (``fastpar.models.native.model_flags``), then the
-    rest of ``TrainOptions``'."""
+    ...), the registered model configs' (``fastpar.models.native.model_flags``), the rest of
+    ``TrainOptions``', then the nested configs'."""
     defaults, hints = TrainConfig(), typing.get_type_hints(TrainConfig)
     own = [
-        FlagSpec(f.name, option_of(f), getattr(defaults, f.name), hints[f.name])
+        Flag(f.name, option_of(f), getattr(defaults, f.name), hints[f.name], (f.name,))
         for f in _own_fields()
     ]
     first = {f.name for f in fields(ModelOptions)}
-    model = [FlagSpec(m.name, m.option, m.default, m.hint) for m in native.model_flags().values()]
-    held = [spec for _, _, spec in _nested_specs()]
+    model = list(native.model_flags().values())
     return (
-        [s for s in own if s.name in first] + model + [s for s in own if s.name not in first] + held
+        [s for s in own if s.name in first]
+        + model
+        + [s for s in own if s.name not in first]
+        + _held_flags()
     )
-
-
-def _nested_fields() -> list[tuple[str, type]]:
-    """TrainConfig's fields that hold a config whose fields are flags (``optimizer``)."""
-    out = []
-    for f in fields(TrainConfig):
-        if option_of(f) is None and f.default_factory is not MISSING:
-            value = f.default_factory()
-            if dataclasses.is_dataclass(value):
-                out.append((f.name, type(value)))
-    return out
-
-
-def _nested_specs() -> list[tuple[str, str, FlagSpec]]:
-    """(TrainConfig field, its config's field, the flag) of every flag a nested config of
-    TrainConfig declares (``OptimizerConfig.name`` is ``--optimizer``)."""
-    out = []
-    for holder, config in _nested_fields():
-        hints = typing.get_type_hints(config)
-        for f in fields(config):
-            if (opt := option_of(f)) is not None:
-                spec = FlagSpec(opt.name or f.name, opt, f.default, hints[f.name])
-                out.append((holder, f.name, spec))
-    return out
-
-
-def _flag_values(cfg: TrainConfig):
-    """(flat name, value) of every flag of ``cfg``, in ``flag_specs``' order."""
-    first = {f.name for f in fields(ModelOptions)}
-    own = [f.name for f in _own_fields()]
-    for name in own:
-        if name in first:
-            yield name, getattr(cfg, name)
-    yield from native.flags_of(cfg.model, cfg.other_model_flags).items()
-    for name in own:
-        if name not in first:
-            yield name, getattr(cfg, name)
-    for holder, name, spec in _nested_specs():
-        yield spec.name, getattr(getattr(cfg, holder), name)

@@ -1,9 +1,6 @@
 """The checks of a run's flags that relate several of them, each a function of the
-``TrainConfig`` ``cfg`` named after what it checks, in the order ``TrainConfig.check`` calls them:
-the outputs, the model's flags (--init-from-hf's, --hf-config's), the data's, the schedule, the
-layout (the mesh's own refusals, hybrid sharding's among them), the optimizer, context
-parallelism, packed documents, the batch's split, --compile, and the words a flag takes. Each failure is one ValueError line
-naming the value and the fix."""
+``TrainConfig`` ``cfg`` named after what it checks, in the order ``TrainConfig.check`` calls them.
+Each failure is one ValueError line naming the value and the fix."""
 
 from __future__ import annotations
 
@@ -80,7 +77,7 @@ def check_model_flags(cfg) -> None:
     foreign = [n for n in native.own_flags() if n not in model.flags]  # others' own flags
     name = _first_changed(cfg, defaults, foreign)
     if name is not None:
-        takes = native.owners(name)
+        takes = [m for m in native.REGISTRY.values() if name in m.flags]
         whose = " and ".join(m.label for m in takes)
         raise ValueError(
             f"{flag(name)} is a {whose} option: add --model "
@@ -93,10 +90,8 @@ def check_init_from_hf(cfg) -> None:
     """--init-from-hf DIR: a save_pretrained directory whose config.json is --hf-config's."""
     from fastpar.models.hf import read_config_json
 
-    what, implied = (
-        f"--init-from-hf {cfg.init_from_hf}",
-        os.path.join(cfg.init_from_hf, "config.json"),
-    )
+    what = f"--init-from-hf {cfg.init_from_hf}"
+    implied = os.path.join(cfg.init_from_hf, "config.json")
     if not os.path.isfile(implied):
         raise ValueError(
             f"{what} holds no config.json: pass a directory written by save_pretrained "
@@ -123,13 +118,7 @@ def check_init_from_hf(cfg) -> None:
 
 def check_hf_config(cfg, defaults) -> None:
     """--hf-config: the model is the config's; fastpar-model flags do not apply."""
-    from fastpar.models.hf import (
-        decoders,
-        has_moe_block,
-        is_masked_lm,
-        load_config,
-        moe_families,
-    )
+    from fastpar.models.hf import decoders, has_moe_block, is_masked_lm, load_config, moe_families
 
     own = (
         "model_type",
@@ -230,6 +219,19 @@ def check_data_flags(cfg) -> None:
         cfg.data_dtype = bin_dtype(cfg.data_dtype, cfg.vocab, cfg.data)
 
 
+#: the refusal of --schedule S with a feature it does not take (``Schedule.refuses``), after
+#: "--schedule S with": ``why`` the schedule's reason, ``use`` the schedules that take it
+REFUSALS = {
+    "selective_recompute": "a selective --recompute ({recompute}): {why}; use --recompute full "
+    "(the stage recomputed once, before its backward) or none",
+    "zero3": "--zero 3 is not supported ({why}); use --zero 0, 1 or 2, or --schedule {use}",
+    "hf_config": "--hf-config is {why}; use --schedule {use}",
+    "fused_ce": "--fused-ce at --pp > 1: {why}; use --schedule {use}, or drop --fused-ce",
+    "sequence_parallel_tp": "--sequence-parallel at --tp > 1 {why}; use --schedule {use}, or "
+    "drop --sequence-parallel",
+}
+
+
 def check_schedule(cfg) -> None:
     """--schedule, --virtual-stages, --microbatch-group-size and the evaluation flags."""
     if cfg.schedule not in SCHEDULES:
@@ -243,7 +245,9 @@ def check_schedule(cfg) -> None:
         "sequence_parallel_tp": cfg.model.sequence_parallel and cfg.tp > 1,
     }
     for feature in [f for f, on in wanted.items() if on and not sched.accepts(f)]:
-        raise ValueError(schedule_refusal(cfg, feature, sched))
+        why, use = sched.refuses[feature], accepting(feature)
+        text = REFUSALS[feature].format(recompute=cfg.recompute, why=why, use=use)
+        raise ValueError(f"--schedule {cfg.schedule} with {text}")
     if not sched.chunked:
         if v != 1:
             raise ValueError(
@@ -284,33 +288,6 @@ def check_schedule(cfg) -> None:
                 f"{cfg.model.layers} layers, head): use --virtual-stages <= {blocks // cfg.pp} "
                 f"or --layers >= {cfg.pp * v - 2}"
             )
-
-
-def schedule_refusal(cfg, feature: str, sched) -> str:
-    """The message refusing ``cfg``'s --schedule with ``feature`` (``Schedule.refuses``): the
-    schedule's reason, and what to use instead."""
-    why, head = sched.refuses[feature], f"--schedule {cfg.schedule} with"
-    if feature == "selective_recompute":
-        return (
-            f"{head} a selective --recompute ({cfg.recompute}): {why}; use --recompute full "
-            "(the stage recomputed once, before its backward) or none"
-        )
-    if feature == "zero3":
-        return (
-            f"{head} --zero 3 is not supported ({why}); use --zero 0, 1 or 2, or --schedule "
-            f"{accepting('zero3')}"
-        )
-    if feature == "hf_config":
-        return f"{head} --hf-config is {why}; use --schedule {accepting('hf_config')}"
-    if feature == "fused_ce":
-        return (
-            f"{head} --fused-ce at --pp > 1: {why}; use --schedule {accepting('fused_ce')}, or "
-            "drop --fused-ce"
-        )
-    return (
-        f"{head} --sequence-parallel at --tp > 1 {why}; use --schedule "
-        f"{accepting('sequence_parallel_tp')}, or drop --sequence-parallel"
-    )
 
 
 def mesh_layout(cfg) -> MeshLayout:

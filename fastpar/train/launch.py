@@ -35,9 +35,8 @@ def _rank_main(cfg: TrainConfig, tokens=None) -> list[dict]:
 
 def flight_dir(cfg: TrainConfig, temporary: bool = True) -> str | None:
     """Where a failed run's ranks write their flight records: ``FASTPAR_FLIGHT_DIR``, else
-    ``flight/`` in --checkpoint-dir, else beside --metrics-file; else a directory in the
-    system's temporary one (``temporary``; None: the launcher's own, removed after its
-    analysis)."""
+    ``flight/`` in --checkpoint-dir, else beside --metrics-file; else a directory in the system's
+    temporary one (``temporary``; None: the launcher's own, removed after its analysis)."""
     if os.environ.get(DIR_VAR):
         return os.environ[DIR_VAR]
     if cfg.checkpoint_dir:

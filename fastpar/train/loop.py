@@ -49,11 +49,8 @@ def run(cfg: TrainConfig, tokens=None) -> list[dict]:
             dp_shard=cfg.dp_shard,
             dp_replicate=cfg.dp_replicate,
         )
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if dist.get_backend() == "nccl"
-            else torch.device("cpu")
-        )
+        nccl = dist.get_backend() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         trainer = Trainer(cfg, mesh, device, tokens)
         if cfg.compile:
             compile_blocks(trainer.stage_module)
@@ -150,9 +147,8 @@ class SyncPoint:
         self.compile_s, self.compile_steps = 0.0, 0  # --compile: the first step's time
 
     def compiled(self) -> None:
-        """After the first step of a --compile run: its time (compiling included) is kept out
-        of the ETA's rate and of the run's tokens/s (a device sync when it was no sync
-        point)."""
+        """After the first step of a --compile run: its time (compiling included) is kept out of the
+        ETA's rate and of the run's tokens/s (a device sync when it was no sync point)."""
         if self.compile_steps:  # the first step was a sync point: marked there
             return
         if self.trainer.device.type == "cuda":

@@ -55,7 +55,7 @@ def stage_bytes(cfg) -> list[int]:
     tp, pp, v = cfg.tp, cfg.pp, sched.virtual_stages
     sp = tp if cfg.model.sequence_parallel else 1
     tokens = (cfg.batch_size // cfg.dp // cfg.microbatches) * cfg.model.seq_len
-    size = 2 if cfg.precision in ("bf16", "fp16") else 4
+    size = 2 if cfg.precision in ("bf16", "fp16", "fp8") else 4
     act = model.activation_bytes(tp, sp, size, cfg.fused_ce)
     depth = getattr(model, "mtp_depth", 0)
     kinds = [act.moe if model.is_moe(i) else act.dense for i in range(model.layers + depth)]
@@ -93,10 +93,9 @@ def stage_bytes(cfg) -> list[int]:
 
 
 def activation_bytes(cfg) -> tuple[int, int] | None:
-    """(the busiest rank, the whole world): the bytes of activations kept for backward at a
-    rank's peak in a step (``stage_bytes``); the world's is the sum of every rank's peak
-    (reached within the same step). None for a --hf-config model (its blocks are Hugging
-    Face's)."""
+    """(the busiest rank, the whole world): the bytes of activations kept for backward at a rank's
+    peak in a step (``stage_bytes``); the world's is the sum of every rank's peak (reached within
+    the same step). None for a --hf-config model (its blocks are Hugging Face's)."""
     if cfg.hf_config:
         return None
     peaks = stage_bytes(cfg)

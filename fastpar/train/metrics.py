@@ -70,12 +70,6 @@ def resolve(records: list[dict], mesh: ParallelMesh, device: torch.device) -> No
             r["mtp_loss"] = value / ranks
 
 
-def _is_embedding(module: torch.nn.Module) -> bool:
-    from fastpar.nn import VocabParallelEmbedding
-
-    return isinstance(module, (torch.nn.Embedding, VocabParallelEmbedding))
-
-
 def param_counts(
     module: torch.nn.Module, mesh: ParallelMesh | None, device: torch.device
 ) -> dict[str, int]:
@@ -83,8 +77,10 @@ def param_counts(
     ``total``; ``embedding`` (of embedding tables); ``experts`` (of fastpar MoE layers' experts,
     the router and shared experts left out)."""
     from fastpar.moe import moe_layers
+    from fastpar.nn import VocabParallelEmbedding
 
-    embedding = {id(p) for m in module.modules() if _is_embedding(m) for p in m.parameters()}
+    tables = (torch.nn.Embedding, VocabParallelEmbedding)
+    embedding = {id(p) for m in module.modules() if isinstance(m, tables) for p in m.parameters()}
     experts = {  # routed experts only: not the router, not shared experts
         id(p) for m in moe_layers(module) for p in m.parameters() if is_expert(p)
     }

@@ -1,10 +1,7 @@
 """The trainer's flags of ``python -m fastpar.train``, each declared once, as a field of
-``TrainOptions`` (``TrainConfig``'s fields; the model-choosing ones in
-``fastpar.train.model_options``) with its help, --help section, words, metavar and bound in its
-metadata (``fastpar.cliutil.option``). The model's flags are its config's fields (the shape in
-``fastpar.models.shape``, the MoE routing in ``fastpar.moe.config``:
-``fastpar.models.native.model_flags``). The parser derives from both
-(``fastpar.train.cli.build_parser``, ``fastpar.train.config.flag_specs``)."""
+``TrainOptions`` (``fastpar.cliutil.option``; the model-choosing ones of its base ``ModelOptions``);
+the model's flags are its config's fields (``fastpar.models.native.model_flags``). The parser
+derives from both (``fastpar.train.config.flag_specs``)."""
 
 from __future__ import annotations
 
@@ -13,8 +10,11 @@ from dataclasses import dataclass, field
 
 from fastpar.cliutil import option
 from fastpar.data import BIN_DTYPES
-from fastpar.models.shape import LAYOUT
+from fastpar.models import native
+from fastpar.models.shape import LAYOUT, MODEL
 from fastpar.moe.config import ROUTING
+from fastpar.nn import styles
+from fastpar.nn.fp8_config import Fp8Config
 from fastpar.optim.config import OptimizerConfig
 from fastpar.parallel.pipeline.schedules import SCHEDULES
 from fastpar.train.checks import (
@@ -25,7 +25,6 @@ from fastpar.train.checks import (
     TIMEOUT_LIMIT,
     default_collective_timeout,
 )
-from fastpar.train.model_options import MODEL, ModelOptions
 
 TRAINING, DATA = "training", "data"
 CHECKPOINTS, EVALUATION, OUTPUT, FAILURES = "checkpoints", "evaluation", "output", "failures"
@@ -34,10 +33,54 @@ GROUPS = (LAYOUT, MODEL, ROUTING, TRAINING, DATA, CHECKPOINTS, EVALUATION, OUTPU
 
 
 @dataclass
+class ModelOptions:
+    """The flags that choose the model (``option(resume=...)``: what resuming a checkpoint with
+    another value does)."""
+
+    model_type: str = option(
+        "gpt",
+        MODEL,
+        words=native.REGISTRY,
+        help="the model: fastpar's GPT, its Llama (GQA, RoPE, SwiGLU, RMSNorm), or its "
+        "DeepSeek-V3 class (multi-head latent attention, DeepSeekMoE after --first-k-dense "
+        "dense blocks)",
+        resume="refuse",
+    )
+    hf_config: str | None = option(
+        None,
+        MODEL,
+        metavar="FILE",
+        help="a Hugging Face config.json: train that model (random init) with its family's "
+        "built-in plan instead of the GPT / Llama",
+    )
+    vocab_size: int | None = option(
+        None, MODEL, help="vocabulary size (default: the tokenizer's, else 256 bytes)"
+    )
+    init_from_hf: str | None = option(
+        None,
+        MODEL,
+        metavar="DIR",
+        help="a local Hugging Face directory (config.json + *.safetensors, as save_pretrained "
+        "writes it): train that model from its weights (implies --hf-config DIR/config.json; "
+        "each rank reads its slices; fresh optimizer, step 0; --resume's checkpoint wins)",
+    )
+    plan: str | None = option(
+        None,
+        MODEL,
+        metavar="FILE",
+        help=lambda: (
+            "with --hf-config: the tensor-parallel plan, a TOML or JSON table of "
+            f"module-name pattern -> style ({styles.listing()}; or [style, {{options}}]) as "
+            "fastpar.parallelize takes it, for a family without a built-in plan (or to replace "
+            "it); the LM head's logits stay split over the vocabulary"
+        ),
+    )
+
+
+@dataclass
 class TrainOptions(ModelOptions):
     """The trainer's flags: one field each, listed by --help section (``GROUPS``); the
-    optimizer's are ``OptimizerConfig``'s fields, held as ``optimizer``. The model's flags, its
-    routing ones included, are its config's fields (``fastpar.models.native.model_flags``)."""
+    optimizer's are ``OptimizerConfig``'s fields, held as ``optimizer``."""
 
     tp: int = option(
         2, LAYOUT, "tensor-parallel size: ranks that split every layer's matrices", at_least=1
@@ -151,9 +194,9 @@ class TrainOptions(ModelOptions):
     precision: str = option(
         "fp32",
         TRAINING,
-        words=("fp32", "bf16", "fp16"),
-        help="parameters and activations (fp32 master weights for bf16 / fp16; fp16 adds a dynamic "
-        "loss scaler)",
+        words=("fp32", "bf16", "fp16", "fp8"),
+        help="parameters and activations (fp32 master weights for bf16 / fp16 / fp8; fp16 adds a "
+        "dynamic loss scaler; fp8: bf16 with the linear layers' GEMMs in fp8, --fp8-recipe)",
         resume="warn",
     )
     lr: float = option(3e-3, TRAINING, "peak learning rate (AdamW)", positive=True)
@@ -248,9 +291,7 @@ class TrainOptions(ModelOptions):
         help="the end-of-document token id that splits --data into documents",
     )
     reset_positions: bool = option(
-        True,
-        DATA,
-        help="with --pack documents: positions restart at 0 at each document start",
+        True, DATA, help="with --pack documents: positions restart at 0 at each document start"
     )
     checkpoint_dir: str | None = option(
         None,
@@ -274,9 +315,7 @@ class TrainOptions(ModelOptions):
         note="0: keep every checkpoint",
     )
     resume: bool = option(
-        False,
-        CHECKPOINTS,
-        help="continue from the newest usable checkpoint in --checkpoint-dir",
+        False, CHECKPOINTS, help="continue from the newest usable checkpoint in --checkpoint-dir"
     )
     allow_fresh: bool = option(
         False,
@@ -401,3 +440,5 @@ class TrainOptions(ModelOptions):
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """The optimizer and its state's dtype (``--optimizer``, ``--muon-momentum``,
     ``--muon-per-head``, ``--optimizer-state-dtype``: ``OptimizerConfig``'s flags)."""
+    fp8: Fp8Config = field(default_factory=Fp8Config)
+    """--precision fp8's recipe and filter (``--fp8-recipe``, ``--fp8-exclude``)."""

@@ -22,14 +22,6 @@ def model_label(cfg) -> str:
     return f"{read_config_json(cfg.hf_config)['model_type']} (--hf-config {cfg.hf_config})"
 
 
-def has_moe(cfg) -> bool:
-    """Whether fastpar's model has MoE blocks (every --moe-every-th of --layers)."""
-    if cfg.hf_config:
-        return False
-    model = cfg.model
-    return any(model.is_moe(i) for i in range(model.layers + getattr(model, "mtp_depth", 0)))
-
-
 def moe_text(cfg) -> str:
     """The MoE settings in a few words: where the blocks are, then ``moe_router``'s and
     ``moe_experts``' own words (``RouterConfig.words``, ``ExpertConfig.words``)."""
@@ -59,11 +51,11 @@ def math_settings(cfg) -> list[str]:
         out.append("packed documents")
     if cfg.plan:
         out.append(f"--plan {cfg.plan}")
-    if has_moe(cfg):
-        out.append(moe_text(cfg))
+    model, depth = cfg.model, getattr(cfg.model, "mtp_depth", 0)
+    if not cfg.hf_config and any(model.is_moe(i) for i in range(model.layers + depth)):
+        out.append(moe_text(cfg))  # fastpar's model has MoE blocks
     if cfg.optimizer.state_dtype != "fp32":
         out.append(f"AdamW moments in {cfg.optimizer.state_dtype}")
-    depth = getattr(cfg.model, "mtp_depth", 0)
     if depth:
         out.append(f"MTP depth {depth} (loss coef {cfg.model.mtp_loss_coef:g})")
     return out
@@ -84,7 +76,7 @@ def header_line(cfg, backend: str, total_params: int, held: int) -> str:
         f"fastpar.train: {model_label(cfg)}, world {cfg.world_size} = dp {cfg.dp}"
         f"{hybrid_text(cfg)} x tp {cfg.tp} "
         f"x pp {cfg.pp}{f' x cp {cfg.cp}' if cfg.cp > 1 else ''} (ep {cfg.ep}), ZeRO-{cfg.zero}, "
-        f"{cfg.precision}, {cfg.schedule_label} x {cfg.microbatches} micro-batches, {backend}; "
+        f"{cfg.precision}{f' {cfg.fp8.recipe}' if cfg.precision == 'fp8' else ''}, {cfg.schedule_label} x {cfg.microbatches} micro-batches, {backend}; "
         f"{'; '.join(math_settings(cfg))}; {total_params:,} parameters, rank 0 holds {held:,}"
     )
 

@@ -98,10 +98,7 @@ def _blocks(t: torch.Tensor) -> list[tuple[tuple[slice, ...], tuple[slice, ...]]
     maps = _dim_maps(t)[0]
     per_dim = [_dim_runs(m) for m in maps]
     return [
-        (
-            tuple(slice(lo, lo + n) for lo, _, n in box),
-            tuple(slice(g, g + n) for _, g, n in box),
-        )
+        (tuple(slice(lo, lo + n) for lo, _, n in box), tuple(slice(g, g + n) for _, g, n in box))
         for box in itertools.product(*per_dim)
     ]
 

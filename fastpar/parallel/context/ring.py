@@ -100,10 +100,6 @@ def _wait(works: list) -> None:
             stats["transfers"] += 1
 
 
-def _expand(kv: torch.Tensor, rep: int) -> torch.Tensor:
-    return kv if rep == 1 else kv.repeat_interleave(rep, dim=1)
-
-
 def _pairs(cp: int, me: int, src: int):
     """(query chunk slot, key chunk slot, causal) for the pairs that see each other."""
     qa, ka = rank_chunks(cp, me), rank_chunks(cp, src)
@@ -278,7 +274,7 @@ def _ring_blocks(kv: torch.Tensor, shapes, group, rep: int):
         works = []
         if step < cp - 1:
             nxt, works = _exchange(kv, group)
-        kb, vb = (_expand(t, rep) for t in _unpack(kv, *shapes))
+        kb, vb = (t if rep == 1 else t.repeat_interleave(rep, dim=1) for t in _unpack(kv, *shapes))
         yield (me - step) % cp, kb, vb
         _wait(works)
         if step < cp - 1:

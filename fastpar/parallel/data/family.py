@@ -241,12 +241,11 @@ class FlatDataParallel(OptimizerFront):
             plain.all_reduce(t, group=g)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The next backward accumulates from zero, at every stage. Gradients live in this
-        wrapper's buffers, reused in place. ``set_to_none`` (default): between steps every
-        ``.grad`` is None, and the next backward's first gradient of each parameter is copied
-        into its view (no pass zeroing the buffer, as torch's DDP does with
-        ``gradient_as_bucket_view``); False: at stages 0 and 1 each ``.grad`` is its zeroed
-        view (stages 2, 3 keep no full gradients: None)."""
+        """The next backward accumulates from zero, at every stage. Gradients live in this wrapper's
+        buffers, reused in place. ``set_to_none`` (default): between steps every ``.grad`` is None,
+        and the next backward's first gradient of each parameter is copied into its view (no pass
+        zeroing the buffer, as torch's DDP does with ``gradient_as_bucket_view``); False: at stages
+        0 and 1 each ``.grad`` is its zeroed view (stages 2, 3 keep no full gradients: None)."""
         for f in self.flats:
             f.holds_reduced = False
             if f.reduced is not None and not f.in_place:

@@ -104,10 +104,9 @@ class Replicate(FlatDataParallel, nn.Module):
 
 
 class Shard(FlatDataParallel, nn.Module):
-    """ZeRO stage 1 (optimizer state and masters sharded), 2 (gradients too) or 3 (parameters
-    too, gathered per unit around its forward and backward). Arguments: docs/layouts.md.
-    Between steps at stage 3 the parameters are empty tensors: read them inside
-    ``summon_full_params()``."""
+    """ZeRO stage 1 (optimizer state and masters sharded), 2 (gradients too) or 3 (parameters too,
+    gathered per unit around its forward and backward). Arguments: docs/layouts.md. Between steps at
+    stage 3 the parameters are empty tensors: read them inside ``summon_full_params()``."""
 
     def __init__(
         self,

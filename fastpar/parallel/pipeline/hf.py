@@ -55,10 +55,7 @@ class HFEmbedding(nn.Module):
 
     def __init__(self, model: nn.Module, mask_kinds: list[str]) -> None:
         super().__init__()
-        from transformers.masking_utils import (
-            create_causal_mask,
-            create_sliding_window_causal_mask,
-        )
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         builders = {
             "full_attention": create_causal_mask,

@@ -90,8 +90,7 @@ class Steps:
         return Action(k, kind, i, c, s, s == 0, s == self.last_vs, label)
 
     def recv_need(self, k: int):
-        """What action ``k`` receives before its compute: ``(peer, tag)``, None, or
-        ``_UNKNOWN``."""
+        """What action ``k`` receives before its compute: ``(peer, tag)``, None, or ``_UNKNOWN``."""
         a = self.action(k)
         return self.step(a.kind).recv(a, self)
 
@@ -340,9 +339,8 @@ class StepRunner:
         return loss / self.schedule.num_microbatches
 
     def _send_input_grad(self, x, p2p, tag: int) -> None:
-        """The gradient of this chunk's input, to the previous virtual stage: of the tensor if
-        it requires grad, or of each tuple slot that does (zeros for one the chunk did not
-        use)."""
+        """The gradient of this chunk's input, to the previous virtual stage: of the tensor if it
+        requires grad, or of each tuple slot that does (zeros for one the chunk did not use)."""
         if isinstance(x, torch.Tensor):
             if x.requires_grad:
                 p2p.send(x.grad, p2p.prev, tag=tag)

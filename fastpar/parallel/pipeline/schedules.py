@@ -90,12 +90,11 @@ class Schedule:
         sizes: Sequence[float] | None = None,
         stored: Sequence[float] | None = None,
     ) -> float:
-        """The peak, over this rank's steps, of what its forwards keep until their backward
-        (a split backward's W, which frees the graph B kept): ``sizes[c]`` for each
-        micro-batch of chunk c that ran forward and not yet backward (default 1 a chunk:
-        chunk-forwards in flight), plus, for a schedule that ``splits_backward``,
-        ``stored[c]`` for each whose B ran and W not (what B keeps for W: the output
-        gradients, a recomputed graph; default nothing)."""
+        """The peak, over this rank's steps, of what its forwards keep until their backward (a split
+        backward's W, which frees the graph B kept): ``sizes[c]`` for each micro-batch of chunk c
+        that ran forward and not yet backward (default 1 a chunk: chunk-forwards in flight), plus,
+        for a schedule that ``splits_backward``, ``stored[c]`` for each whose B ran and W not (what
+        B keeps for W: the output gradients, a recomputed graph; default nothing)."""
         v = self.virtual_stages
         sizes = [1.0] * v if sizes is None else list(sizes)
         stored = [0.0] * v if stored is None else list(stored)

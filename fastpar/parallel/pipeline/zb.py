@@ -10,9 +10,10 @@ import contextlib
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-#: custom autograd Functions whose backward may run twice over one graph (pure, no collective,
-#: context kept): by the forward class's name
-RERUNNABLE = {"_GroupedLinear"}
+#: custom autograd Functions whose backward may run twice over one graph (pure, context kept; a
+#: collective only one every rank of its group reruns alike): by the forward class's name.
+#: fastpar.ops.fp8_linear's reruns its gradient's amax max-reduction over TP and both GEMMs
+RERUNNABLE = {"_GroupedLinear", "Fp8LinearFunction"}
 
 #: compute the weight-side gradients of torch's matrix products directly (docs/pipelines.md)
 DIRECT = True
