@@ -335,3 +335,31 @@ def _dropout_column(sp: bool) -> None:
 @pytest.mark.parametrize("world", [1, 2])
 def test_column_dropout_draws_the_single_process_mask(world):
     run_ranks(lambda: [_dropout_column(sp) for sp in (False, True)], world)
+
+
+def _fp8_base() -> None:
+    """A frozen base whose GEMM is in fp8 (``use_fp8``, tensorwise; emulated on a CPU) keeps it
+    under the adapter: with B at PEFT's zero, the LoRA layer's output and input gradient are the
+    fp8 base's bit for bit (adding exact zeros), and differ from the high-precision base's."""
+    from fastpar.nn.fp8_apply import use_fp8
+
+    for make in (ColumnParallelLinear, RowParallelLinear):
+        torch.manual_seed(0)
+        base = make(64, 64, dtype=torch.bfloat16)
+        assert use_fp8(nn.ModuleDict({"layer": base}), "tensorwise") == ["layer"]
+        shape = (S, B_, 64 // dist.get_world_size() if make is RowParallelLinear else 64)
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(1)).bfloat16()
+        runs = []
+        for module in (base, LoRALinear(base, R, ALPHA)):
+            xi = x.clone().requires_grad_()
+            y = module(xi)
+            y.float().square().sum().backward()
+            runs.append((y.detach(), xi.grad))
+        assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+        use_fp8(nn.ModuleDict({"layer": base}), None)
+        assert not torch.equal(base(x), runs[0][0])  # the fp8 GEMM was in use
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_fp8_base_keeps_its_gemm(world):
+    run_ranks(_fp8_base, world)
