@@ -40,8 +40,16 @@ def _step(case: str, metrics: Path, **extra) -> tuple[TrainConfig, list[dict]]:
     """Train ``case`` for 6 steps; (its config, the metrics rows of steps 3-6: the first two
     warm the allocator and the kernels)."""
     cfg = TrainConfig.from_flags(
-        tp=1, pp=1, dp=1, ep=1, batch_size=4, steps=6, quiet=True, log_every=1,
-        metrics_file=str(metrics), **{**SHAPE, **CASES[case], **extra},
+        tp=1,
+        pp=1,
+        dp=1,
+        ep=1,
+        batch_size=4,
+        steps=6,
+        quiet=True,
+        log_every=1,
+        metrics_file=str(metrics),
+        **{**SHAPE, **CASES[case], **extra},
     )
     launch(cfg)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]

@@ -64,6 +64,8 @@ SECOND_PATH=(
     tests/test_parity.py::test_the_readme_plan_agrees_for_every_seed
     tests/test_parity.py::test_check_parallel_on_a_model_defined_here
     tests/test_nn_linear.py tests/test_amp_norm.py tests/test_fp8_linear.py
+    tests/test_nn_lora.py tests/test_lora_models.py
+    tests/test_lora_peft.py::test_tp_matches_peft_single_process
     tests/test_moe_hf_blocks.py tests/test_moe_grouped_gemm.py
     tests/test_nn_parallelize_hf.py::test_training_under_every_data_parallel_wrapper[llama-tp2-dp2]
     tests/test_nn_parallelize_hf.py::test_training_under_every_data_parallel_wrapper[mistral-tp2-dp2]

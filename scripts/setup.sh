@@ -47,7 +47,7 @@ fi
 python -m pip install "setuptools>=77" ninja pybind11
 # builds the C++ extension fastpar._C too (about a minute: torch's headers are large); a machine
 # without a compiler still gets a working fastpar (FASTPAR_NO_EXTENSION=1 skips the build)
-python -m pip install --no-build-isolation -e "$ROOT[test,lint,hf,bench,tensorboard,peers]"
+python -m pip install --no-build-isolation -e "$ROOT[test,lint,hf,bench,tensorboard,peers,peft]"
 python -c "import torch, fastpar; print('fastpar setup: ok, fastpar', fastpar.__version__, 'torch', torch.__version__)"
 rm -f "$VENV"/.fastpar-setup-*
 touch "$stamp"
