@@ -180,7 +180,10 @@ class ColumnParallelLinear(_FromDense, nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, adapter=None):
+        """``adapter(x, y)``: what becomes of this rank's output columns ``y`` (of the input
+        ``x`` as the GEMM read it, inside the TP region) before any gather; a LoRA adapter's
+        sum (``fastpar.nn.lora``)."""
         if x.shape[-1] != self.in_features:
             raise ValueError(
                 f"ColumnParallelLinear expects input [..., {self.in_features}], got {tuple(x.shape)}"
@@ -192,6 +195,8 @@ class ColumnParallelLinear(_FromDense, nn.Module):
             x = copy_to_region(x, self.group)
         bias = None if self.skip_bias_add else self.bias
         y = self._linear(x, bias, column_splits)
+        if adapter is not None:
+            y = adapter(x, y)
         if self.gather_output:
             y = gather_from_region(y, self.group, dim=-1)
             if y.shape[-1] != self.out_features:
@@ -260,7 +265,9 @@ class RowParallelLinear(_FromDense, nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, adapter=None):
+        """``adapter(x, y)``: what becomes of this rank's partial product ``y`` (of its input
+        columns ``x``) before the reduction over TP; a LoRA adapter's sum (``fastpar.nn.lora``)."""
         expected = self.in_per_rank if self.input_is_parallel else self.in_features
         if x.shape[-1] != expected:
             raise ValueError(
@@ -271,6 +278,8 @@ class RowParallelLinear(_FromDense, nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.group, dim=-1)
         y = self._linear(x, None, row_splits)
+        if adapter is not None:
+            y = adapter(x, y)
         if self.sequence_parallel:
             y = reduce_scatter_all_gather(y, self.group, self.sequence_dim)
         else:

@@ -30,14 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastpar.comm import (
-    all_gather_reduce_scatter,
     copy_to_region,
-    gather_from_region,
     group_rank,
     group_size,
-    reduce_from_region,
-    reduce_scatter_all_gather,
-    scatter_to_region,
 )
 from fastpar.mesh.placement import mark_replicated, mark_sharded
 from fastpar.nn.linear import (
@@ -47,7 +42,6 @@ from fastpar.nn.linear import (
     _pad_rows,
     is_conv1d,
 )
-from fastpar.ops.fp8_linear import column_splits, row_splits
 
 ALIASES = {
     "q": "q_proj",
@@ -172,50 +166,20 @@ class LoRALinear(nn.Module):
         return (result + self._adapter(x, self.lora_A, self.lora_B)).to(result.dtype)
 
     def _column(self, x: torch.Tensor):
-        # ColumnParallelLinear.forward, with the adapter inside the same TP region
-        base = self.base_layer
-        if x.shape[-1] != base.in_features:
-            raise ValueError(
-                f"ColumnParallelLinear expects input [..., {base.in_features}], got {tuple(x.shape)}"
-            )
-        base._check_input(x)
-        if base.sequence_parallel:
-            x = all_gather_reduce_scatter(x, self.group, base.sequence_dim)
-        else:
-            x = copy_to_region(x, self.group)
-        bias = None if base.skip_bias_add else base.bias
-        y = base._linear(x, bias, column_splits)  # the base's GEMM (in fp8 where it says so)
-        a = copy_to_region(self.lora_A, self.group)  # A's gradient: a sum over output columns
-        y = (y + self._adapter(x, a, self.lora_B)).to(y.dtype)
-        if base.gather_output:
-            y = gather_from_region(y, self.group, dim=-1)
-            if y.shape[-1] != base.out_features:
-                y = y[..., : base.out_features]
-        return (y, base.bias) if base.skip_bias_add else y
+        # inside the base's TP region: A's gradient is a sum over the output columns
+        def adapter(x, y):
+            a = copy_to_region(self.lora_A, self.group)
+            return (y + self._adapter(x, a, self.lora_B)).to(y.dtype)
+
+        return self.base_layer(x, adapter=adapter)
 
     def _row(self, x: torch.Tensor):
-        # RowParallelLinear.forward, the adapter's partial product added before its reduction
-        base = self.base_layer
-        expected = base.in_per_rank if base.input_is_parallel else base.in_features
-        if x.shape[-1] != expected:
-            raise ValueError(
-                f"RowParallelLinear expects input [..., {expected}] "
-                f"(input_is_parallel={base.input_is_parallel}), got {tuple(x.shape)}"
-            )
-        base._check_input(x)
-        if not base.input_is_parallel:
-            x = scatter_to_region(x, self.group, dim=-1)
-        y = base._linear(x, None, row_splits)
-        b = copy_to_region(self.lora_B, self.group)  # B's gradient: a sum over ranks
-        y = (y + self._adapter(x, self.lora_A, b)).to(y.dtype)
-        if base.sequence_parallel:
-            y = reduce_scatter_all_gather(y, self.group, base.sequence_dim)
-        else:
-            y = reduce_from_region(y, self.group)
-        if base.bias is None:
-            return (y, None) if base.skip_bias_add else y
-        bias = copy_to_region(base.bias, self.group) if base.sequence_parallel else base.bias
-        return (y, bias) if base.skip_bias_add else y + bias
+        # the adapter's partial product added before the base's reduction over TP
+        def adapter(x, y):
+            b = copy_to_region(self.lora_B, self.group)  # B's gradient: a sum over ranks
+            return (y + self._adapter(x, self.lora_A, b)).to(y.dtype)
+
+        return self.base_layer(x, adapter=adapter)
 
     def delta_weight(self) -> torch.Tensor:
         """This rank's part of (alpha / r) · B · A, laid out as the base's ``weight`` (a
