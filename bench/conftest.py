@@ -75,6 +75,12 @@ QUICK = {
         "test_fp8_quantize[fastpar-rowwise-1024x1024]",
         "test_fp8_quantize[torch-rowwise-1024x1024]",
     ],
+    "test_bench_fp8_linear.py": [
+        "test_linear_step[bf16]",
+        "test_linear_step[tensorwise]",
+        "test_linear_step[rowwise]",
+        "test_linear_step[blockwise]",
+    ],
     "test_bench_parallelize_check.py": ["test_check_cost_over_the_build[4M-4layers]"],
     "test_bench_harness.py": [
         "test_fork_noop[2]",

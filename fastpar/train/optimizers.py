@@ -32,7 +32,7 @@ def check_per_head(cfg) -> None:
     GPT and Llama do): AdamW, DeepSeek's latent attention, Hugging Face models (docs/muon.md)."""
     if not cfg.optimizer.muon_per_head:
         return
-    model = f"--hf-config {cfg.hf_config}" if cfg.hf_config else f"--model-type {cfg.model_type}"
+    model = f"--hf-config {cfg.hf_config}" if cfg.hf_config else f"--model {cfg.model_type}"
     if (
         cfg.optimizer.name != "muon"
         or cfg.hf_config
@@ -60,7 +60,7 @@ def check_hf_muon(cfg) -> None:
         raise ValueError(
             f"--optimizer muon with --hf-config {model_type}: its {what} are separate matrices "
             "that only the parallel plan marks, so one process would orthogonalise them as one; "
-            "use --optimizer adamw for this family (or fastpar's own --model-type with --optimizer "
+            "use --optimizer adamw for this family (or fastpar's own --model with --optimizer "
             "muon)"
         )
 
