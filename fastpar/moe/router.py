@@ -20,13 +20,6 @@ from fastpar.moe.config import SCORES, RouterConfig
 from fastpar.reference.precision import upcast
 
 
-def router_config(router: RouterConfig | None, options: dict) -> RouterConfig:
-    """``router`` (default ``RouterConfig()``) with ``options`` (its fields by name) on top."""
-    if router is None:
-        return RouterConfig(**options)
-    return dataclasses.replace(router, **options) if options else router
-
-
 @dataclass
 class Routing:
     """A router's decision for T tokens.
@@ -81,25 +74,22 @@ class TopKRouter(nn.Module):
         **options,
     ) -> None:
         super().__init__()
-        cfg = router_config(router, options)
+        cfg = dataclasses.replace(router or RouterConfig(), **options)
         self.group_score_topk = cfg.check(num_experts, top_k)
         self.config = cfg
         self.num_experts, self.top_k = num_experts, top_k
-        self.capacity_factor, self.min_capacity = cfg.capacity_factor, cfg.min_capacity
-        self.drop_policy, self.drop_weights = cfg.drop_policy, cfg.drop_weights
+        self.capacity_factor, self.drop_policy = cfg.capacity_factor, cfg.drop_policy
         self.normalize_topk = top_k > 1 if cfg.normalize_topk is None else cfg.normalize_topk
         self.score, self.scaling_factor = cfg.score, cfg.scaling_factor
         self.num_groups, self.group_topk = cfg.num_groups, cfg.group_topk
         self.bias_update_rate, self.aux_loss = cfg.bias_update_rate, cfg.aux_loss
         self.aux_loss_coef, self.z_loss_coef = cfg.aux_loss_coef, cfg.z_loss_coef
-        self.jitter = cfg.jitter
-        expert_bias = cfg.expert_bias
         # the TP group this router's tokens are split over (a sequence-parallel MoE sets it:
         # ``fastpar.moe.tp``); its aux statistics and expert-bias counts are summed over it
         self.token_group: dist.ProcessGroup | None = None
         gate = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=torch.float32)
         self.weight = nn.Parameter(gate.weight.detach())
-        if expert_bias:
+        if cfg.expert_bias:
             zeros = torch.zeros(num_experts, dtype=torch.float32, device=device)
             self.register_buffer("expert_bias", zeros)
             counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
@@ -115,8 +105,8 @@ class TopKRouter(nn.Module):
         if valid is not None:
             valid = _check_valid(valid, x.shape[0], x.device)
         h = upcast(x)  # fp32 (float64 for the exact reference)
-        if self.training and self.jitter > 0:
-            noise = torch.empty_like(h).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
+        if self.training and self.config.jitter > 0:
+            noise = torch.empty_like(h).uniform_(1.0 - self.config.jitter, 1.0 + self.config.jitter)
             h = h * noise
         logits = F.linear(h, self.weight.to(h.dtype))
         router_probs = SCORES[self.score].probs(logits)
@@ -141,7 +131,7 @@ class TopKRouter(nn.Module):
             flat = ranked.t().reshape(-1)  # choice-major pairs j·T + t
             order = torch.sort(flat, descending=True, stable=True).indices
         capacity = capacity_for(
-            t, self.num_experts, self.top_k, self.capacity_factor, self.min_capacity
+            t, self.num_experts, self.top_k, self.capacity_factor, self.config.min_capacity
         )
         return Routing(ids, probs, order, capacity, router_probs, logits, seq_len, valid)
 
@@ -170,14 +160,9 @@ class TopKRouter(nn.Module):
     def combine_weights(self, routing: Routing, slots: torch.Tensor) -> torch.Tensor:
         """[T, k] weights of each kept choice (dropped choices weigh 0)."""
         kept = (slots >= 0).to(routing.probs.dtype)
-        if self.drop_weights == "keep":
+        if self.config.drop_weights == "keep":
             return self._topk_weights(routing.probs) * kept
-        w = routing.probs * kept
-        if self.normalize_topk:
-            w = w / w.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(w.dtype).tiny)
-        if self.scaling_factor is not None:
-            w = w * self.scaling_factor
-        return w
+        return self._topk_weights(routing.probs * kept)
 
     def aux_losses(
         self, routing: Routing, counts: torch.Tensor, valid: torch.Tensor | None = None
