@@ -318,11 +318,6 @@ def _from_notes(ring: list[dict]) -> list[dict]:
     ]
 
 
-def _main_stack() -> list[str]:
-    frame = sys._current_frames().get(threading.main_thread().ident)
-    return traceback.format_stack(frame)[-12:] if frame is not None else []
-
-
 def snapshot(reason: str = "") -> dict:
     """This rank's records as one JSON-able dict (the dump's content). Its ``time`` is taken
     before the records are read: nothing this rank entered after it is in them."""
@@ -339,6 +334,7 @@ def snapshot(reason: str = "") -> dict:
     }
     with _lock:
         ring = list(_ring)
+    frame = sys._current_frames().get(threading.main_thread().ident)
     return {
         "fastpar_flight": VERSION,
         "rank": rank,
@@ -352,7 +348,7 @@ def snapshot(reason: str = "") -> dict:
         "status": status,
         "collectives": _collectives(trace) if trace is not None else _from_notes(ring),
         "ring": ring,
-        "stack": _main_stack(),
+        "stack": traceback.format_stack(frame)[-12:] if frame is not None else [],
     }
 
 

@@ -272,14 +272,6 @@ def _patchable(name: str, mod: Any) -> bool:
     return f"{os.sep}tests{os.sep}" in path and name != "__main__"
 
 
-def _module_attrs() -> dict[str, tuple[Any, dict]]:
-    return {
-        name: (mod, dict(vars(mod)))
-        for name, mod in list(sys.modules.items())
-        if mod is not None and _patchable(name, mod)
-    }
-
-
 def _put_back(saved: dict[str, tuple[Any, dict]]) -> None:
     """What a call rebound on a saved module gets its value back: any attribute of a test
     module, and a library's functions, classes and modules (its data is left, even where a
@@ -300,7 +292,11 @@ _MISSING = object()
 
 def _base_state() -> dict:
     return {
-        "modules": _module_attrs(),
+        "modules": {
+            name: (mod, dict(vars(mod)))
+            for name, mod in list(sys.modules.items())
+            if mod is not None and _patchable(name, mod)
+        },
         "cwd": os.getcwd(),
         "signals": {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)},
         "dtype": torch.get_default_dtype(),

@@ -389,7 +389,8 @@ class MeshLayout:
 
     def group_of(self, kind: str, rank: int) -> list[int]:
         """The group of ``kind`` that holds ``rank`` (for "embedding": [] if rank is in none)."""
-        self._check_rank(rank)
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the world [0, {self.world_size})")
         if kind not in GROUP_KINDS:
             raise KeyError(f"unknown group kind {kind!r}; kinds are {list(GROUP_KINDS)}")
         for g in self.groups[kind]:
@@ -413,10 +414,6 @@ class MeshLayout:
             rank += c * stride
             stride *= sizes[d]
         return rank
-
-    def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} is outside the world [0, {self.world_size})")
 
     def describe(self) -> str:
         """A readable text table: sizes, each rank's coordinates, then every group."""

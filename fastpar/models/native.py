@@ -194,11 +194,6 @@ def _gpt_exporter(config: GPTConfig) -> tuple:
         return gpt_code, "fastpar.models.hf_code.modeling_fastpar_gpt.FastparGPTForCausalLM"
 
 
-def _deepseek_moe_where(config: DeepSeekConfig) -> str:
-    every = "" if config.moe_every == 1 else f" (every {config.moe_every})"
-    return f"after {config.first_k_dense} dense{every}"  # DeepSeek-V2's moe_layer_freq
-
-
 register(
     NativeModel(
         name="gpt",
@@ -233,7 +228,10 @@ register(
         per_head_muon=False,
         # attention's scores over the q/k head, the values' sum over v's
         head_dim=lambda c: (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) / 2,
-        moe_where=_deepseek_moe_where,
+        moe_where=lambda c: (
+            f"after {c.first_k_dense} dense"  # DeepSeek-V2's moe_layer_freq
+            + ("" if c.moe_every == 1 else f" (every {c.moe_every})")
+        ),
         exporter=lambda f: (deepseek_hf, None),
     )
 )

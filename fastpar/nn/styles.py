@@ -75,10 +75,6 @@ def _experts(block: nn.Module, tp_group, ep_group, **options) -> nn.Module:
     return HFMoEBlock(block, tp_group=tp_group, ep_group=ep_group, **options)
 
 
-def _unless_gathered(options: dict) -> bool:
-    return not options.get("gather_output", False)
-
-
 @dataclass(frozen=True)
 class Style:
     """One tensor-parallel style."""
@@ -131,7 +127,7 @@ _STYLES = (
         _needs_linear,
         swap=_from_dense(ColumnParallelLinear),
         layer=True,
-        split_output=_unless_gathered,
+        split_output=lambda options: not options.get("gather_output", False),
         vocab_logits={"pad_output": True, "gather_output": False},
     ),
     Style("row", _needs_linear, swap=_from_dense(RowParallelLinear), layer=True),

@@ -245,7 +245,8 @@ class PipelineEngine(StepRunner):
         mesh = self.mesh
         replicas = mesh.dp_size * mesh.cp_size
         if valid_tokens is None:
-            count = sum((_target_of(y) != self.ignore_index).sum() for y in ys)
+            targets = (y[0] if isinstance(y, tuple | list) else y for y in ys)  # a tuple's first
+            count = sum((t != self.ignore_index).sum() for t in targets)
             count = torch.as_tensor(count, device=device).to(torch.float64)
             if replicas > 1:  # on the device: no host sync
                 plain.all_reduce(count, group=mesh.dp_cp_group)
@@ -293,11 +294,6 @@ def _gathers(wrapper) -> bool:
     """Whether ``wrapper`` is a data-parallel wrapper that gathers its parameters around its
     own forward and backward (ZeRO-3: its ``stage``)."""
     return isinstance(wrapper, DataParallel) and wrapper.stage == 3
-
-
-def _target_of(y):
-    """The targets of a micro-batch's target slot (a tensor, or the first of a tuple)."""
-    return y[0] if isinstance(y, tuple | list) else y
 
 
 def _microbatches(batch, m: int, name: str) -> list:
