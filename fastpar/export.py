@@ -204,14 +204,6 @@ def _fitted(ids: torch.Tensor, generate: int, seq_len: int) -> torch.Tensor:
     return ids
 
 
-def _greedy(model: torch.nn.Module, ids: torch.Tensor, n: int) -> torch.Tensor:
-    """n greedy tokens without a cache (fastpar's model recomputes the prefix each time)."""
-    with torch.no_grad():
-        for _ in range(n):
-            ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return ids
-
-
 def check(out_dir: str, cfg, state, prompt: str, generate: int, tokenizer: str | None) -> bool:
     """Logits of the exported directory (through transformers) against fastpar's model, and
     optionally greedy generation by both. Prints what it finds; returns whether they agree."""
@@ -246,7 +238,10 @@ def check(out_dir: str, cfg, state, prompt: str, generate: int, tokenizer: str |
     if generate:
         kw = dict(max_new_tokens=generate, do_sample=False, pad_token_id=0)
         got = hf.generate(ids, **kw)
-        want = _greedy(ours, ids, generate)
+        want = ids
+        with torch.no_grad():  # greedy, without a cache: fastpar's model recomputes the prefix
+            for _ in range(generate):
+                want = torch.cat([want, ours(want)[:, -1].argmax(-1, keepdim=True)], dim=1)
         same = torch.equal(got, want)
         ok &= same
         text = _decode(got[0].tolist(), tokenizer)

@@ -127,12 +127,6 @@ def reduction_length(model: nn.Module, batch) -> int:
     return max(1, tokens, widest)
 
 
-def _block_type(model: nn.Module) -> type | None:
-    """The repeated block (the element type of the largest ModuleList): Zero3's wrap unit."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
-    return type(max(lists, key=len)[0]) if lists else None
-
-
 def _local(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     from fastpar.checkpoint.state import localize
 
@@ -237,9 +231,9 @@ def _rank(
         raise ValueError(f"the batch has {rows} rows, not divisible by dp={mesh.dp_size}")
     per = rows // mesh.dp_size
     sl = (mesh.dp_rank * per, (mesh.dp_rank + 1) * per)
-    if zero == 3:
-        block = _block_type(model)
-        policy = {"wrap": (block,)} if block is not None else {"min_params": 1}
+    if zero == 3:  # Zero3's wrap unit: the repeated block, the largest ModuleList's element type
+        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+        policy = {"wrap": (type(max(lists, key=len)[0]),)} if lists else {"min_params": 1}
         engine = Zero3(model, adamw, mesh=mesh, **policy)
         forward, opt = engine, engine
     elif zero == 0:

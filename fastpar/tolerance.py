@@ -40,19 +40,13 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return _UNIT_ROUNDOFF[dtype]
 
 
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """What sums of ``dtype`` values are accumulated in: fp32 for fp32 / bf16 / fp16 (fastpar's
-    and torch's kernels), float64 for float64."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def floor(dtype: torch.dtype, length: int, scale: float) -> float:
     """``FLOOR · (u(dtype) + u(accumulation) · sqrt(length)) · scale``: the error allowed
     whatever the single run's — one rounding of the result to ``dtype`` plus a sum of
     ``length`` terms accumulated in fp32 (float64 for float64)."""
     if length < 1:
         raise ValueError(f"length (the longest reduction) must be >= 1, got {length}")
-    acc = unit_roundoff(accumulation_dtype(dtype))
+    acc = unit_roundoff(torch.float64 if dtype == torch.float64 else torch.float32)
     return FLOOR * (unit_roundoff(dtype) + acc * math.sqrt(length)) * scale
 
 

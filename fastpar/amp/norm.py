@@ -111,15 +111,6 @@ def all_reduce_norm_and_inf(
     return (both[0] > 0).float(), both[1].sqrt()
 
 
-def all_reduce_max(
-    value: torch.Tensor, *, mesh: ParallelMesh | None = None, group=None
-) -> torch.Tensor:
-    value = value.float().reshape(()).clone()
-    if dist.is_initialized():
-        plain.all_reduce(value, op=dist.ReduceOp.MAX, group=reduction_group(mesh, group))
-    return value
-
-
 def global_grad_norm(
     params: Iterable[torch.Tensor],
     *,
@@ -145,7 +136,9 @@ def global_grad_norm(
         for g in grads:
             if g.numel():
                 local = torch.maximum(local, g.detach().abs().max().float())
-        return all_reduce_max(local, mesh=mesh, group=group)
+        if dist.is_initialized():
+            plain.all_reduce(local, op=dist.ReduceOp.MAX, group=reduction_group(mesh, group))
+        return local
     if norm_type != 2.0:
         raise ValueError(f"norm_type must be 2 or inf, got {norm_type}")
     sumsq = torch.zeros((), dtype=torch.float32, device=device)

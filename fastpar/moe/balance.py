@@ -141,12 +141,6 @@ def z_loss(logits: torch.Tensor, coef: float, group=None, valid=None) -> torch.T
 
 
 @torch.no_grad()
-def bias_step(bias: torch.Tensor, load: torch.Tensor, rate: float) -> None:
-    """``bias += rate · sign(mean(load) − load)`` in place (``load [E]`` summed over ranks)."""
-    load = load.to(torch.float32)
-    bias.add_(torch.sign(load.mean() - load), alpha=rate)
-
-
 def _sum_over_token_groups(routers: list, load: torch.Tensor) -> None:
     """Sequence-parallel routers saw only their TP rank's tokens: sum their counts (rows of
     ``load``, in place) over each router's ``token_group`` too, one all-reduce per group."""
@@ -181,6 +175,7 @@ def update_expert_bias(model: nn.Module, group: dist.ProcessGroup | None = None)
         plain.all_reduce(load, group=group)
     _sum_over_token_groups(routers, load)
     for r, n in zip(routers, load.split([r.num_experts for r in routers]), strict=True):
-        bias_step(r.expert_bias, n, r.bias_update_rate)
+        n = n.to(torch.float32)  # bias += rate · sign(mean(load) − load)
+        r.expert_bias.add_(torch.sign(n.mean() - n), alpha=r.bias_update_rate)
         r.tokens_per_expert.zero_()
     return len(routers)

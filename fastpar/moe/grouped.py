@@ -27,18 +27,6 @@ def _aligned(t: torch.Tensor) -> bool:
     )
 
 
-def _native(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        hasattr(torch, "_grouped_mm")
-        and a.dtype in _GMM_DTYPES
-        and b.dtype == a.dtype
-        and a.numel() > 0
-        and b.numel() > 0
-        and _aligned(a)
-        and _aligned(b)
-    )
-
-
 def _bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
     ends = offs.tolist()
     return list(zip([0, *ends[:-1]], ends, strict=True))
@@ -47,7 +35,15 @@ def _bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
 def _mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Rows form ``a [N, K] @ b [G, K, M] -> [N, M]``, or weights form ``a [K, N] @ b [N, M]
     -> [G, K, M]`` (group g: ``a[:, rows g] @ b[rows g]``; zeros when empty)."""
-    if _native(a, b):
+    if (
+        hasattr(torch, "_grouped_mm")
+        and a.dtype in _GMM_DTYPES
+        and b.dtype == a.dtype
+        and a.numel() > 0
+        and b.numel() > 0
+        and _aligned(a)
+        and _aligned(b)
+    ):
         try:
             return torch._grouped_mm(a, b, offs=offs)
         except RuntimeError:  # a layout or device this torch's kernel refuses: the loop

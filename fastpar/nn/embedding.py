@@ -37,10 +37,6 @@ class VocabShard:
         return self.rank * self.per_rank
 
     @property
-    def padded_size(self) -> int:
-        return self.per_rank * self.world
-
-    @property
     def valid(self) -> int:
         """How many of this rank's rows are real vocabulary (the rest is padding)."""
         return max(0, min(self.per_rank, self.vocab_size - self.start))
@@ -175,11 +171,7 @@ class VocabParallelEmbedding(nn.Module):
                 ids.device,
                 "every rank of a tensor-parallel group must look up the same token ids",
             )
-        return self._scaled(
-            vocab_parallel_lookup(ids, self.weight, s, self.group, self.padding_idx)
-        )
-
-    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        out = vocab_parallel_lookup(ids, self.weight, s, self.group, self.padding_idx)
         scale = self.embed_scale
         return out if scale is None else out * scale.to(self.weight.dtype)
 
@@ -187,5 +179,5 @@ class VocabParallelEmbedding(nn.Module):
         s = self.shard
         return (
             f"{self.num_embeddings}, {self.embedding_dim}, rows [{s.start}, {s.start + s.valid}) "
-            f"of {s.padded_size} (padded), padding_idx={self.padding_idx}"
+            f"of {s.per_rank * s.world} (padded), padding_idx={self.padding_idx}"
         )

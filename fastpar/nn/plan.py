@@ -59,14 +59,6 @@ def match(model: nn.Module, plan: Mapping[str, object], strict: bool) -> dict[st
     return chosen
 
 
-def _attention_like(name: str, module: nn.Module) -> bool:
-    return (
-        any(isinstance(getattr(module, a, None), int) for a in HEAD_ATTRS)
-        or "attention" in type(module).__name__.lower()
-        or "attn" in name.rpartition(".")[2].lower()
-    )
-
-
 def head_counts(module: nn.Module, model: nn.Module) -> dict[str, int]:
     counts = {a: v for a in HEAD_ATTRS if isinstance(v := getattr(module, a, None), int)}
     config = getattr(module, "config", None) or getattr(model, "config", None)
@@ -103,7 +95,11 @@ def static_checks(model, modules, chosen, world, heads) -> list[str]:
     attention = []
     for parent in split_parents:
         module = modules[parent] if parent else model
-        if not _attention_like(parent, module):
+        if not (
+            any(isinstance(getattr(module, a, None), int) for a in HEAD_ATTRS)
+            or "attention" in type(module).__name__.lower()
+            or "attn" in parent.rpartition(".")[2].lower()
+        ):
             continue
         attention.append(parent)
         for what, value in head_counts(module, model).items():

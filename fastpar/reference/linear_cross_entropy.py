@@ -110,10 +110,6 @@ def grad_(
     return x
 
 
-def _single_rank(stats: torch.Tensor, first: bool) -> torch.Tensor:
-    return stats.unsqueeze(0)
-
-
 @dataclass
 class ChunkResult:
     """What ``chunk_loop`` computed: per-row fp32 ``loss``, ``row_max``, ``log_s`` ``[N]`` (None
@@ -142,7 +138,7 @@ def chunk_loop(
     stats: tuple[torch.Tensor, torch.Tensor] | None = None,
     hidden_grad: bool = True,
     weight_grad: bool = True,
-    gather: Callable[[torch.Tensor, bool], torch.Tensor] = _single_rank,
+    gather: Callable[[torch.Tensor, bool], torch.Tensor] = lambda stats, first: stats.unsqueeze(0),
     local_stats: Callable[..., torch.Tensor] | None = stats_,
     grad_fn: Callable[..., torch.Tensor] = grad_,
 ) -> ChunkResult:
