@@ -415,17 +415,11 @@ def parser(hf: bool = False):
     )
 
 
-def training_only(argv: list[str]) -> str | None:
-    """The first flag of ``argv`` that only a training run takes (the checkpoint group's:
-    --resume, --checkpoint-dir, --save-every, ...), or None. verify trains from scratch in a
-    temporary directory of its own, so such a flag would be silently ignored."""
-    flags = {flag(spec.name) for spec in flag_specs() if spec.option.group == CHECKPOINTS}
-    return next((a.split("=", 1)[0] for a in argv if a.split("=", 1)[0] in flags), None)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    only = training_only(argv)
+    # a flag only a training run takes (the checkpoint group's: --resume, --save-every, ...)
+    flags = {flag(spec.name) for spec in flag_specs() if spec.option.group == CHECKPOINTS}
+    only = next((a.split("=", 1)[0] for a in argv if a.split("=", 1)[0] in flags), None)
     if only is not None:
         return refuse(
             ValueError(

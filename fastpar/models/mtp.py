@@ -81,14 +81,6 @@ class MTPOutput(NamedTuple):
         return MTPOutput(fn(self.main), tuple(fn(d) for d in self.depths), self.keep)
 
 
-def shift_tokens(ids: torch.Tensor, k: int) -> torch.Tensor:
-    """[B, T] -> [B, T]: column i holds ids[:, i + k]; the last k columns 0 (no position there
-    is a depth-k target)."""
-    out = torch.zeros_like(ids)
-    out[:, : ids.shape[1] - k] = ids[:, k:]
-    return out
-
-
 def document_keep(doc_ids: torch.Tensor, depth: int) -> torch.Tensor:
     """[D, B, T] bool: position i and i + k (k = 1..D) lie in one document of the row."""
     b, t = doc_ids.shape
@@ -189,7 +181,9 @@ class MTPHead(Head):
         ids = ids.to(h.device)
         depths = []
         for k, layer in enumerate(self.mtp, 1):
-            h = layer(h, self.embed(shift_tokens(ids, k)))
+            shifted = torch.zeros_like(ids)  # column i: ids[:, i + k]; the last k: no target, 0
+            shifted[:, : ids.shape[1] - k] = ids[:, k:]
+            h = layer(h, self.embed(shifted))
             depths.append(self.project(layer.norm(h)))
         docs = current_documents()
         keep = None if docs is None else document_keep(docs.ids.to(h.device), len(self.mtp))

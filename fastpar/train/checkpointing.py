@@ -264,13 +264,6 @@ def _refuse_collisions(cfg, entries, run_id: str, start: int) -> None:
         )
 
 
-def _foreign(root: str, step: int, run_id: str) -> str | None:
-    """The run id of another run's checkpoint of ``step`` in ``root``, if there is one."""
-    found = next((e for e in scan(root) if e.step == step), None)
-    theirs = found is not None and found.run_id not in (None, run_id)
-    return found.run_id if theirs else None
-
-
 def _plan(trainer: Trainer) -> tuple[str, str | None]:
     """Rank 0: take the lock, then decide (run id, checkpoint to load)."""
     cfg = trainer.cfg
@@ -432,10 +425,11 @@ def _save(trainer: Trainer, root: str, step: int, talk: bool) -> bool:
     if lock is not None:
         try:
             lock.check()
-            other = _foreign(root, step, trainer.run_id)  # (a stop's save: an unplanned step)
-            if other is not None:
+            # another run's checkpoint of this step? (a stop's save: an unplanned step)
+            found = next((e for e in scan(root) if e.step == step), None)
+            if found is not None and found.run_id not in (None, trainer.run_id):
                 raise CheckpointError(
-                    f"not saving step {step}: {step_dir(root, step)} is run {other!r}'s "
+                    f"not saving step {step}: {step_dir(root, step)} is run {found.run_id!r}'s "
                     "checkpoint, which is never overwritten"
                 )
         except CheckpointError as e:
