@@ -4,8 +4,8 @@ every scale is per expert, as Megatron-Core / Transformer Engine scale each GEMM
 GEMM (tensorwise: one for the expert's weight, one for its token block, one for its output
 gradient). Experts run one after another: torch's fp8 grouped GEMM
 (``torch._scaled_grouped_mm``) has no CPU kernel and no blockwise form, so the per-expert loop is
-the emulation of a grouped fp8 GEMM on every device. An expert with no tokens is skipped (its
-weights get a zero gradient); the Function pads each block's tokens to the recipe's multiple.
+the emulation of a grouped fp8 GEMM on every device. An expert with no tokens skips its GEMMs
+(its weights get a zero gradient); the Function pads each block's tokens to the recipe's multiple.
 
 Under expert TP (``fastpar.moe.tp``) ``w1`` is split like a column-parallel layer and ``w2``
 like a row-parallel one, so they take ``column_splits`` / ``row_splits`` over the TP group: each
@@ -55,13 +55,17 @@ def _one(x, a1, c1, a2, c2, gated: bool, activation: str, f: ExpertsFp8) -> torc
 
 def per_expert(parts, w1, b1, w2, b2, gated: bool, activation: str, f: ExpertsFp8) -> list:
     """Expert e on ``parts[e]`` ``[n_e, H]`` -> ``[n_e, H]`` each (the weights split by
-    ``unbind``: one stacked gradient each); an empty block is skipped."""
+    ``unbind``: one stacked gradient each). An empty block skips fp8 (no scale, no amax
+    reduction: every expert-TP rank holds the same tokens, so all skip it) but stays in the
+    autograd graph through empty matmuls: a rank whose experts all got no tokens still runs the
+    EP dispatch's backward all-to-all, and its expert weights get (zero) gradients."""
     n = len(parts)
     weights = ([None] * n if t is None else t.unbind(0) for t in (w1, b1, w2, b2))
     outs = []
     for part, a1, c1, a2, c2 in zip(parts, *weights, strict=True):
-        if part.shape[0] == 0:
-            outs.append(part.new_zeros(0, a2.shape[1]))
+        if part.shape[0] == 0:  # no GEMM, yet in the graph: the weights get zero gradients,
+            h = hidden(part @ a1, gated, activation)  # and the dispatch's backward runs
+            outs.append(h @ a2)
         else:
             outs.append(_one(part, a1, c1, a2, c2, gated, activation, f))
     return outs

@@ -85,8 +85,8 @@ def check_experts(fqn: str, moe: MoE, recipe: fp8.Fp8Recipe) -> None:
     if moe.tp_layout == "sequence":
         raise ValueError(
             f"fp8: {fqn} routes each TP rank's share of the sequence to whole experts, whose "
-            f"fp8 scales would then be per rank; use expert_tp=True, or keep its experts in high "
-            f"precision (--fp8-exclude '{fqn}')"
+            f"fp8 scales would then be per rank; use expert_tp=True (--moe-expert-tp), or keep its "
+            f"experts in high precision (--fp8-exclude '{fqn}')"
         )
 
 
