@@ -5,8 +5,8 @@ ranks concatenated: the same tokens reach each expert, in the same order), for e
 outputs, the input gradient and every parameter gradient on every rank (an expert's against its
 slice; the router's summed over the data-parallel ranks, each of which saw its own tokens). A
 planted fault (the amax under expert TP not reduced over the TP group) fails the comparison;
-shapes the recipe cannot scale and the sequence layout are refused naming the module; an expert
-that gets no tokens works.
+shapes the recipe cannot scale, the sequence layout and overlap chunks are refused naming the
+module; experts that get no tokens work, as does an EP rank none of whose experts gets any.
 
 How they are compared: every expert's fp8 operands are the same on both sides (per-expert
 scales, reduced over expert TP), so what may differ is the fp32 summation order (the expert-TP
@@ -231,6 +231,13 @@ def _refusal(hidden: int, ffn: int, recipe: str, tp: int, **kw) -> str:
 def test_a_width_the_recipe_cannot_scale_is_refused_naming_the_module(hidden, ffn, recipe, says):
     got = run_ranks(_refusal, 2, hidden, ffn, recipe, 2, expert_tp=True)[0]
     assert f"fp8 {recipe}: mlp (MoE experts" in got and says in got, got
+
+
+def test_overlap_chunks_are_refused():
+    """The overlapped all-to-all runs each expert's tokens in chunks: per-chunk scales (measured
+    before the refusal: tensorwise at EP 2, dropless, 2 chunks, off by 0.01-0.4)."""
+    got = run_ranks(_refusal, 2, 32, 64, "tensorwise", 1, overlap_chunks=2)[0]
+    assert got.startswith("fp8: mlp runs its experts in 2 chunks"), got
 
 
 def test_the_sequence_layout_is_refused():

@@ -70,7 +70,7 @@ def local_dims(module: nn.Module) -> tuple[tuple[str, int], ...]:
 def check_experts(fqn: str, moe: MoE, recipe: fp8.Fp8Recipe) -> None:
     """``check_layer`` for a ``MoE``'s routed experts: the hidden size and the FFN width per
     rank (each of gate and up) multiples of the recipe's; refused in the sequence layout, whose
-    TP ranks would scale each expert's tokens apart."""
+    TP ranks would scale each expert's tokens apart, and with overlap chunks (per chunk)."""
     multiple = MULTIPLE[recipe.granularity("weight")]
     width = moe.ffn_hidden_size // (moe.tp if moe.tp_layout == "expert_tp" else 1)
     dims = (("hidden_size", moe.hidden_size), ("ffn_hidden_size per rank", width))
@@ -81,6 +81,13 @@ def check_experts(fqn: str, moe: MoE, recipe: fp8.Fp8Recipe) -> None:
             f"expert tp {moe.tp if moe.tp_layout == 'expert_tp' else 1}) has {', '.join(bad)}, "
             f"not a multiple of {multiple}; keep them in high precision (--fp8-exclude '{fqn}', "
             f"use_fp8(exclude=...)) or use widths that are multiples of {multiple}"
+        )
+    if moe.overlap_chunks > 1:
+        raise ValueError(
+            f"fp8: {fqn} runs its experts in {moe.overlap_chunks} chunks of each expert's "
+            f"tokens (overlap_chunks), whose fp8 scales would then be per chunk; use "
+            f"overlap_chunks=1 (--overlap-chunks 1), or keep its experts in high precision "
+            f"(--fp8-exclude '{fqn}')"
         )
     if moe.tp_layout == "sequence":
         raise ValueError(
