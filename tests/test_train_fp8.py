@@ -1,6 +1,7 @@
 """``python -m fastpar.train --precision fp8 --fp8-recipe R`` (issue 47, points 1 and 8): the
 tiny Llama trains at TP 2 on CPU with every recipe, the loss finite and going down; its linear
-layers run in fp8 while the embedding and the head stay in bf16; a checkpoint saved under fp8
+layers run in fp8 while the embedding and the head stay in bf16; with MoE blocks at EP 2 (and
+expert TP 2) their routed experts run in fp8 too, the routers in bf16; a checkpoint saved under fp8
 holds fp32 masters and resumes under bf16; a layer shape the recipe cannot scale is refused
 before any step, naming the module."""
 
@@ -62,7 +63,8 @@ LAYOUTS = {
     "dp2-zero3": dict(dp=2, zero=3),
     "dp2-zero1-recompute": dict(dp=2, zero=1, recompute="full"),
     "cp2": dict(cp=2),
-    "moe-ep2-dp2": dict(moe_every=1, ep=2, dp=2, moe_ffn=128),  # the experts stay bf16
+    "moe-ep2-dp2": dict(moe_every=1, ep=2, dp=2, moe_ffn=128),  # the experts in fp8 too
+    "moe-ep2-etp2": dict(moe_every=1, ep=2, dp=2, moe_ffn=128, moe_expert_tp=True),
     "pp2-interleaved-sp": dict(
         pp=2, layers=4, schedule="interleaved", virtual_stages=2, sequence_parallel=True
     ),
@@ -92,6 +94,21 @@ def test_the_linear_layers_are_fp8_and_the_rest_is_not():
     assert names and all(n.rsplit(".", 1)[-1] in ("qkv", "o", "gate_up", "down") for n in names)
     none = TrainConfig.from_flags(**{**LLAMA, "fp8_exclude": "*"})
     assert run_ranks(_fp8_layers, 2, none)[0] == []
+
+
+MOE = dict(moe_every=1, ep=2, dp=2, moe_ffn=128)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_fp8_llama_with_moe_blocks_trains_at_ep2_with_its_experts_in_fp8(recipe):
+    """The MoE blocks' routed experts (``module.1.mlp``) take fp8 with the linear layers, each
+    expert's GEMMs scaled on their own (``fastpar.moe.fp8_experts``); the router stays bf16."""
+    from fastpar.testing import run_ranks
+
+    flags = {**LLAMA, **MOE, "fp8_recipe": recipe}
+    assert "module.1.mlp" in run_ranks(_fp8_layers, 4, TrainConfig.from_flags(**flags))[0]
+    losses = [r["loss"] for r in launch(TrainConfig.from_flags(**{**flags, "steps": 6}))]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
 
 
 def test_a_run_saved_in_fp8_resumes_in_bf16(tmp_path):

@@ -32,7 +32,7 @@ from fastpar.comm.sequence import split_sequence
 from fastpar.mesh.bridge import as_group
 from fastpar.mesh.groups import ParallelMesh
 from fastpar.mesh.placement import mark_blocks, mark_expert, mark_sharded
-from fastpar.moe import experts, tp
+from fastpar.moe import experts, fp8_experts, tp
 from fastpar.moe.aux_grad import InjectAuxGrad, block_scale
 from fastpar.moe.aux_grad import aux_loss_scale as aux_loss_scale
 from fastpar.moe.aux_grad import current_aux_loss_scale as current_aux_loss_scale
@@ -214,6 +214,18 @@ class MoE(nn.Module):
         return tuple(p for p in (self.w1, self.b1, self.w2, self.b2) if p is not None)
 
     # -- expert compute ---------------------------------------------------------------------
+    fp8 = None
+    """An ``Fp8Use``: the routed experts' GEMMs in fp8 (``fastpar.moe.fp8_experts``, set by
+    ``fastpar.nn.use_fp8``); None: in the parameters' precision."""
+
+    def _run(self, batched: bool):
+        """``experts.batched`` / ``segments``, or their fp8 forms when ``self.fp8`` is set."""
+        if self.fp8 is None:
+            return experts.batched if batched else experts.segments
+        f = fp8_experts.plan(self.fp8, self.tp_group if self.tp_layout == "expert_tp" else None)
+        run = fp8_experts.batched if batched else fp8_experts.segments
+        return lambda *args: run(*args, f)
+
     def _hidden(self, h: torch.Tensor) -> torch.Tensor:
         """The first matrix's output [..., F or 2F] -> the second's input [..., F]."""
         return experts.hidden(h, self.gated, self.activation)
@@ -222,9 +234,9 @@ class MoE(nn.Module):
         """x [E_local, N, H] -> [E_local, N, H] (expert TP: ``fastpar.moe.tp``)."""
         if self.tp_layout != "expert_tp":
             w = (self.w1, self.b1, self.w2, self.b2)
-            return experts.batched(x, *w, self.gated, self.activation)
+            return self._run(True)(x, *w, self.gated, self.activation)
         x = copy_to_region(x, self.tp_group)  # rows entering TP-split experts
-        out = experts.batched(x, self.w1, self.b1, self.w2, None, self.gated, self.activation)
+        out = self._run(True)(x, self.w1, self.b1, self.w2, None, self.gated, self.activation)
         out = reduce_from_region(out, self.tp_group)  # the second matmul's partial sums
         return out if self.b2 is None else out + self.b2.unsqueeze(1)
 
@@ -233,10 +245,10 @@ class MoE(nn.Module):
         (``fastpar.moe.experts.segments``: one grouped matmul per weight by default)."""
         if self.tp_layout != "expert_tp":
             w = (self.w1, self.b1, self.w2, self.b2)
-            return experts.segments(x, counts, *w, self.gated, self.activation)
+            return self._run(False)(x, counts, *w, self.gated, self.activation)
         x = copy_to_region(x, self.tp_group)
         w = (self.w1, self.b1, self.w2, None)
-        out = experts.segments(x, counts, *w, self.gated, self.activation)
+        out = self._run(False)(x, counts, *w, self.gated, self.activation)
         out = reduce_from_region(out, self.tp_group)
         return tp.add_row_bias(out, self.b2, counts)
 

@@ -1,6 +1,7 @@
 """Switching a model's linear layers to fp8 (issue 47): ``use_fp8(model, recipe)`` gives every
 ``ColumnParallelLinear`` / ``RowParallelLinear`` (``parallelize``'d Hugging Face linears
-included: they are the same layers) whose fully qualified name the filter selects an
+included: they are the same layers) and every ``MoE`` (its routed experts,
+``fastpar.moe.fp8_experts``; its router stays) whose fully qualified name the filter selects an
 ``Fp8Use``; the rest stay in the parameters' precision. By default the embedding, the heads,
 routers and norms stay there (``DEFAULT_EXCLUDE``). A shape the recipe cannot scale, or a
 device without fp8 GEMMs, is refused with one line naming the module and the fix.
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from fastpar.comm import group_size
+from fastpar.moe.layer import MoE
 from fastpar.nn.linear import ColumnParallelLinear, RowParallelLinear
 from fastpar.ops import fp8
 from fastpar.ops.fp8_linear import Fp8Use
@@ -65,9 +67,41 @@ def local_dims(module: nn.Module) -> tuple[tuple[str, int], ...]:
     return (("in_features per rank", module.in_per_rank), ("out_features", module.out_features))
 
 
+def check_experts(fqn: str, moe: MoE, recipe: fp8.Fp8Recipe) -> None:
+    """``check_layer`` for a ``MoE``'s routed experts: the hidden size and the FFN width per
+    rank (each of gate and up) multiples of the recipe's; refused in the sequence layout, whose
+    TP ranks would scale each expert's tokens apart, and with overlap chunks (per chunk)."""
+    multiple = MULTIPLE[recipe.granularity("weight")]
+    width = moe.ffn_hidden_size // (moe.tp if moe.tp_layout == "expert_tp" else 1)
+    dims = (("hidden_size", moe.hidden_size), ("ffn_hidden_size per rank", width))
+    bad = [f"{what} {n}" for what, n in dims if n % multiple]
+    if bad:
+        raise ValueError(
+            f"fp8 {recipe.name}: {fqn} (MoE experts {moe.hidden_size} -> {moe.ffn_hidden_size}, "
+            f"expert tp {moe.tp if moe.tp_layout == 'expert_tp' else 1}) has {', '.join(bad)}, "
+            f"not a multiple of {multiple}; keep them in high precision (--fp8-exclude '{fqn}', "
+            f"use_fp8(exclude=...)) or use widths that are multiples of {multiple}"
+        )
+    if moe.overlap_chunks > 1:
+        raise ValueError(
+            f"fp8: {fqn} runs its experts in {moe.overlap_chunks} chunks of each expert's "
+            f"tokens (overlap_chunks), whose fp8 scales would then be per chunk; use "
+            f"overlap_chunks=1 (--overlap-chunks 1), or keep its experts in high precision "
+            f"(--fp8-exclude '{fqn}')"
+        )
+    if moe.tp_layout == "sequence":
+        raise ValueError(
+            f"fp8: {fqn} routes each TP rank's share of the sequence to whole experts, whose "
+            f"fp8 scales would then be per rank; use expert_tp=True (--moe-expert-tp), or keep its "
+            f"experts in high precision (--fp8-exclude '{fqn}')"
+        )
+
+
 def check_layer(fqn: str, module: nn.Module, recipe: fp8.Fp8Recipe) -> None:
     """One ValueError line naming ``fqn``, its shape and the fix unless every dim of its fp8
     operands is a multiple of the recipe's (16: torch._scaled_mm's; 128: the blocks)."""
+    if isinstance(module, MoE):
+        return check_experts(fqn, module, recipe)
     multiple = MULTIPLE[recipe.granularity("weight")]
     bad = [f"{what} {n}" for what, n in local_dims(module) if n % multiple]
     if bad:
@@ -96,7 +130,7 @@ def use_fp8(
     layers = [
         (name, m)
         for name, m in model.named_modules()
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, MoE))
     ]
     if recipe is None:
         for _, m in layers:
@@ -107,7 +141,7 @@ def use_fp8(
     use = Fp8Use(recipe)
     for name, m in chosen:
         check_layer(name, m, recipe)
-        device = m.weight.device
+        device = (m.w1 if isinstance(m, MoE) else m.weight).device
         if not fp8_gemm_available(device):
             if not (emulate or (emulate is None and device.type == "cpu")):
                 raise ValueError(
